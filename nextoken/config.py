@@ -1,0 +1,40 @@
+"""Frozen configuration dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The hyper-parameters of a decoder-only transformer, read from GGUF metadata.
+
+    Sizes are counts (not bytes). `rope_dim` is the number of leading dimensions of each head that
+    RoPE rotates (equal to `head_dim` unless the model uses partial rotary embeddings).
+    """
+
+    architecture: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one key/value head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of KV cache one token takes over all layers (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

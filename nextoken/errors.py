@@ -1,0 +1,27 @@
+"""Typed errors. `InvalidRequest` is the user's mistake (HTTP 4xx); `EngineError` is ours (5xx).
+
+Both carry a message meant to be shown to a person as one line: what is wrong and what to do.
+"""
+
+
+class NextokenError(Exception):
+    """Base of every error nextoken raises on purpose."""
+
+
+class InvalidRequest(NextokenError, ValueError):
+    """A request, parameter or input the user gave is invalid.
+
+    `field` names the offending parameter (e.g. ``"top_p"``) when there is one.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class ModelLoadError(NextokenError):
+    """A model could not be found, downloaded, verified or read."""
+
+
+class EngineError(NextokenError, RuntimeError):
+    """An internal failure of the engine (a bug or a resource problem, not the user's input)."""

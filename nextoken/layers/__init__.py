@@ -1,0 +1,1 @@
+"""Building blocks shared by the model files: norm, rotary, attention, activation, linear."""

@@ -1,0 +1,1 @@
+"""Model file loaders: GGUF (and, later, safetensors folders)."""

@@ -1,0 +1,130 @@
+"""De-quantization of GGML block formats to float32, in PyTorch.
+
+Each function takes the raw blocks of one tensor as ``uint8`` ``[num_blocks, type_size]`` and
+returns float32 ``[num_blocks, block_size]``. The block layouts are those of ggml's
+``ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); the tests hold every function equal to
+``gguf.quants.dequantize`` on random blocks.
+
+This is the float32 correctness reference for quantized weights; faster paths that keep the
+weights quantized must match it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK = 32  # elements per block of the "legacy" formats (Q4_0, Q4_1, Q5_0, Q8_0)
+QK_K = 256  # elements per super-block of the k-quants (Q4_K, Q6_K)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 stored at byte `start` of each block, as float32 ``[num_blocks, 1]``."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` bytes -> ``[n, 2, m]``: low nibbles first, then high nibbles."""
+    return torch.stack((qs & 0x0F, qs >> 4), dim=1)
+
+
+def dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0: ``d: f16, qs: u8[16]``; x = d * (q - 8). Low nibbles are elements 0-15."""
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:]).reshape(-1, QK).float()
+    return d * (q - 8.0)
+
+
+def dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1: ``d: f16, m: f16, qs: u8[16]``; x = d * q + m."""
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 4:]).reshape(-1, QK).float()
+    return d * q + m
+
+
+def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0: ``d: f16, qh: u32 (5th bits), qs: u8[16]``; x = d * (q - 16)."""
+    d = _f16(blocks, 0)
+    qh = blocks[:, 2:6].contiguous().view(torch.int32)  # [n, 1], bit j is the 5th bit of element j
+    bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, 32]
+    low = _nibbles(blocks[:, 6:]).reshape(-1, QK).to(torch.int32)
+    q = low | (bits << 4)
+    return d * (q.float() - 16.0)
+
+
+def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0: ``d: f16, qs: i8[32]``; x = d * q."""
+    d = _f16(blocks, 0)
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return d * q
+
+
+def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12 bytes of 6-bit scales and mins of a Q4_K/Q5_K super-block -> two ``[n, 8]``."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return sc.float(), mn.float()
+
+
+def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K: ``d: f16, dmin: f16, scales: u8[12], qs: u8[128]``; 8 sub-blocks of 32.
+
+    x = d * sc[j] * q - dmin * m[j]; each 32 bytes of qs hold sub-block 2i (low nibbles) and
+    2i+1 (high nibbles).
+    """
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _q4_k_scales(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32).reshape(n * 4, 32))  # [4n, 2, 32]
+    q = q.reshape(n, 8, 32).float()
+    x = (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
+    return x.reshape(n, QK_K)
+
+
+def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K: ``ql: u8[128], qh: u8[64], scales: i8[16], d: f16``; 16 sub-blocks of 16.
+
+    x = d * scale[j] * (q - 32) with q = low 4 bits from ql | 2 high bits from qh.
+    """
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    d = _f16(blocks, 208)
+    low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 2, 2, 64)  # [n, half, nibble, 64]
+    low = low.reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = (qh.reshape(n, 2, 1, 32) >> shifts) & 0x03  # [n, half, 4, 32]
+    high = high.reshape(n, 8, 32)
+    q = (low.to(torch.int16) | (high.to(torch.int16) << 4)) - 32
+    x = (d * scales).reshape(n, 16, 1) * q.reshape(n, 16, 16).float()
+    return x.reshape(n, QK_K)
+
+
+# type name -> (elements per block, bytes per block, function)
+BLOCK_FORMATS = {
+    "Q4_0": (QK, 18, dequant_q4_0),
+    "Q4_1": (QK, 20, dequant_q4_1),
+    "Q5_0": (QK, 22, dequant_q5_0),
+    "Q8_0": (QK, 34, dequant_q8_0),
+    "Q4_K": (QK_K, 144, dequant_q4_k),
+    "Q6_K": (QK_K, 210, dequant_q6_k),
+}
+
+
+def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """De-quantize one tensor's raw data to float32 of `shape` (PyTorch order, rows first).
+
+    `raw` is the tensor's bytes as ``uint8`` (any shape) for block formats, or already typed data
+    for F32/F16/BF16. Raises `NotImplementedError` naming the type for formats we do not read.
+    """
+    if type_name in ("F32", "F16", "BF16"):
+        return raw.reshape(shape).float()
+    if type_name not in BLOCK_FORMATS:
+        raise NotImplementedError(
+            f"GGML tensor type {type_name} is not supported; supported: "
+            f"F32, F16, BF16, {', '.join(BLOCK_FORMATS)}"
+        )
+    block_size, type_size, fn = BLOCK_FORMATS[type_name]
+    blocks = raw.reshape(-1, type_size)
+    return fn(blocks).reshape(shape)

@@ -1,0 +1,1 @@
+"""Running the model: KV cache and the model runner (prefill and decode)."""

@@ -1,0 +1,67 @@
+"""Chat templates: the model's Jinja template, rendered in a sandbox.
+
+Templates come from the model file, so they are untrusted code: they render in Jinja's
+``ImmutableSandboxedEnvironment`` (no attribute access to Python internals, no mutation of the
+inputs), with the same settings and helpers as Hugging Face's ``apply_chat_template``
+(``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``strftime_now``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from functools import lru_cache
+
+from nextoken.errors import InvalidRequest
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise_exception(message: str):
+    raise InvalidRequest(f"chat template rejected the messages: {message}", "messages")
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def validate_messages(messages) -> list[dict]:
+    """Check `messages` is a non-empty list of ``{"role", "content"}`` with known roles and
+    string content; raise `InvalidRequest` naming the bad element otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequest(f"messages[{i}] must have 'role' and 'content'", f"messages[{i}]")
+        if m["role"] not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role is {m['role']!r}; allowed: {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+        if not isinstance(m["content"], str):
+            raise InvalidRequest(f"messages[{i}].content must be a string", f"messages[{i}].content")
+    return messages
+
+
+def render(source: str, messages: list[dict], add_generation_prompt: bool = True,
+           bos_token: str = "", eos_token: str = "") -> str:
+    """Render chat template `source` over `messages` to the prompt text.
+
+    Raises `InvalidRequest` for malformed messages or a template that rejects them.
+    """
+    validate_messages(messages)
+    try:
+        return _compile(source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token, eos_token=eos_token,
+        )
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # a template error is the model file's fault, reported plainly
+        raise InvalidRequest(f"chat template failed to render: {type(exc).__name__}: {exc}",
+                             "messages") from None
