@@ -1,0 +1,1 @@
+"""Request state and the generation loop (continuous batching comes in engine/engine.py)."""

@@ -1,0 +1,79 @@
+"""What generation returns: `RequestOutput` with one `CompletionOutput` per completion.
+
+Shapes follow vLLM's outputs. Times are seconds from `time.perf_counter()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    text: the generated text so far; delta: what was added since the last streamed output;
+    token_ids: generated ids; finish_reason: None while running, then "stop" (end-of-generation
+    token, stop string or stop token) or "length" (max_tokens); stop_reason: the stop string or
+    stop token id that ended it, if any; logprobs: per generated position a dict
+    ``{token_id: logprob}`` holding the chosen token and the top alternatives (when asked);
+    cumulative_logprob: sum of the chosen tokens' logprobs (when asked).
+    """
+
+    index: int
+    text: str = ""
+    delta: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one request, in seconds (perf_counter clock) and token counts."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    first_token_time: float | None = None  # when the first output token was sampled
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first sampled token (includes prefill)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (the decode phase), seconds per token."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        t = self.ttft
+        return self.num_prompt_tokens / t if t else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        t = self.tpot
+        return 1.0 / t if t else None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its completions (streamed or final)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = None

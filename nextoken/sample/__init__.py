@@ -1,0 +1,1 @@
+"""Turning logits into tokens: logits processors and the sampler."""

@@ -1,0 +1,51 @@
+"""Per-request edits of the logits before sampling: penalties, bias, blocked tokens.
+
+Each function edits one row of float32 logits ``[vocab]`` in place and returns it. Order (as in
+vLLM): min_tokens block -> logit bias -> repetition -> presence/frequency penalties.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nextoken.sampling_params import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019) as in `transformers`/vLLM: for every token in
+    `seen` (prompt and output ids), divide a positive logit by `penalty`, multiply a negative one."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    vals = logits[seen]
+    logits[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def apply_presence_frequency(logits: torch.Tensor, output_counts: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: ``logit -= frequency * count + presence * (count > 0)`` where count is
+    how often the token occurs in the output so far. output_counts: ``[vocab]``."""
+    if presence == 0.0 and frequency == 0.0:
+        return logits
+    counts = output_counts.to(logits.dtype)
+    logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                   output_ids: list[int], eog_ids: frozenset[int]) -> torch.Tensor:
+    """Apply every enabled processor of `params` to one row ``[vocab]`` (in place)."""
+    if len(output_ids) < params.min_tokens:
+        blocked = [i for i in (*eog_ids, *params.stop_token_ids) if i < logits.shape[0]]
+        logits[blocked] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[0])
+        apply_presence_frequency(logits, counts[: logits.shape[0]], params.presence_penalty,
+                                 params.frequency_penalty)
+    return logits

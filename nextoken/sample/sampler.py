@@ -1,0 +1,117 @@
+"""The sampler: logits of a batch of requests -> one token id each.
+
+For each row: processors (penalties, bias; `logits_processors`) -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> a draw from the remaining softmax with the request's
+own ``torch.Generator`` (so a seeded request draws the same tokens whatever else is in the
+batch). Log-probabilities are taken from the raw logits, before any of that (as vLLM does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nextoken.sample.logits_processors import process_logits
+from nextoken.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerRequest:
+    """One row of the batch: its params, its history (for penalties) and its random stream."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """The token drawn for one row and, when asked, its log-probabilities.
+
+    logprob: log-probability of `token` under the raw distribution (or None);
+    top_logprobs: the N most likely ``(token, logprob)`` pairs, best first;
+    kept: bool ``[vocab]`` mask of the candidates the settings allowed (only with keep_details);
+    probs: float32 ``[vocab]`` distribution the token was drawn from (only with keep_details).
+    """
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    kept: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed` (a fresh random seed when None)."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def filter_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Which tokens survive top-k, then top-p, then min-p on one row of (temperature-scaled)
+    logits ``[vocab]``; returns bool ``[vocab]``. The most likely token always survives."""
+    vocab = logits.shape[0]
+    sorted_logits, order = logits.sort(descending=True)
+    keep_sorted = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep_sorted[top_k:] = False
+    if top_p < 1.0:
+        probs = sorted_logits.masked_fill(~keep_sorted, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass of the better tokens
+        keep_sorted &= before < top_p
+    if min_p > 0.0:
+        probs = sorted_logits.masked_fill(~keep_sorted, float("-inf")).softmax(-1)
+        keep_sorted &= probs >= min_p * probs[0]
+    keep_sorted[0] = True
+    keep = torch.empty_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the order of operations."""
+
+    def __init__(self, eog_ids: frozenset[int] = frozenset()):
+        self.eog_ids = eog_ids
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
+                 keep_details: bool = False) -> list[SampleResult]:
+        """logits: float32 ``[batch, vocab]``; rows: one `SamplerRequest` per logits row."""
+        need_lp = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(-1) if need_lp else None
+        results = []
+        for i, row in enumerate(rows):
+            res = self._sample_row(logits[i].clone(), row, keep_details)
+            if row.params.logprobs is not None:
+                lp = raw_logprobs[i]
+                res.logprob = float(lp[res.token])
+                n = row.params.logprobs
+                if n:
+                    vals, ids = lp.topk(n)
+                    res.top_logprobs = list(zip(ids.tolist(), vals.tolist()))
+                else:
+                    res.top_logprobs = []
+            results.append(res)
+        return results
+
+    def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
+        p = row.params
+        logits = process_logits(logits, p, row.prompt_ids, row.output_ids, self.eog_ids)
+        if p.greedy:
+            token = int(logits.argmax())
+            if not keep_details:
+                return SampleResult(token)
+            kept = torch.zeros_like(logits, dtype=torch.bool)
+            kept[token] = True
+            return SampleResult(token, kept=kept, probs=kept.float())
+        logits = logits / p.temperature
+        kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
+        probs = logits.masked_fill(~kept, float("-inf")).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=row.generator))
+        return SampleResult(token, kept=kept if keep_details else None, probs=probs if keep_details else None)

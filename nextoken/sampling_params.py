@@ -1,0 +1,119 @@
+"""SamplingParams: how one request turns logits into tokens, and when it stops.
+
+Names and meanings follow the OpenAI API and vLLM's ``SamplingParams``. `validate()` raises
+`InvalidRequest` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nextoken.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Number of completions to return for the prompt (each with its own random stream)."""
+    temperature: float = 1.0
+    """Divides the logits before softmax; 0 means greedy (always the most likely token). >= 0."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens whose probabilities sum to at
+    least top_p (Holtzman et al. 2019). In (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Keep only the k most likely tokens. -1 or 0 disables it."""
+    min_p: float = 0.0
+    """Keep tokens whose probability is at least min_p times the most likely token's. In [0, 1]."""
+    repetition_penalty: float = 1.0
+    """Divide positive logits (multiply negative ones) of tokens already in the prompt or output by
+    this (Keskar et al. 2019, CTRL). > 0; 1 disables it."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token that has appeared in the output. In [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtract this times the count of each token in the output from its logit. In [-2, 2]."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (values in [-100, 100])."""
+    seed: int | None = None
+    """Seed of this request's random stream: the same seed gives the same text."""
+    max_tokens: int = 256
+    """Most tokens to generate. >= 1."""
+    min_tokens: int = 0
+    """End-of-generation tokens are blocked until this many tokens were generated."""
+    stop: list[str] | str | None = None
+    """Strings that end generation; the stop string itself is not returned (unless
+    include_stop_str_in_output)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation, besides the model's end-of-generation tokens."""
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    """Keep generating past end-of-generation tokens (for benchmarks)."""
+    logprobs: int | None = None
+    """Return the log-probability of each chosen token and of the `logprobs` most likely
+    alternatives (0 to 20). Log-probabilities are of the model's raw distribution (log-softmax
+    of the logits, before penalties, temperature and filtering), as in vLLM."""
+    skip_special_tokens: bool = True
+    """Leave special (control) tokens out of the returned text."""
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Check every field; raise `InvalidRequest` naming the first bad one. Returns self."""
+        _int(self, "n", 1, 128)
+        _num(self, "temperature", 0.0, 100.0)
+        _num(self, "top_p", 0.0, 1.0, low_open=True)
+        _int(self, "top_k", -1, None)
+        _num(self, "min_p", 0.0, 1.0)
+        _num(self, "repetition_penalty", 0.0, 100.0, low_open=True)
+        _num(self, "presence_penalty", -2.0, 2.0)
+        _num(self, "frequency_penalty", -2.0, 2.0)
+        _int(self, "max_tokens", 1, None)
+        _int(self, "min_tokens", 0, self.max_tokens)
+        if self.seed is not None:
+            _int(self, "seed", -(2**63), 2**63 - 1)
+        if self.logprobs is not None:
+            _int(self, "logprobs", 0, MAX_LOGPROBS)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop must be a list of non-empty strings", "stop")
+        for tid in self.stop_token_ids:
+            _token_id(tid, "stop_token_ids", vocab_size)
+        for tid, bias in (self.logit_bias or {}).items():
+            _token_id(tid, "logit_bias", vocab_size)
+            if not _is_num(bias) or not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias[{tid}] must be a number in [-100, 100], got {bias!r}",
+                                     "logit_bias")
+        return self
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(p, name, lo, hi, low_open=False):
+    v = getattr(p, name)
+    ok = _is_num(v) and (v > lo if low_open else v >= lo) and v <= hi
+    if not ok:
+        rng = f"{'(' if low_open else '['}{lo}, {hi}]"
+        raise InvalidRequest(f"{name} must be a number in {rng}, got {v!r}", name)
+
+
+def _int(p, name, lo, hi):
+    v = getattr(p, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidRequest(f"{name} must be an integer {rng}, got {v!r}", name)
+
+
+def _token_id(tid, name, vocab_size):
+    if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0 or (vocab_size and tid >= vocab_size):
+        limit = f" [0, {vocab_size})" if vocab_size else ""
+        raise InvalidRequest(f"{name}: {tid!r} is not a token id in the vocabulary{limit}", name)

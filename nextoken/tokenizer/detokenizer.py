@@ -1,0 +1,80 @@
+"""Incremental detokenization: token ids arrive one by one, text goes out as soon as it is final.
+
+Two hazards, both handled here:
+- A character can span several tokens (byte-level BPE splits UTF-8 sequences, e.g. an emoji is
+  three or four byte tokens). Text is released only when its decode does not end in an
+  unfinished sequence (U+FFFD), so a split character never prints as garbage.
+- A stop string can span several tokens. The last ``len(longest stop) - 1`` characters are held
+  back until it is clear they do not start a stop string, so a stop string never leaks into
+  streamed output.
+
+The offsets scheme (decode a short window of recent tokens, not the whole output) follows
+Hugging Face's ``TextStreamer`` and vLLM's ``detokenize_incrementally``.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text deltas, stopping at stop strings."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (cut at a stop string when one was found)
+        self.stop_reason: str | None = None  # the stop string that ended the text, if any
+        self._prefix = 0  # start of the window of ids decoded for context
+        self._read = 0  # ids before this are in self.text
+        self._emitted = 0  # chars of self.text already handed out by `emit`
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> bool:
+        """Append one token id; returns True when the text now ends at a stop string."""
+        if self.stop_reason is not None:
+            return True
+        self.ids.append(token_id)
+        prev = self._decode(self.ids[self._prefix : self._read])
+        new = self._decode(self.ids[self._prefix :])
+        if len(new) <= len(prev) or new.endswith(REPLACEMENT):
+            return False  # nothing new, or an unfinished UTF-8 sequence: wait for more tokens
+        self._append(new[len(prev) :])
+        self._prefix, self._read = self._read, len(self.ids)
+        return self.stop_reason is not None
+
+    def flush(self) -> None:
+        """The sequence is over: take any bytes still pending, even if they are incomplete."""
+        if self.stop_reason is None and self._read < len(self.ids):
+            prev = self._decode(self.ids[self._prefix : self._read])
+            self._append(self._decode(self.ids[self._prefix :])[len(prev) :])
+            self._read = len(self.ids)
+
+    def _append(self, delta: str) -> None:
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hit = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is not None:
+            i, s = hit
+            self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+            self.stop_reason = s
+
+    def emit(self, finished: bool = False) -> str:
+        """Text not yet handed out that is final (all of it when `finished` or stopped)."""
+        end = len(self.text) if (finished or self.stop_reason is not None) else len(self.text) - self.hold
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
