@@ -1,0 +1,238 @@
+"""Command line: ``nextoken run | chat | explain | pull | models``.
+
+Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+from nextoken.catalog import DEFAULT_MODEL
+from nextoken.errors import NextokenError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"catalog name (see `nextoken models`) or path to a .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="weights and activations dtype (default bfloat16, fast on AMX CPUs; float32 is the "
+                        "exact reference)")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: one per core)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
+    g.add_argument("--temperature", "-t", type=float, default=temperature,
+                   help=f"0 = greedy (default {temperature})")
+    g.add_argument("--top-p", type=float, default=0.9 if temperature else 1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("--logprobs", type=int, default=None, help="print the N most likely tokens per step")
+
+
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
+    p.add_argument("--system", default=None, help="system message for chat-formatted prompts")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="drop the oldest prompt tokens when prompt + max tokens exceed the context")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nextoken", description="LLM inference that shows its work.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="answer one prompt, streaming the text")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    _add_prompt_args(p)
+    _add_sampling_args(p, temperature=0.2, max_tokens=512)
+    p.add_argument("--stats", action="store_true", help="print TTFT, prefill and decode speed, peak memory")
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /exit)")
+    _add_model_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    _add_sampling_args(p, temperature=0.2, max_tokens=512)
+
+    p = sub.add_parser("explain", help="walk one prompt through the pipeline and print every stage")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    _add_prompt_args(p)
+    _add_sampling_args(p, temperature=0.0, max_tokens=8)
+    p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("pull", help="download a catalog model and verify its SHA-256")
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+
+    sub.add_parser("models", help="list the catalog and what is cached")
+    return parser
+
+
+def _version() -> str:
+    from nextoken import __version__
+
+    return f"nextoken {__version__}"
+
+
+def _params(a):
+    from nextoken.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
+        ignore_eos=a.ignore_eos, logprobs=a.logprobs,
+    )
+
+
+def _load(a):
+    from nextoken.llm import LLM
+
+    return LLM(a.model, dtype=a.dtype, num_threads=a.threads)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def cmd_run(a) -> int:
+    llm = _load(a)
+    params = _params(a).validate(llm.config.vocab_size)
+    chat = not a.raw and llm.tokenizer.chat_template is not None
+    out = None
+    for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt):
+        c = out.outputs[0]
+        sys.stdout.write(c.delta)
+        sys.stdout.flush()
+        if a.logprobs is not None and c.logprobs:
+            top = ", ".join(f"{llm.tokenizer.token_text(t)!r}:{lp:.3f}" for t, lp in c.logprobs[-1].items())
+            sys.stderr.write(f"  [{top}]\n")
+    sys.stdout.write("\n")
+    if a.stats:
+        m = out.metrics
+        n_out = len(out.outputs[0].token_ids)
+        dec = f"{m.decode_tokens_per_s:.1f} tok/s ({m.tpot * 1000:.1f} ms/token)" if m.tpot else "n/a"
+        sys.stderr.write(
+            f"[stats] model {a.model} ({a.dtype}) | prompt tokens {m.num_prompt_tokens} | output tokens {n_out} "
+            f"({out.outputs[0].finish_reason}) | TTFT {m.ttft:.3f} s | prefill {m.prefill_tokens_per_s:.1f} tok/s | "
+            f"decode {dec} | peak memory {_peak_rss_mib():.0f} MiB | load {llm.runner.load_time:.2f} s\n")
+    return 0
+
+
+def cmd_chat(a) -> int:
+    llm = _load(a)
+    params = _params(a).validate(llm.config.vocab_size)
+    messages: list[dict] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"nextoken chat with {a.model}: /reset clears the conversation, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = []
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        try:
+            for out in llm.stream(messages, params, chat=True, system=a.system):
+                delta = out.outputs[0].delta
+                reply += delta
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except NextokenError as e:  # e.g. the conversation outgrew the context: say so, keep going
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_explain(a) -> int:
+    from nextoken.trace.explain import ExplainTracer, format_report
+
+    llm = _load(a)
+    params = _params(a).validate(llm.config.vocab_size)
+    params.logprobs = None
+    chat = not a.raw and llm.tokenizer.chat_template is not None
+    tracer = ExplainTracer(llm.tokenizer, llm.config, top=a.top)
+    t0 = time.perf_counter()
+    out = None
+    for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt,
+                          tracer=tracer):
+        pass
+    total = time.perf_counter() - t0
+    rendered = llm.render_chat([{"role": "user", "content": a.prompt}], a.system) if chat else None
+    report = tracer.report
+    report.update(prompt=a.prompt, rendered_prompt=rendered, output_text=out.outputs[0].text,
+                  finish_reason=out.outputs[0].finish_reason, total_seconds=total,
+                  model={"name": a.model, "architecture": llm.config.architecture, "layers": llm.config.num_layers,
+                         "hidden_size": llm.config.hidden_size, "dtype": a.dtype})
+    if a.json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+    else:
+        print(format_report(report, a.prompt, rendered, llm.config, params, total))
+        print(f"\n== Output ({out.outputs[0].finish_reason}) ==\n{out.outputs[0].text}")
+    return 0
+
+
+def cmd_pull(a) -> int:
+    from nextoken.catalog import pull
+
+    path = pull(a.name, force=a.force)
+    print(path)
+    return 0
+
+
+def cmd_models(a) -> int:
+    from nextoken.catalog import cache_dir, list_models
+
+    print(f"{'NAME':<30} {'ARCH':<7} {'SIZE':>9}  {'CACHED':<6} DESCRIPTION")
+    for m in list_models():
+        print(f"{m['name']:<30} {m['architecture']:<7} {m['size'] / 2**20:>7.1f}Mi  {'yes' if m['cached'] else 'no':<6} "
+              f"{m['description']}")
+    print(f"cache: {cache_dir()}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except NextokenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `nextoken explain ... | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny GGUF models built from `transformers`, and the real default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import tiny_hf_model, write_gguf
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``{arch: (gguf path, transformers model)}`` for the tiny llama and qwen2 models."""
+    out = {}
+    d = tmp_path_factory.mktemp("tiny")
+    for arch in ("llama", "qwen2"):
+        model = tiny_hf_model(arch)
+        path = d / f"tiny-{arch}.gguf"
+        write_gguf(model, path, arch)
+        out[arch] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Path of the real SmolLM2-135M-Instruct GGUF (pulled once into the cache, SHA-256 verified)."""
+    from nextoken.catalog import pull
+
+    return pull("smollm2-135m-instruct", progress=False)
+
+
+def load_reference(name: str) -> dict:
+    """Reference outputs made by `transformers` from the real GGUF files (tests/data)."""
+    return json.loads((DATA / f"{name}.json").read_text())

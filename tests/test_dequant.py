@@ -1,0 +1,55 @@
+"""Our PyTorch de-quantization against `gguf.quants.dequantize` (the gguf package's numpy code)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nextoken.loader.dequant import BLOCK_FORMATS, dequantize
+
+# byte offsets of the float16 scale fields in each block (random bytes there could be NaN/inf)
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
+    _, type_size, _ = BLOCK_FORMATS[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[type_name]:
+        scales = rng.uniform(-2, 2, size=n_blocks).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_FORMATS))
+def test_block_formats_equal_gguf_reference(type_name):
+    raw = random_blocks(type_name, 96, seed=len(type_name)).reshape(8, -1)  # 8 rows of 12 blocks
+    qtype = gguf.GGMLQuantizationType[type_name]
+    expected = gguf.quants.dequantize(raw, qtype)
+    got = dequantize(torch.from_numpy(raw), type_name, expected.shape)
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_quantize_roundtrip_is_close(type_name):
+    """Real-valued weights quantized by gguf come back within the format's step size."""
+    x = np.random.default_rng(0).normal(size=(4, 256)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    got = dequantize(torch.from_numpy(gguf.quants.quantize(x, qtype)), type_name, x.shape).numpy()
+    step = {"Q8_0": 0.03, "Q5_0": 0.15, "Q4_0": 0.3, "Q4_1": 0.3}[type_name]
+    assert np.abs(got - x).max() < step
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("F16", np.float16), ("F32", np.float32)])
+def test_float_types(dtype, np_dtype):
+    x = np.random.default_rng(1).normal(size=(3, 5)).astype(np_dtype)
+    got = dequantize(torch.from_numpy(x), dtype, (3, 5))
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), x.astype(np.float32))
+
+
+def test_unsupported_type_names_itself():
+    with pytest.raises(NotImplementedError, match="IQ2_XS"):
+        dequantize(torch.zeros(10, dtype=torch.uint8), "IQ2_XS", (1, 256))

@@ -1,0 +1,58 @@
+"""The real SmolLM2-135M-Instruct (and Qwen2.5-Coder-0.5B, marked slow) against the reference
+generations that `transformers` made from the same GGUF files (tests/data)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextoken.catalog import pull
+from nextoken.loader.gguf import GGUFFile
+from nextoken.runner.model_runner import ModelRunner
+from tests.conftest import load_reference
+
+
+def replay(runner: ModelRunner, gen: dict):
+    """Teacher-forced replay of a reference generation: prefill the prompt, then feed the
+    reference's own tokens; yields (our log-probabilities, reference step) per step."""
+    kv = runner.new_kv_cache(len(gen["prompt_ids"]) + len(gen["steps"]))
+    logits = runner.forward(gen["prompt_ids"], kv)
+    for step in gen["steps"]:
+        yield logits.log_softmax(-1), step
+        logits = runner.forward([step["token"]], kv)
+
+
+def check_float32(path, name):
+    runner = ModelRunner(GGUFFile(path), torch.float32)
+    for gen in load_reference(name)["generations"]:
+        greedy = []
+        for lp, step in replay(runner, gen):
+            for tid, ref_lp in step["top5"]:
+                assert abs(float(lp[tid]) - ref_lp) < 1e-2, (gen["prompt"], tid)
+            greedy.append(int(lp.argmax()))
+        assert greedy == gen["greedy_ids"], gen["prompt"]
+
+
+def test_smollm2_float32_matches_reference(smollm2_path):
+    check_float32(smollm2_path, "smollm2-135m-instruct")
+
+
+def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
+    """The default bf16 path: where it picks differently from float32, its pick is still one of
+    the reference's five most likely tokens, and its log-probabilities stay close."""
+    runner = ModelRunner(GGUFFile(smollm2_path), torch.bfloat16)
+    steps = agree = 0
+    for gen in load_reference("smollm2-135m-instruct")["generations"]:
+        for lp, step in replay(runner, gen):
+            top5 = [t for t, _ in step["top5"]]
+            choice = int(lp.argmax())
+            assert choice in top5
+            assert abs(float(lp[step["token"]]) - step["top5"][0][1]) < 0.5
+            steps += 1
+            agree += choice == step["token"]
+    assert agree / steps > 0.95
+
+
+@pytest.mark.slow
+def test_qwen2_float32_matches_reference():
+    check_float32(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
