@@ -50,6 +50,13 @@ def test_float_types(dtype, np_dtype):
     np.testing.assert_array_equal(got.numpy(), x.astype(np.float32))
 
 
+def test_bf16_bytes_equal_gguf_reference():
+    x = np.random.default_rng(2).normal(size=(4, 8)).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)  # uint8 [4, 16], as the reader gives it
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.BF16)
+    np.testing.assert_array_equal(dequantize(torch.from_numpy(raw), "BF16", (4, 8)).numpy(), expected)
+
+
 def test_unsupported_type_names_itself():
     with pytest.raises(NotImplementedError, match="IQ2_XS"):
         dequantize(torch.zeros(10, dtype=torch.uint8), "IQ2_XS", (1, 256))

@@ -11,7 +11,7 @@ since the previous step (`delta`), so callers can stream.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -67,9 +67,15 @@ def generate_stream(runner, tokenizer, prompt_ids: list[int], params: SamplingPa
         if done:
             metrics.finished_time = time.perf_counter()
         metrics.num_output_tokens = sum(len(c.out.token_ids) for c in completions)
-        yield RequestOutput(request_id, prompt, prompt_ids, [c.out for c in completions], done, metrics)
+        yield RequestOutput(request_id, prompt, prompt_ids, [_snapshot(c.out) for c in completions], done, metrics)
         if done:
             return
+
+
+def _snapshot(out: CompletionOutput) -> CompletionOutput:
+    """A copy of `out` as it is now, so that outputs a caller keeps do not change later."""
+    return replace(out, token_ids=list(out.token_ids),
+                   logprobs=None if out.logprobs is None else list(out.logprobs))
 
 
 def _copy_kv(kv: KVCache) -> KVCache:

@@ -118,8 +118,10 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
     `raw` is the tensor's bytes as ``uint8`` (any shape) for block formats, or already typed data
     for F32/F16/BF16. Raises `NotImplementedError` naming the type for formats we do not read.
     """
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in ("F32", "F16"):
         return raw.reshape(shape).float()
+    if type_name == "BF16":  # numpy has no bfloat16: the reader hands over the raw bytes
+        return raw.contiguous().view(torch.uint8).view(torch.bfloat16).reshape(shape).float()
     if type_name not in BLOCK_FORMATS:
         raise NotImplementedError(
             f"GGML tensor type {type_name} is not supported; supported: "

@@ -1,0 +1,104 @@
+"""The command line end to end, as a user runs it (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import load_reference
+
+
+def nextoken(*args, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "nextoken.cli", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_run_real_model_greedy_chat_equals_reference(smollm2_path):
+    ref = next(g for g in load_reference("smollm2-135m-instruct")["generations"]
+               if g["prompt"] == [{"role": "user", "content": "What is the capital of France?"}])
+    r = nextoken("run", "What is the capital of France?", "--model", smollm2_path, "--dtype", "float32",
+                 "--temperature", "0", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ref["greedy_text"].replace("<|im_end|>", "")
+    for field in ("prompt tokens 37", "TTFT", "prefill", "decode", "peak memory"):
+        assert field in r.stderr
+
+
+def test_run_raw_with_sampling_options(tiny_gguf):
+    path = tiny_gguf["llama"][0]
+    args = ["run", "the cat", "--model", path, "--raw", "--max-tokens", "6", "--temperature", "0.9",
+            "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3", "--repetition-penalty", "1.1"]
+    a, b = nextoken(*args), nextoken(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout  # seeded
+
+
+def test_explain_json(tiny_gguf):
+    r = nextoken("explain", "the cat sat", "--model", tiny_gguf["llama"][0], "--json", "--max-tokens", "3",
+                 "--temperature", "0.7", "--top-k", "5", "--seed", "1", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["tokens"][0] == {"id": 1, "text": "<|im_start|>"}  # chat-formatted
+    assert rep["rendered_prompt"].startswith("<|im_start|>user\nthe cat sat")
+    assert len(rep["layers"]) == 2 and len(rep["steps"]) <= 3
+    step = rep["steps"][0]
+    assert sum(c["kept"] for c in step["candidates"]) == min(5, step["kept_count"])
+    assert step["chosen"]["id"] in [c["id"] for c in step["candidates"] if c["kept"]]
+    sizes = [k["bytes"] for k in rep["kv_cache"]]
+    assert sizes == sorted(sizes) and sizes[0] == len(rep["tokens"]) * 2 * 2 * 2 * 16 * 4
+
+
+def test_explain_text_shows_every_stage(smollm2_path):
+    r = nextoken("explain", "What is gravity?", "--model", smollm2_path, "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    for section in ("1. Text", "2. Chat template", "3. Tokens", "4. Embedding", "5. Positions and RoPE",
+                    "6. Transformer layers (30)", "7. Logits", "8. KV cache", "'Gra'"):
+        assert section in r.stdout
+
+
+def test_chat_keeps_the_conversation(smollm2_path):
+    """The second turn sees the first (its answer changes); after /reset it is a fresh session."""
+    def chat(stdin):
+        r = nextoken("chat", "--model", smollm2_path, "--max-tokens", "16", "--temperature", "0", stdin=stdin)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    fresh = chat("What is 2+2?\n")
+    first = chat("Hello!\n")
+    assert chat("Hello!\n/reset\nWhat is 2+2?\n") == first + fresh
+    assert chat("Hello!\nWhat is 2+2?\n") != first + fresh
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["run", "hi", "--model", "/nonexistent/x.gguf"], "not found"),
+    (["run", "hi", "--temperature", "-1"], "temperature must be"),
+    (["pull", "no-such-model"], "unknown model"),
+])
+def test_errors_are_one_line(args, message, smollm2_path, tiny_gguf):
+    if "--temperature" in args:
+        args = [*args, "--model", tiny_gguf["llama"][0]]
+    r = nextoken(*args)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_corrupt_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 50)
+    r = nextoken("run", "hi", "--model", bad)
+    assert r.returncode == 1 and "error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_models_lists_the_catalog(smollm2_path):
+    r = nextoken("models")
+    assert r.returncode == 0
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"):
+        assert name in r.stdout
+    assert "yes" in r.stdout  # the default model is cached by the fixture

@@ -1,0 +1,118 @@
+"""The Python API end to end on the real SmolLM2 (float32, against the reference) and on a tiny
+model (context-window handling)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nextoken import LLM, SamplingParams
+from nextoken.errors import InvalidRequest
+from tests.conftest import load_reference
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(str(smollm2_path), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    return LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+
+
+def reference(kind: str, prompt):
+    return next(g for g in load_reference("smollm2-135m-instruct")["generations"]
+                if g["kind"] == kind and g["prompt"] == prompt)
+
+
+def test_greedy_generation_equals_reference(llm):
+    ref = reference("raw", "The capital of France is")
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=48))[0]
+    c = out.outputs[0]
+    assert out.prompt_token_ids == ref["prompt_ids"]
+    assert c.token_ids == ref["greedy_ids"]  # ends with <|im_end|>
+    assert c.finish_reason == "stop"
+    assert c.text == ref["greedy_text"].replace("<|im_end|>", "")
+
+
+def test_chat_equals_reference(llm):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = reference("chat", msgs)
+    c = llm.chat(msgs, SamplingParams(temperature=0))[0].outputs[0]
+    assert c.token_ids == ref["greedy_ids"] and c.text == "The capital of France is Paris."
+
+
+def test_system_message_is_used(llm):
+    ref = reference("chat", [{"role": "system", "content": "You are a terse assistant."},
+                             {"role": "user", "content": "Name three primary colors."}])
+    out = llm.chat([{"role": "user", "content": "Name three primary colors."}], SamplingParams(temperature=0),
+                   system="You are a terse assistant.")[0]
+    assert out.prompt_token_ids == ref["prompt_ids"] and out.outputs[0].token_ids == ref["greedy_ids"]
+
+
+def test_streamed_text_equals_final_text(llm):
+    p = SamplingParams(temperature=0.8, seed=11, max_tokens=40)
+    chunks = list(llm.stream("Once upon a time", p))
+    assert "".join(c.outputs[0].delta for c in chunks) == chunks[-1].outputs[0].text
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert llm.generate("Once upon a time", p)[0].outputs[0].text == chunks[-1].outputs[0].text
+
+
+def test_same_seed_same_text(llm):
+    p = SamplingParams(temperature=1.0, seed=42, max_tokens=24)
+    a, b = (llm.generate("My favourite food is", p)[0].outputs[0].token_ids for _ in range(2))
+    c = llm.generate("My favourite food is", SamplingParams(temperature=1.0, seed=43, max_tokens=24))[0]
+    assert a == b and c.outputs[0].token_ids != a
+
+
+def test_n_completions_have_their_own_streams(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12)
+    out = llm.generate("I like", p)[0]
+    ids = [c.token_ids for c in out.outputs]
+    assert len(ids) == 3 and len({tuple(x) for x in ids}) == 3
+    assert [c.token_ids for c in llm.generate("I like", p)[0].outputs] == ids
+
+
+def test_stop_string_and_max_tokens(llm):
+    c = llm.generate("The capital of France is", SamplingParams(temperature=0, stop=["."]))[0].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (" Paris", "stop", ".")
+    c = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+
+
+def test_logprobs_on_request(llm):
+    ref = reference("raw", "The capital of France is")
+    c = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=5))[0].outputs[0]
+    for pos, step in zip(c.logprobs, ref["steps"]):
+        for tid, lp in step["top5"]:
+            assert abs(pos[tid] - lp) < 1e-2
+    assert abs(c.cumulative_logprob - sum(p[t] for p, t in zip(c.logprobs, c.token_ids))) < 1e-6
+
+
+def test_context_window_is_enforced(tiny):
+    ctx = tiny.config.context_length  # 256
+    prompt = " the cat sat on the mat" * 60  # well over 256 tokens
+    with pytest.raises(InvalidRequest) as e:
+        tiny.generate(prompt, SamplingParams(max_tokens=10))
+    n = len(tiny.tokenizer.encode(prompt))
+    assert str(n) in str(e.value) and str(ctx) in str(e.value) and e.value.field == "max_tokens"
+    out = tiny.generate(prompt, SamplingParams(max_tokens=10, temperature=0), truncate_prompt=True)[0]
+    assert out.prompt_token_ids == tiny.tokenizer.encode(prompt)[-(ctx - 10):]
+    assert len(out.outputs[0].token_ids) <= 10
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(InvalidRequest, match="empty"):
+        tiny.generate("", SamplingParams())
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        tiny.generate([[1, 2, 99999]], SamplingParams())
+    with pytest.raises(InvalidRequest) as e:
+        tiny.generate("hi", SamplingParams(top_p=2))
+    assert e.value.field == "top_p"
+
+
+def test_token_id_prompts(tiny):
+    ids = tiny.tokenizer.encode("the cat")
+    a = tiny.generate([ids], SamplingParams(temperature=0, max_tokens=5))[0]
+    b = tiny.generate("the cat", SamplingParams(temperature=0, max_tokens=5))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt is None
