@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,7 +122,8 @@ def resolve_model(model: str, auto_pull: bool = False) -> Path:
     if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
         p = Path(model).expanduser()
         if not p.is_file():
-            raise ModelLoadError(f"model file not found: {p}")
+            raise ModelLoadError(f"model file not found: {p}; give a path to a .gguf file or a catalog "
+                                 "name (see `nextoken models`)")
         return p
     entry = get_entry(model)
     p = model_path(entry.name)
@@ -212,12 +212,3 @@ def list_models() -> list[dict]:
          "cached": is_cached(e.name), "path": str(model_path(e.name)), "description": e.description}
         for e in CATALOG.values()
     ]
-
-
-def remove_cached(name: str) -> None:
-    """Delete catalog model `name` from the cache (used by `pull --force`)."""
-    p = model_path(name)
-    for q in (p, _marker(p)):
-        if q.exists():
-            q.unlink()
-    shutil.rmtree(p.with_suffix(".tmp"), ignore_errors=True)

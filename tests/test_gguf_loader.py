@@ -44,3 +44,18 @@ def test_missing_tensor_names_itself(tiny_gguf):
     f = GGUFFile(tiny_gguf["llama"][0])
     with pytest.raises(ModelLoadError, match="blk.9.attn_q.weight"):
         f.tensor("blk.9.attn_q.weight")
+
+
+def test_chunked_dequantization_equals_whole(tmp_path):
+    """Row-chunked loading (what large tensors use) gives the same tensor as one piece."""
+    import torch
+
+    from tests.tiny_models import tiny_hf_model, write_gguf
+
+    path = tmp_path / "q.gguf"
+    write_gguf(tiny_hf_model("llama", seed=2), path, "llama", quant={"ffn_up.weight": "Q4_1"})
+    f = GGUFFile(path)
+    for name in ("blk.0.ffn_up.weight", "token_embd.weight"):
+        whole = f.tensor(name)
+        assert torch.equal(f.tensor(name, chunk_rows=7), whole)
+        assert torch.equal(f.tensor(name, torch.bfloat16, chunk_rows=5), whole.to(torch.bfloat16))

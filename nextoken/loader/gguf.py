@@ -30,7 +30,8 @@ class GGUFFile:
 
         self.path = str(path)
         if not os.path.isfile(self.path):
-            raise ModelLoadError(f"model file not found: {self.path}")
+            raise ModelLoadError(f"model file not found: {self.path}; give a path to a .gguf file or a "
+                                 "catalog name (see `nextoken models`)")
         try:
             self._reader = gguf.GGUFReader(self.path, "r")
         except Exception as exc:  # the reader raises ValueError/struct errors/IndexError on damage
@@ -84,13 +85,26 @@ class GGUFFile:
         """PyTorch-order shape (rows first) of tensor `name`."""
         return tuple(int(d) for d in reversed(self._get(name).shape))
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor `name` de-quantized to float32, PyTorch-order shape ``[rows, cols]``."""
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32, chunk_rows: int = 4096) -> torch.Tensor:
+        """Tensor `name` de-quantized to `dtype`, PyTorch-order shape ``[rows, cols]``.
+
+        Rows are de-quantized `chunk_rows` at a time straight into the result, so no float32 copy
+        of a large tensor is ever held at once.
+        """
         t = self._get(name)
+        shape = self.tensor_shape(name)
         with warnings.catch_warnings():  # the memmap is read-only; we never write through it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.asarray(t.data))
-        return dequantize(raw, t.tensor_type.name, self.tensor_shape(name))
+        type_name = t.tensor_type.name
+        if len(shape) < 2 or shape[0] <= chunk_rows:
+            return dequantize(raw, type_name, shape).to(dtype)
+        rows = raw.reshape(shape[0], -1)  # one row of raw data per tensor row
+        out = torch.empty(shape, dtype=dtype)
+        for start in range(0, shape[0], chunk_rows):
+            part = rows[start : start + chunk_rows]
+            out[start : start + part.shape[0]] = dequantize(part, type_name, (part.shape[0], *shape[1:]))
+        return out
 
     def _get(self, name: str):
         if name not in self._tensors:

@@ -148,7 +148,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         params = dict(self.named_parameters())
         for gguf_name, (ours, heads) in self.gguf_weight_map().items():
-            w = f.tensor(gguf_name)
+            w = f.tensor(gguf_name, self.dtype)
             if heads is not None:
                 w = unpermute_qk(w, heads)
             target = params[ours]
