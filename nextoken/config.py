@@ -38,3 +38,22 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of KV cache one token takes over all layers (keys and values)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. `num_blocks` blocks of `block_size` tokens each, for all layers."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0: derive from memory_bytes
+    memory_bytes: int | None = None  # budget for keys and values; None: a share of free memory
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits per step: running sequences and new tokens (prefill chunks + decodes)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True

@@ -40,6 +40,7 @@ class RequestMetrics:
 
     arrival_time: float
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_output_tokens: int = 0
     first_token_time: float | None = None  # when the first output token was sampled
     finished_time: float | None = None
@@ -77,3 +78,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why the request failed, when it did
+
+    @property
+    def usage(self) -> dict:
+        """Token counts as the OpenAI API reports them (plus cached prompt tokens)."""
+        m = self.metrics
+        return {"prompt_tokens": len(self.prompt_token_ids),
+                "cached_tokens": m.num_cached_tokens if m else 0,
+                "completion_tokens": sum(len(c.token_ids) for c in self.outputs)}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.attention import AttentionMetadata, attention_reference, attention_sdpa
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
-from tests.tiny_models import VOCAB_SIZE, tiny_hf_model, write_gguf
+from tests.tiny_models import VOCAB_SIZE, OneSequence, tiny_hf_model, write_gguf
 
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12, 7, 150, 3, 99]
 
@@ -34,15 +33,14 @@ def test_prefill_and_decode_match_transformers(tiny_gguf, arch, reference_attent
     continuation = [44, 61, 2, 130, 8]
     expected = hf_logits_stepwise(hf, PROMPT, continuation)
 
-    kv = runner.new_kv_cache(64)
+    seq = OneSequence(runner, 64, block_size=4)  # several blocks, so the block table matters
     with torch.no_grad():
         full = hf(torch.tensor([PROMPT])).logits[0]
-    ours_all = runner.forward(PROMPT, kv, all_logits=True)  # prefill: every position
+    ours_all = seq.forward(PROMPT, all_logits=True)  # prefill: every position
     assert (ours_all - full).abs().max() < 1e-4
     got = [ours_all[-1]]
     for t in continuation:  # decode: one token against the cache
-        got.append(runner.forward([t], kv))
-    assert kv.num_tokens == len(PROMPT) + len(continuation)
+        got.append(seq.forward([t]))
     for step, (a, b) in enumerate(zip(got, expected)):
         assert (a - b).abs().max() < 1e-4, f"step {step}"
 
@@ -51,27 +49,11 @@ def test_chunked_prefill_equals_whole_prefill(tiny_gguf):
     """A prompt prefilled in two chunks (the second after cached tokens) gives the same logits."""
     path, _ = tiny_gguf["llama"]
     runner = ModelRunner(GGUFFile(path), torch.float32)
-    whole = runner.forward(PROMPT, runner.new_kv_cache(32), all_logits=True)
-    kv = runner.new_kv_cache(32)
-    a = runner.forward(PROMPT[:5], kv, all_logits=True)
-    b = runner.forward(PROMPT[5:], kv, all_logits=True)
+    whole = OneSequence(runner, 32, 4).forward(PROMPT, all_logits=True)
+    seq = OneSequence(runner, 32, 4)
+    a = seq.forward(PROMPT[:5], all_logits=True)
+    b = seq.forward(PROMPT[5:], all_logits=True)
     assert torch.allclose(torch.cat([a, b]), whole, atol=1e-5)
-
-
-@pytest.mark.parametrize("start,n", [(0, 9), (7, 1), (5, 4)])
-def test_fused_attention_equals_reference(start, n):
-    """The fast path (SDPA) against the plain masked-matmul attention, GQA with 4:2 heads."""
-    g = torch.Generator().manual_seed(start * 10 + n)
-    q = torch.randn(n, 4, 16, generator=g)
-    k = torch.randn(start + n, 2, 16, generator=g)
-    v = torch.randn(start + n, 2, 16, generator=g)
-    meta = AttentionMetadata(start, n)
-    ref, probs = attention_reference(q, k, v, meta, 0.25)
-    assert torch.allclose(attention_sdpa(q, k, v, meta, 0.25), ref, atol=1e-5)
-    # the causal mask: query i never sees keys after its own position
-    for i in range(n):
-        assert probs[:, i, start + i + 1 :].abs().sum() == 0
-    assert torch.allclose(probs.sum(-1), torch.ones(4, n))
 
 
 def test_quantized_tensors_load_like_gguf_dequantize(tmp_path):
@@ -95,15 +77,14 @@ def test_quantized_tensors_load_like_gguf_dequantize(tmp_path):
     runner = ModelRunner(GGUFFile(path), torch.float32)
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
-    got = runner.forward(PROMPT, runner.new_kv_cache(16), all_logits=True)
+    got = OneSequence(runner, 16).forward(PROMPT, all_logits=True)
     assert (got - expected).abs().max() < 1e-4
 
 
 def test_bfloat16_path_close_to_float32(tiny_gguf):
     path, _ = tiny_gguf["llama"]
-    f32 = ModelRunner(GGUFFile(path), torch.float32).forward(PROMPT, ModelRunner(GGUFFile(path)).new_kv_cache(16))
-    runner = ModelRunner(GGUFFile(path), torch.bfloat16)
-    b16 = runner.forward(PROMPT, runner.new_kv_cache(16))
+    f32 = OneSequence(ModelRunner(GGUFFile(path), torch.float32), 16).forward(PROMPT)
+    b16 = OneSequence(ModelRunner(GGUFFile(path), torch.bfloat16), 16).forward(PROMPT)
     p32, p16 = f32.softmax(-1), b16.softmax(-1)
     assert b16.shape == (VOCAB_SIZE,)
     assert (p32 - p16).abs().max() < 0.02

@@ -10,16 +10,17 @@ from nextoken.catalog import pull
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
 from tests.conftest import load_reference
+from tests.tiny_models import OneSequence
 
 
 def replay(runner: ModelRunner, gen: dict):
     """Teacher-forced replay of a reference generation: prefill the prompt, then feed the
     reference's own tokens; yields (our log-probabilities, reference step) per step."""
-    kv = runner.new_kv_cache(len(gen["prompt_ids"]) + len(gen["steps"]))
-    logits = runner.forward(gen["prompt_ids"], kv)
+    seq = OneSequence(runner, len(gen["prompt_ids"]) + len(gen["steps"]))
+    logits = seq.forward(gen["prompt_ids"])
     for step in gen["steps"]:
         yield logits.log_softmax(-1), step
-        logits = runner.forward([step["token"]], kv)
+        logits = seq.forward([step["token"]])
 
 
 def check_float32(path, name):

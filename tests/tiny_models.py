@@ -146,3 +146,24 @@ def _gguf_tensors(model, arch: str):
                 if arch == "llama" and hf in ("q_proj", "k_proj"):
                     t = _permute(t, cfg.num_attention_heads if hf == "q_proj" else cfg.num_key_value_heads)
                 yield f"blk.{i}.{gg}.{kind}", t
+
+
+class OneSequence:
+    """Drive a `ModelRunner` for one sequence over a paged cache whose blocks are taken in order
+    (what the engine does, without the engine): for model-level tests."""
+
+    def __init__(self, runner, capacity: int = 256, block_size: int = 16):
+        self.runner = runner
+        if runner.kv is None or runner.kv.num_blocks * runner.kv.block_size < capacity:
+            runner.init_kv_cache(-(-capacity // block_size), block_size)
+        self.block_ids = list(range(runner.kv.num_blocks))
+        self.num_tokens = 0
+
+    def forward(self, token_ids: list[int], all_logits: bool = False):
+        """Logits of the last new token ``[vocab]`` (or of every new token ``[T, vocab]``)."""
+        from nextoken.runner.model_runner import SequenceInput
+
+        seq = SequenceInput(list(token_ids), self.num_tokens, self.block_ids)
+        out = self.runner.execute([seq], all_logits=all_logits)
+        self.num_tokens += len(token_ids)
+        return out if all_logits else out[0]

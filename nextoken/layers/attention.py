@@ -1,10 +1,15 @@
-"""Causal self-attention over a KV cache, with grouped-query heads.
+"""Causal self-attention over the paged KV cache, for a batch of sequences of different lengths.
 
-``softmax(q k^T / sqrt(d) + causal_mask) v`` (Vaswani et al. 2017), where query heads are split
-into groups that share one key/value head (GQA; Ainslie et al. 2023). Two backends compute the
-same function: `attention_reference` (plain matmuls, returns the attention probabilities, used
-by the tests and by `nextoken explain`) and `attention_sdpa` (PyTorch's fused
-``scaled_dot_product_attention``, the default). The tests hold them equal.
+``softmax(q k^T / sqrt(d) + causal_mask) v`` (Vaswani et al. 2017), query heads grouped over
+shared key/value heads (GQA; Ainslie et al. 2023). One forward pass carries several sequences:
+single-token decodes and prefill chunks, flattened into ``[num_tokens, ...]`` and described by
+`AttentionMetadata`. A sequence's keys and values are read from its blocks (its block table).
+
+Two backends compute the same function, and the tests hold them equal:
+- `paged_attention_reference`: gather each sequence's blocks, naive masked attention in
+  float32; also returns the probabilities (for `nextoken explain`).
+- `paged_attention`: decodes batched in one fused ``scaled_dot_product_attention`` call over
+  padded gathered keys; prefill chunks one fused call each.
 """
 
 from __future__ import annotations
@@ -17,61 +22,102 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What attention needs to know about the tokens of one forward pass of one sequence.
+    """The layout of one batched forward pass.
 
-    start_pos: how many tokens of the sequence are already in the KV cache (0 for a prefill);
-    num_tokens: how many new tokens this pass computes (the prompt for a prefill, 1 for a decode).
-    The new tokens occupy positions ``[start_pos, start_pos + num_tokens)``.
+    Sequences are ordered decodes (one new token) first, then prefill chunks. For sequence i:
+    its new tokens are ``[query_start_loc[i], query_start_loc[i+1])`` of the flat batch, it has
+    ``seq_lens[i]`` tokens in all once they are written (so its new tokens sit at positions
+    ``seq_lens[i] - q_len .. seq_lens[i] - 1``), and ``block_tables[i]`` lists its blocks.
+
+    slot_mapping: int64 ``[num_tokens]``, where each new token's key/value is written;
+    block_tables: int64 ``[num_seqs, max_blocks]`` (padded with 0);
+    num_decodes: how many leading sequences have exactly one new token.
     """
 
-    start_pos: int
-    num_tokens: int
-    reference: bool = False  # use `attention_reference` instead of the fused kernel
-    keep_probs: bool = False  # keep attention probabilities for tracing (forces the reference)
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    num_decodes: int
+    block_size: int
+    reference: bool = False
+    keep_probs: bool = False
 
     @property
-    def seq_len(self) -> int:
-        """Tokens the new queries can see: everything cached plus themselves."""
-        return self.start_pos + self.num_tokens
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
 
-def causal_mask(meta: AttentionMetadata, device=None) -> torch.Tensor:
-    """Boolean ``[num_tokens, seq_len]``: True where query i (absolute position start_pos + i)
-    may attend key j, i.e. ``j <= start_pos + i``."""
-    q_pos = torch.arange(meta.start_pos, meta.seq_len, device=device)[:, None]
-    k_pos = torch.arange(meta.seq_len, device=device)[None, :]
-    return k_pos <= q_pos
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """One sequence's keys (or values) ``[seq_len, kv_heads, head_dim]`` from its blocks.
+    cache: ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    n_blocks = -(-seq_len // block_size)
+    return cache[block_table[:n_blocks]].flatten(0, 1)[:seq_len]
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive masked attention in float32.
+def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:
+    """bool ``[q_len, seq_len]``: new token i (position seq_len - q_len + i) sees keys j <= it."""
+    start = seq_len - q_len
+    return torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]
 
-    q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[seq_len, num_kv_heads, head_dim]``.
-    Returns the output ``[num_tokens, num_heads, head_dim]`` (q's dtype) and the probabilities
-    ``[num_heads, num_tokens, seq_len]`` (float32).
-    """
+
+def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention in float32 for one sequence. q ``[T, H, D]``; k, v ``[S, Hkv, D]``.
+    Returns output ``[T, H, D]`` (q's dtype) and probabilities ``[H, T, S]``."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    qf = q.float().transpose(0, 1)  # [H, T, D]
-    scores = qf @ kf.transpose(1, 2) * scale  # [H, T, S]
-    scores = scores.masked_fill(~causal_mask(meta, q.device), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = (probs @ vf).transpose(0, 1)  # [T, H, D]
-    return out.to(q.dtype), probs
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ kf.transpose(1, 2) * scale  # [H, T, S]
+    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0]), float("-inf"))
+    probs = scores.softmax(-1)
+    return (probs @ vf).transpose(0, 1).to(q.dtype), probs
 
 
-def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                   scale: float) -> torch.Tensor:
-    """Fused attention (``torch.nn.functional.scaled_dot_product_attention``); shapes as in
-    `attention_reference`, output only."""
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T|S, D]
-    if meta.num_tokens == 1:  # a decode sees every cached token: no mask
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
-    elif meta.start_pos == 0:  # a whole prompt: the plain causal mask
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # a chunk after cached tokens: causal with an offset
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(meta, q.device),
-                                             scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """q ``[num_tokens, H, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (this layer).
+    Returns the output ``[num_tokens, H, D]`` and each sequence's probabilities."""
+    out = torch.empty_like(q)
+    all_probs = []
+    for i in range(meta.num_seqs):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        k = gather_kv(k_cache, meta.block_tables[i], meta.seq_lens[i], meta.block_size)
+        v = gather_kv(v_cache, meta.block_tables[i], meta.seq_lens[i], meta.block_size)
+        out[a:b], probs = naive_attention(q[a:b], k, v, scale)
+        all_probs.append(probs)
+    return out, all_probs
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The fast path; same arguments and output as `paged_attention_reference`."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for i in range(nd, meta.num_seqs):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len = meta.seq_lens[i]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size).transpose(0, 1)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size).transpose(0, 1)
+        qh = q[a:b].transpose(0, 1)  # [H, T, D]
+        if b - a == seq_len:  # the whole sequence is new: plain causal
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_mask(b - a, seq_len), scale=scale,
+                                               enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All single-token sequences at once: keys gathered into ``[B, Hkv, S_max, D]`` with a
+    padding mask. q: ``[B, H, D]`` -> ``[B, H, D]``."""
+    nd = q.shape[0]
+    seq_lens = torch.tensor(meta.seq_lens[:nd])
+    n_blocks = -(-int(seq_lens.max()) // meta.block_size)
+    tables = meta.block_tables[:nd, :n_blocks]  # [B, nb]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.shape[2])[None, :] < seq_lens[:, None]  # [B, S]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o[:, :, 0, :]

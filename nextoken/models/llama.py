@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
 from nextoken.layers.activation import silu_and_mul
-from nextoken.layers.attention import AttentionMetadata, attention_reference, attention_sdpa
+from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
 from nextoken.layers.norm import rms_norm
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
-from nextoken.runner.kv_cache import KVCache
+from nextoken.runner.kv_cache import PagedKVCache
 
 
 class LlamaAttention(torch.nn.Module):
@@ -36,19 +36,19 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata):
-        """x: ``[T, hidden]`` -> (``[T, hidden]``, probabilities ``[heads, T, S]`` or None)."""
+    def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata):
+        """x: ``[T, hidden]`` -> (``[T, hidden]``, per-sequence probabilities or None)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = kv.write(self.layer, meta.start_pos, k, v)  # [S, kv_heads, D] each
+        kv.write(self.layer, meta.slot_mapping, k, v)
         probs = None
         if meta.reference or meta.keep_probs:
-            out, probs = attention_reference(q, keys, values, meta, self.scale)
+            out, probs = paged_attention_reference(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)
         else:
-            out = attention_sdpa(q, keys, values, meta, self.scale)
+            out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)
         return self.o_proj(out.reshape(t, -1)), probs
 
 
@@ -96,11 +96,12 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata, tracer=None) -> torch.Tensor:
-        """input_ids, positions: int64 ``[T]`` -> final hidden states ``[T, hidden]``.
+        """input_ids, positions: int64 ``[T]`` (the new tokens of every sequence in the batch,
+        flattened) -> final hidden states ``[T, hidden]``.
 
-        Writes this pass's keys and values into `kv` at ``[meta.start_pos, +T)``. `tracer`, when
+        Writes this pass's keys and values into `kv` at ``meta.slot_mapping``. `tracer`, when
         given, is called with what each stage produced (see `nextoken.trace`).
         """
         h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]

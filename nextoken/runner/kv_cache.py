@@ -1,9 +1,8 @@
-"""A contiguous KV cache for one sequence.
+"""The paged KV cache's tensors: keys and values of every layer, in blocks.
 
-Keys and values of every layer, position by position: ``[num_layers, capacity, num_kv_heads,
-head_dim]`` each. Decode appends one position per step, so past tokens are never recomputed. The
-capacity grows in chunks as the sequence grows (the paged, shared cache of the batching engine
-replaces this in `engine/kv_cache`).
+``k[layer]`` and ``v[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token
+whose slot is ``s`` lives at ``[s // block_size, s % block_size]``. Which request owns which
+block is decided by `nextoken.engine.kv_cache`.
 """
 
 from __future__ import annotations
@@ -13,52 +12,31 @@ import torch
 from nextoken.config import ModelConfig
 
 
-class KVCache:
-    """Per-sequence KV cache. `num_tokens` positions are filled; `capacity` are allocated."""
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    return config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
 
-    GROW = 256  # positions added at a time
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 0):
-        self.config, self.dtype = config, dtype
-        shape = (config.num_layers, 0, config.num_kv_heads, config.head_dim)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
-        self.num_tokens = 0
-        self.reserve(capacity)
+class PagedKVCache:
+    """Keys and values for `num_blocks` blocks of `block_size` tokens in every layer."""
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.config, self.num_blocks, self.block_size, self.dtype = config, num_blocks, block_size, dtype
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values."""
         return self.k.nbytes + self.v.nbytes
 
     @property
-    def used_bytes(self) -> int:
-        """Bytes holding the `num_tokens` filled positions."""
-        return self.config.kv_bytes_per_token(self.k.element_size()) * self.num_tokens
+    def bytes_per_token(self) -> int:
+        return self.nbytes // (self.num_blocks * self.block_size)
 
-    def reserve(self, n: int) -> None:
-        """Make room for at least `n` positions, keeping what is stored."""
-        if n <= self.capacity:
-            return
-        new_cap = -(-n // self.GROW) * self.GROW
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.empty((old.shape[0], new_cap, *old.shape[2:]), dtype=self.dtype)
-            new[:, : self.num_tokens] = old[:, : self.num_tokens]
-            setattr(self, name, new)
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at positions ``[start, start+T)``
-        of `layer`; return the keys and values of positions ``[0, start+T)``."""
-        end = start + k.shape[0]
-        self.k[layer, start:end] = k
-        self.v[layer, start:end] = v
-        return self.k[layer, :end], self.v[layer, :end]
-
-    def truncate(self, n: int) -> None:
-        """Forget positions ``[n, num_tokens)`` (e.g. to reuse a prefix)."""
-        self.num_tokens = min(self.num_tokens, n)
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``."""
+        kl = self.k[layer].view(-1, *k.shape[1:])
+        vl = self.v[layer].view(-1, *v.shape[1:])
+        kl.index_copy_(0, slot_mapping, k)
+        vl.index_copy_(0, slot_mapping, v)

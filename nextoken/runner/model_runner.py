@@ -1,38 +1,50 @@
-"""The model runner: loads a model file and runs forward passes (prefill and decode).
+"""The model runner: turns a step's plan into one batched forward pass and returns logits.
 
-Prefill runs the whole prompt (or a chunk of it) in one forward pass; decode runs one new token
-against the KV cache. Both are `forward` with a different number of new tokens.
+For every scheduled sequence it lays out the new tokens flat (``input_ids``, ``positions``),
+where their keys and values go (``slot_mapping``), and which blocks each sequence reads
+(``block_tables``); decodes go first so attention can batch them.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from nextoken.config import ModelConfig
+from nextoken.errors import InvalidRequest
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.loader.gguf import GGUFFile, read_model_config
 from nextoken.models.registry import model_class
-from nextoken.runner.kv_cache import KVCache
+from nextoken.runner.kv_cache import PagedKVCache
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"``/``"bfloat16"`` (or fp32/bf16) -> torch dtype; `ValueError` naming the choices."""
-    from nextoken.errors import InvalidRequest
-
+    """``"float32"``/``"bfloat16"`` (or fp32/bf16) -> torch dtype; `InvalidRequest` otherwise."""
     if name not in DTYPES:
         raise InvalidRequest(f"dtype {name!r} is not supported; choose from {', '.join(DTYPES)}", "dtype")
     return DTYPES[name]
 
 
-class ModelRunner:
-    """Owns the model weights; runs `forward` over new tokens of one sequence.
+@dataclass(slots=True)
+class SequenceInput:
+    """One sequence's part of a step: its new tokens, the position of the first, its blocks,
+    and whether the logits of its last new token are wanted (to sample the next token)."""
 
-    dtype: the weights' and activations' dtype (float32 is the reference; bfloat16 uses this
-    CPU's AMX units). reference: use the plain attention instead of the fused kernel.
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    needs_logits: bool = True
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache tensors; runs batched forward passes.
+
+    dtype: weights and activations (float32 is the reference; bfloat16 uses this CPU's AMX
+    units). reference: plain attention instead of the fused kernels.
     """
 
     def __init__(self, gguf: GGUFFile, dtype: torch.dtype = torch.float32, reference: bool = False):
@@ -44,27 +56,51 @@ class ModelRunner:
         self.model.load_gguf(gguf)
         self.model.eval()
         self.load_time = time.perf_counter() - t0
+        self.kv: PagedKVCache | None = None
 
     @property
     def weight_bytes(self) -> int:
         return sum(p.nbytes for p in self.model.parameters())
 
-    def new_kv_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.config, self.dtype, capacity)
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype)
+        return self.kv
+
+    def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Batch inputs for `seqs`: input_ids ``[T]``, positions ``[T]``, the attention
+        metadata, and the batch order (indices into `seqs`, decodes first)."""
+        bs = self.kv.block_size
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        max_blocks = max(len(seqs[i].block_ids) for i in order)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for row, i in enumerate(order):
+            s = seqs[i]
+            n = len(s.token_ids)
+            pos = torch.arange(s.start, s.start + n)
+            table = torch.tensor(s.block_ids, dtype=torch.long)
+            tables[row, : len(s.block_ids)] = table
+            ids.extend(s.token_ids)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(s.start + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+            num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
+            reference=self.reference)
+        return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta, order
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], kv: KVCache, tracer=None, all_logits: bool = False) -> torch.Tensor:
-        """Run the new `token_ids` after the `kv.num_tokens` cached ones; returns float32 logits
-        of the last position ``[vocab]`` (or of every position ``[T, vocab]`` with all_logits).
-        Appends the new keys and values to `kv`."""
-        start = kv.num_tokens
-        n = len(token_ids)
-        kv.reserve(start + n)
-        meta = AttentionMetadata(start, n, reference=self.reference, keep_probs=tracer is not None)
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        positions = torch.arange(start, start + n)
-        hidden = self.model(ids, positions, kv, meta, tracer)
-        kv.num_tokens = start + n
+    def execute(self, seqs: list[SequenceInput], tracer=None, all_logits: bool = False) -> torch.Tensor:
+        """Run one forward pass over `seqs`. Returns float32 logits ``[num_wanted, vocab]`` for
+        the last new token of each sequence with `needs_logits`, in the order of `seqs` (with
+        `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order)."""
+        input_ids, positions, meta, order = self.prepare(seqs)
+        meta.keep_probs = tracer is not None
+        hidden = self.model(input_ids, positions, self.kv, meta, tracer)
         if all_logits:
             return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[-1:])[0]
+        last = {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
+        rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
+        return self.model.compute_logits(hidden[rows])

@@ -52,10 +52,10 @@ class ExplainTracer:
                        "angle_at_last_position": float(last * inv[i])} for i in pairs],
         }
 
-    def on_layer(self, i: int, h: torch.Tensor, probs: torch.Tensor | None) -> None:
-        if self._pass or probs is None:
+    def on_layer(self, i: int, h: torch.Tensor, probs: list[torch.Tensor] | None) -> None:
+        if self._pass or not probs:
             return
-        last = probs[:, -1, :]  # [heads, seq]: where the last position looks
+        last = probs[0][:, -1, :]  # [heads, seq]: where the last position of the sequence looks
         top_per_head = last.argmax(-1).tolist()
         mean = last.mean(0)
         j = int(mean.argmax())
@@ -67,9 +67,9 @@ class ExplainTracer:
             "per_head_positions": top_per_head,
         })
 
-    def on_forward_done(self, kv) -> None:
+    def on_forward_done(self, num_tokens: int, kv_bytes: int) -> None:
         now = time.perf_counter()
-        self.report["kv_cache"].append({"tokens": kv.num_tokens, "bytes": kv.used_bytes,
+        self.report["kv_cache"].append({"tokens": num_tokens, "bytes": kv_bytes,
                                         "seconds": round(now - self._t0, 6)})
         if self._pass == 0:
             self.report["prefill_seconds"] = now - self._t0

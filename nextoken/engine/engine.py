@@ -1,0 +1,227 @@
+"""`LLMEngine`: requests in, tokens out, one batched step at a time.
+
+    add_request -> [step: schedule -> model runner (one forward pass over every scheduled
+                    request) -> sampler -> detokenize and stop checks -> outputs]* -> finished
+
+The engine owns the tokenizer, the model runner, the KV cache manager and the scheduler.
+`step` returns a `RequestOutput` for every request that produced something; the offline `LLM`
+and the async wrapper (`async_engine.py`) drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from nextoken.config import CacheConfig, SchedulerConfig
+from nextoken.engine.kv_cache.manager import KVCacheManager
+from nextoken.engine.output import RequestGroup, finish_sequence, make_output, process_token
+from nextoken.engine.request import Request
+from nextoken.engine.scheduler import Scheduler
+from nextoken.errors import InvalidRequest
+from nextoken.loader.gguf import GGUFFile
+from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nextoken.runner.kv_cache import bytes_per_block
+from nextoken.runner.model_runner import ModelRunner, SequenceInput
+from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
+from nextoken.sampling_params import SamplingParams
+from nextoken.tokenizer import Tokenizer
+from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+
+DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
+DEFAULT_KV_CAP = 4 << 30  # bytes
+
+
+def default_kv_memory() -> int:
+    """A quarter of the memory available now (from /proc/meminfo), at most 4 GiB."""
+    avail = 8 << 30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return min(int(avail * DEFAULT_KV_SHARE), DEFAULT_KV_CAP)
+
+
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of a request seeded with `seed` (completion 0 uses `seed`)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Raises `ModelLoadError` if the model cannot be read, `InvalidRequest` from `add_request` for
+    bad input (naming the field).
+    """
+
+    def __init__(self, gguf: GGUFFile, dtype, cache: CacheConfig = CacheConfig(),
+                 scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False):
+        self.tokenizer = Tokenizer.from_gguf(gguf)
+        self.runner = ModelRunner(gguf, dtype, reference=reference_attention)
+        self.config = self.runner.config
+        per_block = bytes_per_block(self.config, cache.block_size, dtype)
+        num_blocks = cache.num_blocks or max(1, (cache.memory_bytes or default_kv_memory()) // per_block)
+        self.cache_config = cache
+        if not scheduler.enable_chunked_prefill:  # a whole prompt must fit in one step
+            scheduler = SchedulerConfig(scheduler.max_num_seqs,
+                                        max(scheduler.max_num_batched_tokens, self.config.context_length), False)
+        self.scheduler_config = scheduler
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.runner.init_kv_cache(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(scheduler, self.kv)
+        self.sampler = Sampler(self.tokenizer.eog_token_ids)
+        self.groups: dict[str, RequestGroup] = {}
+        self._seq_group: dict[Request, RequestGroup] = {}
+        self._ids = itertools.count()
+        self.tracer = None  # set by `LLM.stream(..., tracer=)` for a single request
+
+    # -- requests ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams, truncate: bool = False) -> list[int]:
+        """Token ids of `prompt` (text, or ids already), fitted to the context window.
+
+        Raises `InvalidRequest` when the prompt is empty, holds ids outside the vocabulary, or
+        when prompt tokens plus max_tokens exceed the context length (naming both numbers) and
+        `truncate` is False; with `truncate` the oldest prompt tokens are dropped instead.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary "
+                                     f"[0, {self.config.vocab_size})", "prompt")
+            ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise InvalidRequest("prompt is empty", "prompt")
+        ctx = self.config.context_length
+        if len(ids) + params.max_tokens > ctx:
+            if not truncate or params.max_tokens >= ctx:
+                raise InvalidRequest(
+                    f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                    f"{len(ids) + params.max_tokens} > the model's context length {ctx}; shorten the "
+                    "prompt, lower max_tokens, or truncate the prompt (truncate_prompt)", "max_tokens")
+            ids = ids[len(ids) + params.max_tokens - ctx :]
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt_text: str | None = None,
+                    truncate_prompt: bool = False) -> str:
+        """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
+        that does not fit the context window, or one that could never fit in the KV cache."""
+        params = (params or SamplingParams()).validate(self.config.vocab_size)
+        ids = self.encode_prompt(prompt, params, truncate_prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        needed = self.kv.blocks_for(len(ids) + params.max_tokens)
+        if needed > self.kv.pool.num_blocks:
+            raise InvalidRequest(
+                f"the request needs {needed} KV cache blocks ({len(ids)} prompt + {params.max_tokens} new "
+                f"tokens) but the cache holds {self.kv.pool.num_blocks}; raise the KV cache memory or "
+                "lower max_tokens", "max_tokens")
+        text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
+        seqs = []
+        for i in range(params.n):
+            seqs.append(Request(f"{request_id}#{i}", ids, params, make_generator(completion_seed(params.seed, i)),
+                                group_id=request_id, index=i, parent=seqs[0] if i else None))
+        group = RequestGroup(
+            request_id, text, ids, seqs,
+            [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                    params.include_stop_str_in_output) for _ in seqs],
+            [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
+                              cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(params.n)],
+            RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)))
+        self.groups[request_id] = group
+        for s in seqs:
+            s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator)
+            self._seq_group[s] = group
+            self.scheduler.add(s)
+        if self.tracer is not None:
+            self.tracer.on_prefill_start(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (no-op for unknown or finished ids)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for s in group.seqs:
+            if not s.finished:
+                self.scheduler.finish(s)
+                finish_sequence(group, s, "abort")
+            self._seq_group.pop(s, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return the outputs that changed."""
+        plan = self.scheduler.schedule()
+        if plan.scheduled:
+            self._run(plan.scheduled)
+        outputs = []
+        for rid, group in list(self.groups.items()):
+            if group.changed:
+                outputs.append(make_output(group))
+            if group.finished:
+                del self.groups[rid]
+                for s in group.seqs:
+                    self._seq_group.pop(s, None)
+        return outputs
+
+    def _run(self, scheduled: dict[Request, int]) -> None:
+        reqs = list(scheduled)
+        seqs = [SequenceInput(r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
+                              r.num_computed_tokens, self.kv.block_ids(r.request_id),
+                              r.num_computed_tokens + n == r.num_tokens) for r, n in scheduled.items()]
+        logits = self.runner.execute(seqs, self.tracer)
+        for r, n in scheduled.items():
+            r.num_computed_tokens += n
+            self.kv.cache_full_blocks(r)
+        if self.tracer is not None:
+            r = reqs[0]
+            self.tracer.on_forward_done(r.num_computed_tokens, r.num_computed_tokens * self.runner.kv.bytes_per_token)
+        to_sample = [r for r, s in zip(reqs, seqs) if s.needs_logits]
+        if not to_sample:
+            return
+        results = self.sampler(logits, [r.sampler_row for r in to_sample], keep_details=self.tracer is not None)
+        for i, (r, res) in enumerate(zip(to_sample, results)):
+            group = self._seq_group[r]
+            if self.tracer is not None:
+                self.tracer.on_sample(logits[i], res, r.params)
+            if process_token(group, r, res, self.tokenizer.eog_token_ids, self.config.context_length):
+                self.scheduler.finish(r)
+                finish_sequence(group, r)
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Queue lengths, KV cache usage (0..1) and prefix-cache hit rate."""
+        pool = self.kv.pool
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
+                "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0}
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1e9"`` -> bytes; `InvalidRequest` otherwise."""
+    t = str(text).strip()
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+             "g": 2**30, "gb": 1e9, "gib": 2**30, "t": 2**40, "tib": 2**40}
+    num = t.rstrip("bBiIkKmMgGtT")
+    unit = t[len(num):].lower()
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise InvalidRequest(f"cannot read size {text!r}: use e.g. 2GiB, 512MiB or a number of bytes",
+                             "kv_cache_memory") from None
+    if value <= 0:
+        raise InvalidRequest(f"size {text!r} must be positive", "kv_cache_memory")
+    return int(value)

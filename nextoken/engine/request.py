@@ -1,0 +1,74 @@
+"""A request's state inside the engine.
+
+The one invariant the scheduler works from (see docs/design.md): ``num_computed_tokens`` of the
+request's ``num_tokens`` (prompt + output so far) have their keys and values in the KV cache.
+Each step the scheduler hands out new tokens so that computed catches up with total: a prompt
+is prefilled in one or more chunks, a decode is the case of one new token, a prefix-cache hit
+starts computed at the cached length, and preemption sends it back to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nextoken.sample.sampler import SamplerRequest
+from nextoken.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate (a completion; `n > 1` makes one per completion).
+
+    request_id: unique id of this sequence; group_id: the id of the user's request it belongs
+    to; index: which completion of that request it is.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    group_id: str = ""
+    index: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    parent: "Request | None" = None  # for completions 1..n-1: share this one's prompt blocks
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
+    num_preemptions: int = 0
+    all_token_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    admitted: bool = False
+    sampler_row: SamplerRequest | None = None  # what the sampler needs, made once
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.all_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_token_ids.append(token)
