@@ -99,9 +99,10 @@ def _params(a):
 
 
 def _load(a):
+    """The model for a single-user command: a KV cache for one full context."""
     from nextoken.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, num_threads=a.threads)
+    return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1)
 
 
 def _peak_rss_mib() -> float:

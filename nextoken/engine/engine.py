@@ -29,11 +29,11 @@ from nextoken.tokenizer import Tokenizer
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
-DEFAULT_KV_CAP = 4 << 30  # bytes
+DEFAULT_KV_CAP = 1 << 30  # bytes
 
 
 def default_kv_memory() -> int:
-    """A quarter of the memory available now (from /proc/meminfo), at most 4 GiB."""
+    """A quarter of the memory available now (from /proc/meminfo), at most 1 GiB."""
     avail = 8 << 30
     try:
         with open("/proc/meminfo") as f:
@@ -65,7 +65,10 @@ class LLMEngine:
         self.runner = ModelRunner(gguf, dtype, reference=reference_attention)
         self.config = self.runner.config
         per_block = bytes_per_block(self.config, cache.block_size, dtype)
-        num_blocks = cache.num_blocks or max(1, (cache.memory_bytes or default_kv_memory()) // per_block)
+        # default budget: a share of free memory, but no more than max_num_seqs full contexts
+        full = scheduler.max_num_seqs * -(-self.config.context_length // cache.block_size) * per_block
+        budget = cache.memory_bytes or min(default_kv_memory(), full)
+        num_blocks = cache.num_blocks or max(1, budget // per_block)
         self.cache_config = cache
         if not scheduler.enable_chunked_prefill:  # a whole prompt must fit in one step
             scheduler = SchedulerConfig(scheduler.max_num_seqs,
@@ -207,7 +210,8 @@ class LLMEngine:
         pool = self.kv.pool
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
-                "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0}
+                "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
+                "num_preemptions": self.scheduler.num_preemptions}
 
 
 def parse_size(text: str) -> int:

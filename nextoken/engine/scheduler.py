@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.forking: list[Request] = []  # completions waiting for their parent's prompt
+        self.num_preemptions = 0  # since the start
 
     # -- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -106,6 +107,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

@@ -1,0 +1,99 @@
+"""`AsyncLLMEngine`: the engine's step loop in the background, one output stream per request.
+
+The loop runs `LLMEngine.step` in a worker thread (PyTorch releases the GIL inside its kernels),
+so the asyncio event loop stays free to accept requests and stream tokens. Requests to add or
+abort are queued and applied by the loop between steps, so the engine is only ever touched from
+one thread at a time. A consumer that stops iterating (a client that disconnects) aborts its
+request, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import AsyncIterator
+
+from nextoken.engine.engine import LLMEngine
+from nextoken.errors import EngineError
+from nextoken.outputs import RequestOutput
+from nextoken.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_aborts: list[str] = []
+        self._lock = asyncio.Lock()  # held while the engine is touched (a step, an add, an abort)
+        self._wakeup = asyncio.Event()  # set when there is work for the loop
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None  # set if the step loop crashed
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, prompt_text: str | None = None,
+                       truncate_prompt: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request. Raises `InvalidRequest` at once for bad input,
+        `EngineError` if the engine loop has died."""
+        if self.dead is not None:
+            raise EngineError(f"the engine loop has stopped: {self.dead!r}")
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        await self._between_steps(lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt))
+        self._queues[rid] = queue
+        self._ensure_loop()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineError(f"the engine loop has stopped: {item!r}")
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary (frees its blocks)."""
+        self._pending_aborts.append(request_id)
+        self._wakeup.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def _between_steps(self, fn):
+        async with self._lock:
+            return fn()
+
+    def _ensure_loop(self) -> None:
+        self._wakeup.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def _run_loop(self) -> None:
+        try:
+            while True:
+                async with self._lock:
+                    while self._pending_aborts:
+                        self.engine.abort_request(self._pending_aborts.pop())
+                    if not self.engine.has_unfinished_requests():
+                        self._wakeup.clear()
+                        outputs = None
+                    else:
+                        outputs = await asyncio.to_thread(self.engine.step)
+                if outputs is None:
+                    await self._wakeup.wait()
+                    continue
+                for out in outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                await asyncio.sleep(0)  # let consumers run between steps
+        except Exception as exc:  # the engine is broken: tell every waiting request
+            self.dead = exc
+            for q in self._queues.values():
+                q.put_nowait(exc)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None

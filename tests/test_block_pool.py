@@ -1,0 +1,105 @@
+"""Block pool and KV cache manager: exact block ids, reference counts, eviction order."""
+
+from __future__ import annotations
+
+import torch
+
+from nextoken.engine.kv_cache import block_pool
+from nextoken.engine.kv_cache.block_pool import BlockPool
+from nextoken.engine.kv_cache.manager import KVCacheManager
+from nextoken.engine.request import Request
+from nextoken.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), torch.Generator())
+
+
+def test_new_blocks_come_from_the_front_and_return_to_the_back():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(2)
+    b = pool.get_new_blocks(3)
+    assert [x.block_id for x in a] == [0, 1] and [x.block_id for x in b] == [2, 3, 4]
+    assert all(x.ref_cnt == 1 for x in a + b) and pool.num_free_blocks == 1
+    pool.free_blocks([b[2], b[0]])
+    assert pool.free_queue.block_ids() == [5, 4, 2]
+    pool.touch([b[0]])  # taken back out of the middle of the free queue
+    assert pool.free_queue.block_ids() == [5, 4] and b[0].ref_cnt == 1
+    pool.touch([a[0]])
+    assert a[0].ref_cnt == 2
+    pool.free_blocks([a[0]])
+    assert a[0].ref_cnt == 1 and 0 not in pool.free_queue.block_ids()
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first():
+    pool = BlockPool(3)
+    blocks = pool.get_new_blocks(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i, (i,))
+    pool.free_blocks([blocks[1], blocks[0], blocks[2]])  # freed in this order
+    assert pool.get_cached_block(101, (1,)) is blocks[1]
+    taken = pool.get_new_blocks(1)[0]  # evicts the least recently freed: block 1
+    assert taken is blocks[1] and pool.get_cached_block(101, (1,)) is None
+    assert pool.get_cached_block(100, (0,)) is blocks[0] and pool.get_cached_block(102, (2,)) is blocks[2]
+    assert pool.get_new_blocks(1)[0] is blocks[0]
+
+
+def test_a_hash_collision_never_serves_the_wrong_tokens():
+    pool = BlockPool(2)
+    b = pool.get_new_blocks(1)[0]
+    pool.cache_block(b, 7, (1, 2, 3))
+    assert pool.get_cached_block(7, (1, 2, 4)) is None
+    assert pool.get_cached_block(7, (1, 2, 3)) is b
+
+
+def test_prefix_hits_follow_the_chain(monkeypatch):
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(10)))  # blocks [0..3] [4..7] [8, 9]
+    assert kv.get_computed_blocks(a) == []
+    assert kv.allocate_slots(a, 10)
+    assert kv.block_ids("a") == [0, 1, 2]
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)  # two full blocks are cached, the partial one is not
+    b = req("b", list(range(8)) + [99, 98, 97])
+    hits = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1]
+    assert kv.allocate_slots(b, 3, hits)
+    assert kv.block_ids("b") == [0, 1, 3] and [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    c = req("c", [0, 1, 2, 3, 9, 9, 9, 9, 9])  # same first block, different second
+    assert [h.block_id for h in kv.get_computed_blocks(c)] == [0]
+    # at least one token is always computed: a prompt of exactly the cached blocks hits one fewer
+    d = req("d", list(range(8)))
+    assert [h.block_id for h in kv.get_computed_blocks(d)] == [0]
+    # with a colliding hash function, the token comparison still prevents a wrong hit
+    monkeypatch.setattr(block_pool, "hash_block", lambda parent, toks: 1)
+    e = req("e", [5, 5, 5, 5, 5])
+    assert kv.get_computed_blocks(e) == []
+
+
+def test_free_returns_every_block_tail_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(12)))
+    kv.allocate_slots(a, 12)
+    kv.free(a)
+    assert kv.pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_allocation_fails_cleanly_when_full():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a, b = req("a", list(range(8))), req("b", list(range(50, 58)))
+    assert kv.allocate_slots(a, 8)
+    assert not kv.allocate_slots(b, 8)
+    assert kv.block_ids("b") == [] and kv.pool.num_free_blocks == 1
+
+
+def test_share_prefix_for_parallel_sampling():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = req("p", list(range(10)))
+    kv.allocate_slots(parent, 10)
+    child = req("c", list(range(10)))
+    assert kv.share_prefix(parent, child, 9) == 8  # two full blocks shared
+    assert kv.block_ids("c") == [0, 1] and kv.pool.blocks[0].ref_cnt == 2
+    child.num_computed_tokens = 8
+    assert kv.allocate_slots(child, 2)
+    assert kv.block_ids("c") == [0, 1, 3]

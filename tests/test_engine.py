@@ -1,0 +1,169 @@
+"""End-to-end engine invariants: the same greedy tokens whatever the batch, the cache settings,
+chunking or preemption; parallel sampling; aborts; no leaked blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from nextoken import LLM, SamplingParams
+from nextoken.engine.async_engine import AsyncLLMEngine
+from nextoken.errors import InvalidRequest
+from tests.conftest import load_reference
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def tiny_prompts(n=33, seed=0):
+    """Prompts of 3..70 tokens; some share long prefixes (to exercise the prefix cache)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 270) for _ in range(40)]
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(shared[: rng.randrange(20, 40)] + [rng.randrange(3, 270) for _ in range(rng.randrange(1, 30))])
+        else:
+            out.append([rng.randrange(3, 270) for _ in range(rng.randrange(3, 70))])
+    return out
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_no_leak(llm):
+    """Every block is free, or held only by the prefix cache (ref count 0)."""
+    assert not llm.engine.has_unfinished_requests()
+    pool = llm.engine.kv.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_gguf):
+    """Each tiny prompt run on its own (batch of one), the baseline for the invariants."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    return [token_ids(llm.generate([p], GREEDY))[0] for p in tiny_prompts()]
+
+
+@pytest.mark.parametrize("settings", [
+    {},                                                   # defaults: prefix caching, chunked prefill
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 16},                       # prompts split into many chunks
+    {"enable_chunked_prefill": False, "enable_prefix_caching": False},
+    {"num_kv_blocks": 24, "block_size": 4},               # 96 token slots for 33 requests: preemption
+    {"max_num_seqs": 5},
+])
+def test_batched_greedy_equals_alone(tiny_gguf, alone, settings):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", **settings)
+    outs = llm.generate(tiny_prompts(), GREEDY)
+    assert token_ids(outs) == alone
+    assert_no_leak(llm)
+    if "num_kv_blocks" in settings:
+        assert llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_prefix_cache_reports_cached_tokens(tiny_gguf):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", block_size=4)
+    p = list(range(3, 43))
+    first = llm.generate([p], GREEDY)[0]
+    second = llm.generate([p[:38] + [7, 8]], GREEDY)[0]
+    assert first.usage["cached_tokens"] == 0
+    assert second.usage["cached_tokens"] == 36  # 9 full blocks of 4 shared
+    assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_parallel_sampling_shares_the_prompt(tiny_gguf):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", block_size=4)
+    prompt = tiny_prompts()[1]
+    single = token_ids(llm.generate([prompt], GREEDY))[0]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [single] * 3  # forked completions are exact
+    sampled = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
+    a = [c.token_ids for c in llm.generate([prompt], sampled)[0].outputs]
+    assert len({tuple(x) for x in a}) == 3
+    assert a == [c.token_ids for c in llm.generate([prompt], sampled)[0].outputs]
+    assert_no_leak(llm)
+
+
+def test_seeded_request_draws_the_same_in_any_batch(tiny_gguf):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    prompts = tiny_prompts(8, seed=3)
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = token_ids(llm.generate([prompts[0]], p))[0]
+    others = [SamplingParams(temperature=0.9, max_tokens=14, ignore_eos=True) for _ in prompts[1:]]
+    batched = token_ids(llm.generate(prompts, [p, *others]))[0]
+    assert batched == alone
+
+
+def test_abort_frees_blocks_and_spares_the_others(tiny_gguf, alone):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = llm.engine
+    prompts = tiny_prompts()[:3]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    engine.abort_request(ids[1])
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert final == {ids[0]: alone[0], ids[2]: alone[2]}
+    assert_no_leak(llm)
+
+
+def test_a_request_that_can_never_fit_is_refused(tiny_gguf):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", num_kv_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequest, match="needs 5 KV cache blocks.*holds 4"):
+        llm.generate([list(range(3, 13))], SamplingParams(max_tokens=10))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_engine_streams_and_aborts_on_disconnect(tiny_gguf, alone):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = AsyncLLMEngine(llm.engine)
+    prompts = tiny_prompts()[:3]
+
+    async def collect(p):
+        text_ids = None
+        async for out in engine.generate(p, GREEDY):
+            text_ids = out.outputs[0].token_ids
+        return text_ids
+
+    async def leave_early(p):
+        async for out in engine.generate(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 3:
+                break  # the client goes away
+
+    async def main():
+        results = await asyncio.gather(collect(prompts[0]), leave_early(prompts[1]), collect(prompts[2]))
+        for _ in range(50):  # the abort is applied at the next step boundary
+            if not llm.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return results
+
+    a, _, c = asyncio.run(main())
+    assert [a, c] == [alone[0], alone[2]]
+    assert_no_leak(llm)
+
+
+def test_smollm2_batched_equals_reference_and_alone(smollm2_path):
+    """32 requests at once on the real model: the reference prompts still give the reference
+    greedy ids (prefix caching on, and under preemption), the rest match their solo runs."""
+    gens = load_reference("smollm2-135m-instruct")["generations"]
+    extra = [f"Write one sentence about the number {i}." for i in range(26)]
+    prompts = [g["prompt_ids"] for g in gens] + extra
+    p = SamplingParams(temperature=0, max_tokens=16)
+    llm = LLM(str(smollm2_path), dtype="float32")
+    outs = token_ids(llm.generate(prompts, p))
+    for g, got in zip(gens, outs):
+        assert got == g["greedy_ids"][:16]
+    assert [token_ids(llm.generate([q], p))[0] for q in extra[:3]] == outs[len(gens):len(gens) + 3]
+    assert_no_leak(llm)
+    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=40, enable_prefix_caching=False)
+    assert token_ids(tight.generate(prompts, p)) == outs
+    assert tight.engine.stats()["num_preemptions"] > 0
+    assert_no_leak(tight)
