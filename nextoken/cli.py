@@ -12,7 +12,7 @@ import sys
 import time
 
 from nextoken.catalog import DEFAULT_MODEL
-from nextoken.errors import NextokenError
+from nextoken.errors import InvalidRequest, NextokenError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (default bfloat16, fast on AMX CPUs; float32 is the "
                         "exact reference)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: one per core)")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="bytes for the paged KV cache, e.g. 512MiB or 2GiB (default: one full context)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
@@ -99,10 +104,15 @@ def _params(a):
 
 
 def _load(a):
-    """The model for a single-user command: a KV cache for one full context."""
+    """The model for a single-user command: by default a KV cache for one full context."""
+    from nextoken.engine.engine import parse_size
     from nextoken.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1)
+    if a.block_size < 1:
+        raise InvalidRequest(f"--block-size must be >= 1, got {a.block_size}", "block_size")
+    memory = parse_size(a.kv_cache_memory) if a.kv_cache_memory else None
+    return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1, kv_cache_memory=memory,
+               block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching)
 
 
 def _peak_rss_mib() -> float:

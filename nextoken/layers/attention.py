@@ -8,8 +8,8 @@ single-token decodes and prefill chunks, flattened into ``[num_tokens, ...]`` an
 Two backends compute the same function, and the tests hold them equal:
 - `paged_attention_reference`: gather each sequence's blocks, naive masked attention in
   float32; also returns the probabilities (for `nextoken explain`).
-- `paged_attention`: decodes batched in one fused ``scaled_dot_product_attention`` call over
-  padded gathered keys; prefill chunks one fused call each.
+- `paged_attention`: decodes batched as grouped matmuls over padded gathered keys; prefill
+  chunks one fused ``scaled_dot_product_attention`` call each.
 """
 
 from __future__ import annotations
@@ -109,15 +109,23 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All single-token sequences at once: keys gathered into ``[B, Hkv, S_max, D]`` with a
-    padding mask. q: ``[B, H, D]`` -> ``[B, H, D]``."""
-    nd = q.shape[0]
+    """All single-token sequences at once, as two batched matmuls per KV head group.
+
+    Keys and values are gathered into ``[B, Hkv, S_max, D]`` (S_max: the longest sequence,
+    padded); the query heads that share a KV head are stacked (``[B, Hkv, group, D]``), so GQA
+    needs no copy of the keys. Softmax in float32, padded positions masked. (PyTorch's fused CPU
+    kernel is several times slower for one query token.) q: ``[B, H, D]`` -> ``[B, H, D]``.
+    """
+    nd, num_heads, head_dim = q.shape
     seq_lens = torch.tensor(meta.seq_lens[:nd])
     n_blocks = -(-int(seq_lens.max()) // meta.block_size)
     tables = meta.block_tables[:nd, :n_blocks]  # [B, nb]
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    mask = torch.arange(k.shape[2])[None, :] < seq_lens[:, None]  # [B, S]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
-    return o[:, :, 0, :]
+    num_kv = k.shape[1]
+    qg = q.view(nd, num_kv, num_heads // num_kv, head_dim)  # [B, Hkv, G, D]
+    scores = (qg @ k.transpose(2, 3)).float() * scale  # [B, Hkv, G, S]
+    pad = torch.arange(k.shape[2])[None, :] >= seq_lens[:, None]  # [B, S]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return (probs @ v).reshape(nd, num_heads, head_dim)
