@@ -13,7 +13,7 @@ class CompletionOutput:
     """One completion of a prompt.
 
     text: the generated text so far; delta: what was added since the last streamed output;
-    token_ids: generated ids; finish_reason: None while running, then "stop" (end-of-generation
+    token_ids: generated ids; delta_token_ids: the ids added since the last output; finish_reason: None while running, then "stop" (end-of-generation
     token, stop string or stop token) or "length" (max_tokens); stop_reason: the stop string or
     stop token id that ended it, if any; logprobs: per generated position a dict
     ``{token_id: logprob}`` holding the chosen token and the top alternatives (when asked);
@@ -24,6 +24,7 @@ class CompletionOutput:
     text: str = ""
     delta: str = ""
     token_ids: list[int] = field(default_factory=list)
+    delta_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None

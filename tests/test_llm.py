@@ -54,6 +54,7 @@ def test_streamed_text_equals_final_text(llm):
     p = SamplingParams(temperature=0.8, seed=11, max_tokens=40)
     chunks = list(llm.stream("Once upon a time", p))
     assert "".join(c.outputs[0].delta for c in chunks) == chunks[-1].outputs[0].text
+    assert sum((c.outputs[0].delta_token_ids for c in chunks), []) == chunks[-1].outputs[0].token_ids
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
     assert llm.generate("Once upon a time", p)[0].outputs[0].text == chunks[-1].outputs[0].text
 

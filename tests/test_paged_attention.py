@@ -8,25 +8,25 @@ import torch
 
 from nextoken.layers.attention import AttentionMetadata, naive_attention, paged_attention, paged_attention_reference
 
-H, HKV, D, BS, NB = 4, 2, 16, 4, 40
+H, HKV, D, BS, NB = 4, 2, 16, 4, 1000
 
 
 def build_batch(specs, seed=0, dtype=torch.float32):
     """specs: (cached tokens, new tokens) per sequence, decodes first. Returns q, caches, meta
     and each sequence's contiguous k, v (all its tokens) for the independent check."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.zeros(NB, BS, HKV, D, dtype=dtype)
-    v_cache = torch.zeros(NB, BS, HKV, D, dtype=dtype)
+    k_cache = torch.zeros(HKV, NB, BS, D, dtype=dtype)
+    v_cache = torch.zeros(HKV, NB, BS, D, dtype=dtype)
     free = torch.randperm(NB, generator=g).tolist()  # blocks in a scrambled order
     qs, slots, qsl, seq_lens, tables, contiguous = [], [], [0], [], [], []
     for cached, new in specs:
         total = cached + new
         blocks = [free.pop() for _ in range(-(-total // BS))]
-        k = torch.randn(total, HKV, D, generator=g).to(dtype)
-        v = torch.randn(total, HKV, D, generator=g).to(dtype)
+        k = torch.randn(HKV, total, D, generator=g).to(dtype)
+        v = torch.randn(HKV, total, D, generator=g).to(dtype)
         for p in range(total):  # every token's key/value at its slot
-            k_cache[blocks[p // BS], p % BS] = k[p]
-            v_cache[blocks[p // BS], p % BS] = v[p]
+            k_cache[:, blocks[p // BS], p % BS] = k[:, p]
+            v_cache[:, blocks[p // BS], p % BS] = v[:, p]
         qs.append(torch.randn(new, H, D, generator=g).to(dtype))
         slots += [blocks[p // BS] * BS + p % BS for p in range(cached, total)]
         qsl.append(qsl[-1] + new)
@@ -40,6 +40,7 @@ def build_batch(specs, seed=0, dtype=torch.float32):
 
 
 SPECS = [
+    [(n % 23 * 3, 1) for n in range(40)] + [(5, 3)],  # more decodes than one chunk, many lengths
     [(0, 7)],  # one whole prompt
     [(9, 1)],  # one decode
     [(3, 1), (17, 1), (0, 1), (0, 9), (6, 5)],  # decodes of several lengths, a prompt, a chunk after cache

@@ -47,6 +47,7 @@ def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids:
     if group.metrics.first_token_time is None:
         group.metrics.first_token_time = now
     out.token_ids.append(token)
+    out.delta_token_ids.append(token)
     if res.logprob is not None:
         out.logprobs.append({token: res.logprob, **dict(res.top_logprobs)})
         out.cumulative_logprob += res.logprob
@@ -87,6 +88,7 @@ def make_output(group: RequestGroup) -> RequestOutput:
             for c in group.completions]
     for c in group.completions:
         c.delta = ""
+        c.delta_token_ids = []
     group.changed = False
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
                          group.error)

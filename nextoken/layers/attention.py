@@ -49,10 +49,19 @@ class AttentionMetadata:
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """One sequence's keys (or values) ``[seq_len, kv_heads, head_dim]`` from its blocks.
-    cache: ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    """One sequence's keys (or values) ``[kv_heads, seq_len, head_dim]`` from its blocks.
+    cache: ``[kv_heads, num_blocks, block_size, head_dim]`` (one layer)."""
     n_blocks = -(-seq_len // block_size)
-    return cache[block_table[:n_blocks]].flatten(0, 1)[:seq_len]
+    return gather_blocks(cache, block_table[:n_blocks]).flatten(1, 2)[:, :seq_len]
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks out of one layer's cache ``[Hkv, num_blocks, block_size, D]``:
+    block_ids of any shape ``[...]`` -> ``[Hkv, ..., block_size, D]``. (``index_select`` over
+    rows of ``block_size * D`` copies whole rows; plain advanced indexing is about 2x slower.)"""
+    heads, num_blocks, bs, d = cache.shape
+    rows = torch.index_select(cache.view(heads, num_blocks, bs * d), 1, block_ids.flatten())
+    return rows.view(heads, *block_ids.shape, bs, d)
 
 
 def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:
@@ -62,19 +71,19 @@ def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:
 
 
 def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention in float32 for one sequence. q ``[T, H, D]``; k, v ``[S, Hkv, D]``.
+    """Reference attention in float32 for one sequence. q ``[T, H, D]``; k, v ``[Hkv, S, D]``.
     Returns output ``[T, H, D]`` (q's dtype) and probabilities ``[H, T, S]``."""
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    group = q.shape[1] // k.shape[0]
+    kf = k.float().repeat_interleave(group, dim=0)  # [H, S, D]
+    vf = v.float().repeat_interleave(group, dim=0)
     scores = q.float().transpose(0, 1) @ kf.transpose(1, 2) * scale  # [H, T, S]
-    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0]), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[1]), float("-inf"))
     probs = scores.softmax(-1)
     return (probs @ vf).transpose(0, 1).to(q.dtype), probs
 
 
 def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q ``[num_tokens, H, D]``; caches ``[num_blocks, block_size, Hkv, D]`` (this layer).
+    """q ``[num_tokens, H, D]``; caches ``[Hkv, num_blocks, block_size, D]`` (this layer).
     Returns the output ``[num_tokens, H, D]`` and each sequence's probabilities."""
     out = torch.empty_like(q)
     all_probs = []
@@ -96,8 +105,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     for i in range(nd, meta.num_seqs):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len = meta.seq_lens[i]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size).transpose(0, 1)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size).transpose(0, 1)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size)  # [Hkv, S, D]
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size)
         qh = q[a:b].transpose(0, 1)  # [H, T, D]
         if b - a == seq_len:  # the whole sequence is new: plain causal
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -108,24 +117,41 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All single-token sequences at once, as two batched matmuls per KV head group.
+DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk pads little
 
-    Keys and values are gathered into ``[B, Hkv, S_max, D]`` (S_max: the longest sequence,
-    padded); the query heads that share a KV head are stacked (``[B, Hkv, group, D]``), so GQA
-    needs no copy of the keys. Softmax in float32, padded positions masked. (PyTorch's fused CPU
-    kernel is several times slower for one query token.) q: ``[B, H, D]`` -> ``[B, H, D]``.
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All single-token sequences, in chunks of similar length. q: ``[B, H, D]`` -> ``[B, H, D]``."""
+    nd = q.shape[0]
+    seq_lens = torch.tensor(meta.seq_lens[:nd])
+    if nd <= DECODE_CHUNK:
+        return _decode_chunk(q, k_cache, v_cache, meta.block_tables[:nd], seq_lens, meta.block_size, scale)
+    order = torch.argsort(seq_lens)
+    out = torch.empty_like(q)
+    for idx in order.split(DECODE_CHUNK):
+        out[idx] = _decode_chunk(q[idx], k_cache, v_cache, meta.block_tables[idx], seq_lens[idx],
+                                 meta.block_size, scale)
+    return out
+
+
+def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale: float) -> torch.Tensor:
+    """Single-token sequences as two batched matmuls per KV head.
+
+    One gather copies the chunk's blocks into ``[Hkv, B, S_max, D]`` (S_max: its longest
+    sequence; shorter ones are padded and masked), already the layout the matmuls want. The
+    query heads that share a KV head are stacked (``[Hkv, B, group, D]``), so GQA needs no copy
+    of the keys. Softmax in float32. (PyTorch's fused CPU kernel is several times slower for
+    one query token.) q: ``[B, H, D]``; tables ``[B, >= blocks]``; seq_lens ``[B]``.
     """
     nd, num_heads, head_dim = q.shape
-    seq_lens = torch.tensor(meta.seq_lens[:nd])
-    n_blocks = -(-int(seq_lens.max()) // meta.block_size)
-    tables = meta.block_tables[:nd, :n_blocks]  # [B, nb]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    num_kv = k.shape[1]
-    qg = q.view(nd, num_kv, num_heads // num_kv, head_dim)  # [B, Hkv, G, D]
-    scores = (qg @ k.transpose(2, 3)).float() * scale  # [B, Hkv, G, S]
+    num_kv = k_cache.shape[0]
+    n_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = tables[:, :n_blocks]  # [B, nb]
+    k = gather_blocks(k_cache, tables).flatten(2, 3)  # [Hkv, B, S, D]
+    v = gather_blocks(v_cache, tables).flatten(2, 3)
+    qg = q.view(nd, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = (qg @ k.transpose(2, 3)).float() * scale  # [Hkv, B, G, S]
     pad = torch.arange(k.shape[2])[None, :] >= seq_lens[:, None]  # [B, S]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    return (probs @ v).reshape(nd, num_heads, head_dim)
+    scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+    out = scores.softmax(-1).to(v.dtype) @ v  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(nd, num_heads, head_dim)

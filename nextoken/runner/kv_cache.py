@@ -1,8 +1,10 @@
 """The paged KV cache's tensors: keys and values of every layer, in blocks.
 
-``k[layer]`` and ``v[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token
-whose slot is ``s`` lives at ``[s // block_size, s % block_size]``. Which request owns which
-block is decided by `nextoken.engine.kv_cache`.
+``k[layer]`` and ``v[layer]`` are ``[num_kv_heads, num_blocks, block_size, head_dim]``
+(head-major, so gathering a batch's blocks gives ``[heads, batch, tokens, head_dim]``, the
+layout the attention matmuls want, with no further copy); a token whose slot is ``s`` lives at
+``[:, s // block_size, s % block_size]``. Which request owns which block is decided by
+`nextoken.engine.kv_cache`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
         self.config, self.num_blocks, self.block_size, self.dtype = config, num_blocks, block_size, dtype
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
 
@@ -36,7 +38,6 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``."""
-        kl = self.k[layer].view(-1, *k.shape[1:])
-        vl = self.v[layer].view(-1, *v.shape[1:])
-        kl.index_copy_(0, slot_mapping, k)
-        vl.index_copy_(0, slot_mapping, v)
+        heads = k.shape[1]
+        self.k[layer].view(heads, -1, k.shape[2]).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        self.v[layer].view(heads, -1, v.shape[2]).index_copy_(1, slot_mapping, v.transpose(0, 1))
