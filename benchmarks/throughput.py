@@ -44,9 +44,14 @@ def run_nextoken(llm, reqs) -> float:
 
 
 def run_transformers(path, dtype, reqs, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
+    """The same GGUF weights de-quantized to dense `dtype` tensors, as nextoken uses them."""
+    from transformers import AutoModelForCausalLM, GgufConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype,
+        quantization_config=GgufConfig(gguf_file=path.name, dequantize=True)).eval()
+    print(f"  transformers {__import__('transformers').__version__}, weights {model.dtype}, "
+          f"attention {model.config._attn_implementation}")
     pad = 0
     t = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
