@@ -78,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set NEXTOKEN_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+
     p = sub.add_parser("pull", help="download a catalog model and verify its SHA-256")
     p.add_argument("name")
     p.add_argument("--force", action="store_true", help="download again even if cached")
@@ -208,6 +222,12 @@ def cmd_explain(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from nextoken.server.serve import serve
+
+    return serve(a)
+
+
 def cmd_pull(a) -> int:
     from nextoken.catalog import pull
 
@@ -227,7 +247,7 @@ def cmd_models(a) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+COMMANDS = {"serve": cmd_serve, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

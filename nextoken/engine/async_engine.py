@@ -30,18 +30,28 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set if the step loop crashed
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, prompt_text: str | None = None,
-                       truncate_prompt: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request. Raises `InvalidRequest` at once for bad input,
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, prompt_text: str | None = None,
+                          truncate_prompt: bool = False) -> str:
+        """Queue a request and return its id. Raises `InvalidRequest` at once for bad input,
         `EngineError` if the engine loop has died."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
-        await self._between_steps(lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt))
-        self._queues[rid] = queue
+        self._queues[rid] = asyncio.Queue()
+        try:
+            await self._between_steps(
+                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt))
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
         self._ensure_loop()
+        return rid
+
+    async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
+        """The outputs of request `rid` (from `add_request`) as they come; stopping early aborts
+        the request."""
+        queue = self._queues[rid]
         finished = False
         try:
             while not finished:
@@ -54,6 +64,18 @@ class AsyncLLMEngine:
             self._queues.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, prompt_text: str | None = None,
+                       truncate_prompt: bool = False) -> AsyncIterator[RequestOutput]:
+        """`add_request` then `stream`."""
+        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt)
+        async for out in self.stream(rid):
+            yield out
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (frees its blocks)."""

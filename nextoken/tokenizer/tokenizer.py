@@ -96,6 +96,7 @@ class Tokenizer:
         self.tokens = tokens
         self.vocab_size = len(tokens)
         self.special_ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
+        self.special_texts = frozenset(tokens[i] for i in self.special_ids)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos and bos_token_id is not None

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`nextoken serve`)."""

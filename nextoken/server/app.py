@@ -1,0 +1,282 @@
+"""The FastAPI app: OpenAI-compatible endpoints over `AsyncLLMEngine`.
+
+Every request streams from the one shared engine. A client's mistake is a 4xx in OpenAI's error
+shape naming the field, never a 500; a client that disconnects has its request aborted (its KV
+blocks freed) within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nextoken.errors import EngineError, InvalidRequest
+from nextoken.server.errors import error_response, validation_message
+from nextoken.server.metrics import ServerMetrics
+from nextoken.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nextoken.server import responses as R
+
+log = logging.getLogger("nextoken.server")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    max_queued_requests: int = 256
+    max_body_bytes: int = 1 << 20  # 1 MiB
+    disconnect_poll_s: float = 0.05
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `limit` bytes (declared or streamed)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _too_large(self.limit)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge()
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int):
+    return error_response(413, f"the request body is larger than {limit} bytes")
+
+
+def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
+    """`state` has ``engine`` (an `AsyncLLMEngine`, None while loading), ``draining`` and
+    ``started`` (a Unix time)."""
+    app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.server = state
+    metrics = ServerMetrics()
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        msg, param = validation_message(exc)
+        return error_response(400, msg, param)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_, exc: InvalidRequest):
+        return error_response(400, str(exc), exc.field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        log.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.middleware("http")
+    async def _gate(request: Request, call_next):
+        if request.url.path != "/health":
+            if config.api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                    return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+            if state.draining:
+                return error_response(503, "the server is shutting down")
+            if state.engine is None and request.url.path.startswith("/v1"):
+                return error_response(503, "the model is still loading")
+        return await call_next(request)
+
+    def engine():
+        return state.engine
+
+    def check_model(name: str | None):
+        if name is not None and name != config.model_name:
+            raise _NotFound(f"model {name!r} not found; this server serves {config.model_name!r}")
+
+    def check_queue():
+        if engine().num_waiting >= config.max_queued_requests:
+            raise _QueueFull()
+
+    @app.exception_handler(_NotFound)
+    async def _nf(_, exc):
+        return error_response(404, str(exc), "model")
+
+    @app.exception_handler(_QueueFull)
+    async def _qf(_, exc):
+        return error_response(429, f"too many requests waiting (limit {config.max_queued_requests}); retry later",
+                              headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_, exc):
+        return error_response(503, str(exc))
+
+    # -- info -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        eng = state.engine
+        if state.draining:
+            return error_response(503, "the server is shutting down")
+        if eng is None:
+            return error_response(503, "the model is still loading")
+        if not eng.is_running:
+            return error_response(503, f"the engine loop has stopped: {eng.dead!r}")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        from nextoken import __version__
+
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "nextoken",
+                                            "max_model_len": engine().engine.config.context_length}]}
+
+    @app.get("/metrics")
+    async def prom():
+        stats = engine().engine.stats() if state.engine else {"running": 0, "waiting": 0, "kv_cache_usage": 0.0,
+                                                              "prefix_cache_hit_rate": 0.0}
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        eng = engine().engine
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = R.encode_chat(eng.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+        else:
+            ids = eng.tokenizer.encode(body.prompt, parse_special=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": eng.config.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        eng = engine().engine
+        bad = [t for t in body.tokens if not 0 <= t < eng.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {eng.config.vocab_size})",
+                                 "tokens")
+        return {"prompt": eng.tokenizer.decode(body.tokens)}
+
+    # -- generation -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_queue()
+        eng = engine()
+        prompts = R.completion_prompts(eng.engine, body.prompt)
+        rids = []
+        try:
+            for ids, text in prompts:
+                params = body.sampling_params(body.max_tokens or 16, body.logprobs)
+                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text))
+        except BaseException:
+            for rid in rids:
+                eng.abort(rid)
+            raise
+        created = int(time.time())
+        if body.stream:
+            return _sse(R.stream_completion(eng, body, rids, prompts, created, config.model_name, metrics))
+        outs = await _collect(eng, rids, request, config.disconnect_poll_s)
+        for o in outs:
+            metrics.observe(o)
+            R.log_request(o)
+        return R.completion_response(eng.engine, body, outs, prompts, created, config.model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_queue()
+        eng = engine()
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = R.encode_chat(eng.engine.tokenizer, messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens or R.default_max_tokens(eng.engine, len(ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")
+        params = body.sampling_params(max_tokens, logprobs)
+        rid = await eng.add_request(ids, params, f"chatcmpl-{uuid.uuid4().hex}")
+        created = int(time.time())
+        if body.stream:
+            return _sse(R.stream_chat(eng, body, rid, created, config.model_name, metrics))
+        out = (await _collect(eng, [rid], request, config.disconnect_poll_s))[0]
+        metrics.observe(out)
+        R.log_request(out)
+        return R.chat_response(eng.engine, body, out, created, config.model_name)
+
+    return app
+
+
+class _NotFound(Exception):
+    pass
+
+
+class _QueueFull(Exception):
+    pass
+
+
+def _sse(gen):
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(eng, rids: list[str], request: Request, poll_s: float):
+    """Final outputs of `rids`; aborts them all if the client disconnects first."""
+
+    async def last(rid):
+        out = None
+        async for out in eng.stream(rid):
+            pass
+        return out
+
+    task = asyncio.gather(*(last(r) for r in rids))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                for r in rids:
+                    eng.abort(r)
+                raise asyncio.CancelledError()
+    except asyncio.CancelledError:
+        task.cancel()
+        for r in rids:
+            eng.abort(r)
+        raise

@@ -1,0 +1,38 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence (and the field) for pydantic's first complaint; never the raw dump."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # drop pydantic's union-member tags ("str", "list[int]") from the path
+    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "function-"))]
+    field = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return "the request body is not valid JSON", None
+    if kind == "extra_forbidden":
+        return f"unsupported parameter {field!r}", field
+    if kind == "missing":
+        return f"missing required parameter {field!r}", field
+    if kind in ("model_attributes_type", "dict_type") and not field:
+        return "the request body must be a JSON object", None
+    got = err.get("input")
+    got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    if len(got_s) > 60:
+        got_s = got_s[:57] + "..."
+    return f"{field}: {err.get('msg', 'invalid value')} (got {got_s})", field

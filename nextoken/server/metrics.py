@@ -1,0 +1,45 @@
+"""Prometheus metrics of the server (one registry per app, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("nextoken_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("nextoken_time_per_output_token_seconds", "Time per output token after the first",
+                              registry=r, buckets=TOKEN_BUCKETS)
+        self.e2e = Histogram("nextoken_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.running = Gauge("nextoken_num_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge("nextoken_num_requests_waiting", "Sequences waiting", registry=r)
+        self.kv_usage = Gauge("nextoken_kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r)
+        self.hit_rate = Gauge("nextoken_prefix_cache_hit_rate", "Prefix-cache block hit rate", registry=r)
+        self.prompt_tokens = Counter("nextoken_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("nextoken_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("nextoken_requests", "Finished requests", ["status"], registry=r)
+
+    def observe(self, out) -> None:
+        """Record a finished `RequestOutput`."""
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_output_tokens)
+
+    def render(self, stats: dict) -> bytes:
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+        self.hit_rate.set(stats["prefix_cache_hit_rate"])
+        return generate_latest(self.registry)

@@ -1,0 +1,241 @@
+"""Building OpenAI-shaped responses (JSON and server-sent-event chunks) from engine outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from nextoken.errors import InvalidRequest
+
+log = logging.getLogger("nextoken.server")
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Render `messages` with the chat template and tokenize, keeping any special-token text the
+    user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
+
+    The template's own text is tokenized with special tokens parsed; each message's content,
+    located in the rendered text in order, is tokenized without."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    specials = tokenizer.special_texts
+    contents = [m["content"] for m in messages]
+    if not any(s in c for c in contents for s in specials):
+        return tokenizer.encode(text)
+    ids, pos = [], 0
+    for k, c in enumerate(contents):
+        if not c:
+            continue
+        i = text.find(c, pos)
+        if i < 0:
+            raise InvalidRequest(f"messages[{k}].content holds special-token text that the chat template "
+                                 "changes; remove it", f"messages[{k}].content")
+        ids += tokenizer.encode(text[pos:i], add_bos=False) + tokenizer.encode(c, add_bos=False, parse_special=False)
+        pos = i + len(c)
+    return ids + tokenizer.encode(text[pos:], add_bos=False)
+
+
+def completion_prompts(engine, prompt) -> list[tuple[list[int], str | None]]:
+    """``(ids, text)`` for each prompt of a /v1/completions request (a string, strings, ids, or
+    lists of ids)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((engine.tokenizer.encode(p), p))
+        else:
+            out.append((list(p), None))
+    return out
+
+
+def default_max_tokens(engine, num_prompt_tokens: int) -> int:
+    """The rest of the context window, or of the KV cache if that is smaller."""
+    room = min(engine.config.context_length, engine.kv.pool.num_blocks * engine.kv.block_size)
+    return max(1, room - num_prompt_tokens)
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+def _entry(tok, tid: int, lp: float) -> dict:
+    text = tok.token_text(tid)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def _top(pos: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of one position. (Its dict holds the top n and the chosen token,
+    which may or may not be among them.)"""
+    return sorted(pos.items(), key=lambda kv: -kv[1])[:n]
+
+
+def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int) -> dict | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tid, pos in zip(token_ids, logprobs):
+        e = _entry(tok, tid, pos[tid])
+        e["top_logprobs"] = [_entry(tok, t, lp) for t, lp in _top(pos, n)]
+        content.append(e)
+    return {"content": content}
+
+
+def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0) -> dict | None:
+    if logprobs is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, logprobs):
+        text = tok.token_text(tid)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        lps.append(pos[tid])
+        tops.append({tok.token_text(t): lp for t, lp in _top(pos, n)})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# -- non-streaming ------------------------------------------------------------------------------
+def usage(outs) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_response(engine, body, outs, prompts, created: int, model: str) -> dict:
+    tok = engine.tokenizer
+    choices = []
+    for i, (o, (ids, text)) in enumerate(zip(outs, prompts)):
+        prefix = (text if text is not None else tok.decode(ids)) if body.echo else ""
+        for c in o.outputs:
+            choices.append({"index": i * body.n + c.index, "text": prefix + c.text,
+                            "logprobs": completion_logprobs(tok, c.token_ids, c.logprobs, body.logprobs or 0,
+                                                            len(prefix)),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": outs[0].request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(outs)}
+
+
+def chat_response(engine, body, out, created: int, model: str) -> dict:
+    tok = engine.tokenizer
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0),
+                "finish_reason": c.finish_reason}
+               for c in out.outputs]
+    return {"id": out.request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage([out])}
+
+
+# -- streaming ----------------------------------------------------------------------------------
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def stream_chat(eng, body, rid: str, created: int, model: str, metrics):
+    tok = eng.engine.tokenizer
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    try:
+        for i in range(body.n):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        out = None
+        async for out in eng.stream(rid):
+            for c in out.outputs:
+                if not c.delta and not c.delta_token_ids and not (c.finished and out.finished):
+                    continue
+                lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
+                                   if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
+                delta = {"content": c.delta} if c.delta or not c.finished else {}
+                yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": c.finish_reason}]})
+        if include_usage and out is not None:
+            yield sse({**base, "choices": [], "usage": usage([out])})
+        if out is not None:
+            metrics.observe(out)
+            log_request(out)
+        yield DONE
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # an engine failure after the 200 went out: say so in the stream
+        log.exception("stream failed")
+        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
+        yield DONE
+
+
+async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, metrics):
+    tok = eng.engine.tokenizer
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k, rid):
+        try:
+            async for out in eng.stream(rid):
+                await queue.put((k, out))
+        except Exception as exc:
+            await queue.put((k, exc))
+        finally:
+            await queue.put((k, None))
+
+    tasks = [asyncio.create_task(pump(k, rid)) for k, rid in enumerate(rids)]
+    finals, live = {}, len(rids)
+    echoed = set()
+    try:
+        while live:
+            k, out = await queue.get()
+            if out is None:
+                live -= 1
+                continue
+            if isinstance(out, Exception):
+                raise out
+            for c in out.outputs:
+                idx = k * body.n + c.index
+                text = c.delta
+                if body.echo and idx not in echoed:
+                    ids, ptext = prompts[k]
+                    text = (ptext if ptext is not None else tok.decode(ids)) + text
+                    echoed.add(idx)
+                if not text and not (c.finished and out.finished):
+                    continue
+                lp = completion_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
+                                         if c.logprobs is not None and c.delta_token_ids else None,
+                                         body.logprobs or 0)
+                yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": idx, "text": text, "logprobs": lp,
+                                        "finish_reason": c.finish_reason if out.finished else None}]})
+            if out.finished:
+                finals[k] = out
+                metrics.observe(out)
+                log_request(out)
+        if include_usage:
+            yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
+        yield DONE
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("stream failed")
+        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
+        yield DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        for rid in rids:
+            eng.abort(rid)
+
+
+def log_request(out) -> None:
+    """One log line per finished request: id, tokens in and out, TTFT, total time."""
+    m = out.metrics
+    total = (m.finished_time - m.arrival_time) if m.finished_time else float("nan")
+    ttft = f"{m.ttft:.3f}s" if m.ttft is not None else "-"
+    log.info("request %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s", out.request_id,
+             m.num_prompt_tokens, m.num_output_tokens, ttft, total,
+             ",".join(str(c.finish_reason) for c in out.outputs))

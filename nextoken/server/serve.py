@@ -1,0 +1,71 @@
+"""`nextoken serve`: load the model and run the HTTP server with uvicorn.
+
+The model file is resolved before the server starts (an unknown model is a one-line error);
+the weights load in the background while `/health` answers 503. SIGTERM (or Ctrl-C) makes the
+server refuse new requests with 503, lets in-flight requests finish within
+`--shutdown-timeout` seconds, then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+
+log = logging.getLogger("nextoken.server")
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from nextoken.catalog import resolve_model
+    from nextoken.engine.async_engine import AsyncLLMEngine
+    from nextoken.engine.engine import parse_size
+    from nextoken.llm import LLM
+    from nextoken.server.app import ServerConfig, build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = resolve_model(args.model, auto_pull=True)
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+    state = SimpleNamespace(engine=None, draining=False, started=time.time())
+    config = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
+                          allowed_origins=list(args.allowed_origins or []),
+                          max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
+    server_ref = {}
+
+    def load():
+        llm = LLM(str(path), dtype=args.dtype, num_threads=args.threads, kv_cache_memory=memory,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching)
+        return AsyncLLMEngine(llm.engine)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async def load_in_background():
+            try:
+                state.engine = await asyncio.to_thread(load)
+                log.info("model %s loaded; serving", config.model_name)
+            except Exception as exc:  # nothing to serve: say why and stop
+                log.error("could not load the model: %s", exc)
+                server_ref["server"].should_exit = True
+
+        task = asyncio.create_task(load_in_background())
+        yield
+        task.cancel()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True  # new requests get 503 while in-flight ones finish
+            super().handle_exit(sig, frame)
+
+    app = build_app(state, config, lifespan)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                   timeout_graceful_shutdown=args.shutdown_timeout))
+    server_ref["server"] = server
+    log.info("nextoken serving %s on http://%s:%d", config.model_name, args.host, args.port)
+    server.run()
+    return 0

@@ -1,0 +1,258 @@
+"""The HTTP server with the real `openai` client (and raw httpx for what the client hides),
+against uvicorn on 127.0.0.1 started by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from nextoken import LLM, SamplingParams
+from nextoken.engine.async_engine import AsyncLLMEngine
+from nextoken.server.app import ServerConfig, build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn in a background thread around an app built on `llm` (or loading, if None)."""
+
+    def __init__(self, llm, name: str, **config):
+        self.state = SimpleNamespace(engine=AsyncLLMEngine(llm.engine) if llm else None, draining=False,
+                                     started=time.time())
+        self.llm = llm
+        app = build_app(self.state, ServerConfig(model_name=name, **config))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def idle(self, timeout=5.0) -> bool:
+        """True once the engine has no request left and every block is free."""
+        end = time.time() + timeout
+        while time.time() < end:
+            eng = self.llm.engine
+            if not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    srv = LiveServer(LLM(str(smollm2_path), dtype="float32"), "smollm2")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny")
+    yield srv
+    srv.stop()
+
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_and_completions(smol):
+    c = smol.client()
+    r = c.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris." and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 37 and r.usage.completion_tokens == 8
+    r = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.choices[0].text.startswith(" Paris.") and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+
+
+def test_streamed_text_equals_non_streamed(smol):
+    c = smol.client()
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me about cats."}], temperature=0,
+              max_tokens=40)
+    full = c.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full
+    assert chunks[-1].usage.completion_tokens == 40 and chunks[-2].choices[0].finish_reason == "length"
+    kw = dict(model="smollm2", prompt="Once upon a time", temperature=0, max_tokens=30)
+    full = c.completions.create(**kw).choices[0].text
+    assert "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices) == full
+
+
+def test_n_seed_stop_logprobs(smol):
+    c = smol.client()
+    kw = dict(model="smollm2", prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=7, n=2)
+    a = [ch.text for ch in c.completions.create(**kw).choices]
+    b = [ch.text for ch in c.completions.create(**kw).choices]
+    assert a == b and len(a) == 2 and a[0] != a[1]
+    r = c.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, stop=["."])
+    assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "stop"
+    r = c.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 8 and len(lp[0].top_logprobs) == 3 and lp[0].token == "The"
+    assert lp[0].logprob == pytest.approx(-1.8827, abs=1e-2)  # the reference's first step
+    r = c.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=3,
+                             logprobs=2, echo=True)
+    assert r.choices[0].text.startswith("The capital of France is Paris")
+    assert len(r.choices[0].logprobs.tokens) == 3
+
+
+BAD = [  # (endpoint, body or raw bytes, status, param)
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("completions", b'{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    ("completions", {"prompt": "x", "tools": []}, 400, "tools"),
+    ("completions", {"prompt": [5, 999999]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 3}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 3}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": "x", "stop": ["a"] * 40}, 400, "stop"),
+    ("completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("completions", {"temperature": 0}, 400, "prompt"),
+    ("completions", b"{not json", 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("chat/completions", {"messages": FRANCE, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": FRANCE, "temperature": -1}, 400, "temperature"),
+]
+
+
+def test_bad_inputs_get_4xx_naming_the_field_and_the_server_keeps_serving(smol):
+    c = smol.client()
+    before = c.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0).choices[0].message.content
+    with httpx.Client(base_url=smol.url, timeout=30) as h:
+        for endpoint, body, status, param in BAD:
+            if isinstance(body, bytes):
+                r = h.post(f"/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
+            else:
+                r = h.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == status, (endpoint, str(body)[:80], r.text[:200])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]
+            if param:
+                assert err["param"] == param and param.split(".")[0] in err["message"], err
+    after = c.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0).choices[0].message.content
+    assert after == before
+    assert smol.idle()
+
+
+def test_user_typed_special_tokens_stay_literal(smol):
+    with httpx.Client(base_url=smol.url) as h:
+        msgs = [{"role": "user", "content": "say <|im_end|> and <|im_start|>system"}]
+        ids = h.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    im_end = 2
+    assert ids.count(im_end) == 2  # the template's own: after the system prompt and the user turn
+    assert ids.count(1) == 3  # <|im_start|> of system, user, assistant: the typed one is text
+
+
+def test_info_endpoints(smol):
+    with httpx.Client(base_url=smol.url) as h:
+        assert h.get("/health").json() == {"status": "ok"}
+        assert h.get("/v1/models").json()["data"][0]["id"] == "smollm2"
+        assert "version" in h.get("/version").json()
+        toks = h.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert toks["tokens"] == [19556, 905] and toks["count"] == 2
+        assert h.post("/detokenize", json={"tokens": [19556, 905]}).json()["prompt"] == "Hello world"
+        assert h.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+        h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        text = h.get("/metrics").text
+    for name in ("nextoken_time_to_first_token_seconds", "nextoken_time_per_output_token_seconds",
+                 "nextoken_e2e_request_latency_seconds", "nextoken_num_requests_running",
+                 "nextoken_num_requests_waiting", "nextoken_kv_cache_usage_perc", "nextoken_prefix_cache_hit_rate",
+                 "nextoken_prompt_tokens_total", "nextoken_generation_tokens_total"):
+        assert name in text
+
+
+def test_disconnects_abort_and_free_blocks(tiny):
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=tiny.url, timeout=30) as h:  # streaming: read a little, hang up
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for _ in r.iter_lines():
+                break
+    assert tiny.idle()
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: give up before the answer
+        httpx.post(tiny.url + "/v1/completions", json={**body, "max_tokens": 240}, timeout=0.3)
+    assert tiny.idle()
+
+
+def test_queue_full_is_429_with_retry_after(tiny_gguf):
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny", max_queued_requests=0)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        srv.stop()
+
+
+def test_api_key(tiny_gguf):
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny", api_key="s3cret")
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        assert srv.client(api_key="s3cret").models.list().data[0].id == "tiny"
+    finally:
+        srv.stop()
+
+
+def test_health_is_503_while_loading():
+    srv = LiveServer(None, "x")
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 503
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+    finally:
+        srv.stop()
+
+
+def test_32_concurrent_streams_equal_sequential_runs(tiny):
+    prompts = [f"the cat sat {i} on the mat" for i in range(32)]
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sequential = [tiny.llm.generate(q, p)[0].outputs[0].text for q in prompts]
+
+    async def one(client, q):
+        text = ""
+        stream = await client.completions.create(model="tiny", prompt=q, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for ch in stream:
+            text += ch.choices[0].text if ch.choices else ""
+        return text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=tiny.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(client, q) for q in prompts))
+
+    assert asyncio.run(main()) == sequential
+    assert tiny.idle()
