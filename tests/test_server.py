@@ -256,3 +256,44 @@ def test_32_concurrent_streams_equal_sequential_runs(tiny):
 
     assert asyncio.run(main()) == sequential
     assert tiny.idle()
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nextoken.cli", "serve", "--model", str(tiny_gguf["llama"][0]),
+                             "--port", str(port), "--dtype", "float32", "--shutdown-timeout", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        body = {"prompt": "the cat", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    os.kill(proc.pid, signal.SIGTERM)  # mid-stream
+                    time.sleep(0.2)
+                    try:  # a new request is refused: 503, or no connection at all
+                        assert httpx.get(url + "/v1/models", timeout=5).status_code == 503
+                    except httpx.TransportError:
+                        pass
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[6:]) for x in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -61,6 +62,8 @@ def serve(args) -> int:
         def handle_exit(self, sig, frame):
             state.draining = True  # new requests get 503 while in-flight ones finish
             super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a requested, graceful stop: exit 0 afterwards, not by the signal
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     app = build_app(state, config, lifespan)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
