@@ -115,9 +115,10 @@ class LLM:
 
     def _run_all(self, prompts, params, truncate) -> list[RequestOutput]:
         engine = self.engine
-        for p, sp in zip(prompts, params):  # validate everything first: one bad prompt runs none
-            engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
-        ids = [engine.add_request(p, sp, truncate_prompt=truncate) for p, sp in zip(prompts, params)]
+        encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
+                   for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
+        ids = [engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None)
+               for e, p, sp in zip(encoded, prompts, params)]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(ids):
