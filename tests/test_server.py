@@ -297,3 +297,18 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_cors_closed_unless_origins_are_given(tiny, tiny_gguf):
+    pre = {"origin": "http://example.test", "access-control-request-method": "POST"}
+    r = httpx.options(tiny.url + "/v1/completions", headers=pre)
+    assert "access-control-allow-origin" not in r.headers
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny",
+                     allowed_origins=["http://example.test"])
+    try:
+        r = httpx.options(srv.url + "/v1/completions", headers=pre)
+        assert r.headers.get("access-control-allow-origin") == "http://example.test"
+        other = httpx.options(srv.url + "/v1/completions", headers={**pre, "origin": "http://evil.test"})
+        assert other.headers.get("access-control-allow-origin") != "http://evil.test"
+    finally:
+        srv.stop()

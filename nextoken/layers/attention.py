@@ -123,6 +123,10 @@ DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk p
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All single-token sequences, in chunks of similar length. q: ``[B, H, D]`` -> ``[B, H, D]``."""
     nd = q.shape[0]
+    if nd == 1:  # a lone decode: one fused call over exactly its keys, no padding or mask
+        k = gather_kv(k_cache, meta.block_tables[0], meta.seq_lens[0], meta.block_size)
+        v = gather_kv(v_cache, meta.block_tables[0], meta.seq_lens[0], meta.block_size)
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, scale=scale, enable_gqa=True).transpose(0, 1)
     seq_lens = torch.tensor(meta.seq_lens[:nd])
     if nd <= DECODE_CHUNK:
         return _decode_chunk(q, k_cache, v_cache, meta.block_tables[:nd], seq_lens, meta.block_size, scale)
