@@ -153,7 +153,8 @@ def cmd_run(a) -> int:
         sys.stderr.write(
             f"[stats] model {a.model} ({a.dtype}) | prompt tokens {m.num_prompt_tokens} | output tokens {n_out} "
             f"({out.outputs[0].finish_reason}) | TTFT {m.ttft:.3f} s | prefill {m.prefill_tokens_per_s:.1f} tok/s | "
-            f"decode {dec} | peak memory {_peak_rss_mib():.0f} MiB | load {llm.runner.load_time:.2f} s\n")
+            f"decode {dec} | peak memory {_peak_rss_mib():.0f} MiB (weights {llm.runner.weight_bytes / 2**20:.0f} MiB, "
+            f"KV cache {llm.runner.kv.nbytes / 2**20:.0f} MiB) | load {llm.runner.load_time:.2f} s\n")
     return 0
 
 

@@ -7,7 +7,7 @@ A user's request is a `RequestGroup` of `n` sequences (`Request`s); each sequenc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from nextoken.engine.request import Request
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -27,7 +27,7 @@ class RequestGroup:
     completions: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None
-    changed: bool = field(default=True)
+    changed: bool = False  # something to report since the last output
 
     @property
     def finished(self) -> bool:

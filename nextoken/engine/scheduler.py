@@ -26,10 +26,6 @@ class SchedulerOutput:
     scheduled: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.scheduled.values())
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
