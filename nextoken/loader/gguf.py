@@ -106,6 +106,13 @@ class GGUFFile:
             out[start : start + part.shape[0]] = dequantize(part, type_name, (part.shape[0], *shape[1:]))
         return out
 
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s stored bytes (quantized blocks), uint8 ``[rows, bytes_per_row]``, copied."""
+        t = self._get(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(self.tensor_shape(name)[0], -1)
+
     def _get(self, name: str):
         if name not in self._tensors:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the GGUF file")

@@ -19,6 +19,7 @@ from nextoken.errors import ModelLoadError
 from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
+from nextoken.layers.quant_linear import int4_groups, int4_supported, pack_int4
 from nextoken.layers.norm import rms_norm
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
 from nextoken.runner.kv_cache import PagedKVCache
@@ -142,19 +143,30 @@ class LlamaForCausalLM(torch.nn.Module):
                 m[p + f"ffn_{g}.weight"] = (f"layers.{i}.mlp.{g}_proj.weight", None)
         return m
 
-    def load_gguf(self, f) -> None:
+    def load_gguf(self, f, int4: bool = True) -> None:
         """Copy every tensor of `GGUFFile` f into our parameters (de-quantized to our dtype).
 
-        Raises `ModelLoadError` naming a tensor that is missing or has the wrong shape.
+        With `int4` (and bf16), linear weights stored in a 4-bit format also keep a packed copy
+        for small batches (`layers.linear.Linear`). Raises `ModelLoadError` naming a tensor that
+        is missing or has the wrong shape.
         """
         params = dict(self.named_parameters())
         for gguf_name, (ours, heads) in self.gguf_weight_map().items():
+            target = params[ours]
+            shape = f.tensor_shape(gguf_name) if f.has_tensor(gguf_name) else None
+            if shape is not None and shape != tuple(target.shape):
+                raise ModelLoadError(f"tensor {gguf_name} has shape {shape}, expected {tuple(target.shape)}")
+            if int4 and ours.endswith(".weight") and int4_supported(f.tensor_type(gguf_name), *target.shape, self.dtype):
+                self._load_int4(f, gguf_name, ours, heads)
             w = f.tensor(gguf_name, self.dtype)
             if heads is not None:
                 w = unpermute_qk(w, heads)
-            target = params[ours]
-            if tuple(w.shape) != tuple(target.shape):
-                raise ModelLoadError(
-                    f"tensor {gguf_name} has shape {tuple(w.shape)}, expected {tuple(target.shape)}"
-                )
             target.data.copy_(w)
+
+    def _load_int4(self, f, gguf_name: str, ours: str, heads: int | None) -> None:
+        module = self.get_submodule(ours.rsplit(".", 1)[0])
+        q, scale, zero = int4_groups(f.raw(gguf_name), f.tensor_type(gguf_name), module.out_features,
+                                     module.in_features)
+        if heads is not None:
+            q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
+        module.set_int4(*pack_int4(q, scale, zero, self.dtype))

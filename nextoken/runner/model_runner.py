@@ -44,23 +44,28 @@ class ModelRunner:
     """Owns the model weights and the KV cache tensors; runs batched forward passes.
 
     dtype: weights and activations (float32 is the reference; bfloat16 uses this CPU's AMX
-    units). reference: plain attention instead of the fused kernels.
+    units). reference: plain attention instead of the fused kernels. int4: with bfloat16, keep
+    4-bit GGUF linear weights packed (weight-only int4 matmul) instead of de-quantizing them.
     """
 
-    def __init__(self, gguf: GGUFFile, dtype: torch.dtype = torch.float32, reference: bool = False):
+    def __init__(self, gguf: GGUFFile, dtype: torch.dtype = torch.float32, reference: bool = False,
+                 int4: bool = True):
         self.config: ModelConfig = read_model_config(gguf)
         self.dtype = dtype
         self.reference = reference
         t0 = time.perf_counter()
         self.model = model_class(self.config.architecture)(self.config, dtype)
-        self.model.load_gguf(gguf)
+        self.model.load_gguf(gguf, int4=int4)
         self.model.eval()
         self.load_time = time.perf_counter() - t0
         self.kv: PagedKVCache | None = None
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.model.parameters())
+        linears = [m for m in self.model.modules() if hasattr(m, "int4")]
+        in_linears = {id(p) for m in linears for p in m.parameters()}
+        return (sum(m.nbytes for m in linears)
+                + sum(p.nbytes for p in self.model.parameters() if id(p) not in in_linears))
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype)
