@@ -194,15 +194,24 @@ def test_info_endpoints(smol):
 
 
 def test_disconnects_abort_and_free_blocks(tiny):
-    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    engine = tiny.llm.engine
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    aborted = engine.stats()["num_aborted"]
     with httpx.Client(base_url=tiny.url, timeout=30) as h:  # streaming: read a little, hang up
         with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for _ in r.iter_lines():
                 break
-    assert tiny.idle()
-    with pytest.raises(httpx.ReadTimeout):  # non-streaming: give up before the answer
-        httpx.post(tiny.url + "/v1/completions", json={**body, "max_tokens": 240}, timeout=0.3)
-    assert tiny.idle()
+    assert tiny.idle() and engine.stats()["num_aborted"] == aborted + 1
+    # non-streaming: hang up as soon as the engine holds the request (long before 240 tokens)
+    raw = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", tiny.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        for _ in range(500):
+            if engine.has_unfinished_requests():
+                break
+            time.sleep(0.002)
+    assert tiny.idle() and engine.stats()["num_aborted"] == aborted + 2
 
 
 def test_queue_full_is_429_with_retry_after(tiny_gguf):

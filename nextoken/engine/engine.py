@@ -82,6 +82,7 @@ class LLMEngine:
         self._seq_group: dict[Request, RequestGroup] = {}
         self._ids = itertools.count()
         self.tracer = None  # set by `LLM.stream(..., tracer=)` for a single request
+        self.num_aborted = 0  # requests aborted before they finished
 
     # -- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], params: SamplingParams, truncate: bool = False) -> list[int]:
@@ -155,6 +156,8 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        if not group.finished:
+            self.num_aborted += 1
         for s in group.seqs:
             if not s.finished:
                 self.scheduler.finish(s)
@@ -211,7 +214,7 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
                 "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
 
 
 def parse_size(text: str) -> int:

@@ -67,6 +67,35 @@ class BodyLimit:
             await _too_large(self.limit)(scope, receive, send)
 
 
+class Gate:
+    """ASGI middleware: the API key (every route but /health), 503 while draining or loading.
+
+    A pure ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one wraps ``receive``
+    so that ``request.is_disconnected()`` never sees the client hang up."""
+
+    def __init__(self, app, state, config: "ServerConfig"):
+        self.app, self.state, self.config = app, state, config
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope):
+        if self.expected is not None:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+        if self.state.draining:
+            return error_response(503, "the server is shutting down")
+        if self.state.engine is None and scope["path"].startswith("/v1"):
+            return error_response(503, "the model is still loading")
+        return None
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -85,6 +114,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(Gate, state=state, config=config)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
@@ -103,19 +133,6 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     async def _internal(_, exc: Exception):
         log.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        if request.url.path != "/health":
-            if config.api_key is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                    return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
-            if state.draining:
-                return error_response(503, "the server is shutting down")
-            if state.engine is None and request.url.path.startswith("/v1"):
-                return error_response(503, "the model is still loading")
-        return await call_next(request)
 
     def engine():
         return state.engine
