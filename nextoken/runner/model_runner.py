@@ -56,7 +56,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = model_class(self.config.architecture)(self.config, dtype)
         self.model.load_gguf(gguf, int4=int4)
-        self.model.eval()
         self.load_time = time.perf_counter() - t0
         self.kv: PagedKVCache | None = None
 
