@@ -134,3 +134,13 @@ def test_logprobs_are_of_the_raw_distribution():
     assert math.isclose(res.logprob, float(raw[res.token]), rel_tol=1e-6)
     assert [t for t, _ in res.top_logprobs] == raw.topk(4).indices.tolist()
     assert all(a >= b for (_, a), (_, b) in zip(res.top_logprobs, res.top_logprobs[1:]))
+
+
+def test_the_callers_logits_are_never_changed():
+    """Penalties edit a copy: the raw logits stay intact for logprobs and `nextoken explain`."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(8))
+    before = logits.clone()
+    p = SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5,
+                       logit_bias={3: 50.0}, min_tokens=5)
+    Sampler(eog_ids=frozenset({1}))(logits, [row(p, prompt=[4, 5], output=[6, 6]), row(SamplingParams(temperature=0))])
+    assert torch.equal(logits, before)

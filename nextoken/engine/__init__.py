@@ -1,1 +1,1 @@
-"""Request state and the generation loop (continuous batching comes in engine/engine.py)."""
+"""The engine: requests, the scheduler, the paged KV cache bookkeeping, the step loop."""

@@ -93,9 +93,7 @@ class GGUFFile:
         """
         t = self._get(name)
         shape = self.tensor_shape(name)
-        with warnings.catch_warnings():  # the memmap is read-only; we never write through it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.asarray(t.data))
+        raw = self._view(t)
         type_name = t.tensor_type.name
         if len(shape) < 2 or shape[0] <= chunk_rows:
             return dequantize(raw, type_name, shape).to(dtype)
@@ -109,9 +107,14 @@ class GGUFFile:
     def raw(self, name: str) -> torch.Tensor:
         """Tensor `name`'s stored bytes (quantized blocks), uint8 ``[rows, bytes_per_row]``, copied."""
         t = self._get(name)
-        with warnings.catch_warnings():
+        return self._view(t).view(torch.uint8).reshape(self.tensor_shape(name)[0], -1).clone()
+
+    @staticmethod
+    def _view(t) -> torch.Tensor:
+        """The tensor's data as torch, without a copy (a view of the read-only memmap)."""
+        with warnings.catch_warnings():  # torch warns that the memmap is not writable; we never write
             warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(self.tensor_shape(name)[0], -1)
+            return torch.from_numpy(np.asarray(t.data))
 
     def _get(self, name: str):
         if name not in self._tensors:

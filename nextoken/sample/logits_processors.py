@@ -1,6 +1,7 @@
 """Per-request edits of the logits before sampling: penalties, bias, blocked tokens.
 
-Each function edits one row of float32 logits ``[vocab]`` in place and returns it. Order (as in
+The ``apply_*`` functions edit one row of float32 logits ``[vocab]`` in place and return it;
+`process_logits` copies the row first, and only when an edit applies. Order (as in
 vLLM): min_tokens block -> logit bias -> repetition -> presence/frequency penalties.
 """
 
@@ -34,7 +35,13 @@ def apply_presence_frequency(logits: torch.Tensor, output_counts: torch.Tensor, 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                    output_ids: list[int], eog_ids: frozenset[int]) -> torch.Tensor:
-    """Apply every enabled processor of `params` to one row ``[vocab]`` (in place)."""
+    """Apply every enabled processor of `params` to one row ``[vocab]``. Returns the row itself
+    when nothing applies (the common greedy case costs no copy), else an edited copy: the
+    caller's logits are never changed."""
+    if not (len(output_ids) < params.min_tokens or params.logit_bias or params.repetition_penalty != 1.0
+            or params.presence_penalty or params.frequency_penalty):
+        return logits
+    logits = logits.clone()
     if len(output_ids) < params.min_tokens:
         blocked = [i for i in (*eog_ids, *params.stop_token_ids) if i < logits.shape[0]]
         logits[blocked] = float("-inf")

@@ -87,7 +87,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if need_lp else None
         results = []
         for i, row in enumerate(rows):
-            res = self._sample_row(logits[i].clone(), row, keep_details)
+            res = self._sample_row(logits[i], row, keep_details)
             if row.params.logprobs is not None:
                 lp = raw_logprobs[i]
                 res.logprob = float(lp[res.token])
