@@ -1,4 +1,4 @@
-"""Command line: ``nextoken run | chat | explain | pull | models``.
+"""Command line: ``nextoken run | chat | explain | serve | bench | pull | models``.
 
 Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
 """
@@ -21,10 +21,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="weights and activations dtype (default bfloat16, fast on AMX CPUs; float32 is the "
                         "exact reference)")
-    p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: one per core)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every layer eagerly: no compiled functions (the reference path)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the paged KV cache, e.g. 512MiB or 2GiB (default: one full context)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per sequence, prompt + output (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes")
 
@@ -97,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
     sub.add_parser("models", help="list the catalog and what is cached")
+
+    p = sub.add_parser("bench", help="prefill, decode, batched throughput and peak memory (optionally vs llama.cpp)")
+    from nextoken.bench import add_arguments
+
+    add_arguments(p)
     return parser
 
 
@@ -126,7 +135,8 @@ def _load(a):
         raise InvalidRequest(f"--block-size must be >= 1, got {a.block_size}", "block_size")
     memory = parse_size(a.kv_cache_memory) if a.kv_cache_memory else None
     return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1, kv_cache_memory=memory,
-               block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching)
+               block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching, max_model_len=a.max_model_len,
+               enforce_eager=a.enforce_eager)
 
 
 def _peak_rss_mib() -> float:
@@ -248,7 +258,15 @@ def cmd_models(a) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+def cmd_bench(a) -> int:
+    from nextoken.bench import run
+
+    if a.model is None:
+        a.model = DEFAULT_MODEL
+    return run(a)
+
+
+COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

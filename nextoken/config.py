@@ -57,3 +57,4 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context

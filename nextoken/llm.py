@@ -35,24 +35,29 @@ class LLM:
     kv_cache_memory: bytes for the paged KV cache (default: a quarter of free memory, at most
     4 GiB); block_size: tokens per KV block; enable_prefix_caching: reuse the KV of shared
     prompt prefixes; max_num_seqs / max_num_batched_tokens: per-step limits;
-    enable_chunked_prefill: split long prompts over steps.
+    enable_chunked_prefill: split long prompts over steps; max_model_len: most tokens per
+    sequence (prompt + output; default the model's context length), which also bounds the
+    default KV cache. num_threads: compute threads (default one per core the process may use);
+    enforce_eager: no compiled functions (`nextoken.layers.compiled`), the reference path.
     Raises `ModelLoadError` when the model cannot be found or read.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", reference_attention: bool = False,
                  auto_pull: bool = True, num_threads: int | None = None, kv_cache_memory: int | None = None,
                  num_kv_blocks: int = 0, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True):
-        import torch
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 max_model_len: int | None = None, enforce_eager: bool = False):
+        from nextoken.layers.compiled import set_enforce_eager
+        from nextoken.runner.threads import configure_threads
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        configure_threads(num_threads)
+        set_enforce_eager(enforce_eager)
         self.model_path = resolve_model(model, auto_pull=auto_pull)
         self.model_name = model
         self.engine = LLMEngine(
             GGUFFile(self.model_path), parse_dtype(dtype),
             CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
             reference_attention)
         self.tokenizer = self.engine.tokenizer
         self.runner = self.engine.runner

@@ -102,6 +102,19 @@ def test_context_window_is_enforced(tiny):
     assert len(out.outputs[0].token_ids) <= 10
 
 
+def test_max_model_len_caps_the_context_and_the_default_kv_cache(tiny):
+    from nextoken.llm import LLM
+
+    small = LLM(str(tiny.model_path), dtype="float32", max_num_seqs=1, max_model_len=64)
+    assert small.engine.max_model_len == 64
+    # one sequence of 64 tokens: 4 blocks of 16, not the 16 blocks of the full 256-token context
+    assert small.engine.kv.pool.num_blocks == 4
+    with pytest.raises(InvalidRequest, match="70 > the context length 64 .max_model_len."):
+        small.generate([1] * 60, SamplingParams(max_tokens=10))
+    out = small.generate([5, 6, 7], SamplingParams(max_tokens=61, temperature=0, ignore_eos=True))[0]  # fills 4 blocks
+    assert len(out.outputs[0].token_ids) == 61 and out.outputs[0].finish_reason == "length"
+
+
 def test_bad_prompts(tiny):
     with pytest.raises(InvalidRequest, match="empty"):
         tiny.generate("", SamplingParams())

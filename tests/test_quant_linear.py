@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.quant_linear import int4_groups, int4_linear, pack_int4
+from nextoken.layers.compiled import enforce_eager, set_enforce_eager
+from nextoken.layers.linear import Linear
+from nextoken.layers.quant_linear import int4_groups, int4_linear, int4_unpack, pack_int4
 from nextoken.loader.dequant import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
 from tests.test_dequant import random_blocks
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
-BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32}
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK))
@@ -21,23 +23,58 @@ def test_groups_reproduce_the_dequantized_weight(type_name):
     rows, cols = 32, 512
     raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=11))
     w = dequantize(raw, type_name, (rows, cols))
-    q, scale, zero = int4_groups(raw, type_name, rows, cols)
-    assert q.min() >= 0 and q.max() <= 15
-    rebuilt = (q - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+    parts = int4_groups(raw, type_name, rows, cols)
+    assert len(parts) == (2 if type_name == "Q8_0" else 1)  # Q8_0: high and low nibbles
+    rebuilt = torch.zeros(rows, cols)
+    for q, scale, zero in parts:
+        assert q.min() >= 0 and q.max() <= 15
+        rebuilt += (q - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
     assert ((rebuilt - w).abs().max() / w.abs().max()) < 1e-6
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK))
 def test_int4_kernel_equals_reference_matmul(type_name):
-    rows, cols = 48, 512
+    rows, cols = 128, 512
     raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=12))
     w = dequantize(raw, type_name, (rows, cols))
-    packed, sz = pack_int4(*int4_groups(raw, type_name, rows, cols), torch.bfloat16)
+    parts = [pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, type_name, rows, cols)]
     for t in (1, 7):
         x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
         ref = x @ w.T
-        out = int4_linear(x.to(torch.bfloat16), packed, sz).float()
+        out = sum(int4_linear(x.to(torch.bfloat16), packed, sz).float() for packed, sz, _ in parts)
         assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK))
+def test_unpacked_weight_equals_reference(type_name):
+    """The bf16 expansion used for many rows: exact with float32 scales, eager and compiled."""
+    rows, cols = 128, 256
+    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=13))
+    w = dequantize(raw, type_name, (rows, cols))
+    parts = [pack_int4(*p, torch.float32) for p in int4_groups(raw, type_name, rows, cols)]
+    assert (sum(int4_unpack(nib, sz) for _, sz, nib in parts) - w).abs().max() <= 1e-6 * w.abs().max()
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_linear_paths_agree(eager):
+    """Few rows (int4 kernel) and many rows (expanded weight + bf16 matmul, compiled or eager)
+    give the same rows, and both match the float32 reference."""
+    rows, cols = 192, 256
+    raw = torch.from_numpy(random_blocks("Q8_0", rows * cols // 32, seed=14))
+    w = dequantize(raw, "Q8_0", (rows, cols))
+    lin = Linear(cols, rows, False, torch.bfloat16)
+    lin.set_int4([pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, "Q8_0", rows, cols)])
+    x = torch.randn(Linear.INT4_MAX_TOKENS + 20, cols, generator=torch.Generator().manual_seed(3))
+    before = enforce_eager()
+    set_enforce_eager(eager)
+    try:
+        many = lin(x.to(torch.bfloat16)).float()
+    finally:
+        set_enforce_eager(before)
+    few = torch.cat([lin(x[i : i + 4].to(torch.bfloat16)).float() for i in range(0, len(x), 4)])
+    ref = x @ w.T
+    assert ((many - ref).norm() / ref.norm()) < 1e-2
+    assert ((few - many).norm() / ref.norm()) < 1e-2
 
 
 def test_int4_model_close_to_float32_reference(tmp_path):
@@ -55,5 +92,5 @@ def test_int4_model_close_to_float32_reference(tmp_path):
     assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02
     assert int(f32.argmax()) == int(b16.argmax())
     ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
-    long = list(range(3, 43))  # 40 rows: the dense bf16 path of the same layers
+    long = list(range(3, 3 + Linear.INT4_MAX_TOKENS + 12))  # the expanded bf16 path of the same layers
     assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02

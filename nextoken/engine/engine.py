@@ -64,15 +64,21 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.runner = ModelRunner(gguf, dtype, reference=reference_attention)
         self.config = self.runner.config
+        ctx = self.config.context_length
+        if scheduler.max_model_len is not None and not 1 <= scheduler.max_model_len:
+            raise InvalidRequest(f"max_model_len must be >= 1, got {scheduler.max_model_len}", "max_model_len")
+        # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)
+        self.max_model_len = min(ctx, scheduler.max_model_len or ctx)
         per_block = bytes_per_block(self.config, cache.block_size, dtype)
         # default budget: a share of free memory, but no more than max_num_seqs full contexts
-        full = scheduler.max_num_seqs * -(-self.config.context_length // cache.block_size) * per_block
+        full = scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size) * per_block
         budget = cache.memory_bytes or min(default_kv_memory(), full)
         num_blocks = cache.num_blocks or max(1, budget // per_block)
         self.cache_config = cache
         if not scheduler.enable_chunked_prefill:  # a whole prompt must fit in one step
             scheduler = SchedulerConfig(scheduler.max_num_seqs,
-                                        max(scheduler.max_num_batched_tokens, self.config.context_length), False)
+                                        max(scheduler.max_num_batched_tokens, self.max_model_len), False,
+                                        scheduler.max_model_len)
         self.scheduler_config = scheduler
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.runner.init_kv_cache(num_blocks, cache.block_size)
@@ -104,12 +110,12 @@ class LLMEngine:
             raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
         if not ids:
             raise InvalidRequest("prompt is empty", "prompt")
-        ctx = self.config.context_length
+        ctx = self.max_model_len
         if len(ids) + params.max_tokens > ctx:
             if not truncate or params.max_tokens >= ctx:
                 raise InvalidRequest(
                     f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                    f"{len(ids) + params.max_tokens} > the model's context length {ctx}; shorten the "
+                    f"{len(ids) + params.max_tokens} > the context length {ctx} (max_model_len); shorten the "
                     "prompt, lower max_tokens, or truncate the prompt (truncate_prompt)", "max_tokens")
             ids = ids[len(ids) + params.max_tokens - ctx :]
         return ids
@@ -203,7 +209,7 @@ class LLMEngine:
             group = self._seq_group[r]
             if self.tracer is not None:
                 self.tracer.on_sample(logits[i], res, r.params)
-            if process_token(group, r, res, self.tokenizer.eog_token_ids, self.config.context_length):
+            if process_token(group, r, res, self.tokenizer.eog_token_ids, self.max_model_len):
                 self.scheduler.finish(r)
                 finish_sequence(group, r)
 

@@ -8,8 +8,18 @@ Each GGML 4-bit format maps onto that exactly (ggml-common.h block layouts):
 - Q4_1: ``x = d * q + m``              -> scale d, zero m + 8 d
 - Q4_K: ``x = d sc_j * q - dmin m_j``  -> scale d sc_j, zero 8 d sc_j - dmin m_j (per 32-group j)
 
+Q8_0 (``x = d * q``, q a signed byte) is split into two 4-bit halves, ``q = 16 hi + lo`` with
+``lo = q & 15`` and ``hi = q >> 4`` (arithmetic shift), so ``W = W_hi + W_lo`` with
+``W_hi``: scale 16 d, zero 0 and ``W_lo``: scale d, zero 8 d; the int8 weights then cost two
+int4 matmuls (half the bytes of bf16 in all), with no change to the values.
+
 The mapping is the formula rearranged, so it equals the de-quantized float32 weights
-(`nextoken.loader.dequant`, the reference) up to float32 rounding; tests compare both.
+(`nextoken.loader.dequant`, the reference) up to the rounding of the scales to the activation
+dtype; tests compare both.
+
+For many rows (prefill, big batches) the int4 kernel is slower than a bf16 matmul on this CPU's
+matrix units, so `int4_unpack` expands the 4-bit weight to bf16 just for that call (about
+0.3 ms per million weights, compiled) instead of keeping a dense copy in memory.
 """
 
 from __future__ import annotations
@@ -19,12 +29,20 @@ import torch
 from nextoken.loader.dequant import _f16, _nibbles, _q4_k_scales
 
 GROUP = 32
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+PACK_ROWS = 64  # the CPU kernel packs rows in blocks of 64
 
 
-def int4_groups(raw: torch.Tensor, type_name: str, rows: int, cols: int):
-    """Raw blocks of a ``[rows, cols]`` 4-bit tensor -> (q int32 ``[rows, cols]`` in 0..15,
-    scale ``[rows, cols // 32]``, zero ``[rows, cols // 32]``), float32."""
+def int4_groups(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> list[tuple]:
+    """Raw blocks of a ``[rows, cols]`` tensor -> a list of int4 parts whose weights sum to it:
+    each (q int32 ``[rows, cols]`` in 0..15, scale ``[rows, cols // 32]``, zero
+    ``[rows, cols // 32]``), float32. One part for the 4-bit formats, two for Q8_0."""
+    if type_name == "Q8_0":
+        b = raw.reshape(-1, 34)
+        d = _f16(b, 0)
+        q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
+        hi, lo = (q >> 4) + 8, q & 15
+        return [_shaped(hi, 16 * d, torch.zeros_like(d), rows, cols), _shaped(lo, d, 8 * d, rows, cols)]
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
         d = _f16(b, 0)
@@ -45,15 +63,20 @@ def int4_groups(raw: torch.Tensor, type_name: str, rows: int, cols: int):
         zero = (8 * d * sc - dmin * mn).reshape(-1, 1)
     else:
         raise ValueError(f"{type_name} is not a 4-bit format")
+    return [_shaped(q, scale, zero, rows, cols)]
+
+
+def _shaped(q, scale, zero, rows: int, cols: int):
     return (q.to(torch.int32).reshape(rows, cols), scale.reshape(rows, cols // GROUP),
             zero.reshape(rows, cols // GROUP))
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
-    """The kernel's operands: packed weight and ``scales_and_zeros [cols // 32, rows, 2]``."""
+    """The kernel's operands: packed weight and ``scales_and_zeros [cols // 32, rows, 2]``, and
+    the same values in our plain nibble layout (`pack_nibbles`)."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return packed, sz
+    return packed, sz, pack_nibbles(q)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -61,6 +84,28 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q int ``[rows, cols]`` in 0..15 -> uint8 ``[rows, cols // 2]``: byte j holds column 2j in
+    its low nibble and 2j + 1 in its high nibble (our own plain layout, for `int4_unpack`)."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def int4_unpack(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The weight ``W [out, in]`` in the scales' dtype, from `pack_nibbles` bytes
+    ``[out, in // 2]`` and the kernel's ``scales_and_zeros [in // 32, out, 2]``.
+
+    (The CPU kernel's own packed layout interleaves rows in blocks of 64 and is slow to expand
+    in this order, so int4 linears keep these plain bytes too: an eighth of the bf16 size.)
+    """
+    rows = nibbles.shape[0]
+    groups = scales_and_zeros.shape[0]
+    u = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(rows, groups, GROUP)
+    scale = scales_and_zeros[..., 0].t()[..., None]  # [out, in // 32, 1]
+    zero = scales_and_zeros[..., 1].t()[..., None]
+    return ((u.to(scales_and_zeros.dtype) - 8) * scale + zero).view(rows, groups * GROUP)
+
+
 def int4_supported(type_name: str, rows: int, cols: int, dtype: torch.dtype) -> bool:
     """Whether a tensor can stay packed: a 4-bit format, bf16 activations, whole groups."""
-    return type_name in INT4_TYPES and dtype == torch.bfloat16 and cols % GROUP == 0 and rows % 16 == 0
+    return type_name in INT4_TYPES and dtype == torch.bfloat16 and cols % GROUP == 0 and rows % PACK_ROWS == 0

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
 from nextoken.layers.activation import silu_and_mul
+from nextoken.layers.embedding import Embedding
 from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
 from nextoken.layers.quant_linear import int4_groups, int4_supported, pack_int4
@@ -90,11 +91,12 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config, self.dtype = cfg, dtype
-        self.embed_tokens = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                               requires_grad=False)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = torch.nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:  # one table serves both, unless the loader packs the head as int4
+            self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
@@ -105,8 +107,9 @@ class LlamaForCausalLM(torch.nn.Module):
         Writes this pass's keys and values into `kv` at ``meta.slot_mapping``. `tracer`, when
         given, is called with what each stage produced (see `nextoken.trace`).
         """
-        h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [T, rope_dim] each
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [T, rope_dim] each, float32
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once per pass, not per layer
         if tracer is not None:
             tracer.on_embedding(h, cos, sin)
         for i, layer in enumerate(self.layers):
@@ -117,16 +120,15 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden]`` -> float32 logits ``[T, vocab]``."""
-        w = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return self.lm_head(hidden).float()
 
     # -- weights ----------------------------------------------------------------------------
     def gguf_weight_map(self) -> dict[str, tuple[str, int | None]]:
         """GGUF tensor name -> (our parameter name, heads to un-permute for or None)."""
         cfg = self.config
         permute = self.GGUF_PERMUTED_QK
-        m = {"token_embd.weight": ("embed_tokens", None), "output_norm.weight": ("norm", None)}
-        if self.lm_head is not None:
+        m = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm", None)}
+        if not cfg.tie_word_embeddings:
             m["output.weight"] = ("lm_head.weight", None)
         for i in range(cfg.num_layers):
             p, a = f"blk.{i}.", f"layers.{i}.self_attn."
@@ -146,27 +148,48 @@ class LlamaForCausalLM(torch.nn.Module):
     def load_gguf(self, f, int4: bool = True) -> None:
         """Copy every tensor of `GGUFFile` f into our parameters (de-quantized to our dtype).
 
-        With `int4` (and bf16), linear weights stored in a 4-bit format also keep a packed copy
-        for small batches (`layers.linear.Linear`). Raises `ModelLoadError` naming a tensor that
-        is missing or has the wrong shape.
+        With `int4` (and bf16), linear weights stored as Q4_0/Q4_1/Q4_K/Q8_0 stay packed as int4
+        (`layers.linear.Linear`) and a Q8_0 embedding table stays int8 (`layers.embedding`);
+        nothing else keeps a de-quantized copy. Raises `ModelLoadError` naming a tensor that is
+        missing or has the wrong shape.
         """
-        params = dict(self.named_parameters())
-        for gguf_name, (ours, heads) in self.gguf_weight_map().items():
+        params = dict(self.named_parameters(remove_duplicate=False))
+        weight_map = self.gguf_weight_map()
+        if self.config.tie_word_embeddings:  # the head reads the embedding table
+            weight_map = {**weight_map, "token_embd.weight#head": ("lm_head.weight", None)}
+        for key, (ours, heads) in weight_map.items():
+            gguf_name = key.split("#")[0]
             target = params[ours]
-            shape = f.tensor_shape(gguf_name) if f.has_tensor(gguf_name) else None
-            if shape is not None and shape != tuple(target.shape):
+            if not f.has_tensor(gguf_name):
+                raise ModelLoadError(f"tensor {gguf_name} is missing from the GGUF file")
+            shape = f.tensor_shape(gguf_name)
+            if shape != tuple(target.shape):
                 raise ModelLoadError(f"tensor {gguf_name} has shape {shape}, expected {tuple(target.shape)}")
-            if int4 and ours.endswith(".weight") and int4_supported(f.tensor_type(gguf_name), *target.shape, self.dtype):
-                self._load_int4(f, gguf_name, ours, heads)
+            kind = f.tensor_type(gguf_name)
+            module = self.get_submodule(ours.rsplit(".", 1)[0]) if "." in ours else None
+            if int4 and isinstance(module, Linear) and ours.endswith(".weight") and \
+                    int4_supported(kind, *target.shape, self.dtype):
+                self._load_int4(f, gguf_name, module, heads)
+                continue
+            if int4 and isinstance(module, Embedding) and kind == "Q8_0" and self.dtype == torch.bfloat16:
+                module.set_q8_0(f.raw(gguf_name))
+                continue
+            if ours == "lm_head.weight" and self.config.tie_word_embeddings:
+                if self.embed_tokens.weight is not None:  # a dense table: share it
+                    self.lm_head.weight = self.embed_tokens.weight
+                    continue
+                self.lm_head.weight = torch.nn.Parameter(torch.empty(shape, dtype=self.dtype), requires_grad=False)
+                target = self.lm_head.weight
             w = f.tensor(gguf_name, self.dtype)
             if heads is not None:
                 w = unpermute_qk(w, heads)
             target.data.copy_(w)
 
-    def _load_int4(self, f, gguf_name: str, ours: str, heads: int | None) -> None:
-        module = self.get_submodule(ours.rsplit(".", 1)[0])
-        q, scale, zero = int4_groups(f.raw(gguf_name), f.tensor_type(gguf_name), module.out_features,
-                                     module.in_features)
-        if heads is not None:
-            q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
-        module.set_int4(*pack_int4(q, scale, zero, self.dtype))
+    def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None) -> None:
+        parts = []
+        for q, scale, zero in int4_groups(f.raw(gguf_name), f.tensor_type(gguf_name), module.out_features,
+                                          module.in_features):
+            if heads is not None:
+                q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
+            parts.append(pack_int4(q, scale, zero, self.dtype))
+        module.set_int4(parts)

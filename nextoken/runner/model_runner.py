@@ -61,10 +61,12 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        linears = [m for m in self.model.modules() if hasattr(m, "int4")]
-        in_linears = {id(p) for m in linears for p in m.parameters()}
-        return (sum(m.nbytes for m in linears)
-                + sum(p.nbytes for p in self.model.parameters() if id(p) not in in_linears))
+        """Bytes of every weight tensor held (dense, packed int4, int8 tables), each counted once."""
+        tensors = list(self.model.parameters())
+        for m in self.model.modules():
+            tensors += [t for part in (getattr(m, "int4", None) or []) for t in part]
+            tensors += list(getattr(m, "q8", None) or [])
+        return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype)

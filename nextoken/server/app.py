@@ -180,7 +180,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(state.started),
                                             "owned_by": "nextoken",
-                                            "max_model_len": engine().engine.config.context_length}]}
+                                            "max_model_len": engine().engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prom():
@@ -198,7 +198,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
             ids = R.encode_chat(eng.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
         else:
             ids = eng.tokenizer.encode(body.prompt, parse_special=False)
-        return {"tokens": ids, "count": len(ids), "max_model_len": eng.config.context_length}
+        return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

@@ -56,7 +56,7 @@ def completion_prompts(engine, prompt) -> list[tuple[list[int], str | None]]:
 
 def default_max_tokens(engine, num_prompt_tokens: int) -> int:
     """The rest of the context window, or of the KV cache if that is smaller."""
-    room = min(engine.config.context_length, engine.kv.pool.num_blocks * engine.kv.block_size)
+    room = min(engine.max_model_len, engine.kv.pool.num_blocks * engine.kv.block_size)
     return max(1, room - num_prompt_tokens)
 
 

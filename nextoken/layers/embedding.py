@@ -1,0 +1,42 @@
+"""Token embeddings: a table of ``[vocab, hidden]`` rows, dense or kept as Q8_0 bytes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nextoken.loader.dequant import QK, _f16
+
+
+class Embedding(torch.nn.Module):
+    """``input_ids [T] -> [T, hidden]`` in `dtype`.
+
+    The weight is dense, or (after `set_q8_0`) the GGUF Q8_0 blocks as int8 values and float32
+    scales: a lookup then de-quantizes only the rows it reads (``x = d * q``, as
+    `loader.dequant.dequant_q8_0`), so the table takes a quarter of its float32 size.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
+        self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_q8_0(self, raw: torch.Tensor) -> None:
+        """raw: the tensor's Q8_0 blocks, uint8 ``[vocab, hidden // 32 * 34]``."""
+        b = raw.reshape(-1, 2 + QK)
+        d = _f16(b, 0).reshape(self.vocab_size, self.hidden_size // QK)
+        q = b[:, 2:].contiguous().view(torch.int8).reshape(self.vocab_size, self.hidden_size)
+        self.q8 = (q, d)
+        self.weight = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.q8 is None:
+            return F.embedding(input_ids, self.weight)
+        q, d = self.q8
+        rows = q[input_ids].view(-1, self.hidden_size // QK, QK).float() * d[input_ids][..., None]
+        return rows.view(-1, self.hidden_size).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes if self.q8 is None else sum(t.nbytes for t in self.q8)

@@ -1,0 +1,39 @@
+"""Thread settings for the compute kernels.
+
+PyTorch's intra-op pool (OpenMP) does the work of every kernel; by default it gets one thread per
+core this process may run on (``os.sched_getaffinity``, which respects CPU sets and
+``taskset``), not per hyper-thread. The inter-op pool gets one thread: the model runs one op at a
+time, and a second pool would only compete with the first for the same cores. The server's
+event loop and the engine's step thread mostly wait, so they take no core of their own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nextoken.errors import InvalidRequest
+
+
+def default_threads() -> int:
+    """Cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_threads(num_threads: int | None = None) -> int:
+    """Set the intra-op threads (default `default_threads()`) and one inter-op thread; returns
+    the intra-op count. Raises `InvalidRequest` for a count below 1."""
+    if num_threads is not None and num_threads < 1:
+        raise InvalidRequest(f"threads must be >= 1, got {num_threads}", "threads")
+    n = num_threads or default_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or inter-op work already started: keep what is there
+        pass
+    return n
