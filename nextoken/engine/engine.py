@@ -62,6 +62,7 @@ class LLMEngine:
     def __init__(self, gguf: GGUFFile, dtype, cache: CacheConfig = CacheConfig(),
                  scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False):
         self.tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
         self.runner = ModelRunner(gguf, dtype, reference=reference_attention)
         self.config = self.runner.config
         ctx = self.config.context_length

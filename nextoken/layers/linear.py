@@ -39,14 +39,14 @@ class Linear(torch.nn.Module):
 
     def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Keep the weight as int4 parts ``(packed, scales_and_zeros, nibbles)`` only
-        (`quant_linear.pack_int4`)."""
+        (`quant_linear.pack_int4`). Parts without nibbles (None) always use the int4 kernel."""
         self.int4 = list(parts)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= self.INT4_MAX_TOKENS:
+        if x.shape[0] <= self.INT4_MAX_TOKENS or self.int4[0][2] is None:
             y = int4_linear(x, *self.int4[0][:2])
             for packed, sz, _ in self.int4[1:]:
                 y = y + int4_linear(x, packed, sz)
@@ -57,6 +57,8 @@ class Linear(torch.nn.Module):
         """The weight ``[out, in]`` as a dense tensor (expanded from int4 when packed)."""
         if self.int4 is None:
             return self.weight
+        if self.int4[0][2] is None:
+            raise ValueError("this int4 weight keeps no nibbles to expand")
         w = _unpack(self.int4[0][2], self.int4[0][1])
         for _, sz, nibbles in self.int4[1:]:
             w = w + _unpack(nibbles, sz)
@@ -65,5 +67,5 @@ class Linear(torch.nn.Module):
     @property
     def nbytes(self) -> int:
         dense = self.weight.nbytes if self.weight is not None else 0
-        packed = sum(t.nbytes for part in self.int4 for t in part) if self.int4 is not None else 0
+        packed = sum(t.nbytes for part in self.int4 for t in part if t is not None) if self.int4 is not None else 0
         return dense + packed + (self.bias.nbytes if self.bias is not None else 0)

@@ -79,6 +79,13 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
     return packed, sz, pack_nibbles(q)
 
 
+def empty_int4(rows: int, cols: int, dtype: torch.dtype, nibbles: bool = True):
+    """Uninitialised (packed, scales_and_zeros, nibbles or None) for a ``[rows, cols]`` weight,
+    to be filled a block of 64 rows at a time (the kernel's packing is per 64-row block)."""
+    return (torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(cols // GROUP, rows, 2, dtype=dtype),
+            torch.empty(rows, cols // 2, dtype=torch.uint8) if nibbles else None)
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """``x [T, in] -> [T, out]`` with the packed int4 weight."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)

@@ -115,13 +115,14 @@ BLOCK_FORMATS = {
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """De-quantize one tensor's raw data to float32 of `shape` (PyTorch order, rows first).
 
-    `raw` is the tensor's bytes as ``uint8`` (any shape) for block formats, or already typed data
-    for F32/F16/BF16. Raises `NotImplementedError` naming the type for formats we do not read.
+    `raw` is the tensor's bytes as ``uint8`` (any shape), or for F32/F16/BF16 also data already
+    of that type. Raises `NotImplementedError` naming the type for formats we do not read.
     """
-    if type_name in ("F32", "F16"):
+    if type_name in ("F32", "F16", "BF16"):
+        typed = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
+        if raw.dtype == torch.uint8:  # the stored bytes
+            raw = raw.contiguous().view(typed)
         return raw.reshape(shape).float()
-    if type_name == "BF16":  # numpy has no bfloat16: the reader hands over the raw bytes
-        return raw.contiguous().view(torch.uint8).view(torch.bfloat16).reshape(shape).float()
     if type_name not in BLOCK_FORMATS:
         raise NotImplementedError(
             f"GGML tensor type {type_name} is not supported; supported: "

@@ -1,21 +1,40 @@
 """Reading GGUF files: metadata into a `ModelConfig`, tensors by name.
 
-The file format is parsed by the `gguf` package (``GGUFReader`` memory-maps the file); we only
-interpret it. GGUF key names follow llama.cpp's ``gguf-py/gguf/constants.py``.
+The file format is parsed by the `gguf` package (``GGUFReader``); we only interpret it. GGUF key
+names follow llama.cpp's ``gguf-py/gguf/constants.py``. Tensor bytes are read with plain file
+reads, a row range at a time, rather than through the reader's memory map: pages of a map count
+in the process's resident memory while it lives, and the loader converts each tensor into its own
+layout anyway. `release_metadata` drops the reader's parsed fields (about 160 MB of Python
+objects for a 49k-token vocabulary) once the tokenizer and config have been read.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
 from nextoken.loader.dequant import dequantize
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: GGML type name, PyTorch-order shape, file offset, size."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) >= 2 else 1
 
 
 class GGUFFile:
@@ -39,13 +58,15 @@ class GGUFFile:
                 f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
                 "it may be truncated or corrupt: download it again (nextoken pull NAME)"
             ) from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                            int(t.data_offset), int(t.n_bytes)) for t in self._reader.tensors}
+        self._scalars: dict[str, Any] | None = None  # set by release_metadata
         self._check_complete()
 
     def _check_complete(self) -> None:
         size = os.path.getsize(self.path)
-        for t in self._reader.tensors:
-            if t.data_offset + t.n_bytes > size:
+        for t in self._tensors.values():
+            if t.offset + t.nbytes > size:
                 raise ModelLoadError(
                     f"{self.path} is truncated (tensor {t.name} ends past the end of the file); "
                     "download it again (nextoken pull NAME)"
@@ -53,11 +74,32 @@ class GGUFFile:
 
     # -- metadata ---------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
-        """The value of metadata `key` (str, number, bool or list), or `default` if absent."""
+        """The value of metadata `key` (str, number, bool or list), or `default` if absent.
+
+        After `release_metadata` only scalar values remain; asking for a list then raises
+        `ModelLoadError`."""
+        if self._scalars is not None:
+            if key in self._scalars:
+                value = self._scalars[key]
+                if value is _RELEASED:
+                    raise ModelLoadError(f"{self.path}: metadata {key!r} was released after loading")
+                return value
+            return default
         field = self._reader.fields.get(key)
         if field is None:
             return default
         return field.contents()
+
+    def release_metadata(self) -> None:
+        """Keep scalar metadata and the tensor table; free the parsed lists (vocabulary, merges)."""
+        if self._scalars is not None:
+            return
+        scalars = {}
+        for key, field in self._reader.fields.items():
+            is_list = field.types and field.types[0].name == "ARRAY"
+            scalars[key] = _RELEASED if is_list else field.contents()
+        self._scalars = scalars
+        self._reader = None
 
     def require(self, key: str) -> Any:
         """Like `get`, but raises `ModelLoadError` naming the key when it is absent."""
@@ -67,7 +109,7 @@ class GGUFFile:
         return value
 
     def keys(self) -> list[str]:
-        return list(self._reader.fields)
+        return list(self._scalars) if self._scalars is not None else list(self._reader.fields)
 
     # -- tensors ----------------------------------------------------------------------------
     @property
@@ -79,11 +121,11 @@ class GGUFFile:
 
     def tensor_type(self, name: str) -> str:
         """The GGML type name of tensor `name` (``"Q4_1"``, ``"F32"`` ...)."""
-        return self._get(name).tensor_type.name
+        return self._get(name).type_name
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """PyTorch-order shape (rows first) of tensor `name`."""
-        return tuple(int(d) for d in reversed(self._get(name).shape))
+        return self._get(name).shape
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32, chunk_rows: int = 4096) -> torch.Tensor:
         """Tensor `name` de-quantized to `dtype`, PyTorch-order shape ``[rows, cols]``.
@@ -92,29 +134,26 @@ class GGUFFile:
         of a large tensor is ever held at once.
         """
         t = self._get(name)
-        shape = self.tensor_shape(name)
-        raw = self._view(t)
-        type_name = t.tensor_type.name
-        if len(shape) < 2 or shape[0] <= chunk_rows:
-            return dequantize(raw, type_name, shape).to(dtype)
-        rows = raw.reshape(shape[0], -1)  # one row of raw data per tensor row
-        out = torch.empty(shape, dtype=dtype)
-        for start in range(0, shape[0], chunk_rows):
-            part = rows[start : start + chunk_rows]
-            out[start : start + part.shape[0]] = dequantize(part, type_name, (part.shape[0], *shape[1:]))
+        if len(t.shape) < 2 or t.shape[0] <= chunk_rows:
+            return dequantize(self.raw(name), t.type_name, t.shape).to(dtype)
+        out = torch.empty(t.shape, dtype=dtype)
+        for start in range(0, t.shape[0], chunk_rows):
+            part = self.raw(name, start, min(start + chunk_rows, t.shape[0]))
+            out[start : start + part.shape[0]] = dequantize(part, t.type_name, (part.shape[0], *t.shape[1:]))
         return out
 
-    def raw(self, name: str) -> torch.Tensor:
-        """Tensor `name`'s stored bytes (quantized blocks), uint8 ``[rows, bytes_per_row]``, copied."""
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Stored bytes of rows ``[start, stop)`` of tensor `name` (quantized blocks), uint8
+        ``[rows, bytes_per_row]``, read from the file into a new buffer."""
         t = self._get(name)
-        return self._view(t).view(torch.uint8).reshape(self.tensor_shape(name)[0], -1).clone()
-
-    @staticmethod
-    def _view(t) -> torch.Tensor:
-        """The tensor's data as torch, without a copy (a view of the read-only memmap)."""
-        with warnings.catch_warnings():  # torch warns that the memmap is not writable; we never write
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(np.asarray(t.data))
+        stop = t.rows if stop is None else stop
+        row_bytes = t.nbytes // t.rows
+        buf = bytearray(row_bytes * (stop - start))
+        with open(self.path, "rb") as fh:
+            fh.seek(t.offset + start * row_bytes)
+            if fh.readinto(buf) != len(buf):
+                raise ModelLoadError(f"{self.path} is truncated inside tensor {name}; download it again")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(stop - start, row_bytes)
 
     def _get(self, name: str):
         if name not in self._tensors:
@@ -124,9 +163,12 @@ class GGUFFile:
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each GGML type the file holds."""
         counts: dict[str, int] = {}
-        for t in self._reader.tensors:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        for t in self._tensors.values():
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
         return counts
+
+
+_RELEASED = object()  # marks a list value dropped by `release_metadata`
 
 
 def read_model_config(f: GGUFFile) -> ModelConfig:
@@ -141,8 +183,7 @@ def read_model_config(f: GGUFFile) -> ModelConfig:
     head_dim = int(key("attention.key_length", hidden // num_heads))
     vocab = key("vocab_size")
     if vocab is None:
-        tokens = f.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else f.tensor_shape("token_embd.weight")[0]
+        vocab = f.tensor_shape("token_embd.weight")[0]
     return ModelConfig(
         architecture=arch,
         name=str(f.get("general.name", os.path.basename(f.path))),

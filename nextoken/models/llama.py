@@ -20,10 +20,13 @@ from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
-from nextoken.layers.quant_linear import int4_groups, int4_supported, pack_int4
+from nextoken.layers.quant_linear import empty_int4, int4_groups, int4_supported, pack_int4
 from nextoken.layers.norm import rms_norm
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
 from nextoken.runner.kv_cache import PagedKVCache
+
+
+LOAD_CHUNK_ROWS = 4096  # rows converted at a time when packing int4 (a multiple of 64)
 
 
 class LlamaAttention(torch.nn.Module):
@@ -186,10 +189,23 @@ class LlamaForCausalLM(torch.nn.Module):
             target.data.copy_(w)
 
     def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None) -> None:
-        parts = []
-        for q, scale, zero in int4_groups(f.raw(gguf_name), f.tensor_type(gguf_name), module.out_features,
-                                          module.in_features):
-            if heads is not None:
-                q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
-            parts.append(pack_int4(q, scale, zero, self.dtype))
+        """Pack a 4-bit (or Q8_0) tensor as int4 parts, `LOAD_CHUNK_ROWS` rows at a time so the
+        int32 and float32 temporaries stay small. Q/K (un-permuted by head) are small: in one go.
+        The LM head keeps no plain nibbles: it always runs the int4 kernel (its rows are few)."""
+        rows, cols, kind = module.out_features, module.in_features, f.tensor_type(gguf_name)
+        chunk = rows if heads is not None else LOAD_CHUNK_ROWS
+        keep_nibbles = module is not self.lm_head
+        parts = None
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            groups = int4_groups(f.raw(gguf_name, start, stop), kind, stop - start, cols)
+            if parts is None:
+                parts = [empty_int4(rows, cols, self.dtype, keep_nibbles) for _ in groups]
+            for (q, scale, zero), (packed, sz, nibbles) in zip(groups, parts):
+                if heads is not None:
+                    q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
+                p, z, n = pack_int4(q, scale, zero, self.dtype)
+                packed[start:stop], sz[:, start:stop] = p, z
+                if nibbles is not None:
+                    nibbles[start:stop] = n
         module.set_int4(parts)

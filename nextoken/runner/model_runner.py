@@ -19,6 +19,35 @@ from nextoken.loader.gguf import GGUFFile, read_model_config
 from nextoken.models.registry import model_class
 from nextoken.runner.kv_cache import PagedKVCache
 
+def _libc():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: the tuning below does not apply
+        return None
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def loading_allocations(loading: bool) -> None:
+    """While loading, serve every allocation over 128 KiB with its own mapping (returned to the OS
+    on free), so the converter's large temporaries do not stay behind in a fragmented heap (this
+    took SmolLM2's load from 889 to about 530 MiB peak); afterwards a 64 MiB threshold lets the
+    forward pass reuse heap memory instead of faulting in fresh pages every step."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, (128 << 10) if loading else (64 << 20))
+
+
+def release_free_memory() -> None:
+    """Hand the heap's freed pages (loading temporaries) back to the OS (glibc ``malloc_trim``)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -54,8 +83,13 @@ class ModelRunner:
         self.dtype = dtype
         self.reference = reference
         t0 = time.perf_counter()
-        self.model = model_class(self.config.architecture)(self.config, dtype)
-        self.model.load_gguf(gguf, int4=int4)
+        loading_allocations(True)
+        try:
+            self.model = model_class(self.config.architecture)(self.config, dtype)
+            self.model.load_gguf(gguf, int4=int4)
+        finally:
+            loading_allocations(False)
+        release_free_memory()
         self.load_time = time.perf_counter() - t0
         self.kv: PagedKVCache | None = None
 
@@ -64,7 +98,7 @@ class ModelRunner:
         """Bytes of every weight tensor held (dense, packed int4, int8 tables), each counted once."""
         tensors = list(self.model.parameters())
         for m in self.model.modules():
-            tensors += [t for part in (getattr(m, "int4", None) or []) for t in part]
+            tensors += [t for part in (getattr(m, "int4", None) or []) for t in part if t is not None]
             tensors += list(getattr(m, "q8", None) or [])
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
