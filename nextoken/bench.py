@@ -55,7 +55,8 @@ def nextoken_worker(a) -> dict:
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 
-    set_enforce_eager(a.enforce_eager)
+    if a.enforce_eager:
+        set_enforce_eager(True)
     batched = a.mode == "batched"
     llm = LLM(a.model_path, num_threads=a.threads, max_num_seqs=a.batch if batched else 1,
               max_model_len=a.context, enable_prefix_caching=False)

@@ -22,6 +22,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (default bfloat16, fast on AMX CPUs; float32 is the "
                         "exact reference)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
+    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="also keep quantized weights as bf16 for batches of many sequences (default: on for "
+                        "serve, off for single-stream commands)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every layer eagerly: no compiled functions (the reference path)")
     g = p.add_argument_group("KV cache")
@@ -136,7 +139,7 @@ def _load(a):
     memory = parse_size(a.kv_cache_memory) if a.kv_cache_memory else None
     return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1, kv_cache_memory=memory,
                block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching, max_model_len=a.max_model_len,
-               enforce_eager=a.enforce_eager)
+               enforce_eager=a.enforce_eager or None, dense_weights=a.dense_weights)
 
 
 def _peak_rss_mib() -> float:

@@ -48,9 +48,36 @@ SPECS = [
 ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_kernel(request, monkeypatch):
+    """Run a test with our C decode kernel, then with the PyTorch decode paths."""
+    from nextoken import kernels
+    from nextoken.layers import attention
+
+    if request.param == "native":
+        assert kernels.load("paged_attention") is not None, "the C kernel did not build (is gcc installed?)"
+    else:
+        monkeypatch.setattr(attention, "native_decode_attention", lambda *args: None)
+    return request.param
+
+
 @pytest.mark.parametrize("specs", SPECS)
-def test_fast_path_equals_reference(specs):
+def test_fast_path_equals_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs)
+    ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
+    assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
+
+
+def test_lone_decode_over_consecutive_blocks_reads_a_view(decode_kernel):
+    """One sequence whose blocks are consecutive: the PyTorch path attends over a view of the
+    cache (meta.first_block) instead of gathering; same result as the reference."""
+    g = torch.Generator().manual_seed(5)
+    kc, vc = torch.randn(HKV, NB, BS, D, generator=g), torch.randn(HKV, NB, BS, D, generator=g)
+    seq_len, first = 4 * BS + 3, 17
+    table = torch.arange(first, first + 5)[None]
+    meta = AttentionMetadata(torch.tensor([first * BS + seq_len - 1]), [0, 1], [seq_len], table, 1, BS,
+                             first_block=[first])
+    q = torch.randn(1, H, D, generator=g)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
 
@@ -69,7 +96,8 @@ def test_reference_equals_attention_over_contiguous_keys(specs):
             assert probs[i][:, j, start + j + 1 :].abs().sum() == 0
 
 
-def test_bfloat16_fast_path_close_to_reference():
-    q, kc, vc, meta, _ = build_batch(SPECS[2], seed=2, dtype=torch.bfloat16)
+@pytest.mark.parametrize("specs", [SPECS[0], SPECS[2], SPECS[3]])
+def test_bfloat16_fast_path_close_to_reference(specs, decode_kernel):
+    q, kc, vc, meta, _ = build_batch(specs, seed=2, dtype=torch.bfloat16)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert (paged_attention(q, kc, vc, meta, 0.25).float() - ref.float()).abs().max() < 0.05

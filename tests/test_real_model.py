@@ -57,3 +57,39 @@ def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
 @pytest.mark.slow
 def test_qwen2_float32_matches_reference():
     check_float32(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.mark.parametrize("mode", ["single", "single-eager", "batched-dense"])
+def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
+    """Free-running greedy generations through the whole engine, for each fast path: one stream
+    (lone-decode attention, int4 weights only, compiled or eager expansion for the prompt) and
+    all prompts batched (grouped decode attention, dense bf16 copies for many rows). Up to the
+    first token where we and the reference differ, the texts are equal; there, each side's token
+    is in the other's top 5."""
+    from nextoken.layers.compiled import enforce_eager, set_enforce_eager
+    from nextoken.llm import LLM
+    from nextoken.sampling_params import SamplingParams
+
+    before = enforce_eager()
+    llm = LLM(str(smollm2_path), max_num_seqs=1 if mode.startswith("single") else 8,
+              dense_weights=mode.endswith("dense"), enforce_eager=mode.endswith("eager"))
+    try:
+        gens = load_reference("smollm2-135m-instruct")["generations"]
+        params = [SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), logprobs=5) for g in gens]
+        outs = llm.generate([g["prompt_ids"] for g in gens], params)
+    finally:
+        set_enforce_eager(before)
+    same = total = 0
+    for gen, out in zip(gens, outs):
+        ours = out.outputs[0]
+        for i, ref in enumerate(gen["greedy_ids"]):
+            total += 1
+            if i < len(ours.token_ids) and ours.token_ids[i] == ref:
+                same += 1
+                continue
+            assert i < len(ours.token_ids), (gen["prompt"], "stopped early")
+            ref_top5 = [t for t, _ in gen["steps"][i]["top5"]]
+            our_top5 = sorted(ours.logprobs[i], key=ours.logprobs[i].get, reverse=True)[:5]
+            assert ours.token_ids[i] in ref_top5 and ref in our_top5, (mode, gen["prompt"], i)
+            break
+    assert same / total > 0.5, (mode, same, total)

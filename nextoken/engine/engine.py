@@ -60,10 +60,13 @@ class LLMEngine:
     """
 
     def __init__(self, gguf: GGUFFile, dtype, cache: CacheConfig = CacheConfig(),
-                 scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False):
+                 scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False,
+                 dense_weights: bool | None = None):
         self.tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
-        self.runner = ModelRunner(gguf, dtype, reference=reference_attention)
+        if dense_weights is None:  # serving several sequences: trade memory for batched speed
+            dense_weights = scheduler.max_num_seqs > 1
+        self.runner = ModelRunner(gguf, dtype, reference=reference_attention, dense_weights=dense_weights)
         self.config = self.runner.config
         ctx = self.config.context_length
         if scheduler.max_model_len is not None and not 1 <= scheduler.max_model_len:

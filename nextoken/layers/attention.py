@@ -14,6 +14,7 @@ Two backends compute the same function, and the tests hold them equal:
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class AttentionMetadata:
     block_size: int
     reference: bool = False
     keep_probs: bool = False
+    first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
 
     @property
     def num_seqs(self) -> int:
@@ -123,6 +125,11 @@ DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk p
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All single-token sequences, in chunks of similar length. q: ``[B, H, D]`` -> ``[B, H, D]``."""
     nd = q.shape[0]
+    native = native_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    if native is not None:
+        return native
+    if nd == 1:
+        return _lone_decode(q, k_cache, v_cache, meta, scale)
     seq_lens = torch.tensor(meta.seq_lens[:nd])
     if nd <= DECODE_CHUNK:
         return _decode_chunk(q, k_cache, v_cache, meta.block_tables[:nd], seq_lens, meta.block_size, scale)
@@ -132,6 +139,62 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
         out[idx] = _decode_chunk(q[idx], k_cache, v_cache, meta.block_tables[idx], seq_lens[idx],
                                  meta.block_size, scale)
     return out
+
+
+_NATIVE_FN = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float):
+    """Decode attention by our C kernel (``nextoken/kernels/paged_attention.c``), reading every
+    sequence's keys and values in place through its block table: no gather copy, no padding.
+    Same arguments as `_decode_chunk` (seq_lens a list); returns ``[B, H, D]``, or None when the
+    kernel is unavailable or does not cover these shapes (the caller then runs PyTorch).
+    Measured with SmolLM2's shapes (bf16, 2 cores): 32 sequences of 130-256 keys, 0.62 ms per
+    layer against 1.16 ms for `_decode_chunk`; one sequence of 200 keys, 35 us against 66 us."""
+    from nextoken.kernels import load
+
+    if q.dtype not in _NATIVE_FN or k_cache.dtype != q.dtype or q.shape[2] > 256 or \
+            q.shape[1] // k_cache.shape[0] > 64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    lib = load("paged_attention")
+    if lib is None:
+        return None
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    out = torch.empty_like(q)
+    hkv, nb, bs, d = k_cache.shape
+    ptr = ctypes.c_void_p
+    failed = getattr(lib, _NATIVE_FN[q.dtype])(
+        ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(tables.data_ptr()),
+        ctypes.c_int64(tables.shape[1]), ptr(lens.data_ptr()), ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]),
+        ctypes.c_int64(hkv), ctypes.c_int64(d), ctypes.c_int64(nb), ctypes.c_int64(bs), ctypes.c_float(scale),
+        ptr(out.data_ptr()))
+    if failed:
+        raise MemoryError("paged attention kernel could not allocate its score buffer")
+    return out
+
+
+def _lone_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One single-token sequence (single-stream decode): one fused SDPA call, with the query heads
+    that share a KV head laid out as that head's queries (``[1, Hkv, group, D]``), so GQA needs
+    neither a copy of the keys nor a mask (the new token sees every key). When the sequence's
+    blocks are consecutive (the usual case for one stream) its keys are a view of the cache, not
+    a copy. Measured at 200 keys: 30 us per layer, against 144 us for the batched path."""
+    seq_len = meta.seq_lens[0]
+    start = meta.first_block[0] if meta.first_block else None
+    if start is not None:
+        n_blocks = -(-seq_len // meta.block_size)
+        k = k_cache[:, start : start + n_blocks].flatten(1, 2)[:, :seq_len]  # [Hkv, S, D], a view
+        v = v_cache[:, start : start + n_blocks].flatten(1, 2)[:, :seq_len]
+    else:
+        k = gather_kv(k_cache, meta.block_tables[0], seq_len, meta.block_size)
+        v = gather_kv(v_cache, meta.block_tables[0], seq_len, meta.block_size)
+    _, num_heads, head_dim = q.shape
+    num_kv = k.shape[0]
+    qg = q.view(1, num_kv, num_heads // num_kv, head_dim)
+    out = F.scaled_dot_product_attention(qg, k[None], v[None], scale=scale)  # [1, Hkv, G, D]
+    return out.reshape(1, num_heads, head_dim)
 
 
 def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale: float) -> torch.Tensor:
@@ -150,10 +213,8 @@ def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale:
     k = gather_blocks(k_cache, tables).flatten(2, 3)  # [Hkv, B, S, D]
     v = gather_blocks(v_cache, tables).flatten(2, 3)
     qg = q.view(nd, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
-    if nd == 1:  # a lone decode: float32 matmuls of this size are twice as fast as bf16 ones here
-        qg, k, v = qg.float(), k.float(), v.float()
     scores = (qg @ k.transpose(2, 3)).float() * scale  # [Hkv, B, G, S]
     pad = torch.arange(k.shape[2])[None, :] >= seq_lens[:, None]  # [B, S]
     scores.masked_fill_(pad[None, :, None, :], float("-inf"))
     out = scores.softmax(-1).to(v.dtype) @ v  # [Hkv, B, G, D]
-    return out.transpose(0, 1).reshape(nd, num_heads, head_dim).to(q.dtype)
+    return out.transpose(0, 1).reshape(nd, num_heads, head_dim)

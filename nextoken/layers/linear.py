@@ -26,7 +26,8 @@ class Linear(torch.nn.Module):
     2.5 ms.
     """
 
-    INT4_MAX_TOKENS = 48
+    INT4_MAX_TOKENS = 48  # int4 kernel up to this many rows when there is no dense copy
+    INT4_MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -37,16 +38,21 @@ class Linear(torch.nn.Module):
                      if bias else None)
         self.int4: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
-    def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], keep_dense: bool = False) -> None:
         """Keep the weight as int4 parts ``(packed, scales_and_zeros, nibbles)`` only
-        (`quant_linear.pack_int4`). Parts without nibbles (None) always use the int4 kernel."""
+        (`quant_linear.pack_int4`), or with `keep_dense` also the dense weight, which then serves
+        calls of more than `INT4_MAX_TOKENS_WITH_DENSE` rows (the int4 kernel's time grows with
+        every row: 25 us per row for 0.9M weights, while a bf16 matmul of 32 rows takes 224 us).
+        Parts without nibbles (None) and no dense copy always use the int4 kernel."""
         self.int4 = list(parts)
-        self.weight = None
+        if not keep_dense:
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= self.INT4_MAX_TOKENS or self.int4[0][2] is None:
+        limit = self.INT4_MAX_TOKENS if self.weight is None else self.INT4_MAX_TOKENS_WITH_DENSE
+        if x.shape[0] <= limit or (self.weight is None and self.int4[0][2] is None):
             y = int4_linear(x, *self.int4[0][:2])
             for packed, sz, _ in self.int4[1:]:
                 y = y + int4_linear(x, packed, sz)
@@ -55,7 +61,7 @@ class Linear(torch.nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` as a dense tensor (expanded from int4 when packed)."""
-        if self.int4 is None:
+        if self.weight is not None:
             return self.weight
         if self.int4[0][2] is None:
             raise ValueError("this int4 weight keeps no nibbles to expand")

@@ -148,12 +148,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 m[p + f"ffn_{g}.weight"] = (f"layers.{i}.mlp.{g}_proj.weight", None)
         return m
 
-    def load_gguf(self, f, int4: bool = True) -> None:
+    def load_gguf(self, f, int4: bool = True, keep_dense: bool = False) -> None:
         """Copy every tensor of `GGUFFile` f into our parameters (de-quantized to our dtype).
 
         With `int4` (and bf16), linear weights stored as Q4_0/Q4_1/Q4_K/Q8_0 stay packed as int4
         (`layers.linear.Linear`) and a Q8_0 embedding table stays int8 (`layers.embedding`);
-        nothing else keeps a de-quantized copy. Raises `ModelLoadError` naming a tensor that is
+        nothing else keeps a de-quantized copy, unless `keep_dense` asks for a bf16 copy of every
+        weight too (faster for batches of many sequences, at several times the memory). Raises `ModelLoadError` naming a tensor that is
         missing or has the wrong shape.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -172,9 +173,11 @@ class LlamaForCausalLM(torch.nn.Module):
             module = self.get_submodule(ours.rsplit(".", 1)[0]) if "." in ours else None
             if int4 and isinstance(module, Linear) and ours.endswith(".weight") and \
                     int4_supported(kind, *target.shape, self.dtype):
-                self._load_int4(f, gguf_name, module, heads)
-                continue
-            if int4 and isinstance(module, Embedding) and kind == "Q8_0" and self.dtype == torch.bfloat16:
+                self._load_int4(f, gguf_name, module, heads, keep_dense)
+                if not keep_dense:
+                    continue
+            if int4 and not keep_dense and isinstance(module, Embedding) and kind == "Q8_0" and \
+                    self.dtype == torch.bfloat16:
                 module.set_q8_0(f.raw(gguf_name))
                 continue
             if ours == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -188,13 +191,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 w = unpermute_qk(w, heads)
             target.data.copy_(w)
 
-    def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None) -> None:
+    def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None, keep_dense: bool = False) -> None:
         """Pack a 4-bit (or Q8_0) tensor as int4 parts, `LOAD_CHUNK_ROWS` rows at a time so the
         int32 and float32 temporaries stay small. Q/K (un-permuted by head) are small: in one go.
         The LM head keeps no plain nibbles: it always runs the int4 kernel (its rows are few)."""
         rows, cols, kind = module.out_features, module.in_features, f.tensor_type(gguf_name)
         chunk = rows if heads is not None else LOAD_CHUNK_ROWS
-        keep_nibbles = module is not self.lm_head
+        keep_nibbles = module is not self.lm_head and not keep_dense
         parts = None
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
@@ -208,4 +211,4 @@ class LlamaForCausalLM(torch.nn.Module):
                 packed[start:stop], sz[:, start:stop] = p, z
                 if nibbles is not None:
                     nibbles[start:stop] = n
-        module.set_int4(parts)
+        module.set_int4(parts, keep_dense)

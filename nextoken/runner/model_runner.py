@@ -74,11 +74,12 @@ class ModelRunner:
 
     dtype: weights and activations (float32 is the reference; bfloat16 uses this CPU's AMX
     units). reference: plain attention instead of the fused kernels. int4: with bfloat16, keep
-    4-bit GGUF linear weights packed (weight-only int4 matmul) instead of de-quantizing them.
+    4-bit and Q8_0 GGUF linear weights packed (weight-only int4 matmul) instead of de-quantizing
+    them; dense_weights: keep a bf16 copy as well, for batches of many sequences.
     """
 
     def __init__(self, gguf: GGUFFile, dtype: torch.dtype = torch.float32, reference: bool = False,
-                 int4: bool = True):
+                 int4: bool = True, dense_weights: bool = False):
         self.config: ModelConfig = read_model_config(gguf)
         self.dtype = dtype
         self.reference = reference
@@ -86,7 +87,7 @@ class ModelRunner:
         loading_allocations(True)
         try:
             self.model = model_class(self.config.architecture)(self.config, dtype)
-            self.model.load_gguf(gguf, int4=int4)
+            self.model.load_gguf(gguf, int4=int4, keep_dense=dense_weights)
         finally:
             loading_allocations(False)
         release_free_memory()
@@ -111,7 +112,7 @@ class ModelRunner:
         metadata, and the batch order (indices into `seqs`, decodes first)."""
         bs = self.kv.block_size
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
-        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        ids, positions, slots, qsl, seq_lens, first_block = [], [], [], [0], [], []
         max_blocks = max(len(seqs[i].block_ids) for i in order)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for row, i in enumerate(order):
@@ -125,10 +126,13 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(s.start + n)
+            b = s.block_ids
+            first_block.append(b[0] if b and b[-1] - b[0] == len(b) - 1 and b == list(range(b[0], b[-1] + 1))
+                               else None)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
             num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
-            reference=self.reference)
+            reference=self.reference, first_block=first_block)
         return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta, order
 
     @torch.inference_mode()

@@ -42,7 +42,7 @@ def serve(args) -> int:
         llm = LLM(str(path), dtype=args.dtype, num_threads=args.threads, kv_cache_memory=memory,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager or None, dense_weights=args.dense_weights)
         return AsyncLLMEngine(llm.engine)
 
     @asynccontextmanager
