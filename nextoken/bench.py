@@ -51,7 +51,7 @@ def _prompt(n: int, vocab: int, seed: int, skip: set[int] = frozenset()) -> list
 def nextoken_worker(a) -> dict:
     import torch
 
-    from nextoken.layers.compiled import set_enforce_eager
+    from nextoken.kernels import set_enforce_eager
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 
@@ -263,7 +263,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-output-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="prefill runs (the median counts)")
     p.add_argument("--no-batched", action="store_true", help="skip the batched runs")
-    p.add_argument("--enforce-eager", action="store_true", help="nextoken without compiled functions")
+    p.add_argument("--enforce-eager", action="store_true", help="nextoken without its native kernels")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 

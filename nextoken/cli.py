@@ -26,7 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="also keep quantized weights as bf16 for batches of many sequences (default: on for "
                         "serve, off for single-stream commands)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every layer eagerly: no compiled functions (the reference path)")
+                   help="PyTorch only: none of nextoken's native C kernels (the reference path)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the paged KV cache, e.g. 512MiB or 2GiB (default: one full context)")

@@ -38,8 +38,8 @@ class LLM:
     enable_chunked_prefill: split long prompts over steps; max_model_len: most tokens per
     sequence (prompt + output; default the model's context length), which also bounds the
     default KV cache. num_threads: compute threads (default one per core the process may use);
-    enforce_eager: no compiled functions (`nextoken.layers.compiled`), the reference path
-    (None: leave the process-wide setting, ``NEXTOKEN_ENFORCE_EAGER``, as it is).
+    enforce_eager: PyTorch only, none of our native kernels (`nextoken.kernels`): the reference
+    path (None: leave the process-wide setting, ``NEXTOKEN_ENFORCE_EAGER``, as it is).
     dense_weights: besides the packed int4 weights, keep a bf16 copy for calls of many rows
     (batched decode is about 1.8x faster at 32 sequences, for about 2x the weight memory);
     default: on when max_num_seqs > 1, off for a single stream.
@@ -52,7 +52,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  dense_weights: bool | None = None):
-        from nextoken.layers.compiled import set_enforce_eager
+        from nextoken.kernels import set_enforce_eager
         from nextoken.runner.threads import configure_threads
 
         configure_threads(num_threads)

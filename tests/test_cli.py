@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -102,3 +103,27 @@ def test_models_lists_the_catalog(smollm2_path):
     for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"):
         assert name in r.stdout
     assert "yes" in r.stdout  # the default model is cached by the fixture
+
+
+def test_bench_reports_every_figure(tiny_gguf, tmp_path):
+    """`nextoken bench` on a tiny model: each figure measured in its own process, the table and
+    the JSON agree, and the batched run really produced every token (the worker checks)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--prompt-tokens", "32", "--decode-tokens", "8",
+                 "--batch", "3", "--batch-prompt-tokens", "8", "--batch-output-tokens", "4", "--repeat", "1",
+                 "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["results"]["nextoken"]
+    for key in ("prefill_tok_s", "decode_tok_s", "batched_tok_s", "peak_rss_mib"):
+        assert res[key] > 0
+        assert f"{res[key]:.1f}" in r.stdout
+    assert res["threads"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_bench_compare_without_llama_cpp_is_one_line(tiny_gguf):
+    r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--compare", "llama.cpp",
+                 "--llama-python", sys.executable)
+    assert r.returncode == 1 and r.stderr.startswith("error: --compare llama.cpp needs llama-cpp-python"), r.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.compiled import enforce_eager, set_enforce_eager
+from nextoken.kernels import enforce_eager, set_enforce_eager
 from nextoken.layers.linear import Linear
 from nextoken.layers.quant_linear import int4_groups, int4_linear, int4_unpack, pack_int4
 from nextoken.loader.dequant import dequantize
@@ -41,23 +41,23 @@ def test_int4_kernel_equals_reference_matmul(type_name):
     for t in (1, 7):
         x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
         ref = x @ w.T
-        out = sum(int4_linear(x.to(torch.bfloat16), packed, sz).float() for packed, sz, _ in parts)
+        out = sum(int4_linear(x.to(torch.bfloat16), packed, sz).float() for packed, sz in parts)
         assert ((out - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK))
 def test_unpacked_weight_equals_reference(type_name):
-    """The bf16 expansion used for many rows: exact with float32 scales, eager and compiled."""
+    """The expansion used for many rows (the PyTorch reference): exact with float32 scales."""
     rows, cols = 128, 256
     raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=13))
     w = dequantize(raw, type_name, (rows, cols))
     parts = [pack_int4(*p, torch.float32) for p in int4_groups(raw, type_name, rows, cols)]
-    assert (sum(int4_unpack(nib, sz) for _, sz, nib in parts) - w).abs().max() <= 1e-6 * w.abs().max()
+    assert (sum(int4_unpack(packed, sz) for packed, sz in parts) - w).abs().max() <= 1e-6 * w.abs().max()
 
 
 @pytest.mark.parametrize("eager", [True, False])
 def test_linear_paths_agree(eager):
-    """Few rows (int4 kernel) and many rows (expanded weight + bf16 matmul, compiled or eager)
+    """Few rows (int4 kernel) and many rows (expanded weight + bf16 matmul, by our C kernel or PyTorch)
     give the same rows, and both match the float32 reference."""
     rows, cols = 192, 256
     raw = torch.from_numpy(random_blocks("Q8_0", rows * cols // 32, seed=14))
@@ -94,3 +94,19 @@ def test_int4_model_close_to_float32_reference(tmp_path):
     ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
     long = list(range(3, 3 + Linear.INT4_MAX_TOKENS + 12))  # the expanded bf16 path of the same layers
     assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_native_unpack_equals_pytorch_expansion(type_name):
+    """Our C expansion (float32 arithmetic, one rounding to bf16) against PyTorch's eager one
+    (rounds after each bf16 operation): equal to within bf16 rounding of the weights."""
+    from nextoken.kernels import load
+    from nextoken.layers.linear import expand_int4
+
+    assert load("int4_unpack") is not None, "the C kernel did not build (is gcc installed?)"
+    rows, cols = 192, 512
+    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=15))
+    for packed, sz in [pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, type_name, rows, cols)]:
+        native, eager = expand_int4(packed, sz).float(), int4_unpack(packed, sz).float()
+        assert native.shape == (rows, cols)
+        assert (native - eager).abs().max() <= 2 ** -7 * eager.abs().max()

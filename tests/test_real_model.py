@@ -62,11 +62,11 @@ def test_qwen2_float32_matches_reference():
 @pytest.mark.parametrize("mode", ["single", "single-eager", "batched-dense"])
 def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
     """Free-running greedy generations through the whole engine, for each fast path: one stream
-    (lone-decode attention, int4 weights only, compiled or eager expansion for the prompt) and
+    (lone-decode attention, int4 weights only, with our C kernels or PyTorch alone) and
     all prompts batched (grouped decode attention, dense bf16 copies for many rows). Up to the
     first token where we and the reference differ, the texts are equal; there, each side's token
     is in the other's top 5."""
-    from nextoken.layers.compiled import enforce_eager, set_enforce_eager
+    from nextoken.kernels import enforce_eager, set_enforce_eager
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 

@@ -4,7 +4,8 @@ Each kernel is one ``.c`` file next to this module. `load` compiles it once per 
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
 and opens it with ctypes. Every caller keeps a PyTorch path: when no compiler is found, the
 build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is set, `load` returns None and the caller uses
-that path. OpenMP: the library asks for ``libgomp.so.1``, the runtime PyTorch has already
+that path; ``--enforce-eager`` (`set_enforce_eager`) turns every native kernel off, leaving
+PyTorch alone, which is what the reference tests compare against. OpenMP: the library asks for ``libgomp.so.1``, the runtime PyTorch has already
 loaded, so both share one thread pool (no oversubscription).
 """
 
@@ -25,8 +26,21 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
+_state = {"eager": os.environ.get("NEXTOKEN_ENFORCE_EAGER", "") not in ("", "0")}
+
+
+def set_enforce_eager(eager: bool) -> None:
+    """Process-wide: True runs PyTorch only (no native kernel), False uses the kernels."""
+    _state["eager"] = bool(eager)
+
+
+def enforce_eager() -> bool:
+    return _state["eager"]
+
+
 def enabled() -> bool:
-    return os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+    """Whether native kernels may run (not eager, and not ``NEXTOKEN_NATIVE_KERNELS=0``)."""
+    return not _state["eager"] and os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
 
 
 def _cpu_key() -> str:
@@ -63,9 +77,11 @@ def _build(name: str) -> Path | None:
 
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None."""
+    if not enabled():
+        return None
     if name not in _loaded:
         lib = None
-        if enabled():
+        if True:
             path = _build(name)
             if path is not None:
                 try:

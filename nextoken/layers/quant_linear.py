@@ -19,7 +19,7 @@ dtype; tests compare both.
 
 For many rows (prefill, big batches) the int4 kernel is slower than a bf16 matmul on this CPU's
 matrix units, so `int4_unpack` expands the 4-bit weight to bf16 just for that call (about
-0.3 ms per million weights, compiled) instead of keeping a dense copy in memory.
+0.1 ms per million weights with our C kernel) instead of keeping a dense copy in memory.
 """
 
 from __future__ import annotations
@@ -72,18 +72,16 @@ def _shaped(q, scale, zero, rows: int, cols: int):
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
-    """The kernel's operands: packed weight and ``scales_and_zeros [cols // 32, rows, 2]``, and
-    the same values in our plain nibble layout (`pack_nibbles`)."""
+    """The kernel's operands: packed weight and ``scales_and_zeros [cols // 32, rows, 2]``."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return packed, sz, pack_nibbles(q)
+    return packed, sz
 
 
-def empty_int4(rows: int, cols: int, dtype: torch.dtype, nibbles: bool = True):
-    """Uninitialised (packed, scales_and_zeros, nibbles or None) for a ``[rows, cols]`` weight,
-    to be filled a block of 64 rows at a time (the kernel's packing is per 64-row block)."""
-    return (torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(cols // GROUP, rows, 2, dtype=dtype),
-            torch.empty(rows, cols // 2, dtype=torch.uint8) if nibbles else None)
+def empty_int4(rows: int, cols: int, dtype: torch.dtype):
+    """Uninitialised (packed, scales_and_zeros) for a ``[rows, cols]`` weight, to be filled a
+    block of 64 rows at a time (the kernel's packing is per 64-row block)."""
+    return torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(cols // GROUP, rows, 2, dtype=dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -91,26 +89,22 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q int ``[rows, cols]`` in 0..15 -> uint8 ``[rows, cols // 2]``: byte j holds column 2j in
-    its low nibble and 2j + 1 in its high nibble (our own plain layout, for `int4_unpack`)."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
+def int4_unpack(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The weight ``W [out, in]`` in the scales' dtype, expanded from the CPU kernel's operands
+    (the reference for the C kernel ``kernels/int4_unpack.c``).
 
-
-def int4_unpack(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """The weight ``W [out, in]`` in the scales' dtype, from `pack_nibbles` bytes
-    ``[out, in // 2]`` and the kernel's ``scales_and_zeros [in // 32, out, 2]``.
-
-    (The CPU kernel's own packed layout interleaves rows in blocks of 64 and is slow to expand
-    in this order, so int4 linears keep these plain bytes too: an eighth of the bf16 size.)
+    The kernel's packed layout (read off ``_convert_weight_to_int4pack_for_cpu``; a test checks
+    it): rows in blocks of 64; for block b, column k and j < 32, byte ``[b, k, j]`` holds row
+    ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in its high nibble.
     """
-    rows = nibbles.shape[0]
-    groups = scales_and_zeros.shape[0]
-    u = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(rows, groups, GROUP)
+    groups, rows, _ = scales_and_zeros.shape
+    cols = groups * GROUP
+    p = packed.view(rows // PACK_ROWS, cols, 32)
+    u = torch.stack((p & 0x0F, p >> 4), dim=2)  # [blocks, in, 2, 32]: row 64 b + 32 h + j
+    u = u.permute(0, 2, 3, 1).reshape(rows, groups, GROUP).to(scales_and_zeros.dtype)
     scale = scales_and_zeros[..., 0].t()[..., None]  # [out, in // 32, 1]
     zero = scales_and_zeros[..., 1].t()[..., None]
-    return ((u.to(scales_and_zeros.dtype) - 8) * scale + zero).view(rows, groups * GROUP)
+    return ((u - 8) * scale + zero).reshape(rows, cols)
 
 
 def int4_supported(type_name: str, rows: int, cols: int, dtype: torch.dtype) -> bool:

@@ -194,21 +194,18 @@ class LlamaForCausalLM(torch.nn.Module):
     def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None, keep_dense: bool = False) -> None:
         """Pack a 4-bit (or Q8_0) tensor as int4 parts, `LOAD_CHUNK_ROWS` rows at a time so the
         int32 and float32 temporaries stay small. Q/K (un-permuted by head) are small: in one go.
-        The LM head keeps no plain nibbles: it always runs the int4 kernel (its rows are few)."""
+        The LM head always runs the int4 kernel: its calls have few rows (one per sequence)."""
         rows, cols, kind = module.out_features, module.in_features, f.tensor_type(gguf_name)
         chunk = rows if heads is not None else LOAD_CHUNK_ROWS
-        keep_nibbles = module is not self.lm_head and not keep_dense
         parts = None
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
             groups = int4_groups(f.raw(gguf_name, start, stop), kind, stop - start, cols)
             if parts is None:
-                parts = [empty_int4(rows, cols, self.dtype, keep_nibbles) for _ in groups]
-            for (q, scale, zero), (packed, sz, nibbles) in zip(groups, parts):
+                parts = [empty_int4(rows, cols, self.dtype) for _ in groups]
+            for (q, scale, zero), (packed, sz) in zip(groups, parts):
                 if heads is not None:
                     q, scale, zero = (unpermute_qk(t, heads) for t in (q, scale, zero))
-                p, z, n = pack_int4(q, scale, zero, self.dtype)
-                packed[start:stop], sz[:, start:stop] = p, z
-                if nibbles is not None:
-                    nibbles[start:stop] = n
+                packed[start:stop], sz[:, start:stop] = pack_int4(q, scale, zero, self.dtype)
         module.set_int4(parts, keep_dense)
+        module.int4_only = module is self.lm_head

@@ -99,7 +99,7 @@ class ModelRunner:
         """Bytes of every weight tensor held (dense, packed int4, int8 tables), each counted once."""
         tensors = list(self.model.parameters())
         for m in self.model.modules():
-            tensors += [t for part in (getattr(m, "int4", None) or []) for t in part if t is not None]
+            tensors += [t for part in (getattr(m, "int4", None) or []) for t in part]
             tensors += list(getattr(m, "q8", None) or [])
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
