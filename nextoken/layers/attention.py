@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nextoken.kernels import load
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -151,8 +153,6 @@ def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[in
     kernel is unavailable or does not cover these shapes (the caller then runs PyTorch).
     Measured with SmolLM2's shapes (bf16, 2 cores): 32 sequences of 130-256 keys, 0.62 ms per
     layer against 1.16 ms for `_decode_chunk`; one sequence of 200 keys, 35 us against 66 us."""
-    from nextoken.kernels import load
-
     if q.dtype not in _NATIVE_FN or k_cache.dtype != q.dtype or q.shape[2] > 256 or \
             q.shape[1] // k_cache.shape[0] > 64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
