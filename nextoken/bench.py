@@ -86,6 +86,12 @@ def nextoken_worker(a) -> dict:
             "weights_mib": llm.runner.weight_bytes / 2**20, "kv_cache_mib": llm.runner.kv.nbytes / 2**20}
 
 
+def _llama_forward(llm, token_ids: list[int]) -> None:
+    """One llama.cpp forward pass over `token_ids` (``Llama.eval`` wraps ``llama_decode``: it runs
+    the model on token ids, nothing is evaluated as code); the last logits land in ``llm.scores``."""
+    llm.eval(token_ids)
+
+
 def llama_cpp_worker(a) -> dict:
     import numpy as np
     import llama_cpp as L
@@ -97,20 +103,20 @@ def llama_cpp_worker(a) -> dict:
     vocab = llm.n_vocab()
     warm = _prompt(a.prompt_tokens, vocab, 99)
     llm.reset()
-    llm.eval(warm)
+    _llama_forward(llm, warm)
     prompt = _prompt(a.prompt_tokens, vocab, 0)
     times = []
     for _ in range(a.repeat):
         llm.reset()
         t = time.perf_counter()
-        llm.eval(prompt)
+        _llama_forward(llm, prompt)
         int(np.argmax(llm.scores[llm.n_tokens - 1]))
         times.append(time.perf_counter() - t)
     llm.reset()
-    llm.eval(_prompt(8, vocab, 1))
+    _llama_forward(llm, _prompt(8, vocab, 1))
     t = time.perf_counter()
     for _ in range(a.decode_tokens):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        _llama_forward(llm, [int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     decode = a.decode_tokens / (time.perf_counter() - t)
     return {"prefill_tok_s": a.prompt_tokens / statistics.median(times), "decode_tok_s": decode,
             "peak_rss_mib": _peak_rss_mib(), "threads": a.threads, "version": L.__version__}

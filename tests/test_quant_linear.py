@@ -32,27 +32,29 @@ def test_groups_reproduce_the_dequantized_weight(type_name):
     assert ((rebuilt - w).abs().max() / w.abs().max()) < 1e-6
 
 
+def packed(type_name: str, rows: int, cols: int, seed: int, dtype=torch.bfloat16):
+    """Random blocks of `type_name`: the float32 de-quantized reference weight and our int4 parts."""
+    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=seed))
+    parts = [pack_int4(*p, dtype) for p in int4_groups(raw, type_name, rows, cols)]
+    return dequantize(raw, type_name, (rows, cols)), parts
+
+
 @pytest.mark.parametrize("type_name", sorted(BLOCK))
 def test_int4_kernel_equals_reference_matmul(type_name):
     rows, cols = 128, 512
-    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=12))
-    w = dequantize(raw, type_name, (rows, cols))
-    parts = [pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, type_name, rows, cols)]
+    w, parts = packed(type_name, rows, cols, seed=12)
     for t in (1, 7):
         x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
         ref = x @ w.T
-        out = sum(int4_linear(x.to(torch.bfloat16), packed, sz).float() for packed, sz in parts)
+        out = sum(int4_linear(x.to(torch.bfloat16), p, sz).float() for p, sz in parts)
         assert ((out - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK))
 def test_unpacked_weight_equals_reference(type_name):
     """The expansion used for many rows (the PyTorch reference): exact with float32 scales."""
-    rows, cols = 128, 256
-    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=13))
-    w = dequantize(raw, type_name, (rows, cols))
-    parts = [pack_int4(*p, torch.float32) for p in int4_groups(raw, type_name, rows, cols)]
-    assert (sum(int4_unpack(packed, sz) for packed, sz in parts) - w).abs().max() <= 1e-6 * w.abs().max()
+    w, parts = packed(type_name, 128, 256, seed=13, dtype=torch.float32)
+    assert (sum(int4_unpack(p, sz) for p, sz in parts) - w).abs().max() <= 1e-6 * w.abs().max()
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -60,10 +62,9 @@ def test_linear_paths_agree(eager):
     """Few rows (int4 kernel) and many rows (expanded weight + bf16 matmul, by our C kernel or PyTorch)
     give the same rows, and both match the float32 reference."""
     rows, cols = 192, 256
-    raw = torch.from_numpy(random_blocks("Q8_0", rows * cols // 32, seed=14))
-    w = dequantize(raw, "Q8_0", (rows, cols))
+    w, parts = packed("Q8_0", rows, cols, seed=14)
     lin = Linear(cols, rows, False, torch.bfloat16)
-    lin.set_int4([pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, "Q8_0", rows, cols)])
+    lin.set_int4(parts)
     x = torch.randn(Linear.INT4_MAX_TOKENS + 20, cols, generator=torch.Generator().manual_seed(3))
     before = enforce_eager()
     set_enforce_eager(eager)
@@ -104,9 +105,8 @@ def test_native_unpack_equals_pytorch_expansion(type_name):
     from nextoken.layers.linear import expand_int4
 
     assert load("int4_unpack") is not None, "the C kernel did not build (is gcc installed?)"
-    rows, cols = 192, 512
-    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK[type_name], seed=15))
-    for packed, sz in [pack_int4(*p, torch.bfloat16) for p in int4_groups(raw, type_name, rows, cols)]:
-        native, eager = expand_int4(packed, sz).float(), int4_unpack(packed, sz).float()
-        assert native.shape == (rows, cols)
+    _, parts = packed(type_name, 192, 512, seed=15)
+    for weight, sz in parts:
+        native, eager = expand_int4(weight, sz).float(), int4_unpack(weight, sz).float()
+        assert native.shape == (192, 512)
         assert (native - eager).abs().max() <= 2 ** -7 * eager.abs().max()
