@@ -1,19 +1,21 @@
-"""Token embeddings: a table of ``[vocab, hidden]`` rows, dense or kept as Q8_0 bytes."""
+"""Token embeddings: a table of ``[vocab, hidden]`` rows, dense or kept quantized."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from nextoken.layers.qweight import QuantWeight
 from nextoken.loader.dequant import QK, _f16
 
 
 class Embedding(torch.nn.Module):
     """``input_ids [T] -> [T, hidden]`` in `dtype`.
 
-    The weight is dense, or (after `set_q8_0`) the GGUF Q8_0 blocks as int8 values and float32
-    scales: a lookup then de-quantizes only the rows it reads (``x = d * q``, as
-    `loader.dequant.dequant_q8_0`), so the table takes a quarter of its float32 size.
+    The weight is dense; or (after `set_qweight`) the GGUF codes of any block format
+    (`qweight.QuantWeight`, shared with a tied LM head); or (after `set_q8_0`, the PyTorch path)
+    the Q8_0 blocks as int8 values and float32 scales. A quantized lookup de-quantizes only the
+    rows it reads, as `loader.dequant` does, so the table stays at its GGUF size.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -21,6 +23,11 @@ class Embedding(torch.nn.Module):
         self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.qweight: QuantWeight | None = None
+
+    def set_qweight(self, qweight: QuantWeight) -> None:
+        self.qweight = qweight
+        self.weight = None
 
     def set_q8_0(self, raw: torch.Tensor) -> None:
         """raw: the tensor's Q8_0 blocks, uint8 ``[vocab, hidden // 32 * 34]``."""
@@ -31,6 +38,8 @@ class Embedding(torch.nn.Module):
         self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.lookup(input_ids).to(self.dtype)
         if self.q8 is None:
             return F.embedding(input_ids, self.weight)
         q, d = self.q8
@@ -39,4 +48,6 @@ class Embedding(torch.nn.Module):
 
     @property
     def nbytes(self) -> int:
+        if self.qweight is not None:
+            return self.qweight.nbytes
         return self.weight.nbytes if self.q8 is None else sum(t.nbytes for t in self.q8)

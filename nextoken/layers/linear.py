@@ -1,4 +1,5 @@
-"""Linear layers: ``y = x W^T + b``, with W dense or kept packed as int4 (`quant_linear`)."""
+"""Linear layers: ``y = x W^T + b``, with W dense, kept as GGUF codes (`qweight`, our C
+kernel) or packed as int4 (`quant_linear`, PyTorch's kernel: the path under --enforce-eager)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from nextoken.kernels import load
 from nextoken.layers.quant_linear import int4_linear, int4_unpack
+from nextoken.layers.qweight import QuantWeight, dequantize_bf16, qmatmul
 
 
 def expand_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -42,16 +44,27 @@ class Linear(torch.nn.Module):
 
     INT4_MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
     INT4_MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
+    QMATMUL_MAX_TOKENS = 32  # our kernel up to this many rows (crossover with expand + bf16 matmul)
+    QMATMUL_MAX_TOKENS_WITH_DENSE = 24
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
                                          requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
         self.int4: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.int4_only = False  # always the int4 kernel, never expanded (the LM head: few rows)
+        self.qweight: QuantWeight | None = None
+        self.bias_f32: torch.Tensor | None = None
+        self.int4_only = False  # always the quantized kernel, never expanded (the LM head: few rows)
+
+    def set_qweight(self, qweight: QuantWeight, keep_dense: bool = False) -> None:
+        """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel for
+        calls of up to `QMATMUL_MAX_TOKENS` rows; with `keep_dense` the dense weight too."""
+        self.qweight = qweight
+        if not keep_dense:
+            self.weight = None
 
     def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor]], keep_dense: bool = False) -> None:
         """Keep the weight as int4 parts ``(packed, scales_and_zeros)`` (`quant_linear.pack_int4`),
@@ -62,6 +75,15 @@ class Linear(torch.nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            limit = self.QMATMUL_MAX_TOKENS if self.weight is None else self.QMATMUL_MAX_TOKENS_WITH_DENSE
+            if x.shape[0] <= limit or (self.int4_only and self.weight is None):
+                if self.bias is not None and self.bias_f32 is None:
+                    self.bias_f32 = self.bias.float()
+                y = qmatmul(x, self.qweight, self.bias_f32)
+                if y is not None:
+                    return y
+            return F.linear(x, self.dense_weight(), self.bias)
         if self.int4 is None:
             return F.linear(x, self.weight, self.bias)
         limit = self.INT4_MAX_TOKENS if self.weight is None else self.INT4_MAX_TOKENS_WITH_DENSE
@@ -76,6 +98,8 @@ class Linear(torch.nn.Module):
         """The weight ``[out, in]`` as a dense tensor (expanded from int4 when packed)."""
         if self.weight is not None:
             return self.weight
+        if self.qweight is not None:
+            return dequantize_bf16(self.qweight).to(self.dtype)
         w = expand_int4(*self.int4[0])
         for part in self.int4[1:]:
             w = w + expand_int4(*part)
@@ -85,4 +109,5 @@ class Linear(torch.nn.Module):
     def nbytes(self) -> int:
         dense = self.weight.nbytes if self.weight is not None else 0
         packed = sum(t.nbytes for part in self.int4 for t in part) if self.int4 is not None else 0
+        packed += self.qweight.nbytes if self.qweight is not None else 0
         return dense + packed + (self.bias.nbytes if self.bias is not None else 0)

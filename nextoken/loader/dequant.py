@@ -41,13 +41,18 @@ def dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
-def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_0: ``d: f16, qh: u32 (5th bits), qs: u8[16]``; x = d * (q - 16)."""
+def codes_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 -> (q int32 ``[n, 32]`` in 0..31, d float32 ``[n, 1]``)."""
     d = _f16(blocks, 0)
     qh = blocks[:, 2:6].contiguous().view(torch.int32)  # [n, 1], bit j is the 5th bit of element j
     bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, 32]
     low = _nibbles(blocks[:, 6:]).reshape(-1, QK).to(torch.int32)
-    q = low | (bits << 4)
+    return low | (bits << 4), d
+
+
+def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0: ``d: f16, qh: u32 (5th bits), qs: u8[16]``; x = d * (q - 16)."""
+    q, d = codes_q5_0(blocks)
     return d * (q.float() - 16.0)
 
 
@@ -88,6 +93,14 @@ def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     x = d * scale[j] * (q - 32) with q = low 4 bits from ql | 2 high bits from qh.
     """
     n = blocks.shape[0]
+    q, scale = codes_q6_k(blocks)
+    x = scale.reshape(n, 16, 1) * (q.reshape(n, 16, 16).float() - 32)
+    return x.reshape(n, QK_K)
+
+
+def codes_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K -> (q int16 ``[n, 256]`` in 0..63, scale = d * scales[j] float32 ``[n, 16]``)."""
+    n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     d = _f16(blocks, 208)
@@ -96,9 +109,8 @@ def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     high = (qh.reshape(n, 2, 1, 32) >> shifts) & 0x03  # [n, half, 4, 32]
     high = high.reshape(n, 8, 32)
-    q = (low.to(torch.int16) | (high.to(torch.int16) << 4)) - 32
-    x = (d * scales).reshape(n, 16, 1) * q.reshape(n, 16, 16).float()
-    return x.reshape(n, QK_K)
+    q = low.to(torch.int16) | (high.to(torch.int16) << 4)
+    return q.reshape(n, QK_K), d * scales
 
 
 # type name -> (elements per block, bytes per block, function)

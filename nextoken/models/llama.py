@@ -20,7 +20,9 @@ from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
+from nextoken.kernels import load as load_kernel
 from nextoken.layers.quant_linear import empty_int4, int4_groups, int4_supported, pack_int4
+from nextoken.layers.qweight import QuantWeight, gguf_codes, qweight_supported
 from nextoken.layers.norm import rms_norm
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
 from nextoken.runner.kv_cache import PagedKVCache
@@ -151,13 +153,18 @@ class LlamaForCausalLM(torch.nn.Module):
     def load_gguf(self, f, int4: bool = True, keep_dense: bool = False) -> None:
         """Copy every tensor of `GGUFFile` f into our parameters (de-quantized to our dtype).
 
-        With `int4` (and bf16), linear weights stored as Q4_0/Q4_1/Q4_K/Q8_0 stay packed as int4
-        (`layers.linear.Linear`) and a Q8_0 embedding table stays int8 (`layers.embedding`);
-        nothing else keeps a de-quantized copy, unless `keep_dense` asks for a bf16 copy of every
-        weight too (faster for batches of many sequences, at several times the memory). Raises `ModelLoadError` naming a tensor that is
-        missing or has the wrong shape.
+        With `int4` (and bf16), block-quantized weights stay quantized: as GGUF codes for our C
+        kernel (`layers.qweight`: Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K linears and embedding tables,
+        a tied head sharing the table's codes) when it builds and native kernels are on; else
+        (--enforce-eager) Q4_0/Q4_1/Q4_K/Q8_0 linears packed for PyTorch's int4 kernel
+        (`layers.quant_linear`) and a Q8_0 embedding as int8. Nothing else keeps a de-quantized
+        copy, unless `keep_dense` asks for a bf16 copy of every linear weight too (faster for
+        batches of many sequences, at several times the memory). Raises `ModelLoadError` naming
+        a tensor that is missing or has the wrong shape.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
+        # our C kernel (when it builds) keeps every block format as codes; else PyTorch's int4
+        codes = int4 and self.dtype == torch.bfloat16 and load_kernel("qmatmul") is not None
         weight_map = self.gguf_weight_map()
         if self.config.tie_word_embeddings:  # the head reads the embedding table
             weight_map = {**weight_map, "token_embd.weight#head": ("lm_head.weight", None)}
@@ -171,12 +178,27 @@ class LlamaForCausalLM(torch.nn.Module):
                 raise ModelLoadError(f"tensor {gguf_name} has shape {shape}, expected {tuple(target.shape)}")
             kind = f.tensor_type(gguf_name)
             module = self.get_submodule(ours.rsplit(".", 1)[0]) if "." in ours else None
-            if int4 and isinstance(module, Linear) and ours.endswith(".weight") and \
+            if codes and ours == "lm_head.weight" and self.embed_tokens.qweight is not None and \
+                    gguf_name == "token_embd.weight":  # tied: the head reads the embedding's codes
+                self.lm_head.set_qweight(self.embed_tokens.qweight, keep_dense=False)
+                self.lm_head.int4_only = True
+                continue
+            if codes and isinstance(module, (Linear, Embedding)) and ours.endswith(".weight") and \
+                    qweight_supported(kind, *target.shape):
+                qw = self._load_codes(f, gguf_name, target.shape, heads)
+                if isinstance(module, Embedding):
+                    module.set_qweight(qw)
+                    continue
+                module.set_qweight(qw, keep_dense)
+                module.int4_only = module is self.lm_head
+                if not keep_dense:
+                    continue
+            elif int4 and isinstance(module, Linear) and ours.endswith(".weight") and \
                     int4_supported(kind, *target.shape, self.dtype):
                 self._load_int4(f, gguf_name, module, heads, keep_dense)
                 if not keep_dense:
                     continue
-            if int4 and not keep_dense and isinstance(module, Embedding) and kind == "Q8_0" and \
+            if int4 and not codes and not keep_dense and isinstance(module, Embedding) and kind == "Q8_0" and \
                     self.dtype == torch.bfloat16:
                 module.set_q8_0(f.raw(gguf_name))
                 continue
@@ -190,6 +212,22 @@ class LlamaForCausalLM(torch.nn.Module):
             if heads is not None:
                 w = unpermute_qk(w, heads)
             target.data.copy_(w)
+
+    def _load_codes(self, f, gguf_name: str, shape, heads: int | None) -> QuantWeight:
+        """A block-quantized tensor as `QuantWeight` codes, `LOAD_CHUNK_ROWS` rows at a time (Q/K,
+        un-permuted by head, in one go)."""
+        rows, cols = shape
+        kind = f.tensor_type(gguf_name)
+        chunk = rows if heads is not None else LOAD_CHUNK_ROWS
+        parts = []
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            u, scale, mins, offset, bits, group = gguf_codes(f.raw(gguf_name, start, stop), kind, stop - start, cols)
+            if heads is not None:
+                u, scale = unpermute_qk(u, heads), unpermute_qk(scale, heads)
+                mins = None if mins is None else unpermute_qk(mins, heads)
+            parts.append(QuantWeight.pack(u, scale, mins, offset, bits, group))
+        return parts[0] if len(parts) == 1 else QuantWeight.cat(parts)
 
     def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None, keep_dense: bool = False) -> None:
         """Pack a 4-bit (or Q8_0) tensor as int4 parts, `LOAD_CHUNK_ROWS` rows at a time so the

@@ -96,11 +96,13 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of every weight tensor held (dense, packed int4, int8 tables), each counted once."""
+        """Bytes of every weight tensor held (dense, codes, packed int4, int8 tables), each counted once."""
         tensors = list(self.model.parameters())
         for m in self.model.modules():
             tensors += [t for part in (getattr(m, "int4", None) or []) for t in part]
             tensors += list(getattr(m, "q8", None) or [])
+            qw = getattr(m, "qweight", None)
+            tensors += [t for t in (qw.codes, qw.scales, qw.mins) if t is not None] if qw is not None else []
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
