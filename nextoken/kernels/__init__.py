@@ -51,6 +51,21 @@ def _cpu_key() -> str:
         return ""
 
 
+def _sources(source: Path, seen: set[Path] | None = None) -> bytes:
+    """The source and every local file it includes (``#include "x"``), recursively: the build key."""
+    seen = set() if seen is None else seen
+    if source in seen:
+        return b""
+    seen.add(source)
+    text = source.read_bytes()
+    out = text
+    for line in text.decode().splitlines():
+        line = line.strip()
+        if line.startswith("#include \""):
+            out += _sources(source.with_name(line.split('"')[1]), seen)
+    return out
+
+
 def _build(name: str) -> Path | None:
     from nextoken.catalog import cache_dir
 
@@ -59,7 +74,7 @@ def _build(name: str) -> Path | None:
     if compiler is None:
         log.warning("no C compiler found; %s runs on the PyTorch path", name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(_sources(source) + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if out.exists():
         return out

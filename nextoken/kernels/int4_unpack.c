@@ -12,19 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 void int4_unpack_bf16(const uint8_t *packed, const uint16_t *sz, int64_t N, int64_t K, uint16_t *out_t) {
     /* out_t is W transposed, [K, N]: each 64-row block's bytes [k][j] are read in order and

@@ -20,7 +20,8 @@ from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
 from nextoken.layers.linear import Linear
-from nextoken.kernels import load as load_kernel
+from nextoken.layers.native_decode import NativeDecoder
+from nextoken.kernels import enabled as native_enabled, load as load_kernel
 from nextoken.layers.quant_linear import empty_int4, int4_groups, int4_supported, pack_int4
 from nextoken.layers.qweight import QuantWeight, gguf_codes, qweight_supported
 from nextoken.layers.norm import rms_norm
@@ -103,6 +104,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if cfg.tie_word_embeddings:  # one table serves both, unless the loader packs the head as int4
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
+        self.native_decoder: NativeDecoder | None = None  # set after loading, when every linear has codes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata, tracer=None) -> torch.Tensor:
@@ -113,6 +115,11 @@ class LlamaForCausalLM(torch.nn.Module):
         given, is called with what each stage produced (see `nextoken.trace`).
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
+                not (meta.reference or meta.keep_probs) and native_enabled():
+            out = self.native_decoder(h, positions, kv, meta)  # every layer in one C call
+            if out is not None:
+                return rms_norm(out, self.norm, self.config.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # [T, rope_dim] each, float32
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once per pass, not per layer
         if tracer is not None:
@@ -212,6 +219,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if heads is not None:
                 w = unpermute_qk(w, heads)
             target.data.copy_(w)
+        self.native_decoder = NativeDecoder(self) if codes and NativeDecoder.available(self) else None
 
     def _load_codes(self, f, gguf_name: str, shape, heads: int | None) -> QuantWeight:
         """A block-quantized tensor as `QuantWeight` codes, `LOAD_CHUNK_ROWS` rows at a time (Q/K,

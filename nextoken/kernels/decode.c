@@ -1,0 +1,136 @@
+/* The decoder layers of a Llama-style model for a batch of single-token decodes, in one call.
+ * nextoken's own kernel; the reference it must match is the model's PyTorch forward
+ * (nextoken.models.llama.LlamaDecoderLayer with qweight linears), step by step, with the
+ * same bf16 roundings at the same points:
+ *
+ *   for each layer:
+ *     x  = bf16(w_attn * bf16(h * rsqrt(mean(h^2) + eps)))          RMSNorm
+ *     q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv                (qmatmul, one quantization of x)
+ *     q, k = bf16(bf16(r cos) + bf16(rot(r) sin)), rot(a, b) = (-b, a) RoPE, rotate-half pairs
+ *     cache[slot] = k, v ;  a = softmax(q K^T * scale) V              (paged_attention.c)
+ *     h  = bf16(h + a Wo^T)
+ *     x  = RMSNorm(h) with w_ffn ;  h = bf16(h + bf16(bf16(silu(x Wg^T)) * x Wu^T) Wd^T)
+ *
+ * h: [T, hidden] bf16, updated in place. Token i is the one new token of sequence i, at
+ * positions[i], written to slots[i], attending to seq_lens[i] keys through row i of tables.
+ * Returns 0, 1 when out of memory, 2 for shapes the kernels do not take.
+ */
+#include "qmatmul.c"
+#include "paged_attention.c"
+
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *mins, *bias; /* mins, bias may be NULL */
+    double offset;
+    int64_t bits, group, N, K;
+} qw_t;
+
+typedef struct {
+    const uint16_t *attn_norm, *ffn_norm; /* bf16 [hidden] */
+    qw_t q, k, v, o, gate, up, down;
+    uint16_t *k_cache, *v_cache; /* [Hkv, NB, BS, D] bf16 */
+} layer_t;
+
+static inline float rb(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* round to bf16 */
+
+static void rms_norm_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *ht = h + t * n;
+        double ss = 0.0; /* PyTorch sums in another order: the mean can differ in its last bit */
+        for (int64_t i = 0; i < n; i++) {
+            const float v = bf16_to_f32(ht[i]);
+            ss += (double)(v * v);
+        }
+        const float r = 1.f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++)
+            out[t * n + i] = f32_to_bf16(bf16_to_f32(w[i]) * rb(bf16_to_f32(ht[i]) * r));
+    }
+}
+
+static int qw_ok(const qw_t *w) { return qshape_ok(w->N, w->K, (int)w->bits, w->group); }
+
+static void apply(const qact_t *a, const qw_t *w, uint16_t *y) {
+    qmatmul_q(a, w->codes, (int)w->bits, w->group, w->scales, w->mins, (float)w->offset, w->bias, w->N, y, 1, w->N);
+}
+
+/* rotate the first rope_dim dims of each of `heads` heads of one token, in bf16 steps */
+static void rope_bf16(uint16_t *x, int64_t heads, int64_t D, int64_t rope_dim, const float *cs, const float *sn) {
+    const int64_t half = rope_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *r = x + h * D;
+        float tmp[512];
+        for (int64_t i = 0; i < rope_dim; i++) tmp[i] = bf16_to_f32(r[i]);
+        for (int64_t i = 0; i < rope_dim; i++) {
+            const float rot = i < half ? -tmp[i + half] : tmp[i - half];
+            r[i] = f32_to_bf16(rb(tmp[i] * cs[i]) + rb(rot * sn[i]));
+        }
+    }
+}
+
+int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int64_t hidden, int64_t H,
+                  int64_t Hkv, int64_t D, int64_t rope_dim, const float *inv_freq, const int64_t *positions,
+                  const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
+                  int64_t NB, int64_t BS, float eps, float scale) {
+    if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;
+    for (int64_t l = 0; l < L; l++) {
+        const layer_t *ly = layers + l;
+        const qw_t *ws[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
+        for (int i = 0; i < 7; i++)
+            if (!qw_ok(ws[i])) return 2;
+    }
+    const int64_t inter = layers[0].gate.N, qd = H * D, kd = Hkv * D;
+    uint16_t *buf = malloc(sizeof(uint16_t) * T * (hidden + qd + 2 * kd + qd + 2 * inter + hidden));
+    float *cs = malloc(sizeof(float) * T * rope_dim * 2);
+    if (!buf || !cs) { free(buf); free(cs); return 1; }
+    uint16_t *x = buf, *q = x + T * hidden, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
+    uint16_t *g = att + T * qd, *u = g + T * inter, *o = u + T * inter;
+    float *sn = cs + T * rope_dim;
+    for (int64_t t = 0; t < T; t++) /* cos/sin once per call, as the PyTorch path: f32, then bf16 */
+        for (int64_t i = 0; i < rope_dim; i++) {
+            const float ang = (float)positions[t] * inv_freq[i % (rope_dim / 2)];
+            cs[t * rope_dim + i] = rb(cosf(ang));
+            sn[t * rope_dim + i] = rb(sinf(ang));
+        }
+    int rc = 0;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const layer_t *ly = layers + l;
+        qact_t a;
+        rms_norm_bf16(h, ly->attn_norm, T, hidden, eps, x);
+        if (quantize(x, 1, T, hidden, &a)) { rc = 1; break; }
+        apply(&a, &ly->q, q);
+        apply(&a, &ly->k, k);
+        apply(&a, &ly->v, v);
+        qact_free(&a);
+        for (int64_t t = 0; t < T; t++) {
+            rope_bf16(q + t * qd, H, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
+            rope_bf16(k + t * kd, Hkv, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
+            const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+            for (int64_t hh = 0; hh < Hkv; hh++) {
+                memcpy(ly->k_cache + ((hh * NB + blk) * BS + off) * D, k + t * kd + hh * D, sizeof(uint16_t) * D);
+                memcpy(ly->v_cache + ((hh * NB + blk) * BS + off) * D, v + t * kd + hh * D, sizeof(uint16_t) * D);
+            }
+        }
+        if (paged_decode_bf16(q, ly->k_cache, ly->v_cache, tables, max_blocks, seq_lens, T, H, Hkv, D, NB, BS,
+                              scale, att)) { rc = 1; break; }
+        if (quantize(att, 1, T, qd, &a)) { rc = 1; break; }
+        apply(&a, &ly->o, o);
+        qact_free(&a);
+        for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
+        rms_norm_bf16(h, ly->ffn_norm, T, hidden, eps, x);
+        if (quantize(x, 1, T, hidden, &a)) { rc = 1; break; }
+        apply(&a, &ly->gate, g);
+        apply(&a, &ly->up, u);
+        qact_free(&a);
+        for (int64_t i = 0; i < T * inter; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            g[i] = f32_to_bf16(rb(gv / (1.f + expf(-gv))) * bf16_to_f32(u[i]));
+        }
+        if (quantize(g, 1, T, inter, &a)) { rc = 1; break; }
+        apply(&a, &ly->down, o);
+        qact_free(&a);
+        for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
+    }
+    free(buf);
+    free(cs);
+    return rc;
+}

@@ -1,0 +1,102 @@
+"""All decoder layers of a decode step in one call to our C kernel (``kernels/decode.c``).
+
+A decode step of a small model is mostly overhead: ~12 PyTorch ops per layer, each a few
+microseconds of dispatch, around matmuls that take tens. `NativeDecoder` hands the whole layer
+stack to C for batches where every sequence decodes one token: RMSNorm, the q/k/v projections
+(one int8 quantization of the input for the three), RoPE, the KV cache write, paged
+attention, the output projection, the SwiGLU feed-forward and both residuals, with the same
+bf16 roundings as the PyTorch layers (`models.llama.LlamaDecoderLayer`), which stay the path
+for prefill, tracing, the reference attention and ``--enforce-eager``; a test compares the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from nextoken.kernels import load
+from nextoken.layers.qweight import QuantWeight
+
+
+class _QW(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("offset", ctypes.c_double), ("bits", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                *[(n, _QW) for n in ("q", "k", "v", "o", "gate", "up", "down")],
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _qw(linear) -> _QW:
+    w: QuantWeight = linear.qweight
+    if linear.bias is not None and linear.bias_f32 is None:
+        linear.bias_f32 = linear.bias.float()
+    rows, cols = w.shape
+    return _QW(_ptr(w.codes), _ptr(w.scales), _ptr(w.mins), _ptr(linear.bias_f32), w.offset, w.bits, w.group,
+               rows, cols)
+
+
+class NativeDecoder:
+    """The C decode path for a `LlamaForCausalLM` whose linears all hold `QuantWeight` codes."""
+
+    def __init__(self, model):
+        self.model = model
+        self._table = None
+        self._kv = None
+
+    @staticmethod
+    def available(model) -> bool:
+        """bf16, every projection as codes, and the kernel builds."""
+        if model.dtype != torch.bfloat16:
+            return False
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            if any(lin.qweight is None for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                                     m.down_proj)):
+                return False
+        return load("decode") is not None
+
+    def _layers(self, kv) -> ctypes.Array:
+        if self._table is None or self._kv is not kv:
+            rows = []
+            for i, layer in enumerate(self.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                rows.append(_Layer(_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm),
+                                   _qw(a.q_proj), _qw(a.k_proj), _qw(a.v_proj), _qw(a.o_proj), _qw(m.gate_proj),
+                                   _qw(m.up_proj), _qw(m.down_proj), _ptr(kv.k[i]), _ptr(kv.v[i])))
+            self._table = (_Layer * len(rows))(*rows)
+            self._kv = kv
+        return self._table
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta) -> torch.Tensor | None:
+        """h ``[T, hidden]`` bf16 (the embeddings of T single-token decodes) -> the hidden states
+        after the last layer, or None when the kernel does not take these shapes."""
+        lib = load("decode")
+        if lib is None or kv.dtype != torch.bfloat16:
+            return None
+        cfg = self.model.config
+        h = h.contiguous().clone()
+        t = h.shape[0]
+        tables = meta.block_tables[:t].contiguous()
+        lens = torch.tensor(meta.seq_lens[:t], dtype=torch.int64)
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        inv_freq = self.model.inv_freq.float().contiguous()
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        rc = lib.decode_layers(
+            self._layers(kv), i64(cfg.num_layers), ptr(h.data_ptr()), i64(t), i64(cfg.hidden_size),
+            i64(cfg.num_heads), i64(cfg.num_kv_heads), i64(cfg.head_dim), i64(cfg.rope_dim), ptr(inv_freq.data_ptr()),
+            ptr(positions.data_ptr()), ptr(slots.data_ptr()), ptr(tables.data_ptr()), i64(tables.shape[1]),
+            ptr(lens.data_ptr()), i64(kv.num_blocks), i64(kv.block_size), ctypes.c_float(cfg.rms_norm_eps),
+            ctypes.c_float(cfg.head_dim ** -0.5))
+        if rc == 1:
+            raise MemoryError("native decode: out of memory for its buffers")
+        return h if rc == 0 else None
