@@ -78,23 +78,32 @@ def test_linear_paths_agree(eager):
     assert ((few - many).norm() / ref.norm()) < 1e-2
 
 
-def test_int4_model_close_to_float32_reference(tmp_path):
+@pytest.mark.parametrize("eager", [True, False])
+def test_quantized_model_close_to_float32_reference(tmp_path, eager):
+    """bf16 with quantized linears, against the float32 model: PyTorch's int4 kernel under
+    --enforce-eager, our codes kernel otherwise; for few rows and for many (expanded weights)."""
     hf = tiny_hf_model("llama", seed=4)
     path = tmp_path / "q4.gguf"
     write_gguf(hf, path, "llama", quant={"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "ffn_up.weight": "Q4_0",
                                          "ffn_down.weight": "Q4_1", "ffn_gate.weight": "Q4_1"})
     prompt = [5, 17, 200, 33, 41, 270, 90, 12]
     f32 = OneSequence(ModelRunner(GGUFFile(path), torch.float32)).forward(prompt)
-    runner = ModelRunner(GGUFFile(path), torch.bfloat16, int4=True)
-    assert runner.model.layers[0].self_attn.q_proj.int4 is not None  # really packed (and un-permuted)
-    assert runner.model.layers[0].self_attn.v_proj.int4 is None  # an F32 tensor stays dense
-    seq = OneSequence(runner)
-    b16 = seq.forward(prompt)  # 8 rows: the int4 path
-    assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02
-    assert int(f32.argmax()) == int(b16.argmax())
-    ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
-    long = list(range(3, 3 + Linear.INT4_MAX_TOKENS + 12))  # the expanded bf16 path of the same layers
-    assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02
+    before = enforce_eager()
+    set_enforce_eager(eager)
+    try:
+        runner = ModelRunner(GGUFFile(path), torch.bfloat16, int4=True)
+        q_proj = runner.model.layers[0].self_attn.q_proj
+        assert (q_proj.int4 if eager else q_proj.qweight) is not None  # really packed (and un-permuted)
+        assert runner.model.layers[0].self_attn.v_proj.weight is not None  # an F32 tensor stays dense
+        seq = OneSequence(runner)
+        b16 = seq.forward(prompt)  # 8 rows: the quantized kernel
+        assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02
+        assert int(f32.argmax()) == int(b16.argmax())
+        ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
+        long = list(range(3, 3 + Linear.QMATMUL_MAX_TOKENS + 12))  # the expanded bf16 path of the same layers
+        assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02
+    finally:
+        set_enforce_eager(before)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])

@@ -23,7 +23,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_loaded: dict[str, ctypes.CDLL | None] = {}
+PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v2" for f in FLAGS]  # no AVX-512
+_loaded: dict[tuple[str, bool], ctypes.CDLL | None] = {}
 
 
 _state = {"eager": os.environ.get("NEXTOKEN_ENFORCE_EAGER", "") not in ("", "0")}
@@ -66,7 +67,7 @@ def _sources(source: Path, seen: set[Path] | None = None) -> bytes:
     return out
 
 
-def _build(name: str) -> Path | None:
+def _build(name: str, flags: list[str]) -> Path | None:
     from nextoken.catalog import cache_dir
 
     source = Path(__file__).with_name(f"{name}.c")
@@ -74,14 +75,14 @@ def _build(name: str) -> Path | None:
     if compiler is None:
         log.warning("no C compiler found; %s runs on the PyTorch path", name)
         return None
-    key = hashlib.sha256(_sources(source) + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(_sources(source) + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
                               text=True)
         if proc.returncode != 0:
             log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
@@ -90,18 +91,20 @@ def _build(name: str) -> Path | None:
     return out
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None."""
+def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None. `portable`
+    builds it for any x86-64 CPU (no AVX-512: the kernels' plain C loops), for the tests that
+    hold those loops equal to the vectorized ones."""
     if not enabled():
         return None
-    if name not in _loaded:
+    key = (name, portable)
+    if key not in _loaded:
         lib = None
-        if True:
-            path = _build(name)
-            if path is not None:
-                try:
-                    lib = ctypes.CDLL(str(path))
-                except OSError as exc:
-                    log.warning("could not load %s (%s); using the PyTorch path", path, exc)
-        _loaded[name] = lib
-    return _loaded[name]
+        path = _build(name, PORTABLE_FLAGS if portable else FLAGS)
+        if path is not None:
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                log.warning("could not load %s (%s); using the PyTorch path", path, exc)
+        _loaded[key] = lib
+    return _loaded[key]

@@ -249,3 +249,12 @@ void qdequant_bf16_t(const uint8_t *codes, int bits, int64_t G, const float *sca
         }
     }
 }
+
+/* 1 when built with the AVX-512 VNNI loops, 0 for the plain C ones */
+int qmatmul_vectorized(void) {
+#ifdef QM_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}

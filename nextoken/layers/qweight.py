@@ -214,11 +214,11 @@ def _ptr(t: torch.Tensor | None):
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, portable: bool = False) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
-    bias: float32 ``[N]`` or None."""
-    lib = load("qmatmul")
+    bias: float32 ``[N]`` or None. `portable`: the kernel's plain C loops (tests)."""
+    lib = load("qmatmul", portable)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     out_dtype = out_dtype or x.dtype
@@ -236,10 +236,10 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     return y
 
 
-def dequantize_bf16(w: QuantWeight) -> torch.Tensor:
+def dequantize_bf16(w: QuantWeight, portable: bool = False) -> torch.Tensor:
     """The weight as bf16 ``[rows, cols]`` for one large matmul: by the C kernel when
     available (a transposed view of a ``[cols, rows]`` tensor), else `QuantWeight.dequantize`."""
-    lib = load("qmatmul")
+    lib = load("qmatmul", portable)
     if lib is None:
         return w.dequantize().to(torch.bfloat16)
     rows, cols = w.shape

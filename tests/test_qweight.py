@@ -1,0 +1,89 @@
+"""GGUF codes and our quantized matmul kernel (`nextoken.layers.qweight`, ``kernels/qmatmul.c``)
+against the float32 de-quantization (`nextoken.loader.dequant`, itself held equal to
+`gguf.quants.dequantize`) and against the same integer arithmetic written in PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextoken.kernels import load
+from nextoken.layers.linear import Linear
+from nextoken.layers.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
+    quantize_activations
+from nextoken.loader.dequant import BLOCK_FORMATS, dequantize
+from tests.test_dequant import random_blocks
+
+
+def weight(type_name: str, rows: int, cols: int, seed: int):
+    """Random blocks of `type_name`: the float32 de-quantized weight and our codes."""
+    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK_FORMATS[type_name][0], seed=seed))
+    return dequantize(raw, type_name, (rows, cols)), from_gguf(raw, type_name, rows, cols)
+
+
+def cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and flag in line.split() for line in f)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+def test_codes_are_the_dequantized_weight_exactly(type_name):
+    w, qw = weight(type_name, 48, 512, seed=21)
+    assert torch.equal(qw.dequantize(), w)
+    ids = torch.tensor([0, 47, 16, 5, 5, 31])
+    assert torch.equal(qw.lookup(ids), w[ids])  # an embedding lookup expands just those rows
+    assert qw.nbytes < w.nbytes / 2.5
+
+
+def test_activation_quantization():
+    x = torch.tensor([[0.5, -1.27, 0.0, 0.3] * 8 + [0.0] * 32])
+    xq, dx = quantize_activations(x)
+    assert dx[0, 0] == pytest.approx(1.27 / 127) and dx[0, 1] == 0  # an all-zero block has scale 0
+    assert xq[0, 1] == -127 and xq[0, 0] == 50 and (xq[0, 32:] == 0).all()
+
+
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+@pytest.mark.parametrize("portable", [False, True])
+def test_kernel_equals_reference_arithmetic(type_name, portable):
+    """The C kernel (AVX-512 VNNI, or its plain C loops) computes the reference's exact integer
+    sums; only the float32 order of the per-group scaling differs. Rows 1, 4 (one full pass) and 7."""
+    lib = load("qmatmul", portable)
+    assert lib is not None, "the C kernel did not build (is gcc installed?)"
+    assert lib.qmatmul_vectorized() == (0 if portable else int(cpu_has("avx512_vnni")))
+    w, qw = weight(type_name, 64, 256, seed=22)
+    bias = torch.randn(64)
+    for m in (1, 4, 7):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        ref = qmatmul_reference(x, qw, bias)
+        assert rel(qmatmul(x, qw, bias, portable=portable), ref) < 1e-5
+        xb = x.to(torch.bfloat16)  # bf16 in, bf16 out
+        assert rel(qmatmul(xb, qw, bias, portable=portable), qmatmul_reference(xb, qw, bias)) < 2 ** -7
+        exact = x @ w.T + bias  # int8 activations cost about 1% of the output's scale
+        assert float((ref - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("portable", [False, True])
+def test_dense_expansion_equals_reference(type_name, portable):
+    w, qw = weight(type_name, 32, 512, seed=23)
+    dense = dequantize_bf16(qw, portable=portable)
+    assert dense.shape == (32, 512)
+    assert (dense.float() - w).abs().max() <= 2 ** -8 * w.abs().max()
+
+
+def test_linear_paths_agree():
+    """Few rows (our kernel) and many rows (expanded weight, bf16 matmul) give the same rows."""
+    w, qw = weight("Q4_K", 96, 512, seed=24)
+    lin = Linear(512, 96, False, torch.bfloat16)
+    lin.set_qweight(qw)
+    assert lin.weight is None
+    x = torch.randn(Linear.QMATMUL_MAX_TOKENS + 8, 512, generator=torch.Generator().manual_seed(5))
+    many = lin(x.to(torch.bfloat16)).float()
+    few = torch.cat([lin(x[i : i + 4].to(torch.bfloat16)).float() for i in range(0, len(x), 4)])
+    ref = x @ w.T
+    assert float((many - ref).norm() / ref.norm()) < 1e-2
+    assert float((few - ref).norm() / ref.norm()) < 2e-2
