@@ -19,13 +19,6 @@
 #include "paged_attention.c"
 
 typedef struct {
-    const uint8_t *codes;
-    const float *scales, *mins, *bias; /* mins, bias may be NULL */
-    double offset;
-    int64_t bits, group, N, K;
-} qw_t;
-
-typedef struct {
     const uint16_t *attn_norm, *ffn_norm; /* bf16 [hidden] */
     qw_t q, k, v, o, gate, up, down;
     uint16_t *k_cache, *v_cache; /* [Hkv, NB, BS, D] bf16 */
@@ -47,11 +40,7 @@ static void rms_norm_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64
     }
 }
 
-static int qw_ok(const qw_t *w) { return qshape_ok(w->N, w->K, (int)w->bits, w->group); }
-
-static void apply(const qact_t *a, const qw_t *w, uint16_t *y) {
-    qmatmul_q(a, w->codes, (int)w->bits, w->group, w->scales, w->mins, (float)w->offset, w->bias, w->N, y, 1, w->N);
-}
+static void apply(const qact_t *a, const qw_t *w, uint16_t *y) { qmatmul_q(a, w, y, 1, w->N); }
 
 /* rotate the first rope_dim dims of each of `heads` heads of one token, in bf16 steps */
 static void rope_bf16(uint16_t *x, int64_t heads, int64_t D, int64_t rope_dim, const float *cs, const float *sn) {

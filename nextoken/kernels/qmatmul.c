@@ -2,15 +2,18 @@
  * nextoken's own kernel; the reference it must match is nextoken.layers.qweight
  * (`QuantWeight.dequantize` for the weights, `qmatmul_reference` for the arithmetic).
  *
- * Weights, converted once at load by layers/qweight.py, W[n, k] = scale[n, g] * u[n, k] + min[n, g]
+ * Weights (qw_t), converted once at load by layers/qweight.py: W[n, k] = scale[n, g] * u[n, k] + min[n, g]
  * with g = k / G (G = 16 or 32) and u an unsigned 4- or 8-bit code, in tiles of 16 rows:
  *   codes   [N/16, K/G, 16*G*bits/8] uint8. In tile t and group g, 64-byte vector j holds, in
  *           32-bit lane l, the codes of row 16t + l for four consecutive columns:
  *             8 bits: byte i of lane l of vector j = u[16t + l, G g + 4 j + i]
  *             4 bits (G = 32): low nibble = u[16t + l, 32 g + 4 j + i],
  *                              high nibble = u[16t + l, 32 g + 16 + 4 j + i]   (j < 4)
- *   scales  [N/16, K/G, 16] float32 (lane l: row 16t + l)
- *   mins    the same, or NULL: then min = -offset * scale
+ *   scales  [N/16, K/G, 16] (lane l: row 16t + l), as GGUF stores them, so as few bytes as GGUF:
+ *             float16, when scale_sup is NULL (Q4_0, Q4_1, Q5_0, Q8_0: one f16 per block);
+ *             int8 times scale_sup [N/16, K/G/gps, 16] float32, one per super-block of gps groups
+ *             (Q4_K: 6-bit sc times d; Q6_K: int8 sc times d).
+ *   mins    the same two forms (min_sup), or NULL: then min = -offset * scale.
  * So one VNNI instruction (vpdpbusd: unsigned codes x signed activations, four products per
  * 32-bit lane) advances 16 rows by four columns, with the activations' four bytes broadcast:
  * the 16 rows' sums stay in the 16 lanes and no horizontal reduction is ever needed.
@@ -89,6 +92,42 @@ static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, qact_t *a) 
 static void qact_free(qact_t *a) { free(a->dx); }
 
 /* ---- one tile of 16 rows against MB activation rows -------------------------------------- */
+/* One quantized weight (see the top of this file). */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales, *mins;         /* f16 or int8 [N/16, K/G, 16]; mins may be NULL */
+    const float *scale_sup, *min_sup;  /* f32 [N/16, K/G/gps, 16], or NULL for f16 scales / mins */
+    const float *bias;                 /* f32 [N] or NULL */
+    double offset;
+    int64_t bits, group, gps, N, K;
+} qw_t;
+
+static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
+
+/* scale and min of row 16t + l in group g */
+static inline float group_scale(const qw_t *w, int64_t t, int64_t g, int64_t l) {
+    const int64_t ng = qw_groups(w), i = (t * ng + g) * TILE + l;
+    if (w->scale_sup)
+        return (float)((const int8_t *)w->scales)[i] * w->scale_sup[(t * (ng / w->gps) + g / w->gps) * TILE + l];
+    return f16_to_f32(((const uint16_t *)w->scales)[i]);
+}
+
+static inline float group_min(const qw_t *w, int64_t t, int64_t g, int64_t l) {
+    const int64_t ng = qw_groups(w), i = (t * ng + g) * TILE + l;
+    if (!w->mins) return -(float)w->offset * group_scale(w, t, g, l);
+    if (w->min_sup)
+        return (float)((const int8_t *)w->mins)[i] * w->min_sup[(t * (ng / w->gps) + g / w->gps) * TILE + l];
+    return f16_to_f32(((const uint16_t *)w->mins)[i]);
+}
+
+static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t kk) {
+    if (bits == 4) {
+        const uint8_t b = cg[((kk % 16) / 4) * 64 + l * 4 + kk % 4];
+        return kk < 16 ? (b & 0x0F) : (b >> 4);
+    }
+    return cg[(kk / 4) * 64 + l * 4 + kk % 4];
+}
+
 #ifdef QM_VNNI
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -107,33 +146,43 @@ static inline void store16(void *y, int y_bf16, int64_t idx, __m512 v) {
     }
 }
 
-static void tile_mb(const uint8_t *codes, int bits, int64_t G, const float *scales, const float *mins,
-                    float offset, const qact_t *a, int64_t m0, int64_t mb, int64_t K, __m512 *acc) {
-    const int64_t ng = K / G, nv = G / 4, gbytes = TILE * G * bits / 8;
+/* the 16 rows' scales (or mins) of tile t, group g: f16, or int8 times the super-block's f32 */
+static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_t t, int64_t ng, int64_t g) {
+    const int64_t i = (t * ng + g) * TILE;
+    if (sup) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)v + i))));
+        return _mm512_mul_ps(q, _mm512_loadu_ps(sup + (t * (ng / gps) + g / gps) * TILE));
+    }
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)));
+}
+
+static void tile_mb(const qw_t *w, int64_t t, const qact_t *a, int64_t m0, int64_t mb, __m512 *acc) {
+    const int64_t K = w->K, G = w->group, ng = K / G, nv = G / 4, gbytes = TILE * G * w->bits / 8;
+    const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512 negoff = _mm512_set1_ps(-offset);
+    const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
     for (int64_t i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *cg = codes + g * gbytes;
-        __m512i w[8];
-        if (bits == 4) {
+        __m512i wv[8];
+        if (w->bits == 4) {
             for (int j = 0; j < 4; j++) {
                 const __m512i p = _mm512_loadu_si512((const void *)(cg + 64 * j));
-                w[j] = _mm512_and_si512(p, nib);
-                w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
+                wv[j] = _mm512_and_si512(p, nib);
+                wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
             }
         } else {
-            for (int j = 0; j < nv; j++) w[j] = _mm512_loadu_si512((const void *)(cg + 64 * j));
+            for (int j = 0; j < nv; j++) wv[j] = _mm512_loadu_si512((const void *)(cg + 64 * j));
         }
-        const __m512 sc = _mm512_loadu_ps(scales + g * TILE);
-        const __m512 mn = mins ? _mm512_loadu_ps(mins + g * TILE) : _mm512_mul_ps(sc, negoff);
+        const __m512 sc = vgroup(w->scales, w->scale_sup, w->gps, t, ng, g);
+        const __m512 mn = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g) : _mm512_mul_ps(sc, negoff);
         for (int64_t i = 0; i < mb; i++) {
             const int8_t *xr = a->q + (m0 + i) * K + g * G;
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
             for (int j = 0; j < nv; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, w[j], bcast4(xr + 4 * j));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], bcast4(xr + 4 * j + 4));
+                s0 = _mm512_dpbusd_epi32(s0, wv[j], bcast4(xr + 4 * j));
+                s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], bcast4(xr + 4 * j + 4));
             }
             const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
                                            _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]));
@@ -143,45 +192,32 @@ static void tile_mb(const uint8_t *codes, int bits, int64_t G, const float *scal
     }
 }
 
-static void run_tile(const uint8_t *codes, int bits, int64_t G, const float *scales, const float *mins,
-                     float offset, const float *bias, const qact_t *a, int64_t M, int64_t K, int64_t n0,
-                     void *y, int y_bf16, int64_t ldy) {
-    const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = M - m0 < MB ? M - m0 : MB;
+static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
+    const int64_t n0 = t * TILE;
+    const __m512 bv = w->bias ? _mm512_loadu_ps(w->bias + n0) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < a->M; m0 += MB) {
+        const int64_t mb = a->M - m0 < MB ? a->M - m0 : MB;
         __m512 acc[MB];
-        tile_mb(codes, bits, G, scales, mins, offset, a, m0, mb, K, acc);
+        tile_mb(w, t, a, m0, mb, acc);
         for (int64_t i = 0; i < mb; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, _mm512_add_ps(acc[i], bv));
     }
 }
-#endif
-
-static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t kk) {
-    if (bits == 4) {
-        const uint8_t b = cg[((kk % 16) / 4) * 64 + l * 4 + kk % 4];
-        return kk < 16 ? (b & 0x0F) : (b >> 4);
-    }
-    return cg[(kk / 4) * 64 + l * 4 + kk % 4];
-}
-
-#ifndef QM_VNNI
-static void run_tile(const uint8_t *codes, int bits, int64_t G, const float *scales, const float *mins,
-                     float offset, const float *bias, const qact_t *a, int64_t M, int64_t K, int64_t n0,
-                     void *y, int y_bf16, int64_t ldy) {
-    const int64_t ng = K / G, gbytes = TILE * G * bits / 8;
+#else
+static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
+    const int64_t K = w->K, G = w->group, ng = K / G, gbytes = TILE * G * w->bits / 8, n0 = t * TILE;
+    const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0; m < a->M; m++) {
         for (int64_t l = 0; l < TILE; l++) {
             float acc = 0.f;
             for (int64_t g = 0; g < ng; g++) {
                 int32_t isum = 0;
                 for (int64_t kk = 0; kk < G; kk++)
-                    isum += code_in_group(codes + g * gbytes, bits, l, kk) * a->q[m * K + g * G + kk];
-                const float sc = scales[g * TILE + l];
-                const float mn = mins ? mins[g * TILE + l] : -offset * sc;
-                acc += (float)isum * a->dx[m * (K / 32) + g * G / 32] * sc + mn * xs[m * ng + g];
+                    isum += code_in_group(codes + g * gbytes, (int)w->bits, l, kk) * a->q[m * K + g * G + kk];
+                acc += (float)isum * a->dx[m * (K / 32) + g * G / 32] * group_scale(w, t, g, l) +
+                       group_min(w, t, g, l) * xs[m * ng + g];
             }
-            if (bias) acc += bias[n0 + l];
+            if (w->bias) acc += w->bias[n0 + l];
             if (y_bf16) ((uint16_t *)y)[m * ldy + n0 + l] = f32_to_bf16(acc);
             else ((float *)y)[m * ldy + n0 + l] = acc;
         }
@@ -189,61 +225,54 @@ static void run_tile(const uint8_t *codes, int bits, int64_t G, const float *sca
 }
 #endif
 
-static int qshape_ok(int64_t N, int64_t K, int bits, int64_t G) {
-    return N % TILE == 0 && K % G == 0 && K % 32 == 0 && (G == 16 || G == 32) && (bits == 4 || bits == 8) &&
-           !(bits == 4 && G != 32);
+static int qw_ok(const qw_t *w) {
+    const int64_t G = w->group;
+    return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
+           (w->bits == 4 || w->bits == 8) && !(w->bits == 4 && G != 32) &&
+           (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 
 /* y = x W^T + bias with x already quantized (so several weights can share one quantization). */
-static void qmatmul_q(const qact_t *a, const uint8_t *codes, int bits, int64_t G, const float *scales,
-                      const float *mins, float offset, const float *bias, int64_t N, void *y, int y_bf16,
-                      int64_t ldy) {
-    const int64_t M = a->M, K = a->K, ng = K / G, tile_bytes = ng * TILE * G * bits / 8;
-    #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-    for (int64_t t = 0; t < N / TILE; t++)
-        run_tile(codes + t * tile_bytes, bits, G, scales + t * ng * TILE, mins ? mins + t * ng * TILE : NULL,
-                 offset, bias, a, M, K, t * TILE, y, y_bf16, ldy);
+static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
+    #pragma omp parallel for schedule(static) if (w->N * w->K * a->M >= 65536)
+    for (int64_t t = 0; t < w->N / TILE; t++) run_tile(w, t, a, y, y_bf16, ldy);
 }
 
-int qmatmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, int bits, int64_t G,
-            const float *scales, const float *mins, float offset, const float *bias, int64_t N, void *y,
-            int y_bf16, int64_t ldy) {
-    if (!qshape_ok(N, K, bits, G)) return 2;
+/* y [M, N] (row stride ldy; bf16 or float32) = x [M, K] (bf16 or float32) W^T + bias.
+ * Returns 0, 1 when out of memory, 2 for a weight the kernel does not take. */
+int qmatmul(const void *x, int x_bf16, int64_t M, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
+    if (!qw_ok(w)) return 2;
     qact_t a;
-    if (quantize(x, x_bf16, M, K, &a)) return 1;
-    qmatmul_q(&a, codes, bits, G, scales, mins, offset, bias, N, y, y_bf16, ldy);
+    if (quantize(x, x_bf16, M, w->K, &a)) return 1;
+    qmatmul_q(&a, w, y, y_bf16, ldy);
     qact_free(&a);
     return 0;
 }
 
 /* The weight as dense bf16, transposed: out_t [K, N] (for one large bf16 matmul), computed in
  * float32 and rounded once. A column of a tile is one byte (or nibble) of every 32-bit lane. */
-void qdequant_bf16_t(const uint8_t *codes, int bits, int64_t G, const float *scales, const float *mins,
-                     float offset, int64_t N, int64_t K, uint16_t *out_t) {
-    const int64_t ng = K / G, gbytes = TILE * G * bits / 8;
+void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
+    const int64_t N = w->N, G = w->group, ng = qw_groups(w), gbytes = TILE * G * w->bits / 8;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N / TILE; t++) {
         for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *cg = codes + (t * ng + g) * gbytes;
-            const float *sc = scales + (t * ng + g) * TILE, *mn = mins ? mins + (t * ng + g) * TILE : NULL;
+            const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
 #ifdef QM_VNNI
-            const __m512 scv = _mm512_loadu_ps(sc);
-            const __m512 mnv = mn ? _mm512_loadu_ps(mn) : _mm512_mul_ps(scv, _mm512_set1_ps(-offset));
-            const __m512i byte = _mm512_set1_epi32(0xFF);
+            const __m512 scv = vgroup(w->scales, w->scale_sup, w->gps, t, ng, g);
+            const __m512 mnv = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g)
+                                       : _mm512_mul_ps(scv, _mm512_set1_ps(-(float)w->offset));
             for (int64_t kk = 0; kk < G; kk++) {
-                const int64_t j = bits == 4 ? (kk % 16) / 4 : kk / 4, i = kk % 4;
+                const int64_t j = w->bits == 4 ? (kk % 16) / 4 : kk / 4, i = kk % 4;
                 __m512i u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
-                if (bits == 4) u = kk < 16 ? _mm512_and_si512(u, _mm512_set1_epi32(0x0F))
-                                           : _mm512_and_si512(_mm512_srli_epi32(u, 4), _mm512_set1_epi32(0x0F));
-                else u = _mm512_and_si512(u, byte);
-                const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv);
-                store16(out_t, 1, (g * G + kk) * N + t * TILE, w);
+                if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
+                u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
+                store16(out_t, 1, (g * G + kk) * N + t * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv));
             }
 #else
             for (int64_t l = 0; l < TILE; l++) {
-                const float s = sc[l], m = mn ? mn[l] : -offset * s;
+                const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
                 for (int64_t kk = 0; kk < G; kk++)
-                    out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)code_in_group(cg, bits, l, kk) + m);
+                    out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)code_in_group(cg, (int)w->bits, l, kk) + m);
             }
 #endif
         }

@@ -44,7 +44,7 @@ class Linear(torch.nn.Module):
 
     INT4_MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
     INT4_MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
-    QMATMUL_MAX_TOKENS = 32  # our kernel up to this many rows (crossover with expand + bf16 matmul)
+    QMATMUL_MAX_TOKENS = 64  # our kernel up to this many rows (crossover with expand + bf16 matmul)
     QMATMUL_MAX_TOKENS_WITH_DENSE = 24
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -63,8 +63,17 @@ class Linear(torch.nn.Module):
         """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel for
         calls of up to `QMATMUL_MAX_TOKENS` rows; with `keep_dense` the dense weight too."""
         self.qweight = qweight
+        self._qweight_c = None
         if not keep_dense:
             self.weight = None
+
+    def qweight_c(self):
+        """The kernel's view of the codes with this layer's bias (float32), built once."""
+        if self._qweight_c is None:
+            if self.bias is not None:
+                self.bias_f32 = self.bias.float()
+            self._qweight_c = self.qweight.c_struct(self.bias_f32)
+        return self._qweight_c
 
     def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor]], keep_dense: bool = False) -> None:
         """Keep the weight as int4 parts ``(packed, scales_and_zeros)`` (`quant_linear.pack_int4`),
@@ -78,9 +87,7 @@ class Linear(torch.nn.Module):
         if self.qweight is not None:
             limit = self.QMATMUL_MAX_TOKENS if self.weight is None else self.QMATMUL_MAX_TOKENS_WITH_DENSE
             if x.shape[0] <= limit or (self.int4_only and self.weight is None):
-                if self.bias is not None and self.bias_f32 is None:
-                    self.bias_f32 = self.bias.float()
-                y = qmatmul(x, self.qweight, self.bias_f32)
+                y = qmatmul(x, self.qweight, c=self.qweight_c())
                 if y is not None:
                     return y
             return F.linear(x, self.dense_weight(), self.bias)

@@ -16,13 +16,7 @@ import ctypes
 import torch
 
 from nextoken.kernels import load
-from nextoken.layers.qweight import QuantWeight
-
-
-class _QW(ctypes.Structure):
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("offset", ctypes.c_double), ("bits", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+from nextoken.layers.qweight import _QW
 
 
 class _Layer(ctypes.Structure):
@@ -36,12 +30,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _qw(linear) -> _QW:
-    w: QuantWeight = linear.qweight
-    if linear.bias is not None and linear.bias_f32 is None:
-        linear.bias_f32 = linear.bias.float()
-    rows, cols = w.shape
-    return _QW(_ptr(w.codes), _ptr(w.scales), _ptr(w.mins), _ptr(linear.bias_f32), w.offset, w.bits, w.group,
-               rows, cols)
+    return linear.qweight_c()
 
 
 class NativeDecoder:

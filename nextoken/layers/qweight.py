@@ -6,33 +6,83 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 
 - Q4_0: ``x = d (q - 8)``              -> 4-bit u = q, group 32, scale d, min -8 d
 - Q4_1: ``x = d q + m``                -> 4-bit u = q, group 32, scale d, min m
-- Q4_K: ``x = d sc_j q - dmin m_j``    -> 4-bit u = q, group 32, scale d sc_j, min -dmin m_j
+- Q4_K: ``x = d sc_j q - dmin m_j``    -> 4-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q5_0: ``x = d (q - 16)``             -> 8-bit u = q, group 32, scale d, min -16 d
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
-- Q6_K: ``x = d sc_j (q - 32)``        -> 8-bit u = q, group 16, scale d sc_j, min -32 d sc_j
+- Q6_K: ``x = d sc_j (q - 32)``        -> 8-bit u = q, group 16, scale sc_j * d, min -32 scale
 
-(``min = -offset * scale`` is not stored: only the offset.) Scales are float32, so the
-values are those of the float32 de-quantization (`nextoken.loader.dequant`, the reference),
-exactly; `QuantWeight.dequantize` computes them and the tests compare.
+Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
+(decode reads every weight once per step: bytes are time): one float16 per block for the
+legacy formats; for the k-quants an int8 per group times one float32 per super-block of 256
+columns (``scale_sup``, ``min_sup``). ``min = -offset * scale`` is not stored at all, only the
+offset. The products are those of the float32 de-quantization (`nextoken.loader.dequant`, the
+reference), exactly; `QuantWeight.dequantize` computes them and the tests compare.
 
 `qmatmul` multiplies on our C kernel (``kernels/qmatmul.c``): activations are quantized to
 int8 per 32 columns (``dx = max|x| / 127``, as llama.cpp's Q8_1 blocks), the integer dot
 products run on AVX-512 VNNI, and each group's sum is scaled once. `qmatmul_reference` is the
-same arithmetic in PyTorch. Reads ~0.6 bytes per weight for 4-bit formats, 1.1 for 8-bit.
+same arithmetic in PyTorch.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from nextoken.kernels import load
-from nextoken.loader.dequant import QK, QK_K, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
+from nextoken.loader.dequant import QK, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
 
 QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
 TILE = 16  # rows per tile of the kernel's layout
+
+
+@dataclass
+class PlainCodes:
+    """A weight's codes and scales in plain row order (rows can still be permuted).
+
+    u: ``[rows, cols]`` (0..15 for 4 bits, 0..255 for 8); scale, mins: ``[rows, cols // group]``
+    float32, each either an exact float16 value (``*_sup`` None) or an int8 value to multiply by
+    ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``.
+    """
+
+    u: torch.Tensor
+    scale: torch.Tensor
+    scale_sup: torch.Tensor | None
+    mins: torch.Tensor | None
+    min_sup: torch.Tensor | None
+    offset: float
+    bits: int
+    group: int
+    gps: int = 1  # groups per super-block
+
+    def map_rows(self, fn) -> PlainCodes:
+        """Apply `fn` (a row permutation, say) to every tensor indexed by row."""
+        f = lambda t: None if t is None else fn(t)  # noqa: E731
+        return replace(self, u=fn(self.u), scale=fn(self.scale), scale_sup=f(self.scale_sup), mins=f(self.mins),
+                       min_sup=f(self.min_sup))
+
+
+class _QW(ctypes.Structure):
+    """``qw_t`` of ``kernels/qmatmul.c``."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("offset", ctypes.c_double), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+def _tiled(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[rows, n]`` -> ``[rows // 16, n, 16]``: lane l of tile t is row 16 t + l."""
+    if t is None:
+        return None
+    rows, n = t.shape
+    return t.to(dtype).reshape(rows // TILE, TILE, n).transpose(1, 2).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 @dataclass
@@ -41,34 +91,38 @@ class QuantWeight:
     tile; see ``kernels/qmatmul.c``):
 
     codes: uint8 ``[rows // 16, cols // group, 16 * group * bits // 8]``;
-    scales: float32 ``[rows // 16, cols // group, 16]``; mins: the same shape, or None for
-    ``min = -offset * scale``. Build it with `pack` from codes in plain row order.
+    scales, mins: ``[rows // 16, cols // group, 16]``, float16, or int8 with ``scale_sup``,
+    ``min_sup``: float32 ``[rows // 16, cols // group // gps, 16]``; mins None means
+    ``min = -offset * scale``. Build it with `pack`.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    scale_sup: torch.Tensor | None
+    min_sup: torch.Tensor | None
     offset: float
     bits: int
     group: int
+    gps: int
+    _c: _QW | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
-    def pack(u: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, offset: float, bits: int,
-             group: int) -> QuantWeight:
-        """From plain codes: u ``[rows, cols]`` (0..15 for 4 bits, 0..255 for 8), scale and
-        mins ``[rows, cols // group]``. Rows must be a multiple of 16."""
-        rows, cols = u.shape
-        ng = cols // group
-        u = u.to(torch.uint8)
-        if bits == 4:  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
+    def pack(p: PlainCodes) -> QuantWeight:
+        """From plain codes (rows a multiple of 16)."""
+        rows, cols = p.u.shape
+        ng = cols // p.group
+        u = p.u.to(torch.uint8)
+        if p.bits == 4:  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
             c = u.view(rows // TILE, TILE, ng, 2, 4, 4)
             c = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
         else:  # byte (j, l, i): column 4j+i of row l
-            c = u.view(rows // TILE, TILE, ng, group // 4, 4).permute(0, 2, 3, 1, 4)
-        tiled = lambda t: None if t is None else (  # noqa: E731
-            t.float().reshape(rows // TILE, TILE, ng).transpose(1, 2).contiguous())
-        return QuantWeight(c.reshape(rows // TILE, ng, -1).contiguous(), tiled(scale), tiled(mins), offset, bits,
-                           group)
+            c = u.view(rows // TILE, TILE, ng, p.group // 4, 4).permute(0, 2, 3, 1, 4)
+        sdt = torch.float16 if p.scale_sup is None else torch.int8
+        mdt = torch.float16 if p.min_sup is None else torch.int8
+        return QuantWeight(c.reshape(rows // TILE, ng, -1).contiguous(), _tiled(p.scale, sdt), _tiled(p.mins, mdt),
+                           _tiled(p.scale_sup, torch.float32), _tiled(p.min_sup, torch.float32), p.offset, p.bits,
+                           p.group, p.gps)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,52 +131,57 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins, self.scale_sup, self.min_sup)
+                   if t is not None)
 
-    def _plain(self, t: torch.Tensor) -> torch.Tensor:
-        """``[tiles, ng, 16]`` -> ``[rows, ng]``."""
-        return t.transpose(1, 2).reshape(t.shape[0] * TILE, t.shape[1])
+    def c_struct(self, bias: torch.Tensor | None = None) -> _QW:
+        """The kernel's view of this weight (pointers into its tensors; bias float32 ``[rows]``)."""
+        if bias is None and self._c is not None:
+            return self._c
+        rows, cols = self.shape
+        c = _QW(_ptr(self.codes), _ptr(self.scales), _ptr(self.mins), _ptr(self.scale_sup), _ptr(self.min_sup),
+                _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols)
+        if bias is None:
+            self._c = c
+        return c
 
-    def unsigned_codes(self) -> torch.Tensor:
-        """u as int32 ``[rows, cols]`` in plain row order."""
+    def _values(self, v: torch.Tensor, sup: torch.Tensor | None, tile, lane) -> torch.Tensor:
+        """Scales (or mins) of the rows ``16 tile + lane`` as float32 ``[T, cols // group]``."""
+        x = v[tile, :, lane].float()
+        return x if sup is None else x * sup[tile, :, lane].repeat_interleave(self.gps, dim=1)
+
+    def _row_scales(self, tile, lane) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self._values(self.scales, self.scale_sup, tile, lane)
+        mins = self._values(self.mins, self.min_sup, tile, lane) if self.mins is not None else -self.offset * scale
+        return scale, mins
+
+    def _codes(self, tile, lane) -> torch.Tensor:
+        """Codes of the rows ``16 tile + lane`` as float32 ``[T, cols // group, group]``."""
         rows, cols = self.shape
         ng = cols // self.group
         if self.bits == 4:
-            c = self.codes.view(rows // TILE, ng, 4, TILE, 4)
-            c = torch.stack((c & 0x0F, c >> 4), dim=2)  # [tiles, ng, half, j, l, i]
-            c = c.permute(0, 4, 1, 2, 3, 5)
+            c = self.codes.view(rows // TILE, ng, 4, TILE, 4)[tile, :, :, lane]  # [T, ng, j, i]
+            c = torch.stack((c & 0x0F, c >> 4), dim=2)  # [T, ng, half, j, i]
         else:
-            c = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4).permute(0, 3, 1, 2, 4)
-        return c.reshape(rows, cols).to(torch.int32)
-
-    def plain_scales(self) -> torch.Tensor:
-        return self._plain(self.scales)
-
-    def plain_mins(self) -> torch.Tensor:
-        return self._plain(self.mins) if self.mins is not None else -self.offset * self.plain_scales()
-
-    def dequantize(self) -> torch.Tensor:
-        """The weight in float32 ``[rows, cols]`` (PyTorch; the reference for the kernel)."""
-        rows, cols = self.shape
-        u = self.unsigned_codes().float().view(rows, cols // self.group, self.group)
-        w = u * self.plain_scales()[..., None] + self.plain_mins()[..., None]
-        return w.reshape(rows, cols)
+            c = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4)[tile, :, :, lane]
+        return c.reshape(-1, ng, self.group).float()
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (int64 ``[T]``) de-quantized to float32 ``[T, cols]`` (an embedding
         lookup: only the rows read are expanded)."""
-        rows, cols = self.shape
-        ng = cols // self.group
         tile, lane = index // TILE, index % TILE
-        if self.bits == 4:
-            c = self.codes.view(rows // TILE, ng, 4, TILE, 4)[tile, :, :, lane]  # [T, ng, j, i]
-            u = torch.stack((c & 0x0F, c >> 4), dim=2)  # [T, ng, half, j, i]
-        else:
-            u = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4)[tile, :, :, lane]
-        u = u.reshape(-1, ng, self.group).float()
-        scale = self.scales[tile, :, lane]  # [T, ng]
-        mins = self.mins[tile, :, lane] if self.mins is not None else -self.offset * scale
-        return (u * scale[..., None] + mins[..., None]).reshape(-1, cols)
+        scale, mins = self._row_scales(tile, lane)
+        return (self._codes(tile, lane) * scale[..., None] + mins[..., None]).reshape(len(index), -1)
+
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u float32 ``[rows, cols // group, group]``, scale, min ``[rows, cols // group]``)."""
+        rows = torch.arange(self.shape[0])
+        tile, lane = rows // TILE, rows % TILE
+        return (self._codes(tile, lane), *self._row_scales(tile, lane))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32 ``[rows, cols]`` (PyTorch; the reference for the kernel)."""
+        return self.lookup(torch.arange(self.shape[0]))
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
@@ -130,20 +189,22 @@ class QuantWeight:
         first = parts[0]
         cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
         return QuantWeight(cat([p.codes for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.mins for p in parts]), first.offset, first.bits, first.group)
+                           cat([p.mins for p in parts]), cat([p.scale_sup for p in parts]),
+                           cat([p.min_sup for p in parts]), first.offset, first.bits, first.group, first.gps)
 
 
 def qweight_supported(type_name: str, rows: int, cols: int) -> bool:
-    return type_name in QWEIGHT_TYPES and cols % QK == 0 and rows % TILE == 0
+    """Whether a tensor can be kept as codes: a format we map, whole tiles of rows."""
+    return type_name in QWEIGHT_TYPES and rows % TILE == 0 and cols % QK == 0
 
 
-def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int):
-    """Raw GGUF blocks (uint8) of a ``[rows, cols]`` tensor -> the arguments of
-    `QuantWeight.pack`: (u ``[rows, cols]``, scale, mins or None, offset, bits, group), in plain
-    row order (so rows can still be permuted). Raises `ValueError` for another format."""
+def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> PlainCodes:
+    """Raw GGUF blocks (uint8) of a ``[rows, cols]`` tensor -> `PlainCodes`. Raises
+    `ValueError` for a format not in `QWEIGHT_TYPES`."""
     if type_name not in QWEIGHT_TYPES:
         raise ValueError(f"{type_name} cannot be kept as codes; supported: {', '.join(QWEIGHT_TYPES)}")
-    mins, offset, group = None, 0.0, QK
+    scale_sup = mins = min_sup = None
+    offset, group, gps = 0.0, QK, 1
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
         q, scale, offset = _nibbles(b[:, 2:]).reshape(-1, QK), _f16(b, 0), 8.0
@@ -153,10 +214,9 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int):
     elif type_name == "Q4_K":
         b = raw.reshape(-1, 144)
         n = b.shape[0]
-        d, dmin = _f16(b, 0), _f16(b, 2)
-        sc, mn = _q4_k_scales(b[:, 4:16])
+        sc, mn = _q4_k_scales(b[:, 4:16])  # [n, 8] each, 0..63
         q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK)
-        scale, mins = d * sc, -(dmin * mn)
+        scale, scale_sup, mins, min_sup, gps = sc, _f16(b, 0), mn, -_f16(b, 2), 8
     elif type_name == "Q5_0":
         q, scale = codes_q5_0(raw.reshape(-1, 22))
         offset = 16.0
@@ -165,18 +225,20 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int):
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
         scale, offset = _f16(b, 0), 128.0
     else:  # Q6_K
-        q, scale = codes_q6_k(raw.reshape(-1, 210))
-        group, offset = 16, 32.0
-    bits = 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
-    u = q.reshape(rows, cols).to(torch.uint8)
-    scale = scale.reshape(rows, cols // group)
-    mins = None if mins is None else mins.reshape(rows, cols // group)
-    return u, scale, mins, offset, bits, group
+        b = raw.reshape(-1, 210)
+        q, _ = codes_q6_k(b)
+        scale = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+        scale_sup, group, gps, offset = _f16(b, 208), 16, 16, 32.0
+    ng = cols // group
+    shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
+    return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
+                      shaped(mins, ng), shaped(min_sup, ng // gps), offset, 4 if type_name.startswith("Q4") else 8,
+                      group, gps)
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
     """Raw GGUF blocks of a ``[rows, cols]`` tensor -> `QuantWeight`."""
-    return QuantWeight.pack(*gguf_codes(raw, type_name, rows, cols))
+    return QuantWeight.pack(gguf_codes(raw, type_name, rows, cols))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,46 +255,41 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch: ``x [M, K] -> float32 [M, N]``, with x quantized to
     int8 as in `quantize_activations` and exact integer dot products per group."""
-    rows, cols = w.shape
     m = x.shape[0]
     g = w.group
     xq, dx = quantize_activations(x)
-    dxg = dx.repeat_interleave(QK // g, dim=1)  # [M, K / g]
-    u = w.unsigned_codes().view(rows, cols // g, g).to(torch.float64)
-    xg = xq.view(m, cols // g, g).to(torch.float64)
-    dots = torch.einsum("ngk,mgk->mng", u, xg)  # exact integers
-    xsum = xg.sum(-1)  # [M, K / g]
-    y = (dots * (w.plain_scales().double()[None] * dxg.double()[:, None])).sum(-1)
-    y = y + ((xsum * dxg.double()) @ w.plain_mins().double().t())
+    dxg = dx.repeat_interleave(QK // g, dim=1).double()  # [M, K / g]
+    u, scale, mins = w.plain()
+    xg = xq.view(m, -1, g).double()
+    dots = torch.einsum("ngk,mgk->mng", u.double(), xg)  # exact integers
+    y = (dots * (scale.double()[None] * dxg[:, None])).sum(-1)
+    y = y + (xg.sum(-1) * dxg) @ mins.double().t()
     if bias is not None:
         y = y + bias.double()
     return y.float()
 
 
-def _ptr(t: torch.Tensor | None):
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
-
-
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, portable: bool = False) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, portable: bool = False, c: _QW | None = None) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
-    bias: float32 ``[N]`` or None. `portable`: the kernel's plain C loops (tests)."""
+    bias: float32 ``[N]`` or None (or `c`, a prepared `QuantWeight.c_struct`). `portable`: the
+    kernel's plain C loops (tests). Raises `ValueError` for a shape the kernel does not take."""
     lib = load("qmatmul", portable)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    out_dtype = out_dtype or x.dtype
     x = x.contiguous()
-    rows, cols = w.shape
+    rows = w.shape[0]
+    out_dtype = out_dtype or x.dtype
     y = torch.empty(x.shape[0], rows, dtype=out_dtype)
-    rc = lib.qmatmul(_ptr(x), ctypes.c_int(x.dtype == torch.bfloat16), ctypes.c_int64(x.shape[0]),
-                     ctypes.c_int64(cols), _ptr(w.codes), ctypes.c_int(w.bits), ctypes.c_int64(w.group),
-                     _ptr(w.scales), _ptr(w.mins), ctypes.c_float(w.offset), _ptr(bias), ctypes.c_int64(rows),
-                     _ptr(y), ctypes.c_int(out_dtype == torch.bfloat16), ctypes.c_int64(rows))
+    c = c if c is not None else w.c_struct(bias)
+    rc = lib.qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
+                     ctypes.c_int64(x.shape[0]), ctypes.byref(c), ctypes.c_void_p(y.data_ptr()),
+                     ctypes.c_int(out_dtype == torch.bfloat16), ctypes.c_int64(rows))
     if rc == 1:
         raise MemoryError("qmatmul: out of memory for the quantized activations")
     if rc != 0:
-        raise ValueError(f"qmatmul: unsupported weight (bits {w.bits}, group {w.group}, {cols} columns)")
+        raise ValueError(f"qmatmul: unsupported weight (bits {w.bits}, group {w.group}, shape {w.shape})")
     return y
 
 
@@ -244,7 +301,5 @@ def dequantize_bf16(w: QuantWeight, portable: bool = False) -> torch.Tensor:
         return w.dequantize().to(torch.bfloat16)
     rows, cols = w.shape
     out_t = torch.empty(cols, rows, dtype=torch.bfloat16)
-    lib.qdequant_bf16_t(_ptr(w.codes), ctypes.c_int(w.bits), ctypes.c_int64(w.group), _ptr(w.scales),
-                        _ptr(w.mins), ctypes.c_float(w.offset), ctypes.c_int64(rows), ctypes.c_int64(cols),
-                        _ptr(out_t))
+    lib.qdequant_bf16_t(ctypes.byref(w.c_struct()), ctypes.c_void_p(out_t.data_ptr()))
     return out_t.t()

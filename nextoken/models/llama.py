@@ -230,11 +230,10 @@ class LlamaForCausalLM(torch.nn.Module):
         parts = []
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
-            u, scale, mins, offset, bits, group = gguf_codes(f.raw(gguf_name, start, stop), kind, stop - start, cols)
+            plain = gguf_codes(f.raw(gguf_name, start, stop), kind, stop - start, cols)
             if heads is not None:
-                u, scale = unpermute_qk(u, heads), unpermute_qk(scale, heads)
-                mins = None if mins is None else unpermute_qk(mins, heads)
-            parts.append(QuantWeight.pack(u, scale, mins, offset, bits, group))
+                plain = plain.map_rows(lambda t: unpermute_qk(t, heads))
+            parts.append(QuantWeight.pack(plain))
         return parts[0] if len(parts) == 1 else QuantWeight.cat(parts)
 
     def _load_int4(self, f, gguf_name: str, module: Linear, heads: int | None, keep_dense: bool = False) -> None:
