@@ -9,6 +9,9 @@
  *             8 bits: byte i of lane l of vector j = u[16t + l, G g + 4 j + i]
  *             4 bits (G = 32): low nibble = u[16t + l, 32 g + 4 j + i],
  *                              high nibble = u[16t + l, 32 g + 16 + 4 j + i]   (j < 4)
+ *             6 bits (G = 16, Q6_K): 128 bytes of low 4 bits, then 64 bytes of high 2 bits:
+ *                              vector a < 2: low nibble = column 4a + i, high nibble = 8 + 4a + i;
+ *                              vector 2, byte (l, i): bits 2j..2j+1 = high bits of column 4j + i
  *   scales  [N/16, K/G, 16] (lane l: row 16t + l), as GGUF stores them, so as few bytes as GGUF:
  *             float16, when scale_sup is NULL (Q4_0, Q4_1, Q5_0, Q8_0: one f16 per block);
  *             int8 times scale_sup [N/16, K/G/gps, 16] float32, one per super-block of gps groups
@@ -121,6 +124,11 @@ static inline float group_min(const qw_t *w, int64_t t, int64_t g, int64_t l) {
 }
 
 static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t kk) {
+    if (bits == 6) {
+        const int64_t j = kk / 4, i = kk % 4;
+        const uint8_t b = cg[(j % 2) * 64 + l * 4 + i], hb = cg[128 + l * 4 + i];
+        return (j < 2 ? (b & 0x0F) : (b >> 4)) | (((hb >> (2 * j)) & 3) << 4);
+    }
     if (bits == 4) {
         const uint8_t b = cg[((kk % 16) / 4) * 64 + l * 4 + kk % 4];
         return kk < 16 ? (b & 0x0F) : (b >> 4);
@@ -172,6 +180,14 @@ static void tile_mb(const qw_t *w, int64_t t, const qact_t *a, int64_t m0, int64
                 wv[j] = _mm512_and_si512(p, nib);
                 wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
             }
+        } else if (w->bits == 6) {
+            const __m512i p0 = _mm512_loadu_si512((const void *)cg), p1 = _mm512_loadu_si512((const void *)(cg + 64));
+            const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
+            wv[0] = _mm512_or_si512(_mm512_and_si512(p0, nib), _mm512_and_si512(_mm512_slli_epi16(hp, 4), m30));
+            wv[1] = _mm512_or_si512(_mm512_and_si512(p1, nib), _mm512_and_si512(_mm512_slli_epi16(hp, 2), m30));
+            wv[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p0, 4), nib), _mm512_and_si512(hp, m30));
+            wv[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p1, 4), nib),
+                                    _mm512_and_si512(_mm512_srli_epi16(hp, 2), m30));
         } else {
             for (int j = 0; j < nv; j++) wv[j] = _mm512_loadu_si512((const void *)(cg + 64 * j));
         }
@@ -228,7 +244,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
 static int qw_ok(const qw_t *w) {
     const int64_t G = w->group;
     return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
-           (w->bits == 4 || w->bits == 8) && !(w->bits == 4 && G != 32) &&
+           (w->bits == 4 || w->bits == 6 || w->bits == 8) && !(w->bits == 4 && G != 32) && !(w->bits == 6 && G != 16) &&
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 
@@ -262,10 +278,21 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
             const __m512 mnv = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g)
                                        : _mm512_mul_ps(scv, _mm512_set1_ps(-(float)w->offset));
             for (int64_t kk = 0; kk < G; kk++) {
-                const int64_t j = w->bits == 4 ? (kk % 16) / 4 : kk / 4, i = kk % 4;
-                __m512i u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
-                if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
-                u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
+                __m512i u;
+                if (w->bits == 6) {
+                    const int64_t j = kk / 4, i = kk % 4;
+                    const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * (j % 2))),
+                                                         (unsigned)(8 * i + (j < 2 ? 0 : 4)));
+                    const __m512i hi = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 128)),
+                                                         (unsigned)(8 * i + 2 * j));
+                    u = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0x0F)),
+                                        _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+                } else {
+                    const int64_t j = w->bits == 4 ? (kk % 16) / 4 : kk / 4, i = kk % 4;
+                    u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
+                    if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
+                    u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
+                }
                 store16(out_t, 1, (g * G + kk) * N + t * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv));
             }
 #else

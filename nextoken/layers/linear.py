@@ -90,7 +90,9 @@ class Linear(torch.nn.Module):
                 y = qmatmul(x, self.qweight, c=self.qweight_c())
                 if y is not None:
                     return y
-            return F.linear(x, self.dense_weight(), self.bias)
+            if self.weight is None:  # expanded into a scratch buffer, used at once
+                return F.linear(x, dequantize_bf16(self.qweight, scratch=True).to(self.dtype), self.bias)
+            return F.linear(x, self.weight, self.bias)
         if self.int4 is None:
             return F.linear(x, self.weight, self.bias)
         limit = self.INT4_MAX_TOKENS if self.weight is None else self.INT4_MAX_TOKENS_WITH_DENSE
