@@ -38,12 +38,13 @@ def test_smollm2_float32_matches_reference(smollm2_path):
     check_float32(smollm2_path, "smollm2-135m-instruct")
 
 
-def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
-    """The default bf16 path: where it picks differently from float32, its pick is still one of
-    the reference's five most likely tokens, and its log-probabilities stay close."""
-    runner = ModelRunner(GGUFFile(smollm2_path), torch.bfloat16)
+def check_bfloat16(path, name):
+    """The default bf16 path (GGUF codes, int8 activations, the one-call C decode): where it
+    picks differently from float32, its pick is still one of the reference's five most likely
+    tokens, and its log-probabilities stay close."""
+    runner = ModelRunner(GGUFFile(path), torch.bfloat16)
     steps = agree = 0
-    for gen in load_reference("smollm2-135m-instruct")["generations"]:
+    for gen in load_reference(name)["generations"]:
         for lp, step in replay(runner, gen):
             top5 = [t for t, _ in step["top5"]]
             choice = int(lp.argmax())
@@ -54,9 +55,19 @@ def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
     assert agree / steps > 0.95
 
 
+def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
+    check_bfloat16(smollm2_path, "smollm2-135m-instruct")
+
+
 @pytest.mark.slow
 def test_qwen2_float32_matches_reference():
     check_float32(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.mark.slow
+def test_qwen2_bfloat16_stays_in_reference_top5():
+    """Q5_0 embedding lookups, a Q8_0 head, Q6_K/Q4_K/Q5_0 linears with biases."""
+    check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
 
 
 @pytest.mark.parametrize("mode", ["single", "single-eager", "batched-dense"])
