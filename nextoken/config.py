@@ -58,3 +58,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a proposer guesses up to
+    `num_speculative_tokens` tokens per decode step and the target model checks them in one pass.
+
+    method: ``"draft"`` (a smaller model with the same vocabulary, `model`) or ``"ngram"``
+    (prompt lookup: continue the most recent earlier occurrence of the last `ngram_max` ..
+    `ngram_min` tokens; no second model).
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from nextoken.catalog import DEFAULT_MODEL, resolve_model
-from nextoken.config import CacheConfig, SchedulerConfig
+from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine.engine import LLMEngine
 from nextoken.errors import InvalidRequest
 from nextoken.loader.gguf import GGUFFile
@@ -43,6 +43,9 @@ class LLM:
     dense_weights: besides the packed int4 weights, keep a bf16 copy for calls of many rows
     (batched decode is about 1.8x faster at 32 sequences, for about 2x the weight memory);
     default: on when max_num_seqs > 1, off for a single stream.
+    speculative_model (a draft model with the same vocabulary) or speculative_method="ngram"
+    (prompt lookup) turn on speculative decoding with up to num_speculative_tokens drafted
+    tokens per step (`nextoken.spec`).
     Raises `ModelLoadError` when the model cannot be found or read.
     """
 
@@ -51,7 +54,8 @@ class LLM:
                  num_kv_blocks: int = 0, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 dense_weights: bool | None = None):
+                 dense_weights: bool | None = None, speculative_model: str | None = None,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 4):
         from nextoken.kernels import set_enforce_eager
         from nextoken.runner.threads import configure_threads
 
@@ -60,11 +64,21 @@ class LLM:
             set_enforce_eager(enforce_eager)
         self.model_path = resolve_model(model, auto_pull=auto_pull)
         self.model_name = model
+        spec, draft = None, None
+        if speculative_model is not None or speculative_method is not None:
+            method = speculative_method or "draft"
+            if method == "draft" and speculative_model is None:
+                raise InvalidRequest("speculative method 'draft' needs speculative_model", "speculative_model")
+            if method == "ngram" and speculative_model is not None:
+                raise InvalidRequest("speculative method 'ngram' takes no speculative_model", "speculative_model")
+            spec = SpeculativeConfig(method, speculative_model, num_speculative_tokens)
+            if method == "draft":
+                draft = GGUFFile(resolve_model(speculative_model, auto_pull=auto_pull))
         self.engine = LLMEngine(
             GGUFFile(self.model_path), parse_dtype(dtype),
             CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
-            reference_attention, dense_weights)
+            reference_attention, dense_weights, spec, draft)
         self.tokenizer = self.engine.tokenizer
         self.runner = self.engine.runner
         self.config = self.engine.config

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from nextoken.config import CacheConfig, SchedulerConfig
+from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine.kv_cache.manager import KVCacheManager
 from nextoken.engine.output import RequestGroup, finish_sequence, make_output, process_token
 from nextoken.engine.request import Request
@@ -25,6 +25,9 @@ from nextoken.runner.kv_cache import bytes_per_block
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
+from nextoken.spec.draft import DraftProposer, check_same_vocabulary
+from nextoken.spec.ngram import propose_ngram
+from nextoken.spec.verify import verify
 from nextoken.tokenizer import Tokenizer
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -61,7 +64,10 @@ class LLMEngine:
 
     def __init__(self, gguf: GGUFFile, dtype, cache: CacheConfig = CacheConfig(),
                  scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False,
-                 dense_weights: bool | None = None):
+                 dense_weights: bool | None = None, speculative: SpeculativeConfig | None = None,
+                 draft_gguf: GGUFFile | None = None):
+        """`speculative` turns speculative decoding on; with ``method="draft"``, `draft_gguf` is
+        the draft model (raises `ModelLoadError` when its vocabulary is not the target's)."""
         self.tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
         if dense_weights is None:  # serving several sequences: trade memory for batched speed
@@ -73,7 +79,25 @@ class LLMEngine:
             raise InvalidRequest(f"max_model_len must be >= 1, got {scheduler.max_model_len}", "max_model_len")
         # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)
         self.max_model_len = min(ctx, scheduler.max_model_len or ctx)
+        self.speculative = speculative
+        self.draft: DraftProposer | None = None
         per_block = bytes_per_block(self.config, cache.block_size, dtype)
+        if speculative is not None:
+            if speculative.num_speculative_tokens < 1:
+                raise InvalidRequest("num_speculative_tokens must be >= 1", "num_speculative_tokens")
+            if speculative.method == "draft":
+                if draft_gguf is None:
+                    raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
+                draft_tok = Tokenizer.from_gguf(draft_gguf)
+                draft_gguf.release_metadata()
+                draft_runner = ModelRunner(draft_gguf, dtype, dense_weights=False)
+                check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
+                                      draft_runner.config.vocab_size, speculative.model or "draft")
+                self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids))
+                per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype)  # its cache too
+            elif speculative.method != "ngram":
+                raise InvalidRequest(f"unknown speculative method {speculative.method!r}: use 'draft' or 'ngram'",
+                                     "speculative_method")
         # default budget: a share of free memory, but no more than max_num_seqs full contexts
         full = scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size) * per_block
         budget = cache.memory_bytes or min(default_kv_memory(), full)
@@ -86,7 +110,11 @@ class LLMEngine:
         self.scheduler_config = scheduler
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.runner.init_kv_cache(num_blocks, cache.block_size)
-        self.scheduler = Scheduler(scheduler, self.kv)
+        if self.draft is not None:
+            self.draft.runner.init_kv_cache(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
+        # drafted / accepted tokens, verification steps (one per request and step), emitted tokens
+        self.spec_counts = {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}
         self.sampler = Sampler(self.tokenizer.eog_token_ids)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_group: dict[Request, RequestGroup] = {}
@@ -173,6 +201,8 @@ class LLMEngine:
                 self.scheduler.finish(s)
                 finish_sequence(group, s, "abort")
             self._seq_group.pop(s, None)
+            if self.draft is not None:
+                self.draft.forget(s)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -182,7 +212,7 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and return the outputs that changed."""
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            self._run(plan.scheduled)
+            self._run(plan.scheduled, plan.lookahead)
         outputs = []
         for rid, group in list(self.groups.items()):
             if group.changed:
@@ -193,29 +223,81 @@ class LLMEngine:
                     self._seq_group.pop(s, None)
         return outputs
 
-    def _run(self, scheduled: dict[Request, int]) -> None:
+    def _run(self, scheduled: dict[Request, int], lookahead: set[Request] = frozenset()) -> None:
         reqs = list(scheduled)
-        seqs = [SequenceInput(r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
-                              r.num_computed_tokens, self.kv.block_ids(r.request_id),
-                              r.num_computed_tokens + n == r.num_tokens) for r, n in scheduled.items()]
+        drafts = self._propose([r for r in reqs if r in lookahead]) if lookahead and self.tracer is None else {}
+        seqs = []
+        for r, n in scheduled.items():
+            toks = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+            if r in drafts:  # verify: the last token and the drafts, each as a decode row
+                seqs.append(SequenceInput(toks + drafts[r][0], r.num_computed_tokens, self.kv.block_ids(r.request_id),
+                                          True, as_decodes=True))
+            else:
+                seqs.append(SequenceInput(toks, r.num_computed_tokens, self.kv.block_ids(r.request_id),
+                                          r.num_computed_tokens + n == r.num_tokens))
         logits = self.runner.execute(seqs, self.tracer)
         for r, n in scheduled.items():
             r.num_computed_tokens += n
-            self.kv.cache_full_blocks(r)
+            if r not in drafts:
+                self.kv.cache_full_blocks(r)
         if self.tracer is not None:
             r = reqs[0]
             self.tracer.on_forward_done(r.num_computed_tokens, r.num_computed_tokens * self.runner.kv.bytes_per_token)
-        to_sample = [r for r, s in zip(reqs, seqs) if s.needs_logits]
-        if not to_sample:
-            return
-        results = self.sampler(logits, [r.sampler_row for r in to_sample], keep_details=self.tracer is not None)
-        for i, (r, res) in enumerate(zip(to_sample, results)):
-            group = self._seq_group[r]
-            if self.tracer is not None:
-                self.tracer.on_sample(logits[i], res, r.params)
+        rows, at = {}, 0  # each sequence's logits rows
+        for r, s in zip(reqs, seqs):
+            if s.needs_logits:
+                k = len(s.token_ids) if s.as_decodes else 1
+                rows[r] = (at, at + k)
+                at += k
+        to_sample = [r for r in reqs if r in rows and r not in drafts]
+        if to_sample:
+            idx = [rows[r][0] for r in to_sample]
+            results = self.sampler(logits[idx], [r.sampler_row for r in to_sample], keep_details=self.tracer is not None)
+            for i, (r, res) in enumerate(zip(to_sample, results)):
+                if self.tracer is not None:
+                    self.tracer.on_sample(logits[idx[i]], res, r.params)
+                self._emit(r, [res])
+        for r, (toks, qs) in drafts.items():
+            a, b = rows[r]
+            results, accepted = verify(self.sampler, logits[a:b], toks, qs, r.sampler_row)
+            c = self.spec_counts
+            c["drafted"] += len(toks)
+            c["accepted"] += accepted
+            c["steps"] += 1
+            c["emitted"] += len(results)
+            r.num_computed_tokens += accepted  # the accepted drafts' keys and values stay; the rest roll back
+            self._emit(r, results)
+            if not r.finished:
+                self.kv.cache_full_blocks(r)
+                if self.draft is not None:
+                    self.draft.on_verified(r)
+
+    def _emit(self, r: Request, results) -> None:
+        """Append sampled tokens to `r` in order, until one of them finishes it."""
+        group = self._seq_group[r]
+        for res in results:
             if process_token(group, r, res, self.tokenizer.eog_token_ids, self.max_model_len):
                 self.scheduler.finish(r)
                 finish_sequence(group, r)
+                if self.draft is not None:
+                    self.draft.forget(r)
+                return
+
+    def _propose(self, reqs: list[Request]) -> dict[Request, tuple[list[int], list | None]]:
+        """Drafted tokens for decoding requests: each at most num_speculative_tokens, and never
+        more than could be emitted before max_tokens or the context length."""
+        k_max = self.speculative.num_speculative_tokens
+        batch = []
+        for r in reqs:
+            k = min(k_max, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
+            if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
+                batch.append((r, k))
+        if self.draft is not None:
+            out = self.draft.propose(batch, lambda r: self.kv.block_ids(r.request_id))
+        else:
+            sc = self.speculative
+            out = {r: (propose_ngram(r.all_token_ids, k, sc.ngram_max, sc.ngram_min), None) for r, k in batch}
+        return {r: v for r, v in out.items() if v[0]}
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -224,7 +306,17 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
                 "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
-                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted,
+                **self.spec_stats()}
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding: drafted and accepted token counts, the acceptance rate, and the
+        mean number of tokens emitted per verification (accepted drafts plus one)."""
+        c = self.spec_counts
+        return {"spec_num_drafted_tokens": c["drafted"], "spec_num_accepted_tokens": c["accepted"],
+                "spec_num_verify_steps": c["steps"],
+                "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+                "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
 
 
 def parse_size(text: str) -> int:

@@ -25,12 +25,17 @@ class SchedulerOutput:
 
     scheduled: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    lookahead: set[Request] = field(default_factory=set)  # decodes with room for drafted tokens
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    """`num_lookahead` (speculative decoding): running decodes also get KV slots, and budget,
+    for that many drafted tokens, when the blocks are free (else they decode plainly)."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_lookahead: int = 0):
         self.config = config
         self.kv = kv
+        self.num_lookahead = num_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.forking: list[Request] = []  # completions waiting for their parent's prompt
@@ -66,6 +71,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            extra = self.num_lookahead if n == 1 and req.num_tokens - req.num_computed_tokens == 1 else 0
+            extra = min(extra, budget - n)
+            if extra > 0 and self.kv.allocate_slots(req, n + extra):
+                out.scheduled[req] = n
+                out.lookahead.add(req)
+                budget -= n + extra
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the newest running request gives its blocks back
                 self._preempt(victim)

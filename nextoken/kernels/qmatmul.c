@@ -39,7 +39,7 @@
 #endif
 
 #define TILE 16
-#define MB 4 /* activation rows per pass over a tile */
+#define MB 8 /* activation rows per pass over a tile */
 
 
 /* ---- activations ------------------------------------------------------------------------ */
@@ -164,7 +164,9 @@ static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)));
 }
 
-static void tile_mb(const qw_t *w, int64_t t, const qact_t *a, int64_t m0, int64_t mb, __m512 *acc) {
+/* always inlined with a constant mb (see run_tile), so the accumulators stay in registers */
+static inline __attribute__((always_inline)) void tile_mb(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
+                                                          const int64_t mb, __m512 *acc) {
     const int64_t K = w->K, G = w->group, ng = K / G, nv = G / 4, gbytes = TILE * G * w->bits / 8;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
@@ -214,7 +216,16 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
     for (int64_t m0 = 0; m0 < a->M; m0 += MB) {
         const int64_t mb = a->M - m0 < MB ? a->M - m0 : MB;
         __m512 acc[MB];
-        tile_mb(w, t, a, m0, mb, acc);
+        switch (mb) { /* one specialised copy per row count */
+        case 1: tile_mb(w, t, a, m0, 1, acc); break;
+        case 2: tile_mb(w, t, a, m0, 2, acc); break;
+        case 3: tile_mb(w, t, a, m0, 3, acc); break;
+        case 4: tile_mb(w, t, a, m0, 4, acc); break;
+        case 5: tile_mb(w, t, a, m0, 5, acc); break;
+        case 6: tile_mb(w, t, a, m0, 6, acc); break;
+        case 7: tile_mb(w, t, a, m0, 7, acc); break;
+        default: tile_mb(w, t, a, m0, 8, acc); break;
+        }
         for (int64_t i = 0; i < mb; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, _mm512_add_ps(acc[i], bv));
     }
 }

@@ -61,12 +61,25 @@ def parse_dtype(name: str) -> torch.dtype:
 @dataclass(slots=True)
 class SequenceInput:
     """One sequence's part of a step: its new tokens, the position of the first, its blocks,
-    and whether the logits of its last new token are wanted (to sample the next token)."""
+    and whether the logits of its last new token are wanted (to sample the next token).
+
+    `as_decodes`: run the new tokens as that many single-token decodes (each attending to the
+    keys up to its own position, all written in the same pass) and return the logits of every
+    one of them: how speculative decoding verifies drafted tokens, with the very arithmetic of a
+    plain decode step (so greedy output does not change with speculation).
+    """
 
     token_ids: list[int]
     start: int
     block_ids: list[int]
     needs_logits: bool = True
+    as_decodes: bool = False
+
+    def rows(self) -> list["SequenceInput"]:
+        """The inputs this one runs as (itself, or one decode per token)."""
+        if not self.as_decodes or len(self.token_ids) == 1:
+            return [self]
+        return [SequenceInput([t], self.start + i, self.block_ids, True) for i, t in enumerate(self.token_ids)]
 
 
 class ModelRunner:
@@ -141,7 +154,9 @@ class ModelRunner:
     def execute(self, seqs: list[SequenceInput], tracer=None, all_logits: bool = False) -> torch.Tensor:
         """Run one forward pass over `seqs`. Returns float32 logits ``[num_wanted, vocab]`` for
         the last new token of each sequence with `needs_logits`, in the order of `seqs` (with
-        `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order)."""
+        `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order). An input
+        with `as_decodes` contributes one row per new token."""
+        seqs = [row for s in seqs for row in s.rows()]
         input_ids, positions, meta, order = self.prepare(seqs)
         meta.keep_probs = tracer is not None
         hidden = self.model(input_ids, positions, self.kv, meta, tracer)

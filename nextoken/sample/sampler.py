@@ -100,18 +100,28 @@ class Sampler:
             results.append(res)
         return results
 
-    def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
+    def distribution(self, logits: torch.Tensor, row: SamplerRequest, output_ids: list[int] | None = None):
+        """The distribution a token of `row` is drawn from: ``(kept, probs)`` for one row of
+        logits ``[vocab]``, after the processors (with `output_ids` as the history, the row's own
+        by default), temperature and filters; for a greedy row ``(argmax token, None)``.
+        Speculative verification uses it for the target's and the draft's distributions."""
         p = row.params
-        logits = process_logits(logits, p, row.prompt_ids, row.output_ids, self.eog_ids)
+        history = row.output_ids if output_ids is None else output_ids
+        logits = process_logits(logits, p, row.prompt_ids, history, self.eog_ids)
         if p.greedy:
-            token = int(logits.argmax())
+            return int(logits.argmax()), None
+        logits = logits / p.temperature
+        kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
+        return kept, logits.masked_fill(~kept, float("-inf")).softmax(-1)
+
+    def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
+        kept, probs = self.distribution(logits, row)
+        if probs is None:
+            token = kept
             if not keep_details:
                 return SampleResult(token)
             kept = torch.zeros_like(logits, dtype=torch.bool)
             kept[token] = True
             return SampleResult(token, kept=kept, probs=kept.float())
-        logits = logits / p.temperature
-        kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
-        probs = logits.masked_fill(~kept, float("-inf")).softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=row.generator))
         return SampleResult(token, kept=kept if keep_details else None, probs=probs if keep_details else None)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (`ngram`, `draft`) and exact verification (`verify`)."""

@@ -1,0 +1,83 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary guesses k tokens.
+
+The draft runs on the same block tables as the target (one block id holds a block of the
+target's keys and values and one of the draft's, in two tensors), so it needs no allocator of
+its own. It remembers, per request, how many tokens its cache holds; each step it first catches
+up on the tokens it has not seen (the whole prompt the first time, then the tokens accepted
+since), then drafts one token per pass. Its distributions q are kept for the verification.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nextoken.errors import ModelLoadError
+from nextoken.runner.model_runner import ModelRunner, SequenceInput
+from nextoken.sample.sampler import Sampler
+
+
+def check_same_vocabulary(target_tok, draft_tok, target_vocab: int, draft_vocab: int, draft_name: str) -> None:
+    """Raises `ModelLoadError` naming the first difference when the draft's vocabulary is not
+    the target's (then its token ids would mean other tokens)."""
+    if target_vocab != draft_vocab:
+        raise ModelLoadError(f"draft model {draft_name} has {draft_vocab} logits per token and the target "
+                             f"{target_vocab}: a draft must share the target's vocabulary")
+    a, b = target_tok.tokens, draft_tok.tokens
+    if a != b:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise ModelLoadError(f"draft model {draft_name} has another vocabulary than the target: token {i} is "
+                             f"{b[i] if i < len(b) else None!r} there, {a[i] if i < len(a) else None!r} in the "
+                             "target")
+
+
+class DraftProposer:
+    """Owns the draft `ModelRunner`; `propose` drafts for a batch of decoding requests."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler):
+        self.runner = runner
+        self.sampler = sampler
+        self._computed: dict[str, tuple[int, int]] = {}  # request id -> (tokens in cache, preemptions)
+
+    def computed(self, req) -> int:
+        n, preemptions = self._computed.get(req.request_id, (0, req.num_preemptions))
+        return n if preemptions == req.num_preemptions else 0  # preempted: its blocks are new
+
+    def propose(self, batch: list[tuple], block_ids) -> dict:
+        """batch: ``(request, k)`` pairs, each request with every token but its last computed by
+        the target; block_ids(request) -> its block table. Returns request -> (drafts, q list or
+        None for greedy rows)."""
+        out = {r: ([], [] if not r.params.greedy else None) for r, _ in batch}
+        active = [(r, k) for r, k in batch if k > 0]
+        for j in range(max((k for _, k in active), default=0)):
+            rows = [(r, k) for r, k in active if k > j]
+            seqs = []
+            for r, _ in rows:
+                if j == 0:  # catch up on everything not in the draft's cache, up to the last token
+                    start = min(self.computed(r), r.num_tokens - 1)
+                    toks = r.all_token_ids[start:]
+                else:
+                    start, toks = r.num_tokens - 1 + j, [out[r][0][-1]]
+                seqs.append(SequenceInput(toks, start, block_ids(r), True, as_decodes=len(toks) <= 8))
+                self._computed[r.request_id] = (start + len(toks), r.num_preemptions)
+            logits = self.runner.execute(seqs)
+            idx = 0
+            for (r, _), s in zip(rows, seqs):
+                idx += len(s.token_ids) if s.as_decodes else 1  # as_decodes returns a row per token
+                drafts, qs = out[r]
+                kept, probs = self.sampler.distribution(logits[idx - 1], r.sampler_row,
+                                                        r.output_ids + drafts)
+                if probs is None:
+                    drafts.append(kept)
+                else:
+                    drafts.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+                    qs.append(probs)
+        return out
+
+    def on_verified(self, req) -> None:
+        """After verification: only the accepted tokens' keys and values stay valid."""
+        if req.request_id in self._computed:
+            n, p = self._computed[req.request_id]
+            self._computed[req.request_id] = (min(n, req.num_computed_tokens), p)
+
+    def forget(self, req) -> None:
+        self._computed.pop(req.request_id, None)
