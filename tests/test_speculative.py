@@ -1,0 +1,133 @@
+"""Speculative decoding: n-gram proposals, exact verification (statistically: the emitted
+tokens follow the target's distribution, not the draft's), and the engine with both proposers
+(greedy output unchanged, limits respected, every KV block back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from nextoken.errors import ModelLoadError
+from nextoken.llm import LLM
+from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
+from nextoken.sampling_params import SamplingParams
+from nextoken.spec.ngram import propose_ngram
+from nextoken.spec.verify import verify
+from tests.test_engine import assert_no_leak
+from tests.tiny_models import tiny_hf_model, write_gguf
+
+QUANT = {"attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q8_0", "attn_output.weight": "Q8_0",
+         "ffn_gate.weight": "Q8_0", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q8_0"}
+
+
+def test_ngram_proposes_the_latest_continuation_of_the_longest_suffix():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose_ngram(toks, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5" (not "9 9 1")
+    assert propose_ngram(toks, 1) == [7]
+    assert propose_ngram([4, 5, 6], 2) == []  # nothing repeats
+    assert propose_ngram([7, 7, 7, 7], 4) == [7]  # the most recent occurrence with a continuation
+    assert propose_ngram([1, 2, 1, 2], 5, ngram_max=2) == [1, 2]
+    assert propose_ngram([1, 2, 1], 0) == []
+    # prefer an occurrence followed by k tokens: [3, 1] at 2 is followed by 3 tokens, at 5 by 2
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1], 3, ngram_max=2) == [2, 3, 1]
+
+
+def row(temperature: float, seed: int) -> SamplerRequest:
+    return SamplerRequest(SamplingParams(temperature=temperature, seed=seed), [1], [], make_generator(seed))
+
+
+def test_verify_greedy_accepts_exactly_the_argmax_prefix():
+    logits = torch.full((4, 6), -5.0)
+    for i, t in enumerate([2, 3, 0, 5]):
+        logits[i, t] = 5.0  # the target's argmax after 0, 1, 2, 3 drafts
+    sampler = Sampler()
+    out, accepted = verify(sampler, logits, [2, 3, 4], None, row(0.0, 0))
+    assert accepted == 2 and [r.token for r in out] == [2, 3, 0]  # third draft wrong: the argmax instead
+    out, accepted = verify(sampler, logits, [2, 3, 0], None, row(0.0, 0))
+    assert accepted == 3 and [r.token for r in out] == [2, 3, 0, 5]  # all accepted, plus the bonus token
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_speculative_sampling_draws_from_the_target(proposer):
+    """First emitted token over 20000 verifications: distributed as the target p, whatever the
+    draft q (a distribution, or a fixed n-gram guess). The test would reject q itself."""
+    torch.manual_seed(0)
+    p = torch.tensor([0.35, 0.05, 0.25, 0.15, 0.12, 0.08])
+    q = torch.tensor([0.05, 0.40, 0.10, 0.05, 0.30, 0.10])
+    logits = p.log().repeat(2, 1)  # temperature 1: the sampler's distribution is p
+    sampler = Sampler()
+    r = row(1.0, 1234)
+    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(7))
+    counts = torch.zeros(6)
+    accepted = 0
+    for x in draws.tolist():
+        if proposer == "draft":
+            out, a = verify(sampler, logits, [x], [q], r)
+        else:
+            out, a = verify(sampler, logits, [1], None, r)  # always guesses token 1 (p = 0.05)
+        counts[out[0].token] += 1
+        accepted += a
+    n = counts.sum()
+    assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
+    assert chisquare(counts.numpy(), (q * n).numpy()).pvalue < 1e-6  # it is not the draft's
+    expected = float(torch.minimum(p, q).sum()) if proposer == "draft" else 0.05  # acceptance rate
+    assert abs(accepted / 20000 - expected) < 0.02
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny quantized qwen2 target, and as its draft the same model with noise on every weight
+    (same vocabulary; it agrees often, not always). (The tiny llama, with its tied head, only
+    ever repeats its last token: every guess would be right.)"""
+    d = tmp_path_factory.mktemp("spec")
+    paths = []
+    for noise in (0.0, 0.2):
+        hf = tiny_hf_model("qwen2", seed=3)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(5)
+            for p in hf.parameters():
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+        path = d / f"tiny-{noise}.gguf"
+        write_gguf(hf, path, "qwen2", quant=QUANT)
+        paths.append(str(path))
+    return paths
+
+
+PROMPTS = [[5, 17, 200, 33, 41, 5, 17, 200, 33, 41, 5, 17], [90, 91, 92, 93] * 4, list(range(40, 75)), [7, 8, 9]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_greedy_output_unchanged(tiny_pair, method, max_num_seqs):
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, max_num_seqs=max_num_seqs, dense_weights=False).generate(PROMPTS, params)
+    kw = {"speculative_model": draft} if method == "draft" else {"speculative_method": "ngram"}
+    llm = LLM(target, max_num_seqs=max_num_seqs, dense_weights=False, num_speculative_tokens=3, **kw)
+    spec = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.stats()
+    assert stats["spec_num_drafted_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["spec_mean_accepted_length"] > 1.0
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_drafted_tokens"]  # rejections, rolled back
+    assert_no_leak(llm)
+
+
+def test_limits_seeds_and_logprobs_under_speculation(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(target, max_num_seqs=4, dense_weights=False, speculative_model=draft, num_speculative_tokens=4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2))
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 7 and len(c.logprobs) == 7 and c.finish_reason == "length"
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, seed=11, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled)]
+    again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled)]
+    assert first == again  # a seeded request draws the same tokens again
+    assert_no_leak(llm)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_pair, smollm2_path):
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        LLM(tiny_pair[0], speculative_model=str(smollm2_path))
