@@ -27,6 +27,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "serve, off for single-stream commands)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="PyTorch only: none of nextoken's native C kernels (the reference path)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-model", default=None,
+                   help="draft model (catalog name or .gguf) with the target's vocabulary: proposes tokens the "
+                        "target verifies in one pass")
+    s.add_argument("--speculative-method", choices=["draft", "ngram"], default=None,
+                   help="draft (needs --speculative-model) or ngram (prompt lookup, no second model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the paged KV cache, e.g. 512MiB or 2GiB (default: one full context)")
@@ -139,7 +146,13 @@ def _load(a):
     memory = parse_size(a.kv_cache_memory) if a.kv_cache_memory else None
     return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1, kv_cache_memory=memory,
                block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching, max_model_len=a.max_model_len,
-               enforce_eager=a.enforce_eager or None, dense_weights=a.dense_weights)
+               enforce_eager=a.enforce_eager or None, dense_weights=a.dense_weights, **speculative_kwargs(a))
+
+
+def speculative_kwargs(a) -> dict:
+    """The LLM arguments of the speculative-decoding options."""
+    return {"speculative_model": a.speculative_model, "speculative_method": a.speculative_method,
+            "num_speculative_tokens": a.num_speculative_tokens}
 
 
 def _peak_rss_mib() -> float:
@@ -167,8 +180,16 @@ def cmd_run(a) -> int:
             f"[stats] model {a.model} ({a.dtype}) | prompt tokens {m.num_prompt_tokens} | output tokens {n_out} "
             f"({out.outputs[0].finish_reason}) | TTFT {m.ttft:.3f} s | prefill {m.prefill_tokens_per_s:.1f} tok/s | "
             f"decode {dec} | peak memory {_peak_rss_mib():.0f} MiB (weights {llm.runner.weight_bytes / 2**20:.0f} MiB, "
-            f"KV cache {llm.runner.kv.nbytes / 2**20:.0f} MiB) | load {llm.runner.load_time:.2f} s\n")
+            f"KV cache {llm.runner.kv.nbytes / 2**20:.0f} MiB) | load {llm.runner.load_time:.2f} s{_spec_stats(llm)}\n")
     return 0
+
+
+def _spec_stats(llm) -> str:
+    st = llm.engine.stats()
+    if llm.engine.speculative is None:
+        return ""
+    return (f" | speculative: {st['spec_num_accepted_tokens']}/{st['spec_num_drafted_tokens']} drafted tokens "
+            f"accepted ({st['spec_acceptance_rate']:.0%}), {st['spec_mean_accepted_length']:.2f} tokens per step")
 
 
 def cmd_chat(a) -> int:

@@ -24,6 +24,15 @@ class ServerMetrics:
         self.prompt_tokens = Counter("nextoken_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nextoken_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("nextoken_requests", "Finished requests", ["status"], registry=r)
+        # speculative decoding (zero without it): counters follow the engine's totals
+        self.spec = {key: Counter(f"nextoken_spec_decode_{name}", doc, registry=r) for key, name, doc in (
+            ("spec_num_drafted_tokens", "num_drafted_tokens", "Drafted tokens proposed for verification"),
+            ("spec_num_accepted_tokens", "num_accepted_tokens", "Drafted tokens the target accepted"),
+            ("spec_num_verify_steps", "num_verify_steps", "Verifications (one per request and step)"))}
+        self._spec_seen = {key: 0 for key in self.spec}
+        self.spec_acceptance = Gauge("nextoken_spec_decode_acceptance_rate", "Accepted / drafted tokens", registry=r)
+        self.spec_length = Gauge("nextoken_spec_decode_mean_accepted_length",
+                                 "Tokens emitted per verification (accepted drafts plus one)", registry=r)
 
     def observe(self, out) -> None:
         """Record a finished `RequestOutput`."""
@@ -42,4 +51,10 @@ class ServerMetrics:
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
         self.hit_rate.set(stats["prefix_cache_hit_rate"])
+        for key, counter in self.spec.items():
+            value = stats.get(key, 0)
+            counter.inc(max(0, value - self._spec_seen[key]))
+            self._spec_seen[key] = value
+        self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
+        self.spec_length.set(stats.get("spec_mean_accepted_length", 0.0))
         return generate_latest(self.registry)

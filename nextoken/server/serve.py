@@ -23,6 +23,7 @@ def serve(args) -> int:
     import uvicorn
 
     from nextoken.catalog import resolve_model
+    from nextoken.cli import speculative_kwargs
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import parse_size
     from nextoken.llm import LLM
@@ -42,7 +43,8 @@ def serve(args) -> int:
         llm = LLM(str(path), dtype=args.dtype, num_threads=args.threads, kv_cache_memory=memory,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-                  enforce_eager=args.enforce_eager or None, dense_weights=args.dense_weights)
+                  enforce_eager=args.enforce_eager or None, dense_weights=args.dense_weights,
+                  **speculative_kwargs(args))
         return AsyncLLMEngine(llm.engine)
 
     @asynccontextmanager
