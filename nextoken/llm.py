@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+from nextoken.beam import BeamSearchOutput, beam_search
 from nextoken.catalog import DEFAULT_MODEL, resolve_model
 from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine.engine import LLMEngine
@@ -129,6 +130,16 @@ class LLM:
         or one per prompt. Every prompt is checked before any runs."""
         prompts = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
         return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (as `transformers`' ``num_beams``, see `nextoken.beam`) for each prompt
+        (raw text or token ids), every prompt's beams batched in the engine each step; returns
+        one `BeamSearchOutput` per prompt with its beams, best score first."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        params = SamplingParams(max_tokens=max_tokens).validate(self.config.vocab_size)
+        encoded = [self.engine.encode_prompt(p, params) for p in prompts]
+        return beam_search(self.engine, encoded, beam_width, max_tokens, length_penalty, ignore_eos)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Sequence[SamplingParams] | None = None,
              system: str | None = None) -> list[RequestOutput]:

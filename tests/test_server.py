@@ -321,3 +321,40 @@ def test_cors_closed_unless_origins_are_given(tiny, tiny_gguf):
         assert other.headers.get("access-control-allow-origin") != "http://evil.test"
     finally:
         srv.stop()
+
+
+def test_beam_search_parameters(tiny):
+    """use_beam_search with best_of beams returns the n best, as `LLM.beam_search` finds them."""
+    prompt = [5, 17, 200, 33, 41, 270, 90, 12]
+    expected = tiny.llm.beam_search([prompt], 3, 6, ignore_eos=True)[0].sequences
+    with httpx.Client(base_url=tiny.url, timeout=60) as h:
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "use_beam_search": True, "best_of": 3,
+                                            "n": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in r.json()["choices"]]
+        assert texts == [b.text for b in expected[:2]]
+        assert r.json()["usage"]["completion_tokens"] == 12
+        bad = h.post("/v1/completions", json={"prompt": prompt, "use_beam_search": True, "best_of": 2, "n": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+        bad = h.post("/v1/completions", json={"prompt": prompt, "use_beam_search": True, "stream": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+        chat = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                    "use_beam_search": True, "n": 2})
+        assert chat.status_code == 200 and len(chat.json()["choices"]) == 2
+    assert tiny.idle()
+
+
+def test_speculative_metrics(tiny_gguf):
+    srv = LiveServer(LLM(str(tiny_gguf["qwen2"][0]), dtype="float32", speculative_method="ngram"), "tiny-spec")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            r = h.post("/v1/completions", json={"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 24,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200
+            text = h.get("/metrics").text
+        stats = srv.llm.engine.stats()
+        assert stats["spec_num_drafted_tokens"] > 0
+        assert f"nextoken_spec_decode_num_drafted_tokens_total {float(stats['spec_num_drafted_tokens'])}" in text
+        assert "nextoken_spec_decode_acceptance_rate" in text and "nextoken_spec_decode_mean_accepted_length" in text
+    finally:
+        srv.stop()

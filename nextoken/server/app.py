@@ -20,7 +20,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nextoken.beam import async_beam_search
 from nextoken.errors import EngineError, InvalidRequest
+from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import error_response, validation_message
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -217,6 +220,10 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         check_queue()
         eng = engine()
         prompts = R.completion_prompts(eng.engine, body.prompt)
+        if body.use_beam_search:
+            outs = await _beam(eng, body, [ids for ids, _ in prompts], body.max_tokens or 16,
+                               body.logprobs is not None or body.echo)
+            return R.completion_response(eng.engine, body, outs, prompts, int(time.time()), config.model_name)
         rids = []
         try:
             for ids, text in prompts:
@@ -246,6 +253,9 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")
+        if body.use_beam_search:
+            out = (await _beam(eng, body, [ids], max_tokens, body.logprobs))[0]
+            return R.chat_response(eng.engine, body, out, int(time.time()), config.model_name)
         params = body.sampling_params(max_tokens, logprobs)
         rid = await eng.add_request(ids, params, f"chatcmpl-{uuid.uuid4().hex}")
         created = int(time.time())
@@ -257,6 +267,31 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         return R.chat_response(eng.engine, body, out, created, config.model_name)
 
     return app
+
+
+async def _beam(eng, body, prompts: list[list[int]], max_tokens: int, unsupported: bool) -> list[RequestOutput]:
+    """Beam search for a request with ``use_beam_search``: `best_of` beams (default `n`), the `n`
+    best returned as its choices (best first)."""
+    width = body.best_of or body.n
+    if body.stream:
+        raise InvalidRequest("use_beam_search cannot stream", "stream")
+    if body.n > width:
+        raise InvalidRequest(f"n ({body.n}) must not exceed best_of ({width}) with use_beam_search", "n")
+    if unsupported:
+        raise InvalidRequest("use_beam_search does not return logprobs or echo the prompt", "use_beam_search")
+    for ids in prompts:
+        eng.engine.encode_prompt(ids, SamplingParams(max_tokens=max_tokens))  # the context check
+    start = time.perf_counter()
+    results = await async_beam_search(eng, prompts, width, max_tokens, body.length_penalty, body.ignore_eos)
+    outs = []
+    eog = eng.engine.tokenizer.eog_token_ids
+    for ids, res in zip(prompts, results):
+        comps = [CompletionOutput(i, text=b.text, token_ids=b.token_ids, cumulative_logprob=b.cumulative_logprob,
+                                  finish_reason="stop" if b.token_ids and b.token_ids[-1] in eog else "length")
+                 for i, b in enumerate(res.sequences[: body.n])]
+        metrics = RequestMetrics(start, len(ids), 0, sum(len(c.token_ids) for c in comps), None, time.perf_counter())
+        outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
+    return outs
 
 
 class _NotFound(Exception):

@@ -29,6 +29,9 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
+    use_beam_search: bool = False  # beam search (vLLM's extension): best_of beams, the n best returned
+    best_of: int | None = Field(None, ge=1, le=10)
+    length_penalty: FiniteFloat = 1.0
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)

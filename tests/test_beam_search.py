@@ -1,0 +1,57 @@
+"""Beam search in the engine against `transformers`' beam search on a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextoken.errors import InvalidRequest
+from nextoken.llm import LLM
+from tests.test_engine import assert_no_leak
+from tests.tiny_models import tiny_hf_model, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = tiny_hf_model("qwen2", seed=1)
+    path = tmp_path_factory.mktemp("beam") / "tiny-qwen2.gguf"
+    write_gguf(hf, path, "qwen2")
+    return hf, LLM(str(path), dtype="float32", block_size=4)
+
+
+@pytest.mark.parametrize("width,max_tokens,length_penalty,ignore_eos", [
+    (4, 6, 1.0, True), (3, 7, 0.5, True), (2, 5, 2.0, True), (4, 10, 1.0, False)])
+def test_beams_and_scores_equal_transformers(tiny, width, max_tokens, length_penalty, ignore_eos):
+    hf, llm = tiny
+    eog = sorted(llm.engine.tokenizer.eog_token_ids)
+    for prompt in ([5, 17, 200, 33, 41, 270, 90, 12], [3, 4, 5]):
+        ours = llm.beam_search([prompt], width, max_tokens, length_penalty, ignore_eos)[0].sequences
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                              max_new_tokens=max_tokens, do_sample=False, length_penalty=length_penalty,
+                              eos_token_id=None if ignore_eos else eog, pad_token_id=1,
+                              output_scores=True, return_dict_in_generate=True)
+        assert len(ours) == width
+        for i, beam in enumerate(ours):
+            expected = ref.sequences[i, len(prompt):].tolist()[: len(beam.token_ids)]  # HF pads finished beams
+            assert beam.token_ids == expected, (prompt, i)
+            assert beam.score == pytest.approx(float(ref.sequences_scores[i]), abs=1e-4)
+        assert [b.score for b in ours] == sorted((b.score for b in ours), reverse=True)
+    assert_no_leak(llm)
+
+
+def test_beams_share_blocks_and_batch_prompts(tiny):
+    _, llm = tiny
+    pool = llm.engine.kv.pool
+    hits_before = pool.hits
+    outs = llm.beam_search([[5, 17, 200, 33, 41, 270, 90, 12, 7, 9], [3, 4, 5]], 3, 8, ignore_eos=True)
+    assert len(outs) == 2 and all(len(o.sequences) == 3 for o in outs)
+    assert pool.hits - hits_before > 10  # each step's beams found their common prefix's blocks cached
+    alone = llm.beam_search([[3, 4, 5]], 3, 8, ignore_eos=True)[0]
+    assert [b.token_ids for b in alone.sequences] == [b.token_ids for b in outs[1].sequences]
+    assert_no_leak(llm)
+
+
+def test_bad_width_is_refused(tiny):
+    with pytest.raises(InvalidRequest, match="beam_width"):
+        tiny[1].beam_search([[3, 4]], 0, 4)
