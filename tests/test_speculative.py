@@ -131,3 +131,20 @@ def test_limits_seeds_and_logprobs_under_speculation(tiny_pair):
 def test_draft_with_another_vocabulary_is_refused(tiny_pair, smollm2_path):
     with pytest.raises(ModelLoadError, match="vocabulary"):
         LLM(tiny_pair[0], speculative_model=str(smollm2_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{"speculative_model": "qwen2.5-coder-0.5b-instruct"}, {"speculative_method": "ngram"}])
+def test_real_pair_greedy_text_unchanged(kw):
+    """Qwen2.5-Coder-1.5B with the 0.5B draft, or with n-gram: the same greedy tokens as alone."""
+    from benchmarks.speculative import prompts
+
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM("qwen2.5-coder-1.5b-instruct", max_num_seqs=2, max_model_len=1024, dense_weights=False)
+    texts = prompts(plain, "code")[:2] + prompts(plain, "chat")[:1]
+    expected = [o.outputs[0].token_ids for o in plain.generate(texts, params)]
+    del plain
+    llm = LLM("qwen2.5-coder-1.5b-instruct", max_num_seqs=2, max_model_len=1024, dense_weights=False, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(texts, params)] == expected
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_leak(llm)
