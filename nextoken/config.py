@@ -67,7 +67,9 @@ class SpeculativeConfig:
 
     method: ``"draft"`` (a smaller model with the same vocabulary, `model`) or ``"ngram"``
     (prompt lookup: continue the most recent earlier occurrence of the last `ngram_max` ..
-    `ngram_min` tokens; no second model).
+    `ngram_min` tokens; no second model). Per request, the next draft is one token longer than
+    the last verification accepted, and after a verification that accepted nothing the request
+    skips drafting for 1, 2, 4, then 8 steps (each drafted token costs a verification row).
     """
 
     method: str = "ngram"
@@ -75,4 +77,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    # no drafting in steps with more running decodes than this: batched decode already uses the
+    # compute that verification would need (vLLM's speculative_disable_by_batch_size)
+    disable_by_batch_size: int | None = 4
 

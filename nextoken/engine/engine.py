@@ -266,6 +266,11 @@ class LLMEngine:
             c["steps"] += 1
             c["emitted"] += len(results)
             r.num_computed_tokens += accepted  # the accepted drafts' keys and values stay; the rest roll back
+            # draft one more than were accepted next time (each drafted token costs a verification
+            # row); after nothing accepted, pause drafting for 1, 2, 4, 8 steps
+            r.spec_k = min(self.speculative.num_speculative_tokens, accepted + 1)
+            r.spec_backoff = 0 if accepted else min(8, 2 * r.spec_backoff or 1)
+            r.spec_skip = r.spec_backoff
             self._emit(r, results)
             if not r.finished:
                 self.kv.cache_full_blocks(r)
@@ -284,18 +289,24 @@ class LLMEngine:
                 return
 
     def _propose(self, reqs: list[Request]) -> dict[Request, tuple[list[int], list | None]]:
-        """Drafted tokens for decoding requests: each at most num_speculative_tokens, and never
-        more than could be emitted before max_tokens or the context length."""
-        k_max = self.speculative.num_speculative_tokens
+        """Drafted tokens for decoding requests: each at most num_speculative_tokens (and one
+        more than its last verification accepted), and never more than could be emitted before
+        max_tokens or the context length."""
+        sc = self.speculative
+        k_max = sc.num_speculative_tokens
+        if sc.disable_by_batch_size is not None and len(reqs) > sc.disable_by_batch_size:
+            return {}
         batch = []
         for r in reqs:
-            k = min(k_max, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
+            if r.spec_skip > 0:
+                r.spec_skip -= 1
+                continue
+            k = min(r.spec_k or k_max, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.num_tokens - 1)
             if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
                 batch.append((r, k))
         if self.draft is not None:
             out = self.draft.propose(batch, lambda r: self.kv.block_ids(r.request_id))
         else:
-            sc = self.speculative
             out = {r: (propose_ngram(r.all_token_ids, k, sc.ngram_max, sc.ngram_min), None) for r, k in batch}
         return {r: v for r, v in out.items() if v[0]}
 

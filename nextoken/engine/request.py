@@ -52,6 +52,9 @@ class Request:
     stop_reason: str | int | None = None
     admitted: bool = False
     sampler_row: SamplerRequest | None = None  # what the sampler needs, made once
+    spec_k: int = 0  # speculative decoding: tokens to draft next step (0: the configured number)
+    spec_skip: int = 0  # steps left without drafting (after a verification that accepted nothing)
+    spec_backoff: int = 0  # how many steps the next such pause lasts
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_ids)
