@@ -117,18 +117,8 @@ def beam_search(engine, prompts: list[list[int]], beam_width: int, max_tokens: i
     step. Raises `InvalidRequest` for a width or length out of range."""
     bs = BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos, engine.tokenizer.eog_token_ids)
     while not bs.done:
-        ids = [engine.add_request(p, bs.params) for p in bs.pending()]
-        final = {}
-        try:
-            while len(final) < len(ids):
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        finally:
-            for rid in ids:
-                if rid not in final:
-                    engine.abort_request(rid)
-        bs.advance([_top(final[rid])[: bs.params.logprobs] for rid in ids])
+        outs = engine.run_until_finished([engine.add_request(p, bs.params) for p in bs.pending()])
+        bs.advance([_top(out)[: bs.params.logprobs] for out in outs])
     return bs.outputs(engine.tokenizer)
 
 

@@ -155,17 +155,7 @@ class LLM:
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
         ids = [engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None)
                for e, p, sp in zip(encoded, prompts, params)]
-        final: dict[str, RequestOutput] = {}
-        try:
-            while len(final) < len(ids):
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        finally:
-            for rid in ids:
-                if rid not in final:
-                    engine.abort_request(rid)
-        return [final[rid] for rid in ids]
+        return engine.run_until_finished(ids)
 
 
 def _is_ids(x) -> bool:

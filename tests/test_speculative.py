@@ -128,6 +128,24 @@ def test_limits_seeds_and_logprobs_under_speculation(tiny_pair):
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_stop_strings_under_speculation(tiny_pair, method):
+    """A stop string met inside a run of accepted drafts ends the text where plain decoding ends it."""
+    target, draft = tiny_pair
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, max_num_seqs=4, dense_weights=False)
+    texts = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy)]
+    stops = [t[12:14] for t in texts if len(t) >= 14]
+    assert stops
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stops)
+    kw = {"speculative_model": draft} if method == "draft" else {"speculative_method": "ngram"}
+    spec = LLM(target, max_num_seqs=4, dense_weights=False, num_speculative_tokens=4, **kw)
+    got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in spec.generate(PROMPTS, params)]
+    assert got == [(o.outputs[0].text, o.outputs[0].finish_reason) for o in plain.generate(PROMPTS, params)]
+    assert any(reason == "stop" for _, reason in got)
+    assert_no_leak(spec)
+
+
 def test_draft_with_another_vocabulary_is_refused(tiny_pair, smollm2_path):
     with pytest.raises(ModelLoadError, match="vocabulary"):
         LLM(tiny_pair[0], speculative_model=str(smollm2_path))

@@ -310,6 +310,21 @@ class LLMEngine:
             out = {r: (propose_ngram(r.all_token_ids, k, sc.ngram_max, sc.ngram_min), None) for r, k in batch}
         return {r: v for r, v in out.items() if v[0]}
 
+    def run_until_finished(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Step until every request of `request_ids` has finished; their final outputs, in that
+        order. Whatever is left unfinished (an exception, an interrupt) is aborted."""
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(request_ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            for rid in request_ids:
+                if rid not in final:
+                    self.abort_request(rid)
+        return [final[rid] for rid in request_ids]
+
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
         """Queue lengths, KV cache usage (0..1) and prefix-cache hit rate."""
