@@ -197,12 +197,9 @@ static inline __attribute__((always_inline)) void tile_mb(const qw_t *w, int64_t
         const __m512 mn = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g) : _mm512_mul_ps(sc, negoff);
         for (int64_t i = 0; i < mb; i++) {
             const int8_t *xr = a->q + (m0 + i) * K + g * G;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < nv; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[j], bcast4(xr + 4 * j));
-                s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], bcast4(xr + 4 * j + 4));
-            }
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+            __m512i s0 = _mm512_setzero_si512();
+            for (int j = 0; j < nv; j++) s0 = _mm512_dpbusd_epi32(s0, wv[j], bcast4(xr + 4 * j));
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s0),
                                            _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]));
             acc[i] = _mm512_fmadd_ps(f, sc, acc[i]);
             acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(m0 + i) * ng + g]), acc[i]);
