@@ -9,6 +9,8 @@
  *             8 bits: byte i of lane l of vector j = u[16t + l, G g + 4 j + i]
  *             4 bits (G = 32): low nibble = u[16t + l, 32 g + 4 j + i],
  *                              high nibble = u[16t + l, 32 g + 16 + 4 j + i]   (j < 4)
+ *             5 bits (G = 32, Q5_0): the 4-bit layout's 256 bytes, then 64 bytes of 5th bits:
+ *                              byte (l, i): bit j = column 4j + i, bit 4 + j = column 16 + 4j + i
  *             6 bits (G = 16, Q6_K): 128 bytes of low 4 bits, then 64 bytes of high 2 bits:
  *                              vector a < 2: low nibble = column 4a + i, high nibble = 8 + 4a + i;
  *                              vector 2, byte (l, i): bits 2j..2j+1 = high bits of column 4j + i
@@ -129,9 +131,12 @@ static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t 
         const uint8_t b = cg[(j % 2) * 64 + l * 4 + i], hb = cg[128 + l * 4 + i];
         return (j < 2 ? (b & 0x0F) : (b >> 4)) | (((hb >> (2 * j)) & 3) << 4);
     }
-    if (bits == 4) {
+    if (bits == 4 || bits == 5) {
         const uint8_t b = cg[((kk % 16) / 4) * 64 + l * 4 + kk % 4];
-        return kk < 16 ? (b & 0x0F) : (b >> 4);
+        const int lo = kk < 16 ? (b & 0x0F) : (b >> 4);
+        if (bits == 4) return lo;
+        const uint8_t hb = cg[256 + l * 4 + kk % 4];
+        return lo | (((hb >> ((kk / 16) * 4 + (kk % 16) / 4)) & 1) << 4);
     }
     return cg[(kk / 4) * 64 + l * 4 + kk % 4];
 }
@@ -181,6 +186,17 @@ static inline __attribute__((always_inline)) void tile_mb(const qw_t *w, int64_t
                 const __m512i p = _mm512_loadu_si512((const void *)(cg + 64 * j));
                 wv[j] = _mm512_and_si512(p, nib);
                 wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
+            }
+        } else if (w->bits == 5) {
+            const __m512i hb = _mm512_loadu_si512((const void *)(cg + 256)), m10 = _mm512_set1_epi8(0x10);
+            for (int j = 0; j < 4; j++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(cg + 64 * j));
+                const __m512i hl = j == 0 ? _mm512_slli_epi16(hb, 4) : j == 1 ? _mm512_slli_epi16(hb, 3)
+                                 : j == 2 ? _mm512_slli_epi16(hb, 2) : _mm512_slli_epi16(hb, 1);
+                const __m512i hh = j == 0 ? hb : j == 1 ? _mm512_srli_epi16(hb, 1)
+                                 : j == 2 ? _mm512_srli_epi16(hb, 2) : _mm512_srli_epi16(hb, 3);
+                wv[j] = _mm512_or_si512(_mm512_and_si512(p, nib), _mm512_and_si512(hl, m10));
+                wv[4 + j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), nib), _mm512_and_si512(hh, m10));
             }
         } else if (w->bits == 6) {
             const __m512i p0 = _mm512_loadu_si512((const void *)cg), p1 = _mm512_loadu_si512((const void *)(cg + 64));
@@ -252,7 +268,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
 static int qw_ok(const qw_t *w) {
     const int64_t G = w->group;
     return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
-           (w->bits == 4 || w->bits == 6 || w->bits == 8) && !(w->bits == 4 && G != 32) && !(w->bits == 6 && G != 16) &&
+           (w->bits >= 4 && w->bits <= 8 && w->bits != 7) && !(w->bits <= 5 && G != 32) && !(w->bits == 6 && G != 16) &&
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 
@@ -287,7 +303,15 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
                                        : _mm512_mul_ps(scv, _mm512_set1_ps(-(float)w->offset));
             for (int64_t kk = 0; kk < G; kk++) {
                 __m512i u;
-                if (w->bits == 6) {
+                if (w->bits == 5) {
+                    const int64_t j = (kk % 16) / 4, i = kk % 4;
+                    const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)),
+                                                         (unsigned)(8 * i + (kk < 16 ? 0 : 4)));
+                    const __m512i hi = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 256)),
+                                                         (unsigned)(8 * i + (kk / 16) * 4 + j));
+                    u = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0x0F)),
+                                        _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), 4));
+                } else if (w->bits == 6) {
                     const int64_t j = kk / 4, i = kk % 4;
                     const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * (j % 2))),
                                                          (unsigned)(8 * i + (j < 2 ? 0 : 4)));

@@ -7,7 +7,7 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q4_0: ``x = d (q - 8)``              -> 4-bit u = q, group 32, scale d, min -8 d
 - Q4_1: ``x = d q + m``                -> 4-bit u = q, group 32, scale d, min m
 - Q4_K: ``x = d sc_j q - dmin m_j``    -> 4-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
-- Q5_0: ``x = d (q - 16)``             -> 8-bit u = q, group 32, scale d, min -16 d
+- Q5_0: ``x = d (q - 16)``             -> 5-bit u = q, group 32, scale d, min -16 d
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
 
@@ -43,7 +43,7 @@ TILE = 16  # rows per tile of the kernel's layout
 class PlainCodes:
     """A weight's codes and scales in plain row order (rows can still be permuted).
 
-    u: ``[rows, cols]`` (0..15 for 4 bits, 0..63 for 6, 0..255 for 8); scale, mins: ``[rows, cols // group]``
+    u: ``[rows, cols]`` (0..15 for 4 bits, 0..31 for 5, 0..63 for 6, 0..255 for 8); scale, mins: ``[rows, cols // group]``
     float32, each either an exact float16 value (``*_sup`` None) or an int8 value to multiply by
     ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``.
     """
@@ -91,7 +91,7 @@ class QuantWeight:
     """A ``[rows, cols]`` weight as unsigned codes in the kernel's tiled layout (16 rows per
     tile; see ``kernels/qmatmul.c``):
 
-    codes: uint8 ``[rows // 16, cols // group, 16 * group * bits // 8]`` (bits 4, 6 or 8);
+    codes: uint8 ``[rows // 16, cols // group, 16 * group * bits // 8]`` (bits 4, 5, 6 or 8);
     scales, mins: ``[rows // 16, cols // group, 16]``, float16, or int8 with ``scale_sup``,
     ``min_sup``: float32 ``[rows // 16, cols // group // gps, 16]``; mins None means
     ``min = -offset * scale``. Build it with `pack`.
@@ -114,9 +114,15 @@ class QuantWeight:
         rows, cols = p.u.shape
         ng = cols // p.group
         u = p.u.to(torch.uint8)
-        if p.bits == 4:  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
-            c = u.view(rows // TILE, TILE, ng, 2, 4, 4)
-            c = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        if p.bits in (4, 5):  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
+            c = u.view(rows // TILE, TILE, ng, 2, 4, 4)  # [tiles, l, ng, half, j, i]
+            lo = c & 0x0F
+            c = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+            if p.bits == 5:  # then byte (l, i): bit j = column 4j+i, bit 4+j = column 16+4j+i
+                hi = (u.view(rows // TILE, TILE, ng, 2, 4, 4) >> 4).permute(0, 2, 1, 5, 3, 4)  # [t, ng, l, i, half, j]
+                shift = torch.arange(8, dtype=torch.uint8).view(2, 4)
+                fifth = (hi << shift).sum(dim=(-2, -1), dtype=torch.uint8)  # [tiles, ng, l, i]
+                c = torch.cat((c.reshape(rows // TILE, ng, -1), fifth.reshape(rows // TILE, ng, -1)), dim=-1)
         elif p.bits == 6:  # 4-bit plane (a, l, i): columns 4a+i, 8+4a+i; 2-bit plane (l, i)
             c = u.view(rows // TILE, TILE, ng, 4, 4).permute(0, 2, 3, 1, 4)  # [tiles, ng, j, l, i]
             lo, hi = c & 0x0F, c >> 4
@@ -166,9 +172,14 @@ class QuantWeight:
         """Codes of the rows ``16 tile + lane`` as float32 ``[T, cols // group, group]``."""
         rows, cols = self.shape
         ng = cols // self.group
-        if self.bits == 4:
-            c = self.codes.view(rows // TILE, ng, 4, TILE, 4)[tile, :, :, lane]  # [T, ng, j, i]
+        if self.bits in (4, 5):
+            low = self.codes[:, :, :256] if self.bits == 5 else self.codes
+            c = low.reshape(rows // TILE, ng, 4, TILE, 4)[tile, :, :, lane]  # [T, ng, j, i]
             c = torch.stack((c & 0x0F, c >> 4), dim=2)  # [T, ng, half, j, i]
+            if self.bits == 5:
+                fifth = self.codes[:, :, 256:].reshape(rows // TILE, ng, TILE, 4)[tile, :, lane]  # [T, ng, i]
+                bits = torch.stack([(fifth >> b) & 1 for b in range(8)], dim=2).view(-1, ng, 2, 4, 4)  # half, j, i
+                c = c | (bits << 4)
         elif self.bits == 6:
             low = self.codes[:, :, :128].view(rows // TILE, ng, 2, TILE, 4)[tile, :, :, lane]  # [T, ng, a, i]
             high = self.codes[:, :, 128:].view(rows // TILE, ng, TILE, 4)[tile, :, lane]  # [T, ng, i]
@@ -246,7 +257,7 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
                       shaped(mins, ng), shaped(min_sup, ng // gps), offset,
-                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q6_K": 6}.get(type_name, 8), group, gps)
+                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q6_K": 6}.get(type_name, 8), group, gps)
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
