@@ -19,7 +19,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"catalog name (see `nextoken models`) or path to a .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weights and activations dtype (default bfloat16, fast on AMX CPUs; float32 is the "
+                   help="weights and activations dtype (default bfloat16, fast on AVX-512 BF16 and AMX CPUs; float32 is the "
                         "exact reference)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
     p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
