@@ -72,7 +72,7 @@ class NativeDecoder:
         if lib is None or kv.dtype != torch.bfloat16:
             return None
         cfg = self.model.config
-        h = h.contiguous().clone()
+        h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
         tables = meta.block_tables[:t].contiguous()
         lens = torch.tensor(meta.seq_lens[:t], dtype=torch.int64)
