@@ -89,13 +89,16 @@ def main():
     ap.add_argument("--compare", choices=["transformers"], default=None)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--single", type=int, default=0, help="also time this many requests one at a time")
+    ap.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep bf16 copies of quantized weights (default: the engine's, on for several sequences)")
     args = ap.parse_args()
 
     from nextoken import LLM
     from nextoken.engine.engine import parse_size
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=parse_size(args.kv_cache_memory))
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=parse_size(args.kv_cache_memory),
+              dense_weights=args.dense_weights)
     reqs = workload(args, llm.config.vocab_size, llm.tokenizer.special_ids)
     print(f"model {args.model} ({args.dtype}), {len(reqs)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
           f"outputs {args.min_output}-{args.max_output}, torch threads {torch.get_num_threads()}")

@@ -23,8 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "exact reference)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
     p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="also keep quantized weights as bf16 for batches of many sequences (default: on for "
-                        "serve, off for single-stream commands)")
+                   help="also keep bf16 copies of quantized weights for calls of many rows (default off: about "
+                        "4x the weight memory, and not faster with nextoken's quantized kernel)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="PyTorch only: none of nextoken's native C kernels (the reference path)")
     s = p.add_argument_group("speculative decoding")

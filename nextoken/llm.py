@@ -41,9 +41,9 @@ class LLM:
     default KV cache. num_threads: compute threads (default one per core the process may use);
     enforce_eager: PyTorch only, none of our native kernels (`nextoken.kernels`): the reference
     path (None: leave the process-wide setting, ``NEXTOKEN_ENFORCE_EAGER``, as it is).
-    dense_weights: besides the packed int4 weights, keep a bf16 copy for calls of many rows
-    (batched decode is about 1.8x faster at 32 sequences, for about 2x the weight memory);
-    default: on when max_num_seqs > 1, off for a single stream.
+    dense_weights: besides the quantized weights, keep a bf16 copy for calls of many rows (about
+    4x the weight memory; default off: with our quantized kernel, batched serving measured 11%
+    faster without the copies, `benchmarks/throughput.py`).
     speculative_model (a draft model with the same vocabulary) or speculative_method="ngram"
     (prompt lookup) turn on speculative decoding with up to num_speculative_tokens drafted
     tokens per step (`nextoken.spec`).

@@ -70,11 +70,11 @@ def test_qwen2_bfloat16_stays_in_reference_top5():
     check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
 
 
-@pytest.mark.parametrize("mode", ["single", "single-eager", "batched-dense"])
+@pytest.mark.parametrize("mode", ["single", "single-eager", "batched", "batched-dense"])
 def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
     """Free-running greedy generations through the whole engine, for each fast path: one stream
     (lone-decode attention, int4 weights only, with our C kernels or PyTorch alone) and
-    all prompts batched (grouped decode attention, dense bf16 copies for many rows). Up to the
+    all prompts batched (the one-call decode over many rows, with or without dense bf16 copies). Up to the
     first token where we and the reference differ, the texts are equal; there, each side's token
     is in the other's top 5."""
     from nextoken.kernels import enforce_eager, set_enforce_eager

@@ -70,8 +70,8 @@ class LLMEngine:
         the draft model (raises `ModelLoadError` when its vocabulary is not the target's)."""
         self.tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
-        if dense_weights is None:  # serving several sequences: trade memory for batched speed
-            dense_weights = scheduler.max_num_seqs > 1
+        if dense_weights is None:  # off: our kernel and per-call expansion beat the copies (benchmarks/throughput.py)
+            dense_weights = False
         self.runner = ModelRunner(gguf, dtype, reference=reference_attention, dense_weights=dense_weights)
         self.config = self.runner.config
         ctx = self.config.context_length
