@@ -3,29 +3,11 @@ kernel) or packed as int4 (`quant_linear`, PyTorch's kernel: the path under --en
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
-from nextoken.kernels import load
 from nextoken.layers.quant_linear import int4_linear, int4_unpack
 from nextoken.layers.qweight import QuantWeight, dequantize_bf16, qmatmul
-
-
-def expand_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """The packed weight as a dense ``W [out, in]`` (possibly a transposed view). By our C
-    kernel (``kernels/int4_unpack.c``) when it is available and the scales are bf16: about
-    0.1 ms per million weights, against 3.4 ms for the PyTorch reference `int4_unpack`."""
-    lib = load("int4_unpack") if scales_and_zeros.dtype == torch.bfloat16 else None
-    if lib is None:
-        return int4_unpack(packed, scales_and_zeros)
-    groups, rows, _ = scales_and_zeros.shape
-    cols = groups * 32
-    out_t = torch.empty(cols, rows, dtype=torch.bfloat16)
-    lib.int4_unpack_bf16(ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scales_and_zeros.data_ptr()),
-                         ctypes.c_int64(rows), ctypes.c_int64(cols), ctypes.c_void_p(out_t.data_ptr()))
-    return out_t.t()
 
 
 class Linear(torch.nn.Module):
@@ -35,11 +17,12 @@ class Linear(torch.nn.Module):
     forward: ``[num_tokens, in_features] -> [num_tokens, out_features]``.
 
     After `set_int4` the weight lives as packed 4-bit parts (one per 4-bit GGUF tensor, two for
-    Q8_0; their weights add up) and the dense weight is released. Calls of few rows (decode
-    steps: memory-bound, where reading a quarter of the bytes wins) run the int4 kernel; larger
-    calls (prefill, big batches: compute-bound, where the bf16 matrix units win) expand the
-    weight to bf16 for that call only (`expand_int4`). The int4 kernel's time grows with every
-    row (25 us per row for 0.9M weights on 2 Sapphire Rapids cores), a bf16 matmul's barely.
+    Q8_0; their weights add up) and the dense weight is released: PyTorch's path (under
+    --enforce-eager, or without a C compiler). Calls of few rows run the int4 kernel; larger
+    calls expand the weight to bf16 for that call only (`quant_linear.int4_unpack`).
+
+    After `set_qweight` (the default) the weight lives as GGUF codes (`qweight.QuantWeight`) for
+    our C kernel, which serves up to `QMATMUL_MAX_TOKENS` rows; larger calls expand it to bf16.
     """
 
     INT4_MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
@@ -109,9 +92,9 @@ class Linear(torch.nn.Module):
             return self.weight
         if self.qweight is not None:
             return dequantize_bf16(self.qweight).to(self.dtype)
-        w = expand_int4(*self.int4[0])
+        w = int4_unpack(*self.int4[0])
         for part in self.int4[1:]:
-            w = w + expand_int4(*part)
+            w = w + int4_unpack(*part)
         return w
 
     @property

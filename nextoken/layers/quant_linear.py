@@ -91,7 +91,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 def int4_unpack(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """The weight ``W [out, in]`` in the scales' dtype, expanded from the CPU kernel's operands
-    (the reference for the C kernel ``kernels/int4_unpack.c``).
+    (the many-row path of the PyTorch-only mode).
 
     The kernel's packed layout (read off ``_convert_weight_to_int4pack_for_cpu``; a test checks
     it): rows in blocks of 64; for block b, column k and j < 32, byte ``[b, k, j]`` holds row
