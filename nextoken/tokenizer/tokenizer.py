@@ -1,22 +1,33 @@
-"""The tokenizer a GGUF file describes, built on the `tokenizers` library.
+"""Tokenizers: the one a GGUF file describes, or a Hugging Face ``tokenizer.json``, built on
+the `tokenizers` library.
 
 GGUF keeps no ``tokenizer.json``; it stores llama.cpp's description (``tokenizer.ggml.*``): the
-vocabulary, the BPE merges, a type per token (1 normal, 3 control, 4 user-defined ...), the
-special token ids, and ``tokenizer.ggml.pre``, the name of the pre-tokenizer (how text is split
-into words before the merges apply). We rebuild the same tokenizer from those: a byte-level BPE
-model, the pre-tokenizer that name stands for, a byte-level decoder, and the control tokens as
-special tokens so they are matched whole.
+vocabulary, a type per token (1 normal, 3 control, 4 user-defined, 6 byte), the special token
+ids, and, by ``tokenizer.ggml.model``:
+- ``gpt2``: byte-level BPE with its merges and ``tokenizer.ggml.pre``, the name of the
+  pre-tokenizer (how text is split into words before the merges apply). We rebuild a byte-level
+  BPE model, the pre-tokenizer that name stands for and a byte-level decoder.
+- ``llama``: a SentencePiece-style BPE vocabulary with scores and no merges (Gemma, Llama 2).
+  Spaces are written ``▁`` (U+2581); unknown characters fall back to byte tokens ``<0x41>``.
+  SentencePiece's BPE merges the adjacent pair whose joined piece ranks best, so the merges are
+  rebuilt from the vocabulary: every split of a piece into two pieces of the vocabulary, ranked
+  by the joined piece. The rank is the score, except for Gemma, whose scores do not follow its
+  merge order while the order of the pieces in the file does (as `transformers`' GGUF converter
+  found; the reference ids in the tests come from it).
+Control tokens become special tokens and user-defined ones added tokens, so both are matched
+whole in the text.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Iterable
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from nextoken.errors import InvalidRequest, ModelLoadError
-
 # Split patterns (how text is cut into words before BPE), by `tokenizer.ggml.pre`. Sources: the
 # `pre_tokenizer` of each model family's tokenizer.json, as llama.cpp's llama-vocab.cpp lists them.
 _QWEN2_SPLIT = (
@@ -66,36 +77,94 @@ def _pre_tokenizer(pre: str | None):
     )
 
 
-class Tokenizer:
-    """Byte-level BPE tokenizer with special tokens, BOS/EOS handling and decoding.
+def _add_typed_tokens(tok: HFTokenizer, tokens: list[str], types: list[int], skip=frozenset()) -> None:
+    """Control tokens as special tokens, user-defined ones as added tokens (both matched whole)."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED and t not in skip])
 
-    Build it with `Tokenizer.from_gguf`. Ids are ints in ``[0, vocab_size)``.
+
+def byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre: str | None) -> HFTokenizer:
+    """GPT-2-style byte-level BPE: `merges` are ``"left right"`` strings, best first."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    _add_typed_tokens(tok, tokens, types)
+    return tok
+
+
+SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def sentencepiece_merges(tokens: list[str], ranks: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: each split of a piece into two pieces
+    of the vocabulary, ordered by the joined piece's rank (lower first), then by a longer left
+    piece. tokens[i] has rank ranks[i]."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for piece, i in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((ranks[i], -len(left), -len(right), vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(f[5], f[6]) for f in found]
+
+
+def sentencepiece_bpe(tokens: list[str], ranks: list[float], types: list[int], add_space_prefix: bool) -> HFTokenizer:
+    """SentencePiece-style BPE with byte fallback. Spaces become ``▁`` (and one is prepended to
+    the text when `add_space_prefix`); a token of several spaces, stored as real spaces in GGUF,
+    is spelled with ``▁`` so it takes part in merges."""
+    tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = next((t for t in ("<unk>",) if t in vocab), None)
+    bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, ranks), unk_token=unk, fuse_unk=True,
+                     byte_fallback=True)
+    tok = HFTokenizer(bpe)
+    steps = [normalizers.Prepend(SPACE)] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
+    steps = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *steps])
+    _add_typed_tokens(tok, tokens, types, skip={t for t in tokens if t and not t.strip(SPACE)})
+    return tok
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+class Tokenizer:
+    """Text <-> token ids with special tokens, BOS/EOS handling and decoding.
+
+    Build it with `Tokenizer.from_gguf` or `Tokenizer.from_hf_dir`. Ids are ints in
+    ``[0, vocab_size)``. `hf` parses special-token text as special tokens; `hf_literal` is the
+    same tokenizer keeping such text literal.
     """
 
     def __init__(
         self,
+        hf: HFTokenizer,
+        hf_literal: HFTokenizer,
         tokens: list[str],
-        merges: list[str],
-        token_types: list[int] | None,
-        pre: str | None,
+        special_ids: Iterable[int],
         bos_token_id: int | None,
         eos_token_id: int | None,
         add_bos: bool,
         chat_template: str | None,
         extra_eog_ids: Iterable[int] = (),
     ):
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
-        types = list(token_types) if token_types is not None else [1] * len(tokens)
-
-        self._tok = self._build(bpe, pre, tokens, types)
-        self._tok_literal = self._build(models.BPE(vocab=vocab, merges=pairs), pre, tokens, types)
+        self._tok = hf
+        self._tok_literal = hf_literal
         self._tok_literal.encode_special_tokens = True  # special-token text stays plain text
-
         self.tokens = tokens
         self.vocab_size = len(tokens)
-        self.special_ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
+        self.special_ids = frozenset(special_ids)
         self.special_texts = frozenset(tokens[i] for i in self.special_ids)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -105,47 +174,82 @@ class Tokenizer:
         eog.update(i for i in (eos_token_id, *extra_eog_ids) if i is not None)
         self.eog_token_ids = frozenset(eog)
 
-    @staticmethod
-    def _build(bpe, pre, tokens, types) -> HFTokenizer:
-        tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = _pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-        control = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED]
-        tok.add_special_tokens(control)
-        tok.add_tokens(user)
-        return tok
-
     @classmethod
     def from_gguf(cls, f) -> "Tokenizer":
         """Build the tokenizer from a `GGUFFile`'s ``tokenizer.ggml.*`` metadata.
 
-        Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) only; other vocabularies raise
-        `ModelLoadError`. Byte-level vocabularies get no BOS prepended (as in `transformers`,
-        whose reference ids the tests hold us to), whatever ``add_bos_token`` says.
+        ``tokenizer.ggml.model`` ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece-style
+        BPE); others raise `ModelLoadError`. Byte-level vocabularies get no BOS prepended (as in
+        `transformers`, whose reference ids the tests hold us to), whatever ``add_bos_token``
+        says; SentencePiece ones follow ``tokenizer.ggml.add_bos_token`` (default on, as
+        llama.cpp), since those models expect ``<bos>`` first.
         """
         model = f.get("tokenizer.ggml.model")
         if model is None:
             raise ModelLoadError(f"{f.path}: the GGUF file has no tokenizer (tokenizer.ggml.*)")
-        if model != "gpt2":
+        tokens = list(f.require("tokenizer.ggml.tokens"))
+        types = list(f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if model == "gpt2":
+            hf = byte_level_bpe(tokens, list(f.get("tokenizer.ggml.merges") or []), types, f.get("tokenizer.ggml.pre"))
+            add_bos = False
+        elif model == "llama":
+            scores = f.get("tokenizer.ggml.scores")
+            by_position = str(f.get("general.architecture", "")).startswith("gemma") or scores is None
+            ranks = list(range(len(tokens))) if by_position else [-s for s in scores]
+            hf = sentencepiece_bpe(tokens, ranks, types, bool(f.get("tokenizer.ggml.add_space_prefix", True)))
+            add_bos = bool(f.get("tokenizer.ggml.add_bos_token", True))
+        else:
             raise ModelLoadError(
-                f"{f.path}: tokenizer model {model!r} is not supported yet; supported: 'gpt2' "
-                "(byte-level BPE)"
+                f"{f.path}: tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level "
+                "BPE), 'llama' (SentencePiece-style BPE)"
             )
         eot = [f.get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
         return cls(
-            tokens=list(f.require("tokenizer.ggml.tokens")),
-            merges=list(f.get("tokenizer.ggml.merges") or []),
-            token_types=f.get("tokenizer.ggml.token_type"),
-            pre=f.get("tokenizer.ggml.pre"),
+            hf, HFTokenizer.from_str(hf.to_str()), tokens,
+            special_ids=[i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL],
             bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
-            add_bos=False,
+            add_bos=add_bos,
             chat_template=f.get("tokenizer.chat_template"),
             extra_eog_ids=[i for i in eot if i is not None],
         )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike, generation_eos: Iterable[int] = ()) -> "Tokenizer":
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (chat template, BOS/EOS, whether
+        to add BOS) from a Hugging Face model folder. `generation_eos`: extra end-of-generation
+        ids (``generation_config.json``). Raises `ModelLoadError` when tokenizer.json is missing."""
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ModelLoadError(f"{path}: no tokenizer.json (only the fast-tokenizer format is read; "
+                                 "save the tokenizer with `save_pretrained` from a fast tokenizer)")
+        hf, literal = HFTokenizer.from_file(tj), HFTokenizer.from_file(tj)
+        # the model's own template and BOS rule apply, not the post-processor's
+        hf.no_padding(), hf.no_truncation()
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        vocab = hf.get_vocab(with_added_tokens=True)
+        tokens = [""] * (max(vocab.values()) + 1)
+        for text, i in vocab.items():
+            tokens[i] = text
+        special_ids = [i for i, t in hf.get_added_tokens_decoder().items() if t.special]
+
+        def token_id(key):
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return vocab.get(value) if isinstance(value, str) else None
+
+        template = cfg.get("chat_template")
+        jinja = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as fh:
+                template = fh.read()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        bos = token_id("bos_token")
+        return cls(hf, literal, tokens, special_ids, bos, token_id("eos_token"),
+                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template,
+                   extra_eog_ids=generation_eos)
 
     # -- encode / decode --------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
