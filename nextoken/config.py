@@ -28,6 +28,10 @@ class ModelConfig:
     rope_dim: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    # sliding-window attention (Beltagy et al. 2020; Gemma 3's local layers): layer i attends to
+    # the last `sliding_window` keys when ``layer_types[i] == "sliding_attention"``, else to all
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -35,9 +39,27 @@ class ModelConfig:
         """How many query heads share one key/value head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` uses sliding-window attention."""
+        return self.sliding_window is not None and (
+            self.layer_types is None or self.layer_types[layer] == "sliding_attention")
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_sliding(i)]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_sliding(i)]
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of KV cache one token takes over all layers (keys and values)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """Bytes of paged KV cache one token takes over the full-attention layers (keys and
+        values); sliding-window layers keep only their window (`runner.kv_cache.SlidingKVCache`)."""
+        return 2 * len(self.full_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def sliding_kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes one token of the sliding-window layers' ring takes (keys and values)."""
+        return 2 * len(self.sliding_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ DATA = Path(__file__).parent / "data"
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
-    """``{arch: (gguf path, transformers model)}`` for the tiny llama and qwen2 models."""
+    """``{arch: (gguf path, transformers model)}`` for the tiny llama, qwen2 and gemma3 models."""
     out = {}
     d = tmp_path_factory.mktemp("tiny")
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "gemma3"):
         model = tiny_hf_model(arch)
         path = d / f"tiny-{arch}.gguf"
         write_gguf(model, path, arch)

@@ -25,7 +25,7 @@ def hf_logits_stepwise(model, prompt: list[int], continuation: list[int]) -> lis
     return logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("reference_attention", [False, True])
 def test_prefill_and_decode_match_transformers(tiny_gguf, arch, reference_attention):
     path, hf = tiny_gguf[arch]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nextoken.runner.kv_cache import ring_blocks
+
 # A tiny byte-level BPE vocabulary: the 256 byte symbols, a few merges, and ChatML's specials.
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ c", "a t", "Ġc at", "Ġ s", "Ġs at", "Ġ o",
           "Ġo n", "Ġ m", "Ġm at"]
@@ -58,6 +60,12 @@ def tiny_hf_model(arch: str, seed: int = 0):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "gemma3":  # 5 local layers (window 8, shorter than the test prompts) + 1 global, as GGUF's pattern
+        common.pop("rope_theta")
+        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
+                                            query_pre_attn_scalar=32, tie_word_embeddings=True,
+                                            layer_types=["sliding_attention"] * 5 + ["full_attention"])
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     model.config._attn_implementation = "eager"
@@ -71,8 +79,10 @@ def tiny_hf_model(arch: str, seed: int = 0):
 
 
 def rope_theta(cfg) -> float:
-    """RoPE base of a `transformers` config (v5 keeps it in ``rope_parameters``)."""
+    """RoPE base of a `transformers` config (v5 keeps it in ``rope_parameters``, per layer type
+    for Gemma 3: the global layers' here)."""
     params = getattr(cfg, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)
     return float(params.get("rope_theta") or getattr(cfg, "rope_theta"))
 
 
@@ -97,8 +107,12 @@ def write_gguf(model, path, arch: str, quant: dict[str, str] | None = None, cont
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(rope_theta(cfg))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     tokens, types, merges = tiny_vocab()
     w.add_tokenizer_model("gpt2")
@@ -126,6 +140,9 @@ def write_gguf(model, path, arch: str, quant: dict[str, str] | None = None, cont
 def _gguf_tensors(model, arch: str):
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if arch == "gemma3":
+        yield from _gemma3_tensors(cfg, sd)
+        return
     yield "token_embd.weight", sd["model.embed_tokens.weight"]
     yield "output_norm.weight", sd["model.norm.weight"]
     if not cfg.tie_word_embeddings:
@@ -148,6 +165,21 @@ def _gguf_tensors(model, arch: str):
                 yield f"blk.{i}.{gg}.{kind}", t
 
 
+def _gemma3_tensors(cfg, sd):
+    """Gemma 3 as llama.cpp's converter writes it: its tensor names, norm weights stored as 1 + w."""
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"] + 1
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            yield f"blk.{i}.{gg}.weight", t + 1 if "norm" in hf else t
+
+
 class OneSequence:
     """Drive a `ModelRunner` for one sequence over a paged cache whose blocks are taken in order
     (what the engine does, without the engine): for model-level tests."""
@@ -155,15 +187,18 @@ class OneSequence:
     def __init__(self, runner, capacity: int = 256, block_size: int = 16):
         self.runner = runner
         if runner.kv is None or runner.kv.num_blocks * runner.kv.block_size < capacity:
-            runner.init_kv_cache(-(-capacity // block_size), block_size)
+            ring = ring_blocks(runner.config.sliding_window, block_size) if runner.config.sliding_layers else 0
+            runner.init_kv_cache(-(-capacity // block_size), block_size, ring, ring)
         self.block_ids = list(range(runner.kv.num_blocks))
+        sw = runner.kv.sliding  # one sequence: the whole ring, blocks in reverse (so order matters)
+        self.ring_ids = list(reversed(range(sw.ring_blocks))) if sw is not None else None
         self.num_tokens = 0
 
     def forward(self, token_ids: list[int], all_logits: bool = False):
         """Logits of the last new token ``[vocab]`` (or of every new token ``[T, vocab]``)."""
         from nextoken.runner.model_runner import SequenceInput
 
-        seq = SequenceInput(list(token_ids), self.num_tokens, self.block_ids)
+        seq = SequenceInput(list(token_ids), self.num_tokens, self.block_ids, ring_ids=self.ring_ids)
         out = self.runner.execute([seq], all_logits=all_logits)
         self.num_tokens += len(token_ids)
         return out if all_logits else out[0]

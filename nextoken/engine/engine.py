@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
+
 from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine.kv_cache.manager import KVCacheManager
 from nextoken.engine.output import RequestGroup, finish_sequence, make_output, process_token
@@ -20,15 +22,16 @@ from nextoken.engine.request import Request
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import InvalidRequest
 from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFModelDir
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nextoken.runner.kv_cache import bytes_per_block
+from nextoken.runner.kv_cache import bytes_per_block, ring_blocks
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.draft import DraftProposer, check_same_vocabulary
 from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
-from nextoken.tokenizer import Tokenizer
+from nextoken.loader.source import load_tokenizer
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
@@ -62,13 +65,13 @@ class LLMEngine:
     bad input (naming the field).
     """
 
-    def __init__(self, gguf: GGUFFile, dtype, cache: CacheConfig = CacheConfig(),
+    def __init__(self, gguf: GGUFFile | HFModelDir, dtype, cache: CacheConfig = CacheConfig(),
                  scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False,
                  dense_weights: bool | None = None, speculative: SpeculativeConfig | None = None,
-                 draft_gguf: GGUFFile | None = None):
+                 draft_gguf: GGUFFile | HFModelDir | None = None):
         """`speculative` turns speculative decoding on; with ``method="draft"``, `draft_gguf` is
         the draft model (raises `ModelLoadError` when its vocabulary is not the target's)."""
-        self.tokenizer = Tokenizer.from_gguf(gguf)
+        self.tokenizer = load_tokenizer(gguf)
         gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
         if dense_weights is None:  # off: our kernel and per-call expansion beat the copies (benchmarks/throughput.py)
             dense_weights = False
@@ -88,7 +91,7 @@ class LLMEngine:
             if speculative.method == "draft":
                 if draft_gguf is None:
                     raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
-                draft_tok = Tokenizer.from_gguf(draft_gguf)
+                draft_tok = load_tokenizer(draft_gguf)
                 draft_gguf.release_metadata()
                 draft_runner = ModelRunner(draft_gguf, dtype, dense_weights=False)
                 check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
@@ -98,18 +101,31 @@ class LLMEngine:
             elif speculative.method != "ngram":
                 raise InvalidRequest(f"unknown speculative method {speculative.method!r}: use 'draft' or 'ngram'",
                                      "speculative_method")
+        if self.draft is not None and self.draft.runner.config.sliding_layers:
+            raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
         # default budget: a share of free memory, but no more than max_num_seqs full contexts
-        full = scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size) * per_block
+        bs = cache.block_size
+        ring, per_ring = 0, 0
+        if self.config.sliding_layers:  # each sequence's ring: its window plus this step's drafts
+            lookahead = speculative.num_speculative_tokens if speculative else 0
+            ring = ring_blocks(self.config.sliding_window, bs, 1 + lookahead)
+            per_ring = ring * self.config.sliding_kv_bytes_per_token(torch.finfo(dtype).bits // 8) * bs
+        full = scheduler.max_num_seqs * (-(-self.max_model_len // bs) * per_block + per_ring)
         budget = cache.memory_bytes or min(default_kv_memory(), full)
-        num_blocks = cache.num_blocks or max(1, budget // per_block)
+        # rings for max_num_seqs sequences when they fit in half the budget, else for fewer
+        num_rings = max(1, min(scheduler.max_num_seqs, budget // 2 // per_ring)) if ring else 0
+        if per_block:
+            num_blocks = cache.num_blocks or max(1, (budget - num_rings * per_ring) // per_block)
+        else:  # every layer slides (Mistral): block tables cost nothing, any number will do
+            num_blocks = cache.num_blocks or scheduler.max_num_seqs * -(-self.max_model_len // bs)
         self.cache_config = cache
         if not scheduler.enable_chunked_prefill:  # a whole prompt must fit in one step
             scheduler = SchedulerConfig(scheduler.max_num_seqs,
                                         max(scheduler.max_num_batched_tokens, self.max_model_len), False,
                                         scheduler.max_model_len)
         self.scheduler_config = scheduler
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.runner.init_kv_cache(num_blocks, cache.block_size)
+        self.kv = KVCacheManager(num_blocks, bs, cache.enable_prefix_caching, num_rings * ring, ring)
+        self.runner.init_kv_cache(num_blocks, bs, num_rings * ring, ring)
         if self.draft is not None:
             self.draft.runner.init_kv_cache(num_blocks, cache.block_size)
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
@@ -231,10 +247,11 @@ class LLMEngine:
             toks = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
             if r in drafts:  # verify: the last token and the drafts, each as a decode row
                 seqs.append(SequenceInput(toks + drafts[r][0], r.num_computed_tokens, self.kv.block_ids(r.request_id),
-                                          True, as_decodes=True))
+                                          True, as_decodes=True, ring_ids=self.kv.ring_ids(r.request_id)))
             else:
                 seqs.append(SequenceInput(toks, r.num_computed_tokens, self.kv.block_ids(r.request_id),
-                                          r.num_computed_tokens + n == r.num_tokens))
+                                          r.num_computed_tokens + n == r.num_tokens,
+                                          ring_ids=self.kv.ring_ids(r.request_id)))
         logits = self.runner.execute(seqs, self.tracer)
         for r, n in scheduled.items():
             r.num_computed_tokens += n

@@ -46,6 +46,7 @@ class AttentionMetadata:
     reference: bool = False
     keep_probs: bool = False
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
+    sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
 
     @property
     def num_seqs(self) -> int:

@@ -43,8 +43,10 @@ class NativeDecoder:
 
     @staticmethod
     def available(model) -> bool:
-        """bf16, every projection as codes, and the kernel builds."""
-        if model.dtype != torch.bfloat16:
+        """bf16, the plain Llama layer (``NATIVE_DECODE`` on the class: no QK-norm, no sliding
+        window), every projection as codes, and the kernel builds."""
+        if model.dtype != torch.bfloat16 or not getattr(model, "NATIVE_DECODE", False) or \
+                model.config.sliding_layers:
             return False
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp

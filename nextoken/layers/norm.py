@@ -14,3 +14,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight`` with the product taken in
+    float32 before the cast back (`transformers`' Gemma3RMSNorm; its parameter is ``weight - 1``,
+    GGUF stores ``weight`` itself). x: ``[..., dim]``; weight: ``[dim]``."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

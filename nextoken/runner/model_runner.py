@@ -15,9 +15,11 @@ import torch
 from nextoken.config import ModelConfig
 from nextoken.errors import InvalidRequest
 from nextoken.layers.attention import AttentionMetadata
+from nextoken.layers.sliding_attention import build_sliding_metadata
 from nextoken.loader.gguf import GGUFFile, read_model_config
+from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.models.registry import model_class
-from nextoken.runner.kv_cache import PagedKVCache
+from nextoken.runner.kv_cache import PagedKVCache, SlidingKVCache
 
 def _libc():
     try:
@@ -74,12 +76,14 @@ class SequenceInput:
     block_ids: list[int]
     needs_logits: bool = True
     as_decodes: bool = False
+    ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
 
     def rows(self) -> list["SequenceInput"]:
         """The inputs this one runs as (itself, or one decode per token)."""
         if not self.as_decodes or len(self.token_ids) == 1:
             return [self]
-        return [SequenceInput([t], self.start + i, self.block_ids, True) for i, t in enumerate(self.token_ids)]
+        return [SequenceInput([t], self.start + i, self.block_ids, True, ring_ids=self.ring_ids)
+                for i, t in enumerate(self.token_ids)]
 
 
 class ModelRunner:
@@ -91,16 +95,22 @@ class ModelRunner:
     them; dense_weights: keep a bf16 copy as well, for batches of many sequences.
     """
 
-    def __init__(self, gguf: GGUFFile, dtype: torch.dtype = torch.float32, reference: bool = False,
+    def __init__(self, gguf: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  int4: bool = True, dense_weights: bool = False):
-        self.config: ModelConfig = read_model_config(gguf)
+        hf = isinstance(gguf, HFModelDir)
+        config = read_hf_config(gguf) if hf else read_model_config(gguf)
+        cls = model_class(config.architecture)
+        self.config: ModelConfig = config if hf else cls.gguf_config(gguf, config)
         self.dtype = dtype
         self.reference = reference
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
-            self.model = model_class(self.config.architecture)(self.config, dtype)
-            self.model.load_gguf(gguf, int4=int4, keep_dense=dense_weights)
+            self.model = cls(self.config, dtype)
+            if hf:
+                self.model.load_hf(gguf)
+            else:
+                self.model.load_gguf(gguf, int4=int4, keep_dense=dense_weights)
         finally:
             loading_allocations(False)
         release_free_memory()
@@ -118,8 +128,16 @@ class ModelRunner:
             tensors += [t for t in (qw.codes, qw.scales, qw.mins) if t is not None] if qw is not None else []
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype)
+    def init_kv_cache(self, num_blocks: int, block_size: int, sliding_blocks: int = 0,
+                      ring_blocks: int = 0) -> PagedKVCache:
+        """The paged cache for `num_blocks` blocks, and for a model with sliding-window layers
+        their rings: `sliding_blocks` blocks, `ring_blocks` per sequence."""
+        sliding = None
+        if self.config.sliding_layers:
+            if not sliding_blocks:
+                raise ValueError("a model with sliding-window layers needs sliding_blocks and ring_blocks")
+            sliding = SlidingKVCache(self.config, sliding_blocks, block_size, ring_blocks, self.dtype)
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, sliding)
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -148,6 +166,10 @@ class ModelRunner:
             slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
             num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
             reference=self.reference, first_block=first_block)
+        sw = self.kv.sliding
+        if sw is not None:
+            meta.sliding = build_sliding_metadata(sw.window, bs, sw.ring_blocks, [
+                (seqs[i].start, len(seqs[i].token_ids), seqs[i].ring_ids) for i in order])
         return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta, order
 
     @torch.inference_mode()

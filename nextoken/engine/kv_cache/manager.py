@@ -10,14 +10,24 @@ from nextoken.engine.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_bl
 
 
 class KVCacheManager:
-    """Allocates blocks to requests, finds cached prefixes, frees blocks when requests end."""
+    """Allocates blocks to requests, finds cached prefixes, frees blocks when requests end.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    With `sliding_blocks` (a model with sliding-window layers), each request also owns a ring of
+    up to `ring_blocks` blocks from a second pool for those layers (`runner.kv_cache`). Their
+    older keys are overwritten, so a prefix of such a model cannot be reused: prefix caching and
+    prefix sharing are off for it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_blocks: int = 0, ring_blocks: int = 0):
         self.block_size = block_size
-        self.enable_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_caching = enable_prefix_caching and not sliding_blocks
+        self.pool = BlockPool(num_blocks, self.enable_caching)
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self._num_cached: dict[str, int] = {}  # blocks of each request registered in the cache
+        self.ring_blocks = ring_blocks
+        self.sliding_pool = BlockPool(sliding_blocks, False) if sliding_blocks else None
+        self.rings: dict[str, list[KVCacheBlock]] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -25,6 +35,12 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def ring_ids(self, request_id: str) -> list[int] | None:
+        """The request's sliding-window ring blocks (None for a model without such layers)."""
+        if self.sliding_pool is None:
+            return None
+        return [b.block_id for b in self.rings.get(request_id, ())]
 
     def _block_hashes(self, req, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
@@ -57,7 +73,10 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         need = self.blocks_for(total) - len(table) - len(computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # free now, but about to be used
-        if need > self.pool.num_free_blocks - reclaimed:
+        ring = self.rings.get(req.request_id, [])
+        ring_need = min(self.ring_blocks, self.blocks_for(total)) - len(ring) if self.sliding_pool else 0
+        if need > self.pool.num_free_blocks - reclaimed or \
+                (ring_need > 0 and ring_need > self.sliding_pool.num_free_blocks):
             if not table:
                 del self.block_tables[req.request_id]
             return False
@@ -65,12 +84,16 @@ class KVCacheManager:
         table.extend(computed)
         if need > 0:
             table.extend(self.pool.get_new_blocks(need))
+        if ring_need > 0:
+            self.rings[req.request_id] = ring + self.sliding_pool.get_new_blocks(ring_need)
         return True
 
     def share_prefix(self, parent, child, num_tokens: int) -> int:
         """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
         only (copy-free sharing: the child writes its own tokens into new blocks). Returns the
-        number of tokens shared."""
+        number of tokens shared (none for a model with sliding-window layers)."""
+        if self.sliding_pool is not None:
+            return 0
         n = num_tokens // self.block_size
         shared = self.block_tables[parent.request_id][:n]
         self.pool.touch(shared)
@@ -98,3 +121,5 @@ class KVCacheManager:
         table = self.block_tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(table))
+        if self.sliding_pool is not None:
+            self.sliding_pool.free_blocks(self.rings.pop(req.request_id, []))

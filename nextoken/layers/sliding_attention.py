@@ -1,0 +1,116 @@
+"""Sliding-window causal attention (Beltagy et al. 2020, "Longformer"; Gemma 3's local layers)
+over a per-sequence ring of KV blocks.
+
+New token at position p sees the keys at positions ``max(0, p - window + 1) .. p`` (the rule of
+`transformers`' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Such a layer keeps only
+that many keys per sequence: position p lives in ring block ``(p // block_size) % ring_blocks``
+(`runner.kv_cache.SlidingKVCache`). `SlidingMetadata` (built once per pass by the model runner)
+says which slots each sequence reads and which of the pass's new keys are written.
+
+Order within a layer: prefill chunks first read their earlier keys from the ring, then every
+written key goes in, then decodes read their window (which may include keys written in this very
+pass: speculative decoding's verification rows of one sequence see each other's keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SlidingMetadata:
+    """window: keys a token sees (itself included); write_rows / write_slots: int64 ``[W]``,
+    rows of the flat batch whose keys and values go into the ring, and where; key_slots[i]:
+    int64 ring slots read by sequence i (a decode: its whole window, after this pass's writes;
+    a prefill chunk: the keys before its first new token, before the writes); key_start[i]:
+    the position of sequence i's first key read (or of its first new token if none)."""
+
+    window: int
+    write_rows: torch.Tensor
+    write_slots: torch.Tensor
+    key_slots: list[torch.Tensor]
+    key_start: list[int]
+
+
+def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
+                           seqs: list[tuple[int, int, list[int]]]) -> SlidingMetadata:
+    """seqs: per sequence in batch order, (position of its first new token, number of new
+    tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``)."""
+    write_rows, write_slots, key_slots, key_start = [], [], [], []
+    row = 0
+    for start, n, ring in seqs:
+        ring_t = torch.tensor(ring, dtype=torch.long)
+
+        def slots(lo: int, hi: int) -> torch.Tensor:
+            pos = torch.arange(lo, hi)
+            return ring_t[(pos // block_size) % ring_blocks] * block_size + pos % block_size
+
+        first_written = max(start, start + n - ring_blocks * block_size)  # older ones would collide
+        write_rows.append(torch.arange(row + first_written - start, row + n))
+        write_slots.append(slots(first_written, start + n))
+        if n == 1:  # a decode: its window, read after the writes
+            lo = max(0, start - window + 1)
+            key_slots.append(slots(lo, start + 1))
+        else:  # a prefill chunk: the keys before it, read before the writes
+            lo = max(0, start - window + 1)
+            key_slots.append(slots(lo, start))
+        key_start.append(lo)
+        row += n
+    return SlidingMetadata(window, torch.cat(write_rows), torch.cat(write_slots), key_slots, key_start)
+
+
+def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int) -> torch.Tensor:
+    """bool ``[q_len, k_len]``: query at position q sees key at position k iff
+    ``q - window < k <= q``."""
+    q = torch.arange(q_start, q_start + q_len)[:, None]
+    k = torch.arange(k_start, k_start + k_len)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, reference: bool = False):
+    """q ``[T, H, D]``, this pass's k, v ``[T, Hkv, D]``; rings ``[Hkv, num_blocks, block_size,
+    D]`` (this layer). Writes the new keys and values into the rings. Returns the output
+    ``[T, H, D]`` and, with `reference` (plain float32 attention instead of the fused kernel),
+    each sequence's probabilities ``[H, q_len, seq_len]`` (zero outside the window)."""
+    sm: SlidingMetadata = meta.sliding
+    heads, nb, bs, d = k_ring.shape
+    k_flat, v_flat = k_ring.view(heads, nb * bs, d), v_ring.view(heads, nb * bs, d)
+    nd = meta.num_decodes
+    past = {i: (k_flat.index_select(1, sm.key_slots[i]), v_flat.index_select(1, sm.key_slots[i]))
+            for i in range(nd, meta.num_seqs)}
+    k_flat.index_copy_(1, sm.write_slots, k[sm.write_rows].transpose(0, 1))
+    v_flat.index_copy_(1, sm.write_slots, v[sm.write_rows].transpose(0, 1))
+    out = torch.empty_like(q)
+    all_probs = []
+    for i in range(meta.num_seqs):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        q_start = meta.seq_lens[i] - (b - a)
+        if i < nd:
+            kk, vv = k_flat.index_select(1, sm.key_slots[i]), v_flat.index_select(1, sm.key_slots[i])
+        else:
+            kk = torch.cat([past[i][0], k[a:b].transpose(0, 1)], dim=1)  # [Hkv, S, D]
+            vv = torch.cat([past[i][1], v[a:b].transpose(0, 1)], dim=1)
+        mask = sliding_mask(q_start, b - a, sm.key_start[i], kk.shape[1], sm.window)
+        if reference:
+            out[a:b], probs = _naive(q[a:b], kk, vv, mask, scale)
+            full = probs.new_zeros(probs.shape[0], b - a, meta.seq_lens[i])
+            full[:, :, sm.key_start[i]:sm.key_start[i] + kk.shape[1]] = probs
+            all_probs.append(full)
+        else:
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+            out[a:b] = o[0].transpose(0, 1)
+    return out, (all_probs if reference else None)
+
+
+def _naive(q, k, v, mask, scale: float):
+    """Plain masked attention in float32: q ``[T, H, D]``, k, v ``[Hkv, S, D]``, mask
+    ``[T, S]`` -> output ``[T, H, D]`` and probabilities ``[H, T, S]``."""
+    group = q.shape[1] // k.shape[0]
+    kf, vf = k.float().repeat_interleave(group, 0), v.float().repeat_interleave(group, 0)
+    scores = (q.float().transpose(0, 1) @ kf.transpose(1, 2)) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ vf).transpose(0, 1).to(q.dtype), probs
