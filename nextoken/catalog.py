@@ -113,18 +113,40 @@ def _marker(path: Path) -> Path:
     return path.with_suffix(".gguf.verified")
 
 
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]  # what a model folder needs; never pickles
+
+
+def resolve_hub_id(repo_id: str) -> Path:
+    """The local folder of Hugging Face hub model `repo_id` (``org/name``), through
+    `huggingface_hub`: its cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloading the config,
+    tokenizer and safetensors files when online, and only the cache with ``HF_HUB_OFFLINE=1``.
+    Raises `ModelLoadError` when it is neither cached nor downloadable."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # offline misses, unknown repos, network errors: all say the same to a user
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the Hugging Face cache and could not be downloaded "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); download it where the hub "
+            "is reachable (huggingface-cli download ...), or give a local folder") from None
+
+
 def resolve_model(model: str, auto_pull: bool = False) -> Path:
-    """Turn `--model` (a catalog name or a path to a ``.gguf`` file) into a file path.
+    """Turn `--model` (a catalog name, a path to a ``.gguf`` file or a model folder, or a hub id
+    ``org/name``) into a local path.
 
     A catalog model that is not cached is pulled when `auto_pull`, else `ModelLoadError` says to
     run ``nextoken pull``. A cached file of the wrong size is reported as corrupt.
     """
-    if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
-        p = Path(model).expanduser()
-        if not p.is_file():
-            raise ModelLoadError(f"model file not found: {p}; give a path to a .gguf file or a catalog "
-                                 "name (see `nextoken models`)")
+    p = Path(model).expanduser()
+    if p.exists():
         return p
+    if model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model file not found: {p}; give a path to a .gguf file or a model folder, "
+                             "a hub id org/name, or a catalog name (see `nextoken models`)")
+    if "/" in model:
+        return resolve_hub_id(model)
     entry = get_entry(model)
     p = model_path(entry.name)
     if p.is_file() and p.stat().st_size != entry.size:

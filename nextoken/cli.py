@@ -17,10 +17,11 @@ from nextoken.errors import InvalidRequest, NextokenError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"catalog name (see `nextoken models`) or path to a .gguf file (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weights and activations dtype (default bfloat16, fast on AVX-512 BF16 and AMX CPUs; float32 is the "
-                        "exact reference)")
+                   help=f"catalog name (see `nextoken models`), path to a .gguf file or a Hugging Face model folder, "
+                        f"or a hub id org/name from the huggingface_hub cache (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="weights and activations dtype (default auto: bfloat16 for GGUF, fast on AVX-512 BF16 and AMX "
+                        "CPUs; a Hugging Face folder's config dtype; float32 is the exact reference)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
     p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="also keep bf16 copies of quantized weights for calls of many rows (default off: about "
@@ -177,7 +178,7 @@ def cmd_run(a) -> int:
         n_out = len(out.outputs[0].token_ids)
         dec = f"{m.decode_tokens_per_s:.1f} tok/s ({m.tpot * 1000:.1f} ms/token)" if m.tpot else "n/a"
         sys.stderr.write(
-            f"[stats] model {a.model} ({a.dtype}) | prompt tokens {m.num_prompt_tokens} | output tokens {n_out} "
+            f"[stats] model {a.model} ({str(llm.runner.dtype).removeprefix('torch.')}) | prompt tokens {m.num_prompt_tokens} | output tokens {n_out} "
             f"({out.outputs[0].finish_reason}) | TTFT {m.ttft:.3f} s | prefill {m.prefill_tokens_per_s:.1f} tok/s | "
             f"decode {dec} | peak memory {_peak_rss_mib():.0f} MiB (weights {llm.runner.weight_bytes / 2**20:.0f} MiB, "
             f"KV cache {llm.runner.kv.nbytes / 2**20:.0f} MiB) | load {llm.runner.load_time:.2f} s{_spec_stats(llm)}\n")
@@ -248,7 +249,8 @@ def cmd_explain(a) -> int:
     report.update(prompt=a.prompt, rendered_prompt=rendered, output_text=out.outputs[0].text,
                   finish_reason=out.outputs[0].finish_reason, total_seconds=total,
                   model={"name": a.model, "architecture": llm.config.architecture, "layers": llm.config.num_layers,
-                         "hidden_size": llm.config.hidden_size, "dtype": a.dtype})
+                         "hidden_size": llm.config.hidden_size,
+                         "dtype": str(llm.runner.dtype).removeprefix("torch.")})
     if a.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))
     else:

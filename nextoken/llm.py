@@ -18,9 +18,8 @@ from nextoken.catalog import DEFAULT_MODEL, resolve_model
 from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine.engine import LLMEngine
 from nextoken.errors import InvalidRequest
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.source import model_dtype, open_model
 from nextoken.outputs import RequestOutput
-from nextoken.runner.model_runner import parse_dtype
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import validate_messages
 
@@ -30,9 +29,11 @@ Prompt = str | list[int]
 class LLM:
     """A model loaded for generation.
 
-    model: a catalog name (pulled on first use when `auto_pull`) or a path to a ``.gguf`` file.
-    dtype: ``"bfloat16"`` (default; fast on CPUs with AMX/AVX512-BF16) or ``"float32"`` (the exact
-    reference, equal to `transformers` within 1e-4).
+    model: a catalog name (pulled on first use when `auto_pull`), a path to a ``.gguf`` file or
+    to a Hugging Face model folder, or a hub id ``org/name`` (found in the `huggingface_hub` cache).
+    dtype: ``"auto"`` (default: bfloat16 for GGUF, the config's dtype for a folder),
+    ``"bfloat16"`` (fast on CPUs with AMX/AVX512-BF16) or ``"float32"`` (the exact reference,
+    equal to `transformers` within 1e-4).
     kv_cache_memory: bytes for the paged KV cache (default: a quarter of free memory, at most
     4 GiB); block_size: tokens per KV block; enable_prefix_caching: reuse the KV of shared
     prompt prefixes; max_num_seqs / max_num_batched_tokens: per-step limits;
@@ -50,7 +51,7 @@ class LLM:
     Raises `ModelLoadError` when the model cannot be found or read.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", reference_attention: bool = False,
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", reference_attention: bool = False,
                  auto_pull: bool = True, num_threads: int | None = None, kv_cache_memory: int | None = None,
                  num_kv_blocks: int = 0, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
@@ -74,9 +75,10 @@ class LLM:
                 raise InvalidRequest("speculative method 'ngram' takes no speculative_model", "speculative_model")
             spec = SpeculativeConfig(method, speculative_model, num_speculative_tokens)
             if method == "draft":
-                draft = GGUFFile(resolve_model(speculative_model, auto_pull=auto_pull))
+                draft = open_model(resolve_model(speculative_model, auto_pull=auto_pull))
+        source = open_model(self.model_path)
         self.engine = LLMEngine(
-            GGUFFile(self.model_path), parse_dtype(dtype),
+            source, model_dtype(source, dtype),
             CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
             reference_attention, dense_weights, spec, draft)

@@ -25,6 +25,7 @@ from nextoken.kernels import enabled as native_enabled, load as load_kernel
 from nextoken.layers.quant_linear import empty_int4, int4_groups, int4_supported, pack_int4
 from nextoken.layers.qweight import QuantWeight, gguf_codes, qweight_supported
 from nextoken.layers.norm import rms_norm
+from nextoken.layers.sliding_attention import sliding_window_attention
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
 from nextoken.runner.kv_cache import PagedKVCache
 
@@ -33,9 +34,14 @@ LOAD_CHUNK_ROWS = 4096  # rows converted at a time when packing int4 (a multiple
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    """q/k/v projections, RoPE, attention over the paged cache (or, on a sliding-window layer,
+    over the sequence's ring), output projection. With `qk_norm` (Qwen 3), an RMSNorm over each
+    query and key head before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, qk_norm: bool = False):
         super().__init__()
-        self.layer = layer
+        self.layer, self.eps = layer, cfg.rms_norm_eps
+        self.sliding = cfg.is_sliding(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias, dtype)
@@ -43,6 +49,10 @@ class LlamaAttention(torch.nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias, dtype)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype)
         self.scale = cfg.head_dim ** -0.5
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = torch.nn.Parameter(torch.empty(cfg.head_dim, dtype=dtype), requires_grad=False)
+            self.k_norm = torch.nn.Parameter(torch.empty(cfg.head_dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata):
         """x: ``[T, hidden]`` -> (``[T, hidden]``, per-sequence probabilities or None)."""
@@ -50,13 +60,21 @@ class LlamaAttention(torch.nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(self.layer, meta.slot_mapping, k, v)
+        reference = meta.reference or meta.keep_probs
+        if self.sliding:
+            i = kv.sliding.layer_index[self.layer]
+            out, probs = sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, self.scale, reference)
+            return self.o_proj(out.reshape(t, -1)), probs
+        i = kv.layer_index[self.layer]
+        kv.write(i, meta.slot_mapping, k, v)
         probs = None
-        if meta.reference or meta.keep_probs:
-            out, probs = paged_attention_reference(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)
+        if reference:
+            out, probs = paged_attention_reference(q, kv.k[i], kv.v[i], meta, self.scale)
         else:
-            out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)
+            out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
         return self.o_proj(out.reshape(t, -1)), probs
 
 
@@ -72,11 +90,11 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, qk_norm: bool = False):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = torch.nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.self_attn = LlamaAttention(cfg, layer, dtype)
+        self.self_attn = LlamaAttention(cfg, layer, dtype, qk_norm)
         self.post_attention_layernorm = torch.nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype),
                                                            requires_grad=False)
         self.mlp = LlamaMLP(cfg, dtype)
@@ -93,12 +111,14 @@ class LlamaForCausalLM(torch.nn.Module):
 
     # GGUF files of this architecture store Q and K permuted for interleaved RoPE.
     GGUF_PERMUTED_QK = True
+    NATIVE_DECODE = True  # the C decode step (`layers.native_decode`) implements exactly this layer
+    QK_NORM = False  # RMSNorm on each query/key head (Qwen 3)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, self.QK_NORM) for i in range(cfg.num_layers))
         self.norm = torch.nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:  # one table serves both, unless the loader packs the head as int4
@@ -135,6 +155,12 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.lm_head(hidden).float()
 
     # -- weights ----------------------------------------------------------------------------
+    @classmethod
+    def gguf_config(cls, f, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` (read from the GGUF metadata by `loader.gguf.read_model_config`) completed with
+        what this architecture's GGUF files leave implicit. Nothing, for Llama."""
+        return cfg
+
     def gguf_weight_map(self) -> dict[str, tuple[str, int | None]]:
         """GGUF tensor name -> (our parameter name, heads to un-permute for or None)."""
         cfg = self.config
@@ -156,6 +182,29 @@ class LlamaForCausalLM(torch.nn.Module):
             for g in ("gate", "up", "down"):
                 m[p + f"ffn_{g}.weight"] = (f"layers.{i}.mlp.{g}_proj.weight", None)
         return m
+
+    def hf_weight_map(self) -> dict[str, str]:
+        """Hugging Face tensor name -> our parameter name (the layouts agree: no permutation)."""
+        m = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm"}
+        if not self.config.tie_word_embeddings:
+            m["lm_head.weight"] = "lm_head.weight"
+        for name, _ in self.named_parameters():
+            if name.startswith("layers."):
+                m["model." + name + ("" if name.endswith((".weight", ".bias")) else ".weight")] = name
+        return m
+
+    def hf_transform(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """A Hugging Face tensor in our layout (unchanged for Llama)."""
+        return w
+
+    def load_hf(self, d) -> None:
+        """Copy the tensors of `HFModelDir` d into our parameters (dense, in our dtype). Raises
+        `ModelLoadError` naming a tensor that is missing or has the wrong shape."""
+        from nextoken.models.hf_weights import load_hf_weights
+
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        load_hf_weights(self, d, self.hf_weight_map(), self.hf_transform)
 
     def load_gguf(self, f, int4: bool = True, keep_dense: bool = False) -> None:
         """Copy every tensor of `GGUFFile` f into our parameters (de-quantized to our dtype).

@@ -43,6 +43,8 @@ class ExplainTracer:
         self.report["rope"] = self._rope(h.shape[0])
 
     def _rope(self, t: int) -> dict:
+        if not self.cfg.rope_dim:  # learned absolute positions (GPT-2)
+            return {"positions": [0, t - 1], "rope_dim": 0, "learned_position_embeddings": True}
         inv = inv_frequencies(self.cfg.rope_dim, self.cfg.rope_theta)
         pairs = [0, 1, len(inv) - 1]
         last = t - 1

@@ -1,0 +1,7 @@
+"""``python -m nextoken ...``: the same as the ``nextoken`` command."""
+
+import sys
+
+from nextoken.cli import main
+
+sys.exit(main())

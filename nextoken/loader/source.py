@@ -1,0 +1,46 @@
+"""Opening a model, whatever form it comes in: a GGUF file or a Hugging Face folder.
+
+    open_model(path) -> GGUFFile | HFModelDir   (`catalog.resolve_model` turns --model into a path)
+    load_tokenizer(source) -> Tokenizer
+    model_dtype(source, "auto") -> torch dtype
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nextoken.errors import ModelLoadError
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFModelDir, generation_eos_ids, is_hf_dir
+
+
+def open_model(path: str | os.PathLike) -> GGUFFile | HFModelDir:
+    """A `GGUFFile` for a file, an `HFModelDir` for a folder with config.json. Raises
+    `ModelLoadError` for a folder without config.json."""
+    if os.path.isdir(path):
+        if not is_hf_dir(path):
+            raise ModelLoadError(f"{path} is a folder without config.json; give a .gguf file or a Hugging Face "
+                                 "model folder (config.json, *.safetensors, tokenizer.json)")
+        return HFModelDir(path)
+    return GGUFFile(path)
+
+
+def load_tokenizer(source):
+    """The tokenizer of a `GGUFFile` (its metadata) or an `HFModelDir` (tokenizer.json)."""
+    from nextoken.tokenizer import Tokenizer
+
+    if isinstance(source, HFModelDir):
+        return Tokenizer.from_hf_dir(source.path, generation_eos_ids(source))
+    return Tokenizer.from_gguf(source)
+
+
+def model_dtype(source, name: str) -> torch.dtype:
+    """`name` as a dtype; ``"auto"``: bfloat16 for GGUF (our kernels), the folder's config dtype
+    for Hugging Face (float16 runs as bfloat16 here)."""
+    from nextoken.runner.model_runner import parse_dtype
+
+    if name != "auto":
+        return parse_dtype(name)
+    return source.config_dtype if isinstance(source, HFModelDir) else torch.bfloat16

@@ -1,0 +1,19 @@
+"""The Qwen3 architecture: Llama's layout with an RMSNorm over each query and key head before
+RoPE ("QK-norm"), no q/k/v biases, and an explicit ``head_dim``. Numbers match `transformers`'
+``Qwen3ForCausalLM`` in float32 (the tests compare them). GGUF files (``qwen3``) store the
+norms as ``blk.N.attn_q_norm`` / ``attn_k_norm`` and Q/K unpermuted (NeoX RoPE)."""
+
+from nextoken.models.llama import LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    GGUF_PERMUTED_QK = False
+    NATIVE_DECODE = False  # the C decode step has no QK-norm
+    QK_NORM = True
+
+    def gguf_weight_map(self):
+        m = super().gguf_weight_map()
+        for i in range(self.config.num_layers):
+            for g in ("q", "k"):
+                m[f"blk.{i}.attn_{g}_norm.weight"] = (f"layers.{i}.self_attn.{g}_norm", None)
+        return m

@@ -1,0 +1,225 @@
+"""Hugging Face model folders: for every architecture, a tiny random `transformers` model saved with
+`save_pretrained` (safetensors, tokenizer.json); our float32 logits equal transformers' for
+prefill and decode. Also sharded weights, dtype from the config, the tokenizer and chat template
+from the folder, hub ids from a huggingface_hub cache the test lays out, and the load errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nextoken import LLM, SamplingParams
+from nextoken.errors import ModelLoadError
+from nextoken.loader.hf import HFModelDir
+from nextoken.runner.model_runner import ModelRunner
+from tests.tiny_models import CHATML, VOCAB_SIZE, OneSequence, tiny_hf_model, tiny_vocab
+
+PROMPT = [5, 17, 200, 33, 41, 270, 90, 12, 7, 150, 3, 99, 64, 18]
+CONTINUATION = [44, 61, 2, 130, 8]
+
+
+def tiny_hf(arch: str):
+    """A random float32 transformers model of `arch` with 2 layers (6 for gemma3)."""
+    import transformers
+
+    if arch in ("llama", "qwen2", "gemma3"):
+        return tiny_hf_model(arch)
+    torch.manual_seed(1)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       max_position_embeddings=256, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "mistral":  # every layer slides over 8 keys, shorter than the prompt
+        cfg = transformers.MistralConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, sliding_window=8, tie_word_embeddings=False)
+        model = transformers.MistralForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # random norms and biases, so that every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_tokenizer(path) -> None:
+    """tokenizer.json (the tiny byte-level BPE) and tokenizer_config.json with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, types, merges = tiny_vocab()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                   "add_bos_token": False, "chat_template": CHATML}, f)
+
+
+def save_folder(model, path, **kw) -> str:
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    save_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt2"):
+        model = tiny_hf(arch)
+        out[arch] = (save_folder(model, d / arch), model)
+    return out
+
+
+def hf_stepwise(model, prompt, continuation):
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        full, logits, past = out.logits[0], [], out.past_key_values
+        for t in continuation:
+            out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            logits.append(out.logits[0, -1])
+            past = out.past_key_values
+    return full, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt2"])
+@pytest.mark.parametrize("reference", [False, True])
+def test_folder_logits_equal_transformers(folders, arch, reference):
+    path, hf = folders[arch]
+    runner = ModelRunner(HFModelDir(path), torch.float32, reference=reference)
+    assert runner.config.architecture == arch
+    full, steps = hf_stepwise(hf, PROMPT, CONTINUATION)
+    seq = OneSequence(runner, 64, block_size=4)
+    got = seq.forward(PROMPT, all_logits=True)
+    assert (got - full).abs().max() < 1e-4
+    for i, t in enumerate(CONTINUATION):
+        assert (seq.forward([t]) - steps[i]).abs().max() < 1e-4, f"decode step {i}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gpt2"])
+def test_folder_greedy_through_the_engine(folders, arch):
+    """Batched engine generation equals transformers' greedy generate."""
+    path, hf = folders[arch]
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=3)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:] * 2]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+
+
+def test_sharded_weights_load_like_one_file(folders, tmp_path):
+    path, hf = folders["qwen2"]
+    sharded = save_folder(hf, tmp_path / "sharded", max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    a = OneSequence(ModelRunner(HFModelDir(path), torch.float32), 32, 4).forward(PROMPT)
+    b = OneSequence(ModelRunner(HFModelDir(sharded), torch.float32), 32, 4).forward(PROMPT)
+    assert torch.equal(a, b)
+
+
+def test_dtype_comes_from_the_config(folders, tmp_path):
+    path, hf = folders["llama"]
+    assert LLM(path).runner.dtype == torch.float32
+    bf16 = save_folder(tiny_hf("llama").to(torch.bfloat16), tmp_path / "bf16")
+    assert LLM(bf16).runner.dtype == torch.bfloat16
+    assert LLM(bf16, dtype="float32").runner.dtype == torch.float32
+
+
+def test_tokenizer_and_chat_template_from_the_folder(folders):
+    from transformers import AutoTokenizer
+
+    path, _ = folders["llama"]
+    ours, theirs = LLM(path, dtype="float32").tokenizer, AutoTokenizer.from_pretrained(path)
+    for text in ["the cat sat on the mat", "<|im_start|>user\nhi<|im_end|>", "naïve café"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                          add_generation_prompt=True)
+    assert ours.eos_token_id == theirs.convert_tokens_to_ids("<|im_end|>") and ours.eos_token_id in ours.eog_token_ids
+
+
+# -- hub ids ---------------------------------------------------------------------------------
+
+def _hub_cache(root, repo_id: str, folder: str) -> None:
+    """huggingface_hub's cache layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def _run_cli(args, env):
+    return subprocess.run([sys.executable, "-m", "nextoken", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_hub_id_resolves_from_the_cache_offline(folders, tmp_path):
+    """`--model org/name` with HF_HUB_OFFLINE=1 finds the snapshot in the cache (a user's
+    `nextoken run`); an id that is not cached is a clear error, not a traceback."""
+    _hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", folders["llama"][0])
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    ok = _run_cli(["run", "--model", "tiny-org/tiny-llama", "--raw", "--max-tokens", "5", "--temperature", "0",
+                   "--ignore-eos", "the cat"], env)
+    assert ok.returncode == 0, ok.stderr
+    llm = LLM(folders["llama"][0], dtype="float32")
+    expected = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert ok.stdout.strip() == expected.outputs[0].text.strip()
+    missing = _run_cli(["run", "--model", "tiny-org/not-there", "--raw", "hi"], env)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "tiny-org/not-there" in missing.stderr and "cache" in missing.stderr
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def test_unknown_architecture_names_itself_and_the_supported(folders, tmp_path):
+    d = shutil.copytree(folders["llama"][0], tmp_path / "x")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="FalconForCausalLM.*supported: .*LlamaForCausalLM.*GPT2LMHeadModel"):
+        LLM(str(d))
+
+
+def test_missing_or_mismatched_tensor_is_named(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for case in ("missing", "shape"):
+        d = shutil.copytree(folders["qwen2"][0], tmp_path / case)
+        f = d / "model.safetensors"
+        sd = load_file(f)
+        name = "model.layers.1.mlp.up_proj.weight"
+        if case == "missing":
+            del sd[name]
+        else:
+            sd[name] = sd[name][:-1].contiguous()
+        save_file(sd, f, metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+            LLM(str(d), dtype="float32")
+
+
+def test_pickle_checkpoint_is_refused_with_the_reason(folders, tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(os.path.join(folders["llama"][0], "config.json"), d)
+    torch.save(folders["llama"][1].state_dict(), d / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin.*only safetensors and GGUF"):
+        LLM(str(d))
