@@ -223,3 +223,18 @@ def test_pickle_checkpoint_is_refused_with_the_reason(folders, tmp_path):
     torch.save(folders["llama"][1].state_dict(), d / "pytorch_model.bin")
     with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin.*only safetensors and GGUF"):
         LLM(str(d))
+
+
+def test_qwen3_gguf_equals_transformers(folders, tmp_path):
+    """Qwen3 written as GGUF (``attn_q_norm``/``attn_k_norm``, explicit key_length) loads too."""
+    from nextoken.loader.gguf import GGUFFile
+    from tests.tiny_models import write_gguf
+
+    _, hf = folders["qwen3"]
+    path = tmp_path / "qwen3.gguf"
+    write_gguf(hf, path, "qwen3")
+    full, steps = hf_stepwise(hf, PROMPT, CONTINUATION)
+    seq = OneSequence(ModelRunner(GGUFFile(path), torch.float32), 64, block_size=4)
+    assert (seq.forward(PROMPT, all_logits=True) - full).abs().max() < 1e-4
+    for i, t in enumerate(CONTINUATION):
+        assert (seq.forward([t]) - steps[i]).abs().max() < 1e-4

@@ -109,9 +109,10 @@ def write_gguf(model, path, arch: str, quant: dict[str, str] | None = None, cont
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
-    if arch == "gemma3":
+    if arch in ("gemma3", "qwen3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     tokens, types, merges = tiny_vocab()
@@ -148,13 +149,14 @@ def _gguf_tensors(model, arch: str):
     if not cfg.tie_word_embeddings:
         yield "output.weight", sd["lm_head.weight"]
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}  # the norms: Qwen3
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
         yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
         for hf, gg in names.items():
-            mod = "self_attn" if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            mod = "self_attn" if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")) else "mlp"
             for kind in ("weight", "bias"):
                 key = f"{p}{mod}.{hf}.{kind}"
                 if key not in sd:
