@@ -221,3 +221,24 @@ def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale:
     scores.masked_fill_(pad[None, :, None, :], float("-inf"))
     out = scores.softmax(-1).to(v.dtype) @ v  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(nd, num_heads, head_dim)
+
+
+def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, sliding: bool = False):
+    """One layer's attention step, whatever its kind: q ``[T, H, D]``, k, v ``[T, Hkv, D]`` ->
+    (output ``[T, H, D]``, per-sequence probabilities or None).
+
+    A full-attention layer writes k, v into the paged cache `kv` (`runner.kv_cache.PagedKVCache`)
+    and attends over each sequence's blocks; a `sliding` layer does both over the sequence's ring
+    (`sliding_attention`). The reference path (and tracing) use plain float32 attention and
+    return the probabilities."""
+    from nextoken.layers.sliding_attention import sliding_window_attention
+
+    reference = meta.reference or meta.keep_probs
+    if sliding:
+        i = kv.sliding.layer_index[layer]
+        return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference)
+    i = kv.layer_index[layer]
+    kv.write(i, meta.slot_mapping, k, v)
+    if reference:
+        return paged_attention_reference(q, kv.k[i], kv.v[i], meta, scale)
+    return paged_attention(q, kv.k[i], kv.v[i], meta, scale), None

@@ -25,13 +25,12 @@ import torch
 
 from nextoken.config import ModelConfig
 from nextoken.layers.activation import gelu_tanh_and_mul
-from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.linear import Linear
 from nextoken.layers.norm import rms_norm_gemma
-from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
-from nextoken.layers.sliding_attention import sliding_window_attention
-from nextoken.models.llama import LlamaForCausalLM
+from nextoken.layers.rotary import inv_frequencies, rope_cos_sin
+from nextoken.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from nextoken.runner.kv_cache import PagedKVCache
 
 GGUF_SLIDING_PATTERN = 6  # llama.cpp: every 6th layer is global (llama-model.cpp, LLM_ARCH_GEMMA3)
@@ -42,52 +41,15 @@ def _param(*shape, dtype):
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class Gemma3Attention(torch.nn.Module):
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with Gemma's QK-norm (float32 product) and scale
+    ``query_pre_attn_scalar ** -0.5``."""
+
+    QK_NORM = staticmethod(rms_norm_gemma)
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
-        super().__init__()
-        self.layer, self.eps = layer, cfg.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias, dtype)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias, dtype)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias, dtype)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype)
-        self.q_norm = _param(cfg.head_dim, dtype=dtype)
-        self.k_norm = _param(cfg.head_dim, dtype=dtype)
-        self.sliding = cfg.is_sliding(layer)
+        super().__init__(cfg, layer, dtype, qk_norm=True)
         self.scale = float(cfg.extra.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
-
-    def forward(self, x, rope, kv: PagedKVCache, meta: AttentionMetadata):
-        """x: ``[T, hidden]``; rope: {sliding?: (cos, sin)} -> (``[T, hidden]``, probabilities or None)."""
-        t = x.shape[0]
-        q = rms_norm_gemma(self.q_proj(x).view(t, self.num_heads, self.head_dim), self.q_norm, self.eps)
-        k = rms_norm_gemma(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = rope[self.sliding]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        reference = meta.reference or meta.keep_probs
-        if self.sliding:
-            i = kv.sliding.layer_index[self.layer]
-            out, probs = sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, self.scale, reference)
-        else:
-            i = kv.layer_index[self.layer]
-            kv.write(i, meta.slot_mapping, k, v)
-            if reference:
-                out, probs = paged_attention_reference(q, kv.k[i], kv.v[i], meta, self.scale)
-            else:
-                out, probs = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale), None
-        return self.o_proj(out.reshape(t, -1)), probs
-
-
-class Gemma3MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
-
-    def forward(self, x):
-        return self.down_proj(gelu_tanh_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Gemma3DecoderLayer(torch.nn.Module):
@@ -98,10 +60,11 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.input_layernorm, self.post_attention_layernorm = _param(d, dtype=dtype), _param(d, dtype=dtype)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = _param(d, dtype=dtype), _param(d, dtype=dtype)
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
-        self.mlp = Gemma3MLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
 
     def forward(self, h, rope, kv, meta):
-        attn, probs = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), rope, kv, meta)
+        cos, sin = rope[self.self_attn.sliding]
+        attn, probs = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
         h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps)
         ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps))
         h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nextoken.config import ModelConfig
-from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from nextoken.layers.attention import AttentionMetadata, attend
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.linear import Linear
 from nextoken.runner.kv_cache import PagedKVCache
@@ -54,13 +54,7 @@ class GPT2Block(torch.nn.Module):
         q, k, v = self.c_attn(layer_norm(h, self.ln_1_weight, self.ln_1_bias, self.eps)).split(
             self.num_heads * self.head_dim, dim=-1)
         q, k, v = (x.reshape(t, self.num_heads, self.head_dim) for x in (q, k, v))
-        i = kv.layer_index[self.layer]
-        kv.write(i, meta.slot_mapping, k, v)
-        probs = None
-        if meta.reference or meta.keep_probs:
-            out, probs = paged_attention_reference(q, kv.k[i], kv.v[i], meta, self.scale)
-        else:
-            out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+        out, probs = attend(q, k, v, kv, self.layer, meta, self.scale)
         h = h + self.attn_proj(out.reshape(t, -1))
         ffn = F.gelu(self.c_fc(layer_norm(h, self.ln_2_weight, self.ln_2_bias, self.eps)), approximate=self.gelu)
         return h + self.mlp_proj(ffn), probs

@@ -18,14 +18,13 @@ from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
 from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.embedding import Embedding
-from nextoken.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from nextoken.layers.attention import AttentionMetadata, attend
 from nextoken.layers.linear import Linear
 from nextoken.layers.native_decode import NativeDecoder
 from nextoken.kernels import enabled as native_enabled, load as load_kernel
 from nextoken.layers.quant_linear import empty_int4, int4_groups, int4_supported, pack_int4
 from nextoken.layers.qweight import QuantWeight, gguf_codes, qweight_supported
 from nextoken.layers.norm import rms_norm
-from nextoken.layers.sliding_attention import sliding_window_attention
 from nextoken.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin, unpermute_qk
 from nextoken.runner.kv_cache import PagedKVCache
 
@@ -37,6 +36,8 @@ class LlamaAttention(torch.nn.Module):
     """q/k/v projections, RoPE, attention over the paged cache (or, on a sliding-window layer,
     over the sequence's ring), output projection. With `qk_norm` (Qwen 3), an RMSNorm over each
     query and key head before RoPE."""
+
+    QK_NORM = staticmethod(rms_norm)
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, qk_norm: bool = False):
         super().__init__()
@@ -61,32 +62,24 @@ class LlamaAttention(torch.nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self.QK_NORM(q, self.q_norm, self.eps), self.QK_NORM(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        reference = meta.reference or meta.keep_probs
-        if self.sliding:
-            i = kv.sliding.layer_index[self.layer]
-            out, probs = sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, self.scale, reference)
-            return self.o_proj(out.reshape(t, -1)), probs
-        i = kv.layer_index[self.layer]
-        kv.write(i, meta.slot_mapping, k, v)
-        probs = None
-        if reference:
-            out, probs = paged_attention_reference(q, kv.k[i], kv.v[i], meta, self.scale)
-        else:
-            out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+        out, probs = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
         return self.o_proj(out.reshape(t, -1)), probs
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Gated feed-forward: ``down(act(gate(x), up(x)))``; `act` SwiGLU (Llama) or GeGLU (Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act=silu_and_mul):
         super().__init__()
+        self.act = act
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
