@@ -172,7 +172,8 @@ def read_hf_config(d: HFModelDir) -> ModelConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_dim=head_dim,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "gemma3")),
+        # unset: tied when the folder has no separate head
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", not d.has_tensor("lm_head.weight"))),
         attention_bias=bool(c.get("attention_bias", arch == "qwen2")),
         sliding_window=int(window) if window else None,
         layer_types=layer_types,

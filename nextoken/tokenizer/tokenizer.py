@@ -223,9 +223,10 @@ class Tokenizer:
         if not os.path.isfile(tj):
             raise ModelLoadError(f"{path}: no tokenizer.json (only the fast-tokenizer format is read; "
                                  "save the tokenizer with `save_pretrained` from a fast tokenizer)")
-        hf, literal = HFTokenizer.from_file(tj), HFTokenizer.from_file(tj)
-        # the model's own template and BOS rule apply, not the post-processor's
-        hf.no_padding(), hf.no_truncation()
+        hf = HFTokenizer.from_file(tj)
+        hf.no_padding()  # one prompt at a time, never cut: the engine checks lengths itself
+        hf.no_truncation()
+        literal = HFTokenizer.from_str(hf.to_str())
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         vocab = hf.get_vocab(with_added_tokens=True)
         tokens = [""] * (max(vocab.values()) + 1)
@@ -247,8 +248,12 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         bos = token_id("bos_token")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # unsaid: whatever tokenizer.json's post-processor does (Llama 3 adds BOS there)
+            with_special = hf.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and bool(with_special) and with_special[0] == bos
         return cls(hf, literal, tokens, special_ids, bos, token_id("eos_token"),
-                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template,
+                   add_bos=bool(add_bos), chat_template=template,
                    extra_eog_ids=generation_eos)
 
     # -- encode / decode --------------------------------------------------------------------
