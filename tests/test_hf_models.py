@@ -238,3 +238,20 @@ def test_qwen3_gguf_equals_transformers(folders, tmp_path):
     assert (seq.forward(PROMPT, all_logits=True) - full).abs().max() < 1e-4
     for i, t in enumerate(CONTINUATION):
         assert (seq.forward([t]) - steps[i]).abs().max() < 1e-4
+
+
+def test_bos_follows_the_post_processor_when_the_config_is_silent(folders, tmp_path):
+    """A tokenizer.json whose post-processor prepends BOS (as Llama 3's does) and a
+    tokenizer_config.json that says nothing: prompts start with BOS, as transformers encodes them."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    d = shutil.copytree(folders["llama"][0], tmp_path / "bos")
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["add_bos_token"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = LLM(str(d), dtype="float32").tokenizer
+    assert ours.encode("the cat") == AutoTokenizer.from_pretrained(str(d)).encode("the cat") and ours.encode("x")[0] == 1
