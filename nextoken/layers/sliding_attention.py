@@ -51,12 +51,9 @@ def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
         first_written = max(start, start + n - ring_blocks * block_size)  # older ones would collide
         write_rows.append(torch.arange(row + first_written - start, row + n))
         write_slots.append(slots(first_written, start + n))
-        if n == 1:  # a decode: its window, read after the writes
-            lo = max(0, start - window + 1)
-            key_slots.append(slots(lo, start + 1))
-        else:  # a prefill chunk: the keys before it, read before the writes
-            lo = max(0, start - window + 1)
-            key_slots.append(slots(lo, start))
+        lo = max(0, start - window + 1)
+        # a decode: its window, read after the writes; a prefill chunk: the keys before it, read before
+        key_slots.append(slots(lo, start + 1 if n == 1 else start))
         key_start.append(lo)
         row += n
     return SlidingMetadata(window, torch.cat(write_rows), torch.cat(write_slots), key_slots, key_start)

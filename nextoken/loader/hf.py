@@ -87,10 +87,6 @@ class HFModelDir:
         return self._handles[file]
 
     # -- the same questions a GGUFFile answers ----------------------------------------------
-    @property
-    def tensor_names(self) -> list[str]:
-        return list(self._where)
-
     def has_tensor(self, name: str) -> bool:
         return name in self._where
 

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from nextoken.config import ModelConfig
+from nextoken.layers import weight_param
 from nextoken.layers.activation import gelu_tanh_and_mul
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.embedding import Embedding
@@ -36,9 +37,6 @@ from nextoken.runner.kv_cache import PagedKVCache
 GGUF_SLIDING_PATTERN = 6  # llama.cpp: every 6th layer is global (llama-model.cpp, LLM_ARCH_GEMMA3)
 GGUF_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's `rope_freq_base_train_swa` for Gemma 3
 
-
-def _param(*shape, dtype):
-    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class Gemma3Attention(LlamaAttention):
@@ -57,8 +55,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         d = cfg.hidden_size
-        self.input_layernorm, self.post_attention_layernorm = _param(d, dtype=dtype), _param(d, dtype=dtype)
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = _param(d, dtype=dtype), _param(d, dtype=dtype)
+        self.input_layernorm, self.post_attention_layernorm = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
         self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
 
@@ -83,7 +81,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.config, self.dtype = cfg, dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = torch.nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.norm = weight_param(cfg.hidden_size, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nextoken.config import ModelConfig
+from nextoken.layers import weight_param
 from nextoken.layers.attention import AttentionMetadata, attend
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.linear import Linear
@@ -24,9 +25,6 @@ from nextoken.runner.kv_cache import PagedKVCache
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
-
-def _param(*shape, dtype):
-    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,10 +38,10 @@ class GPT2Block(torch.nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.layer, self.eps, self.num_heads, self.head_dim = layer, cfg.rms_norm_eps, cfg.num_heads, cfg.head_dim
-        self.ln_1_weight, self.ln_1_bias = _param(d, dtype=dtype), _param(d, dtype=dtype)
+        self.ln_1_weight, self.ln_1_bias = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.c_attn = Linear(d, 3 * d, True, dtype)  # q, k, v stacked
         self.attn_proj = Linear(d, d, True, dtype)
-        self.ln_2_weight, self.ln_2_bias = _param(d, dtype=dtype), _param(d, dtype=dtype)
+        self.ln_2_weight, self.ln_2_bias = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.c_fc = Linear(d, cfg.intermediate_size, True, dtype)
         self.mlp_proj = Linear(cfg.intermediate_size, d, True, dtype)
         self.scale = cfg.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
@@ -69,9 +67,9 @@ class GPT2LMHeadModel(torch.nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.position_embeddings = _param(cfg.context_length, cfg.hidden_size, dtype=dtype)
+        self.position_embeddings = weight_param(cfg.context_length, cfg.hidden_size, dtype=dtype)
         self.layers = torch.nn.ModuleList(GPT2Block(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.ln_f_weight, self.ln_f_bias = _param(cfg.hidden_size, dtype=dtype), _param(cfg.hidden_size, dtype=dtype)
+        self.ln_f_weight, self.ln_f_bias = weight_param(cfg.hidden_size, dtype=dtype), weight_param(cfg.hidden_size, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.lm_head.weight = self.embed_tokens.weight
         self.native_decoder = None
