@@ -24,8 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "CPUs; a Hugging Face folder's config dtype; float32 is the exact reference)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
     p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="also keep bf16 copies of quantized weights for calls of many rows (default off: about "
-                        "4x the weight memory, and not faster with nextoken's quantized kernel)")
+                   help="with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of quantized weights "
+                        "for calls of many rows (default off: about 4x the weight memory; nextoken's own "
+                        "quantized kernel never needs them)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="PyTorch only: none of nextoken's native C kernels (the reference path)")
     s = p.add_argument_group("speculative decoding")

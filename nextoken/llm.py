@@ -42,9 +42,9 @@ class LLM:
     default KV cache. num_threads: compute threads (default one per core the process may use);
     enforce_eager: PyTorch only, none of our native kernels (`nextoken.kernels`): the reference
     path (None: leave the process-wide setting, ``NEXTOKEN_ENFORCE_EAGER``, as it is).
-    dense_weights: besides the quantized weights, keep a bf16 copy for calls of many rows (about
-    4x the weight memory; default off: with our quantized kernel, batched serving measured 11%
-    faster without the copies, `benchmarks/throughput.py`).
+    dense_weights: on PyTorch's int4 path (``enforce_eager``), keep a bf16 copy of the
+    quantized weights for calls of many rows (about 4x the weight memory; default off). Our
+    quantized kernel serves every call itself and never keeps one.
     speculative_model (a draft model with the same vocabulary) or speculative_method="ngram"
     (prompt lookup) turn on speculative decoding with up to num_speculative_tokens drafted
     tokens per step (`nextoken.spec`).

@@ -10,7 +10,7 @@ import torch
 from nextoken.kernels import load
 from nextoken.layers.linear import Linear
 from nextoken.layers.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
-    quantize_activations
+    quantize_activations, quantize_activations_native
 from nextoken.loader.dequant import BLOCK_FORMATS, dequantize
 from tests.test_dequant import random_blocks
 
@@ -46,17 +46,37 @@ def test_activation_quantization():
     assert xq[0, 1] == -127 and xq[0, 0] == 50 and (xq[0, 32:] == 0).all()
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_activation_quantization_equals_reference(portable, dtype):
+    """The kernel's quantization (16 lanes at a time, or plain C) gives the reference's codes
+    and scales exactly, ties to even included (a block whose max is 127 puts x.5 at ties)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 320, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    x[1, :32] = torch.arange(32) - 15.5  # max 15.5: ties scaled by 127 / 15.5
+    x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # 1 / d = 1: exact ties
+    x[3, 32:64] = 0.0  # an all-zero block
+    x = x.to(dtype)
+    native = quantize_activations_native(x, portable=portable)
+    assert native is not None, "the C kernel did not build (is gcc installed?)"
+    xq, dx = quantize_activations(x)
+    assert torch.equal(native[1], dx)
+    assert torch.equal(native[0], xq)
+
+
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
 @pytest.mark.parametrize("portable", [False, True])
 def test_kernel_equals_reference_arithmetic(type_name, portable):
     """The C kernel (AVX-512 VNNI, or its plain C loops) computes the reference's exact integer
-    sums; only the float32 order of the per-group scaling differs. Rows 1, 4 (one full pass) and 7."""
+    sums; only the float32 order of the per-group scaling differs. 80 rows (five tiles: two
+    pairs and a tile alone) against 1, 4, 6 (one full pass), 7, 13 and 50 activation rows (more
+    than one block of 48)."""
     lib = load("qmatmul", portable)
     assert lib is not None, "the C kernel did not build (is gcc installed?)"
     assert lib.qmatmul_vectorized() == (0 if portable else int(cpu_has("avx512_vnni")))
-    w, qw = weight(type_name, 64, 256, seed=22)
-    bias = torch.randn(64)
-    for m in (1, 4, 7):
+    w, qw = weight(type_name, 80, 256, seed=22)
+    bias = torch.randn(80)
+    for m in (1, 4, 6, 7, 13, 50):
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
         ref = qmatmul_reference(x, qw, bias)
         assert rel(qmatmul(x, qw, bias, portable=portable), ref) < 1e-5
@@ -76,14 +96,17 @@ def test_dense_expansion_equals_reference(type_name, portable):
 
 
 def test_linear_paths_agree():
-    """Few rows (our kernel) and many rows (expanded weight, bf16 matmul) give the same rows."""
+    """The kernel (every row count, here across row blocks) and the path without it (the weight
+    expanded to bf16 for one matmul) give the same rows, both near the float32 product."""
     w, qw = weight("Q4_K", 96, 512, seed=24)
     lin = Linear(512, 96, False, torch.bfloat16)
     lin.set_qweight(qw)
     assert lin.weight is None
-    x = torch.randn(Linear.QMATMUL_MAX_TOKENS + 8, 512, generator=torch.Generator().manual_seed(5))
-    many = lin(x.to(torch.bfloat16)).float()
-    few = torch.cat([lin(x[i : i + 4].to(torch.bfloat16)).float() for i in range(0, len(x), 4)])
-    ref = x @ w.T
-    assert float((many - ref).norm() / ref.norm()) < 1e-2
-    assert float((few - ref).norm() / ref.norm()) < 2e-2
+    x = torch.randn(100, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    kernel = lin(x).float()
+    expanded = torch.nn.functional.linear(x, dequantize_bf16(qw)).float()
+    few = torch.cat([lin(x[i : i + 4]).float() for i in range(0, len(x), 4)])
+    ref = x.float() @ w.T
+    assert float((expanded - ref).norm() / ref.norm()) < 1e-2
+    assert float((kernel - ref).norm() / ref.norm()) < 2e-2
+    assert torch.equal(kernel, few)  # rows are independent of their neighbours

@@ -41,7 +41,8 @@
 #endif
 
 #define TILE 16
-#define MB 8 /* activation rows per pass over a tile */
+#define MB 6 /* activation rows per pass over the tiles */
+#define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
 
 
 /* ---- activations ------------------------------------------------------------------------ */
@@ -53,7 +54,7 @@ typedef struct {
     int64_t M, K;
 } qact_t;
 
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
+static void quantize_row_c(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
     for (int64_t b = 0; b < K / 32; b++) {
         float xb[32], amax = 0.f;
         for (int i = 0; i < 32; i++) {
@@ -76,6 +77,36 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
     }
 }
 
+#ifdef QM_VNNI
+static inline __m512 load16(const void *x, int x_bf16, int64_t k) {
+    if (x_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
+    return _mm512_loadu_ps((const float *)x + k);
+}
+
+/* quantize_row_c's arithmetic, 16 lanes at a time: the same d and 1 / d, and the conversion's
+ * default rounding (to nearest even) is rintf's */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.f;
+        const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        dx[b] = d;
+        xs32[b] = d * (float)(s0 + s1);
+        xs16[2 * b] = d * (float)s0;
+        xs16[2 * b + 1] = d * (float)s1;
+    }
+}
+#else
+#define quantize_row quantize_row_c
+#endif
+
 /* Quantize x [M, K] (bf16 or float32) into a (free it with qact_free). 0, or 1 when out of memory. */
 static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, qact_t *a) {
     void *mem = NULL;
@@ -96,7 +127,7 @@ static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, qact_t *a) 
 
 static void qact_free(qact_t *a) { free(a->dx); }
 
-/* ---- one tile of 16 rows against MB activation rows -------------------------------------- */
+/* ---- tiles of 16 rows against MB activation rows ----------------------------------------- */
 /* One quantized weight (see the top of this file). */
 typedef struct {
     const uint8_t *codes;
@@ -169,77 +200,119 @@ static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)));
 }
 
-/* always inlined with a constant mb (see run_tile), so the accumulators stay in registers */
-static inline __attribute__((always_inline)) void tile_mb(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
-                                                          const int64_t mb, __m512 *acc) {
-    const int64_t K = w->K, G = w->group, ng = K / G, nv = G / 4, gbytes = TILE * G * w->bits / 8;
-    const uint8_t *codes = w->codes + t * ng * gbytes;
-    const float *xs = G == 16 ? a->xs16 : a->xs32;
+/* Two vectors of codes of tile t, group g (cg: the group's bytes), and the columns they cover:
+ * pair p of nv / 2. 4 and 5 bits: vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
+ * 6 bits (G = 16): vectors p and 2 + p (columns 4p.., 8 + 4p..); 8 bits: vectors 2p and 2p + 1. */
+static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, const int64_t bits, const int p,
+                                                            __m512i *v0, __m512i *v1, int *c0, int *c1) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
-    for (int64_t i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *cg = codes + g * gbytes;
-        __m512i wv[8];
-        if (w->bits == 4) {
-            for (int j = 0; j < 4; j++) {
-                const __m512i p = _mm512_loadu_si512((const void *)(cg + 64 * j));
-                wv[j] = _mm512_and_si512(p, nib);
-                wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
-            }
-        } else if (w->bits == 5) {
+    if (bits == 4 || bits == 5) {
+        const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
+        *v0 = _mm512_and_si512(q, nib);
+        *v1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
+        if (bits == 5) { /* fifth bits: bit p of each byte for the low half, bit 4 + p for the high */
             const __m512i hb = _mm512_loadu_si512((const void *)(cg + 256)), m10 = _mm512_set1_epi8(0x10);
-            for (int j = 0; j < 4; j++) {
-                const __m512i p = _mm512_loadu_si512((const void *)(cg + 64 * j));
-                const __m512i hl = j == 0 ? _mm512_slli_epi16(hb, 4) : j == 1 ? _mm512_slli_epi16(hb, 3)
-                                 : j == 2 ? _mm512_slli_epi16(hb, 2) : _mm512_slli_epi16(hb, 1);
-                const __m512i hh = j == 0 ? hb : j == 1 ? _mm512_srli_epi16(hb, 1)
-                                 : j == 2 ? _mm512_srli_epi16(hb, 2) : _mm512_srli_epi16(hb, 3);
-                wv[j] = _mm512_or_si512(_mm512_and_si512(p, nib), _mm512_and_si512(hl, m10));
-                wv[4 + j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), nib), _mm512_and_si512(hh, m10));
-            }
-        } else if (w->bits == 6) {
-            const __m512i p0 = _mm512_loadu_si512((const void *)cg), p1 = _mm512_loadu_si512((const void *)(cg + 64));
-            const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
-            wv[0] = _mm512_or_si512(_mm512_and_si512(p0, nib), _mm512_and_si512(_mm512_slli_epi16(hp, 4), m30));
-            wv[1] = _mm512_or_si512(_mm512_and_si512(p1, nib), _mm512_and_si512(_mm512_slli_epi16(hp, 2), m30));
-            wv[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p0, 4), nib), _mm512_and_si512(hp, m30));
-            wv[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p1, 4), nib),
-                                    _mm512_and_si512(_mm512_srli_epi16(hp, 2), m30));
-        } else {
-            for (int j = 0; j < nv; j++) wv[j] = _mm512_loadu_si512((const void *)(cg + 64 * j));
+            const __m512i hl = p == 0 ? _mm512_slli_epi16(hb, 4) : p == 1 ? _mm512_slli_epi16(hb, 3)
+                             : p == 2 ? _mm512_slli_epi16(hb, 2) : _mm512_slli_epi16(hb, 1);
+            const __m512i hh = p == 0 ? hb : p == 1 ? _mm512_srli_epi16(hb, 1)
+                             : p == 2 ? _mm512_srli_epi16(hb, 2) : _mm512_srli_epi16(hb, 3);
+            *v0 = _mm512_or_si512(*v0, _mm512_and_si512(hl, m10));
+            *v1 = _mm512_or_si512(*v1, _mm512_and_si512(hh, m10));
         }
-        const __m512 sc = vgroup(w->scales, w->scale_sup, w->gps, t, ng, g);
-        const __m512 mn = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g) : _mm512_mul_ps(sc, negoff);
+        *c0 = 4 * p;
+        *c1 = 16 + 4 * p;
+    } else if (bits == 6) { /* low nibbles of vectors p, 2 + p in one 64-byte plane; high 2 bits in the third */
+        const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
+        const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
+        const __m512i h0 = p == 0 ? _mm512_slli_epi16(hp, 4) : _mm512_slli_epi16(hp, 2);
+        const __m512i h1 = p == 0 ? hp : _mm512_srli_epi16(hp, 2);
+        *v0 = _mm512_or_si512(_mm512_and_si512(q, nib), _mm512_and_si512(h0, m30));
+        *v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), nib), _mm512_and_si512(h1, m30));
+        *c0 = 4 * p;
+        *c1 = 8 + 4 * p;
+    } else {
+        *v0 = _mm512_loadu_si512((const void *)(cg + 128 * p));
+        *v1 = _mm512_loadu_si512((const void *)(cg + 128 * p + 64));
+        *c0 = 8 * p;
+        *c1 = 8 * p + 4;
+    }
+}
+
+/* nt (1 or 2) tiles from t against mb activation rows from m0: acc[nt * i + s] holds the 16 rows
+ * of tile t + s for activation row m0 + i. Each group's integer sums stay in registers (nt * mb
+ * accumulators), the weight vectors are unpacked two at a time and each used mb times, and each
+ * activation broadcast serves nt tiles. Always inlined with constant nt and mb (see run_tiles),
+ * with constant bits, so everything stays in registers: nt * mb <= 12. */
+static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_t t, const int64_t nt,
+                                                           const int64_t bits, const qact_t *a, int64_t m0,
+                                                           const int64_t mb, __m512 *acc) {
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, npairs = G / 8;
+    const float *xs = G == 16 ? a->xs16 : a->xs32;
+    const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
+    for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i s[2 * MB];
+        for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
+        for (int p = 0; p < npairs; p++) {
+            __m512i v[2][2];
+            int c0 = 0, c1 = 0;
+            for (int64_t u = 0; u < nt; u++)
+                code_pair(w->codes + ((t + u) * ng + g) * gbytes, bits, p, &v[u][0], &v[u][1], &c0, &c1);
+            for (int64_t i = 0; i < mb; i++) {
+                const int8_t *xr = a->q + (m0 + i) * K + g * G;
+                const __m512i x0 = bcast4(xr + c0), x1 = bcast4(xr + c1);
+                for (int64_t u = 0; u < nt; u++) {
+                    s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][0], x0);
+                    s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][1], x1);
+                }
+            }
+        }
+        __m512 sc[2], mn[2];
+        for (int64_t u = 0; u < nt; u++) {
+            sc[u] = vgroup(w->scales, w->scale_sup, w->gps, t + u, ng, g);
+            mn[u] = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t + u, ng, g) : _mm512_mul_ps(sc[u], negoff);
+        }
         for (int64_t i = 0; i < mb; i++) {
-            const int8_t *xr = a->q + (m0 + i) * K + g * G;
-            __m512i s0 = _mm512_setzero_si512();
-            for (int j = 0; j < nv; j++) s0 = _mm512_dpbusd_epi32(s0, wv[j], bcast4(xr + 4 * j));
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s0),
-                                           _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]));
-            acc[i] = _mm512_fmadd_ps(f, sc, acc[i]);
-            acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(m0 + i) * ng + g]), acc[i]);
+            const __m512 dx = _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]);
+            const __m512 xsum = _mm512_set1_ps(xs[(m0 + i) * ng + g]);
+            for (int64_t u = 0; u < nt; u++) {
+                __m512 *o = &acc[nt * i + u];
+                *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[nt * i + u]), _mm512_mul_ps(sc[u], dx), *o);
+                *o = _mm512_fmadd_ps(mn[u], xsum, *o);
+            }
         }
     }
 }
 
-static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
-    const int64_t n0 = t * TILE;
-    const __m512 bv = w->bias ? _mm512_loadu_ps(w->bias + n0) : _mm512_setzero_ps();
-    for (int64_t m0 = 0; m0 < a->M; m0 += MB) {
-        const int64_t mb = a->M - m0 < MB ? a->M - m0 : MB;
-        __m512 acc[MB];
-        switch (mb) { /* one specialised copy per row count */
-        case 1: tile_mb(w, t, a, m0, 1, acc); break;
-        case 2: tile_mb(w, t, a, m0, 2, acc); break;
-        case 3: tile_mb(w, t, a, m0, 3, acc); break;
-        case 4: tile_mb(w, t, a, m0, 4, acc); break;
-        case 5: tile_mb(w, t, a, m0, 5, acc); break;
-        case 6: tile_mb(w, t, a, m0, 6, acc); break;
-        case 7: tile_mb(w, t, a, m0, 7, acc); break;
-        default: tile_mb(w, t, a, m0, 8, acc); break;
+#define TILES_MB(NT, BITS)                                           \
+    switch (mb) {                                                    \
+    case 1: tiles_mb(w, t, NT, BITS, a, m0, 1, acc); break;          \
+    case 2: tiles_mb(w, t, NT, BITS, a, m0, 2, acc); break;          \
+    case 3: tiles_mb(w, t, NT, BITS, a, m0, 3, acc); break;          \
+    case 4: tiles_mb(w, t, NT, BITS, a, m0, 4, acc); break;          \
+    case 5: tiles_mb(w, t, NT, BITS, a, m0, 5, acc); break;          \
+    default: tiles_mb(w, t, NT, BITS, a, m0, 6, acc); break;         \
+    }
+#define TILES_BITS(NT)                                               \
+    switch (w->bits) {                                               \
+    case 4: TILES_MB(NT, 4) break;                                   \
+    case 5: TILES_MB(NT, 5) break;                                   \
+    case 6: TILES_MB(NT, 6) break;                                   \
+    default: TILES_MB(NT, 8) break;                                  \
+    }
+
+/* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, MB rows per pass. */
+static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
+                      void *y, int y_bf16, int64_t ldy) {
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
+        const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
+        __m512 acc[2 * MB];
+        if (nt == 2) { TILES_BITS(2) } else { TILES_BITS(1) }
+        for (int64_t u = 0; u < nt; u++) {
+            const int64_t n0 = (t + u) * TILE;
+            const __m512 bv = w->bias ? _mm512_loadu_ps(w->bias + n0) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < mb; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, _mm512_add_ps(acc[nt * i + u], bv));
         }
-        for (int64_t i = 0; i < mb; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, _mm512_add_ps(acc[i], bv));
     }
 }
 #else
@@ -274,8 +347,19 @@ static int qw_ok(const qw_t *w) {
 
 /* y = x W^T + bias with x already quantized (so several weights can share one quantization). */
 static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
+#ifdef QM_VNNI
+    /* Pairs of tiles (an odd last tile alone), split over the threads, for each block of
+     * MBLOCK activation rows in turn: a block's rows stay in L2 while every tile passes. */
+    const int64_t tiles = w->N / TILE;
+    for (int64_t m = 0; m < a->M; m += MBLOCK) {
+        const int64_t m_end = a->M - m < MBLOCK ? a->M : m + MBLOCK;
+        #pragma omp parallel for schedule(static) if (w->N * w->K * a->M >= 65536)
+        for (int64_t t = 0; t < tiles; t += 2) run_tiles(w, t, tiles - t >= 2 ? 2 : 1, a, m, m_end, y, y_bf16, ldy);
+    }
+#else
     #pragma omp parallel for schedule(static) if (w->N * w->K * a->M >= 65536)
     for (int64_t t = 0; t < w->N / TILE; t++) run_tile(w, t, a, y, y_bf16, ldy);
+#endif
 }
 
 /* y [M, N] (row stride ldy; bf16 or float32) = x [M, K] (bf16 or float32) W^T + bias.
@@ -285,6 +369,18 @@ int qmatmul(const void *x, int x_bf16, int64_t M, const qw_t *w, void *y, int y_
     qact_t a;
     if (quantize(x, x_bf16, M, w->K, &a)) return 1;
     qmatmul_q(&a, w, y, y_bf16, ldy);
+    qact_free(&a);
+    return 0;
+}
+
+/* The activation quantization alone (for the tests): q [M, K] int8 and dx [M, K/32] float32.
+ * Returns 0, 1 when out of memory, 2 when K is not a multiple of 32. */
+int qmatmul_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *q, float *dx) {
+    if (K % 32) return 2;
+    qact_t a;
+    if (quantize(x, x_bf16, M, K, &a)) return 1;
+    memcpy(q, a.q, (size_t)(M * K));
+    memcpy(dx, a.dx, sizeof(float) * (size_t)(M * (K / 32)));
     qact_free(&a);
     return 0;
 }

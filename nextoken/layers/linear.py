@@ -21,14 +21,14 @@ class Linear(torch.nn.Module):
     --enforce-eager, or without a C compiler). Calls of few rows run the int4 kernel; larger
     calls expand the weight to bf16 for that call only (`quant_linear.int4_unpack`).
 
-    After `set_qweight` (the default) the weight lives as GGUF codes (`qweight.QuantWeight`) for
-    our C kernel, which serves up to `QMATMUL_MAX_TOKENS` rows; larger calls expand it to bf16.
+    After `set_qweight` (the default) the weight lives as GGUF codes (`qweight.QuantWeight`) and
+    our C kernel serves every call, prefill chunks included: with two tiles per pass it beats
+    expanding the weight to bf16 for one matmul at every row count measured (1 to 512 rows,
+    `benchmarks/qmatmul.py`). The expansion stays as the path for a kernel that is unavailable.
     """
 
     INT4_MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
     INT4_MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
-    QMATMUL_MAX_TOKENS = 64  # our kernel up to this many rows (crossover with expand + bf16 matmul)
-    QMATMUL_MAX_TOKENS_WITH_DENSE = 24
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -42,13 +42,12 @@ class Linear(torch.nn.Module):
         self.bias_f32: torch.Tensor | None = None
         self.int4_only = False  # always the quantized kernel, never expanded (the LM head: few rows)
 
-    def set_qweight(self, qweight: QuantWeight, keep_dense: bool = False) -> None:
-        """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel for
-        calls of up to `QMATMUL_MAX_TOKENS` rows; with `keep_dense` the dense weight too."""
+    def set_qweight(self, qweight: QuantWeight) -> None:
+        """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel;
+        the dense weight is released."""
         self.qweight = qweight
         self._qweight_c = None
-        if not keep_dense:
-            self.weight = None
+        self.weight = None
 
     def qweight_c(self):
         """The kernel's view of the codes with this layer's bias (float32), built once."""
@@ -68,14 +67,11 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            limit = self.QMATMUL_MAX_TOKENS if self.weight is None else self.QMATMUL_MAX_TOKENS_WITH_DENSE
-            if x.shape[0] <= limit or (self.int4_only and self.weight is None):
-                y = qmatmul(x, self.qweight, c=self.qweight_c())
-                if y is not None:
-                    return y
-            if self.weight is None:  # expanded into a scratch buffer, used at once
-                return F.linear(x, dequantize_bf16(self.qweight, scratch=True).to(self.dtype), self.bias)
-            return F.linear(x, self.weight, self.bias)
+            y = qmatmul(x, self.qweight, c=self.qweight_c())
+            if y is not None:
+                return y
+            # no kernel: expanded into a scratch buffer, used at once
+            return F.linear(x, dequantize_bf16(self.qweight, scratch=True).to(self.dtype), self.bias)
         if self.int4 is None:
             return F.linear(x, self.weight, self.bias)
         limit = self.INT4_MAX_TOKENS if self.weight is None else self.INT4_MAX_TOKENS_WITH_DENSE

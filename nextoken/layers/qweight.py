@@ -276,6 +276,24 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.view(m, k), dx
 
 
+def quantize_activations_native(x: torch.Tensor, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_activations` as the C kernel computes it (for the tests that hold the two
+    equal): ``x [M, K]`` float32 or bf16 -> (xq int32, dx float32), or None without the kernel."""
+    lib = load("qmatmul", portable)
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // QK, dtype=torch.float32)
+    rc = lib.qmatmul_quantize(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
+                              ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_void_p(q.data_ptr()),
+                              ctypes.c_void_p(dx.data_ptr()))
+    if rc != 0:
+        raise ValueError(f"qmatmul_quantize: {'out of memory' if rc == 1 else f'{k} columns is not a multiple of 32'}")
+    return q.to(torch.int32), dx
+
+
 def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch: ``x [M, K] -> float32 [M, N]``, with x quantized to
     int8 as in `quantize_activations` and exact integer dot products per group."""

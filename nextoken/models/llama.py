@@ -207,8 +207,9 @@ class LlamaForCausalLM(torch.nn.Module):
         a tied head sharing the table's codes) when it builds and native kernels are on; else
         (--enforce-eager) Q4_0/Q4_1/Q4_K/Q8_0 linears packed for PyTorch's int4 kernel
         (`layers.quant_linear`) and a Q8_0 embedding as int8. Nothing else keeps a de-quantized
-        copy, unless `keep_dense` asks for a bf16 copy of every linear weight too (faster for
-        batches of many sequences, at several times the memory). Raises `ModelLoadError` naming
+        copy, unless `keep_dense` asks for a bf16 copy of every int4 linear weight too (faster
+        for batches of many sequences on PyTorch's path, at several times the memory; codes
+        never need one). Raises `ModelLoadError` naming
         a tensor that is missing or has the wrong shape.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -229,8 +230,7 @@ class LlamaForCausalLM(torch.nn.Module):
             module = self.get_submodule(ours.rsplit(".", 1)[0]) if "." in ours else None
             if codes and ours == "lm_head.weight" and self.embed_tokens.qweight is not None and \
                     gguf_name == "token_embd.weight":  # tied: the head reads the embedding's codes
-                self.lm_head.set_qweight(self.embed_tokens.qweight, keep_dense=False)
-                self.lm_head.int4_only = True
+                self.lm_head.set_qweight(self.embed_tokens.qweight)
                 continue
             if codes and isinstance(module, (Linear, Embedding)) and ours.endswith(".weight") and \
                     qweight_supported(kind, *target.shape):
@@ -238,10 +238,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 if isinstance(module, Embedding):
                     module.set_qweight(qw)
                     continue
-                module.set_qweight(qw, keep_dense)
-                module.int4_only = module is self.lm_head
-                if not keep_dense:
-                    continue
+                module.set_qweight(qw)  # the kernel serves every call: no dense copy
+                continue
             elif int4 and isinstance(module, Linear) and ours.endswith(".weight") and \
                     int4_supported(kind, *target.shape, self.dtype):
                 self._load_int4(f, gguf_name, module, heads, keep_dense)
