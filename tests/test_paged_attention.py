@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.attention import AttentionMetadata, naive_attention, paged_attention, paged_attention_reference
+from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, naive_attention, paged_attention, \
+    paged_attention_reference, prefill_attention
 
 H, HKV, D, BS, NB = 4, 2, 16, 4, 1000
 
@@ -45,6 +46,7 @@ SPECS = [
     [(9, 1)],  # one decode
     [(3, 1), (17, 1), (0, 1), (0, 9), (6, 5)],  # decodes of several lengths, a prompt, a chunk after cache
     [(31, 1), (1, 1), (8, 12), (0, 2)],
+    [(2, 1), (0, 300), (150, 200)],  # prefill chunks of several blocks of prefill_attention
 ]
 
 
@@ -96,8 +98,26 @@ def test_reference_equals_attention_over_contiguous_keys(specs):
             assert probs[i][:, j, start + j + 1 :].abs().sum() == 0
 
 
-@pytest.mark.parametrize("specs", [SPECS[0], SPECS[2], SPECS[3]])
+@pytest.mark.parametrize("specs", [SPECS[0], SPECS[2], SPECS[3], SPECS[5]])
 def test_bfloat16_fast_path_close_to_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs, seed=2, dtype=torch.bfloat16)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert (paged_attention(q, kc, vc, meta, 0.25).float() - ref.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (12, 2)])
+@pytest.mark.parametrize("cached,new", [(0, 1), (0, PREFILL_BLOCK - 1), (0, PREFILL_BLOCK), (0, PREFILL_BLOCK + 1),
+                                        (37, 300), (500, 3)])
+def test_prefill_attention_equals_naive(heads, kv_heads, cached, new):
+    """The blocked prefill attention (GQA groups stacked, masked half skipped) against the
+    float32 reference: float32 to 1e-5; bf16 within bf16's rounding of the probabilities."""
+    g = torch.Generator().manual_seed(cached + new + heads)
+    total = cached + new
+    q = torch.randn(new, heads, 32, generator=g)
+    k, v = torch.randn(kv_heads, total, 32, generator=g), torch.randn(kv_heads, total, 32, generator=g)
+    expected, _ = naive_attention(q, k, v, 0.3)
+    assert torch.allclose(prefill_attention(q, k, v, 0.3), expected, atol=1e-5)
+    bf = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
+    ref_bf, _ = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
+    assert bf.dtype == torch.bfloat16
+    assert (bf.float() - ref_bf.float()).abs().max() < 0.03

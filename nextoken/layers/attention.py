@@ -8,8 +8,8 @@ single-token decodes and prefill chunks, flattened into ``[num_tokens, ...]`` an
 Two backends compute the same function, and the tests hold them equal:
 - `paged_attention_reference`: gather each sequence's blocks, naive masked attention in
   float32; also returns the probabilities (for `nextoken explain`).
-- `paged_attention`: decodes batched as grouped matmuls over padded gathered keys; prefill
-  chunks one fused ``scaled_dot_product_attention`` call each.
+- `paged_attention`: decodes batched as grouped matmuls over padded gathered keys (or our C
+  kernel); prefill chunks through `prefill_attention`, blocked causal matmuls.
 """
 
 from __future__ import annotations
@@ -112,16 +112,44 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         seq_len = meta.seq_lens[i]
         k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size)  # [Hkv, S, D]
         v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size)
-        # 4-D [1, heads, tokens, D]: PyTorch's fused CPU kernel (3-D inputs fall back to the
-        # unfused math path, 3.6x slower at 512 tokens)
-        qh = q[a:b].transpose(0, 1)[None]  # [1, H, T, D]
-        if b - a == seq_len:  # the whole sequence is new: plain causal
-            o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=causal_mask(b - a, seq_len),
-                                               scale=scale, enable_gqa=True)
-        out[a:b] = o[0].transpose(0, 1)
+        out[a:b] = prefill_attention(q[a:b], k, v, scale)
     return out
+
+
+PREFILL_BLOCK = 128  # query rows per block of `prefill_attention`
+
+
+def prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of one prefill chunk: q ``[T, H, D]`` (positions ``S - T .. S - 1``)
+    against k, v ``[Hkv, S, D]``; returns ``[T, H, D]``.
+
+    Blocks of `PREFILL_BLOCK` queries, each against only the keys up to its last position (so
+    the masked half of the causal square is skipped, not computed), and only the block's own
+    diagonal square is masked. A KV head's `group` query heads are stacked as one
+    ``[group * rows, D]`` matrix, so GQA needs no copy of the keys. The scores ``(scale q) k^T``
+    are a float32 batched matmul (as fused kernels keep them: bf16 scores would round logits
+    of 10 by 0.02), softmaxed in float32; the probabilities are rounded to v's dtype for
+    ``p v``, a batched matmul on the matrix units in bf16. Measured on Qwen2.5-1.5B's shapes
+    (12 query heads, 2 KV heads, 128 dims, 512 tokens, bf16): 8.6 ms against 12-17 ms for
+    PyTorch's fused ``scaled_dot_product_attention`` with ``enable_gqa``. `naive_attention`
+    is the reference.
+    """
+    t, h, d = q.shape
+    hkv, s, _ = k.shape
+    group = h // hkv
+    start = s - t
+    qg = (q.float() * scale).view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, group, T, D]
+    kf = k.float()
+    out = torch.empty(hkv, group, t, d, dtype=q.dtype)
+    for r0 in range(0, t, PREFILL_BLOCK):
+        r1 = min(t, r0 + PREFILL_BLOCK)
+        n, keys = r1 - r0, start + r1  # the block's last query sees keys 0 .. keys - 1
+        rows = qg[:, :, r0:r1].reshape(hkv, group * n, d)
+        scores = torch.bmm(rows, kf[:, :keys].transpose(1, 2)).view(hkv, group, n, keys)
+        scores[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))  # the diagonal square
+        probs = scores.softmax(-1).to(v.dtype).view(hkv, group * n, keys)
+        out[:, :, r0:r1] = torch.bmm(probs, v[:, :keys]).view(hkv, group, n, d)
+    return out.permute(2, 0, 1, 3).reshape(t, h, d)
 
 
 DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk pads little
