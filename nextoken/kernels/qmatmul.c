@@ -35,6 +35,7 @@
  * A portable C loop computes the same sums where VNNI is missing. Requires N % 16 == 0 and
  * K % 32 == 0.
  */
+#define _POSIX_C_SOURCE 200112L /* posix_memalign under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,7 +61,34 @@ typedef struct {
     int64_t M, K;
 } qact_t;
 
-static void quantize_row_c(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
+#ifdef QM_VNNI
+static inline __m512 load16(const void *x, int x_bf16, int64_t k) {
+    if (x_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
+    return _mm512_loadu_ps((const float *)x + k);
+}
+
+/* the plain loop's arithmetic (below), 16 lanes at a time: the same d and 1 / d, and the conversion's
+ * default rounding (to nearest even) is rintf's */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.f;
+        const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        dx[b] = d;
+        xs32[b] = d * (float)(s0 + s1);
+        xs16[2 * b] = d * (float)s0;
+        xs16[2 * b + 1] = d * (float)s1;
+    }
+}
+#else
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
     for (int64_t b = 0; b < K / 32; b++) {
         float xb[32], amax = 0.f;
         for (int i = 0; i < 32; i++) {
@@ -82,35 +110,6 @@ static void quantize_row_c(const void *x, int x_bf16, int64_t K, int8_t *q, floa
         xs16[2 * b + 1] = d * (float)s[1];
     }
 }
-
-#ifdef QM_VNNI
-static inline __m512 load16(const void *x, int x_bf16, int64_t k) {
-    if (x_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
-    return _mm512_loadu_ps((const float *)x + k);
-}
-
-/* quantize_row_c's arithmetic, 16 lanes at a time: the same d and 1 / d, and the conversion's
- * default rounding (to nearest even) is rintf's */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float d = amax / 127.f;
-        const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
-        const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        dx[b] = d;
-        xs32[b] = d * (float)(s0 + s1);
-        xs16[2 * b] = d * (float)s0;
-        xs16[2 * b + 1] = d * (float)s1;
-    }
-}
-#else
-#define quantize_row quantize_row_c
 #endif
 
 /* Quantize x [M, K] (bf16 or float32) into a (free it with qact_free). 0, or 1 when out of memory. */
