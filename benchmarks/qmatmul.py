@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nextoken.layers.qweight import PlainCodes, QuantWeight, dequantize_bf16, qmatmul
+from nextoken.layers.quantization.qweight import PlainCodes, QuantWeight, dequantize_bf16, qmatmul
 
 SHAPES = [  # (name, rows N, cols K, format)
     ("smollm2 q/o", 576, 576, "Q4_1"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 from nextoken import LLM, SamplingParams
 

@@ -11,38 +11,19 @@ import resource
 import sys
 import time
 
-from nextoken.catalog import DEFAULT_MODEL
-from nextoken.errors import InvalidRequest, NextokenError
+from nextoken.errors import NextokenError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"catalog name (see `nextoken models`), path to a .gguf file or a Hugging Face model folder, "
-                        f"or a hub id org/name from the huggingface_hub cache (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="weights and activations dtype (default auto: bfloat16 for GGUF, fast on AVX-512 BF16 and AMX "
-                        "CPUs; a Hugging Face folder's config dtype; float32 is the exact reference)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: one per core)")
-    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of quantized weights "
-                        "for calls of many rows (default off: about 4x the weight memory; nextoken's own "
-                        "quantized kernel never needs them)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="PyTorch only: none of nextoken's native C kernels (the reference path)")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-model", default=None,
-                   help="draft model (catalog name or .gguf) with the target's vocabulary: proposes tokens the "
-                        "target verifies in one pass")
-    s.add_argument("--speculative-method", choices=["draft", "ngram"], default=None,
-                   help="draft (needs --speculative-model) or ngram (prompt lookup, no second model)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
-    g = p.add_argument_group("KV cache")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="bytes for the paged KV cache, e.g. 512MiB or 2GiB (default: one full context)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens per sequence, prompt + output (default: the model's context length)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning", **defaults) -> None:
+    """The engine's flags (`EngineArgs`: one definition for every command) and --log-level."""
+    from nextoken.engine_args import EngineArgs
+
+    EngineArgs.add_cli_args(p, **defaults)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=log_level,
+                   help=f"log messages from this level up; info shows the execution plan (default {log_level})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
@@ -74,34 +55,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
+    single_user = {"max_num_seqs": 1}  # one conversation: a KV cache for one full context by default
+
     p = sub.add_parser("run", help="answer one prompt, streaming the text")
     p.add_argument("prompt")
-    _add_model_args(p)
+    _add_engine_args(p, **single_user)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
     p.add_argument("--stats", action="store_true", help="print TTFT, prefill and decode speed, peak memory")
 
     p = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /exit)")
-    _add_model_args(p)
+    _add_engine_args(p, **single_user)
     p.add_argument("--system", default=None, help="system message")
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
 
     p = sub.add_parser("explain", help="walk one prompt through the pipeline and print every stage")
     p.add_argument("prompt")
-    _add_model_args(p)
+    _add_engine_args(p, **single_user)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.0, max_tokens=8)
     p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_args(p)
+    _add_engine_args(p, log_level="info")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set NEXTOKEN_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
@@ -115,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the catalog and what is cached")
 
     p = sub.add_parser("bench", help="prefill, decode, batched throughput and peak memory (optionally vs llama.cpp)")
-    from nextoken.bench import add_arguments
+    from nextoken.bench import BENCH_ENGINE_DEFAULTS, BENCH_EXCLUDED, add_arguments
 
+    _add_engine_args(p, exclude=BENCH_EXCLUDED, **BENCH_ENGINE_DEFAULTS)
     add_arguments(p)
     return parser
 
@@ -138,23 +120,18 @@ def _params(a):
     )
 
 
+def engine_args(a):
+    """The `EngineArgs` of a command's parsed arguments."""
+    from nextoken.engine_args import EngineArgs
+
+    return EngineArgs.from_cli_args(a)
+
+
 def _load(a):
-    """The model for a single-user command: by default a KV cache for one full context."""
-    from nextoken.engine.engine import parse_size
+    """The model for a single-user command (`run`, `chat`, `explain`)."""
     from nextoken.llm import LLM
 
-    if a.block_size < 1:
-        raise InvalidRequest(f"--block-size must be >= 1, got {a.block_size}", "block_size")
-    memory = parse_size(a.kv_cache_memory) if a.kv_cache_memory else None
-    return LLM(a.model, dtype=a.dtype, num_threads=a.threads, max_num_seqs=1, kv_cache_memory=memory,
-               block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching, max_model_len=a.max_model_len,
-               enforce_eager=a.enforce_eager or None, dense_weights=a.dense_weights, **speculative_kwargs(a))
-
-
-def speculative_kwargs(a) -> dict:
-    """The LLM arguments of the speculative-decoding options."""
-    return {"speculative_model": a.speculative_model, "speculative_method": a.speculative_method,
-            "num_speculative_tokens": a.num_speculative_tokens}
+    return LLM.from_engine_args(engine_args(a))
 
 
 def _peak_rss_mib() -> float:
@@ -288,16 +265,22 @@ def cmd_models(a) -> int:
 def cmd_bench(a) -> int:
     from nextoken.bench import run
 
-    if a.model is None:
-        a.model = DEFAULT_MODEL
-    return run(a)
+    return run(a, engine_args(a))
 
 
 COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
+def _configure_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "log_level"):
+        _configure_logging(args.log_level)
     try:
         return COMMANDS[args.command](args)
     except NextokenError as e:

@@ -23,7 +23,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     context_length: int
-    rms_norm_eps: float
+    norm_eps: float  # epsilon of the model's normalization (RMSNorm, or LayerNorm for GPT-2)
     rope_theta: float
     rope_dim: int
     tie_word_embeddings: bool
@@ -54,7 +54,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of paged KV cache one token takes over the full-attention layers (keys and
-        values); sliding-window layers keep only their window (`runner.kv_cache.SlidingKVCache`)."""
+        values); sliding-window layers keep only their window (`kv_cache.tensors.SlidingKVCache`)."""
         return 2 * len(self.full_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def sliding_kv_bytes_per_token(self, dtype_bytes: int) -> int:

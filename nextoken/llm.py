@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from nextoken.beam import BeamSearchOutput, beam_search
-from nextoken.catalog import DEFAULT_MODEL, resolve_model
-from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from nextoken.catalog import DEFAULT_MODEL
 from nextoken.engine.engine import LLMEngine
+from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
-from nextoken.loader.source import model_dtype, open_model
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import validate_messages
@@ -29,59 +28,38 @@ Prompt = str | list[int]
 class LLM:
     """A model loaded for generation.
 
-    model: a catalog name (pulled on first use when `auto_pull`), a path to a ``.gguf`` file or
-    to a Hugging Face model folder, or a hub id ``org/name`` (found in the `huggingface_hub` cache).
-    dtype: ``"auto"`` (default: bfloat16 for GGUF, the config's dtype for a folder),
-    ``"bfloat16"`` (fast on CPUs with AMX/AVX512-BF16) or ``"float32"`` (the exact reference,
-    equal to `transformers` within 1e-4).
-    kv_cache_memory: bytes for the paged KV cache (default: a quarter of free memory, at most
-    4 GiB); block_size: tokens per KV block; enable_prefix_caching: reuse the KV of shared
-    prompt prefixes; max_num_seqs / max_num_batched_tokens: per-step limits;
-    enable_chunked_prefill: split long prompts over steps; max_model_len: most tokens per
-    sequence (prompt + output; default the model's context length), which also bounds the
-    default KV cache. num_threads: compute threads (default one per core the process may use);
-    enforce_eager: PyTorch only, none of our native kernels (`nextoken.kernels`): the reference
-    path (None: leave the process-wide setting, ``NEXTOKEN_ENFORCE_EAGER``, as it is).
-    dense_weights: on PyTorch's int4 path (``enforce_eager``), keep a bf16 copy of the
-    quantized weights for calls of many rows (about 4x the weight memory; default off). Our
-    quantized kernel serves every call itself and never keeps one.
-    speculative_model (a draft model with the same vocabulary) or speculative_method="ngram"
-    (prompt lookup) turn on speculative decoding with up to num_speculative_tokens drafted
-    tokens per step (`nextoken.spec`).
-    Raises `ModelLoadError` when the model cannot be found or read.
+    ``LLM(model, **options)``: `model` is a catalog name (pulled on first use unless
+    ``auto_pull=False``), a path to a ``.gguf`` file or to a Hugging Face model folder, or a hub
+    id ``org/name`` (found in the `huggingface_hub` cache). Every other keyword is an engine
+    option, a field of `nextoken.engine_args.EngineArgs` (the same options as the command line's
+    flags): ``dtype`` ("auto", "bfloat16", or "float32": the exact reference, equal to
+    `transformers` within 1e-4), ``num_threads``, ``max_model_len``, ``kv_cache_memory`` (bytes,
+    or a size such as "512MiB"; default: ``max_num_seqs`` full contexts, at most a quarter of
+    free memory and 1 GiB), ``num_kv_blocks``, ``block_size``, ``enable_prefix_caching``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enforce_eager``
+    (PyTorch only, none of our C kernels: the reference path), ``reference_attention``,
+    ``dense_weights``, ``speculative_model`` / ``speculative_method`` /
+    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec`).
+
+    Raises `InvalidRequest` naming an option whose value is out of range, `TypeError` for an
+    unknown option, and `ModelLoadError` when the model cannot be found or read.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", reference_attention: bool = False,
-                 auto_pull: bool = True, num_threads: int | None = None, kv_cache_memory: int | None = None,
-                 num_kv_blocks: int = 0, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 dense_weights: bool | None = None, speculative_model: str | None = None,
-                 speculative_method: str | None = None, num_speculative_tokens: int = 4):
-        from nextoken.kernels import set_enforce_eager
-        from nextoken.runner.threads import configure_threads
+    def __init__(self, model: str = DEFAULT_MODEL, **options):
+        self._setup(EngineArgs(model=model, **options))
 
-        configure_threads(num_threads)
-        if enforce_eager is not None:
-            set_enforce_eager(enforce_eager)
-        self.model_path = resolve_model(model, auto_pull=auto_pull)
-        self.model_name = model
-        spec, draft = None, None
-        if speculative_model is not None or speculative_method is not None:
-            method = speculative_method or "draft"
-            if method == "draft" and speculative_model is None:
-                raise InvalidRequest("speculative method 'draft' needs speculative_model", "speculative_model")
-            if method == "ngram" and speculative_model is not None:
-                raise InvalidRequest("speculative method 'ngram' takes no speculative_model", "speculative_model")
-            spec = SpeculativeConfig(method, speculative_model, num_speculative_tokens)
-            if method == "draft":
-                draft = open_model(resolve_model(speculative_model, auto_pull=auto_pull))
-        source = open_model(self.model_path)
-        self.engine = LLMEngine(
-            source, model_dtype(source, dtype),
-            CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
-            reference_attention, dense_weights, spec, draft)
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An `LLM` built from `EngineArgs` (what the command line does)."""
+        llm = cls.__new__(cls)
+        llm._setup(args)
+        return llm
+
+    def _setup(self, args: EngineArgs) -> None:
+        self.engine_args = args
+        self.model_name = args.model
+        self.engine = LLMEngine.from_engine_args(args)
+        self.model_path = self.engine.model_path
         self.tokenizer = self.engine.tokenizer
         self.runner = self.engine.runner
         self.config = self.engine.config

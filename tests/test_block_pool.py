@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.engine.kv_cache import block_pool
-from nextoken.engine.kv_cache.block_pool import BlockPool
-from nextoken.engine.kv_cache.manager import KVCacheManager
+from nextoken.kv_cache import block_pool
+from nextoken.kv_cache.block_pool import BlockPool
+from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request
 from nextoken.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nextoken.loader.dequant import BLOCK_FORMATS, dequantize
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
 
 # byte offsets of the float16 scale fields in each block (random bytes there could be NaN/inf)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}

@@ -23,9 +23,9 @@ def runners(tmp_path, arch: str):
             layer.self_attn.k_proj.weight.mul_(12)
     write_gguf(hf, path, arch, quant=QUANT)
     native = ModelRunner(GGUFFile(path), torch.bfloat16)
-    assert native.model.native_decoder is not None, "the C decode did not build or a linear has no codes"
+    assert native.native_decoder is not None, "the C decode did not build or a linear has no codes"
     plain = ModelRunner(GGUFFile(path), torch.bfloat16)
-    plain.model.native_decoder = None  # the PyTorch layers, same codes and kernels for the linears
+    plain.native_decoder = None  # the PyTorch layers, same codes and kernels for the linears
     f32 = ModelRunner(GGUFFile(path), torch.float32)
     return native, plain, f32
 

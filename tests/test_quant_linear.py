@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.kernels import enforce_eager, set_enforce_eager
 from nextoken.layers.linear import Linear
-from nextoken.layers.quant_linear import int4_groups, int4_linear, int4_unpack, pack_int4
-from nextoken.loader.dequant import dequantize
+from nextoken.layers.quantization.methods import TorchInt4Method
+from nextoken.layers.quantization.torch_int4 import int4_groups, int4_linear, int4_unpack, pack_int4
+from nextoken.layers.quantization.ggml import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
 from tests.test_dequant import random_blocks
@@ -64,7 +64,7 @@ def test_linear_paths_agree():
     w, parts = packed("Q8_0", rows, cols, seed=14)
     lin = Linear(cols, rows, False, torch.bfloat16)
     lin.set_int4(parts)
-    x = torch.randn(Linear.INT4_MAX_TOKENS + 20, cols, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(TorchInt4Method.MAX_TOKENS + 20, cols, generator=torch.Generator().manual_seed(3))
     many = lin(x.to(torch.bfloat16)).float()
     few = torch.cat([lin(x[i : i + 4].to(torch.bfloat16)).float() for i in range(0, len(x), 4)])
     ref = x @ w.T
@@ -83,19 +83,14 @@ def test_quantized_model_close_to_float32_reference(tmp_path, eager):
                                          "ffn_down.weight": "Q4_1", "ffn_gate.weight": "Q4_1"})
     prompt = [5, 17, 200, 33, 41, 270, 90, 12]
     f32 = OneSequence(ModelRunner(GGUFFile(path), torch.float32)).forward(prompt)
-    before = enforce_eager()
-    set_enforce_eager(eager)
-    try:
-        runner = ModelRunner(GGUFFile(path), torch.bfloat16, int4=True)
-        q_proj = runner.model.layers[0].self_attn.q_proj
-        assert (q_proj.int4 if eager else q_proj.qweight) is not None  # really packed (and un-permuted)
-        assert runner.model.layers[0].self_attn.v_proj.weight is not None  # an F32 tensor stays dense
-        seq = OneSequence(runner)
-        b16 = seq.forward(prompt)  # 8 rows: the quantized kernel
-        assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02
-        assert int(f32.argmax()) == int(b16.argmax())
-        ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
-        long = list(range(3, 3 + max(Linear.INT4_MAX_TOKENS, 48) + 12))
-        assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02
-    finally:
-        set_enforce_eager(before)
+    runner = ModelRunner(GGUFFile(path), torch.bfloat16, keep_quantized=True, enforce_eager=eager)
+    q_proj = runner.model.layers[0].self_attn.q_proj
+    assert (q_proj.int4 if eager else q_proj.qweight) is not None  # really packed (and un-permuted)
+    assert runner.model.layers[0].self_attn.v_proj.weight is not None  # an F32 tensor stays dense
+    seq = OneSequence(runner)
+    b16 = seq.forward(prompt)  # 8 rows: the quantized kernel
+    assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02
+    assert int(f32.argmax()) == int(b16.argmax())
+    ref = OneSequence(ModelRunner(GGUFFile(path), torch.float32))
+    long = list(range(3, 3 + max(TorchInt4Method.MAX_TOKENS, 48) + 12))
+    assert (ref.forward(long).softmax(-1) - seq.forward(long).softmax(-1)).abs().max() < 0.02

@@ -1,5 +1,5 @@
-"""GGUF codes and our quantized matmul kernel (`nextoken.layers.qweight`, ``kernels/qmatmul.c``)
-against the float32 de-quantization (`nextoken.loader.dequant`, itself held equal to
+"""GGUF codes and our quantized matmul kernel (`nextoken.layers.quantization.qweight`, ``kernels/qmatmul.c``)
+against the float32 de-quantization (`nextoken.layers.quantization.ggml`, itself held equal to
 `gguf.quants.dequantize`) and against the same integer arithmetic written in PyTorch."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 
 from nextoken.kernels import load
 from nextoken.layers.linear import Linear
-from nextoken.layers.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
+from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
     quantize_activations, quantize_activations_native
-from nextoken.loader.dequant import BLOCK_FORMATS, dequantize
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
 from tests.test_dequant import random_blocks
 
 

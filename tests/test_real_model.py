@@ -77,19 +77,14 @@ def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
     all prompts batched (the one-call decode over many rows, with or without dense bf16 copies). Up to the
     first token where we and the reference differ, the texts are equal; there, each side's token
     is in the other's top 5."""
-    from nextoken.kernels import enforce_eager, set_enforce_eager
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 
-    before = enforce_eager()
     llm = LLM(str(smollm2_path), max_num_seqs=1 if mode.startswith("single") else 8,
               dense_weights=mode.endswith("dense"), enforce_eager=mode.endswith("eager"))
-    try:
-        gens = load_reference("smollm2-135m-instruct")["generations"]
-        params = [SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), logprobs=5) for g in gens]
-        outs = llm.generate([g["prompt_ids"] for g in gens], params)
-    finally:
-        set_enforce_eager(before)
+    gens = load_reference("smollm2-135m-instruct")["generations"]
+    params = [SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), logprobs=5) for g in gens]
+    outs = llm.generate([g["prompt_ids"] for g in gens], params)
     same = total = 0
     for gen, out in zip(gens, outs):
         ours = out.outputs[0]

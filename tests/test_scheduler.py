@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nextoken.config import SchedulerConfig
-from nextoken.engine.kv_cache.manager import KVCacheManager
+from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request, RequestStatus
 from nextoken.engine.scheduler import Scheduler
 from nextoken.sampling_params import SamplingParams

@@ -16,22 +16,23 @@ import time
 import torch
 
 from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from nextoken.engine.kv_cache.manager import KVCacheManager
-from nextoken.engine.output import RequestGroup, finish_sequence, make_output, process_token
+from nextoken.engine_args import EngineArgs
+from nextoken.kv_cache.manager import KVCacheManager
+from nextoken.engine.output_processor import RequestGroup, finish_sequence, make_output, process_token
 from nextoken.engine.request import Request
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import InvalidRequest
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nextoken.runner.kv_cache import bytes_per_block, ring_blocks
+from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.draft import DraftProposer, check_same_vocabulary
 from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
-from nextoken.loader.source import load_tokenizer
+from nextoken.loader.source import load_tokenizer, model_dtype, open_model
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
@@ -65,42 +66,42 @@ class LLMEngine:
     bad input (naming the field).
     """
 
-    def __init__(self, gguf: GGUFFile | HFModelDir, dtype, cache: CacheConfig = CacheConfig(),
-                 scheduler: SchedulerConfig = SchedulerConfig(), reference_attention: bool = False,
-                 dense_weights: bool | None = None, speculative: SpeculativeConfig | None = None,
-                 draft_gguf: GGUFFile | HFModelDir | None = None):
-        """`speculative` turns speculative decoding on; with ``method="draft"``, `draft_gguf` is
-        the draft model (raises `ModelLoadError` when its vocabulary is not the target's)."""
-        self.tokenizer = load_tokenizer(gguf)
-        gguf.release_metadata()  # the vocabulary lists are in the tokenizer now
-        if dense_weights is None:  # off: our kernel and per-call expansion beat the copies (benchmarks/throughput.py)
-            dense_weights = False
-        self.runner = ModelRunner(gguf, dtype, reference=reference_attention, dense_weights=dense_weights)
+    def __init__(self, args: EngineArgs, source: GGUFFile | HFModelDir,
+                 draft_source: GGUFFile | HFModelDir | None = None):
+        """An engine for the opened model `source` (and with ``args.speculative == "draft"`` the
+        draft model `draft_source`), as `args` asks. Raises `ModelLoadError` when the draft's
+        vocabulary is not the target's, `InvalidRequest` for settings the model cannot take.
+        Most callers use `from_engine_args`, which resolves and opens the models."""
+        self.args = args
+        self.model_path = source.path
+        dtype = model_dtype(source, args.dtype)
+        self.tokenizer = load_tokenizer(source)
+        source.release_metadata()  # the vocabulary lists are in the tokenizer now
+        self.runner = ModelRunner(source, dtype, reference=args.reference_attention,
+                                  dense_weights=args.dense_weights, enforce_eager=args.enforce_eager)
         self.config = self.runner.config
         ctx = self.config.context_length
-        if scheduler.max_model_len is not None and not 1 <= scheduler.max_model_len:
-            raise InvalidRequest(f"max_model_len must be >= 1, got {scheduler.max_model_len}", "max_model_len")
         # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)
-        self.max_model_len = min(ctx, scheduler.max_model_len or ctx)
+        self.max_model_len = min(ctx, args.max_model_len or ctx)
+        method = args.speculative
+        speculative = SpeculativeConfig(method, args.speculative_model, args.num_speculative_tokens) \
+            if method is not None else None
+        cache = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching)
+        scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
+                                    args.max_model_len)
         self.speculative = speculative
         self.draft: DraftProposer | None = None
         per_block = bytes_per_block(self.config, cache.block_size, dtype)
-        if speculative is not None:
-            if speculative.num_speculative_tokens < 1:
-                raise InvalidRequest("num_speculative_tokens must be >= 1", "num_speculative_tokens")
-            if speculative.method == "draft":
-                if draft_gguf is None:
-                    raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
-                draft_tok = load_tokenizer(draft_gguf)
-                draft_gguf.release_metadata()
-                draft_runner = ModelRunner(draft_gguf, dtype, dense_weights=False)
-                check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
-                                      draft_runner.config.vocab_size, speculative.model or "draft")
-                self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids))
-                per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype)  # its cache too
-            elif speculative.method != "ngram":
-                raise InvalidRequest(f"unknown speculative method {speculative.method!r}: use 'draft' or 'ngram'",
-                                     "speculative_method")
+        if method == "draft":
+            if draft_source is None:
+                raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
+            draft_tok = load_tokenizer(draft_source)
+            draft_source.release_metadata()
+            draft_runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager)
+            check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
+                                  draft_runner.config.vocab_size, speculative.model or "draft")
+            self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids))
+            per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype)  # its cache too
         if self.draft is not None and self.draft.runner.config.sliding_layers:
             raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
         # default budget: a share of free memory, but no more than max_num_seqs full contexts
@@ -137,6 +138,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.tracer = None  # set by `LLM.stream(..., tracer=)` for a single request
         self.num_aborted = 0  # requests aborted before they finished
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """The engine `args` describes: sets the compute threads, resolves the model (and the
+        draft model) to a file or folder, pulling a catalog model when `args.auto_pull`, and
+        opens them. Raises `ModelLoadError` when a model cannot be found or read."""
+        from nextoken.catalog import resolve_model
+        from nextoken.runner.threads import configure_threads
+
+        configure_threads(args.num_threads)
+        source = open_model(resolve_model(args.model, auto_pull=args.auto_pull))
+        draft = None
+        if args.speculative == "draft":
+            draft = open_model(resolve_model(args.speculative_model, auto_pull=args.auto_pull))
+        return cls(args, source, draft)
 
     # -- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], params: SamplingParams, truncate: bool = False) -> list[int]:
@@ -360,20 +376,3 @@ class LLMEngine:
                 "spec_num_verify_steps": c["steps"],
                 "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
                 "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1e9"`` -> bytes; `InvalidRequest` otherwise."""
-    t = str(text).strip()
-    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-             "g": 2**30, "gb": 1e9, "gib": 2**30, "t": 2**40, "tib": 2**40}
-    num = t.rstrip("bBiIkKmMgGtT")
-    unit = t[len(num):].lower()
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise InvalidRequest(f"cannot read size {text!r}: use e.g. 2GiB, 512MiB or a number of bytes",
-                             "kv_cache_memory") from None
-    if value <= 0:
-        raise InvalidRequest(f"size {text!r} must be positive", "kv_cache_memory")
-    return int(value)

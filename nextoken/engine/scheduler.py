@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nextoken.config import SchedulerConfig
-from nextoken.engine.kv_cache.manager import KVCacheManager
+from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request, RequestStatus
 
 

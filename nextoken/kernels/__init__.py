@@ -4,8 +4,9 @@ Each kernel is one ``.c`` file next to this module. `load` compiles it once per 
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
 and opens it with ctypes. Every caller keeps a PyTorch path: when no compiler is found, the
 build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is set, `load` returns None and the caller uses
-that path; ``--enforce-eager`` (`set_enforce_eager`) turns every native kernel off, leaving
-PyTorch alone, which is what the reference tests compare against. OpenMP: the library asks for ``libgomp.so.1``, the runtime PyTorch has already
+that path. Which kernels a model runs is decided once, at load, by the execution plan
+(`nextoken.runner.plan`); ``enforce_eager`` makes that plan PyTorch alone, which is what the
+reference tests compare against. OpenMP: the library asks for ``libgomp.so.1``, the runtime PyTorch has already
 loaded, so both share one thread pool (no oversubscription).
 """
 
@@ -27,21 +28,11 @@ PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v2" for f in FLA
 _loaded: dict[tuple[str, bool], ctypes.CDLL | None] = {}
 
 
-_state = {"eager": os.environ.get("NEXTOKEN_ENFORCE_EAGER", "") not in ("", "0")}
-
-
-def set_enforce_eager(eager: bool) -> None:
-    """Process-wide: True runs PyTorch only (no native kernel), False uses the kernels."""
-    _state["eager"] = bool(eager)
-
-
-def enforce_eager() -> bool:
-    return _state["eager"]
-
-
-def enabled() -> bool:
-    """Whether native kernels may run (not eager, and not ``NEXTOKEN_NATIVE_KERNELS=0``)."""
-    return not _state["eager"] and os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+def native_allowed() -> bool:
+    """Whether our kernels may be built and run at all (``NEXTOKEN_NATIVE_KERNELS=0`` says no).
+    Which of them a model uses is decided once, at load, by the execution plan
+    (`nextoken.runner.plan`), which ``enforce_eager`` turns to PyTorch alone."""
+    return os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
 
 
 def _cpu_key() -> str:
@@ -95,7 +86,7 @@ def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None. `portable`
     builds it for any x86-64 CPU (no AVX-512: the kernels' plain C loops), for the tests that
     hold those loops equal to the vectorized ones."""
-    if not enabled():
+    if not native_allowed():
         return None
     key = (name, portable)
     if key not in _loaded:

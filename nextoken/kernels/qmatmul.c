@@ -1,5 +1,5 @@
 /* Quantized matmul y = x W^T (+ bias) on GGUF block weights, with int8 activations.
- * nextoken's own kernel; the reference it must match is nextoken.layers.qweight
+ * nextoken's own kernel; the reference it must match is nextoken.layers.quantization.qweight
  * (`QuantWeight.dequantize` for the weights, `qmatmul_reference` for the arithmetic).
  *
  * Weights (qw_t), converted once at load by layers/qweight.py: W[n, k] = scale[n, g] * u[n, k] + min[n, g]

@@ -43,8 +43,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     num_decodes: int
     block_size: int
-    reference: bool = False
-    keep_probs: bool = False
+    backend: str = "native"  # the execution plan's attention: "reference" | "native" | "torch"
+    keep_probs: bool = False  # tracing: the reference path, which returns the probabilities
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
 
@@ -158,9 +158,10 @@ DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk p
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All single-token sequences, in chunks of similar length. q: ``[B, H, D]`` -> ``[B, H, D]``."""
     nd = q.shape[0]
-    native = native_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-    if native is not None:
-        return native
+    if meta.backend == "native":
+        native = native_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        if native is not None:
+            return native
     if nd == 1:
         return _lone_decode(q, k_cache, v_cache, meta, scale)
     seq_lens = torch.tensor(meta.seq_lens[:nd])
@@ -255,13 +256,13 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
     """One layer's attention step, whatever its kind: q ``[T, H, D]``, k, v ``[T, Hkv, D]`` ->
     (output ``[T, H, D]``, per-sequence probabilities or None).
 
-    A full-attention layer writes k, v into the paged cache `kv` (`runner.kv_cache.PagedKVCache`)
+    A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`)
     and attends over each sequence's blocks; a `sliding` layer does both over the sequence's ring
     (`sliding_attention`). The reference path (and tracing) use plain float32 attention and
     return the probabilities."""
     from nextoken.layers.sliding_attention import sliding_window_attention
 
-    reference = meta.reference or meta.keep_probs
+    reference = meta.backend == "reference" or meta.keep_probs
     if sliding:
         i = kv.sliding.layer_index[layer]
         return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nextoken.layers.qweight import QuantWeight
-from nextoken.loader.dequant import QK, _f16
+from nextoken.layers.quantization.methods import load_codes
+from nextoken.layers.quantization.qweight import QuantWeight
+from nextoken.layers.quantization.ggml import QK, _f16
 
 
 class Embedding(torch.nn.Module):
@@ -15,7 +16,7 @@ class Embedding(torch.nn.Module):
     The weight is dense; or (after `set_qweight`) the GGUF codes of any block format
     (`qweight.QuantWeight`, shared with a tied LM head); or (after `set_q8_0`, the PyTorch path)
     the Q8_0 blocks as int8 values and float32 scales. A quantized lookup de-quantizes only the
-    rows it reads, as `loader.dequant` does, so the table stays at its GGUF size.
+    rows it reads, as `quantization.ggml` does, so the table stays at its GGUF size.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -24,6 +25,17 @@ class Embedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.qweight: QuantWeight | None = None
+
+    def weight_loader(self, t, plan) -> None:
+        """The loader's hook: store checkpoint tensor `t` (`loader.weights.CheckpointTensor`,
+        ``[vocab, hidden]``) in the form `plan` chooses for its type (codes, Q8_0, dense)."""
+        form = plan.embedding_form(t.type_name, self.vocab_size, self.hidden_size)
+        if form == "codes":
+            self.set_qweight(load_codes(t))
+        elif form == "q8_0":
+            self.set_q8_0(t.raw())
+        else:
+            self.weight.data.copy_(t.dense(self.dtype))
 
     def set_qweight(self, qweight: QuantWeight) -> None:
         self.qweight = qweight

@@ -1,34 +1,26 @@
-"""Linear layers: ``y = x W^T + b``, with W dense, kept as GGUF codes (`qweight`, our C
-kernel) or packed as int4 (`quant_linear`, PyTorch's kernel: the path under --enforce-eager)."""
+"""Linear layers: ``y = x W^T + b``, with W held as its `LinearMethod` says (dense, GGUF codes
+for our C kernel, or int4 for PyTorch's kernel; `layers.quantization.methods`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from nextoken.layers.quant_linear import int4_linear, int4_unpack
-from nextoken.layers.qweight import QuantWeight, dequantize_bf16, qmatmul
+from nextoken.layers.quantization.methods import DenseMethod, LinearMethod, TorchInt4Method, expand_int4
+from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16
 
 
 class Linear(torch.nn.Module):
     """A linear layer whose weight is set by the loader (no random initialisation).
 
     weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None.
-    forward: ``[num_tokens, in_features] -> [num_tokens, out_features]``.
+    forward: ``[num_tokens, in_features] -> [num_tokens, out_features]``, by ``method.apply``.
 
-    After `set_int4` the weight lives as packed 4-bit parts (one per 4-bit GGUF tensor, two for
-    Q8_0; their weights add up) and the dense weight is released: PyTorch's path (under
-    --enforce-eager, or without a C compiler). Calls of few rows run the int4 kernel; larger
-    calls expand the weight to bf16 for that call only (`quant_linear.int4_unpack`).
-
-    After `set_qweight` (the default) the weight lives as GGUF codes (`qweight.QuantWeight`) and
-    our C kernel serves every call, prefill chunks included: with two tiles per pass it beats
-    expanding the weight to bf16 for one matmul at every row count measured (1 to 512 rows,
-    `benchmarks/qmatmul.py`). The expansion stays as the path for a kernel that is unavailable.
+    `method` is chosen once, at load, by the execution plan (`nextoken.runner.plan`), and the
+    loader stores the checkpoint tensor through `weight_loader`, the layer's hook (where tensor
+    parallelism will cut its shard). After `set_qweight` the weight lives as GGUF codes
+    (`qweight.QuantWeight`) and the dense weight is released; after `set_int4` as packed 4-bit
+    parts (one per 4-bit GGUF tensor, two for Q8_0; their weights add up).
     """
-
-    INT4_MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
-    INT4_MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -37,17 +29,30 @@ class Linear(torch.nn.Module):
                                          requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.method: LinearMethod = DenseMethod()
         self.int4: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.qweight: QuantWeight | None = None
         self.bias_f32: torch.Tensor | None = None
-        self.int4_only = False  # always the quantized kernel, never expanded (the LM head: few rows)
+        self._qweight_c = None
+        self.few_rows = False  # its calls have few rows (the LM head): int4 never expands the weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def weight_loader(self, t, plan) -> None:
+        """The loader's hook: store checkpoint tensor `t` (`loader.weights.CheckpointTensor`,
+        ``[out, in]``) in the form `plan` chooses for its type and shape."""
+        plan.linear_method(t.type_name, self.out_features, self.in_features).load(self, t)
 
     def set_qweight(self, qweight: QuantWeight) -> None:
         """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel;
         the dense weight is released."""
+        from nextoken.layers.quantization.methods import CodesMethod
+
         self.qweight = qweight
         self._qweight_c = None
         self.weight = None
+        self.method = CodesMethod()
 
     def qweight_c(self):
         """The kernel's view of the codes with this layer's bias (float32), built once."""
@@ -58,40 +63,21 @@ class Linear(torch.nn.Module):
         return self._qweight_c
 
     def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor]], keep_dense: bool = False) -> None:
-        """Keep the weight as int4 parts ``(packed, scales_and_zeros)`` (`quant_linear.pack_int4`),
-        and with `keep_dense` the dense weight too, which then serves calls of more than
-        `INT4_MAX_TOKENS_WITH_DENSE` rows (faster than expanding the weight every call)."""
+        """Keep the weight as int4 parts ``(packed, scales_and_zeros)`` (`torch_int4.pack_int4`),
+        and with `keep_dense` the dense weight too, which then serves calls of many rows."""
         self.int4 = list(parts)
         if not keep_dense:
             self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            y = qmatmul(x, self.qweight, c=self.qweight_c())
-            if y is not None:
-                return y
-            # no kernel: expanded into a scratch buffer, used at once
-            return F.linear(x, dequantize_bf16(self.qweight, scratch=True).to(self.dtype), self.bias)
-        if self.int4 is None:
-            return F.linear(x, self.weight, self.bias)
-        limit = self.INT4_MAX_TOKENS if self.weight is None else self.INT4_MAX_TOKENS_WITH_DENSE
-        if x.shape[0] <= limit or (self.int4_only and self.weight is None):
-            y = int4_linear(x, *self.int4[0])
-            for part in self.int4[1:]:
-                y = y + int4_linear(x, *part)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dense_weight(), self.bias)
+        if not isinstance(self.method, TorchInt4Method):
+            self.method = TorchInt4Method(keep_dense)
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight ``[out, in]`` as a dense tensor (expanded from int4 when packed)."""
+        """The weight ``[out, in]`` as a dense tensor (expanded when quantized)."""
         if self.weight is not None:
             return self.weight
         if self.qweight is not None:
             return dequantize_bf16(self.qweight).to(self.dtype)
-        w = int4_unpack(*self.int4[0])
-        for part in self.int4[1:]:
-            w = w + int4_unpack(*part)
-        return w
+        return expand_int4(self.int4)
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ stack to C for batches where every sequence decodes one token: RMSNorm, the q/k/
 attention, the output projection, the SwiGLU feed-forward and both residuals, with the same
 bf16 roundings as the PyTorch layers (`models.llama.LlamaDecoderLayer`), which stay the path
 for prefill, tracing, the reference attention and ``--enforce-eager``; a test compares the two.
+The model runner decides at load whether it runs (`nextoken.runner.plan`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import ctypes
 import torch
 
 from nextoken.kernels import load
-from nextoken.layers.qweight import _QW
+from nextoken.layers.quantization.qweight import _QW
 
 
 class _Layer(ctypes.Structure):
@@ -42,9 +43,9 @@ class NativeDecoder:
         self._kv = None
 
     @staticmethod
-    def available(model) -> bool:
+    def supports(model) -> bool:
         """bf16, the plain Llama layer (``NATIVE_DECODE`` on the class: no QK-norm, no sliding
-        window), every projection as codes, and the kernel builds."""
+        window) and every projection as codes. (Whether the kernel builds is the plan's check.)"""
         if model.dtype != torch.bfloat16 or not getattr(model, "NATIVE_DECODE", False) or \
                 model.config.sliding_layers:
             return False
@@ -53,7 +54,7 @@ class NativeDecoder:
             if any(lin.qweight is None for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
                                                      m.down_proj)):
                 return False
-        return load("decode") is not None
+        return True
 
     def _layers(self, kv) -> ctypes.Array:
         if self._table is None or self._kv is not kv:
@@ -86,7 +87,7 @@ class NativeDecoder:
             self._layers(kv), i64(cfg.num_layers), ptr(h.data_ptr()), i64(t), i64(cfg.hidden_size),
             i64(cfg.num_heads), i64(cfg.num_kv_heads), i64(cfg.head_dim), i64(cfg.rope_dim), ptr(inv_freq.data_ptr()),
             ptr(positions.data_ptr()), ptr(slots.data_ptr()), ptr(tables.data_ptr()), i64(tables.shape[1]),
-            ptr(lens.data_ptr()), i64(kv.num_blocks), i64(kv.block_size), ctypes.c_float(cfg.rms_norm_eps),
+            ptr(lens.data_ptr()), i64(kv.num_blocks), i64(kv.block_size), ctypes.c_float(cfg.norm_eps),
             ctypes.c_float(cfg.head_dim ** -0.5))
         if rc == 1:
             raise MemoryError("native decode: out of memory for its buffers")

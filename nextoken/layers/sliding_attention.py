@@ -4,7 +4,7 @@ over a per-sequence ring of KV blocks.
 New token at position p sees the keys at positions ``max(0, p - window + 1) .. p`` (the rule of
 `transformers`' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Such a layer keeps only
 that many keys per sequence: position p lives in ring block ``(p // block_size) % ring_blocks``
-(`runner.kv_cache.SlidingKVCache`). `SlidingMetadata` (built once per pass by the model runner)
+(`kv_cache.tensors.SlidingKVCache`). `SlidingMetadata` (built once per pass by the model runner)
 says which slots each sequence reads and which of the pass's new keys are written.
 
 Order within a layer: prefill chunks first read their earlier keys from the ring, then every

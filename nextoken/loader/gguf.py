@@ -10,8 +10,8 @@ objects for a 49k-token vocabulary) once the tokenizer and config have been read
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 
 from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
-from nextoken.loader.dequant import dequantize
+from nextoken.layers.quantization.ggml import dequantize
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,33 @@ class GGUFFile:
 _RELEASED = object()  # marks a list value dropped by `release_metadata`
 
 
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every 6th layer is global (llama-model.cpp, LLM_ARCH_GEMMA3)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's `rope_freq_base_train_swa` for Gemma 3
+
+
 def read_model_config(f: GGUFFile) -> ModelConfig:
-    """Build the `ModelConfig` from the ``{arch}.*`` metadata keys of a GGUF file."""
+    """Build the `ModelConfig` from the ``{arch}.*`` metadata keys of a GGUF file, completed
+    with what an architecture's GGUF files leave to llama.cpp's code (`_architecture_defaults`)."""
+    return _architecture_defaults(f, _read_config(f))
+
+
+def _architecture_defaults(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
+    """Gemma 3: the local/global layer pattern, the local RoPE base, the attention scale
+    (1/sqrt(head_dim) below 27B) and linear RoPE scaling. Other architectures: nothing."""
+    if cfg.architecture != "gemma3":
+        return cfg
+    window = f.get("gemma3.attention.sliding_window")
+    types = tuple("full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                  for i in range(cfg.num_layers))
+    extra = {"rope_local_theta": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": cfg.head_dim}
+    factor = f.get("gemma3.rope.scaling.factor")
+    if factor:
+        extra["rope_scaling_factor"] = float(factor)
+    return dataclasses.replace(cfg, sliding_window=int(window) if window else None,
+                               layer_types=types if window else None, extra=extra)
+
+
+def _read_config(f: GGUFFile) -> ModelConfig:
     arch = f.require("general.architecture")
 
     def key(name: str, default: Any = None) -> Any:
@@ -195,7 +220,7 @@ def read_model_config(f: GGUFFile) -> ModelConfig:
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         context_length=int(key("context_length", 2048)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_dim=int(key("rope.dimension_count", head_dim)),
         tie_word_embeddings=not f.has_tensor("output.weight"),

@@ -165,7 +165,7 @@ def read_hf_config(d: HFModelDir) -> ModelConfig:
         num_kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=head_dim,
         context_length=int(c.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_dim=head_dim,
         # unset: tied when the folder has no separate head
@@ -189,7 +189,7 @@ def _gpt2_config(d: HFModelDir, c: dict) -> ModelConfig:
         architecture="gpt2", name=str(c.get("_name_or_path") or os.path.basename(os.path.normpath(d.path))),
         vocab_size=int(c["vocab_size"]), hidden_size=hidden, intermediate_size=int(c.get("n_inner") or 4 * hidden),
         num_layers=int(c["n_layer"]), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        context_length=int(c.get("n_positions") or 1024), rms_norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        context_length=int(c.get("n_positions") or 1024), norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
         rope_theta=0.0, rope_dim=0, tie_word_embeddings=True, attention_bias=True,
         extra={"hf_architecture": "GPT2LMHeadModel", "activation": "tanh" if act != "gelu" else "none",
                "scale_attn_weights": bool(c.get("scale_attn_weights", True))})

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from nextoken.errors import ModelLoadError
+from nextoken.errors import InvalidRequest, ModelLoadError
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir, generation_eos_ids, is_hf_dir
 
@@ -36,11 +36,19 @@ def load_tokenizer(source):
     return Tokenizer.from_gguf(source)
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32"``/``"bfloat16"`` (or fp32/bf16) -> torch dtype; `InvalidRequest` otherwise."""
+    if name not in DTYPES:
+        raise InvalidRequest(f"dtype {name!r} is not supported; choose from {', '.join(DTYPES)}", "dtype")
+    return DTYPES[name]
+
+
 def model_dtype(source, name: str) -> torch.dtype:
     """`name` as a dtype; ``"auto"``: bfloat16 for GGUF (our kernels), the folder's config dtype
     for Hugging Face (float16 runs as bfloat16 here)."""
-    from nextoken.runner.model_runner import parse_dtype
-
     if name != "auto":
         return parse_dtype(name)
     return source.config_dtype if isinstance(source, HFModelDir) else torch.bfloat16

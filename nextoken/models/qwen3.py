@@ -10,10 +10,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     GGUF_PERMUTED_QK = False
     NATIVE_DECODE = False  # the C decode step has no QK-norm
     QK_NORM = True
-
-    def gguf_weight_map(self):
-        m = super().gguf_weight_map()
-        for i in range(self.config.num_layers):
-            for g in ("q", "k"):
-                m[f"blk.{i}.attn_{g}_norm.weight"] = (f"layers.{i}.self_attn.{g}_norm", None)
-        return m

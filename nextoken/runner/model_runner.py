@@ -7,19 +7,24 @@ where their keys and values go (``slot_mapping``), and which blocks each sequenc
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from nextoken.config import ModelConfig
-from nextoken.errors import InvalidRequest
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.sliding_attention import build_sliding_metadata
+from nextoken.kv_cache.tensors import PagedKVCache, SlidingKVCache
+from nextoken.layers.native_decode import NativeDecoder
 from nextoken.loader.gguf import GGUFFile, read_model_config
 from nextoken.loader.hf import HFModelDir, read_hf_config
+from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
-from nextoken.runner.kv_cache import PagedKVCache, SlidingKVCache
+from nextoken.runner.plan import ExecutionPlan
+
+log = logging.getLogger("nextoken.runner")
 
 def _libc():
     try:
@@ -50,16 +55,6 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"``/``"bfloat16"`` (or fp32/bf16) -> torch dtype; `InvalidRequest` otherwise."""
-    if name not in DTYPES:
-        raise InvalidRequest(f"dtype {name!r} is not supported; choose from {', '.join(DTYPES)}", "dtype")
-    return DTYPES[name]
-
-
 @dataclass(slots=True)
 class SequenceInput:
     """One sequence's part of a step: its new tokens, the position of the first, its blocks,
@@ -87,34 +82,37 @@ class SequenceInput:
 
 
 class ModelRunner:
-    """Owns the model weights and the KV cache tensors; runs batched forward passes.
+    """Owns the model weights, the execution plan and the KV cache tensors; runs batched
+    forward passes.
 
-    dtype: weights and activations (float32 is the reference; bfloat16 uses this CPU's AMX
-    units). reference: plain attention instead of the fused kernels. int4: with bfloat16, keep
-    4-bit and Q8_0 GGUF linear weights packed (weight-only int4 matmul) instead of de-quantizing
-    them; dense_weights: keep a bf16 copy as well, for batches of many sequences.
+    source: the opened model (`loader.source.open_model`: a GGUF file or a Hugging Face folder);
+    dtype: weights and activations (float32 is the reference; bfloat16 the fast path);
+    reference: plain float32 attention instead of the fast paths; keep_quantized: with
+    bfloat16, block-quantized GGUF weights stay quantized (our kernel's codes, or PyTorch's int4)
+    instead of being de-quantized; dense_weights: on PyTorch's int4 path, keep a bf16 copy as
+    well; enforce_eager: PyTorch alone, none of our C kernels. The `plan`
+    (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
+    Raises `ModelLoadError` when a tensor is missing or mis-shaped.
     """
 
-    def __init__(self, gguf: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
-                 int4: bool = True, dense_weights: bool = False):
-        hf = isinstance(gguf, HFModelDir)
-        config = read_hf_config(gguf) if hf else read_model_config(gguf)
-        cls = model_class(config.architecture)
-        self.config: ModelConfig = config if hf else cls.gguf_config(gguf, config)
+    def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
+                 keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False):
+        hf = isinstance(source, HFModelDir)
+        self.config: ModelConfig = read_hf_config(source) if hf else read_model_config(source)
         self.dtype = dtype
-        self.reference = reference
+        self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights)
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
-            self.model = cls(self.config, dtype)
-            if hf:
-                self.model.load_hf(gguf)
-            else:
-                self.model.load_gguf(gguf, int4=int4, keep_dense=dense_weights)
+            self.model = model_class(self.config.architecture)(self.config, dtype)
+            load_weights(self.model, source, self.plan)
         finally:
             loading_allocations(False)
         release_free_memory()
         self.load_time = time.perf_counter() - t0
+        self.plan.settle(self.model)
+        self.native_decoder = NativeDecoder(self.model) if self.plan.native_decode else None
+        log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
 
     @property
@@ -165,7 +163,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
             num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
-            reference=self.reference, first_block=first_block)
+            backend=self.plan.attention, first_block=first_block)
         sw = self.kv.sliding
         if sw is not None:
             meta.sliding = build_sliding_metadata(sw.window, bs, sw.ring_blocks, [
@@ -181,7 +179,13 @@ class ModelRunner:
         seqs = [row for s in seqs for row in s.rows()]
         input_ids, positions, meta, order = self.prepare(seqs)
         meta.keep_probs = tracer is not None
-        hidden = self.model(input_ids, positions, self.kv, meta, tracer)
+        hidden = None
+        if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
+                meta.backend != "reference":  # every layer of a decode step in one C call
+            out = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta)
+            hidden = self.model.final_norm(out) if out is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv, meta, tracer)
         if all_logits:
             return self.model.compute_logits(hidden)
         last = {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}

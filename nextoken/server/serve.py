@@ -23,15 +23,13 @@ def serve(args) -> int:
     import uvicorn
 
     from nextoken.catalog import resolve_model
-    from nextoken.cli import speculative_kwargs
     from nextoken.engine.async_engine import AsyncLLMEngine
-    from nextoken.engine.engine import parse_size
-    from nextoken.llm import LLM
+    from nextoken.engine.engine import LLMEngine
+    from nextoken.engine_args import EngineArgs
     from nextoken.server.app import ServerConfig, build_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = resolve_model(args.model, auto_pull=True)
-    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+    engine_args = EngineArgs.from_cli_args(args)
+    resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     state = SimpleNamespace(engine=None, draining=False, started=time.time())
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
@@ -40,12 +38,7 @@ def serve(args) -> int:
     server_ref = {}
 
     def load():
-        llm = LLM(str(path), dtype=args.dtype, num_threads=args.threads, kv_cache_memory=memory,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-                  enforce_eager=args.enforce_eager or None, dense_weights=args.dense_weights,
-                  **speculative_kwargs(args))
-        return AsyncLLMEngine(llm.engine)
+        return AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
 
     @asynccontextmanager
     async def lifespan(app):

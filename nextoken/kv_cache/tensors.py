@@ -4,7 +4,7 @@
 (head-major, so gathering a batch's blocks gives ``[heads, batch, tokens, head_dim]``, the
 layout the attention matmuls want, with no further copy); a token whose slot is ``s`` lives at
 ``[:, s // block_size, s % block_size]``. Which request owns which block is decided by
-`nextoken.engine.kv_cache`.
+`nextoken.kv_cache`.
 
 Sliding-window layers (Gemma 3's local layers) attend only to their last `window` keys, so they
 keep no more than that: each sequence owns a ring of `ring_blocks` blocks in `SlidingKVCache`,

@@ -6,14 +6,14 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 
 from __future__ import annotations
 
-from nextoken.engine.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
+from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
 
 
 class KVCacheManager:
     """Allocates blocks to requests, finds cached prefixes, frees blocks when requests end.
 
     With `sliding_blocks` (a model with sliding-window layers), each request also owns a ring of
-    up to `ring_blocks` blocks from a second pool for those layers (`runner.kv_cache`). Their
+    up to `ring_blocks` blocks from a second pool for those layers (`kv_cache.tensors`). Their
     older keys are overwritten, so a prefix of such a model cannot be reused: prefix caching and
     prefix sharing are off for it.
     """

@@ -14,7 +14,7 @@ Q8_0 (``x = d * q``, q a signed byte) is split into two 4-bit halves, ``q = 16 h
 int4 matmuls (half the bytes of bf16 in all), with no change to the values.
 
 The mapping is the formula rearranged, so it equals the de-quantized float32 weights
-(`nextoken.loader.dequant`, the reference) up to the rounding of the scales to the activation
+(`nextoken.layers.quantization.ggml`, the reference) up to the rounding of the scales to the activation
 dtype; tests compare both.
 
 For many rows (prefill, big batches) the int4 kernel is slower than a bf16 matmul on this CPU's
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.loader.dequant import _f16, _nibbles, _q4_k_scales
+from nextoken.layers.quantization.ggml import _f16, _nibbles, _q4_k_scales
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")

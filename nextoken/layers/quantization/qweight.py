@@ -15,7 +15,7 @@ Scales and mins are kept as GGUF has them, so the weight takes no more bytes tha
 (decode reads every weight once per step: bytes are time): one float16 per block for the
 legacy formats; for the k-quants an int8 per group times one float32 per super-block of 256
 columns (``scale_sup``, ``min_sup``). ``min = -offset * scale`` is not stored at all, only the
-offset. The products are those of the float32 de-quantization (`nextoken.loader.dequant`, the
+offset. The products are those of the float32 de-quantization (`nextoken.layers.quantization.ggml`, the
 reference), exactly; `QuantWeight.dequantize` computes them and the tests compare.
 
 `qmatmul` multiplies on our C kernel (``kernels/qmatmul.c``): activations are quantized to
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels import load
-from nextoken.loader.dequant import QK, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
+from nextoken.layers.quantization.ggml import QK, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
 
 QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
 TILE = 16  # rows per tile of the kernel's layout

@@ -1,0 +1,177 @@
+"""One figure of `nextoken bench` (``nextoken/bench.py``), measured in a process of its own.
+
+    python benchmarks/bench_worker.py --worker nextoken|llama.cpp --mode single|batched \
+        --model-path FILE [workload flags] [nextoken's engine flags]
+
+Prints one JSON line. nextoken's engine is built from the same `EngineArgs` flags as every
+other command (the driver passes them on); llama.cpp (through ``llama-cpp-python``, possibly in
+a Python without torch) reads the thread count and the context from them. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import sys
+import time
+
+from nextoken.engine_args import EngineArgs  # imports no torch: the llama.cpp side may have none
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _prompt(n: int, vocab: int, seed: int, skip: set[int] = frozenset()) -> list[int]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        t = rng.randrange(100, vocab)
+        if t not in skip:
+            out.append(t)
+    return out
+
+
+def nextoken_worker(a, engine_args: EngineArgs) -> dict:
+    import torch
+
+    from nextoken.llm import LLM
+    from nextoken.sampling_params import SamplingParams
+
+    batched = a.mode == "batched"
+    llm = LLM.from_engine_args(engine_args.replace(model=a.model_path, max_num_seqs=a.batch if batched else 1))
+    skip = set(llm.tokenizer.special_ids) if hasattr(llm.tokenizer, "special_ids") else set()
+    vocab = llm.config.vocab_size
+
+    def greedy(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    llm.generate([_prompt(a.prompt_tokens, vocab, 99, skip)], greedy(4))  # warm-up (and compiles)
+    if batched:
+        prompts = [_prompt(a.batch_prompt_tokens, vocab, i, skip) for i in range(a.batch)]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, greedy(a.batch_output_tokens))
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == a.batch_output_tokens for o in outs)
+        total = a.batch * (a.batch_prompt_tokens + a.batch_output_tokens)
+        return {"batched_tok_s": total / dt, "batched_output_tok_s": a.batch * a.batch_output_tokens / dt,
+                "threads": torch.get_num_threads()}
+    prompt = _prompt(a.prompt_tokens, vocab, 0, skip)
+    ttfts = [llm.generate([prompt], greedy(1))[0].metrics.ttft for _ in range(a.repeat)]
+    out = llm.generate([_prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0]
+    m = out.metrics
+    decode = a.decode_tokens / (m.finished_time - m.first_token_time)
+    return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts), "decode_tok_s": decode,
+            "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads(),
+            "weights_mib": llm.runner.weight_bytes / 2**20, "kv_cache_mib": llm.runner.kv.nbytes / 2**20}
+
+
+def _llama_forward(llm, token_ids: list[int]) -> None:
+    """One llama.cpp forward pass over `token_ids` (``Llama.eval`` wraps ``llama_decode``: it runs
+    the model on token ids, nothing is evaluated as code); the last logits land in ``llm.scores``."""
+    llm.eval(token_ids)
+
+
+def llama_cpp_worker(a, engine_args: EngineArgs) -> dict:
+    import numpy as np
+    import llama_cpp as L
+
+    threads, context = engine_args.num_threads, engine_args.max_model_len
+    if a.mode == "batched":
+        return _llama_cpp_batched(a, threads, L, np)
+    llm = L.Llama(a.model_path, n_ctx=context, n_batch=a.prompt_tokens, n_threads=threads,
+                  n_threads_batch=threads, verbose=False)
+    vocab = llm.n_vocab()
+    warm = _prompt(a.prompt_tokens, vocab, 99)
+    llm.reset()
+    _llama_forward(llm, warm)
+    prompt = _prompt(a.prompt_tokens, vocab, 0)
+    times = []
+    for _ in range(a.repeat):
+        llm.reset()
+        t = time.perf_counter()
+        _llama_forward(llm, prompt)
+        int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        times.append(time.perf_counter() - t)
+    llm.reset()
+    _llama_forward(llm, _prompt(8, vocab, 1))
+    t = time.perf_counter()
+    for _ in range(a.decode_tokens):
+        _llama_forward(llm, [int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    decode = a.decode_tokens / (time.perf_counter() - t)
+    return {"prefill_tok_s": a.prompt_tokens / statistics.median(times), "decode_tok_s": decode,
+            "peak_rss_mib": _peak_rss_mib(), "threads": threads, "version": L.__version__}
+
+
+def _llama_cpp_batched(a, threads: int, L, np) -> dict:
+    """Like llama-batched-bench: every prompt in one batch, then one token per sequence per step."""
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(a.model_path.encode(), L.llama_model_default_params())
+    n_seq, p, o = a.batch, a.batch_prompt_tokens, a.batch_output_tokens
+    cp = L.llama_context_default_params()
+    cp.n_ctx = n_seq * (p + o) + 16
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_seq_max = n_seq
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = True
+    ctx = L.llama_init_from_model(model, cp)
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(512, 0, 1)
+
+    def decode(items):  # items: (token, pos, seq, wants_logits); returns {seq: batch row of its logits}
+        rows = {}
+        for start in range(0, len(items), 512):
+            chunk = items[start : start + 512]
+            batch.n_tokens = len(chunk)
+            for i, (tok, pos, seq, want) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, int(want)
+                if want:
+                    rows[seq] = i
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+        return rows
+
+    def next_tokens(rows):
+        return {s: int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))))
+                for s, i in rows.items()}
+
+    prompts = [_prompt(p, vocab, i) for i in range(n_seq)]
+    t = time.perf_counter()
+    # prompts in 512-token chunks; a sequence's logits are read right after the chunk holding its end
+    items = [(tok, j, s, j == p - 1) for s, pr in enumerate(prompts) for j, tok in enumerate(pr)]
+    toks = {}
+    for start in range(0, len(items), 512):
+        toks.update(next_tokens(decode(items[start : start + 512])))
+    for step in range(o - 1):
+        toks = next_tokens(decode([(toks[s], p + step, s, True) for s in range(n_seq)]))
+    dt = time.perf_counter() - t
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    return {"batched_tok_s": n_seq * (p + o) / dt, "batched_output_tok_s": n_seq * o / dt, "threads": threads}
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", choices=("nextoken", "llama.cpp"), required=True)
+    p.add_argument("--mode", choices=["single", "batched"], required=True)
+    p.add_argument("--model-path", required=True)
+    for name in ("prompt-tokens", "decode-tokens", "batch", "batch-prompt-tokens", "batch-output-tokens", "repeat"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    EngineArgs.add_cli_args(p, exclude=("model", "max_num_seqs"))
+    a = p.parse_args(argv)
+    return a, EngineArgs.from_cli_args(a, model=a.model_path)
+
+
+def main(argv: list[str]) -> int:
+    a, engine_args = parse(argv)
+    res = nextoken_worker(a, engine_args) if a.worker == "nextoken" else llama_cpp_worker(a, engine_args)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

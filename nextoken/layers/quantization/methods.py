@@ -1,0 +1,136 @@
+"""How a `Linear` holds its weight and computes ``y = x W^T + b``: one `LinearMethod` object per
+layer, chosen at load by the model runner's execution plan (`nextoken.runner.plan`) and fixed
+from then on.
+
+- `DenseMethod`: the weight as a dense tensor in the model's dtype; PyTorch's matmul.
+- `CodesMethod`: GGUF block codes (`qweight.QuantWeight`) on our C kernel (``kernels/qmatmul.c``,
+  int8 activations, AVX-512 VNNI), for every call, prefill included.
+- `TorchInt4Method`: 4-bit blocks (and Q8_0 as two 4-bit halves) packed for PyTorch's int4 kernel
+  (`torch_int4`): the PyTorch-only path (``enforce_eager``, or no C compiler).
+
+Each method's `load` is the layer's weight loader for that form: it reads the checkpoint tensor
+(`nextoken.loader.weights.CheckpointTensor`) a chunk of rows at a time, applies the tensor's row
+mapping (Q/K un-permutation) and stores the result on the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16, gguf_codes, qmatmul
+from nextoken.layers.quantization.torch_int4 import empty_int4, int4_groups, int4_linear, int4_unpack, pack_int4
+
+LOAD_CHUNK_ROWS = 4096  # rows converted at a time (a multiple of 64, the int4 packing block)
+
+
+class LinearMethod:
+    """``apply(layer, x)``: ``x [T, in] -> [T, out]``; ``load(layer, t)``: store checkpoint tensor
+    `t` on `layer` in this form."""
+
+    name = "?"
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load(self, layer, t) -> None:
+        raise NotImplementedError
+
+
+class DenseMethod(LinearMethod):
+    name = "dense"
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+    def load(self, layer, t) -> None:
+        if layer.weight is None or layer.weight.dtype != layer.dtype:  # released or shared before: a fresh one
+            layer.weight = torch.nn.Parameter(torch.empty(t.shape, dtype=layer.dtype), requires_grad=False)
+        layer.weight.data.copy_(t.dense(layer.dtype))
+        layer.method = self
+
+
+class CodesMethod(LinearMethod):
+    """Our kernel on GGUF codes. Should the kernel not take a call (an activation dtype it has no
+    path for), the weight is expanded to bf16 for that call only."""
+
+    name = "codes"
+
+    def apply(self, layer, x):
+        y = qmatmul(x, layer.qweight, c=layer.qweight_c())
+        if y is not None:
+            return y
+        return F.linear(x, dequantize_bf16(layer.qweight, scratch=True).to(layer.dtype), layer.bias)
+
+    def load(self, layer, t) -> None:
+        layer.set_qweight(load_codes(t))
+
+
+class TorchInt4Method(LinearMethod):
+    """PyTorch's int4 kernel for calls of few rows; larger calls use the dense copy when kept
+    (`keep_dense`), else expand the weight to bf16 for that call (`torch_int4.int4_unpack`).
+    A layer with ``few_rows`` (the LM head: one row per sequence) always runs the int4 kernel."""
+
+    name = "torch-int4"
+    MAX_TOKENS = 24  # int4 kernel up to this many rows when there is no dense copy
+    MAX_TOKENS_WITH_DENSE = 12  # and with one (crossover measured on SmolLM2's shapes)
+
+    def __init__(self, keep_dense: bool = False):
+        self.keep_dense = keep_dense
+
+    def apply(self, layer, x):
+        limit = self.MAX_TOKENS if layer.weight is None else self.MAX_TOKENS_WITH_DENSE
+        if x.shape[0] <= limit or (layer.few_rows and layer.weight is None):
+            y = int4_linear(x, *layer.int4[0])
+            for part in layer.int4[1:]:
+                y = y + int4_linear(x, *part)
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x, layer.dense_weight(), layer.bias)
+
+    def load(self, layer, t) -> None:
+        keep_dense = self.keep_dense
+        if keep_dense:
+            DenseMethod().load(layer, t)
+        layer.set_int4(load_int4(t, layer.dtype), keep_dense)
+        layer.method = self
+
+
+def load_codes(t) -> QuantWeight:
+    """A block-quantized checkpoint tensor as `QuantWeight` codes, `LOAD_CHUNK_ROWS` rows at a
+    time (a tensor with a row mapping, Q/K, in one go: the mapping needs every row)."""
+    rows, cols = t.shape
+    chunk = rows if t.maps_rows else LOAD_CHUNK_ROWS
+    parts = []
+    for start in range(0, rows, chunk):
+        stop = min(start + chunk, rows)
+        plain = gguf_codes(t.raw(start, stop), t.type_name, stop - start, cols)
+        if t.maps_rows:
+            plain = plain.map_rows(t.map_rows)
+        parts.append(QuantWeight.pack(plain))
+    return parts[0] if len(parts) == 1 else QuantWeight.cat(parts)
+
+
+def load_int4(t, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A 4-bit (or Q8_0) checkpoint tensor as int4 parts, `LOAD_CHUNK_ROWS` rows at a time so the
+    int32 and float32 temporaries stay small (Q/K, with a row mapping, in one go)."""
+    rows, cols = t.shape
+    chunk = rows if t.maps_rows else LOAD_CHUNK_ROWS
+    parts = None
+    for start in range(0, rows, chunk):
+        stop = min(start + chunk, rows)
+        groups = int4_groups(t.raw(start, stop), t.type_name, stop - start, cols)
+        if parts is None:
+            parts = [empty_int4(rows, cols, dtype) for _ in groups]
+        for (q, scale, zero), (packed, sz) in zip(groups, parts):
+            if t.maps_rows:
+                q, scale, zero = (t.map_rows(x) for x in (q, scale, zero))
+            packed[start:stop], sz[:, start:stop] = pack_int4(q, scale, zero, dtype)
+    return parts
+
+
+def expand_int4(parts) -> torch.Tensor:
+    """The dense weight ``[out, in]`` that int4 parts add up to."""
+    w = int4_unpack(*parts[0])
+    for part in parts[1:]:
+        w = w + int4_unpack(*part)
+    return w

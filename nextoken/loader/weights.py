@@ -1,0 +1,190 @@
+"""Checkpoint tensors into a model's parameters: names, permutations, packing.
+
+    load_weights(model, source, plan)
+      for each (checkpoint name -> our parameter) of the architecture's name table:
+        CheckpointTensor (type, shape, raw block bytes or dense values, row mapping)
+        -> the owning layer's `weight_loader(tensor, plan)` hook (Linear, Embedding), which stores
+           it in the form the execution plan picks (codes, int4, dense), or a plain copy
+      then the tied LM head (sharing the embedding's codes or table when it can)
+
+The name tables are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``) and the Hugging Face
+checkpoint names; the model files describe only the architecture. The hooks are where a tensor-
+parallel shard will be cut. A missing tensor or one of another shape is a `ModelLoadError`
+naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nextoken.errors import ModelLoadError
+from nextoken.layers.quantization.methods import CodesMethod, DenseMethod
+from nextoken.layers.rotary import unpermute_qk
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFModelDir
+
+
+@dataclass
+class CheckpointTensor:
+    """One tensor of a checkpoint, read on demand.
+
+    type_name: the GGML type (``"Q4_K"``, ``"F32"`` ...; dense safetensors read as ``"F32"``);
+    shape: PyTorch order, rows first; `raw` gives the stored block bytes of a row range (GGUF
+    only); `dense` the values in a dtype with `transform` applied; `row_heads`, when set, is the
+    head count by which the rows must be un-permuted (llama.cpp's Q/K permutation): `map_rows`
+    applies that to any tensor indexed by these rows (codes, scales).
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    read_dense: Callable[[torch.dtype], torch.Tensor]
+    read_raw: Callable[[int, int | None], torch.Tensor] | None = None
+    row_heads: int | None = None
+
+    @property
+    def maps_rows(self) -> bool:
+        return self.row_heads is not None
+
+    def map_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return unpermute_qk(t, self.row_heads) if self.row_heads is not None else t
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.map_rows(self.read_dense(dtype))
+
+    def raw(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if self.read_raw is None:
+            raise ModelLoadError(f"tensor {self.name} has no block-quantized bytes")
+        return self.read_raw(start, stop)
+
+
+# -- name tables ------------------------------------------------------------------------------
+# GGUF blk.N.<name> -> our layers.N.<name>, per layer layout
+GGUF_LAYER_NAMES = {
+    "llama": {"attn_norm.weight": "input_layernorm", "ffn_norm.weight": "post_attention_layernorm"},
+    "gemma3": {"attn_norm.weight": "input_layernorm", "post_attention_norm.weight": "post_attention_layernorm",
+               "ffn_norm.weight": "pre_feedforward_layernorm", "post_ffw_norm.weight": "post_feedforward_layernorm"},
+}
+GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj"}
+GPT2_HF_LAYER_NAMES = {"ln_1.weight": "ln_1_weight", "ln_1.bias": "ln_1_bias", "ln_2.weight": "ln_2_weight",
+                       "ln_2.bias": "ln_2_bias", "attn.c_attn.weight": "c_attn.weight",
+                       "attn.c_attn.bias": "c_attn.bias", "attn.c_proj.weight": "attn_proj.weight",
+                       "attn.c_proj.bias": "attn_proj.bias", "mlp.c_fc.weight": "c_fc.weight",
+                       "mlp.c_fc.bias": "c_fc.bias", "mlp.c_proj.weight": "mlp_proj.weight",
+                       "mlp.c_proj.bias": "mlp_proj.bias"}
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def gguf_names(model) -> dict[str, tuple[str, int | None]]:
+    """GGUF tensor name -> (our parameter name, heads to un-permute its rows by, or None)."""
+    cfg = model.config
+    if cfg.architecture == "gpt2":
+        raise ModelLoadError("GPT-2 loads from Hugging Face folders (safetensors), not GGUF")
+    layout = "gemma3" if cfg.architecture == "gemma3" else "llama"
+    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if model.GGUF_PERMUTED_QK else {}
+    m = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm", None)}
+    if not cfg.tie_word_embeddings:
+        m["output.weight"] = ("lm_head.weight", None)
+    for i, layer in enumerate(model.layers):
+        p, ours = f"blk.{i}.", f"layers.{i}."
+        for g, name in GGUF_LAYER_NAMES[layout].items():
+            m[p + g] = (ours + name, None)
+        for g, name in GGUF_PROJECTIONS.items():
+            m[p + g + ".weight"] = (ours + name + ".weight", permute.get(g))
+            if cfg.attention_bias and g in ("attn_q", "attn_k", "attn_v"):
+                m[p + g + ".bias"] = (ours + name + ".bias", permute.get(g))
+        if layer.self_attn.q_norm is not None:  # QK-norm (Qwen 3, Gemma 3)
+            m[p + "attn_q_norm.weight"] = (ours + "self_attn.q_norm", None)
+            m[p + "attn_k_norm.weight"] = (ours + "self_attn.k_norm", None)
+    return m
+
+
+def hf_names(model, source: HFModelDir) -> dict[str, str]:
+    """Hugging Face tensor name -> our parameter name."""
+    cfg = model.config
+    if cfg.architecture == "gpt2":
+        m = {"transformer.wte.weight": "embed_tokens.weight", "transformer.wpe.weight": "position_embeddings",
+             "transformer.ln_f.weight": "norm", "transformer.ln_f.bias": "norm_bias"}
+        for i in range(cfg.num_layers):
+            for hf, ours in GPT2_HF_LAYER_NAMES.items():
+                m[f"transformer.h.{i}.{hf}"] = f"layers.{i}.{ours}"
+        if not source.has_tensor("transformer.wte.weight"):  # saved from GPT2Model: no prefix
+            m = {k.removeprefix("transformer."): v for k, v in m.items()}
+        return m
+    m = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm"}
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = "lm_head.weight"
+    for name, _ in model.named_parameters():
+        if name.startswith("layers."):  # the layouts agree: our names with the "model." prefix
+            m["model." + name + ("" if name.endswith((".weight", ".bias")) else ".weight")] = name
+    return m
+
+
+def hf_transform(architecture: str, name: str, w: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face tensor in our layout: GPT-2's ``Conv1D`` weights (``[in, out]``) transposed;
+    Gemma's RMSNorm weights stored as ``w - 1`` by `transformers` made ``w`` (as GGUF has them)."""
+    if architecture == "gpt2" and name.endswith(GPT2_CONV1D):
+        return w.t().contiguous()
+    if architecture == "gemma3" and name.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+# -- loading ----------------------------------------------------------------------------------
+def load_weights(model, source: GGUFFile | HFModelDir, plan) -> None:
+    """Fill every parameter of `model` from `source`, each weight in the form `plan` picks."""
+    if isinstance(source, HFModelDir):
+        arch = model.config.architecture
+        tensors = {ours: _hf_tensor(source, name, arch) for name, ours in hf_names(model, source).items()}
+    else:
+        tensors = {ours: _gguf_tensor(source, name, heads) for name, (ours, heads) in gguf_names(model).items()}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for ours, t in tensors.items():
+        owner = model.get_submodule(ours.rsplit(".", 1)[0]) if ours.endswith(".weight") else None
+        hook = getattr(owner, "weight_loader", None)
+        expected = (owner.out_features, owner.in_features) if hasattr(owner, "out_features") else \
+            (owner.vocab_size, owner.hidden_size) if hook is not None else tuple(params[ours].shape)
+        if tuple(t.shape) != tuple(expected):
+            raise ModelLoadError(f"tensor {t.name} has shape {tuple(t.shape)}, expected {tuple(expected)}")
+        if hook is not None:
+            hook(t, plan)
+        else:
+            params[ours].data.copy_(t.dense(params[ours].dtype))
+    if model.config.tie_word_embeddings:
+        _tie_head(model, tensors["embed_tokens.weight"], plan)
+
+
+def _tie_head(model, table: CheckpointTensor, plan) -> None:
+    """The LM head of a tied model reads the embedding table: its codes when both use codes, the
+    same dense table when the embedding is dense, else its own form of the table (int4 on the
+    PyTorch path, where the embedding keeps Q8_0 rows)."""
+    head, emb = model.lm_head, model.embed_tokens
+    head.few_rows = True
+    if emb.qweight is not None and isinstance(plan.linear_method(table.type_name, *table.shape), CodesMethod):
+        head.set_qweight(emb.qweight)
+    elif emb.weight is not None:
+        head.weight, head.method = emb.weight, DenseMethod()
+    else:
+        head.weight_loader(table, plan)
+
+
+def _gguf_tensor(f: GGUFFile, name: str, heads: int | None) -> CheckpointTensor:
+    if not f.has_tensor(name):
+        raise ModelLoadError(f"tensor {name} is missing from the GGUF file")
+    return CheckpointTensor(name, f.tensor_type(name), f.tensor_shape(name),
+                            lambda dtype: f.tensor(name, dtype), lambda a, b: f.raw(name, a, b), heads)
+
+
+def _hf_tensor(d: HFModelDir, name: str, arch: str) -> CheckpointTensor:
+    if not d.has_tensor(name):
+        raise ModelLoadError(f"{d.path}: tensor {name} is missing from the safetensors weights")
+    shape = d.tensor_shape(name)
+    if arch == "gpt2" and name.endswith(GPT2_CONV1D):
+        shape = tuple(reversed(shape))
+    return CheckpointTensor(name, "F32", shape,
+                            lambda dtype: hf_transform(arch, name, d.tensor(name, torch.float32)).to(dtype))

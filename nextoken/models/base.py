@@ -1,0 +1,90 @@
+"""`DecoderModel`: what every decoder-only model here shares.
+
+    tokens -> embed (token table, scaled or plus learned positions)
+           -> rope tables (one per attention kind, or none)
+           -> L x layer(h, rope, kv cache, attention metadata)
+           -> final norm                         (`forward`: hidden states)
+           -> LM head, float32                   (`compute_logits`)
+
+An architecture file subclasses it and says what differs: `make_layer` (the decoder layer),
+and where needed `embed`, `rope`, `final_norm`, `compute_logits`. Model files describe the
+architecture only: how weights are read from a checkpoint is `nextoken.loader.weights`, and
+which kernels run is the model runner's execution plan (`nextoken.runner.plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nextoken.config import ModelConfig
+from nextoken.layers import weight_param
+from nextoken.layers.attention import AttentionMetadata
+from nextoken.layers.embedding import Embedding
+from nextoken.layers.linear import Linear
+from nextoken.layers.norm import rms_norm
+from nextoken.layers.rotary import inv_frequencies, rope_cos_sin
+from nextoken.kv_cache.tensors import PagedKVCache
+
+Rope = dict[bool, tuple[torch.Tensor, torch.Tensor]] | None  # sliding? -> (cos, sin) ``[T, rope_dim]``
+
+
+class DecoderModel(torch.nn.Module):
+    """Embedding, decoder layers, final norm, LM head (tied to the embedding table when the
+    config says so). `forward` computes hidden states, `compute_logits` the logits."""
+
+    # what the checkpoint readers (`nextoken.loader.weights`) need to know of the architecture
+    GGUF_PERMUTED_QK = False  # GGUF stores Q and K permuted for interleaved RoPE (llama.cpp's `llama`)
+    NATIVE_DECODE = False  # the one-call C decode step (`layers.native_decode`) implements this layer
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = torch.nn.ModuleList(self.make_layer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = weight_param(cfg.hidden_size, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:  # one table serves both, until the loader says otherwise
+            self.lm_head.weight = self.embed_tokens.weight
+        if cfg.rope_dim:
+            self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
+
+    def make_layer(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> torch.nn.Module:
+        """Decoder layer `layer`: ``layer(h, rope, kv, meta) -> (h, probs or None)``."""
+        raise NotImplementedError
+
+    # -- the data flow ------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden]`` in the model's dtype."""
+        return self.embed_tokens(input_ids)
+
+    def rope(self, positions: torch.Tensor) -> Rope:
+        """The RoPE tables of this pass, in the model's dtype, once per pass (not per layer):
+        ``{sliding: (cos, sin)}`` for full and sliding-window layers (the same table here)."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [T, rope_dim] each, float32
+        table = (cos.to(self.dtype), sin.to(self.dtype))
+        return {False: table, True: table}
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.norm, self.config.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
+                meta: AttentionMetadata, tracer=None) -> torch.Tensor:
+        """input_ids, positions: int64 ``[T]`` (the new tokens of every sequence in the batch,
+        flattened) -> final hidden states ``[T, hidden]``.
+
+        Writes this pass's keys and values into `kv` at ``meta.slot_mapping``. `tracer`, when
+        given, is called with what each stage produced (see `nextoken.trace`).
+        """
+        h = self.embed(input_ids, positions)
+        rope = self.rope(positions)
+        if tracer is not None:
+            tracer.on_embedding(h, *(rope[False] if rope else (None, None)))
+        for i, layer in enumerate(self.layers):
+            h, probs = layer(h, rope, kv, meta)
+            if tracer is not None:
+                tracer.on_layer(i, h, probs)
+        return self.final_norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, hidden]`` -> float32 logits ``[T, vocab]``."""
+        return self.lm_head(hidden).float()

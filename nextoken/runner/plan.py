@@ -1,0 +1,115 @@
+"""The execution plan: which code runs each part of the model, decided once, at load.
+
+The model runner builds one `ExecutionPlan` from the engine arguments and what this machine can
+run, hands it to the loader (which stores each weight in the form the plan picks, through the
+layers' weight-loader hooks) and logs it in one line (``--log-level info``):
+
+- **linears**: per layer, a `LinearMethod` (`layers.quantization.methods`): GGUF codes on our C
+  kernel (bf16, kernels on, a block format we map), PyTorch's int4 kernel (bf16 without our
+  kernels, 4-bit or Q8_0 blocks), or dense (everything else, and float32: the reference);
+- **embedding**: codes (sharing them with a tied head), Q8_0 rows (PyTorch path), or dense;
+- **attention**: ``reference`` (plain float32 attention, the oracle), ``native`` (our C decode
+  kernel reading the paged cache in place, blocked matmuls for prefill) or ``torch`` (the same
+  without the C kernel); carried to the layers in `AttentionMetadata.backend`;
+- **native decode**: whether a batch of single-token decodes runs every layer in one C call
+  (`layers.native_decode`): bf16, an architecture it implements, every projection as codes.
+
+``enforce_eager`` fixes all of these to PyTorch at load; nothing reads a process-wide switch
+while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has the same effect as
+a machine without a C compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from nextoken import kernels
+from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, LinearMethod, TorchInt4Method
+from nextoken.layers.quantization.qweight import qweight_supported
+from nextoken.layers.quantization.torch_int4 import int4_supported
+
+log = logging.getLogger("nextoken.plan")
+
+
+@dataclass
+class ExecutionPlan:
+    """What runs where. Build it with `choose`; `native_decode` is settled after loading, when
+    every linear's method is known (`settle`)."""
+
+    dtype: torch.dtype
+    codes: bool  # block-quantized weights as codes on our C kernel
+    torch_int4: bool  # else 4-bit/Q8_0 blocks on PyTorch's int4 kernel
+    dense_weights: bool  # with torch_int4: keep a dense copy too
+    attention: str  # "reference" | "native" | "torch"
+    native_decode: bool = False
+    reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
+
+    @classmethod
+    def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
+               keep_quantized: bool = True, dense_weights: bool = False) -> ExecutionPlan:
+        """The plan for a model in `dtype` on this machine. `keep_quantized`: block-quantized
+        weights stay quantized (bf16 only; float32 de-quantizes everything, the reference)."""
+        reasons = {}
+        native = not enforce_eager and kernels.native_allowed()
+        if enforce_eager:
+            reasons["kernels"] = "enforce_eager"
+        elif not native:
+            reasons["kernels"] = "NEXTOKEN_NATIVE_KERNELS=0"
+        quantized = keep_quantized and dtype == torch.bfloat16
+        codes = quantized and native and kernels.load("qmatmul") is not None
+        if quantized and native and not codes:
+            reasons["codes"] = "the qmatmul kernel did not build"
+        if reference_attention:
+            attention = "reference"
+        elif native and kernels.load("paged_attention") is not None:
+            attention = "native"
+        else:
+            attention = "torch"
+        return cls(dtype, codes, quantized and not codes, dense_weights, attention, reasons=reasons)
+
+    # -- per layer ------------------------------------------------------------------------
+    def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
+        """The method for a linear weight of GGML type `type_name` and shape ``[rows, cols]``."""
+        if self.codes and qweight_supported(type_name, rows, cols):
+            return CodesMethod()
+        if self.torch_int4 and int4_supported(type_name, rows, cols, self.dtype):
+            return TorchInt4Method(self.dense_weights)
+        return DenseMethod()
+
+    def embedding_form(self, type_name: str, rows: int, cols: int) -> str:
+        """``"codes"``, ``"q8_0"`` (int8 rows and scales, the PyTorch path) or ``"dense"``."""
+        if self.codes and qweight_supported(type_name, rows, cols):
+            return "codes"
+        if self.torch_int4 and not self.dense_weights and type_name == "Q8_0":
+            return "q8_0"
+        return "dense"
+
+    def settle(self, model) -> None:
+        """After loading: whether the one-call C decode step runs `model` (bf16, an architecture
+        it implements, no sliding-window layers, every projection as codes, the kernel builds)."""
+        from nextoken.layers.native_decode import NativeDecoder
+
+        self.native_decode = NativeDecoder.supports(model) and self.codes and kernels.load("decode") is not None
+        if not self.native_decode and self.codes:
+            self.reasons["native decode"] = "not for this architecture or these weights" \
+                if not NativeDecoder.supports(model) else "the decode kernel did not build"
+
+    def describe(self, model) -> str:
+        """One line: the linears by method (and GGML type), the embedding, attention, decode."""
+        by_method: Counter = Counter()
+        for name, m in model.named_modules():
+            method = getattr(m, "method", None)
+            if isinstance(method, LinearMethod):
+                fmt = f"{method.name}" if method.name != "dense" else f"dense {str(m.dtype).removeprefix('torch.')}"
+                by_method[fmt] += 1
+        emb = model.embed_tokens
+        emb_form = "codes" if emb.qweight is not None else "q8_0" if emb.q8 is not None else "dense"
+        linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
+        decode = "one C call per step" if self.native_decode else "PyTorch layers"
+        off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
+        return (f"execution plan: {str(self.dtype).removeprefix('torch.')}; linears: {linears}; embedding: {emb_form}; "
+                f"attention: {self.attention}; decode step: {decode}" + (f" ({off})" if off else ""))

@@ -1,0 +1,87 @@
+"""The package's layout: no import cycles between its parts, and the light commands stay light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nextoken"
+
+
+def part_of(module: str) -> str:
+    """``nextoken.engine.scheduler`` -> ``engine``; ``nextoken.cli`` -> ``cli``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def import_graph() -> dict[str, dict[str, str]]:
+    """part -> {imported part: "file imports module"}, for every import in the package, at the
+    top of a file or inside a function alike."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        if module == "nextoken":  # the lazy top-level names; no imports of its own
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.startswith("nextoken.") and part_of(name) != part_of(module):
+                    graph.setdefault(part_of(module), {})[part_of(name)] = f"{module} imports {name}"
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
+    """One cycle of the graph as a list of edges' descriptions, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, {}):
+            if state.get(nxt) == 1:
+                loop = stack[stack.index(nxt):] + [nxt]
+                return [graph[a][b] for a, b in zip(loop, loop[1:])]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in list(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles_between_parts():
+    assert find_cycle(import_graph()) is None, find_cycle(import_graph())
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b": "a->b"}, "b": {"c": "b->c"}, "c": {"a": "c->a"}}) == ["a->b", "b->c", "c->a"]
+    assert find_cycle({"a": {"b": "a->b"}, "b": {}}) is None
+
+
+def test_models_and_help_do_not_import_torch():
+    code = ("import sys, contextlib, io\n"
+            "from nextoken.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['models'])\n"
+            "    for argv in (['--help'], ['run', '--help'], ['serve', '--help'], ['bench', '--help']):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
