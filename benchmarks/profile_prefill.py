@@ -14,7 +14,7 @@ import time
 from torch.profiler import profile
 
 import nextoken.layers.linear as linear
-from nextoken.bench import _prompt
+from bench_worker import _prompt  # benchmarks/ is this script's folder
 from nextoken.llm import LLM
 from nextoken.sampling_params import SamplingParams
 

@@ -94,11 +94,11 @@ def main():
     args = ap.parse_args()
 
     from nextoken import LLM
-    from nextoken.engine.engine import parse_size
+    from nextoken.engine_args import parse_size
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=parse_size(args.kv_cache_memory),
-              dense_weights=args.dense_weights)
+              dense_weights=bool(args.dense_weights))
     reqs = workload(args, llm.config.vocab_size, llm.tokenizer.special_ids)
     print(f"model {args.model} ({args.dtype}), {len(reqs)} requests, prompts {args.min_prompt}-{args.max_prompt}, "
           f"outputs {args.min_output}-{args.max_output}, torch threads {torch.get_num_threads()}")

@@ -99,6 +99,10 @@ class EngineArgs:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidRequest(f"{name} must be an integer >= {low}, got {value!r}", name)
+        for f in dataclasses.fields(self):
+            if f.metadata["cli"] in ("true", "bool") or f.name == "auto_pull":
+                if not isinstance(getattr(self, f.name), bool):
+                    raise InvalidRequest(f"{f.name} must be True or False, got {getattr(self, f.name)!r}", f.name)
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"unknown speculative method {self.speculative_method!r}: use 'draft' or 'ngram'",
                                  "speculative_method")
