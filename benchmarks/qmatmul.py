@@ -31,7 +31,7 @@ SHAPES = [  # (name, rows N, cols K, format)
 
 
 def random_weight(rows: int, cols: int, fmt: str, g: torch.Generator) -> QuantWeight:
-    """Random codes and scales in the layout `fmt` maps to (see `layers.qweight`)."""
+    """Random codes and scales in the layout `fmt` maps to (see `layers.quantization.qweight`)."""
     def ints(hi, shape):
         return torch.randint(0, hi, shape, generator=g)
 

@@ -23,13 +23,16 @@ def replay(runner: ModelRunner, gen: dict):
         logits = seq.forward([step["token"]])
 
 
+FLOAT32_TOLERANCE = 5e-5  # the README's claim; measured on SmolLM2: at most 2.8e-5
+
+
 def check_float32(path, name):
     runner = ModelRunner(GGUFFile(path), torch.float32)
     for gen in load_reference(name)["generations"]:
         greedy = []
         for lp, step in replay(runner, gen):
             for tid, ref_lp in step["top5"]:
-                assert abs(float(lp[tid]) - ref_lp) < 1e-2, (gen["prompt"], tid)
+                assert abs(float(lp[tid]) - ref_lp) < FLOAT32_TOLERANCE, (gen["prompt"], tid)
             greedy.append(int(lp.argmax()))
         assert greedy == gen["greedy_ids"], gen["prompt"]
 

@@ -71,6 +71,9 @@ GGUF_LAYER_NAMES = {
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                     "ffn_down": "mlp.down_proj"}
+# llama.cpp's converter permutes Q and K of these architectures for its interleaved RoPE
+# (``convert_hf_to_gguf.py``, ``LlamaModel.permute``); Qwen and Gemma files keep the NeoX order
+GGUF_PERMUTED_QK = {"llama"}
 GPT2_HF_LAYER_NAMES = {"ln_1.weight": "ln_1_weight", "ln_1.bias": "ln_1_bias", "ln_2.weight": "ln_2_weight",
                        "ln_2.bias": "ln_2_bias", "attn.c_attn.weight": "c_attn.weight",
                        "attn.c_attn.bias": "c_attn.bias", "attn.c_proj.weight": "attn_proj.weight",
@@ -86,7 +89,7 @@ def gguf_names(model) -> dict[str, tuple[str, int | None]]:
     if cfg.architecture == "gpt2":
         raise ModelLoadError("GPT-2 loads from Hugging Face folders (safetensors), not GGUF")
     layout = "gemma3" if cfg.architecture == "gemma3" else "llama"
-    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if model.GGUF_PERMUTED_QK else {}
+    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in GGUF_PERMUTED_QK else {}
     m = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm", None)}
     if not cfg.tie_word_embeddings:
         m["output.weight"] = ("lm_head.weight", None)

@@ -32,8 +32,6 @@ class DecoderModel(torch.nn.Module):
     """Embedding, decoder layers, final norm, LM head (tied to the embedding table when the
     config says so). `forward` computes hidden states, `compute_logits` the logits."""
 
-    # what the checkpoint readers (`nextoken.loader.weights`) need to know of the architecture
-    GGUF_PERMUTED_QK = False  # GGUF stores Q and K permuted for interleaved RoPE (llama.cpp's `llama`)
     NATIVE_DECODE = False  # the one-call C decode step (`layers.native_decode`) implements this layer
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):

@@ -93,7 +93,6 @@ class LlamaDecoderLayer(torch.nn.Module):
 class LlamaForCausalLM(DecoderModel):
     """Decoder-only transformer with Llama's layer."""
 
-    GGUF_PERMUTED_QK = True  # llama.cpp's converter permutes Q and K for interleaved RoPE
     NATIVE_DECODE = True  # the C decode step (`layers.native_decode`) implements exactly this layer
     QK_NORM = False  # RMSNorm on each query/key head (Qwen 3)
 

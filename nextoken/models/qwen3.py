@@ -7,6 +7,5 @@ from nextoken.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    GGUF_PERMUTED_QK = False
     NATIVE_DECODE = False  # the C decode step has no QK-norm
     QK_NORM = True

@@ -17,9 +17,11 @@ The mapping is the formula rearranged, so it equals the de-quantized float32 wei
 (`nextoken.layers.quantization.ggml`, the reference) up to the rounding of the scales to the activation
 dtype; tests compare both.
 
-For many rows (prefill, big batches) the int4 kernel is slower than a bf16 matmul on this CPU's
-matrix units, so `int4_unpack` expands the 4-bit weight to bf16 just for that call (about
-0.1 ms per million weights with our C kernel) instead of keeping a dense copy in memory.
+For many rows (prefill, big batches) the int4 kernel is slower than a bf16 matmul, so
+`int4_unpack` expands the 4-bit weight to bf16 just for that call (in PyTorch) instead of keeping
+a dense copy in memory (`methods.TorchInt4Method` decides per call). This is the path of
+``enforce_eager`` and of machines without a C compiler; our own kernel serves GGUF codes
+otherwise (`qweight`).
 """
 
 from __future__ import annotations

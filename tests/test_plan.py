@@ -1,0 +1,82 @@
+"""The execution plan (`nextoken.runner.plan`): chosen once at load, logged in one line, and the
+only thing that decides which kernels run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, TorchInt4Method
+from nextoken.loader.gguf import GGUFFile
+from nextoken.runner.model_runner import ModelRunner
+from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
+
+QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q8_0", "attn_output.weight": "Q5_0",
+         "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q4_0"}
+PROMPT = [5, 17, 200, 33, 41, 270, 90, 12]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "q.gguf"
+    write_gguf(tiny_hf_model("llama", seed=4), path, "llama", quant=QUANT)
+    return path
+
+
+def methods(runner) -> set[type]:
+    layer = runner.model.layers[0]
+    return {type(lin.method) for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.up_proj)}
+
+
+def test_default_bf16_plan_uses_our_kernels(quantized):
+    runner = ModelRunner(GGUFFile(quantized), torch.bfloat16)
+    assert runner.plan.codes and runner.plan.attention == "native" and runner.plan.native_decode
+    assert methods(runner) == {CodesMethod}
+    assert runner.native_decoder is not None
+
+
+def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
+    """Fixed at load: afterwards no C kernel is even looked up, prefill or decode."""
+    runner = ModelRunner(GGUFFile(quantized), torch.bfloat16, enforce_eager=True)
+    assert not runner.plan.codes and runner.plan.attention == "torch" and not runner.plan.native_decode
+    assert TorchInt4Method in methods(runner) and CodesMethod not in methods(runner)  # (small k: dense)
+    assert runner.native_decoder is None
+
+    def no_kernels(*args, **kwargs):
+        raise AssertionError("a C kernel was asked for under enforce_eager")
+
+    for module in ("nextoken.kernels", "nextoken.layers.attention", "nextoken.layers.quantization.qweight",
+                   "nextoken.layers.native_decode"):
+        monkeypatch.setattr(f"{module}.load", no_kernels)
+    seq = OneSequence(runner)
+    logits = seq.forward(PROMPT)
+    seq.forward([int(logits.argmax())])  # a decode step too
+
+
+def test_float32_and_reference_plans(quantized):
+    runner = ModelRunner(GGUFFile(quantized), torch.float32, reference=True)
+    assert methods(runner) == {DenseMethod} and runner.plan.attention == "reference"
+    assert not runner.plan.native_decode and runner.model.embed_tokens.weight is not None
+
+
+def test_keep_quantized_off_is_dense(quantized):
+    runner = ModelRunner(GGUFFile(quantized), torch.bfloat16, keep_quantized=False)
+    assert methods(runner) == {DenseMethod}
+
+
+def test_the_plans_agree(quantized):
+    """The same model under each plan: the quantized plans stay close to the dense float32 one."""
+    f32 = OneSequence(ModelRunner(GGUFFile(quantized), torch.float32, reference=True)).forward(PROMPT)
+    for kwargs in ({}, {"enforce_eager": True}):
+        b16 = OneSequence(ModelRunner(GGUFFile(quantized), torch.bfloat16, **kwargs)).forward(PROMPT)
+        assert (f32.softmax(-1) - b16.softmax(-1)).abs().max() < 0.02, kwargs
+
+
+def test_the_plan_is_logged_once(quantized, caplog):
+    with caplog.at_level(logging.INFO, logger="nextoken"):
+        ModelRunner(GGUFFile(quantized), torch.bfloat16, enforce_eager=True)
+    lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
+    assert len(lines) == 1
+    assert "torch-int4" in lines[0] and "attention: torch" in lines[0] and "enforce_eager" in lines[0]
