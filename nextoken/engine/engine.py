@@ -11,6 +11,7 @@ and the async wrapper (`async_engine.py`) drive it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -34,6 +35,8 @@ from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
 from nextoken.loader.source import load_tokenizer, model_dtype, open_model
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("nextoken.engine")
 
 DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
 DEFAULT_KV_CAP = 1 << 30  # bytes
@@ -127,6 +130,10 @@ class LLMEngine:
         self.scheduler_config = scheduler
         self.kv = KVCacheManager(num_blocks, bs, cache.enable_prefix_caching, num_rings * ring, ring)
         self.runner.init_kv_cache(num_blocks, bs, num_rings * ring, ring)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s), max_model_len %d, max_num_seqs %d, "
+                 "prefix caching %s", num_blocks, bs, self.runner.kv.nbytes / 2**20,
+                 f", rings of {ring} blocks for {num_rings} sequences" if ring else "", self.max_model_len,
+                 scheduler.max_num_seqs, "on" if self.kv.enable_caching else "off (sliding-window layers)" if ring and cache.enable_prefix_caching else "off")
         if self.draft is not None:
             self.draft.runner.init_kv_cache(num_blocks, cache.block_size)
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
