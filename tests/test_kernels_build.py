@@ -1,0 +1,97 @@
+"""Building and opening our C kernels (`nextoken.kernels`): every failure falls back to PyTorch
+with one warning, never an exception; the compiler may be a command with arguments."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+
+import pytest
+
+from nextoken import kernels
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc on this machine")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty kernel cache of its own and no library opened yet."""
+    monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    return tmp_path
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@needs_gcc
+def test_cc_with_arguments_builds(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", f"{shutil.which('gcc')} -DNEXTOKEN_CC_HAS_ARGUMENTS")
+    lib = kernels.load("paged_attention")
+    assert lib is not None and lib.paged_decode_max_head_dim() == 256
+    assert not warnings_of(caplog)
+
+
+@pytest.mark.parametrize("cc", ["no-such-compiler-here", "false"])
+def test_missing_or_failing_compiler_is_one_warning(fresh, monkeypatch, caplog, cc):
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.WARNING):
+        assert kernels.load("paged_attention") is None
+    assert len(warnings_of(caplog)) == 1 and "PyTorch path" in warnings_of(caplog)[0]
+
+
+def test_unwritable_cache_folder_is_one_warning(fresh, monkeypatch, caplog):
+    blocker = fresh / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("NEXTOKEN_CACHE", str(blocker))
+    with caplog.at_level(logging.WARNING):
+        assert kernels.load("paged_attention") is None
+    assert len(warnings_of(caplog)) == 1 and "cannot build" in warnings_of(caplog)[0]
+
+
+@needs_gcc
+def test_a_damaged_cached_library_is_rebuilt(fresh, caplog):
+    path = kernels.library_path("paged_attention", kernels.FLAGS, kernels._compiler())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    with caplog.at_level(logging.WARNING):
+        lib = kernels.load("paged_attention")
+    assert lib is not None and lib.paged_decode_max_group() == 64
+    assert any("building it again" in w for w in warnings_of(caplog))
+
+
+@needs_gcc
+def test_dlopen_failure_falls_back(fresh, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise OSError("dlopen refused")
+
+    monkeypatch.setattr(kernels.ctypes, "CDLL", refuse)
+    with caplog.at_level(logging.WARNING):
+        assert kernels.load("paged_attention") is None
+    assert any("using the PyTorch path" in w for w in warnings_of(caplog))
+
+
+@needs_gcc
+def test_a_cpu_without_vnni_is_told_so(fresh, monkeypatch, caplog):
+    """The portable build (what a CPU without AVX-512 gets) reports plain loops: one warning."""
+    monkeypatch.setattr(kernels, "FLAGS", kernels.PORTABLE_FLAGS)
+    with caplog.at_level(logging.WARNING):
+        lib = kernels.load("qmatmul")
+    assert lib is not None and lib.qmatmul_vectorized() == 0
+    assert any("no AVX-512 VNNI" in w for w in warnings_of(caplog))
+
+
+@needs_gcc
+def test_functions_have_declared_types(fresh):
+    lib = kernels.load("decode")
+    for fn, (restype, argtypes) in kernels.SIGNATURES.items():
+        assert getattr(lib, fn).argtypes == argtypes and getattr(lib, fn).restype == restype, fn
+    with pytest.raises(ctypes.ArgumentError):  # a wrong argument is caught before C sees it
+        lib.qmatmul_quantize(None, 0, "one row", 32, None, None)
+
+
+def test_native_kernels_can_be_switched_off(fresh, monkeypatch):
+    monkeypatch.setenv("NEXTOKEN_NATIVE_KERNELS", "0")
+    assert kernels.load("qmatmul") is None
