@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--max-tokens-default", type=_positive_int, default=None, metavar="N",
+                   help="most tokens a chat request without max_tokens generates (default: the rest of the context, "
+                        "which can hold a slot for minutes)")
     p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
@@ -101,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p, exclude=BENCH_EXCLUDED, **BENCH_ENGINE_DEFAULTS)
     add_arguments(p)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _version() -> str:

@@ -358,3 +358,25 @@ def test_speculative_metrics(tiny_gguf):
         assert "nextoken_spec_decode_acceptance_rate" in text and "nextoken_spec_decode_mean_accepted_length" in text
     finally:
         srv.stop()
+
+
+def test_max_tokens_default_caps_chat_without_max_tokens(tiny_gguf):
+    """`--max-tokens-default`: a chat request that names no max_tokens stops there ("length"); one
+    that names more still gets what it asked for."""
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny", max_tokens_default=3)
+    try:
+        c = srv.client()
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "the cat"}], extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(**kw)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        assert c.chat.completions.create(**kw, max_tokens=5).usage.completion_tokens == 5
+    finally:
+        srv.stop()
+
+
+def test_max_tokens_default_flag_is_checked():
+    from nextoken.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--max-tokens-default", "64"]).max_tokens_default == 64
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-tokens-default", "0"])

@@ -40,6 +40,7 @@ class ServerConfig:
     max_queued_requests: int = 256
     max_body_bytes: int = 1 << 20  # 1 MiB
     disconnect_poll_s: float = 0.05
+    max_tokens_default: int | None = None  # chat without max_tokens: at most this many (None: the rest of the context)
 
 
 class BodyLimit:
@@ -249,7 +250,8 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         eng = engine()
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = R.encode_chat(eng.engine.tokenizer, messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens or R.default_max_tokens(eng.engine, len(ids))
+        max_tokens = body.max_completion_tokens or body.max_tokens or \
+            R.default_max_tokens(eng.engine, len(ids), config.max_tokens_default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")

@@ -34,7 +34,8 @@ def serve(args) -> int:
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
                           allowed_origins=list(args.allowed_origins or []),
-                          max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
+                          max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                          max_tokens_default=args.max_tokens_default)
     server_ref = {}
 
     def load():
