@@ -22,7 +22,7 @@ from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import validate_messages
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 
 
 class LLM:
@@ -105,10 +105,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  truncate_prompt: bool = False) -> list[RequestOutput]:
-        """Complete every prompt (raw text or token ids), all batched together; returns one
+        """Complete every prompt (raw text, token ids, or vLLM's prompt dictionaries
+        ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
         finished `RequestOutput` per prompt, in order. `params` is one `SamplingParams` for all
-        or one per prompt. Every prompt is checked before any runs."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        or one per prompt. Every prompt is checked before any runs; a dictionary of another form
+        raises `InvalidRequest`."""
+        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
+        prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
         return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
@@ -136,6 +139,19 @@ class LLM:
         ids = [engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None)
                for e, p, sp in zip(encoded, prompts, params)]
         return engine.run_until_finished(ids)
+
+
+def _plain_prompt(p):
+    """A vLLM prompt dictionary as text or ids; text and ids as they are."""
+    if not isinstance(p, dict):
+        return p
+    keys = set(p)
+    if keys == {"prompt"}:
+        return p["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return list(p["prompt_token_ids"])
+    raise InvalidRequest(f"a prompt dictionary takes 'prompt' (text) or 'prompt_token_ids' (ids), not "
+                         f"{sorted(p)}", "prompts")
 
 
 def _is_ids(x) -> bool:

@@ -130,3 +130,16 @@ def test_token_id_prompts(tiny):
     a = tiny.generate([ids], SamplingParams(temperature=0, max_tokens=5))[0]
     b = tiny.generate("the cat", SamplingParams(temperature=0, max_tokens=5))[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt is None
+
+
+def test_vllm_prompt_dictionaries(tiny):
+    """vLLM's offline prompt forms run unchanged and equal the plain ones."""
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    ids = tiny.tokenizer.encode("the cat sat")
+    plain = [o.outputs[0].token_ids for o in tiny.generate(["the cat sat", ids], greedy)]
+    dicts = [o.outputs[0].token_ids for o in tiny.generate([{"prompt": "the cat sat"}, {"prompt_token_ids": ids}],
+                                                            greedy)]
+    assert dicts == plain
+    assert tiny.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain[1]
+    with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+        tiny.generate([{"text": "the cat"}], greedy)
