@@ -80,3 +80,11 @@ def test_the_plan_is_logged_once(quantized, caplog):
     lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
     assert len(lines) == 1
     assert "torch-int4" in lines[0] and "attention: torch" in lines[0] and "enforce_eager" in lines[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied and untied heads
+def test_the_head_never_expands_its_int4_weight(tiny_gguf, arch):
+    """The LM head's calls have one row per sequence: on the int4 path it always runs the int4
+    kernel (a batch of 64 sequences must not expand the head's weight every step)."""
+    runner = ModelRunner(GGUFFile(tiny_gguf[arch][0]), torch.bfloat16, enforce_eager=True)
+    assert runner.model.lm_head.few_rows

@@ -130,10 +130,10 @@ class LLMEngine:
         self.scheduler_config = scheduler
         self.kv = KVCacheManager(num_blocks, bs, cache.enable_prefix_caching, num_rings * ring, ring)
         self.runner.init_kv_cache(num_blocks, bs, num_rings * ring, ring)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s), max_model_len %d, max_num_seqs %d, "
-                 "prefix caching %s", num_blocks, bs, self.runner.kv.nbytes / 2**20,
-                 f", rings of {ring} blocks for {num_rings} sequences" if ring else "", self.max_model_len,
-                 scheduler.max_num_seqs, "on" if self.kv.enable_caching else "off (sliding-window layers)" if ring and cache.enable_prefix_caching else "off")
+        rings = f", rings of {ring} blocks for {num_rings} sequences" if ring else ""
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s), max_model_len %d, max_num_seqs %d, prefix caching %s",
+                 num_blocks, bs, self.runner.kv.nbytes / 2**20, rings, self.max_model_len, scheduler.max_num_seqs,
+                 "on" if self.kv.enable_caching else "off")
         if self.draft is not None:
             self.draft.runner.init_kv_cache(num_blocks, cache.block_size)
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.layers.quantization.methods import DenseMethod, LinearMethod, TorchInt4Method, expand_int4
+from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, LinearMethod, TorchInt4Method, expand_int4
 from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16
 
 
@@ -47,8 +47,6 @@ class Linear(torch.nn.Module):
     def set_qweight(self, qweight: QuantWeight) -> None:
         """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel;
         the dense weight is released."""
-        from nextoken.layers.quantization.methods import CodesMethod
-
         self.qweight = qweight
         self._qweight_c = None
         self.weight = None
@@ -68,8 +66,7 @@ class Linear(torch.nn.Module):
         self.int4 = list(parts)
         if not keep_dense:
             self.weight = None
-        if not isinstance(self.method, TorchInt4Method):
-            self.method = TorchInt4Method(keep_dense)
+        self.method = TorchInt4Method(keep_dense)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` as a dense tensor (expanded when quantized)."""

@@ -150,10 +150,9 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan) -> None:
     for ours, t in tensors.items():
         owner = model.get_submodule(ours.rsplit(".", 1)[0]) if ours.endswith(".weight") else None
         hook = getattr(owner, "weight_loader", None)
-        expected = (owner.out_features, owner.in_features) if hasattr(owner, "out_features") else \
-            (owner.vocab_size, owner.hidden_size) if hook is not None else tuple(params[ours].shape)
-        if tuple(t.shape) != tuple(expected):
-            raise ModelLoadError(f"tensor {t.name} has shape {tuple(t.shape)}, expected {tuple(expected)}")
+        expected = tuple(params[ours].shape)
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(f"tensor {t.name} has shape {tuple(t.shape)}, expected {expected}")
         if hook is not None:
             hook(t, plan)
         else:
@@ -167,7 +166,6 @@ def _tie_head(model, table: CheckpointTensor, plan) -> None:
     same dense table when the embedding is dense, else its own form of the table (int4 on the
     PyTorch path, where the embedding keeps Q8_0 rows)."""
     head, emb = model.lm_head, model.embed_tokens
-    head.few_rows = True
     if emb.qweight is not None and isinstance(plan.linear_method(table.type_name, *table.shape), CodesMethod):
         head.set_qweight(emb.qweight)
     elif emb.weight is not None:

@@ -41,6 +41,7 @@ class DecoderModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self.make_layer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = weight_param(cfg.hidden_size, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head.few_rows = True  # one row per sequence
         if cfg.tie_word_embeddings:  # one table serves both, until the loader says otherwise
             self.lm_head.weight = self.embed_tokens.weight
         if cfg.rope_dim:

@@ -44,7 +44,7 @@ class DenseMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def load(self, layer, t) -> None:
-        if layer.weight is None or layer.weight.dtype != layer.dtype:  # released or shared before: a fresh one
+        if layer.weight is None:  # released by an earlier form: a fresh one
             layer.weight = torch.nn.Parameter(torch.empty(t.shape, dtype=layer.dtype), requires_grad=False)
         layer.weight.data.copy_(t.dense(layer.dtype))
         layer.method = self
@@ -88,11 +88,9 @@ class TorchInt4Method(LinearMethod):
         return F.linear(x, layer.dense_weight(), layer.bias)
 
     def load(self, layer, t) -> None:
-        keep_dense = self.keep_dense
-        if keep_dense:
+        if self.keep_dense:
             DenseMethod().load(layer, t)
-        layer.set_int4(load_int4(t, layer.dtype), keep_dense)
-        layer.method = self
+        layer.set_int4(load_int4(t, layer.dtype), self.keep_dense)
 
 
 def load_codes(t) -> QuantWeight:
