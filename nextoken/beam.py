@@ -64,6 +64,9 @@ class BeamSearch:
         self.width, self.max_tokens, self.length_penalty = beam_width, max_tokens, length_penalty
         self.eog = frozenset() if ignore_eos else eog_ids
         self.searches = [_Search(list(p), [([], 0.0)]) for p in prompts]
+        # per search, per step: every candidate considered (its prefix, token, cumulative
+        # log-probability) and what became of it ("beam", "finished" or "pruned"), for the inspector
+        self.tree: list[list[list[dict]]] = [[] for _ in prompts]
         self.step = 0
         # one next token per beam, with the top 2W alternatives (raw log-probabilities)
         self.params = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
@@ -86,12 +89,18 @@ class BeamSearch:
                      for tok, tlp in alts]
             cands.sort(key=lambda c: -c[0])
             running = []
+            fate = ["pruned"] * len(cands)
             for rank, (lp, ids) in enumerate(cands[: 2 * w]):
                 if last or ids[-1] in self.eog:
                     if rank < w:
                         s.finished.append((ids, lp, lp / (len(ids) ** self.length_penalty)))
+                        fate[rank] = "finished"
                 elif len(running) < w:
                     running.append((ids, lp))
+                    fate[rank] = "beam"
+            self.tree[self.searches.index(s)].append(
+                [{"prefix": ids[:-1], "token": ids[-1], "cumulative_logprob": lp, "fate": f}
+                 for (lp, ids), f in zip(cands, fate)])
             s.finished = sorted(s.finished, key=lambda f: -f[2])[:w]
             s.beams = running
             if not running or last:
@@ -112,10 +121,11 @@ def _top(out) -> list[tuple[int, float]]:
 
 
 def beam_search(engine, prompts: list[list[int]], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
-                ignore_eos: bool = False) -> list[BeamSearchOutput]:
+                ignore_eos: bool = False, search: BeamSearch | None = None) -> list[BeamSearchOutput]:
     """Beam search for each prompt (token ids) on an `LLMEngine`, all prompts' beams batched each
-    step. Raises `InvalidRequest` for a width or length out of range."""
-    bs = BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos, engine.tokenizer.eog_token_ids)
+    step. Raises `InvalidRequest` for a width or length out of range. `search`: a `BeamSearch`
+    to drive instead of a new one (its `tree` then records the steps)."""
+    bs = search or BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos, engine.tokenizer.eog_token_ids)
     while not bs.done:
         outs = engine.run_until_finished([engine.add_request(p, bs.params) for p in bs.pending()])
         bs.advance([_top(out)[: bs.params.logprobs] for out in outs])
@@ -123,11 +133,13 @@ def beam_search(engine, prompts: list[list[int]], beam_width: int, max_tokens: i
 
 
 async def async_beam_search(eng, prompts: list[list[int]], beam_width: int, max_tokens: int,
-                            length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
+                            length_penalty: float = 1.0, ignore_eos: bool = False,
+                            search: BeamSearch | None = None) -> list[BeamSearchOutput]:
     """The same on an `AsyncLLMEngine` (the server): each step's beams are concurrent requests."""
     import asyncio
 
-    bs = BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos, eng.engine.tokenizer.eog_token_ids)
+    bs = search or BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos,
+                              eng.engine.tokenizer.eog_token_ids)
 
     async def one(ids):
         out = None

@@ -1,4 +1,4 @@
-"""Command line: ``nextoken run | chat | explain | serve | bench | pull | models``.
+"""Command line: ``nextoken run | chat | explain | serve | inspect | bench | pull | models``.
 
 Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
 """
@@ -77,20 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_engine_args(p, log_level="info")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set NEXTOKEN_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    p.add_argument("--max-tokens-default", type=_positive_int, default=None, metavar="N",
-                   help="most tokens a chat request without max_tokens generates (default: the rest of the context, "
-                        "which can hold a slot for minutes)")
-    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the inspector at /inspect)")
+    _add_serve_args(p)
+    p.add_argument("--no-inspect", dest="inspect", action="store_false",
+                   help="do not serve the inspector page and its /inspect/api routes")
+
+    p = sub.add_parser("inspect", help="start the server and print the inspector's URL (every stage, live, in a browser)")
+    _add_serve_args(p)
 
     p = sub.add_parser("pull", help="download a catalog model and verify its SHA-256")
     p.add_argument("name")
@@ -104,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p, exclude=BENCH_EXCLUDED, **BENCH_ENGINE_DEFAULTS)
     add_arguments(p)
     return parser
+
+
+def _add_serve_args(p) -> None:
+    """The server's flags (`serve` and `inspect`)."""
+    _add_engine_args(p, log_level="info")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set NEXTOKEN_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--max-tokens-default", type=_positive_int, default=None, metavar="N",
+                   help="most tokens a chat request without max_tokens generates (default: the rest of the context, "
+                        "which can hold a slot for minutes)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
 
 
 def _positive_int(text: str) -> int:
@@ -256,6 +266,13 @@ def cmd_serve(a) -> int:
     return serve(a)
 
 
+def cmd_inspect(a) -> int:
+    from nextoken.server.serve import serve
+
+    a.inspect = True
+    return serve(a, announce_inspector=True)
+
+
 def cmd_pull(a) -> int:
     from nextoken.catalog import pull
 
@@ -281,7 +298,7 @@ def cmd_bench(a) -> int:
     return run(a, engine_args(a))
 
 
-COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
 def _configure_logging(level: str) -> None:

@@ -82,16 +82,13 @@ class LLM:
                system: str | None = None, truncate_prompt: bool = False, tracer=None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a `RequestOutput` whenever it has new text (each
         completion's `delta`). With `chat`, `prompt` is a message list or a user message.
-        `tracer` (see `nextoken.trace`) records every stage; it needs the engine to itself."""
+        `tracer` (see `nextoken.trace`) records every stage of this request."""
         if chat:
             prompt = self._chat_prompt(prompt, system)
         engine = self.engine
-        if tracer is not None and engine.has_unfinished_requests():
-            raise InvalidRequest("tracing needs the engine to itself", "tracer")
-        engine.tracer = tracer
         rid = None
         try:
-            rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt)
+            rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt, tracer=tracer)
             done = False
             while not done:
                 for out in engine.step():
@@ -99,7 +96,6 @@ class LLM:
                         done = out.finished
                         yield out
         finally:
-            engine.tracer = None
             if rid is not None:
                 engine.abort_request(rid)  # a no-op once finished; frees the blocks if abandoned
 

@@ -32,16 +32,16 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
-                          truncate_prompt: bool = False) -> str:
-        """Queue a request and return its id. Raises `InvalidRequest` at once for bad input,
-        `EngineError` if the engine loop has died."""
+                          truncate_prompt: bool = False, tracer=None) -> str:
+        """Queue a request and return its id (`tracer`: see `LLMEngine.add_request`). Raises
+        `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         self._queues[rid] = asyncio.Queue()
         try:
             await self._between_steps(
-                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt))
+                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer))
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -67,9 +67,9 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, prompt_text: str | None = None,
-                       truncate_prompt: bool = False) -> AsyncIterator[RequestOutput]:
+                       truncate_prompt: bool = False, tracer=None) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""
-        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt)
+        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer)
         async for out in self.stream(rid):
             yield out
 

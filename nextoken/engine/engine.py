@@ -10,6 +10,7 @@ and the async wrapper (`async_engine.py`) drive it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -40,6 +41,8 @@ log = logging.getLogger("nextoken.engine")
 
 DEFAULT_KV_SHARE = 0.25  # of available memory, when no budget is given
 DEFAULT_KV_CAP = 1 << 30  # bytes
+STEP_LOG_LEN = 512  # steps kept in `LLMEngine.step_log`
+RECENT_REQUESTS = 32  # finished requests kept in `LLMEngine.recent_requests`
 
 
 def default_kv_memory() -> int:
@@ -143,8 +146,12 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._seq_group: dict[Request, RequestGroup] = {}
         self._ids = itertools.count()
-        self.tracer = None  # set by `LLM.stream(..., tracer=)` for a single request
         self.num_aborted = 0  # requests aborted before they finished
+        self.num_steps = 0
+        # what the inspector shows (`nextoken.inspect`): the last steps' batches and the last
+        # finished requests, as small dictionaries (a few hundred bytes a step)
+        self.step_log: collections.deque[dict] = collections.deque(maxlen=STEP_LOG_LEN)
+        self.recent_requests: collections.deque[dict] = collections.deque(maxlen=RECENT_REQUESTS)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -193,9 +200,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_text: str | None = None,
-                    truncate_prompt: bool = False) -> str:
+                    truncate_prompt: bool = False, tracer=None) -> str:
         """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
-        that does not fit the context window, or one that could never fit in the KV cache."""
+        that does not fit the context window, or one that could never fit in the KV cache.
+
+        `tracer` (see `nextoken.trace`) records every stage of this request: it runs in a
+        forward pass of its own, on the reference attention, without the prefix cache or
+        speculation; the other requests of the step are batched as usual."""
         params = (params or SamplingParams()).validate(self.config.vocab_size)
         ids = self.encode_prompt(prompt, params, truncate_prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -208,6 +219,8 @@ class LLMEngine:
                 f"tokens) but the cache holds {self.kv.pool.num_blocks}; raise the KV cache memory or "
                 "lower max_tokens", "max_tokens")
         text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
+        if tracer is not None and params.n != 1:
+            raise InvalidRequest("a traced request takes n=1", "n")
         seqs = []
         for i in range(params.n):
             seqs.append(Request(f"{request_id}#{i}", ids, params, make_generator(completion_seed(params.seed, i)),
@@ -222,10 +235,11 @@ class LLMEngine:
         self.groups[request_id] = group
         for s in seqs:
             s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator)
+            s.tracer = tracer
             self._seq_group[s] = group
             self.scheduler.add(s)
-        if self.tracer is not None:
-            self.tracer.on_prefill_start(ids)
+        if tracer is not None:
+            tracer.on_prefill_start(ids)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -249,22 +263,53 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and return the outputs that changed."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        record = {"step": self.num_steps, "time": start,
+                  "prefill": [[r.group_id, n] for r, n in plan.scheduled.items() if r.num_computed_tokens < r.num_prompt_tokens],
+                  "decode": [r.group_id for r in plan.scheduled if r.num_computed_tokens >= r.num_prompt_tokens],
+                  "preempted": [r.group_id for r in plan.preempted], "spec": []}
         if plan.scheduled:
-            self._run(plan.scheduled, plan.lookahead)
+            traced = {r: n for r, n in plan.scheduled.items() if r.tracer is not None}
+            plain = {r: n for r, n in plan.scheduled.items() if r.tracer is None}
+            if plain:
+                self._run(plain, plan.lookahead, record=record)
+            for r, n in traced.items():  # tracing costs only the traced request: a pass of its own
+                self._run({r: n}, tracer=r.tracer)
         outputs = []
         for rid, group in list(self.groups.items()):
             if group.changed:
                 outputs.append(make_output(group))
             if group.finished:
                 del self.groups[rid]
+                self._remember(group)
                 for s in group.seqs:
                     self._seq_group.pop(s, None)
+        if plan.scheduled or plan.preempted:
+            record["ms"] = (time.perf_counter() - start) * 1000
+            self.step_log.append(record)
+            self.num_steps += 1
         return outputs
 
-    def _run(self, scheduled: dict[Request, int], lookahead: set[Request] = frozenset()) -> None:
+    def _remember(self, group: RequestGroup) -> None:
+        """A finished request's summary for the inspector (`recent_requests`)."""
+        m = group.metrics
+        self.recent_requests.append({
+            "request_id": group.request_id, "prompt_ids": group.prompt_ids,
+            "outputs": [{"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                         "logprobs": c.logprobs} for c in group.completions],
+            "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
+            "finished_time": m.finished_time, "num_cached_tokens": group.seqs[0].num_cached_tokens,
+            "num_preemptions": sum(s.num_preemptions for s in group.seqs),
+            "num_blocks": [self.kv.blocks_for(s.num_tokens) for s in group.seqs]})
+
+    def _run(self, scheduled: dict[Request, int], lookahead: set[Request] = frozenset(), tracer=None,
+             record: dict | None = None) -> None:
+        """One forward pass over `scheduled` (request -> new tokens), then sampling or
+        verification. `tracer`: the one traced request's recorder; `record`: this step's
+        `step_log` entry, which gets the speculative verifications."""
         reqs = list(scheduled)
-        drafts = self._propose([r for r in reqs if r in lookahead]) if lookahead and self.tracer is None else {}
+        drafts = self._propose([r for r in reqs if r in lookahead]) if lookahead else {}
         seqs = []
         for r, n in scheduled.items():
             toks = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
@@ -275,14 +320,14 @@ class LLMEngine:
                 seqs.append(SequenceInput(toks, r.num_computed_tokens, self.kv.block_ids(r.request_id),
                                           r.num_computed_tokens + n == r.num_tokens,
                                           ring_ids=self.kv.ring_ids(r.request_id)))
-        logits = self.runner.execute(seqs, self.tracer)
+        logits = self.runner.execute(seqs, tracer)
         for r, n in scheduled.items():
             r.num_computed_tokens += n
             if r not in drafts:
                 self.kv.cache_full_blocks(r)
-        if self.tracer is not None:
+        if tracer is not None:
             r = reqs[0]
-            self.tracer.on_forward_done(r.num_computed_tokens, r.num_computed_tokens * self.runner.kv.bytes_per_token)
+            tracer.on_forward_done(r.num_computed_tokens, r.num_computed_tokens * self.runner.kv.bytes_per_token)
         rows, at = {}, 0  # each sequence's logits rows
         for r, s in zip(reqs, seqs):
             if s.needs_logits:
@@ -292,14 +337,16 @@ class LLMEngine:
         to_sample = [r for r in reqs if r in rows and r not in drafts]
         if to_sample:
             idx = [rows[r][0] for r in to_sample]
-            results = self.sampler(logits[idx], [r.sampler_row for r in to_sample], keep_details=self.tracer is not None)
+            results = self.sampler(logits[idx], [r.sampler_row for r in to_sample], keep_details=tracer is not None)
             for i, (r, res) in enumerate(zip(to_sample, results)):
-                if self.tracer is not None:
-                    self.tracer.on_sample(logits[idx[i]], res, r.params)
+                if tracer is not None:
+                    tracer.on_sample(logits[idx[i]], res, r.params)
                 self._emit(r, [res])
         for r, (toks, qs) in drafts.items():
             a, b = rows[r]
             results, accepted = verify(self.sampler, logits[a:b], toks, qs, r.sampler_row)
+            if record is not None:
+                record["spec"].append(_verification(r, logits[a : b - 1], toks, qs, accepted, results))
             c = self.spec_counts
             c["drafted"] += len(toks)
             c["accepted"] += accepted
@@ -383,3 +430,15 @@ class LLMEngine:
                 "spec_num_verify_steps": c["steps"],
                 "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
                 "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
+
+
+def _verification(r: Request, logits: torch.Tensor, drafts: list[int], draft_probs, accepted: int, results) -> dict:
+    """One speculative verification for the step log: the drafted tokens, how many the target
+    accepted, each draft's probability under the target's raw distribution (softmax of its
+    logits ``[k, vocab]``) and under the draft (1 for an n-gram guess), and what was emitted."""
+    idx = torch.tensor(drafts)
+    p = logits.softmax(-1).gather(1, idx[:, None])[:, 0].tolist()
+    q = [float(d[t]) for d, t in zip(draft_probs, drafts)] if draft_probs is not None else [1.0] * len(drafts)
+    return {"request_id": r.group_id, "drafted": drafts, "accepted": accepted,
+            "p_target": [round(x, 4) for x in p], "q_draft": [round(x, 4) for x in q],
+            "emitted": [res.token for res in results]}

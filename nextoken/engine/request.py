@@ -55,6 +55,7 @@ class Request:
     spec_k: int = 0  # speculative decoding: tokens to draft next step (0: the configured number)
     spec_skip: int = 0  # steps left without drafting (after a verification that accepted nothing)
     spec_backoff: int = 0  # how many steps the next such pause lasts
+    tracer: object | None = None  # `nextoken.trace` recorder: this request runs in a pass of its own
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_ids)

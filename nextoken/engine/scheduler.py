@@ -93,7 +93,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            # a traced request computes every token (its trace covers the whole prompt)
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 and req.tracer is None else []
             num_cached = len(computed) * self.kv.block_size
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:

@@ -41,6 +41,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # 1 MiB
     disconnect_poll_s: float = 0.05
     max_tokens_default: int | None = None  # chat without max_tokens: at most this many (None: the rest of the context)
+    inspect: bool = True  # serve the inspector at /inspect (`nextoken.inspect`)
 
 
 class BodyLimit:
@@ -89,15 +90,26 @@ class Gate:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope):
+        path = scope["path"]
         if self.expected is not None:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if path.startswith("/inspect") and not given:  # a browser page and its event stream: ?key=KEY
+                given = b"Bearer " + _query_key(scope)
             if not hmac.compare_digest(given, self.expected):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY"
+                                           + (", or ?key=KEY on /inspect)" if path.startswith("/inspect") else ")"))
         if self.state.draining:
             return error_response(503, "the server is shutting down")
-        if self.state.engine is None and scope["path"].startswith("/v1"):
+        if self.state.engine is None and path.startswith(("/v1", "/inspect/api")):
             return error_response(503, "the model is still loading")
         return None
+
+
+def _query_key(scope) -> bytes:
+    from urllib.parse import parse_qs
+
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [])
+    return values[0].encode("latin-1") if values else b""
 
 
 class _BodyTooLarge(Exception):
@@ -148,6 +160,11 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     def check_queue():
         if engine().num_waiting >= config.max_queued_requests:
             raise _QueueFull()
+
+    if config.inspect:
+        from nextoken.inspect.routes import build_router
+
+        app.include_router(build_router(engine))
 
     @app.exception_handler(_NotFound)
     async def _nf(_, exc):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 log = logging.getLogger("nextoken.server")
 
 
-def serve(args) -> int:
+def serve(args, announce_inspector: bool = False) -> int:
     import uvicorn
 
     from nextoken.catalog import resolve_model
@@ -35,7 +35,7 @@ def serve(args) -> int:
                           api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
                           allowed_origins=list(args.allowed_origins or []),
                           max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                          max_tokens_default=args.max_tokens_default)
+                          max_tokens_default=args.max_tokens_default, inspect=getattr(args, "inspect", True))
     server_ref = {}
 
     def load():
@@ -67,5 +67,8 @@ def serve(args) -> int:
                                    timeout_graceful_shutdown=args.shutdown_timeout))
     server_ref["server"] = server
     log.info("nextoken serving %s on http://%s:%d", config.model_name, args.host, args.port)
+    if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
+        key = f"?key={config.api_key}" if config.api_key else ""
+        print(f"inspector: http://{args.host}:{args.port}/inspect{key}", flush=True)
     server.run()
     return 0

@@ -1,0 +1,353 @@
+"""The inspector's HTTP side: the page at ``GET /inspect`` and its JSON endpoints under
+``/inspect/api/`` (in the OpenAPI schema, tag "inspector"), plus one server-sent-events stream
+for the live views. Every route only reads: nothing is written, nothing leaves the process.
+
+Model computations that need a forward pass (attention traces, the logit lens, the sampling
+playground) run as requests of the engine (`AsyncLLMEngine.generate` with a tracer): scheduled,
+abortable and counted like any other, in a pass of their own. Everything else reads the loaded
+weights or the engine's state between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+import json
+import os
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from nextoken.errors import InvalidRequest
+from nextoken.inspect import engine_view, model_view, text
+from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, InspectTracer
+from nextoken.sampling_params import SamplingParams
+
+STATIC = os.path.join(os.path.dirname(__file__), "static")
+KEEP_TRACES = 4
+LIVE_INTERVAL_S = 0.25
+DEMO_PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?", "Count from one to ten.",
+                "Name three primary colors.", "Explain gravity in one sentence.", "Say hello in four languages.",
+                "What is 12 times 12?", "List the planets of the solar system."]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizeBody(_Body):
+    text: str = Field(min_length=1, max_length=text.MAX_TEXT_CHARS)
+    chat: bool = False
+
+
+class WordBody(_Body):
+    word: str = Field(min_length=1, max_length=text.MAX_WORD_CHARS)
+
+
+class WordsBody(_Body):
+    words: list[str] = Field(min_length=3, max_length=text.MAX_WORDS)
+
+
+class AnalogyBody(_Body):
+    a: str = "king"
+    b: str = "man"
+    c: str = "woman"
+    target: str = "queen"
+    top: int = Field(10, ge=1, le=50)
+
+
+class TraceBody(_Body):
+    prompt: str = Field(min_length=1, max_length=text.MAX_TEXT_CHARS)
+    chat: bool = False
+
+
+class SampleBody(_Body):
+    prompt: str = Field("It was a beautiful", min_length=1, max_length=text.MAX_TEXT_CHARS)
+    generated: list[int] = Field(default_factory=list, max_length=64)
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_k: int = Field(-1, ge=-1, le=1000)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=3.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+
+class BeamBody(_Body):
+    prompt: str = Field("The best thing about", min_length=1, max_length=text.MAX_TEXT_CHARS)
+    beam_width: int = Field(3, ge=1, le=6)
+    max_tokens: int = Field(6, ge=1, le=12)
+    length_penalty: float = Field(1.0, ge=0.0, le=3.0)
+
+
+class RunBody(_Body):
+    prompt: str = Field("The three most important inventions are", min_length=1, max_length=text.MAX_TEXT_CHARS)
+    max_tokens: int = Field(32, ge=1, le=256)
+    chat: bool = False
+
+
+class DemoBody(_Body):
+    count: int = Field(6, ge=1, le=16)
+    max_tokens: int = Field(48, ge=1, le=256)
+
+
+class InspectState:
+    """The inspector's memory: the last traces (id -> `InspectTracer` and its tokens)."""
+
+    def __init__(self):
+        self.traces: collections.OrderedDict[str, tuple[InspectTracer, list[dict]]] = collections.OrderedDict()
+        self.ids = itertools.count(1)
+        self.last_layer_ms: list[float] | None = None
+        self.demo_tasks: set[asyncio.Task] = set()
+
+    def keep(self, tracer: InspectTracer, tokens: list[dict]) -> str:
+        tid = f"t{next(self.ids)}"
+        self.traces[tid] = (tracer, tokens)
+        while len(self.traces) > KEEP_TRACES:
+            self.traces.popitem(last=False)
+        self.last_layer_ms = [round(x, 3) for x in tracer.layer_ms]
+        return tid
+
+    def get(self, tid: str) -> tuple[InspectTracer, list[dict]]:
+        if tid not in self.traces:
+            raise InvalidRequest(f"trace {tid!r} is gone (the last {KEEP_TRACES} are kept); trace again", "trace_id")
+        return self.traces[tid]
+
+
+@functools.lru_cache(maxsize=2)
+def _stored(path: str) -> dict:
+    return model_view.stored_tensors(path)
+
+
+def build_router(get_engine) -> APIRouter:
+    """The routes; `get_engine()` returns the `AsyncLLMEngine` (it raises while loading)."""
+    r = APIRouter(tags=["inspector"])
+    ist = InspectState()
+
+    def core():
+        return get_engine().engine
+
+    async def between_steps(fn):
+        return await get_engine()._between_steps(fn)
+
+    async def run_traced(ids: list[int], params: SamplingParams, tracer) -> None:
+        async for _ in get_engine().generate(ids, params, tracer=tracer):
+            pass
+
+    def encode(prompt: str, chat: bool, cap: int | None = None, field: str = "prompt") -> list[int]:
+        eng = core()
+        if chat:
+            prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = eng.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidRequest("prompt is empty", field)
+        if cap is not None and len(ids) > cap:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {cap}", field)
+        return ids
+
+    @r.get("/inspect", include_in_schema=False)
+    async def page():
+        return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
+
+    @r.get("/inspect/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        path = os.path.join(STATIC, os.path.basename(name))
+        if not os.path.isfile(path) or name != os.path.basename(name):
+            raise InvalidRequest(f"no file {name!r}", "name")
+        kind = {"js": "text/javascript", "css": "text/css", "png": "image/png"}.get(name.rsplit(".", 1)[-1], "text/plain")
+        return FileResponse(path, media_type=kind)
+
+    @r.get("/inspect/api/info", summary="The loaded model and the inspector's limits")
+    async def info():
+        eng = core()
+        return {"model": eng.args.model, "architecture": eng.config.architecture, "name": eng.config.name,
+                "vocab_size": eng.config.vocab_size, "max_trace_tokens": MAX_TRACE_TOKENS,
+                "has_chat_template": bool(eng.tokenizer.chat_template), "label_rule": LABEL_RULE,
+                "speculative": None if eng.speculative is None else eng.speculative.method,
+                "gguf": str(eng.model_path).endswith(".gguf")}
+
+    @r.post("/inspect/api/tokenize", summary="Tokens of a text (ids, pieces, bytes, special tokens)")
+    async def tokenize(body: TokenizeBody):
+        return text.tokens_view(core().tokenizer, body.text, body.chat)
+
+    @r.post("/inspect/api/bpe", summary="Replay of the BPE merges that build one word")
+    async def bpe(body: WordBody):
+        return text.bpe_replay(core().tokenizer, body.word)
+
+    @r.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
+    async def embeddings(body: WordsBody):
+        eng = core()
+        return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
+
+    @r.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
+    async def analogy(body: AnalogyBody):
+        eng = core()
+        return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
+                                       body.target, body.top)
+
+    @r.get("/inspect/api/rope", summary="The model's RoPE angles and tables, and their decay with distance")
+    async def rope(positions: int = Query(64, ge=2, le=model_view.MAX_POSITIONS)):
+        return model_view.rope_view(core().runner.model, positions)
+
+    @r.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
+    async def sinusoidal(base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
+                         dims: int = Query(64, ge=2, le=512)):
+        return model_view.sinusoidal(base, positions, dims)
+
+    @r.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
+    async def architecture():
+        return model_view.architecture(core(), ist.last_layer_ms)
+
+    @r.post("/inspect/api/trace", summary="Trace a prompt: tokens, head labels, time per layer")
+    async def trace(body: TraceBody):
+        eng = core()
+        ids = encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+        tracer = InspectTracer(eng.config, len(ids))
+        start = time.perf_counter()
+        await run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
+        ms = (time.perf_counter() - start) * 1000
+        tokens = [{"id": i, "token": text.display(eng.tokenizer.token_text(i)), "special": i in eng.tokenizer.special_ids}
+                  for i in ids]
+        tid = ist.keep(tracer, tokens)
+        cfg = eng.config
+        labels = await asyncio.to_thread(lambda: [tracer.head_stats(layer) for layer in range(cfg.num_layers)])
+        return {"trace_id": tid, "tokens": tokens, "layers": cfg.num_layers, "heads": cfg.num_heads,
+                "kv_heads": cfg.num_kv_heads, "sliding_layers": cfg.sliding_layers, "sliding_window": cfg.sliding_window,
+                "labels": labels, "label_rule": LABEL_RULE, "layer_ms": [round(x, 3) for x in tracer.layer_ms],
+                "passes": tracer.passes, "trace_ms": round(ms, 2)}
+
+    @r.get("/inspect/api/trace/{trace_id}/attention", summary="One layer's attention weights (uint8, base64)")
+    async def attention(trace_id: str, layer: int = Query(ge=0)):
+        tracer, _ = ist.get(trace_id)
+        if layer >= len(tracer.attention):
+            raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
+        return tracer.attention_payload(layer)
+
+    @r.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
+    async def lens(trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
+        tracer, tokens = ist.get(trace_id)
+        eng = core()
+        rows = await asyncio.to_thread(tracer.logit_lens, eng.runner.model, eng.tokenizer, position, top)
+        return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
+                "layers": rows}
+
+    @r.post("/inspect/api/run", summary="Generate and return the engine's timeline: prefill, decode steps, TTFT, TPOT")
+    async def run(body: RunBody):
+        eng = core()
+        ids = encode(body.prompt, body.chat)
+        out = None
+        async for out in get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
+            pass
+        view = await between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
+        return {**view, "text": out.outputs[0].text, "request_id": out.request_id}
+
+    @r.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
+    async def sample(body: SampleBody):
+        eng = core()
+        ids = encode(body.prompt, False)
+        bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
+        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                                frequency_penalty=body.frequency_penalty, seed=body.seed,
+                                max_tokens=1).validate(eng.config.vocab_size)
+        tracer = _LogitsOnly()
+        await run_traced(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1), tracer)
+        view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, tracer.logits, params, ids, list(body.generated))
+        return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
+
+    @r.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
+    async def beam(body: BeamBody):
+        from nextoken.beam import BeamSearch, async_beam_search
+
+        eng = core()
+        ids = encode(body.prompt, False)
+        eng.encode_prompt(ids, SamplingParams(max_tokens=body.max_tokens))  # the context check
+        search = BeamSearch([ids], body.beam_width, body.max_tokens, body.length_penalty, False,
+                            eng.tokenizer.eog_token_ids)
+        outs = await async_beam_search(get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
+                                       search=search)
+        greedy = None
+        async for greedy in get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
+                                                                      logprobs=0)):
+            pass
+        g = greedy.outputs[0]
+        return engine_view.beam_tree(eng.tokenizer, search, list(g.token_ids), g.cumulative_logprob, outs)
+
+    @r.get("/inspect/api/kv", summary="KV cache bytes per token (formula and cache) and memory against context")
+    async def kv():
+        return engine_view.kv_view(core())
+
+    @r.get("/inspect/api/state", summary="The engine now: block pool, running and waiting, recent steps")
+    async def state(since: int = Query(-1, ge=-1)):
+        eng = core()
+        return await between_steps(lambda: engine_view.live_state(eng, since))
+
+    @r.get("/inspect/api/live", summary="Server-sent events: the engine state four times a second",
+           response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
+    async def live(request: Request):
+        eng = core()
+
+        async def events():
+            since = max(-1, eng.num_steps - 64)
+            while not await request.is_disconnected():
+                snap = await between_steps(lambda: engine_view.live_state(eng, since))
+                since = snap["last_step"]
+                yield f"data: {json.dumps(snap)}\n\n"
+                await asyncio.sleep(LIVE_INTERVAL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @r.post("/inspect/api/demo", summary="Send a few demo requests to watch batching (they run as usual)")
+    async def demo(body: DemoBody):
+        eng = get_engine()
+
+        async def one(prompt):
+            async for _ in eng.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=body.max_tokens)):
+                pass
+
+        prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(body.count)]
+        for p in prompts:
+            task = asyncio.get_running_loop().create_task(one(p))
+            ist.demo_tasks.add(task)
+            task.add_done_callback(ist.demo_tasks.discard)
+        return {"sent": len(prompts), "max_tokens": body.max_tokens}
+
+    @r.get("/inspect/api/quant/tensors", summary="Stored tensors by format, bytes against bf16 and fp32")
+    async def quant_tensors():
+        eng = core()
+        if not str(eng.model_path).endswith(".gguf"):
+            raise InvalidRequest("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
+        return await asyncio.to_thread(_stored, str(eng.model_path))
+
+    @r.get("/inspect/api/quant/error", summary="Error of re-quantizing one stored tensor to other formats")
+    async def quant_error(tensor: str = Query(min_length=1, max_length=200)):
+        eng = core()
+        if not str(eng.model_path).endswith(".gguf"):
+            raise InvalidRequest("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
+        return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)
+
+    return r
+
+
+class _LogitsOnly:
+    """A tracer that keeps only the logits the first token is sampled from."""
+
+    def __init__(self):
+        self.logits = None
+
+    def on_prefill_start(self, ids): ...
+    def on_embedding(self, h, cos, sin): ...
+    def on_layer(self, i, h, probs): ...
+    def on_forward_done(self, n, kv_bytes): ...
+
+    def on_sample(self, logits, res, params):
+        self.logits = logits.float().clone()
