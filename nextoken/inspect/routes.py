@@ -339,7 +339,11 @@ def build_router(get_engine) -> APIRouter:
 
 
 class _LogitsOnly:
-    """A tracer that keeps only the logits the first token is sampled from."""
+    """A tracer that keeps only the logits the first token is sampled from. It needs no
+    attention probabilities, so its pass runs the engine's usual kernels and its logits are
+    those a plain request gets."""
+
+    wants_probs = False
 
     def __init__(self):
         self.logits = None

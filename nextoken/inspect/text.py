@@ -147,9 +147,17 @@ def word_token(tok, word: str, field: str = "words") -> int:
 
 
 def embedding_rows(model, ids: list[int]) -> torch.Tensor:
-    """Rows of the embedding table as stored (de-quantized), float32 ``[len(ids), hidden]``."""
+    """Rows of the embedding table as stored, de-quantized in float32 (not rounded to the
+    model's compute dtype), ``[len(ids), hidden]``."""
+    emb = model.embed_tokens
+    idx = torch.tensor(ids, dtype=torch.long)
     with torch.inference_mode():
-        return model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float()
+        if emb.qweight is not None:
+            return emb.qweight.lookup(idx).float()
+        if emb.q8 is not None:
+            q, d = emb.q8
+            return (q[idx].view(len(ids), -1, 32).float() * d[idx].float()[..., None]).view(len(ids), -1)
+        return emb.weight[idx].float()
 
 
 def embedding_map(model, tok, words: list[str]) -> dict:

@@ -178,7 +178,7 @@ class ModelRunner:
         with `as_decodes` contributes one row per new token."""
         seqs = [row for s in seqs for row in s.rows()]
         input_ids, positions, meta, order = self.prepare(seqs)
-        meta.keep_probs = tracer is not None
+        meta.keep_probs = tracer is not None and getattr(tracer, "wants_probs", True)
         hidden = None
         if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
                 meta.backend != "reference":  # every layer of a decode step in one C call

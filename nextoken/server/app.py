@@ -83,7 +83,9 @@ class Gate:
         self.expected = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        # open: /health, and the inspector's static files (code and styles, no data: a browser
+        # loads them without the key; the page and every /inspect/api route need it)
+        if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/inspect/static/"):
             refusal = self._refusal(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send)

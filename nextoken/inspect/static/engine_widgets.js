@@ -1,0 +1,112 @@
+// Widgets 10-14: KV cache, continuous batching, speculative decoding (live), quantization, requests.
+import { $, api, h, ready, showError, lineChart, table, fmtBytes } from "./lib.js";
+
+export async function kvStatic() {
+  try {
+    const r = await api("kv");
+    const f = r.formula;
+    $("kv-formula").textContent = `bytes per token = 2 (K and V) × ${f.layers} layers × ${f.kv_heads} KV heads × ${f.head_dim} head dim × ${f.bytes_per_value} bytes (${f.dtype}) = ${r.bytes_per_token} B` +
+      ` (the cache's tensors: ${r.measured_bytes_per_token} B/token; without GQA it would be ${r.per_query_heads_without_gqa} B)` +
+      (r.sliding.layers ? ` + ${r.sliding.bytes_per_token} B/token for the ${r.sliding.layers} sliding layers, up to their window of ${r.sliding.window}` : "") +
+      ` · cache: ${r.num_blocks} blocks × ${r.block_size} tokens = ${fmtBytes(r.cache_bytes)}`;
+    lineChart($("kv-curve"), r.curve.map((c) => ({ x: c.tokens, y: c.bytes / 2 ** 20 })), { logx: true, xlabel: "context length (tokens, log)", ylabel: "MiB per sequence", fmtY: (y) => y.toFixed(1) });
+    ready("w-kv");
+  } catch (e) { showError("w-kv", e); }
+}
+
+const POOL_COLORS = { ".": "#26313c", c: "#3d6b4a" };
+export function kvLive(st) {
+  const cv = $("kv-pool"), ctx = cv.getContext("2d"), n = st.blocks.length;
+  const cols = Math.ceil(Math.sqrt(n * (cv.width / cv.height))), size = Math.max(1, Math.floor(cv.width / cols));
+  cv.height = Math.max(40, Math.ceil(n / cols) * size);
+  ctx.clearRect(0, 0, cv.width, cv.height);
+  for (let i = 0; i < n; i++) {
+    const c = st.blocks[i];
+    ctx.fillStyle = POOL_COLORS[c] || (c === "1" ? "#5fb3f9" : "#f2c94c");
+    ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - (size > 3 ? 1 : 0), size - (size > 3 ? 1 : 0));
+  }
+  const used = [...st.blocks].filter((c) => c !== "." && c !== "c").length, shared = [...st.blocks].filter((c) => c !== "." && c !== "c" && c !== "1").length;
+  $("kv-legend").textContent = `${n} blocks: ${used} in use (blue; yellow = shared by several sequences: ${shared}), ${st.cached_blocks} holding cached prefixes (green when free), ${st.stats.free_blocks} free · prefix-cache hit rate ${(st.stats.prefix_cache_hit_rate * 100).toFixed(1)}%`;
+  const seqs = st.running.concat(st.waiting);
+  $("kv-tables").replaceChildren(seqs.length ? table(["request", "prompt", "computed", "output", "cached", "block table"],
+    seqs.map((q) => [q.sequence, q.prompt_tokens, q.computed, q.output_tokens, q.cached_tokens, q.blocks.join(" ") || "–"])) : h("div", { class: "note" }, "No request running now: send demo requests (11) to watch blocks fill and free."));
+  ready("w-kv");
+}
+
+const history = [];
+export function batchingLive(st) {
+  for (const step of st.steps) history.push(step);
+  while (history.length > 150) history.shift();
+  $("bt-stats").textContent = `running ${st.stats.running} · waiting ${st.stats.waiting} · preemptions ${st.stats.num_preemptions} · KV usage ${(st.stats.kv_cache_usage * 100).toFixed(1)}%`;
+  const cv = $("bt-steps"), ctx = cv.getContext("2d");
+  ctx.clearRect(0, 0, cv.width, cv.height);
+  const maxTok = Math.max(8, ...history.map((x) => x.prefill.reduce((a, p) => a + p[1], 0) + x.decode.length));
+  const w = cv.width / 150;
+  history.forEach((x, i) => {
+    const pre = x.prefill.reduce((a, p) => a + p[1], 0), dec = x.decode.length;
+    const H = cv.height - 20, hp = (pre / maxTok) * H, hd = (dec / maxTok) * H;
+    ctx.fillStyle = "#5fb3f9"; ctx.fillRect(i * w, cv.height - hd, w - 1, hd);
+    ctx.fillStyle = "#f2c94c"; ctx.fillRect(i * w, cv.height - hd - hp, w - 1, hp);
+    if (x.preempted.length) { ctx.fillStyle = "#eb5757"; ctx.fillRect(i * w, 0, w - 1, 6); }
+  });
+  ctx.fillStyle = "#9aa5b1"; ctx.font = "11px sans-serif";
+  ctx.fillText(`tokens per step (last ${history.length} steps, max ${maxTok}): yellow = prefill chunks, blue = decodes, red mark = preemption`, 4, 12);
+  const row = (q) => h("span", { class: "tok" }, `${q.request_id} ${q.computed}/${q.prompt_tokens + q.output_tokens}`);
+  $("bt-queue").replaceChildren(h("div", { class: "note" }, "running: "), ...st.running.map(row), h("div", { class: "note" }, "waiting: "), ...st.waiting.map(row));
+  ready("w-batching");
+}
+
+const specHistory = [];
+export function specLive(st) {
+  for (const step of st.steps) for (const v of step.spec) specHistory.push({ step: step.step, ...v });
+  while (specHistory.length > 40) specHistory.shift();
+  const sp = st.speculative;
+  if (!sp) {
+    $("spec-out").replaceChildren(h("div", { class: "note" }, "This server runs without speculative decoding. Start it with --speculative-method ngram (or --speculative-model M) to see each step's drafted tokens, which the target accepted, and the target's and draft's probabilities."));
+  } else {
+    const s = st.stats;
+    $("spec-out").replaceChildren(
+      h("div", { class: "stat" }, `${sp.method}, up to ${sp.num_speculative_tokens} drafted tokens · drafted ${s.spec_num_drafted_tokens}, accepted ${s.spec_num_accepted_tokens} (acceptance rate ${(s.spec_acceptance_rate * 100).toFixed(1)}%), mean tokens per verification ${s.spec_mean_accepted_length.toFixed(2)}`),
+      specHistory.length ? table(["step", "request", "drafted (p target / q draft)", "accepted", "emitted"], specHistory.slice().reverse().map((v) => [v.step, v.request_id,
+        h("span", {}, ...v.drafted.map((t, i) => h("span", { class: "tok " + (i < v.accepted ? "kept" : "cut") }, `${t} ${v.p_target[i]}/${v.q_draft[i]}`))), v.accepted, v.emitted.join(" ")])) : h("div", { class: "note" }, "No verification yet: send demo requests (11)."));
+  }
+  ready("w-spec");
+}
+
+export function requestsLive(st) {
+  if (!st.requests.length) {
+    $("req-out").replaceChildren(h("div", { class: "note" }, "No finished request yet."));
+  } else {
+    $("req-out").replaceChildren(table(["request", "prompt ids (after the template)", "output", "finish", "TTFT ms", "latency ms", "cached", "blocks", "preemptions"],
+      st.requests.slice().reverse().map((r) => [r.request_id, r.prompt_ids.slice(0, 24).join(" ") + (r.prompt_ids.length > 24 ? ` … (${r.prompt_ids.length})` : ""),
+        r.outputs.map((o) => o.text).join(" | ").slice(0, 80), r.outputs.map((o) => o.finish_reason).join(","), r.ttft_ms?.toFixed(1) ?? "–", r.latency_ms?.toFixed(1) ?? "–", r.num_cached_tokens, r.num_blocks.join(","), r.num_preemptions])));
+  }
+  ready("w-requests");
+}
+
+export async function quantization(isGguf) {
+  if (!isGguf) {
+    $("q-formats").replaceChildren(h("div", { class: "note" }, "This model is a Hugging Face folder: its tensors are dense; the format view reads GGUF files."));
+    ready("w-quant");
+    return;
+  }
+  try {
+    const r = await api("quant/tensors");
+    $("q-formats").replaceChildren(
+      h("div", { class: "stat" }, `${(r.parameters / 1e6).toFixed(1)} M parameters in ${fmtBytes(r.bytes)} as stored · bf16 would take ${fmtBytes(r.bf16_bytes)}, fp32 ${fmtBytes(r.fp32_bytes)}`),
+      table(["format", "tensors", "parameters", "bytes", "bits per weight"], Object.entries(r.formats).map(([k, v]) => [k, v.tensors, v.parameters, fmtBytes(v.bytes), (8 * v.bytes / v.parameters).toFixed(2)])));
+    $("q-tensor").replaceChildren(...r.tensors.filter((t) => t.shape.length === 2).map((t) => h("option", { value: t.name }, `${t.name} ${t.type} [${t.shape.join("×")}]`)));
+    const go = async () => {
+      try {
+        const e = await api("quant/error?tensor=" + encodeURIComponent($("q-tensor").value));
+        $("q-out").replaceChildren(h("div", { class: "note" }, `${e.tensor} stored as ${e.stored_type}; de-quantized (first ${e.rows_used} rows, RMS ${e.rms.toExponential(3)}) then re-quantized with the gguf package's quantizers:`),
+          table(["format", "bits/weight", "RMS error", "relative RMS", "max |error|"], e.requantized.map((q) => [q.format, q.bits_per_weight, q.rms_error.toExponential(3), (q.relative_rms * 100).toFixed(2) + "%", q.max_abs_error.toExponential(3)])));
+        ready("w-quant");
+      } catch (err) { showError("w-quant", err); }
+    };
+    $("q-go").addEventListener("click", go);
+    const q = r.tensors.find((t) => t.name.includes("attn_q")) || r.tensors[0];
+    $("q-tensor").value = q.name;
+    await go();
+  } catch (e) { showError("w-quant", e); }
+}

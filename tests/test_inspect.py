@@ -1,0 +1,295 @@
+"""The inspector's numbers (`nextoken.inspect`), against independent oracles: `transformers`'
+attention weights, hidden states and rotary tables on the tiny models, the `gguf` package's own
+de-quantization of SmolLM2's embedding table, the engine's own generations and beam search, and
+the KV cache's tensors. The HTTP routes are exercised on a live server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from nextoken import LLM, SamplingParams
+from nextoken.inspect import engine_view, model_view, text
+from nextoken.inspect.trace import MAX_TRACE_TOKENS, InspectTracer
+from tests.test_server import LiveServer
+
+PROMPT_IDS = [3, 17, 42, 7, 99, 5, 61, 23, 11, 80, 4, 33]
+
+
+def traced(llm: LLM, ids: list[int]) -> InspectTracer:
+    tracer = InspectTracer(llm.config, len(ids))
+    for _ in llm.stream(ids, SamplingParams(temperature=0, max_tokens=1), tracer=tracer):
+        pass
+    return tracer
+
+
+@pytest.fixture(scope="module")
+def tiny_llms(tiny_gguf):
+    return {arch: LLM(str(path), dtype="float32") for arch, (path, _) in tiny_gguf.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_attention_and_residuals_equal_transformers(tiny_gguf, tiny_llms, arch):
+    """Every layer's and head's weights equal `transformers`' (eager attention, output_attentions),
+    rows sum to 1 and are zero above the diagonal (and outside the window of sliding layers); the
+    logit lens at the last layer equals transformers' next-token distribution."""
+    llm, hf = tiny_llms[arch], tiny_gguf[arch][1]
+    tracer = traced(llm, PROMPT_IDS)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT_IDS]), output_attentions=True)
+    cfg = llm.config
+    assert len(tracer.attention) == cfg.num_layers == len(ref.attentions)
+    t = len(PROMPT_IDS)
+    for layer, (ours, theirs) in enumerate(zip(tracer.attention, ref.attentions)):
+        assert ours.shape == (cfg.num_heads, t, t)
+        ours = ours.float()
+        torch.testing.assert_close(ours, theirs[0], atol=1e-3, rtol=0)
+        torch.testing.assert_close(ours.sum(-1), torch.ones(cfg.num_heads, t), atol=5e-3, rtol=0)
+        assert (ours.triu(1) == 0).all()
+        if cfg.is_sliding(layer):
+            q, k = torch.meshgrid(torch.arange(t), torch.arange(t), indexing="ij")
+            assert (ours[:, q - k >= cfg.sliding_window] == 0).all()
+        assert len(tracer.head_stats(layer)) == cfg.num_heads
+    lens = tracer.logit_lens(llm.runner.model, llm.tokenizer, t - 1, top=3)
+    assert len(lens) == cfg.num_layers + 1
+    want = ref.logits[0, -1].softmax(-1)
+    top = want.topk(3)
+    assert [e["id"] for e in lens[-1]["top"]] == top.indices.tolist()
+    assert [e["prob"] for e in lens[-1]["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_head_labels_follow_the_stated_rule(tiny_llms):
+    tracer = traced(tiny_llms["llama"], PROMPT_IDS)
+    t = len(PROMPT_IDS)
+    prev = torch.zeros(1, t, t, dtype=torch.float16)
+    prev[0, 0, 0] = 1
+    prev[0, torch.arange(1, t), torch.arange(t - 1)] = 1
+    uniform = torch.tril(torch.ones(t, t)) / torch.arange(1, t + 1)[:, None]
+    first = torch.zeros(1, t, t, dtype=torch.float16)
+    first[0, :, 0] = 1
+    tracer.attention[0] = torch.cat([prev, first, torch.eye(t)[None].half(), uniform[None].half()])
+    labels = [h["label"] for h in tracer.head_stats(0)]
+    assert labels == ["previous token", "first token (sink)", "self", "broad"]
+
+
+def test_rope_tables_equal_transformers(tiny_gguf, tiny_llms):
+    """The angles and cos table shown are the model's, and equal transformers' rotary embedding."""
+    llm, hf = tiny_llms["llama"], tiny_gguf["llama"][1]
+    r = model_view.rope_view(llm.runner.model, 32)
+    pos = torch.arange(32)
+    cos, _ = hf.model.rotary_emb(torch.zeros(1, 32, 16), pos[None])
+    pairs = r["pairs"]
+    np.testing.assert_allclose(np.array(r["cos"]), cos[0, :, :pairs].numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.cos(np.array(r["angle"])), cos[0, :, :pairs].numpy(), atol=2e-4)
+    assert r["decay"]["score"][0] == pytest.approx(1.0)
+    g = model_view.rope_view(tiny_llms["gemma3"].runner.model, 16)
+    assert "cos" in g
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kv_bytes_formula_equals_the_cache(tiny_llms, arch):
+    eng = tiny_llms[arch].engine
+    v = engine_view.kv_view(eng)
+    kv = eng.runner.kv
+    assert v["bytes_per_token"] == v["measured_bytes_per_token"] == (kv.k.nbytes + kv.v.nbytes) // (
+        kv.num_blocks * kv.block_size)
+    if arch == "gemma3":
+        assert v["sliding"]["layers"] == 5 and v["sliding"]["bytes_per_token"] > 0
+
+
+def test_bpe_replay_ends_at_the_tokenizer_ids(smol_llm):
+    tok = smol_llm.tokenizer
+    for word in [" tokenization", " unbelievable", "artificial", " intelligence", "12345", " naïve", "日本"]:
+        r = text.bpe_replay(tok, word)
+        assert r["ids"] == r["tokenizer_ids"], word
+        for p in r["pieces"]:
+            if p["steps"]:
+                assert "".join(p["steps"][-1]["symbols"]) == p["piece"]
+
+
+def test_tokens_view_marks_special_and_partial_tokens(smol_llm):
+    r = text.tokens_view(smol_llm.tokenizer, "hi 😀", chat=True)
+    assert r["tokens"][0]["special"] and r["rendered"].startswith("<|im_start|>")
+    partial = [t for t in r["tokens"] if t["partial_utf8"]]
+    assert partial and b"".join(bytes.fromhex(t["bytes"]) for t in partial[-2:]).endswith("😀".encode()[-1:])
+    whole = b"".join(bytes.fromhex(t["bytes"]) for t in r["tokens"])
+    assert whole.decode() == r["rendered"]
+
+
+def test_analogy_is_exact_on_the_stored_table(smol_llm, smollm2_path):
+    """The vector is E[king] - E[man] + E[woman] of the table the `gguf` package de-quantizes
+    itself, and the nearest tokens and the rank of ' queen' agree with a plain computation."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_path))
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    r = text.analogy(smol_llm.runner.model, smol_llm.tokenizer, "king", "man", "woman", "queen")
+    ids = r["ids"]
+    v = table[ids["a"]] - table[ids["b"]] + table[ids["c"]]
+    np.testing.assert_allclose(r["vector"], v.numpy(), atol=2e-6)
+    cos = torch.nn.functional.cosine_similarity(table, v[None], dim=-1)
+    cos[[ids["a"], ids["b"], ids["c"]]] = -2
+    assert [n["id"] for n in r["nearest"][:5]] == cos.topk(5).indices.tolist()
+    assert r["target"]["rank"] == int((cos > cos[ids["target"]]).sum()) + 1
+
+
+def test_embedding_map_projects_the_rows(smol_llm):
+    words = ["king", "queen", "cat", "dog", "Paris"]
+    r = text.embedding_map(smol_llm.runner.model, smol_llm.tokenizer, words)
+    x = text.embedding_rows(smol_llm.runner.model, [p["id"] for p in r["points"]])
+    xc = x - x.mean(0)
+    # the projection keeps the pairwise distances of the two leading components: its Gram matrix
+    # is the best rank-2 approximation of the centred rows' Gram matrix
+    pts = torch.tensor([[p["x"], p["y"]] for p in r["points"]])
+    u, s, _ = torch.linalg.svd(xc, full_matrices=False)
+    torch.testing.assert_close(pts @ pts.T, (u[:, :2] * s[:2]) @ (u[:, :2] * s[:2]).T, atol=1e-3, rtol=1e-3)
+    with pytest.raises(Exception, match="not a single token"):
+        text.embedding_map(smol_llm.runner.model, smol_llm.tokenizer, ["king", "queen", "xqzwvjk"])
+
+
+def test_requant_error_and_formats(smollm2_path):
+    s = model_view.stored_tensors(str(smollm2_path))
+    assert sum(b["bytes"] for b in s["formats"].values()) == sum(t["bytes"] for t in s["tensors"])
+    r = model_view.requant_error(str(smollm2_path), "blk.0.attn_q.weight")
+    by = {q["format"]: q for q in r["requantized"]}
+    assert r["stored_type"] == "Q4_1" and by["Q4_1"]["rms_error"] < 1e-6  # its own format: a round trip
+    assert by["Q8_0"]["rms_error"] < by["Q5_0"]["rms_error"] < by["Q4_0"]["rms_error"]
+
+
+# -- through the server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_path):
+    return LLM(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def srv(smol_llm):
+    s = LiveServer(smol_llm, "smollm2")
+    yield s
+    s.stop()
+
+
+def post(srv, path, body, **kw):
+    return httpx.post(f"{srv.url}/inspect/api/{path}", json=body, timeout=120, **kw)
+
+
+def test_sampling_playground_draws_what_the_engine_generates(srv, smol_llm):
+    prompt = "It was a beautiful"
+    settings = dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    for seed in range(8):
+        r = post(srv, "sample", {"prompt": prompt, "seed": seed, **settings})
+        assert r.status_code == 200, r.text
+        view = r.json()
+        out = smol_llm.generate(prompt, SamplingParams(max_tokens=1, seed=seed, **settings))[0]
+        assert view["chosen"]["id"] == out.outputs[0].token_ids[0]
+        k = view["kept_counts"]
+        assert k["min_p"] <= k["top_p"] <= k["top_k"] <= 40
+        finals = [c["p_final"] for c in view["candidates"] if c["kept"]["min_p"]]
+        assert sum(finals) == pytest.approx(1.0, abs=2e-3)
+    g = post(srv, "sample", {"prompt": prompt, "temperature": 0}).json()
+    greedy = smol_llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
+    assert g["chosen"]["id"] == greedy.outputs[0].token_ids[0] and g["kept_counts"]["min_p"] == 1
+
+
+def test_beam_tree_best_beam_equals_beam_search(srv, smol_llm):
+    r = post(srv, "beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    tree = r.json()
+    ids = smol_llm.tokenizer.encode("The best thing about")
+    want = smol_llm.beam_search([ids], 3, 4)[0].sequences[0]
+    assert tree["beams"][0]["ids"] == want.token_ids
+    assert tree["beams"][0]["cumulative_logprob"] == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    greedy = smol_llm.generate(ids, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+    assert tree["greedy"]["ids"] == greedy
+    for step in range(4):
+        fates = [n["fate"] for n in tree["nodes"] if n["step"] == step]
+        assert fates.count("beam") + fates.count("finished") >= 1 and fates.count("beam") <= 3
+
+
+def test_trace_is_a_request_and_serving_goes_on(srv, smol_llm):
+    """A trace runs while another request generates; that request's greedy text equals a run
+    alone, and the trace's rows sum to 1."""
+    import concurrent.futures
+
+    alone = smol_llm.generate("Write a poem about rivers.", SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(httpx.post, f"{srv.url}/v1/completions", json={
+            "model": "smollm2", "prompt": "Write a poem about rivers.", "max_tokens": 24, "temperature": 0}, timeout=120)
+        tr = pool.submit(post, srv, "trace", {"prompt": "The cat sat on the mat because it was tired"})
+        assert chat.result().json()["choices"][0]["text"] == alone
+        trace = tr.result().json()
+    t = len(trace["tokens"])
+    assert trace["layers"] == 30 and trace["heads"] == 9 and len(trace["labels"]) == 30
+    a = httpx.get(f"{srv.url}/inspect/api/trace/{trace['trace_id']}/attention", params={"layer": 5}).json()
+    import base64
+
+    w = np.frombuffer(base64.b64decode(a["data"]), dtype=np.uint8).reshape(9, t, t) / 255
+    np.testing.assert_allclose(w.sum(-1), 1, atol=t / 255)
+    assert (np.triu(w, 1) == 0).all()
+    lens = httpx.get(f"{srv.url}/inspect/api/trace/{trace['trace_id']}/lens", params={"position": t - 1}).json()
+    assert len(lens["layers"]) == 31
+    nxt = smol_llm.generate("The cat sat on the mat because it was tired", SamplingParams(temperature=0, max_tokens=1))
+    assert lens["layers"][-1]["top"][0]["id"] == nxt[0].outputs[0].token_ids[0]
+
+
+def test_timeline_and_live_state(srv):
+    r = post(srv, "run", {"prompt": "The three most important inventions are", "max_tokens": 8}).json()
+    phases = [s["phase"] for s in r["steps"]]
+    assert phases[0] == "prefill" and sum(s["tokens"] for s in r["steps"] if s["phase"] == "prefill") == r["prompt_tokens"]
+    assert phases.count("decode") == r["output_tokens"] - 1 and r["ttft_ms"] > 0
+    assert post(srv, "demo", {"count": 3, "max_tokens": 8}).json()["sent"] == 3
+    assert srv.idle(60)
+    st = httpx.get(f"{srv.url}/inspect/api/state").json()
+    assert len(st["blocks"]) == st["stats"]["num_blocks"] and set(st["blocks"]) <= set(".c123456789+")
+    assert len(st["requests"]) >= 4 and st["steps"]
+    with httpx.stream("GET", f"{srv.url}/inspect/api/live", timeout=30) as ev:
+        line = next(line for line in ev.iter_lines() if line.startswith("data: "))
+    assert json.loads(line[6:])["stats"]["num_blocks"] == st["stats"]["num_blocks"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("tokenize", {"text": ""}, "text"),
+    ("trace", {"prompt": "word " * (MAX_TRACE_TOKENS + 10)}, "prompt"),
+    ("embeddings", {"words": ["king", "queen", "xqzwvjk"]}, "words"),
+    ("sample", {"temperature": 7}, "temperature"),
+    ("sample", {"top_p": 0}, "top_p"),
+    ("beam", {"beam_width": 20}, "beam_width"),
+    ("bpe", {"word": "x" * 100}, "word"),
+    ("analogy", {"target": "xqzwvjk"}, "target"),
+])
+def test_bad_input_is_a_400_naming_the_field(srv, path, body, field):
+    r = post(srv, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    if path == "trace":
+        assert str(MAX_TRACE_TOKENS) in err["message"]
+    assert post(srv, "tokenize", {"text": "still serving"}).status_code == 200
+
+
+def test_page_routes_schema_and_switches(srv, tiny_gguf):
+    page = httpx.get(f"{srv.url}/inspect")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert httpx.get(f"{srv.url}/inspect/static/app.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(f"{srv.url}/inspect/static/..%2Fserver").status_code in (400, 404)
+    paths = httpx.get(f"{srv.url}/openapi.json").json()["paths"]
+    for p in ("/inspect/api/trace", "/inspect/api/sample", "/inspect/api/live", "/inspect/api/kv"):
+        assert p in paths
+    off = LiveServer(LLM(str(tiny_gguf["llama"][0])), "tiny", inspect=False, api_key="k")
+    try:
+        assert httpx.get(f"{off.url}/inspect", headers={"Authorization": "Bearer k"}).status_code == 404
+    finally:
+        off.stop()
+    keyed = LiveServer(LLM(str(tiny_gguf["llama"][0])), "tiny", api_key="k")
+    try:
+        assert httpx.get(f"{keyed.url}/inspect").status_code == 401
+        assert httpx.get(f"{keyed.url}/inspect", params={"key": "k"}).status_code == 200
+        assert httpx.get(f"{keyed.url}/inspect/api/kv", params={"key": "wrong"}).status_code == 401
+        assert httpx.get(f"{keyed.url}/v1/models", params={"key": "k"}).status_code == 401  # only /inspect
+    finally:
+        keyed.stop()

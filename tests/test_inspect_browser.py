@@ -1,0 +1,109 @@
+"""The inspector page in a real browser: Playwright for Python driving Debian's `chromium`
+(Playwright's own browser download cannot work here). Each widget must render with the server's
+numbers, the console must stay free of errors, and no request may leave 127.0.0.1. A screenshot
+per widget is saved under build/test-output/inspector/.
+
+Without chromium or Playwright these tests skip with one line saying what to install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from nextoken import LLM
+from tests.test_server import LiveServer
+
+CHROMIUM = os.environ.get("NEXTOKEN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+OUT = Path(__file__).resolve().parent.parent / "build" / "test-output" / "inspector"
+WIDGETS = ["w-tokenizer", "w-embeddings", "w-positions", "w-architecture", "w-attention", "w-lens", "w-timeline",
+           "w-sampling", "w-beam", "w-kv", "w-batching", "w-spec", "w-quant", "w-requests"]
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - the test extra installs it
+    sync_playwright = None
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or sync_playwright is None,
+    reason="browser tests need Debian's chromium (apt-get install chromium) and playwright (pip install playwright)")
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_path):
+    s = LiveServer(LLM(str(smollm2_path)), "smollm2", api_key="secret")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def page_run(srv):
+    """Open the page once, wait for every widget, click the demo button; yield what was seen."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    outside, errors = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+
+        def guard(route):
+            host = urlparse(route.request.url).hostname
+            if host not in ("127.0.0.1",) and not route.request.url.startswith("data:"):
+                outside.append(route.request.url)
+                return route.abort()
+            return route.continue_()
+
+        page.route("**/*", guard)
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        start = time.perf_counter()
+        page.goto(f"{srv.url}/inspect?key=secret")
+        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
+        page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
+        load_s = time.perf_counter() - start
+        page.click("#demo-go")
+        page.wait_for_function("document.querySelector('#bt-stats').textContent.includes('running')", timeout=30_000)
+        assert srv.idle(120)
+        time.sleep(1.0)  # one more live event after the demo requests finished
+        seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
+        texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
+        for w in WIDGETS:
+            page.locator(f"#{w}").screenshot(path=str(OUT / f"{w}.png"))
+        page.screenshot(path=str(OUT / "page.png"), full_page=True)
+        browser.close()
+    print(f"inspector page loaded (every widget drawn) in {load_s:.2f} s")
+    return {"ready": seen, "texts": texts, "errors": errors, "outside": outside}
+
+
+def test_every_widget_renders_without_console_errors(page_run):
+    assert not page_run["errors"], page_run["errors"]
+    assert not page_run["outside"], page_run["outside"]
+    missing = [w for w, r in page_run["ready"].items() if not r]
+    assert not missing, missing
+    for w in WIDGETS:
+        assert (OUT / f"{w}.png").stat().st_size > 1000
+
+
+def test_widgets_show_the_servers_numbers(page_run, srv):
+    auth = {"Authorization": "Bearer secret"}
+    api = f"{srv.url}/inspect/api"
+    t = page_run["texts"]
+    tok = httpx.post(f"{api}/tokenize", json={"text": "Tokenization is unbelievable: artificial intelligence 😀"},
+                     headers=auth).json()
+    assert f"{tok['count']} tokens" in t["w-tokenizer"]
+    kv = httpx.get(f"{api}/kv", headers=auth).json()
+    assert f"= {kv['bytes_per_token']} B" in t["w-kv"]
+    an = httpx.post(f"{api}/analogy", json={}, headers=auth).json()
+    assert f"ranks #{an['target']['rank']}" in t["w-embeddings"]
+    arch = httpx.get(f"{api}/architecture", headers=auth).json()
+    assert f"× {arch['layers']} layers" in t["w-architecture"]
+    assert "30 layers × 9 heads" in t["w-attention"] and "embedding" in t["w-lens"]
+    assert "TTFT" in t["w-timeline"] and "seeded draw" in t["w-sampling"] and "best beam" in t["w-beam"]
+    assert "Q4_1" in t["w-quant"] and "without speculative decoding" in t["w-spec"]
+    state = httpx.get(f"{api}/state", headers=auth).json()
+    assert f"{state['stats']['num_blocks']} blocks" in t["w-kv"]
+    assert state["requests"] and state["requests"][-1]["request_id"] in t["w-requests"]
