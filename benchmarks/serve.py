@@ -12,6 +12,7 @@ end-to-end latency (mean, p50, p99), request and token throughput, and errors.
 from __future__ import annotations
 
 import argparse
+import threading
 import asyncio
 import json
 import os
@@ -103,6 +104,26 @@ def launch(model, port, extra):
     raise SystemExit("the server did not become healthy")
 
 
+class LiveView:
+    """One open inspector page's worth of live traffic: reads /inspect/api/live in a thread."""
+
+    def __init__(self, url):
+        self.events, self.done = 0, threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self.thread.start()
+
+    def _read(self, url):
+        with httpx.stream("GET", url + "/inspect/api/live", timeout=None) as r:
+            for line in r.iter_lines():
+                self.events += line.startswith("data: ")
+                if self.done.is_set():
+                    return
+
+    def stop(self) -> int:
+        self.done.set()
+        return self.events
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="an already running server (default: launch one)")
@@ -116,12 +137,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-args", default="", help="extra arguments for `nextoken serve`")
+    ap.add_argument("--live-views", type=int, default=0,
+                    help="keep N inspector live views open during the run (/inspect/api/live event streams)")
     args = ap.parse_args()
     proc = None
     url = args.base_url
     if url is None:
         proc, url = launch(args.model, args.port, args.server_args.split())
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    views = [LiveView(url) for _ in range(args.live_views)]
     try:
         for k, rate in enumerate(args.rate or [1.0]):
             rng = random.Random(args.seed + k)
@@ -130,6 +154,8 @@ def main():
             results, wall = asyncio.run(run_rate(url, model, rate, reqs, args.seed + k))
             summarize(rate, results, wall)
     finally:
+        for v in views:
+            print(f"  live view: {v.stop()} events received")
         if proc is not None:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
