@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import time
-from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
