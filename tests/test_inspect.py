@@ -168,6 +168,13 @@ def smol_llm(smollm2_path):
 
 
 @pytest.fixture(scope="module")
+def oracle(smollm2_path):
+    """A second engine on the same model, for the comparisons: the served engine is stepped by
+    the server's loop thread and must not be driven from the test's thread at the same time."""
+    return LLM(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
 def srv(smol_llm):
     s = LiveServer(smol_llm, "smollm2")
     yield s
@@ -178,45 +185,45 @@ def post(srv, path, body, **kw):
     return httpx.post(f"{srv.url}/inspect/api/{path}", json=body, timeout=120, **kw)
 
 
-def test_sampling_playground_draws_what_the_engine_generates(srv, smol_llm):
+def test_sampling_playground_draws_what_the_engine_generates(srv, oracle):
     prompt = "It was a beautiful"
     settings = dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
     for seed in range(8):
         r = post(srv, "sample", {"prompt": prompt, "seed": seed, **settings})
         assert r.status_code == 200, r.text
         view = r.json()
-        out = smol_llm.generate(prompt, SamplingParams(max_tokens=1, seed=seed, **settings))[0]
+        out = oracle.generate(prompt, SamplingParams(max_tokens=1, seed=seed, **settings))[0]
         assert view["chosen"]["id"] == out.outputs[0].token_ids[0]
         k = view["kept_counts"]
         assert k["min_p"] <= k["top_p"] <= k["top_k"] <= 40
         finals = [c["p_final"] for c in view["candidates"] if c["kept"]["min_p"]]
         assert sum(finals) == pytest.approx(1.0, abs=2e-3)
     g = post(srv, "sample", {"prompt": prompt, "temperature": 0}).json()
-    greedy = smol_llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
+    greedy = oracle.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
     assert g["chosen"]["id"] == greedy.outputs[0].token_ids[0] and g["kept_counts"]["min_p"] == 1
 
 
-def test_beam_tree_best_beam_equals_beam_search(srv, smol_llm):
+def test_beam_tree_best_beam_equals_beam_search(srv, oracle):
     r = post(srv, "beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4})
     assert r.status_code == 200, r.text
     tree = r.json()
-    ids = smol_llm.tokenizer.encode("The best thing about")
-    want = smol_llm.beam_search([ids], 3, 4)[0].sequences[0]
+    ids = oracle.tokenizer.encode("The best thing about")
+    want = oracle.beam_search([ids], 3, 4)[0].sequences[0]
     assert tree["beams"][0]["ids"] == want.token_ids
     assert tree["beams"][0]["cumulative_logprob"] == pytest.approx(want.cumulative_logprob, abs=1e-3)
-    greedy = smol_llm.generate(ids, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+    greedy = oracle.generate(ids, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
     assert tree["greedy"]["ids"] == greedy
     for step in range(4):
         fates = [n["fate"] for n in tree["nodes"] if n["step"] == step]
         assert fates.count("beam") + fates.count("finished") >= 1 and fates.count("beam") <= 3
 
 
-def test_trace_is_a_request_and_serving_goes_on(srv, smol_llm):
+def test_trace_is_a_request_and_serving_goes_on(srv, oracle):
     """A trace runs while another request generates; that request's greedy text equals a run
     alone, and the trace's rows sum to 1."""
     import concurrent.futures
 
-    alone = smol_llm.generate("Write a poem about rivers.", SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    alone = oracle.generate("Write a poem about rivers.", SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         chat = pool.submit(httpx.post, f"{srv.url}/v1/completions", json={
             "model": "smollm2", "prompt": "Write a poem about rivers.", "max_tokens": 24, "temperature": 0}, timeout=120)
@@ -233,7 +240,7 @@ def test_trace_is_a_request_and_serving_goes_on(srv, smol_llm):
     assert (np.triu(w, 1) == 0).all()
     lens = httpx.get(f"{srv.url}/inspect/api/trace/{trace['trace_id']}/lens", params={"position": t - 1}).json()
     assert len(lens["layers"]) == 31
-    nxt = smol_llm.generate("The cat sat on the mat because it was tired", SamplingParams(temperature=0, max_tokens=1))
+    nxt = oracle.generate("The cat sat on the mat because it was tired", SamplingParams(temperature=0, max_tokens=1))
     assert lens["layers"][-1]["top"][0]["id"] == nxt[0].outputs[0].token_ids[0]
 
 
