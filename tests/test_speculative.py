@@ -166,3 +166,24 @@ def test_real_pair_greedy_text_unchanged(kw):
     assert [o.outputs[0].token_ids for o in llm.generate(texts, params)] == expected
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     assert_no_leak(llm)
+
+
+def test_step_log_records_each_verification(tiny_pair):
+    """The inspector's view of speculation (`LLMEngine.step_log`): every verification's drafts,
+    acceptance and emitted tokens agree with the engine's counters and with the output itself;
+    greedy target probabilities are 1 up to the first rejection and 0 there."""
+    target, draft = tiny_pair
+    llm = LLM(target, max_num_seqs=1, dense_weights=False, num_speculative_tokens=3, speculative_model=draft)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    records = [v for s in llm.engine.step_log for v in s["spec"]]
+    stats = llm.engine.stats()
+    assert len(records) == stats["spec_num_verify_steps"] > 0
+    assert sum(len(v["drafted"]) for v in records) == stats["spec_num_drafted_tokens"]
+    assert sum(v["accepted"] for v in records) == stats["spec_num_accepted_tokens"]
+    for v in records:
+        a = v["accepted"]
+        assert v["emitted"][:a] == v["drafted"][:a] and len(v["emitted"]) == a + 1
+        assert v["p_target"] == [1.0] * a + ([0.0] if a < len(v["drafted"]) else [])
+        assert len(v["q_draft"]) == len(v["drafted"]) and all(0 <= q <= 1 for q in v["q_draft"])
+    toks = out.outputs[0].token_ids
+    assert all(any(toks[i : i + len(v["emitted"])] == v["emitted"] for i in range(len(toks))) for v in records)

@@ -270,12 +270,12 @@ class LLMEngine:
                   "decode": [r.group_id for r in plan.scheduled if r.num_computed_tokens >= r.num_prompt_tokens],
                   "preempted": [r.group_id for r in plan.preempted], "spec": []}
         if plan.scheduled:
-            traced = {r: n for r, n in plan.scheduled.items() if r.tracer is not None}
-            plain = {r: n for r, n in plan.scheduled.items() if r.tracer is None}
+            traced = [r for r in plan.scheduled if r.tracer is not None]
+            plain = {r: n for r, n in plan.scheduled.items() if r.tracer is None} if traced else plan.scheduled
             if plain:
                 self._run(plain, plan.lookahead, record=record)
-            for r, n in traced.items():  # tracing costs only the traced request: a pass of its own
-                self._run({r: n}, tracer=r.tracer)
+            for r in traced:  # tracing costs only the traced request: a pass of its own
+                self._run({r: plan.scheduled[r]}, tracer=r.tracer)
         outputs = []
         for rid, group in list(self.groups.items()):
             if group.changed:
@@ -344,9 +344,10 @@ class LLMEngine:
                 self._emit(r, [res])
         for r, (toks, qs) in drafts.items():
             a, b = rows[r]
-            results, accepted = verify(self.sampler, logits[a:b], toks, qs, r.sampler_row)
+            p_target = [] if record is not None else None
+            results, accepted = verify(self.sampler, logits[a:b], toks, qs, r.sampler_row, p_target)
             if record is not None:
-                record["spec"].append(_verification(r, logits[a : b - 1], toks, qs, accepted, results))
+                record["spec"].append(_verification(r, toks, p_target, qs, accepted, results))
             c = self.spec_counts
             c["drafted"] += len(toks)
             c["accepted"] += accepted
@@ -432,13 +433,13 @@ class LLMEngine:
                 "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
 
 
-def _verification(r: Request, logits: torch.Tensor, drafts: list[int], draft_probs, accepted: int, results) -> dict:
+def _verification(r: Request, drafts: list[int], p_target: list[float], draft_probs, accepted: int,
+                  results) -> dict:
     """One speculative verification for the step log: the drafted tokens, how many the target
-    accepted, each draft's probability under the target's raw distribution (softmax of its
-    logits ``[k, vocab]``) and under the draft (1 for an n-gram guess), and what was emitted."""
-    idx = torch.tensor(drafts)
-    p = logits.softmax(-1).gather(1, idx[:, None])[:, 0].tolist()
+    accepted, the target probability the acceptance test used for each draft it checked (drafts
+    after a rejection are not checked) and each draft's probability under the draft model (1 for
+    an n-gram guess), and the tokens emitted."""
     q = [float(d[t]) for d, t in zip(draft_probs, drafts)] if draft_probs is not None else [1.0] * len(drafts)
     return {"request_id": r.group_id, "drafted": drafts, "accepted": accepted,
-            "p_target": [round(x, 4) for x in p], "q_draft": [round(x, 4) for x in q],
+            "p_target": [round(x, 4) for x in p_target], "q_draft": [round(x, 4) for x in q],
             "emitted": [res.token for res in results]}

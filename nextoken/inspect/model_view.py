@@ -78,13 +78,12 @@ def _part(name: str) -> str:
     if name.startswith("lm_head"):
         return "lm_head"
     for key, part in (("attn", "attention"), ("mlp", "mlp"), ("norm", "norms"), ("ln", "norms")):
-        if key in name.split(".")[-1] or key in name:
+        if key in name:
             return part
     return "other"
 
 
 def _format(module) -> str:
-    method = type(getattr(module, "method", None)).__name__
     if getattr(module, "qweight", None) is not None:
         q = module.qweight
         return f"{q.bits}-bit codes (group {q.group})"
@@ -93,7 +92,7 @@ def _format(module) -> str:
     if getattr(module, "q8", None) is not None:
         return "Q8_0"
     w = getattr(module, "weight", None)
-    return str(w.dtype).replace("torch.", "") if w is not None else method
+    return str(w.dtype).replace("torch.", "") if w is not None else type(module.method).__name__
 
 
 def _shares_table(model) -> bool:

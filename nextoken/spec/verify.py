@@ -23,11 +23,13 @@ from nextoken.sample.sampler import SampleResult, Sampler, SamplerRequest
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor] | None,
-           row: SamplerRequest) -> tuple[list[SampleResult], int]:
+           row: SamplerRequest, target_probs: list[float] | None = None) -> tuple[list[SampleResult], int]:
     """logits: the target's raw float32 logits ``[k + 1, vocab]`` (row i: after x_1..x_i);
     drafts: x_1..x_k; draft_probs: q_1..q_k (each ``[vocab]``) or None for point masses.
     Returns the emitted tokens (accepted drafts, then the correction or bonus token), with
-    log-probabilities when the row asks for them, and how many drafts were accepted."""
+    log-probabilities when the row asks for them, and how many drafts were accepted.
+    `target_probs`, when given, receives p_{i-1}(x_i) for each draft checked (the acceptance
+    test's target probability; greedy rows: 1 for the argmax, else 0)."""
     p = row.params
     history = list(row.output_ids)
     emitted: list[int] = []
@@ -40,10 +42,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_prob
         x = drafts[i]
         if probs is None:  # greedy
             ok = kept == x
+            p_x = float(ok)
         else:
             q_x = float(draft_probs[i][x]) if draft_probs is not None else 1.0
             u = float(torch.rand((), generator=row.generator))
-            ok = u * q_x < float(probs[x])
+            p_x = float(probs[x])
+            ok = u * q_x < p_x
+        if target_probs is not None:
+            target_probs.append(p_x)
         if ok:
             emitted.append(x)
             history.append(x)

@@ -67,8 +67,8 @@ export function specLive(st) {
     const s = st.stats;
     $("spec-out").replaceChildren(
       h("div", { class: "stat" }, `${sp.method}, up to ${sp.num_speculative_tokens} drafted tokens · drafted ${s.spec_num_drafted_tokens}, accepted ${s.spec_num_accepted_tokens} (acceptance rate ${(s.spec_acceptance_rate * 100).toFixed(1)}%), mean tokens per verification ${s.spec_mean_accepted_length.toFixed(2)}`),
-      specHistory.length ? table(["step", "request", "drafted (p target / q draft)", "accepted", "emitted"], specHistory.slice().reverse().map((v) => [v.step, v.request_id,
-        h("span", {}, ...v.drafted.map((t, i) => h("span", { class: "tok " + (i < v.accepted ? "kept" : "cut") }, `${t} ${v.p_target[i]}/${v.q_draft[i]}`))), v.accepted, v.emitted.join(" ")])) : h("div", { class: "note" }, "No verification yet: send demo requests (11)."));
+      specHistory.length ? table(["step", "request", "drafted (p target as the acceptance test saw it / q draft; – not checked)", "accepted", "emitted"], specHistory.slice().reverse().map((v) => [v.step, v.request_id,
+        h("span", {}, ...v.drafted.map((t, i) => h("span", { class: "tok " + (i < v.accepted ? "kept" : "cut") }, `${t} ${v.p_target[i] ?? "–"}/${v.q_draft[i]}`))), v.accepted, v.emitted.join(" ")])) : h("div", { class: "note" }, "No verification yet: send demo requests (11)."));
   }
   ready("w-spec");
 }
