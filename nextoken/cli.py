@@ -269,7 +269,6 @@ def cmd_serve(a) -> int:
 def cmd_inspect(a) -> int:
     from nextoken.server.serve import serve
 
-    a.inspect = True
     return serve(a, announce_inspector=True)
 
 

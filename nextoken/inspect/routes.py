@@ -139,15 +139,15 @@ def build_router(get_engine) -> APIRouter:
         async for _ in get_engine().generate(ids, params, tracer=tracer):
             pass
 
-    def encode(prompt: str, chat: bool, cap: int | None = None, field: str = "prompt") -> list[int]:
+    def encode(prompt: str, chat: bool, cap: int | None = None) -> list[int]:
         eng = core()
         if chat:
             prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         ids = eng.tokenizer.encode(prompt)
         if not ids:
-            raise InvalidRequest("prompt is empty", field)
+            raise InvalidRequest("prompt is empty", "prompt")
         if cap is not None and len(ids) > cap:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {cap}", field)
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {cap}", "prompt")
         return ids
 
     @r.get("/inspect", include_in_schema=False)

@@ -21,6 +21,7 @@ def _tokenizer_json(tok) -> dict:
     return json.loads(tok._tok.to_str())
 
 
+@functools.lru_cache(maxsize=4)
 def _is_byte_level(tok) -> bool:
     return '"ByteLevel"' in json.dumps(_tokenizer_json(tok).get("pre_tokenizer")) or \
         '"ByteLevel"' in json.dumps(_tokenizer_json(tok).get("decoder"))
