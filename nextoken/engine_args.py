@@ -77,6 +77,13 @@ class EngineArgs:
     speculative_method: str | None = _opt(None, "draft (needs --speculative-model) or ngram (prompt lookup, no "
                                           "second model)", group="speculative decoding", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(4, "tokens proposed per step", group="speculative decoding", type=int)
+    # output
+    watermark_gamma: float = _opt(0.5, "share of the vocabulary on each green list of the watermark (requests "
+                                  "with watermark on)", group="output", type=float)
+    watermark_delta: float = _opt(2.0, "what the watermark adds to a green token's logit", group="output",
+                                  type=float)
+    chat_template: str | None = _opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
+                                     "with tool support)", group="output", metavar="FILE")
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):  # Python callers may write sizes as on the command line
@@ -103,6 +110,11 @@ class EngineArgs:
             if f.metadata["cli"] in ("true", "bool") or f.name == "auto_pull":
                 if not isinstance(getattr(self, f.name), bool):
                     raise InvalidRequest(f"{f.name} must be True or False, got {getattr(self, f.name)!r}", f.name)
+        for name, ok, rule in (("watermark_gamma", lambda v: 0 < v < 1, "in (0, 1)"),
+                               ("watermark_delta", lambda v: 0 < v <= 100, "in (0, 100]")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise InvalidRequest(f"{name} must be a number {rule}, got {value!r}", name)
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"unknown speculative method {self.speculative_method!r}: use 'draft' or 'ngram'",
                                  "speculative_method")

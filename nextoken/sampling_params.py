@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
+from nextoken.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -56,11 +57,20 @@ class SamplingParams:
     of the logits, before penalties, temperature and filtering), as in vLLM."""
     skip_special_tokens: bool = True
     """Leave special (control) tokens out of the returned text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the same
+    fields is accepted). Tokens the grammar does not allow are masked after the penalties and
+    before temperature; see `nextoken.structured`."""
+    watermark: bool = False
+    """Watermark the output (Kirchenbauer et al. 2023; TGI's rule, see `nextoken.sample.watermark`):
+    the engine's gamma of the vocabulary, chosen from the previous token, gets +delta."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +92,11 @@ class SamplingParams:
             _int(self, "seed", -(2**63), 2**63 - 1)
         if self.logprobs is not None:
             _int(self, "logprobs", 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind()
+            if self.ignore_eos:
+                raise InvalidRequest("structured output cannot be combined with ignore_eos (the grammar ends "
+                                     "the output with an end-of-generation token)", "ignore_eos")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings", "stop")
         for tid in self.stop_token_ids:

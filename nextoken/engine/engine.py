@@ -30,10 +30,12 @@ from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
+from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.draft import DraftProposer, check_same_vocabulary
 from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
+from nextoken.structured.backend import GrammarCompiler
 from nextoken.loader.source import load_tokenizer, model_dtype, open_model
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -82,6 +84,8 @@ class LLMEngine:
         self.model_path = source.path
         dtype = model_dtype(source, args.dtype)
         self.tokenizer = load_tokenizer(source)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = _read_template(args.chat_template)
         source.release_metadata()  # the vocabulary lists are in the tokenizer now
         self.runner = ModelRunner(source, dtype, reference=args.reference_attention,
                                   dense_weights=args.dense_weights, enforce_eager=args.enforce_eager)
@@ -96,6 +100,7 @@ class LLMEngine:
         scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                                     args.max_model_len)
         self.speculative = speculative
+        self.watermark = WatermarkConfig(args.watermark_gamma, args.watermark_delta)
         self.draft: DraftProposer | None = None
         per_block = bytes_per_block(self.config, cache.block_size, dtype)
         if method == "draft":
@@ -106,7 +111,7 @@ class LLMEngine:
             draft_runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager)
             check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
                                   draft_runner.config.vocab_size, speculative.model or "draft")
-            self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids))
+            self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids, self.watermark))
             per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype)  # its cache too
         if self.draft is not None and self.draft.runner.config.sliding_layers:
             raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
@@ -142,7 +147,9 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
         # drafted / accepted tokens, verification steps (one per request and step), emitted tokens
         self.spec_counts = {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}
-        self.sampler = Sampler(self.tokenizer.eog_token_ids)
+        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark)
+        # structured output: llguidance over our vocabulary, built on the first request that asks
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_group: dict[Request, RequestGroup] = {}
         self._ids = itertools.count()
@@ -221,6 +228,8 @@ class LLMEngine:
         text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         if tracer is not None and params.n != 1:
             raise InvalidRequest("a traced request takes n=1", "n")
+        spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
+        grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
         seqs = []
         for i in range(params.n):
             seqs.append(Request(f"{request_id}#{i}", ids, params, make_generator(completion_seed(params.seed, i)),
@@ -234,7 +243,7 @@ class LLMEngine:
             RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)))
         self.groups[request_id] = group
         for s in seqs:
-            s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator)
+            s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[s.index])
             s.tracer = tracer
             self._seq_group[s] = group
             self.scheduler.add(s)
@@ -368,7 +377,10 @@ class LLMEngine:
     def _emit(self, r: Request, results) -> None:
         """Append sampled tokens to `r` in order, until one of them finishes it."""
         group = self._seq_group[r]
+        grammar = r.sampler_row.grammar
         for res in results:
+            if grammar is not None:
+                grammar.accept(res.token)
             if process_token(group, r, res, self.tokenizer.eog_token_ids, self.max_model_len):
                 self.scheduler.finish(r)
                 finish_sequence(group, r)
@@ -395,7 +407,8 @@ class LLMEngine:
         if self.draft is not None:
             out = self.draft.propose(batch, lambda r: self.kv.block_ids(r.request_id))
         else:
-            out = {r: (propose_ngram(r.all_token_ids, k, sc.ngram_max, sc.ngram_min), None) for r, k in batch}
+            out = {r: (_grammar_prefix(r, propose_ngram(r.all_token_ids, k, sc.ngram_max, sc.ngram_min)), None)
+                   for r, k in batch}
         return {r: v for r, v in out.items() if v[0]}
 
     def run_until_finished(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -431,6 +444,24 @@ class LLMEngine:
                 "spec_num_verify_steps": c["steps"],
                 "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
                 "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
+
+
+def _grammar_prefix(r: Request, drafts: list[int]) -> list[int]:
+    """Guessed drafts cut at the first token the request's grammar would refuse (a draft
+    model's are drawn from masked distributions already)."""
+    grammar = r.sampler_row.grammar
+    return drafts[: grammar.valid_prefix(drafts)] if grammar is not None and drafts else drafts
+
+
+def _read_template(path: str) -> str:
+    """The text of a chat template file (`--chat-template`); `ModelLoadError` when unreadable."""
+    from nextoken.errors import ModelLoadError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc.strerror}") from None
 
 
 def _verification(r: Request, drafts: list[int], p_target: list[float], draft_probs, accepted: int,

@@ -21,41 +21,6 @@ def _tokenizer_json(tok) -> dict:
     return json.loads(tok._tok.to_str())
 
 
-@functools.lru_cache(maxsize=4)
-def _is_byte_level(tok) -> bool:
-    return '"ByteLevel"' in json.dumps(_tokenizer_json(tok).get("pre_tokenizer")) or \
-        '"ByteLevel"' in json.dumps(_tokenizer_json(tok).get("decoder"))
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet (Radford et al. 2019, `bytes_to_unicode`), inverted."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def token_bytes(tok, token_id: int) -> bytes:
-    """The bytes token `token_id` stands for (byte-level alphabet, ``<0xNN>`` byte fallback, or
-    SentencePiece's ``▁`` for a space)."""
-    piece = tok.tokens[token_id]
-    if token_id in tok.special_ids:
-        return piece.encode()
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
-    if _is_byte_level(tok):
-        dec = _byte_decoder()
-        if all(c in dec for c in piece):
-            return bytes(dec[c] for c in piece)
-    return piece.replace("\u2581", " ").encode()
-
-
 def display(text: str) -> str:
     """A token's text with its leading space shown as ␣ and newlines and tabs as ↵ and ⇥."""
     if text.startswith(" "):
@@ -77,7 +42,7 @@ def tokens_view(tok, text: str, chat: bool = False) -> dict:
     ids = tok.encode(rendered if chat else text)
     out = []
     for i in ids:
-        raw = token_bytes(tok, i)
+        raw = tok.token_bytes(i)
         try:
             shown, partial = raw.decode("utf-8"), False
         except UnicodeDecodeError:

@@ -2,13 +2,15 @@
 
 The ``apply_*`` functions edit one row of float32 logits ``[vocab]`` in place and return it;
 `process_logits` copies the row first, and only when an edit applies. Order (as in
-vLLM): min_tokens block -> logit bias -> repetition -> presence/frequency penalties.
+vLLM): min_tokens block -> logit bias -> repetition -> presence/frequency penalties, then the
+watermark's green-list bias (`watermark.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from nextoken.sample.watermark import WatermarkConfig, apply_watermark
 from nextoken.sampling_params import SamplingParams
 
 
@@ -34,12 +36,14 @@ def apply_presence_frequency(logits: torch.Tensor, output_counts: torch.Tensor, 
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                   output_ids: list[int], eog_ids: frozenset[int]) -> torch.Tensor:
+                   output_ids: list[int], eog_ids: frozenset[int],
+                   watermark: WatermarkConfig | None = None) -> torch.Tensor:
     """Apply every enabled processor of `params` to one row ``[vocab]``. Returns the row itself
     when nothing applies (the common greedy case costs no copy), else an edited copy: the
-    caller's logits are never changed."""
+    caller's logits are never changed. `watermark`: the engine's gamma and delta, used when
+    ``params.watermark``."""
     if not (len(output_ids) < params.min_tokens or params.logit_bias or params.repetition_penalty != 1.0
-            or params.presence_penalty or params.frequency_penalty):
+            or params.presence_penalty or params.frequency_penalty or params.watermark):
         return logits
     logits = logits.clone()
     if len(output_ids) < params.min_tokens:
@@ -55,4 +59,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[0])
         apply_presence_frequency(logits, counts[: logits.shape[0]], params.presence_penalty,
                                  params.frequency_penalty)
+    if params.watermark:
+        apply_watermark(logits, output_ids[-1] if output_ids else prompt_ids[-1], watermark or WatermarkConfig())
     return logits

@@ -1,6 +1,7 @@
 """The sampler: logits of a batch of requests -> one token id each.
 
-For each row: processors (penalties, bias; `logits_processors`) -> greedy argmax, or
+For each row: processors (penalties, bias, watermark; `logits_processors`) -> the grammar's
+allowed tokens (structured output; `nextoken.structured`) -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> a draw from the remaining softmax with the request's
 own ``torch.Generator`` (so a seeded request draws the same tokens whatever else is in the
 batch). Log-probabilities are taken from the raw logits, before any of that (as vLLM does).
@@ -13,17 +14,20 @@ from dataclasses import dataclass
 import torch
 
 from nextoken.sample.logits_processors import process_logits
+from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class SamplerRequest:
-    """One row of the batch: its params, its history (for penalties) and its random stream."""
+    """One row of the batch: its params, its history (for penalties), its random stream and,
+    under structured output, its grammar state (`structured.backend.SequenceGrammar`)."""
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
+    grammar: object | None = None
 
 
 @dataclass(slots=True)
@@ -74,11 +78,21 @@ def filter_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return keep
 
 
+def _mask(logits: torch.Tensor, allowed: torch.Tensor, raw: torch.Tensor, blocked_eog: bool) -> torch.Tensor:
+    """`logits` with the tokens outside `allowed` at -inf. When min_tokens blocked every token
+    the grammar allows (it allows only the end), the grammar wins: `raw` masked instead."""
+    out = logits.masked_fill(~allowed, float("-inf"))
+    if blocked_eog and not torch.isfinite(out).any():
+        out = raw.masked_fill(~allowed, float("-inf"))
+    return out
+
+
 class Sampler:
     """Samples one token per row; see the module docstring for the order of operations."""
 
-    def __init__(self, eog_ids: frozenset[int] = frozenset()):
+    def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None):
         self.eog_ids = eog_ids
+        self.watermark = watermark
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
                  keep_details: bool = False) -> list[SampleResult]:
@@ -104,10 +118,15 @@ class Sampler:
         """The distribution a token of `row` is drawn from: ``(kept, probs)`` for one row of
         logits ``[vocab]``, after the processors (with `output_ids` as the history, the row's own
         by default), temperature and filters; for a greedy row ``(argmax token, None)``.
-        Speculative verification uses it for the target's and the draft's distributions."""
+        Speculative verification uses it for the target's and the draft's distributions (the
+        grammar, if any, then sees the tokens of `output_ids` past the row's own as ahead)."""
         p = row.params
         history = row.output_ids if output_ids is None else output_ids
-        logits = process_logits(logits, p, row.prompt_ids, history, self.eog_ids)
+        processed = process_logits(logits, p, row.prompt_ids, history, self.eog_ids, self.watermark)
+        if row.grammar is not None:
+            allowed = row.grammar.allowed(history[len(row.output_ids):])
+            processed = _mask(processed, allowed, logits, len(history) < p.min_tokens)
+        logits = processed
         if p.greedy:
             return int(logits.argmax()), None
         logits = logits / p.temperature

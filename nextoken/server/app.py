@@ -8,6 +8,7 @@ blocks freed) within a step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -26,8 +27,11 @@ from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import error_response, validation_message
 from nextoken.server.metrics import ServerMetrics
-from nextoken.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nextoken.sample.watermark import detect
+from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                      WatermarkDetectRequest)
 from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
 
 log = logging.getLogger("nextoken.server")
 
@@ -218,7 +222,8 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = R.encode_chat(eng.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+            ids = R.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
+                [m.model_dump(exclude_none=True) for m in body.messages]))
         else:
             ids = eng.tokenizer.encode(body.prompt, parse_special=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
@@ -240,6 +245,8 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         check_queue()
         eng = engine()
         prompts = R.completion_prompts(eng.engine, body.prompt)
+        structured = body.structured()
+        await _compile(eng, structured)
         if body.use_beam_search:
             outs = await _beam(eng, body, [ids for ids, _ in prompts], body.max_tokens or 16,
                                body.logprobs is not None or body.echo)
@@ -247,7 +254,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         rids = []
         try:
             for ids, text in prompts:
-                params = body.sampling_params(body.max_tokens or 16, body.logprobs)
+                params = body.sampling_params(body.max_tokens or 16, body.logprobs, structured)
                 rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text))
         except BaseException:
             for rid in rids:
@@ -267,25 +274,52 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         check_model(body.model)
         check_queue()
         eng = engine()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = R.encode_chat(eng.engine.tokenizer, messages)
+        tok = eng.engine.tokenizer
+        messages = tools_mod.messages_for_template([m.model_dump(exclude_none=True) for m in body.messages])
+        tools, forced = _tool_setup(body, tok)
+        ids = R.encode_chat(tok, messages, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             R.default_max_tokens(eng.engine, len(ids), config.max_tokens_default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         if body.use_beam_search:
+            if tools:
+                raise InvalidRequest("tools cannot be combined with use_beam_search", "tools")
+            body.structured()  # refuses a constraint with beam search
             out = (await _beam(eng, body, [ids], max_tokens, body.logprobs))[0]
             return R.chat_response(eng.engine, body, out, int(time.time()), config.model_name)
-        params = body.sampling_params(max_tokens, logprobs)
+        structured = body.structured()
+        if forced is not None:
+            if structured is not None:
+                raise InvalidRequest("tool_choice 'required' or a named function cannot be combined with another "
+                                     "output constraint", "tool_choice")
+            structured = forced
+        await _compile(eng, structured)
+        params = body.sampling_params(max_tokens, logprobs, structured)
         rid = await eng.add_request(ids, params, f"chatcmpl-{uuid.uuid4().hex}")
         created = int(time.time())
+        names = frozenset(t["function"]["name"] for t in tools) if tools else None
         if body.stream:
-            return _sse(R.stream_chat(eng, body, rid, created, config.model_name, metrics))
+            return _sse(R.stream_chat(eng, body, rid, created, config.model_name, metrics, names))
         out = (await _collect(eng, [rid], request, config.disconnect_poll_s))[0]
         metrics.observe(out)
         R.log_request(out)
-        return R.chat_response(eng.engine, body, out, created, config.model_name)
+        return R.chat_response(eng.engine, body, out, created, config.model_name, names)
+
+    @app.post("/v1/watermark/detect")
+    async def watermark_detect(body: WatermarkDetectRequest):
+        check_model(body.model)
+        eng = engine().engine
+        if (body.text is None) == (body.tokens is None):
+            raise InvalidRequest("give exactly one of text or tokens", "text")
+        ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False) if body.text is not None \
+            else list(body.tokens)
+        bad = [t for t in ids if not 0 <= t < eng.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {eng.config.vocab_size})", "tokens")
+        res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
+        return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
 
     return app
 
@@ -313,6 +347,35 @@ async def _beam(eng, body, prompts: list[list[int]], max_tokens: int, unsupporte
         metrics = RequestMetrics(start, len(ids), 0, sum(len(c.token_ids) for c in comps), None, time.perf_counter())
         outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
     return outs
+
+
+def _tool_setup(body, tok):
+    """``(tools for the template or None, the grammar forcing calls or None)`` of a chat
+    request. Raises `InvalidRequest` for a tool_choice without tools and for a model whose chat
+    template cannot render tools."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        return None, None
+    if choice == "none":
+        return None, None
+    if not tools_mod.supports_tools(tok.chat_template):
+        raise InvalidRequest("this model's chat template has no tool-call support (it renders no tools in a "
+                             "<tool_call> format); start the server with --chat-template FILE naming a template "
+                             "that has one", "tools")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice is None or choice == "auto":
+        return tools, None
+    name = None if choice == "required" else choice.function.name
+    return tools, tools_mod.forced_grammar(tok, tools, name, body.parallel_tool_calls)
+
+
+async def _compile(eng, structured) -> None:
+    """Compile a request's grammar (cached) in a worker thread, off the event loop and before
+    the request reaches the step loop. Raises `InvalidRequest` for an invalid one."""
+    if structured is not None:
+        await asyncio.to_thread(eng.engine.grammars.compile, structured)
 
 
 class _NotFound(Exception):

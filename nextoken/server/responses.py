@@ -7,20 +7,21 @@ import json
 import logging
 
 from nextoken.errors import InvalidRequest
+from nextoken.server.tools import ToolCallParser, parse as parse_tools
 
 log = logging.getLogger("nextoken.server")
 
 
 # -- prompts ------------------------------------------------------------------------------------
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Render `messages` with the chat template and tokenize, keeping any special-token text the
     user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
 
     The template's own text is tokenized with special tokens parsed; each message's content,
     located in the rendered text in order, is tokenized without."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     specials = tokenizer.special_texts
-    contents = [m["content"] for m in messages]
+    contents = [m["content"] or "" for m in messages]
     if not any(s in c for c in contents for s in specials):
         return tokenizer.encode(text)
     ids, pos = [], 0
@@ -121,12 +122,23 @@ def completion_response(engine, body, outs, prompts, created: int, model: str) -
             "choices": choices, "usage": usage(outs)}
 
 
-def chat_response(engine, body, out, created: int, model: str) -> dict:
+def chat_response(engine, body, out, created: int, model: str, tools: frozenset[str] | None = None) -> dict:
+    """A chat.completion; with `tools` (the request's tool names), each answer's text is parsed
+    for tool calls (`tools.parse`), which become ``message.tool_calls`` and finish_reason
+    ``tool_calls``."""
     tok = engine.tokenizer
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0),
-                "finish_reason": c.finish_reason}
-               for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tools:
+            parsed = parse_tools(c.text, tools)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": [_tool_call(call) for call in parsed.calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0),
+                        "finish_reason": finish})
     return {"id": out.request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage([out])}
 
@@ -139,8 +151,31 @@ def sse(obj) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-async def stream_chat(eng, body, rid: str, created: int, model: str, metrics):
+def _tool_call(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_deltas(events, parser) -> list[dict]:
+    """OpenAI chat deltas for `ToolCallParser` events: content text, a call's id and name (once),
+    then pieces of its arguments."""
+    deltas = []
+    for ev in events:
+        if ev[0] == "content":
+            deltas.append({"content": ev[1]})
+        elif ev[0] == "call":
+            call = parser.calls[ev[1]]
+            deltas.append({"tool_calls": [{"index": ev[1], "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]})
+    return deltas
+
+
+async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, tools: frozenset[str] | None = None):
+    """Chat chunks as the engine produces them; with `tools`, text goes through a
+    `ToolCallParser` per choice and tool calls go out as ``delta.tool_calls``."""
     tok = eng.engine.tokenizer
+    parsers = [ToolCallParser(tools) for _ in range(body.n)] if tools else None
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     try:
@@ -154,9 +189,26 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics):
                     continue
                 lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
                                    if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
-                delta = {"content": c.delta} if c.delta or not c.finished else {}
-                yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": c.finish_reason}]})
+                if parsers is None:
+                    delta = {"content": c.delta} if c.delta or not c.finished else {}
+                    yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                    "finish_reason": c.finish_reason}]})
+                    continue
+                p = parsers[c.index]
+                events = p.feed(c.delta) + (p.finish() if c.finished else [])
+                deltas = _tool_deltas(events, p) or [{}]
+                finish = c.finish_reason
+                if finish == "stop" and p.calls:
+                    finish = "tool_calls"
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    if not delta and not last:
+                        continue
+                    if not delta and not c.finished and lp is None:
+                        continue  # text held back by the parser: nothing to send yet
+                    yield sse({**base, "choices": [{"index": c.index, "delta": delta,
+                                                    "logprobs": lp if last else None,
+                                                    "finish_reason": finish if last else None}]})
         if include_usage and out is not None:
             yield sse({**base, "choices": [], "usage": usage([out])})
         if out is not None:

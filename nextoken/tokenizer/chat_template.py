@@ -9,6 +9,7 @@ inputs), with the same settings and helpers as Hugging Face's ``apply_chat_templ
 from __future__ import annotations
 
 import datetime
+import json
 from functools import lru_cache
 
 from nextoken.errors import InvalidRequest
@@ -27,7 +28,14 @@ def _compile(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """`transformers`' ``tojson`` (templates are written against it): plain ``json.dumps``,
+    keys in order and no HTML escaping, unlike Jinja's own filter."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def validate_messages(messages) -> list[dict]:
@@ -49,8 +57,9 @@ def validate_messages(messages) -> list[dict]:
 
 
 def render(source: str, messages: list[dict], add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "") -> str:
-    """Render chat template `source` over `messages` to the prompt text.
+           bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None) -> str:
+    """Render chat template `source` over `messages` (and `tools`, OpenAI function tools, for
+    templates that render them) to the prompt text.
 
     Raises `InvalidRequest` for malformed messages or a template that rejects them.
     """
@@ -58,7 +67,7 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool = True
     try:
         return _compile(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token,
+            bos_token=bos_token, eos_token=eos_token, tools=tools,
         )
     except InvalidRequest:
         raise

@@ -20,6 +20,7 @@ whole in the text.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Iterable
@@ -55,6 +56,7 @@ _EOG_TEXTS = {
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
 
 
 def _pre_tokenizer(pre: str | None):
@@ -132,6 +134,20 @@ def sentencepiece_bpe(tokens: list[str], ranks: list[float], types: list[int], a
     return tok
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (Radford et al. 2019, `bytes_to_unicode`), inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
@@ -158,6 +174,7 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
         extra_eog_ids: Iterable[int] = (),
+        unused_ids: Iterable[int] = (),
     ):
         self._tok = hf
         self._tok_literal = hf_literal
@@ -173,6 +190,11 @@ class Tokenizer:
         eog = {i for i in self.special_ids if tokens[i] in _EOG_TEXTS}
         eog.update(i for i in (eos_token_id, *extra_eog_ids) if i is not None)
         self.eog_token_ids = frozenset(eog)
+        # ids the vocabulary reserves but no text maps to (Qwen's "[PAD151665]"; gaps in a
+        # tokenizer.json): never sampled under structured output
+        self.unused_ids = frozenset(unused_ids) | frozenset(i for i, t in enumerate(tokens) if not t)
+        pre, dec = (json.dumps(json.loads(hf.to_str()).get(k)) for k in ("pre_tokenizer", "decoder"))
+        self.byte_level = '"ByteLevel"' in pre or '"ByteLevel"' in dec
 
     @classmethod
     def from_gguf(cls, f) -> "Tokenizer":
@@ -212,6 +234,7 @@ class Tokenizer:
             add_bos=add_bos,
             chat_template=f.get("tokenizer.chat_template"),
             extra_eog_ids=[i for i in eot if i is not None],
+            unused_ids=[i for i, t in enumerate(types) if t == TOKEN_TYPE_UNUSED],
         )
 
     @classmethod
@@ -280,12 +303,28 @@ class Tokenizer:
         """What one token reads as on its own (for display)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for: its byte-level alphabet decoded, a ``<0xNN>``
+        byte-fallback piece's byte, SentencePiece's ``▁`` as a space; a special token's text."""
+        piece = self.tokens[token_id]
+        if token_id in self.special_ids:
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if self.byte_level:
+            dec = _byte_decoder()
+            if all(c in dec for c in piece):
+                return bytes(dec[c] for c in piece)
+        return piece.replace(SPACE, " ").encode()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 
     # -- chat -------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template (see `chat_template.render`)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` (and `tools`) with the model's chat template (see
+        `chat_template.render`)."""
         from nextoken.tokenizer.chat_template import render
 
         if not self.chat_template:
@@ -294,4 +333,4 @@ class Tokenizer:
             )
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
-        return render(self.chat_template, messages, add_generation_prompt, bos, eos)
+        return render(self.chat_template, messages, add_generation_prompt, bos, eos, tools)

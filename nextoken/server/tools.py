@@ -1,0 +1,259 @@
+"""Tool calling (OpenAI's ``tools``/``tool_choice``) in the model's own format.
+
+The chat template renders the tools and earlier calls; the model answers in its native call
+syntax, which `ToolCallParser` turns into OpenAI tool calls, for a stream or a whole text. The
+one format known today is Hermes-style, which Qwen2.5 uses::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice`` ``"required"`` or a named function forces that shape with a grammar
+(`forced_grammar`, the call tags referenced by token id); ``"auto"`` lets the model choose and
+parses what it wrote; ``"none"`` leaves the tools out of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from nextoken.errors import InvalidRequest
+from nextoken.structured.params import StructuredOutputsParams
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether a chat template renders tools in a call format we parse (Hermes-style)."""
+    return bool(template) and "tools" in template and OPEN in template
+
+
+def messages_for_template(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages as chat templates expect them: a missing content is "", and each
+    earlier tool call's arguments are an object (OpenAI sends JSON text; templates encode them
+    with ``tojson``, which would otherwise encode them twice). Raises `InvalidRequest` for
+    arguments that are not JSON."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c["function"]
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}",
+                                         f"messages[{i}].tool_calls") from None
+                calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def _tag(tokenizer, text: str) -> str:
+    """A Lark terminal for tag `text`: the token by id when it is one token, else the text."""
+    ids = tokenizer.encode(text, add_bos=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+
+
+def forced_grammar(tokenizer, tools: list[dict], name: str | None, parallel: bool) -> StructuredOutputsParams:
+    """A grammar that admits only calls (of function `name`, or of any of `tools`), one or
+    (with `parallel`) several, each ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
+    with arguments following the function's parameter schema."""
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise InvalidRequest(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
+    variants = [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]},
+        "arguments": _closed(t["function"].get("parameters") or {"type": "object", "properties": {}})},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {_tag(tokenizer, CLOSE)}'
+    start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
+    return StructuredOutputsParams(grammar=f"{start}\ncall: {call}\n")
+
+
+def _closed(schema: dict) -> dict:
+    """A parameters schema that lists its properties admits no others unless it says so (as
+    OpenAI's strict mode requires), so a forced call cannot invent arguments."""
+    if isinstance(schema, dict) and "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+@dataclass
+class ToolCallOut:
+    name: str
+    arguments: str = ""
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+class ToolCallParser:
+    """Splits model text into content and tool calls as it arrives.
+
+    `feed` takes the next piece of text and returns events: ``("content", text)``,
+    ``("call", index, name)`` once per call, then ``("arguments", index, text)`` pieces; `finish`
+    returns the last events. Text that might still turn into a call tag, and the end of a call's
+    arguments (which might be the closing brace of the call object), is held back until it is
+    sure, so the events of any split of a text are the events of the whole text. Whitespace
+    around calls is dropped.
+
+    `names`: the tools' names. With them, an answer that is nothing but one call object without
+    the tags (``{"name": ..., "arguments": ...}``, maybe in a ```json fence), which small models
+    often write, is a call too; such an answer is held back until it ends."""
+
+    def __init__(self, names: set[str] | frozenset[str] = frozenset()):
+        self.names = frozenset(names)
+        self.calls: list[ToolCallOut] = []
+        self.content = ""
+        self._buf = ""  # content not yet emitted (a possible tag start, or held whitespace)
+        self._body: str | None = None  # inside a call: its text so far
+        self._args_at: int | None = None  # where the arguments start in the body
+        self._sent = 0  # argument characters emitted for the open call
+        self._gap = ""  # whitespace held before the open tag
+
+    def feed(self, text: str) -> list[tuple]:
+        events: list[tuple] = []
+        if self._body is None:
+            self._buf += text
+        else:
+            self._body += text
+        while True:
+            if self._body is None:
+                if not self._scan_content(events):
+                    return events
+            elif not self._scan_call(events):
+                return events
+
+    def finish(self) -> list[tuple]:
+        """Events for the text held back at the end (an unclosed call is closed)."""
+        events: list[tuple] = []
+        if self._body is None and self._bare_call(events):
+            return events
+        if self._body is not None:
+            if self._args_at is None:  # never became a call: it was content after all
+                self._buf, self._body = self._gap + OPEN + self._body, None
+            else:
+                self._close(self._body, events)
+        rest = self._buf.rstrip() if self.calls else self._buf  # whitespace after calls is dropped
+        if rest:
+            self._emit_content(rest, events)
+        self._buf = ""
+        return events
+
+    # -- content -------------------------------------------------------------------------
+    def _scan_content(self, events) -> bool:
+        buf = self._buf
+        i = buf.find(OPEN)
+        if i >= 0:
+            before = buf[:i].rstrip()  # whitespace just before a call is dropped
+            if before:
+                self._emit_content(before, events)
+            self._gap = buf[len(before):i]  # (kept in case the tag turns out to be no call)
+            self._buf, self._body, self._args_at, self._sent = "", buf[i + len(OPEN):], None, 0
+            return True
+        if self.names and not self.content and not self.calls and _may_be_bare(buf.lstrip()):
+            return False  # maybe an untagged call: wait for the end
+        # hold back what might start a tag, and trailing whitespace (dropped if a call follows)
+        ready = buf[: len(buf) - _partial_suffix(buf, OPEN)].rstrip()
+        if ready:
+            self._emit_content(ready, events)
+            self._buf = buf[len(ready):]
+        return False
+
+    def _bare_call(self, events) -> bool:
+        """At the end: the held answer as one untagged call, if it is one."""
+        if not self.names or self.content or self.calls:
+            return False
+        text = self._buf.strip()
+        fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.S)
+        text = fence.group(1) if fence else text
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        m = _HEAD.match(text)
+        if m is None or not isinstance(obj, dict) or obj.get("name") not in self.names \
+                or not isinstance(obj.get("arguments"), dict) or len(obj) != 2:
+            return False
+        self.calls.append(ToolCallOut(m.group(1)))
+        events.append(("call", 0, m.group(1)))
+        self._args_at = 0
+        self._send(_arguments_so_far(text[m.end():]), events)
+        self._buf, self._args_at = "", None
+        return True
+
+    def _emit_content(self, text: str, events) -> None:
+        self.content += text
+        events.append(("content", text))
+
+    # -- calls ---------------------------------------------------------------------------
+    def _scan_call(self, events) -> bool:
+        body = self._body
+        if self._args_at is None:
+            m = _HEAD.match(body)
+            if m is None:
+                end = body.find(CLOSE)
+                if end >= 0:  # a closed tag that is no call we read: plain content
+                    self._body = None
+                    self._emit_content(self._gap + OPEN + body[: end + len(CLOSE)], events)
+                    self._buf = body[end + len(CLOSE):]
+                    return True
+                return False
+            self.calls.append(ToolCallOut(m.group(1)))
+            events.append(("call", len(self.calls) - 1, m.group(1)))
+            self._args_at = m.end()
+        end = body.find(CLOSE, self._args_at)
+        if end >= 0:
+            self._close(body[:end], events)
+            self._buf = body[end + len(CLOSE):]
+            return True
+        ready = _arguments_so_far(body[self._args_at:])
+        self._send(ready, events)
+        return False
+
+    def _send(self, args: str, events) -> None:
+        if len(args) > self._sent and args.startswith(self.calls[-1].arguments):
+            piece = args[self._sent:]
+            self.calls[-1].arguments += piece
+            self._sent = len(args)
+            events.append(("arguments", len(self.calls) - 1, piece))
+
+    def _close(self, body: str, events) -> None:
+        self._send(_arguments_so_far(body[self._args_at:]), events)
+        self._body, self._args_at = None, None
+
+
+def _arguments_so_far(tail: str) -> str:
+    """The arguments text that is certain while the call is still open: without a partial
+    closing tag, trailing whitespace and one closing brace (which may be the call object's)."""
+    tail = tail[: len(tail) - _partial_suffix(tail, CLOSE)].rstrip()
+    return tail[:-1].rstrip() if tail.endswith("}") else tail
+
+
+def _may_be_bare(text: str) -> bool:
+    """Whether an answer beginning with `text` may be an untagged call object."""
+    return text.startswith("{") or text.startswith("```") or (bool(text) and "```json".startswith(text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def parse(text: str, names: set[str] | frozenset[str] = frozenset()) -> ToolCallParser:
+    """The whole text through a `ToolCallParser` (what a non-streamed answer returns)."""
+    p = ToolCallParser(names)
+    p.feed(text)
+    p.finish()
+    return p
