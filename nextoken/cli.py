@@ -6,6 +6,7 @@ Every error a user can cause prints one line (``error: ...``) and exits with sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -41,6 +42,12 @@ def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_token
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--logprobs", type=int, default=None, help="print the N most likely tokens per step")
+    g = p.add_argument_group("structured output")
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="the output follows this JSON schema (a file; '-' reads standard input)")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--watermark", action="store_true",
+                   help="watermark the output (green-list, see `nextoken watermark detect`)")
 
 
 def _add_prompt_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the catalog and what is cached")
 
+    p = sub.add_parser("watermark", help="score text for nextoken's (TGI's) green-list watermark")
+    wsub = p.add_subparsers(dest="watermark_command", required=True)
+    p = wsub.add_parser("detect", help="print tokens scored, green fraction and z-score of a text")
+    p.add_argument("file", help="text file, or - for standard input")
+    from nextoken.engine_args import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    p.add_argument("--model", "-m", default=defaults["model"], help="the model whose tokenizer wrote the text")
+    p.add_argument("--watermark-gamma", type=float, default=defaults["watermark_gamma"],
+                   help=f"the generating server's gamma (default {defaults['watermark_gamma']})")
+    p.add_argument("--z-threshold", type=float, default=4.0, help="z above which the text counts as watermarked")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
     p = sub.add_parser("bench", help="prefill, decode, batched throughput and peak memory (optionally vs llama.cpp)")
     from nextoken.bench import BENCH_ENGINE_DEFAULTS, BENCH_EXCLUDED, add_arguments
 
@@ -139,8 +159,26 @@ def _params(a):
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
-        ignore_eos=a.ignore_eos, logprobs=a.logprobs,
+        ignore_eos=a.ignore_eos, logprobs=a.logprobs, structured_outputs=_structured(a), watermark=a.watermark,
     )
+
+
+def _structured(a):
+    """`StructuredOutputsParams` from --json-schema / --regex, or None."""
+    from nextoken.errors import InvalidRequest
+    from nextoken.structured import StructuredOutputsParams
+
+    if a.json_schema is not None and a.regex is not None:
+        raise InvalidRequest("give --json-schema or --regex, not both", "json_schema")
+    if a.regex is not None:
+        return StructuredOutputsParams(regex=a.regex)
+    if a.json_schema is None:
+        return None
+    try:
+        text = sys.stdin.read() if a.json_schema == "-" else open(a.json_schema, encoding="utf-8").read()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read the JSON schema {a.json_schema}: {exc.strerror}", "json_schema") from None
+    return StructuredOutputsParams(json=text)
 
 
 def engine_args(a):
@@ -297,7 +335,34 @@ def cmd_bench(a) -> int:
     return run(a, engine_args(a))
 
 
-COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+def cmd_watermark(a) -> int:
+    """`nextoken watermark detect FILE|-`: needs the model's tokenizer and vocabulary size only."""
+    from nextoken.catalog import resolve_model
+    from nextoken.errors import InvalidRequest
+    from nextoken.loader.source import load_tokenizer, open_model
+    from nextoken.runner.model_runner import read_config
+    from nextoken.sample.watermark import WatermarkConfig, detect
+
+    try:
+        WatermarkConfig(gamma=a.watermark_gamma)
+        text = sys.stdin.read() if a.file == "-" else open(a.file, encoding="utf-8").read()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {a.file}: {exc.strerror}", "file") from None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "watermark_gamma") from None
+    source = open_model(resolve_model(a.model))
+    ids = load_tokenizer(source).encode(text, add_bos=False, parse_special=False)
+    res = detect(ids, read_config(source).vocab_size, a.watermark_gamma, a.z_threshold)
+    if a.json:
+        print(json.dumps(dataclasses.asdict(res)))
+    else:
+        print(f"tokens scored {res.num_tokens_scored}, green {res.num_green_tokens} "
+              f"({res.green_fraction:.1%}, expected {a.watermark_gamma:.0%}), z = {res.z_score:.2f}: "
+              f"{'watermarked' if res.watermarked else 'no watermark found'} (threshold z > {a.z_threshold})")
+    return 0
+
+
+COMMANDS = {"watermark": cmd_watermark, "bench": cmd_bench, "serve": cmd_serve, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
 def _configure_logging(level: str) -> None:

@@ -97,8 +97,7 @@ class ModelRunner:
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False):
-        hf = isinstance(source, HFModelDir)
-        self.config: ModelConfig = read_hf_config(source) if hf else read_model_config(source)
+        self.config: ModelConfig = read_config(source)
         self.dtype = dtype
         self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights)
         t0 = time.perf_counter()
@@ -191,3 +190,8 @@ class ModelRunner:
         last = {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         return self.model.compute_logits(hidden[rows])
+
+
+def read_config(source: GGUFFile | HFModelDir) -> ModelConfig:
+    """The `ModelConfig` of an opened model (GGUF metadata or a folder's config.json)."""
+    return read_model_config(source) if isinstance(source, GGUFFile) else read_hf_config(source)

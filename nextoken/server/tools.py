@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
-from nextoken.structured.params import StructuredOutputsParams
+from nextoken.structured.params import StructuredOutputsParams, close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -72,20 +72,12 @@ def forced_grammar(tokenizer, tools: list[dict], name: str | None, parallel: boo
         raise InvalidRequest(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
     variants = [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
-        "arguments": _closed(t["function"].get("parameters") or {"type": "object", "properties": {}})},
+        "arguments": close_objects(t["function"].get("parameters") or {"type": "object", "properties": {}})},
         "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {_tag(tokenizer, CLOSE)}'
     start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
     return StructuredOutputsParams(grammar=f"{start}\ncall: {call}\n")
-
-
-def _closed(schema: dict) -> dict:
-    """A parameters schema that lists its properties admits no others unless it says so (as
-    OpenAI's strict mode requires), so a forced call cannot invent arguments."""
-    if isinstance(schema, dict) and "properties" in schema and "additionalProperties" not in schema:
-        return {**schema, "additionalProperties": False}
-    return schema
 
 
 @dataclass

@@ -100,8 +100,9 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    head = message.split("\n<state>")[0].strip()
-    return head.splitlines()[0] if head else message
+    """llguidance's error without its parser-state dump, on one line."""
+    head = " ".join(message.split("\n<state>")[0].split())
+    return head[:400] if head else message
 
 
 class SequenceGrammar:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from nextoken.errors import InvalidRequest
 
 # JSON whitespace when the schema does not say: none but one space after "," and ":" (the way
-# json.dumps writes), so a small model cannot loop on optional whitespace
+# json.dumps writes), so a small model cannot loop on optional whitespace. Objects that list
+# their properties admit no others unless the schema says so (`close_objects`), for the same
+# reason: otherwise a small model invents keys until max_tokens.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -53,7 +55,7 @@ class StructuredOutputsParams:
                     raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", "json_schema") from None
             if not isinstance(value, (dict, bool)):
                 raise InvalidRequest("the JSON schema must be an object", "json_schema")
-            return kind, json.dumps(value, sort_keys=True)
+            return kind, json.dumps(value)  # property order is kept: it is the order of the output
         if kind == "json_object":
             return kind, ""
         if kind == "choice":
@@ -65,6 +67,21 @@ class StructuredOutputsParams:
         return kind, value
 
 
+def close_objects(schema):
+    """`schema` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing about others (what OpenAI's strict mode requires anyway).
+    Output valid under the result is valid under `schema`."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (close_objects(v) if k != "const" and k != "enum" and k != "default" else v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_source(kind: str, text: str) -> str:
     """llguidance's grammar text for ``(kind, text)`` from `StructuredOutputsParams.source`.
     Raises `InvalidRequest` when the text cannot even be read (bad JSON, a GBNF grammar that does
@@ -74,7 +91,8 @@ def grammar_source(kind: str, text: str) -> str:
     field = {"json": "json_schema", "regex": "guided_regex", "grammar": "guided_grammar"}.get(kind, kind)
     try:
         if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+            return llguidance.LLMatcher.grammar_from_json_schema(close_objects(json.loads(text)),
+                                                                 defaults=JSON_DEFAULTS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if kind == "regex":
