@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
-from nextoken.structured.params import StructuredOutputsParams, close_objects
+from nextoken.structured.params import JSON_DEFAULTS, StructuredOutputsParams, close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -75,6 +75,7 @@ def forced_grammar(tokenizer, tools: list[dict], name: str | None, parallel: boo
         "arguments": close_objects(t["function"].get("parameters") or {"type": "object", "properties": {}})},
         "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = {**schema, "x-guidance": JSON_DEFAULTS}  # compact, as in response_format
     call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {_tag(tokenizer, CLOSE)}'
     start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
     return StructuredOutputsParams(grammar=f"{start}\ncall: {call}\n")
