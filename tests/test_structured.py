@@ -112,8 +112,11 @@ class FixedGrammar:
     def __init__(self, masks):
         self.masks = masks
 
-    def allowed(self, ahead=()):
-        return self.masks[min(len(ahead), len(self.masks) - 1)]
+    def refused(self, ahead=()):
+        return ~self.masks[min(len(ahead), len(self.masks) - 1)]
+
+    def forced(self):  # no fast path
+        return True
 
 
 def test_sampler_masks_after_penalties_and_before_temperature_and_filters():
@@ -256,3 +259,48 @@ def test_sequence_grammar_allows_only_eog_after_a_refused_lookahead(compiler, to
     allowed = g.allowed(_text_ids(tok, "zz"))
     assert set(torch.nonzero(allowed).flatten().tolist()) == set(tok.eog_token_ids)
     assert torch.equal(g.allowed(), before) and before[_text_ids(tok, "a")[0]]  # the matcher was left untouched
+
+
+def test_fast_token_check_agrees_with_the_mask(tok, compiler):
+    """`SequenceGrammar.allows` (the sampler's fast path) says yes only to tokens in the mask,
+    and to every token of it wherever the grammar forces no bytes."""
+    vocab = len(tok.tokens)
+    for spec, text in [(StructuredOutputsParams(json=PERSON), '{"name": "Bob", "age": 31, "city": "Lima"}'),
+                       (StructuredOutputsParams(regex=r"[a-z]+ \d+"), "hello 42"),
+                       (StructuredOutputsParams(choice=["alpha", "beta"]), "beta")]:
+        g = compiler.sequence_grammar(spec)
+        for t in _text_ids(tok, text):
+            mask = g.allowed()
+            fast = torch.tensor([g.allows(i) for i in range(vocab)])
+            assert not (fast & ~mask).any()
+            if not g.matcher.compute_ff_bytes():
+                assert torch.equal(fast, mask)
+            g.accept(t)
+
+
+def test_sampler_fast_path_equals_the_masked_reference(compiler, tok):
+    """Greedy: the same token as always masking. Sampled: the same distribution (chi-square on
+    a grammar with few choices)."""
+    logits = torch.randn(len(tok.tokens), generator=torch.Generator().manual_seed(0)) * 4
+    choices = ["red", "green", "blue", "cyan", "magenta"]
+    firsts = [_text_ids(tok, c)[0] for c in choices]
+    logits[firsts] = logits.max() + torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])  # allowed mass about 1/2:
+    logits[1000:1005] = logits.max()  # both paths are taken
+    spec = StructuredOutputsParams(choice=choices)
+    for temperature, trials in ((0.0, 1), (1.0, 2000)):
+        counts_fast, counts_ref = {}, {}
+        gen = make_generator(1)
+        for i in range(trials):
+            params = SamplingParams(temperature=temperature)
+            fast = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
+            token = Sampler()(logits[None], [fast])[0].token
+            counts_fast[token] = counts_fast.get(token, 0) + 1
+            ref_row = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
+            ref_token = Sampler()(logits[None], [ref_row], keep_details=True)[0].token  # the masked path
+            counts_ref[ref_token] = counts_ref.get(ref_token, 0) + 1
+        if temperature == 0:
+            assert counts_fast == counts_ref
+            continue
+        keys = sorted(set(counts_fast) | set(counts_ref))
+        table = [[counts_fast.get(k, 0) for k in keys], [counts_ref.get(k, 0) for k in keys]]
+        assert stats.chi2_contingency(table).pvalue > 1e-3, table

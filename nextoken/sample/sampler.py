@@ -78,12 +78,18 @@ def filter_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return keep
 
 
-def _mask(logits: torch.Tensor, allowed: torch.Tensor, raw: torch.Tensor, blocked_eog: bool) -> torch.Tensor:
-    """`logits` with the tokens outside `allowed` at -inf. When min_tokens blocked every token
-    the grammar allows (it allows only the end), the grammar wins: `raw` masked instead."""
-    out = logits.masked_fill(~allowed, float("-inf"))
+def _mask_commutes(p: SamplingParams) -> bool:
+    """Whether masking commutes with this row's sampling (no top-k, top-p or min-p, which pick
+    their candidates from the unmasked logits otherwise), so `Sampler._draw_unmasked` is exact."""
+    return p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0.0)
+
+
+def _mask(logits: torch.Tensor, refused: torch.Tensor, raw: torch.Tensor, blocked_eog: bool) -> torch.Tensor:
+    """`logits` with the `refused` tokens at -inf. When min_tokens blocked every token the
+    grammar allows (it allows only the end), the grammar wins: `raw` masked instead."""
+    out = logits.masked_fill(refused, float("-inf"))
     if blocked_eog and not torch.isfinite(out).any():
-        out = raw.masked_fill(~allowed, float("-inf"))
+        out = raw.masked_fill(refused, float("-inf"))
     return out
 
 
@@ -124,8 +130,8 @@ class Sampler:
         history = row.output_ids if output_ids is None else output_ids
         processed = process_logits(logits, p, row.prompt_ids, history, self.eog_ids, self.watermark)
         if row.grammar is not None:
-            allowed = row.grammar.allowed(history[len(row.output_ids):])
-            processed = _mask(processed, allowed, logits, len(history) < p.min_tokens)
+            refused = row.grammar.refused(history[len(row.output_ids):])
+            processed = _mask(processed, refused, logits, len(history) < p.min_tokens)
         logits = processed
         if p.greedy:
             return int(logits.argmax()), None
@@ -133,7 +139,28 @@ class Sampler:
         kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
         return kept, logits.masked_fill(~kept, float("-inf")).softmax(-1)
 
+    def _draw_unmasked(self, logits: torch.Tensor, row: SamplerRequest) -> int | None:
+        """The fast path of structured output (as llama.cpp samples under a grammar): draw from
+        the unmasked distribution and keep the token if the grammar allows it, else None (then
+        the caller draws from the masked distribution). Exact: for greedy rows the unmasked
+        argmax, when allowed, is the masked argmax; for sampled rows an allowed token x comes out
+        with probability p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass, which is the
+        masked distribution. It saves the mask (tens of microseconds) on most tokens."""
+        p = row.params
+        if len(row.output_ids) < p.min_tokens or row.grammar.forced():
+            return None  # (where bytes are forced, the mask is small and decides: see `allows`)
+        processed = process_logits(logits, p, row.prompt_ids, row.output_ids, self.eog_ids, self.watermark)
+        if p.greedy:
+            token = int(processed.argmax())
+        else:
+            token = int(torch.multinomial((processed / p.temperature).softmax(-1), 1, generator=row.generator))
+        return token if row.grammar.allows(token) else None
+
     def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
+        if row.grammar is not None and not keep_details and _mask_commutes(row.params):
+            token = self._draw_unmasked(logits, row)
+            if token is not None:
+                return SampleResult(token)
         kept, probs = self.distribution(logits, row)
         if probs is None:
             token = kept

@@ -120,26 +120,41 @@ class SequenceGrammar:
         """bool ``[vocab_size]``: the tokens the grammar allows after the output so far and then
         `ahead`. When nothing is allowed (tokens ahead that break the grammar, or a matcher in an
         error state) only the end-of-generation tokens are, so the sequence ends."""
+        return ~self.refused(ahead)
+
+    def refused(self, ahead: list[int] = ()) -> torch.Tensor:
+        """The complement of `allowed` (what the sampler sets to -inf), unpacked from
+        llguidance's bitmask inverted, so no second pass inverts it."""
         m = self.matcher
         n = m.validate_tokens(list(ahead)) if ahead else 0
         if n < len(ahead):
-            return self._only_eog()
+            return ~self._only_eog()
         if ahead:
             m.consume_tokens(list(ahead))
         bits = m.compute_bitmask()
         if ahead:
             m.rollback(len(ahead))
-        mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[: self.vocab_size]
-        allowed = torch.from_numpy(mask.view(np.bool_))
-        if not mask.any():
+        refused = np.unpackbits(np.invert(np.frombuffer(bits, dtype=np.uint8)), bitorder="little")[: self.vocab_size]
+        if refused.all():
             log.warning("grammar allows no token (%s); ending the sequence", _first_line(m.get_error()) or "stopped")
-            return self._only_eog()
-        return allowed
+            return ~self._only_eog()
+        return torch.from_numpy(refused.view(np.bool_))
 
     def _only_eog(self) -> torch.Tensor:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         allowed[self.eog_ids] = True
         return allowed
+
+    def forced(self) -> bool:
+        """Whether the grammar forces the next bytes (a key name, a closing quote...)."""
+        return bool(self.matcher.compute_ff_bytes())
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` is in the mask `allowed` would compute, without computing it. Where
+        the grammar forces bytes next, the mask keeps only their canonical tokenization while
+        llguidance's token check accepts any split of them, so there this answers False and
+        the caller computes the mask; elsewhere the two agree (tested token by token)."""
+        return not self.forced() and self.matcher.validate_tokens([token]) == 1
 
     def accept(self, token: int) -> None:
         """Advance past an emitted token."""
