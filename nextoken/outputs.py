@@ -80,6 +80,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed, when it did
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt position ``{token_id: logprob}`` (the
+    prompt's token and the top alternatives, given the tokens before it); the first is None."""
 
     @property
     def usage(self) -> dict:

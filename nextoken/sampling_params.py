@@ -40,7 +40,7 @@ class SamplingParams:
     seed: int | None = None
     """Seed of this request's random stream: the same seed gives the same text."""
     max_tokens: int = 256
-    """Most tokens to generate. >= 1."""
+    """Most tokens to generate. >= 1, or 0 with `prompt_logprobs` (score the prompt only)."""
     min_tokens: int = 0
     """End-of-generation tokens are blocked until this many tokens were generated."""
     stop: list[str] | str | None = None
@@ -55,6 +55,10 @@ class SamplingParams:
     """Return the log-probability of each chosen token and of the `logprobs` most likely
     alternatives (0 to 20). Log-probabilities are of the model's raw distribution (log-softmax
     of the logits, before penalties, temperature and filtering), as in vLLM."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token given the ones before it, and of the
+    `prompt_logprobs` most likely tokens there (0 to 20; vLLM's name). The prompt is then
+    computed in full (no prefix cache). `RequestOutput.prompt_logprobs`, first entry None."""
     skip_special_tokens: bool = True
     """Leave special (control) tokens out of the returned text."""
     structured_outputs: StructuredOutputsParams | None = None
@@ -86,7 +90,9 @@ class SamplingParams:
         _num(self, "repetition_penalty", 0.0, 100.0, low_open=True)
         _num(self, "presence_penalty", -2.0, 2.0)
         _num(self, "frequency_penalty", -2.0, 2.0)
-        _int(self, "max_tokens", 1, None)
+        if self.prompt_logprobs is not None:
+            _int(self, "prompt_logprobs", 0, MAX_LOGPROBS)
+        _int(self, "max_tokens", 0 if self.prompt_logprobs is not None and self.n == 1 else 1, None)
         _int(self, "min_tokens", 0, self.max_tokens)
         if self.seed is not None:
             _int(self, "seed", -(2**63), 2**63 - 1)

@@ -28,7 +28,7 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
-from nextoken.runner.model_runner import ModelRunner, SequenceInput
+from nextoken.runner.model_runner import ModelRunner, SequenceInput, score
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
@@ -241,6 +241,8 @@ class LLMEngine:
             [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                               cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(params.n)],
             RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         self.groups[request_id] = group
         for s in seqs:
             s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[s.index])
@@ -328,8 +330,11 @@ class LLMEngine:
             else:
                 seqs.append(SequenceInput(toks, r.num_computed_tokens, self.kv.block_ids(r.request_id),
                                           r.num_computed_tokens + n == r.num_tokens,
-                                          ring_ids=self.kv.ring_ids(r.request_id)))
+                                          ring_ids=self.kv.ring_ids(r.request_id), keep_hidden=_scores_prompt(r)))
+        starts = [r.num_computed_tokens for r, s in zip(reqs, seqs) if s.keep_hidden]
         logits = self.runner.execute(seqs, tracer)
+        if starts:
+            self._score_prompts([r for r, s in zip(reqs, seqs) if s.keep_hidden], starts)
         for r, n in scheduled.items():
             r.num_computed_tokens += n
             if r not in drafts:
@@ -343,7 +348,10 @@ class LLMEngine:
                 k = len(s.token_ids) if s.as_decodes else 1
                 rows[r] = (at, at + k)
                 at += k
-        to_sample = [r for r in reqs if r in rows and r not in drafts]
+        for r in [r for r in reqs if r in rows and r.params.max_tokens == 0]:  # scored, nothing to generate
+            self.scheduler.finish(r)
+            finish_sequence(self._seq_group[r], r, "length")
+        to_sample = [r for r in reqs if r in rows and r not in drafts and not r.finished]
         if to_sample:
             idx = [rows[r][0] for r in to_sample]
             results = self.sampler(logits[idx], [r.sampler_row for r in to_sample], keep_details=tracer is not None)
@@ -373,6 +381,17 @@ class LLMEngine:
                 self.kv.cache_full_blocks(r)
                 if self.draft is not None:
                     self.draft.on_verified(r)
+
+    def _score_prompts(self, reqs: list[Request], starts: list[int]) -> None:
+        """Prompt log-probabilities from this pass's kept hidden states: the row of position p
+        scores prompt token p + 1 (`SamplingParams.prompt_logprobs`)."""
+        for r, start, hidden in zip(reqs, starts, self.runner.kept_hidden):
+            n = min(hidden.shape[0], r.num_prompt_tokens - 1 - start)
+            if n <= 0:
+                continue
+            entries = score(self.runner.model, hidden[:n], r.prompt_ids[start + 1 : start + 1 + n],
+                            r.params.prompt_logprobs)
+            self._seq_group[r].prompt_logprobs[start + 1 : start + 1 + n] = entries
 
     def _emit(self, r: Request, results) -> None:
         """Append sampled tokens to `r` in order, until one of them finishes it."""
@@ -444,6 +463,12 @@ class LLMEngine:
                 "spec_num_verify_steps": c["steps"],
                 "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
                 "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
+
+
+def _scores_prompt(r: Request) -> bool:
+    """Whether this step's chunk of `r` holds prompt positions to score (completion 0 only:
+    the others share its prompt)."""
+    return r.params.prompt_logprobs is not None and r.index == 0 and r.num_computed_tokens < r.num_prompt_tokens - 1
 
 
 def _grammar_prefix(r: Request, drafts: list[int]) -> list[int]:

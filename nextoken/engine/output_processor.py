@@ -28,6 +28,7 @@ class RequestGroup:
     metrics: RequestMetrics
     error: str | None = None
     changed: bool = False  # something to report since the last output
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -91,4 +92,4 @@ def make_output(group: RequestGroup) -> RequestOutput:
         c.delta_token_ids = []
     group.changed = False
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
-                         group.error)
+                         group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs))

@@ -93,8 +93,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # a traced request computes every token (its trace covers the whole prompt)
-            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 and req.tracer is None else []
+            # a traced or scored request computes every token (its trace, its prompt logprobs)
+            full = req.tracer is not None or req.params.prompt_logprobs is not None
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 and not full else []
             num_cached = len(computed) * self.kv.block_size
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:

@@ -72,6 +72,7 @@ class SequenceInput:
     needs_logits: bool = True
     as_decodes: bool = False
     ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
+    keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
 
     def rows(self) -> list["SequenceInput"]:
         """The inputs this one runs as (itself, or one decode per token)."""
@@ -174,8 +175,11 @@ class ModelRunner:
         """Run one forward pass over `seqs`. Returns float32 logits ``[num_wanted, vocab]`` for
         the last new token of each sequence with `needs_logits`, in the order of `seqs` (with
         `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order). An input
-        with `as_decodes` contributes one row per new token."""
+        with `as_decodes` contributes one row per new token. The final hidden states of the new
+        tokens of each input with `keep_hidden` are left in `kept_hidden` (``[n, hidden]`` each,
+        in the order of those inputs), for `score`."""
         seqs = [row for s in seqs for row in s.rows()]
+        self.kept_hidden = []
         input_ids, positions, meta, order = self.prepare(seqs)
         meta.keep_probs = tracer is not None and getattr(tracer, "wants_probs", True)
         hidden = None
@@ -188,8 +192,29 @@ class ModelRunner:
         if all_logits:
             return self.model.compute_logits(hidden)
         last = {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
+        if any(s.keep_hidden for s in seqs):
+            self.kept_hidden = [hidden[last[i] + 1 - len(s.token_ids) : last[i] + 1]
+                                for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         return self.model.compute_logits(hidden[rows])
+
+
+def score(model, hidden: torch.Tensor, targets: list[int], top: int, chunk: int = 128) -> list[dict[int, float]]:
+    """Log-probabilities from final hidden states ``[n, hidden]``: for each row, ``{target:
+    logprob, **top alternatives}`` under log-softmax of the row's logits (float32). Rows go
+    through the head `chunk` at a time, so a long prompt never holds ``n x vocab`` logits."""
+    out = []
+    for a in range(0, hidden.shape[0], chunk):
+        lp = model.compute_logits(hidden[a : a + chunk]).float().log_softmax(-1)
+        tgt = torch.tensor(targets[a : a + chunk])
+        chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        tops = lp.topk(top, dim=-1) if top else None
+        for j, t in enumerate(targets[a : a + chunk]):
+            entry = {t: chosen[j]}  # the prompt's token first, as with sampled tokens
+            if top:
+                entry.update(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+            out.append(entry)
+    return out
 
 
 def read_config(source: GGUFFile | HFModelDir) -> ModelConfig:

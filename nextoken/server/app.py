@@ -248,13 +248,14 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         structured = body.structured()
         await _compile(eng, structured)
         if body.use_beam_search:
-            outs = await _beam(eng, body, [ids for ids, _ in prompts], body.max_tokens or 16,
-                               body.logprobs is not None or body.echo)
+            outs = await _beam(eng, body, [ids for ids, _ in prompts], body.generation_limit() or 16,
+                               body.logprobs is not None or body.echo or body.prompt_logprobs is not None)
             return R.completion_response(eng.engine, body, outs, prompts, int(time.time()), config.model_name)
         rids = []
         try:
             for ids, text in prompts:
-                params = body.sampling_params(body.max_tokens or 16, body.logprobs, structured)
+                params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
+                                              body.scored_prompt())
                 rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text))
         except BaseException:
             for rid in rids:

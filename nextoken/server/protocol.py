@@ -138,7 +138,10 @@ class _Sampling(BaseModel):
         return spec
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # echo without logprobs: nothing to generate, the prompt is computed once
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -146,15 +149,31 @@ class _Sampling(BaseModel):
             min_tokens=min(self.min_tokens, max_tokens), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            structured_outputs=structured, watermark=self.watermark,
+            structured_outputs=structured, watermark=self.watermark, prompt_logprobs=prompt_logprobs,
         )
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[].prompt_logprobs
+
+    def generation_limit(self) -> int:
+        """max_tokens (16 when not given). Raises `InvalidRequest` for 0 without echo."""
+        n = 16 if self.max_tokens is None else self.max_tokens
+        if n == 0 and not self.echo:
+            raise InvalidRequest("max_tokens 0 scores the prompt without generating and needs echo (with "
+                                 "logprobs for the scores)", "max_tokens")
+        return n
+
+    def scored_prompt(self) -> int | None:
+        """How many alternatives each prompt position's log-probabilities carry, when the
+        prompt is scored: echo with logprobs, or prompt_logprobs; else None."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
 
 class FunctionCall(BaseModel):

@@ -114,12 +114,44 @@ def completion_response(engine, body, outs, prompts, created: int, model: str) -
     for i, (o, (ids, text)) in enumerate(zip(outs, prompts)):
         prefix = (text if text is not None else tok.decode(ids)) if body.echo else ""
         for c in o.outputs:
-            choices.append({"index": i * body.n + c.index, "text": prefix + c.text,
-                            "logprobs": completion_logprobs(tok, c.token_ids, c.logprobs, body.logprobs or 0,
-                                                            len(prefix)),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs, body.logprobs or 0, len(prefix))
+            if body.echo and body.logprobs is not None:
+                lp = _join_logprobs(echo_logprobs(tok, ids, o.prompt_logprobs, body.logprobs), lp)
+            choice = {"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)
+            choices.append(choice)
     return {"id": outs[0].request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(outs)}
+
+
+def echo_logprobs(tok, ids: list[int], prompt_logprobs, n: int) -> dict:
+    """The legacy completions ``logprobs`` of the prompt's tokens (echo): each token's text, its
+    log-probability given the tokens before it and the top `n` there; the first token's are None
+    (nothing comes before it)."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for tid, pos in zip(ids, prompt_logprobs or [None] * len(ids)):
+        text = tok.token_text(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        lps.append(None if pos is None else pos[tid])
+        tops.append(None if pos is None else {tok.token_text(t): lp for t, lp in _top(pos, n)})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _join_logprobs(first: dict, second: dict | None) -> dict:
+    if second is None:
+        return first
+    return {k: first[k] + second[k] for k in first}
+
+
+def _prompt_logprobs_json(prompt_logprobs) -> list | None:
+    """vLLM's ``prompt_logprobs``: per position ``{token_id: {"logprob", "rank"?}}`` or None."""
+    if prompt_logprobs is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": lp} for t, lp in pos.items()} for pos in prompt_logprobs]
 
 
 def chat_response(engine, body, out, created: int, model: str, tools: frozenset[str] | None = None) -> dict:
@@ -250,16 +282,20 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
                 raise out
             for c in out.outputs:
                 idx = k * body.n + c.index
-                text = c.delta
+                text, echo_lp = c.delta, None
                 if body.echo and idx not in echoed:
                     ids, ptext = prompts[k]
                     text = (ptext if ptext is not None else tok.decode(ids)) + text
                     echoed.add(idx)
+                    if body.logprobs is not None:
+                        echo_lp = echo_logprobs(tok, ids, out.prompt_logprobs, body.logprobs)
                 if not text and not (c.finished and out.finished):
                     continue
                 lp = completion_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
                                          if c.logprobs is not None and c.delta_token_ids else None,
                                          body.logprobs or 0)
+                if echo_lp is not None:
+                    lp = _join_logprobs(echo_lp, lp if lp is not None and lp["tokens"] else None)
                 yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
                            "choices": [{"index": idx, "text": text, "logprobs": lp,
                                         "finish_reason": c.finish_reason if out.finished else None}]})
