@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the catalog and what is cached")
 
+    p = sub.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity computes it")
+    p.add_argument("file", help="text file, or - for standard input")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored (default 512)")
+    p.add_argument("--max-chunks", type=_positive_int, default=None, metavar="N", help="score at most N chunks")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="also run the float32 reference path and print the KL divergence and top-1 agreement of "
+                        "this configuration against it")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_engine_args(p, max_num_seqs=8)
+
     p = sub.add_parser("watermark", help="score text for nextoken's (TGI's) green-list watermark")
     wsub = p.add_subparsers(dest="watermark_command", required=True)
     p = wsub.add_parser("detect", help="print tokens scored, green fraction and z-score of a text")
@@ -335,6 +345,47 @@ def cmd_bench(a) -> int:
     return run(a, engine_args(a))
 
 
+def _read_text(path: str) -> str:
+    """A file's text (or standard input's, for "-") exactly as written: UTF-8, line endings
+    kept (Python's text mode would turn "\r\n" into "\n", and the tokens with it)."""
+    from nextoken.errors import InvalidRequest
+
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+        return data.decode("utf-8")
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc.strerror}", "file") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{path} is not UTF-8 text: {exc}", "file") from None
+
+
+def cmd_perplexity(a) -> int:
+    """`nextoken perplexity FILE|-`: llama-perplexity's method (`nextoken.evaluate.perplexity`)."""
+    from nextoken.engine.engine import LLMEngine
+    from nextoken.evaluate.perplexity import perplexity
+
+    text = _read_text(a.file)
+    args = engine_args(a)
+    engine = LLMEngine.from_engine_args(args)
+    reference = None
+    if a.kl_divergence:
+        reference = LLMEngine.from_engine_args(args.replace(
+            dtype="float32", enforce_eager=True, reference_attention=True, speculative_model=None,
+            speculative_method=None))
+    res = perplexity(engine, text, a.ctx, reference, a.max_chunks, progress=not a.json)
+    if a.json:
+        out = dataclasses.asdict(res)
+        out.pop("nll")
+        print(json.dumps(out))
+        return 0
+    print(f"{res.num_chunks} chunks of {a.ctx} tokens, {res.num_tokens_scored} tokens scored")
+    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_uncertainty:.5f}")
+    if res.kl_mean is not None:
+        print(f"Mean KLD vs the float32 reference: {res.kl_mean:.6f} +/- {res.kl_uncertainty:.6f}; "
+              f"same top token: {100 * res.top1_agreement:.2f}%")
+    return 0
+
+
 def cmd_watermark(a) -> int:
     """`nextoken watermark detect FILE|-`: needs the model's tokenizer and vocabulary size only."""
     from nextoken.catalog import resolve_model
@@ -345,11 +396,9 @@ def cmd_watermark(a) -> int:
 
     try:
         WatermarkConfig(gamma=a.watermark_gamma)
-        text = sys.stdin.read() if a.file == "-" else open(a.file, encoding="utf-8").read()
-    except OSError as exc:
-        raise InvalidRequest(f"cannot read {a.file}: {exc.strerror}", "file") from None
     except ValueError as exc:
         raise InvalidRequest(str(exc), "watermark_gamma") from None
+    text = _read_text(a.file)
     source = open_model(resolve_model(a.model))
     ids = load_tokenizer(source).encode(text, add_bos=False, parse_special=False)
     res = detect(ids, read_config(source).vocab_size, a.watermark_gamma, a.z_threshold)
@@ -362,7 +411,7 @@ def cmd_watermark(a) -> int:
     return 0
 
 
-COMMANDS = {"watermark": cmd_watermark, "bench": cmd_bench, "serve": cmd_serve, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
+COMMANDS = {"perplexity": cmd_perplexity, "watermark": cmd_watermark, "bench": cmd_bench, "serve": cmd_serve, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "explain": cmd_explain, "pull": cmd_pull, "models": cmd_models}
 
 
 def _configure_logging(level: str) -> None:

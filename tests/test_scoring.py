@@ -3,6 +3,8 @@ prefill, n > 1, preemption-free and prefix-cache-free), and `max_tokens=0` scori
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,3 +95,59 @@ def test_echo_scores_the_prompt_through_the_server(tiny_gguf):
         assert pl[0] is None and pl[3][str(PROMPT[3])]["logprob"] == pytest.approx(want[3][PROMPT[3]], abs=1e-5)
     finally:
         srv.stop()
+
+
+def _text(llm, n_tokens: int) -> str:
+    """Text of about `n_tokens` tokens of the tiny vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 200, (n_tokens,), generator=g).tolist()
+    return llm.engine.tokenizer.decode(ids)
+
+
+def test_perplexity_equals_transformers_on_the_same_chunks(tiny_gguf, capsys):
+    """llama-perplexity's method: chunks of ctx tokens, the second half scored; against the
+    negative log-likelihoods `transformers` gives for the same chunks."""
+    import json
+    import math
+
+    from nextoken import cli
+    from nextoken.evaluate.perplexity import chunk_tokens, perplexity
+
+    path, hf = tiny_gguf["llama"]
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=40)
+    tok = llm.engine.tokenizer
+    text = _text(llm, 300)
+    ctx = 64
+    res = perplexity(llm.engine, text, ctx, progress=False)
+    ids = tok.encode(text, add_bos=False, parse_special=False)
+    chunks = chunk_tokens(ids, ctx, tok.bos_token_id if tok.add_bos else None)
+    nll = []
+    with torch.no_grad():
+        for c in chunks:
+            lp = hf(torch.tensor([c])).logits[0].float().log_softmax(-1)
+            nll += [-float(lp[j - 1, c[j]]) for j in range(ctx // 2 + 1, ctx)]
+    assert res.num_chunks == len(chunks) == len(ids) // ctx and res.num_tokens_scored == len(nll)
+    assert res.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+    assert 0 < res.ppl_uncertainty < res.ppl
+    # the same path as its own reference: no divergence; bfloat16 against float32: a little
+    same = perplexity(llm.engine, text, ctx, reference=LLM(str(path), dtype="float32").engine, progress=False)
+    assert abs(same.kl_mean) < 1e-6 and same.top1_agreement == 1.0
+    bf16 = perplexity(LLM(str(path), dtype="bfloat16").engine, text, ctx,
+                      reference=LLM(str(path), dtype="float32", enforce_eager=True, reference_attention=True).engine,
+                      progress=False)
+    assert 0 < bf16.kl_mean < 0.05 and bf16.top1_agreement > 0.8
+    f = Path(str(path) + ".txt")
+    f.write_bytes(text.encode())
+    assert cli.main(["perplexity", str(f), "--model", str(path), "--ctx", "64", "--dtype", "float32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["ppl"] == pytest.approx(res.ppl, rel=1e-5)
+    assert cli.main(["perplexity", str(f), "--model", str(path), "--ctx", "4096"]) == 1
+
+
+def test_chunks_drop_the_remainder_and_start_with_bos():
+    from nextoken.evaluate.perplexity import chunk_tokens
+
+    assert chunk_tokens(list(range(10)), 4, 99) == [[99, 1, 2, 3], [99, 5, 6, 7]]
+    assert chunk_tokens(list(range(10)), 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(InvalidRequest, match="fewer than one chunk"):
+        chunk_tokens([1, 2], 4, None)

@@ -207,9 +207,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_text: str | None = None,
-                    truncate_prompt: bool = False, tracer=None) -> str:
+                    truncate_prompt: bool = False, tracer=None, keep_prompt_hidden: bool = False) -> str:
         """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
         that does not fit the context window, or one that could never fit in the KV cache.
+
+        `keep_prompt_hidden` (with ``params.prompt_logprobs``): also keep the final hidden
+        state of every scored prompt position, ``RequestGroup.prompt_hidden`` (``[n - 1, hidden]``
+        once the prompt is computed; `nextoken.evaluate` turns them into whole distributions).
 
         `tracer` (see `nextoken.trace`) records every stage of this request: it runs in a
         forward pass of its own, on the reference attention, without the prefix cache or
@@ -243,6 +247,8 @@ class LLMEngine:
             RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)))
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
+            if keep_prompt_hidden:
+                group.prompt_hidden = torch.empty(0)  # sized on the first chunk
         self.groups[request_id] = group
         for s in seqs:
             s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[s.index])
@@ -391,7 +397,12 @@ class LLMEngine:
                 continue
             entries = score(self.runner.model, hidden[:n], r.prompt_ids[start + 1 : start + 1 + n],
                             r.params.prompt_logprobs)
-            self._seq_group[r].prompt_logprobs[start + 1 : start + 1 + n] = entries
+            group = self._seq_group[r]
+            group.prompt_logprobs[start + 1 : start + 1 + n] = entries
+            if group.prompt_hidden is not None:  # row p: position p, which scores token p + 1
+                if group.prompt_hidden.numel() == 0:
+                    group.prompt_hidden = hidden.new_empty(r.num_prompt_tokens - 1, hidden.shape[1])
+                group.prompt_hidden[start : start + n] = hidden[:n]
 
     def _emit(self, r: Request, results) -> None:
         """Append sampled tokens to `r` in order, until one of them finishes it."""

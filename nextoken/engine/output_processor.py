@@ -29,6 +29,7 @@ class RequestGroup:
     error: str | None = None
     changed: bool = False  # something to report since the last output
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
+    prompt_hidden: object | None = None  # with keep_prompt_hidden: ``[n_prompt - 1, hidden]``, row p scores token p + 1
 
     @property
     def finished(self) -> bool:
