@@ -151,3 +151,19 @@ def test_chunks_drop_the_remainder_and_start_with_bos():
     assert chunk_tokens(list(range(10)), 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(InvalidRequest, match="fewer than one chunk"):
         chunk_tokens([1, 2], 4, None)
+
+
+def test_wrong_method_is_405_with_allow(tiny_gguf):
+    import httpx
+
+    from tests.test_server import LiveServer
+
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny")
+    try:
+        r = httpx.get(srv.url + "/v1/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert r.json()["error"]["code"] == 405
+        r = httpx.delete(srv.url + "/v1/models")
+        assert r.status_code == 405 and "GET" in r.headers["allow"]
+    finally:
+        srv.stop()

@@ -148,8 +148,8 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         return error_response(400, str(exc), exc.field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(_, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
