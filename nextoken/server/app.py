@@ -215,6 +215,20 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
                                                               "prefix_cache_hit_rate": 0.0}
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's tokenizer description (lm-evaluation-harness's ``tokenizer_backend=remote``
+        reads it, then tokenizes through /tokenize)."""
+        eng = engine().engine
+        tok = eng.tokenizer
+
+        def text(i):
+            return tok.tokens[i] if i is not None else None
+
+        return {"tokenizer_class": "nextoken", "eos_token": text(tok.eos_token_id), "bos_token": text(tok.bos_token_id),
+                "pad_token": None, "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                "model_max_length": eng.max_model_len, "vocab_size": eng.config.vocab_size}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
