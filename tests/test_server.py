@@ -115,7 +115,9 @@ def test_n_seed_stop_logprobs(smol):
     r = c.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=3,
                              logprobs=2, echo=True)
     assert r.choices[0].text.startswith("The capital of France is Paris")
-    assert len(r.choices[0].logprobs.tokens) == 3
+    n_prompt = len(smol.llm.engine.tokenizer.encode("The capital of France is"))
+    lps = r.choices[0].logprobs  # echo: the prompt's tokens first, the first without a logprob
+    assert len(lps.tokens) == n_prompt + 3 and lps.token_logprobs[0] is None and None not in lps.token_logprobs[1:]
 
 
 BAD = [  # (endpoint, body or raw bytes, status, param)

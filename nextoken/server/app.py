@@ -27,6 +27,7 @@ from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import error_response, validation_message
 from nextoken.server.metrics import ServerMetrics
+from nextoken.server.openapi import document_errors
 from nextoken.sample.watermark import detect
 from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       WatermarkDetectRequest)
@@ -336,6 +337,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
         return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
 
+    document_errors(app)
     return app
 
 

@@ -20,7 +20,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # drop pydantic's union-member tags ("str", "list[int]") from the path
-    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "function-"))]
+    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "function-", "constrained-"))]
     field = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":

@@ -153,8 +153,13 @@ class _Sampling(BaseModel):
         )
 
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
