@@ -337,10 +337,10 @@ class LLMEngine:
                 seqs.append(SequenceInput(toks, r.num_computed_tokens, self.kv.block_ids(r.request_id),
                                           r.num_computed_tokens + n == r.num_tokens,
                                           ring_ids=self.kv.ring_ids(r.request_id), keep_hidden=_scores_prompt(r)))
-        starts = [r.num_computed_tokens for r, s in zip(reqs, seqs) if s.keep_hidden]
+        scored = [(r, r.num_computed_tokens) for r, s in zip(reqs, seqs) if s.keep_hidden]
         logits = self.runner.execute(seqs, tracer)
-        if starts:
-            self._score_prompts([r for r, s in zip(reqs, seqs) if s.keep_hidden], starts)
+        if scored:
+            self._score_prompts(scored)
         for r, n in scheduled.items():
             r.num_computed_tokens += n
             if r not in drafts:
@@ -388,10 +388,11 @@ class LLMEngine:
                 if self.draft is not None:
                     self.draft.on_verified(r)
 
-    def _score_prompts(self, reqs: list[Request], starts: list[int]) -> None:
-        """Prompt log-probabilities from this pass's kept hidden states: the row of position p
-        scores prompt token p + 1 (`SamplingParams.prompt_logprobs`)."""
-        for r, start, hidden in zip(reqs, starts, self.runner.kept_hidden):
+    def _score_prompts(self, scored: list[tuple[Request, int]]) -> None:
+        """Prompt log-probabilities from this pass's kept hidden states (`scored`: each request
+        and the position its chunk starts at): the row of position p scores prompt token p + 1
+        (`SamplingParams.prompt_logprobs`)."""
+        for (r, start), hidden in zip(scored, self.runner.kept_hidden):
             n = min(hidden.shape[0], r.num_prompt_tokens - 1 - start)
             if n <= 0:
                 continue

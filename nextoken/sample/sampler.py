@@ -126,30 +126,33 @@ class Sampler:
         by default), temperature and filters; for a greedy row ``(argmax token, None)``.
         Speculative verification uses it for the target's and the draft's distributions (the
         grammar, if any, then sees the tokens of `output_ids` past the row's own as ahead)."""
-        p = row.params
         history = row.output_ids if output_ids is None else output_ids
-        processed = process_logits(logits, p, row.prompt_ids, history, self.eog_ids, self.watermark)
+        processed = process_logits(logits, row.params, row.prompt_ids, history, self.eog_ids, self.watermark)
+        return self._distribution(processed, logits, row, history)
+
+    def _distribution(self, processed: torch.Tensor, raw: torch.Tensor, row: SamplerRequest, history: list[int]):
+        """`distribution` from logits already through the processors (`raw`: before them)."""
+        p = row.params
         if row.grammar is not None:
             refused = row.grammar.refused(history[len(row.output_ids):])
-            processed = _mask(processed, refused, logits, len(history) < p.min_tokens)
-        logits = processed
+            processed = _mask(processed, refused, raw, len(history) < p.min_tokens)
         if p.greedy:
-            return int(logits.argmax()), None
-        logits = logits / p.temperature
+            return int(processed.argmax()), None
+        logits = processed / p.temperature
         kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
         return kept, logits.masked_fill(~kept, float("-inf")).softmax(-1)
 
-    def _draw_unmasked(self, logits: torch.Tensor, row: SamplerRequest) -> int | None:
+    def _draw_unmasked(self, processed: torch.Tensor, row: SamplerRequest) -> int | None:
         """The fast path of structured output (as llama.cpp samples under a grammar): draw from
-        the unmasked distribution and keep the token if the grammar allows it, else None (then
-        the caller draws from the masked distribution). Exact: for greedy rows the unmasked
-        argmax, when allowed, is the masked argmax; for sampled rows an allowed token x comes out
-        with probability p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass, which is the
-        masked distribution. It saves the mask (tens of microseconds) on most tokens."""
+        the unmasked distribution (`processed`: the logits through the processors) and keep the
+        token if the grammar allows it, else None (then the caller draws from the masked
+        distribution). Exact: for greedy rows the unmasked argmax, when allowed, is the masked
+        argmax; for sampled rows an allowed token x comes out with probability
+        p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass, which is the masked
+        distribution. It saves the mask (tens of microseconds) on most tokens."""
         p = row.params
         if len(row.output_ids) < p.min_tokens or row.grammar.forced():
             return None  # (where bytes are forced, the mask is small and decides: see `allows`)
-        processed = process_logits(logits, p, row.prompt_ids, row.output_ids, self.eog_ids, self.watermark)
         if p.greedy:
             token = int(processed.argmax())
         else:
@@ -157,11 +160,12 @@ class Sampler:
         return token if row.grammar.allows(token) else None
 
     def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
+        processed = process_logits(logits, row.params, row.prompt_ids, row.output_ids, self.eog_ids, self.watermark)
         if row.grammar is not None and not keep_details and _mask_commutes(row.params):
-            token = self._draw_unmasked(logits, row)
+            token = self._draw_unmasked(processed, row)
             if token is not None:
                 return SampleResult(token)
-        kept, probs = self.distribution(logits, row)
+        kept, probs = self._distribution(processed, logits, row, row.output_ids)
         if probs is None:
             token = kept
             if not keep_details:

@@ -247,10 +247,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         eng = engine().engine
-        bad = [t for t in body.tokens if not 0 <= t < eng.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {eng.config.vocab_size})",
-                                 "tokens")
+        _check_token_ids(eng, body.tokens)
         return {"prompt": eng.tokenizer.decode(body.tokens)}
 
     # -- generation -------------------------------------------------------------------------
@@ -329,11 +326,10 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         eng = engine().engine
         if (body.text is None) == (body.tokens is None):
             raise InvalidRequest("give exactly one of text or tokens", "text")
-        ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False) if body.text is not None \
-            else list(body.tokens)
-        bad = [t for t in ids if not 0 <= t < eng.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {eng.config.vocab_size})", "tokens")
+        if body.text is not None:
+            ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False)
+        else:
+            ids = _check_token_ids(eng, list(body.tokens))
         res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
         return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
 
@@ -364,6 +360,14 @@ async def _beam(eng, body, prompts: list[list[int]], max_tokens: int, unsupporte
         metrics = RequestMetrics(start, len(ids), 0, sum(len(c.token_ids) for c in comps), None, time.perf_counter())
         outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
     return outs
+
+
+def _check_token_ids(eng, ids: list[int]) -> list[int]:
+    """`ids`, or `InvalidRequest` (field "tokens") naming the first outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < eng.config.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {eng.config.vocab_size})", "tokens")
+    return ids
 
 
 def _tool_setup(body, tok):

@@ -94,8 +94,8 @@ def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0) -> di
         offsets.append(offset)
         offset += len(text)
         tokens.append(text)
-        lps.append(pos[tid])
-        tops.append({tok.token_text(t): lp for t, lp in _top(pos, n)})
+        lps.append(None if pos is None else pos[tid])  # None: a prompt's first token (nothing before it)
+        tops.append(None if pos is None else {tok.token_text(t): lp for t, lp in _top(pos, n)})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -127,18 +127,9 @@ def completion_response(engine, body, outs, prompts, created: int, model: str) -
 
 
 def echo_logprobs(tok, ids: list[int], prompt_logprobs, n: int) -> dict:
-    """The legacy completions ``logprobs`` of the prompt's tokens (echo): each token's text, its
-    log-probability given the tokens before it and the top `n` there; the first token's are None
-    (nothing comes before it)."""
-    tokens, lps, tops, offsets, offset = [], [], [], [], 0
-    for tid, pos in zip(ids, prompt_logprobs or [None] * len(ids)):
-        text = tok.token_text(tid)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        lps.append(None if pos is None else pos[tid])
-        tops.append(None if pos is None else {tok.token_text(t): lp for t, lp in _top(pos, n)})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    """The legacy completions ``logprobs`` of the prompt's tokens (echo): each token's
+    log-probability given the tokens before it and the top `n` there; the first token's are None."""
+    return completion_logprobs(tok, ids, prompt_logprobs or [None] * len(ids), n)
 
 
 def _join_logprobs(first: dict, second: dict | None) -> dict:
@@ -228,16 +219,14 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, to
                     continue
                 p = parsers[c.index]
                 events = p.feed(c.delta) + (p.finish() if c.finished else [])
-                deltas = _tool_deltas(events, p) or [{}]
-                finish = c.finish_reason
-                if finish == "stop" and p.calls:
-                    finish = "tool_calls"
+                deltas = _tool_deltas(events, p)
+                if not deltas:
+                    if not c.finished and lp is None:
+                        continue  # text held back by the parser: nothing to send yet
+                    deltas = [{}]
+                finish = "tool_calls" if c.finish_reason == "stop" and p.calls else c.finish_reason
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    if not delta and not last:
-                        continue
-                    if not delta and not c.finished and lp is None:
-                        continue  # text held back by the parser: nothing to send yet
                     yield sse({**base, "choices": [{"index": c.index, "delta": delta,
                                                     "logprobs": lp if last else None,
                                                     "finish_reason": finish if last else None}]})

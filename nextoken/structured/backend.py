@@ -114,7 +114,6 @@ class SequenceGrammar:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eog_ids = eog_ids
-        self.num_accepted = 0
 
     def allowed(self, ahead: list[int] = ()) -> torch.Tensor:
         """bool ``[vocab_size]``: the tokens the grammar allows after the output so far and then
@@ -160,7 +159,6 @@ class SequenceGrammar:
         """Advance past an emitted token."""
         if not self.matcher.consume_token(token):
             log.warning("grammar refused emitted token %d: %s", token, _first_line(self.matcher.get_error()))
-        self.num_accepted += 1
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (e.g. n-gram drafts) the grammar allows in a row from here."""

@@ -193,8 +193,6 @@ class Tokenizer:
         # ids the vocabulary reserves but no text maps to (Qwen's "[PAD151665]"; gaps in a
         # tokenizer.json): never sampled under structured output
         self.unused_ids = frozenset(unused_ids) | frozenset(i for i, t in enumerate(tokens) if not t)
-        pre, dec = (json.dumps(json.loads(hf.to_str()).get(k)) for k in ("pre_tokenizer", "decoder"))
-        self.byte_level = '"ByteLevel"' in pre or '"ByteLevel"' in dec
 
     @classmethod
     def from_gguf(cls, f) -> "Tokenizer":
@@ -302,6 +300,13 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """What one token reads as on its own (for display)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether pieces are in GPT-2's byte-level alphabet (its pre-tokenizer or decoder says
+        ByteLevel). Read on first use: serializing a large vocabulary takes a tenth of a second."""
+        tj = json.loads(self._tok.to_str())
+        return any('"ByteLevel"' in json.dumps(tj.get(k)) for k in ("pre_tokenizer", "decoder"))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for: its byte-level alphabet decoded, a ``<0xNN>``
