@@ -14,9 +14,18 @@ class InvalidRequest(NextokenError, ValueError):
     `field` names the offending parameter (e.g. ``"top_p"``) when there is one.
     """
 
+    status = 400  # the HTTP status the server answers it with
+
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class NotFound(InvalidRequest):
+    """What the request names does not exist: an unknown model, a trace that is gone, a position
+    past a trace's end, a tensor the file does not hold (HTTP 404)."""
+
+    status = 404
 
 
 class ModelLoadError(NextokenError):

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import torch
 
-from nextoken.errors import InvalidRequest
+from nextoken.errors import InvalidRequest, NotFound
 
 MAX_POSITIONS = 512
 REQUANT_FORMATS = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "BF16", "F16")
@@ -158,7 +158,7 @@ def stored_tensors(path: str) -> dict:
     """The tensors of a GGUF file by format: count, parameters and bytes per GGML type, against
     the same parameters in bf16 and fp32; and every tensor's name, type, shape and bytes."""
     if not str(path).endswith(".gguf"):
-        raise InvalidRequest("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
+        raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
     f = _gguf(path)
     tensors = [{"name": n, "type": f.tensor_type(n), "shape": list(f.tensor_shape(n)),
                 "bytes": f._get(n).nbytes} for n in f.tensor_names]
@@ -182,10 +182,10 @@ def requant_error(path: str, name: str, max_rows: int = 1024) -> dict:
 
     f = _gguf(path)
     if not f.has_tensor(name):
-        raise InvalidRequest(f"no tensor {name!r} in the model (see the tensor list)", "tensor")
+        raise NotFound(f"no tensor {name!r} in the model (see the tensor list)", "tensor")
     shape = f.tensor_shape(name)
     if len(shape) != 2:
-        raise InvalidRequest(f"tensor {name!r} is not a matrix (shape {list(shape)})", "tensor")
+        raise NotFound(f"tensor {name!r} is not a matrix (shape {list(shape)})", "tensor")
     rows = min(shape[0], max_rows)
     x = dequantize(f.raw(name, 0, rows), f.tensor_type(name), (rows, shape[1])).float().numpy()
     rms = float(np.sqrt((x.astype(np.float64) ** 2).mean()))

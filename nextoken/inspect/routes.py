@@ -20,12 +20,15 @@ import time
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
 
-from nextoken.errors import InvalidRequest
+from pydantic import Field
+
+from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import engine_view, model_view, text
 from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, InspectTracer
 from nextoken.sampling_params import SamplingParams
+from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 KEEP_TRACES = 4
@@ -35,8 +38,12 @@ DEMO_PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?"
                 "What is 12 times 12?", "List the planets of the solar system."]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Body(Body):
+    pass
+
+
+# a word: 1..64 characters (`text.word_token` says whether it is one token)
+Word = Annotated[str, Field(min_length=1, max_length=text.MAX_WORD_CHARS)]
 
 
 class TokenizeBody(_Body):
@@ -45,18 +52,18 @@ class TokenizeBody(_Body):
 
 
 class WordBody(_Body):
-    word: str = Field(min_length=1, max_length=text.MAX_WORD_CHARS)
+    word: Word
 
 
 class WordsBody(_Body):
-    words: list[str] = Field(min_length=3, max_length=text.MAX_WORDS)
+    words: list[Word] = Field(min_length=3, max_length=text.MAX_WORDS)
 
 
 class AnalogyBody(_Body):
-    a: str = "king"
-    b: str = "man"
-    c: str = "woman"
-    target: str = "queen"
+    a: Word = "king"
+    b: Word = "man"
+    c: Word = "woman"
+    target: Word = "queen"
     top: int = Field(10, ge=1, le=50)
 
 
@@ -67,7 +74,7 @@ class TraceBody(_Body):
 
 class SampleBody(_Body):
     prompt: str = Field("It was a beautiful", min_length=1, max_length=text.MAX_TEXT_CHARS)
-    generated: list[int] = Field(default_factory=list, max_length=64)
+    generated: list[TokenId] = Field(default_factory=list, max_length=64)
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     top_k: int = Field(-1, ge=-1, le=1000)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -75,7 +82,7 @@ class SampleBody(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=3.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    seed: int = Field(0, ge=0, le=SEED_LIMIT)
 
 
 class BeamBody(_Body):
@@ -115,7 +122,7 @@ class InspectState:
 
     def get(self, tid: str) -> tuple[InspectTracer, list[dict]]:
         if tid not in self.traces:
-            raise InvalidRequest(f"trace {tid!r} is gone (the last {KEEP_TRACES} are kept); trace again", "trace_id")
+            raise NotFound(f"trace {tid!r} is gone (the last {KEEP_TRACES} are kept); trace again", "trace_id")
         return self.traces[tid]
 
 
@@ -196,7 +203,7 @@ def build_router(get_engine) -> APIRouter:
 
     @r.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
     async def sinusoidal(base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
-                         dims: int = Query(64, ge=2, le=512)):
+                         dims: int = Query(64, ge=2, le=512, multiple_of=2)):
         return model_view.sinusoidal(base, positions, dims)
 
     @r.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
@@ -222,7 +229,7 @@ def build_router(get_engine) -> APIRouter:
                 "passes": tracer.passes, "trace_ms": round(ms, 2)}
 
     @r.get("/inspect/api/trace/{trace_id}/attention", summary="One layer's attention weights (uint8, base64)")
-    async def attention(trace_id: str, layer: int = Query(ge=0)):
+    async def attention(trace_id: str, layer: int = Query(ge=0, json_schema_extra=model_limit("layer"))):
         tracer, _ = ist.get(trace_id)
         if layer >= len(tracer.attention):
             raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
@@ -314,6 +321,8 @@ def build_router(get_engine) -> APIRouter:
                 pass
 
         prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(body.count)]
+        for p in set(prompts):  # the context check, before any is sent
+            eng.engine.encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
         for p in prompts:
             task = asyncio.get_running_loop().create_task(one(p))
             ist.demo_tasks.add(task)
@@ -324,14 +333,14 @@ def build_router(get_engine) -> APIRouter:
     async def quant_tensors():
         eng = core()
         if not str(eng.model_path).endswith(".gguf"):
-            raise InvalidRequest("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
+            raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
         return await asyncio.to_thread(_stored, str(eng.model_path))
 
     @r.get("/inspect/api/quant/error", summary="Error of re-quantizing one stored tensor to other formats")
     async def quant_error(tensor: str = Query(min_length=1, max_length=200)):
         eng = core()
         if not str(eng.model_path).endswith(".gguf"):
-            raise InvalidRequest("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
+            raise NotFound("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
         return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)
 
     return r

@@ -101,10 +101,11 @@ def bpe_replay(tok, word: str) -> dict:
 
 def word_token(tok, word: str, field: str = "words") -> int:
     """The one token id of `word`: with a leading space (as inside a sentence) if that is one
-    token, else as written. Raises `InvalidRequest` when it is neither."""
-    if not isinstance(word, str) or not word.strip() or len(word) > MAX_WORD_CHARS:
+    token, else as written (stripped; a word of only whitespace as it is). Raises
+    `InvalidRequest` when it is neither."""
+    if not isinstance(word, str) or not word or len(word) > MAX_WORD_CHARS:
         raise InvalidRequest(f"{word!r} is not a word (1..{MAX_WORD_CHARS} characters)", field)
-    for form in (" " + word.strip(), word.strip()):
+    for form in (" " + word.strip(), word.strip()) if word.strip() else (word,):
         ids = tok.encode(form, add_bos=False)
         if len(ids) == 1:
             return ids[0]
@@ -140,7 +141,7 @@ def embedding_map(model, tok, words: list[str]) -> dict:
     return {"points": [{"word": w, "id": i, "token": display(tok.token_text(i)), "x": round(float(p[0]), 5),
                         "y": round(float(p[1]), 5), "norm": round(float(r.norm()), 4)}
                        for w, i, p, r in zip(words, ids, xy, x)],
-            "explained_variance": [round(float(v), 4) for v in (var[:2] / var.sum())],
+            "explained_variance": [round(float(v), 4) for v in (var[:2] / var.sum().clamp_min(1e-30))],
             "hidden_size": x.shape[1]}
 
 

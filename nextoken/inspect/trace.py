@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from nextoken.errors import InvalidRequest
+from nextoken.errors import NotFound
 from nextoken.inspect.text import display
 
 MAX_TRACE_TOKENS = 512  # attention traces keep [layers, heads, T, T] weights
@@ -121,7 +121,7 @@ class InspectTracer:
         """For each residual stream at `position` (embeddings, then after each layer): the top
         tokens it predicts through the final norm and the LM head (nostalgebraist 2020)."""
         if not 0 <= position < self.num_tokens:
-            raise InvalidRequest(f"position must be in [0, {self.num_tokens - 1}], got {position}", "position")
+            raise NotFound(f"the trace has no position {position} (it has 0..{self.num_tokens - 1})", "position")
         with torch.inference_mode():
             h = self.residual[:, position].to(model.dtype)
             probs = model.compute_logits(model.final_norm(h)).softmax(-1)

@@ -14,13 +14,18 @@ from nextoken.sample.watermark import WatermarkConfig, apply_watermark
 from nextoken.sampling_params import SamplingParams
 
 
+LOGIT_LIMIT = 1e30  # finite even after the smallest temperature (1e-5) in float32 (max 3.4e38)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL's repetition penalty (Keskar et al. 2019) as in `transformers`/vLLM: for every token in
-    `seen` (prompt and output ids), divide a positive logit by `penalty`, multiply a negative one."""
+    `seen` (prompt and output ids), divide a positive logit by `penalty`, multiply a negative one.
+    The results stay within +-`LOGIT_LIMIT`, so that a tiny penalty (5e-324) cannot make them
+    infinite (a softmax of several +inf is NaN)."""
     if penalty == 1.0 or seen.numel() == 0:
         return logits
     vals = logits[seen]
-    logits[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    logits[seen] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
     return logits
 
 

@@ -22,15 +22,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.beam import async_beam_search
-from nextoken.errors import EngineError, InvalidRequest
+from nextoken.errors import EngineError, InvalidRequest, NotFound
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import error_response, validation_message
 from nextoken.server.metrics import ServerMetrics
-from nextoken.server.openapi import document_errors
+from nextoken.server.openapi import document_errors, model_limits
 from nextoken.sample.watermark import detect
-from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                      WatermarkDetectRequest)
+from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                      TokenizeRequest, WatermarkDetectRequest, WatermarkText)
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 
@@ -146,7 +146,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_, exc: InvalidRequest):
-        return error_response(400, str(exc), exc.field)
+        return error_response(exc.status, str(exc), exc.field)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
@@ -162,7 +162,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
 
     def check_model(name: str | None):
         if name is not None and name != config.model_name:
-            raise _NotFound(f"model {name!r} not found; this server serves {config.model_name!r}")
+            raise NotFound(f"model {name!r} not found; this server serves {config.model_name!r}", "model")
 
     def check_queue():
         if engine().num_waiting >= config.max_queued_requests:
@@ -172,10 +172,6 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         from nextoken.inspect.routes import build_router
 
         app.include_router(build_router(engine))
-
-    @app.exception_handler(_NotFound)
-    async def _nf(_, exc):
-        return error_response(404, str(exc), "model")
 
     @app.exception_handler(_QueueFull)
     async def _qf(_, exc):
@@ -234,13 +230,12 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         eng = engine().engine
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequest("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             ids = R.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
                 [m.model_dump(exclude_none=True) for m in body.messages]))
         else:
-            ids = eng.tokenizer.encode(body.prompt, parse_special=False)
+            ids = eng.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False,
+                                       parse_special=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
 
     @app.post("/detokenize")
@@ -291,6 +286,11 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         messages = tools_mod.messages_for_template([m.model_dump(exclude_none=True) for m in body.messages])
         tools, forced = _tool_setup(body, tok)
         ids = R.encode_chat(tok, messages, tools)
+        for name in ("max_tokens", "max_completion_tokens"):
+            limit = getattr(body, name)
+            if limit is not None and limit >= eng.engine.max_model_len:
+                raise InvalidRequest(f"{name} is {limit}: no room for the prompt in the context length "
+                                     f"{eng.engine.max_model_len} (max_model_len)", name)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             R.default_max_tokens(eng.engine, len(ids), config.max_tokens_default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -324,16 +324,14 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     async def watermark_detect(body: WatermarkDetectRequest):
         check_model(body.model)
         eng = engine().engine
-        if (body.text is None) == (body.tokens is None):
-            raise InvalidRequest("give exactly one of text or tokens", "text")
-        if body.text is not None:
+        if isinstance(body, WatermarkText):
             ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False)
         else:
             ids = _check_token_ids(eng, list(body.tokens))
         res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
         return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
 
-    document_errors(app)
+    document_errors(app, lambda: None if state.engine is None else model_limits(state.engine.engine))
     return app
 
 
@@ -397,10 +395,6 @@ async def _compile(eng, structured) -> None:
     the request reaches the step loop. Raises `InvalidRequest` for an invalid one."""
     if structured is not None:
         await asyncio.to_thread(eng.engine.grammars.compile, structured)
-
-
-class _NotFound(Exception):
-    pass
 
 
 class _QueueFull(Exception):

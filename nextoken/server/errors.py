@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -15,12 +17,15 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict)\[.*\]|(function|constrained)-.*|union:.*)$")
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence (and the field) for pydantic's first complaint; never the raw dump."""
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # drop pydantic's union-member tags ("str", "list[int]") from the path
-    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "function-", "constrained-"))]
+    # drop pydantic's union-member tags ("str", "list[int]", our "union:...") from the path
+    loc = [p for p in loc if not UNION_MEMBER.match(p)]
     field = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
@@ -29,7 +34,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"unsupported parameter {field!r}", field
     if kind == "missing":
         return f"missing required parameter {field!r}", field
-    if kind in ("model_attributes_type", "dict_type") and not field:
+    if kind in ("model_attributes_type", "model_type", "dict_type") and not field:
         return "the request body must be a JSON object", None
     got = err.get("input")
     got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__

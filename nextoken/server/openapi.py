@@ -3,10 +3,17 @@
 FastAPI documents only the success and its own 422; the server answers validation errors with
 400 and can refuse any request with the statuses of `Gate`, `BodyLimit` and the engine. This
 adds them to every operation with the OpenAI error body, drops the 422 it never sends, and gives
-/metrics its Prometheus text content type.
+/metrics its Prometheus text content type and the generation routes their event stream.
+
+Bounds that depend on the loaded model (token ids below the vocabulary size, layers, the context
+length) are marked ``x-maximum`` by the request models (`nextoken.server.protocol.model_limit`);
+once the model is loaded they become ``maximum``. The schema is kept from then on; while the model
+loads it is served with the marks and rebuilt on the next request.
 """
 
 from __future__ import annotations
+
+import copy
 
 ERROR_BODY = {
     "type": "object", "required": ["error"],
@@ -20,6 +27,9 @@ REASONS = {400: "Invalid request (the message and param name the field)", 401: "
            500: "Internal error", 503: "Loading, shutting down, or the engine stopped"}
 GENERATION = ("/v1/completions", "/v1/chat/completions")
 PROMETHEUS = "text/plain; version=0.0.4"
+# one server-sent event of a stream: ``data:`` holds a JSON chunk, or ``[DONE]`` at the end
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
 def statuses(path: str, method: str) -> list[int]:
@@ -36,14 +46,35 @@ def statuses(path: str, method: str) -> list[int]:
     return sorted(set(out + [500, 503]))
 
 
-def document_errors(app) -> None:
-    """Wrap `app.openapi` so that the schema lists every error status of every operation."""
+def model_limits(engine) -> dict[str, int]:
+    """The values of the ``x-maximum`` marks for `engine` (an `LLMEngine`)."""
+    return {"token_id": engine.config.vocab_size - 1, "layer": engine.config.num_layers - 1,
+            "context": engine.max_model_len - 1}
+
+
+def apply_limits(node, limits: dict[str, int]) -> None:
+    """Replace every ``x-maximum`` mark under `node` (in place) by its ``maximum``."""
+    if isinstance(node, dict):
+        name = node.pop("x-maximum", None)
+        if name is not None:
+            node["maximum"] = limits[name]
+        for v in node.values():
+            apply_limits(v, limits)
+    elif isinstance(node, list):
+        for v in node:
+            apply_limits(v, limits)
+
+
+def document_errors(app, limits=lambda: None) -> None:
+    """Wrap `app.openapi` so that the schema lists every error status of every operation and
+    the model's bounds; `limits()` gives `model_limits`, or None while the model loads."""
     original = app.openapi
+    done: list[dict] = []
 
     def openapi():
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = original()
+        if done:
+            return done[0]
+        schema = copy.deepcopy(original())
         schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_BODY
         ref = {"$ref": "#/components/schemas/Error"}
         for path, ops in schema.get("paths", {}).items():
@@ -56,10 +87,17 @@ def document_errors(app) -> None:
                     if headers:
                         resp["headers"] = headers
                     responses.setdefault(str(code), resp)
+        for path in GENERATION:  # "stream": true answers server-sent events
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is not None:
+                op["responses"]["200"].setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
         metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
         if metrics is not None:
             metrics["responses"]["200"]["content"] = {PROMETHEUS: {"schema": {"type": "string"}}}
-        app.openapi_schema = schema
+        known = limits()
+        if known is not None:
+            apply_limits(schema, known)
+            done.append(schema)
         return schema
 
     app.openapi = openapi

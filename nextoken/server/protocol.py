@@ -1,60 +1,83 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Every model forbids fields it does not know, so a parameter we do not support is a 400 that
-names it instead of being silently ignored. Ranges follow the OpenAI API reference; vLLM's
-extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens) are accepted too.
+names it instead of being silently ignored, and validates strictly (``"stream": 0`` or
+``"n": "2"`` is a 400, not coerced), so the server accepts exactly what its OpenAPI schema
+allows. Ranges follow the OpenAI API reference; vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens) are accepted too.
+
+Limits that depend on the loaded model are marked ``x-maximum`` in the JSON schema
+(`nextoken.bodies.model_limit`); `nextoken.server.openapi` turns each into a ``maximum`` once
+the model is loaded.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
+from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, model_limit
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
+from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, forbid, sampling_rules
 from nextoken.structured.params import StructuredOutputsParams
 
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+UNION_TAG = "union:"  # prefix of the member tags in validation errors' locations (dropped from messages)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def union_of(*members: tuple[str, type, str]) -> Any:
+    """A body that is one of several models, chosen by which of their keys it has: each member
+    is ``(tag, model, key)``; the last member is the default. The schema is their ``oneOf`` (the
+    members exclude each other by their required keys and ``additionalProperties: false``)."""
+    def pick(v):
+        if isinstance(v, dict):
+            for tag, _, key in members:
+                if key in v:
+                    return UNION_TAG + tag
+        return UNION_TAG + members[-1][0]
+    return Annotated[Union[tuple(Annotated[m, Tag(UNION_TAG + tag)] for tag, m, _ in members)], Discriminator(pick)]
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class JsonSchemaFormat(Body):
+    model_config = ConfigDict(**BODY, populate_by_name=True)
     name: str = Field("response", min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's ``response_format``: text, any JSON object, or a JSON schema."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**BODY, json_schema_extra=JSON_SCHEMA_NEEDS_SCHEMA)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Body):
     """vLLM's ``structured_outputs``: exactly one of its fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**BODY, json_schema_extra=STRUCTURED_ONE)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
 
-class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+# {token id: bias in [-100, 100]}; keys are decimal token ids (the schema's patternProperties
+# with additionalProperties false say so)
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[FiniteFloat, Field(ge=-100, le=100)]],
+                      Field(json_schema_extra={"additionalProperties": False})]
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Sampling(Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -68,10 +91,10 @@ class _Sampling(BaseModel):
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, FiniteFloat] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    logit_bias: LogitBias | None = None
+    seed: int | None = Field(None, ge=-SEED_LIMIT, le=SEED_LIMIT)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
@@ -81,28 +104,10 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     watermark: bool = False  # TGI's green-list watermark (the server's --watermark-gamma/--watermark-delta)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16 or any(not s for s in items):
-            raise ValueError("stop takes up to 16 non-empty strings")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100 or math.isnan(bias):
-                raise ValueError(f"logit_bias[{key}] must be in [-100, 100]")
-        return v
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, or None. Raises `InvalidRequest`
@@ -153,24 +158,32 @@ class _Sampling(BaseModel):
         )
 
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+MaxTokens = Annotated[int, Field(json_schema_extra=model_limit("context"))]
 
 
 class CompletionRequest(_Sampling):
+    # max_tokens 0 (score the prompt once) needs echo, and n = 1
+    model_config = ConfigDict(**BODY, json_schema_extra={
+        "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+        "then": {"properties": {"echo": {"const": True}, "n": {"const": 1}}, "required": ["echo"]},
+        **forbid(*sampling_rules(chat=False))})
+
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo)
+    max_tokens: Annotated[MaxTokens, Field(ge=0)] | None = 16  # 0: score the prompt only (with echo)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[].prompt_logprobs
 
     def generation_limit(self) -> int:
-        """max_tokens (16 when not given). Raises `InvalidRequest` for 0 without echo."""
+        """max_tokens (16 when not given). Raises `InvalidRequest` for 0 without echo or with n > 1."""
         n = 16 if self.max_tokens is None else self.max_tokens
         if n == 0 and not self.echo:
             raise InvalidRequest("max_tokens 0 scores the prompt without generating and needs echo (with "
                                  "logprobs for the scores)", "max_tokens")
+        if n == 0 and self.n != 1:
+            raise InvalidRequest(f"max_tokens 0 scores the prompt once: n must be 1, got {self.n}", "n")
         return n
 
     def scored_prompt(self) -> int | None:
@@ -181,21 +194,18 @@ class CompletionRequest(_Sampling):
         return self.logprobs if self.echo and self.logprobs is not None else None
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | None = None
     name: str | None = None
@@ -203,35 +213,37 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(Body):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
+    # top_logprobs needs logprobs: true (as in OpenAI's API)
+    model_config = ConfigDict(**BODY, json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        **forbid(*sampling_rules(chat=True))})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -239,25 +251,39 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizePromptRequest(Body):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    prompt: str
+    add_special_tokens: bool = True  # the model's BOS, where it adds one
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeChatRequest(Body):
     model: str | None = None
-    tokens: list[int]
+    messages: list[ChatMessage] = Field(min_length=1)  # rendered with the chat template and its generation prompt
 
 
-class WatermarkDetectRequest(BaseModel):
-    """Text (or token ids) to score for the watermark (`nextoken.sample.watermark.detect`)."""
+TokenizeRequest = union_of(("chat", TokenizeChatRequest, "messages"), ("prompt", TokenizePromptRequest, "prompt"))
 
-    model_config = ConfigDict(extra="forbid")
+
+class DetokenizeRequest(Body):
     model: str | None = None
-    text: str | None = Field(None, min_length=1)
-    tokens: list[int] | None = Field(None, min_length=2)
+    tokens: list[TokenId]
+
+
+class WatermarkTokens(Body):
+    """Token ids to score for the watermark (`nextoken.sample.watermark.detect`)."""
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(min_length=2)
     z_threshold: FiniteFloat = 4.0
+
+
+class WatermarkText(Body):
+    """Text to score for the watermark, tokenized without special tokens."""
+
+    model: str | None = None
+    text: NonEmptyStr
+    z_threshold: FiniteFloat = 4.0
+
+
+WatermarkDetectRequest = union_of(("tokens", WatermarkTokens, "tokens"), ("text", WatermarkText, "text"))

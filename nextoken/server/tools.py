@@ -35,22 +35,25 @@ def supports_tools(template: str | None) -> bool:
 def messages_for_template(messages: list[dict]) -> list[dict]:
     """OpenAI chat messages as chat templates expect them: a missing content is "", and each
     earlier tool call's arguments are an object (OpenAI sends JSON text; templates encode them
-    with ``tojson``, which would otherwise encode them twice). Raises `InvalidRequest` for
-    arguments that are not JSON."""
+    with ``tojson``, which would otherwise encode them twice). Arguments that are not JSON (a
+    model's malformed call sent back in the history) stay the text they were."""
     out = []
-    for i, m in enumerate(messages):
+    for m in messages:
         m = dict(m)
+        if m["role"] == "developer":  # OpenAI's newer name for the system role
+            m["role"] = "system"
         if m.get("content") is None:
             m["content"] = ""
         if m.get("tool_calls"):
             calls = []
-            for j, c in enumerate(m["tool_calls"]):
+            for c in m["tool_calls"]:
                 fn = c["function"]
-                try:
-                    args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-                except json.JSONDecodeError as exc:
-                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}",
-                                         f"messages[{i}].tool_calls") from None
+                args = fn["arguments"]
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass
                 calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
             m["tool_calls"] = calls
         out.append(m)

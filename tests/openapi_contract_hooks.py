@@ -1,0 +1,67 @@
+"""schemathesis hooks for tests/test_openapi_contract.py (loaded with SCHEMATHESIS_HOOKS).
+
+The built-in ``positive_data_acceptance`` check is replaced by `accepted_unless_semantic`:
+every request the published schema allows must be accepted, except for refusals whose reason
+JSON Schema cannot state because it depends on tokenizing the text or compiling what the user
+sent. Each of those is listed in `SEMANTIC` with how its 400 message reads; the context-length
+one is checked arithmetically from the numbers it names. Any other 400 (or 413, 422) for
+schema-valid data fails the run, as the built-in check would.
+"""
+
+from __future__ import annotations
+
+import re
+
+import schemathesis
+
+SEMANTIC = {
+    # prompt tokens + max_tokens past the context window (counts only known after tokenizing)
+    "context": re.compile(r"prompt has (\d+) tokens and max_tokens is (\d+): (\d+) > the context length (\d+)"),
+    "trace cap": re.compile(r"prompt has (\d+) tokens; traces take at most (\d+)$"),
+    # the inspector's embedding widgets take words that are one token of the vocabulary
+    "single token": re.compile(r"is not a single token of this model's vocabulary"),
+    # a regex, grammar or JSON schema that llguidance cannot compile
+    "constraint compiles": re.compile(r"^(guided_\w+|response_format|structured_outputs|json_schema) "
+                                      r"(cannot be used|is not valid): "),
+    # a JSON schema given as text must parse to an object
+    "schema text": re.compile(r"^the JSON schema (is not valid JSON|must be an object)"),
+    # logit_bias keys are decimal token ids; the schema cannot bound a key's value
+    "logit_bias key": re.compile(r"^logit_bias: \d+ is not a token id in the vocabulary"),
+    # the loaded model's chat template renders no tools
+    "template tools": re.compile(r"^this model's chat template has no tool-call support"),
+    # a named tool_choice must name one of the request's tools (a cross-reference)
+    "tool name": re.compile(r"^tool_choice names function .* which is not among the tools$"),
+    # n <= best_of (a comparison of two fields)
+    "n <= best_of": re.compile(r"^n \(\d+\) must not exceed best_of \(\d+\) with use_beam_search$"),
+}
+
+
+def semantic_reason(message: str) -> str | None:
+    """The `SEMANTIC` rule a 400 message belongs to, or None."""
+    for name, pattern in SEMANTIC.items():
+        m = pattern.search(message)
+        if m is None:
+            continue
+        if name == "context":
+            prompt, max_tokens, total, context = map(int, m.groups())
+            if prompt + max_tokens != total or total <= context:
+                return None  # the numbers must show the overflow
+        if name == "trace cap" and int(m.group(1)) <= int(m.group(2)):
+            return None
+        return name
+    return None
+
+
+@schemathesis.check
+def accepted_unless_semantic(ctx, response, case):
+    """Schema-valid requests are accepted (2xx), or refused for a reason in `SEMANTIC`."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code not in (400, 413, 422):
+        return None
+    try:
+        message = response.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - any other body is a failure too
+        message = response.text
+    if response.status_code == 400 and semantic_reason(message) is not None:
+        return None
+    raise AssertionError(f"Schema-valid request rejected: {response.status_code}: {message}")

@@ -1,0 +1,174 @@
+"""The published OpenAPI schema against what the server answers.
+
+`test_schemathesis_finds_no_failure` runs schemathesis (PyPI) as a user would: its CLI against a
+live server on the tiny model, every route, coverage and fuzzing phases, bounded in examples
+(and a fixed seed, so that CI reruns the same cases). Its checks: no 5xx, statuses, content
+types and bodies as documented, schema-violating requests refused, and schema-valid requests
+accepted except for the refusals JSON Schema cannot state (tests/openapi_contract_hooks.py).
+The other tests pin the fixes that the fuzzer found, one by one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from nextoken import LLM, SamplingParams
+from tests.openapi_contract_hooks import semantic_reason
+from tests.test_server import LiveServer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_srv(tiny_gguf):
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", max_model_len=CONTEXT, chat_template=str(TEMPLATE))
+    srv = LiveServer(llm, "tiny", max_tokens_default=8)
+    yield srv
+    srv.stop()
+
+
+def test_schemathesis_finds_no_failure(tiny_srv, tmp_path):
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{tiny_srv.url}/openapi.json",
+           "--phases", "coverage,fuzzing", "--max-examples", "10", "--seed", "1", "--workers", "1",
+           "--request-timeout", "60", "--exclude-checks", "positive_data_acceptance", "--no-color",
+           "--output-sanitize", "false"]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.openapi_contract_hooks", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report[-6000:]
+    assert "Tested: 30" in report and " passed" in report, report[-2000:]
+    assert tiny_srv.idle(timeout=30)
+
+
+def test_semantic_reasons_are_narrow():
+    ctx = ("prompt has 51 tokens and max_tokens is 32: 83 > the context length 64 (max_model_len); shorten the "
+           "prompt, lower max_tokens, or truncate the prompt (truncate_prompt)")
+    assert semantic_reason(ctx) == "context"
+    assert semantic_reason(ctx.replace("83 > the context length 64", "83 > the context length 90")) is None
+    assert semantic_reason(ctx.replace("83", "84")) is None
+    assert semantic_reason("prompt has 700 tokens; traces take at most 512") == "trace cap"
+    assert semantic_reason("prompt has 7 tokens; traces take at most 512") is None
+    assert semantic_reason("max_tokens must be an integer >= 1, got 0") is None
+    assert semantic_reason("stream: Input should be a valid boolean (got 0)") is None
+
+
+def test_schema_states_the_models_limits(tiny_srv):
+    schema = httpx.get(tiny_srv.url + "/openapi.json").json()
+    comps = schema["components"]["schemas"]
+    vocab = tiny_srv.llm.engine.config.vocab_size
+    assert comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    max_tokens = comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert max_tokens["maximum"] == CONTEXT - 1 and max_tokens["minimum"] == 0
+    layer = next(p for p in schema["paths"]["/inspect/api/trace/{trace_id}/attention"]["get"]["parameters"]
+                 if p["name"] == "layer")
+    assert layer["schema"]["maximum"] == tiny_srv.llm.engine.config.num_layers - 1
+    assert "x-maximum" not in str(schema)
+    sse = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(sse) == {"application/json", "text/event-stream"}
+    with httpx.Client(base_url=tiny_srv.url) as h:  # the bounds are the server's
+        assert h.post("/detokenize", json={"tokens": [vocab - 1]}).status_code == 200
+        assert h.post("/detokenize", json={"tokens": [vocab]}).status_code == 400
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "hi", "stream": 0}, "stream"),
+    ({"prompt": "hi", "n": "2"}, "n"),
+    ({"prompt": "hi", "seed": False}, "seed"),
+    ({"prompt": "hi", "temperature": True}, "temperature"),
+    ({"prompt": "hi", "seed": 2**53}, "seed"),
+    ({"prompt": "hi", "max_tokens": 0, "echo": True, "n": 2}, "n"),
+    ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias.-5.[key]"),
+    ({"prompt": "hi", "max_tokens": CONTEXT}, "max_tokens"),
+])
+def test_types_are_not_coerced(tiny_srv, body, field):
+    r = httpx.post(tiny_srv.url + "/v1/completions", json={"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_integral_numbers_are_integers(tiny_srv):
+    r = httpx.post(tiny_srv.url + "/v1/completions", json={"prompt": [5.0, 6], "max_tokens": 2.0, "n": 2.0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["prompt_tokens"] == 2
+
+
+def test_one_of_bodies(tiny_srv):
+    with httpx.Client(base_url=tiny_srv.url) as h:
+        assert h.post("/tokenize", json={}).json()["error"]["param"] == "prompt"
+        both = h.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "a"}]})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+        with_bos = h.post("/tokenize", json={"prompt": "the cat"}).json()["tokens"]
+        tok = tiny_srv.llm.engine.tokenizer
+        assert with_bos == tok.encode("the cat", parse_special=False)
+        assert h.post("/tokenize", json={"prompt": "the cat", "add_special_tokens": False}).json()["tokens"] == \
+            tok.encode("the cat", add_bos=False, parse_special=False)
+        dev = h.post("/tokenize", json={"messages": [{"role": "developer", "content": "be brief"}]}).json()["tokens"]
+        sys_ = h.post("/tokenize", json={"messages": [{"role": "system", "content": "be brief"}]}).json()["tokens"]
+        assert dev == sys_
+        wm = h.post("/v1/watermark/detect", json={"text": "the cat", "tokens": [1, 2]})
+        assert wm.status_code == 400 and wm.json()["error"]["param"] == "text"
+
+
+def test_cross_field_rules_are_refused(tiny_srv):
+    cases = [({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "/v1/completions"),
+             ({"prompt": "hi", "guided_regex": "a", "use_beam_search": True}, "/v1/completions"),
+             ({"prompt": "hi", "use_beam_search": True, "echo": True}, "/v1/completions"),
+             ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "/v1/chat/completions"),
+             ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "/v1/chat/completions"),
+             ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "/v1/completions")]
+    for body, path in cases:
+        r = httpx.post(tiny_srv.url + path, json={"max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+
+
+def test_tool_arguments_that_are_not_json_render_as_text(tiny_srv):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = httpx.post(tiny_srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_inspector_missing_resources_are_404(tiny_srv):
+    with httpx.Client(base_url=tiny_srv.url) as h:
+        assert h.get("/inspect/api/trace/t999/attention", params={"layer": 0}).status_code == 404
+        tid = h.post("/inspect/api/trace", json={"prompt": "the cat"}).json()["trace_id"]
+        assert h.get(f"/inspect/api/trace/{tid}/lens", params={"position": 0}).status_code == 200
+        r = h.get(f"/inspect/api/trace/{tid}/lens", params={"position": 50})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "position"
+        assert h.get("/inspect/api/quant/error", params={"tensor": "nope"}).status_code == 404
+        assert h.get("/inspect/api/sinusoidal", params={"dims": 63}).status_code == 400
+        demo = h.post("/inspect/api/demo", json={"count": 2, "max_tokens": CONTEXT - 1})
+        assert demo.status_code == 400 and "context length" in demo.json()["error"]["message"]
+        emb = h.post("/inspect/api/embeddings", json={"words": ["a", "a", "a"]})
+        assert emb.status_code == 200 and all(0 <= v <= 1 for v in emb.json()["explained_variance"])  # not NaN
+    assert tiny_srv.idle(timeout=10)
+
+
+def test_tiny_repetition_penalty_keeps_the_engine_alive(tiny_srv):
+    """A penalty of 5e-324 made positive logits infinite, the softmax NaN, and torch.multinomial
+    raise inside the step: the engine loop stopped for every request."""
+    from nextoken.sample.logits_processors import apply_repetition_penalty
+
+    logits = torch.tensor([3.0, -2.0, 1.0, 0.5])
+    out = apply_repetition_penalty(logits.clone(), torch.tensor([0, 1, 2]), 5e-324)
+    assert torch.isfinite(out).all() and out[0] > out[3] and out[2] > out[3] and out[1] <= 0
+    with httpx.Client(base_url=tiny_srv.url, timeout=30) as h:
+        for params in ({"repetition_penalty": 5e-324}, {"repetition_penalty": 5e-324, "temperature": 1e-5},
+                       {"top_p": 5e-324}):
+            r = h.post("/v1/completions", json={"prompt": "the cat the cat", "max_tokens": 3, **params})
+            assert r.status_code == 200, (params, r.text)
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    # and offline: the same request through LLM
+    out = tiny_srv.llm.generate(["the cat"], SamplingParams(max_tokens=3, repetition_penalty=5e-324, seed=0))
+    assert len(out[0].outputs[0].token_ids) == 3
