@@ -86,7 +86,7 @@ def test_schema_states_the_models_limits(tiny_srv):
     ({"prompt": "hi", "temperature": True}, "temperature"),
     ({"prompt": "hi", "seed": 2**53}, "seed"),
     ({"prompt": "hi", "max_tokens": 0, "echo": True, "n": 2}, "n"),
-    ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias.-5.[key]"),
+    ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias"),
     ({"prompt": "hi", "max_tokens": CONTEXT}, "max_tokens"),
 ])
 def test_types_are_not_coerced(tiny_srv, body, field):

@@ -26,6 +26,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # drop pydantic's union-member tags ("str", "list[int]", our "union:...") from the path
     loc = [p for p in loc if not UNION_MEMBER.match(p)]
+    if loc and loc[-1] == "[key]":  # a dict key (logit_bias): the field is the dict, the key is the value
+        loc = loc[:-2]
     field = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
