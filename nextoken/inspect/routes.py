@@ -17,18 +17,17 @@ import itertools
 import json
 import os
 import time
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
-from typing import Annotated
-
 from pydantic import Field
 
+from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import engine_view, model_view, text
 from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, InspectTracer
 from nextoken.sampling_params import SamplingParams
-from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 KEEP_TRACES = 4
@@ -38,28 +37,24 @@ DEMO_PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?"
                 "What is 12 times 12?", "List the planets of the solar system."]
 
 
-class _Body(Body):
-    pass
-
-
 # a word: 1..64 characters (`text.word_token` says whether it is one token)
 Word = Annotated[str, Field(min_length=1, max_length=text.MAX_WORD_CHARS)]
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(Body):
     text: str = Field(min_length=1, max_length=text.MAX_TEXT_CHARS)
     chat: bool = False
 
 
-class WordBody(_Body):
+class WordBody(Body):
     word: Word
 
 
-class WordsBody(_Body):
+class WordsBody(Body):
     words: list[Word] = Field(min_length=3, max_length=text.MAX_WORDS)
 
 
-class AnalogyBody(_Body):
+class AnalogyBody(Body):
     a: Word = "king"
     b: Word = "man"
     c: Word = "woman"
@@ -67,12 +62,12 @@ class AnalogyBody(_Body):
     top: int = Field(10, ge=1, le=50)
 
 
-class TraceBody(_Body):
+class TraceBody(Body):
     prompt: str = Field(min_length=1, max_length=text.MAX_TEXT_CHARS)
     chat: bool = False
 
 
-class SampleBody(_Body):
+class SampleBody(Body):
     prompt: str = Field("It was a beautiful", min_length=1, max_length=text.MAX_TEXT_CHARS)
     generated: list[TokenId] = Field(default_factory=list, max_length=64)
     temperature: float = Field(1.0, ge=0.0, le=5.0)
@@ -85,20 +80,20 @@ class SampleBody(_Body):
     seed: int = Field(0, ge=0, le=SEED_LIMIT)
 
 
-class BeamBody(_Body):
+class BeamBody(Body):
     prompt: str = Field("The best thing about", min_length=1, max_length=text.MAX_TEXT_CHARS)
     beam_width: int = Field(3, ge=1, le=6)
     max_tokens: int = Field(6, ge=1, le=12)
     length_penalty: float = Field(1.0, ge=0.0, le=3.0)
 
 
-class RunBody(_Body):
+class RunBody(Body):
     prompt: str = Field("The three most important inventions are", min_length=1, max_length=text.MAX_TEXT_CHARS)
     max_tokens: int = Field(32, ge=1, le=256)
     chat: bool = False
 
 
-class DemoBody(_Body):
+class DemoBody(Body):
     count: int = Field(6, ge=1, le=16)
     max_tokens: int = Field(48, ge=1, le=256)
 

@@ -282,15 +282,15 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         check_model(body.model)
         check_queue()
         eng = engine()
-        tok = eng.engine.tokenizer
-        messages = tools_mod.messages_for_template([m.model_dump(exclude_none=True) for m in body.messages])
-        tools, forced = _tool_setup(body, tok)
-        ids = R.encode_chat(tok, messages, tools)
         for name in ("max_tokens", "max_completion_tokens"):
             limit = getattr(body, name)
             if limit is not None and limit >= eng.engine.max_model_len:
                 raise InvalidRequest(f"{name} is {limit}: no room for the prompt in the context length "
                                      f"{eng.engine.max_model_len} (max_model_len)", name)
+        tok = eng.engine.tokenizer
+        messages = tools_mod.messages_for_template([m.model_dump(exclude_none=True) for m in body.messages])
+        tools, forced = _tool_setup(body, tok)
+        ids = R.encode_chat(tok, messages, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             R.default_max_tokens(eng.engine, len(ids), config.max_tokens_default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -327,7 +327,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         if isinstance(body, WatermarkText):
             ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False)
         else:
-            ids = _check_token_ids(eng, list(body.tokens))
+            ids = _check_token_ids(eng, body.tokens)
         res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
         return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
 
