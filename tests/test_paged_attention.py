@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, naive_attention, paged_attention, \
-    paged_attention_reference, prefill_attention
+from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, naive_attention, native_decode_attention, \
+    paged_attention, paged_attention_reference, prefill_attention
 
 H, HKV, D, BS, NB = 4, 2, 16, 4, 1000
 
 
-def build_batch(specs, seed=0, dtype=torch.float32):
+def build_batch(specs, seed=0, dtype=torch.float32, H=H, HKV=HKV, D=D, BS=BS, NB=NB):
     """specs: (cached tokens, new tokens) per sequence, decodes first. Returns q, caches, meta
     and each sequence's contiguous k, v (all its tokens) for the independent check."""
     g = torch.Generator().manual_seed(seed)
@@ -103,6 +103,27 @@ def test_bfloat16_fast_path_close_to_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs, seed=2, dtype=torch.bfloat16)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert (paged_attention(q, kc, vc, meta, 0.25).float() - ref.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (12, 2, 128, 16), (4, 2, 64, 6), (8, 8, 96, 16), (4, 4, 80, 16)])
+def test_native_decode_on_model_shapes(heads, kv_heads, dim, block):
+    """The C kernel on the head shapes of real models (SmolLM2 9/3 x 64, Qwen2.5-1.5B 12/2 x 128:
+    its AVX-512 path, keys four at a time), with sequences longer than one split-K chunk (256
+    keys), lengths that are not a multiple of four or of the block, a block size of 6 (the
+    one-key tail), a head size whose p v has no register-resident form (96) and one that is
+    not a multiple of 32 (80: the plain C loops): bf16, against the float32 reference of the
+    same bf16 inputs."""
+    from nextoken import kernels
+
+    assert kernels.load("paged_attention") is not None, "the C kernel did not build (is gcc installed?)"
+    specs = [(700, 1), (0, 1), (255, 1), (256, 1), (1030, 1), (37, 1)]
+    q, kc, vc, meta, _ = build_batch(specs, seed=3, dtype=torch.bfloat16, H=heads, HKV=kv_heads, D=dim, BS=block,
+                                     NB=400)
+    ref, _ = paged_attention_reference(q.float(), kc.float(), vc.float(), meta, dim ** -0.5)
+    out = native_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim ** -0.5)
+    assert out is not None
+    err = (out.float() - ref).abs()
+    assert err.max() < 2e-2 and err.mean() < 2e-3  # bf16 output rounding: 2^-9 of values about 1
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (12, 2)])

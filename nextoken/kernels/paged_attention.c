@@ -8,8 +8,17 @@
  *   tables     [B, max_blocks] int64   block table of each sequence
  *   seq_lens   [B] int64               keys per sequence (including the new token's)
  *   out        [B, H, D]
- * For each (sequence, KV head) task: scores s = q.k * scale for every key, softmax in float32,
- * out = sum p v. The G = H / Hkv query heads of a KV head share each key and value read (GQA).
+ *
+ * Split-K over the keys ("flash-decoding", Dao et al. 2023): every (sequence, KV head) is cut
+ * into chunks of CHUNK keys, and each (sequence, KV head, chunk) is one task, so that one long
+ * sequence of two KV heads still keeps every thread busy. A task computes, for the G = H / Hkv
+ * query heads that share its KV head (each key and value row is read once for all of them):
+ *   s_t = (scale q) . k_t,  m = max s_t,  p_t = exp(s_t - m),  l = sum p_t,  a = sum p_t v_t
+ * in float32, and the combine step joins a sequence's chunks exactly (online softmax):
+ *   M = max_c m_c,  out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c.
+ * exp is a Cephes-style polynomial (relative error about 2e-7, 1-2 ulp). With AVX-512 the bf16
+ * task body and exp are intrinsics (`chunk_bf16_avx512`); the plain C loops serve other CPUs,
+ * float32, and head sizes that are not a multiple of 16.
  * Tasks run in parallel over OpenMP (the runtime PyTorch already loaded, same soname).
  */
 #include <math.h>
@@ -19,82 +28,328 @@
 
 #include "bf16.h"
 
+#define CHUNK 256 /* keys per task (a multiple of any block size we use) */
 
-typedef union { uint32_t u[256]; float f[256]; } row_t; /* one key or value row in float32 */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VECTORIZED 1
+#else
+#define VECTORIZED 0
+#endif
 
-#define DEFINE_KERNEL(NAME, T, ELEM, LOAD, STORE)                                                        \
+/* Loops over keys t in [t0, t1) of head h, block by block: the block table is read and divided
+ * by once per block, not per key. ROW is key or value row t in CACHE. Close with END_ROWS. */
+#define FOR_ROWS(t, ROW, T, CACHE)                                                                        \
+    for (int64_t t = t0; t < t1;) {                                                                       \
+        const T *blk_ = CACHE + (h * NB + table[t / BS]) * BS * D;                                        \
+        if ((t / BS + 1) * BS < t1) prefetch_rows(CACHE + (h * NB + table[t / BS + 1]) * BS * D, BS * D * (int64_t)sizeof(T)); \
+        for (int64_t r_ = t % BS; r_ < BS && t < t1; r_++, t++) {                                         \
+            const T *ROW = blk_ + r_ * D;
+#define END_ROWS }}
+
+/* the next block's rows, asked for ahead of use: blocks lie anywhere in the cache, so the
+ * hardware prefetcher, which follows address streams, cannot guess them */
+static inline void prefetch_rows(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
+/* x[i] = exp(x[i] - m) for i < n; returns the sum. x[i] - m <= 0 (m is the maximum). */
+static float exp_shifted(float *x, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t i = 0;
+#if VECTORIZED
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), _mm512_set1_ps(-87.f));
+        const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f),
+                                         _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v));
+        __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+        y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+        y = _mm512_scalef_ps(y, fx); /* y 2^fx */
+        _mm512_storeu_ps(x + i, y);
+        vsum = _mm512_add_ps(vsum, y);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; i < n; i++) {
+        float v = x[i] - m;
+        v = v < -87.f ? -87.f : v;
+        const float fx = nearbyintf(v * 1.44269504088896341f); /* v = fx ln2 + r, |r| <= ln2 / 2 */
+        const float r = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+        float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                   1.6666665459e-1f) * r + 5.0000001201e-1f;
+        y = ldexpf(y * r * r + r + 1.f, (int)fx);
+        x[i] = y;
+        sum += y;
+    }
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+#if VECTORIZED
+/* q . k as 16 partial sums, for bf16 rows of D = 32 J2: AVX512-BF16's dot product of bf16 pairs
+ * (exact products, float32 sums) where the CPU has it, else widened to float32 and FMA. */
+static inline __m512 qk_partial(const uint16_t *kp, const uint16_t *qg, int64_t J2) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < J2; j++) {
+        const __m512i k = _mm512_loadu_si512(kp + 32 * j), qv = _mm512_loadu_si512(qg + 32 * j);
+#if defined(__AVX512BF16__)
+        s = _mm512_dpbf16_ps(s, (__m512bh)k, (__m512bh)qv);
+#else
+        const __m512i lo = _mm512_set1_epi32(0xffff0000);
+        s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(qv, 16)), s);
+        s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(k, lo)), _mm512_castsi512_ps(_mm512_and_si512(qv, lo)), s);
+#endif
+    }
+    return s;
+}
+
+/* the totals of four vectors' lanes, as four floats (a transposing reduction: about three
+ * instructions per vector instead of eight for one reduce each) */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0, 0), y));
+}
+
+/* PV_REGS float32 accumulators stay in registers: p v for PV_REGS / J query heads at a time */
+#define PV_REGS 16
+
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static float max_of(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    float r = _mm512_reduce_max_ps(m);
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+/* a_g = sum_t p_gt v_t for the G heads of one task, J = D / 16 constant: heads PV_REGS / J at a
+ * time, their accumulators in registers (p rows past G are zero, so a last partial group needs
+ * no special case), each value row widened once per group */
+#define DEFINE_PV(NAME, JC)                                                                              \
+static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
+                 int64_t NB, int64_t BS, const float *sc, float *part) {                                \
+    const int64_t D = 16 * (JC), GB = PV_REGS / (JC);                                                   \
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {                                                            \
+        __m512 acc[PV_REGS];                                                                            \
+        for (int64_t i = 0; i < PV_REGS; i++) acc[i] = _mm512_setzero_ps();                             \
+        FOR_ROWS(t, vp, uint16_t, vc)                                                                   \
+            __m512 row[JC];                                                                             \
+            for (int64_t j = 0; j < (JC); j++) row[j] = widen16(vp + 16 * j);                          \
+            for (int64_t gi = 0; gi < GB; gi++) {                                                       \
+                const __m512 p = _mm512_set1_ps(sc[(g0 + gi) * CHUNK + t - t0]);                       \
+                for (int64_t j = 0; j < (JC); j++)                                                      \
+                    acc[gi * (JC) + j] = _mm512_fmadd_ps(p, row[j], acc[gi * (JC) + j]);               \
+            }                                                                                           \
+        END_ROWS                                                                                        \
+        for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++)                                              \
+            for (int64_t j = 0; j < (JC); j++)                                                          \
+                _mm512_storeu_ps(part + (g0 + gi) * (D + 2) + 16 * j, acc[gi * (JC) + j]);              \
+    }                                                                                                   \
+}
+DEFINE_PV(pv_j4, 4)
+DEFINE_PV(pv_j8, 8)
+
+/* the same for any D = 16 J <= 256, accumulating in memory */
+static void pv_any(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G,
+                   int64_t D, int64_t NB, int64_t BS, const float *sc, float *part) {
+    for (int64_t g = 0; g < G; g++) memset(part + g * (D + 2), 0, sizeof(float) * D);
+    FOR_ROWS(t, vp, uint16_t, vc)
+        __m512 row[16];
+        for (int64_t j = 0; j < D / 16; j++) row[j] = widen16(vp + 16 * j);
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(sc[g * CHUNK + t - t0]);
+            float *a = part + g * (D + 2);
+            for (int64_t j = 0; j < D / 16; j++)
+                _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, row[j], _mm512_loadu_ps(a + 16 * j)));
+        }
+    END_ROWS
+}
+
+/* AVX-512 task body for bf16 rows of D = 32 J2 <= 256: scores four keys at a time (q . k, then
+ * times scale), p v with the value row widened once for the G query heads. */
+static void chunk_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
+                              int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D,
+                              int64_t NB, int64_t BS, float scale, float *work, float *part) {
+    const int64_t n = t1 - t0, J2 = D / 32, J = D / 16;
+    const uint16_t *qh = q + (b * H + h * G) * D;
+    float *sc = work;
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (int64_t t = t0; t < t1;) {
+        const uint16_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
+        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D * 2);
+        int64_t r = t % BS;
+        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
+        for (; r + 4 <= end; r += 4, t += 4) {
+            const uint16_t *kp = blk + r * D;
+            for (int64_t g = 0; g < G; g++) {
+                const uint16_t *qg = qh + g * D;
+                const __m128 s4 = sum4(qk_partial(kp, qg, J2), qk_partial(kp + D, qg, J2),
+                                       qk_partial(kp + 2 * D, qg, J2), qk_partial(kp + 3 * D, qg, J2));
+                _mm_storeu_ps(sc + g * CHUNK + t - t0, _mm_mul_ps(s4, vscale));
+            }
+        }
+        for (; r < end; r++, t++)
+            for (int64_t g = 0; g < G; g++)
+                sc[g * CHUNK + t - t0] = _mm512_reduce_add_ps(qk_partial(blk + r * D, qh + g * D, J2)) * scale;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * CHUNK, *a = part + g * (D + 2);
+        a[D] = max_of(s, n);
+        a[D + 1] = exp_shifted(s, n, a[D]);
+    }
+    memset(sc + G * CHUNK, 0, sizeof(float) * PV_REGS * CHUNK); /* p = 0 rows: pv's padding heads */
+    if (J == 4)
+        pv_j4(vc, table, h, t0, t1, G, NB, BS, sc, part);
+    else if (J == 8)
+        pv_j8(vc, table, h, t0, t1, G, NB, BS, sc, part);
+    else
+        pv_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
+}
+#endif
+
+/* One task: keys [t0, t1) of sequence b, KV head h. part: G x (D + 2) floats, a then m, l. */
+#define DEFINE_CHUNK(NAME, T, ELEM, WIDEN)                                                               \
+static void NAME(const T *q, const T *kc, const T *vc, const int64_t *table, int64_t b, int64_t h,      \
+                 int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,       \
+                 float scale, float *work, float *part) {                                               \
+    const int64_t n = t1 - t0;                                                                          \
+    float *qf = work, *sc = qf + G * D, *row = sc + G * CHUNK;                                          \
+    for (int64_t g = 0; g < G; g++)                                                                     \
+        for (int64_t d = 0; d < D; d++) qf[g * D + d] = ELEM(q[(b * H + h * G + g) * D + d]) * scale;   \
+    FOR_ROWS(t, kp, T, kc)                                                                              \
+        WIDEN(row, kp, D);                                                                              \
+        for (int64_t g = 0; g < G; g++) sc[g * CHUNK + t - t0] = dot(qf + g * D, row, D);               \
+    END_ROWS                                                                                            \
+    for (int64_t g = 0; g < G; g++) {                                                                   \
+        float *s = sc + g * CHUNK, m = -INFINITY;                                                       \
+        for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;                                        \
+        float *a = part + g * (D + 2);                                                                  \
+        a[D] = m;                                                                                       \
+        a[D + 1] = exp_shifted(s, n, m);                                                                \
+        memset(a, 0, sizeof(float) * D);                                                                \
+    }                                                                                                   \
+    FOR_ROWS(t, vp, T, vc)                                                                              \
+        WIDEN(row, vp, D);                                                                              \
+        for (int64_t g = 0; g < G; g++) {                                                               \
+            const float p = sc[g * CHUNK + t - t0];                                                     \
+            float *a = part + g * (D + 2);                                                              \
+            _Pragma("omp simd")                                                                         \
+            for (int64_t d = 0; d < D; d++) a[d] += p * row[d];                                         \
+        }                                                                                               \
+    END_ROWS                                                                                            \
+}
+
+/* The whole call: tasks over (sequence, KV head, chunk), then each (sequence, query head)'s
+ * chunks combined. Returns 1 when out of memory. */
+#define DEFINE_KERNEL(NAME, CHUNK_FN, T, STORE)                                                          \
 int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t max_blocks,           \
          const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB,         \
          int64_t BS, float scale, T *out) {                                                         \
-    const int64_t G = H / Hkv;                                                                      \
+    const int64_t G = H / Hkv, P = G * (D + 2);                                                     \
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1)); /* first chunk of each sequence */           \
+    if (!first) return 1;                                                                           \
+    first[0] = 0;                                                                                   \
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + CHUNK - 1) / CHUNK;    \
+    const int64_t chunks = first[B];                                                                \
+    int64_t *seq = malloc(sizeof(int64_t) * (chunks + 1));                                          \
+    float *parts = malloc(sizeof(float) * (chunks * Hkv * P + 1));                                  \
+    if (!seq || !parts) { free(first); free(seq); free(parts); return 1; }                          \
+    for (int64_t b = 0; b < B; b++)                                                                 \
+        for (int64_t c = first[b]; c < first[b + 1]; c++) seq[c] = b;                              \
     int failed = 0;                                                                                 \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                    \
-    for (int64_t b = 0; b < B; b++) {                                                               \
-        for (int64_t h = 0; h < Hkv; h++) {                                                         \
-            const int64_t S = seq_lens[b];                                                          \
-            float *qf = malloc(sizeof(float) * (G * D + G * S + G * D));                            \
-            if (!qf) { failed = 1; continue; }                                                      \
-            float *sc = qf + G * D, *acc = sc + G * S;                                              \
-            for (int64_t g = 0; g < G; g++)                                                         \
-                for (int64_t d = 0; d < D; d++)                                                     \
-                    qf[g * D + d] = ELEM(q[(b * H + h * G + g) * D + d]) * scale;                   \
-            float mx[64];                                                                           \
-            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;                                      \
-            for (int64_t t = 0; t < S; t++) {                                                       \
-                const int64_t blk = tables[b * max_blocks + t / BS];                                \
-                const T *kp = kc + ((h * NB + blk) * BS + t % BS) * D;                              \
-                row_t kr;                                                                           \
-                LOAD(kr, kp, D);                                                                    \
-                const float *kf = kr.f;                                                             \
-                for (int64_t g = 0; g < G; g++) {                                                   \
-                    float s = 0.f;                                                                  \
-                    const float *qg = qf + g * D;                                                   \
-                    _Pragma("omp simd reduction(+:s)")                                              \
-                    for (int64_t d = 0; d < D; d++) s += qg[d] * kf[d];                             \
-                    sc[g * S + t] = s;                                                              \
-                    if (s > mx[g]) mx[g] = s;                                                       \
+    _Pragma("omp parallel")                                                                         \
+    {                                                                                               \
+        float *work = malloc(sizeof(float) * (G * D + (G + 16) * CHUNK + D));                              \
+        if (!work) failed = 1;                                                                      \
+        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
+        for (int64_t c = 0; c < chunks; c++) {                                                      \
+            for (int64_t h = 0; h < Hkv; h++) {                                                     \
+                if (!work) continue;                                                                \
+                const int64_t b = seq[c], t0 = (c - first[b]) * CHUNK;                              \
+                const int64_t t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];             \
+                CHUNK_FN(q, kc, vc, tables + b * max_blocks, b, h, t0, t1, H, G, D, NB, BS, scale, work, \
+                         parts + (c * Hkv + h) * P);                                                \
+            }                                                                                       \
+        }                                                                                           \
+        free(work);                                                                                 \
+        if (!failed) {                                                                              \
+            _Pragma("omp for collapse(2) schedule(static)")                                         \
+            for (int64_t b = 0; b < B; b++) {                                                       \
+                for (int64_t hq = 0; hq < H; hq++) {                                                \
+                    const int64_t h = hq / G, g = hq % G;                                           \
+                    float M = -INFINITY, L = 0.f, acc[256];                                         \
+                    for (int64_t c = first[b]; c < first[b + 1]; c++) {                             \
+                        const float m = parts[(c * Hkv + h) * P + g * (D + 2) + D];                 \
+                        M = m > M ? m : M;                                                          \
+                    }                                                                               \
+                    memset(acc, 0, sizeof(float) * D);                                              \
+                    for (int64_t c = first[b]; c < first[b + 1]; c++) {                             \
+                        const float *a = parts + (c * Hkv + h) * P + g * (D + 2);                   \
+                        const float w = expf(a[D] - M);                                             \
+                        L += w * a[D + 1];                                                          \
+                        for (int64_t d = 0; d < D; d++) acc[d] += w * a[d];                         \
+                    }                                                                               \
+                    const float inv = 1.f / L;                                                      \
+                    for (int64_t d = 0; d < D; d++) out[(b * H + hq) * D + d] = STORE(acc[d] * inv); \
                 }                                                                                   \
             }                                                                                       \
-            for (int64_t g = 0; g < G; g++) {                                                       \
-                float sum = 0.f;                                                                    \
-                for (int64_t t = 0; t < S; t++) {                                                   \
-                    float e = expf(sc[g * S + t] - mx[g]);                                          \
-                    sc[g * S + t] = e;                                                              \
-                    sum += e;                                                                       \
-                }                                                                                   \
-                const float inv = 1.f / sum;                                                        \
-                for (int64_t t = 0; t < S; t++) sc[g * S + t] *= inv;                               \
-            }                                                                                       \
-            memset(acc, 0, sizeof(float) * G * D);                                                  \
-            for (int64_t t = 0; t < S; t++) {                                                       \
-                const int64_t blk = tables[b * max_blocks + t / BS];                                \
-                const T *vp = vc + ((h * NB + blk) * BS + t % BS) * D;                              \
-                row_t vr;                                                                           \
-                LOAD(vr, vp, D);                                                                    \
-                const float *vf = vr.f;                                                             \
-                for (int64_t g = 0; g < G; g++) {                                                   \
-                    const float p = sc[g * S + t];                                                  \
-                    float *ag = acc + g * D;                                                        \
-                    _Pragma("omp simd")                                                             \
-                    for (int64_t d = 0; d < D; d++) ag[d] += p * vf[d];                             \
-                }                                                                                   \
-            }                                                                                       \
-            for (int64_t g = 0; g < G; g++)                                                         \
-                for (int64_t d = 0; d < D; d++)                                                     \
-                    out[(b * H + h * G + g) * D + d] = STORE(acc[g * D + d]);                       \
-            free(qf);                                                                               \
         }                                                                                           \
     }                                                                                               \
+    free(first);                                                                                    \
+    free(seq);                                                                                      \
+    free(parts);                                                                                    \
     return failed;                                                                                  \
 }
 
 #define ELEM_F32(x) (x)
-#define LOAD_F32(row, src, n) memcpy((row).f, (src), sizeof(float) * (n))
+#define WIDEN_F32(row, src, n) memcpy((row), (src), sizeof(float) * (n))
 #define STORE_F32(x) (x)
 /* bf16 is the top half of a float32: widen a row with shifts the compiler vectorizes */
-#define LOAD_BF16(row, src, n) for (int64_t i_ = 0; i_ < (n); i_++) (row).u[i_] = ((uint32_t)(src)[i_]) << 16
-DEFINE_KERNEL(paged_decode_f32, float, ELEM_F32, LOAD_F32, STORE_F32)
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_f32, LOAD_BF16, f32_to_bf16)
+#define WIDEN_BF16(row, src, n)                                                                           \
+    do {                                                                                                  \
+        uint32_t *u_ = (uint32_t *)(row);                                                                 \
+        _Pragma("omp simd")                                                                               \
+        for (int64_t i_ = 0; i_ < (n); i_++) u_[i_] = ((uint32_t)(src)[i_]) << 16;                        \
+    } while (0)
+DEFINE_CHUNK(chunk_f32, float, ELEM_F32, WIDEN_F32)
+DEFINE_CHUNK(chunk_bf16_plain, uint16_t, bf16_to_f32, WIDEN_BF16)
+/* the bf16 task body: the AVX-512 one where it applies (head_dim a multiple of 32), else plain C */
+static void chunk_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table, int64_t b,
+                       int64_t h, int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                       float scale, float *work, float *part) {
+#if VECTORIZED
+    if (D % 32 == 0) {
+        chunk_bf16_avx512(q, kc, vc, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+        return;
+    }
+#endif
+    chunk_bf16_plain(q, kc, vc, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+}
+DEFINE_KERNEL(paged_decode_f32, chunk_f32, float, STORE_F32)
+DEFINE_KERNEL(paged_decode_bf16, chunk_bf16, uint16_t, f32_to_bf16)
 
 /* Limits the caller checks before calling: head_dim <= 256, query heads per KV head <= 64. */
 int paged_decode_max_head_dim(void) { return 256; }
