@@ -59,14 +59,38 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
         total = a.batch * (a.batch_prompt_tokens + a.batch_output_tokens)
         return {"batched_tok_s": total / dt, "batched_output_tok_s": a.batch * a.batch_output_tokens / dt,
                 "threads": torch.get_num_threads()}
+    if a.depth:
+        return _nextoken_at_depth(a, llm, greedy, vocab, skip)
     prompt = _prompt(a.prompt_tokens, vocab, 0, skip)
     ttfts = [llm.generate([prompt], greedy(1))[0].metrics.ttft for _ in range(a.repeat)]
     out = llm.generate([_prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0]
     m = out.metrics
     decode = a.decode_tokens / (m.finished_time - m.first_token_time)
     return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts), "decode_tok_s": decode,
-            "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads(),
-            "weights_mib": llm.runner.weight_bytes / 2**20, "kv_cache_mib": llm.runner.kv.nbytes / 2**20}
+            "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
+
+
+def _sizes(llm) -> dict:
+    """Weights, KV cache, and the KV bytes each cached token adds (all layers, keys and values)."""
+    import torch
+
+    kv = llm.runner.kv
+    return {"threads": torch.get_num_threads(), "weights_mib": llm.runner.weight_bytes / 2**20,
+            "kv_cache_mib": kv.nbytes / 2**20, "kv_bytes_per_token": kv.bytes_per_token}
+
+
+def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
+    """llama-bench's ``pp512 @ dN`` and ``tg128 @ dN``: a context of `a.depth` tokens is prefilled
+    once (prefix caching keeps it); each prefill run then adds a fresh `a.prompt_tokens`-token
+    suffix (timed to its first token), and the decode run generates after the cached context."""
+    context = _prompt(a.depth, vocab, 2, skip)
+    llm.generate([context], greedy(1))  # the context, cached (not timed)
+    ttfts = [llm.generate([context + _prompt(a.prompt_tokens, vocab, 10 + i, skip)], greedy(1))[0].metrics.ttft
+             for i in range(a.repeat)]
+    m = llm.generate([context + _prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0].metrics
+    return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts),
+            "decode_tok_s": a.decode_tokens / (m.finished_time - m.first_token_time), "peak_rss_mib": _peak_rss_mib(),
+            **_sizes(llm)}
 
 
 def _llama_forward(llm, token_ids: list[int]) -> None:
@@ -159,7 +183,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs]:
     p.add_argument("--worker", choices=("nextoken", "llama.cpp"), required=True)
     p.add_argument("--mode", choices=["single", "batched"], required=True)
     p.add_argument("--model-path", required=True)
-    for name in ("prompt-tokens", "decode-tokens", "batch", "batch-prompt-tokens", "batch-output-tokens", "repeat"):
+    for name in ("prompt-tokens", "decode-tokens", "batch", "batch-prompt-tokens", "batch-output-tokens", "repeat",
+                 "depth"):
         p.add_argument(f"--{name}", type=int, required=True)
     EngineArgs.add_cli_args(p, exclude=("model", "max_num_seqs"))
     a = p.parse_args(argv)

@@ -11,7 +11,21 @@ Figures (the same workload for both engines, greedy, end-of-sequence ignored):
   total (prompt + output) tokens/s, as llama-batched-bench's ``S t/s``;
 - peak resident memory (``ru_maxrss``) of the single-stream process, with a
   `--max-model-len`-token context (2048 default), the model loaded and both single-stream runs
-  done.
+  done;
+- with ``--depth N``: prefill and decode after N cached tokens (llama-bench's ``pp512 @ dN``,
+  ``tg128 @ dN``);
+- with ``--cold-start``: seconds from starting a fresh process to its first token
+  (``nextoken run`` on a `COLD_PROMPT_TOKENS`-token prompt; llama.cpp: ``llama-bench`` loading
+  the model and running one pass over as many tokens) and until ``nextoken serve`` answers
+  ``/health``; the median of `--repeat` starts after one untimed start (which fills the page
+  cache and any cache of ours, as a second start of a server would find them);
+- the decode figures as a share of the bandwidth cap: the measured read bandwidth of this
+  machine (`read_bandwidth`) over the bytes one decode step reads (weights plus the KV cache
+  at that depth).
+
+``--llama-bench PATH`` runs llama.cpp's own ``llama-bench`` binary in the same run (the Python
+binding adds overhead: it reads about 15% lower here); ``--compare llama.cpp`` runs
+``llama-cpp-python`` instead.
 
 Every figure comes from its own child process running ``benchmarks/bench_worker.py`` of the
 source checkout (so memory and thread pools do not mix), after a warm-up run; prefill is the
@@ -42,7 +56,7 @@ def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
     cmd = [python, str(WORKER), "--worker", engine, "--mode", mode, "--model-path", a.model_path,
            "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens), "--batch", str(a.batch),
            "--batch-prompt-tokens", str(a.batch_prompt_tokens),
-           "--batch-output-tokens", str(a.batch_output_tokens), "--repeat", str(a.repeat),
+           "--batch-output-tokens", str(a.batch_output_tokens), "--repeat", str(a.repeat), "--depth", str(a.depth),
            *engine_args.to_cli_args(exclude=("model",) + BENCH_EXCLUDED)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -69,22 +83,134 @@ def find_llama_python(explicit: str | None) -> str | None:
 
 
 ROWS = [("prefill", "prefill_tok_s", "tok/s"), ("decode", "decode_tok_s", "tok/s"),
-        ("batched", "batched_tok_s", "tok/s"), ("peak memory", "peak_rss_mib", "MiB")]
+        ("decode / bandwidth cap", "decode_cap_share", "%"), ("batched", "batched_tok_s", "tok/s"),
+        ("peak memory", "peak_rss_mib", "MiB"), ("cold start to first token", "cold_first_token_s", "s"),
+        ("cold start to serve healthy", "cold_serve_healthy_s", "s")]
+COLD_PROMPT_TOKENS = 128
+COLD_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 13)  # about 128 tokens
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 29) -> float:
+    """Bytes/s this machine reads from memory with `threads` threads: the best of five float32
+    sums over `nbytes` (512 MiB, far past any cache)."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def run_llama_bench(path: str, a, threads: int) -> dict:
+    """llama.cpp's own ``llama-bench`` on the same workload (pp `prompt_tokens`, tg
+    `decode_tokens`, at `depth`), and with `a.cold_start` its load-and-first-pass time."""
+    from nextoken.errors import EngineError
+
+    def bench(*args: str) -> list[dict]:
+        cmd = [path, "-m", a.model_path, "-t", str(threads), "-o", "json", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EngineError(f"llama-bench failed: {' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}")
+        return json.loads(proc.stdout)
+
+    rows = bench("-p", str(a.prompt_tokens), "-n", str(a.decode_tokens), "-d", str(a.depth), "-r", str(a.repeat))
+    out = {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] == 0),
+           "decode_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] > 0),
+           "version": rows[0].get("build_commit")}
+    if a.cold_start:
+        cold = ["-p", str(COLD_PROMPT_TOKENS), "-n", "0", "-r", "1", "--no-warmup"]
+        out["cold_first_token_s"] = _median_wall(lambda: bench(*cold), a.repeat)
+    return out
+
+
+def _median_wall(start, repeat: int) -> float:
+    """Median wall seconds of `start()` over `repeat` calls, after one untimed call."""
+    import statistics
+    import time
+
+    start()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        start()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def nextoken_cold_start(a, threads: int) -> dict:
+    """Seconds from a fresh ``nextoken run`` process to its first token (the process ends after
+    printing it), and from a fresh ``nextoken serve`` to a 200 from ``/health``."""
+    import socket
+    import time
+    import urllib.request
+
+    from nextoken.errors import EngineError
+
+    base = [sys.executable, "-m", "nextoken"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")]))
+
+    def run_once():
+        proc = subprocess.run([*base, "run", COLD_PROMPT, "--raw", "--model", a.model_path, "--max-tokens", "1",
+                               "--threads", str(threads)], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise EngineError(f"nextoken run failed: {proc.stderr.strip().splitlines()[-1:]}")
+
+    def serve_once():
+        with socket.socket() as s_:
+            s_.bind(("127.0.0.1", 0))
+            port = s_.getsockname()[1]
+        proc = subprocess.Popen([*base, "serve", "--model", a.model_path, "--port", str(port), "--threads", str(threads)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            while proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    time.sleep(0.02)
+            raise EngineError("nextoken serve exited before it was healthy")
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    return {"cold_first_token_s": _median_wall(run_once, a.repeat),
+            "cold_serve_healthy_s": _median_wall(serve_once, a.repeat)}
+
+
+def add_cap_share(res: dict, bandwidth: float, a, weights: float, kv_per_token: float) -> None:
+    """Decode tok/s as a share of the bandwidth cap: bandwidth / (weight bytes + the KV bytes
+    of the average context of the decode run)."""
+    if res.get("decode_tok_s") and weights:
+        context = a.depth + 8 + a.decode_tokens / 2
+        res["decode_cap_share"] = 100 * res["decode_tok_s"] * (weights + kv_per_token * context) / bandwidth
 
 
 def format_table(results: dict[str, dict], a, threads: int, context: int) -> str:
     engines = list(results)
-    head = (f"model {os.path.basename(a.model_path)}, {threads} threads | prefill: {a.prompt_tokens}-token prompt"
-            f" | decode: {a.decode_tokens} tokens, one stream | batched: {a.batch} x ({a.batch_prompt_tokens} + "
+    depth = f" after {a.depth} cached tokens" if a.depth else ""
+    head = (f"model {os.path.basename(a.model_path)}, {threads} threads | prefill: {a.prompt_tokens}-token prompt{depth}"
+            f" | decode: {a.decode_tokens} tokens, one stream{depth} | batched: {a.batch} x ({a.batch_prompt_tokens} + "
             f"{a.batch_output_tokens}) tokens, total tok/s | peak memory: single-stream process, "
             f"{context}-token context")
-    cols = ["", *engines] + (["nextoken / llama.cpp"] if len(engines) == 2 else [])
+    peer = engines[-1] if len(engines) > 1 else None  # the ratio column: nextoken over the last peer
+    cols = ["", *engines] + ([f"nextoken / {peer}"] if peer else [])
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, key, unit in ROWS:
         vals = [results[e].get(key) for e in engines]
-        cells = [f"{label} ({unit})"] + [f"{v:.1f}" if v is not None else "n/a" for v in vals]
-        if len(engines) == 2:
-            cells.append(f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "n/a")
+        if all(v is None for v in vals):
+            continue
+        fmt = "{:.2f}" if unit == "s" else "{:.1f}"
+        cells = [f"{label} ({unit})"] + [fmt.format(v) if v is not None else "n/a" for v in vals]
+        if peer:
+            ours, theirs = vals[0], vals[-1]
+            cells.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -103,6 +229,13 @@ def run(a, engine_args) -> int:
     for name in ("prompt_tokens", "decode_tokens", "batch", "batch_prompt_tokens", "batch_output_tokens", "repeat"):
         if getattr(a, name) < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be >= 1", name)
+    if a.depth < 0:
+        raise InvalidRequest("--depth must be >= 0", "depth")
+    if a.depth:  # the context must fit, and stay cached between runs
+        need = a.depth + a.prompt_tokens + a.decode_tokens + 16
+        engine_args = engine_args.replace(max_model_len=max(engine_args.max_model_len, need), enable_prefix_caching=True)
+    if a.llama_bench and not os.access(a.llama_bench, os.X_OK):
+        raise InvalidRequest(f"--llama-bench {a.llama_bench}: not an executable file", "llama_bench")
     engines = {"nextoken": sys.executable}
     if a.compare:
         python = find_llama_python(a.llama_python)
@@ -114,10 +247,22 @@ def run(a, engine_args) -> int:
     for engine, python in engines.items():
         results[engine] = {}
         for mode in ("single", "batched"):
-            if mode == "batched" and a.no_batched:
+            if mode == "batched" and (a.no_batched or a.depth):
                 continue
             sys.stderr.write(f"[bench] {engine}: {mode} ...\n")
             results[engine].update(_run_worker(python, engine, mode, a, engine_args))
+    if a.cold_start:
+        sys.stderr.write("[bench] nextoken: cold start ...\n")
+        results["nextoken"].update(nextoken_cold_start(a, threads))
+    if a.llama_bench:
+        sys.stderr.write("[bench] llama-bench ...\n")
+        results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads)
+    bandwidth = read_bandwidth(threads)
+    ours = results["nextoken"]
+    weights = ours.get("weights_mib", 0) * 2**20
+    for res in results.values():
+        add_cap_share(res, bandwidth, a, weights, ours.get("kv_bytes_per_token", 0))
+    sys.stderr.write(f"[bench] read bandwidth {bandwidth / 1e9:.1f} GB/s with {threads} threads\n")
     context = engine_args.max_model_len
     print(format_table(results, a, threads, context))
     if a.json:
@@ -142,4 +287,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-output-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="prefill runs (the median counts)")
     p.add_argument("--no-batched", action="store_true", help="skip the batched runs")
+    p.add_argument("--depth", type=int, default=0, help="prefill and decode after this many cached tokens "
+                   "(llama-bench -d); the batched run is skipped")
+    p.add_argument("--cold-start", action="store_true", help="also time fresh processes to their first token "
+                   "and to a healthy server")
+    p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary, run on the "
+                   "same workload in the same run")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")

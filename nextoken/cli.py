@@ -420,11 +420,25 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _prefetch_model_key(a) -> None:
+    """Start hashing the model's GGUF file for the prepared-weights cache (`loader.prepared`) on
+    a second thread, so that it runs while PyTorch is imported. Only a file already here: a
+    catalog model still to be pulled is hashed when it is loaded."""
+    model = getattr(a, "model", None)
+    if not isinstance(model, str) or not getattr(a, "prepared_cache", False) or a.command == "bench":
+        return
+    from nextoken.catalog import model_path
+    from nextoken.loader.prepared import prefetch_file_key
+
+    prefetch_file_key(model if model.endswith(".gguf") else model_path(model))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "log_level"):
         _configure_logging(args.log_level)
     try:
+        _prefetch_model_key(args)
         return COMMANDS[args.command](args)
     except NextokenError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -54,6 +54,8 @@ class EngineArgs:
     dense_weights: bool = _opt(False, "with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of "
                                "int4-packed weights for calls of many rows (about 4x the weight memory)", cli="bool")
     auto_pull: bool = _opt(True, "download a catalog model on first use", cli="none")
+    prepared_cache: bool = _opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
+                                "file's SHA-256) and memory-map them on later starts", cli="bool")
     # KV cache
     max_model_len: int | None = _opt(None, "most tokens per sequence, prompt + output (default: the model's "
                                      "context length); also sizes the default KV cache", group="KV cache", type=int)

@@ -88,7 +88,8 @@ class LLMEngine:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         source.release_metadata()  # the vocabulary lists are in the tokenizer now
         self.runner = ModelRunner(source, dtype, reference=args.reference_attention,
-                                  dense_weights=args.dense_weights, enforce_eager=args.enforce_eager)
+                                  dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
+                                  prepared_cache=args.prepared_cache)
         self.config = self.runner.config
         ctx = self.config.context_length
         # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)

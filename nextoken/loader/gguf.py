@@ -1,11 +1,12 @@
 """Reading GGUF files: metadata into a `ModelConfig`, tensors by name.
 
-The file format is parsed by the `gguf` package (``GGUFReader``); we only interpret it. GGUF key
-names follow llama.cpp's ``gguf-py/gguf/constants.py``. Tensor bytes are read with plain file
+The header is read in one pass by `gguf_header.read_header` (the `gguf` package's ``GGUFReader``,
+the reference, takes seconds on a large vocabulary and serves files ours does not take); we
+only interpret it. GGUF key names follow llama.cpp's ``gguf-py/gguf/constants.py``. Tensor bytes are read with plain file
 reads, a row range at a time, rather than through the reader's memory map: pages of a map count
 in the process's resident memory while it lives, and the loader converts each tensor into its own
-layout anyway. `release_metadata` drops the reader's parsed fields (about 160 MB of Python
-objects for a 49k-token vocabulary) once the tokenizer and config have been read.
+layout anyway. `release_metadata` drops the parsed lists (vocabulary, merges) once the tokenizer and config
+have been read.
 """
 
 from __future__ import annotations
@@ -45,21 +46,19 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf  # imported here: it is slow to import and not every command needs it
-
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise ModelLoadError(f"model file not found: {self.path}; give a path to a .gguf file or a "
                                  "catalog name (see `nextoken models`)")
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # the reader raises ValueError/struct errors/IndexError on damage
+            fields, tensors = _read(self.path)
+        except Exception as exc:  # the readers raise ValueError/struct errors/IndexError on damage
             raise ModelLoadError(
                 f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
                 "it may be truncated or corrupt: download it again (nextoken pull NAME)"
             ) from None
-        self._tensors = {t.name: TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                                            int(t.data_offset), int(t.n_bytes)) for t in self._reader.tensors}
+        self._fields: dict[str, Any] | None = fields  # None after release_metadata
+        self._tensors = {t[0]: TensorInfo(*t) for t in tensors}
         self._scalars: dict[str, Any] | None = None  # set by release_metadata
         self._check_complete()
 
@@ -85,21 +84,14 @@ class GGUFFile:
                     raise ModelLoadError(f"{self.path}: metadata {key!r} was released after loading")
                 return value
             return default
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self._fields.get(key, default)
 
     def release_metadata(self) -> None:
         """Keep scalar metadata and the tensor table; free the parsed lists (vocabulary, merges)."""
         if self._scalars is not None:
             return
-        scalars = {}
-        for key, field in self._reader.fields.items():
-            is_list = field.types and field.types[0].name == "ARRAY"
-            scalars[key] = _RELEASED if is_list else field.contents()
-        self._scalars = scalars
-        self._reader = None
+        self._scalars = {key: _RELEASED if isinstance(v, list) else v for key, v in self._fields.items()}
+        self._fields = None
 
     def require(self, key: str) -> Any:
         """Like `get`, but raises `ModelLoadError` naming the key when it is absent."""
@@ -109,7 +101,7 @@ class GGUFFile:
         return value
 
     def keys(self) -> list[str]:
-        return list(self._scalars) if self._scalars is not None else list(self._reader.fields)
+        return list(self._scalars) if self._scalars is not None else list(self._fields)
 
     # -- tensors ----------------------------------------------------------------------------
     @property
@@ -169,6 +161,29 @@ class GGUFFile:
 
 
 _RELEASED = object()  # marks a list value dropped by `release_metadata`
+
+
+def _read(path: str) -> tuple[dict[str, Any], list[tuple]]:
+    """Metadata and tensor table by our one-pass reader (`gguf_header`), or by the `gguf`
+    package's reader (the reference) for a file ours does not take."""
+    from nextoken.loader.gguf_header import GGUFHeaderError, read_header
+
+    try:
+        return read_header(path)
+    except GGUFHeaderError:
+        return read_header_reference(path)
+
+
+def read_header_reference(path: str) -> tuple[dict[str, Any], list[tuple]]:
+    """The same as `gguf_header.read_header`, by ``gguf.GGUFReader`` (seconds for a large
+    vocabulary: it builds an array view per item)."""
+    import gguf  # imported here: it is slow to import and not every command needs it
+
+    reader = gguf.GGUFReader(path, "r")
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.data_offset),
+                int(t.n_bytes)) for t in reader.tensors]
+    return fields, tensors
 
 
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every 6th layer is global (llama-model.cpp, LLM_ARCH_GEMMA3)

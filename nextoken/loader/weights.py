@@ -25,6 +25,7 @@ from nextoken.layers.quantization.methods import CodesMethod, DenseMethod
 from nextoken.layers.rotary import unpermute_qk
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir
+from nextoken.loader.prepared import PreparedWeights
 
 
 @dataclass
@@ -35,7 +36,8 @@ class CheckpointTensor:
     shape: PyTorch order, rows first; `raw` gives the stored block bytes of a row range (GGUF
     only); `dense` the values in a dtype with `transform` applied; `row_heads`, when set, is the
     head count by which the rows must be un-permuted (llama.cpp's Q/K permutation): `map_rows`
-    applies that to any tensor indexed by these rows (codes, scales).
+    applies that to any tensor indexed by these rows (codes, scales). `prepared`: where codes
+    packed from it are kept across starts (`loader.prepared`).
     """
 
     name: str
@@ -44,6 +46,7 @@ class CheckpointTensor:
     read_dense: Callable[[torch.dtype], torch.Tensor]
     read_raw: Callable[[int, int | None], torch.Tensor] | None = None
     row_heads: int | None = None
+    prepared: PreparedWeights | None = None  # the prepared-weights cache of its file, if used
 
     @property
     def maps_rows(self) -> bool:
@@ -139,13 +142,18 @@ def hf_transform(architecture: str, name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 # -- loading ----------------------------------------------------------------------------------
-def load_weights(model, source: GGUFFile | HFModelDir, plan) -> None:
-    """Fill every parameter of `model` from `source`, each weight in the form `plan` picks."""
+def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: bool = False) -> None:
+    """Fill every parameter of `model` from `source`, each weight in the form `plan` picks; with
+    `prepared_cache` (GGUF weights as codes), codes come from and go to the prepared-weights cache."""
     if isinstance(source, HFModelDir):
         arch = model.config.architecture
         tensors = {ours: _hf_tensor(source, name, arch) for name, ours in hf_names(model, source).items()}
+        prepared = None
     else:
         tensors = {ours: _gguf_tensor(source, name, heads) for name, (ours, heads) in gguf_names(model).items()}
+        prepared = PreparedWeights(source.path) if prepared_cache and plan.codes else None
+        for t in tensors.values():
+            t.prepared = prepared
     params = dict(model.named_parameters(remove_duplicate=False))
     for ours, t in tensors.items():
         owner = model.get_submodule(ours.rsplit(".", 1)[0]) if ours.endswith(".weight") else None
@@ -159,6 +167,8 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan) -> None:
             params[ours].data.copy_(t.dense(params[ours].dtype))
     if model.config.tie_word_embeddings:
         _tie_head(model, tensors["embed_tokens.weight"], plan)
+    if prepared is not None:
+        prepared.save()
 
 
 def _tie_head(model, table: CheckpointTensor, plan) -> None:

@@ -91,13 +91,15 @@ class ModelRunner:
     reference: plain float32 attention instead of the fast paths; keep_quantized: with
     bfloat16, block-quantized GGUF weights stay quantized (our kernel's codes, or PyTorch's int4)
     instead of being de-quantized; dense_weights: on PyTorch's int4 path, keep a bf16 copy as
-    well; enforce_eager: PyTorch alone, none of our C kernels. The `plan`
+    well; enforce_eager: PyTorch alone, none of our C kernels; prepared_cache: keep GGUF codes in
+    the prepared-weights cache (`loader.prepared`). The `plan`
     (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
     Raises `ModelLoadError` when a tensor is missing or mis-shaped.
     """
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
-                 keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False):
+                 keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
+                 prepared_cache: bool = False):
         self.config: ModelConfig = read_config(source)
         self.dtype = dtype
         self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights)
@@ -105,7 +107,7 @@ class ModelRunner:
         loading_allocations(True)
         try:
             self.model = model_class(self.config.architecture)(self.config, dtype)
-            load_weights(self.model, source, self.plan)
+            load_weights(self.model, source, self.plan, prepared_cache)
         finally:
             loading_allocations(False)
         release_free_memory()

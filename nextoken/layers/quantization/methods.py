@@ -94,8 +94,16 @@ class TorchInt4Method(LinearMethod):
 
 
 def load_codes(t) -> QuantWeight:
-    """A block-quantized checkpoint tensor as `QuantWeight` codes, `LOAD_CHUNK_ROWS` rows at a
-    time (a tensor with a row mapping, Q/K, in one go: the mapping needs every row)."""
+    """A block-quantized checkpoint tensor as `QuantWeight` codes: from the prepared-weights
+    cache when the loader has one (`loader.prepared`), else packed by `pack_codes`."""
+    if t.prepared is not None:
+        return t.prepared.codes(t.name, *t.shape, lambda: pack_codes(t))
+    return pack_codes(t)
+
+
+def pack_codes(t) -> QuantWeight:
+    """A block-quantized checkpoint tensor packed as `QuantWeight` codes, `LOAD_CHUNK_ROWS` rows
+    at a time (a tensor with a row mapping, Q/K, in one go: the mapping needs every row)."""
     rows, cols = t.shape
     chunk = rows if t.maps_rows else LOAD_CHUNK_ROWS
     parts = []

@@ -1,0 +1,99 @@
+"""The prepared-weights cache (`nextoken.loader.prepared`): a later load maps the codes a first
+load packed, and gets exactly the weights packing gives; a cache that is stale, damaged or
+under another key is never used as is; ``prepared_cache=False`` writes nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.prepared import LAYOUT_VERSION, PreparedWeights, file_key
+from nextoken.runner.model_runner import ModelRunner
+from tests.tiny_models import tiny_hf_model, write_gguf
+
+QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q4_1", "attn_output.weight": "Q5_0",
+         "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0"}
+
+
+@pytest.fixture
+def model_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(tiny_hf_model("llama", seed=4), path, "llama", quant=QUANT)
+    return path
+
+
+def codes_of(runner) -> dict[str, tuple]:
+    out = {}
+    for name, m in runner.model.named_modules():
+        qw = getattr(m, "qweight", None)
+        if qw is not None:
+            out[name] = (qw.codes, qw.scales, qw.mins, qw.scale_sup, qw.min_sup, qw.offset, qw.bits, qw.group, qw.gps)
+    return out
+
+
+def same_codes(a: dict, b: dict) -> bool:
+    def eq(x, y):
+        return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+    return a.keys() == b.keys() and all(all(eq(x, y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def cache_file(path):
+    from nextoken.catalog import cache_dir
+
+    return cache_dir() / "prepared" / f"{file_key(path)}-v{LAYOUT_VERSION}.pt"
+
+
+def test_second_load_maps_the_packed_codes(model_file):
+    packed = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    assert packed.plan.codes and len(codes_of(packed)) >= 14  # 7 projections x 2 layers, and the embedding
+    assert cache_file(model_file).is_file()
+    again = PreparedWeights(str(model_file))
+    assert len(again.stored) >= len(codes_of(packed)) - 1  # every codes weight (a tied head shares the embedding's)
+    mapped = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    assert same_codes(codes_of(mapped), codes_of(packed))
+    plain = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=False)
+    assert same_codes(codes_of(plain), codes_of(packed))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "other key", "wrong shape"])
+def test_unusable_cache_is_rebuilt(model_file, damage, caplog):
+    first = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    f = cache_file(model_file)
+    data = f.read_bytes()
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        f.write_bytes(b"\0" * len(data))
+    elif damage == "other key":  # a cache written for other bytes, renamed to this file's key
+        blob = torch.load(f, weights_only=True)
+        torch.save({**blob, "key": "0" * 64}, f)
+    else:  # a weight of other sizes under the right key
+        blob = torch.load(f, weights_only=True)
+        name = next(iter(blob["weights"]))
+        blob["weights"][name]["codes"] = blob["weights"][name]["codes"][:1]
+        torch.save(blob, f)
+    with caplog.at_level(logging.WARNING, logger="nextoken.loader.prepared"):
+        again = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    assert "packing the weights again" in caplog.text
+    assert same_codes(codes_of(again), codes_of(first))
+    assert PreparedWeights(str(model_file)).stored  # rewritten, usable again
+
+
+def test_a_changed_model_file_gets_its_own_cache(model_file, tmp_path):
+    ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    other = tmp_path / "tiny-llama-2.gguf"
+    write_gguf(tiny_hf_model("llama", seed=5), other, "llama", quant=QUANT)
+    runner = ModelRunner(GGUFFile(other), torch.bfloat16, prepared_cache=True)
+    plain = ModelRunner(GGUFFile(other), torch.bfloat16, prepared_cache=False)
+    assert same_codes(codes_of(runner), codes_of(plain))
+    assert cache_file(other) != cache_file(model_file) and cache_file(other).is_file()
+
+
+def test_off_writes_nothing(model_file):
+    ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=False)
+    assert not cache_file(model_file).exists()
