@@ -45,7 +45,7 @@ def same_codes(a: dict, b: dict) -> bool:
 def cache_file(path):
     from nextoken.catalog import cache_dir
 
-    return cache_dir() / "prepared" / f"{file_key(path)}-v{LAYOUT_VERSION}.pt"
+    return cache_dir() / "prepared" / f"{file_key(path)}-v{LAYOUT_VERSION}.safetensors"
 
 
 def test_second_load_maps_the_packed_codes(model_file):
@@ -69,14 +69,18 @@ def test_unusable_cache_is_rebuilt(model_file, damage, caplog):
         f.write_bytes(data[: len(data) // 2])
     elif damage == "garbage":
         f.write_bytes(b"\0" * len(data))
-    elif damage == "other key":  # a cache written for other bytes, renamed to this file's key
-        blob = torch.load(f, weights_only=True)
-        torch.save({**blob, "key": "0" * 64}, f)
-    else:  # a weight of other sizes under the right key
-        blob = torch.load(f, weights_only=True)
-        name = next(iter(blob["weights"]))
-        blob["weights"][name]["codes"] = blob["weights"][name]["codes"][:1]
-        torch.save(blob, f)
+    else:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(f), framework="pt") as sf:
+            meta, tensors = sf.metadata(), {k: sf.get_tensor(k).clone() for k in sf.keys()}
+        if damage == "other key":  # a cache written for other bytes, renamed to this file's key
+            meta["key"] = "0" * 64
+        else:  # a weight of other sizes under the right key
+            name = next(k for k in tensors if k.endswith("/scales"))
+            tensors[name] = tensors[name][:1].contiguous()
+        save_file(tensors, str(f), metadata=meta)
     with caplog.at_level(logging.WARNING, logger="nextoken.loader.prepared"):
         again = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
     assert "packing the weights again" in caplog.text

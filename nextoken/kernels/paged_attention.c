@@ -29,6 +29,7 @@
 #include "bf16.h"
 
 #define CHUNK 256 /* keys per task (a multiple of any block size we use) */
+#define PV_REGS 16 /* float32 accumulators kept in registers: p v for PV_REGS / J query heads at a time */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -128,9 +129,6 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                                           0, 0, 0), y));
 }
-
-/* PV_REGS float32 accumulators stay in registers: p v for PV_REGS / J query heads at a time */
-#define PV_REGS 16
 
 static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -282,7 +280,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t ma
     int failed = 0;                                                                                 \
     _Pragma("omp parallel")                                                                         \
     {                                                                                               \
-        float *work = malloc(sizeof(float) * (G * D + (G + 16) * CHUNK + D));                              \
+        float *work = malloc(sizeof(float) * (G * D + (G + PV_REGS) * CHUNK + D));                              \
         if (!work) failed = 1;                                                                      \
         _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
         for (int64_t c = 0; c < chunks; c++) {                                                      \

@@ -3,9 +3,10 @@ later starts instead of repacked again.
 
 Repacking GGUF blocks into the tiled codes of ``kernels/qmatmul.c`` (`qweight.QuantWeight.pack`)
 is most of a cold start: 11 s for Qwen2.5-1.5B on this machine. The first load of a file writes
-what it packed to ``<cache>/prepared/<sha256>-v<LAYOUT_VERSION>.pt`` (`catalog.cache_dir`);
-later loads of the same bytes read it with ``torch.load(mmap=True)``, so the codes are pages of
-that file, read on first use.
+what it packed to ``<cache>/prepared/<sha256>-v<LAYOUT_VERSION>.safetensors``
+(`catalog.cache_dir`): each weight's tensors as ``<name>/<field>``, its integers and the key in
+the metadata (JSON). Later loads of the same bytes open it with `safetensors`, which maps the
+file: the codes are pages of it, read on first use. Nothing is unpickled.
 
 Trust: the file name and its header both carry the model file's SHA-256 and `LAYOUT_VERSION`
 (bump it whenever `QuantWeight`'s layout or packing changes); a cache whose key does not match,
@@ -19,6 +20,7 @@ a cache. ``--no-prepared-cache`` (`EngineArgs.prepared_cache`) turns it off.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 HASH_CHUNK = 16 << 20
-_FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")
+_FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)
+_INTS = ("bits", "group", "gps")
 _keys: dict[str, Future] = {}
 _keys_lock = threading.Lock()
 
@@ -76,21 +79,29 @@ class PreparedWeights:
         from nextoken.catalog import cache_dir
 
         self.key = file_key(model_path)
-        self.path = (directory or cache_dir() / "prepared") / f"{self.key}-v{LAYOUT_VERSION}.pt"
+        self.path = (directory or cache_dir() / "prepared") / f"{self.key}-v{LAYOUT_VERSION}.safetensors"
         self.stored = self._read()
         self.built: dict[str, dict] = {}
 
-    def _read(self) -> dict:
-        import torch
+    def _read(self) -> dict[str, dict]:
+        """name -> {field: tensor, "offset": float, "bits"/"group"/"gps": int}, or {} when the
+        cache is absent or not usable (a warning says why)."""
+        from safetensors import safe_open
 
         if not self.path.is_file():
             return {}
         try:
-            data = torch.load(self.path, mmap=True, weights_only=True)
-            if data.get("key") != self.key or data.get("layout") != LAYOUT_VERSION:
-                raise ValueError("its key does not match the model file")
-            return data["weights"]
-        except Exception as exc:  # a damaged file raises anything from zip errors to unpickling errors
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("key") != self.key or meta.get("layout") != str(LAYOUT_VERSION):
+                    raise ValueError("its key does not match the model file")
+                weights = {name: dict(zip(("offset", *_INTS), values))
+                           for name, values in json.loads(meta["params"]).items()}
+                for key in f.keys():
+                    name, field_ = key.rsplit("/", 1)
+                    weights[name][field_] = f.get_tensor(key)
+            return weights
+        except Exception as exc:  # a damaged file raises anything from I/O to header and JSON errors
             log.warning("prepared-weights cache %s is not usable (%s: %s); packing the weights again",
                         self.path, type(exc).__name__, exc)
             return {}
@@ -101,30 +112,32 @@ class PreparedWeights:
 
         entry = self.stored.get(name)
         if entry is not None:
-            qw = QuantWeight(**{k: entry[k] for k in _FIELDS}, offset=entry["offset"], bits=entry["bits"],
-                             group=entry["group"], gps=entry["gps"])
+            qw = QuantWeight(**{k: entry.get(k) for k in _FIELDS}, **{k: entry[k] for k in ("offset", *_INTS)})
             if qw.shape == (rows, cols) and qw.codes.numel() * 8 == rows * cols * qw.bits:
                 return qw
             log.warning("prepared-weights cache %s holds %s in another shape than %s; packing the weights again",
                         self.path, name, (rows, cols))
             self.stored = {}
         qw = build()
-        self.built[name] = {**{k: getattr(qw, k) for k in _FIELDS}, "offset": qw.offset, "bits": qw.bits,
-                            "group": qw.group, "gps": qw.gps}
+        self.built[name] = {k: getattr(qw, k) for k in (*_FIELDS, "offset", *_INTS)}
         return qw
 
     def save(self) -> None:
         """Write the cache when anything was packed in this load (every weight, stored or new).
         A folder that cannot be written is one warning; the model still runs."""
-        import torch
+        from safetensors.torch import save_file
 
         if not self.built:
             return
         weights = {**self.stored, **self.built}
+        tensors = {f"{name}/{k}": w[k].contiguous() for name, w in weights.items() for k in _FIELDS
+                   if w.get(k) is not None}
+        params = {name: [w["offset"], *(w[k] for k in _INTS)] for name, w in weights.items()}
+        meta = {"key": self.key, "layout": str(LAYOUT_VERSION), "params": json.dumps(params)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            torch.save({"key": self.key, "layout": LAYOUT_VERSION, "weights": weights}, tmp)
+            save_file(tensors, str(tmp), metadata=meta)
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("cannot write the prepared-weights cache %s (%s)", self.path, exc)
