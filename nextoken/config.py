@@ -62,6 +62,9 @@ class ModelConfig:
         return 2 * len(self.sliding_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype (`kv_cache.tensors`)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache. `num_blocks` blocks of `block_size` tokens each, for all layers."""
@@ -70,6 +73,7 @@ class CacheConfig:
     num_blocks: int = 0  # 0: derive from memory_bytes
     memory_bytes: int | None = None  # budget for keys and values; None: a share of free memory
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.engine.async_engine import AsyncLLMEngine
@@ -167,3 +168,23 @@ def test_smollm2_batched_equals_reference_and_alone(smollm2_path):
     assert token_ids(tight.generate(prompts, p)) == outs
     assert tight.engine.stats()["num_preemptions"] > 0
     assert_no_leak(tight)
+
+
+def test_int8_kv_cache_batched_equals_alone(tiny_gguf):
+    """With an int8 KV cache (rows quantized on write, each on its own) a request's tokens do not
+    depend on its batch, on prefix-cache hits or on preemption; the same memory holds more
+    blocks (keys and values take D + 4 bytes per row instead of 4 D in float32)."""
+    path = str(tiny_gguf["llama"][0])
+    prompts = tiny_prompts(12, seed=3)
+    single = LLM(path, dtype="float32", kv_cache_dtype="int8", max_num_seqs=1)
+    alone = [token_ids(single.generate([p], GREEDY))[0] for p in prompts]
+    for settings in ({}, {"num_kv_blocks": 24, "block_size": 4}):
+        llm = LLM(path, dtype="float32", kv_cache_dtype="int8", **settings)
+        assert token_ids(llm.generate(prompts, GREEDY)) == alone
+        assert_no_leak(llm)
+    budget = 2**20
+    blocks = {d: LLM(path, dtype="float32", kv_cache_dtype=d, kv_cache_memory=budget).engine.kv.pool.num_blocks
+              for d in ("auto", "int8")}
+    head_dim = single.engine.config.head_dim
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.05)
+    assert single.engine.runner.kv.k.dtype == single.engine.runner.kv.v.dtype == torch.int8

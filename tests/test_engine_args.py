@@ -32,12 +32,12 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--dense-weights", "--max-model-len", "100", "--kv-cache-memory", "3MiB", "--num-kv-blocks", "7",
             "--block-size", "8", "--max-num-seqs", "5", "--max-num-batched-tokens", "300", "--no-chunked-prefill",
             "--num-speculative-tokens", "3", "--watermark-gamma", "0.25", "--watermark-delta", "3.5",
-            "--chat-template", "t.jinja", "--no-prepared-cache"]
+            "--chat-template", "t.jinja", "--no-prepared-cache", "--kv-cache-dtype", "int8"]
     want = {"model": model, "dtype": "float32", "num_threads": 1, "enforce_eager": True, "reference_attention": True,
             "dense_weights": True, "max_model_len": 100, "kv_cache_memory": 3 * MiB, "num_kv_blocks": 7,
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
             "num_speculative_tokens": 3, "watermark_gamma": 0.25, "watermark_delta": 3.5,
-            "chat_template": "t.jinja", "prepared_cache": False}
+            "chat_template": "t.jinja", "prepared_cache": False, "kv_cache_dtype": "int8"}
     if speculative == "ngram":
         argv += ["--speculative-method", "ngram"]
         want.update(speculative_method="ngram", speculative_model=None)
@@ -157,7 +157,8 @@ def test_cli_flags_round_trip():
 
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("max_num_seqs", -1), ("num_threads", 0),
                                           ("dtype", "float16"), ("speculative_method", "medusa"),
-                                          ("num_speculative_tokens", 0), ("max_model_len", 2.5)])
+                                          ("num_speculative_tokens", 0), ("max_model_len", 2.5),
+                                          ("kv_cache_dtype", "fp8")])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         EngineArgs(**{field: value})

@@ -13,10 +13,10 @@ from tests.conftest import load_reference
 from tests.tiny_models import OneSequence
 
 
-def replay(runner: ModelRunner, gen: dict):
+def replay(runner: ModelRunner, gen: dict, cache_dtype: str = "auto"):
     """Teacher-forced replay of a reference generation: prefill the prompt, then feed the
     reference's own tokens; yields (our log-probabilities, reference step) per step."""
-    seq = OneSequence(runner, len(gen["prompt_ids"]) + len(gen["steps"]))
+    seq = OneSequence(runner, len(gen["prompt_ids"]) + len(gen["steps"]), cache_dtype=cache_dtype)
     logits = seq.forward(gen["prompt_ids"])
     for step in gen["steps"]:
         yield logits.log_softmax(-1), step
@@ -41,25 +41,31 @@ def test_smollm2_float32_matches_reference(smollm2_path):
     check_float32(smollm2_path, "smollm2-135m-instruct")
 
 
-def check_bfloat16(path, name):
-    """The default bf16 path (GGUF codes, int8 activations, the one-call C decode): where it
-    picks differently from float32, its pick is still one of the reference's five most likely
-    tokens, and its log-probabilities stay close."""
+def check_bfloat16(path, name, cache_dtype: str = "auto"):
+    """The default bf16 path (GGUF codes, int8 activations, the one-call C decode; with
+    `cache_dtype` int8, int8 keys and values too): where it picks differently from float32, its
+    pick is still one of the reference's five most likely tokens, and its log-probabilities stay
+    close."""
     runner = ModelRunner(GGUFFile(path), torch.bfloat16)
     steps = agree = 0
+    errors = []
     for gen in load_reference(name)["generations"]:
-        for lp, step in replay(runner, gen):
+        for lp, step in replay(runner, gen, cache_dtype):
             top5 = [t for t, _ in step["top5"]]
             choice = int(lp.argmax())
             assert choice in top5
-            assert abs(float(lp[step["token"]]) - step["top5"][0][1]) < 0.5
+            errors.append(abs(float(lp[step["token"]]) - step["top5"][0][1]))
+            assert errors[-1] < 0.5
             steps += 1
             agree += choice == step["token"]
-    assert agree / steps > 0.95
+    # measured on SmolLM2: bf16 cache 186/195 agree, mean error 0.042; int8 cache 183/195, 0.049
+    assert agree / steps > (0.95 if cache_dtype == "auto" else 0.92)
+    assert sum(errors) / len(errors) < (0.05 if cache_dtype == "auto" else 0.06)
 
 
-def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path):
-    check_bfloat16(smollm2_path, "smollm2-135m-instruct")
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_smollm2_bfloat16_stays_in_reference_top5(smollm2_path, cache_dtype):
+    check_bfloat16(smollm2_path, "smollm2-135m-instruct", cache_dtype)
 
 
 @pytest.mark.slow
@@ -68,23 +74,27 @@ def test_qwen2_float32_matches_reference():
 
 
 @pytest.mark.slow
-def test_qwen2_bfloat16_stays_in_reference_top5():
-    """Q5_0 embedding lookups, a Q8_0 head, Q6_K/Q4_K/Q5_0 linears with biases."""
-    check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct")
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_qwen2_bfloat16_stays_in_reference_top5(cache_dtype):
+    """Q5_0 embedding lookups, a Q8_0 head, Q6_K/Q4_K/Q5_0 linears with biases (and Qwen's large
+    key biases, the hard case for an int8 cache)."""
+    check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct", cache_dtype)
 
 
-@pytest.mark.parametrize("mode", ["single", "single-eager", "batched", "batched-dense"])
+@pytest.mark.parametrize("mode", ["single", "single-eager", "batched", "batched-dense", "batched-int8kv"])
 def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
     """Free-running greedy generations through the whole engine, for each fast path: one stream
     (lone-decode attention, int4 weights only, with our C kernels or PyTorch alone) and
-    all prompts batched (the one-call decode over many rows, with or without dense bf16 copies). Up to the
+    all prompts batched (the one-call decode over many rows, with or without dense bf16 copies, or
+    with an int8 KV cache). Up to the
     first token where we and the reference differ, the texts are equal; there, each side's token
     is in the other's top 5."""
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 
     llm = LLM(str(smollm2_path), max_num_seqs=1 if mode.startswith("single") else 8,
-              dense_weights=mode.endswith("dense"), enforce_eager=mode.endswith("eager"))
+              dense_weights=mode.endswith("dense"), enforce_eager=mode.endswith("eager"),
+              kv_cache_dtype="int8" if mode.endswith("int8kv") else "auto")
     gens = load_reference("smollm2-135m-instruct")["generations"]
     params = [SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), logprobs=5) for g in gens]
     outs = llm.generate([g["prompt_ids"] for g in gens], params)

@@ -186,11 +186,12 @@ class OneSequence:
     """Drive a `ModelRunner` for one sequence over a paged cache whose blocks are taken in order
     (what the engine does, without the engine): for model-level tests."""
 
-    def __init__(self, runner, capacity: int = 256, block_size: int = 16):
+    def __init__(self, runner, capacity: int = 256, block_size: int = 16, cache_dtype: str = "auto"):
         self.runner = runner
-        if runner.kv is None or runner.kv.num_blocks * runner.kv.block_size < capacity:
+        if runner.kv is None or runner.kv.num_blocks * runner.kv.block_size < capacity or \
+                runner.kv.cache_dtype != cache_dtype:
             ring = ring_blocks(runner.config.sliding_window, block_size) if runner.config.sliding_layers else 0
-            runner.init_kv_cache(-(-capacity // block_size), block_size, ring, ring)
+            runner.init_kv_cache(-(-capacity // block_size), block_size, ring, ring, cache_dtype)
         self.block_ids = list(range(runner.kv.num_blocks))
         sw = runner.kv.sliding  # one sequence: the whole ring, blocks in reverse (so order matters)
         self.ring_ids = list(reversed(range(sw.ring_blocks))) if sw is not None else None

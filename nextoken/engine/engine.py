@@ -97,13 +97,14 @@ class LLMEngine:
         method = args.speculative
         speculative = SpeculativeConfig(method, args.speculative_model, args.num_speculative_tokens) \
             if method is not None else None
-        cache = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching)
+        cache = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching,
+                            args.kv_cache_dtype)
         scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                                     args.max_model_len)
         self.speculative = speculative
         self.watermark = WatermarkConfig(args.watermark_gamma, args.watermark_delta)
         self.draft: DraftProposer | None = None
-        per_block = bytes_per_block(self.config, cache.block_size, dtype)
+        per_block = bytes_per_block(self.config, cache.block_size, dtype, cache.cache_dtype)
         if method == "draft":
             if draft_source is None:
                 raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
@@ -113,7 +114,7 @@ class LLMEngine:
             check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
                                   draft_runner.config.vocab_size, speculative.model or "draft")
             self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids, self.watermark))
-            per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype)  # its cache too
+            per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype, cache.cache_dtype)  # its cache
         if self.draft is not None and self.draft.runner.config.sliding_layers:
             raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
         # default budget: a share of free memory, but no more than max_num_seqs full contexts
@@ -138,13 +139,13 @@ class LLMEngine:
                                         scheduler.max_model_len)
         self.scheduler_config = scheduler
         self.kv = KVCacheManager(num_blocks, bs, cache.enable_prefix_caching, num_rings * ring, ring)
-        self.runner.init_kv_cache(num_blocks, bs, num_rings * ring, ring)
+        self.runner.init_kv_cache(num_blocks, bs, num_rings * ring, ring, cache.cache_dtype)
         rings = f", rings of {ring} blocks for {num_rings} sequences" if ring else ""
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s), max_model_len %d, max_num_seqs %d, prefix caching %s",
-                 num_blocks, bs, self.runner.kv.nbytes / 2**20, rings, self.max_model_len, scheduler.max_num_seqs,
-                 "on" if self.kv.enable_caching else "off")
+        log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB%s), max_model_len %d, max_num_seqs %d, "
+                 "prefix caching %s", num_blocks, bs, cache.cache_dtype, self.runner.kv.nbytes / 2**20, rings,
+                 self.max_model_len, scheduler.max_num_seqs, "on" if self.kv.enable_caching else "off")
         if self.draft is not None:
-            self.draft.runner.init_kv_cache(num_blocks, cache.block_size)
+            self.draft.runner.init_kv_cache(num_blocks, cache.block_size, cache_dtype=cache.cache_dtype)
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
         # drafted / accepted tokens, verification steps (one per request and step), emitted tokens
         self.spec_counts = {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}

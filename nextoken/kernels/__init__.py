@@ -116,8 +116,10 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qmatmul_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,
+    "paged_decode_int8": (_INT, [P, P, P, P, P, *_PAGED[1][3:]]),
     "paged_decode_max_head_dim": (_INT, []),
     "paged_decode_max_group": (_INT, []),
+    "kv_quantize_rows": (None, [P, _I64, _I64, P, P]),
     "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
                              _F32, _F32]),
 }

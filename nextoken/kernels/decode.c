@@ -8,6 +8,7 @@
  *     q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv                (qmatmul, one quantization of x)
  *     q, k = bf16(bf16(r cos) + bf16(rot(r) sin)), rot(a, b) = (-b, a) RoPE, rotate-half pairs
  *     cache[slot] = k, v ;  a = softmax(q K^T * scale) V              (paged_attention.c)
+ *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8)
  *     h  = bf16(h + a Wo^T)
  *     x  = RMSNorm(h) with w_ffn ;  h = bf16(h + bf16(bf16(silu(x Wg^T)) * x Wu^T) Wd^T)
  *
@@ -21,8 +22,44 @@
 typedef struct {
     const uint16_t *attn_norm, *ffn_norm; /* bf16 [hidden] */
     qw_t q, k, v, o, gate, up, down;
-    uint16_t *k_cache, *v_cache; /* [Hkv, NB, BS, D] bf16 */
+    void *k_cache, *v_cache;     /* [Hkv, NB, BS, D] bf16, or int8 codes when the scales are set */
+    float *k_scale, *v_scale;    /* [Hkv, NB, BS] float32 for an int8 cache, else NULL */
 } layer_t;
+
+/* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
+ * nextoken.kv_cache.tensors.quantize_rows: scale = amax / 127, code = rint(x * (127 / amax)) */
+static void quantize_row_i8(const uint16_t *x, int64_t D, int8_t *codes, float *scale) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(x[i])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = 0; i < D; i++) {
+        const float c = nearbyintf(bf16_to_f32(x[i]) * inv);
+        codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+    }
+    *scale = amax / 127.f;
+}
+
+/* `rows` rows of D bf16 values -> codes [rows, D] and scales [rows] (for the test against
+ * quantize_rows) */
+void kv_quantize_rows(const uint16_t *x, int64_t rows, int64_t D, int8_t *codes, float *scales) {
+    for (int64_t r = 0; r < rows; r++) quantize_row_i8(x + r * D, D, codes + r * D, scales + r);
+}
+
+/* token t's key and value rows of every KV head into the cache at `slot` */
+static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, int64_t slot, int64_t Hkv, int64_t D,
+                     int64_t NB, int64_t BS) {
+    const int64_t blk = slot / BS, off = slot % BS;
+    for (int64_t hh = 0; hh < Hkv; hh++) {
+        const int64_t row = (hh * NB + blk) * BS + off;
+        if (ly->k_scale) {
+            quantize_row_i8(k + hh * D, D, (int8_t *)ly->k_cache + row * D, ly->k_scale + row);
+            quantize_row_i8(v + hh * D, D, (int8_t *)ly->v_cache + row * D, ly->v_scale + row);
+        } else {
+            memcpy((uint16_t *)ly->k_cache + row * D, k + hh * D, sizeof(uint16_t) * D);
+            memcpy((uint16_t *)ly->v_cache + row * D, v + hh * D, sizeof(uint16_t) * D);
+        }
+    }
+}
 
 static inline float rb(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* round to bf16 */
 
@@ -93,14 +130,14 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
         for (int64_t t = 0; t < T; t++) {
             rope_bf16(q + t * qd, H, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
             rope_bf16(k + t * kd, Hkv, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
-            const int64_t blk = slots[t] / BS, off = slots[t] % BS;
-            for (int64_t hh = 0; hh < Hkv; hh++) {
-                memcpy(ly->k_cache + ((hh * NB + blk) * BS + off) * D, k + t * kd + hh * D, sizeof(uint16_t) * D);
-                memcpy(ly->v_cache + ((hh * NB + blk) * BS + off) * D, v + t * kd + hh * D, sizeof(uint16_t) * D);
-            }
+            write_kv(ly, k + t * kd, v + t * kd, slots[t], Hkv, D, NB, BS);
         }
-        if (paged_decode_bf16(q, ly->k_cache, ly->v_cache, tables, max_blocks, seq_lens, T, H, Hkv, D, NB, BS,
-                              scale, att)) { rc = 1; break; }
+        const int failed = ly->k_scale
+            ? paged_decode_int8(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, tables, max_blocks, seq_lens, T,
+                                H, Hkv, D, NB, BS, scale, att)
+            : paged_decode_bf16(q, ly->k_cache, ly->v_cache, tables, max_blocks, seq_lens, T, H, Hkv, D, NB, BS,
+                                scale, att);
+        if (failed) { rc = 1; break; }
         if (quantize(att, 1, T, qd, &a)) { rc = 1; break; }
         apply(&a, &ly->o, o);
         qact_free(&a);

@@ -4,7 +4,8 @@
  *
  * Layouts (row-major, as PyTorch hands them over):
  *   q          [B, H, D]               the new tokens' queries
- *   k/v cache  [Hkv, NB, BS, D]        one layer, head-major
+ *   k/v cache  [Hkv, NB, BS, D]        one layer, head-major (float32, bf16, or int8 codes)
+ *   k/v scales [Hkv, NB, BS] float32   int8 cache only: row (token, head) x = code * scale
  *   tables     [B, max_blocks] int64   block table of each sequence
  *   seq_lens   [B] int64               keys per sequence (including the new token's)
  *   out        [B, H, D]
@@ -19,6 +20,8 @@
  * exp is a Cephes-style polynomial (relative error about 2e-7, 1-2 ulp). With AVX-512 the bf16
  * task body and exp are intrinsics (`chunk_bf16_avx512`); the plain C loops serve other CPUs,
  * float32, and head sizes that are not a multiple of 16.
+ * int8 cache (`paged_decode_int8`, bf16 queries and output): s_t = scale (q . code_t) kscale_t
+ * and p_t vscale_t weights the value codes, so rows are never dequantized in memory.
  * Tasks run in parallel over OpenMP (the runtime PyTorch already loaded, same soname).
  */
 #include <math.h>
@@ -39,14 +42,24 @@
 #endif
 
 /* Loops over keys t in [t0, t1) of head h, block by block: the block table is read and divided
- * by once per block, not per key. ROW is key or value row t in CACHE. Close with END_ROWS. */
+ * by once per block, not per key. ROW is key or value row t in CACHE, row_ its index in the
+ * layer's [Hkv, NB, BS] rows (for the scales). Close with END_ROWS. */
 #define FOR_ROWS(t, ROW, T, CACHE)                                                                        \
     for (int64_t t = t0; t < t1;) {                                                                       \
-        const T *blk_ = CACHE + (h * NB + table[t / BS]) * BS * D;                                        \
+        const int64_t base_ = (h * NB + table[t / BS]) * BS;                                              \
+        const T *blk_ = CACHE + base_ * D;                                                                \
         if ((t / BS + 1) * BS < t1) prefetch_rows(CACHE + (h * NB + table[t / BS + 1]) * BS * D, BS * D * (int64_t)sizeof(T)); \
         for (int64_t r_ = t % BS; r_ < BS && t < t1; r_++, t++) {                                         \
+            const int64_t row_ = base_ + r_;                                                              \
+            (void)row_;                                                                                   \
             const T *ROW = blk_ + r_ * D;
 #define END_ROWS }}
+
+/* one layer's cache as the task bodies read it; the scales only for an int8 cache */
+typedef struct {
+    const void *k, *v;
+    const float *ks, *vs;
+} kv_t;
 
 /* the next block's rows, asked for ahead of use: blocks lie anywhere in the cache, so the
  * hardware prefetcher, which follows address streams, cannot guess them */
@@ -134,6 +147,10 @@ static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+static inline __m512 widen16_i8(const int8_t *p) { /* 16 int8 codes -> float32, exact */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 static float max_of(const float *x, int64_t n) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -145,17 +162,18 @@ static float max_of(const float *x, int64_t n) {
 
 /* a_g = sum_t p_gt v_t for the G heads of one task, J = D / 16 constant: heads PV_REGS / J at a
  * time, their accumulators in registers (p rows past G are zero, so a last partial group needs
- * no special case), each value row widened once per group */
-#define DEFINE_PV(NAME, JC)                                                                              \
-static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
+ * no special case), each value row widened once per group. T, WIDEN: the cache's element type
+ * and its 16-lane widening to float32. */
+#define DEFINE_PV(NAME, JC, T, WIDEN)                                                                    \
+static void NAME(const T *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G,       \
                  int64_t NB, int64_t BS, const float *sc, float *part) {                                \
     const int64_t D = 16 * (JC), GB = PV_REGS / (JC);                                                   \
     for (int64_t g0 = 0; g0 < G; g0 += GB) {                                                            \
         __m512 acc[PV_REGS];                                                                            \
         for (int64_t i = 0; i < PV_REGS; i++) acc[i] = _mm512_setzero_ps();                             \
-        FOR_ROWS(t, vp, uint16_t, vc)                                                                   \
+        FOR_ROWS(t, vp, T, vc)                                                                          \
             __m512 row[JC];                                                                             \
-            for (int64_t j = 0; j < (JC); j++) row[j] = widen16(vp + 16 * j);                          \
+            for (int64_t j = 0; j < (JC); j++) row[j] = WIDEN(vp + 16 * j);                             \
             for (int64_t gi = 0; gi < GB; gi++) {                                                       \
                 const __m512 p = _mm512_set1_ps(sc[(g0 + gi) * CHUNK + t - t0]);                       \
                 for (int64_t j = 0; j < (JC); j++)                                                      \
@@ -167,30 +185,46 @@ static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0
                 _mm512_storeu_ps(part + (g0 + gi) * (D + 2) + 16 * j, acc[gi * (JC) + j]);              \
     }                                                                                                   \
 }
-DEFINE_PV(pv_j4, 4)
-DEFINE_PV(pv_j8, 8)
-
 /* the same for any D = 16 J <= 256, accumulating in memory */
-static void pv_any(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G,
-                   int64_t D, int64_t NB, int64_t BS, const float *sc, float *part) {
-    for (int64_t g = 0; g < G; g++) memset(part + g * (D + 2), 0, sizeof(float) * D);
-    FOR_ROWS(t, vp, uint16_t, vc)
-        __m512 row[16];
-        for (int64_t j = 0; j < D / 16; j++) row[j] = widen16(vp + 16 * j);
-        for (int64_t g = 0; g < G; g++) {
-            const __m512 p = _mm512_set1_ps(sc[g * CHUNK + t - t0]);
-            float *a = part + g * (D + 2);
-            for (int64_t j = 0; j < D / 16; j++)
-                _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, row[j], _mm512_loadu_ps(a + 16 * j)));
-        }
-    END_ROWS
+#define DEFINE_PV_ANY(NAME, T, WIDEN)                                                                    \
+static void NAME(const T *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
+                       int64_t D, int64_t NB, int64_t BS, const float *sc, float *part) {               \
+    for (int64_t g = 0; g < G; g++) memset(part + g * (D + 2), 0, sizeof(float) * D);                   \
+    FOR_ROWS(t, vp, T, vc)                                                                              \
+        __m512 row[16];                                                                                 \
+        for (int64_t j = 0; j < D / 16; j++) row[j] = WIDEN(vp + 16 * j);                               \
+        for (int64_t g = 0; g < G; g++) {                                                               \
+            const __m512 p = _mm512_set1_ps(sc[g * CHUNK + t - t0]);                                    \
+            float *a = part + g * (D + 2);                                                              \
+            for (int64_t j = 0; j < D / 16; j++)                                                        \
+                _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, row[j], _mm512_loadu_ps(a + 16 * j)));  \
+        }                                                                                               \
+    END_ROWS                                                                                            \
+}
+DEFINE_PV(pv_j4, 4, uint16_t, widen16)
+DEFINE_PV(pv_j8, 8, uint16_t, widen16)
+DEFINE_PV(pv_i8_j4, 4, int8_t, widen16_i8)
+DEFINE_PV(pv_i8_j8, 8, int8_t, widen16_i8)
+DEFINE_PV_ANY(pv_any, uint16_t, widen16)
+DEFINE_PV_ANY(pv_i8_any, int8_t, widen16_i8)
+
+/* per head g: the chunk's maximum score and sum of exp into part (a[D], a[D + 1]), the scores
+ * replaced by exp(s - m) (p), then zero p rows for pv's padding heads */
+static void softmax_rows(float *sc, float *part, int64_t G, int64_t D, int64_t n) {
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * CHUNK, *a = part + g * (D + 2);
+        a[D] = max_of(s, n);
+        a[D + 1] = exp_shifted(s, n, a[D]);
+    }
+    memset(sc + G * CHUNK, 0, sizeof(float) * PV_REGS * CHUNK);
 }
 
 /* AVX-512 task body for bf16 rows of D = 32 J2 <= 256: scores four keys at a time (q . k, then
  * times scale), p v with the value row widened once for the G query heads. */
-static void chunk_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
-                              int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D,
-                              int64_t NB, int64_t BS, float scale, float *work, float *part) {
+static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
+                              int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                              float scale, float *work, float *part) {
+    const uint16_t *kc = kv->k, *vc = kv->v;
     const int64_t n = t1 - t0, J2 = D / 32, J = D / 16;
     const uint16_t *qh = q + (b * H + h * G) * D;
     float *sc = work;
@@ -213,12 +247,7 @@ static void chunk_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint1
             for (int64_t g = 0; g < G; g++)
                 sc[g * CHUNK + t - t0] = _mm512_reduce_add_ps(qk_partial(blk + r * D, qh + g * D, J2)) * scale;
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *s = sc + g * CHUNK, *a = part + g * (D + 2);
-        a[D] = max_of(s, n);
-        a[D + 1] = exp_shifted(s, n, a[D]);
-    }
-    memset(sc + G * CHUNK, 0, sizeof(float) * PV_REGS * CHUNK); /* p = 0 rows: pv's padding heads */
+    softmax_rows(sc, part, G, D, n);
     if (J == 4)
         pv_j4(vc, table, h, t0, t1, G, NB, BS, sc, part);
     else if (J == 8)
@@ -226,20 +255,82 @@ static void chunk_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint1
     else
         pv_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
 }
+
+/* AVX-512 task body for int8 rows of D = 16 J <= 256 (bf16 queries). Four key rows at a time are
+ * widened once into kf (float32, L1) and dotted with each of the G queries (float32); the four
+ * sums are scaled by scale * kscale_t. The value rows' scales fold into p before p v. */
+static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
+                            int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                            float scale, float *work, float *part) {
+    const int8_t *kc = kv->k, *vc = kv->v;
+    const int64_t n = t1 - t0, J = D / 16;
+    float *qf = work, *sc = qf + G * D, *ksc = sc + (G + PV_REGS) * CHUNK, *vsc = ksc + CHUNK, *kf = vsc + CHUNK;
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(q[(b * H + h * G) * D + i]);
+    FOR_ROWS(t, vp, int8_t, vc) /* the chunk's scales, in key order */
+        ksc[t - t0] = kv->ks[row_] * scale;
+        vsc[t - t0] = kv->vs[row_];
+        (void)vp;
+    END_ROWS
+    for (int64_t t = t0; t < t1;) {
+        const int8_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
+        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D);
+        int64_t r = t % BS;
+        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
+        while (r < end) {
+            const int64_t rows = end - r < 4 ? end - r : 4;
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < J; j++) _mm512_storeu_ps(kf + i * D + 16 * j, widen16_i8(blk + (r + i) * D + 16 * j));
+            for (int64_t i = rows; i < 4; i++) memset(kf + i * D, 0, sizeof(float) * D);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < J; j++) {
+                    const __m512 qv = _mm512_loadu_ps(qf + g * D + 16 * j);
+                    a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 16 * j), a0);
+                    a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + D + 16 * j), a1);
+                    a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 2 * D + 16 * j), a2);
+                    a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 3 * D + 16 * j), a3);
+                }
+                /* ksc past the chunk's n keys reads into vsc: those lanes are dropped */
+                const __m128 s4 = _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_loadu_ps(ksc + t - t0));
+                if (rows == 4) {
+                    _mm_storeu_ps(sc + g * CHUNK + t - t0, s4);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, s4);
+                    for (int64_t i = 0; i < rows; i++) sc[g * CHUNK + t - t0 + i] = tmp[i];
+                }
+            }
+            r += rows;
+            t += rows;
+        }
+    }
+    softmax_rows(sc, part, G, D, n);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < n; i++) sc[g * CHUNK + i] *= vsc[i];
+    if (J == 4)
+        pv_i8_j4(vc, table, h, t0, t1, G, NB, BS, sc, part);
+    else if (J == 8)
+        pv_i8_j8(vc, table, h, t0, t1, G, NB, BS, sc, part);
+    else
+        pv_i8_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
+}
 #endif
 
-/* One task: keys [t0, t1) of sequence b, KV head h. part: G x (D + 2) floats, a then m, l. */
-#define DEFINE_CHUNK(NAME, T, ELEM, WIDEN)                                                               \
-static void NAME(const T *q, const T *kc, const T *vc, const int64_t *table, int64_t b, int64_t h,      \
-                 int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,       \
-                 float scale, float *work, float *part) {                                               \
+/* One task, plain C: keys [t0, t1) of sequence b, KV head h. part: G x (D + 2) floats, a then
+ * m, l. QT, T: query and cache element types; ELEM widens a query element, WIDEN a cache row;
+ * KS, VS: a key / value row's scale by its row index (1 for float caches). */
+#define DEFINE_CHUNK(NAME, QT, T, ELEM, WIDEN, KS, VS)                                                  \
+static void NAME(const QT *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h, int64_t t0,   \
+                 int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,      \
+                 float *work, float *part) {                                                            \
+    const T *kc = kv->k, *vc = kv->v;                                                                   \
     const int64_t n = t1 - t0;                                                                          \
     float *qf = work, *sc = qf + G * D, *row = sc + G * CHUNK;                                          \
     for (int64_t g = 0; g < G; g++)                                                                     \
         for (int64_t d = 0; d < D; d++) qf[g * D + d] = ELEM(q[(b * H + h * G + g) * D + d]) * scale;   \
     FOR_ROWS(t, kp, T, kc)                                                                              \
         WIDEN(row, kp, D);                                                                              \
-        for (int64_t g = 0; g < G; g++) sc[g * CHUNK + t - t0] = dot(qf + g * D, row, D);               \
+        for (int64_t g = 0; g < G; g++) sc[g * CHUNK + t - t0] = dot(qf + g * D, row, D) * KS(row_);    \
     END_ROWS                                                                                            \
     for (int64_t g = 0; g < G; g++) {                                                                   \
         float *s = sc + g * CHUNK, m = -INFINITY;                                                       \
@@ -252,7 +343,7 @@ static void NAME(const T *q, const T *kc, const T *vc, const int64_t *table, int
     FOR_ROWS(t, vp, T, vc)                                                                              \
         WIDEN(row, vp, D);                                                                              \
         for (int64_t g = 0; g < G; g++) {                                                               \
-            const float p = sc[g * CHUNK + t - t0];                                                     \
+            const float p = sc[g * CHUNK + t - t0] * VS(row_);                                          \
             float *a = part + g * (D + 2);                                                              \
             _Pragma("omp simd")                                                                         \
             for (int64_t d = 0; d < D; d++) a[d] += p * row[d];                                         \
@@ -260,71 +351,84 @@ static void NAME(const T *q, const T *kc, const T *vc, const int64_t *table, int
     END_ROWS                                                                                            \
 }
 
-/* The whole call: tasks over (sequence, KV head, chunk), then each (sequence, query head)'s
- * chunks combined. Returns 1 when out of memory. */
-#define DEFINE_KERNEL(NAME, CHUNK_FN, T, STORE)                                                          \
-int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t max_blocks,           \
-         const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB,         \
-         int64_t BS, float scale, T *out) {                                                         \
-    const int64_t G = H / Hkv, P = G * (D + 2);                                                     \
-    int64_t *first = malloc(sizeof(int64_t) * (B + 1)); /* first chunk of each sequence */           \
-    if (!first) return 1;                                                                           \
-    first[0] = 0;                                                                                   \
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + CHUNK - 1) / CHUNK;    \
-    const int64_t chunks = first[B];                                                                \
-    int64_t *seq = malloc(sizeof(int64_t) * (chunks + 1));                                          \
-    float *parts = malloc(sizeof(float) * (chunks * Hkv * P + 1));                                  \
-    if (!seq || !parts) { free(first); free(seq); free(parts); return 1; }                          \
-    for (int64_t b = 0; b < B; b++)                                                                 \
-        for (int64_t c = first[b]; c < first[b + 1]; c++) seq[c] = b;                              \
-    int failed = 0;                                                                                 \
-    _Pragma("omp parallel")                                                                         \
-    {                                                                                               \
-        float *work = malloc(sizeof(float) * (G * D + (G + PV_REGS) * CHUNK + D));                              \
-        if (!work) failed = 1;                                                                      \
-        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
-        for (int64_t c = 0; c < chunks; c++) {                                                      \
-            for (int64_t h = 0; h < Hkv; h++) {                                                     \
-                if (!work) continue;                                                                \
-                const int64_t b = seq[c], t0 = (c - first[b]) * CHUNK;                              \
-                const int64_t t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];             \
-                CHUNK_FN(q, kc, vc, tables + b * max_blocks, b, h, t0, t1, H, G, D, NB, BS, scale, work, \
-                         parts + (c * Hkv + h) * P);                                                \
-            }                                                                                       \
-        }                                                                                           \
-        free(work);                                                                                 \
-        if (!failed) {                                                                              \
-            _Pragma("omp for collapse(2) schedule(static)")                                         \
-            for (int64_t b = 0; b < B; b++) {                                                       \
-                for (int64_t hq = 0; hq < H; hq++) {                                                \
-                    const int64_t h = hq / G, g = hq % G;                                           \
-                    float M = -INFINITY, L = 0.f, acc[256];                                         \
-                    for (int64_t c = first[b]; c < first[b + 1]; c++) {                             \
-                        const float m = parts[(c * Hkv + h) * P + g * (D + 2) + D];                 \
-                        M = m > M ? m : M;                                                          \
-                    }                                                                               \
-                    memset(acc, 0, sizeof(float) * D);                                              \
-                    for (int64_t c = first[b]; c < first[b + 1]; c++) {                             \
-                        const float *a = parts + (c * Hkv + h) * P + g * (D + 2);                   \
-                        const float w = expf(a[D] - M);                                             \
-                        L += w * a[D + 1];                                                          \
-                        for (int64_t d = 0; d < D; d++) acc[d] += w * a[d];                         \
-                    }                                                                               \
-                    const float inv = 1.f / L;                                                      \
-                    for (int64_t d = 0; d < D; d++) out[(b * H + hq) * D + d] = STORE(acc[d] * inv); \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-    }                                                                                               \
-    free(first);                                                                                    \
-    free(seq);                                                                                      \
-    free(parts);                                                                                    \
-    return failed;                                                                                  \
+typedef void (*chunk_fn)(const void *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h, int64_t t0,
+                         int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
+                         float *work, float *part);
+
+/* The whole call: tasks over (sequence, KV head, chunk), each run by `body`, then each
+ * (sequence, query head)'s chunks combined; out is bf16 when `out_bf16`, else float32.
+ * Returns 1 when out of memory. */
+static int paged_decode(chunk_fn body, const void *q, const kv_t *kv, const int64_t *tables, int64_t max_blocks,
+                        const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB,
+                        int64_t BS, float scale, void *out, int out_bf16) {
+    const int64_t G = H / Hkv, P = G * (D + 2);
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1)); /* first chunk of each sequence */
+    if (!first) return 1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + CHUNK - 1) / CHUNK;
+    const int64_t chunks = first[B];
+    int64_t *seq = malloc(sizeof(int64_t) * (chunks + 1));
+    float *parts = malloc(sizeof(float) * (chunks * Hkv * P + 1));
+    if (!seq || !parts) { free(first); free(seq); free(parts); return 1; }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c = first[b]; c < first[b + 1]; c++) seq[c] = b;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        /* q (G D), scores (G + PV_REGS chunks), key and value scales (2 chunks), 4 widened rows */
+        float *work = malloc(sizeof(float) * (G * D + (G + PV_REGS + 2) * CHUNK + 4 * D));
+        if (!work) failed = 1;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (!work) continue;
+                const int64_t b = seq[c], t0 = (c - first[b]) * CHUNK;
+                const int64_t t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
+                body(q, kv, tables + b * max_blocks, b, h, t0, t1, H, G, D, NB, BS, scale, work,
+                     parts + (c * Hkv + h) * P);
+            }
+        }
+        free(work);
+        if (!failed) {
+            #pragma omp for collapse(2) schedule(static)
+            for (int64_t b = 0; b < B; b++) {
+                for (int64_t hq = 0; hq < H; hq++) {
+                    const int64_t h = hq / G, g = hq % G;
+                    float M = -INFINITY, L = 0.f, acc[256];
+                    for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                        const float m = parts[(c * Hkv + h) * P + g * (D + 2) + D];
+                        M = m > M ? m : M;
+                    }
+                    memset(acc, 0, sizeof(float) * D);
+                    for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                        const float *a = parts + (c * Hkv + h) * P + g * (D + 2);
+                        const float w = expf(a[D] - M);
+                        L += w * a[D + 1];
+                        for (int64_t d = 0; d < D; d++) acc[d] += w * a[d];
+                    }
+                    const float inv = 1.f / L;
+                    const int64_t o = (b * H + hq) * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        if (out_bf16)
+                            ((uint16_t *)out)[o + d] = f32_to_bf16(acc[d] * inv);
+                        else
+                            ((float *)out)[o + d] = acc[d] * inv;
+                    }
+                }
+            }
+        }
+    }
+    free(first);
+    free(seq);
+    free(parts);
+    return failed;
 }
 
 #define ELEM_F32(x) (x)
 #define WIDEN_F32(row, src, n) memcpy((row), (src), sizeof(float) * (n))
-#define STORE_F32(x) (x)
+#define NO_SCALE(r) 1.f
+#define KSCALE(r) kv->ks[r]
+#define VSCALE(r) kv->vs[r]
 /* bf16 is the top half of a float32: widen a row with shifts the compiler vectorizes */
 #define WIDEN_BF16(row, src, n)                                                                           \
     do {                                                                                                  \
@@ -332,22 +436,67 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t ma
         _Pragma("omp simd")                                                                               \
         for (int64_t i_ = 0; i_ < (n); i_++) u_[i_] = ((uint32_t)(src)[i_]) << 16;                        \
     } while (0)
-DEFINE_CHUNK(chunk_f32, float, ELEM_F32, WIDEN_F32)
-DEFINE_CHUNK(chunk_bf16_plain, uint16_t, bf16_to_f32, WIDEN_BF16)
-/* the bf16 task body: the AVX-512 one where it applies (head_dim a multiple of 32), else plain C */
-static void chunk_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table, int64_t b,
-                       int64_t h, int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
-                       float scale, float *work, float *part) {
+#define WIDEN_I8(row, src, n)                                                                             \
+    do {                                                                                                  \
+        _Pragma("omp simd")                                                                               \
+        for (int64_t i_ = 0; i_ < (n); i_++) (row)[i_] = (float)(src)[i_];                                \
+    } while (0)
+DEFINE_CHUNK(chunk_f32, float, float, ELEM_F32, WIDEN_F32, NO_SCALE, NO_SCALE)
+DEFINE_CHUNK(chunk_bf16_plain, uint16_t, uint16_t, bf16_to_f32, WIDEN_BF16, NO_SCALE, NO_SCALE)
+DEFINE_CHUNK(chunk_i8_plain, uint16_t, int8_t, bf16_to_f32, WIDEN_I8, KSCALE, VSCALE)
+
+/* the bf16 and int8 task bodies: the AVX-512 ones where they apply, else plain C */
+static void chunk_bf16(const void *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h, int64_t t0,
+                       int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, float *work,
+                       float *part) {
 #if VECTORIZED
     if (D % 32 == 0) {
-        chunk_bf16_avx512(q, kc, vc, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+        chunk_bf16_avx512(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
         return;
     }
 #endif
-    chunk_bf16_plain(q, kc, vc, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+    chunk_bf16_plain(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
 }
-DEFINE_KERNEL(paged_decode_f32, chunk_f32, float, STORE_F32)
-DEFINE_KERNEL(paged_decode_bf16, chunk_bf16, uint16_t, f32_to_bf16)
+
+static void chunk_i8(const void *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h, int64_t t0,
+                     int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, float *work,
+                     float *part) {
+#if VECTORIZED
+    if (D % 16 == 0) {
+        chunk_i8_avx512(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+        return;
+    }
+#endif
+    chunk_i8_plain(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+}
+
+static void chunk_f32_body(const void *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h, int64_t t0,
+                           int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
+                           float *work, float *part) {
+    chunk_f32(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
+}
+
+/* The entry points: q, out [B, H, D] in the cache's dtype (bf16 for the int8 cache). */
+int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables, int64_t max_blocks,
+                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                     float scale, float *out) {
+    const kv_t kv = {kc, vc, NULL, NULL};
+    return paged_decode(chunk_f32_body, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 0);
+}
+
+int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
+                      int64_t max_blocks, const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t NB, int64_t BS, float scale, uint16_t *out) {
+    const kv_t kv = {kc, vc, NULL, NULL};
+    return paged_decode(chunk_bf16, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 1);
+}
+
+int paged_decode_int8(const uint16_t *q, const int8_t *kc, const int8_t *vc, const float *ks, const float *vs,
+                      const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens, int64_t B, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t NB, int64_t BS, float scale, uint16_t *out) {
+    const kv_t kv = {kc, vc, ks, vs};
+    return paged_decode(chunk_i8, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 1);
+}
 
 /* Limits the caller checks before calling: head_dim <= 256, query heads per KV head <= 64. */
 int paged_decode_max_head_dim(void) { return 256; }

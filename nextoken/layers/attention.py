@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nextoken.kernels import load
+from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 
 
 @dataclass(slots=True)
@@ -60,11 +61,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, bloc
     return gather_blocks(cache, block_table[:n_blocks]).flatten(1, 2)[:, :seq_len]
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy blocks out of one layer's cache ``[Hkv, num_blocks, block_size, D]``:
-    block_ids of any shape ``[...]`` -> ``[Hkv, ..., block_size, D]``. (``index_select`` over
-    rows of ``block_size * D`` copies whole rows; plain advanced indexing is about 2x slower.)"""
+def gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks out of one layer's cache ``[Hkv, num_blocks, block_size, D]`` (a tensor, or
+    `Int8Rows`, then dequantized to its dtype): block_ids of any shape ``[...]`` ->
+    ``[Hkv, ..., block_size, D]``. (``index_select`` over rows of ``block_size * D`` copies whole
+    rows; plain advanced indexing is about 2x slower.)"""
     heads, num_blocks, bs, d = cache.shape
+    if isinstance(cache, Int8Rows):
+        codes = gather_blocks(cache.codes, block_ids)
+        scales = torch.index_select(cache.scales, 1, block_ids.flatten()).view(heads, *block_ids.shape, bs)
+        return dequantize_rows(codes, scales, cache.dtype)
     rows = torch.index_select(cache.view(heads, num_blocks, bs * d), 1, block_ids.flatten())
     return rows.view(heads, *block_ids.shape, bs, d)
 
@@ -88,8 +94,8 @@ def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q ``[num_tokens, H, D]``; caches ``[Hkv, num_blocks, block_size, D]`` (this layer).
-    Returns the output ``[num_tokens, H, D]`` and each sequence's probabilities."""
+    """q ``[num_tokens, H, D]``; caches ``[Hkv, num_blocks, block_size, D]`` (this layer;
+    tensors or `Int8Rows`, dequantized as gathered). Returns the output ``[num_tokens, H, D]`` and each sequence's probabilities."""
     out = torch.empty_like(q)
     all_probs = []
     for i in range(meta.num_seqs):
@@ -176,19 +182,26 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 
 
 _NATIVE_FN = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float):
+def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float,
+                            portable: bool = False):
     """Decode attention by our C kernel (``nextoken/kernels/paged_attention.c``), reading every
     sequence's keys and values in place through its block table: no gather copy, no padding.
-    Same arguments as `_decode_chunk` (seq_lens a list); returns ``[B, H, D]``, or None when the
-    kernel is unavailable or does not cover these shapes (the caller then runs PyTorch).
+    Same arguments as `_decode_chunk` (seq_lens a list; the caches tensors in q's dtype, or
+    `Int8Rows` with bf16 q); returns ``[B, H, D]``, or None when the kernel is unavailable or
+    does not cover these shapes (the caller then runs PyTorch). `portable`: the build without
+    AVX-512 (its plain C loops), for tests.
     Measured with SmolLM2's shapes (bf16, 2 cores): 32 sequences of 130-256 keys, 0.62 ms per
     layer against 1.16 ms for `_decode_chunk`; one sequence of 200 keys, 35 us against 66 us."""
-    if q.dtype not in _NATIVE_FN or k_cache.dtype != q.dtype or q.shape[2] > 256 or \
-            q.shape[1] // k_cache.shape[0] > 64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    int8 = isinstance(k_cache, Int8Rows)
+    caches = (k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
+    if q.dtype not in _NATIVE_FN or (int8 and q.dtype != torch.bfloat16) or \
+            (not int8 and k_cache.dtype != q.dtype) or q.shape[2] > 256 or \
+            q.shape[1] // k_cache.shape[0] > 64 or not all(c.is_contiguous() for c in caches):
         return None
-    lib = load("paged_attention")
+    lib = load("paged_attention", portable)
     if lib is None:
         return None
     q = q.contiguous()
@@ -196,12 +209,11 @@ def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[in
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     out = torch.empty_like(q)
     hkv, nb, bs, d = k_cache.shape
-    ptr = ctypes.c_void_p
-    failed = getattr(lib, _NATIVE_FN[q.dtype])(
-        ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(tables.data_ptr()),
-        ctypes.c_int64(tables.shape[1]), ptr(lens.data_ptr()), ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]),
-        ctypes.c_int64(hkv), ctypes.c_int64(d), ctypes.c_int64(nb), ctypes.c_int64(bs), ctypes.c_float(scale),
-        ptr(out.data_ptr()))
+    ptr = _PTR
+    head = [ptr(q.data_ptr()), *(ptr(c.data_ptr()) for c in caches)]  # q, k, v (, k scales, v scales)
+    fn = getattr(lib, "paged_decode_int8" if int8 else _NATIVE_FN[q.dtype])
+    failed = fn(*head, ptr(tables.data_ptr()), _I64(tables.shape[1]), ptr(lens.data_ptr()), _I64(q.shape[0]),
+                _I64(q.shape[1]), _I64(hkv), _I64(d), _I64(nb), _I64(bs), ctypes.c_float(scale), ptr(out.data_ptr()))
     if failed:
         raise MemoryError("paged attention kernel could not allocate its score buffer")
     return out
@@ -215,7 +227,7 @@ def _lone_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
     a copy. Measured at 200 keys: 30 us per layer, against 144 us for the batched path."""
     seq_len = meta.seq_lens[0]
     start = meta.first_block[0] if meta.first_block else None
-    if start is not None:
+    if start is not None and not isinstance(k_cache, Int8Rows):
         n_blocks = -(-seq_len // meta.block_size)
         k = k_cache[:, start : start + n_blocks].flatten(1, 2)[:, :seq_len]  # [Hkv, S, D], a view
         v = v_cache[:, start : start + n_blocks].flatten(1, 2)[:, :seq_len]
@@ -268,6 +280,7 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
         return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference)
     i = kv.layer_index[layer]
     kv.write(i, meta.slot_mapping, k, v)
+    k_cache, v_cache = kv.layer(i)
     if reference:
-        return paged_attention_reference(q, kv.k[i], kv.v[i], meta, scale)
-    return paged_attention(q, kv.k[i], kv.v[i], meta, scale), None
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k_cache, v_cache, meta, scale), None

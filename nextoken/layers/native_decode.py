@@ -4,7 +4,7 @@ A decode step of a small model is mostly overhead: ~12 PyTorch ops per layer, ea
 microseconds of dispatch, around matmuls that take tens. `NativeDecoder` hands the whole layer
 stack to C for batches where every sequence decodes one token: RMSNorm, the q/k/v projections
 (one int8 quantization of the input for the three), RoPE, the KV cache write, paged
-attention, the output projection, the SwiGLU feed-forward and both residuals, with the same
+attention (bf16 or int8 cache), the output projection, the SwiGLU feed-forward and both residuals, with the same
 bf16 roundings as the PyTorch layers (`models.llama.LlamaDecoderLayer`), which stay the path
 for prefill, tracing, the reference attention and ``--enforce-eager``; a test compares the two.
 The model runner decides at load whether it runs (`nextoken.runner.plan`).
@@ -23,7 +23,8 @@ from nextoken.layers.quantization.qweight import _QW
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 *[(n, _QW) for n in ("q", "k", "v", "o", "gate", "up", "down")],
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]  # int8 cache: row scales, else NULL
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -63,7 +64,9 @@ class NativeDecoder:
                 a, m = layer.self_attn, layer.mlp
                 rows.append(_Layer(_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm),
                                    _qw(a.q_proj), _qw(a.k_proj), _qw(a.v_proj), _qw(a.o_proj), _qw(m.gate_proj),
-                                   _qw(m.up_proj), _qw(m.down_proj), _ptr(kv.k[i]), _ptr(kv.v[i])))
+                                   _qw(m.up_proj), _qw(m.down_proj), _ptr(kv.k[i]), _ptr(kv.v[i]),
+                                   _ptr(kv.k_scale[i] if kv.quantized else None),
+                                   _ptr(kv.v_scale[i] if kv.quantized else None)))
             self._table = (_Layer * len(rows))(*rows)
             self._kv = kv
         return self._table

@@ -129,15 +129,16 @@ class ModelRunner:
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
 
     def init_kv_cache(self, num_blocks: int, block_size: int, sliding_blocks: int = 0,
-                      ring_blocks: int = 0) -> PagedKVCache:
-        """The paged cache for `num_blocks` blocks, and for a model with sliding-window layers
-        their rings: `sliding_blocks` blocks, `ring_blocks` per sequence."""
+                      ring_blocks: int = 0, cache_dtype: str = "auto") -> PagedKVCache:
+        """The paged cache for `num_blocks` blocks (stored as `cache_dtype`: ``auto`` or
+        ``int8``), and for a model with sliding-window layers their rings: `sliding_blocks`
+        blocks, `ring_blocks` per sequence."""
         sliding = None
         if self.config.sliding_layers:
             if not sliding_blocks:
                 raise ValueError("a model with sliding-window layers needs sliding_blocks and ring_blocks")
             sliding = SlidingKVCache(self.config, sliding_blocks, block_size, ring_blocks, self.dtype)
-        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, sliding)
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, sliding, cache_dtype)
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
