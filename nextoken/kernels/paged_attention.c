@@ -21,7 +21,10 @@
  * task body and exp are intrinsics (`chunk_bf16_avx512`); the plain C loops serve other CPUs,
  * float32, and head sizes that are not a multiple of 16.
  * int8 cache (`paged_decode_int8`, bf16 queries and output): s_t = scale (q . code_t) kscale_t
- * and p_t vscale_t weights the value codes, so rows are never dequantized in memory.
+ * and p_t vscale_t weights the value codes, so rows are never dequantized in memory. With
+ * AVX512-VNNI the query is quantized to int8 like a cache row and q . code_t is an exact
+ * integer dot product (`scores_i8_vnni`); llama.cpp likewise quantizes the query for its q8_0
+ * cache.
  * Tasks run in parallel over OpenMP (the runtime PyTorch already loaded, same soname).
  */
 #include <math.h>
@@ -256,21 +259,89 @@ static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *
         pv_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
 }
 
-/* AVX-512 task body for int8 rows of D = 16 J <= 256 (bf16 queries). Four key rows at a time are
- * widened once into kf (float32, L1) and dotted with each of the G queries (float32); the four
- * sums are scaled by scale * kscale_t. The value rows' scales fold into p before p v. */
-static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
-                            int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
-                            float scale, float *work, float *part) {
-    const int8_t *kc = kv->k, *vc = kv->v;
-    const int64_t n = t1 - t0, J = D / 16;
-    float *qf = work, *sc = qf + G * D, *ksc = sc + (G + PV_REGS) * CHUNK, *vsc = ksc + CHUNK, *kf = vsc + CHUNK;
-    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(q[(b * H + h * G) * D + i]);
-    FOR_ROWS(t, vp, int8_t, vc) /* the chunk's scales, in key order */
-        ksc[t - t0] = kv->ks[row_] * scale;
-        vsc[t - t0] = kv->vs[row_];
-        (void)vp;
-    END_ROWS
+#if defined(__AVX512VNNI__)
+/* sum4 for int32 lanes: the four vectors' totals */
+static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+    const __m512i cd = _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
+    __m512i y = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xDD));
+    y = _mm512_add_epi32(y, _mm512_shuffle_epi32(y, 0x4E));
+    y = _mm512_add_epi32(y, _mm512_shuffle_epi32(y, 0xB1));
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                             0, 0, 0, 0), y));
+}
+
+/* int8 scores with AVX512-VNNI, D = 64 J64 <= 256: each query row is quantized to int8 as the
+ * cache rows are (absmax, `qs` its scale), and q . k is an integer dot product: vpdpbusd takes
+ * one unsigned operand, so the key codes enter as k + 128 (a sign-bit flip) and 128 sum(q) is
+ * subtracted. s_t = (sum q_i k_i) qs scale kscale_t, the sums exact in int32. */
+static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int64_t *table, int64_t h, int64_t t0,
+                           int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc, float *work,
+                           float *sc) {
+    const int64_t J64 = D / 64;
+    int8_t *qc = (int8_t *)work; /* G rows of D codes */
+    float *qs = work + G * D / 4;
+    int32_t *corr = (int32_t *)(qs + G);
+    for (int64_t g = 0; g < G; g++) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(qh[g * D + i])));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < D; i++) {
+            qc[g * D + i] = (int8_t)nearbyintf(bf16_to_f32(qh[g * D + i]) * inv);
+            sum += qc[g * D + i];
+        }
+        qs[g] = amax / 127.f;
+        corr[g] = 128 * sum;
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t t = t0; t < t1;) {
+        const int8_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
+        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D);
+        int64_t r = t % BS;
+        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
+        while (r < end) {
+            const int64_t rows = end - r < 4 ? end - r : 4;
+            __m512i k[4][4];
+            for (int64_t i = 0; i < 4; i++)
+                for (int64_t j = 0; j < J64; j++)
+                    k[i][j] = i < rows ? _mm512_xor_si512(_mm512_loadu_si512(blk + (r + i) * D + 64 * j), flip)
+                                       : _mm512_setzero_si512();
+            const __m128 ks4 = _mm_loadu_ps(ksc + t - t0); /* past n: lanes dropped below */
+            for (int64_t g = 0; g < G; g++) {
+                __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < J64; j++) {
+                    const __m512i qv = _mm512_loadu_si512(qc + g * D + 64 * j);
+                    a0 = _mm512_dpbusd_epi32(a0, k[0][j], qv);
+                    a1 = _mm512_dpbusd_epi32(a1, k[1][j], qv);
+                    a2 = _mm512_dpbusd_epi32(a2, k[2][j], qv);
+                    a3 = _mm512_dpbusd_epi32(a3, k[3][j], qv);
+                }
+                const __m128i dots = _mm_sub_epi32(sum4_epi32(a0, a1, a2, a3), _mm_set1_epi32(corr[g]));
+                const __m128 s4 = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(qs[g])), ks4);
+                if (rows == 4) {
+                    _mm_storeu_ps(sc + g * CHUNK + t - t0, s4);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, s4);
+                    for (int64_t i = 0; i < rows; i++) sc[g * CHUNK + t - t0 + i] = tmp[i];
+                }
+            }
+            r += rows;
+            t += rows;
+        }
+    }
+}
+#endif
+
+/* int8 scores in float32, D = 16 J <= 256: four key rows at a time widened once into kf (L1)
+ * and dotted with each of the G queries. */
+static void scores_i8_f32(const uint16_t *qh, const int8_t *kc, const int64_t *table, int64_t h, int64_t t0,
+                          int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc, float *work,
+                          float *sc) {
+    const int64_t J = D / 16;
+    float *qf = work, *kf = work + G * D;
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qh[i]);
     for (int64_t t = t0; t < t1;) {
         const int8_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
         if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D);
@@ -304,6 +375,29 @@ static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *ta
             t += rows;
         }
     }
+}
+
+/* AVX-512 task body for int8 rows of D = 16 J <= 256 (bf16 queries): scores (VNNI integer dot
+ * products where the CPU has them and D % 64 == 0, else float32), then p v with each value row's
+ * scale folded into p. Work: scores, then the key and value scales, then the scores' scratch. */
+static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
+                            int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                            float scale, float *work, float *part) {
+    const int8_t *kc = kv->k, *vc = kv->v;
+    const int64_t n = t1 - t0, J = D / 16;
+    const uint16_t *qh = q + (b * H + h * G) * D;
+    float *sc = work, *ksc = sc + (G + PV_REGS) * CHUNK, *vsc = ksc + CHUNK, *scratch = vsc + CHUNK;
+    FOR_ROWS(t, vp, int8_t, vc) /* the chunk's scales, in key order */
+        ksc[t - t0] = kv->ks[row_] * scale;
+        vsc[t - t0] = kv->vs[row_];
+        (void)vp;
+    END_ROWS
+#if defined(__AVX512VNNI__)
+    if (D % 64 == 0)
+        scores_i8_vnni(qh, kc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
+    else
+#endif
+        scores_i8_f32(qh, kc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
     softmax_rows(sc, part, G, D, n);
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < n; i++) sc[g * CHUNK + i] *= vsc[i];
@@ -375,8 +469,9 @@ static int paged_decode(chunk_fn body, const void *q, const kv_t *kv, const int6
     int failed = 0;
     #pragma omp parallel
     {
-        /* q (G D), scores (G + PV_REGS chunks), key and value scales (2 chunks), 4 widened rows */
-        float *work = malloc(sizeof(float) * (G * D + (G + PV_REGS + 2) * CHUNK + 4 * D));
+        /* scores (G + PV_REGS chunks), key and value scales (2 chunks), q as float32 (G D) and 4
+         * widened rows (or q's codes, scales and sums), or for the plain loops q, scores, a row */
+        float *work = malloc(sizeof(float) * ((G + PV_REGS + 2) * CHUNK + G * D + 4 * D + 2 * G));
         if (!work) failed = 1;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; c++) {
