@@ -142,6 +142,29 @@ def test_prefill_attention_equals_naive(heads, kv_heads, cached, new):
     ref_bf, _ = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
     assert bf.dtype == torch.bfloat16
     assert (bf.float() - ref_bf.float()).abs().max() < 0.03
+    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, native=True)
+    assert (native.float() - ref_bf.float()).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("kv_heads,rows,keys,total,dim", [(3, 384, 4608, 4608, 64), (2, 7, 300, 301, 128),
+                                                          (1, 13, 65, 70, 34), (2, 1, 1, 1, 32)])
+def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total, dim):
+    """``kernels/prefill_scores.c`` (exact bf16 products, float32 sums) against PyTorch's float32
+    bmm of the same bf16 values: row and key counts that fill no tile (6 rows, 64 keys), fewer
+    keys than the cache holds, a head size that is not a multiple of 16."""
+    from nextoken.layers.attention import _native_scores, _packed_keys
+    from tests.test_qweight import cpu_has
+
+    if not cpu_has("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16: prefill_attention keeps its float32 bmm (tested above)")
+    g = torch.Generator().manual_seed(rows + keys)
+    k = torch.randn(kv_heads, total, dim, generator=g).bfloat16()
+    q = torch.randn(kv_heads, rows, dim, generator=g).bfloat16()
+    packed = _packed_keys(k)
+    assert packed is not None, "the prefill scores kernel did not build (is gcc installed?)"
+    out = _native_scores(q, packed, total, keys, 0.3)
+    expected = torch.bmm(q.float(), k[:, :keys].float().transpose(1, 2)) * 0.3
+    assert out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
 def int8_caches(kc, vc, dtype):

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from nextoken.kernels import load
 from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -118,44 +120,77 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         seq_len = meta.seq_lens[i]
         k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size)  # [Hkv, S, D]
         v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size)
-        out[a:b] = prefill_attention(q[a:b], k, v, scale)
+        out[a:b] = prefill_attention(q[a:b], k, v, scale, native=meta.backend == "native")
     return out
 
 
 PREFILL_BLOCK = 128  # query rows per block of `prefill_attention`
 
 
-def prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tensor:
     """Causal attention of one prefill chunk: q ``[T, H, D]`` (positions ``S - T .. S - 1``)
     against k, v ``[Hkv, S, D]``; returns ``[T, H, D]``.
 
     Blocks of `PREFILL_BLOCK` queries, each against only the keys up to its last position (so
     the masked half of the causal square is skipped, not computed), and only the block's own
     diagonal square is masked. A KV head's `group` query heads are stacked as one
-    ``[group * rows, D]`` matrix, so GQA needs no copy of the keys. The scores ``(scale q) k^T``
-    are a float32 batched matmul (as fused kernels keep them: bf16 scores would round logits
-    of 10 by 0.02), softmaxed in float32; the probabilities are rounded to v's dtype for
-    ``p v``, a batched matmul on the matrix units in bf16. Measured on Qwen2.5-1.5B's shapes
-    (12 query heads, 2 KV heads, 128 dims, 512 tokens, bf16): 8.6 ms against 12-17 ms for
-    PyTorch's fused ``scaled_dot_product_attention`` with ``enable_gqa``. `naive_attention`
-    is the reference.
+    ``[group * rows, D]`` matrix, so GQA needs no copy of the keys. The scores ``scale (q k^T)``
+    are float32 (as fused kernels keep them: bf16 scores would round logits of 10 by 0.02):
+    with `native` and bf16 inputs our C kernel (``kernels/prefill_scores.c``: exact bf16
+    products, float32 sums, at the bf16 dot-product rate), else a float32 batched matmul, the
+    reference. Softmax in float32; the probabilities are rounded to v's dtype for ``p v``, a
+    batched matmul on the matrix units in bf16. Measured on SmolLM2's shapes after 4096 cached
+    tokens (512 new, 2 threads): the scores take 26 ms per layer as a float32 bmm.
+    `naive_attention` is the reference.
     """
     t, h, d = q.shape
     hkv, s, _ = k.shape
     group = h // hkv
     start = s - t
-    qg = (q.float() * scale).view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, group, T, D]
-    kf = k.float()
+    packed = _packed_keys(k) if native and q.dtype == k.dtype == torch.bfloat16 else None
+    if packed is not None:
+        qg = q.view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, group, T, D], bf16, scaled in the kernel
+    else:
+        qg = (q.float() * scale).view(t, hkv, group, d).permute(1, 2, 0, 3)
+        kf = k.float()
     out = torch.empty(hkv, group, t, d, dtype=q.dtype)
     for r0 in range(0, t, PREFILL_BLOCK):
         r1 = min(t, r0 + PREFILL_BLOCK)
         n, keys = r1 - r0, start + r1  # the block's last query sees keys 0 .. keys - 1
         rows = qg[:, :, r0:r1].reshape(hkv, group * n, d)
-        scores = torch.bmm(rows, kf[:, :keys].transpose(1, 2)).view(hkv, group, n, keys)
+        if packed is not None:
+            scores = _native_scores(rows.contiguous(), packed, s, keys, scale).view(hkv, group, n, keys)
+        else:
+            scores = torch.bmm(rows, kf[:, :keys].transpose(1, 2)).view(hkv, group, n, keys)
         scores[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))  # the diagonal square
         probs = scores.softmax(-1).to(v.dtype).view(hkv, group * n, keys)
         out[:, :, r0:r1] = torch.bmm(probs, v[:, :keys]).view(hkv, group, n, d)
     return out.permute(2, 0, 1, 3).reshape(t, h, d)
+
+
+def _packed_keys(k: torch.Tensor) -> torch.Tensor | None:
+    """k ``[Hkv, S, D]`` bf16 as the scores kernel reads it (``[Hkv, D / 2, S]`` pairs of dims),
+    or None when the kernel is unavailable (no AVX512-BF16, no compiler) or D is odd."""
+    lib = load("prefill_scores")
+    if lib is None or not lib.prefill_scores_supported() or k.shape[2] % 2:
+        return None
+    k = k.contiguous()
+    hkv, s, d = k.shape
+    packed = torch.empty(hkv, d // 2, s, dtype=torch.int32)
+    lib.prefill_pack_keys(_PTR(k.data_ptr()), _I64(hkv), _I64(s), _I64(d), _PTR(packed.data_ptr()))
+    return packed
+
+
+def _native_scores(rows: torch.Tensor, packed: torch.Tensor, s: int, keys: int, scale: float) -> torch.Tensor:
+    """``scale rows k^T`` float32 ``[Hkv, R, keys]`` from bf16 rows ``[Hkv, R, D]`` (contiguous)."""
+    hkv, r, d = rows.shape
+    out = torch.empty(hkv, r, keys, dtype=torch.float32)
+    rc = load("prefill_scores").prefill_scores(_PTR(rows.data_ptr()), _PTR(packed.data_ptr()), _I64(hkv), _I64(r),
+                                               _I64(s), _I64(d), _I64(keys), ctypes.c_float(scale),
+                                               _PTR(out.data_ptr()))
+    if rc:
+        raise RuntimeError(f"prefill scores kernel refused its shapes (rc {rc})")
+    return out
 
 
 DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk pads little
@@ -182,7 +217,6 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 
 
 _NATIVE_FN = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float,
