@@ -85,9 +85,11 @@ def test_a_cpu_without_vnni_is_told_so(fresh, monkeypatch, caplog):
 
 @needs_gcc
 def test_functions_have_declared_types(fresh):
-    lib = kernels.load("decode")
+    lib = kernels.load("decode")  # includes qmatmul.c and paged_attention.c
+    libs = [lib, kernels.load("prefill_scores")]
     for fn, (restype, argtypes) in kernels.SIGNATURES.items():
-        assert getattr(lib, fn).argtypes == argtypes and getattr(lib, fn).restype == restype, fn
+        f = next(getattr(x, fn) for x in libs if hasattr(x, fn))
+        assert f.argtypes == argtypes and f.restype == restype, fn
     with pytest.raises(ctypes.ArgumentError):  # a wrong argument is caught before C sees it
         lib.qmatmul_quantize(None, 0, "one row", 32, None, None)
 
