@@ -300,3 +300,18 @@ def test_page_routes_schema_and_switches(srv, tiny_gguf):
         assert httpx.get(f"{keyed.url}/v1/models", params={"key": "k"}).status_code == 401  # only /inspect
     finally:
         keyed.stop()
+
+
+def test_kv_bytes_formula_with_an_int8_cache(tiny_gguf):
+    """int8 codes plus a float32 scale per row: the formula still equals the cache's bytes, and
+    the sliding rings (gemma3) stay in the model's dtype."""
+    from nextoken import LLM
+
+    for arch in ("llama", "gemma3"):
+        eng = LLM(str(tiny_gguf[arch][0]), dtype="float32", kv_cache_dtype="int8", max_model_len=64).engine
+        v, kv = engine_view.kv_view(eng), eng.runner.kv
+        paged = kv.k.nbytes + kv.v.nbytes + kv.k_scale.nbytes + kv.v_scale.nbytes
+        assert v["bytes_per_token"] == v["measured_bytes_per_token"] == paged // (kv.num_blocks * kv.block_size)
+        assert v["formula"]["bytes_per_value"] == 1 and v["formula"]["scale_bytes_per_row"] == 4
+        if arch == "gemma3":
+            assert v["sliding"]["bytes_per_token"] == eng.config.sliding_kv_bytes_per_token(4)

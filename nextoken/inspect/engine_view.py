@@ -75,18 +75,21 @@ def beam_tree(tokenizer, search, greedy_ids: list[int], greedy_logprob: float | 
 
 def kv_view(engine) -> dict:
     """Bytes per token of this model's KV cache: the formula ``2 (K and V) x layers x KV heads x
-    head dim x bytes per value``, its value, the cache's measured bytes per token, and memory
-    against context length (the sliding-window layers keep only their window)."""
+    head dim x bytes per value`` (plus a 4-byte scale per row for an int8 cache), its value, the
+    cache's measured bytes per token, and memory against context length (the sliding-window layers
+    keep only their window, in the model's dtype)."""
     cfg, kv = engine.config, engine.runner.kv
     elt = kv.k.element_size()
+    scale_bytes = 4 if kv.quantized else 0  # one float32 scale per key / value row
     full = len(cfg.full_layers)
-    formula = 2 * full * cfg.num_kv_heads * cfg.head_dim * elt
-    sliding = cfg.sliding_kv_bytes_per_token(elt)
+    formula = 2 * full * cfg.num_kv_heads * (cfg.head_dim * elt + scale_bytes)
+    sliding = cfg.sliding_kv_bytes_per_token(kv.sliding.k.element_size()) if kv.sliding is not None else 0
     lengths = sorted({min(engine.max_model_len, 2 ** i) for i in range(4, 20)} | {engine.max_model_len})
     window = cfg.sliding_window or 0
     return {"bytes_per_token": formula, "measured_bytes_per_token": kv.bytes_per_token,
             "formula": {"kv": 2, "layers": full, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                        "bytes_per_value": elt, "dtype": str(kv.k.dtype).replace("torch.", "")},
+                        "bytes_per_value": elt, "scale_bytes_per_row": scale_bytes,
+                        "dtype": str(kv.k.dtype).replace("torch.", "")},
             "sliding": {"layers": len(cfg.sliding_layers), "window": window, "bytes_per_token": sliding},
             "per_query_heads_without_gqa": 2 * full * cfg.num_heads * cfg.head_dim * elt,
             "curve": [{"tokens": n, "bytes": n * formula + min(n, window) * sliding} for n in lengths],
