@@ -58,6 +58,18 @@
             const T *ROW = blk_ + r_ * D;
 #define END_ROWS }}
 
+/* The same walk in groups of up to four consecutive rows of one block: `rows` rows from key t
+ * on, the first at GROUP in CACHE. Close with END_ROW_GROUPS. */
+#define FOR_ROW_GROUPS(t, GROUP, rows, T, CACHE)                                                          \
+    for (int64_t t = t0; t < t1;) {                                                                       \
+        const T *blk_ = CACHE + (h * NB + table[t / BS]) * BS * D;                                        \
+        if ((t / BS + 1) * BS < t1) prefetch_rows(CACHE + (h * NB + table[t / BS + 1]) * BS * D, BS * D * (int64_t)sizeof(T)); \
+        const int64_t end_ = t % BS + (t1 - t) < BS ? t % BS + (t1 - t) : BS;                             \
+        for (int64_t r_ = t % BS, rows = 0; r_ < end_; r_ += rows, t += rows) {                           \
+            rows = end_ - r_ < 4 ? end_ - r_ : 4;                                                         \
+            const T *GROUP = blk_ + r_ * D;
+#define END_ROW_GROUPS }}
+
 /* one layer's cache as the task bodies read it; the scales only for an int8 cache */
 typedef struct {
     const void *k, *v;
@@ -259,6 +271,13 @@ static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *
         pv_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
 }
 
+/* the first `rows` of four scores */
+static inline void store_scores(float *dst, __m128 s4, int64_t rows) {
+    float tmp[4];
+    _mm_storeu_ps(tmp, s4);
+    memcpy(dst, tmp, sizeof(float) * rows);
+}
+
 #if defined(__AVX512VNNI__)
 /* sum4 for int32 lanes: the four vectors' totals */
 static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
@@ -295,42 +314,27 @@ static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int64_t *
         corr[g] = 128 * sum;
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int64_t t = t0; t < t1;) {
-        const int8_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
-        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D);
-        int64_t r = t % BS;
-        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
-        while (r < end) {
-            const int64_t rows = end - r < 4 ? end - r : 4;
-            __m512i k[4][4];
-            for (int64_t i = 0; i < 4; i++)
-                for (int64_t j = 0; j < J64; j++)
-                    k[i][j] = i < rows ? _mm512_xor_si512(_mm512_loadu_si512(blk + (r + i) * D + 64 * j), flip)
-                                       : _mm512_setzero_si512();
-            const __m128 ks4 = _mm_loadu_ps(ksc + t - t0); /* past n: lanes dropped below */
-            for (int64_t g = 0; g < G; g++) {
-                __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t j = 0; j < J64; j++) {
-                    const __m512i qv = _mm512_loadu_si512(qc + g * D + 64 * j);
-                    a0 = _mm512_dpbusd_epi32(a0, k[0][j], qv);
-                    a1 = _mm512_dpbusd_epi32(a1, k[1][j], qv);
-                    a2 = _mm512_dpbusd_epi32(a2, k[2][j], qv);
-                    a3 = _mm512_dpbusd_epi32(a3, k[3][j], qv);
-                }
-                const __m128i dots = _mm_sub_epi32(sum4_epi32(a0, a1, a2, a3), _mm_set1_epi32(corr[g]));
-                const __m128 s4 = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(qs[g])), ks4);
-                if (rows == 4) {
-                    _mm_storeu_ps(sc + g * CHUNK + t - t0, s4);
-                } else {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, s4);
-                    for (int64_t i = 0; i < rows; i++) sc[g * CHUNK + t - t0 + i] = tmp[i];
-                }
+    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc)
+        __m512i k[4][4];
+        for (int64_t i = 0; i < 4; i++)
+            for (int64_t j = 0; j < J64; j++)
+                k[i][j] = i < rows ? _mm512_xor_si512(_mm512_loadu_si512(kg + i * D + 64 * j), flip)
+                                   : _mm512_setzero_si512();
+        const __m128 ks4 = _mm_loadu_ps(ksc + t - t0); /* past n: lanes dropped by store_scores */
+        for (int64_t g = 0; g < G; g++) {
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < J64; j++) {
+                const __m512i qv = _mm512_loadu_si512(qc + g * D + 64 * j);
+                a0 = _mm512_dpbusd_epi32(a0, k[0][j], qv);
+                a1 = _mm512_dpbusd_epi32(a1, k[1][j], qv);
+                a2 = _mm512_dpbusd_epi32(a2, k[2][j], qv);
+                a3 = _mm512_dpbusd_epi32(a3, k[3][j], qv);
             }
-            r += rows;
-            t += rows;
+            const __m128i dots = _mm_sub_epi32(sum4_epi32(a0, a1, a2, a3), _mm_set1_epi32(corr[g]));
+            store_scores(sc + g * CHUNK + t - t0, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(qs[g])), ks4),
+                         rows);
         }
-    }
+    END_ROW_GROUPS
 }
 #endif
 
@@ -342,39 +346,23 @@ static void scores_i8_f32(const uint16_t *qh, const int8_t *kc, const int64_t *t
     const int64_t J = D / 16;
     float *qf = work, *kf = work + G * D;
     for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qh[i]);
-    for (int64_t t = t0; t < t1;) {
-        const int8_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
-        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D);
-        int64_t r = t % BS;
-        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
-        while (r < end) {
-            const int64_t rows = end - r < 4 ? end - r : 4;
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t j = 0; j < J; j++) _mm512_storeu_ps(kf + i * D + 16 * j, widen16_i8(blk + (r + i) * D + 16 * j));
-            for (int64_t i = rows; i < 4; i++) memset(kf + i * D, 0, sizeof(float) * D);
-            for (int64_t g = 0; g < G; g++) {
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t j = 0; j < J; j++) {
-                    const __m512 qv = _mm512_loadu_ps(qf + g * D + 16 * j);
-                    a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 16 * j), a0);
-                    a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + D + 16 * j), a1);
-                    a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 2 * D + 16 * j), a2);
-                    a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 3 * D + 16 * j), a3);
-                }
-                /* ksc past the chunk's n keys reads into vsc: those lanes are dropped */
-                const __m128 s4 = _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_loadu_ps(ksc + t - t0));
-                if (rows == 4) {
-                    _mm_storeu_ps(sc + g * CHUNK + t - t0, s4);
-                } else {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, s4);
-                    for (int64_t i = 0; i < rows; i++) sc[g * CHUNK + t - t0 + i] = tmp[i];
-                }
+    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < J; j++) _mm512_storeu_ps(kf + i * D + 16 * j, widen16_i8(kg + i * D + 16 * j));
+        for (int64_t i = rows; i < 4; i++) memset(kf + i * D, 0, sizeof(float) * D);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < J; j++) {
+                const __m512 qv = _mm512_loadu_ps(qf + g * D + 16 * j);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 16 * j), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + D + 16 * j), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 2 * D + 16 * j), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + 3 * D + 16 * j), a3);
             }
-            r += rows;
-            t += rows;
+            /* ksc past the chunk's n keys reads into vsc: those lanes are dropped by store_scores */
+            store_scores(sc + g * CHUNK + t - t0, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_loadu_ps(ksc + t - t0)), rows);
         }
-    }
+    END_ROW_GROUPS
 }
 
 /* AVX-512 task body for int8 rows of D = 16 J <= 256 (bf16 queries): scores (VNNI integer dot

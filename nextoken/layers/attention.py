@@ -97,7 +97,8 @@ def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q ``[num_tokens, H, D]``; caches ``[Hkv, num_blocks, block_size, D]`` (this layer;
-    tensors or `Int8Rows`, dequantized as gathered). Returns the output ``[num_tokens, H, D]`` and each sequence's probabilities."""
+    tensors or `Int8Rows`, dequantized as gathered). Returns the output ``[num_tokens, H, D]``
+    and each sequence's probabilities."""
     out = torch.empty_like(q)
     all_probs = []
     for i in range(meta.num_seqs):
