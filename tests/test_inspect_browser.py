@@ -66,10 +66,19 @@ def page_run(srv):
         page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
         page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
         load_s = time.perf_counter() - start
-        page.click("#demo-go")
-        page.wait_for_function("document.querySelector('#bt-stats').textContent.includes('running')", timeout=30_000)
-        assert srv.idle(120)
-        time.sleep(1.0)  # one more live event after the demo requests finished
+        before = _finished_ids(srv)
+        with page.expect_response(lambda r: "/inspect/api/demo" in r.url, timeout=30_000) as demo:
+            page.click("#demo-go")
+        assert demo.value.ok, demo.value.text()
+        sent = demo.value.json()["sent"]
+        end = time.time() + 120
+        while len(_finished_ids(srv) - before) < sent and time.time() < end:
+            time.sleep(0.1)
+        assert len(_finished_ids(srv) - before) >= sent, "the demo requests did not finish"
+        # the live view has caught up once it lists the newest finished request
+        newest = max(_finished_ids(srv), key=lambda i: int(i.rsplit("-", 1)[1]))
+        page.wait_for_function("id => new RegExp('\\\\b' + id + '\\\\b').test(document.querySelector('#w-requests').innerText)",
+                               arg=newest, timeout=30_000)
         seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
         texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
         for w in WIDGETS:
@@ -78,6 +87,11 @@ def page_run(srv):
         browser.close()
     print(f"inspector page loaded (every widget drawn) in {load_s:.2f} s")
     return {"ready": seen, "texts": texts, "errors": errors, "outside": outside}
+
+
+def _finished_ids(srv) -> set[str]:
+    state = httpx.get(f"{srv.url}/inspect/api/state", headers={"Authorization": "Bearer secret"}).json()
+    return {r["request_id"] for r in state["requests"]}
 
 
 def test_every_widget_renders_without_console_errors(page_run):
