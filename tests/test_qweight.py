@@ -69,15 +69,16 @@ def test_kernel_activation_quantization_equals_reference(portable, dtype):
 def test_kernel_equals_reference_arithmetic(type_name, portable):
     """The C kernel (AVX-512 VNNI, or its plain C loops) computes the reference's exact integer
     sums; only the float32 order of the per-group scaling differs. 80 rows (five tiles: two
-    pairs and a tile alone) against 1, 4, 6 (one full pass), 7, 13 and 50 activation rows (more
+    pairs and a tile alone), 512 columns (two super-blocks of the K-quants) against 1 and 2 (the
+    super-block path for Q4_K and Q6_K), 4, 6 (one full pass), 7, 13 and 50 activation rows (more
     than one block of 48)."""
     lib = load("qmatmul", portable)
     assert lib is not None, "the C kernel did not build (is gcc installed?)"
     assert lib.qmatmul_vectorized() == (0 if portable else int(cpu_has("avx512_vnni")))
-    w, qw = weight(type_name, 80, 256, seed=22)
+    w, qw = weight(type_name, 80, 512, seed=22)
     bias = torch.randn(80)
-    for m in (1, 4, 6, 7, 13, 50):
-        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    for m in (1, 2, 4, 6, 7, 13, 50):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         ref = qmatmul_reference(x, qw, bias)
         assert rel(qmatmul(x, qw, bias, portable=portable), ref) < 1e-5
         xb = x.to(torch.bfloat16)  # bf16 in, bf16 out

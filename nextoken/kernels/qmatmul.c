@@ -32,6 +32,10 @@
  * tile passes); pairs of tiles are split over OpenMP threads (PyTorch's own libgomp: one pool).
  * At 512 rows this runs at about 55% of the VNNI peak (the per-group float scaling is most of
  * the rest), ahead of PyTorch's bf16 matmul on the expanded weight (benchmarks/qmatmul.py).
+ * Decode (1 or 2 rows) streams the weights from memory once per token: there the K-quants scale
+ * each group's integer sum by its int8 scale in integers and apply the float32 super-block scales
+ * once per super-block (tiles_sup), and the codes are prefetched a few groups ahead; Q4_K at one
+ * row went from 60 to about 95 GB/s from L3 and from 31 to 35 GB/s from memory.
  * A portable C loop computes the same sums where VNNI is missing. Requires N % 16 == 0 and
  * K % 32 == 0.
  */
@@ -50,6 +54,12 @@
 #define TILE 16
 #define MB 6 /* activation rows per pass over the tiles */
 #define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
+#ifndef PF_FAR
+#define PF_FAR 48
+#endif
+#ifndef PF_GROUPS
+#define PF_GROUPS 8
+#endif
 
 
 /* ---- activations ------------------------------------------------------------------------ */
@@ -243,35 +253,50 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
     }
 }
 
+/* The integer sums of group g: s[nt * i + u] = sum over the group's columns of the codes of the 16
+ * rows of tile t + u times activation row m0 + i. The weight vectors are unpacked two at a time and
+ * each used mb times; each activation broadcast serves nt tiles. The codes PF_GROUPS groups ahead
+ * are prefetched (a tile's codes are one stream; the hardware alone kept the loads waiting). */
+static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int64_t t, const int64_t nt,
+                                                             const int64_t bits, const qact_t *a, int64_t m0,
+                                                             const int64_t mb, int64_t g, __m512i *s) {
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, npairs = G / 8;
+    for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
+    if (g + PF_GROUPS < ng)
+        for (int64_t u = 0; u < nt; u++) {
+            const char *pc = (const char *)(w->codes + ((t + u) * ng + g + PF_GROUPS) * gbytes);
+            for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, _MM_HINT_T0);
+        }
+    for (int p = 0; p < npairs; p++) {
+        __m512i v[2][2];
+        int c0 = 0, c1 = 0;
+        for (int64_t u = 0; u < nt; u++)
+            code_pair(w->codes + ((t + u) * ng + g) * gbytes, bits, p, &v[u][0], &v[u][1], &c0, &c1);
+        for (int64_t i = 0; i < mb; i++) {
+            const int8_t *xr = a->q + (m0 + i) * K + g * G;
+            const __m512i x0 = bcast4(xr + c0), x1 = bcast4(xr + c1);
+            for (int64_t u = 0; u < nt; u++) {
+                s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][0], x0);
+                s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][1], x1);
+            }
+        }
+    }
+}
+
 /* nt (1 or 2) tiles from t against mb activation rows from m0: acc[nt * i + s] holds the 16 rows
  * of tile t + s for activation row m0 + i. Each group's integer sums stay in registers (nt * mb
- * accumulators), the weight vectors are unpacked two at a time and each used mb times, and each
- * activation broadcast serves nt tiles. Always inlined with constant nt and mb (see run_tiles),
- * with constant bits, so everything stays in registers: nt * mb <= 12. */
+ * accumulators) and are scaled into acc group by group. Always inlined with constant nt and mb
+ * (see run_tiles), with constant bits, so everything stays in registers: nt * mb <= 12. */
 static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_t t, const int64_t nt,
                                                            const int64_t bits, const qact_t *a, int64_t m0,
                                                            const int64_t mb, __m512 *acc) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, npairs = G / 8;
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         __m512i s[2 * MB];
-        for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
-        for (int p = 0; p < npairs; p++) {
-            __m512i v[2][2];
-            int c0 = 0, c1 = 0;
-            for (int64_t u = 0; u < nt; u++)
-                code_pair(w->codes + ((t + u) * ng + g) * gbytes, bits, p, &v[u][0], &v[u][1], &c0, &c1);
-            for (int64_t i = 0; i < mb; i++) {
-                const int8_t *xr = a->q + (m0 + i) * K + g * G;
-                const __m512i x0 = bcast4(xr + c0), x1 = bcast4(xr + c1);
-                for (int64_t u = 0; u < nt; u++) {
-                    s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][0], x0);
-                    s[nt * i + u] = _mm512_dpbusd_epi32(s[nt * i + u], v[u][1], x1);
-                }
-            }
-        }
+        group_sums(w, t, nt, bits, a, m0, mb, g, s);
         __m512 sc[2], mn[2];
         for (int64_t u = 0; u < nt; u++) {
             sc[u] = vgroup(w->scales, w->scale_sup, w->gps, t + u, ng, g);
@@ -289,10 +314,60 @@ static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_
     }
 }
 
+/* tiles_mb for the super-block formats (int8 scales and mins times one float32 per super-block:
+ * Q4_K, Q6_K) and at most 2 activation rows, with fewer float operations per group: the group's
+ * integer sum times its int8 scale stays an integer (|s sc| < 2^31: 16 codes < 64 times |x| <= 127
+ * times |sc| <= 128, or 32 codes < 16 times 127 times 63) and is scaled by dx alone; the float32
+ * super-block scales are applied once per super-block:
+ *   acc += scale_sup * sum_g dx_g (s_g sc_g)  +  min_sup * sum_g min_g xsum_g,
+ * with min_g = sc_g and min_sup = -offset scale_sup where the format has no mins (Q6_K). The same
+ * sums as tiles_mb in another order (float32 rounding differs, within the reference's tolerance). */
+static inline __attribute__((always_inline)) void tiles_sup(const qw_t *w, int64_t t, const int64_t nt,
+                                                            const int64_t bits, const qact_t *a, int64_t m0,
+                                                            const int64_t mb, __m512 *acc) {
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gps = w->gps, nsb = ng / gps;
+    const float *xs = G == 16 ? a->xs16 : a->xs32;
+    for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m512 ps[4], pm[4];
+        for (int64_t i = 0; i < nt * mb; i++) ps[i] = pm[i] = _mm512_setzero_ps();
+        for (int64_t g = sb * gps; g < (sb + 1) * gps; g++) {
+            __m512i s[4], sci[2];
+            __m512 mnf[2];
+            group_sums(w, t, nt, bits, a, m0, mb, g, s);
+            for (int64_t u = 0; u < nt; u++) {
+                const int64_t at = ((t + u) * ng + g) * TILE;
+                sci[u] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scales + at)));
+                mnf[u] = _mm512_cvtepi32_ps(w->mins ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->mins + at)))
+                                                    : sci[u]);
+            }
+            for (int64_t i = 0; i < mb; i++) {
+                const __m512 dx = _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]);
+                const __m512 xsum = _mm512_set1_ps(xs[(m0 + i) * ng + g]);
+                for (int64_t u = 0; u < nt; u++) {
+                    ps[nt * i + u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(s[nt * i + u], sci[u])), dx, ps[nt * i + u]);
+                    pm[nt * i + u] = _mm512_fmadd_ps(mnf[u], xsum, pm[nt * i + u]);
+                }
+            }
+        }
+        for (int64_t u = 0; u < nt; u++) {
+            const int64_t at = ((t + u) * nsb + sb) * TILE;
+            const __m512 ssup = _mm512_loadu_ps(w->scale_sup + at);
+            const __m512 msup = w->mins ? _mm512_loadu_ps(w->min_sup + at) : _mm512_mul_ps(ssup, _mm512_set1_ps(-(float)w->offset));
+            for (int64_t i = 0; i < mb; i++) {
+                acc[nt * i + u] = _mm512_fmadd_ps(ps[nt * i + u], ssup, acc[nt * i + u]);
+                acc[nt * i + u] = _mm512_fmadd_ps(pm[nt * i + u], msup, acc[nt * i + u]);
+            }
+        }
+    }
+}
+
 #define TILES_MB(NT, BITS)                                           \
     switch (mb) {                                                    \
-    case 1: tiles_mb(w, t, NT, BITS, a, m0, 1, acc); break;          \
-    case 2: tiles_mb(w, t, NT, BITS, a, m0, 2, acc); break;          \
+    case 1: if (sup) tiles_sup(w, t, NT, BITS, a, m0, 1, acc);       \
+            else tiles_mb(w, t, NT, BITS, a, m0, 1, acc); break;     \
+    case 2: if (sup) tiles_sup(w, t, NT, BITS, a, m0, 2, acc);       \
+            else tiles_mb(w, t, NT, BITS, a, m0, 2, acc); break;     \
     case 3: tiles_mb(w, t, NT, BITS, a, m0, 3, acc); break;          \
     case 4: tiles_mb(w, t, NT, BITS, a, m0, 4, acc); break;          \
     case 5: tiles_mb(w, t, NT, BITS, a, m0, 5, acc); break;          \
@@ -311,6 +386,7 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
                       void *y, int y_bf16, int64_t ldy) {
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
         const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
+        const int sup = w->scale_sup && (!w->mins || w->min_sup); /* the super-block formats */
         __m512 acc[2 * MB];
         if (nt == 2) { TILES_BITS(2) } else { TILES_BITS(1) }
         for (int64_t u = 0; u < nt; u++) {
