@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, naive_attention, native_decode_attention, \
-    paged_attention, paged_attention_reference, prefill_attention
+from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, causal_mask, naive_attention, \
+    native_decode_attention, paged_attention, paged_attention_reference, prefill_attention
 
 H, HKV, D, BS, NB = 4, 2, 16, 4, 1000
 
@@ -165,6 +165,30 @@ def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total,
     out = _native_scores(q, packed, total, keys, 0.3)
     expected = torch.bmm(q.float(), k[:, :keys].float().transpose(1, 2)) * 0.3
     assert out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads,group,n,keys", [(2, 6, 128, 4608), (3, 3, 7, 300), (1, 1, 1, 1), (2, 2, 5, 5)])
+def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys):
+    """``prefill_softmax`` (causal mask, float32 softmax, bf16 probabilities) against PyTorch's
+    masked softmax rounded to bf16: the same up to one bf16 rounding step of float32 noise, zeros
+    exactly where the mask hides a key; scores spread over +-30 so some exps underflow. Shapes:
+    Qwen2.5-1.5B's block after 4480 keys, row counts that fill no vector, one key, a square."""
+    from nextoken.layers.attention import _native_softmax
+    from tests.test_qweight import cpu_has
+
+    if not cpu_has("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16: prefill_attention keeps PyTorch's softmax (tested above)")
+    g = torch.Generator().manual_seed(keys + n)
+    scores = torch.randn(kv_heads, group, n, keys, generator=g) * 10
+    scores[..., : keys // 3] *= 3
+    ref = scores.clone()
+    ref[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))
+    ref = ref.softmax(-1).to(torch.bfloat16).float().view(kv_heads, group * n, keys)
+    out = _native_softmax(scores.view(kv_heads, group * n, keys).contiguous(), group, n).float()
+    hidden = torch.arange(keys)[None, :] > torch.arange(keys - n, keys)[:, None]  # [n, keys]
+    assert (out.view(kv_heads, group, n, keys)[..., hidden] == 0).all()
+    assert torch.allclose(out, ref, rtol=2 ** -8, atol=1e-30)
+    assert torch.allclose(out.sum(-1), torch.ones(kv_heads, group * n), atol=2e-2)
 
 
 def int8_caches(kc, vc, dtype):

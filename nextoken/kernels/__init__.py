@@ -122,6 +122,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "prefill_scores_supported": (_INT, []),
     "prefill_pack_keys": (None, [P, _I64, _I64, _I64, P]),
     "prefill_scores": (_INT, [P, P, _I64, _I64, _I64, _I64, _I64, _F32, P]),
+    "prefill_softmax": (_INT, [P, _I64, _I64, _I64, _I64, P]),
     "kv_quantize_rows": (None, [P, _I64, _I64, P, P]),
     "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
                              _F32, _F32]),
