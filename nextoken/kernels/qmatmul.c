@@ -384,9 +384,9 @@ static inline __attribute__((always_inline)) void tiles_sup(const qw_t *w, int64
 /* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, MB rows per pass. */
 static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
                       void *y, int y_bf16, int64_t ldy) {
+    const int sup = w->scale_sup && (!w->mins || w->min_sup); /* the super-block formats (tiles_sup) */
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
         const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
-        const int sup = w->scale_sup && (!w->mins || w->min_sup); /* the super-block formats */
         __m512 acc[2 * MB];
         if (nt == 2) { TILES_BITS(2) } else { TILES_BITS(1) }
         for (int64_t u = 0; u < nt; u++) {

@@ -174,8 +174,8 @@ def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tens
 
 def _packed_keys(k: torch.Tensor) -> torch.Tensor | None:
     """k ``[Hkv, S, D]`` bf16 as the scores kernel reads it (``[Hkv, ceil(S / 64), D / 2, 64]``:
-    tiles of 64 keys, each word a pair of dims),
-    or None when the kernel is unavailable (no AVX512-BF16, no compiler) or D is odd."""
+    tiles of 64 keys, each word a pair of dims), or None when the kernel is unavailable (no
+    AVX512-BF16, no compiler) or D is odd."""
     lib = load("prefill_scores")
     if lib is None or not lib.prefill_scores_supported() or k.shape[2] % 2:
         return None
@@ -260,11 +260,10 @@ def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[in
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     out = torch.empty_like(q)
     hkv, nb, bs, d = k_cache.shape
-    ptr = _PTR
-    head = [ptr(q.data_ptr()), *(ptr(c.data_ptr()) for c in caches)]  # q, k, v (, k scales, v scales)
+    head = [_PTR(q.data_ptr()), *(_PTR(c.data_ptr()) for c in caches)]  # q, k, v (, k scales, v scales)
     fn = getattr(lib, "paged_decode_int8" if int8 else _NATIVE_FN[q.dtype])
-    failed = fn(*head, ptr(tables.data_ptr()), _I64(tables.shape[1]), ptr(lens.data_ptr()), _I64(q.shape[0]),
-                _I64(q.shape[1]), _I64(hkv), _I64(d), _I64(nb), _I64(bs), ctypes.c_float(scale), ptr(out.data_ptr()))
+    failed = fn(*head, _PTR(tables.data_ptr()), _I64(tables.shape[1]), _PTR(lens.data_ptr()), _I64(q.shape[0]),
+                _I64(q.shape[1]), _I64(hkv), _I64(d), _I64(nb), _I64(bs), ctypes.c_float(scale), _PTR(out.data_ptr()))
     if failed:
         raise MemoryError("paged attention kernel could not allocate its score buffer")
     return out
