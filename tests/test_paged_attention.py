@@ -146,6 +146,29 @@ def test_prefill_attention_equals_naive(heads, kv_heads, cached, new):
     assert (native.float() - ref_bf.float()).abs().max() < 0.03
 
 
+def test_prefill_blocks_capped_by_the_scores_budget(monkeypatch):
+    """After many keys the blocks shrink to keep their scores within `SCORES_BUDGET` (here made
+    small: blocks of 20, 20 and 10 rows), and the scratch buffers, reused from a larger call and
+    poisoned with NaN, hold no stale values: both paths still equal the float32 reference."""
+    import nextoken.layers.attention as attention
+
+    heads, kv_heads, cached, new = 6, 2, 250, 50
+    monkeypatch.setattr(attention, "SCORES_BUDGET", 4 * heads * (cached + new) * 20)
+    assert attention.prefill_block_rows(heads, cached + new) == 20
+    g = torch.Generator().manual_seed(11)
+    big = [torch.randn(kv_heads, 700, 32, generator=g).bfloat16() for _ in range(2)]
+    prefill_attention(torch.randn(40, heads, 32, generator=g).bfloat16(), *big, 0.3, native=True)  # grows scratch
+    for buf in attention._scratch.buffers.values():  # a value left unwritten would show as NaN
+        buf.fill_(float("nan"))
+    q = torch.randn(new, heads, 32, generator=g)
+    k, v = torch.randn(kv_heads, cached + new, 32, generator=g), torch.randn(kv_heads, cached + new, 32, generator=g)
+    expected, _ = naive_attention(q, k, v, 0.3)
+    assert torch.allclose(prefill_attention(q, k, v, 0.3), expected, atol=1e-5)
+    ref_bf, _ = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
+    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, native=True)
+    assert (native.float() - ref_bf.float()).abs().max() < 0.03
+
+
 @pytest.mark.parametrize("kv_heads,rows,keys,total,dim", [(3, 384, 4608, 4608, 64), (2, 7, 300, 301, 128),
                                                           (1, 13, 65, 70, 34), (2, 1, 1, 1, 32)])
 def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total, dim):
