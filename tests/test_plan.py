@@ -35,6 +35,7 @@ def test_default_bf16_plan_uses_our_kernels(quantized):
     assert runner.plan.codes and runner.plan.attention == "native" and runner.plan.native_decode
     assert methods(runner) == {CodesMethod}
     assert runner.native_decoder is not None
+    assert runner.plan.native_activations and all(layer.mlp.native_act for layer in runner.model.layers)
 
 
 def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
@@ -43,12 +44,13 @@ def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
     assert not runner.plan.codes and runner.plan.attention == "torch" and not runner.plan.native_decode
     assert TorchInt4Method in methods(runner) and CodesMethod not in methods(runner)  # (small k: dense)
     assert runner.native_decoder is None
+    assert not runner.plan.native_activations and not any(layer.mlp.native_act for layer in runner.model.layers)
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("a C kernel was asked for under enforce_eager")
 
     for module in ("nextoken.kernels", "nextoken.layers.attention", "nextoken.layers.quantization.qweight",
-                   "nextoken.layers.native_decode"):
+                   "nextoken.layers.native_decode", "nextoken.layers.activation"):
         monkeypatch.setattr(f"{module}.load", no_kernels)
     seq = OneSequence(runner)
     logits = seq.forward(PROMPT)

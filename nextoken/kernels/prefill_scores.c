@@ -28,6 +28,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include "vmath.h" /* exp16 */
 #define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
@@ -107,22 +108,6 @@ int prefill_scores(const uint16_t *q, const uint32_t *packed, int64_t Hkv, int64
 }
 
 #if HAVE_BF16_DOT
-/* e^x for x <= 0 (x - max of a row), 16 lanes; 0 for x far below (scalef underflows cleanly) */
-static inline __m512 exp16(__m512 x) {
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x); /* ln 2 = 0.693359375 - 2.12194440e-4 */
-    f = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, k);
-}
 
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 

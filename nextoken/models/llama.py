@@ -60,17 +60,19 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    """Gated feed-forward: ``down(act(gate(x), up(x)))``; `act` SwiGLU (Llama) or GeGLU (Gemma)."""
+    """Gated feed-forward: ``down(act(gate(x), up(x)))``; `act` SwiGLU (Llama) or GeGLU (Gemma).
+    `native_act` (set by the execution plan at load) lets `act` take our C kernel."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act=silu_and_mul):
         super().__init__()
         self.act = act
+        self.native_act = False
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), native=self.native_act))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

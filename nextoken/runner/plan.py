@@ -12,7 +12,9 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   kernel reading the paged cache in place, blocked matmuls for prefill) or ``torch`` (the same
   without the C kernel); carried to the layers in `AttentionMetadata.backend`;
 - **native decode**: whether a batch of single-token decodes runs every layer in one C call
-  (`layers.native_decode`): bf16, an architecture it implements, every projection as codes.
+  (`layers.native_decode`): bf16, an architecture it implements, every projection as codes;
+- **activations**: the gated feed-forward's activation on our C kernel (bf16, kernels on) or
+  PyTorch; set on each MLP's ``native_act`` at load.
 
 ``enforce_eager`` fixes all of these to PyTorch at load; nothing reads a process-wide switch
 while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has the same effect as
@@ -46,6 +48,7 @@ class ExecutionPlan:
     dense_weights: bool  # with torch_int4: keep a dense copy too
     attention: str  # "reference" | "native" | "torch"
     native_decode: bool = False
+    native_activations: bool = False
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
 
     @classmethod
@@ -69,7 +72,9 @@ class ExecutionPlan:
             attention = "native"
         else:
             attention = "torch"
-        return cls(dtype, codes, quantized and not codes, dense_weights, attention, reasons=reasons)
+        activations = native and dtype == torch.bfloat16 and kernels.load("activation") is not None
+        return cls(dtype, codes, quantized and not codes, dense_weights, attention,
+                   native_activations=activations, reasons=reasons)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -90,9 +95,13 @@ class ExecutionPlan:
 
     def settle(self, model) -> None:
         """After loading: whether the one-call C decode step runs `model` (bf16, an architecture
-        it implements, no sliding-window layers, every projection as codes, the kernel builds)."""
+        it implements, no sliding-window layers, every projection as codes, the kernel builds),
+        and the activations' kernel set on every MLP that has the switch."""
         from nextoken.layers.native_decode import NativeDecoder
 
+        for m in model.modules():
+            if hasattr(m, "native_act"):
+                m.native_act = self.native_activations
         self.native_decode = NativeDecoder.supports(model) and self.codes and kernels.load("decode") is not None
         if not self.native_decode and self.codes:
             self.reasons["native decode"] = "not for this architecture or these weights" \
@@ -110,6 +119,8 @@ class ExecutionPlan:
         emb_form = "codes" if emb.qweight is not None else "q8_0" if emb.q8 is not None else "dense"
         linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
         decode = "one C call per step" if self.native_decode else "PyTorch layers"
+        act = "C" if self.native_activations else "PyTorch"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         return (f"execution plan: {str(self.dtype).removeprefix('torch.')}; linears: {linears}; embedding: {emb_form}; "
-                f"attention: {self.attention}; decode step: {decode}" + (f" ({off})" if off else ""))
+                f"attention: {self.attention}; activations: {act}; decode step: {decode}"
+                + (f" ({off})" if off else ""))

@@ -1,0 +1,74 @@
+/* SwiGLU on bf16 rows: y = silu(g) * u, with silu(x) = x / (1 + e^-x) (Shazeer 2020).
+ * nextoken's own kernel; its reference is layers/activation.py's PyTorch expression
+ * ``F.silu(gate) * up``, and it rounds as that does (and as decode.c's one-call decode does):
+ * silu(g) in float32 rounded to bf16, times u in float32, rounded to bf16 (to nearest even). The
+ * values are PyTorch's except where the last bits of e^-x move a rounding. One pass over g, u and
+ * y instead of PyTorch's two (silu, then the product), split over OpenMP threads; e^-x by exp16
+ * (vmath.h). A plain C loop where AVX-512 is missing.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include "vmath.h"
+#define ACT_AVX512 1
+#else
+#define ACT_AVX512 0
+#endif
+
+#define CHUNK 4096 /* elements per OpenMP task */
+
+#if ACT_AVX512
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* v rounded to bf16 (to nearest even) and back to float32 */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* round to nearest even, as f32_to_bf16 (NaN kept a quiet NaN) */
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m512i h = _mm512_srli_epi32(u, 16);
+    h = _mm512_mask_or_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                             _mm512_srli_epi32(_mm512_castps_si512(v), 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(h));
+}
+#endif
+
+static void silu_mul_range(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t begin, int64_t end) {
+#if ACT_AVX512
+    const __m512 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-100.f), hi = _mm512_set1_ps(100.f);
+    for (int64_t i = begin; i < end; i += 16) {
+        const __mmask16 m = end - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (end - i)) - 1);
+        const __m512 x = load_bf16(g + i, m), v = load_bf16(u + i, m);
+        /* -x clamped to +-100 (e^100 overflows to inf anyway; exp16 of +-inf would be NaN) */
+        const __m512 e = exp16(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), lo), hi));
+        store_bf16(y + i, _mm512_mul_ps(round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e))), v), m);
+    }
+#else
+    for (int64_t i = begin; i < end; i++) {
+        const float x = bf16_to_f32(g[i]);
+        y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(x / (1.f + expf(-x)))) * bf16_to_f32(u[i]));
+    }
+#endif
+}
+
+/* y[i] = silu(g[i]) * u[i] for i < n; g, u, y bf16 (y may be g or u). */
+void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for schedule(static) if (chunks > 4)
+    for (int64_t c = 0; c < chunks; c++)
+        silu_mul_range(g, u, y, c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n);
+}
+
+int activation_vectorized(void) { return ACT_AVX512; }
