@@ -190,12 +190,15 @@ def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total,
     assert out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("shift", [0.0, -400.0, 400.0])
 @pytest.mark.parametrize("kv_heads,group,n,keys", [(2, 6, 128, 4608), (3, 3, 7, 300), (1, 1, 1, 1), (2, 2, 5, 5)])
-def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys):
+def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys, shift):
     """``prefill_softmax`` (causal mask, float32 softmax, bf16 probabilities) against PyTorch's
     masked softmax rounded to bf16: the same up to one bf16 rounding step of float32 noise, zeros
-    exactly where the mask hides a key; scores spread over +-30 so some exps underflow. Shapes:
-    Qwen2.5-1.5B's block after 4480 keys, row counts that fill no vector, one key, a square."""
+    exactly where the mask hides a key; scores spread over +-30 so some exps underflow, and
+    shifted far below or above zero (Qwen2.5-1.5B's first query of a prompt scores about -400:
+    a row's maximum must come from its visible keys alone). Shapes: Qwen2.5-1.5B's block after
+    4480 keys, row counts that fill no vector, one key, a square."""
     from nextoken.layers.attention import _native_softmax
     from tests.test_qweight import cpu_has
 
@@ -204,6 +207,7 @@ def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys):
     g = torch.Generator().manual_seed(keys + n)
     scores = torch.randn(kv_heads, group, n, keys, generator=g) * 10
     scores[..., : keys // 3] *= 3
+    scores += shift
     ref = scores.clone()
     ref[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))
     ref = ref.softmax(-1).to(torch.bfloat16).float().view(kv_heads, group * n, keys)

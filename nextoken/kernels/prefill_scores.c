@@ -113,9 +113,10 @@ static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : 
 
 /* one row: s [keys] float32 (overwritten with exp), p [keys] bf16; keys 0 .. visible - 1 count */
 static void softmax_row(float *s, uint16_t *p, int64_t keys, int64_t visible) {
-    __m512 vmax = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t t = 0; t < visible; t += 16)
-        vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(first(visible - t), s + t));
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+    __m512 vmax = ninf;
+    for (int64_t t = 0; t < visible; t += 16) /* lanes past the row's end read as -inf, not 0 */
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, first(visible - t), s + t));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t t = 0; t < visible; t += 16) {
