@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import resource
 import statistics
@@ -46,10 +47,11 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
     skip = set(llm.tokenizer.special_ids) if hasattr(llm.tokenizer, "special_ids") else set()
     vocab = llm.config.vocab_size
 
-    def greedy(n):
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    def greedy(n, logprobs=None):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
 
-    llm.generate([_prompt(a.prompt_tokens, vocab, 99, skip)], greedy(4))  # warm-up (and compiles)
+    warm = llm.generate([_prompt(a.prompt_tokens, vocab, 99, skip)], greedy(4, logprobs=1))  # warm-up (and compiles)
+    _check_finite(warm[0])
     if batched:
         prompts = [_prompt(a.batch_prompt_tokens, vocab, i, skip) for i in range(a.batch)]
         t = time.perf_counter()
@@ -70,6 +72,16 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
             "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
 
 
+def _check_finite(out) -> None:
+    """A timing of garbage is no timing: NaN arithmetic runs faster than real numbers (a NaN bug in
+    the C prefill softmax once inflated Qwen2.5-1.5B's figures), so the warm-up's log-probabilities
+    must be finite."""
+    lps = [v for step in out.outputs[0].logprobs for v in step.values()]
+    if not all(math.isfinite(v) for v in lps):
+        raise RuntimeError(f"the model produced non-finite log-probabilities on the warm-up prompt ({lps[:4]}): "
+                           "its timings would be meaningless")
+
+
 def _sizes(llm) -> dict:
     """Weights, KV cache, and the KV bytes each cached token adds (all layers, keys and values)."""
     import torch
@@ -84,7 +96,7 @@ def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
     once (prefix caching keeps it); each prefill run then adds a fresh `a.prompt_tokens`-token
     suffix (timed to its first token), and the decode run generates after the cached context."""
     context = _prompt(a.depth, vocab, 2, skip)
-    llm.generate([context], greedy(1))  # the context, cached (not timed)
+    _check_finite(llm.generate([context], greedy(1, logprobs=1))[0])  # the context, cached (not timed)
     ttfts = [llm.generate([context + _prompt(a.prompt_tokens, vocab, 10 + i, skip)], greedy(1))[0].metrics.ttft
              for i in range(a.repeat)]
     m = llm.generate([context + _prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0].metrics
