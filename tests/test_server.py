@@ -382,3 +382,102 @@ def test_max_tokens_default_flag_is_checked():
     assert build_parser().parse_args(["serve", "--max-tokens-default", "64"]).max_tokens_default == 64
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-tokens-default", "0"])
+
+
+# -- what routers send and read (vllm-router, sglang-router) ---------------------------------
+ROUTER_COMPLETION_FIELDS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                            "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT_FIELDS = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+                      "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+                      "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_router_request_fields_are_accepted(smol):
+    """vllm-router 0.1.17 adds these fields, at these values, to every request it forwards
+    (captured from its traffic); the answer is the same as without them."""
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    chat = {"model": "smollm2", "messages": FRANCE, "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=smol.url, timeout=60) as h:
+        plain = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        routed = h.post("/v1/completions", json={**body, **ROUTER_COMPLETION_FIELDS})
+        assert routed.status_code == 200 and routed.json()["choices"][0]["text"] == plain
+        plain = h.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        routed = h.post("/v1/chat/completions", json={**chat, **ROUTER_CHAT_FIELDS})
+        assert routed.status_code == 200 and routed.json()["choices"][0]["message"]["content"] == plain
+        tok = h.post("/tokenize", json={"model": "smollm2", "continue_final_message": False, "messages": FRANCE})
+        assert tok.status_code == 200 and tok.json()["count"] > 10
+        for path, extra in (("/v1/completions", {"return_hidden_states": True}),
+                            ("/v1/chat/completions", {"continue_final_message": True})):
+            r = h.post(path, json={**(body if "chat" not in path else chat), **extra})
+            name = next(iter(extra))
+            assert r.status_code == 400 and r.json()["error"]["param"] == name
+            assert r.json()["error"]["message"] == f"{name} true is not supported"
+
+
+@pytest.mark.parametrize("flag", ["include_stop_str_in_output", "no_stop_trim"])
+def test_stop_string_kept_on_request(smol, flag):
+    """vLLM's include_stop_str_in_output (SGLang's no_stop_trim) keeps the stop string, as
+    `SamplingParams.include_stop_str_in_output` does offline."""
+    prompt = "The capital of France is"
+    free = smol.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    stop = free.split()[1]  # the second word: generation runs past the first to meet it
+    expected = smol.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop],
+                                                        include_stop_str_in_output=True))[0].outputs[0].text
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    with httpx.Client(base_url=smol.url, timeout=60) as h:
+        kept = h.post("/v1/completions", json={**body, flag: True}).json()["choices"][0]["text"]
+        cut = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert kept == expected and kept.endswith(stop) and kept == cut + stop
+
+
+def test_vllm_metric_names_and_prefix_cache_tokens(smol):
+    """vLLM's metric names sit beside ours; vllm:prefix_cache_hits counts the prompt tokens the
+    prefix cache supplied, which is what each answer's usage reports as cached_tokens."""
+    def scrape(h) -> dict:
+        out = {}
+        for line in h.get("/metrics").text.splitlines():
+            if line.startswith("vllm:") and 'model_name="smollm2"' in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    prompt = "A long shared preamble about the history of astronomy and the stars. " * 6
+    with httpx.Client(base_url=smol.url, timeout=60) as h:
+        before = scrape(h)
+        usages = [h.post("/v1/completions", json={"prompt": prompt + tail, "max_tokens": 2, "temperature": 0})
+                  .json()["usage"] for tail in ("First.", "Second.")]
+        after = scrape(h)
+        load = h.get("/get_load").json()
+    key = 'vllm:prefix_cache_hits_total{model_name="smollm2"}'
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached >= 48 and after[key] - before.get(key, 0) == cached
+    queries = 'vllm:prefix_cache_queries_total{model_name="smollm2"}'
+    assert after[queries] - before.get(queries, 0) == sum(u["prompt_tokens"] for u in usages)
+    for name in ('vllm:num_requests_running{model_name="smollm2"}', 'vllm:num_requests_waiting{model_name="smollm2"}',
+                 'vllm:kv_cache_usage_perc{model_name="smollm2"}', 'vllm:gpu_cache_usage_perc{model_name="smollm2"}',
+                 'vllm:prompt_tokens_total{model_name="smollm2"}', 'vllm:generation_tokens_total{model_name="smollm2"}',
+                 'vllm:time_to_first_token_seconds_count{model_name="smollm2"}',
+                 'vllm:inter_token_latency_seconds_count{model_name="smollm2"}',
+                 'vllm:e2e_request_latency_seconds_count{model_name="smollm2"}'):
+        assert name in after, name
+    gen = 'vllm:generation_tokens_total{model_name="smollm2"}'
+    assert after[gen] - before.get(gen, 0) == 4
+    assert load == {"load": 0, "num_reqs": 0, "num_waiting_reqs": 0}
+
+
+def test_warm_up_forgets_its_counts_and_refuses_a_broken_model(tiny_gguf):
+    """`LLMEngine.warm_up` (what `nextoken serve` runs before /health answers 200) leaves no
+    trace in the counters, and a model whose output is NaN is a load error, not a server."""
+    import torch
+
+    from nextoken.errors import ModelLoadError
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    llm.engine.warm_up()
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_queries"] == 0 and stats["prefix_cache_hits"] == 0
+    assert not llm.engine.has_unfinished_requests()
+    with torch.no_grad():
+        llm.engine.runner.model.norm.fill_(float("nan"))
+    with pytest.raises(ModelLoadError, match="non-finite"):
+        llm.engine.warm_up()

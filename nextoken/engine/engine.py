@@ -459,13 +459,38 @@ class LLMEngine:
                     self.abort_request(rid)
         return [final[rid] for rid in request_ids]
 
+    def warm_up(self) -> None:
+        """Run one short greedy request (a prefill and a decode step) so that the first client
+        does not pay for first-touch costs (the weights' pages, thread pools, kernel setup); a
+        server answers /health only after it. The prefix-cache and speculative counters forget
+        it. Raises `ModelLoadError` when the model's log-probabilities are not finite (a broken
+        file or kernel: serving it would only give garbage)."""
+        import math
+
+        from nextoken.errors import ModelLoadError
+        from nextoken.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+        rid = self.add_request(self.tokenizer.encode("Hello"), params, request_id="warm-up")
+        out = self.run_until_finished([rid])[0]
+        lps = [v for step in out.outputs[0].logprobs for v in step.values()]
+        if not all(math.isfinite(v) for v in lps):
+            raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt ({lps}); "
+                                 "its weights or this build's kernels are broken (try --enforce-eager)")
+        self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
+        self.kv.pool.hits = self.kv.pool.queries = 0
+        self.spec_counts = dict.fromkeys(self.spec_counts, 0)
+
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Queue lengths, KV cache usage (0..1) and prefix-cache hit rate."""
+        """Queue lengths, KV cache usage (0..1), the prefix cache's block hit rate and its token
+        counts (prompt tokens looked up, and found), preemptions, speculative decoding's counts."""
         pool = self.kv.pool
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
                 "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
+                "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+                "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted,
                 **self.spec_stats()}
 

@@ -40,6 +40,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.forking: list[Request] = []  # completions waiting for their parent's prompt
         self.num_preemptions = 0  # since the start
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache, since the start
+        self.prefix_cache_hits = 0  # ... and found there
 
     # -- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -95,7 +97,8 @@ class Scheduler:
             req = self.waiting[0]
             # a traced or scored request computes every token (its trace, its prompt logprobs)
             full = req.tracer is not None or req.params.prompt_logprobs is not None
-            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 and not full else []
+            lookup = req.num_computed_tokens == 0 and not full and self.kv.enable_caching
+            computed = self.kv.get_computed_blocks(req) if lookup else []
             num_cached = len(computed) * self.kv.block_size
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:
@@ -105,6 +108,9 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, computed):
                 return
             self.waiting.popleft()
+            if lookup:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
             req.num_computed_tokens += num_cached
             if not req.admitted:
                 req.num_cached_tokens = req.num_computed_tokens

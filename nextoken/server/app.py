@@ -132,7 +132,7 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     ``started`` (a Unix time)."""
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = state
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(config.model_name)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
@@ -211,6 +211,14 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
         stats = engine().engine.stats() if state.engine else {"running": 0, "waiting": 0, "kv_cache_usage": 0.0,
                                                               "prefix_cache_hit_rate": 0.0}
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report, read by the routers derived from SGLang's (vllm-router's
+        ``/get_loads``, its ``power_of_two`` policy): the requests running plus waiting."""
+        stats = engine().engine.stats()
+        return {"load": stats["running"] + stats["waiting"], "num_reqs": stats["running"],
+                "num_waiting_reqs": stats["waiting"]}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

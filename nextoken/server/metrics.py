@@ -1,4 +1,12 @@
-"""Prometheus metrics of the server (one registry per app, so tests can run several)."""
+"""Prometheus metrics of the server (one registry per app, so tests can run several).
+
+Two families describe the same numbers: ours (``nextoken_*``) and vLLM's (``vllm:*``, labelled
+with ``model_name``), so that routers, autoscalers and dashboards built for vLLM can score a
+nextoken replica unchanged. vLLM's names and units follow its production metrics
+(docs.vllm.ai, "Production Metrics"): the prefix-cache counters count prompt tokens looked up
+and found, ``vllm:kv_cache_usage_perc`` is a fraction (0..1), and ``vllm:gpu_cache_usage_perc``
+is its older name, kept for the routers that still read it.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,9 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "nextoken"):
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(r, model_name)
         self.ttft = Histogram("nextoken_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("nextoken_time_per_output_token_seconds", "Time per output token after the first",
@@ -45,6 +54,7 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_output_tokens)
+        self.vllm.observe(out)
 
     def render(self, stats: dict) -> bytes:
         self.running.set(stats["running"])
@@ -57,4 +67,57 @@ class ServerMetrics:
             self._spec_seen[key] = value
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
         self.spec_length.set(stats.get("spec_mean_accepted_length", 0.0))
+        self.vllm.render(stats)
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """vLLM's metric names over the same numbers, labelled ``model_name`` (the served name).
+    Counters that follow an engine total (preemptions, prefix-cache tokens) advance by the
+    total's growth at each scrape."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str):
+        label = {"labelnames": ["model_name"], "registry": r}
+        self.model_name = model_name
+        self.gauges = [(key, Gauge(f"vllm:{name}", doc, **label)) for key, name, doc in (
+            ("running", "num_requests_running", "Requests in the running batch"),
+            ("waiting", "num_requests_waiting", "Requests waiting to be scheduled"),
+            ("kv_cache_usage", "kv_cache_usage_perc", "KV cache usage (1 = all blocks in use)"),
+            ("kv_cache_usage", "gpu_cache_usage_perc", "KV cache usage (1 = all blocks in use); older name"))]
+        self.totals = {key: Counter(f"vllm:{name}", doc, **label) for key, name, doc in (
+            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            ("num_preemptions", "num_preemptions", "Requests preempted (their KV blocks freed) since the start"))}
+        self._seen = {key: 0 for key in self.totals}
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", **label)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", **label)
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason",
+                               labelnames=["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              **label)
+        self.itl = [Histogram(f"vllm:{name}", "Time per output token after the first", buckets=TOKEN_BUCKETS,
+                              **label) for name in ("inter_token_latency_seconds", "time_per_output_token_seconds")]
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, **label)
+
+    def observe(self, out) -> None:
+        m, name = out.metrics, self.model_name
+        if m.ttft is not None:
+            self.ttft.labels(name).observe(m.ttft)
+        if m.tpot is not None:
+            for h in self.itl:
+                h.labels(name).observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        self.prompt_tokens.labels(name).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(m.num_output_tokens)
+        for c in out.outputs:
+            self.success.labels(name, c.finish_reason or "abort").inc()
+
+    def render(self, stats: dict) -> None:
+        for key, gauge in self.gauges:
+            gauge.labels(self.model_name).set(stats.get(key, 0))
+        for key, counter in self.totals.items():
+            value = stats.get(key, 0)
+            counter.labels(self.model_name).inc(max(0, value - self._seen[key]))
+            self._seen[key] = value

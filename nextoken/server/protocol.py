@@ -108,6 +108,12 @@ class _Sampling(Body):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     watermark: bool = False  # TGI's green-list watermark (the server's --watermark-gamma/--watermark-delta)
+    # vLLM's detokenization options; no_stop_trim is SGLang's name for include_stop_str_in_output
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+    # sent by routers (vllm-router, sglang-router) with every request, at these values only
+    return_hidden_states: Literal[False] = False
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, or None. Raises `InvalidRequest`
@@ -152,7 +158,8 @@ class _Sampling(Body):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured_outputs=structured, watermark=self.watermark, prompt_logprobs=prompt_logprobs,
         )
@@ -249,6 +256,13 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    continue_final_message: Literal[False] = False  # vLLM's; routers send it (false)
+    # reasoning-parser switches (vLLM's include_reasoning, SGLang's separate_reasoning and
+    # stream_reasoning): nextoken has no reasoning parser, so there is no separate reasoning
+    # text to include, separate or stream, and either value gives the same answer
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class TokenizePromptRequest(Body):
@@ -260,6 +274,7 @@ class TokenizePromptRequest(Body):
 class TokenizeChatRequest(Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)  # rendered with the chat template and its generation prompt
+    continue_final_message: Literal[False] = False  # vLLM's; routers send it (false)
 
 
 TokenizeRequest = union_of(("chat", TokenizeChatRequest, "messages"), ("prompt", TokenizePromptRequest, "prompt"))

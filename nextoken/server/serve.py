@@ -1,7 +1,7 @@
 """`nextoken serve`: load the model and run the HTTP server with uvicorn.
 
 The model file is resolved before the server starts (an unknown model is a one-line error);
-the weights load in the background while `/health` answers 503. SIGTERM (or Ctrl-C) makes the
+the weights load (and one warm-up request runs) in the background while `/health` answers 503. SIGTERM (or Ctrl-C) makes the
 server refuse new requests with 503, lets in-flight requests finish within
 `--shutdown-timeout` seconds, then exits.
 """
@@ -38,8 +38,10 @@ def serve(args, announce_inspector: bool = False) -> int:
                           max_tokens_default=args.max_tokens_default, inspect=getattr(args, "inspect", True))
     server_ref = {}
 
-    def load():
-        return AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
+    def load():  # /health answers 200 once the model is loaded and warm
+        engine = LLMEngine.from_engine_args(engine_args)
+        engine.warm_up()
+        return AsyncLLMEngine(engine)
 
     @asynccontextmanager
     async def lifespan(app):
