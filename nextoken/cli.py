@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(p)
     p.add_argument("--no-inspect", dest="inspect", action="store_false",
                    help="do not serve the inspector page and its /inspect/api routes")
+    from nextoken.server.replicas import ROUTER_POLICIES
+
+    p.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                   help="start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind vllm-router on "
+                        "--host:--port (needs pip install 'nextoken[router]')")
+    p.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
+                   help="with --replicas: how the router picks a replica (default cache_aware: requests sharing a "
+                        "prompt prefix go to the same replica)")
 
     p = sub.add_parser("inspect", help="start the server and print the inspector's URL (every stage, live, in a browser)")
     _add_serve_args(p)
@@ -309,6 +317,10 @@ def cmd_explain(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    if a.replicas:
+        from nextoken.server.replicas import serve_replicas
+
+        return serve_replicas(a, a.argv[a.argv.index("serve") + 1:])
     from nextoken.server.serve import serve
 
     return serve(a)
@@ -425,7 +437,8 @@ def _prefetch_model_key(a) -> None:
     a second thread, so that it runs while PyTorch is imported. Only a file already here: a
     catalog model still to be pulled is hashed when it is loaded."""
     model = getattr(a, "model", None)
-    if not isinstance(model, str) or not getattr(a, "prepared_cache", False) or a.command == "bench":
+    if (not isinstance(model, str) or not getattr(a, "prepared_cache", False) or a.command == "bench"
+            or getattr(a, "replicas", None)):  # bench's and the replicas' own processes load the model
         return
     from nextoken.catalog import model_path
     from nextoken.loader.prepared import prefetch_file_key
@@ -434,7 +447,9 @@ def _prefetch_model_key(a) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     if hasattr(args, "log_level"):
         _configure_logging(args.log_level)
     try:
