@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 BODY = ConfigDict(extra="forbid", strict=True)
 SEED_LIMIT = 2**53 - 1  # seeds within +-(2^53 - 1): exact as JSON numbers in every client and validator
@@ -40,3 +41,19 @@ def model_limit(name: str) -> dict:
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=model_limit("token_id"))]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _only(value: bool):
+    def check(v: bool) -> bool:
+        if v is not value:
+            raise PydanticCustomError("unsupported_value", "{value} is not supported", {"value": str(v).lower()})
+        return v
+    return check
+
+
+def only(value: bool):
+    """A switch accepted at one value only (routers send such fields with every request): a
+    strict boolean, ``const`` in the schema; the other value is a 400 "<field> true is not
+    supported"."""
+    return Annotated[bool, AfterValidator(_only(value)), Field(json_schema_extra={"const": value})]
+

@@ -39,8 +39,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind in ("model_attributes_type", "model_type", "dict_type") and not field:
         return "the request body must be a JSON object", None
     got = err.get("input")
-    if kind == "literal_error" and isinstance(got, bool):  # a switch accepted at one value only
-        return f"{field} {str(got).lower()} is not supported", field
+    if kind == "unsupported_value":  # a switch accepted at one value only (`nextoken.bodies.only`)
+        return f"{field} {err['msg']}", field
     got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(got_s) > 60:
         got_s = got_s[:57] + "..."

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, model_limit
+from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, model_limit, only
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, forbid, sampling_rules
@@ -108,12 +108,6 @@ class _Sampling(Body):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     watermark: bool = False  # TGI's green-list watermark (the server's --watermark-gamma/--watermark-delta)
-    # vLLM's detokenization options; no_stop_trim is SGLang's name for include_stop_str_in_output
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    no_stop_trim: bool = False
-    # sent by routers (vllm-router, sglang-router) with every request, at these values only
-    return_hidden_states: Literal[False] = False
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint this request asks for, or None. Raises `InvalidRequest`
@@ -148,6 +142,10 @@ class _Sampling(Body):
             raise InvalidRequest(f"{name} cannot be combined with use_beam_search", name)
         return spec
 
+    def detokenize_options(self) -> dict:
+        """`SamplingParams`' detokenization fields this body sets (none: their defaults)."""
+        return {}
+
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -158,8 +156,7 @@ class _Sampling(Body):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, **self.detokenize_options(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured_outputs=structured, watermark=self.watermark, prompt_logprobs=prompt_logprobs,
         )
@@ -182,6 +179,15 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[].prompt_logprobs
+    # vLLM's detokenization options; no_stop_trim is SGLang's name for include_stop_str_in_output
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+    return_hidden_states: only(False) = False  # routers send it with every request (false)
+
+    def detokenize_options(self) -> dict:
+        return {"skip_special_tokens": self.skip_special_tokens,
+                "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim}
 
     def generation_limit(self) -> int:
         """max_tokens (16 when not given). Raises `InvalidRequest` for 0 without echo or with n > 1."""
@@ -241,6 +247,14 @@ class NamedToolChoice(Body):
     function: NamedFunction
 
 
+# What vllm-router (0.1.17) adds to every chat request, at these values. The reasoning switches
+# (vLLM's include_reasoning, SGLang's separate_reasoning and stream_reasoning) change nothing
+# at their defaults: nextoken has no reasoning parser, so there is no separate reasoning text.
+ROUTER_CHAT_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+                      "continue_final_message": False, "include_reasoning": True, "separate_reasoning": True,
+                      "stream_reasoning": True}
+
+
 class ChatCompletionRequest(_Sampling):
     # top_logprobs needs logprobs: true (as in OpenAI's API)
     model_config = ConfigDict(**BODY, json_schema_extra={
@@ -256,13 +270,17 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    continue_final_message: Literal[False] = False  # vLLM's; routers send it (false)
-    # reasoning-parser switches (vLLM's include_reasoning, SGLang's separate_reasoning and
-    # stream_reasoning): nextoken has no reasoning parser, so there is no separate reasoning
-    # text to include, separate or stream, and either value gives the same answer
-    include_reasoning: bool = True
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _router_fields(cls, data):
+        """Drop the fields vllm-router adds to every chat request when they hold the values it
+        sends (`ROUTER_CHAT_FIELDS`); any other value stays, and is refused as an unsupported
+        parameter. They are not in the published schema: one more property puts this body's
+        cross-field rules past what schemathesis's generator can build cases for."""
+        if isinstance(data, dict) and any(k in data for k in ROUTER_CHAT_FIELDS):
+            data = {k: v for k, v in data.items() if not (k in ROUTER_CHAT_FIELDS and v is ROUTER_CHAT_FIELDS[k])}
+        return data
 
 
 class TokenizePromptRequest(Body):
@@ -274,7 +292,7 @@ class TokenizePromptRequest(Body):
 class TokenizeChatRequest(Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)  # rendered with the chat template and its generation prompt
-    continue_final_message: Literal[False] = False  # vLLM's; routers send it (false)
+    continue_final_message: only(False) = False  # vLLM's; routers send it (false)
 
 
 TokenizeRequest = union_of(("chat", TokenizeChatRequest, "messages"), ("prompt", TokenizePromptRequest, "prompt"))
