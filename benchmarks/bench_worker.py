@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import resource
 import statistics
@@ -76,9 +75,8 @@ def _check_finite(out) -> None:
     """A timing of garbage is no timing: NaN arithmetic runs faster than real numbers (a NaN bug in
     the C prefill softmax once inflated Qwen2.5-1.5B's figures), so the warm-up's log-probabilities
     must be finite."""
-    lps = [v for step in out.outputs[0].logprobs for v in step.values()]
-    if not all(math.isfinite(v) for v in lps):
-        raise RuntimeError(f"the model produced non-finite log-probabilities on the warm-up prompt ({lps[:4]}): "
+    if not out.outputs[0].logprobs_finite():
+        raise RuntimeError(f"the model produced non-finite log-probabilities ({out.outputs[0].logprobs[:2]}): "
                            "its timings would be meaningless")
 
 

@@ -43,17 +43,13 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
-def _only(value: bool):
-    def check(v: bool) -> bool:
-        if v is not value:
-            raise PydanticCustomError("unsupported_value", "{value} is not supported", {"value": str(v).lower()})
-        return v
-    return check
-
 
 def only(value: bool):
     """A switch accepted at one value only (routers send such fields with every request): a
     strict boolean, ``const`` in the schema; the other value is a 400 "<field> true is not
     supported"."""
-    return Annotated[bool, AfterValidator(_only(value)), Field(json_schema_extra={"const": value})]
-
+    def check(v: bool) -> bool:
+        if v is not value:
+            raise PydanticCustomError("unsupported_value", "{value} is not supported", {"value": str(v).lower()})
+        return v
+    return Annotated[bool, AfterValidator(check), Field(json_schema_extra={"const": value})]

@@ -5,6 +5,7 @@ Shapes follow vLLM's outputs. Times are seconds from `time.perf_counter()`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -33,6 +34,11 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def logprobs_finite(self) -> bool:
+        """Whether every log-probability recorded (chosen tokens and alternatives) is finite: a
+        model whose logits went NaN or inf fails this."""
+        return all(math.isfinite(v) for step in self.logprobs or () for v in step.values())
 
 
 @dataclass

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from nextoken.errors import InvalidRequest
 from nextoken.server.replicas import core_slices, replica_argv, router_command
 
 CLONE_NEWNET = 0x40000000
@@ -172,7 +173,7 @@ def complete(url: str, prompt: str, max_tokens: int = 8) -> dict:
 def test_core_slices_and_replica_arguments():
     assert core_slices([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert core_slices([0, 1, 2], 2) == [[0], [1]]
-    with pytest.raises(Exception, match="--replicas 3 needs at least 3 cores"):
+    with pytest.raises(InvalidRequest, match="--replicas 3 needs at least 3 cores"):
         core_slices([0, 1], 3)
     argv = ["--model", "m", "--replicas", "2", "--port=9000", "--host", "0.0.0.0", "--router-policy", "round_robin",
             "--threads", "1"]

@@ -465,17 +465,14 @@ class LLMEngine:
         server answers /health only after it. The prefix-cache and speculative counters forget
         it. Raises `ModelLoadError` when the model's log-probabilities are not finite (a broken
         file or kernel: serving it would only give garbage)."""
-        import math
-
         from nextoken.errors import ModelLoadError
         from nextoken.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
         rid = self.add_request(self.tokenizer.encode("Hello"), params, request_id="warm-up")
-        out = self.run_until_finished([rid])[0]
-        lps = [v for step in out.outputs[0].logprobs for v in step.values()]
-        if not all(math.isfinite(v) for v in lps):
-            raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt ({lps}); "
+        out = self.run_until_finished([rid])[0].outputs[0]
+        if not out.logprobs_finite():
+            raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt ({out.logprobs}); "
                                  "its weights or this build's kernels are broken (try --enforce-eager)")
         self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
         self.kv.pool.hits = self.kv.pool.queries = 0

@@ -62,13 +62,17 @@ class ServerMetrics:
         self.kv_usage.set(stats["kv_cache_usage"])
         self.hit_rate.set(stats["prefix_cache_hit_rate"])
         for key, counter in self.spec.items():
-            value = stats.get(key, 0)
-            counter.inc(max(0, value - self._spec_seen[key]))
-            self._spec_seen[key] = value
+            _follow(counter, self._spec_seen, key, stats.get(key, 0))
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
         self.spec_length.set(stats.get("spec_mean_accepted_length", 0.0))
         self.vllm.render(stats)
         return generate_latest(self.registry)
+
+
+def _follow(counter, seen: dict, key: str, total: float) -> None:
+    """Advance `counter` to an engine total (it only grows; `seen` holds the last one read)."""
+    counter.inc(max(0, total - seen[key]))
+    seen[key] = total
 
 
 class VllmMetrics:
@@ -118,6 +122,4 @@ class VllmMetrics:
         for key, gauge in self.gauges:
             gauge.labels(self.model_name).set(stats.get(key, 0))
         for key, counter in self.totals.items():
-            value = stats.get(key, 0)
-            counter.labels(self.model_name).inc(max(0, value - self._seen[key]))
-            self._seen[key] = value
+            _follow(counter.labels(self.model_name), self._seen, key, stats.get(key, 0))

@@ -38,7 +38,7 @@ log = logging.getLogger("nextoken.server")
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
 # flags of the parent that do not go to the replicas (each replica gets its own --host/--port)
-PARENT_ONLY = {"--replicas": True, "--router-policy": True, "--port": True, "--host": True}
+PARENT_ONLY = {"--replicas", "--router-policy", "--port", "--host"}  # each takes a value
 # the router's failure handling: out of the rotation after 3 failed attempts (it retries up to
 # 5 times, so the request that met the dead replica still succeeds on another), checked every 5 s;
 # at start, the replicas are polled every second (not every 30)
@@ -68,7 +68,7 @@ def replica_argv(argv: list[str]) -> list[str]:
             continue
         name = arg.split("=", 1)[0]
         if name in PARENT_ONLY:
-            skip = "=" not in arg and PARENT_ONLY[name]
+            skip = "=" not in arg
             continue
         out.append(arg)
     return out

@@ -1,9 +1,9 @@
 """`nextoken serve`: load the model and run the HTTP server with uvicorn.
 
 The model file is resolved before the server starts (an unknown model is a one-line error);
-the weights load (and one warm-up request runs) in the background while `/health` answers 503. SIGTERM (or Ctrl-C) makes the
-server refuse new requests with 503, lets in-flight requests finish within
-`--shutdown-timeout` seconds, then exits.
+the weights load (and one warm-up request runs) in the background while `/health` answers
+503. SIGTERM (or Ctrl-C) makes the server refuse new requests with 503, lets in-flight requests
+finish within `--shutdown-timeout` seconds, then exits.
 """
 
 from __future__ import annotations
