@@ -54,6 +54,10 @@ class EngineArgs:
                                      cli="true")
     dense_weights: bool = _opt(False, "with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of "
                                "int4-packed weights for calls of many rows (about 4x the weight memory)", cli="bool")
+    tensor_parallel_size: int = _opt(1, "processes the model is split across (Megatron-style: heads, feed-forward "
+                                     "columns and vocabulary; one all-reduce after attention and after the MLP). "
+                                     "Alone, rank 0 starts the others on this machine, each on its own cores; across "
+                                     "hosts, launch with torchrun --nproc-per-node N --nnodes ...", type=int)
     auto_pull: bool = _opt(True, "download a catalog model on first use", cli="none")
     prepared_cache: bool = _opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
                                 "file's SHA-256) and memory-map them on later starts", cli="bool")
@@ -108,7 +112,7 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose from "
                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
-        for name, low in (("num_threads", 1), ("max_model_len", 1), ("kv_cache_memory", 1), ("num_kv_blocks", 0),
+        for name, low in (("num_threads", 1), ("tensor_parallel_size", 1), ("max_model_len", 1), ("kv_cache_memory", 1), ("num_kv_blocks", 0),
                           ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("num_speculative_tokens", 1)):
             value = getattr(self, name)

@@ -39,7 +39,10 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enforce_eager``
     (PyTorch only, none of our C kernels: the reference path), ``reference_attention``,
     ``dense_weights``, ``speculative_model`` / ``speculative_method`` /
-    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec`).
+    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec`),
+    ``tensor_parallel_size`` (the model split across that many processes: rank 0 here starts
+    the others on this machine, or joins them under torchrun, where on ranks other than 0
+    ``LLM(...)`` never returns: they follow rank 0 and exit with it; `nextoken.distributed`).
 
     Raises `InvalidRequest` naming an option whose value is out of range, `TypeError` for an
     unknown option, and `ModelLoadError` when the model cannot be found or read.
@@ -63,6 +66,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.runner = self.engine.runner
         self.config = self.engine.config
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this `LLM` started (`LLMEngine.close`; also done at
+        exit). `with LLM(...) as llm:` closes on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- prompts ----------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], system: str | None = None) -> str:

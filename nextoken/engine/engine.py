@@ -28,7 +28,7 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
-from nextoken.runner.model_runner import ModelRunner, SequenceInput, score
+from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
@@ -75,11 +75,12 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, source: GGUFFile | HFModelDir,
-                 draft_source: GGUFFile | HFModelDir | None = None):
+                 draft_source: GGUFFile | HFModelDir | None = None, tp=None):
         """An engine for the opened model `source` (and with ``args.speculative == "draft"`` the
-        draft model `draft_source`), as `args` asks. Raises `ModelLoadError` when the draft's
-        vocabulary is not the target's, `InvalidRequest` for settings the model cannot take.
-        Most callers use `from_engine_args`, which resolves and opens the models."""
+        draft model `draft_source`), as `args` asks; `tp`: rank 0 of a tensor-parallel group
+        (`distributed.group`), or None. Raises `ModelLoadError` when the draft's vocabulary is
+        not the target's, `InvalidRequest` for settings the model cannot take. Most callers use
+        `from_engine_args`, which resolves and opens the models (and starts the ranks)."""
         self.args = args
         self.model_path = source.path
         dtype = model_dtype(source, args.dtype)
@@ -87,9 +88,10 @@ class LLMEngine:
         if args.chat_template is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         source.release_metadata()  # the vocabulary lists are in the tokenizer now
-        self.runner = ModelRunner(source, dtype, reference=args.reference_attention,
-                                  dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
-                                  prepared_cache=args.prepared_cache)
+        if tp is not None and args.speculative == "draft":
+            raise InvalidRequest("a draft model is not supported with tensor parallelism; use --speculative-method "
+                                 "ngram", "speculative_model")
+        self.runner = ModelRunner.from_engine_args(args, source, tp)
         self.config = self.runner.config
         ctx = self.config.context_length
         # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)
@@ -164,18 +166,36 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """The engine `args` describes: sets the compute threads, resolves the model (and the
+        """The engine `args` describes: starts or joins the tensor-parallel ranks (with
+        ``tensor_parallel_size`` > 1), sets the compute threads, resolves the model (and the
         draft model) to a file or folder, pulling a catalog model when `args.auto_pull`, and
-        opens them. Raises `ModelLoadError` when a model cannot be found or read."""
+        opens them. Raises `ModelLoadError` when a model cannot be found or read.
+
+        On a torchrun rank other than 0 this never returns: the process loads its shard, follows
+        rank 0's steps (`distributed.follower`), and exits when rank 0 stops."""
         from nextoken.catalog import resolve_model
+        from nextoken.distributed.group import init_tensor_parallel
+        from nextoken.distributed.sharding import partition
+        from nextoken.runner.follower import follow
+        from nextoken.runner.model_runner import read_config
         from nextoken.runner.threads import configure_threads
 
-        configure_threads(args.num_threads)
         source = open_model(resolve_model(args.model, auto_pull=args.auto_pull))
+        if args.tensor_parallel_size > 1:  # a size the model cannot take: one error here, before any rank starts
+            partition(read_config(source), 0, args.tensor_parallel_size)
+        tp = init_tensor_parallel(args.tensor_parallel_size, args, follow)
+        if tp is not None and tp.rank != 0:
+            raise SystemExit(follow(args, tp))
+        configure_threads(args.num_threads)
         draft = None
         if args.speculative == "draft":
             draft = open_model(resolve_model(args.speculative_model, auto_pull=args.auto_pull))
-        return cls(args, source, draft)
+        try:
+            return cls(args, source, draft, tp)
+        except BaseException:
+            if tp is not None:
+                tp.close()
+            raise
 
     # -- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], params: SamplingParams, truncate: bool = False) -> list[int]:
@@ -234,6 +254,8 @@ class LLMEngine:
         text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         if tracer is not None and params.n != 1:
             raise InvalidRequest("a traced request takes n=1", "n")
+        if tracer is not None and self.runner.tp is not None:
+            raise InvalidRequest("tracing a request is not available with tensor parallelism", "trace")
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
         seqs = []
@@ -394,12 +416,12 @@ class LLMEngine:
         """Prompt log-probabilities from this pass's kept hidden states (`scored`: each request
         and the position its chunk starts at): the row of position p scores prompt token p + 1
         (`SamplingParams.prompt_logprobs`)."""
-        for (r, start), hidden in zip(scored, self.runner.kept_hidden):
+        for i, ((r, start), hidden) in enumerate(zip(scored, self.runner.kept_hidden)):
             n = min(hidden.shape[0], r.num_prompt_tokens - 1 - start)
             if n <= 0:
                 continue
-            entries = score(self.runner.model, hidden[:n], r.prompt_ids[start + 1 : start + 1 + n],
-                            r.params.prompt_logprobs)
+            entries = self.runner.score_kept(i, n, r.prompt_ids[start + 1 : start + 1 + n],
+                                             r.params.prompt_logprobs)
             group = self._seq_group[r]
             group.prompt_logprobs[start + 1 : start + 1 + n] = entries
             if group.prompt_hidden is not None:  # row p: position p, which scores token p + 1
@@ -458,6 +480,12 @@ class LLMEngine:
                 if rid not in final:
                     self.abort_request(rid)
         return [final[rid] for rid in request_ids]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing to do otherwise);
+        the engine cannot run afterwards. Also done at exit."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     def warm_up(self) -> None:
         """Run one short greedy request (a prefill and a decode step) so that the first client

@@ -134,6 +134,15 @@ def build_router(get_engine) -> APIRouter:
     def core():
         return get_engine().engine
 
+    def whole_model():
+        """The engine, for views that read the model's weights directly: each rank of a
+        tensor-parallel group holds only its shard (and a forward pass needs every rank)."""
+        eng = core()
+        if eng.runner.tp is not None:
+            raise InvalidRequest("this view reads the whole model, which tensor parallelism splits over processes; "
+                                 "run the inspector with --tensor-parallel-size 1", "tensor_parallel_size")
+        return eng
+
     async def between_steps(fn):
         return await get_engine()._between_steps(fn)
 
@@ -183,12 +192,12 @@ def build_router(get_engine) -> APIRouter:
 
     @r.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
     async def embeddings(body: WordsBody):
-        eng = core()
+        eng = whole_model()
         return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
 
     @r.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
     async def analogy(body: AnalogyBody):
-        eng = core()
+        eng = whole_model()
         return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
                                        body.target, body.top)
 
@@ -203,7 +212,7 @@ def build_router(get_engine) -> APIRouter:
 
     @r.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
     async def architecture():
-        return model_view.architecture(core(), ist.last_layer_ms)
+        return model_view.architecture(whole_model(), ist.last_layer_ms)
 
     @r.post("/inspect/api/trace", summary="Trace a prompt: tokens, head labels, time per layer")
     async def trace(body: TraceBody):
@@ -233,7 +242,7 @@ def build_router(get_engine) -> APIRouter:
     @r.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
     async def lens(trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
         tracer, tokens = ist.get(trace_id)
-        eng = core()
+        eng = whole_model()
         rows = await asyncio.to_thread(tracer.logit_lens, eng.runner.model, eng.tokenizer, position, top)
         return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
                 "layers": rows}

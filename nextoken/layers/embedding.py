@@ -17,6 +17,10 @@ class Embedding(torch.nn.Module):
     (`qweight.QuantWeight`, shared with a tied LM head); or (after `set_q8_0`, the PyTorch path)
     the Q8_0 blocks as int8 values and float32 scales. A quantized lookup de-quantizes only the
     rows it reads, as `quantization.ggml` does, so the table stays at its GGUF size.
+
+    Under tensor parallelism the table holds rows ``[vocab_start, vocab_start + vocab_size)`` of
+    the vocabulary; other ids look up zeros, and `combine` (an all-reduce) sums the ranks' rows
+    (Megatron-LM's vocabulary-parallel embedding).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -25,6 +29,7 @@ class Embedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.qweight: QuantWeight | None = None
+        self.vocab_start, self.combine = 0, None  # tensor parallel: this rank's first row, the all-reduce
 
     def weight_loader(self, t, plan) -> None:
         """The loader's hook: store checkpoint tensor `t` (`loader.weights.CheckpointTensor`,
@@ -50,6 +55,15 @@ class Embedding(torch.nn.Module):
         self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.combine is None:
+            return self.lookup(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_size)
+        rows = self.lookup(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.combine(rows)
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows `input_ids` (of this table) -> ``[T, hidden]``."""
         if self.qweight is not None:
             return self.qweight.lookup(input_ids).to(self.dtype)
         if self.q8 is None:

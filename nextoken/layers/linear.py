@@ -20,6 +20,10 @@ class Linear(torch.nn.Module):
     parallelism will cut its shard). After `set_qweight` the weight lives as GGUF codes
     (`qweight.QuantWeight`) and the dense weight is released; after `set_int4` as packed 4-bit
     parts (one per 4-bit GGUF tensor, two for Q8_0; their weights add up).
+
+    Under tensor parallelism (`nextoken.distributed.sharding`) the layer holds one rank's slice
+    of the weight and `combine`, when set, joins the ranks' outputs: an all-reduce (a row-parallel
+    projection's partial products) or an all-gather of the columns (the vocabulary-parallel head).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -35,9 +39,11 @@ class Linear(torch.nn.Module):
         self.bias_f32: torch.Tensor | None = None
         self._qweight_c = None
         self.few_rows = False  # its calls have few rows (the LM head): int4 never expands the weight
+        self.combine = None  # tensor parallel: [T, out] of this rank -> the joined output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.combine is None else self.combine(y)
 
     def weight_loader(self, t, plan) -> None:
         """The loader's hook: store checkpoint tensor `t` (`loader.weights.CheckpointTensor`,

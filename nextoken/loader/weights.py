@@ -34,8 +34,8 @@ class CheckpointTensor:
 
     type_name: the GGML type (``"Q4_K"``, ``"F32"`` ...; dense safetensors read as ``"F32"``);
     shape: PyTorch order, rows first; `raw` gives the stored block bytes of a row range (GGUF
-    only); `dense` the values in a dtype with `transform` applied; `row_heads`, when set, is the
-    head count by which the rows must be un-permuted (llama.cpp's Q/K permutation): `map_rows`
+    only); `dense` the values in a dtype with `transform` applied; `row_head_dim`, when set, is
+    the head size by which the rows must be un-permuted (llama.cpp's Q/K permutation): `map_rows`
     applies that to any tensor indexed by these rows (codes, scales). `prepared`: where codes
     packed from it are kept across starts (`loader.prepared`).
     """
@@ -45,15 +45,15 @@ class CheckpointTensor:
     shape: tuple[int, ...]
     read_dense: Callable[[torch.dtype], torch.Tensor]
     read_raw: Callable[[int, int | None], torch.Tensor] | None = None
-    row_heads: int | None = None
+    row_head_dim: int | None = None
     prepared: PreparedWeights | None = None  # the prepared-weights cache of its file, if used
 
     @property
     def maps_rows(self) -> bool:
-        return self.row_heads is not None
+        return self.row_head_dim is not None
 
     def map_rows(self, t: torch.Tensor) -> torch.Tensor:
-        return unpermute_qk(t, self.row_heads) if self.row_heads is not None else t
+        return unpermute_qk(t, t.shape[0] // self.row_head_dim) if self.row_head_dim is not None else t
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.map_rows(self.read_dense(dtype))
@@ -62,6 +62,39 @@ class CheckpointTensor:
         if self.read_raw is None:
             raise ModelLoadError(f"tensor {self.name} has no block-quantized bytes")
         return self.read_raw(start, stop)
+
+    def shard(self, dim: int, start: int, stop: int) -> CheckpointTensor:
+        """Rows (`dim` 0) or columns (`dim` 1) ``[start, stop)`` of this tensor: one tensor-parallel
+        rank's part (`nextoken.distributed.sharding`). A row cut must fall on head boundaries
+        where the rows are un-permuted (Q/K: the permutation stays inside each head). A column
+        cut keeps the block bytes when it falls on block boundaries; one inside a block reads
+        dense (type ``F32``: the loader de-quantizes it)."""
+        n = self.shape[dim]
+        if not 0 <= start < stop <= n:
+            raise ModelLoadError(f"tensor {self.name}: shard [{start}, {stop}) is outside its {n} "
+                                 f"{'rows' if dim == 0 else 'columns'}")
+        shape = list(self.shape)
+        shape[dim] = stop - start
+        name = f"{self.name}[{'rows' if dim == 0 else 'columns'} {start}:{stop}]"
+        cut = (lambda t: t[start:stop]) if dim == 0 else (lambda t: t[:, start:stop])
+        read_dense = lambda dtype: cut(self.read_dense(dtype))  # noqa: E731
+        if dim == 0:
+            read_raw = None if self.read_raw is None else \
+                lambda a, b: self.read_raw(start + a, start + (stop - start if b is None else b))
+            return CheckpointTensor(name, self.type_name, tuple(shape), read_dense, read_raw, self.row_head_dim)
+        block, size = block_geometry(self.type_name)
+        if self.read_raw is None or start % block or stop % block:
+            return CheckpointTensor(name, "F32", tuple(shape), read_dense, None, self.row_head_dim)
+        lo, hi = start // block * size, stop // block * size
+        return CheckpointTensor(name, self.type_name, tuple(shape), read_dense,
+                                lambda a, b: self.read_raw(a, b)[:, lo:hi].contiguous(), self.row_head_dim)
+
+
+def block_geometry(type_name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of GGML type `type_name` (1 value for F32/F16/BF16)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
 
 
 # -- name tables ------------------------------------------------------------------------------
@@ -87,12 +120,12 @@ GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "m
 
 
 def gguf_names(model) -> dict[str, tuple[str, int | None]]:
-    """GGUF tensor name -> (our parameter name, heads to un-permute its rows by, or None)."""
+    """GGUF tensor name -> (our parameter name, the head size to un-permute its rows by, or None)."""
     cfg = model.config
     if cfg.architecture == "gpt2":
         raise ModelLoadError("GPT-2 loads from Hugging Face folders (safetensors), not GGUF")
     layout = "gemma3" if cfg.architecture == "gemma3" else "llama"
-    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in GGUF_PERMUTED_QK else {}
+    permute = {"attn_q": cfg.head_dim, "attn_k": cfg.head_dim} if cfg.architecture in GGUF_PERMUTED_QK else {}
     m = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm", None)}
     if not cfg.tie_word_embeddings:
         m["output.weight"] = ("lm_head.weight", None)
@@ -142,18 +175,23 @@ def hf_transform(architecture: str, name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 # -- loading ----------------------------------------------------------------------------------
-def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: bool = False) -> None:
+def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: bool = False,
+                 shards: dict[str, tuple[int, int, int]] | None = None) -> None:
     """Fill every parameter of `model` from `source`, each weight in the form `plan` picks; with
-    `prepared_cache` (GGUF weights as codes), codes come from and go to the prepared-weights cache."""
+    `prepared_cache` (GGUF weights as codes), codes come from and go to the prepared-weights cache.
+    `shards` (tensor parallelism): per parameter, the ``(dim, start, stop)`` slice of its
+    checkpoint tensor this rank loads (`CheckpointTensor.shard`)."""
     if isinstance(source, HFModelDir):
         arch = model.config.architecture
         tensors = {ours: _hf_tensor(source, name, arch) for name, ours in hf_names(model, source).items()}
         prepared = None
     else:
-        tensors = {ours: _gguf_tensor(source, name, heads) for name, (ours, heads) in gguf_names(model).items()}
+        tensors = {ours: _gguf_tensor(source, name, hd) for name, (ours, hd) in gguf_names(model).items()}
         prepared = PreparedWeights(source.path) if prepared_cache and plan.codes else None
         for t in tensors.values():
             t.prepared = prepared
+    for ours, cut in (shards or {}).items():
+        tensors[ours] = tensors[ours].shard(*cut)
     params = dict(model.named_parameters(remove_duplicate=False))
     for ours, t in tensors.items():
         owner = model.get_submodule(ours.rsplit(".", 1)[0]) if ours.endswith(".weight") else None
@@ -184,11 +222,11 @@ def _tie_head(model, table: CheckpointTensor, plan) -> None:
         head.weight_loader(table, plan)
 
 
-def _gguf_tensor(f: GGUFFile, name: str, heads: int | None) -> CheckpointTensor:
+def _gguf_tensor(f: GGUFFile, name: str, head_dim: int | None) -> CheckpointTensor:
     if not f.has_tensor(name):
         raise ModelLoadError(f"tensor {name} is missing from the GGUF file")
     return CheckpointTensor(name, f.tensor_type(name), f.tensor_shape(name),
-                            lambda dtype: f.tensor(name, dtype), lambda a, b: f.raw(name, a, b), heads)
+                            lambda dtype: f.tensor(name, dtype), lambda a, b: f.raw(name, a, b), head_dim)
 
 
 def _hf_tensor(d: HFModelDir, name: str, arch: str) -> CheckpointTensor:

@@ -29,7 +29,7 @@ from nextoken.layers.activation import gelu_tanh_and_mul
 from nextoken.layers.norm import rms_norm_gemma
 from nextoken.layers.rotary import inv_frequencies, rope_cos_sin
 from nextoken.models.base import DecoderModel
-from nextoken.models.llama import LlamaAttention, LlamaMLP
+from nextoken.models.llama import TP_PLAN, LlamaAttention, LlamaMLP
 
 
 class Gemma3Attention(LlamaAttention):
@@ -64,6 +64,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
 
 class Gemma3ForCausalLM(DecoderModel):
     """Gemma 3 text decoder."""
+
+    TP_PLAN = TP_PLAN  # Llama's projections, by the same names
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__(cfg, dtype)

@@ -24,6 +24,12 @@ from nextoken.kv_cache.tensors import PagedKVCache
 from nextoken.models.base import DecoderModel
 
 
+# tensor parallelism (`nextoken.distributed.sharding`): projection -> (split, by what)
+TP_PLAN = {"self_attn.q_proj": ("colwise", "heads"), "self_attn.k_proj": ("colwise", "kv_heads"),
+           "self_attn.v_proj": ("colwise", "kv_heads"), "self_attn.o_proj": ("rowwise", "heads"),
+           "mlp.gate_proj": ("colwise", "ffn"), "mlp.up_proj": ("colwise", "ffn"), "mlp.down_proj": ("rowwise", "ffn")}
+
+
 class LlamaAttention(torch.nn.Module):
     """q/k/v projections, RoPE, attention over the paged cache (or, on a sliding-window layer,
     over the sequence's ring), output projection. With `qk_norm` (Qwen 3, Gemma 3), an RMSNorm
@@ -97,6 +103,7 @@ class LlamaForCausalLM(DecoderModel):
 
     NATIVE_DECODE = True  # the C decode step (`layers.native_decode`) implements exactly this layer
     QK_NORM = False  # RMSNorm on each query/key head (Qwen 3)
+    TP_PLAN = TP_PLAN
 
     def make_layer(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(cfg, layer, dtype, self.QK_NORM)

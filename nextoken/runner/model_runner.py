@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from nextoken.config import ModelConfig
+from nextoken.distributed.sharding import parallelize, partition, shard_config
+from nextoken.errors import EngineError
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.sliding_attention import build_sliding_metadata
 from nextoken.kv_cache.tensors import PagedKVCache, SlidingKVCache
@@ -94,28 +96,68 @@ class ModelRunner:
     well; enforce_eager: PyTorch alone, none of our C kernels; prepared_cache: keep GGUF codes in
     the prepared-weights cache (`loader.prepared`). The `plan`
     (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
-    Raises `ModelLoadError` when a tensor is missing or mis-shaped.
+
+    tp: this process's place in a tensor-parallel group (`distributed.group.TensorParallel`), or
+    None. With it the runner holds one rank's shard of the model and of the KV cache
+    (`distributed.sharding`); rank 0's `init_kv_cache`, `execute` and `score_kept` first send
+    themselves to the other ranks, which run the same calls in `follow`.
+    Raises `ModelLoadError` when a tensor is missing or mis-shaped, `InvalidRequest` when the
+    model cannot be split ``tp.size`` ways.
     """
+
+    MIRRORED = ("init_kv_cache", "execute", "score_kept")  # what rank 0 sends to the followers
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
-                 prepared_cache: bool = False):
+                 prepared_cache: bool = False, tp=None):
         self.config: ModelConfig = read_config(source)
-        self.dtype = dtype
+        self.dtype, self.tp = dtype, tp
         self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights)
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
-            self.model = model_class(self.config.architecture)(self.config, dtype)
-            load_weights(self.model, source, self.plan, prepared_cache)
+            shards, model_config = None, self.config
+            if tp is not None:
+                part = partition(self.config, tp.rank, tp.size)
+                model_config = shard_config(self.config, part)
+            self.model = model_class(self.config.architecture)(model_config, dtype)
+            if tp is not None:
+                shards = parallelize(self.model, self.config, part, tp)
+                prepared_cache = False  # the cache holds whole tensors
+            load_weights(self.model, source, self.plan, prepared_cache, shards)
         finally:
             loading_allocations(False)
         release_free_memory()
         self.load_time = time.perf_counter() - t0
-        self.plan.settle(self.model)
+        self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model) if self.plan.native_decode else None
         log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
+        self.kept_hidden: list[torch.Tensor] = []
+
+    @classmethod
+    def from_engine_args(cls, args, source: GGUFFile | HFModelDir, tp=None) -> ModelRunner:
+        """The runner `args` (`EngineArgs`) describes for the opened model `source`."""
+        from nextoken.loader.source import model_dtype
+
+        return cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
+                   dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
+                   prepared_cache=args.prepared_cache, tp=tp)
+
+    # -- tensor parallelism: rank 0 leads, the others follow ----------------------------------
+    def _lead(self, method: str, *args) -> None:
+        """On rank 0 of a tensor-parallel group: send this call to the followers first."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send((method, args))
+
+    def follow(self) -> None:
+        """A follower rank: run each call rank 0 sends (`MIRRORED`) until it sends stop.
+        Raises `TensorParallelError` when rank 0 or a collective fails."""
+        while (call := self.tp.receive()) is not None:
+            method, args = call
+            if method not in self.MIRRORED:
+                raise ValueError(f"rank 0 sent an unknown call {method!r}")
+            getattr(self, method)(*args)
 
     @property
     def weight_bytes(self) -> int:
@@ -132,13 +174,16 @@ class ModelRunner:
                       ring_blocks: int = 0, cache_dtype: str = "auto") -> PagedKVCache:
         """The paged cache for `num_blocks` blocks (stored as `cache_dtype`: ``auto`` or
         ``int8``), and for a model with sliding-window layers their rings: `sliding_blocks`
-        blocks, `ring_blocks` per sequence."""
+        blocks, `ring_blocks` per sequence. Under tensor parallelism, each rank's cache holds its
+        key/value heads."""
+        self._lead("init_kv_cache", num_blocks, block_size, sliding_blocks, ring_blocks, cache_dtype)
+        cfg = self.model.config  # this rank's heads
         sliding = None
         if self.config.sliding_layers:
             if not sliding_blocks:
                 raise ValueError("a model with sliding-window layers needs sliding_blocks and ring_blocks")
-            sliding = SlidingKVCache(self.config, sliding_blocks, block_size, ring_blocks, self.dtype)
-        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, sliding, cache_dtype)
+            sliding = SlidingKVCache(cfg, sliding_blocks, block_size, ring_blocks, self.dtype)
+        self.kv = PagedKVCache(cfg, num_blocks, block_size, self.dtype, sliding, cache_dtype)
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -180,7 +225,11 @@ class ModelRunner:
         `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order). An input
         with `as_decodes` contributes one row per new token. The final hidden states of the new
         tokens of each input with `keep_hidden` are left in `kept_hidden` (``[n, hidden]`` each,
-        in the order of those inputs), for `score`."""
+        in the order of those inputs), for `score_kept`. Raises `EngineError` for a `tracer`
+        under tensor parallelism, `TensorParallelError` when a collective fails."""
+        if tracer is not None and self.tp is not None:
+            raise EngineError("tracing a request is not available with tensor parallelism")
+        self._lead("execute", seqs, None, all_logits)
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []
         input_ids, positions, meta, order = self.prepare(seqs)
@@ -200,6 +249,12 @@ class ModelRunner:
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def score_kept(self, index: int, n: int, targets: list[int], top: int) -> list[dict[int, float]]:
+        """`score` of the first `n` rows of ``kept_hidden[index]`` (the last `execute`)."""
+        self._lead("score_kept", index, n, targets, top)
+        return score(self.model, self.kept_hidden[index][:n], targets, top)
 
 
 def score(model, hidden: torch.Tensor, targets: list[int], top: int, chunk: int = 128) -> list[dict[int, float]]:

@@ -93,17 +93,21 @@ class ExecutionPlan:
             return "q8_0"
         return "dense"
 
-    def settle(self, model) -> None:
+    def settle(self, model, tensor_parallel: bool = False) -> None:
         """After loading: whether the one-call C decode step runs `model` (bf16, an architecture
-        it implements, no sliding-window layers, every projection as codes, the kernel builds),
-        and the activations' kernel set on every MLP that has the switch."""
+        it implements, no sliding-window layers, every projection as codes, the kernel builds,
+        and no tensor parallelism: the ranks all-reduce between layers), and the activations'
+        kernel set on every MLP that has the switch."""
         from nextoken.layers.native_decode import NativeDecoder
 
         for m in model.modules():
             if hasattr(m, "native_act"):
                 m.native_act = self.native_activations
         self.native_decode = NativeDecoder.supports(model) and self.codes and kernels.load("decode") is not None
-        if not self.native_decode and self.codes:
+        if tensor_parallel and self.native_decode:
+            self.native_decode = False
+            self.reasons["native decode"] = "tensor parallel (all-reduces between the layers)"
+        elif not self.native_decode and self.codes:
             self.reasons["native decode"] = "not for this architecture or these weights" \
                 if not NativeDecoder.supports(model) else "the decode kernel did not build"
 

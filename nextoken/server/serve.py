@@ -23,6 +23,7 @@ def serve(args, announce_inspector: bool = False) -> int:
     import uvicorn
 
     from nextoken.catalog import resolve_model
+    from nextoken.distributed.group import TensorParallelError, is_follower
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine_args import EngineArgs
@@ -30,7 +31,9 @@ def serve(args, announce_inspector: bool = False) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
-    state = SimpleNamespace(engine=None, draining=False, started=time.time())
+    if is_follower():  # a torchrun rank other than 0: no HTTP server, its shard follows rank 0's steps
+        LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
+    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0)
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
                           allowed_origins=list(args.allowed_origins or []),
@@ -41,7 +44,15 @@ def serve(args, announce_inspector: bool = False) -> int:
     def load():  # /health answers 200 once the model is loaded and warm
         engine = LLMEngine.from_engine_args(engine_args)
         engine.warm_up()
-        return AsyncLLMEngine(engine)
+        async_engine = AsyncLLMEngine(engine)
+        async_engine.on_dead = on_dead
+        return async_engine
+
+    def on_dead(exc):  # a tensor-parallel rank failed: nothing can be served any more, exit with an error
+        if isinstance(exc, TensorParallelError):
+            log.error("%s; the server exits", exc)
+            state.exit_code = 1
+            server_ref["server"].should_exit = True
 
     @asynccontextmanager
     async def lifespan(app):
@@ -51,6 +62,7 @@ def serve(args, announce_inspector: bool = False) -> int:
                 log.info("model %s loaded; serving", config.model_name)
             except Exception as exc:  # nothing to serve: say why and stop
                 log.error("could not load the model: %s", exc)
+                state.exit_code = 1
                 server_ref["server"].should_exit = True
 
         task = asyncio.create_task(load_in_background())
@@ -73,4 +85,4 @@ def serve(args, announce_inspector: bool = False) -> int:
         key = f"?key={config.api_key}" if config.api_key else ""
         print(f"inspector: http://{args.host}:{args.port}/inspect{key}", flush=True)
     server.run()
-    return 0
+    return state.exit_code

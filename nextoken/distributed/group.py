@@ -1,0 +1,205 @@
+"""The tensor-parallel process group: collectives, the step broadcast, and starting the ranks.
+
+Two ways to get N ranks, both on `torch.distributed` with the gloo backend (CPU):
+
+- ``torchrun --nproc-per-node N -m nextoken serve --tensor-parallel-size N ...`` (and
+  torchrun's ``--nnodes`` / ``--rdzv-endpoint`` across hosts): every process runs the command;
+  rank 0 serves, the others load their shard and follow (`ModelRunner.follow`);
+- ``nextoken serve --tensor-parallel-size N`` (or ``LLM(..., tensor_parallel_size=N)``) alone:
+  rank 0 spawns ranks 1..N-1 on this machine (``multiprocessing`` spawn) and meets them on a
+  free loopback port.
+
+On one machine each rank is pinned to its own slice of the cores (``os.sched_setaffinity``),
+and its threads default to that slice. Two groups connect the ranks: the compute group, whose
+collectives time out after `COLLECTIVE_TIMEOUT_S` (a rank that died or hangs ends the step with
+`TensorParallelError` instead of a hang), and the command group, on which the followers wait
+for rank 0's next step without a deadline (an idle server is not a failure; rank 0 exiting
+closes its sockets, which ends the wait at once).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import re
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nextoken.errors import EngineError, InvalidRequest
+
+log = logging.getLogger("nextoken.distributed")
+
+COLLECTIVE_TIMEOUT_S = 60  # a collective unfinished after this many seconds fails the step
+IDLE_TIMEOUT = timedelta(days=3650)  # followers wait this long for the next step
+
+
+class TensorParallelError(EngineError):
+    """A collective failed: another rank exited, or did not answer within the timeout."""
+
+
+class TensorParallel:
+    """This process's place in the group (`rank` of `size`) and the collectives the sharded
+    layers call. `stats` counts each kind of collective and the seconds spent in it
+    (``{"all_reduce": [calls, seconds], "all_gather": [...], "broadcast": [...]}``)."""
+
+    def __init__(self, rank: int, size: int, cores: set[int] | None = None):
+        self.rank, self.size = rank, size
+        self.cores = cores  # the cores this process had before it was pinned (restored by `close`)
+        self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.stats = {"all_reduce": [0, 0.0], "all_gather": [0, 0.0], "broadcast": [0, 0.0]}
+        self.closed = False
+
+    def _count(self, kind: str, t0: float) -> None:
+        s = self.stats[kind]
+        s[0] += 1
+        s[1] += time.perf_counter() - t0
+
+    def _fail(self, what: str, exc: Exception) -> TensorParallelError:
+        # gloo's message without its source location and advice: "Connection closed by peer [ip]:port"
+        reason = re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", str(exc).splitlines()[0]).split(". ")[0]
+        return TensorParallelError(f"tensor parallel rank {self.rank}: {what} failed ({reason}); another rank "
+                                   f"exited or did not answer within {COLLECTIVE_TIMEOUT_S} s")
+
+    # -- what the sharded layers call -------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (same shape on each), summed in float32, in x's dtype."""
+        t0 = time.perf_counter()
+        y = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
+        try:
+            dist.all_reduce(y)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._fail("all-reduce", exc) from exc
+        self._count("all_reduce", t0)
+        return y.to(x.dtype)
+
+    def all_gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's ``x [T, widths[rank]]`` side by side: ``[T, sum(widths)]``, in rank order
+        (uneven widths are padded for the transfer and cut after)."""
+        t0 = time.perf_counter()
+        w = max(widths)
+        part = torch.zeros(x.shape[0], w, dtype=x.dtype)
+        part[:, : x.shape[1]] = x
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, part)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._fail("all-gather", exc) from exc
+        out = torch.cat([p[:, :n] for p, n in zip(parts, widths)], dim=1)
+        self._count("all_gather", t0)
+        return out
+
+    # -- the step broadcast (rank 0 -> followers) -------------------------------------------
+    def send(self, call) -> None:
+        """Rank 0: hand `call` (a picklable ``(method, args)``, or None: stop) to every follower."""
+        t0 = time.perf_counter()
+        try:
+            dist.broadcast_object_list([call], src=0, group=self.commands)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._fail("the step broadcast", exc) from exc
+        self._count("broadcast", t0)
+
+    def receive(self):
+        """A follower: the next call rank 0 sent (waits without a deadline)."""
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.commands)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._fail("waiting for rank 0", exc) from exc
+        return box[0]
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to stop (once); every rank: leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.rank == 0:
+                self.send(None)
+        except TensorParallelError:  # a follower already gone: nothing left to tell
+            pass
+        dist.destroy_process_group()
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
+
+
+# -- starting the ranks -----------------------------------------------------------------------
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting ``RANK`` and ``WORLD_SIZE``)
+    started it, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def is_follower() -> bool:
+    """Whether this process is a torchrun rank other than 0 (it loads a shard and follows)."""
+    rank = torchrun_rank()
+    return rank is not None and rank != 0
+
+
+def init_tensor_parallel(size: int, args=None, follower=None) -> TensorParallel | None:
+    """The group for `size` ranks (None when `size` is 1). Under torchrun, joins it (the world
+    size must be `size`); otherwise spawns ranks 1..size-1 here, each running
+    ``follower(args, tp)`` (a module-level function: `runner.follower.follow`, which builds its
+    runner from `args`, `EngineArgs`, and returns an exit status), and joins them as rank 0.
+    Pins this rank to its slice of the cores. Raises `InvalidRequest` when torchrun started
+    another number of processes."""
+    if size == 1:
+        return None
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    rank, cores = torchrun_rank(), os.sched_getaffinity(0)
+    if rank is not None:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise InvalidRequest(f"--tensor-parallel-size {size} but the launcher started {world} processes; "
+                                 f"use torchrun --nproc-per-node {size} (times the nodes)", "tensor_parallel_size")
+        local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        pin_to_slice(*local)
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        port = _free_port()
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(1, size):
+            ctx.Process(target=_spawned_follower, args=(r, size, port, args, follower), daemon=True,
+                        name=f"nextoken-tp{r}").start()
+        pin_to_slice(0, size)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                timeout=timeout)
+        rank = 0
+    tp = TensorParallel(rank, size, cores)
+    if rank == 0:
+        atexit.register(tp.close)
+    log.info("tensor parallel: rank %d of %d, cores %s", rank, size, sorted(os.sched_getaffinity(0)))
+    return tp
+
+
+def pin_to_slice(local_rank: int, local_size: int) -> None:
+    """Pin this process to slice `local_rank` of `local_size` equal slices of its cores (no
+    pinning when there are fewer cores than ranks: they share)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_size:
+        log.warning("%d tensor-parallel ranks share %d cores", local_size, len(cores))
+        return
+    k = len(cores) // local_size
+    os.sched_setaffinity(0, cores[local_rank * k:(local_rank + 1) * k])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_follower(rank: int, size: int, port: int, args, follow) -> None:
+    """A rank spawned by rank 0: pin, join, then `follow` (load its shard, run rank 0's steps
+    until told to stop)."""
+    pin_to_slice(rank, size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    raise SystemExit(follow(args, TensorParallel(rank, size)))
