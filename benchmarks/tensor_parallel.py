@@ -58,10 +58,14 @@ def run_setup(args) -> dict:
                 out[f"{kind}_ms_per_call"] = 1e3 * (tp.stats[kind][1] - before[kind][1]) / calls
                 out[f"{kind}_calls_per_step"] = calls / steps
     if args.batch_share:
+        before = {k: list(v) for k, v in tp.stats.items()} if tp else None
         t0 = time.perf_counter()
         res = llm.generate(prompts[: args.batch_share], params)
         out["batch_wall_s"] = time.perf_counter() - t0
         out["batch_tokens"] = sum(len(r.outputs[0].token_ids) for r in res)
+        if tp:
+            calls = tp.stats["all_reduce"][0] - before["all_reduce"][0]
+            out["batch_all_reduce_ms_per_call"] = 1e3 * (tp.stats["all_reduce"][1] - before["all_reduce"][1]) / calls
     if tp:
         llm.close()
     return out
@@ -120,7 +124,64 @@ def main() -> None:
     tp = rows[f"tensor parallel {args.size}"]
     print(f"tensor parallel, batch 1: {tp['all_reduce_calls_per_step']:.0f} all-reduces per step, "
           f"{tp['all_reduce_ms_per_call']:.3f} ms each; {tp['all_gather_calls_per_step']:.0f} all-gather "
-          f"(the head), {tp['all_gather_ms_per_call']:.3f} ms")
+          f"(the head), {tp['all_gather_ms_per_call']:.3f} ms; batch {args.batch}: "
+          f"{tp['batch_all_reduce_ms_per_call']:.3f} ms per all-reduce")
+    probe(args.size)
+
+
+def _probe_rank(rank: int, size: int, port: int, out) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from nextoken.distributed.group import TensorParallel, pin_to_slice
+
+    pin_to_slice(rank, size)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    tp = TensorParallel(rank, size)
+    a = torch.randn(256, 256)
+    rows = []
+    for n in (1, 32):
+        x = torch.randn(n, 1536)
+        for gap_ms in (0.0, 0.5):
+            for name, fn in (("gloo ring", tp.all_reduce_gloo), ("exchange", tp.all_reduce)):
+                total = 0.0
+                for i in range(120):
+                    t = time.perf_counter()
+                    while (time.perf_counter() - t) * 1e3 < gap_ms:  # compute between calls, as in a step
+                        a @ a
+                    t0 = time.perf_counter()
+                    fn(x)
+                    total += (time.perf_counter() - t0) if i >= 20 else 0.0
+                rows.append((n, gap_ms, name, total / 100 * 1e3))
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def probe(size: int) -> None:
+    """The all-reduce alone, [rows, 1536] float32: gloo's ring against the exchange, back to
+    back and with 0.5 ms of compute between calls (each rank pinned to its cores)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_probe_rank, args=(r, size, port, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    rows = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    print("all-reduce alone, ms per call (rows x 1536 float32):")
+    for n, gap, name, ms in rows:
+        print(f"  {n:2} rows, {gap:.1f} ms compute between calls, {name:9}: {ms:.3f}")
 
 
 if __name__ == "__main__":

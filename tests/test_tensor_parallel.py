@@ -184,7 +184,7 @@ def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
     try:
         wait_healthy(f"http://127.0.0.1:{port}", srv, 120)
         followers = [c for c in _children(srv.pid)
-                     if "spawn_main" in open(f"/proc/{c}/cmdline").read().replace("\0", " ")]
+                     if "nextoken.runner.follower" in open(f"/proc/{c}/cmdline").read().replace("\0", " ")]
         assert len(followers) == 1
         os.kill(followers[0], signal.SIGKILL)
         body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
@@ -227,3 +227,84 @@ def test_qwen2_0_5b_two_ranks_equal_one_process_in_float32():
     assert got_ids == want_ids
     for step, (a, b) in enumerate(zip(want, got)):
         assert (a - b).abs().max() < 1e-4, (step, (a - b).abs().max())
+
+
+def _collectives_rank(rank: int, port: int, out) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nextoken.distributed.group import TensorParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    tp = TensorParallel(rank, 2)
+    g = torch.Generator().manual_seed(rank)
+    checks = []
+    for shape, dtype in (((1, 1536), torch.float32), ((32, 1536), torch.bfloat16), ((3, 7), torch.float32)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        fast, ref = tp.all_reduce(x), tp.all_reduce_gloo(x)
+        checks.append(bool(fast.dtype == dtype and torch.allclose(fast.float(), ref.float(), rtol=0, atol=1e-6)))
+    widths = [5, 4]
+    x = torch.full((3, widths[rank]), float(rank + 1))
+    gathered = tp.all_gather_columns(x, widths)
+    ref = [torch.empty(3, 5) for _ in range(2)]
+    dist.all_gather(ref, torch.nn.functional.pad(x, (0, 5 - widths[rank])))
+    checks.append(bool(torch.equal(gathered, torch.cat([ref[0], ref[1][:, :4]], 1))))
+    out.put((rank, checks, tp.all_reduce(torch.tensor([1.0 / 3 + rank])).item()))
+    dist.destroy_process_group()
+
+
+def test_exchange_collectives_equal_gloos_own():
+    """The exchange all-reduce (float32 sums in rank order, bf16 in and out) equals gloo's ring
+    all-reduce; the uneven all-gather of the head equals gloo's all-gather; both ranks hold
+    the same bits."""
+    import multiprocessing
+
+    from tests.test_router import free_ports
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_ports(1)
+    procs = [ctx.Process(target=_collectives_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (checks, same)) for r, checks, same in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    assert results[0][0] == [True] * 4 and results[1][0] == [True] * 4
+    assert results[0][1] == results[1][1]
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_rank_1_exits_when_rank_0_is_killed(tiny_gguf, tmp_path):
+    """A script with ``LLM(..., tensor_parallel_size=2)`` at top level (no ``__main__`` guard:
+    the follower is its own command, the script is not re-imported) killed with SIGKILL: its
+    follower notices the closed connection and exits with status 1, leaving no orphan."""
+    path, _ = tiny_gguf["llama"]
+    script = tmp_path / "script.py"
+    script.write_text(f"import time\nfrom nextoken import LLM\nllm = LLM({str(path)!r}, dtype='float32', "
+                      "tensor_parallel_size=2)\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        followers = [c for c in _children(proc.pid)
+                     if "nextoken.runner.follower" in open(f"/proc/{c}/cmdline").read().replace("\0", " ")]
+        assert len(followers) == 1
+        proc.kill()
+        proc.wait()
+        end = time.monotonic() + 20
+        while _running(followers[0]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _running(followers[0]), "rank 1 outlived rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

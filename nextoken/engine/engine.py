@@ -174,7 +174,7 @@ class LLMEngine:
         On a torchrun rank other than 0 this never returns: the process loads its shard, follows
         rank 0's steps (`distributed.follower`), and exits when rank 0 stops."""
         from nextoken.catalog import resolve_model
-        from nextoken.distributed.group import init_tensor_parallel
+        from nextoken.distributed.group import init_tensor_parallel, rank_threads
         from nextoken.distributed.sharding import partition
         from nextoken.runner.follower import follow
         from nextoken.runner.model_runner import read_config
@@ -183,10 +183,10 @@ class LLMEngine:
         source = open_model(resolve_model(args.model, auto_pull=args.auto_pull))
         if args.tensor_parallel_size > 1:  # a size the model cannot take: one error here, before any rank starts
             partition(read_config(source), 0, args.tensor_parallel_size)
-        tp = init_tensor_parallel(args.tensor_parallel_size, args, follow)
+        tp = init_tensor_parallel(args.tensor_parallel_size, args.to_cli_args())
         if tp is not None and tp.rank != 0:
             raise SystemExit(follow(args, tp))
-        configure_threads(args.num_threads)
+        configure_threads(args.num_threads if tp is None else rank_threads(args.num_threads))
         draft = None
         if args.speculative == "draft":
             draft = open_model(resolve_model(args.speculative_model, auto_pull=args.auto_pull))
