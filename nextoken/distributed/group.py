@@ -204,8 +204,12 @@ def init_tensor_parallel(size: int, follower_argv: list[str] | None = None) -> T
             subprocess.Popen([sys.executable, "-m", "nextoken.runner.follower", "--rank", str(r), "--size", str(size),
                               "--port", str(port), *(follower_argv or [])])
         pin_to_slice(0, size)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
-                                timeout=timeout)
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                    timeout=timeout)
+        except (RuntimeError, dist.DistError) as exc:  # a follower died before it joined (its error is above)
+            raise TensorParallelError(f"tensor parallel: ranks 1..{size - 1} did not join rank 0 within "
+                                      f"{COLLECTIVE_TIMEOUT_S} s ({str(exc).splitlines()[0]})") from exc
         rank = 0
     tp = TensorParallel(rank, size, cores)
     if rank == 0:
