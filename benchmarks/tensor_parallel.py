@@ -126,62 +126,6 @@ def main() -> None:
           f"{tp['all_reduce_ms_per_call']:.3f} ms each; {tp['all_gather_calls_per_step']:.0f} all-gather "
           f"(the head), {tp['all_gather_ms_per_call']:.3f} ms; batch {args.batch}: "
           f"{tp['batch_all_reduce_ms_per_call']:.3f} ms per all-reduce")
-    probe(args.size)
-
-
-def _probe_rank(rank: int, size: int, port: int, out) -> None:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from nextoken.distributed.group import TensorParallel, pin_to_slice
-
-    pin_to_slice(rank, size)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=60))
-    tp = TensorParallel(rank, size)
-    a = torch.randn(256, 256)
-    rows = []
-    for n in (1, 32):
-        x = torch.randn(n, 1536)
-        for gap_ms in (0.0, 0.5):
-            for name, fn in (("gloo ring", tp.all_reduce_gloo), ("exchange", tp.all_reduce)):
-                total = 0.0
-                for i in range(120):
-                    t = time.perf_counter()
-                    while (time.perf_counter() - t) * 1e3 < gap_ms:  # compute between calls, as in a step
-                        a @ a
-                    t0 = time.perf_counter()
-                    fn(x)
-                    total += (time.perf_counter() - t0) if i >= 20 else 0.0
-                rows.append((n, gap_ms, name, total / 100 * 1e3))
-    if rank == 0:
-        out.put(rows)
-    dist.destroy_process_group()
-
-
-def probe(size: int) -> None:
-    """The all-reduce alone, [rows, 1536] float32: gloo's ring against the exchange, back to
-    back and with 0.5 ms of compute between calls (each rank pinned to its cores)."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_probe_rank, args=(r, size, port, out)) for r in range(size)]
-    for p in procs:
-        p.start()
-    rows = out.get(timeout=300)
-    for p in procs:
-        p.join()
-    print("all-reduce alone, ms per call (rows x 1536 float32):")
-    for n, gap, name, ms in rows:
-        print(f"  {n:2} rows, {gap:.1f} ms compute between calls, {name:9}: {ms:.3f}")
 
 
 if __name__ == "__main__":
