@@ -31,12 +31,9 @@ Range = tuple[int, int]
 
 @dataclass(frozen=True)
 class Partition:
-    """Rank `rank` of `size`: its query heads, key/value heads, feed-forward columns and
-    vocabulary rows (each ``[start, stop)``), and every rank's vocabulary width (for the head's
-    gather)."""
+    """One rank's query heads, key/value heads, feed-forward columns and vocabulary rows (each
+    ``[start, stop)``), and every rank's vocabulary width (for the head's gather)."""
 
-    rank: int
-    size: int
     heads: Range
     kv_heads: Range
     ffn: Range
@@ -68,7 +65,7 @@ def partition(cfg: ModelConfig, rank: int, size: int) -> Partition:
     align = next(a for a in FFN_ALIGN if cfg.intermediate_size % a == 0 and cfg.intermediate_size // a >= size)
     f0, f1 = _split(cfg.intermediate_size // align, size, rank)
     widths = tuple(b - a for a, b in (_split(cfg.vocab_size, size, r) for r in range(size)))
-    return Partition(rank, size, _split(cfg.num_heads, size, rank), _split(cfg.num_kv_heads, size, rank),
+    return Partition(_split(cfg.num_heads, size, rank), _split(cfg.num_kv_heads, size, rank),
                      (f0 * align, f1 * align), _split(cfg.vocab_size, size, rank), widths)
 
 
