@@ -40,6 +40,23 @@ def test_special_tokens_stay_literal_when_asked(smol_tok):
     assert parsed[0] == 1 and parsed[-1] == 2
     assert not set(literal) & smol_tok.special_ids
     assert smol_tok.decode(literal) == text
+    assert smol_tok.encode(text) == parsed  # the literal switch does not stick
+
+
+def test_literal_and_parsed_encodes_from_many_threads(smol_tok):
+    """One tokenizer serves both ways (its special-token switch is flipped per call, under a
+    lock): threads encoding both ways at once each get what a lone call gets."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"<|im_start|>user\n{'word ' * i}<|im_end|>" for i in range(40)]
+    want = [(smol_tok.encode(t), smol_tok.encode(t, parse_special=False)) for t in texts]
+
+    def both(i):
+        return smol_tok.encode(texts[i]), smol_tok.encode(texts[i], parse_special=False)
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            assert list(pool.map(both, range(len(texts)))) == want
 
 
 def test_end_of_generation_tokens(smol_tok):
