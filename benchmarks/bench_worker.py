@@ -75,7 +75,7 @@ def _check_finite(out) -> None:
     """A timing of garbage is no timing: NaN arithmetic runs faster than real numbers (a NaN bug in
     the C prefill softmax once inflated Qwen2.5-1.5B's figures), so the warm-up's log-probabilities
     must be finite."""
-    if not out.outputs[0].logprobs_finite():
+    if out.error is not None or not out.outputs[0].logprobs_finite():
         raise RuntimeError(f"the model produced non-finite log-probabilities ({out.outputs[0].logprobs[:2]}): "
                            "its timings would be meaningless")
 

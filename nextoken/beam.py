@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nextoken.errors import InvalidRequest
+from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.sampling_params import SamplingParams
 
 
@@ -116,6 +116,8 @@ class BeamSearch:
 
 
 def _top(out) -> list[tuple[int, float]]:
+    if out.error is not None:  # a model fault in this beam's pass: the search cannot go on
+        raise RequestFailed(out.error)
     lps = out.outputs[0].logprobs[0]
     return sorted(lps.items(), key=lambda kv: -kv[1])
 

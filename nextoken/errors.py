@@ -34,3 +34,10 @@ class ModelLoadError(NextokenError):
 
 class EngineError(NextokenError, RuntimeError):
     """An internal failure of the engine (a bug or a resource problem, not the user's input)."""
+
+
+class RequestFailed(EngineError):
+    """One request failed inside the engine (its model pass produced non-finite logits); the
+    other requests of its batch go on (HTTP 500: the server's fault, not the request's)."""
+
+    status = 500

@@ -17,7 +17,7 @@ from nextoken.beam import BeamSearchOutput, beam_search
 from nextoken.catalog import DEFAULT_MODEL
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine_args import EngineArgs
-from nextoken.errors import InvalidRequest
+from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import validate_messages
@@ -96,7 +96,8 @@ class LLM:
                system: str | None = None, truncate_prompt: bool = False, tracer=None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a `RequestOutput` whenever it has new text (each
         completion's `delta`). With `chat`, `prompt` is a message list or a user message.
-        `tracer` (see `nextoken.trace`) records every stage of this request."""
+        `tracer` (see `nextoken.trace`) records every stage of this request. Raises
+        `RequestFailed` when the model's pass for it produced non-finite logits."""
         if chat:
             prompt = self._chat_prompt(prompt, system)
         engine = self.engine
@@ -108,6 +109,8 @@ class LLM:
                 for out in engine.step():
                     if out.request_id == rid:
                         done = out.finished
+                        if out.error is not None:
+                            raise RequestFailed(out.error)
                         yield out
         finally:
             if rid is not None:
@@ -119,7 +122,8 @@ class LLM:
         ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
         finished `RequestOutput` per prompt, in order. `params` is one `SamplingParams` for all
         or one per prompt. Every prompt is checked before any runs; a dictionary of another form
-        raises `InvalidRequest`."""
+        raises `InvalidRequest`. A prompt whose pass produced non-finite logits comes back with
+        `RequestOutput.error` set and finish reason ``"error"``; the others complete."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
         return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt)

@@ -14,7 +14,7 @@ import itertools
 from typing import AsyncIterator
 
 from nextoken.engine.engine import LLMEngine
-from nextoken.errors import EngineError
+from nextoken.errors import EngineError, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 
@@ -51,7 +51,8 @@ class AsyncLLMEngine:
 
     async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
         """The outputs of request `rid` (from `add_request`) as they come; stopping early aborts
-        the request."""
+        the request. Raises `RequestFailed` when the request failed in the engine (its output then
+        carries `RequestOutput.error`), `EngineError` when the engine loop has stopped."""
         queue = self._queues[rid]
         finished = False
         try:
@@ -60,6 +61,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise EngineError(f"the engine loop has stopped: {item!r}")
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 yield item
         finally:
             self._queues.pop(rid, None)

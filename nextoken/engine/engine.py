@@ -158,6 +158,7 @@ class LLMEngine:
         self._seq_group: dict[Request, RequestGroup] = {}
         self._ids = itertools.count()
         self.num_aborted = 0  # requests aborted before they finished
+        self.num_failed = 0  # requests failed by a model fault (non-finite logits)
         self.num_steps = 0
         # what the inspector shows (`nextoken.inspect`): the last steps' batches and the last
         # finished requests, as small dictionaries (a few hundred bytes a step)
@@ -381,7 +382,9 @@ class LLMEngine:
         for r in [r for r in reqs if r in rows and r.params.max_tokens == 0]:  # scored, nothing to generate
             self.scheduler.finish(r)
             finish_sequence(self._seq_group[r], r, "length")
+        self._fail_nonfinite(logits, {r: ab for r, ab in rows.items() if not r.finished})
         to_sample = [r for r in reqs if r in rows and r not in drafts and not r.finished]
+        drafts = {r: d for r, d in drafts.items() if not r.finished}
         if to_sample:
             idx = [rows[r][0] for r in to_sample]
             results = self.sampler(logits[idx], [r.sampler_row for r in to_sample], keep_details=tracer is not None)
@@ -411,6 +414,31 @@ class LLMEngine:
                 self.kv.cache_full_blocks(r)
                 if self.draft is not None:
                     self.draft.on_verified(r)
+
+    def _fail_nonfinite(self, logits: torch.Tensor, rows: dict[Request, tuple[int, int]]) -> None:
+        """Fail every request whose logits rows (``rows``: request -> [a, b) rows of `logits`)
+        hold a NaN or an infinity: a model fault (overflowing activations, a broken weight) that
+        would otherwise end in the sampler's traceback, or, greedy, in a silent garbage token. The
+        request finishes with reason ``"error"`` and `RequestOutput.error` saying what happened;
+        the batch's other requests go on. One float32 sum per row: NaN and inf both survive it."""
+        if not rows:
+            return
+        finite = torch.isfinite(logits.float().sum(dim=-1)).tolist()
+        for r, (a, b) in rows.items():
+            if all(finite[a:b]):
+                continue
+            group = self._seq_group[r]
+            group.error = (f"the model produced non-finite logits (NaN or inf) predicting position {r.num_computed_tokens} "
+                           f"of request {group.request_id}; its output so far is kept, nothing more is sampled")
+            log.error("%s", group.error)
+            self.num_failed += 1
+            for s in group.seqs:  # n > 1: the request fails as a whole
+                if not s.finished:
+                    self.kv.uncache(s)
+                    self.scheduler.finish(s)
+                    finish_sequence(group, s, "error")
+                    if self.draft is not None:
+                        self.draft.forget(s)
 
     def _score_prompts(self, scored: list[tuple[Request, int]]) -> None:
         """Prompt log-probabilities from this pass's kept hidden states (`scored`: each request
@@ -498,10 +526,12 @@ class LLMEngine:
 
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
         rid = self.add_request(self.tokenizer.encode("Hello"), params, request_id="warm-up")
-        out = self.run_until_finished([rid])[0].outputs[0]
-        if not out.logprobs_finite():
-            raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt ({out.logprobs}); "
-                                 "its weights or this build's kernels are broken (try --enforce-eager)")
+        result = self.run_until_finished([rid])[0]
+        out = result.outputs[0]
+        if result.error is not None or not out.logprobs_finite():
+            raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt "
+                                 f"({result.error or out.logprobs}); its weights or this build's kernels are broken "
+                                 "(try --enforce-eager)")
         self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
         self.kv.pool.hits = self.kv.pool.queries = 0
         self.spec_counts = dict.fromkeys(self.spec_counts, 0)

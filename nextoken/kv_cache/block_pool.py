@@ -127,6 +127,10 @@ class BlockPool:
                 del self.cached[b.block_hash]
             b.block_hash = b.token_ids = None
 
+    def uncache_block(self, b: KVCacheBlock) -> None:
+        """Take `b` out of the prefix cache (its contents must not be reused)."""
+        self._evict(b)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """One more request uses each of `blocks` (taking free ones out of the free queue)."""
         for b in blocks:

@@ -116,6 +116,15 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i], tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
         self._num_cached[req.request_id] = n_full
 
+    def uncache(self, req) -> None:
+        """Take out of the prefix cache the blocks only `req` holds (call before `free`): a pass
+        that produced non-finite logits may have written non-finite keys and values, which no
+        later prompt with the same prefix should reuse. Blocks other requests share stay."""
+        for b in self.block_tables.get(req.request_id, []):
+            if b.ref_cnt == 1:
+                self.pool.uncache_block(b)
+        self._num_cached.pop(req.request_id, None)
+
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.beam import async_beam_search
-from nextoken.errors import EngineError, InvalidRequest, NotFound
+from nextoken.errors import EngineError, InvalidRequest, NotFound, RequestFailed
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import error_response, validation_message
@@ -181,6 +181,10 @@ def build_app(state, config: ServerConfig, lifespan=None) -> FastAPI:
     @app.exception_handler(EngineError)
     async def _engine_error(_, exc):
         return error_response(503, str(exc))
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_, exc):  # this request's fault in the model: the server stays up
+        return error_response(exc.status, str(exc))
 
     # -- info -------------------------------------------------------------------------------
     @app.get("/health")
