@@ -90,3 +90,37 @@ def test_the_head_never_expands_its_int4_weight(tiny_gguf, arch):
     kernel (a batch of 64 sequences must not expand the head's weight every step)."""
     runner = ModelRunner(GGUFFile(tiny_gguf[arch][0]), torch.bfloat16, enforce_eager=True)
     assert runner.model.lm_head.few_rows
+
+
+def test_run_time_malloc_settings_are_taken(caplog):
+    """After a load, each mallopt setting is taken (glibc answers 0 for a value it refuses), and a
+    32 MiB buffer freed and allocated again reuses the heap's pages: without the trim threshold
+    glibc handed the freed top of the heap back to the OS on every free, and every step's
+    activations were faulted in again."""
+    import ctypes
+    import logging
+    import resource
+
+    from nextoken.runner.model_runner import _libc, loading_allocations
+
+    if _libc() is None:
+        pytest.skip("not glibc: nextoken does not tune malloc here")
+    with caplog.at_level(logging.DEBUG, logger="nextoken.runner"):
+        loading_allocations(True)
+        loading_allocations(False)
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = (32 << 20) - 4096
+
+    def touch_once():
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        libc.free(p)
+
+    touch_once()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        touch_once()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < size // 4096  # fewer than one buffer's pages

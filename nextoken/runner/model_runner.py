@@ -38,7 +38,7 @@ def _libc():
 
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit) and keeps the old value
+RUN_MMAP_THRESHOLD = 64 << 20
 RUN_TRIM_THRESHOLD = 1 << 30
 RUN_TOP_PAD = 64 << 20
 
@@ -47,17 +47,19 @@ def loading_allocations(loading: bool) -> None:
     """While loading, serve every allocation over 128 KiB with its own mapping (returned to the OS
     on free), so the converter's large temporaries do not stay behind in a fragmented heap (this
     took SmolLM2's load from 889 to about 530 MiB peak). Afterwards the forward pass's buffers
-    come from the heap and stay there when freed: allocations up to 32 MiB are not mapped, the
-    heap's free top is kept up to 1 GiB and it grows 64 MiB at a time. Without that, every step's
-    activations and logits were fresh mappings whose pages the kernel zeroed and faulted in
-    again: Qwen2.5-1.5B, 32 x (64 + 128) tokens, 2.4 million page faults and 4.6 s of system time
-    in a 28 s run (146 output tok/s), against 60 thousand, 0.5 s and 164-194 tok/s after. (An
-    earlier version asked for a 64 MiB threshold, which glibc refused without a word.)"""
+    come from the heap and stay there when freed: allocations up to 64 MiB are not mapped, the
+    heap's free top is kept up to 1 GiB, and it grows 64 MiB at a time.
+    The trim threshold and top pad matter as much as the mmap threshold: once mallopt sets a
+    threshold, glibc stops adjusting them and trims the heap's free top above its 128 KiB default
+    on every free, so each step's activations and logits went back to the OS and were faulted
+    in, zeroed, again the next step: Qwen2.5-1.5B, 32 x (64 + 128) tokens, 2.4 million page faults and 4.6 s
+    of system time in a 28 s run (146 output tok/s), against about 60 faults and 164-196 tok/s
+    with them set (tests/test_plan.py holds a freed 32 MiB buffer reused)."""
     libc = _libc()
     if libc is None:
         return
     settings = [(M_MMAP_THRESHOLD, 128 << 10)] if loading else \
-        [(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD), (M_TOP_PAD, RUN_TOP_PAD)]
+        [(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD), (M_TOP_PAD, RUN_TOP_PAD)]
     for param, value in settings:
         if libc.mallopt(param, value) != 1:
             log.debug("mallopt(%d, %d) was refused", param, value)
