@@ -188,3 +188,35 @@ def test_int8_kv_cache_batched_equals_alone(tiny_gguf):
     head_dim = single.engine.config.head_dim
     assert blocks["int8"] / blocks["auto"] == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.05)
     assert single.engine.runner.kv.k.dtype == single.engine.runner.kv.v.dtype == torch.int8
+
+
+def test_async_engine_steps_on_one_thread(tiny_gguf):
+    """Every step runs on the same thread: OpenMP keeps a team of threads per thread that starts
+    parallel work, and teams left idle spin on the cores the working one needs (a server with 2
+    compute threads served SmolLM2 slower than with 1 while asyncio's pool took the steps)."""
+    import threading
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    threads = set()
+    step = llm.engine.step
+
+    def recorded():
+        threads.add(threading.get_ident())
+        return step()
+
+    llm.engine.step = recorded
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def collect(p):
+        async for out in engine.generate(p, GREEDY):
+            pass
+        await asyncio.sleep(0.01)  # idle gaps, where a pool would hand the next step to another thread
+        async for out in engine.generate(p, GREEDY):
+            pass
+        return out.outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in tiny_prompts()[:6]))
+
+    asyncio.run(main())
+    assert len(threads) == 1 and threading.get_ident() not in threads

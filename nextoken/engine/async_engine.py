@@ -1,7 +1,11 @@
 """`AsyncLLMEngine`: the engine's step loop in the background, one output stream per request.
 
 The loop runs `LLMEngine.step` in a worker thread (PyTorch releases the GIL inside its kernels),
-so the asyncio event loop stays free to accept requests and stream tokens. Requests to add or
+so the asyncio event loop stays free to accept requests and stream tokens. Always the same
+thread: OpenMP gives every thread that starts parallel work a team of its own, and the idle
+teams' threads spin for a while after their last step, taking the cores from the team at work
+(steps handed to asyncio's default pool of threads ran SmolLM2 at 4.2-4.8 req/s with 2 threads
+against 5.3-5.7 with 1, see `benchmarks/serve.py`). Requests to add or
 abort are queued and applied by the loop between steps, so the engine is only ever touched from
 one thread at a time. A consumer that stops iterating (a client that disconnects) aborts its
 request, which frees its KV blocks at the next step.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from nextoken.engine.engine import LLMEngine
@@ -20,7 +25,9 @@ from nextoken.sampling_params import SamplingParams
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stepper: ThreadPoolExecutor | None = None):
+        """`stepper`: the one-thread executor the steps run in (default: a new one); the server
+        passes the one that loaded and warmed the model, so a single OpenMP team ever works."""
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
@@ -30,6 +37,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set if the step loop crashed
         self.on_dead = None  # called with the exception when the step loop crashes (the server's exit)
+        self._stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
@@ -106,7 +114,7 @@ class AsyncLLMEngine:
                         self._wakeup.clear()
                         outputs = None
                     else:
-                        outputs = await asyncio.to_thread(self.engine.step)
+                        outputs = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
                 if outputs is None:
                     await self._wakeup.wait()
                     continue

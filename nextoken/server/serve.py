@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
@@ -40,11 +41,12 @@ def serve(args, announce_inspector: bool = False) -> int:
                           max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                           max_tokens_default=args.max_tokens_default, inspect=getattr(args, "inspect", True))
     server_ref = {}
+    stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
 
     def load():  # /health answers 200 once the model is loaded and warm
         engine = LLMEngine.from_engine_args(engine_args)
         engine.warm_up()
-        async_engine = AsyncLLMEngine(engine)
+        async_engine = AsyncLLMEngine(engine, stepper)
         async_engine.on_dead = on_dead
         return async_engine
 
@@ -58,7 +60,7 @@ def serve(args, announce_inspector: bool = False) -> int:
     async def lifespan(app):
         async def load_in_background():
             try:
-                state.engine = await asyncio.to_thread(load)
+                state.engine = await asyncio.get_running_loop().run_in_executor(stepper, load)
                 log.info("model %s loaded; serving", config.model_name)
             except Exception as exc:  # nothing to serve: say why and stop
                 log.error("could not load the model: %s", exc)
