@@ -5,7 +5,7 @@ so the asyncio event loop stays free to accept requests and stream tokens. Alway
 thread: OpenMP gives every thread that starts parallel work a team of its own, and the idle
 teams' threads spin for a while after their last step, taking the cores from the team at work
 (steps handed to asyncio's default pool of threads ran SmolLM2 at 4.2-4.8 req/s with 2 threads
-against 5.3-5.7 with 1, see `benchmarks/serve.py`). Requests to add or
+against 5.3-5.7 with 1; on one thread, 6.4 with 2: `benchmarks/serve.py --rate 8`). Requests to add or
 abort are queued and applied by the loop between steps, so the engine is only ever touched from
 one thread at a time. A consumer that stops iterating (a client that disconnects) aborts its
 request, which frees its KV blocks at the next step.
