@@ -94,7 +94,7 @@ def test_unused_token_ids_are_never_allowed(tok):
     """Ids the vocabulary reserves but never uses (GGUF type 5, like Qwen's [PAD...]) and ids
     past the tokenizer's vocabulary are masked even inside a JSON string."""
     reserved = [t for t in range(1000, 1010)]
-    marked = Tokenizer(tok._tok, tok._tok_literal, tok.tokens, tok.special_ids, tok.bos_token_id,
+    marked = Tokenizer(tok._tok, tok.tokens, tok.special_ids, tok.bos_token_id,
                        tok.eos_token_id, False, None, tok.eog_token_ids, unused_ids=reserved)
     vocab = len(tok.tokens) + 64  # a model with more logits than the tokenizer has tokens
     g = GrammarCompiler(marked, vocab).sequence_grammar(StructuredOutputsParams(json={"type": "string"}))
