@@ -106,3 +106,24 @@ def test_beam_search_raises_request_failed(llm):
     with pytest.raises(RequestFailed, match="non-finite logits"):
         llm.beam_search([FAULTY], 2, 4)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_scoring_fails_the_faulty_request(llm):
+    """Scoring alone (max_tokens=0, as `nextoken perplexity` and echo do) samples nothing, so the
+    prompt log-probabilities are what must be checked; a clean prompt scored with it is kept."""
+    score = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    alone = llm.generate([CLEAN[1]], score)[0].prompt_logprobs
+    bad, good = llm.generate([FAULTY, CLEAN[1]], score)
+    assert bad.error and "prompt log-probabilities" in bad.error and bad.outputs[0].finish_reason == "error"
+    assert good.error is None and good.prompt_logprobs == alone
+    eng = llm.engine
+    assert not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
+
+
+def test_perplexity_refuses_a_faulty_text(llm):
+    from nextoken.evaluate.perplexity import perplexity
+
+    text = llm.tokenizer.decode(FAULTY * 4)
+    assert POISON in llm.tokenizer.encode(text, add_bos=False, parse_special=False)
+    with pytest.raises(RequestFailed, match="non-finite"):
+        perplexity(llm.engine, text, ctx=16, progress=False)

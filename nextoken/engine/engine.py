@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import time
 
 import torch
@@ -368,7 +369,7 @@ class LLMEngine:
             self._score_prompts(scored)
         for r, n in scheduled.items():
             r.num_computed_tokens += n
-            if r not in drafts:
+            if r not in drafts and not r.finished:  # (a request failed by its prompt scores is freed)
                 self.kv.cache_full_blocks(r)
         if tracer is not None:
             r = reqs[0]
@@ -379,7 +380,7 @@ class LLMEngine:
                 k = len(s.token_ids) if s.as_decodes else 1
                 rows[r] = (at, at + k)
                 at += k
-        for r in [r for r in reqs if r in rows and r.params.max_tokens == 0]:  # scored, nothing to generate
+        for r in [r for r in reqs if r in rows and r.params.max_tokens == 0 and not r.finished]:  # scored only
             self.scheduler.finish(r)
             finish_sequence(self._seq_group[r], r, "length")
         self._fail_nonfinite(logits, {r: ab for r, ab in rows.items() if not r.finished})
@@ -425,20 +426,25 @@ class LLMEngine:
             return
         finite = torch.isfinite(logits.float().sum(dim=-1)).tolist()
         for r, (a, b) in rows.items():
-            if all(finite[a:b]):
-                continue
-            group = self._seq_group[r]
-            group.error = (f"the model produced non-finite logits (NaN or inf) predicting position {r.num_computed_tokens} "
-                           f"of request {group.request_id}; its output so far is kept, nothing more is sampled")
-            log.error("%s", group.error)
-            self.num_failed += 1
-            for s in group.seqs:  # n > 1: the request fails as a whole
-                if not s.finished:
-                    self.kv.uncache(s)
-                    self.scheduler.finish(s)
-                    finish_sequence(group, s, "error")
-                    if self.draft is not None:
-                        self.draft.forget(s)
+            if not all(finite[a:b]):
+                self._fail_request(r, f"the model produced non-finite logits (NaN or inf) predicting position "
+                                      f"{r.num_computed_tokens}")
+
+    def _fail_request(self, r: Request, why: str) -> None:
+        """Finish every sequence of `r`'s request with reason ``"error"`` (`n` > 1: the request
+        fails as a whole), its message in `RequestOutput.error`; blocks only it holds leave the
+        prefix cache (they may hold non-finite keys and values)."""
+        group = self._seq_group[r]
+        group.error = f"{why} of request {group.request_id}; its output so far is kept, nothing more is computed"
+        log.error("%s", group.error)
+        self.num_failed += 1
+        for s in group.seqs:
+            if not s.finished:
+                self.kv.uncache(s)
+                self.scheduler.finish(s)
+                finish_sequence(group, s, "error")
+                if self.draft is not None:
+                    self.draft.forget(s)
 
     def _score_prompts(self, scored: list[tuple[Request, int]]) -> None:
         """Prompt log-probabilities from this pass's kept hidden states (`scored`: each request
@@ -450,6 +456,10 @@ class LLMEngine:
                 continue
             entries = self.runner.score_kept(i, n, r.prompt_ids[start + 1 : start + 1 + n],
                                              r.params.prompt_logprobs)
+            if not all(math.isfinite(v) for e in entries for v in e.values()):
+                self._fail_request(r, f"the model produced non-finite prompt log-probabilities (NaN or inf) at "
+                                      f"positions {start + 1}..{start + n}")
+                continue
             group = self._seq_group[r]
             group.prompt_logprobs[start + 1 : start + 1 + n] = entries
             if group.prompt_hidden is not None:  # row p: position p, which scores token p + 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nextoken.errors import InvalidRequest
+from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.sampling_params import SamplingParams
 
 
@@ -90,6 +90,8 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
     nll: list[float] = []
 
     def done(group):
+        if group.error is not None:  # a model fault: no number is better than a wrong one
+            raise RequestFailed(group.error)
         nll.extend(-group.prompt_logprobs[j][group.prompt_ids[j]] for j in range(first + 1, ctx))
         if bar is not None:
             bar.update(1)
@@ -105,6 +107,9 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
     res = PerplexityResult(ppl, ppl * math.sqrt(var / max(1, n - 1)), len(chunks), n, nll)
     if reference is not None:
         ref = _run(reference, chunks, True)
+        failed = next((g.error for g in ref if g.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(f"the reference engine: {failed}")
         kls, same = [], 0
         for g_fast, g_ref in zip(fast, ref):
             lp = _log_probs(engine, g_fast.prompt_hidden[first:])
