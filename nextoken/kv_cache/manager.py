@@ -123,7 +123,6 @@ class KVCacheManager:
         for b in self.block_tables.get(req.request_id, []):
             if b.ref_cnt == 1:
                 self.pool.uncache_block(b)
-        self._num_cached.pop(req.request_id, None)
 
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""

@@ -34,12 +34,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     writes every byte at allocation (0.15 s for Qwen2.5-1.5B's default cache, all of it before
     the first token). Blocks never used never take memory; a block's first write takes its
     page faults. The start is 64-byte aligned."""
+    import math
+
     import numpy as np
 
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = np.zeros(nbytes + 64, dtype=np.uint8)

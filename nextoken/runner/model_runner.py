@@ -52,9 +52,9 @@ def loading_allocations(loading: bool) -> None:
     The trim threshold and top pad matter as much as the mmap threshold: once mallopt sets a
     threshold, glibc stops adjusting them and trims the heap's free top above its 128 KiB default
     on every free, so each step's activations and logits went back to the OS and were faulted
-    in, zeroed, again the next step: Qwen2.5-1.5B, 32 x (64 + 128) tokens, 2.4 million page faults and 4.6 s
-    of system time in a 28 s run (146 output tok/s), against about 60 faults and 164-196 tok/s
-    with them set (tests/test_plan.py holds a freed 32 MiB buffer reused)."""
+    in, zeroed, again the next step: Qwen2.5-1.5B, 32 x (64 + 128) tokens, 2.4 million page
+    faults and 4.6 s of system time in a 28 s run (146 output tok/s), against about 60 faults
+    and 164-196 tok/s with them set (tests/test_plan.py holds a freed 32 MiB buffer reused)."""
     libc = _libc()
     if libc is None:
         return
