@@ -59,11 +59,13 @@
 #define END_ROWS }}
 
 /* The same walk in groups of up to four consecutive rows of one block: `rows` rows from key t
- * on, the first at GROUP in CACHE. Close with END_ROW_GROUPS. */
-#define FOR_ROW_GROUPS(t, GROUP, rows, T, CACHE)                                                          \
+ * on, the first at GROUP in CACHE; the rows of these keys in VCACHE (the values, read next by
+ * p v) are fetched meanwhile. Close with END_ROW_GROUPS. */
+#define FOR_ROW_GROUPS(t, GROUP, rows, T, CACHE, VCACHE)                                                  \
     for (int64_t t = t0; t < t1;) {                                                                       \
         const T *blk_ = CACHE + (h * NB + table[t / BS]) * BS * D;                                        \
         if ((t / BS + 1) * BS < t1) prefetch_rows(CACHE + (h * NB + table[t / BS + 1]) * BS * D, BS * D * (int64_t)sizeof(T)); \
+        prefetch_rows(VCACHE + (h * NB + table[t / BS]) * BS * D, BS * D * (int64_t)sizeof(T));           \
         const int64_t end_ = t % BS + (t1 - t) < BS ? t % BS + (t1 - t) : BS;                             \
         for (int64_t r_ = t % BS, rows = 0; r_ < end_; r_ += rows, t += rows) {                           \
             rows = end_ - r_ < 4 ? end_ - r_ : 4;                                                         \
@@ -76,10 +78,14 @@ typedef struct {
     const float *ks, *vs;
 } kv_t;
 
-/* the next block's rows, asked for ahead of use: blocks lie anywhere in the cache, so the
- * hardware prefetcher, which follows address streams, cannot guess them */
+/* a block's rows, asked for ahead of use: blocks lie anywhere in the cache, so the hardware
+ * prefetcher, which follows address streams within a page, cannot guess them. Into L2
+ * (prefetcht1): L2 keeps more misses in flight than L1, and a task's values (64 KiB at most)
+ * wait there while its keys are scored. Measured on Qwen2.5-1.5B's shapes at 4096 keys in
+ * scattered blocks, 28 layers' caches in turn (cold, as in a decode step): 343 -> 238 us per
+ * layer, the speed of a bare read of the same rows. */
 static inline void prefetch_rows(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
 
 /* x[i] = exp(x[i] - m) for i < n; returns the sum. x[i] - m <= 0 (m is the maximum). */
@@ -129,20 +135,24 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 #if VECTORIZED
-/* q . k as 16 partial sums, for bf16 rows of D = 32 J2: AVX512-BF16's dot product of bf16 pairs
- * (exact products, float32 sums) where the CPU has it, else widened to float32 and FMA. */
+/* acc + the dot products of a and b's bf16 pairs (AVX512-BF16 where the CPU has it: exact
+ * products, float32 sums; else both halves widened to float32 and FMA) */
+static inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                          acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)),
+                           acc);
+#endif
+}
+
+/* q . k as 16 partial sums, for bf16 rows of D = 32 J2 */
 static inline __m512 qk_partial(const uint16_t *kp, const uint16_t *qg, int64_t J2) {
     __m512 s = _mm512_setzero_ps();
-    for (int64_t j = 0; j < J2; j++) {
-        const __m512i k = _mm512_loadu_si512(kp + 32 * j), qv = _mm512_loadu_si512(qg + 32 * j);
-#if defined(__AVX512BF16__)
-        s = _mm512_dpbf16_ps(s, (__m512bh)k, (__m512bh)qv);
-#else
-        const __m512i lo = _mm512_set1_epi32(0xffff0000);
-        s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(qv, 16)), s);
-        s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(k, lo)), _mm512_castsi512_ps(_mm512_and_si512(qv, lo)), s);
-#endif
-    }
+    for (int64_t j = 0; j < J2; j++) s = dot_pairs(s, _mm512_loadu_si512(kp + 32 * j), _mm512_loadu_si512(qg + 32 * j));
     return s;
 }
 
@@ -234,48 +244,168 @@ static void softmax_rows(float *sc, float *part, int64_t G, int64_t D, int64_t n
     memset(sc + G * CHUNK, 0, sizeof(float) * PV_REGS * CHUNK);
 }
 
-/* AVX-512 task body for bf16 rows of D = 32 J2 <= 256: scores four keys at a time (q . k, then
- * times scale), p v with the value row widened once for the G query heads. */
+/* the first `rows` of four scores */
+static inline void store_scores(float *dst, __m128 s4, int64_t rows) {
+    _mm_mask_storeu_ps(dst, (__mmask8)((1u << rows) - 1), s4);
+}
+
+static const uint16_t ZERO_ROW[256] __attribute__((aligned(64))); /* a bf16 row of zeros, D <= 256 */
+
+/* Scores of bf16 rows, D = 32 J2C: QH query heads at a time with their queries held in registers
+ * (a load feeds one dot product at most once per key row, not twice: loads, not arithmetic,
+ * bounded the simple loop), four key rows at a time, each lane sum reduced by sum4. Registers:
+ * QH J2C queries, 4 QH accumulators, J2C key vectors (<= 32). vc: the value cache, whose rows
+ * for these keys are fetched into L2 meanwhile (for p v, next). */
+#define DEFINE_QK(NAME, J2C, QH)                                                                         \
+static void NAME(const uint16_t *qh, const uint16_t *kc, const uint16_t *vc, const int64_t *table,       \
+                 int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t NB, int64_t BS, float scale,     \
+                 float *sc) {                                                                           \
+    const int64_t D = 32 * (J2C);                                                                       \
+    const __m128 vscale = _mm_set1_ps(scale);                                                           \
+    for (int64_t g0 = 0; g0 < G; g0 += (QH)) {                                                          \
+        const int64_t gn = G - g0 < (QH) ? G - g0 : (QH);                                               \
+        __m512i qv[QH][J2C];                                                                            \
+        for (int64_t gi = 0; gi < (QH); gi++)                                                           \
+            for (int64_t j = 0; j < (J2C); j++)                                                         \
+                qv[gi][j] = gi < gn ? _mm512_loadu_si512(qh + (g0 + gi) * D + 32 * j) : _mm512_setzero_si512(); \
+        FOR_ROW_GROUPS(t, kg, rows, uint16_t, kc, vc)                                                   \
+            __m512 acc[QH][4];                                                                          \
+            for (int64_t gi = 0; gi < (QH); gi++)                                                       \
+                for (int64_t i = 0; i < 4; i++) acc[gi][i] = _mm512_setzero_ps();                       \
+            const uint16_t *kr[4]; /* rows past the group's end read zeros */                          \
+            for (int64_t i = 0; i < 4; i++) kr[i] = i < rows ? kg + i * D : ZERO_ROW;                   \
+            for (int64_t i = 0; i < 4; i++) {                                                           \
+                for (int64_t j = 0; j < (J2C); j++) {                                                   \
+                    const __m512i k = _mm512_loadu_si512(kr[i] + 32 * j);                               \
+                    for (int64_t gi = 0; gi < (QH); gi++) acc[gi][i] = dot_pairs(acc[gi][i], k, qv[gi][j]); \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t gi = 0; gi < gn; gi++)                                                         \
+                store_scores(sc + (g0 + gi) * CHUNK + t - t0,                                           \
+                             _mm_mul_ps(sum4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]), vscale), rows); \
+        END_ROW_GROUPS                                                                                  \
+    }                                                                                                   \
+}
+DEFINE_QK(qk_j2_2, 2, 4)
+DEFINE_QK(qk_j2_4, 4, 3)
+DEFINE_QK(qk_j2_8, 8, 1)
+
+/* The same for any D = 32 J2 <= 256, one head at a time (its query read from memory). */
+static void scores_bf16_any(const uint16_t *qh, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
+                            int64_t h, int64_t t0, int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                            float scale, float *sc) {
+    const __m128 vscale = _mm_set1_ps(scale);
+    FOR_ROW_GROUPS(t, kg, rows, uint16_t, kc, vc)
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t *qg = qh + g * D;
+            __m512 acc[4];
+            for (int64_t i = 0; i < 4; i++) acc[i] = i < rows ? qk_partial(kg + i * D, qg, D / 32) : _mm512_setzero_ps();
+            store_scores(sc + g * CHUNK + t - t0, _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), vscale), rows);
+        }
+    END_ROW_GROUPS
+}
+
+#if defined(__AVX512BF16__)
+/* p v for bf16 rows with AVX512-BF16, D = 32 J2C: two keys' value rows interleaved element by
+ * element (t, t + 1 in each 32-bit lane) and dotted with the pair (p_t, p_t+1) rounded to bf16,
+ * so one instruction takes 32 products with no widening (PyTorch's bf16 attention likewise
+ * rounds the probabilities to bf16 before p v). A key without a partner in its block pairs with
+ * a zero row. The scores' rows hold p as bf16 (`pack_probs`). unpacklo/hi work within 128-bit
+ * lanes: lane l of accumulator 2j (2j + 1) holds d = 32 j + 8 (l / 4) + l % 4 (+ 4). GB query
+ * heads at a time, each row pair unpacked once for them. Registers: 2 J2C GB accumulators, GB
+ * probability pairs, four for the rows (<= 32). */
+#define DEFINE_PV_PAIRS(NAME, J2C, GB)                                                                   \
+static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
+                 int64_t NB, int64_t BS, const float *sc, float *part) {                                \
+    const int64_t D = 32 * (J2C);                                                                       \
+    for (int64_t g0 = 0; g0 < G; g0 += (GB)) {                                                          \
+        __m512 acc[(GB) * 2 * (J2C)];                                                                   \
+        for (int64_t i = 0; i < (GB) * 2 * (J2C); i++) acc[i] = _mm512_setzero_ps();                    \
+        for (int64_t t = t0; t < t1;) {                                                                 \
+            const uint16_t *blk = vc + (h * NB + table[t / BS]) * BS * D;                               \
+            if ((t / BS + 1) * BS < t1) prefetch_rows(vc + (h * NB + table[t / BS + 1]) * BS * D, BS * D * 2); \
+            const int64_t end = t % BS + (t1 - t) < BS ? t % BS + (t1 - t) : BS;                        \
+            for (int64_t r = t % BS; r < end;) {                                                        \
+                const int two = r + 1 < end;                                                            \
+                const uint16_t *v0 = blk + r * D, *v1 = two ? v0 + D : ZERO_ROW;                        \
+                __m512i pp[GB];                                                                         \
+                for (int64_t gi = 0; gi < (GB); gi++) {                                                 \
+                    uint32_t pair;                                                                      \
+                    memcpy(&pair, (const uint16_t *)(sc + (g0 + gi) * CHUNK) + (t - t0), sizeof pair);  \
+                    pp[gi] = _mm512_set1_epi32((int)(two ? pair : pair & 0xffffu));                     \
+                }                                                                                       \
+                for (int64_t j = 0; j < (J2C); j++) {                                                   \
+                    const __m512i a = _mm512_loadu_si512(v0 + 32 * j), b = _mm512_loadu_si512(v1 + 32 * j); \
+                    const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);   \
+                    for (int64_t gi = 0; gi < (GB); gi++) {                                             \
+                        acc[gi * 2 * (J2C) + 2 * j] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j], lo, pp[gi]); \
+                        acc[gi * 2 * (J2C) + 2 * j + 1] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j + 1], hi, pp[gi]); \
+                    }                                                                                   \
+                }                                                                                       \
+                r += 1 + two;                                                                           \
+                t += 1 + two;                                                                           \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t gi = 0; gi < (GB) && g0 + gi < G; gi++)                                            \
+            for (int64_t j = 0; j < 2 * (J2C); j++) {                                                   \
+                float lanes[16], *a = part + (g0 + gi) * (D + 2) + 32 * (j / 2) + 4 * (j % 2);         \
+                _mm512_storeu_ps(lanes, acc[gi * 2 * (J2C) + j]);                                       \
+                for (int64_t l = 0; l < 16; l++) a[8 * (l / 4) + l % 4] = lanes[l];                     \
+            }                                                                                           \
+    }                                                                                                   \
+}
+DEFINE_PV_PAIRS(pv_pairs_j2_2, 2, 4)
+DEFINE_PV_PAIRS(pv_pairs_j2_4, 4, 3)
+
+/* each row of p (float32, n values) rewritten in place as bf16 (round to nearest even), followed
+ * by two zeros: the form pv_pairs reads. Row g's bf16 values take the first half of its bytes,
+ * written behind the floats they come from. */
+static void pack_probs(float *sc, int64_t G, int64_t n) {
+    for (int64_t g = 0; g < G; g++) {
+        uint16_t *pb = (uint16_t *)(sc + g * CHUNK);
+        const float *p = sc + g * CHUNK;
+        for (int64_t i = 0; i < n; i++) pb[i] = f32_to_bf16(p[i]);
+        pb[n] = pb[n + 1] = 0;
+    }
+}
+#endif
+
+/* AVX-512 task body for bf16 rows of D = 32 J2 <= 256: scores (q . k times scale), softmax,
+ * then p v: on bf16 pairs where the CPU has AVX512-BF16 and D is 64 or 128, else with the value
+ * row widened once for GB query heads. */
 static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
                               int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
                               float scale, float *work, float *part) {
     const uint16_t *kc = kv->k, *vc = kv->v;
-    const int64_t n = t1 - t0, J2 = D / 32, J = D / 16;
+    const int64_t n = t1 - t0, J = D / 16;
     const uint16_t *qh = q + (b * H + h * G) * D;
     float *sc = work;
-    const __m128 vscale = _mm_set1_ps(scale);
-    for (int64_t t = t0; t < t1;) {
-        const uint16_t *blk = kc + (h * NB + table[t / BS]) * BS * D;
-        if ((t / BS + 1) * BS < t1) prefetch_rows(kc + (h * NB + table[t / BS + 1]) * BS * D, BS * D * 2);
-        int64_t r = t % BS;
-        const int64_t end = r + (t1 - t) < BS ? r + (t1 - t) : BS;
-        for (; r + 4 <= end; r += 4, t += 4) {
-            const uint16_t *kp = blk + r * D;
-            for (int64_t g = 0; g < G; g++) {
-                const uint16_t *qg = qh + g * D;
-                const __m128 s4 = sum4(qk_partial(kp, qg, J2), qk_partial(kp + D, qg, J2),
-                                       qk_partial(kp + 2 * D, qg, J2), qk_partial(kp + 3 * D, qg, J2));
-                _mm_storeu_ps(sc + g * CHUNK + t - t0, _mm_mul_ps(s4, vscale));
-            }
-        }
-        for (; r < end; r++, t++)
-            for (int64_t g = 0; g < G; g++)
-                sc[g * CHUNK + t - t0] = _mm512_reduce_add_ps(qk_partial(blk + r * D, qh + g * D, J2)) * scale;
-    }
+    const int64_t J2 = D / 32;
+    if (J2 == 2)
+        qk_j2_2(qh, kc, vc, table, h, t0, t1, G, NB, BS, scale, sc);
+    else if (J2 == 4)
+        qk_j2_4(qh, kc, vc, table, h, t0, t1, G, NB, BS, scale, sc);
+    else if (J2 == 8)
+        qk_j2_8(qh, kc, vc, table, h, t0, t1, G, NB, BS, scale, sc);
+    else
+        scores_bf16_any(qh, kc, vc, table, h, t0, t1, G, D, NB, BS, scale, sc);
     softmax_rows(sc, part, G, D, n);
+#if defined(__AVX512BF16__)
+    if (J == 4 || J == 8) {
+        pack_probs(sc, G, n);
+        if (J == 4)
+            pv_pairs_j2_2(vc, table, h, t0, t1, G, NB, BS, sc, part);
+        else
+            pv_pairs_j2_4(vc, table, h, t0, t1, G, NB, BS, sc, part);
+        return;
+    }
+#endif
     if (J == 4)
         pv_j4(vc, table, h, t0, t1, G, NB, BS, sc, part);
     else if (J == 8)
         pv_j8(vc, table, h, t0, t1, G, NB, BS, sc, part);
     else
         pv_any(vc, table, h, t0, t1, G, D, NB, BS, sc, part);
-}
-
-/* the first `rows` of four scores */
-static inline void store_scores(float *dst, __m128 s4, int64_t rows) {
-    float tmp[4];
-    _mm_storeu_ps(tmp, s4);
-    memcpy(dst, tmp, sizeof(float) * rows);
 }
 
 #if defined(__AVX512VNNI__)
@@ -294,9 +424,9 @@ static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
  * cache rows are (absmax, `qs` its scale), and q . k is an integer dot product: vpdpbusd takes
  * one unsigned operand, so the key codes enter as k + 128 (a sign-bit flip) and 128 sum(q) is
  * subtracted. s_t = (sum q_i k_i) qs scale kscale_t, the sums exact in int32. */
-static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int64_t *table, int64_t h, int64_t t0,
-                           int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc, float *work,
-                           float *sc) {
+static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int8_t *vc, const int64_t *table, int64_t h,
+                           int64_t t0, int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc,
+                           float *work, float *sc) {
     const int64_t J64 = D / 64;
     int8_t *qc = (int8_t *)work; /* G rows of D codes */
     float *qs = work + G * D / 4;
@@ -314,7 +444,7 @@ static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int64_t *
         corr[g] = 128 * sum;
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc)
+    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc, vc)
         __m512i k[4][4];
         for (int64_t i = 0; i < 4; i++)
             for (int64_t j = 0; j < J64; j++)
@@ -340,13 +470,13 @@ static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int64_t *
 
 /* int8 scores in float32, D = 16 J <= 256: four key rows at a time widened once into kf (L1)
  * and dotted with each of the G queries. */
-static void scores_i8_f32(const uint16_t *qh, const int8_t *kc, const int64_t *table, int64_t h, int64_t t0,
-                          int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc, float *work,
-                          float *sc) {
+static void scores_i8_f32(const uint16_t *qh, const int8_t *kc, const int8_t *vc, const int64_t *table, int64_t h,
+                          int64_t t0, int64_t t1, int64_t G, int64_t D, int64_t NB, int64_t BS, const float *ksc,
+                          float *work, float *sc) {
     const int64_t J = D / 16;
     float *qf = work, *kf = work + G * D;
     for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qh[i]);
-    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc)
+    FOR_ROW_GROUPS(t, kg, rows, int8_t, kc, vc)
         for (int64_t i = 0; i < rows; i++)
             for (int64_t j = 0; j < J; j++) _mm512_storeu_ps(kf + i * D + 16 * j, widen16_i8(kg + i * D + 16 * j));
         for (int64_t i = rows; i < 4; i++) memset(kf + i * D, 0, sizeof(float) * D);
@@ -382,10 +512,10 @@ static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *ta
     END_ROWS
 #if defined(__AVX512VNNI__)
     if (D % 64 == 0)
-        scores_i8_vnni(qh, kc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
+        scores_i8_vnni(qh, kc, vc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
     else
 #endif
-        scores_i8_f32(qh, kc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
+        scores_i8_f32(qh, kc, vc, table, h, t0, t1, G, D, NB, BS, ksc, scratch, sc);
     softmax_rows(sc, part, G, D, n);
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < n; i++) sc[g * CHUNK + i] *= vsc[i];
