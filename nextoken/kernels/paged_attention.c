@@ -431,17 +431,18 @@ static void scores_i8_vnni(const uint16_t *qh, const int8_t *kc, const int8_t *v
     int8_t *qc = (int8_t *)work; /* G rows of D codes */
     float *qs = work + G * D / 4;
     int32_t *corr = (int32_t *)(qs + G);
-    for (int64_t g = 0; g < G; g++) {
-        float amax = 0.f;
-        for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(qh[g * D + i])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < D; i++) {
-            qc[g * D + i] = (int8_t)nearbyintf(bf16_to_f32(qh[g * D + i]) * inv);
-            sum += qc[g * D + i];
+    for (int64_t g = 0; g < G; g++) { /* 16 at a time: per task, this once cost as much as the dot products */
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(widen16(qh + g * D + i)));
+        const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = 0; i < D; i += 16) { /* round to nearest even, as nearbyintf */
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(qh + g * D + i), _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(qc + g * D + i), _mm512_cvtepi32_epi8(c));
+            sum = _mm512_add_epi32(sum, c);
         }
         qs[g] = amax / 127.f;
-        corr[g] = 128 * sum;
+        corr[g] = 128 * _mm512_reduce_add_epi32(sum);
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     FOR_ROW_GROUPS(t, kg, rows, int8_t, kc, vc)
