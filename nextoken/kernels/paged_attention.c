@@ -35,7 +35,7 @@
 #include "bf16.h"
 
 #define CHUNK 256 /* keys per task (a multiple of any block size we use) */
-#define PV_REGS 16 /* float32 accumulators kept in registers: p v for PV_REGS / J query heads at a time */
+#define PV_REGS 16 /* zero rows of p past the G heads': p v loops run whole groups of up to 16 heads */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -185,24 +185,26 @@ static float max_of(const float *x, int64_t n) {
     return r;
 }
 
-/* a_g = sum_t p_gt v_t for the G heads of one task, J = D / 16 constant: heads PV_REGS / J at a
- * time, their accumulators in registers (p rows past G are zero, so a last partial group needs
- * no special case), each value row widened once per group. T, WIDEN: the cache's element type
- * and its 16-lane widening to float32. */
-#define DEFINE_PV(NAME, JC, T, WIDEN)                                                                    \
+/* a_g = sum_t p_gt v_t for the G heads of one task, J = D / 16 constant: GB heads at a time,
+ * their accumulators in registers (p rows past G are zero, so a last partial group needs no
+ * special case), each 16-lane slice of a value row widened once per group. Registers: GB J
+ * accumulators (<= 24), GB probabilities, one slice (D = 128: GB 3, so that G = 6 heads take two
+ * passes over the rows, not three; the widening costs as much as the FMAs). T, WIDEN: the
+ * cache's element type and its 16-lane widening to float32. */
+#define DEFINE_PV(NAME, JC, GB, T, WIDEN)                                                                \
 static void NAME(const T *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G,       \
                  int64_t NB, int64_t BS, const float *sc, float *part) {                                \
-    const int64_t D = 16 * (JC), GB = PV_REGS / (JC);                                                   \
+    const int64_t D = 16 * (JC);                                                                        \
     for (int64_t g0 = 0; g0 < G; g0 += GB) {                                                            \
-        __m512 acc[PV_REGS];                                                                            \
-        for (int64_t i = 0; i < PV_REGS; i++) acc[i] = _mm512_setzero_ps();                             \
+        __m512 acc[GB * (JC)];                                                                          \
+        for (int64_t i = 0; i < GB * (JC); i++) acc[i] = _mm512_setzero_ps();                           \
         FOR_ROWS(t, vp, T, vc)                                                                          \
-            __m512 row[JC];                                                                             \
-            for (int64_t j = 0; j < (JC); j++) row[j] = WIDEN(vp + 16 * j);                             \
-            for (int64_t gi = 0; gi < GB; gi++) {                                                       \
-                const __m512 p = _mm512_set1_ps(sc[(g0 + gi) * CHUNK + t - t0]);                       \
-                for (int64_t j = 0; j < (JC); j++)                                                      \
-                    acc[gi * (JC) + j] = _mm512_fmadd_ps(p, row[j], acc[gi * (JC) + j]);               \
+            __m512 p[GB];                                                                               \
+            for (int64_t gi = 0; gi < GB; gi++) p[gi] = _mm512_set1_ps(sc[(g0 + gi) * CHUNK + t - t0]); \
+            for (int64_t j = 0; j < (JC); j++) {                                                        \
+                const __m512 row = WIDEN(vp + 16 * j);                                                  \
+                for (int64_t gi = 0; gi < GB; gi++)                                                     \
+                    acc[gi * (JC) + j] = _mm512_fmadd_ps(p[gi], row, acc[gi * (JC) + j]);               \
             }                                                                                           \
         END_ROWS                                                                                        \
         for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++)                                              \
@@ -226,10 +228,10 @@ static void NAME(const T *vc, const int64_t *table, int64_t h, int64_t t0, int64
         }                                                                                               \
     END_ROWS                                                                                            \
 }
-DEFINE_PV(pv_j4, 4, uint16_t, widen16)
-DEFINE_PV(pv_j8, 8, uint16_t, widen16)
-DEFINE_PV(pv_i8_j4, 4, int8_t, widen16_i8)
-DEFINE_PV(pv_i8_j8, 8, int8_t, widen16_i8)
+DEFINE_PV(pv_j4, 4, 4, uint16_t, widen16)
+DEFINE_PV(pv_j8, 8, 3, uint16_t, widen16)
+DEFINE_PV(pv_i8_j4, 4, 4, int8_t, widen16_i8)
+DEFINE_PV(pv_i8_j8, 8, 3, int8_t, widen16_i8)
 DEFINE_PV_ANY(pv_any, uint16_t, widen16)
 DEFINE_PV_ANY(pv_i8_any, int8_t, widen16_i8)
 
