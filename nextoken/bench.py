@@ -107,9 +107,10 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 29) -> float:
     return nbytes / best
 
 
-def run_llama_bench(path: str, a, threads: int) -> dict:
+def run_llama_bench(path: str, a, threads: int, kv_cache_dtype: str = "auto") -> dict:
     """llama.cpp's own ``llama-bench`` on the same workload (pp `prompt_tokens`, tg
-    `decode_tokens`, at `depth`), and with `a.cold_start` its load-and-first-pass time."""
+    `decode_tokens`, at `depth`; with ``--kv-cache-dtype int8`` its q8_0 KV cache, ``-ctk q8_0
+    -ctv q8_0``), and with `a.cold_start` its load-and-first-pass time."""
     from nextoken.errors import EngineError
 
     def bench(*args: str) -> list[dict]:
@@ -119,7 +120,8 @@ def run_llama_bench(path: str, a, threads: int) -> dict:
             raise EngineError(f"llama-bench failed: {' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}")
         return json.loads(proc.stdout)
 
-    rows = bench("-p", str(a.prompt_tokens), "-n", str(a.decode_tokens), "-d", str(a.depth), "-r", str(a.repeat))
+    kv = ["-ctk", "q8_0", "-ctv", "q8_0"] if kv_cache_dtype == "int8" else []
+    rows = bench("-p", str(a.prompt_tokens), "-n", str(a.decode_tokens), "-d", str(a.depth), "-r", str(a.repeat), *kv)
     out = {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] == 0),
            "decode_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] > 0),
            "version": rows[0].get("build_commit")}
@@ -256,7 +258,7 @@ def run(a, engine_args) -> int:
         results["nextoken"].update(nextoken_cold_start(a, threads))
     if a.llama_bench:
         sys.stderr.write("[bench] llama-bench ...\n")
-        results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads)
+        results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
     bandwidth = read_bandwidth(threads)
     ours = results["nextoken"]
     weights = ours.get("weights_mib", 0) * 2**20

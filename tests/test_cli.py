@@ -127,3 +127,27 @@ def test_bench_compare_without_llama_cpp_is_one_line(tiny_gguf):
     r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--compare", "llama.cpp",
                  "--llama-python", sys.executable)
     assert r.returncode == 1 and r.stderr.startswith("error: --compare llama.cpp needs llama-cpp-python"), r.stderr
+
+
+@pytest.mark.parametrize("kv_dtype,flags", [("auto", []), ("int8", ["-ctk", "q8_0", "-ctv", "q8_0"])])
+def test_llama_bench_runs_the_same_workload(tmp_path, kv_dtype, flags):
+    """`--llama-bench PATH` hands llama-bench our workload (prompt, decode, depth, repeats,
+    threads) and, with ``--kv-cache-dtype int8``, its q8_0 KV cache, so the ratio compares like
+    with like; its JSON rows are read back. A stand-in executable records its arguments."""
+    from types import SimpleNamespace
+
+    from nextoken.bench import run_llama_bench
+
+    argv_file = tmp_path / "argv.json"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+                    "print(json.dumps([{'n_gen': 0, 'avg_ts': 123.5, 'build_commit': 'abc'},"
+                    " {'n_gen': 16, 'avg_ts': 45.25, 'build_commit': 'abc'}]))\n")
+    fake.chmod(0o755)
+    a = SimpleNamespace(model_path="m.gguf", prompt_tokens=64, decode_tokens=16, depth=512, repeat=2,
+                        cold_start=False)
+    out = run_llama_bench(str(fake), a, 3, kv_dtype)
+    assert out == {"prefill_tok_s": 123.5, "decode_tok_s": 45.25, "version": "abc"}
+    argv = json.loads(argv_file.read_text())
+    assert argv == ["-m", "m.gguf", "-t", "3", "-o", "json", "-p", "64", "-n", "16", "-d", "512", "-r", "2", *flags]
