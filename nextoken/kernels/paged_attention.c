@@ -19,7 +19,10 @@
  *   M = max_c m_c,  out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c.
  * exp is a Cephes-style polynomial (relative error about 2e-7, 1-2 ulp). With AVX-512 the bf16
  * task body and exp are intrinsics (`chunk_bf16_avx512`); the plain C loops serve other CPUs,
- * float32, and head sizes that are not a multiple of 16.
+ * float32, and head sizes that are not a multiple of 16. With AVX512-BF16, p v rounds p to bf16
+ * (as PyTorch's bf16 attention does before its p v matmul) and takes two keys per instruction
+ * (`pv_pairs`). At depth the kernel is bound by memory: every block's rows are prefetched into
+ * L2 ahead of use, the values' while their keys are scored.
  * int8 cache (`paged_decode_int8`, bf16 queries and output): s_t = scale (q . code_t) kscale_t
  * and p_t vscale_t weights the value codes, so rows are never dequantized in memory. With
  * AVX512-VNNI the query is quantized to int8 like a cache row and q . code_t is an exact
