@@ -19,10 +19,10 @@
  *   M = max_c m_c,  out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c.
  * exp is a Cephes-style polynomial (relative error about 2e-7, 1-2 ulp). With AVX-512 the bf16
  * task body and exp are intrinsics (`chunk_bf16_avx512`); the plain C loops serve other CPUs,
- * float32, and head sizes that are not a multiple of 16. With AVX512-BF16, p v rounds p to bf16
- * (as PyTorch's bf16 attention does before its p v matmul) and takes two keys per instruction
- * (`pv_pairs`). At depth the kernel is bound by memory: every block's rows are prefetched into
- * L2 ahead of use, the values' while their keys are scored.
+ * float32, and head sizes that are not a multiple of 16. With AVX512-BF16, p v needs no
+ * widening: p is split into two bf16 halves and each value row paired with itself (`pv_split`).
+ * At depth the kernel is bound by memory: every block's rows are prefetched into L2 ahead of
+ * use, the values' while their keys are scored.
  * int8 cache (`paged_decode_int8`, bf16 queries and output): s_t = scale (q . code_t) kscale_t
  * and p_t vscale_t weights the value codes, so rows are never dequantized in memory. With
  * AVX512-VNNI the query is quantized to int8 like a cache row and q . code_t is an exact
@@ -311,46 +311,34 @@ static void scores_bf16_any(const uint16_t *qh, const uint16_t *kc, const uint16
 }
 
 #if defined(__AVX512BF16__)
-/* p v for bf16 rows with AVX512-BF16, D = 32 J2C: two keys' value rows interleaved element by
- * element (t, t + 1 in each 32-bit lane) and dotted with the pair (p_t, p_t+1) rounded to bf16,
- * so one instruction takes 32 products with no widening (PyTorch's bf16 attention likewise
- * rounds the probabilities to bf16 before p v). A key without a partner in its block pairs with
- * a zero row. The scores' rows hold p as bf16 (`pack_probs`). unpacklo/hi work within 128-bit
- * lanes: lane l of accumulator 2j (2j + 1) holds d = 32 j + 8 (l / 4) + l % 4 (+ 4). GB query
- * heads at a time, each row pair unpacked once for them. Registers: 2 J2C GB accumulators, GB
- * probability pairs, four for the rows (<= 32). */
-#define DEFINE_PV_PAIRS(NAME, J2C, GB)                                                                   \
+/* p v for bf16 rows with AVX512-BF16, D = 32 J2C, with no widening: each probability split into
+ * two bf16 halves, p = hi + lo (hi = bf16(p), lo = bf16(p - hi): 16 significant bits, so p v
+ * stays as exact as with float32 p), and each value row interleaved with itself (v_d, v_d in
+ * each 32-bit lane), so that one vdpbf16ps adds v_d hi + v_d lo for 16 d. (Rounding p to a
+ * single bf16 halves the instructions again but cost one of SmolLM2's 186 top-1 agreements with
+ * the float32 reference in tests/test_real_model.py.) The scores' rows hold each key's (hi, lo)
+ * in place of its float (`split_probs`). unpacklo/hi work within 128-bit lanes: lane l of
+ * accumulator 2j (2j + 1) holds d = 32 j + 8 (l / 4) + l % 4 (+ 4). GB query heads at a time,
+ * each row unpacked once for them. Registers: 2 J2C GB accumulators, GB pairs, 3 for the row. */
+#define DEFINE_PV_SPLIT(NAME, J2C, GB)                                                                   \
 static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
                  int64_t NB, int64_t BS, const float *sc, float *part) {                                \
     const int64_t D = 32 * (J2C);                                                                       \
     for (int64_t g0 = 0; g0 < G; g0 += (GB)) {                                                          \
         __m512 acc[(GB) * 2 * (J2C)];                                                                   \
         for (int64_t i = 0; i < (GB) * 2 * (J2C); i++) acc[i] = _mm512_setzero_ps();                    \
-        for (int64_t t = t0; t < t1;) {                                                                 \
-            const uint16_t *blk = vc + (h * NB + table[t / BS]) * BS * D;                               \
-            if ((t / BS + 1) * BS < t1) prefetch_rows(vc + (h * NB + table[t / BS + 1]) * BS * D, BS * D * 2); \
-            const int64_t end = t % BS + (t1 - t) < BS ? t % BS + (t1 - t) : BS;                        \
-            for (int64_t r = t % BS; r < end;) {                                                        \
-                const int two = r + 1 < end;                                                            \
-                const uint16_t *v0 = blk + r * D, *v1 = two ? v0 + D : ZERO_ROW;                        \
-                __m512i pp[GB];                                                                         \
+        FOR_ROWS(t, vp, uint16_t, vc)                                                                   \
+            __m512i pp[GB];                                                                             \
+            for (int64_t gi = 0; gi < (GB); gi++) pp[gi] = _mm512_set1_epi32(((const int32_t *)sc)[(g0 + gi) * CHUNK + t - t0]); \
+            for (int64_t j = 0; j < (J2C); j++) {                                                       \
+                const __m512i a = _mm512_loadu_si512(vp + 32 * j);                                      \
+                const __m512i lo = _mm512_unpacklo_epi16(a, a), hi = _mm512_unpackhi_epi16(a, a);       \
                 for (int64_t gi = 0; gi < (GB); gi++) {                                                 \
-                    uint32_t pair;                                                                      \
-                    memcpy(&pair, (const uint16_t *)(sc + (g0 + gi) * CHUNK) + (t - t0), sizeof pair);  \
-                    pp[gi] = _mm512_set1_epi32((int)(two ? pair : pair & 0xffffu));                     \
+                    acc[gi * 2 * (J2C) + 2 * j] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j], lo, pp[gi]);   \
+                    acc[gi * 2 * (J2C) + 2 * j + 1] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j + 1], hi, pp[gi]); \
                 }                                                                                       \
-                for (int64_t j = 0; j < (J2C); j++) {                                                   \
-                    const __m512i a = _mm512_loadu_si512(v0 + 32 * j), b = _mm512_loadu_si512(v1 + 32 * j); \
-                    const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);   \
-                    for (int64_t gi = 0; gi < (GB); gi++) {                                             \
-                        acc[gi * 2 * (J2C) + 2 * j] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j], lo, pp[gi]); \
-                        acc[gi * 2 * (J2C) + 2 * j + 1] = dot_pairs(acc[gi * 2 * (J2C) + 2 * j + 1], hi, pp[gi]); \
-                    }                                                                                   \
-                }                                                                                       \
-                r += 1 + two;                                                                           \
-                t += 1 + two;                                                                           \
             }                                                                                           \
-        }                                                                                               \
+        END_ROWS                                                                                        \
         for (int64_t gi = 0; gi < (GB) && g0 + gi < G; gi++)                                            \
             for (int64_t j = 0; j < 2 * (J2C); j++) {                                                   \
                 float lanes[16], *a = part + (g0 + gi) * (D + 2) + 32 * (j / 2) + 4 * (j % 2);         \
@@ -359,25 +347,25 @@ static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0
             }                                                                                           \
     }                                                                                                   \
 }
-DEFINE_PV_PAIRS(pv_pairs_j2_2, 2, 4)
-DEFINE_PV_PAIRS(pv_pairs_j2_4, 4, 3)
+DEFINE_PV_SPLIT(pv_split_j2_2, 2, 4)
+DEFINE_PV_SPLIT(pv_split_j2_4, 4, 3)
 
-/* each row of p (float32, n values) rewritten in place as bf16 (round to nearest even), followed
- * by two zeros: the form pv_pairs reads. Row g's bf16 values take the first half of its bytes,
- * written behind the floats they come from. */
-static void pack_probs(float *sc, int64_t G, int64_t n) {
-    for (int64_t g = 0; g < G; g++) {
-        uint16_t *pb = (uint16_t *)(sc + g * CHUNK);
-        const float *p = sc + g * CHUNK;
-        for (int64_t i = 0; i < n; i++) pb[i] = f32_to_bf16(p[i]);
-        pb[n] = pb[n + 1] = 0;
-    }
+/* each of the G rows' n probabilities rewritten in place as its (hi, lo) bf16 pair, hi in the low
+ * half (round to nearest even, as PyTorch): the form pv_split reads */
+static void split_probs(float *sc, int64_t G, int64_t n) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < n; i++) {
+            float *x = sc + g * CHUNK + i;
+            const uint16_t hi = f32_to_bf16(*x), lo = f32_to_bf16(*x - bf16_to_f32(hi));
+            const uint32_t pair = (uint32_t)hi | (uint32_t)lo << 16;
+            memcpy(x, &pair, sizeof pair);
+        }
 }
 #endif
 
 /* AVX-512 task body for bf16 rows of D = 32 J2 <= 256: scores (q . k times scale), softmax,
- * then p v: on bf16 pairs where the CPU has AVX512-BF16 and D is 64 or 128, else with the value
- * row widened once for GB query heads. */
+ * then p v: on split probabilities where the CPU has AVX512-BF16 and D is 64 or 128, else with
+ * the value row widened once for GB query heads. */
 static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *table, int64_t b, int64_t h,
                               int64_t t0, int64_t t1, int64_t H, int64_t G, int64_t D, int64_t NB, int64_t BS,
                               float scale, float *work, float *part) {
@@ -397,11 +385,11 @@ static void chunk_bf16_avx512(const uint16_t *q, const kv_t *kv, const int64_t *
     softmax_rows(sc, part, G, D, n);
 #if defined(__AVX512BF16__)
     if (J == 4 || J == 8) {
-        pack_probs(sc, G, n);
+        split_probs(sc, G, n);
         if (J == 4)
-            pv_pairs_j2_2(vc, table, h, t0, t1, G, NB, BS, sc, part);
+            pv_split_j2_2(vc, table, h, t0, t1, G, NB, BS, sc, part);
         else
-            pv_pairs_j2_4(vc, table, h, t0, t1, G, NB, BS, sc, part);
+            pv_split_j2_4(vc, table, h, t0, t1, G, NB, BS, sc, part);
         return;
     }
 #endif
