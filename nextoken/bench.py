@@ -220,7 +220,7 @@ def format_table(results: dict[str, dict], a, threads: int, context: int) -> str
 def run(a, engine_args) -> int:
     """Measure as `a` (the bench flags) says, nextoken's engine built from `engine_args`."""
     from nextoken.catalog import resolve_model
-    from nextoken.errors import InvalidRequest
+    from nextoken.errors import EngineError, InvalidRequest
 
     if not WORKER.is_file():
         raise InvalidRequest(f"nextoken bench runs {WORKER.relative_to(WORKER.parent.parent)} of a source checkout, "
@@ -256,9 +256,14 @@ def run(a, engine_args) -> int:
     if a.cold_start:
         sys.stderr.write("[bench] nextoken: cold start ...\n")
         results["nextoken"].update(nextoken_cold_start(a, threads))
+    failed = None
     if a.llama_bench:
         sys.stderr.write("[bench] llama-bench ...\n")
-        results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
+        try:
+            results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
+        except EngineError as exc:  # minutes of our own figures are still worth printing
+            failed = str(exc)
+            sys.stderr.write(f"[bench] {failed}; its column is left out\n")
     bandwidth = read_bandwidth(threads)
     ours = results["nextoken"]
     weights = ours.get("weights_mib", 0) * 2**20
@@ -271,6 +276,9 @@ def run(a, engine_args) -> int:
         with open(a.json, "w") as f:
             args = {k: v for k, v in vars(a).items() if k != "func"}
             json.dump({"args": args, "engine_args": vars(engine_args), "results": results}, f, indent=2)
+    if failed:
+        sys.stderr.write(f"error: {failed}\n")
+        return 1
     return 0
 
 

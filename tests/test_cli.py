@@ -151,3 +151,19 @@ def test_llama_bench_runs_the_same_workload(tmp_path, kv_dtype, flags):
     assert out == {"prefill_tok_s": 123.5, "decode_tok_s": 45.25, "version": "abc"}
     argv = json.loads(argv_file.read_text())
     assert argv == ["-m", "m.gguf", "-t", "3", "-o", "json", "-p", "64", "-n", "16", "-d", "512", "-r", "2", *flags]
+
+
+def test_bench_prints_its_figures_when_llama_bench_fails(tiny_gguf, tmp_path):
+    """A llama-bench that fails (a build for another CPU, a run stopped by hand) costs its column,
+    not the minutes of our own figures: they are printed, the failure is named, the exit is 1."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('illegal instruction\\n')\nsys.exit(132)\n")
+    fake.chmod(0o755)
+    out = tmp_path / "bench.json"
+    r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--prompt-tokens", "32", "--decode-tokens", "8",
+                 "--repeat", "1", "--no-batched", "--threads", "1", "--llama-bench", str(fake), "--json", str(out))
+    assert r.returncode == 1
+    assert "error: llama-bench failed: illegal instruction" in r.stderr
+    res = json.loads(out.read_text())["results"]
+    assert "llama-bench" not in res
+    assert f"{res['nextoken']['decode_tok_s']:.1f}" in r.stdout
