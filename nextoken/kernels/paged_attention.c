@@ -38,7 +38,7 @@
 #include "bf16.h"
 
 #define CHUNK 256 /* keys per task (a multiple of any block size we use) */
-#define PV_REGS 16 /* zero rows of p past the G heads': p v loops run whole groups of up to 16 heads */
+#define P_PAD 3 /* zero rows of p past the G heads': the p v loops run whole groups of up to 4 heads */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -197,6 +197,7 @@ static float max_of(const float *x, int64_t n) {
 #define DEFINE_PV(NAME, JC, GB, T, WIDEN)                                                                \
 static void NAME(const T *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G,       \
                  int64_t NB, int64_t BS, const float *sc, float *part) {                                \
+    _Static_assert((GB) - 1 <= P_PAD, "p v group larger than the zero rows of p");                      \
     const int64_t D = 16 * (JC);                                                                        \
     for (int64_t g0 = 0; g0 < G; g0 += GB) {                                                            \
         __m512 acc[GB * (JC)];                                                                          \
@@ -246,7 +247,7 @@ static void softmax_rows(float *sc, float *part, int64_t G, int64_t D, int64_t n
         a[D] = max_of(s, n);
         a[D + 1] = exp_shifted(s, n, a[D]);
     }
-    memset(sc + G * CHUNK, 0, sizeof(float) * PV_REGS * CHUNK);
+    memset(sc + G * CHUNK, 0, sizeof(float) * P_PAD * CHUNK);
 }
 
 /* the first `rows` of four scores */
@@ -315,14 +316,16 @@ static void scores_bf16_any(const uint16_t *qh, const uint16_t *kc, const uint16
  * two bf16 halves, p = hi + lo (hi = bf16(p), lo = bf16(p - hi): 16 significant bits, so p v
  * stays as exact as with float32 p), and each value row interleaved with itself (v_d, v_d in
  * each 32-bit lane), so that one vdpbf16ps adds v_d hi + v_d lo for 16 d. (Rounding p to a
- * single bf16 halves the instructions again but cost one of SmolLM2's 186 top-1 agreements with
- * the float32 reference in tests/test_real_model.py.) The scores' rows hold each key's (hi, lo)
+ * single bf16, with two keys' rows paired, halves the instructions again but adds about 15% to
+ * the output's error at a few hundred keys: tests/test_paged_attention holds the error to the
+ * output's bf16 rounding.) The scores' rows hold each key's (hi, lo)
  * in place of its float (`split_probs`). unpacklo/hi work within 128-bit lanes: lane l of
  * accumulator 2j (2j + 1) holds d = 32 j + 8 (l / 4) + l % 4 (+ 4). GB query heads at a time,
  * each row unpacked once for them. Registers: 2 J2C GB accumulators, GB pairs, 3 for the row. */
 #define DEFINE_PV_SPLIT(NAME, J2C, GB)                                                                   \
 static void NAME(const uint16_t *vc, const int64_t *table, int64_t h, int64_t t0, int64_t t1, int64_t G, \
                  int64_t NB, int64_t BS, const float *sc, float *part) {                                \
+    _Static_assert((GB) - 1 <= P_PAD, "p v group larger than the zero rows of p");                      \
     const int64_t D = 32 * (J2C);                                                                       \
     for (int64_t g0 = 0; g0 < G; g0 += (GB)) {                                                          \
         __m512 acc[(GB) * 2 * (J2C)];                                                                   \
@@ -498,7 +501,7 @@ static void chunk_i8_avx512(const uint16_t *q, const kv_t *kv, const int64_t *ta
     const int8_t *kc = kv->k, *vc = kv->v;
     const int64_t n = t1 - t0, J = D / 16;
     const uint16_t *qh = q + (b * H + h * G) * D;
-    float *sc = work, *ksc = sc + (G + PV_REGS) * CHUNK, *vsc = ksc + CHUNK, *scratch = vsc + CHUNK;
+    float *sc = work, *ksc = sc + (G + P_PAD) * CHUNK, *vsc = ksc + CHUNK, *scratch = vsc + CHUNK;
     FOR_ROWS(t, vp, int8_t, vc) /* the chunk's scales, in key order */
         ksc[t - t0] = kv->ks[row_] * scale;
         vsc[t - t0] = kv->vs[row_];
@@ -581,9 +584,9 @@ static int paged_decode(chunk_fn body, const void *q, const kv_t *kv, const int6
     int failed = 0;
     #pragma omp parallel
     {
-        /* scores (G + PV_REGS chunks), key and value scales (2 chunks), q as float32 (G D) and 4
+        /* scores (G + P_PAD chunks), key and value scales (2 chunks), q as float32 (G D) and 4
          * widened rows (or q's codes, scales and sums), or for the plain loops q, scores, a row */
-        float *work = malloc(sizeof(float) * ((G + PV_REGS + 2) * CHUNK + G * D + 4 * D + 2 * G));
+        float *work = malloc(sizeof(float) * ((G + P_PAD + 2) * CHUNK + G * D + 4 * D + 2 * G));
         if (!work) failed = 1;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; c++) {
