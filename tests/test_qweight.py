@@ -69,9 +69,9 @@ def test_kernel_activation_quantization_equals_reference(portable, dtype):
 def test_kernel_equals_reference_arithmetic(type_name, portable):
     """The C kernel (AVX-512 VNNI, or its plain C loops) computes the reference's exact integer
     sums; only the float32 order of the per-group scaling differs. 80 rows (five tiles: two
-    pairs and a tile alone; one activation row goes a tile at a time), 512 columns (two super-blocks of the K-quants) against 1 and 2 (the
-    super-block path for Q4_K and Q6_K), 4, 6 (one full pass), 7, 13 and 50 activation rows (more
-    than one block of 48)."""
+    pairs and a tile alone; one activation row goes a tile at a time), 512 columns (two
+    super-blocks of the K-quants) against 1 and 2 (the super-block path for Q4_K and Q6_K), 4, 6
+    (one full pass), 7, 13 and 50 activation rows (more than one block of 48)."""
     lib = load("qmatmul", portable)
     assert lib is not None, "the C kernel did not build (is gcc installed?)"
     assert lib.qmatmul_vectorized() == (0 if portable else int(cpu_has("avx512_vnni")))

@@ -35,7 +35,8 @@
  * Decode (1 or 2 rows) streams the weights from memory once per token: there the K-quants scale
  * each group's integer sum by its int8 scale in integers and apply the float32 super-block scales
  * once per super-block (tiles_sup), and the codes are prefetched a few groups ahead; Q4_K at one
- * row went from 60 to about 95 GB/s from L3 and from 31 to 35 GB/s from memory.
+ * row went from 60 to about 95 GB/s from L3 and from 31 to 35 GB/s from memory. One row runs one
+ * tile at a time (one stream of codes per thread, see qmatmul_q), prefetched into L2.
  * A portable C loop computes the same sums where VNNI is missing. Requires N % 16 == 0 and
  * K % 32 == 0.
  */
@@ -258,9 +259,9 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
  * each used mb times; each activation broadcast serves nt tiles. The codes PF_GROUPS groups ahead
  * are prefetched (a tile's codes are one stream; the hardware alone kept the loads waiting): into
  * L1 when the group is used for many rows, into L2 for decode (mb <= 2), where L2, which keeps more
- * misses in flight, let the weight stream run 10% faster. With few accumulators (nt * mb <= 2, the
- * decode case) each sum is split over two registers by pair, halving the chain of dependent
- * vpdpbusd (whose latency, not their count, bounded a group), then added. */
+ * misses in flight, let the weight stream run 12-14% faster. With few accumulators (nt * mb <= 2,
+ * the decode case) each sum is split over two registers by pair, halving the chain of dependent
+ * vpdpbusd, then added: from L2, one thread, 10-15% faster. */
 static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int64_t t, const int64_t nt,
                                                              const int64_t bits, const qact_t *a, int64_t m0,
                                                              const int64_t mb, int64_t g, __m512i *s) {
