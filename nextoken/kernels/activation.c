@@ -18,7 +18,7 @@
 #define ACT_AVX512 0
 #endif
 
-#define CHUNK 4096 /* elements per OpenMP task */
+#define ACT_CHUNK 4096 /* elements per OpenMP task */
 
 #if ACT_AVX512
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
@@ -65,10 +65,10 @@ static void silu_mul_range(const uint16_t *g, const uint16_t *u, uint16_t *y, in
 
 /* y[i] = silu(g[i]) * u[i] for i < n; g, u, y bf16 (y may be g or u). */
 void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
-    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    const int64_t chunks = (n + ACT_CHUNK - 1) / ACT_CHUNK;
     #pragma omp parallel for schedule(static) if (chunks > 4)
     for (int64_t c = 0; c < chunks; c++)
-        silu_mul_range(g, u, y, c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n);
+        silu_mul_range(g, u, y, c * ACT_CHUNK, c * ACT_CHUNK + ACT_CHUNK < n ? c * ACT_CHUNK + ACT_CHUNK : n);
 }
 
 int activation_vectorized(void) { return ACT_AVX512; }
