@@ -450,16 +450,11 @@ static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64
      * thread then reads one stream of codes, not two tiles' streams side by side, and the weights
      * of Qwen2.5-1.5B's decode step streamed 25% faster (slow memory: 23 -> 31 GB/s, 2 threads,
      * bare read 38), though the kernel computes 10% slower from L2. */
-    const int64_t tiles = w->N / TILE;
-    if (a->M == 1) { /* see the comment above */
-        #pragma omp parallel for schedule(static) if (w->N * w->K >= 65536)
-        for (int64_t t = 0; t < tiles; t++) run_tiles(w, t, 1, a, 0, 1, y, y_bf16, ldy);
-        return;
-    }
+    const int64_t tiles = w->N / TILE, nt = a->M == 1 ? 1 : 2; /* tiles per pass */
     for (int64_t m = 0; m < a->M; m += MBLOCK) {
         const int64_t m_end = a->M - m < MBLOCK ? a->M : m + MBLOCK;
         #pragma omp parallel for schedule(static) if (w->N * w->K * a->M >= 65536)
-        for (int64_t t = 0; t < tiles; t += 2) run_tiles(w, t, tiles - t >= 2 ? 2 : 1, a, m, m_end, y, y_bf16, ldy);
+        for (int64_t t = 0; t < tiles; t += nt) run_tiles(w, t, tiles - t >= nt ? nt : 1, a, m, m_end, y, y_bf16, ldy);
     }
 #else
     #pragma omp parallel for schedule(static) if (w->N * w->K * a->M >= 65536)
