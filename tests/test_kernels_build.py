@@ -91,7 +91,7 @@ def test_functions_have_declared_types(fresh):
         f = next(getattr(x, fn) for x in libs if hasattr(x, fn))
         assert f.argtypes == argtypes and f.restype == restype, fn
     with pytest.raises(ctypes.ArgumentError):  # a wrong argument is caught before C sees it
-        lib.qmatmul_quantize(None, 0, "one row", 32, None, None)
+        lib.qmatmul_quantize(None, 0, "one row", 32, 32, None, None)
 
 
 def test_native_kernels_can_be_switched_off(fresh, monkeypatch):

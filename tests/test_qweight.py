@@ -44,22 +44,30 @@ def test_activation_quantization():
     xq, dx = quantize_activations(x)
     assert dx[0, 0] == pytest.approx(1.27 / 127) and dx[0, 1] == 0  # an all-zero block has scale 0
     assert xq[0, 1] == -127 and xq[0, 0] == 50 and (xq[0, 32:] == 0).all()
+    x = torch.cat([x, x * 2, torch.zeros(1, 128)], 1)  # 256 columns: one block (the k-quants' super-block)
+    xq, dx = quantize_activations(x, 256)
+    assert dx.shape == (1, 1) and dx[0, 0] == pytest.approx(2.54 / 127)
+    assert xq[0, 1] == -64 and xq[0, 65] == -127 and xq[0, 0] == 25 and (xq[0, 192:] == 0).all()
 
 
+@pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_activation_quantization_equals_reference(portable, dtype):
+def test_kernel_activation_quantization_equals_reference(portable, dtype, block):
     """The kernel's quantization (16 lanes at a time, or plain C) gives the reference's codes
-    and scales exactly, ties to even included (a block whose max is 127 puts x.5 at ties)."""
+    and scales exactly, per 32 columns and per 256 (the k-quants' activations), ties to even
+    included (a block whose max is 127 puts x.5 at ties)."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 320, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    x = torch.randn(9, 512, generator=g) * torch.logspace(-3, 3, 9)[:, None]
     x[1, :32] = torch.arange(32) - 15.5  # max 15.5: ties scaled by 127 / 15.5
     x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # 1 / d = 1: exact ties
     x[3, 32:64] = 0.0  # an all-zero block
+    x[4, 256:] = 0.0  # an all-zero block of 256
     x = x.to(dtype)
-    native = quantize_activations_native(x, portable=portable)
+    native = quantize_activations_native(x, portable=portable, block=block)
     assert native is not None, "the C kernel did not build (is gcc installed?)"
-    xq, dx = quantize_activations(x)
+    xq, dx = quantize_activations(x, block)
+    assert dx.shape == (9, 512 // block)
     assert torch.equal(native[1], dx)
     assert torch.equal(native[0], xq)
 
@@ -85,6 +93,21 @@ def test_kernel_equals_reference_arithmetic(type_name, portable):
         assert rel(qmatmul(xb, qw, bias, portable=portable), qmatmul_reference(xb, qw, bias)) < 2 ** -7
         exact = x @ w.T + bias  # int8 activations cost about 1% of the output's scale
         assert float((ref - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
+    """One row alone (decode: one tile at a time, the L2 prefetch), two, and the same row among
+    13 (prefill: pairs of tiles, six rows per pass) give the same output bit for bit, so a token
+    scored in a prefill or a verification step gets the logits a decode step would give it."""
+    _, qw = weight(type_name, 80, 512, seed=25)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    many = qmatmul(x, qw, out_dtype=torch.float32)
+    assert many is not None, "the C kernel did not build (is gcc installed?)"
+    for i in (0, 5, 12):
+        assert torch.equal(qmatmul(x[i : i + 1], qw, out_dtype=torch.float32), many[i : i + 1])
+    assert torch.equal(qmatmul(x[6:8], qw, out_dtype=torch.float32), many[6:8])
+    assert qw.act_block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

@@ -111,7 +111,7 @@ _I64, _INT, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _PAGED = (_INT, [P, P, P, P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, P])
 SIGNATURES = {  # C function -> (result type, argument types), as the .c files declare them
     "qmatmul": (_INT, [P, _INT, _I64, P, P, _INT, _I64]),
-    "qmatmul_quantize": (_INT, [P, _INT, _I64, _I64, P, P]),
+    "qmatmul_quantize": (_INT, [P, _INT, _I64, _I64, _I64, P, P]),
     "qdequant_bf16_t": (None, [P, P]),
     "qmatmul_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,

@@ -79,7 +79,24 @@ static void rms_norm_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64
     }
 }
 
-static void apply(const qact_t *a, const qw_t *w, uint16_t *y) { qmatmul_q(a, w, y, 1, w->N); }
+/* y = x W^T for x [T, K] bf16, with x quantized once per activation block size (32, or 256 for the
+ * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
+ * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */
+static int apply(const uint16_t *x, int64_t T, const qw_t *w, qact_t qa[2], uint16_t *y) {
+    const int64_t QB = qw_act_block(w);
+    qact_t *a = &qa[QB != 32];
+    if (!a->q && quantize(x, 1, T, w->K, QB, a)) return 1;
+    qmatmul_q(a, w, y, 1, w->N);
+    return 0;
+}
+
+static void qacts_free(qact_t qa[2]) {
+    for (int i = 0; i < 2; i++)
+        if (qa[i].q) {
+            qact_free(&qa[i]);
+            qa[i].q = NULL;
+        }
+}
 
 /* rotate the first rope_dim dims of each of `heads` heads of one token, in bf16 steps */
 static void rope_bf16(uint16_t *x, int64_t heads, int64_t D, int64_t rope_dim, const float *cs, const float *sn) {
@@ -122,13 +139,11 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const layer_t *ly = layers + l;
-        qact_t a;
+        qact_t qa[2] = {{0}, {0}};
         rms_norm_bf16(h, ly->attn_norm, T, hidden, eps, x);
-        if (quantize(x, 1, T, hidden, &a)) { rc = 1; break; }
-        apply(&a, &ly->q, q);
-        apply(&a, &ly->k, k);
-        apply(&a, &ly->v, v);
-        qact_free(&a);
+        rc = apply(x, T, &ly->q, qa, q) || apply(x, T, &ly->k, qa, k) || apply(x, T, &ly->v, qa, v);
+        qacts_free(qa);
+        if (rc) break;
         for (int64_t t = 0; t < T; t++) {
             rope_bf16(q + t * qd, H, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
             rope_bf16(k + t * kd, Hkv, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
@@ -140,19 +155,18 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
             : paged_decode_bf16(q, ly->k_cache, ly->v_cache, tables, max_blocks, seq_lens, T, H, Hkv, D, NB, BS,
                                 scale, att);
         if (failed) { rc = 1; break; }
-        if (quantize(att, 1, T, qd, &a)) { rc = 1; break; }
-        apply(&a, &ly->o, o);
-        qact_free(&a);
+        rc = apply(att, T, &ly->o, qa, o);
+        qacts_free(qa);
+        if (rc) break;
         for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
         rms_norm_bf16(h, ly->ffn_norm, T, hidden, eps, x);
-        if (quantize(x, 1, T, hidden, &a)) { rc = 1; break; }
-        apply(&a, &ly->gate, g);
-        apply(&a, &ly->up, u);
-        qact_free(&a);
+        rc = apply(x, T, &ly->gate, qa, g) || apply(x, T, &ly->up, qa, u);
+        qacts_free(qa);
+        if (rc) break;
         silu_mul_bf16(g, u, g, T * inter); /* a scalar expf loop took 46 us of Qwen-1.5B's layer */
-        if (quantize(g, 1, T, inter, &a)) { rc = 1; break; }
-        apply(&a, &ly->down, o);
-        qact_free(&a);
+        rc = apply(g, T, &ly->down, qa, o);
+        qacts_free(qa);
+        if (rc) break;
         for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
     }
     free(buf);

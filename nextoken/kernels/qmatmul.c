@@ -23,20 +23,23 @@
  * 32-bit lane) advances 16 rows by four columns, with the activations' four bytes broadcast:
  * the 16 rows' sums stay in the 16 lanes and no horizontal reduction is ever needed.
  *
- * Activations: each row of x is quantized per block of 32 columns (as llama.cpp's Q8_1):
+ * Activations: each row of x is quantized per block of QB columns: 32 for the legacy formats (as
+ * llama.cpp's Q8_1), the 256-column super-block for the K-quants (as llama.cpp's Q8_K; qw_act_block):
  *   dx = max|x| / 127, xq = round_half_even(x * (1 / dx)), in -127..127,
  *   y[m, n] = sum_g scale[n, g] dx[m, g] sum_{k in g} u xq  +  min[n, g] dx[m, g] sum_{k in g} xq.
  * Blocking (VNNI): a pass runs two tiles (32 rows) against up to MB = 6 activation rows, with
  * each group's 12 integer sums in registers: every unpacked weight vector serves 6 rows and
  * every activation broadcast 2 tiles. Rows go in blocks of MBLOCK = 48 (kept in L2 while every
  * tile passes); pairs of tiles are split over OpenMP threads (PyTorch's own libgomp: one pool).
- * At 512 rows this runs at about 55% of the VNNI peak (the per-group float scaling is most of
- * the rest), ahead of PyTorch's bf16 matmul on the expanded weight (benchmarks/qmatmul.py).
- * Decode (1 or 2 rows) streams the weights from memory once per token: there the K-quants scale
- * each group's integer sum by its int8 scale in integers and apply the float32 super-block scales
- * once per super-block (tiles_sup), and the codes are prefetched a few groups ahead; Q4_K at one
- * row went from 60 to about 95 GB/s from L3 and from 31 to 35 GB/s from memory. One row runs one
- * tile at a time (one stream of codes per thread, see qmatmul_q), prefetched into L2.
+ * The legacy formats scale each group's sum in float32 (tiles_mb); the K-quants, whose dx is one
+ * per super-block, add a super-block's scaled sums in integers and scale once (tiles_sb). At 512
+ * rows, Q4_K runs at about 65% of the VNNI peak (one 64-byte vpdpbusd per cycle and core: 3.6
+ * G/s per core measured on this Zen 4) and Q6_K at about 59% (46% with per-group scaling), ahead
+ * of PyTorch's bf16 matmul on the expanded weight (benchmarks/qmatmul.py).
+ * Decode (1 or 2 rows) streams the weights from memory once per token: the codes are prefetched
+ * a few groups ahead; Q4_K at one row went from 60 to about 95 GB/s from L3 and from 31 to 35
+ * GB/s from memory. One row runs one tile at a time (one stream of codes per thread, see
+ * qmatmul_q), prefetched into L2.
  * A portable C loop computes the same sums where VNNI is missing. Requires N % 16 == 0 and
  * K % 32 == 0.
  */
@@ -66,10 +69,11 @@
 /* ---- activations ------------------------------------------------------------------------ */
 typedef struct {
     int8_t *q;    /* [M, K] */
-    float *dx;    /* [M, K/32] */
+    float *dx;    /* [M, K/QB]: one scale per block of QB columns */
     float *xs16;  /* [M, K/16]: dx * sum of xq over each 16 columns */
     float *xs32;  /* [M, K/32]: the same over each 32 */
-    int64_t M, K;
+    int16_t *bs16, *bs32; /* [M, K/16], [M, K/32]: the sums of xq themselves (|sum| <= 32 * 127) */
+    int64_t M, K, QB;
 } qact_t;
 
 #ifdef QM_VNNI
@@ -81,63 +85,80 @@ static inline __m512 load16(const void *x, int x_bf16, int64_t k) {
 }
 
 /* the plain loop's arithmetic (below), 16 lanes at a time: the same d and 1 / d, and the conversion's
- * default rounding (to nearest even) is rintf's */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float d = amax / 127.f;
+ * default rounding (to nearest even) is rintf's. One scale per block of QB (32 or 256) columns. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
+                         float *xs32, int16_t *bs16, int16_t *bs32) {
+    for (int64_t b0 = 0; b0 < K; b0 += QB) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = b0; k < b0 + QB; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, x_bf16, k)));
+        const float d = _mm512_reduce_max_ps(mx) / 127.f;
         const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
-        const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        dx[b] = d;
-        xs32[b] = d * (float)(s0 + s1);
-        xs16[2 * b] = d * (float)s0;
-        xs16[2 * b + 1] = d * (float)s1;
+        dx[b0 / QB] = d;
+        for (int64_t b = b0 / 32; b < (b0 + QB) / 32; b++) {
+            const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+            _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+            const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+            xs32[b] = d * (float)(s0 + s1);
+            xs16[2 * b] = d * (float)s0;
+            xs16[2 * b + 1] = d * (float)s1;
+            bs32[b] = (int16_t)(s0 + s1);
+            bs16[2 * b] = (int16_t)s0;
+            bs16[2 * b + 1] = (int16_t)s1;
+        }
     }
 }
 #else
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *dx, float *xs16, float *xs32) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        float xb[32], amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            const int64_t k = b * 32 + i;
-            xb[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-            amax = fmaxf(amax, fabsf(xb[i]));
-        }
+static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
+                         float *xs32, int16_t *bs16, int16_t *bs32) {
+    for (int64_t b0 = 0; b0 < K; b0 += QB) {
+        float amax = 0.f;
+        for (int64_t k = b0; k < b0 + QB; k++)
+            amax = fmaxf(amax, fabsf(x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k]));
         const float d = amax / 127.f;
         const float id = d != 0.f ? 1.f / d : 0.f;
-        int s[2] = {0, 0};
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)rintf(xb[i] * id); /* default rounding: to nearest even */
-            q[b * 32 + i] = (int8_t)v;
-            s[i / 16] += v;
+        dx[b0 / QB] = d;
+        for (int64_t b = b0 / 32; b < (b0 + QB) / 32; b++) {
+            int s[2] = {0, 0};
+            for (int i = 0; i < 32; i++) {
+                const int64_t k = b * 32 + i;
+                const float xk = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+                const int v = (int)rintf(xk * id); /* default rounding: to nearest even */
+                q[k] = (int8_t)v;
+                s[i / 16] += v;
+            }
+            xs32[b] = d * (float)(s[0] + s[1]);
+            xs16[2 * b] = d * (float)s[0];
+            xs16[2 * b + 1] = d * (float)s[1];
+            bs32[b] = (int16_t)(s[0] + s[1]);
+            bs16[2 * b] = (int16_t)s[0];
+            bs16[2 * b + 1] = (int16_t)s[1];
         }
-        dx[b] = d;
-        xs32[b] = d * (float)(s[0] + s[1]);
-        xs16[2 * b] = d * (float)s[0];
-        xs16[2 * b + 1] = d * (float)s[1];
     }
 }
 #endif
 
-/* Quantize x [M, K] (bf16 or float32) into a (free it with qact_free). 0, or 1 when out of memory. */
-static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, qact_t *a) {
+/* Quantize x [M, K] (bf16 or float32) into a, one scale per QB columns (32, or 256 for the
+ * super-block formats; see qw_act_block); free it with qact_free. 0, or 1 when out of memory. */
+static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, int64_t QB, qact_t *a) {
     void *mem = NULL;
-    if (posix_memalign(&mem, 64, sizeof(float) * M * (K / 32 + K / 16 + K / 32) + (size_t)(M * K) + 64)) return 1;
+    if (posix_memalign(&mem, 64, (sizeof(float) + sizeof(int16_t)) * M * (K / 32 + K / 16 + K / 32) + (size_t)(M * K) + 64))
+        return 1;
     a->dx = (float *)mem;
     a->xs16 = a->dx + M * (K / 32);
     a->xs32 = a->xs16 + M * (K / 16);
-    a->q = (int8_t *)(a->xs32 + M * (K / 32));
+    a->bs16 = (int16_t *)(a->xs32 + M * (K / 32));
+    a->bs32 = a->bs16 + M * (K / 16);
+    a->q = (int8_t *)(a->bs32 + M * (K / 32) + M * (K / 32)); /* (a gap of the dx size keeps q 4-byte aligned) */
     a->M = M;
     a->K = K;
+    a->QB = QB;
     const size_t esize = x_bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static) if (M >= 8)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + esize * m * K, x_bf16, K, a->q + m * K, a->dx + m * (K / 32),
-                     a->xs16 + m * (K / 16), a->xs32 + m * (K / 32));
+        quantize_row((const char *)x + esize * m * K, x_bf16, K, QB, a->q + m * K, a->dx + m * (K / QB),
+                     a->xs16 + m * (K / 16), a->xs32 + m * (K / 32), a->bs16 + m * (K / 16), a->bs32 + m * (K / 32));
     return 0;
 }
 
@@ -155,6 +176,14 @@ typedef struct {
 } qw_t;
 
 static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
+
+/* The activations' block (columns per scale dx) the weight is multiplied with: its super-block
+ * (256 columns) for the super-block formats, whose int8 scales then add up in integers (tiles_sb);
+ * 32 for the others. */
+static inline int64_t qw_act_block(const qw_t *w) {
+    const int64_t sb = w->group * w->gps;
+    return w->scale_sup && (!w->mins || w->min_sup) && sb % 32 == 0 && w->K % sb == 0 ? sb : 32;
+}
 
 /* scale and min of row 16t + l in group g */
 static inline float group_scale(const qw_t *w, int64_t t, int64_t g, int64_t l) {
@@ -330,63 +359,86 @@ static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_
 }
 
 /* tiles_mb for the super-block formats (int8 scales and mins times one float32 per super-block:
- * Q4_K, Q6_K) and at most 2 activation rows, with fewer float operations per group: the group's
- * integer sum times its int8 scale stays an integer (|s sc| < 2^31: 16 codes < 64 times |x| <= 127
- * times |sc| <= 128, or 32 codes < 16 times 127 times 63) and is scaled by dx alone; the float32
- * super-block scales are applied once per super-block:
- *   acc += scale_sup * sum_g dx_g (s_g sc_g)  +  min_sup * sum_g min_g xsum_g,
- * with min_g = sc_g and min_sup = -offset scale_sup where the format has no mins (Q6_K). The same
- * sums as tiles_mb in another order (float32 rounding differs, within the reference's tolerance). */
-static inline __attribute__((always_inline)) void tiles_sup(const qw_t *w, int64_t t, const int64_t nt,
-                                                            const int64_t bits, const qact_t *a, int64_t m0,
-                                                            const int64_t mb, __m512 *acc) {
+ * Q4_K, Q6_K), whose activations have one scale dx per super-block of QB = 256 columns (as
+ * llama.cpp's Q8_K), so a super-block's sum is an integer: each group's integer sum times its int8
+ * scale (|s sc| < 2^24: 32 codes < 16 times |x| <= 127 times sc < 64, or 16 codes < 64 times 127
+ * times |sc| <= 128; 8 or 16 of them < 2^28) is added up in int32 and scaled once per super-block:
+ *   acc = sum_sb dx_sb (scale_sup sum_g sc_g s_g  +  min_sup sum_g min_g bsum_g),
+ * with bsum_g the group's sum of xq (int16), and min_g = sc_g and min_sup = -offset scale_sup
+ * where the format has no mins (Q6_K). The
+ * mins' term needs no codes and runs as a pass of its own (in integers as well, two groups per
+ * vpdpwssd: 10% faster than float32 for Q6_K, the same for Q4_K), so the main loop holds nt * mb
+ * group sums and as many super-block sums. Against the per-32-column activations and per-group
+ * float32 scaling before it (tiles_mb), 512 rows of Qwen2.5-1.5B's shapes ran 4-12% faster for
+ * Q4_K and 23-30% for Q6_K (both sources alternated in one process on benchmarks/qmatmul.py's
+ * weights). The float operations are the same for any mb and nt, so a row's output does not
+ * depend on the rows computed with it (decode equals prefill, bit for bit). */
+static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_t t, const int64_t nt,
+                                                           const int64_t bits, const qact_t *a, int64_t m0,
+                                                           const int64_t mb, __m512 *acc) {
     const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gps = w->gps, nsb = ng / gps;
-    const float *xs = G == 16 ? a->xs16 : a->xs32;
+    const int8_t *mins = w->mins ? (const int8_t *)w->mins : (const int8_t *)w->scales;
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
+    /* the mins' term, in integers: vpdpwssd multiplies two groups' int16 mins (interleaved per
+     * lane) by the two groups' int16 sums of xq (broadcast) and adds both products */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
     for (int64_t sb = 0; sb < nsb; sb++) {
-        __m512 ps[4], pm[4];
-        for (int64_t i = 0; i < nt * mb; i++) ps[i] = pm[i] = _mm512_setzero_ps();
-        for (int64_t g = sb * gps; g < (sb + 1) * gps; g++) {
-            __m512i s[4], sci[2];
-            __m512 mnf[2];
-            group_sums(w, t, nt, bits, a, m0, mb, g, s);
-            for (int64_t u = 0; u < nt; u++) {
-                const int64_t at = ((t + u) * ng + g) * TILE;
-                sci[u] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scales + at)));
-                mnf[u] = _mm512_cvtepi32_ps(w->mins ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->mins + at)))
-                                                    : sci[u]);
-            }
+        __m512i im[2 * MB];
+        for (int64_t i = 0; i < nt * mb; i++) im[i] = _mm512_setzero_si512();
+        for (int64_t g = sb * gps; g < (sb + 1) * gps; g += 2) {
+            __m512i mv[2];
+            for (int64_t u = 0; u < nt; u++) /* lane l: (min[g][l], min[g + 1][l]) */
+                mv[u] = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(mins + ((t + u) * ng + g) * TILE))));
             for (int64_t i = 0; i < mb; i++) {
-                const __m512 dx = _mm512_set1_ps(a->dx[(m0 + i) * (K / 32) + g * G / 32]);
-                const __m512 xsum = _mm512_set1_ps(xs[(m0 + i) * ng + g]);
-                for (int64_t u = 0; u < nt; u++) {
-                    ps[nt * i + u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(s[nt * i + u], sci[u])), dx, ps[nt * i + u]);
-                    pm[nt * i + u] = _mm512_fmadd_ps(mnf[u], xsum, pm[nt * i + u]);
-                }
+                const __m512i xb = bcast4((const int8_t *)(bs + (m0 + i) * ng + g));
+                for (int64_t u = 0; u < nt; u++) im[nt * i + u] = _mm512_dpwssd_epi32(im[nt * i + u], mv[u], xb);
             }
         }
         for (int64_t u = 0; u < nt; u++) {
             const int64_t at = ((t + u) * nsb + sb) * TILE;
-            const __m512 ssup = _mm512_loadu_ps(w->scale_sup + at);
-            const __m512 msup = w->mins ? _mm512_loadu_ps(w->min_sup + at) : _mm512_mul_ps(ssup, _mm512_set1_ps(-(float)w->offset));
+            const __m512 msup = w->mins ? _mm512_loadu_ps(w->min_sup + at)
+                                        : _mm512_mul_ps(_mm512_loadu_ps(w->scale_sup + at), _mm512_set1_ps(-(float)w->offset));
             for (int64_t i = 0; i < mb; i++) {
-                acc[nt * i + u] = _mm512_fmadd_ps(ps[nt * i + u], ssup, acc[nt * i + u]);
-                acc[nt * i + u] = _mm512_fmadd_ps(pm[nt * i + u], msup, acc[nt * i + u]);
+                const __m512 f = _mm512_mul_ps(msup, _mm512_set1_ps(a->dx[(m0 + i) * nsb + sb]));
+                acc[nt * i + u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(im[nt * i + u]), f, acc[nt * i + u]);
+            }
+        }
+    }
+    for (int64_t sb = 0; sb < nsb; sb++) { /* the scales' term */
+        __m512i isb[2 * MB];
+        for (int64_t i = 0; i < nt * mb; i++) isb[i] = _mm512_setzero_si512();
+        for (int64_t g = sb * gps; g < (sb + 1) * gps; g++) {
+            __m512i s[2 * MB], sci[2];
+            group_sums(w, t, nt, bits, a, m0, mb, g, s);
+            for (int64_t u = 0; u < nt; u++)
+                sci[u] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scales + ((t + u) * ng + g) * TILE)));
+            for (int64_t i = 0; i < mb; i++)
+                for (int64_t u = 0; u < nt; u++)
+                    isb[nt * i + u] = _mm512_add_epi32(isb[nt * i + u], _mm512_mullo_epi32(s[nt * i + u], sci[u]));
+        }
+        for (int64_t u = 0; u < nt; u++) {
+            const __m512 ssup = _mm512_loadu_ps(w->scale_sup + ((t + u) * nsb + sb) * TILE);
+            for (int64_t i = 0; i < mb; i++) {
+                const __m512 f = _mm512_mul_ps(ssup, _mm512_set1_ps(a->dx[(m0 + i) * nsb + sb]));
+                acc[nt * i + u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[nt * i + u]), f, acc[nt * i + u]);
             }
         }
     }
 }
 
+#define TILES_ROWS(NT, BITS, MBC)                                    \
+    if (sup) tiles_sb(w, t, NT, BITS, a, m0, MBC, acc);              \
+    else tiles_mb(w, t, NT, BITS, a, m0, MBC, acc);
 #define TILES_MB(NT, BITS)                                           \
     switch (mb) {                                                    \
-    case 1: if (sup) tiles_sup(w, t, NT, BITS, a, m0, 1, acc);       \
-            else tiles_mb(w, t, NT, BITS, a, m0, 1, acc); break;     \
-    case 2: if (sup) tiles_sup(w, t, NT, BITS, a, m0, 2, acc);       \
-            else tiles_mb(w, t, NT, BITS, a, m0, 2, acc); break;     \
-    case 3: tiles_mb(w, t, NT, BITS, a, m0, 3, acc); break;          \
-    case 4: tiles_mb(w, t, NT, BITS, a, m0, 4, acc); break;          \
-    case 5: tiles_mb(w, t, NT, BITS, a, m0, 5, acc); break;          \
-    default: tiles_mb(w, t, NT, BITS, a, m0, 6, acc); break;         \
+    case 1: TILES_ROWS(NT, BITS, 1) break;                           \
+    case 2: TILES_ROWS(NT, BITS, 2) break;                           \
+    case 3: TILES_ROWS(NT, BITS, 3) break;                           \
+    case 4: TILES_ROWS(NT, BITS, 4) break;                           \
+    case 5: TILES_ROWS(NT, BITS, 5) break;                           \
+    default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
 #define TILES_BITS(NT)                                               \
     switch (w->bits) {                                               \
@@ -399,7 +451,7 @@ static inline __attribute__((always_inline)) void tiles_sup(const qw_t *w, int64
 /* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, MB rows per pass. */
 static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
                       void *y, int y_bf16, int64_t ldy) {
-    const int sup = w->scale_sup && (!w->mins || w->min_sup); /* the super-block formats (tiles_sup) */
+    const int sup = qw_act_block(w) != 32; /* the super-block formats (tiles_sb) */
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
         const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
         __m512 acc[2 * MB];
@@ -423,7 +475,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
                 int32_t isum = 0;
                 for (int64_t kk = 0; kk < G; kk++)
                     isum += code_in_group(codes + g * gbytes, (int)w->bits, l, kk) * a->q[m * K + g * G + kk];
-                acc += (float)isum * a->dx[m * (K / 32) + g * G / 32] * group_scale(w, t, g, l) +
+                acc += (float)isum * a->dx[m * (K / a->QB) + g * G / a->QB] * group_scale(w, t, g, l) +
                        group_min(w, t, g, l) * xs[m * ng + g];
             }
             if (w->bias) acc += w->bias[n0 + l];
@@ -467,20 +519,21 @@ static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64
 int qmatmul(const void *x, int x_bf16, int64_t M, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
     if (!qw_ok(w)) return 2;
     qact_t a;
-    if (quantize(x, x_bf16, M, w->K, &a)) return 1;
+    if (quantize(x, x_bf16, M, w->K, qw_act_block(w), &a)) return 1;
     qmatmul_q(&a, w, y, y_bf16, ldy);
     qact_free(&a);
     return 0;
 }
 
-/* The activation quantization alone (for the tests): q [M, K] int8 and dx [M, K/32] float32.
- * Returns 0, 1 when out of memory, 2 when K is not a multiple of 32. */
-int qmatmul_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *q, float *dx) {
-    if (K % 32) return 2;
+/* The activation quantization alone (for the tests): q [M, K] int8 and dx [M, K/QB] float32, one
+ * scale per QB (32 or 256) columns. Returns 0, 1 when out of memory, 2 when K is not a multiple of
+ * QB or QB is neither 32 nor 256. */
+int qmatmul_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int64_t QB, int8_t *q, float *dx) {
+    if ((QB != 32 && QB != 256) || K % QB) return 2;
     qact_t a;
-    if (quantize(x, x_bf16, M, K, &a)) return 1;
+    if (quantize(x, x_bf16, M, K, QB, &a)) return 1;
     memcpy(q, a.q, (size_t)(M * K));
-    memcpy(dx, a.dx, sizeof(float) * (size_t)(M * (K / 32)));
+    memcpy(dx, a.dx, sizeof(float) * (size_t)(M * (K / QB)));
     qact_free(&a);
     return 0;
 }

@@ -19,9 +19,10 @@ offset. The products are those of the float32 de-quantization (`nextoken.layers.
 reference), exactly; `QuantWeight.dequantize` computes them and the tests compare.
 
 `qmatmul` multiplies on our C kernel (``kernels/qmatmul.c``): activations are quantized to
-int8 per 32 columns (``dx = max|x| / 127``, as llama.cpp's Q8_1 blocks), the integer dot
-products run on AVX-512 VNNI, and each group's sum is scaled once. `qmatmul_reference` is the
-same arithmetic in PyTorch.
+int8 per block of columns (``dx = max|x| / 127``), 32 for the legacy formats (as llama.cpp's
+Q8_1 blocks) and one super-block of 256 for the k-quants (as llama.cpp's Q8_K: a super-block's
+scaled integer sums then add up in integers), the integer dot products run on AVX-512 VNNI, and
+each sum is scaled once. `qmatmul_reference` is the same arithmetic in PyTorch.
 """
 
 from __future__ import annotations
@@ -141,6 +142,14 @@ class QuantWeight:
     def shape(self) -> tuple[int, int]:
         tiles, ng, _ = self.scales.shape
         return tiles * TILE, ng * self.group
+
+    @property
+    def act_block(self) -> int:
+        """Columns per activation scale this weight is multiplied with (``qw_act_block`` in the
+        kernel): the 256-column super-block for the k-quants, 32 for the others."""
+        sb = self.group * self.gps
+        sup = self.scale_sup is not None and (self.mins is None or self.min_sup is not None)
+        return sb if sup and sb % QK == 0 and self.shape[1] % sb == 0 else QK
 
     @property
     def nbytes(self) -> int:
@@ -265,18 +274,19 @@ def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantW
     return QuantWeight.pack(gguf_codes(raw, type_name, rows, cols))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (xq int32 ``[M, K]`` in -127..127, dx float32 ``[M, K // 32]``), per
-    block of 32: ``dx = max|x| / 127``, ``xq = round_half_even(x * (1 / dx))``."""
+def quantize_activations(x: torch.Tensor, block: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (xq int32 ``[M, K]`` in -127..127, dx float32 ``[M, K // block]``), per
+    block of `block` (32 or 256) columns: ``dx = max|x| / 127``, ``xq = round_half_even(x * (1 / dx))``."""
     m, k = x.shape
-    xb = x.float().view(m, k // QK, QK)
+    xb = x.float().view(m, k // block, block)
     dx = xb.abs().amax(-1) / 127.0
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
     xq = torch.round(xb * inv[..., None]).to(torch.int32)
     return xq.view(m, k), dx
 
 
-def quantize_activations_native(x: torch.Tensor, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+def quantize_activations_native(x: torch.Tensor, portable: bool = False,
+                                block: int = QK) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`quantize_activations` as the C kernel computes it (for the tests that hold the two
     equal): ``x [M, K]`` float32 or bf16 -> (xq int32, dx float32), or None without the kernel."""
     lib = load("qmatmul", portable)
@@ -285,22 +295,23 @@ def quantize_activations_native(x: torch.Tensor, portable: bool = False) -> tupl
     x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
-    dx = torch.empty(m, k // QK, dtype=torch.float32)
+    dx = torch.empty(m, k // block, dtype=torch.float32)
     rc = lib.qmatmul_quantize(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
-                              ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_void_p(q.data_ptr()),
+                              ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(block), ctypes.c_void_p(q.data_ptr()),
                               ctypes.c_void_p(dx.data_ptr()))
     if rc != 0:
-        raise ValueError(f"qmatmul_quantize: {'out of memory' if rc == 1 else f'{k} columns is not a multiple of 32'}")
+        raise ValueError(f"qmatmul_quantize: {'out of memory' if rc == 1 else f'{k} columns in blocks of {block}'}")
     return q.to(torch.int32), dx
 
 
 def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch: ``x [M, K] -> float32 [M, N]``, with x quantized to
-    int8 as in `quantize_activations` and exact integer dot products per group."""
+    int8 as in `quantize_activations` (per `w.act_block` columns) and exact integer dot products
+    per group."""
     m = x.shape[0]
     g = w.group
-    xq, dx = quantize_activations(x)
-    dxg = dx.repeat_interleave(QK // g, dim=1).double()  # [M, K / g]
+    xq, dx = quantize_activations(x, w.act_block)
+    dxg = dx.repeat_interleave(w.act_block // g, dim=1).double()  # [M, K / g]
     u, scale, mins = w.plain()
     xg = xq.view(m, -1, g).double()
     dots = torch.einsum("ngk,mgk->mng", u.double(), xg)  # exact integers
