@@ -72,7 +72,8 @@ typedef struct {
     float *dx;    /* [M, K/QB]: one scale per block of QB columns */
     float *xs16;  /* [M, K/16]: dx * sum of xq over each 16 columns */
     float *xs32;  /* [M, K/32]: the same over each 32 */
-    int16_t *bs16, *bs32; /* [M, K/16], [M, K/32]: the sums of xq themselves (|sum| <= 32 * 127) */
+    int16_t *bs16, *bs32; /* [M, K/16], [M, K/32]: the sums of xq themselves (|sum| <= 32 * 127);
+                           * only when QB != 32 */
     int64_t M, K, QB;
 } qact_t;
 
@@ -86,16 +87,26 @@ static inline __m512 load16(const void *x, int x_bf16, int64_t k) {
 
 /* the plain loop's arithmetic (below), 16 lanes at a time: the same d and 1 / d, and the conversion's
  * default rounding (to nearest even) is rintf's. One scale per block of QB (32 or 256) columns. */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
-                         float *xs32, int16_t *bs16, int16_t *bs32) {
+static inline __attribute__((always_inline)) void quantize_row_qb(const void *x, int x_bf16, int64_t K, const int64_t QB,
+                                                                  int8_t *q, float *dx, float *xs16, float *xs32,
+                                                                  int16_t *bs16, int16_t *bs32) {
     for (int64_t b0 = 0; b0 < K; b0 += QB) {
-        __m512 mx = _mm512_setzero_ps();
-        for (int64_t k = b0; k < b0 + QB; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, x_bf16, k)));
-        const float d = _mm512_reduce_max_ps(mx) / 127.f;
-        const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-        dx[b0 / QB] = d;
+        float d = 0.f;
+        __m512 id = _mm512_setzero_ps();
+        if (QB != 32) { /* 32 columns: below, from the block's two loads */
+            __m512 mx = _mm512_setzero_ps();
+            for (int64_t k = b0; k < b0 + QB; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, x_bf16, k)));
+            d = _mm512_reduce_max_ps(mx) / 127.f;
+            id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+            dx[b0 / QB] = d;
+        }
         for (int64_t b = b0 / 32; b < (b0 + QB) / 32; b++) {
             const __m512 x0 = load16(x, x_bf16, 32 * b), x1 = load16(x, x_bf16, 32 * b + 16);
+            if (QB == 32) {
+                d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.f;
+                id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+                dx[b] = d;
+            }
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
             _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
@@ -103,11 +114,19 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_
             xs32[b] = d * (float)(s0 + s1);
             xs16[2 * b] = d * (float)s0;
             xs16[2 * b + 1] = d * (float)s1;
-            bs32[b] = (int16_t)(s0 + s1);
-            bs16[2 * b] = (int16_t)s0;
-            bs16[2 * b + 1] = (int16_t)s1;
+            if (QB != 32) { /* for tiles_sb alone */
+                bs32[b] = (int16_t)(s0 + s1);
+                bs16[2 * b] = (int16_t)s0;
+                bs16[2 * b + 1] = (int16_t)s1;
+            }
         }
     }
+}
+/* compiled once per block size, so that 32 columns keep the single pass they had alone */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
+                         float *xs32, int16_t *bs16, int16_t *bs32) {
+    if (QB == 32) quantize_row_qb(x, x_bf16, K, 32, q, dx, xs16, xs32, bs16, bs32);
+    else quantize_row_qb(x, x_bf16, K, QB, q, dx, xs16, xs32, bs16, bs32);
 }
 #else
 static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
@@ -131,9 +150,11 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_
             xs32[b] = d * (float)(s[0] + s[1]);
             xs16[2 * b] = d * (float)s[0];
             xs16[2 * b + 1] = d * (float)s[1];
-            bs32[b] = (int16_t)(s[0] + s[1]);
-            bs16[2 * b] = (int16_t)s[0];
-            bs16[2 * b + 1] = (int16_t)s[1];
+            if (QB != 32) { /* for tiles_sb alone (see quantize) */
+                bs32[b] = (int16_t)(s[0] + s[1]);
+                bs16[2 * b] = (int16_t)s[0];
+                bs16[2 * b + 1] = (int16_t)s[1];
+            }
         }
     }
 }
@@ -143,14 +164,17 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_
  * super-block formats; see qw_act_block); free it with qact_free. 0, or 1 when out of memory. */
 static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, int64_t QB, qact_t *a) {
     void *mem = NULL;
-    if (posix_memalign(&mem, 64, (sizeof(float) + sizeof(int16_t)) * M * (K / 32 + K / 16 + K / 32) + (size_t)(M * K) + 64))
+    /* the int16 sums only for tiles_sb (QB 256): each call's buffer is fresh memory, faulted in
+     * page by page, and 32 columns ran 2% slower with them */
+    const size_t nbs = QB == 32 ? 0 : (size_t)(M * (K / 16 + K / 32 + K / 32)); /* (the last: keeps q 4-byte aligned) */
+    if (posix_memalign(&mem, 64, sizeof(float) * M * (K / 32 + K / 16 + K / 32) + sizeof(int16_t) * nbs + (size_t)(M * K) + 64))
         return 1;
     a->dx = (float *)mem;
     a->xs16 = a->dx + M * (K / 32);
     a->xs32 = a->xs16 + M * (K / 16);
     a->bs16 = (int16_t *)(a->xs32 + M * (K / 32));
-    a->bs32 = a->bs16 + M * (K / 16);
-    a->q = (int8_t *)(a->bs32 + M * (K / 32) + M * (K / 32)); /* (a gap of the dx size keeps q 4-byte aligned) */
+    a->bs32 = a->bs16 + (nbs ? M * (K / 16) : 0);
+    a->q = (int8_t *)((int16_t *)a->bs16 + nbs);
     a->M = M;
     a->K = K;
     a->QB = QB;
@@ -448,10 +472,10 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     default: TILES_MB(NT, 8) break;                                  \
     }
 
-/* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, MB rows per pass. */
-static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
-                      void *y, int y_bf16, int64_t ldy) {
-    const int sup = qw_act_block(w) != 32; /* the super-block formats (tiles_sb) */
+/* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, MB rows per pass; sup: w is a super-block format. */
+static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, int64_t t, int64_t nt, const qact_t *a,
+                                                                 int64_t m_begin, int64_t m_end, void *y, int y_bf16,
+                                                                 int64_t ldy, const int sup) {
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
         const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
         __m512 acc[2 * MB];
@@ -462,6 +486,25 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
             for (int64_t i = 0; i < mb; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, _mm512_add_ps(acc[nt * i + u], bv));
         }
     }
+}
+
+/* The super-block formats (tiles_sb) and the others (tiles_mb) compile as two functions: in one,
+ * tiles_sb's code cost the legacy formats' loops 6-10% (register allocation) at 512 rows. */
+static __attribute__((noinline)) void run_tiles_sb(const qw_t *w, int64_t t, int64_t nt, const qact_t *a,
+                                                   int64_t m_begin, int64_t m_end, void *y, int y_bf16, int64_t ldy) {
+    run_tiles_rows(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy, 1);
+}
+
+static __attribute__((noinline)) void run_tiles_mb(const qw_t *w, int64_t t, int64_t nt, const qact_t *a,
+                                                   int64_t m_begin, int64_t m_end, void *y, int y_bf16, int64_t ldy) {
+    run_tiles_rows(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy, 0);
+}
+
+/* run_tiles_rows for weight w, by its kind */
+static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
+                      void *y, int y_bf16, int64_t ldy) {
+    if (qw_act_block(w) != 32) run_tiles_sb(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy);
+    else run_tiles_mb(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy);
 }
 #else
 static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
