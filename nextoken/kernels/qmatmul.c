@@ -33,9 +33,10 @@
  * tile passes); pairs of tiles are split over OpenMP threads (PyTorch's own libgomp: one pool).
  * The legacy formats scale each group's sum in float32 (tiles_mb); the K-quants, whose dx is one
  * per super-block, add a super-block's scaled sums in integers and scale once (tiles_sb). At 512
- * rows, Q4_K runs at about 65% of the VNNI peak (one 64-byte vpdpbusd per cycle and core: 3.6
- * G/s per core measured on this Zen 4) and Q6_K at about 59% (46% with per-group scaling), ahead
- * of PyTorch's bf16 matmul on the expanded weight (benchmarks/qmatmul.py).
+ * rows, Q4_K runs at 55-65% of the VNNI peak (one 64-byte vpdpbusd per cycle and core: 3.3-3.6
+ * G/s per core measured on this Zen 4) and Q6_K at 47-57%, ahead of PyTorch's bf16 matmul on the
+ * expanded weight (benchmarks/qmatmul.py). vpmulld, vpdpwssd and float multiplies take the same
+ * slot as vpdpbusd (benchmarks/vnni_slots.c): Q4_K's loop can reach about 80% of the peak.
  * Decode (1 or 2 rows) streams the weights from memory once per token: the codes are prefetched
  * a few groups ahead; Q4_K at one row went from 60 to about 95 GB/s from L3 and from 31 to 35
  * GB/s from memory. One row runs one tile at a time (one stream of codes per thread, see
@@ -70,7 +71,7 @@
 typedef struct {
     int8_t *q;    /* [M, K] */
     float *dx;    /* [M, K/QB]: one scale per block of QB columns */
-    float *xs16;  /* [M, K/16]: dx * sum of xq over each 16 columns */
+    float *xs16;  /* [M, K/16]: dx * sum of xq over each 16 columns (the VNNI build: only when QB == 32) */
     float *xs32;  /* [M, K/32]: the same over each 32 */
     int16_t *bs16, *bs32; /* [M, K/16], [M, K/32]: the sums of xq themselves (|sum| <= 32 * 127);
                            * only when QB != 32 */
@@ -111,10 +112,11 @@ static inline __attribute__((always_inline)) void quantize_row_qb(const void *x,
             _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
             const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-            xs32[b] = d * (float)(s0 + s1);
-            xs16[2 * b] = d * (float)s0;
-            xs16[2 * b + 1] = d * (float)s1;
-            if (QB != 32) { /* for tiles_sb alone */
+            if (QB == 32) { /* the float sums for tiles_mb, the integer ones for tiles_sb */
+                xs32[b] = d * (float)(s0 + s1);
+                xs16[2 * b] = d * (float)s0;
+                xs16[2 * b + 1] = d * (float)s1;
+            } else {
                 bs32[b] = (int16_t)(s0 + s1);
                 bs16[2 * b] = (int16_t)s0;
                 bs16[2 * b + 1] = (int16_t)s1;
