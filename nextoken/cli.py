@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
     p.add_argument("--stats", action="store_true", help="print TTFT, prefill and decode speed, peak memory")
+    p.add_argument("--no-quick-start", dest="quick_start", action="store_false",
+                   help="let the engine draw the first token too, instead of drawing it before PyTorch is imported "
+                        "(the same text as the API and the server give for a seed)")
 
     p = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /exit)")
     _add_engine_args(p, **single_user)
@@ -217,12 +220,37 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _quick_first_token(a, params):
+    """The first token before PyTorch is imported (`runner.quick_start`), printed at once; None
+    when that path does not apply (then the engine does everything)."""
+    if not a.quick_start or a.stats or a.logprobs is not None:  # --stats, --logprobs: the engine's view of every token
+        return None
+    from nextoken.runner.quick_start import first_token
+
+    first = first_token(a.prompt, engine_args(a), params, chat=not a.raw, system=a.system)
+    if first is not None:
+        sys.stdout.write(first.text)
+        sys.stdout.flush()
+    return first
+
+
 def cmd_run(a) -> int:
+    params = _params(a)  # once: --json-schema - reads standard input
+    first = _quick_first_token(a, params)
+    if first is not None and first.finished:
+        sys.stdout.write("\n")
+        return 0
     llm = _load(a)
-    params = _params(a).validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size)
     chat = not a.raw and llm.tokenizer.chat_template is not None
+    prompt = a.prompt
+    if first is not None:  # the engine goes on from the prompt and the token already printed
+        from nextoken.runner.quick_start import continuation
+
+        prompt, params = continuation(first, params)
+        chat = False
     out = None
-    for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt):
+    for out in llm.stream(prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt):
         c = out.outputs[0]
         sys.stdout.write(c.delta)
         sys.stdout.flush()

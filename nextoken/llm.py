@@ -20,7 +20,7 @@ from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
-from nextoken.tokenizer.chat_template import validate_messages
+from nextoken.tokenizer.chat_template import chat_prompt
 
 Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 
@@ -82,14 +82,10 @@ class LLM:
     def render_chat(self, messages: list[dict], system: str | None = None) -> str:
         """The prompt text for a conversation, from the model's chat template. `system`, when
         given, is put first as a system message."""
-        messages = validate_messages(list(messages))
-        if system is not None:
-            messages = [{"role": "system", "content": system}, *messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return chat_prompt(self.tokenizer, list(messages), system)
 
     def _chat_prompt(self, prompt, system) -> str:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.render_chat(messages, system)
+        return chat_prompt(self.tokenizer, prompt, system)
 
     # -- generation -------------------------------------------------------------------------
     def stream(self, prompt: Prompt | list[dict], params: SamplingParams | None = None, chat: bool = False,

@@ -110,6 +110,24 @@ def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     assert qw.act_block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
 
 
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+@pytest.mark.parametrize("portable", [False, True])
+def test_kernel_lookup_equals_reference(type_name, portable):
+    """``qlookup_bf16`` (the quick start's embedding lookup) is `QuantWeight.lookup` cast to bf16."""
+    import ctypes
+
+    _, qw = weight(type_name, 48, 512, seed=22)
+    ids = torch.tensor([0, 47, 16, 5, 5, 31])
+    out = torch.empty(len(ids), 512, dtype=torch.bfloat16)
+    lib = load("qmatmul", portable)
+    assert lib.qlookup_bf16(ctypes.byref(qw.c_struct()), ctypes.c_void_p(ids.data_ptr()), len(ids),
+                            ctypes.c_void_p(out.data_ptr())) == 0
+    assert torch.equal(out, qw.lookup(ids).to(torch.bfloat16))
+    bad = torch.tensor([48])
+    assert lib.qlookup_bf16(ctypes.byref(qw.c_struct()), ctypes.c_void_p(bad.data_ptr()), 1,
+                            ctypes.c_void_p(out.data_ptr())) == 2
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("portable", [False, True])
 def test_dense_expansion_equals_reference(type_name, portable):

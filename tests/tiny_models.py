@@ -46,12 +46,14 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 VOCAB_SIZE = len(tiny_vocab()[0])
 
 
-def tiny_hf_model(arch: str, seed: int = 0):
-    """A random float32 `transformers` model of `arch` ("llama" or "qwen2") with 2 layers."""
+def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = VOCAB_SIZE):
+    """A random float32 `transformers` model of `arch` ("llama" or "qwen2") with 2 layers.
+    A `vocab_size` above the tiny vocabulary's adds rows that `write_gguf` names as padding
+    tokens (a whole number of 16-row tiles lets the embedding be kept as codes)."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, rope_theta=10000.0)
     if arch == "llama":
@@ -116,6 +118,8 @@ def write_gguf(model, path, arch: str, quant: dict[str, str] | None = None, cont
         w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     tokens, types, merges = tiny_vocab()
+    pad = cfg.vocab_size - len(tokens)
+    tokens, types = tokens + [f"<|pad{i}|>" for i in range(pad)], types + [3] * pad
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)

@@ -113,6 +113,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qmatmul": (_INT, [P, _INT, _I64, P, P, _INT, _I64]),
     "qmatmul_quantize": (_INT, [P, _INT, _I64, _I64, _I64, P, P]),
     "qdequant_bf16_t": (None, [P, P]),
+    "qlookup_bf16": (_INT, [P, P, _I64, P]),
     "qmatmul_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,
@@ -126,6 +127,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "kv_quantize_rows": (None, [P, _I64, _I64, P, P]),
     "silu_mul_bf16": (None, [P, P, P, _I64]),
     "activation_vectorized": (_INT, []),
+    "rms_norm_rows_bf16": (None, [P, P, _I64, _I64, _F32, P]),
     "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
                              _F32, _F32]),
 }

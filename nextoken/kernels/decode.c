@@ -79,6 +79,11 @@ static void rms_norm_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64
     }
 }
 
+/* RMSNorm of T rows alone (the model's final norm before the LM head), as in the layers */
+void rms_norm_rows_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
+    rms_norm_bf16(h, w, T, n, eps, out);
+}
+
 /* y = x W^T for x [T, K] bf16, with x quantized once per activation block size (32, or 256 for the
  * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
  * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */

@@ -632,6 +632,25 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
     }
 }
 
+/* Rows `ids` [T] of the weight de-quantized to bf16, out [T, K] (an embedding lookup that
+ * expands only the rows it reads): code * scale + min in float32, rounded once, the arithmetic
+ * of `QuantWeight.lookup` followed by a cast to bf16. Returns 0, or 2 for an id outside [0, N). */
+int qlookup_bf16(const qw_t *w, const int64_t *ids, int64_t T, uint16_t *out) {
+    const int64_t G = w->group, ng = qw_groups(w), gbytes = TILE * G * w->bits / 8;
+    for (int64_t r = 0; r < T; r++)
+        if (ids[r] < 0 || ids[r] >= w->N) return 2;
+    for (int64_t r = 0; r < T; r++) {
+        const int64_t t = ids[r] / TILE, l = ids[r] % TILE;
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
+            const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
+            for (int64_t kk = 0; kk < G; kk++)
+                out[r * w->K + g * G + kk] = f32_to_bf16(s * (float)code_in_group(cg, (int)w->bits, l, kk) + m);
+        }
+    }
+    return 0;
+}
+
 /* 1 when built with the AVX-512 VNNI loops, 0 for the plain C ones */
 int qmatmul_vectorized(void) {
 #ifdef QM_VNNI

@@ -17,21 +17,14 @@ import ctypes
 import torch
 
 from nextoken.kernels import load
-from nextoken.layers.quantization.qweight import _QW
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                *[(n, _QW) for n in ("q", "k", "v", "o", "gate", "up", "down")],
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]  # int8 cache: row scales, else NULL
+from nextoken.kernels.structs import QW, DecodeLayer
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def _qw(linear) -> _QW:
+def _qw(linear) -> QW:
     return linear.qweight_c()
 
 
@@ -62,12 +55,12 @@ class NativeDecoder:
             rows = []
             for i, layer in enumerate(self.model.layers):
                 a, m = layer.self_attn, layer.mlp
-                rows.append(_Layer(_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm),
+                rows.append(DecodeLayer(_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm),
                                    _qw(a.q_proj), _qw(a.k_proj), _qw(a.v_proj), _qw(a.o_proj), _qw(m.gate_proj),
                                    _qw(m.up_proj), _qw(m.down_proj), _ptr(kv.k[i]), _ptr(kv.v[i]),
                                    _ptr(kv.k_scale[i] if kv.quantized else None),
                                    _ptr(kv.v_scale[i] if kv.quantized else None)))
-            self._table = (_Layer * len(rows))(*rows)
+            self._table = (DecodeLayer * len(rows))(*rows)
             self._kv = kv
         return self._table
 

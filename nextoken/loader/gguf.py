@@ -6,7 +6,8 @@ only interpret it. GGUF key names follow llama.cpp's ``gguf-py/gguf/constants.py
 reads, a row range at a time, rather than through the reader's memory map: pages of a map count
 in the process's resident memory while it lives, and the loader converts each tensor into its own
 layout anyway. `release_metadata` drops the parsed lists (vocabulary, merges) once the tokenizer and config
-have been read.
+have been read. PyTorch is imported only to read tensors: the metadata, the config and the
+tokenizer come without it (`runner.quick_start` reads them before PyTorch is imported).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nextoken.config import ModelConfig
 from nextoken.errors import ModelLoadError
-from nextoken.layers.quantization.ggml import dequantize
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,18 @@ class GGUFFile:
         """PyTorch-order shape (rows first) of tensor `name`."""
         return self._get(name).shape
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32, chunk_rows: int = 4096) -> torch.Tensor:
-        """Tensor `name` de-quantized to `dtype`, PyTorch-order shape ``[rows, cols]``.
+    def tensor(self, name: str, dtype: torch.dtype | None = None, chunk_rows: int = 4096) -> torch.Tensor:
+        """Tensor `name` de-quantized to `dtype` (float32 by default), PyTorch-order shape
+        ``[rows, cols]``.
 
         Rows are de-quantized `chunk_rows` at a time straight into the result, so no float32 copy
         of a large tensor is ever held at once.
         """
+        import torch
+
+        from nextoken.layers.quantization.ggml import dequantize
+
+        dtype = torch.float32 if dtype is None else dtype
         t = self._get(name)
         if len(t.shape) < 2 or t.shape[0] <= chunk_rows:
             return dequantize(self.raw(name), t.type_name, t.shape).to(dtype)
@@ -145,7 +153,28 @@ class GGUFFile:
             fh.seek(t.offset + start * row_bytes)
             if fh.readinto(buf) != len(buf):
                 raise ModelLoadError(f"{self.path} is truncated inside tensor {name}; download it again")
+        import torch
+
         return torch.frombuffer(buf, dtype=torch.uint8).view(stop - start, row_bytes)
+
+    def array(self, name: str) -> numpy.ndarray:
+        """Tensor `name` of type F32, F16 or BF16 as float32 NumPy values in its PyTorch-order
+        shape (norm weights, biases), without PyTorch. Raises `ModelLoadError` for another type."""
+        import numpy as np
+
+        t = self._get(name)
+        kinds = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+        if t.type_name not in kinds:
+            raise ModelLoadError(f"{self.path}: tensor {name} is {t.type_name}, not F32, F16 or BF16")
+        count = t.nbytes // np.dtype(kinds[t.type_name]).itemsize
+        with open(self.path, "rb") as fh:
+            fh.seek(t.offset)
+            values = np.fromfile(fh, dtype=kinds[t.type_name], count=count)
+        if values.size != count:
+            raise ModelLoadError(f"{self.path} is truncated inside tensor {name}; download it again")
+        if t.type_name == "BF16":
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        return values.astype(np.float32).reshape(t.shape)
 
     def _get(self, name: str):
         if name not in self._tensors:

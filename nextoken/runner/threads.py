@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from nextoken.errors import InvalidRequest
 
 
@@ -29,6 +27,8 @@ def configure_threads(num_threads: int | None = None) -> int:
     the intra-op count. Raises `InvalidRequest` for a count below 1."""
     if num_threads is not None and num_threads < 1:
         raise InvalidRequest(f"threads must be >= 1, got {num_threads}", "threads")
+    import torch  # here: `default_threads` serves the torch-free quick start (`runner.quick_start`)
+
     n = num_threads or default_threads()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)

@@ -38,6 +38,17 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def chat_prompt(tokenizer, prompt: str | list[dict], system: str | None = None) -> str:
+    """The prompt text of a conversation (a message list, or one user message as a string) by the
+    tokenizer's chat template, with `system` put first as a system message when given. Raises
+    `InvalidRequest` for malformed messages."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages = validate_messages(list(messages))
+    if system is not None:
+        messages = [{"role": "system", "content": system}, *messages]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
 def validate_messages(messages) -> list[dict]:
     """Check `messages` is a non-empty list of ``{"role", "content"}`` with known roles and
     string content; raise `InvalidRequest` naming the bad element otherwise."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels import load
+from nextoken.kernels.structs import QW
 from nextoken.layers.quantization.ggml import QK, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
 
 QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
@@ -64,15 +65,6 @@ class PlainCodes:
         f = lambda t: None if t is None else fn(t)  # noqa: E731
         return replace(self, u=fn(self.u), scale=fn(self.scale), scale_sup=f(self.scale_sup), mins=f(self.mins),
                        min_sup=f(self.min_sup))
-
-
-class _QW(ctypes.Structure):
-    """``qw_t`` of ``kernels/qmatmul.c``."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("offset", ctypes.c_double), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
 
 
 def _tiled(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -107,7 +99,7 @@ class QuantWeight:
     bits: int
     group: int
     gps: int
-    _c: _QW | None = field(default=None, repr=False, compare=False)
+    _c: QW | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def pack(p: PlainCodes) -> QuantWeight:
@@ -156,12 +148,12 @@ class QuantWeight:
         return sum(t.nbytes for t in (self.codes, self.scales, self.mins, self.scale_sup, self.min_sup)
                    if t is not None)
 
-    def c_struct(self, bias: torch.Tensor | None = None) -> _QW:
+    def c_struct(self, bias: torch.Tensor | None = None) -> QW:
         """The kernel's view of this weight (pointers into its tensors; bias float32 ``[rows]``)."""
         if bias is None and self._c is not None:
             return self._c
         rows, cols = self.shape
-        c = _QW(_ptr(self.codes), _ptr(self.scales), _ptr(self.mins), _ptr(self.scale_sup), _ptr(self.min_sup),
+        c = QW(_ptr(self.codes), _ptr(self.scales), _ptr(self.mins), _ptr(self.scale_sup), _ptr(self.min_sup),
                 _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols)
         if bias is None:
             self._c = c
@@ -323,7 +315,7 @@ def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, portable: bool = False, c: _QW | None = None) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, portable: bool = False, c: QW | None = None) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
     bias: float32 ``[N]`` or None (or `c`, a prepared `QuantWeight.c_struct`). `portable`: the

@@ -1,0 +1,26 @@
+"""The C kernels' structures as ctypes types, without PyTorch (shared by the PyTorch layers and
+`runner.quick_start`, which runs before PyTorch is imported)."""
+
+from __future__ import annotations
+
+import ctypes
+
+
+class QW(ctypes.Structure):
+    """``qw_t`` of ``kernels/qmatmul.c``: a weight's codes in the tiled layout (pointers), its
+    bias (float32 ``[N]`` or NULL), the format's integers and the shape ``[N, K]``."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("offset", ctypes.c_double), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """``layer_t`` of ``kernels/decode.c``: one decoder layer's norms (bf16), projections and
+    KV cache (bf16, or int8 codes with float32 row scales; NULL scales for bf16)."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                *[(n, QW) for n in ("q", "k", "v", "o", "gate", "up", "down")],
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
