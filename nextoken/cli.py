@@ -209,11 +209,12 @@ def engine_args(a):
     return EngineArgs.from_cli_args(a)
 
 
-def _load(a):
-    """The model for a single-user command (`run`, `chat`, `explain`)."""
+def _load(a, opened=None):
+    """The model for a single-user command (`run`, `chat`, `explain`); `opened`: its file and
+    tokenizer, already read (`LLM.from_engine_args`)."""
     from nextoken.llm import LLM
 
-    return LLM.from_engine_args(engine_args(a))
+    return LLM.from_engine_args(engine_args(a), opened)
 
 
 def _peak_rss_mib() -> float:
@@ -240,13 +241,14 @@ def cmd_run(a) -> int:
     if first is not None and first.finished:
         sys.stdout.write("\n")
         return 0
-    llm = _load(a)
+    llm = _load(a, first.opened if first is not None else None)
     params = params.validate(llm.config.vocab_size)
     chat = not a.raw and llm.tokenizer.chat_template is not None
     prompt = a.prompt
-    if first is not None:  # the engine goes on from the prompt and the token already printed
-        from nextoken.runner.quick_start import continuation
+    if first is not None:  # the engine goes on from the prompt and the token already printed,
+        from nextoken.runner.quick_start import continuation  # with the prompt's keys and values
 
+        llm.engine.import_prefix(first.prompt_ids, first.kv.k, first.kv.v)
         prompt, params = continuation(first, params)
         chat = False
     out = None

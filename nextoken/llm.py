@@ -52,16 +52,17 @@ class LLM:
         self._setup(EngineArgs(model=model, **options))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        """An `LLM` built from `EngineArgs` (what the command line does)."""
+    def from_engine_args(cls, args: EngineArgs, opened=None) -> LLM:
+        """An `LLM` built from `EngineArgs` (what the command line does); `opened`: the model's
+        file and tokenizer when the caller has them already (`LLMEngine.from_engine_args`)."""
         llm = cls.__new__(cls)
-        llm._setup(args)
+        llm._setup(args, opened)
         return llm
 
-    def _setup(self, args: EngineArgs) -> None:
+    def _setup(self, args: EngineArgs, opened=None) -> None:
         self.engine_args = args
         self.model_name = args.model
-        self.engine = LLMEngine.from_engine_args(args)
+        self.engine = LLMEngine.from_engine_args(args, opened)
         self.model_path = self.engine.model_path
         self.tokenizer = self.engine.tokenizer
         self.runner = self.engine.runner

@@ -142,11 +142,46 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
     assert "quick start: first token" in r.stderr
     first = quick_start.first_token("ab cd", EngineArgs(model=path), SamplingParams(temperature=0, max_tokens=6),
                                     chat=False)
-    rest = LLM(path, max_num_seqs=1).generate(first.prompt_ids + [first.token],
-                                              SamplingParams(temperature=0, max_tokens=5))[0]
+    llm = LLM(path, max_num_seqs=1)  # what the command does after the first token
+    llm.engine.import_prefix(first.prompt_ids, first.kv.k, first.kv.v)
+    rest = llm.generate(first.prompt_ids + [first.token], SamplingParams(temperature=0, max_tokens=5))[0]
     assert r.stdout == first.text + rest.outputs[0].text + "\n"
     off = subprocess.run([*args, "--no-quick-start"], capture_output=True, text=True, timeout=300, env=env)
     assert off.returncode == 0 and "quick start" not in off.stderr
+
+
+def test_imported_prefix_is_the_engines_own_keys_and_values(quick_models):
+    """The prompt's keys and values land in the engine's layout (block j: positions 16 j on),
+    agree with what the PyTorch layers write for the same prompt, and a request that starts
+    with the prompt takes its full blocks from the prefix cache instead of computing them."""
+    from nextoken import LLM
+    from nextoken.kv_cache.block_pool import hash_block
+
+    path = quick_models["qwen2"]
+    ids = (PROMPT * 3)[:40]  # two full blocks and a part
+    f = GGUFFile(path)
+    cfg = read_model_config(f)
+    kv = quick_start.PromptKV(cfg, len(ids), 16)
+    assert quick_start.prompt_logits(f, cfg, ids, kv) is not None
+    plain = ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)
+    OneSequence(plain).forward(ids)
+    for ours, theirs in ((kv.k, plain.kv.k), (kv.v, plain.kv.v)):
+        got = torch.from_numpy(ours).view(torch.bfloat16).float()
+        want = theirs[:, :, : ours.shape[2]].float().clone()
+        want[:, :, -1, len(ids) % 16 :] = 0  # positions past the prompt: never written
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    llm = LLM(path, max_num_seqs=1)
+    assert llm.engine.import_prefix(ids, kv.k, kv.v) == 32
+    first = hash_block(None, tuple(ids[:16]))
+    for j, h in enumerate((first, hash_block(first, tuple(ids[16:32])))):
+        b = llm.engine.kv.pool.cached[h]  # block j of the prompt, wherever the pool put it
+        for ours, theirs in ((kv.k, llm.runner.kv.k), (kv.v, llm.runner.kv.v)):
+            assert torch.equal(theirs[:, :, b.block_id], torch.from_numpy(ours[:, :, j]).view(torch.bfloat16))
+    out = llm.generate(ids + [7], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.metrics.num_cached_tokens == 32
+    assert llm.engine.import_prefix(ids, kv.k, kv.v) == 0  # cached already: nothing taken
+    other = LLM(path, max_num_seqs=1, enable_prefix_caching=False)
+    assert other.engine.import_prefix(ids, kv.k, kv.v) == 0
 
 
 def test_filter_mask_is_the_samplers():

@@ -76,16 +76,17 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, source: GGUFFile | HFModelDir,
-                 draft_source: GGUFFile | HFModelDir | None = None, tp=None):
+                 draft_source: GGUFFile | HFModelDir | None = None, tp=None, tokenizer=None):
         """An engine for the opened model `source` (and with ``args.speculative == "draft"`` the
         draft model `draft_source`), as `args` asks; `tp`: rank 0 of a tensor-parallel group
         (`distributed.group`), or None. Raises `ModelLoadError` when the draft's vocabulary is
         not the target's, `InvalidRequest` for settings the model cannot take. Most callers use
-        `from_engine_args`, which resolves and opens the models (and starts the ranks)."""
+        `from_engine_args`, which resolves and opens the models (and starts the ranks).
+        `tokenizer`: the model's, when the caller built it already from `source`."""
         self.args = args
         self.model_path = source.path
         dtype = model_dtype(source, args.dtype)
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = tokenizer or load_tokenizer(source)
         if args.chat_template is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         source.release_metadata()  # the vocabulary lists are in the tokenizer now
@@ -167,14 +168,16 @@ class LLMEngine:
         self.recent_requests: collections.deque[dict] = collections.deque(maxlen=RECENT_REQUESTS)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, opened=None) -> LLMEngine:
         """The engine `args` describes: starts or joins the tensor-parallel ranks (with
         ``tensor_parallel_size`` > 1), sets the compute threads, resolves the model (and the
         draft model) to a file or folder, pulling a catalog model when `args.auto_pull`, and
         opens them. Raises `ModelLoadError` when a model cannot be found or read.
 
         On a torchrun rank other than 0 this never returns: the process loads its shard, follows
-        rank 0's steps (`distributed.follower`), and exits when rank 0 stops."""
+        rank 0's steps (`distributed.follower`), and exits when rank 0 stops. `opened`: ``(the
+        GGUFFile of args.model, its Tokenizer)`` when the caller opened them already (the quick
+        start of ``nextoken run``), so they are not read twice."""
         from nextoken.catalog import resolve_model
         from nextoken.distributed.group import init_tensor_parallel, rank_threads
         from nextoken.distributed.sharding import partition
@@ -182,7 +185,7 @@ class LLMEngine:
         from nextoken.runner.model_runner import read_config
         from nextoken.runner.threads import configure_threads
 
-        source = open_model(resolve_model(args.model, auto_pull=args.auto_pull))
+        source = opened[0] if opened else open_model(resolve_model(args.model, auto_pull=args.auto_pull))
         if args.tensor_parallel_size > 1:  # a size the model cannot take: one error here, before any rank starts
             partition(read_config(source), 0, args.tensor_parallel_size)
         tp = init_tensor_parallel(args.tensor_parallel_size, args.to_cli_args())
@@ -193,7 +196,7 @@ class LLMEngine:
         if args.speculative == "draft":
             draft = open_model(resolve_model(args.speculative_model, auto_pull=args.auto_pull))
         try:
-            return cls(args, source, draft, tp)
+            return cls(args, source, draft, tp, tokenizer=opened[1] if opened else None)
         except BaseException:
             if tp is not None:
                 tp.close()
@@ -524,6 +527,30 @@ class LLMEngine:
         the engine cannot run afterwards. Also done at exit."""
         if self.runner.tp is not None:
             self.runner.tp.close()
+
+    def import_prefix(self, token_ids: list[int], k, v) -> int:
+        """Put keys and values computed elsewhere for the prompt `token_ids` into the prefix
+        cache (`KVCacheManager.adopt_prefix`): k, v bf16 bits (uint16 NumPy arrays) ``[layers,
+        Hkv, blocks, block_size, head_dim]``, block j holding positions ``j * block_size`` on,
+        as `runner.quick_start` computes them. A request starting with these tokens then skips
+        their prefill. Returns the tokens imported: 0 where the cache cannot take them (another
+        dtype, block size or layout, int8 entries, sliding-window layers, prefix caching off)."""
+        import numpy as np
+
+        kv = self.runner.kv
+        cfg = self.config
+        shape = (len(cfg.full_layers), cfg.num_kv_heads, k.shape[2], kv.block_size, cfg.head_dim)
+        if kv.quantized or kv.dtype != torch.bfloat16 or kv.sliding is not None or self.draft is not None or \
+                len(cfg.full_layers) != cfg.num_layers or k.shape != shape or v.shape != shape:
+            return 0
+        ids = self.kv.adopt_prefix(token_ids)
+        if ids:
+            n = len(ids)
+            index = torch.tensor(ids)
+            for dst, src in ((kv.k, k), (kv.v, v)):
+                part = torch.from_numpy(np.ascontiguousarray(src[:, :, :n])).view(torch.bfloat16)
+                dst.index_copy_(2, index, part)
+        return len(ids) * kv.block_size
 
     def warm_up(self) -> None:
         """Run one short greedy request (a prefill and a decode step) so that the first client
