@@ -103,8 +103,20 @@ def test_settings_it_does_not_take_leave_it_to_the_engine(quick_models, engine, 
     path = quick_models["llama"]
     p = SamplingParams(**{"temperature": 0, "max_tokens": 3, **params})
     assert quick_start.first_token("ab", EngineArgs(model=path, **engine), p, chat=False) is None
+
     assert quick_start.first_token("ab", EngineArgs(model=path), SamplingParams(temperature=0, max_tokens=3),
                                    chat=False) is not None
+
+
+def test_a_long_prompt_is_left_to_the_engine(quick_models, monkeypatch):
+    """Past `MAX_PROMPT_TOKENS` the engine's prefill kernels are the faster way."""
+    path, p = quick_models["llama"], SamplingParams(temperature=0, max_tokens=3)
+    prompt = "ab cd ef gh ij kl"
+    n = len(quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False).prompt_ids)
+    monkeypatch.setattr(quick_start, "MAX_PROMPT_TOKENS", n - 1)
+    assert quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False) is None
+    monkeypatch.setattr(quick_start, "MAX_PROMPT_TOKENS", n)
+    assert quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False) is not None
 
 
 def test_no_cache_or_another_architecture_leaves_it_to_the_engine(tmp_path, tiny_gguf):
