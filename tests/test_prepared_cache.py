@@ -5,6 +5,7 @@ under another key is never used as is; ``prepared_cache=False`` writes nothing."
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -101,3 +102,32 @@ def test_a_changed_model_file_gets_its_own_cache(model_file, tmp_path):
 def test_off_writes_nothing(model_file):
     ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=False)
     assert not cache_file(model_file).exists()
+
+
+def test_the_key_is_remembered_for_the_files_identity(model_file, monkeypatch):
+    """A later start takes the remembered SHA-256 while the file is unchanged (same inode, size,
+    mtime and ctime) and hashes again after any write, a touch, or a damaged memo."""
+    import hashlib
+
+    from nextoken.loader import prepared
+
+    def sha(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def fresh_key():  # as a new process: nothing kept in memory
+        prepared._keys.clear()
+        return file_key(model_file)
+
+    assert fresh_key() == sha(model_file)
+    hashed = []
+    real_hash = prepared._hash
+    monkeypatch.setattr(prepared, "_hash", lambda p: hashed.append(p) or real_hash(p))
+    assert fresh_key() == sha(model_file) and hashed == []  # remembered
+    with open(model_file, "ab") as fh:  # a write: other size and times
+        fh.write(b"\0")
+    assert fresh_key() == sha(model_file) and len(hashed) == 1
+    assert fresh_key() == sha(model_file) and len(hashed) == 1  # remembered again
+    os.utime(model_file)  # a touch: same bytes, other times
+    assert fresh_key() == sha(model_file) and len(hashed) == 2
+    prepared._memo_path(os.path.realpath(model_file)).write_text("{not json")
+    assert fresh_key() == sha(model_file) and len(hashed) == 3
