@@ -59,7 +59,7 @@ def built(monkeypatch):
     """The `EngineArgs` each engine build received."""
     seen: list[EngineArgs] = []
 
-    def record(cls, args):
+    def record(cls, args, opened=None):
         seen.append(args)
         raise Built("engine built")
 
