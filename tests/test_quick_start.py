@@ -196,6 +196,15 @@ def test_imported_prefix_is_the_engines_own_keys_and_values(quick_models):
     assert other.engine.import_prefix(ids, kv.k, kv.v) == 0
 
 
+@pytest.mark.parametrize("rope_dim,base", [(64, 100000.0), (128, 1000000.0), (16, 10000.0), (32, 500000.0)])
+def test_rope_frequencies_are_the_models(rope_dim, base):
+    from nextoken.layers.rotary import inv_frequencies
+
+    ours = quick_start.inv_frequencies(rope_dim, base)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_max_ulp(ours, inv_frequencies(rope_dim, base).numpy(), maxulp=1)
+
+
 def test_filter_mask_is_the_samplers():
     from nextoken.sample.sampler import filter_mask
 
@@ -215,8 +224,7 @@ def test_draws_follow_the_samplers_distribution():
 
     logits = np.array([2.0, 1.5, 1.2, 0.3, 0.0, -1.0, 2.2, 0.9], dtype=np.float32)
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95).validate(8)
-    _, probs = Sampler()._distribution(torch.from_numpy(logits), torch.from_numpy(logits),
-                                       SamplerRequest(params, [], [], None), [])
+    _, probs = Sampler().distribution(torch.from_numpy(logits), SamplerRequest(params, [], [], None))
     n = 4000
     counts = np.bincount([quick_start.sample(logits, dataclasses.replace(params, seed=s)) for s in range(n)],
                          minlength=8)

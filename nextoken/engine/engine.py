@@ -541,7 +541,7 @@ class LLMEngine:
         cfg = self.config
         shape = (len(cfg.full_layers), cfg.num_kv_heads, k.shape[2], kv.block_size, cfg.head_dim)
         if kv.quantized or kv.dtype != torch.bfloat16 or kv.sliding is not None or self.draft is not None or \
-                len(cfg.full_layers) != cfg.num_layers or k.shape != shape or v.shape != shape:
+                k.shape != shape or v.shape != shape:  # a draft model's own cache would lack the prefix
             return 0
         ids = self.kv.adopt_prefix(token_ids)
         if ids:

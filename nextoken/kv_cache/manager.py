@@ -109,18 +109,16 @@ class KVCacheManager:
         is off, blocks are short, or a block of this prefix is cached already."""
         if not self.enable_caching:
             return []
-        bs = self.block_size
-        n = min(len(token_ids) // bs, self.pool.num_free_blocks)
-        blocks, parent = [], None
-        for b in self.pool.get_new_blocks(n):
-            toks = tuple(token_ids[len(blocks) * bs : (len(blocks) + 1) * bs])
-            h = hash_block(parent, toks)
-            if h in self.pool.cached:
-                self.pool.free_blocks([b])
+        bs, chain, parent = self.block_size, [], None
+        for i in range(min(len(token_ids) // bs, self.pool.num_free_blocks)):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, toks)
+            if parent in self.pool.cached:
                 break
+            chain.append((parent, toks))
+        blocks = self.pool.get_new_blocks(len(chain))
+        for b, (h, toks) in zip(blocks, chain):
             self.pool.cache_block(b, h, toks)
-            blocks.append(b)
-            parent = h
         self.pool.free_blocks(reversed(blocks))
         return [b.block_id for b in blocks]
 

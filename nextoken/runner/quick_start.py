@@ -178,10 +178,11 @@ def first_token(prompt: str, engine_args, params, chat: bool, system: str | None
     when the model has one."""
     import time
 
+    from nextoken.kernels import native_allowed
+
     t0 = time.perf_counter()
     try:
-        if not (_params_allow(params) and _engine_allows(engine_args)) or not __import__(
-                "nextoken.kernels", fromlist=["native_allowed"]).native_allowed():
+        if not (_params_allow(params) and _engine_allows(engine_args) and native_allowed()):
             return None
         path = model_file(engine_args.model)
         if path is None:
@@ -288,8 +289,7 @@ def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndar
     head = embed if cfg.tie_word_embeddings else QuickWeight(cache, "output.weight")
     if embed.cols != hidden or head.rows < cfg.vocab_size:
         return None
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, cfg.rope_dim, 2, dtype=np.int64).astype(np.float32)
-                                                        / np.float32(cfg.rope_dim)))).astype(np.float32)
+    inv_freq = inv_frequencies(cfg.rope_dim, cfg.rope_theta)
     blocks = np.arange(num_blocks, dtype=np.int64)
     i64, p = ctypes.c_int64, ctypes.c_void_p
     h = None
@@ -319,6 +319,14 @@ def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndar
                    ctypes.c_int(1), i64(head.rows)) != 0:
         return None
     return bf16_to_f32(logits[0, : cfg.vocab_size])
+
+
+def inv_frequencies(rope_dim: int, base: float) -> np.ndarray:
+    """`layers.rotary.inv_frequencies` in NumPy: ``base^(-2i/d)``, float32 ``[rope_dim // 2]``.
+    The power is taken in float64 and rounded: PyTorch's float32 power and NumPy's differ in the
+    last bit of a few entries, this one in at most one of Qwen2.5's 64 (a test holds it to 1 ulp)."""
+    exponent = np.arange(0, rope_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rope_dim)
+    return np.float32(1.0) / np.power(np.float64(base), exponent.astype(np.float64)).astype(np.float32)
 
 
 def filter_mask(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -369,7 +377,7 @@ def _finish(tok, ids: list[int], token: int, params) -> FirstToken | None:
     detok.add_token(token)
     if finished:
         detok.flush()
-    elif detok._read < len(detok.ids):
+    elif detok.pending:
         return None
     return FirstToken(ids, token, detok.emit(finished=True), finished, 0.0)
 

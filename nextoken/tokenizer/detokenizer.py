@@ -50,9 +50,14 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         return self.stop_reason is not None
 
+    @property
+    def pending(self) -> bool:
+        """Whether some tokens' text is held back (an unfinished UTF-8 sequence so far)."""
+        return self._read < len(self.ids)
+
     def flush(self) -> None:
         """The sequence is over: take any bytes still pending, even if they are incomplete."""
-        if self.stop_reason is None and self._read < len(self.ids):
+        if self.stop_reason is None and self.pending:
             prev = self._decode(self.ids[self._prefix : self._read])
             self._append(self._decode(self.ids[self._prefix :])[len(prev) :])
             self._read = len(self.ids)
