@@ -29,6 +29,7 @@ import pytest
 
 from nextoken.errors import InvalidRequest
 from nextoken.server.replicas import core_slices, replica_argv, router_command
+from tests.ports import free_ports
 
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
@@ -61,28 +62,19 @@ def loopback_only():
         os.close(original)
 
 
-def free_ports(n: int) -> int:
-    """A base port B with B..B+n-1 all free on 127.0.0.1."""
-    for base in range(20000 + os.getpid() % 5000 * 4, 60000, n):
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120, log=None) -> None:
+    """Wait until `url`/health answers 200. Raises AssertionError if the process exits first (with
+    the end of its output when `log`, the file it writes to, is given), TimeoutError after
+    `timeout` s."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        assert proc.poll() is None, f"exited with status {proc.returncode}"
+        status = proc.poll()
+        if status is not None:
+            output = ""
+            if log is not None:
+                log.seek(0)
+                output = log.read()[-4000:]
+            raise AssertionError(f"exited with status {status}: {output}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -246,11 +238,12 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(cluster
     conversation_replay(cluster.url, "alpha")
     cache_aware = hits() - start
     port = free_ports(2)
+    log = tempfile.TemporaryFile("w+")
     router = subprocess.Popen(router_command(os.path.join(os.path.dirname(sys.executable), "vllm-router"), "127.0.0.1",
                                              port, "round_robin", cluster.replicas, port + 1),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", router, timeout=60)
+        wait_healthy(f"http://127.0.0.1:{port}", router, timeout=60, log=log)
         start = hits()
         conversation_replay(f"http://127.0.0.1:{port}", "bravo")
         round_robin = hits() - start

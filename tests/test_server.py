@@ -18,12 +18,11 @@ import uvicorn
 from nextoken import LLM, SamplingParams
 from nextoken.engine.async_engine import AsyncLLMEngine
 from nextoken.server.app import ServerConfig, build_app
+from tests.ports import free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 class LiveServer:
@@ -39,6 +38,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
+            assert self.thread.is_alive(), f"uvicorn did not start on port {self.port}"
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -176,7 +176,8 @@ def _children(pid: int) -> list[int]:
 def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
     """SIGKILL of rank 1 under ``nextoken serve --tensor-parallel-size 2``: the next request
     fails, and rank 0 exits with status 1 and a message naming the failure (no hang)."""
-    from tests.test_router import free_ports, wait_healthy
+    from tests.ports import free_ports
+    from tests.test_router import wait_healthy
 
     path, _ = tiny_gguf["llama"]
     port = free_ports(1)
@@ -262,7 +263,7 @@ def test_exchange_collectives_equal_gloos_own():
     the same bits."""
     import multiprocessing
 
-    from tests.test_router import free_ports
+    from tests.ports import free_ports
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
