@@ -36,6 +36,7 @@ def test_default_bf16_plan_uses_our_kernels(quantized):
     assert methods(runner) == {CodesMethod}
     assert runner.native_decoder is not None
     assert runner.plan.native_activations and all(layer.mlp.native_act for layer in runner.model.layers)
+    assert all(layer.native_norm for layer in runner.model.layers)
 
 
 def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
@@ -45,6 +46,7 @@ def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
     assert TorchInt4Method in methods(runner) and CodesMethod not in methods(runner)  # (small k: dense)
     assert runner.native_decoder is None
     assert not runner.plan.native_activations and not any(layer.mlp.native_act for layer in runner.model.layers)
+    assert not any(layer.native_norm for layer in runner.model.layers)
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("a C kernel was asked for under enforce_eager")

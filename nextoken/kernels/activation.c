@@ -1,4 +1,6 @@
-/* SwiGLU on bf16 rows: y = silu(g) * u, with silu(x) = x / (1 + e^-x) (Shazeer 2020).
+/* Row-wise kernels of the layers on bf16: SwiGLU and RMSNorm.
+ *
+ * SwiGLU on bf16 rows: y = silu(g) * u, with silu(x) = x / (1 + e^-x) (Shazeer 2020).
  * nextoken's own kernel; its reference is layers/activation.py's PyTorch expression
  * ``F.silu(gate) * up``, and it rounds as that does (and as decode.c's one-call decode does):
  * silu(g) in float32 rounded to bf16, times u in float32, rounded to bf16 (to nearest even). The
@@ -69,6 +71,45 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n)
     #pragma omp parallel for schedule(static) if (chunks > 4)
     for (int64_t c = 0; c < chunks; c++)
         silu_mul_range(g, u, y, c * ACT_CHUNK, c * ACT_CHUNK + ACT_CHUNK < n ? c * ACT_CHUNK + ACT_CHUNK : n);
+}
+
+/* RMSNorm (Zhang & Sennrich 2019) of one row: out = bf16(w * bf16(h * r)), r = 1 / sqrt(mean(h^2) + eps).
+ * Its reference is layers/norm.py's rms_norm, which normalises in float32, rounds to bf16, then
+ * scales by the bf16 weight (transformers' LlamaRMSNorm). The squares are float32 products, as
+ * there, summed in float64 (PyTorch sums float32 in another order: the mean can differ in its
+ * last bit, and then a product can round to the neighbouring bf16 value). */
+static void rms_norm_row(const uint16_t *h, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+#if ACT_AVX512
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = load_bf16(h + i, m), sq = _mm512_mul_ps(x, x);
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1))));
+    }
+    const double ss = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+    const __m512 r = _mm512_set1_ps(1.f / sqrtf((float)(ss / (double)n) + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i, m), round_bf16(_mm512_mul_ps(load_bf16(h + i, m), r))), m);
+    }
+#else
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = bf16_to_f32(h[i]);
+        ss += (double)(v * v);
+    }
+    const float r = 1.f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(h[i]) * r)));
+#endif
+}
+
+/* RMSNorm of T rows of n bf16 values: h [T, n], weight w [n], out [T, n] (may be h); rows split
+ * over OpenMP threads when there are many. */
+void rms_norm_rows_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
+    #pragma omp parallel for schedule(static) if (T * n >= (1 << 16))
+    for (int64_t t = 0; t < T; t++) rms_norm_row(h + t * n, w, n, eps, out + t * n);
 }
 
 int activation_vectorized(void) { return ACT_AVX512; }

@@ -65,25 +65,6 @@ static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, in
 
 static inline float rb(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* round to bf16 */
 
-static void rms_norm_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *ht = h + t * n;
-        double ss = 0.0; /* PyTorch sums in another order: the mean can differ in its last bit */
-        for (int64_t i = 0; i < n; i++) {
-            const float v = bf16_to_f32(ht[i]);
-            ss += (double)(v * v);
-        }
-        const float r = 1.f / sqrtf((float)(ss / (double)n) + eps);
-        for (int64_t i = 0; i < n; i++)
-            out[t * n + i] = f32_to_bf16(bf16_to_f32(w[i]) * rb(bf16_to_f32(ht[i]) * r));
-    }
-}
-
-/* RMSNorm of T rows alone (the model's final norm before the LM head), as in the layers */
-void rms_norm_rows_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
-    rms_norm_bf16(h, w, T, n, eps, out);
-}
-
 /* y = x W^T for x [T, K] bf16, with x quantized once per activation block size (32, or 256 for the
  * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
  * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */
@@ -145,7 +126,7 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const layer_t *ly = layers + l;
         qact_t qa[2] = {{0}, {0}};
-        rms_norm_bf16(h, ly->attn_norm, T, hidden, eps, x);
+        rms_norm_rows_bf16(h, ly->attn_norm, T, hidden, eps, x);
         rc = apply(x, T, &ly->q, qa, q) || apply(x, T, &ly->k, qa, k) || apply(x, T, &ly->v, qa, v);
         qacts_free(qa);
         if (rc) break;
@@ -164,7 +145,7 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
         qacts_free(qa);
         if (rc) break;
         for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
-        rms_norm_bf16(h, ly->ffn_norm, T, hidden, eps, x);
+        rms_norm_rows_bf16(h, ly->ffn_norm, T, hidden, eps, x);
         rc = apply(x, T, &ly->gate, qa, g) || apply(x, T, &ly->up, qa, u);
         qacts_free(qa);
         if (rc) break;

@@ -2,14 +2,28 @@
 
 import torch
 
+from nextoken.kernels import load
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
     """``y = x / sqrt(mean(x^2) + eps) * weight``, statistics in float32.
 
     x: ``[num_tokens, hidden]`` in any float dtype; weight: ``[hidden]``. Returns x's dtype.
     Same order of operations as `transformers`' LlamaRMSNorm (normalise in float32, cast back,
     then scale), so float32 results agree to the last bit.
+
+    With `native` (the execution plan's choice) and a contiguous 2-D bf16 x and bf16 weight, our
+    C kernel (``kernels/activation.c``: one pass per row, rows over threads; the squares summed in
+    float64, so the mean can differ from PyTorch's in its last bit, and then an output by one
+    bf16 step); otherwise this PyTorch expression, the reference.
     """
+    if native and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() \
+            and weight.is_contiguous() and weight.shape == x.shape[1:]:
+        lib = load("activation")
+        if lib is not None:
+            out = torch.empty_like(x)
+            lib.rms_norm_rows_bf16(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+            return out
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

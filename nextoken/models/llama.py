@@ -89,12 +89,13 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(cfg, layer, dtype, qk_norm)
         self.post_attention_layernorm = weight_param(cfg.hidden_size, dtype=dtype)
         self.mlp = LlamaMLP(cfg, dtype)
+        self.native_norm = False  # set by the execution plan at load: RMSNorm on our C kernel
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn, probs = self.self_attn(rms_norm(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
+        attn, probs = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.native_norm), cos, sin, kv, meta)
         h = h + attn
-        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.native_norm))
         return h, probs
 
 

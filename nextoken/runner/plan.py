@@ -13,8 +13,9 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   without the C kernel); carried to the layers in `AttentionMetadata.backend`;
 - **native decode**: whether a batch of single-token decodes runs every layer in one C call
   (`layers.native_decode`): bf16, an architecture it implements, every projection as codes;
-- **activations**: the gated feed-forward's activation on our C kernel (bf16, kernels on) or
-  PyTorch; set on each MLP's ``native_act`` at load.
+- **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
+  C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; set on each MLP's
+  ``native_act`` and each Llama-style layer's ``native_norm`` at load.
 
 ``enforce_eager`` fixes all of these to PyTorch at load; nothing reads a process-wide switch
 while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has the same effect as
@@ -96,13 +97,15 @@ class ExecutionPlan:
     def settle(self, model, tensor_parallel: bool = False) -> None:
         """After loading: whether the one-call C decode step runs `model` (bf16, an architecture
         it implements, no sliding-window layers, every projection as codes, the kernel builds,
-        and no tensor parallelism: the ranks all-reduce between layers), and the activations'
-        kernel set on every MLP that has the switch."""
+        and no tensor parallelism: the ranks all-reduce between layers), and the row-wise
+        kernels (activation, RMSNorm) set on every MLP and layer that has the switch."""
         from nextoken.layers.native_decode import NativeDecoder
 
         for m in model.modules():
             if hasattr(m, "native_act"):
                 m.native_act = self.native_activations
+            if hasattr(m, "native_norm"):
+                m.native_norm = self.native_activations
         self.native_decode = NativeDecoder.supports(model) and self.codes and kernels.load("decode") is not None
         if tensor_parallel and self.native_decode:
             self.native_decode = False
@@ -126,5 +129,5 @@ class ExecutionPlan:
         act = "C" if self.native_activations else "PyTorch"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         return (f"execution plan: {str(self.dtype).removeprefix('torch.')}; linears: {linears}; embedding: {emb_form}; "
-                f"attention: {self.attention}; activations: {act}; decode step: {decode}"
+                f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}"
                 + (f" ({off})" if off else ""))
