@@ -21,10 +21,6 @@ from nextoken.server.app import ServerConfig, build_app
 from tests.ports import free_ports
 
 
-def free_port() -> int:
-    return free_ports(1)
-
-
 class LiveServer:
     """uvicorn in a background thread around an app built on `llm` (or loading, if None)."""
 
@@ -33,7 +29,7 @@ class LiveServer:
                                      started=time.time())
         self.llm = llm
         app = build_app(self.state, ServerConfig(model_name=name, **config))
-        self.port = free_port()
+        self.port = free_ports(1)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -275,7 +271,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
     import subprocess
     import sys
 
-    port = free_port()
+    port = free_ports(1)
     proc = subprocess.Popen([sys.executable, "-m", "nextoken.cli", "serve", "--model", str(tiny_gguf["llama"][0]),
                              "--port", str(port), "--dtype", "float32", "--shutdown-timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

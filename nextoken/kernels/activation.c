@@ -60,7 +60,7 @@ static void silu_mul_range(const uint16_t *g, const uint16_t *u, uint16_t *y, in
 #else
     for (int64_t i = begin; i < end; i++) {
         const float x = bf16_to_f32(g[i]);
-        y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(x / (1.f + expf(-x)))) * bf16_to_f32(u[i]));
+        y[i] = f32_to_bf16(rb(x / (1.f + expf(-x))) * bf16_to_f32(u[i]));
     }
 #endif
 }
@@ -101,7 +101,7 @@ static void rms_norm_row(const uint16_t *h, const uint16_t *w, int64_t n, float 
     }
     const float r = 1.f / sqrtf((float)(ss / (double)n) + eps);
     for (int64_t i = 0; i < n; i++)
-        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(h[i]) * r)));
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * rb(bf16_to_f32(h[i]) * r));
 #endif
 }
 

@@ -20,6 +20,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTor
     return (uint16_t)(u >> 16);
 }
 
+static inline float rb(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* x rounded to bf16, as float */
+
 static inline float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact (portable: no F16C needed) */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;

@@ -63,8 +63,6 @@ static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, in
     }
 }
 
-static inline float rb(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* round to bf16 */
-
 /* y = x W^T for x [T, K] bf16, with x quantized once per activation block size (32, or 256 for the
  * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
  * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */
