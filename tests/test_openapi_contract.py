@@ -163,8 +163,8 @@ def test_tiny_repetition_penalty_keeps_the_engine_alive(tiny_srv):
     from nextoken.sample.logits_processors import apply_repetition_penalty
 
     logits = torch.tensor([3.0, -2.0, 1.0, 0.5])
-    out = apply_repetition_penalty(logits.clone(), torch.tensor([0, 1, 2]), 5e-324)
-    assert torch.isfinite(out).all() and out[0] > out[3] and out[2] > out[3] and out[1] <= 0
+    out = apply_repetition_penalty(logits[:3], 5e-324)  # the seen tokens 0, 1, 2
+    assert torch.isfinite(out).all() and out[0] > logits[3] and out[2] > logits[3] and out[1] <= 0
     with httpx.Client(base_url=tiny_srv.url, timeout=30) as h:
         for params in ({"repetition_penalty": 5e-324}, {"repetition_penalty": 5e-324, "temperature": 1e-5},
                        {"top_p": 5e-324}):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from nextoken.sample.logits_processors import apply_presence_frequency, apply_repetition_penalty
+from nextoken.sample.logits_processors import apply_presence_frequency, apply_repetition_penalty, process_logits
 from nextoken.sample.sampler import Sampler, SamplerRequest, filter_mask, make_generator
 from nextoken.sampling_params import SamplingParams
 
@@ -100,7 +100,10 @@ def test_repetition_penalty_equals_transformers():
     logits = torch.randn(V, generator=torch.Generator().manual_seed(5))
     seen = torch.tensor([1, 4, 9, 20])
     expected = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits[None].clone())[0]
-    assert torch.allclose(apply_repetition_penalty(logits.clone(), seen, 1.3), expected)
+    assert torch.allclose(apply_repetition_penalty(logits[seen], 1.3), expected[seen])
+    # and through the batched processors: prompt 1, 4 and output 9, 20, 9
+    got = process_logits(logits, SamplingParams(repetition_penalty=1.3), [1, 4], [9, 20, 9], frozenset())
+    assert torch.allclose(got, expected)
 
 
 def test_presence_and_frequency_penalties_follow_openai_formula():

@@ -117,7 +117,8 @@ class LLMEngine:
             draft_runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager)
             check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
                                   draft_runner.config.vocab_size, speculative.model or "draft")
-            self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids, self.watermark))
+            self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids, self.watermark,
+                                                             native=not args.enforce_eager))
             per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype, cache.cache_dtype)  # its cache
         if self.draft is not None and self.draft.runner.config.sliding_layers:
             raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
@@ -153,7 +154,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
         # drafted / accepted tokens, verification steps (one per request and step), emitted tokens
         self.spec_counts = {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}
-        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark)
+        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, native=not args.enforce_eager)
         # structured output: llguidance over our vocabulary, built on the first request that asks
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.groups: dict[str, RequestGroup] = {}

@@ -9,7 +9,7 @@ import torch
 
 from nextoken.inspect.text import display
 from nextoken.sample.logits_processors import process_logits
-from nextoken.sample.sampler import Sampler, SamplerRequest, filter_mask, make_generator
+from nextoken.sample.sampler import Sampler, SamplerRequest, draw, filter_mask, make_generator, uniform
 from nextoken.sampling_params import SamplingParams
 
 SHOW_CANDIDATES = 24
@@ -39,7 +39,7 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
         stages = {"top_k": filter_mask(scaled, params.top_k, 1.0, 0.0),
                   "top_p": filter_mask(scaled, params.top_k, params.top_p, 0.0), "min_p": kept}
         final = probs
-        chosen = int(torch.multinomial(probs, 1, generator=row.generator))
+        chosen = int(draw(probs, uniform(row.generator)))
     p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), scaled.softmax(-1)
     order = p_temp.topk(SHOW_CANDIDATES).indices.tolist()
     if chosen not in order:

@@ -128,6 +128,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "silu_mul_bf16": (None, [P, P, P, _I64]),
     "activation_vectorized": (_INT, []),
     "rms_norm_rows_bf16": (None, [P, P, _I64, _I64, _F32, P]),
+    "sample_rows": (_INT, [P, _I64, _I64, P, P, P, P, P, P, P]),
     "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
                              _F32, _F32]),
 }
@@ -162,10 +163,11 @@ def _open(name: str, flags: list[str]) -> ctypes.CDLL | None:
 
 
 def _warn_if_slow(lib: ctypes.CDLL) -> None:
-    """One warning when the quantized matmul was built without AVX-512 VNNI (an older CPU): it
-    then runs its plain C loops, several times slower than on a CPU that has them."""
+    """One info line when the quantized matmul was built without AVX-512 VNNI (an older CPU): it
+    then runs its plain C loops, several times slower than on a CPU that has them. Info, not a
+    warning: the user cannot act on it, and the execution plan's line names it too."""
     if hasattr(lib, "qmatmul_vectorized") and not lib.qmatmul_vectorized():
-        log.warning("this CPU has no AVX-512 VNNI: the quantized matmul (kernels/qmatmul.c) runs its portable "
+        log.info("this CPU has no AVX-512 VNNI: the quantized matmul (kernels/qmatmul.c) runs its portable "
                     "C loops, several times slower than with VNNI")
 
 

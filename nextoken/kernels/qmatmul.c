@@ -509,24 +509,85 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
     else run_tiles_mb(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy);
 }
 #else
+#define PMB 8 /* activation rows per pass of the plain loop */
+
+/* a group's codes for the 16 rows of a tile, u[l][kk] = code_in_group(cg, bits, l, kk), unpacked
+ * a whole byte lane at a time (loops the compiler vectorizes) */
+static void unpack_group(const uint8_t *cg, int bits, int64_t G, uint8_t u[TILE][32]) {
+    if (bits == 8) {
+        for (int64_t j = 0; j < G / 4; j++)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t i = 0; i < 4; i++) u[l][4 * j + i] = cg[j * 64 + l * 4 + i];
+    } else if (bits == 6) { /* G = 16: nibbles of two vectors, then 2 high bits each */
+        for (int64_t a = 0; a < 2; a++)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t i = 0; i < 4; i++) {
+                    const uint8_t b = cg[a * 64 + l * 4 + i];
+                    u[l][4 * a + i] = b & 0x0F;
+                    u[l][8 + 4 * a + i] = b >> 4;
+                }
+        for (int64_t l = 0; l < TILE; l++)
+            for (int64_t i = 0; i < 4; i++) {
+                const uint8_t hb = cg[128 + l * 4 + i];
+                for (int64_t j = 0; j < 4; j++) u[l][4 * j + i] |= (uint8_t)(((hb >> (2 * j)) & 3) << 4);
+            }
+    } else { /* 4 or 5 bits, G = 32: low nibble column 4j + i, high nibble 16 + 4j + i */
+        for (int64_t j = 0; j < 4; j++)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t i = 0; i < 4; i++) {
+                    const uint8_t b = cg[j * 64 + l * 4 + i];
+                    u[l][4 * j + i] = b & 0x0F;
+                    u[l][16 + 4 * j + i] = b >> 4;
+                }
+        if (bits == 5)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t i = 0; i < 4; i++) {
+                    const uint8_t hb = cg[256 + l * 4 + i];
+                    for (int64_t j = 0; j < 4; j++) {
+                        u[l][4 * j + i] |= (uint8_t)(((hb >> j) & 1) << 4);
+                        u[l][16 + 4 * j + i] |= (uint8_t)(((hb >> (4 + j)) & 1) << 4);
+                    }
+                }
+    }
+}
+
+/* The plain loop: each group's codes unpacked once per PMB activation rows, integer sums over
+ * the group, then the same float arithmetic in the same order per output as the VNNI loops'
+ * reference (acc += isum dx scale + min xs, group after group). */
 static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
     const int64_t K = w->K, G = w->group, ng = K / G, gbytes = TILE * G * w->bits / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
-    for (int64_t m = 0; m < a->M; m++) {
-        for (int64_t l = 0; l < TILE; l++) {
-            float acc = 0.f;
-            for (int64_t g = 0; g < ng; g++) {
-                int32_t isum = 0;
-                for (int64_t kk = 0; kk < G; kk++)
-                    isum += code_in_group(codes + g * gbytes, (int)w->bits, l, kk) * a->q[m * K + g * G + kk];
-                acc += (float)isum * a->dx[m * (K / a->QB) + g * G / a->QB] * group_scale(w, t, g, l) +
-                       group_min(w, t, g, l) * xs[m * ng + g];
+    uint8_t u[TILE][32];
+    float sc[TILE], mn[TILE];
+    for (int64_t m0 = 0; m0 < a->M; m0 += PMB) {
+        const int64_t mr = a->M - m0 < PMB ? a->M - m0 : PMB;
+        float acc[PMB][TILE];
+        memset(acc, 0, sizeof(acc));
+        for (int64_t g = 0; g < ng; g++) {
+            unpack_group(codes + g * gbytes, (int)w->bits, G, u);
+            for (int64_t l = 0; l < TILE; l++) {
+                sc[l] = group_scale(w, t, g, l);
+                mn[l] = group_min(w, t, g, l);
             }
-            if (w->bias) acc += w->bias[n0 + l];
-            if (y_bf16) ((uint16_t *)y)[m * ldy + n0 + l] = f32_to_bf16(acc);
-            else ((float *)y)[m * ldy + n0 + l] = acc;
+            for (int64_t mm = 0; mm < mr; mm++) {
+                const int64_t m = m0 + mm;
+                const int8_t *q = a->q + m * K + g * G;
+                const float d = a->dx[m * (K / a->QB) + g * G / a->QB], s = xs[m * ng + g];
+                for (int64_t l = 0; l < TILE; l++) {
+                    int32_t isum = 0;
+                    for (int64_t kk = 0; kk < G; kk++) isum += (int32_t)u[l][kk] * (int32_t)q[kk];
+                    acc[mm][l] += (float)isum * d * sc[l] + mn[l] * s;
+                }
+            }
         }
+        for (int64_t mm = 0; mm < mr; mm++)
+            for (int64_t l = 0; l < TILE; l++) {
+                float v = acc[mm][l];
+                if (w->bias) v += w->bias[n0 + l];
+                if (y_bf16) ((uint16_t *)y)[(m0 + mm) * ldy + n0 + l] = f32_to_bf16(v);
+                else ((float *)y)[(m0 + mm) * ldy + n0 + l] = v;
+            }
     }
 }
 #endif

@@ -67,6 +67,8 @@ class ExecutionPlan:
         codes = quantized and native and kernels.load("qmatmul") is not None
         if quantized and native and not codes:
             reasons["codes"] = "the qmatmul kernel did not build"
+        elif codes and not kernels.load("qmatmul").qmatmul_vectorized():
+            reasons["VNNI"] = "no AVX-512 VNNI on this CPU: the codes run the kernel's portable C loops"
         if reference_attention:
             attention = "reference"
         elif native and kernels.load("paged_attention") is not None:

@@ -1,19 +1,38 @@
-"""The sampler: logits of a batch of requests -> one token id each.
+"""The sampler: logits of a batch of requests -> one token id each, batched.
 
-For each row: processors (penalties, bias, watermark; `logits_processors`) -> the grammar's
-allowed tokens (structured output; `nextoken.structured`) -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> a draw from the remaining softmax with the request's
-own ``torch.Generator`` (so a seeded request draws the same tokens whatever else is in the
-batch). Log-probabilities are taken from the raw logits, before any of that (as vLLM does).
+Per step, for the batch as a whole (in the manner of vLLM v1's ``Sampler`` and
+``SamplingMetadata``):
+
+1. log-probabilities of the raw logits, before anything below (as vLLM does): one
+   ``log_softmax`` over the rows that ask, one ``topk`` with the largest n asked;
+2. the processors (`logits_processors.process_rows`: min_tokens block, logit bias, penalties,
+   watermark) on a copy of the rows that have any, each edit one sparse operation;
+3. structured output: a row under a grammar first draws from its unmasked logits and keeps the
+   token if the grammar allows it (exact, see `_draw_unmasked_is_exact`), else it is masked
+   and drawn again;
+4. the draw (`draw_rows`): greedy argmax, or temperature -> top-k -> top-p -> min-p -> one
+   uniform number u from the request's own ``torch.Generator`` and the inverse CDF of the kept
+   tokens in id order. The rule is written once in PyTorch (`torch_draw`, the plain path, with
+   sorts over the whole vocabulary) and run by our C kernel (``kernels/sampling.c``: no sort of
+   the vocabulary, rows in parallel) when the engine runs its kernels. Each row consumes exactly
+   one u per draw whatever else is in the batch, so a seeded request gives the same tokens alone
+   and in any batch.
+
+The settings of the batch's rows (temperature, top-k, top-p, min-p, which rows need processing
+or log-probabilities) are tensors built once and reused while the batch is the same
+(`SamplingMetadata`). Speculative verification, the draft model, the inspector and `nextoken
+explain` get whole distributions from `distributions` (the same processors and rule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from nextoken.sample.logits_processors import process_logits
+from nextoken.sample.logits_processors import RowEdits, TokenHistory, has_processors, process_rows
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
 
@@ -28,6 +47,7 @@ class SamplerRequest:
     output_ids: list[int]
     generator: torch.Generator | None
     grammar: object | None = None
+    history: TokenHistory | None = field(default=None, repr=False)  # penalties' counts, made on first use
 
 
 @dataclass(slots=True)
@@ -57,31 +77,136 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One uniform number in [0, 1) from `generator` (float32, as ``torch.rand``): what one draw
+    consumes."""
+    return float(torch.rand((), generator=generator))
+
+
+# -- the rule, in PyTorch (the plain path) --------------------------------------------------
+def filter_masks(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens survive top-k, then top-p, then min-p, on rows of temperature-scaled logits
+    x ``[b, vocab]`` float32 with per-row settings ``[b]`` (top_k <= 0: off; top_p 1: off; min_p
+    0: off). Returns bool ``[b, vocab]``. The rule (``kernels/sampling.c`` runs the same): order
+    by x descending, ties by id; e = exp(x - max); top-k keeps the first k; top-p keeps a token
+    while the mass before it (exclusive sum of e in that order, float64) is below top_p times the
+    top-k mass (Holtzman et al. 2019); min-p keeps e >= min_p, i.e. p >= min_p * p_max (Nguyen
+    et al. 2024). The most likely token always survives."""
+    b, V = x.shape
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    e = (sorted_x - sorted_x[:, :1]).exp()
+    k = torch.where((top_k > 0) & (top_k < V), top_k.long(), torch.full_like(top_k, V, dtype=torch.long))
+    keep = torch.arange(V)[None, :] < k[:, None]
+    ed = torch.where(keep, e.double(), 0.0)
+    before = torch.cat([ed.new_zeros(b, 1), ed.cumsum(-1)[:, :-1]], dim=1)
+    zk = ed.sum(-1, keepdim=True)
+    keep &= (before < top_p.double()[:, None] * zk) | (top_p >= 1.0)[:, None]
+    keep &= e >= min_p[:, None]
+    keep[:, 0] = True
+    out = torch.empty_like(keep)
+    out.scatter_(1, order, keep)
+    return out
+
+
 def filter_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Which tokens survive top-k, then top-p, then min-p on one row of (temperature-scaled)
-    logits ``[vocab]``; returns bool ``[vocab]``. The most likely token always survives."""
-    vocab = logits.shape[0]
-    sorted_logits, order = logits.sort(descending=True)
-    keep_sorted = torch.ones(vocab, dtype=torch.bool)
-    if 0 < top_k < vocab:
-        keep_sorted[top_k:] = False
-    if top_p < 1.0:
-        probs = sorted_logits.masked_fill(~keep_sorted, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs  # probability mass of the better tokens
-        keep_sorted &= before < top_p
-    if min_p > 0.0:
-        probs = sorted_logits.masked_fill(~keep_sorted, float("-inf")).softmax(-1)
-        keep_sorted &= probs >= min_p * probs[0]
-    keep_sorted[0] = True
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return keep
+    """`filter_masks` for one row ``[vocab]`` and scalar settings; returns bool ``[vocab]``."""
+    return filter_masks(logits[None].float(), torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float32),
+                        torch.tensor([min_p], dtype=torch.float32))[0]
 
 
-def _mask_commutes(p: SamplingParams) -> bool:
-    """Whether masking commutes with this row's sampling (no top-k, top-p or min-p, which pick
-    their candidates from the unmasked logits otherwise), so `Sampler._draw_unmasked` is exact."""
-    return p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0.0)
+def draw(weights: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
+    """The inverse-CDF draw: for each row of non-negative weights ``[..., vocab]`` (in id order),
+    the first token whose running sum (float64) exceeds u times the total. ``u`` in [0, 1)
+    (a float or ``[...]``); returns int64 ``[...]``."""
+    s = weights.double().cumsum(-1)
+    u = torch.as_tensor(u, dtype=torch.float64)
+    target = (u * s[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(s, target, right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
+
+
+def kept_weights(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sampled rows ``[b, vocab]`` (temperature > 0): (kept bool ``[b, vocab]``, the draw's
+    weights e = exp(x - max) on the kept tokens, 0 elsewhere, float32 ``[b, vocab]``)."""
+    x = rows / temperature[:, None]
+    kept = filter_masks(x, top_k, top_p, min_p)
+    e = (x - x.max(-1, keepdim=True).values).exp()
+    return kept, torch.where(kept, e, 0.0)
+
+
+def torch_draw(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw of every row ``[b, vocab]`` float32 (the plain path of `draw_rows`): greedy rows
+    (temperature 0) their first argmax, the others `draw` over `kept_weights`. Returns int64
+    ``[b]``."""
+    tokens = rows.argmax(-1)
+    sampled = (temperature > 0).nonzero().flatten()
+    if len(sampled):
+        s = sampled
+        _, w = kept_weights(rows[s], temperature[s], top_k[s], top_p[s], min_p[s])
+        tokens[s] = draw(w, u[s])
+    return tokens
+
+
+class _Kernel:
+    """``kernels/sampling.c``'s ``sample_rows`` over row addresses."""
+
+    def __init__(self, lib):
+        self.fn = lib.sample_rows
+
+    def __call__(self, addresses: list[int], V: int, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        b = len(addresses)
+        rows = np.array(addresses, dtype=np.int64)
+        tokens = torch.empty(b, dtype=torch.int64)
+        if self.fn(rows.ctypes.data, b, V, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+                   min_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), None):
+            raise MemoryError("the sampling kernel could not allocate its scratch memory")
+        return tokens
+
+
+# -- the batch's settings -------------------------------------------------------------------
+@dataclass
+class SamplingMetadata:
+    """The settings of a batch's rows as tensors ``[B]``, built once per batch (`Sampler` keeps
+    the last one and reuses it while the same rows come back)."""
+
+    temperature: torch.Tensor  # float32, 0 for greedy rows
+    top_k: torch.Tensor  # int32, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    sampled: list[int]  # rows that draw (temperature > 0)
+    processed: list[int]  # rows with any processor
+    logprob_rows: list[int]  # rows that ask for log-probabilities
+    num_logprobs: list[int]  # how many top log-probabilities each of those asks
+    max_logprobs: int
+    key: tuple = ()
+
+    @classmethod
+    def build(cls, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
+        ps = [r.params for r in rows]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps], dtype=torch.int32)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+        lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
+        return cls(temperature, top_k, top_p, min_p, [i for i, p in enumerate(ps) if not p.greedy],
+                   [i for i, p in enumerate(ps) if has_processors(p)], lp, [ps[i].logprobs for i in lp],
+                   max((ps[i].logprobs for i in lp), default=0), tuple(map(id, rows)))
+
+
+def _draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
+    """The fast path of structured output (as llama.cpp samples under a grammar): draw from the
+    unmasked distribution and keep the token if the grammar allows it, else mask and draw again.
+    Exact where masking commutes with the row's sampling (greedy, or no top-k, top-p or min-p,
+    which pick their candidates from the unmasked logits otherwise): greedy, the unmasked argmax,
+    when allowed, is the masked argmax; sampled, an allowed token x comes out with probability
+    p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass, which is the masked distribution. It
+    saves the mask (tens of microseconds) on most tokens. Not while min_tokens blocks the end or
+    the grammar forces bytes (then the mask is small and decides)."""
+    p = row.params
+    commutes = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0.0)
+    return commutes and len(history) >= p.min_tokens and not row.grammar.forced()
 
 
 def _mask(logits: torch.Tensor, refused: torch.Tensor, raw: torch.Tensor, blocked_eog: bool) -> torch.Tensor:
@@ -94,84 +219,166 @@ def _mask(logits: torch.Tensor, refused: torch.Tensor, raw: torch.Tensor, blocke
 
 
 class Sampler:
-    """Samples one token per row; see the module docstring for the order of operations."""
+    """Samples one token per row; see the module docstring for the order of operations.
+    `native`: draw with the C kernel when it builds (the engine passes False under
+    ``enforce_eager``); the plain PyTorch path otherwise."""
 
-    def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None):
+    def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None,
+                 native: bool = True):
         self.eog_ids = eog_ids
         self.watermark = watermark
+        self.kernel = None
+        if native:
+            from nextoken import kernels
 
+            lib = kernels.load("sampling")
+            self.kernel = _Kernel(lib) if lib is not None else None
+        self._meta: SamplingMetadata | None = None
+
+    # -- the step ---------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
                  keep_details: bool = False) -> list[SampleResult]:
-        """logits: float32 ``[batch, vocab]``; rows: one `SamplerRequest` per logits row."""
-        need_lp = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(-1) if need_lp else None
-        results = []
-        for i, row in enumerate(rows):
-            res = self._sample_row(logits[i], row, keep_details)
-            if row.params.logprobs is not None:
-                lp = raw_logprobs[i]
-                res.logprob = float(lp[res.token])
-                n = row.params.logprobs
-                if n:
-                    vals, ids = lp.topk(n)
-                    res.top_logprobs = list(zip(ids.tolist(), vals.tolist()))
-                else:
-                    res.top_logprobs = []
-            results.append(res)
+        """logits: float32 ``[batch, vocab]`` (never changed); rows: one `SamplerRequest` per
+        logits row. `keep_details` (the tracers' one-row passes): each result also carries the
+        kept mask and the distribution drawn from."""
+        B, V = logits.shape
+        meta = self.metadata(rows, V)
+        results = [SampleResult(-1) for _ in rows]
+        work = self._process(logits, rows, meta.processed, [r.output_ids for r in rows])
+        source = {i: work[j] for j, i in enumerate(meta.processed)}  # row -> its processed logits
+        grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+        retry = []
+        for i in grammar_rows:  # masked now, unless the unmasked draw is exact (then after, if refused)
+            if keep_details or not _draw_unmasked_is_exact(rows[i], rows[i].output_ids):
+                source[i] = self._masked(logits[i], source.get(i), rows[i], rows[i].output_ids)
+            else:
+                retry.append(i)
+        if keep_details:
+            self._draw_with_details(logits, rows, source, results)
+        else:
+            tokens = self._draw(logits, rows, list(range(B)), source, meta)
+            for i, t in enumerate(tokens):
+                results[i].token = t
+            again = [i for i in retry if not rows[i].grammar.allows(results[i].token)]
+            if again:
+                for i in again:
+                    source[i] = self._masked(logits[i], source.get(i), rows[i], rows[i].output_ids)
+                for i, t in zip(again, self._draw(logits, rows, again, source, meta)):
+                    results[i].token = t
+        self._logprobs(logits, meta, results)
         return results
 
+    def metadata(self, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
+        """The batch's settings: the last batch's when the rows are the same, else built anew."""
+        key = tuple(map(id, rows))
+        if self._meta is None or self._meta.key != key:
+            self._meta = SamplingMetadata.build(rows, V)
+        return self._meta
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
+                 histories: list[list[int]]) -> torch.Tensor:
+        """The processed logits of rows `which` ``[len(which), vocab]`` (a copy), with each row's
+        history (its output ids, then tokens ahead of them)."""
+        if not which:
+            return logits.new_empty(0, logits.shape[1])
+        work = logits[which].float()
+        edits = []
+        for i in which:
+            r = rows[i]
+            if has_processors(r.params) and r.history is None:
+                r.history = TokenHistory(r.prompt_ids)
+            edits.append(RowEdits(r.params, r.prompt_ids, r.output_ids, histories[i][len(r.output_ids):], r.history))
+        process_rows(work, edits, self.eog_ids, self.watermark)
+        return work
+
+    def _masked(self, raw: torch.Tensor, processed: torch.Tensor | None, row: SamplerRequest,
+                history: list[int]) -> torch.Tensor:
+        refused = row.grammar.refused(history[len(row.output_ids):])
+        return _mask(raw if processed is None else processed, refused, raw, len(history) < row.params.min_tokens)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
+              source: dict[int, torch.Tensor], meta: SamplingMetadata) -> list[int]:
+        """Tokens of rows `which`: each from its processed logits (`source`) or the raw row; one
+        uniform number from each sampled row's generator."""
+        u = torch.tensor([uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which],
+                         dtype=torch.float32)
+        sel = torch.tensor(which, dtype=torch.long)
+        settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
+        if self.kernel is not None:
+            base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
+            addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
+            if logits.dtype == torch.float32 and logits.stride(1) == 1:
+                return self.kernel(addresses, logits.shape[1], *settings).tolist()
+        rows = torch.stack([source[i] if i in source else logits[i].float() for i in which])
+        return torch_draw(rows, *settings).tolist()
+
+    def _draw_with_details(self, logits, rows, source, results) -> None:
+        """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
+        ``.probs``)."""
+        for i, r in enumerate(rows):
+            row = source.get(i, logits[i]).float()
+            if r.params.greedy:
+                token = int(row.argmax())
+                kept = torch.zeros_like(row, dtype=torch.bool)
+                kept[token] = True
+                results[i] = SampleResult(token, kept=kept, probs=kept.float())
+                continue
+            kept, w = self._kept_weights(row[None], r.params)
+            token = int(draw(w[0], uniform(r.generator)))
+            results[i] = SampleResult(token, kept=kept[0], probs=w[0] / w[0].sum())
+
+    @staticmethod
+    def _kept_weights(rows: torch.Tensor, p: SamplingParams):
+        V = rows.shape[-1]
+        return kept_weights(rows, torch.tensor([p.temperature], dtype=torch.float32),
+                            torch.tensor([p.top_k if 0 < p.top_k < V else 0]),
+                            torch.tensor([p.top_p], dtype=torch.float32), torch.tensor([p.min_p], dtype=torch.float32))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:
+        """Log-probabilities of the raw logits for the rows that ask: one log_softmax, one topk."""
+        lr = meta.logprob_rows
+        if not lr:
+            return
+        lp = (logits if len(lr) == logits.shape[0] else logits[lr]).float().log_softmax(-1)
+        tokens = torch.tensor([results[i].token for i in lr])
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        top_vals = top_ids = None
+        if meta.max_logprobs:
+            top_vals, top_ids = lp.topk(meta.max_logprobs, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(lr):
+            res = results[i]
+            res.logprob = chosen[j]
+            n = meta.num_logprobs[j]
+            res.top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+
+    # -- whole distributions ------------------------------------------------------------------
+    def distributions(self, logits: torch.Tensor, rows: list[SamplerRequest],
+                      histories: list[list[int]] | None = None) -> list[tuple]:
+        """The distribution each row's token is drawn from, for rows of logits ``[n, vocab]``:
+        ``(kept bool [vocab], probs float32 [vocab])``, or ``(argmax token, None)`` for a greedy
+        row; after the processors with `histories` (each row's output ids, then any tokens ahead
+        of them, e.g. drafts; the rows' own output ids by default), the grammar, temperature and
+        filters. Speculative verification, the draft model and the inspector use it."""
+        histories = histories or [r.output_ids for r in rows]
+        which = [i for i, r in enumerate(rows) if has_processors(r.params)]
+        work = self._process(logits, rows, which, histories)
+        source = {i: work[j] for j, i in enumerate(which)}
+        for i, r in enumerate(rows):
+            if r.grammar is not None:
+                source[i] = self._masked(logits[i], source.get(i), r, histories[i])
+        out = []
+        for i, r in enumerate(rows):
+            row = source.get(i, logits[i]).float()
+            if r.params.greedy:
+                out.append((int(row.argmax()), None))
+                continue
+            kept, w = self._kept_weights(row[None], r.params)
+            out.append((kept[0], w[0] / w[0].sum()))
+        return out
+
     def distribution(self, logits: torch.Tensor, row: SamplerRequest, output_ids: list[int] | None = None):
-        """The distribution a token of `row` is drawn from: ``(kept, probs)`` for one row of
-        logits ``[vocab]``, after the processors (with `output_ids` as the history, the row's own
-        by default), temperature and filters; for a greedy row ``(argmax token, None)``.
-        Speculative verification uses it for the target's and the draft's distributions (the
-        grammar, if any, then sees the tokens of `output_ids` past the row's own as ahead)."""
-        history = row.output_ids if output_ids is None else output_ids
-        processed = process_logits(logits, row.params, row.prompt_ids, history, self.eog_ids, self.watermark)
-        return self._distribution(processed, logits, row, history)
+        """`distributions` for one row of logits ``[vocab]``, with `output_ids` as its history."""
+        return self.distributions(logits[None], [row], None if output_ids is None else [output_ids])[0]
 
-    def _distribution(self, processed: torch.Tensor, raw: torch.Tensor, row: SamplerRequest, history: list[int]):
-        """`distribution` from logits already through the processors (`raw`: before them)."""
-        p = row.params
-        if row.grammar is not None:
-            refused = row.grammar.refused(history[len(row.output_ids):])
-            processed = _mask(processed, refused, raw, len(history) < p.min_tokens)
-        if p.greedy:
-            return int(processed.argmax()), None
-        logits = processed / p.temperature
-        kept = filter_mask(logits, p.top_k, p.top_p, p.min_p)
-        return kept, logits.masked_fill(~kept, float("-inf")).softmax(-1)
-
-    def _draw_unmasked(self, processed: torch.Tensor, row: SamplerRequest) -> int | None:
-        """The fast path of structured output (as llama.cpp samples under a grammar): draw from
-        the unmasked distribution (`processed`: the logits through the processors) and keep the
-        token if the grammar allows it, else None (then the caller draws from the masked
-        distribution). Exact: for greedy rows the unmasked argmax, when allowed, is the masked
-        argmax; for sampled rows an allowed token x comes out with probability
-        p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass, which is the masked
-        distribution. It saves the mask (tens of microseconds) on most tokens."""
-        p = row.params
-        if len(row.output_ids) < p.min_tokens or row.grammar.forced():
-            return None  # (where bytes are forced, the mask is small and decides: see `allows`)
-        if p.greedy:
-            token = int(processed.argmax())
-        else:
-            token = int(torch.multinomial((processed / p.temperature).softmax(-1), 1, generator=row.generator))
-        return token if row.grammar.allows(token) else None
-
-    def _sample_row(self, logits: torch.Tensor, row: SamplerRequest, keep_details: bool) -> SampleResult:
-        processed = process_logits(logits, row.params, row.prompt_ids, row.output_ids, self.eog_ids, self.watermark)
-        if row.grammar is not None and not keep_details and _mask_commutes(row.params):
-            token = self._draw_unmasked(processed, row)
-            if token is not None:
-                return SampleResult(token)
-        kept, probs = self._distribution(processed, logits, row, row.output_ids)
-        if probs is None:
-            token = kept
-            if not keep_details:
-                return SampleResult(token)
-            kept = torch.zeros_like(logits, dtype=torch.bool)
-            kept[token] = True
-            return SampleResult(token, kept=kept, probs=kept.float())
-        token = int(torch.multinomial(probs, 1, generator=row.generator))
-        return SampleResult(token, kept=kept if keep_details else None, probs=probs if keep_details else None)

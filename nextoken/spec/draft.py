@@ -9,11 +9,10 @@ since), then drafts one token per pass. Its distributions q are kept for the ver
 
 from __future__ import annotations
 
-import torch
 
 from nextoken.errors import ModelLoadError
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
-from nextoken.sample.sampler import Sampler
+from nextoken.sample.sampler import Sampler, draw, uniform
 
 
 def check_same_vocabulary(target_tok, draft_tok, target_vocab: int, draft_vocab: int, draft_name: str) -> None:
@@ -60,16 +59,18 @@ class DraftProposer:
                 seqs.append(SequenceInput(toks, start, block_ids(r), True, as_decodes=len(toks) <= 8))
                 self._computed[r.request_id] = (start + len(toks), r.num_preemptions)
             logits = self.runner.execute(seqs)
-            idx = 0
-            for (r, _), s in zip(rows, seqs):
+            idx, last = 0, []
+            for s in seqs:
                 idx += len(s.token_ids) if s.as_decodes else 1  # as_decodes returns a row per token
+                last.append(idx - 1)
+            dists = self.sampler.distributions(logits[last], [r.sampler_row for r, _ in rows],
+                                               [r.output_ids + out[r][0] for r, _ in rows])
+            for (r, _), (kept, probs) in zip(rows, dists):
                 drafts, qs = out[r]
-                kept, probs = self.sampler.distribution(logits[idx - 1], r.sampler_row,
-                                                        r.output_ids + drafts)
                 if probs is None:
                     drafts.append(kept)
                 else:
-                    drafts.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+                    drafts.append(int(draw(probs, uniform(r.generator))))
                     qs.append(probs)
         return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.sample.sampler import SampleResult, Sampler, SamplerRequest
+from nextoken.sample.sampler import SampleResult, Sampler, SamplerRequest, draw, uniform
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor] | None,
@@ -34,10 +34,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_prob
     history = list(row.output_ids)
     emitted: list[int] = []
     accepted = len(drafts)
+    # every target distribution at once: row i's history is the output plus x_1..x_i
+    dists = sampler.distributions(logits[: len(drafts) + 1], [row] * (len(drafts) + 1),
+                                  [history + drafts[:i] for i in range(len(drafts) + 1)])
     for i in range(len(drafts) + 1):
-        kept, probs = sampler.distribution(logits[i], row, history)
+        kept, probs = dists[i]
         if i == len(drafts):  # every draft accepted: the bonus token
-            emitted.append(kept if probs is None else int(torch.multinomial(probs, 1, generator=row.generator)))
+            emitted.append(kept if probs is None else int(draw(probs, uniform(row.generator))))
             break
         x = drafts[i]
         if probs is None:  # greedy
@@ -45,7 +48,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_prob
             p_x = float(ok)
         else:
             q_x = float(draft_probs[i][x]) if draft_probs is not None else 1.0
-            u = float(torch.rand((), generator=row.generator))
+            u = uniform(row.generator)
             p_x = float(probs[x])
             ok = u * q_x < p_x
         if target_probs is not None:
@@ -61,7 +64,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_prob
             q = draft_probs[i] if draft_probs is not None else _point_mass(x, probs)
             residual = (probs - q).clamp_min(0)
             dist = residual if float(residual.sum()) > 0 else probs
-            emitted.append(int(torch.multinomial(dist, 1, generator=row.generator)))
+            emitted.append(int(draw(dist, uniform(row.generator))))
         break
     results = [SampleResult(t) for t in emitted]
     if p.logprobs is not None:

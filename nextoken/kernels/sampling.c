@@ -1,0 +1,343 @@
+/* The sampler's draw on a batch of logits rows: greedy argmax, or temperature, top-k, top-p,
+ * min-p and one draw by the inverse CDF with the caller's uniform number.
+ * nextoken's own kernel; the reference it must match is `nextoken.sample.sampler.torch_draw`
+ * (PyTorch, the same rule written with sorts over the whole vocabulary). The rule, per row l [V]:
+ *
+ *   greedy (temperature 0): the first index of max l.
+ *   x = l / T, m = max x, e_i = exp(x_i - m)                (so the best token has e = 1)
+ *   order the tokens by x descending, ties by id ascending;
+ *   top-k:  keep the first K                                 (K <= 0 or >= V: all)
+ *   top-p:  Zk = sum of e over those, in double; keep token j while the sum of e before it
+ *           (exclusive, in that order, in double) < P * Zk  (Holtzman et al. 2019)
+ *   min-p:  keep e_j >= Mp (= p_j >= Mp * p_max, Nguyen et al. 2024)
+ *   (the best token is always kept)
+ *   draw:   the kept tokens in id order, S their running sum of e in double; the first token with
+ *           S > u * S_total.
+ *
+ * Without a filter the draw is one pass for the max and one for e (summed per block of 64 in
+ * double lanes), then a walk over the block sums and one block. With filters the candidates
+ * {e >= tau} are gathered for a threshold tau low enough that no token outside them can be kept
+ * (tau = Mp for min-p; else 2^-8, lowered by 2^-8 until the K best or the top-p mass are inside),
+ * and only those are sorted: the whole vocabulary is never sorted unless it is that flat.
+ * Rows run in parallel over OpenMP threads, each row on one thread from start to end, so a row's
+ * token never depends on the other rows of the batch. Plain C that the compiler vectorizes.
+ */
+#define _POSIX_C_SOURCE 200112L
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64   /* elements per block sum of the unfiltered draw */
+#define LANES 8
+#define TAU0 0x1p-8f
+#define TAU_STEP 0x1p-8f
+
+typedef struct {
+    float x, e;
+    int32_t id;
+} cand_t;
+
+/* per-thread scratch, grown on demand (OpenMP's pool threads live as long as the process) */
+static _Thread_local float *t_e;
+static _Thread_local double *t_blocks;
+static _Thread_local cand_t *t_cand;
+static _Thread_local int64_t t_e_cap, t_cand_cap;
+
+static int reserve(int64_t V) {
+    if (t_e_cap < V) {
+        free(t_e);
+        free(t_blocks);
+        t_e = malloc(sizeof(float) * (size_t)V);
+        t_blocks = malloc(sizeof(double) * (size_t)(V / BLOCK + 1));
+        t_e_cap = (t_e && t_blocks) ? V : 0;
+        if (!t_e_cap) return 1;
+    }
+    return 0;
+}
+
+static int reserve_cand(int64_t n) {
+    if (t_cand_cap < n) {
+        int64_t cap = t_cand_cap ? t_cand_cap : 256;
+        while (cap < n) cap *= 2;
+        cand_t *c = realloc(t_cand, sizeof(cand_t) * (size_t)cap);
+        if (!c) return 1;
+        t_cand = c;
+        t_cand_cap = cap;
+    }
+    return 0;
+}
+
+/* e^x for x <= 0 (0 below -87, and for -inf): x = k ln 2 + f with |f| <= ln 2 / 2, e^f by its
+ * degree-7 Taylor polynomial (relative error under 2e-7), times 2^k through the exponent bits.
+ * exp_le0(0) is exactly 1. Branch-free, so the loops that call it vectorize. */
+static inline float exp_le0(float x) {
+    const float t = x > -87.f ? x : -87.f;
+    float k = t * 1.44269504088896341f + 12582912.f; /* round to nearest through the float's mantissa */
+    k -= 12582912.f;
+    float f = t - k * 0.693359375f; /* ln 2 = 0.693359375 - 2.12194440e-4, so k ln 2 is exact */
+    f = f - k * -2.12194440e-4f;
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float s;
+    memcpy(&s, &bits, 4);
+    return x > -87.f ? p * s : 0.f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SAMPLING_AVX2 1
+
+/* exp_le0 on 8 lanes, the same operations in the same order (so the same values) */
+static inline __m256 exp8_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    const __m256 t = _mm256_max_ps(x, lo);
+    const __m256 magic = _mm256_set1_ps(12582912.f);
+    __m256 k = _mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)), magic);
+    k = _mm256_sub_ps(k, magic);
+    __m256 f = _mm256_sub_ps(t, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
+    f = _mm256_sub_ps(f, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(0.5f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));
+}
+#else
+#define SAMPLING_AVX2 0
+#endif
+
+/* max of a row (-inf for an empty or all -inf row) */
+static float row_max(const float *l, int64_t V) {
+    float m = -INFINITY;
+    int64_t i = 0;
+#if SAMPLING_AVX2
+    __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+    for (; i + 16 <= V; i += 16) {
+        a = _mm256_max_ps(a, _mm256_loadu_ps(l + i));
+        b = _mm256_max_ps(b, _mm256_loadu_ps(l + i + 8));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+#endif
+    for (; i < V; i++) m = l[i] > m ? l[i] : m;
+    return m;
+}
+
+static int64_t first_index_of(const float *l, int64_t V, float m) {
+    int64_t i = 0;
+    while (i < V - 1 && !(l[i] == m)) i++;
+    return i;
+}
+
+/* e = exp(l / T - mx) into t_e; the sums of e per block of BLOCK into t_blocks (double lanes);
+ * returns their total */
+static double exp_pass(const float *l, int64_t V, float T, float mx) {
+    double total = 0.0;
+    for (int64_t b0 = 0; b0 < V; b0 += BLOCK) {
+        const int64_t n = V - b0 < BLOCK ? V - b0 : BLOCK;
+        double s = 0.0;
+        int64_t i = 0;
+#if SAMPLING_AVX2
+        const __m256 vt = _mm256_set1_ps(T), vm = _mm256_set1_ps(mx);
+        __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp8_le0(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(l + b0 + i), vt), vm));
+            _mm256_storeu_ps(t_e + b0 + i, e);
+            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
+        s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+        for (; i < n; i++) {
+            const float e = exp_le0(l[b0 + i] / T - mx);
+            t_e[b0 + i] = e;
+            s += (double)e;
+        }
+        t_blocks[b0 / BLOCK] = s;
+        total += s;
+    }
+    return total;
+}
+
+/* the unfiltered draw: the first token whose running sum passes u * total */
+static int64_t draw_all(int64_t V, double total, float u) {
+    const double target = (double)u * total;
+    double run = 0.0;
+    const int64_t nb = (V + BLOCK - 1) / BLOCK;
+    int64_t b = 0;
+    for (; b < nb - 1 && run + t_blocks[b] <= target; b++) run += t_blocks[b];
+    int64_t last = -1;
+    for (int64_t i = b * BLOCK; i < V && i < (b + 1) * BLOCK; i++) {
+        if (t_e[i] > 0.f) last = i;
+        run += (double)t_e[i];
+        if (run > target && t_e[i] > 0.f) return i;
+    }
+    if (last >= 0) return last; /* the block's sum rounded above its running sum */
+    for (int64_t i = V - 1; i >= 0; i--)
+        if (t_e[i] > 0.f) return i;
+    return 0;
+}
+
+static int by_x_desc(const void *a, const void *b) {
+    const cand_t *p = a, *q = b;
+    if (p->x != q->x) return p->x > q->x ? -1 : 1;
+    return (p->id > q->id) - (p->id < q->id);
+}
+
+static int by_id(const void *a, const void *b) {
+    const cand_t *p = a, *q = b;
+    return (p->id > q->id) - (p->id < q->id);
+}
+
+/* append the tokens with lo <= e < hi to the candidates (n so far); returns the new n, -1 when out
+ * of memory */
+static int64_t gather(const float *l, int64_t V, float T, float lo, float hi, int64_t n) {
+    int64_t i0 = 0;
+#if SAMPLING_AVX2
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (; i0 + 8 <= V; i0 += 8) {
+        const __m256 e = _mm256_loadu_ps(t_e + i0);
+        unsigned mask = (unsigned)_mm256_movemask_ps(
+            _mm256_and_ps(_mm256_cmp_ps(e, vlo, _CMP_GE_OQ), _mm256_cmp_ps(e, vhi, _CMP_LT_OQ)));
+        while (mask) {
+            const int j = __builtin_ctz(mask);
+            mask &= mask - 1;
+            if (n >= t_cand_cap && reserve_cand(n + 1)) return -1;
+            t_cand[n].x = l[i0 + j] / T;
+            t_cand[n].e = t_e[i0 + j];
+            t_cand[n].id = (int32_t)(i0 + j);
+            n++;
+        }
+    }
+#endif
+    for (int64_t i = i0; i < V; i++) {
+        const float e = t_e[i];
+        if (e >= lo && e < hi) {
+            if (n >= t_cand_cap && reserve_cand(n + 1)) return -1;
+            t_cand[n].x = l[i] / T;
+            t_cand[n].e = e;
+            t_cand[n].id = (int32_t)i;
+            n++;
+        }
+    }
+    return n;
+}
+
+/* one row with filters (see the top of the file); -1 when out of memory */
+static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float P, float Mp, double Z, float u,
+                            int32_t *kept_out) {
+    const int top_k = K > 0 && K < V, top_p = P < 1.f, min_p = Mp > 0.f;
+    float tau = min_p ? Mp : TAU0, hi = INFINITY;
+    int64_t n = 0;
+    for (;;) {
+        n = gather(l, V, T, tau, hi, n);
+        if (n < 0) return -1;
+        const int full = tau <= 0.f; /* every token with e > 0 is a candidate */
+        const int outside_by_k = top_k && n >= K, outside_by_minp = min_p && tau <= Mp;
+        int outside_by_p = 0;
+        if (top_p && !outside_by_k && !top_k) { /* the nucleus ends inside the candidates? */
+            double mass = 0.0;
+            for (int64_t j = 0; j < n; j++) mass += (double)t_cand[j].e;
+            outside_by_p = mass >= (double)P * Z * (1.0 + 1e-9);
+        }
+        const int zk_known = !(top_p && top_k) || n >= K;
+        if (full || ((outside_by_k || outside_by_minp || outside_by_p) && zk_known)) break;
+        hi = tau;
+        tau = tau * TAU_STEP < 0x1p-126f ? 0.f : tau * TAU_STEP;
+        if (tau == 0.f) { /* the rest of e > 0 */
+            n = gather(l, V, T, 0x1p-149f, hi, n);
+            if (n < 0) return -1;
+            break;
+        }
+    }
+    qsort(t_cand, (size_t)n, sizeof(cand_t), by_x_desc);
+    int64_t keep = top_k && n > K ? K : n;
+    if (top_p) {
+        double zk = Z;
+        if (top_k) {
+            zk = 0.0;
+            for (int64_t j = 0; j < keep; j++) zk += (double)t_cand[j].e;
+        }
+        const double limit = (double)P * zk;
+        double before = 0.0;
+        for (int64_t j = 0; j < keep; j++) {
+            if (j > 0 && !(before < limit)) {
+                keep = j;
+                break;
+            }
+            before += (double)t_cand[j].e;
+        }
+    }
+    if (min_p)
+        for (int64_t j = 1; j < keep; j++)
+            if (!(t_cand[j].e >= Mp)) {
+                keep = j;
+                break;
+            }
+    if (keep < 1) keep = 1;
+    if (kept_out) *kept_out = (int32_t)keep;
+    qsort(t_cand, (size_t)keep, sizeof(cand_t), by_id);
+    double total = 0.0;
+    for (int64_t j = 0; j < keep; j++) total += (double)t_cand[j].e;
+    const double target = (double)u * total;
+    double run = 0.0;
+    int64_t last = t_cand[0].id;
+    for (int64_t j = 0; j < keep; j++) {
+        if (t_cand[j].e > 0.f) last = t_cand[j].id;
+        run += (double)t_cand[j].e;
+        if (run > target && t_cand[j].e > 0.f) return t_cand[j].id;
+    }
+    return last;
+}
+
+/* One token per row. rows: B addresses of float32 rows of V logits; temperature [B] (0: greedy);
+ * top_k [B] (<= 0: off), top_p [B] (1: off), min_p [B] (0: off); u [B] uniform numbers in [0, 1);
+ * tokens [B] out; kept [B] out or NULL: how many tokens the filters kept (V without filters, 1 for
+ * greedy rows). Returns 0, or 1 when out of memory. */
+int sample_rows(const int64_t *rows, int64_t B, int64_t V, const float *temperature, const int32_t *top_k,
+                const float *top_p, const float *min_p, const float *u, int64_t *tokens, int32_t *kept) {
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic, 1) if (B > 1) reduction(| : failed)
+    for (int64_t r = 0; r < B; r++) {
+        const float *l = (const float *)(intptr_t)rows[r];
+        const float mx = row_max(l, V);
+        const float T = temperature[r];
+        if (T <= 0.f || mx == -INFINITY) { /* greedy, or nothing left to draw from */
+            tokens[r] = first_index_of(l, V, mx);
+            if (kept) kept[r] = 1;
+            continue;
+        }
+        if (reserve(V)) {
+            failed = 1;
+            continue;
+        }
+        const double Z = exp_pass(l, V, T, mx / T);
+        const int filters = (top_k[r] > 0 && top_k[r] < V) || top_p[r] < 1.f || min_p[r] > 0.f;
+        if (!filters) {
+            tokens[r] = draw_all(V, Z, u[r]);
+            if (kept) kept[r] = (int32_t)V;
+            continue;
+        }
+        const int64_t t = filtered_row(l, V, T, top_k[r], top_p[r], min_p[r], Z, u[r], kept ? kept + r : NULL);
+        if (t < 0) failed = 1;
+        else tokens[r] = t;
+    }
+    return failed;
+}
