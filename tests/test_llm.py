@@ -143,3 +143,22 @@ def test_vllm_prompt_dictionaries(tiny):
     assert tiny.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain[1]
     with pytest.raises(InvalidRequest, match="prompt_token_ids"):
         tiny.generate([{"text": "the cat"}], greedy)
+
+
+def test_a_seeded_request_gives_the_same_text_alone_and_in_a_mixed_batch(tiny_gguf):
+    """The engine's batched sampler draws each row from its own generator: a seeded request's
+    tokens do not depend on the 31 other requests (greedy, filtered, penalized) beside it."""
+    llm = LLM(str(tiny_gguf["llama"][0]), max_num_seqs=32)
+    target = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, repetition_penalty=1.1, seed=11, max_tokens=20,
+                            ignore_eos=True)
+    alone = llm.generate([[5, 17, 200, 33]], target)[0].outputs[0].token_ids
+    mixes = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+             SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5, max_tokens=20, ignore_eos=True, seed=3),
+             SamplingParams(temperature=1.2, min_p=0.05, logit_bias={7: 3.0}, max_tokens=20, ignore_eos=True)]
+    prompts = [[5, 17, 200, 33]] + [[(i * 37) % 250 + 3, 9, i + 4] for i in range(31)]
+    params = [target] + [mixes[i % 4] for i in range(31)]
+    outs = llm.generate(prompts, params)
+    assert outs[0].outputs[0].token_ids == alone
+    assert llm.generate([[5, 17, 200, 33]], SamplingParams(**{**target.__dict__, "seed": 12}))[0] \
+        .outputs[0].token_ids != alone

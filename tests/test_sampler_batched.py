@@ -1,0 +1,175 @@
+"""The batched sampler against the row-by-row reference (`tests/sampler_reference.py`): the same
+kept sets and distributions for every kind of row in one mixed batch, the same token for the same
+seed, step after step; the C draw against the PyTorch one; seeded requests alone and batched."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator, torch_draw
+from nextoken.sample.watermark import WatermarkConfig
+from nextoken.sampling_params import SamplingParams
+from tests import sampler_reference as ref
+
+V = 1000
+EOG = frozenset({2})
+WATERMARK = WatermarkConfig(0.5, 2.0)
+
+
+class Grammar:
+    """A stand-in grammar: a fixed allowed set; `fast` lets the sampler try the unmasked draw."""
+
+    def __init__(self, allowed: torch.Tensor, fast: bool):
+        self.allowed, self.fast = allowed, fast
+
+    def refused(self, ahead=()):
+        return ~self.allowed
+
+    def forced(self):
+        return not self.fast
+
+    def allows(self, token):
+        return bool(self.allowed[token])
+
+
+def allowed_set(seed: int) -> torch.Tensor:
+    a = torch.rand(V, generator=torch.Generator().manual_seed(seed)) < 0.2
+    a[EOG_ID] = True
+    return a
+
+
+EOG_ID = 2
+MIXED = [  # (params, grammar)
+    (SamplingParams(temperature=0), None),
+    (SamplingParams(temperature=1.0), None),
+    (SamplingParams(temperature=0.7, top_p=0.9), None),
+    (SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
+                    presence_penalty=0.5), None),
+    (SamplingParams(temperature=0.8, top_k=5), None),
+    (SamplingParams(temperature=1.2, min_p=0.1, frequency_penalty=0.7), None),
+    (SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={3: 5.0, 7: -100.0}), None),
+    (SamplingParams(temperature=1.0, logit_bias={5: 10.0}, min_tokens=3, stop_token_ids=[9]), None),
+    (SamplingParams(temperature=0.9, watermark=True), None),
+    (SamplingParams(temperature=1.0, top_p=0.5, logprobs=3), None),
+    (SamplingParams(temperature=0, logprobs=0, presence_penalty=1.5), None),
+    (SamplingParams(temperature=1.0, top_k=10, min_tokens=2), "masked"),
+    (SamplingParams(temperature=0.6, repetition_penalty=1.2), "masked"),
+    (SamplingParams(temperature=0.5, logprobs=2), "fast"),
+    (SamplingParams(temperature=0), "fast"),
+]
+
+
+def batch(seed: int, native: bool = True):
+    rows = []
+    for i, (p, g) in enumerate(MIXED):
+        grammar = Grammar(allowed_set(100 + i), g == "fast") if g else None
+        rows.append(SamplerRequest(p.validate(V), [4, 5, 6, 4, 11 + i], [], make_generator(seed * 100 + i), grammar))
+    return rows
+
+
+def logits_for(step: int) -> torch.Tensor:
+    return torch.randn(len(MIXED), V, generator=torch.Generator().manual_seed(1000 + step)) * 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_distributions_equal_the_reference(native):
+    sampler = Sampler(EOG, WATERMARK, native=native)
+    rows = batch(0)
+    for step in range(4):
+        logits = logits_for(step)
+        dists = sampler.distributions(logits, rows)
+        for i, (row, (kept, probs)) in enumerate(zip(rows, dists)):
+            rkept, w = ref.distribution(logits[i], row, row.output_ids, EOG, WATERMARK)
+            if w is None:
+                assert probs is None and kept == rkept, i
+                continue
+            assert torch.equal(kept, rkept), (step, i)
+            assert torch.allclose(probs, w / w.sum(), atol=1e-7), (step, i)
+        for row in rows:  # grow every history (penalties, min_tokens) with a token the grammar allows
+            row.output_ids.append(int(row.grammar.allowed.nonzero()[step]) if row.grammar else 3 + step)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_tokens_equal_the_reference_for_the_same_seed(native):
+    """Step after step, the batch's tokens are the reference's for generators with the same seeds
+    (the rows under a grammar that try the unmasked draw first draw allowed tokens)."""
+    sampler = Sampler(EOG, WATERMARK, native=native)
+    assert (sampler.kernel is not None) == native
+    ours, theirs = batch(1), batch(1)
+    for step in range(12):
+        logits = logits_for(step)
+        before = logits.clone()
+        got = sampler(logits, ours)
+        want = ref.sample(logits, theirs, EOG, WATERMARK)
+        assert torch.equal(logits, before)  # the caller's logits are never changed
+        for i, (res, t) in enumerate(zip(got, want)):
+            if MIXED[i][1] == "fast" and not MIXED[i][0].greedy:
+                assert ours[i].grammar.allows(res.token)
+                t = res.token  # its stream consumed a different number of draws: follow ours
+            else:
+                assert res.token == t, (step, i)
+            if MIXED[i][0].logprobs is not None:
+                raw = logits[i].log_softmax(-1)
+                assert math.isclose(res.logprob, float(raw[res.token]), rel_tol=1e-6)
+                assert [x for x, _ in res.top_logprobs] == raw.topk(MIXED[i][0].logprobs).indices.tolist()
+            ours[i].output_ids.append(res.token)
+            theirs[i].output_ids.append(t)
+
+
+def test_fast_grammar_rows_draw_the_masked_distribution():
+    """Chi-square: the unmasked-first draw of a grammar row follows the masked distribution."""
+    from scipy import stats
+
+    sampler = Sampler(EOG)
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(3)) * 2
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[[1, 4, 7, 20, 33]] = True
+    p = SamplingParams(temperature=1.0)
+    row = SamplerRequest(p, [0], [], make_generator(5), Grammar(allowed, fast=True))
+    n = 4000
+    counts = torch.bincount(torch.tensor([sampler(logits, [row])[0].token for _ in range(n)]), minlength=40)
+    assert counts[~allowed].sum() == 0
+    probs = logits[0].double().masked_fill(~allowed, float("-inf")).softmax(-1)[allowed]
+    observed = counts[allowed].double().numpy()
+    assert stats.chisquare(observed, (probs / probs.sum() * observed.sum()).numpy())[1] > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 1003])
+def test_kernel_equals_the_pytorch_draw(vocab):
+    """The C draw (no sort of the vocabulary) against `torch_draw` (sorts): peaked and flat rows,
+    rows with masked (-inf) tokens, every filter alone and together."""
+    sampler = Sampler()
+    if sampler.kernel is None:
+        pytest.skip("no C compiler: the PyTorch draw is the only one")
+    g = torch.Generator().manual_seed(vocab)
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.5, 1.0, 2.0, 0.9])
+    top_k = torch.tensor([0, 0, 0, 50, 5, 0, 40, 1], dtype=torch.int32)
+    top_p = torch.tensor([1, 1, 0.9, 0.95, 1, 0.5, 0.8, 1], dtype=torch.float32)
+    min_p = torch.tensor([0, 0, 0, 0.05, 0, 0.1, 0, 0], dtype=torch.float32)
+    for trial in range(6):
+        logits = torch.randn(8, vocab, generator=g) * (1 + 3 * trial)  # flat to peaked
+        if trial % 3 == 0:
+            logits[:, ::3] = float("-inf")
+        u = torch.rand(8, generator=g)
+        want = torch_draw(logits, temp, top_k, top_p, min_p, u)
+        got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab, temp, top_k, top_p, min_p, u)
+        assert torch.equal(got, want), trial
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
+    sampler = Sampler(EOG)
+    p = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1).validate(V)
+    alone_row = SamplerRequest(p, [4, 5], [], make_generator(42))
+    batched_row = SamplerRequest(p, [4, 5], [], make_generator(42))
+    others = batch(7)
+    for step in range(10):
+        logits = logits_for(step)
+        a = sampler(logits[3:4], [alone_row])[0].token
+        mixed = others[:3] + [batched_row] + others[4:]
+        b = sampler(logits, mixed)[3].token
+        assert a == b, step
+        alone_row.output_ids.append(a)
+        batched_row.output_ids.append(b)
