@@ -49,26 +49,68 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
     def greedy(n, logprobs=None):
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
 
+    def sampled(n):  # the sampled row's settings (`nextoken bench --temperature/--top-p/--top-k`)
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=n, ignore_eos=True,
+                              seed=0)
+
     warm = llm.generate([_prompt(a.prompt_tokens, vocab, 99, skip)], greedy(4, logprobs=1))  # warm-up (and compiles)
     _check_finite(warm[0])
     if batched:
         prompts = [_prompt(a.batch_prompt_tokens, vocab, i, skip) for i in range(a.batch)]
-        t = time.perf_counter()
-        outs = llm.generate(prompts, greedy(a.batch_output_tokens))
-        dt = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == a.batch_output_tokens for o in outs)
         total = a.batch * (a.batch_prompt_tokens + a.batch_output_tokens)
-        return {"batched_tok_s": total / dt, "batched_output_tok_s": a.batch * a.batch_output_tokens / dt,
-                "threads": torch.get_num_threads()}
+        out = {"threads": torch.get_num_threads()}
+        for key, params in (("batched", greedy(a.batch_output_tokens)), ("batched_sampled", sampled(a.batch_output_tokens))):
+            with SamplerClock(llm) as clock:
+                t = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                dt = time.perf_counter() - t
+            assert all(len(o.outputs[0].token_ids) == a.batch_output_tokens for o in outs)
+            out.update({f"{key}_tok_s": total / dt, f"{key}_output_tok_s": a.batch * a.batch_output_tokens / dt,
+                        f"{key}_sampler_ms": clock.ms_per_step()})
+        return out
     if a.depth:
         return _nextoken_at_depth(a, llm, greedy, vocab, skip)
     prompt = _prompt(a.prompt_tokens, vocab, 0, skip)
     ttfts = [llm.generate([prompt], greedy(1))[0].metrics.ttft for _ in range(a.repeat)]
-    out = llm.generate([_prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0]
-    m = out.metrics
-    decode = a.decode_tokens / (m.finished_time - m.first_token_time)
-    return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts), "decode_tok_s": decode,
-            "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
+    res = {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts)}
+    for key, params in (("decode", greedy(a.decode_tokens + 1)), ("decode_sampled", sampled(a.decode_tokens + 1))):
+        with SamplerClock(llm) as clock:
+            m = llm.generate([_prompt(8, vocab, 1, skip)], params)[0].metrics
+        res[f"{key}_tok_s"] = a.decode_tokens / (m.finished_time - m.first_token_time)
+        res[f"{key}_sampler_ms"] = clock.ms_per_step()
+    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
+
+
+class SamplerClock:
+    """Times the engine's sampler calls while it is open (the engine's sampler is wrapped):
+    `ms_per_step` is their mean."""
+
+    def __init__(self, llm):
+        self.engine, self.times = llm.engine, []
+
+    def __enter__(self):
+        sampler, times = self.engine.sampler, self.times
+
+        class Timed:
+            def __call__(self, *args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return sampler(*args, **kwargs)
+                finally:
+                    times.append(time.perf_counter() - t)
+
+            def __getattr__(self, name):
+                return getattr(sampler, name)
+
+        self.engine.sampler = Timed()
+        self.inner = sampler
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.sampler = self.inner
+
+    def ms_per_step(self) -> float:
+        return 1000 * sum(self.times) / len(self.times) if self.times else 0.0
 
 
 def _check_finite(out) -> None:
@@ -196,6 +238,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs]:
     for name in ("prompt-tokens", "decode-tokens", "batch", "batch-prompt-tokens", "batch-output-tokens", "repeat",
                  "depth"):
         p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
     EngineArgs.add_cli_args(p, exclude=("model", "max_num_seqs"))
     a = p.parse_args(argv)
     return a, EngineArgs.from_cli_args(a, model=a.model_path)

@@ -3,10 +3,13 @@
     nextoken bench                                  # SmolLM2, nextoken only
     nextoken bench --compare llama.cpp --threads 2  # the same figures for llama.cpp, and ratios
 
-Figures (the same workload for both engines, greedy, end-of-sequence ignored):
+Figures (the same workload for both engines, greedy, end-of-sequence ignored; nextoken's decode and
+batched figures also sampled, with `--temperature` (default 1.0), `--top-p`, `--top-k`, beside
+the greedy ones, and the time its sampler takes per step in both):
 
 - prefill: tokens/s of one `--prompt-tokens` prompt (default 512; llama-bench's pp512);
-- decode: single-stream tokens/s over `--decode-tokens` new tokens after an 8-token prompt (tg128);
+- decode: single-stream tokens/s over `--decode-tokens` new tokens after an 8-token prompt (tg128;
+  llama.cpp's figures are its forward passes with an argmax, no sampler);
 - batched: `--batch` requests of `--batch-prompt-tokens` + `--batch-output-tokens` run together;
   total (prompt + output) tokens/s, as llama-batched-bench's ``S t/s``;
 - peak resident memory (``ru_maxrss``) of the single-stream process, with a
@@ -57,6 +60,7 @@ def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
            "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens), "--batch", str(a.batch),
            "--batch-prompt-tokens", str(a.batch_prompt_tokens),
            "--batch-output-tokens", str(a.batch_output_tokens), "--repeat", str(a.repeat), "--depth", str(a.depth),
+           "--temperature", str(a.temperature), "--top-p", str(a.top_p), "--top-k", str(a.top_k),
            *engine_args.to_cli_args(exclude=("model",) + BENCH_EXCLUDED)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -82,8 +86,12 @@ def find_llama_python(explicit: str | None) -> str | None:
     return None
 
 
-ROWS = [("prefill", "prefill_tok_s", "tok/s"), ("decode", "decode_tok_s", "tok/s"),
-        ("decode / bandwidth cap", "decode_cap_share", "%"), ("batched", "batched_tok_s", "tok/s"),
+ROWS = [("prefill", "prefill_tok_s", "tok/s"), ("decode, greedy", "decode_tok_s", "tok/s"),
+        ("decode, sampled", "decode_sampled_tok_s", "tok/s"),
+        ("decode / bandwidth cap (greedy)", "decode_cap_share", "%"),
+        ("sampler per decode step, greedy / sampled", "decode_sampler_ms", "ms"),
+        ("batched, greedy", "batched_tok_s", "tok/s"), ("batched, sampled", "batched_sampled_tok_s", "tok/s"),
+        ("sampler per batched step, greedy / sampled", "batched_sampler_ms", "ms"),
         ("peak memory", "peak_rss_mib", "MiB"), ("cold start to first token", "cold_first_token_s", "s"),
         ("cold start to serve healthy", "cold_serve_healthy_s", "s")]
 COLD_PROMPT_TOKENS = 128
@@ -197,7 +205,10 @@ def add_cap_share(res: dict, bandwidth: float, a, weights: float, kv_per_token: 
 def format_table(results: dict[str, dict], a, threads: int, context: int) -> str:
     engines = list(results)
     depth = f" after {a.depth} cached tokens" if a.depth else ""
-    head = (f"model {os.path.basename(a.model_path)}, {threads} threads | prefill: {a.prompt_tokens}-token prompt{depth}"
+    sampled = f"temperature {a.temperature}" + (f", top-p {a.top_p}" if a.top_p < 1 else "") + \
+        (f", top-k {a.top_k}" if a.top_k > 0 else "")
+    head = (f"model {os.path.basename(a.model_path)}, {threads} threads | sampled rows: {sampled}; greedy rows and "
+            f"llama.cpp's: argmax | prefill: {a.prompt_tokens}-token prompt{depth}"
             f" | decode: {a.decode_tokens} tokens, one stream{depth} | batched: {a.batch} x ({a.batch_prompt_tokens} + "
             f"{a.batch_output_tokens}) tokens, total tok/s | peak memory: single-stream process, "
             f"{context}-token context")
@@ -208,8 +219,16 @@ def format_table(results: dict[str, dict], a, threads: int, context: int) -> str
         vals = [results[e].get(key) for e in engines]
         if all(v is None for v in vals):
             continue
-        fmt = "{:.2f}" if unit == "s" else "{:.1f}"
+        fmt = "{:.2f}" if unit in ("s", "ms") else "{:.1f}"
         cells = [f"{label} ({unit})"] + [fmt.format(v) if v is not None else "n/a" for v in vals]
+        if key.endswith("_sampler_ms"):  # greedy / sampled in one cell, nextoken's alone
+            s = results[engines[0]].get(key.replace("_sampler_ms", "_sampled_sampler_ms"))
+            cells = [f"{label} ({unit})", f"{vals[0]:.2f} / {s:.2f}" if s is not None else fmt.format(vals[0])] + \
+                ["n/a"] * (len(engines) - 1)
+            if peer:
+                cells.append("")
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
         if peer:
             ours, theirs = vals[0], vals[-1]
             cells.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
@@ -233,6 +252,8 @@ def run(a, engine_args) -> int:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be >= 1", name)
     if a.depth < 0:
         raise InvalidRequest("--depth must be >= 0", "depth")
+    if not 0 < a.temperature <= 100 or not 0 < a.top_p <= 1:
+        raise InvalidRequest("--temperature must be in (0, 100] and --top-p in (0, 1] (the sampled rows)", "temperature")
     if a.depth:  # the context must fit, and stay cached between runs
         need = a.depth + a.prompt_tokens + a.decode_tokens + 16
         engine_args = engine_args.replace(max_model_len=max(engine_args.max_model_len, need), enable_prefix_caching=True)
@@ -296,6 +317,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-prompt-tokens", type=int, default=128)
     p.add_argument("--batch-output-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="prefill runs (the median counts)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampled rows' temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' top-p")
+    p.add_argument("--top-k", type=int, default=-1, help="the sampled rows' top-k")
     p.add_argument("--no-batched", action="store_true", help="skip the batched runs")
     p.add_argument("--depth", type=int, default=0, help="prefill and decode after this many cached tokens "
                    "(llama-bench -d); the batched run is skipped")

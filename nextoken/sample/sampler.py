@@ -180,7 +180,7 @@ class SamplingMetadata:
     logprob_rows: list[int]  # rows that ask for log-probabilities
     num_logprobs: list[int]  # how many top log-probabilities each of those asks
     max_logprobs: int
-    key: tuple = ()
+    rows: list = field(default_factory=list, repr=False)  # the rows it was built for (held: see `Sampler.metadata`)
 
     @classmethod
     def build(cls, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
@@ -192,7 +192,7 @@ class SamplingMetadata:
         lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
         return cls(temperature, top_k, top_p, min_p, [i for i, p in enumerate(ps) if not p.greedy],
                    [i for i, p in enumerate(ps) if has_processors(p)], lp, [ps[i].logprobs for i in lp],
-                   max((ps[i].logprobs for i in lp), default=0), tuple(map(id, rows)))
+                   max((ps[i].logprobs for i in lp), default=0), list(rows))
 
 
 def _draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
@@ -269,11 +269,13 @@ class Sampler:
         return results
 
     def metadata(self, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
-        """The batch's settings: the last batch's when the rows are the same, else built anew."""
-        key = tuple(map(id, rows))
-        if self._meta is None or self._meta.key != key:
-            self._meta = SamplingMetadata.build(rows, V)
-        return self._meta
+        """The batch's settings: the last batch's when the rows are the same objects in the same
+        order (the metadata holds them, so no new row can take a held one's identity), else built
+        anew."""
+        m = self._meta
+        if m is None or len(m.rows) != len(rows) or any(a is not b for a, b in zip(m.rows, rows)):
+            self._meta = m = SamplingMetadata.build(rows, V)
+        return m
 
     def _process(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
                  histories: list[list[int]]) -> torch.Tensor:
