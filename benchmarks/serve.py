@@ -4,7 +4,8 @@
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --rate 2
 
 Requests arrive as a Poisson process at each `--rate` (requests/s), with random prompt (token
-ids) and output lengths from a fixed seed, streamed from /v1/completions with `ignore_eos`.
+ids) and output lengths from a fixed seed, streamed from /v1/completions with `ignore_eos`, greedy
+or at `--temperature` (run both: users sample).
 Reports TTFT, TPOT (per request, after the first token), ITL (between streamed chunks) and
 end-to-end latency (mean, p50, p99), request and token throughput, and errors.
 """
@@ -33,8 +34,8 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def one(client, model, prompt, out_len):
-    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+async def one(client, model, prompt, out_len, temperature):
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, itl, last, n_out = None, [], None, 0
@@ -62,25 +63,25 @@ async def one(client, model, prompt, out_len):
     return {"ttft": ttft, "itl": itl, "e2e": e2e, "tpot": tpot, "out": n_out, "in": len(prompt)}
 
 
-async def run_rate(base_url, model, rate, reqs, seed):
+async def run_rate(base_url, model, rate, reqs, seed, temperature):
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=600,
                                  limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000)) as c:
         t0 = time.perf_counter()
         tasks = []
         for prompt, out_len in reqs:
-            tasks.append(asyncio.create_task(one(c, model, prompt, out_len)))
+            tasks.append(asyncio.create_task(one(c, model, prompt, out_len, temperature)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
 
 
-def summarize(rate, results, wall):
+def summarize(rate, results, wall, temperature):
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     line = lambda name, xs, unit=1000: (f"  {name:<5} mean {statistics.fmean(xs) * unit:8.1f}  p50 {pct(xs, 50) * unit:8.1f}"
                                         f"  p99 {pct(xs, 99) * unit:8.1f} ms" if xs else f"  {name:<5} n/a")
-    print(f"rate {rate} req/s: {len(ok)} ok, {len(errors)} errors {sorted(set(errors)) or ''}, wall {wall:.1f} s")
+    print(f"rate {rate} req/s, temperature {temperature}: {len(ok)} ok, {len(errors)} errors {sorted(set(errors)) or ''}, wall {wall:.1f} s")
     print(f"  throughput {len(ok) / wall:.2f} req/s, output {sum(r['out'] for r in ok) / wall:.1f} tok/s, "
           f"total {sum(r['out'] + r['in'] for r in ok) / wall:.1f} tok/s")
     print(line("TTFT", [r["ttft"] for r in ok if r["ttft"] is not None]))
@@ -135,6 +136,8 @@ def main():
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (0: greedy; the API's default is 1.0)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-args", default="", help="extra arguments for `nextoken serve`")
     ap.add_argument("--live-views", type=int, default=0,
@@ -151,8 +154,8 @@ def main():
             rng = random.Random(args.seed + k)
             reqs = [([rng.randrange(100, 40000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
                      rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
-            results, wall = asyncio.run(run_rate(url, model, rate, reqs, args.seed + k))
-            summarize(rate, results, wall)
+            results, wall = asyncio.run(run_rate(url, model, rate, reqs, args.seed + k, args.temperature))
+            summarize(rate, results, wall, args.temperature)
     finally:
         for v in views:
             print(f"  live view: {v.stop()} events received")

@@ -87,7 +87,7 @@ def test_a_cpu_without_vnni_is_told_so(fresh, monkeypatch, caplog):
 @needs_gcc
 def test_functions_have_declared_types(fresh):
     lib = kernels.load("decode")  # includes qmatmul.c and paged_attention.c
-    libs = [lib, kernels.load("prefill_scores"), kernels.load("activation")]
+    libs = [lib, kernels.load("prefill_scores"), kernels.load("activation"), kernels.load("sampling")]
     for fn, (restype, argtypes) in kernels.SIGNATURES.items():
         f = next(getattr(x, fn) for x in libs if hasattr(x, fn))
         assert f.argtypes == argtypes and f.restype == restype, fn

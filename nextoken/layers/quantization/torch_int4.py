@@ -32,7 +32,7 @@ from nextoken.layers.quantization.ggml import _f16, _nibbles, _q4_k_scales
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
-PACK_ROWS = 64  # the CPU kernel packs rows in blocks of 64
+PACK_ROWS = 64  # rows packed at a time by the loader: a multiple of the kernel's block (`packing_block`)
 
 
 def int4_groups(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> list[tuple]:
@@ -96,19 +96,44 @@ def int4_unpack(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     (the many-row path of the PyTorch-only mode).
 
     The kernel's packed layout (read off ``_convert_weight_to_int4pack_for_cpu``; a test checks
-    it): rows in blocks of 64; for block b, column k and j < 32, byte ``[b, k, j]`` holds row
-    ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in its high nibble.
+    it): rows in blocks of B (`packing_block`: 64 on AVX-512 CPUs, 32 on AVX2 ones); for block
+    b, column k and j < B / 2, byte ``[b, k, j]`` holds row ``B b + j`` in its low nibble and row
+    ``B b + B / 2 + j`` in its high nibble.
     """
     groups, rows, _ = scales_and_zeros.shape
     cols = groups * GROUP
-    p = packed.view(rows // PACK_ROWS, cols, 32)
-    u = torch.stack((p & 0x0F, p >> 4), dim=2)  # [blocks, in, 2, 32]: row 64 b + 32 h + j
+    block = packing_block()
+    p = packed.view(rows // block, cols, block // 2)
+    u = torch.stack((p & 0x0F, p >> 4), dim=2)  # [blocks, in, 2, B / 2]: row B b + B / 2 h + j
     u = u.permute(0, 2, 3, 1).reshape(rows, groups, GROUP).to(scales_and_zeros.dtype)
     scale = scales_and_zeros[..., 0].t()[..., None]  # [out, in // 32, 1]
     zero = scales_and_zeros[..., 1].t()[..., None]
     return ((u - 8) * scale + zero).reshape(rows, cols)
 
 
+_BLOCK: list[int] = []
+
+
+def packing_block() -> int:
+    """The row block of ``_convert_weight_to_int4pack_for_cpu`` on this CPU (it follows the CPU
+    kernel PyTorch dispatches to: 64 with AVX-512, 32 with AVX2), read off a probe: row n of
+    128 rows of codes n // 16, so byte 0's high nibble is row B / 2's code, B / 32. 0 when the
+    layout is not the one `int4_unpack` reads (then no weight is packed for that kernel)."""
+    if not _BLOCK:
+        q = (torch.arange(128, dtype=torch.int32) // 16)[:, None].expand(128, GROUP).contiguous()
+        p = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).view(-1)
+        block = 32 * int(p[0] >> 4)
+        ok = block in (32, 64) and PACK_ROWS % block == 0
+        if ok:  # the whole layout, not just one byte
+            sz = torch.stack([torch.ones(128, 1), torch.full((128, 1), 8.0)], dim=-1).transpose(0, 1).contiguous()
+            _BLOCK.append(block)
+            ok = torch.equal(int4_unpack(p.view(128, GROUP // 2), sz.bfloat16()).float(), q.float())
+            _BLOCK.clear()
+        _BLOCK.append(block if ok else 0)
+    return _BLOCK[0]
+
+
 def int4_supported(type_name: str, rows: int, cols: int, dtype: torch.dtype) -> bool:
     """Whether a tensor can stay packed: a 4-bit format, bf16 activations, whole groups."""
-    return type_name in INT4_TYPES and dtype == torch.bfloat16 and cols % GROUP == 0 and rows % PACK_ROWS == 0
+    return type_name in INT4_TYPES and dtype == torch.bfloat16 and cols % GROUP == 0 and rows % PACK_ROWS == 0 \
+        and packing_block() > 0
