@@ -73,11 +73,16 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
     prompt = _prompt(a.prompt_tokens, vocab, 0, skip)
     ttfts = [llm.generate([prompt], greedy(1))[0].metrics.ttft for _ in range(a.repeat)]
     res = {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts)}
-    for key, params in (("decode", greedy(a.decode_tokens + 1)), ("decode_sampled", sampled(a.decode_tokens + 1))):
-        with SamplerClock(llm) as clock:
-            m = llm.generate([_prompt(8, vocab, 1, skip)], params)[0].metrics
-        res[f"{key}_tok_s"] = a.decode_tokens / (m.finished_time - m.first_token_time)
-        res[f"{key}_sampler_ms"] = clock.ms_per_step()
+    # greedy and sampled alternated `repeat` times, the best of each: this VM's speed drifts within
+    # a minute, and one run after the other would put the drift into the ratio
+    for _ in range(a.repeat):
+        for key, params in (("decode", greedy(a.decode_tokens + 1)), ("decode_sampled", sampled(a.decode_tokens + 1))):
+            with SamplerClock(llm) as clock:
+                m = llm.generate([_prompt(8, vocab, 1, skip)], params)[0].metrics
+            tok_s = a.decode_tokens / (m.finished_time - m.first_token_time)
+            if tok_s > res.get(f"{key}_tok_s", 0.0):
+                res[f"{key}_tok_s"] = tok_s
+            res[f"{key}_sampler_ms"] = clock.ms_per_step()
     return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
 
 

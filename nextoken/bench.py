@@ -9,7 +9,8 @@ the greedy ones, and the time its sampler takes per step in both):
 
 - prefill: tokens/s of one `--prompt-tokens` prompt (default 512; llama-bench's pp512);
 - decode: single-stream tokens/s over `--decode-tokens` new tokens after an 8-token prompt (tg128;
-  llama.cpp's figures are its forward passes with an argmax, no sampler);
+  llama.cpp's figures are its forward passes with an argmax, no sampler); nextoken's greedy and
+  sampled runs alternate `--repeat` times and the best of each counts;
 - batched: `--batch` requests of `--batch-prompt-tokens` + `--batch-output-tokens` run together;
   total (prompt + output) tokens/s, as llama-batched-bench's ``S t/s``;
 - peak resident memory (``ru_maxrss``) of the single-stream process, with a
