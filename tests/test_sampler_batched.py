@@ -173,3 +173,19 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
         assert a == b, step
         alone_row.output_ids.append(a)
         batched_row.output_ids.append(b)
+
+
+def test_distributions_with_tokens_ahead_equal_the_reference():
+    """Verification's histories: the output plus drafted tokens ahead (counted by the penalties and
+    min_tokens as output, never stored in the request's own history)."""
+    sampler = Sampler(EOG)
+    p = SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2, presence_penalty=0.4,
+                       frequency_penalty=0.3, min_tokens=5, logit_bias={8: 2.0}).validate(V)
+    row = SamplerRequest(p, [4, 5, 6], [7, 7, 9], make_generator(0))
+    drafts = [7, 12, 2, 12]
+    logits = logits_for(3)[:5]
+    hist = [row.output_ids + drafts[:i] for i in range(5)]
+    for i, (kept, probs) in enumerate(sampler.distributions(logits, [row] * 5, hist)):
+        rkept, w = ref.distribution(logits[i], row, hist[i], EOG)
+        assert torch.equal(kept, rkept) and torch.allclose(probs, w / w.sum(), atol=1e-7), i
+    assert row.output_ids == [7, 7, 9] and row.history.arrays()[1].sum() == 3  # its own history untouched

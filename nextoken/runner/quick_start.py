@@ -330,19 +330,20 @@ def inv_frequencies(rope_dim: int, base: float) -> np.ndarray:
 
 
 def filter_mask(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """`sample.sampler.filter_mask` in NumPy: which tokens survive top-k, then top-p, then
+    """`sample.sampler.filter_masks`'s rule in NumPy: which tokens survive top-k, then top-p, then
     min-p on temperature-scaled float32 logits ``[vocab]``; the most likely token always does."""
     order = np.argsort(-logits, kind="stable")
     s = logits[order]
+    e = np.exp((s - s[0]).astype(np.float32))
     keep = np.ones(len(s), dtype=bool)
     if 0 < top_k < len(s):
         keep[top_k:] = False
-    if top_p < 1.0:
-        probs = _softmax(np.where(keep, s, -np.inf))
-        keep &= (np.cumsum(probs, dtype=np.float32) - probs) < np.float32(top_p)
+    if top_p < 1.0:  # the mass before each token (exclusive, float64) below top_p of the top-k mass
+        ed = np.where(keep, e.astype(np.float64), 0.0)
+        before = np.concatenate([[0.0], np.cumsum(ed)[:-1]])
+        keep &= before < np.float64(np.float32(top_p)) * ed.sum()
     if min_p > 0.0:
-        probs = _softmax(np.where(keep, s, -np.inf))
-        keep &= probs >= np.float32(min_p) * probs[0]
+        keep &= e >= np.float32(min_p)
     keep[0] = True
     out = np.empty_like(keep)
     out[order] = keep
