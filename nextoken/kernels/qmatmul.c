@@ -152,11 +152,9 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_
             xs32[b] = d * (float)(s[0] + s[1]);
             xs16[2 * b] = d * (float)s[0];
             xs16[2 * b + 1] = d * (float)s[1];
-            if (QB != 32) { /* for tiles_sb alone (see quantize) */
-                bs32[b] = (int16_t)(s[0] + s[1]);
-                bs16[2 * b] = (int16_t)s[0];
-                bs16[2 * b + 1] = (int16_t)s[1];
-            }
+            bs32[b] = (int16_t)(s[0] + s[1]); /* (the AVX2 loop's 8-bit codes read them too) */
+            bs16[2 * b] = (int16_t)s[0];
+            bs16[2 * b + 1] = (int16_t)s[1];
         }
     }
 }
@@ -168,7 +166,11 @@ static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, int64_t QB,
     void *mem = NULL;
     /* the int16 sums only for tiles_sb (QB 256): each call's buffer is fresh memory, faulted in
      * page by page, and 32 columns ran 2% slower with them */
+#ifdef QM_VNNI
     const size_t nbs = QB == 32 ? 0 : (size_t)(M * (K / 16 + K / 32 + K / 32)); /* (the last: keeps q 4-byte aligned) */
+#else
+    const size_t nbs = (size_t)(M * (K / 16 + K / 32 + K / 32)); /* the plain and AVX2 loops: always */
+#endif
     if (posix_memalign(&mem, 64, sizeof(float) * M * (K / 32 + K / 16 + K / 32) + sizeof(int16_t) * nbs + (size_t)(M * K) + 64))
         return 1;
     a->dx = (float *)mem;
@@ -609,8 +611,8 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
                         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(c[1][j], xb), ones16));
                     }
                 }
-                if (bits == 8) {
-                    for (int64_t kk = 0; kk < G; kk++) xsum += q[kk];
+                if (bits == 8) { /* the activations' group sum, from the quantization */
+                    xsum = G == 16 ? a->bs16[m * (K / 16) + g] : a->bs32[m * (K / 32) + g];
                     s0 = _mm256_add_epi32(s0, _mm256_set1_epi32(128 * xsum));
                     s1 = _mm256_add_epi32(s1, _mm256_set1_epi32(128 * xsum));
                 }
