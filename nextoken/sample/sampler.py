@@ -317,24 +317,34 @@ class Sampler:
     def _draw_with_details(self, logits, rows, source, results) -> None:
         """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
         ``.probs``)."""
-        for i, r in enumerate(rows):
-            row = source.get(i, logits[i]).float()
-            if r.params.greedy:
-                token = int(row.argmax())
-                kept = torch.zeros_like(row, dtype=torch.bool)
+        for i, (kept, probs) in enumerate(self._final(logits, rows, source)):
+            if probs is None:  # greedy: all the mass on the argmax
+                token = kept
+                kept = torch.zeros(logits.shape[1], dtype=torch.bool)
                 kept[token] = True
                 results[i] = SampleResult(token, kept=kept, probs=kept.float())
-                continue
-            kept, w = self._kept_weights(row[None], r.params)
-            token = int(draw(w[0], uniform(r.generator)))
-            results[i] = SampleResult(token, kept=kept[0], probs=w[0] / w[0].sum())
+            else:
+                results[i] = SampleResult(int(draw(probs, uniform(rows[i].generator))), kept=kept, probs=probs)
 
     @staticmethod
-    def _kept_weights(rows: torch.Tensor, p: SamplingParams):
-        V = rows.shape[-1]
-        return kept_weights(rows, torch.tensor([p.temperature], dtype=torch.float32),
-                            torch.tensor([p.top_k if 0 < p.top_k < V else 0]),
-                            torch.tensor([p.top_p], dtype=torch.float32), torch.tensor([p.min_p], dtype=torch.float32))
+    def _final(logits: torch.Tensor, rows: list[SamplerRequest], source: dict[int, torch.Tensor]) -> list[tuple]:
+        """Each row's ``(kept, probs)`` (or ``(argmax, None)`` when greedy) from its processed and
+        masked logits (`source`, else the raw row); the sampled rows in one `kept_weights` call."""
+        out: list[tuple] = [None] * len(rows)
+        sampled = []
+        for i, r in enumerate(rows):
+            if r.params.greedy:
+                out[i] = (int(source.get(i, logits[i]).argmax()), None)
+            else:
+                sampled.append(i)
+        if sampled:
+            meta = SamplingMetadata.build([rows[i] for i in sampled], logits.shape[1])
+            stack = torch.stack([source.get(i, logits[i]).float() for i in sampled])
+            kept, w = kept_weights(stack, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+            probs = w / w.sum(-1, keepdim=True)
+            for j, i in enumerate(sampled):
+                out[i] = (kept[j], probs[j])
+        return out
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:
@@ -370,15 +380,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.grammar is not None:
                 source[i] = self._masked(logits[i], source.get(i), r, histories[i])
-        out = []
-        for i, r in enumerate(rows):
-            row = source.get(i, logits[i]).float()
-            if r.params.greedy:
-                out.append((int(row.argmax()), None))
-                continue
-            kept, w = self._kept_weights(row[None], r.params)
-            out.append((kept[0], w[0] / w[0].sum()))
-        return out
+        return self._final(logits, rows, source)
 
     def distribution(self, logits: torch.Tensor, row: SamplerRequest, output_ids: list[int] | None = None):
         """`distributions` for one row of logits ``[vocab]``, with `output_ids` as its history."""
