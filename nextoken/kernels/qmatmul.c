@@ -638,6 +638,18 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
     }
 }
 #else
+/* vectors 0..nvec-1 of a group: the low nibble of byte (l, i) of vector j is column 4j + i of row
+ * l, the high nibble column hi + 4j + i */
+static void split_nibbles(const uint8_t *cg, int64_t nvec, int64_t hi, uint8_t u[TILE][32]) {
+    for (int64_t j = 0; j < nvec; j++)
+        for (int64_t l = 0; l < TILE; l++)
+            for (int64_t i = 0; i < 4; i++) {
+                const uint8_t b = cg[j * 64 + l * 4 + i];
+                u[l][4 * j + i] = b & 0x0F;
+                u[l][hi + 4 * j + i] = b >> 4;
+            }
+}
+
 /* a group's codes for the 16 rows of a tile, u[l][kk] = code_in_group(cg, bits, l, kk), unpacked
  * a whole byte lane at a time (loops the compiler vectorizes) */
 static void unpack_group(const uint8_t *cg, int bits, int64_t G, uint8_t u[TILE][32]) {
@@ -646,26 +658,14 @@ static void unpack_group(const uint8_t *cg, int bits, int64_t G, uint8_t u[TILE]
             for (int64_t l = 0; l < TILE; l++)
                 for (int64_t i = 0; i < 4; i++) u[l][4 * j + i] = cg[j * 64 + l * 4 + i];
     } else if (bits == 6) { /* G = 16: nibbles of two vectors, then 2 high bits each */
-        for (int64_t a = 0; a < 2; a++)
-            for (int64_t l = 0; l < TILE; l++)
-                for (int64_t i = 0; i < 4; i++) {
-                    const uint8_t b = cg[a * 64 + l * 4 + i];
-                    u[l][4 * a + i] = b & 0x0F;
-                    u[l][8 + 4 * a + i] = b >> 4;
-                }
+        split_nibbles(cg, 2, 8, u);
         for (int64_t l = 0; l < TILE; l++)
             for (int64_t i = 0; i < 4; i++) {
                 const uint8_t hb = cg[128 + l * 4 + i];
                 for (int64_t j = 0; j < 4; j++) u[l][4 * j + i] |= (uint8_t)(((hb >> (2 * j)) & 3) << 4);
             }
     } else { /* 4 or 5 bits, G = 32: low nibble column 4j + i, high nibble 16 + 4j + i */
-        for (int64_t j = 0; j < 4; j++)
-            for (int64_t l = 0; l < TILE; l++)
-                for (int64_t i = 0; i < 4; i++) {
-                    const uint8_t b = cg[j * 64 + l * 4 + i];
-                    u[l][4 * j + i] = b & 0x0F;
-                    u[l][16 + 4 * j + i] = b >> 4;
-                }
+        split_nibbles(cg, 4, 16, u);
         if (bits == 5)
             for (int64_t l = 0; l < TILE; l++)
                 for (int64_t i = 0; i < 4; i++) {
