@@ -7,7 +7,7 @@ import torch
 
 from nextoken.errors import InvalidRequest
 from nextoken.llm import LLM
-from tests.test_engine import assert_no_leak
+from tests.helpers.engine import assert_no_leak
 from tests.tiny_models import tiny_hf_model, write_gguf
 
 

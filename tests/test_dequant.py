@@ -8,19 +8,9 @@ import pytest
 import torch
 
 from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
+from tests.helpers.blocks import random_blocks
 
 # byte offsets of the float16 scale fields in each block (random bytes there could be NaN/inf)
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
-
-
-def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
-    _, type_size, _ = BLOCK_FORMATS[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for off in F16_FIELDS[type_name]:
-        scales = rng.uniform(-2, 2, size=n_blocks).astype(np.float16)
-        raw[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-    return raw
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK_FORMATS))

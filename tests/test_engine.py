@@ -11,6 +11,7 @@ import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.engine.async_engine import AsyncLLMEngine
+from tests.helpers.engine import assert_no_leak
 from nextoken.errors import InvalidRequest
 from tests.conftest import load_reference
 
@@ -32,13 +33,6 @@ def tiny_prompts(n=33, seed=0):
 
 def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_no_leak(llm):
-    """Every block is free, or held only by the prefix cache (ref count 0)."""
-    assert not llm.engine.has_unfinished_requests()
-    pool = llm.engine.kv.pool
-    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == pool.num_blocks
 
 
 @pytest.fixture(scope="module")

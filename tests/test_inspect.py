@@ -15,7 +15,7 @@ import torch
 from nextoken import LLM, SamplingParams
 from nextoken.inspect import engine_view, model_view, text
 from nextoken.inspect.trace import MAX_TRACE_TOKENS, InspectTracer
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 
 PROMPT_IDS = [3, 17, 42, 7, 99, 5, 61, 23, 11, 80, 4, 33]
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from nextoken import LLM
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 
 CHROMIUM = os.environ.get("NEXTOKEN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 OUT = Path(__file__).resolve().parent.parent / "build" / "test-output" / "inspector"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nextoken import LLM, SamplingParams
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
 

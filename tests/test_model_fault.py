@@ -18,7 +18,7 @@ import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.errors import RequestFailed
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 from tests.tiny_models import tiny_hf_model, write_gguf
 
 POISON = 77

@@ -7,22 +7,10 @@ import torch
 
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
+from tests.helpers.engine import hf_logits_stepwise
 from tests.tiny_models import VOCAB_SIZE, OneSequence, tiny_hf_model, write_gguf
 
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12, 7, 150, 3, 99]
-
-
-def hf_logits_stepwise(model, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
-    """transformers' logits: the prompt's last position, then one decode step per continuation
-    token with its own KV cache."""
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        logits, past = [out.logits[0, -1]], out.past_key_values
-        for t in continuation:
-            out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    return logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -21,7 +21,7 @@ import torch
 
 from nextoken import LLM, SamplingParams
 from tests.openapi_contract_hooks import semantic_reason
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"

@@ -179,7 +179,7 @@ def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total,
     bmm of the same bf16 values: row and key counts that fill no tile (6 rows, 64 keys), fewer
     keys than the cache holds, a head size that is not a multiple of 16."""
     from nextoken.layers.attention import _native_scores, _packed_keys
-    from tests.test_qweight import cpu_has
+    from tests.helpers.cpu import cpu_has
 
     if not cpu_has("avx512_bf16"):
         pytest.skip("this CPU has no AVX512-BF16: prefill_attention keeps its float32 bmm (tested above)")
@@ -203,7 +203,7 @@ def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys, shift):
     a row's maximum must come from its visible keys alone). Shapes: Qwen2.5-1.5B's block after
     4480 keys, row counts that fill no vector, one key, a square."""
     from nextoken.layers.attention import _native_softmax
-    from tests.test_qweight import cpu_has
+    from tests.helpers.cpu import cpu_has
 
     if not cpu_has("avx512_bf16"):
         pytest.skip("this CPU has no AVX512-BF16: prefill_attention keeps PyTorch's softmax (tested above)")

@@ -11,7 +11,7 @@ from nextoken.layers.quantization.torch_int4 import int4_groups, int4_linear, in
 from nextoken.layers.quantization.ggml import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner
-from tests.test_dequant import random_blocks
+from tests.helpers.blocks import random_blocks
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
 BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32}

@@ -12,18 +12,14 @@ from nextoken.layers.linear import Linear
 from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
     quantize_activations, quantize_activations_native
 from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
-from tests.test_dequant import random_blocks
+from tests.helpers.blocks import random_blocks
+from tests.helpers.cpu import cpu_has
 
 
 def weight(type_name: str, rows: int, cols: int, seed: int):
     """Random blocks of `type_name`: the float32 de-quantized weight and our codes."""
     raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK_FORMATS[type_name][0], seed=seed))
     return dequantize(raw, type_name, (rows, cols)), from_gguf(raw, type_name, rows, cols)
-
-
-def cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and flag in line.split() for line in f)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

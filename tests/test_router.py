@@ -20,7 +20,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from contextlib import contextmanager
 
@@ -29,6 +28,7 @@ import pytest
 
 from nextoken.errors import InvalidRequest
 from nextoken.server.replicas import core_slices, replica_argv, router_command
+from tests.helpers.server import wait_healthy
 from tests.ports import free_ports
 
 CLONE_NEWNET = 0x40000000
@@ -60,28 +60,6 @@ def loopback_only():
                 raise OSError(ctypes.get_errno(), "could not return to the original network namespace")
     finally:
         os.close(original)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120, log=None) -> None:
-    """Wait until `url`/health answers 200. Raises AssertionError if the process exits first (with
-    the end of its output when `log`, the file it writes to, is given), TimeoutError after
-    `timeout` s."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        status = proc.poll()
-        if status is not None:
-            output = ""
-            if log is not None:
-                log.seek(0)
-                output = log.read()[-4000:]
-            raise AssertionError(f"exited with status {status}: {output}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def metric(url: str, name: str) -> float:

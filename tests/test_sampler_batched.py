@@ -1,4 +1,4 @@
-"""The batched sampler against the row-by-row reference (`tests/sampler_reference.py`): the same
+"""The batched sampler against the row-by-row reference (`tests/helpers/sampler_reference.py`): the same
 kept sets and distributions for every kind of row in one mixed batch, the same token for the same
 seed, step after step; the C draw against the PyTorch one; seeded requests alone and batched."""
 
@@ -12,7 +12,7 @@ import torch
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator, torch_draw
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
-from tests import sampler_reference as ref
+from tests.helpers import sampler_reference as ref
 
 V = 1000
 EOG = frozenset({2})

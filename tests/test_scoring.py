@@ -61,7 +61,7 @@ def test_echo_scores_the_prompt_through_the_server(tiny_gguf):
     in a stream."""
     import httpx
 
-    from tests.test_server import LiveServer
+    from tests.helpers.server import LiveServer
 
     path, _ = tiny_gguf["llama"]
     llm = LLM(str(path), dtype="float32")
@@ -156,7 +156,7 @@ def test_chunks_drop_the_remainder_and_start_with_bos():
 def test_wrong_method_is_405_with_allow(tiny_gguf):
     import httpx
 
-    from tests.test_server import LiveServer
+    from tests.helpers.server import LiveServer
 
     srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny")
     try:

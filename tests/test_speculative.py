@@ -14,7 +14,7 @@ from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
-from tests.test_engine import assert_no_leak
+from tests.helpers.engine import assert_no_leak
 from tests.tiny_models import tiny_hf_model, write_gguf
 
 QUANT = {"attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q8_0", "attn_output.weight": "Q8_0",

@@ -26,7 +26,7 @@ from nextoken.distributed.sharding import partition
 from nextoken.errors import InvalidRequest
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.weights import _gguf_tensor
-from tests.test_model_tiny import hf_logits_stepwise
+from tests.helpers.engine import hf_logits_stepwise
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12, 7, 150, 3, 99]
@@ -177,7 +177,7 @@ def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
     """SIGKILL of rank 1 under ``nextoken serve --tensor-parallel-size 2``: the next request
     fails, and rank 0 exits with status 1 and a message naming the failure (no hang)."""
     from tests.ports import free_ports
-    from tests.test_router import wait_healthy
+    from tests.helpers.server import wait_healthy
 
     path, _ = tiny_gguf["llama"]
     port = free_ports(1)

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from nextoken import LLM
 from nextoken.server.tools import ToolCallParser, messages_for_template, parse
-from tests.test_server import LiveServer
+from tests.helpers.server import LiveServer
 
 TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
 WEATHER = {"type": "function", "function": {

@@ -1,0 +1,19 @@
+"""Random GGUF blocks with finite float16 scales, for the block-format tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS
+
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}  # where each format keeps its float16 scales
+
+
+def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
+    _, type_size, _ = BLOCK_FORMATS[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[type_name]:
+        scales = rng.uniform(-2, 2, size=n_blocks).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return raw

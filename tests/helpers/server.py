@@ -1,0 +1,73 @@
+"""A live server for tests: uvicorn in a background thread around an app built on an `LLM`."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import uvicorn
+
+from nextoken.engine.async_engine import AsyncLLMEngine
+from nextoken.server.app import ServerConfig, build_app
+from tests.ports import free_ports
+
+
+class LiveServer:
+    """uvicorn in a background thread around an app built on `llm` (or loading, if None)."""
+
+    def __init__(self, llm, name: str, **config):
+        self.state = SimpleNamespace(engine=AsyncLLMEngine(llm.engine) if llm else None, draining=False,
+                                     started=time.time())
+        self.llm = llm
+        app = build_app(self.state, ServerConfig(model_name=name, **config))
+        self.port = free_ports(1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), f"uvicorn did not start on port {self.port}"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def idle(self, timeout=5.0) -> bool:
+        """True once the engine has no request left and every block is free."""
+        end = time.time() + timeout
+        while time.time() < end:
+            eng = self.llm.engine
+            if not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120, log=None) -> None:
+    """Wait until `url`/health answers 200. Raises AssertionError if the process exits first (with
+    the end of its output when `log`, the file it writes to, is given), TimeoutError after
+    `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        status = proc.poll()
+        if status is not None:
+            output = ""
+            if log is not None:
+                log.seek(0)
+                output = log.read()[-4000:]
+            raise AssertionError(f"exited with status {status}: {output}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
