@@ -27,6 +27,11 @@ def has_processors(p: SamplingParams) -> bool:
                 or p.frequency_penalty or p.watermark)
 
 
+def needs_edits(p: SamplingParams, num_output: int) -> bool:
+    """Whether an edit applies to a row of `p` with `num_output` output tokens so far."""
+    return num_output < p.min_tokens or bool(p.logit_bias) or has_penalties(p) or p.watermark
+
+
 def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
@@ -164,8 +169,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    watermark: WatermarkConfig | None = None) -> torch.Tensor:
     """`process_rows` on one row ``[vocab]``: the row itself when nothing applies (no copy),
     else an edited copy; the caller's logits are never changed."""
-    if not has_processors(params) or (len(output_ids) >= params.min_tokens and not (
-            params.logit_bias or has_penalties(params) or params.watermark)):
+    if not needs_edits(params, len(output_ids)):
         return logits
     work = logits.float().clone()[None]
     process_rows(work, [RowEdits(params, prompt_ids, list(output_ids), [], None)], eog_ids, watermark)

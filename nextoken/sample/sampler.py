@@ -26,13 +26,12 @@ explain` get whole distributions from `distributions` (the same processors and r
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from nextoken.sample.logits_processors import RowEdits, TokenHistory, has_processors, process_rows
+from nextoken.sample.logits_processors import RowEdits, TokenHistory, has_processors, needs_edits, process_rows
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
 
@@ -175,8 +174,7 @@ class SamplingMetadata:
     top_k: torch.Tensor  # int32, 0 = off
     top_p: torch.Tensor  # float32, 1 = off
     min_p: torch.Tensor  # float32, 0 = off
-    sampled: list[int]  # rows that draw (temperature > 0)
-    processed: list[int]  # rows with any processor
+    processed: list[int]  # rows with any processor (min_tokens: edits only until it is reached)
     logprob_rows: list[int]  # rows that ask for log-probabilities
     num_logprobs: list[int]  # how many top log-probabilities each of those asks
     max_logprobs: int
@@ -190,8 +188,8 @@ class SamplingMetadata:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
-        return cls(temperature, top_k, top_p, min_p, [i for i, p in enumerate(ps) if not p.greedy],
-                   [i for i, p in enumerate(ps) if has_processors(p)], lp, [ps[i].logprobs for i in lp],
+        processed = [i for i, p in enumerate(ps) if has_processors(p)]
+        return cls(temperature, top_k, top_p, min_p, processed, lp, [ps[i].logprobs for i in lp],
                    max((ps[i].logprobs for i in lp), default=0), list(rows))
 
 
@@ -244,8 +242,9 @@ class Sampler:
         B, V = logits.shape
         meta = self.metadata(rows, V)
         results = [SampleResult(-1) for _ in rows]
-        work = self._process(logits, rows, meta.processed, [r.output_ids for r in rows])
-        source = {i: work[j] for j, i in enumerate(meta.processed)}  # row -> its processed logits
+        edited = [i for i in meta.processed if needs_edits(rows[i].params, len(rows[i].output_ids))]
+        work = self._process(logits, rows, edited, [r.output_ids for r in rows])
+        source = {i: work[j] for j, i in enumerate(edited)}  # row -> its processed logits
         grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
         retry = []
         for i in grammar_rows:  # masked now, unless the unmasked draw is exact (then after, if refused)
@@ -287,7 +286,7 @@ class Sampler:
         edits = []
         for i in which:
             r = rows[i]
-            if has_processors(r.params) and r.history is None:
+            if r.history is None:
                 r.history = TokenHistory(r.prompt_ids)
             edits.append(RowEdits(r.params, r.prompt_ids, r.output_ids, histories[i][len(r.output_ids):], r.history))
         process_rows(work, edits, self.eog_ids, self.watermark)
@@ -374,7 +373,7 @@ class Sampler:
         of them, e.g. drafts; the rows' own output ids by default), the grammar, temperature and
         filters. Speculative verification, the draft model and the inspector use it."""
         histories = histories or [r.output_ids for r in rows]
-        which = [i for i, r in enumerate(rows) if has_processors(r.params)]
+        which = [i for i, (r, h) in enumerate(zip(rows, histories)) if needs_edits(r.params, len(h))]
         work = self._process(logits, rows, which, histories)
         source = {i: work[j] for j, i in enumerate(which)}
         for i, r in enumerate(rows):
