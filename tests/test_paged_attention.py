@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nextoken.kernels import KernelSet
 from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, causal_mask, naive_attention, \
     native_decode_attention, paged_attention, paged_attention_reference, prefill_attention
 
 H, HKV, D, BS, NB = 4, 2, 16, 4, 1000
+SCORES = KernelSet.resolve().prefill_scores  # None without AVX512-BF16: then both runs are PyTorch's
 
 
 def build_batch(specs, seed=0, dtype=torch.float32, H=H, HKV=HKV, D=D, BS=BS, NB=NB):
@@ -51,21 +53,26 @@ SPECS = [
 
 
 @pytest.fixture(params=["native", "torch"])
-def decode_kernel(request, monkeypatch):
-    """Run a test with our C decode kernel, then with the PyTorch decode paths."""
-    from nextoken import kernels
-    from nextoken.layers import attention
+def decode_kernel(request):
+    """Run a test with our C decode kernel, then with the PyTorch decode paths: a function that
+    sets a batch's metadata to that backend, as the execution plan does."""
+    from nextoken.kernels import KernelSet
 
+    kernels = KernelSet()
     if request.param == "native":
-        assert kernels.load("paged_attention") is not None, "the C kernel did not build (is gcc installed?)"
-    else:
-        monkeypatch.setattr(attention, "native_decode_attention", lambda *args: None)
-    return request.param
+        kernels = KernelSet.resolve()
+        assert kernels.paged_attention is not None, "the C kernel did not build (is gcc installed?)"
+
+    def configure(meta: AttentionMetadata) -> AttentionMetadata:
+        meta.backend, meta.kernels = request.param, kernels
+        return meta
+    return configure
 
 
 @pytest.mark.parametrize("specs", SPECS)
 def test_fast_path_equals_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs)
+    decode_kernel(meta)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
 
@@ -77,8 +84,8 @@ def test_lone_decode_over_consecutive_blocks_reads_a_view(decode_kernel):
     kc, vc = torch.randn(HKV, NB, BS, D, generator=g), torch.randn(HKV, NB, BS, D, generator=g)
     seq_len, first = 4 * BS + 3, 17
     table = torch.arange(first, first + 5)[None]
-    meta = AttentionMetadata(torch.tensor([first * BS + seq_len - 1]), [0, 1], [seq_len], table, 1, BS,
-                             first_block=[first])
+    meta = decode_kernel(AttentionMetadata(torch.tensor([first * BS + seq_len - 1]), [0, 1], [seq_len], table, 1, BS,
+                                           first_block=[first]))
     q = torch.randn(1, H, D, generator=g)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
@@ -101,6 +108,7 @@ def test_reference_equals_attention_over_contiguous_keys(specs):
 @pytest.mark.parametrize("specs", [SPECS[0], SPECS[2], SPECS[3], SPECS[5]])
 def test_bfloat16_fast_path_close_to_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs, seed=2, dtype=torch.bfloat16)
+    decode_kernel(meta)
     ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert (paged_attention(q, kc, vc, meta, 0.25).float() - ref.float()).abs().max() < 0.05
 
@@ -145,7 +153,7 @@ def test_prefill_attention_equals_naive(heads, kv_heads, cached, new):
     ref_bf, _ = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
     assert bf.dtype == torch.bfloat16
     assert (bf.float() - ref_bf.float()).abs().max() < 0.03
-    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, native=True)
+    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, kernel=SCORES)
     assert (native.float() - ref_bf.float()).abs().max() < 0.03
 
 
@@ -160,7 +168,7 @@ def test_prefill_blocks_capped_by_the_scores_budget(monkeypatch):
     assert attention.prefill_block_rows(heads, cached + new) == 20
     g = torch.Generator().manual_seed(11)
     big = [torch.randn(kv_heads, 700, 32, generator=g).bfloat16() for _ in range(2)]
-    prefill_attention(torch.randn(40, heads, 32, generator=g).bfloat16(), *big, 0.3, native=True)  # grows scratch
+    prefill_attention(torch.randn(40, heads, 32, generator=g).bfloat16(), *big, 0.3, kernel=SCORES)  # grows scratch
     for buf in attention._scratch.buffers.values():  # a value left unwritten would show as NaN
         buf.fill_(float("nan"))
     q = torch.randn(new, heads, 32, generator=g)
@@ -168,7 +176,7 @@ def test_prefill_blocks_capped_by_the_scores_budget(monkeypatch):
     expected, _ = naive_attention(q, k, v, 0.3)
     assert torch.allclose(prefill_attention(q, k, v, 0.3), expected, atol=1e-5)
     ref_bf, _ = naive_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
-    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, native=True)
+    native = prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3, kernel=SCORES)
     assert (native.float() - ref_bf.float()).abs().max() < 0.03
 
 
@@ -186,9 +194,9 @@ def test_native_prefill_scores_equal_float32_matmul(kv_heads, rows, keys, total,
     g = torch.Generator().manual_seed(rows + keys)
     k = torch.randn(kv_heads, total, dim, generator=g).bfloat16()
     q = torch.randn(kv_heads, rows, dim, generator=g).bfloat16()
-    packed = _packed_keys(k)
-    assert packed is not None, "the prefill scores kernel did not build (is gcc installed?)"
-    out = _native_scores(q, packed, total, keys, 0.3)
+    assert SCORES is not None, "the prefill scores kernel did not build (is gcc installed?)"
+    packed = _packed_keys(k, SCORES)
+    out = _native_scores(SCORES, q, packed, total, keys, 0.3)
     expected = torch.bmm(q.float(), k[:, :keys].float().transpose(1, 2)) * 0.3
     assert out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
@@ -214,7 +222,8 @@ def test_native_prefill_softmax_equals_pytorch(kv_heads, group, n, keys, shift):
     ref = scores.clone()
     ref[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))
     ref = ref.softmax(-1).to(torch.bfloat16).float().view(kv_heads, group * n, keys)
-    out = _native_softmax(scores.view(kv_heads, group * n, keys).contiguous(), group, n).float()
+    assert SCORES is not None, "the prefill scores kernel did not build (is gcc installed?)"
+    out = _native_softmax(SCORES, scores.view(kv_heads, group * n, keys).contiguous(), group, n).float()
     hidden = torch.arange(keys)[None, :] > torch.arange(keys - n, keys)[:, None]  # [n, keys]
     assert (out.view(kv_heads, group, n, keys)[..., hidden] == 0).all()
     assert torch.allclose(out, ref, rtol=2 ** -8, atol=1e-30)

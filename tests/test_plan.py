@@ -35,8 +35,9 @@ def test_default_bf16_plan_uses_our_kernels(quantized):
     assert runner.plan.codes and runner.plan.attention == "native" and runner.plan.native_decode
     assert methods(runner) == {CodesMethod}
     assert runner.native_decoder is not None
-    assert runner.plan.native_activations and all(layer.mlp.native_act for layer in runner.model.layers)
-    assert all(layer.native_norm for layer in runner.model.layers)
+    lib = runner.plan.kernels.activation
+    assert runner.plan.native_activations and all(layer.mlp.act_kernel is lib for layer in runner.model.layers)
+    assert all(layer.norm_kernel is lib for layer in runner.model.layers)
 
 
 def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
@@ -45,18 +46,53 @@ def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
     assert not runner.plan.codes and runner.plan.attention == "torch" and not runner.plan.native_decode
     assert TorchInt4Method in methods(runner) and CodesMethod not in methods(runner)  # (small k: dense)
     assert runner.native_decoder is None
-    assert not runner.plan.native_activations and not any(layer.mlp.native_act for layer in runner.model.layers)
-    assert not any(layer.native_norm for layer in runner.model.layers)
-
-    def no_kernels(*args, **kwargs):
-        raise AssertionError("a C kernel was asked for under enforce_eager")
-
-    for module in ("nextoken.kernels", "nextoken.layers.attention", "nextoken.layers.quantization.qweight",
-                   "nextoken.layers.native_decode", "nextoken.layers.activation"):
-        monkeypatch.setattr(f"{module}.load", no_kernels)
+    assert not runner.plan.native_activations and not any(layer.mlp.act_kernel for layer in runner.model.layers)
+    assert not any(layer.norm_kernel for layer in runner.model.layers)
+    forbid_kernel_lookups(monkeypatch)
     seq = OneSequence(runner)
     logits = seq.forward(PROMPT)
     seq.forward([int(logits.argmax())])  # a decode step too
+
+
+def forbid_kernel_lookups(monkeypatch) -> None:
+    """From here on, looking a kernel up or reading NEXTOKEN_NATIVE_KERNELS fails the test."""
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a kernel was looked up, or the environment read, while the model ran")
+
+    monkeypatch.setattr("nextoken.kernels.native_allowed", no_lookup)
+    for module in ("nextoken.kernels", "nextoken.layers.attention", "nextoken.layers.quantization.qweight"):
+        monkeypatch.setattr(f"{module}.load", no_lookup)
+
+
+def test_the_default_plan_binds(quantized, monkeypatch):
+    """With our kernels, the model runs on the handles the plan resolved at load: prefill, the
+    one-call decode and the PyTorch layers' decode (native attention, codes, activations) never
+    look a kernel up nor read the environment, and nothing falls back."""
+    from nextoken import kernels
+
+    runner = ModelRunner(GGUFFile(quantized), torch.bfloat16)
+    before = sum(kernels.fallbacks.values())
+    forbid_kernel_lookups(monkeypatch)
+    seq = OneSequence(runner)
+    logits = seq.forward(PROMPT)
+    seq.forward([int(logits.argmax())])  # the one-call C decode step
+    runner.native_decoder = None
+    seq.forward([int(logits.argmax())])  # the PyTorch layers on the plan's kernels
+    assert sum(kernels.fallbacks.values()) == before
+
+
+def test_a_refused_call_is_counted(quantized):
+    """A call the plan's kernel cannot take (here float16 activations into a codes matmul) runs
+    PyTorch and is counted by kernel, which `LLMEngine.stats` and /metrics report."""
+    from nextoken import kernels
+
+    runner = ModelRunner(GGUFFile(quantized), torch.bfloat16)
+    lin = runner.model.layers[0].self_attn.q_proj
+    before = kernels.fallbacks["codes matmul on torch.float16"]
+    x = torch.randn(3, lin.in_features)
+    y = lin(x.half())
+    assert y.shape == (3, lin.out_features) and torch.isfinite(y).all()
+    assert kernels.fallbacks["codes matmul on torch.float16"] == before + 1
 
 
 def test_float32_and_reference_plans(quantized):

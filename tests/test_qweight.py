@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nextoken.kernels import load
+from nextoken.layers.quantization.methods import CodesMethod
 from nextoken.layers.linear import Linear
 from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
     quantize_activations, quantize_activations_native
@@ -138,7 +139,7 @@ def test_linear_paths_agree():
     expanded to bf16 for one matmul) give the same rows, both near the float32 product."""
     w, qw = weight("Q4_K", 96, 512, seed=24)
     lin = Linear(512, 96, False, torch.bfloat16)
-    lin.set_qweight(qw)
+    lin.set_qweight(qw, CodesMethod(load("qmatmul")))
     assert lin.weight is None
     x = torch.randn(100, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     kernel = lin(x).float()

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from nextoken import kernels
 from nextoken.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from nextoken.engine_args import EngineArgs
 from nextoken.kv_cache.manager import KVCacheManager
@@ -118,7 +119,7 @@ class LLMEngine:
             check_same_vocabulary(self.tokenizer, draft_tok, self.config.vocab_size,
                                   draft_runner.config.vocab_size, speculative.model or "draft")
             self.draft = DraftProposer(draft_runner, Sampler(self.tokenizer.eog_token_ids, self.watermark,
-                                                             native=not args.enforce_eager))
+                                                             draft_runner.plan.kernels.sampling))
             per_block += bytes_per_block(draft_runner.config, cache.block_size, dtype, cache.cache_dtype)  # its cache
         if self.draft is not None and self.draft.runner.config.sliding_layers:
             raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
@@ -154,7 +155,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.kv, speculative.num_speculative_tokens if speculative else 0)
         # drafted / accepted tokens, verification steps (one per request and step), emitted tokens
         self.spec_counts = {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0}
-        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, native=not args.enforce_eager)
+        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
         # structured output: llguidance over our vocabulary, built on the first request that asks
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.groups: dict[str, RequestGroup] = {}
@@ -577,7 +578,9 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
         """Queue lengths, KV cache usage (0..1), the prefix cache's block hit rate and its token
-        counts (prompt tokens looked up, and found), preemptions, speculative decoding's counts."""
+        counts (prompt tokens looked up, and found), preemptions, aborted and failed requests, the
+        kernel fallbacks (calls a kernel the plan chose refused, by kernel), speculative decoding's
+        counts."""
         pool = self.kv.pool
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
@@ -585,7 +588,7 @@ class LLMEngine:
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted,
-                **self.spec_stats()}
+                "num_failed": self.num_failed, "kernel_fallbacks": dict(kernels.fallbacks), **self.spec_stats()}
 
     def spec_stats(self) -> dict:
         """Speculative decoding: drafted and accepted token counts, the acceptance rate, and the

@@ -20,6 +20,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -173,7 +176,8 @@ def _warn_if_slow(lib: ctypes.CDLL) -> None:
 
 def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None (then the
-    caller runs PyTorch). `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain
+    caller runs PyTorch). The model's layers never call it: they hold the handles the execution
+plan resolved once (`KernelSet`). `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain
     C loops), for the tests that hold those loops equal to the vectorized ones. Never raises for
     a build or load failure: it warns once and returns None."""
     if not native_allowed():
@@ -185,3 +189,42 @@ def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
             _warn_if_slow(lib)
         _loaded[key] = lib
     return _loaded[key]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernel libraries a model runs, resolved once by the execution plan
+    (`nextoken.runner.plan`) and handed to the layers, which hold them: None means that part runs
+    PyTorch. Nothing reads the environment or builds a kernel while the model runs."""
+
+    qmatmul: ctypes.CDLL | None = None
+    paged_attention: ctypes.CDLL | None = None
+    prefill_scores: ctypes.CDLL | None = None  # only where the CPU has its instructions (AVX512-BF16)
+    activation: ctypes.CDLL | None = None
+    decode: ctypes.CDLL | None = None
+    sampling: ctypes.CDLL | None = None
+
+    @classmethod
+    def resolve(cls, enabled: bool = True) -> KernelSet:
+        """Every kernel built (or found in the cache) and opened, when `enabled` and
+        ``NEXTOKEN_NATIVE_KERNELS`` allows; the empty set (PyTorch everywhere) otherwise."""
+        if not enabled or not native_allowed():
+            return cls()
+        libs = {f.name: load(f.name) for f in fields(cls)}
+        scores = libs["prefill_scores"]
+        if scores is not None and not scores.prefill_scores_supported():
+            libs["prefill_scores"] = None
+        return cls(**libs)
+
+
+_fallback_lock = threading.Lock()
+fallbacks: Counter = Counter()  # runtime fallbacks from a kernel the plan chose to PyTorch, by what fell back
+
+
+def count_fallback(what: str) -> None:
+    """Count one call where a kernel the execution plan chose did not take its input and PyTorch
+    ran instead (shown in `LLMEngine.stats`, ``/metrics`` and the inspector). Logged once."""
+    with _fallback_lock:
+        if not fallbacks[what]:
+            log.warning("kernel fallback: %s ran on PyTorch (counted in nextoken_kernel_fallbacks_total)", what)
+        fallbacks[what] += 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextoken.kernels import load
+from nextoken.kernels import KernelSet, count_fallback, load
 from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -48,7 +48,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     num_decodes: int
     block_size: int
-    backend: str = "native"  # the execution plan's attention: "reference" | "native" | "torch"
+    backend: str = "torch"  # the execution plan's attention: "reference" | "native" | "torch"
+    kernels: KernelSet = KernelSet()  # with "native": the attention libraries the plan resolved
     keep_probs: bool = False  # tracing: the reference path, which returns the probabilities
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
@@ -123,7 +124,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         seq_len = meta.seq_lens[i]
         k = gather_kv(k_cache, meta.block_tables[i], seq_len, meta.block_size)  # [Hkv, S, D]
         v = gather_kv(v_cache, meta.block_tables[i], seq_len, meta.block_size)
-        out[a:b] = prefill_attention(q[a:b], k, v, scale, native=meta.backend == "native")
+        out[a:b] = prefill_attention(q[a:b], k, v, scale, meta.kernels.prefill_scores)
     return out
 
 
@@ -166,7 +167,7 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tensor:
+def prefill_attention(q, k, v, scale: float, kernel=None) -> torch.Tensor:
     """Causal attention of one prefill chunk: q ``[T, H, D]`` (positions ``S - T .. S - 1``)
     against k, v ``[Hkv, S, D]``; returns ``[T, H, D]``.
 
@@ -176,19 +177,23 @@ def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tens
     ``[group * rows, D]`` matrix, so GQA needs no copy of the keys. The scores ``scale (q k^T)``
     are float32 (as fused kernels keep them: bf16 scores would round logits of 10 by 0.02).
     Softmax in float32; the probabilities are rounded to v's dtype for ``p v``, a batched
-    matmul on the matrix units in bf16. With `native` and bf16 inputs, our C kernels
+    matmul on the matrix units in bf16. With `kernel` (the ``prefill_scores`` library the plan
+    resolved: CPUs with AVX512-BF16) and bf16 inputs of an even head size, our C kernels
     (``kernels/prefill_scores.c``) compute the scores (exact bf16 products, float32 sums, at the
     bf16 dot-product rate) and the masked softmax straight into bf16 probabilities; otherwise a
-    float32 batched matmul and PyTorch's softmax, the reference. Measured (512 new tokens after
-    4096 cached, 2 threads, per layer): Qwen2.5-1.5B's shapes 77 ms on the reference's pieces
-    (scores 37, mask + softmax + rounding 16, p v 9), 26 ms native (scores 11, softmax 5);
-    SmolLM2's 44 -> 15 ms. `naive_attention` is the reference.
+    float32 batched matmul and PyTorch's softmax, the reference (with a `kernel` given, a counted
+    fallback). `naive_attention` is the reference; ``benchmarks/`` holds the timings.
     """
     t, h, d = q.shape
     hkv, s, _ = k.shape
     group = h // hkv
     start = s - t
-    packed = _packed_keys(k) if native and q.dtype == k.dtype == v.dtype == torch.bfloat16 else None
+    packed = None
+    if kernel is not None:
+        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and d % 2 == 0:
+            packed = _packed_keys(k, kernel)
+        else:
+            count_fallback("prefill attention scores")
     if packed is not None:
         qg = q.view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, group, T, D], bf16, scaled in the kernel
     else:
@@ -201,8 +206,8 @@ def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tens
         n, keys = r1 - r0, start + r1  # the block's last query sees keys 0 .. keys - 1
         rows = qg[:, :, r0:r1].reshape(hkv, group * n, d)
         if packed is not None:
-            scores = _native_scores(rows.contiguous(), packed, s, keys, scale)
-            probs = _native_softmax(scores, group, n)
+            scores = _native_scores(kernel, rows.contiguous(), packed, s, keys, scale)
+            probs = _native_softmax(kernel, scores, group, n)
         else:
             scores = torch.bmm(rows, kf[:, :keys].transpose(1, 2)).view(hkv, group, n, keys)
             scores[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))  # the diagonal square
@@ -211,13 +216,9 @@ def prefill_attention(q, k, v, scale: float, native: bool = False) -> torch.Tens
     return out.permute(2, 0, 1, 3).reshape(t, h, d)
 
 
-def _packed_keys(k: torch.Tensor) -> torch.Tensor | None:
-    """k ``[Hkv, S, D]`` bf16 as the scores kernel reads it (``[Hkv, ceil(S / 64), D / 2, 64]``:
-    tiles of 64 keys, each word a pair of dims), or None when the kernel is unavailable (no
-    AVX512-BF16, no compiler) or D is odd."""
-    lib = load("prefill_scores")
-    if lib is None or not lib.prefill_scores_supported() or k.shape[2] % 2:
-        return None
+def _packed_keys(k: torch.Tensor, lib) -> torch.Tensor:
+    """k ``[Hkv, S, D]`` bf16 (D even) as the scores kernel `lib` reads it (``[Hkv, ceil(S / 64),
+    D / 2, 64]``: tiles of 64 keys, each word a pair of dims)."""
     k = k.contiguous()
     hkv, s, d = k.shape
     packed = torch.empty(hkv, -(-s // 64), d // 2, 64, dtype=torch.int32)
@@ -225,12 +226,12 @@ def _packed_keys(k: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def _native_scores(rows: torch.Tensor, packed: torch.Tensor, s: int, keys: int, scale: float) -> torch.Tensor:
+def _native_scores(lib, rows: torch.Tensor, packed: torch.Tensor, s: int, keys: int, scale: float) -> torch.Tensor:
     """``scale rows k^T`` float32 ``[Hkv, R, keys]`` from bf16 rows ``[Hkv, R, D]`` (contiguous),
     on this thread's scratch buffer (valid until the next call)."""
     hkv, r, d = rows.shape
     out = _scratch.take("scores", (hkv, r, keys), torch.float32)
-    rc = load("prefill_scores").prefill_scores(_PTR(rows.data_ptr()), _PTR(packed.data_ptr()), _I64(hkv), _I64(r),
+    rc = lib.prefill_scores(_PTR(rows.data_ptr()), _PTR(packed.data_ptr()), _I64(hkv), _I64(r),
                                                _I64(s), _I64(d), _I64(keys), ctypes.c_float(scale),
                                                _PTR(out.data_ptr()))
     if rc:
@@ -238,13 +239,13 @@ def _native_scores(rows: torch.Tensor, packed: torch.Tensor, s: int, keys: int, 
     return out
 
 
-def _native_softmax(scores: torch.Tensor, group: int, n: int) -> torch.Tensor:
+def _native_softmax(lib, scores: torch.Tensor, group: int, n: int) -> torch.Tensor:
     """Causal softmax of float32 scores ``[Hkv, group * n, keys]`` (overwritten) of a block of
     `n` queries whose last one sees every key -> bf16 probabilities of the same shape, on this
     thread's scratch buffer (valid until the next call)."""
     hkv, r, keys = scores.shape
     probs = _scratch.take("probs", (hkv, r, keys), torch.bfloat16)
-    rc = load("prefill_scores").prefill_softmax(_PTR(scores.data_ptr()), _I64(hkv), _I64(group), _I64(n), _I64(keys),
+    rc = lib.prefill_softmax(_PTR(scores.data_ptr()), _I64(hkv), _I64(group), _I64(n), _I64(keys),
                                                 _PTR(probs.data_ptr()))
     if rc:
         raise RuntimeError(f"prefill softmax kernel refused its shapes (rc {rc})")
@@ -257,10 +258,13 @@ DECODE_CHUNK = 16  # decodes gathered together; sorted by length so each chunk p
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All single-token sequences, in chunks of similar length. q: ``[B, H, D]`` -> ``[B, H, D]``."""
     nd = q.shape[0]
-    if meta.backend == "native":
-        native = native_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    lib = meta.kernels.paged_attention
+    if meta.backend == "native" and lib is not None:
+        native = native_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                         lib=lib)
         if native is not None:
             return native
+        count_fallback("paged decode attention")
     if nd == 1:
         return _lone_decode(q, k_cache, v_cache, meta, scale)
     seq_lens = torch.tensor(meta.seq_lens[:nd])
@@ -277,23 +281,28 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 _NATIVE_FN = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
+def native_decode_supports(dtype: torch.dtype, head_dim: int, group: int, int8_cache: bool = False) -> bool:
+    """Whether the C decode attention takes a model of these shapes (the execution plan asks at
+    load): float32 or bf16 queries (bf16 with an int8 cache), head_dim <= 256, <= 64 query heads
+    per KV head."""
+    return dtype in _NATIVE_FN and (not int8_cache or dtype == torch.bfloat16) and head_dim <= 256 and group <= 64
+
+
 def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float,
-                            portable: bool = False):
+                            portable: bool = False, lib=None):
     """Decode attention by our C kernel (``nextoken/kernels/paged_attention.c``), reading every
     sequence's keys and values in place through its block table: no gather copy, no padding.
     Same arguments as `_decode_chunk` (seq_lens a list; the caches tensors in q's dtype, or
     `Int8Rows` with bf16 q); returns ``[B, H, D]``, or None when the kernel is unavailable or
-    does not cover these shapes (the caller then runs PyTorch). `portable`: the build without
-    AVX-512 (its plain C loops), for tests.
-    Measured with SmolLM2's shapes (bf16, 2 cores): 32 sequences of 130-256 keys, 0.62 ms per
-    layer against 1.16 ms for `_decode_chunk`; one sequence of 200 keys, 35 us against 66 us."""
+    does not cover these shapes (`native_decode_supports`, which the plan checks at load; the
+    caller then runs PyTorch). `lib`: the library the plan resolved; without it the kernel is
+    loaded here (tests), `portable`: the build without AVX-512 (its plain C loops)."""
     int8 = isinstance(k_cache, Int8Rows)
     caches = (k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
-    if q.dtype not in _NATIVE_FN or (int8 and q.dtype != torch.bfloat16) or \
-            (not int8 and k_cache.dtype != q.dtype) or q.shape[2] > 256 or \
-            q.shape[1] // k_cache.shape[0] > 64 or not all(c.is_contiguous() for c in caches):
+    if not native_decode_supports(q.dtype, q.shape[2], q.shape[1] // k_cache.shape[0], int8) or \
+            (not int8 and k_cache.dtype != q.dtype) or not all(c.is_contiguous() for c in caches):
         return None
-    lib = load("paged_attention", portable)
+    lib = lib if lib is not None else load("paged_attention", portable)
     if lib is None:
         return None
     q = q.contiguous()

@@ -50,13 +50,13 @@ class Linear(torch.nn.Module):
         ``[out, in]``) in the form `plan` chooses for its type and shape."""
         plan.linear_method(t.type_name, self.out_features, self.in_features).load(self, t)
 
-    def set_qweight(self, qweight: QuantWeight) -> None:
-        """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel;
-        the dense weight is released."""
+    def set_qweight(self, qweight: QuantWeight, method: CodesMethod) -> None:
+        """Keep the weight as GGUF codes (`qweight.QuantWeight`), multiplied by our C kernel
+        (`method`, which holds it); the dense weight is released."""
         self.qweight = qweight
         self._qweight_c = None
         self.weight = None
-        self.method = CodesMethod()
+        self.method = method
 
     def qweight_c(self):
         """The kernel's view of the codes with this layer's bias (float32), built once."""
@@ -79,7 +79,7 @@ class Linear(torch.nn.Module):
         if self.weight is not None:
             return self.weight
         if self.qweight is not None:
-            return dequantize_bf16(self.qweight).to(self.dtype)
+            return dequantize_bf16(self.qweight, lib=getattr(self.method, "lib", None)).to(self.dtype)
         return expand_int4(self.int4)
 
     @property

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from nextoken.kernels import load
+from nextoken.kernels import count_fallback
 from nextoken.kernels.structs import QW, DecodeLayer
 
 
@@ -29,19 +29,25 @@ def _qw(linear) -> QW:
 
 
 class NativeDecoder:
-    """The C decode path for a `LlamaForCausalLM` whose linears all hold `QuantWeight` codes."""
+    """The C decode path for a `LlamaForCausalLM` whose linears all hold `QuantWeight` codes;
+    `lib`: the ``decode`` library the execution plan resolved."""
 
-    def __init__(self, model):
+    def __init__(self, model, lib):
         self.model = model
+        self.lib = lib
         self._table = None
         self._kv = None
 
     @staticmethod
     def supports(model) -> bool:
         """bf16, the plain Llama layer (``NATIVE_DECODE`` on the class: no QK-norm, no sliding
-        window) and every projection as codes. (Whether the kernel builds is the plan's check.)"""
-        if model.dtype != torch.bfloat16 or not getattr(model, "NATIVE_DECODE", False) or \
-                model.config.sliding_layers:
+        window), head shapes the kernel takes (``decode.c``'s guard: head_dim <= 256, rope_dim
+        <= min(512, head_dim), <= 64 query heads per KV head) and every projection as codes.
+        (Whether the kernel builds is the plan's check.)"""
+        cfg = model.config
+        if model.dtype != torch.bfloat16 or not getattr(model, "NATIVE_DECODE", False) or cfg.sliding_layers or \
+                cfg.head_dim > 256 or cfg.rope_dim > min(512, cfg.head_dim) or cfg.num_heads % cfg.num_kv_heads or \
+                cfg.num_heads // cfg.num_kv_heads > 64:
             return False
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -66,10 +72,9 @@ class NativeDecoder:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta) -> torch.Tensor | None:
         """h ``[T, hidden]`` bf16 (the embeddings of T single-token decodes) -> the hidden states
-        after the last layer, or None when the kernel does not take these shapes."""
-        lib = load("decode")
-        if lib is None or kv.dtype != torch.bfloat16:
-            return None
+        after the last layer, or None (counted: `kernels.count_fallback`) when the kernel refuses
+        them, which `supports` rules out at load."""
+        lib = self.lib
         cfg = self.model.config
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
@@ -87,4 +92,7 @@ class NativeDecoder:
             ctypes.c_float(cfg.head_dim ** -0.5))
         if rc == 1:
             raise MemoryError("native decode: out of memory for its buffers")
-        return h if rc == 0 else None
+        if rc != 0:
+            count_fallback("native decode step")
+            return None
+        return h

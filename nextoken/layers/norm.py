@@ -2,28 +2,29 @@
 
 import torch
 
-from nextoken.kernels import load
+from nextoken.kernels import count_fallback
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> torch.Tensor:
     """``y = x / sqrt(mean(x^2) + eps) * weight``, statistics in float32.
 
     x: ``[num_tokens, hidden]`` in any float dtype; weight: ``[hidden]``. Returns x's dtype.
     Same order of operations as `transformers`' LlamaRMSNorm (normalise in float32, cast back,
     then scale), so float32 results agree to the last bit.
 
-    With `native` (the execution plan's choice) and a contiguous 2-D bf16 x and bf16 weight, our
-    C kernel (``kernels/activation.c``: one pass per row, rows over threads; the squares summed in
+    With `kernel` (the ``activation`` library the execution plan gave the layer) and a contiguous
+    2-D bf16 x and bf16 weight, our C kernel (``kernels/activation.c``: one pass per row, rows over threads; the squares summed in
     float64, so the mean can differ from PyTorch's in its last bit, and then an output by one
-    bf16 step); otherwise this PyTorch expression, the reference.
+    bf16 step); otherwise this PyTorch expression, the reference (with a `kernel` given, a
+    counted fallback).
     """
-    if native and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() \
-            and weight.is_contiguous() and weight.shape == x.shape[1:]:
-        lib = load("activation")
-        if lib is not None:
+    if kernel is not None:
+        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() \
+                and weight.is_contiguous() and weight.shape == x.shape[1:]:
             out = torch.empty_like(x)
-            lib.rms_norm_rows_bf16(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+            kernel.rms_norm_rows_bf16(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
             return out
+        count_fallback("rms_norm")
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

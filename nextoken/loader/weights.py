@@ -214,8 +214,9 @@ def _tie_head(model, table: CheckpointTensor, plan) -> None:
     same dense table when the embedding is dense, else its own form of the table (int4 on the
     PyTorch path, where the embedding keeps Q8_0 rows)."""
     head, emb = model.lm_head, model.embed_tokens
-    if emb.qweight is not None and isinstance(plan.linear_method(table.type_name, *table.shape), CodesMethod):
-        head.set_qweight(emb.qweight)
+    method = plan.linear_method(table.type_name, *table.shape)
+    if emb.qweight is not None and isinstance(method, CodesMethod):
+        head.set_qweight(emb.qweight, method)
     elif emb.weight is not None:
         head.weight, head.method = emb.weight, DenseMethod()
     else:

@@ -67,18 +67,19 @@ class LlamaAttention(torch.nn.Module):
 
 class LlamaMLP(torch.nn.Module):
     """Gated feed-forward: ``down(act(gate(x), up(x)))``; `act` SwiGLU (Llama) or GeGLU (Gemma).
-    `native_act` (set by the execution plan at load) lets `act` take our C kernel."""
+    `act_kernel` (set by the execution plan at load: a library handle or None) lets `act` take
+    our C kernel."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act=silu_and_mul):
         super().__init__()
         self.act = act
-        self.native_act = False
+        self.act_kernel = None
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), native=self.native_act))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), kernel=self.act_kernel))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -89,13 +90,13 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(cfg, layer, dtype, qk_norm)
         self.post_attention_layernorm = weight_param(cfg.hidden_size, dtype=dtype)
         self.mlp = LlamaMLP(cfg, dtype)
-        self.native_norm = False  # set by the execution plan at load: RMSNorm on our C kernel
+        self.norm_kernel = None  # set by the execution plan at load: RMSNorm on our C kernel
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn, probs = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.native_norm), cos, sin, kv, meta)
+        attn, probs = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.norm_kernel), cos, sin, kv, meta)
         h = h + attn
-        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.native_norm))
+        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.norm_kernel))
         return h, probs
 
 

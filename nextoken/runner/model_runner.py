@@ -145,7 +145,7 @@ class ModelRunner:
         release_free_memory()
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
-        self.native_decoder = NativeDecoder(self.model) if self.plan.native_decode else None
+        self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
         log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
         self.kept_hidden: list[torch.Tensor] = []
@@ -199,6 +199,8 @@ class ModelRunner:
                 raise ValueError("a model with sliding-window layers needs sliding_blocks and ring_blocks")
             sliding = SlidingKVCache(cfg, sliding_blocks, block_size, ring_blocks, self.dtype)
         self.kv = PagedKVCache(cfg, num_blocks, block_size, self.dtype, sliding, cache_dtype)
+        self.plan.settle_cache(self.kv.quantized)
+        self.attention_kernels = self.plan.attention_kernels
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -226,7 +228,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
             num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
-            backend=self.plan.attention, first_block=first_block)
+            backend=self.plan.attention, kernels=self.attention_kernels, first_block=first_block)
         sw = self.kv.sliding
         if sw is not None:
             meta.sliding = build_sliding_metadata(sw.window, bs, sw.ring_blocks, [

@@ -17,20 +17,27 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; set on each MLP's
   ``native_act`` and each Llama-style layer's ``native_norm`` at load.
 
-``enforce_eager`` fixes all of these to PyTorch at load; nothing reads a process-wide switch
-while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has the same effect as
-a machine without a C compiler.
+The plan binds: it resolves the kernel libraries once (`kernels.KernelSet`) and hands each
+layer the handle it runs (a `CodesMethod` holds the ``qmatmul`` library, the MLP and norms the
+``activation`` one, the attention metadata the attention ones, `NativeDecoder` the ``decode``
+one, the sampler the ``sampling`` one). Shape limits of a kernel are checked here, at load, so a
+chosen kernel takes every call; a call it still refuses runs PyTorch and is counted
+(`kernels.count_fallback`: `LLMEngine.stats`, ``/metrics``, the inspector), never silently.
+
+``enforce_eager`` fixes all of these to PyTorch at load; nothing reads the environment or a
+process-wide switch while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has
+the same effect as a machine without a C compiler.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from nextoken import kernels
+from nextoken.kernels import KernelSet
 from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, LinearMethod, TorchInt4Method
 from nextoken.layers.quantization.qweight import qweight_supported
 from nextoken.layers.quantization.torch_int4 import int4_supported
@@ -51,6 +58,7 @@ class ExecutionPlan:
     native_decode: bool = False
     native_activations: bool = False
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
+    kernels: KernelSet = KernelSet()  # the libraries resolved once; None where PyTorch runs
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -58,32 +66,33 @@ class ExecutionPlan:
         """The plan for a model in `dtype` on this machine. `keep_quantized`: block-quantized
         weights stay quantized (bf16 only; float32 de-quantizes everything, the reference)."""
         reasons = {}
-        native = not enforce_eager and kernels.native_allowed()
+        ks = KernelSet.resolve(not enforce_eager)
+        native = ks != KernelSet()
         if enforce_eager:
             reasons["kernels"] = "enforce_eager"
         elif not native:
-            reasons["kernels"] = "NEXTOKEN_NATIVE_KERNELS=0"
+            reasons["kernels"] = "NEXTOKEN_NATIVE_KERNELS=0 or no C compiler"
         quantized = keep_quantized and dtype == torch.bfloat16
-        codes = quantized and native and kernels.load("qmatmul") is not None
+        codes = quantized and ks.qmatmul is not None
         if quantized and native and not codes:
             reasons["codes"] = "the qmatmul kernel did not build"
-        elif codes and not kernels.load("qmatmul").qmatmul_vectorized():
-            reasons["VNNI"] = "no AVX-512 VNNI on this CPU: the codes run the kernel's portable C loops"
+        elif codes and not ks.qmatmul.qmatmul_vectorized():
+            reasons["VNNI"] = "no AVX-512 VNNI on this CPU: the codes run the kernel's AVX2 or portable C loops"
         if reference_attention:
             attention = "reference"
-        elif native and kernels.load("paged_attention") is not None:
+        elif ks.paged_attention is not None:
             attention = "native"
         else:
             attention = "torch"
-        activations = native and dtype == torch.bfloat16 and kernels.load("activation") is not None
+        activations = dtype == torch.bfloat16 and ks.activation is not None
         return cls(dtype, codes, quantized and not codes, dense_weights, attention,
-                   native_activations=activations, reasons=reasons)
+                   native_activations=activations, reasons=reasons, kernels=ks)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
         """The method for a linear weight of GGML type `type_name` and shape ``[rows, cols]``."""
         if self.codes and qweight_supported(type_name, rows, cols):
-            return CodesMethod()
+            return CodesMethod(self.kernels.qmatmul)
         if self.torch_int4 and int4_supported(type_name, rows, cols, self.dtype):
             return TorchInt4Method(self.dense_weights)
         return DenseMethod()
@@ -97,24 +106,47 @@ class ExecutionPlan:
         return "dense"
 
     def settle(self, model, tensor_parallel: bool = False) -> None:
-        """After loading: whether the one-call C decode step runs `model` (bf16, an architecture
-        it implements, no sliding-window layers, every projection as codes, the kernel builds,
-        and no tensor parallelism: the ranks all-reduce between layers), and the row-wise
-        kernels (activation, RMSNorm) set on every MLP and layer that has the switch."""
+        """After loading: hand the row-wise kernels (activation, RMSNorm) to every SwiGLU MLP and
+        Llama-style layer; check the decode attention kernel against the model's head shapes;
+        decide whether the one-call C decode step runs `model` (bf16, an architecture and head
+        shapes it implements, no sliding-window layers, every projection as codes, the kernel
+        builds, and no tensor parallelism: the ranks all-reduce between layers)."""
+        from nextoken.layers.activation import silu_and_mul
+        from nextoken.layers.attention import native_decode_supports
         from nextoken.layers.native_decode import NativeDecoder
 
+        act = self.kernels.activation if self.native_activations else None
         for m in model.modules():
-            if hasattr(m, "native_act"):
-                m.native_act = self.native_activations
-            if hasattr(m, "native_norm"):
-                m.native_norm = self.native_activations
-        self.native_decode = NativeDecoder.supports(model) and self.codes and kernels.load("decode") is not None
+            if hasattr(m, "act_kernel"):
+                m.act_kernel = act if m.act is silu_and_mul else None
+            if hasattr(m, "norm_kernel"):
+                m.norm_kernel = act
+        cfg = model.config
+        if self.attention == "native" and not native_decode_supports(self.dtype, cfg.head_dim, cfg.num_queries_per_kv):
+            self.attention = "torch"
+            self.reasons["attention"] = f"head_dim {cfg.head_dim} or {cfg.num_queries_per_kv} heads per KV head"
+        if self.kernels.prefill_scores is not None and (self.dtype != torch.bfloat16 or cfg.head_dim % 2):
+            self.kernels = replace(self.kernels, prefill_scores=None)
+        self.native_decode = NativeDecoder.supports(model) and self.codes and self.kernels.decode is not None
         if tensor_parallel and self.native_decode:
             self.native_decode = False
             self.reasons["native decode"] = "tensor parallel (all-reduces between the layers)"
         elif not self.native_decode and self.codes:
             self.reasons["native decode"] = "not for this architecture or these weights" \
                 if not NativeDecoder.supports(model) else "the decode kernel did not build"
+
+    def settle_cache(self, int8_cache: bool) -> None:
+        """When the KV cache is made: an int8 cache needs bf16 queries in the C decode attention."""
+        if int8_cache and self.attention == "native" and self.dtype != torch.bfloat16:
+            self.attention = "torch"
+            self.reasons["attention"] = "an int8 KV cache with float32 queries"
+
+    @property
+    def attention_kernels(self) -> KernelSet:
+        """The libraries the attention layers receive (`AttentionMetadata.kernels`)."""
+        if self.attention != "native":
+            return KernelSet()
+        return KernelSet(paged_attention=self.kernels.paged_attention, prefill_scores=self.kernels.prefill_scores)
 
     def describe(self, model) -> str:
         """One line: the linears by method (and GGML type), the embedding, attention, decode."""

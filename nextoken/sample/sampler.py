@@ -218,19 +218,14 @@ def _mask(logits: torch.Tensor, refused: torch.Tensor, raw: torch.Tensor, blocke
 
 class Sampler:
     """Samples one token per row; see the module docstring for the order of operations.
-    `native`: draw with the C kernel when it builds (the engine passes False under
-    ``enforce_eager``); the plain PyTorch path otherwise."""
+    `kernel`: the ``sampling`` library the execution plan resolved (`kernels.KernelSet`), the
+    draw's C kernel; None (``enforce_eager``, no compiler): the plain PyTorch path."""
 
     def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None,
-                 native: bool = True):
+                 kernel=None):
         self.eog_ids = eog_ids
         self.watermark = watermark
-        self.kernel = None
-        if native:
-            from nextoken import kernels
-
-            lib = kernels.load("sampling")
-            self.kernel = _Kernel(lib) if lib is not None else None
+        self.kernel = _Kernel(kernel) if kernel is not None else None
         self._meta: SamplingMetadata | None = None
 
     # -- the step ---------------------------------------------------------------------------

@@ -39,6 +39,14 @@ class ServerMetrics:
             ("spec_num_accepted_tokens", "num_accepted_tokens", "Drafted tokens the target accepted"),
             ("spec_num_verify_steps", "num_verify_steps", "Verifications (one per request and step)"))}
         self._spec_seen = {key: 0 for key in self.spec}
+        # faults: a kernel the plan chose that fell back to PyTorch (per call, by kernel), and
+        # requests ended with an error by a fault of their own row (the others went on)
+        self.fallbacks = Counter("nextoken_kernel_fallbacks", "Calls a chosen kernel refused, run on PyTorch",
+                                 ["kernel"], registry=r)
+        self._fallbacks_seen: dict[str, int] = {}
+        self.failed = Counter("nextoken_request_failures", "Requests ended by a fault in their own row "
+                              "(non-finite logits, a sampler or grammar error)", registry=r)
+        self._failed_seen = {"num_failed": 0}
         self.spec_acceptance = Gauge("nextoken_spec_decode_acceptance_rate", "Accepted / drafted tokens", registry=r)
         self.spec_length = Gauge("nextoken_spec_decode_mean_accepted_length",
                                  "Tokens emitted per verification (accepted drafts plus one)", registry=r)
@@ -63,6 +71,10 @@ class ServerMetrics:
         self.hit_rate.set(stats["prefix_cache_hit_rate"])
         for key, counter in self.spec.items():
             _follow(counter, self._spec_seen, key, stats.get(key, 0))
+        for what, n in stats.get("kernel_fallbacks", {}).items():
+            self._fallbacks_seen.setdefault(what, 0)
+            _follow(self.fallbacks.labels(what), self._fallbacks_seen, what, n)
+        _follow(self.failed, self._failed_seen, "num_failed", stats.get("num_failed", 0))
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
         self.spec_length.set(stats.get("spec_mean_accepted_length", 0.0))
         self.vllm.render(stats)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nextoken.kernels import count_fallback
 from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16, gguf_codes, qmatmul
 from nextoken.layers.quantization.torch_int4 import empty_int4, int4_groups, int4_linear, int4_unpack, pack_int4
 
@@ -51,19 +52,25 @@ class DenseMethod(LinearMethod):
 
 
 class CodesMethod(LinearMethod):
-    """Our kernel on GGUF codes. Should the kernel not take a call (an activation dtype it has no
-    path for), the weight is expanded to bf16 for that call only."""
+    """Our kernel on GGUF codes; `lib`: the ``qmatmul`` library the execution plan resolved.
+    Should the kernel not take a call (an activation dtype it has no path for), the weight is
+    expanded to bf16 for that call only, and the fallback is counted (`kernels.count_fallback`)."""
 
     name = "codes"
 
+    def __init__(self, lib):
+        self.lib = lib
+
     def apply(self, layer, x):
-        y = qmatmul(x, layer.qweight, c=layer.qweight_c())
+        y = qmatmul(x, layer.qweight, c=layer.qweight_c(), lib=self.lib)
         if y is not None:
             return y
-        return F.linear(x, dequantize_bf16(layer.qweight, scratch=True).to(layer.dtype), layer.bias)
+        count_fallback(f"codes matmul on {x.dtype}")
+        bias = layer.bias.to(x.dtype) if layer.bias is not None else None
+        return F.linear(x, dequantize_bf16(layer.qweight, scratch=True, lib=self.lib).to(x.dtype), bias)
 
     def load(self, layer, t) -> None:
-        layer.set_qweight(load_codes(t))
+        layer.set_qweight(load_codes(t), self)
 
 
 class TorchInt4Method(LinearMethod):

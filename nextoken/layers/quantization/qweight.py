@@ -315,12 +315,15 @@ def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, portable: bool = False, c: QW | None = None) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, portable: bool = False, c: QW | None = None,
+            lib=None) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
     bias: float32 ``[N]`` or None (or `c`, a prepared `QuantWeight.c_struct`). `portable`: the
-    kernel's plain C loops (tests). Raises `ValueError` for a shape the kernel does not take."""
-    lib = load("qmatmul", portable)
+    kernel's plain C loops (tests). `lib`: the library the execution plan resolved (the model's
+    layers pass it; without it the kernel is loaded here). Raises `ValueError` for a shape the
+    kernel does not take."""
+    lib = lib if lib is not None else load("qmatmul", portable)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     x = x.contiguous()
@@ -351,12 +354,12 @@ def _scratch_buffer(numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def dequantize_bf16(w: QuantWeight, portable: bool = False, scratch: bool = False) -> torch.Tensor:
+def dequantize_bf16(w: QuantWeight, portable: bool = False, scratch: bool = False, lib=None) -> torch.Tensor:
     """The weight as bf16 ``[rows, cols]`` for one large matmul: by the C kernel when
     available (a transposed view of a ``[cols, rows]`` tensor), else `QuantWeight.dequantize`.
     With `scratch` the result lives in a per-thread buffer that the next call overwrites: use
-    it at once."""
-    lib = load("qmatmul", portable)
+    it at once. `lib`: as for `qmatmul`."""
+    lib = lib if lib is not None else load("qmatmul", portable)
     if lib is None:
         return w.dequantize().to(torch.bfloat16)
     rows, cols = w.shape
