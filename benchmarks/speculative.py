@@ -133,7 +133,8 @@ def main() -> None:
                 per = f"{st['spec_mean_accepted_length']:.2f}" if kw else "-"
                 print(f"| {kind} | {batch} | {name} | {speed:.1f} | {speed / b_speed:.2f}x | {acc} | {per} | "
                       f"{'yes' if ids == b_ids else 'NO'} |", flush=True)
-                llm.engine.spec_counts.update(drafted=0, accepted=0, steps=0, emitted=0)
+                if llm.engine.speculator is not None:
+                    llm.engine.speculator.reset_counts()
             del llm
             gc.collect()
 

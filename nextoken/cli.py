@@ -209,12 +209,12 @@ def engine_args(a):
     return EngineArgs.from_cli_args(a)
 
 
-def _load(a, opened=None):
-    """The model for a single-user command (`run`, `chat`, `explain`); `opened`: its file and
-    tokenizer, already read (`LLM.from_engine_args`)."""
+def _load(a, first=None):
+    """The model for a single-user command (`run`, `chat`, `explain`); `first`: the quick start's
+    first token, which the engine takes over (`LLM.from_engine_args`)."""
     from nextoken.llm import LLM
 
-    return LLM.from_engine_args(engine_args(a), opened)
+    return LLM.from_engine_args(engine_args(a), first)
 
 
 def _peak_rss_mib() -> float:
@@ -241,20 +241,17 @@ def cmd_run(a) -> int:
     if first is not None and first.finished:
         sys.stdout.write("\n")
         return 0
-    llm = _load(a, first.opened if first is not None else None)
+    llm = _load(a, first)
     params = params.validate(llm.config.vocab_size)
     chat = not a.raw and llm.tokenizer.chat_template is not None
-    prompt = a.prompt
-    if first is not None:  # the engine goes on from the prompt and the token already printed,
-        from nextoken.runner.quick_start import continuation  # with the prompt's keys and values
-
-        llm.engine.import_prefix(first.prompt_ids, first.kv.k, first.kv.v)
-        prompt, params = continuation(first, params)
-        chat = False
     out = None
-    for out in llm.stream(prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt):
+    printed = len(first.text) if first is not None else 0  # the quick token's text, printed already
+    for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt,
+                          first=first):  # with `first`: the engine emits that token first, then goes on
         c = out.outputs[0]
-        sys.stdout.write(c.delta)
+        delta = c.delta[printed:]
+        printed = max(0, printed - len(c.delta))
+        sys.stdout.write(delta)
         sys.stdout.flush()
         if a.logprobs is not None and c.logprobs:
             top = ", ".join(f"{llm.tokenizer.token_text(t)!r}:{lp:.3f}" for t, lp in c.logprobs[-1].items())

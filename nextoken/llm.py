@@ -18,6 +18,7 @@ from nextoken.catalog import DEFAULT_MODEL
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
+from nextoken.loader.opened import OpenedModel
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
@@ -52,14 +53,16 @@ class LLM:
         self._setup(EngineArgs(model=model, **options))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, opened=None) -> LLM:
-        """An `LLM` built from `EngineArgs` (what the command line does); `opened`: the model's
-        file and tokenizer when the caller has them already (`LLMEngine.from_engine_args`)."""
+    def from_engine_args(cls, args: EngineArgs, first=None) -> LLM:
+        """An `LLM` built from `EngineArgs` (what the command line does). `first`: the first
+        token ``nextoken run`` computed before PyTorch was imported (`runner.quick_start.FirstToken`):
+        the model file and tokenizer it read are reused; `stream(..., first=first)` then goes on
+        after it."""
         llm = cls.__new__(cls)
-        llm._setup(args, opened)
+        llm._setup(args, first.opened if first is not None else None)
         return llm
 
-    def _setup(self, args: EngineArgs, opened=None) -> None:
+    def _setup(self, args: EngineArgs, opened: OpenedModel | None = None) -> None:
         self.engine_args = args
         self.model_name = args.model
         self.engine = LLMEngine.from_engine_args(args, opened)
@@ -90,17 +93,25 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------
     def stream(self, prompt: Prompt | list[dict], params: SamplingParams | None = None, chat: bool = False,
-               system: str | None = None, truncate_prompt: bool = False, tracer=None) -> Iterator[RequestOutput]:
+               system: str | None = None, truncate_prompt: bool = False, tracer=None,
+               first=None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a `RequestOutput` whenever it has new text (each
         completion's `delta`). With `chat`, `prompt` is a message list or a user message.
-        `tracer` (see `nextoken.trace`) records every stage of this request. Raises
-        `RequestFailed` when the model's pass for it produced non-finite logits."""
+        `tracer` (see `nextoken.trace`) records every stage of this request. `first`: the quick
+        start's first token of this prompt (`runner.quick_start.FirstToken`): the request is its
+        prompt ids, that token comes out first without a draw and the seeded stream goes on past
+        the number it used, so the output is what `generate` gives for the prompt (the first
+        token included). Raises `RequestFailed` when the model's pass for it produced
+        non-finite logits."""
+        chosen = None
+        if first is not None:
+            prompt, chat, chosen = first.prompt_ids, False, ([first.token], first.draws)
         if chat:
             prompt = self._chat_prompt(prompt, system)
         engine = self.engine
         rid = None
         try:
-            rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt, tracer=tracer)
+            rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt, tracer=tracer, chosen=chosen)
             done = False
             while not done:
                 for out in engine.step():

@@ -33,6 +33,18 @@ def smollm2_path():
     return pull("smollm2-135m-instruct", progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path):
+    """One `LLM` on SmolLM2-135M-Instruct with the default settings (bf16, our kernels), shared by
+    every test that only generates with it: build your own to change a setting or the engine's
+    state."""
+    from nextoken import LLM
+
+    llm = LLM(str(smollm2_path))
+    yield llm
+    llm.close()
+
+
 def load_reference(name: str) -> dict:
     """Reference outputs made by `transformers` from the real GGUF files (tests/data)."""
     return json.loads((DATA / f"{name}.json").read_text())

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
 from nextoken.kv_cache import block_pool
 from nextoken.kv_cache.block_pool import BlockPool
 from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request
+from nextoken.sample.rng import DrawGenerator
 from nextoken.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), torch.Generator())
+    return Request(rid, tokens, SamplingParams(), DrawGenerator())
 
 
 def test_new_blocks_come_from_the_front_and_return_to_the_back():

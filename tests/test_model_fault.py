@@ -56,7 +56,7 @@ def test_faulty_request_fails_and_the_batch_goes_on(llm):
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in good)
     eng = llm.engine
     assert not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
-    assert eng.num_failed >= 1
+    assert eng.stats()["num_failed"] >= 1
     # the faulty pass's blocks are not offered to later prompts with the same prefix
     assert not any(b.token_ids and POISON in b.token_ids for b in eng.kv.pool.cached.values())
 
@@ -127,3 +127,71 @@ def test_perplexity_refuses_a_faulty_text(llm):
     assert POISON in llm.tokenizer.encode(text, add_bos=False, parse_special=False)
     with pytest.raises(RequestFailed, match="non-finite"):
         perplexity(llm.engine, text, ctx=16, progress=False)
+
+
+# -- a fault in one row's processing, not the model -------------------------------------------
+FAULT_SEED = 666  # the request whose logits processing raises
+MIXED = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=2, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0.7, top_k=20, presence_penalty=0.5, seed=3, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0, frequency_penalty=0.4, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0.9, seed=5, min_tokens=3, max_tokens=8, ignore_eos=True)]
+
+
+def faulty_processing(monkeypatch):
+    """Make the logits processors raise for any row of the request seeded `FAULT_SEED` (on its
+    fourth token: after some output), as a buggy processor or grammar would."""
+    import nextoken.sample.sampler as sampler
+
+    real = sampler.process_rows
+
+    def process_rows(work, edits, *args, **kwargs):
+        if any(e.params.seed == FAULT_SEED and len(e.output_ids) >= 3 for e in edits):
+            raise RuntimeError("injected processor fault")
+        return real(work, edits, *args, **kwargs)
+
+    monkeypatch.setattr(sampler, "process_rows", process_rows)
+
+
+def test_a_raising_processor_ends_only_its_own_request(tiny_gguf, monkeypatch):
+    """Among 8 running requests (greedy, sampled, penalized), one whose logits processor raises
+    finishes with finish_reason "error", its request id in the log and the error, its blocks
+    freed and the failure counted; the other 7 give exactly the tokens of a run without it."""
+    from tests.helpers.engine import assert_no_leak
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", block_size=4)
+    faulty = SamplingParams(temperature=0.9, repetition_penalty=1.2, seed=FAULT_SEED, max_tokens=8, ignore_eos=True)
+    prompts = [[5 + i, 17, 200 - i, 33] for i in range(8)]
+    params = MIXED[:4] + [faulty] + MIXED[4:]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    before = llm.engine.stats()["num_failed"]
+    faulty_processing(monkeypatch)
+    outs = llm.generate(prompts, params)
+    bad = outs[4]
+    assert bad.outputs[0].finish_reason == "error" and "injected processor fault" in bad.error
+    assert bad.request_id in bad.error and bad.outputs[0].token_ids == clean[4][:3]
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 4] == clean[:4] + clean[5:]
+    assert all(o.error is None for i, o in enumerate(outs) if i != 4)
+    assert llm.engine.stats()["num_failed"] == before + 1
+    assert_no_leak(llm)
+
+
+def test_a_raising_processor_is_a_500_for_its_request_and_counted_in_metrics(tiny_gguf, monkeypatch):
+    """Over HTTP the faulty request alone gets a 500 naming the fault; the server keeps serving,
+    and /metrics counts the failure."""
+    faulty_processing(monkeypatch)  # in this process: the live server runs in a thread here
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny")
+    try:
+        body = {"model": "tiny", "prompt": [5, 17, 200, 33], "max_tokens": 8, "ignore_eos": True,
+                "temperature": 0.9, "repetition_penalty": 1.2}
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "seed": FAULT_SEED}, timeout=60)
+        assert r.status_code == 500 and "injected processor fault" in r.text
+        ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "seed": 1}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert "nextoken_request_failures_total 1.0" in metrics
+        assert srv.idle()
+    finally:
+        srv.stop()

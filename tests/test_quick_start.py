@@ -143,6 +143,8 @@ def test_it_runs_without_pytorch(quick_models):
 
 
 def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
+    """``nextoken run`` prints the quick token, then the engine's continuation after it, through
+    the typed hand-off (`LLM.from_engine_args(args, first=...)`, `LLM.stream(..., first=...)`)."""
     from nextoken import LLM
 
     path = quick_models["qwen2"]
@@ -152,23 +154,37 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert "quick start: first token" in r.stderr
-    first = quick_start.first_token("ab cd", EngineArgs(model=path), SamplingParams(temperature=0, max_tokens=6),
-                                    chat=False)
-    llm = LLM(path, max_num_seqs=1)  # what the command does after the first token
-    llm.engine.import_prefix(first.prompt_ids, first.kv.k, first.kv.v)
-    rest = llm.generate(first.prompt_ids + [first.token], SamplingParams(temperature=0, max_tokens=5))[0]
-    assert r.stdout == first.text + rest.outputs[0].text + "\n"
+    params = SamplingParams(temperature=0, max_tokens=6)
+    first = quick_start.first_token("ab cd", EngineArgs(model=path), params, chat=False)
+    llm = LLM.from_engine_args(EngineArgs(model=path, max_num_seqs=1), first=first)  # what the command does
+    text = "".join(o.outputs[0].delta for o in llm.stream("ab cd", params, first=first))
+    assert text.startswith(first.text) and r.stdout == text + "\n"
+    assert text == llm.generate(first.prompt_ids, params)[0].outputs[0].text
     off = subprocess.run([*args, "--no-quick-start"], capture_output=True, text=True, timeout=300, env=env)
     assert off.returncode == 0 and "quick start" not in off.stderr
 
 
-def test_imported_prefix_is_the_engines_own_keys_and_values(quick_models):
-    """The prompt's keys and values land in the engine's layout (block j: positions 16 j on),
-    agree with what the PyTorch layers write for the same prompt, and a request that starts
-    with the prompt takes its full blocks from the prefix cache instead of computing them."""
-    from nextoken import LLM
-    from nextoken.kv_cache.block_pool import hash_block
+@pytest.mark.parametrize("seed", [0, 5, 11])
+def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm, seed):
+    """``nextoken run --seed S`` (its first token drawn before PyTorch is imported, the rest by
+    the engine) prints the text `LLM.generate` gives for the same prompt, seed and settings: one
+    stream of draws per seed (`sample.rng`), one draw kernel (`sample.draw`)."""
+    llm = smollm2_llm  # its load wrote the prepared cache
+    settings = dict(temperature=0.9, top_p=0.95, max_tokens=8, ignore_eos=True)
+    r = subprocess.run([sys.executable, "-m", "nextoken", "run", "Tell me a story.", "--model", str(smollm2_path),
+                        "--temperature", "0.9", "--top-p", "0.95", "--max-tokens", "8", "--ignore-eos",
+                        "--seed", str(seed), "--log-level", "info"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stderr
+    assert "quick start: first token" in r.stderr
+    prompt = llm.render_chat([{"role": "user", "content": "Tell me a story."}])
+    out = llm.generate(prompt, SamplingParams(seed=seed, **settings))[0]
+    assert r.stdout == out.outputs[0].text + "\n"
 
+
+def test_prompt_keys_and_values_are_the_engines(quick_models):
+    """The decode step run over the prompt writes its keys and values in the engine's layout
+    (block j: positions 16 j on), and they agree with what the PyTorch layers write for it."""
     path = quick_models["qwen2"]
     ids = (PROMPT * 3)[:40]  # two full blocks and a part
     f = GGUFFile(path)
@@ -182,53 +198,42 @@ def test_imported_prefix_is_the_engines_own_keys_and_values(quick_models):
         want = theirs[:, :, : ours.shape[2]].float().clone()
         want[:, :, -1, len(ids) % 16 :] = 0  # positions past the prompt: never written
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
-    llm = LLM(path, max_num_seqs=1)
-    assert llm.engine.import_prefix(ids, kv.k, kv.v) == 32
-    first = hash_block(None, tuple(ids[:16]))
-    for j, h in enumerate((first, hash_block(first, tuple(ids[16:32])))):
-        b = llm.engine.kv.pool.cached[h]  # block j of the prompt, wherever the pool put it
-        for ours, theirs in ((kv.k, llm.runner.kv.k), (kv.v, llm.runner.kv.v)):
-            assert torch.equal(theirs[:, :, b.block_id], torch.from_numpy(ours[:, :, j]).view(torch.bfloat16))
-    out = llm.generate(ids + [7], SamplingParams(temperature=0, max_tokens=1))[0]
-    assert out.metrics.num_cached_tokens == 32
-    assert llm.engine.import_prefix(ids, kv.k, kv.v) == 0  # cached already: nothing taken
-    other = LLM(path, max_num_seqs=1, enable_prefix_caching=False)
-    assert other.engine.import_prefix(ids, kv.k, kv.v) == 0
 
 
-@pytest.mark.parametrize("rope_dim,base", [(64, 100000.0), (128, 1000000.0), (16, 10000.0), (32, 500000.0)])
-def test_rope_frequencies_are_the_models(rope_dim, base):
-    from nextoken.layers.rotary import inv_frequencies
+def test_prepared_file_holds_what_the_model_holds(quick_models):
+    """The quick start reads the model's own tensors from the prepared file: RoPE's frequencies,
+    norms and biases bit for bit as the engine's model holds them (no second computation)."""
+    from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedFile, file_key
 
-    ours = quick_start.inv_frequencies(rope_dim, base)
-    assert ours.dtype == np.float32
-    np.testing.assert_array_max_ulp(ours, inv_frequencies(rope_dim, base).numpy(), maxulp=1)
-
-
-def test_filter_mask_is_the_samplers():
-    from nextoken.sample.sampler import filter_mask
-
-    rng = np.random.default_rng(0)
-    for top_k, top_p, min_p in [(-1, 1.0, 0.0), (5, 1.0, 0.0), (-1, 0.7, 0.0), (-1, 1.0, 0.1), (8, 0.9, 0.05)]:
-        for _ in range(20):
-            logits = (rng.standard_normal(64) * 3).astype(np.float32)
-            ours = quick_start.filter_mask(logits, top_k, top_p, min_p)
-            theirs = filter_mask(torch.from_numpy(logits), top_k, top_p, min_p).numpy()
-            assert np.array_equal(ours, theirs)
+    path = quick_models["qwen2"]
+    runner = ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)
+    f = PreparedFile(str(quick_start.prepared_path(path)), file_key(path))
+    model = runner.model
+    assert np.array_equal(f.array(PREPARED_INV_FREQ), model.inv_freq.numpy())
+    layer = model.layers[1]
+    for name, t in (("blk.1.attn_norm.weight", layer.input_layernorm), ("output_norm.weight", model.norm),
+                    ("blk.1.attn_q.bias", layer.self_attn.q_proj.bias)):
+        assert f.dtype(name) == "BF16" and np.array_equal(f.array(name), t.view(torch.int16).numpy().view(np.uint16))
 
 
-def test_draws_follow_the_samplers_distribution():
-    """Over 4000 seeds the first tokens' frequencies are the distribution `Sampler` draws from
-    (temperature, top-k, top-p), within 4 standard errors; each seed always draws the same."""
-    from nextoken.sample.sampler import Sampler, SamplerRequest
+def test_draw_is_the_samplers():
+    """The quick token for a seed is the token `Sampler` draws with that seed's stream (the same
+    kernel, the same first uniform number), and over 4000 seeds the draws follow the sampler's
+    distribution (temperature, top-k, top-p) within 4 standard errors."""
+    from nextoken.kernels import load
+    from nextoken.sample.draw import draw_one
+    from nextoken.sample.rng import DrawGenerator
+    from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 
+    lib = load("sampling")
     logits = np.array([2.0, 1.5, 1.2, 0.3, 0.0, -1.0, 2.2, 0.9], dtype=np.float32)
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95).validate(8)
+    sampler = Sampler(kernel=lib)
+    for s in range(50):
+        engine = sampler(torch.from_numpy(logits)[None], [SamplerRequest(params, [], [], make_generator(s))])[0]
+        assert draw_one(lib, logits, params, DrawGenerator(s).uniform()) == engine.token
     _, probs = Sampler().distribution(torch.from_numpy(logits), SamplerRequest(params, [], [], None))
     n = 4000
-    counts = np.bincount([quick_start.sample(logits, dataclasses.replace(params, seed=s)) for s in range(n)],
-                         minlength=8)
+    counts = np.bincount([draw_one(lib, logits, params, DrawGenerator(s).uniform()) for s in range(n)], minlength=8)
     p = probs.numpy().astype(np.float64)
     assert np.all(np.abs(counts / n - p) <= 4 * np.sqrt(p * (1 - p) / n) + 1e-9), (counts / n, p)
-    assert quick_start.sample(logits, dataclasses.replace(params, seed=9)) == \
-        quick_start.sample(logits, dataclasses.replace(params, seed=9))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from nextoken.config import SchedulerConfig
 from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request, RequestStatus
 from nextoken.engine.scheduler import Scheduler
+from nextoken.sample.rng import DrawGenerator
 from nextoken.sampling_params import SamplingParams
 
 
@@ -16,7 +15,7 @@ def make(max_seqs=8, budget=64, chunked=True, blocks=64, bs=4, caching=True):
 
 
 def req(rid, n_prompt, max_tokens=8, first=0):
-    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), torch.Generator())
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), DrawGenerator())
 
 
 def fake_step(s: Scheduler, token: int = 7):
@@ -123,7 +122,7 @@ def test_prefix_cache_hit_skips_prefill():
 def test_forked_completions_wait_for_the_prompt_then_share_it():
     s = make(budget=8, bs=4, caching=False)
     parent = req("p#0", 10)
-    child = Request("p#1", parent.prompt_ids, parent.params, torch.Generator(), parent=parent, index=1)
+    child = Request("p#1", parent.prompt_ids, parent.params, DrawGenerator(), parent=parent, index=1)
     s.add(parent), s.add(child)
     assert s.schedule().scheduled == {parent: 8}  # the child waits for the parent's prompt
     parent.num_computed_tokens = 8

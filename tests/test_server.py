@@ -423,21 +423,22 @@ def test_vllm_metric_names_and_prefix_cache_tokens(smol):
 
 
 def test_warm_up_forgets_its_counts_and_refuses_a_broken_model(tiny_gguf):
-    """`LLMEngine.warm_up` (what `nextoken serve` runs before /health answers 200) leaves no
+    """`engine.launch.warm_up` (what `nextoken serve` runs before /health answers 200) leaves no
     trace in the counters, and a model whose output is NaN is a load error, not a server."""
     import torch
 
+    from nextoken.engine.launch import warm_up
     from nextoken.errors import ModelLoadError
 
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
-    llm.engine.warm_up()
+    warm_up(llm.engine)
     stats = llm.engine.stats()
     assert stats["prefix_cache_queries"] == 0 and stats["prefix_cache_hits"] == 0
     assert not llm.engine.has_unfinished_requests()
     with torch.no_grad():
         llm.engine.runner.model.norm.fill_(float("nan"))
     with pytest.raises(ModelLoadError, match="non-finite"):
-        llm.engine.warm_up()
+        warm_up(llm.engine)
 
 
 def test_a_seeded_request_is_the_same_offline_alone_and_batched_through_the_server(tiny_gguf):

@@ -169,13 +169,13 @@ def test_real_pair_greedy_text_unchanged(kw):
 
 
 def test_step_log_records_each_verification(tiny_pair):
-    """The inspector's view of speculation (`LLMEngine.step_log`): every verification's drafts,
+    """The inspector's view of speculation (`LLMEngine.history`, fed by each step's `StepStats`): every verification's drafts,
     acceptance and emitted tokens agree with the engine's counters and with the output itself;
     greedy target probabilities are 1 up to the first rejection and 0 there."""
     target, draft = tiny_pair
     llm = LLM(target, max_num_seqs=1, dense_weights=False, num_speculative_tokens=3, speculative_model=draft)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-    records = [v for s in llm.engine.step_log for v in s["spec"]]
+    records = [v for s in llm.engine.history.steps for v in s["spec"]]
     stats = llm.engine.stats()
     assert len(records) == stats["spec_num_verify_steps"] > 0
     assert sum(len(v["drafted"]) for v in records) == stats["spec_num_drafted_tokens"]

@@ -231,7 +231,7 @@ def test_structured_output_under_speculation(smollm2_path, smol, method):
             for c in out.outputs:
                 assert c.finish_reason == "stop", c.text
                 jsonschema.validate(json.loads(c.text), schema)
-    assert spec_llm.engine.spec_counts["drafted"] > 0
+    assert spec_llm.engine.stats()["spec_num_drafted_tokens"] > 0
 
 
 def test_regex_choice_grammar_and_length(smol):

@@ -1,4 +1,6 @@
-"""Per-request output state: detokenization, stop checks, and the `RequestOutput` a step returns.
+"""Per-request output state: detokenization, stop checks, and the `RequestOutput` a step
+returns; `OutputProcessor` keeps the engine's requests and ends them (finished, aborted,
+failed).
 
 A user's request is a `RequestGroup` of `n` sequences (`Request`s); each sequence has its own
 `IncrementalDetokenizer` and `CompletionOutput`.
@@ -6,13 +8,17 @@ A user's request is a `RequestGroup` of `n` sequences (`Request`s); each sequenc
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from nextoken.engine.request import Request
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sample.sampler import SampleResult
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("nextoken.engine")
 
 
 @dataclass
@@ -94,3 +100,124 @@ def make_output(group: RequestGroup) -> RequestOutput:
     group.changed = False
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs))
+
+
+def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],
+              tokenizer, keep_prompt_hidden: bool = False) -> RequestGroup:
+    """The output state of a new request: one detokenizer and one empty `CompletionOutput` per
+    sequence (logprob lists when `params.logprobs` asks), its arrival time, and with
+    `params.prompt_logprobs` a slot per prompt position (and the prompt's hidden states when
+    `keep_prompt_hidden`, sized on the first chunk)."""
+    import torch
+
+    group = RequestGroup(
+        request_id, prompt, prompt_ids, seqs,
+        [IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+         for _ in seqs],
+        [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
+                          cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
+        RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids)))
+    if params.prompt_logprobs is not None:
+        group.prompt_logprobs = [None] * len(prompt_ids)
+        if keep_prompt_hidden:
+            group.prompt_hidden = torch.empty(0)
+    return group
+
+
+def store_prompt_scores(group: RequestGroup, start: int, entries: list, hidden) -> None:
+    """Keep the prompt log-probabilities `entries` of positions ``start + 1 ..`` (the row of
+    position p scores prompt token p + 1) and, when the group keeps them, their final hidden
+    states ``[n, hidden]`` (row p: position p)."""
+    n = len(entries)
+    group.prompt_logprobs[start + 1 : start + 1 + n] = entries
+    if group.prompt_hidden is not None:
+        if group.prompt_hidden.numel() == 0:  # sized on the first chunk
+            group.prompt_hidden = hidden.new_empty(len(group.prompt_ids) - 1, hidden.shape[1])
+        group.prompt_hidden[start : start + n] = hidden
+
+
+class OutputProcessor:
+    """The engine's requests as their users see them: each `RequestGroup` by id (`groups`) and
+    by sequence, the sampled tokens appended and detokenized (`emit`), the outputs of a step
+    (`collect`), aborts and failures. tokenizer: for the detokenizers and the end-of-generation
+    ids; max_model_len: tokens per sequence; release(seq, uncache): the engine frees an ending
+    sequence's blocks (with `uncache`, out of the prefix cache too)."""
+
+    def __init__(self, tokenizer, max_model_len: int, release: Callable[[Request, bool], None]):
+        self.tokenizer, self.max_model_len, self.release = tokenizer, max_model_len, release
+        self.groups: dict[str, RequestGroup] = {}
+        self._by_seq: dict[Request, RequestGroup] = {}
+        self.num_aborted = 0  # requests aborted before they finished
+        self.num_failed = 0  # requests ended by a fault of their own (non-finite logits, a raising processor)
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for s in group.seqs:
+            self._by_seq[s] = group
+
+    def group_of(self, r: Request) -> RequestGroup:
+        return self._by_seq[r]
+
+    def emit(self, r: Request, results) -> None:
+        """Append sampled tokens to `r` in order (its grammar accepting each) until one finishes
+        it. A grammar or detokenizer that raises fails `r`'s request alone (`fail`)."""
+        group = self._by_seq[r]
+        grammar = r.sampler_row.grammar
+        for res in results:
+            try:
+                if grammar is not None:
+                    grammar.accept(res.token)
+                done = process_token(group, r, res, self.tokenizer.eog_token_ids, self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - one row's fault ends only its own request
+                self.fail(r, f"emitting token {res.token} failed ({type(exc).__name__}: {exc})")
+                return
+            if done:
+                self.finish(r)
+                return
+
+    def finish(self, r: Request, reason: str | None = None) -> None:
+        """`r` is done (`reason` when its completion has none yet): its blocks are released."""
+        self.release(r, False)
+        finish_sequence(self._by_seq[r], r, reason)
+
+    def fail(self, r: Request, why: str) -> None:
+        """Finish every unfinished sequence of `r`'s request with reason ``"error"`` (`n` > 1:
+        the request fails as a whole), its message in `RequestOutput.error` and the log, with
+        the request id; blocks only it holds leave the prefix cache (they may hold non-finite
+        keys and values)."""
+        group = self._by_seq[r]
+        group.error = f"{why} of request {group.request_id}; its output so far is kept, nothing more is computed"
+        log.error("%s", group.error)
+        self.num_failed += 1
+        for s in group.seqs:
+            if not s.finished:
+                self.release(s, True)
+                finish_sequence(group, s, "error")
+
+    def abort(self, request_id: str) -> None:
+        """Stop request `request_id` now and release its blocks (no-op for unknown or finished ids)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        if not group.finished:
+            self.num_aborted += 1
+        for s in group.seqs:
+            if not s.finished:
+                self.release(s, False)
+                finish_sequence(group, s, "abort")
+            self._by_seq.pop(s, None)
+
+    def collect(self) -> tuple[list[RequestOutput], list[tuple[RequestGroup, RequestOutput]]]:
+        """The outputs of the requests that changed, and the finished requests (group, final
+        output), which leave."""
+        outputs, finished = [], []
+        for rid, group in list(self.groups.items()):
+            out = make_output(group) if group.changed else None
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
+                del self.groups[rid]
+                finished.append((group, out or make_output(group)))
+                for s in group.seqs:
+                    self._by_seq.pop(s, None)
+        return outputs, finished

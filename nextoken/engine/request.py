@@ -13,9 +13,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from nextoken.sample.sampler import SamplerRequest
+from nextoken.sample.rng import DrawGenerator
+from nextoken.sample.sampler import SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
 
 
@@ -36,7 +35,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: DrawGenerator  # this sequence's draws (`sample.rng`)
     group_id: str = ""
     index: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -56,6 +55,7 @@ class Request:
     spec_skip: int = 0  # steps left without drafting (after a verification that accepted nothing)
     spec_backoff: int = 0  # how many steps the next such pause lasts
     tracer: object | None = None  # `nextoken.trace` recorder: this request runs in a pass of its own
+    chosen: list[int] = field(default_factory=list)  # tokens emitted in place of the next draws (the quick start's)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_ids)
@@ -76,3 +76,30 @@ class Request:
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
         self.all_token_ids.append(token)
+
+
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of a request seeded with `seed` (completion 0 uses `seed`)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def make_sequences(request_id: str, prompt_ids: list[int], params: SamplingParams, grammars: list,
+                   tracer=None, chosen: tuple[list[int], int] | None = None) -> list[Request]:
+    """The `params.n` sequences of a request: ``<id>#<i>``, each with its own generator
+    (`completion_seed`), grammar (`grammars[i]`, or None) and sampler row; the later ones fork
+    from the first (`parent`), which computes the shared prompt. `chosen`: ``(tokens, draws)``,
+    the first sequence's first tokens chosen already and the numbers of its seeded stream they
+    used."""
+    seqs: list[Request] = []
+    for i in range(params.n):
+        s = Request(f"{request_id}#{i}", prompt_ids, params, make_generator(completion_seed(params.seed, i)),
+                    group_id=request_id, index=i, parent=seqs[0] if i else None)
+        if i == 0 and chosen is not None:
+            s.chosen = list(chosen[0])
+            s.generator.skip(chosen[1])
+        s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[i])
+        s.tracer = tracer
+        seqs.append(s)
+    return seqs

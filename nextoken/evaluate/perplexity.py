@@ -57,7 +57,7 @@ def _run(engine, chunks: list[list[int]], keep_hidden: bool, on_done=None) -> li
     try:
         for c in chunks:
             rid = engine.add_request(c, params, keep_prompt_hidden=keep_hidden)
-            groups[rid] = engine.groups[rid]
+            groups[rid] = engine.outputs.groups[rid]
         left = set(groups)
         while left:
             for out in engine.step():

@@ -121,7 +121,7 @@ def live_state(engine, since_step: int = -1) -> dict:
     sequences with their block tables, the step-log entries after `since_step`, the recent
     finished requests."""
     pool = engine.kv.pool
-    steps = [s for s in engine.step_log if s["step"] > since_step]
+    steps = [s for s in engine.history.steps if s["step"] > since_step]
     return {"time": time.perf_counter(), "stats": engine.stats(), "blocks": _block_states(pool),
             "block_size": engine.kv.block_size, "cached_blocks": len(pool.cached),
             "running": [_seq(engine, r) for r in engine.scheduler.running],
@@ -129,7 +129,7 @@ def live_state(engine, since_step: int = -1) -> dict:
             "steps": steps, "last_step": engine.num_steps - 1,
             "speculative": None if engine.speculative is None else {
                 "method": engine.speculative.method, "num_speculative_tokens": engine.speculative.num_speculative_tokens},
-            "requests": [_request(r) for r in list(engine.recent_requests)[-12:]]}
+            "requests": [_request(r) for r in list(engine.history.requests)[-12:]]}
 
 
 def _request(r: dict) -> dict:
@@ -144,7 +144,7 @@ def timeline(engine, request_id: str, metrics) -> dict:
     """The steps of request `request_id` from the engine's step log: each prefill chunk (tokens,
     ms) and decode step (ms, batch size), with TTFT and TPOT from its metrics."""
     rows = []
-    for s in engine.step_log:
+    for s in engine.history.steps:
         chunk = next((n for rid, n in s["prefill"] if rid == request_id), None)
         if chunk is not None:
             rows.append({"step": s["step"], "phase": "prefill", "tokens": chunk, "ms": round(s["ms"], 3),

@@ -101,27 +101,6 @@ class KVCacheManager:
         child.block_hashes[:] = parent.block_hashes[:n]
         return n * self.block_size
 
-    def adopt_prefix(self, token_ids: list[int]) -> list[int]:
-        """Take free blocks for the full blocks of `token_ids` and register them in the prefix
-        cache as that prefix, then release them (free and cached, like a finished request's
-        blocks): the caller writes their keys and values now, and the next request that starts
-        with these tokens finds them. Returns their ids in order; fewer, or none, when caching
-        is off, blocks are short, or a block of this prefix is cached already."""
-        if not self.enable_caching:
-            return []
-        bs, chain, parent = self.block_size, [], None
-        for i in range(min(len(token_ids) // bs, self.pool.num_free_blocks)):
-            toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash_block(parent, toks)
-            if parent in self.pool.cached:
-                break
-            chain.append((parent, toks))
-        blocks = self.pool.get_new_blocks(len(chain))
-        for b, (h, toks) in zip(blocks, chain):
-            self.pool.cache_block(b, h, toks)
-        self.pool.free_blocks(reversed(blocks))
-        return [b.block_id for b in blocks]
-
     def cache_full_blocks(self, req) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_caching:

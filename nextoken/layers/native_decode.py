@@ -17,20 +17,16 @@ import ctypes
 import torch
 
 from nextoken.kernels import count_fallback
-from nextoken.kernels.structs import QW, DecodeLayer
+from nextoken.kernels.decode_step import decode_layers, layer_table, serves
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def _qw(linear) -> QW:
-    return linear.qweight_c()
-
-
 class NativeDecoder:
-    """The C decode path for a `LlamaForCausalLM` whose linears all hold `QuantWeight` codes;
-    `lib`: the ``decode`` library the execution plan resolved."""
+    """The C decode path for a model whose layers `decode_step.serves` and whose linears all
+    hold `QuantWeight` codes; `lib`: the ``decode`` library the execution plan resolved."""
 
     def __init__(self, model, lib):
         self.model = model
@@ -40,14 +36,9 @@ class NativeDecoder:
 
     @staticmethod
     def supports(model) -> bool:
-        """bf16, the plain Llama layer (``NATIVE_DECODE`` on the class: no QK-norm, no sliding
-        window), head shapes the kernel takes (``decode.c``'s guard: head_dim <= 256, rope_dim
-        <= min(512, head_dim), <= 64 query heads per KV head) and every projection as codes.
+        """bf16, layers decode.c implements (`decode_step.serves`) and every projection as codes.
         (Whether the kernel builds is the plan's check.)"""
-        cfg = model.config
-        if model.dtype != torch.bfloat16 or not getattr(model, "NATIVE_DECODE", False) or cfg.sliding_layers or \
-                cfg.head_dim > 256 or cfg.rope_dim > min(512, cfg.head_dim) or cfg.num_heads % cfg.num_kv_heads or \
-                cfg.num_heads // cfg.num_kv_heads > 64:
+        if model.dtype != torch.bfloat16 or not serves(model.config):
             return False
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -61,12 +52,12 @@ class NativeDecoder:
             rows = []
             for i, layer in enumerate(self.model.layers):
                 a, m = layer.self_attn, layer.mlp
-                rows.append(DecodeLayer(_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm),
-                                   _qw(a.q_proj), _qw(a.k_proj), _qw(a.v_proj), _qw(a.o_proj), _qw(m.gate_proj),
-                                   _qw(m.up_proj), _qw(m.down_proj), _ptr(kv.k[i]), _ptr(kv.v[i]),
-                                   _ptr(kv.k_scale[i] if kv.quantized else None),
-                                   _ptr(kv.v_scale[i] if kv.quantized else None)))
-            self._table = (DecodeLayer * len(rows))(*rows)
+                projections = [lin.qweight_c() for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                                           m.up_proj, m.down_proj)]
+                rows.append((_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm), projections,
+                             _ptr(kv.k[i]), _ptr(kv.v[i]), _ptr(kv.k_scale[i] if kv.quantized else None),
+                             _ptr(kv.v_scale[i] if kv.quantized else None)))
+            self._table = layer_table(rows)
             self._kv = kv
         return self._table
 
@@ -74,8 +65,6 @@ class NativeDecoder:
         """h ``[T, hidden]`` bf16 (the embeddings of T single-token decodes) -> the hidden states
         after the last layer, or None (counted: `kernels.count_fallback`) when the kernel refuses
         them, which `supports` rules out at load."""
-        lib = self.lib
-        cfg = self.model.config
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
         tables = meta.block_tables[:t].contiguous()
@@ -83,15 +72,9 @@ class NativeDecoder:
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
         inv_freq = self.model.inv_freq.float().contiguous()
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        rc = lib.decode_layers(
-            self._layers(kv), i64(cfg.num_layers), ptr(h.data_ptr()), i64(t), i64(cfg.hidden_size),
-            i64(cfg.num_heads), i64(cfg.num_kv_heads), i64(cfg.head_dim), i64(cfg.rope_dim), ptr(inv_freq.data_ptr()),
-            ptr(positions.data_ptr()), ptr(slots.data_ptr()), ptr(tables.data_ptr()), i64(tables.shape[1]),
-            ptr(lens.data_ptr()), i64(kv.num_blocks), i64(kv.block_size), ctypes.c_float(cfg.norm_eps),
-            ctypes.c_float(cfg.head_dim ** -0.5))
-        if rc == 1:
-            raise MemoryError("native decode: out of memory for its buffers")
+        rc = decode_layers(self.lib, self._layers(kv), self.model.config, h.data_ptr(), t, inv_freq.data_ptr(),
+                           positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                           lens.data_ptr(), kv.num_blocks, kv.block_size)
         if rc != 0:
             count_fallback("native decode step")
             return None

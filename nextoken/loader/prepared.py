@@ -5,8 +5,11 @@ Repacking GGUF blocks into the tiled codes of ``kernels/qmatmul.c`` (`qweight.Qu
 is most of a cold start: 11 s for Qwen2.5-1.5B on this machine. The first load of a file writes
 what it packed to ``<cache>/prepared/<sha256>-v<LAYOUT_VERSION>.safetensors``
 (`catalog.cache_dir`): each weight's tensors as ``<name>/<field>``, its integers and the key in
-the metadata (JSON). Later loads of the same bytes open it with `safetensors`, which maps the
-file: the codes are pages of it, read on first use. Nothing is unpickled.
+the metadata (JSON), and the small dense tensors the model holds beside the codes (norms, biases,
+as ``<name>``, in the model's dtype; RoPE's frequencies as ``rope.inv_freq``). Later loads of the same bytes map the file (`PreparedFile`,
+NumPy, copy-on-write): the codes are pages of it, read on first use. Nothing is unpickled. The
+same reader serves the first token of ``nextoken run`` (`runner.quick_start`), before PyTorch is
+imported: everything that token needs is in this file.
 
 Trust: the file name and its header both carry the model file's SHA-256 and `LAYOUT_VERSION`
 (bump it whenever `QuantWeight`'s layout or packing changes); a cache whose key does not match,
@@ -30,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 from concurrent.futures import Future
@@ -38,7 +42,8 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the dense norms and biases, and RoPE's frequencies, too
+PREPARED_INV_FREQ = "rope.inv_freq"  # float32 [rope_dim / 2], as the model computed them
 HASH_CHUNK = 16 << 20
 _FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)
 _INTS = ("bits", "group", "gps")
@@ -134,6 +139,47 @@ def file_key(path: str | os.PathLike) -> str:
     return fut.result()
 
 
+_ST_DTYPES = {"U8": "uint8", "I8": "int8", "U16": "uint16", "F16": "float16", "F32": "float32", "BF16": "uint16",
+              "I32": "int32", "I64": "int64"}  # safetensors dtype -> NumPy (bf16: its bits)
+
+
+class PreparedFile:
+    """A prepared-weights cache file mapped as NumPy arrays (copy-on-write: writable views, pages
+    shared until written), torch-free. `params`: weight name -> ``[offset, bits, group, gps]``;
+    `array(key)` the stored array (``<name>/<field>`` or a dense ``<name>``; bf16 as uint16
+    bits), `dtype(key)` its safetensors dtype. Raises `ValueError` when the file's key or layout
+    is not `key` / `LAYOUT_VERSION`, `OSError` when it cannot be read."""
+
+    def __init__(self, path: str, key: str):
+        with open(path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        n = int.from_bytes(self._map[:8], "little")
+        header = json.loads(self._map[8 : 8 + n])
+        meta = header.pop("__metadata__", {}) or {}
+        if meta.get("key") != key or meta.get("layout") != str(LAYOUT_VERSION):
+            raise ValueError("its key does not match the model file")
+        self.params = json.loads(meta["params"])
+        self._entries, self._base = header, 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def dtype(self, key: str) -> str:
+        return self._entries[key]["dtype"]
+
+    def array(self, key: str):
+        """The stored array `key` (shape as stored), or None when absent."""
+        import numpy as np
+
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        start, end = e["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+        return np.frombuffer(self._map, dtype=dtype, count=(end - start) // dtype.itemsize,
+                             offset=self._base + start).reshape(e["shape"])
+
+
 class PreparedWeights:
     """The cache for one GGUF file: `codes(name, build)` returns the stored `QuantWeight` of
     tensor `name`, or builds it with `build()` and keeps it for `save`."""
@@ -143,30 +189,34 @@ class PreparedWeights:
 
         self.key = file_key(model_path)
         self.path = (directory or cache_dir() / "prepared") / f"{self.key}-v{LAYOUT_VERSION}.safetensors"
+        self.dense: dict = {}  # dense tensors (norms, biases) by checkpoint name
         self.stored = self._read()
         self.built: dict[str, dict] = {}
 
     def _read(self) -> dict[str, dict]:
         """name -> {field: tensor, "offset": float, "bits"/"group"/"gps": int}, or {} when the
-        cache is absent or not usable (a warning says why)."""
-        from safetensors import safe_open
+        cache is absent or not usable (a warning says why); the dense tensors into `dense`."""
+        import torch
 
         if not self.path.is_file():
             return {}
         try:
-            with safe_open(str(self.path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("key") != self.key or meta.get("layout") != str(LAYOUT_VERSION):
-                    raise ValueError("its key does not match the model file")
-                weights = {name: dict(zip(("offset", *_INTS), values))
-                           for name, values in json.loads(meta["params"]).items()}
-                for key in f.keys():
+            f = PreparedFile(str(self.path), self.key)
+            weights = {name: dict(zip(("offset", *_INTS), values)) for name, values in f.params.items()}
+            for key in f.keys():
+                t = torch.from_numpy(f.array(key))
+                if f.dtype(key) == "BF16":
+                    t = t.view(torch.bfloat16)
+                if "/" in key:
                     name, field_ = key.rsplit("/", 1)
-                    weights[name][field_] = f.get_tensor(key)
+                    weights[name][field_] = t
+                else:
+                    self.dense[key] = t
             return weights
         except Exception as exc:  # a damaged file raises anything from I/O to header and JSON errors
             log.warning("prepared-weights cache %s is not usable (%s: %s); packing the weights again",
                         self.path, type(exc).__name__, exc)
+            self.dense = {}
             return {}
 
     def codes(self, name: str, rows: int, cols: int, build: Callable):
@@ -185,9 +235,14 @@ class PreparedWeights:
         self.built[name] = {k: getattr(qw, k) for k in (*_FIELDS, "offset", *_INTS)}
         return qw
 
+    def keep_dense(self, name: str, t) -> None:
+        """Keep the model's dense tensor `name` (a norm or a bias, as loaded) for the next `save`."""
+        self.dense[name] = t
+
     def save(self) -> None:
-        """Write the cache when anything was packed in this load (every weight, stored or new).
-        A folder that cannot be written is one warning; the model still runs."""
+        """Write the cache when anything was packed in this load (every weight, stored or new, and
+        the dense tensors kept). A folder that cannot be written is one warning; the model still
+        runs."""
         from safetensors.torch import save_file
 
         if not self.built:
@@ -195,6 +250,7 @@ class PreparedWeights:
         weights = {**self.stored, **self.built}
         tensors = {f"{name}/{k}": w[k].contiguous() for name, w in weights.items() for k in _FIELDS
                    if w.get(k) is not None}
+        tensors.update({name: t.detach().contiguous() for name, t in self.dense.items()})
         params = {name: [w["offset"], *(w[k] for k in _INTS)] for name, w in weights.items()}
         meta = {"key": self.key, "layout": str(LAYOUT_VERSION), "params": json.dumps(params)}
         try:

@@ -24,8 +24,9 @@ from nextoken.errors import ModelLoadError
 from nextoken.layers.quantization.methods import CodesMethod, DenseMethod
 from nextoken.layers.rotary import unpermute_qk
 from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf_names import GGUF_LAYER_NAMES, GGUF_PERMUTED_QK, GGUF_PROJECTIONS
 from nextoken.loader.hf import HFModelDir
-from nextoken.loader.prepared import PreparedWeights
+from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedWeights
 
 
 @dataclass
@@ -99,17 +100,6 @@ def block_geometry(type_name: str) -> tuple[int, int]:
 
 # -- name tables ------------------------------------------------------------------------------
 # GGUF blk.N.<name> -> our layers.N.<name>, per layer layout
-GGUF_LAYER_NAMES = {
-    "llama": {"attn_norm.weight": "input_layernorm", "ffn_norm.weight": "post_attention_layernorm"},
-    "gemma3": {"attn_norm.weight": "input_layernorm", "post_attention_norm.weight": "post_attention_layernorm",
-               "ffn_norm.weight": "pre_feedforward_layernorm", "post_ffw_norm.weight": "post_feedforward_layernorm"},
-}
-GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                    "ffn_down": "mlp.down_proj"}
-# llama.cpp's converter permutes Q and K of these architectures for its interleaved RoPE
-# (``convert_hf_to_gguf.py``, ``LlamaModel.permute``); Qwen and Gemma files keep the NeoX order
-GGUF_PERMUTED_QK = {"llama"}
 GPT2_HF_LAYER_NAMES = {"ln_1.weight": "ln_1_weight", "ln_1.bias": "ln_1_bias", "ln_2.weight": "ln_2_weight",
                        "ln_2.bias": "ln_2_bias", "attn.c_attn.weight": "c_attn.weight",
                        "attn.c_attn.bias": "c_attn.bias", "attn.c_proj.weight": "attn_proj.weight",
@@ -203,9 +193,13 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: boo
             hook(t, plan)
         else:
             params[ours].data.copy_(t.dense(params[ours].dtype))
+            if prepared is not None:  # the norms and biases beside the codes: the quick start reads them
+                prepared.keep_dense(t.name, params[ours].data)
     if model.config.tie_word_embeddings:
         _tie_head(model, tensors["embed_tokens.weight"], plan)
     if prepared is not None:
+        if getattr(model, "inv_freq", None) is not None:  # RoPE's frequencies, as the model computed them
+            prepared.keep_dense(PREPARED_INV_FREQ, model.inv_freq)
         prepared.save()
 
 

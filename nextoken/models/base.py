@@ -32,7 +32,6 @@ class DecoderModel(torch.nn.Module):
     """Embedding, decoder layers, final norm, LM head (tied to the embedding table when the
     config says so). `forward` computes hidden states, `compute_logits` the logits."""
 
-    NATIVE_DECODE = False  # the one-call C decode step (`layers.native_decode`) implements this layer
     TP_PLAN: dict | None = None  # how its projections split under tensor parallelism (`distributed.sharding`)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):

@@ -103,7 +103,6 @@ class LlamaDecoderLayer(torch.nn.Module):
 class LlamaForCausalLM(DecoderModel):
     """Decoder-only transformer with Llama's layer."""
 
-    NATIVE_DECODE = True  # the C decode step (`layers.native_decode`) implements exactly this layer
     QK_NORM = False  # RMSNorm on each query/key head (Qwen 3)
     TP_PLAN = TP_PLAN
 

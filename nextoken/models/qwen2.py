@@ -2,7 +2,7 @@
 
 Differences from `llama.LlamaForCausalLM`: ``attention_bias`` (read from the file: the GGUF has
 ``attn_{q,k,v}.bias``), and in GGUF files Q and K are stored in the "rotate half" (NeoX) order,
-which the loader leaves as it is (`loader.weights.GGUF_PERMUTED_QK`).
+which the loader leaves as it is (`loader.gguf_names.GGUF_PERMUTED_QK`).
 """
 
 from nextoken.models.llama import LlamaForCausalLM

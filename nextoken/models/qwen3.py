@@ -7,5 +7,4 @@ from nextoken.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    NATIVE_DECODE = False  # the C decode step has no QK-norm
     QK_NORM = True

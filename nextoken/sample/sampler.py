@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nextoken.sample.draw import row_settings, sample_rows
+from nextoken.sample.rng import DrawGenerator
 from nextoken.sample.logits_processors import RowEdits, TokenHistory, has_processors, needs_edits, process_rows
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
@@ -44,7 +46,7 @@ class SamplerRequest:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None
+    generator: DrawGenerator | None  # None: the process's shared stream
     grammar: object | None = None
     history: TokenHistory | None = field(default=None, repr=False)  # penalties' counts, made on first use
 
@@ -56,7 +58,8 @@ class SampleResult:
     logprob: log-probability of `token` under the raw distribution (or None);
     top_logprobs: the N most likely ``(token, logprob)`` pairs, best first;
     kept: bool ``[vocab]`` mask of the candidates the settings allowed (only with keep_details);
-    probs: float32 ``[vocab]`` distribution the token was drawn from (only with keep_details).
+    probs: float32 ``[vocab]`` distribution the token was drawn from (only with keep_details);
+    error: what failed for this row alone (its token is then -1).
     """
 
     token: int
@@ -64,22 +67,22 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None = None
     kept: torch.Tensor | None = None
     probs: torch.Tensor | None = None
+    error: str | None = None  # this row's processors or grammar raised: no token (-1), the others go on
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed` (a fresh random seed when None)."""
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
+def make_generator(seed: int | None) -> DrawGenerator:
+    """A request's stream of draws (`sample.rng.DrawGenerator`) seeded with `seed` (a fresh
+    random seed when None)."""
+    return DrawGenerator(seed)
 
 
-def uniform(generator: torch.Generator | None) -> float:
-    """One uniform number in [0, 1) from `generator` (float32, as ``torch.rand``): what one draw
-    consumes."""
-    return float(torch.rand((), generator=generator))
+_shared = DrawGenerator()
+
+
+def uniform(generator: DrawGenerator | None) -> float:
+    """One uniform number in [0, 1) from `generator` (None: the process's shared stream): what
+    one draw consumes."""
+    return (generator or _shared).uniform()
 
 
 # -- the rule, in PyTorch (the plain path) --------------------------------------------------
@@ -151,16 +154,15 @@ class _Kernel:
     """``kernels/sampling.c``'s ``sample_rows`` over row addresses."""
 
     def __init__(self, lib):
-        self.fn = lib.sample_rows
+        self.lib = lib
 
     def __call__(self, addresses: list[int], V: int, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         b = len(addresses)
         rows = np.array(addresses, dtype=np.int64)
         tokens = torch.empty(b, dtype=torch.int64)
-        if self.fn(rows.ctypes.data, b, V, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                   min_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), None):
-            raise MemoryError("the sampling kernel could not allocate its scratch memory")
+        sample_rows(self.lib, rows.ctypes.data, b, V, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+                    min_p.data_ptr(), u.data_ptr(), tokens.data_ptr())
         return tokens
 
 
@@ -183,10 +185,11 @@ class SamplingMetadata:
     @classmethod
     def build(cls, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
         ps = [r.params for r in rows]
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps], dtype=torch.int32)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+        settings = list(zip(*(row_settings(p, V) for p in ps))) or [(), (), (), ()]
+        temperature = torch.tensor(settings[0], dtype=torch.float32)
+        top_k = torch.tensor(settings[1], dtype=torch.int32)
+        top_p = torch.tensor(settings[2], dtype=torch.float32)
+        min_p = torch.tensor(settings[3], dtype=torch.float32)
         lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
         processed = [i for i, p in enumerate(ps) if has_processors(p)]
         return cls(temperature, top_k, top_p, min_p, processed, lp, [ps[i].logprobs for i in lp],
@@ -216,6 +219,11 @@ def _mask(logits: torch.Tensor, refused: torch.Tensor, raw: torch.Tensor, blocke
     return out
 
 
+def _fail(result: SampleResult, exc: Exception) -> None:
+    """A row whose processors or grammar raised: no token, the error kept for its request."""
+    result.token, result.error = -1, f"{type(exc).__name__}: {exc}"
+
+
 class Sampler:
     """Samples one token per row; see the module docstring for the order of operations.
     `kernel`: the ``sampling`` library the execution plan resolved (`kernels.KernelSet`), the
@@ -233,34 +241,60 @@ class Sampler:
                  keep_details: bool = False) -> list[SampleResult]:
         """logits: float32 ``[batch, vocab]`` (never changed); rows: one `SamplerRequest` per
         logits row. `keep_details` (the tracers' one-row passes): each result also carries the
-        kept mask and the distribution drawn from."""
+        kept mask and the distribution drawn from. A row whose processors or grammar raise gets
+        no token (-1) and `SampleResult.error`; the other rows are drawn as without it."""
         B, V = logits.shape
         meta = self.metadata(rows, V)
         results = [SampleResult(-1) for _ in rows]
         edited = [i for i in meta.processed if needs_edits(rows[i].params, len(rows[i].output_ids))]
-        work = self._process(logits, rows, edited, [r.output_ids for r in rows])
-        source = {i: work[j] for j, i in enumerate(edited)}  # row -> its processed logits
-        grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+        source = self._process_isolated(logits, rows, edited, results)
         retry = []
-        for i in grammar_rows:  # masked now, unless the unmasked draw is exact (then after, if refused)
-            if keep_details or not _draw_unmasked_is_exact(rows[i], rows[i].output_ids):
-                source[i] = self._masked(logits[i], source.get(i), rows[i], rows[i].output_ids)
+        for i, r in enumerate(rows):  # grammars: masked now, unless the unmasked draw is exact (then after, if refused)
+            if r.grammar is None or results[i].error:
+                continue
+            if keep_details or not _draw_unmasked_is_exact(r, r.output_ids):
+                try:
+                    source[i] = self._masked(logits[i], source.get(i), r, r.output_ids)
+                except Exception as exc:  # noqa: BLE001 - one row's fault ends only its own request
+                    _fail(results[i], exc)
             else:
                 retry.append(i)
+        ok = [i for i in range(B) if not results[i].error]
         if keep_details:
             self._draw_with_details(logits, rows, source, results)
-        else:
-            tokens = self._draw(logits, rows, list(range(B)), source, meta)
-            for i, t in enumerate(tokens):
+        elif ok:
+            for i, t in zip(ok, self._draw(logits, rows, ok, source, meta)):
                 results[i].token = t
-            again = [i for i in retry if not rows[i].grammar.allows(results[i].token)]
+            again = []
+            for i in retry:
+                try:
+                    if not rows[i].grammar.allows(results[i].token):
+                        source[i] = self._masked(logits[i], source.get(i), rows[i], rows[i].output_ids)
+                        again.append(i)
+                except Exception as exc:  # noqa: BLE001
+                    _fail(results[i], exc)
             if again:
-                for i in again:
-                    source[i] = self._masked(logits[i], source.get(i), rows[i], rows[i].output_ids)
                 for i, t in zip(again, self._draw(logits, rows, again, source, meta)):
                     results[i].token = t
         self._logprobs(logits, meta, results)
         return results
+
+    def _process_isolated(self, logits, rows, edited: list[int], results: list[SampleResult]) -> dict:
+        """Row -> its processed logits for rows `edited`, in one batch; should that raise, row by
+        row, and a row that raises alone gets its `SampleResult.error` (its request fails, the
+        batch goes on)."""
+        histories = [r.output_ids for r in rows]
+        try:
+            work = self._process(logits, rows, edited, histories)
+            return {i: work[j] for j, i in enumerate(edited)}
+        except Exception:  # noqa: BLE001 - find the row at fault; the others are processed again alone
+            source = {}
+            for i in edited:
+                try:
+                    source[i] = self._process(logits, rows, [i], histories)[0]
+                except Exception as exc:  # noqa: BLE001 - one row's fault ends only its own request
+                    _fail(results[i], exc)
+            return source
 
     def metadata(self, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
         """The batch's settings: the last batch's when the rows are the same objects in the same
@@ -312,6 +346,8 @@ class Sampler:
         """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
         ``.probs``)."""
         for i, (kept, probs) in enumerate(self._final(logits, rows, source)):
+            if results[i].error:
+                continue
             if probs is None:  # greedy: all the mass on the argmax
                 token = kept
                 kept = torch.zeros(logits.shape[1], dtype=torch.bool)
@@ -347,7 +383,7 @@ class Sampler:
         if not lr:
             return
         lp = (logits if len(lr) == logits.shape[0] else logits[lr]).float().log_softmax(-1)
-        tokens = torch.tensor([results[i].token for i in lr])
+        tokens = torch.tensor([max(results[i].token, 0) for i in lr])  # (a failed row's -1: ignored)
         chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
         top_vals = top_ids = None
         if meta.max_logprobs:

@@ -27,6 +27,7 @@ def serve(args, announce_inspector: bool = False) -> int:
     from nextoken.distributed.group import TensorParallelError, is_follower
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
+    from nextoken.engine.launch import warm_up
     from nextoken.engine_args import EngineArgs
     from nextoken.server.app import ServerConfig, build_app
 
@@ -45,7 +46,7 @@ def serve(args, announce_inspector: bool = False) -> int:
 
     def load():  # /health answers 200 once the model is loaded and warm
         engine = LLMEngine.from_engine_args(engine_args)
-        engine.warm_up()
+        warm_up(engine)
         async_engine = AsyncLLMEngine(engine, stepper)
         async_engine.on_dead = on_dead
         return async_engine

@@ -106,5 +106,5 @@ def sample(logits: torch.Tensor, rows: list[SamplerRequest], eog_ids=frozenset()
         if w is None:
             tokens.append(kept)
         else:
-            tokens.append(draw(w, float(torch.rand((), generator=row.generator))))
+            tokens.append(draw(w, row.generator.uniform()))
     return tokens

@@ -1,0 +1,62 @@
+"""A request's checks before it is queued: its prompt as token ids fitted to the context
+window, and whether it can ever fit in the KV cache. Each failure is an `InvalidRequest` that
+names the field and the numbers."""
+
+from __future__ import annotations
+
+from nextoken.errors import InvalidRequest, ModelLoadError
+from nextoken.sampling_params import SamplingParams
+
+
+def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | list[int], params: SamplingParams,
+                  truncate: bool = False) -> list[int]:
+    """Token ids of `prompt` (text, or ids already), fitted to the context window.
+
+    Raises `InvalidRequest` when the prompt is empty, holds ids outside the vocabulary, or when
+    prompt tokens plus max_tokens exceed `max_model_len` (naming both numbers) and `truncate` is
+    False; with `truncate` the oldest prompt tokens are dropped instead."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+        ids = list(prompt)
+    else:
+        raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise InvalidRequest("prompt is empty", "prompt")
+    ctx = max_model_len
+    if len(ids) + params.max_tokens > ctx:
+        if not truncate or params.max_tokens >= ctx:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} > the context length {ctx} (max_model_len); shorten the "
+                "prompt, lower max_tokens, or truncate the prompt (truncate_prompt)", "max_tokens")
+        ids = ids[len(ids) + params.max_tokens - ctx :]
+    return ids
+
+
+def check_request(kv, num_prompt: int, params: SamplingParams, traced: bool, tensor_parallel: bool) -> None:
+    """Raises `InvalidRequest` when the request could never fit in the KV cache manager `kv`
+    (its prompt plus max_tokens), or when a traced request asks for n > 1 or runs under tensor
+    parallelism."""
+    needed = kv.blocks_for(num_prompt + params.max_tokens)
+    if needed > kv.pool.num_blocks:
+        raise InvalidRequest(
+            f"the request needs {needed} KV cache blocks ({num_prompt} prompt + {params.max_tokens} new "
+            f"tokens) but the cache holds {kv.pool.num_blocks}; raise the KV cache memory or lower max_tokens",
+            "max_tokens")
+    if traced and params.n != 1:
+        raise InvalidRequest("a traced request takes n=1", "n")
+    if traced and tensor_parallel:
+        raise InvalidRequest("tracing a request is not available with tensor parallelism", "trace")
+
+
+def read_template(path: str) -> str:
+    """The text of a chat template file (`--chat-template`); `ModelLoadError` when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc.strerror}") from None
