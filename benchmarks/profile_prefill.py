@@ -17,7 +17,7 @@ import time
 from torch.profiler import profile
 
 import nextoken.layers.linear as linear
-from bench_worker import _prompt  # benchmarks/ is this script's folder
+from nextoken.bench_worker import _prompt
 from nextoken.llm import LLM
 from nextoken.sampling_params import SamplingParams
 

@@ -94,7 +94,7 @@ def main():
     args = ap.parse_args()
 
     from nextoken import LLM
-    from nextoken.engine_args import parse_size
+    from nextoken.cli_args import parse_size
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=parse_size(args.kv_cache_memory),

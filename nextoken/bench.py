@@ -31,8 +31,8 @@ the greedy ones, and the time its sampler takes per step in both):
 binding adds overhead: it reads about 15% lower here); ``--compare llama.cpp`` runs
 ``llama-cpp-python`` instead.
 
-Every figure comes from its own child process running ``benchmarks/bench_worker.py`` of the
-source checkout (so memory and thread pools do not mix), after a warm-up run; prefill is the
+Every figure comes from its own child process running `nextoken.bench_worker` (shipped in the
+package: an installed nextoken benches without a checkout; so memory and thread pools do not mix), after a warm-up run; prefill is the
 median of `--repeat` runs. nextoken's engine takes every engine flag given here (`EngineArgs`),
 except ``--max-num-seqs``, which the workload sets (1 for the single-stream figures, `--batch`
 for the batched one). llama.cpp runs through ``llama-cpp-python`` (in `--llama-python`'s
@@ -52,12 +52,12 @@ from pathlib import Path
 ENGINES = ("nextoken", "llama.cpp")
 BENCH_EXCLUDED = ("max_num_seqs",)  # set by the workload
 BENCH_ENGINE_DEFAULTS = {"max_model_len": 2048, "enable_prefix_caching": False}
-WORKER = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_worker.py"
+WORKER = "nextoken.bench_worker"  # run as `python -m`, with this package on the path
 
 
 def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
     # a script of its own: the llama.cpp side may have no torch (nextoken.engine_args imports none)
-    cmd = [python, str(WORKER), "--worker", engine, "--mode", mode, "--model-path", a.model_path,
+    cmd = [python, "-m", WORKER, "--worker", engine, "--mode", mode, "--model-path", a.model_path,
            "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens), "--batch", str(a.batch),
            "--batch-prompt-tokens", str(a.batch_prompt_tokens),
            "--batch-output-tokens", str(a.batch_output_tokens), "--repeat", str(a.repeat), "--depth", str(a.depth),
@@ -242,9 +242,6 @@ def run(a, engine_args) -> int:
     from nextoken.catalog import resolve_model
     from nextoken.errors import EngineError, InvalidRequest
 
-    if not WORKER.is_file():
-        raise InvalidRequest(f"nextoken bench runs {WORKER.relative_to(WORKER.parent.parent)} of a source checkout, "
-                             f"which is missing here ({WORKER})", "bench")
     a.model_path = str(resolve_model(engine_args.model, auto_pull=engine_args.auto_pull))
     threads = engine_args.num_threads or len(os.sched_getaffinity(0))
     engine_args = engine_args.replace(num_threads=threads)

@@ -89,19 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the inspector at /inspect)")
     _add_serve_args(p)
-    p.add_argument("--no-inspect", dest="inspect", action="store_false",
-                   help="do not serve the inspector page and its /inspect/api routes")
-    from nextoken.server.replicas import ROUTER_POLICIES
-
-    p.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
-                   help="start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind vllm-router on "
-                        "--host:--port (needs pip install 'nextoken[router]')")
-    p.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
-                   help="with --replicas: how the router picks a replica (default cache_aware: requests sharing a "
-                        "prompt prefix go to the same replica)")
 
     p = sub.add_parser("inspect", help="start the server and print the inspector's URL (every stage, live, in a browser)")
-    _add_serve_args(p)
+    _add_serve_args(p, exclude=("inspect", "replicas", "router_policy"))
 
     p = sub.add_parser("pull", help="download a catalog model and verify its SHA-256")
     p.add_argument("name")
@@ -140,21 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serve_args(p) -> None:
-    """The server's flags (`serve` and `inspect`)."""
+def _add_serve_args(p, exclude: tuple[str, ...] = ()) -> None:
+    """The server's flags (`serve`, `inspect`): the engine's and `ServerArgs`'."""
+    from nextoken.server.args import ServerArgs
+
     _add_engine_args(p, log_level="info")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set NEXTOKEN_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    p.add_argument("--max-tokens-default", type=_positive_int, default=None, metavar="N",
-                   help="most tokens a chat request without max_tokens generates (default: the rest of the context, "
-                        "which can hold a slot for minutes)")
-    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+    ServerArgs.add_cli_args(p, exclude=exclude)
 
 
 def _positive_int(text: str) -> int:
@@ -343,6 +324,12 @@ def cmd_explain(a) -> int:
     return 0
 
 
+def _server_args(a):
+    from nextoken.server.args import ServerArgs
+
+    return ServerArgs.from_cli_args(a)
+
+
 def cmd_serve(a) -> int:
     if a.replicas:
         from nextoken.server.replicas import serve_replicas
@@ -350,13 +337,13 @@ def cmd_serve(a) -> int:
         return serve_replicas(a, a.argv[a.argv.index("serve") + 1:])
     from nextoken.server.serve import serve
 
-    return serve(a)
+    return serve(engine_args(a), _server_args(a))
 
 
 def cmd_inspect(a) -> int:
     from nextoken.server.serve import serve
 
-    return serve(a, announce_inspector=True)
+    return serve(engine_args(a), _server_args(a), announce_inspector=True)
 
 
 def cmd_pull(a) -> int:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from nextoken import cli
 from nextoken.engine.engine import LLMEngine
-from nextoken.engine_args import EngineArgs, parse_size
+from nextoken.cli_args import parse_size
+from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, NextokenError
 
 MiB = 2**20
@@ -105,23 +104,16 @@ def test_serve_passes_every_option(built, tiny_gguf, monkeypatch, speculative):
     check(built[-1], {**want, "enable_prefix_caching": False})
 
 
-def _bench_worker():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_worker.py"
-    spec = importlib.util.spec_from_file_location("bench_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("speculative", ["ngram", "draft"])
 def test_bench_passes_every_option_but_the_workloads(built, tiny_gguf, monkeypatch, speculative):
     """`bench` hands the engine flags to its worker process; run the worker in this process."""
     import nextoken.bench as bench
 
-    worker = _bench_worker()
+    from nextoken import bench_worker as worker
 
     def run_worker(cmd, **kwargs):
-        a, engine_args = worker.parse(cmd[2:])
+        assert cmd[1:3] == ["-m", "nextoken.bench_worker"]  # the worker ships in the package
+        a, engine_args = worker.parse(cmd[3:])
         worker.nextoken_worker(a, engine_args)
 
     monkeypatch.setattr(bench.subprocess, "run", run_worker)

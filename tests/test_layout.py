@@ -66,6 +66,32 @@ def test_no_import_cycles_between_parts():
     assert find_cycle(import_graph()) is None, find_cycle(import_graph())
 
 
+# Each part's layer, lowest first: a part imports only parts of its own layer or below (within a
+# layer the cycle test above keeps the imports one-way). A new part must be placed here.
+LAYERS = [
+    {"errors", "config", "catalog", "structured", "tokenizer", "bodies", "sampling_params", "outputs",
+     "cli_args", "engine_args"},  # values and formats: no model, no engine
+    {"kernels", "kv_cache", "sample"},  # the C kernels, the KV cache's bookkeeping, the sampler
+    {"layers"},  # PyTorch layers over the kernels
+    {"models", "loader", "distributed"},  # architectures, reading checkpoints, process groups
+    {"runner", "trace", "beam", "evaluate"},  # one forward pass; what runs over the engine's outputs
+    {"spec"},  # speculative decoding over runners
+    {"engine"},  # requests, scheduling, the step
+    {"llm", "inspect"},  # the Python API; the inspector's numbers
+    {"server", "bench", "bench_worker"},  # HTTP, benchmarks
+    {"cli", "__main__"},  # the command line
+]
+
+
+def test_no_part_imports_a_higher_layer():
+    level = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+    graph = import_graph()
+    parts = set(graph) | {p for deps in graph.values() for p in deps}
+    assert not parts - set(level), f"place these parts in LAYERS: {sorted(parts - set(level))}"
+    upward = [why for src, deps in graph.items() for dst, why in deps.items() if level[dst] > level[src]]
+    assert not upward, upward
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b": "a->b"}, "b": {"c": "b->c"}, "c": {"a": "c->a"}}) == ["a->b", "b->c", "c->a"]
     assert find_cycle({"a": {"b": "a->b"}, "b": {}}) is None

@@ -15,7 +15,8 @@ from scipy import stats
 from nextoken import LLM, SamplingParams
 from nextoken.errors import InvalidRequest
 from nextoken.loader.source import load_tokenizer, open_model
-from nextoken.sample.sampler import Sampler, SamplerRequest, filter_mask, make_generator
+from nextoken import kernels
+from nextoken.sample.sampler import Sampler, SamplerRequest, draw, filter_mask, make_generator, uniform
 from nextoken.spec.verify import verify
 from nextoken.structured import StructuredOutputsParams
 from nextoken.structured.backend import GrammarCompiler, SequenceGrammar, reference_allowed
@@ -158,7 +159,7 @@ def test_speculative_verification_with_masked_drafts_samples_the_masked_target()
         drafts, qs = [], []
         for j in range(k):  # the draft model's masked distributions (same hook)
             _, q = sampler.distribution(draft_logits, row, drafts)
-            drafts.append(int(torch.multinomial(q, 1, generator=gen)))
+            drafts.append(int(draw(q, uniform(gen))))
             qs.append(q)
         results, _ = verify(sampler, target, drafts, qs, row)
         counts[results[0].token] += 1
@@ -170,7 +171,7 @@ def test_speculative_verification_with_masked_drafts_samples_the_masked_target()
 
 
 def test_ngram_drafts_are_cut_at_the_first_disallowed_token(tok, compiler):
-    from nextoken.engine.engine import _grammar_prefix
+    from nextoken.spec.speculator import _grammar_prefix
 
     g = compiler.sequence_grammar(StructuredOutputsParams(regex=r"[0-9]{2}-[0-9]{2}"))
     r = type("R", (), {})()
@@ -290,13 +291,16 @@ def test_sampler_fast_path_equals_the_masked_reference(compiler, tok):
     for temperature, trials in ((0.0, 1), (1.0, 2000)):
         counts_fast, counts_ref = {}, {}
         gen = make_generator(1)
+        params = SamplingParams(temperature=temperature)
+        # the rows' grammars stay at their start: sampling reads a grammar, only emitting advances it
+        fast = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
+        ref_row = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
+        sampler = Sampler(kernel=kernels.load("sampling"))  # the engine's draw
+        kept, masked = sampler.distribution(logits, ref_row)  # the masked path's distribution, computed once
         for i in range(trials):
-            params = SamplingParams(temperature=temperature)
-            fast = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
-            token = Sampler()(logits[None], [fast])[0].token
+            token = sampler(logits[None], [fast])[0].token
             counts_fast[token] = counts_fast.get(token, 0) + 1
-            ref_row = SamplerRequest(params, [0], [], gen, compiler.sequence_grammar(spec))
-            ref_token = Sampler()(logits[None], [ref_row], keep_details=True)[0].token  # the masked path
+            ref_token = kept if masked is None else int(draw(masked, uniform(gen)))  # its draw, as keep_details
             counts_ref[ref_token] = counts_ref.get(ref_token, 0) + 1
         if temperature == 0:
             assert counts_fast == counts_ref

@@ -126,32 +126,35 @@ def _stored(path: str) -> dict:
     return model_view.stored_tensors(path)
 
 
-def build_router(get_engine) -> APIRouter:
-    """The routes; `get_engine()` returns the `AsyncLLMEngine` (it raises while loading)."""
-    r = APIRouter(tags=["inspector"])
-    ist = InspectState()
+class InspectContext:
+    """What the inspector's routes share: the engine (`get_engine()`: the `AsyncLLMEngine`; it
+    raises while loading) and the inspector's memory (`state`)."""
 
-    def core():
-        return get_engine().engine
+    def __init__(self, get_engine):
+        self.get_engine = get_engine
+        self.state = InspectState()
 
-    def whole_model():
+    def core(self):
+        return self.get_engine().engine
+
+    def whole_model(self):
         """The engine, for views that read the model's weights directly: each rank of a
         tensor-parallel group holds only its shard (and a forward pass needs every rank)."""
-        eng = core()
+        eng = self.core()
         if eng.runner.tp is not None:
             raise InvalidRequest("this view reads the whole model, which tensor parallelism splits over processes; "
                                  "run the inspector with --tensor-parallel-size 1", "tensor_parallel_size")
         return eng
 
-    async def between_steps(fn):
-        return await get_engine()._between_steps(fn)
+    async def between_steps(self, fn):
+        return await self.get_engine()._between_steps(fn)
 
-    async def run_traced(ids: list[int], params: SamplingParams, tracer) -> None:
-        async for _ in get_engine().generate(ids, params, tracer=tracer):
+    async def run_traced(self, ids: list[int], params: SamplingParams, tracer) -> None:
+        async for _ in self.get_engine().generate(ids, params, tracer=tracer):
             pass
 
-    def encode(prompt: str, chat: bool, cap: int | None = None) -> list[int]:
-        eng = core()
+    def encode(self, prompt: str, chat: bool, cap: int | None = None) -> list[int]:
+        eng = self.core()
         if chat:
             prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         ids = eng.tokenizer.encode(prompt)
@@ -161,193 +164,206 @@ def build_router(get_engine) -> APIRouter:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {cap}", "prompt")
         return ids
 
-    @r.get("/inspect", include_in_schema=False)
-    async def page():
-        return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
 
-    @r.get("/inspect/static/{name}", include_in_schema=False)
-    async def static(name: str):
-        path = os.path.join(STATIC, os.path.basename(name))
-        if not os.path.isfile(path) or name != os.path.basename(name):
-            raise InvalidRequest(f"no file {name!r}", "name")
-        kind = {"js": "text/javascript", "css": "text/css", "png": "image/png"}.get(name.rsplit(".", 1)[-1], "text/plain")
-        return FileResponse(path, media_type=kind)
+router = APIRouter(tags=["inspector"])
 
-    @r.get("/inspect/api/info", summary="The loaded model and the inspector's limits")
-    async def info():
-        eng = core()
-        return {"model": eng.args.model, "architecture": eng.config.architecture, "name": eng.config.name,
-                "vocab_size": eng.config.vocab_size, "max_trace_tokens": MAX_TRACE_TOKENS,
-                "has_chat_template": bool(eng.tokenizer.chat_template), "label_rule": LABEL_RULE,
-                "speculative": None if eng.speculative is None else eng.speculative.method,
-                "gguf": str(eng.model_path).endswith(".gguf")}
 
-    @r.post("/inspect/api/tokenize", summary="Tokens of a text (ids, pieces, bytes, special tokens)")
-    async def tokenize(body: TokenizeBody):
-        return text.tokens_view(core().tokenizer, body.text, body.chat)
+def install(app, get_engine) -> None:
+    """Serve the inspector on `app`: its page, static files and ``/inspect/api`` routes, over the
+    engine `get_engine()` returns."""
+    app.state.inspector = InspectContext(get_engine)
+    app.include_router(router)
 
-    @r.post("/inspect/api/bpe", summary="Replay of the BPE merges that build one word")
-    async def bpe(body: WordBody):
-        return text.bpe_replay(core().tokenizer, body.word)
 
-    @r.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
-    async def embeddings(body: WordsBody):
-        eng = whole_model()
-        return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
+def _ctx(request: Request) -> InspectContext:
+    return request.app.state.inspector
 
-    @r.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
-    async def analogy(body: AnalogyBody):
-        eng = whole_model()
-        return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
-                                       body.target, body.top)
 
-    @r.get("/inspect/api/rope", summary="The model's RoPE angles and tables, and their decay with distance")
-    async def rope(positions: int = Query(64, ge=2, le=model_view.MAX_POSITIONS)):
-        return model_view.rope_view(core().runner.model, positions)
+@router.get("/inspect", include_in_schema=False)
+async def page(request: Request):
+    return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
 
-    @r.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
-    async def sinusoidal(base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
-                         dims: int = Query(64, ge=2, le=512, multiple_of=2)):
-        return model_view.sinusoidal(base, positions, dims)
+@router.get("/inspect/static/{name}", include_in_schema=False)
+async def static(request: Request, name: str):
+    path = os.path.join(STATIC, os.path.basename(name))
+    if not os.path.isfile(path) or name != os.path.basename(name):
+        raise InvalidRequest(f"no file {name!r}", "name")
+    kind = {"js": "text/javascript", "css": "text/css", "png": "image/png"}.get(name.rsplit(".", 1)[-1], "text/plain")
+    return FileResponse(path, media_type=kind)
 
-    @r.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
-    async def architecture():
-        return model_view.architecture(whole_model(), ist.last_layer_ms)
+@router.get("/inspect/api/info", summary="The loaded model and the inspector's limits")
+async def info(request: Request):
+    eng = _ctx(request).core()
+    return {"model": eng.args.model, "architecture": eng.config.architecture, "name": eng.config.name,
+            "vocab_size": eng.config.vocab_size, "max_trace_tokens": MAX_TRACE_TOKENS,
+            "has_chat_template": bool(eng.tokenizer.chat_template), "label_rule": LABEL_RULE,
+            "speculative": None if eng.speculative is None else eng.speculative.method,
+            "gguf": str(eng.model_path).endswith(".gguf")}
 
-    @r.post("/inspect/api/trace", summary="Trace a prompt: tokens, head labels, time per layer")
-    async def trace(body: TraceBody):
-        eng = core()
-        ids = encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
-        tracer = InspectTracer(eng.config, len(ids))
-        start = time.perf_counter()
-        await run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
-        ms = (time.perf_counter() - start) * 1000
-        tokens = [{"id": i, "token": text.display(eng.tokenizer.token_text(i)), "special": i in eng.tokenizer.special_ids}
-                  for i in ids]
-        tid = ist.keep(tracer, tokens)
-        cfg = eng.config
-        labels = await asyncio.to_thread(lambda: [tracer.head_stats(layer) for layer in range(cfg.num_layers)])
-        return {"trace_id": tid, "tokens": tokens, "layers": cfg.num_layers, "heads": cfg.num_heads,
-                "kv_heads": cfg.num_kv_heads, "sliding_layers": cfg.sliding_layers, "sliding_window": cfg.sliding_window,
-                "labels": labels, "label_rule": LABEL_RULE, "layer_ms": [round(x, 3) for x in tracer.layer_ms],
-                "passes": tracer.passes, "trace_ms": round(ms, 2)}
+@router.post("/inspect/api/tokenize", summary="Tokens of a text (ids, pieces, bytes, special tokens)")
+async def tokenize(request: Request, body: TokenizeBody):
+    return text.tokens_view(_ctx(request).core().tokenizer, body.text, body.chat)
 
-    @r.get("/inspect/api/trace/{trace_id}/attention", summary="One layer's attention weights (uint8, base64)")
-    async def attention(trace_id: str, layer: int = Query(ge=0, json_schema_extra=model_limit("layer"))):
-        tracer, _ = ist.get(trace_id)
-        if layer >= len(tracer.attention):
-            raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
-        return tracer.attention_payload(layer)
+@router.post("/inspect/api/bpe", summary="Replay of the BPE merges that build one word")
+async def bpe(request: Request, body: WordBody):
+    return text.bpe_replay(_ctx(request).core().tokenizer, body.word)
 
-    @r.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
-    async def lens(trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
-        tracer, tokens = ist.get(trace_id)
-        eng = whole_model()
-        rows = await asyncio.to_thread(tracer.logit_lens, eng.runner.model, eng.tokenizer, position, top)
-        return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
-                "layers": rows}
+@router.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
+async def embeddings(request: Request, body: WordsBody):
+    eng = _ctx(request).whole_model()
+    return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
 
-    @r.post("/inspect/api/run", summary="Generate and return the engine's timeline: prefill, decode steps, TTFT, TPOT")
-    async def run(body: RunBody):
-        eng = core()
-        ids = encode(body.prompt, body.chat)
-        out = None
-        async for out in get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
+@router.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
+async def analogy(request: Request, body: AnalogyBody):
+    eng = _ctx(request).whole_model()
+    return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
+                                   body.target, body.top)
+
+@router.get("/inspect/api/rope", summary="The model's RoPE angles and tables, and their decay with distance")
+async def rope(request: Request, positions: int = Query(64, ge=2, le=model_view.MAX_POSITIONS)):
+    return model_view.rope_view(_ctx(request).core().runner.model, positions)
+
+@router.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
+async def sinusoidal(request: Request, base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
+                     dims: int = Query(64, ge=2, le=512, multiple_of=2)):
+    return model_view.sinusoidal(base, positions, dims)
+
+@router.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
+async def architecture(request: Request):
+    return model_view.architecture(_ctx(request).whole_model(), _ctx(request).state.last_layer_ms)
+
+@router.post("/inspect/api/trace", summary="Trace a prompt: tokens, head labels, time per layer")
+async def trace(request: Request, body: TraceBody):
+    eng = _ctx(request).core()
+    ids = _ctx(request).encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+    tracer = InspectTracer(eng.config, len(ids))
+    start = time.perf_counter()
+    await _ctx(request).run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
+    ms = (time.perf_counter() - start) * 1000
+    tokens = [{"id": i, "token": text.display(eng.tokenizer.token_text(i)), "special": i in eng.tokenizer.special_ids}
+              for i in ids]
+    tid = _ctx(request).state.keep(tracer, tokens)
+    cfg = eng.config
+    labels = await asyncio.to_thread(lambda: [tracer.head_stats(layer) for layer in range(cfg.num_layers)])
+    return {"trace_id": tid, "tokens": tokens, "layers": cfg.num_layers, "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads, "sliding_layers": cfg.sliding_layers, "sliding_window": cfg.sliding_window,
+            "labels": labels, "label_rule": LABEL_RULE, "layer_ms": [round(x, 3) for x in tracer.layer_ms],
+            "passes": tracer.passes, "trace_ms": round(ms, 2)}
+
+@router.get("/inspect/api/trace/{trace_id}/attention", summary="One layer's attention weights (uint8, base64)")
+async def attention(request: Request, trace_id: str, layer: int = Query(ge=0, json_schema_extra=model_limit("layer"))):
+    tracer, _ = _ctx(request).state.get(trace_id)
+    if layer >= len(tracer.attention):
+        raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
+    return tracer.attention_payload(layer)
+
+@router.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
+async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
+    tracer, tokens = _ctx(request).state.get(trace_id)
+    eng = _ctx(request).whole_model()
+    rows = await asyncio.to_thread(tracer.logit_lens, eng.runner.model, eng.tokenizer, position, top)
+    return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
+            "layers": rows}
+
+@router.post("/inspect/api/run", summary="Generate and return the engine's timeline: prefill, decode steps, TTFT, TPOT")
+async def run(request: Request, body: RunBody):
+    eng = _ctx(request).core()
+    ids = _ctx(request).encode(body.prompt, body.chat)
+    out = None
+    async for out in _ctx(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
+        pass
+    view = await _ctx(request).between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
+    return {**view, "text": out.outputs[0].text, "request_id": out.request_id}
+
+@router.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
+async def sample(request: Request, body: SampleBody):
+    eng = _ctx(request).core()
+    ids = _ctx(request).encode(body.prompt, False)
+    bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
+    if bad:
+        raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
+    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                            frequency_penalty=body.frequency_penalty, seed=body.seed,
+                            max_tokens=1).validate(eng.config.vocab_size)
+    tracer = _LogitsOnly()
+    await _ctx(request).run_traced(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1), tracer)
+    view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, tracer.logits, params, ids, list(body.generated))
+    return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
+
+@router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
+async def beam(request: Request, body: BeamBody):
+    from nextoken.beam import BeamSearch, async_beam_search
+
+    eng = _ctx(request).core()
+    ids = _ctx(request).encode(body.prompt, False)
+    eng.encode_prompt(ids, SamplingParams(max_tokens=body.max_tokens))  # the context check
+    search = BeamSearch([ids], body.beam_width, body.max_tokens, body.length_penalty, False,
+                        eng.tokenizer.eog_token_ids)
+    outs = await async_beam_search(_ctx(request).get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
+                                   search=search)
+    greedy = None
+    async for greedy in _ctx(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
+                                                                  logprobs=0)):
+        pass
+    g = greedy.outputs[0]
+    return engine_view.beam_tree(eng.tokenizer, search, list(g.token_ids), g.cumulative_logprob, outs)
+
+@router.get("/inspect/api/kv", summary="KV cache bytes per token (formula and cache) and memory against context")
+async def kv(request: Request):
+    return engine_view.kv_view(_ctx(request).core())
+
+@router.get("/inspect/api/state", summary="The engine now: block pool, running and waiting, recent steps")
+async def state(request: Request, since: int = Query(-1, ge=-1)):
+    eng = _ctx(request).core()
+    return await _ctx(request).between_steps(lambda: engine_view.live_state(eng, since))
+
+@router.get("/inspect/api/live", summary="Server-sent events: the engine state four times a second",
+       response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
+async def live(request: Request):
+    eng = _ctx(request).core()
+
+    async def events():
+        since = max(-1, eng.num_steps - 64)
+        while not await request.is_disconnected():
+            snap = await _ctx(request).between_steps(lambda: engine_view.live_state(eng, since))
+            since = snap["last_step"]
+            yield f"data: {json.dumps(snap)}\n\n"
+            await asyncio.sleep(LIVE_INTERVAL_S)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+@router.post("/inspect/api/demo", summary="Send a few demo requests to watch batching (they run as usual)")
+async def demo(request: Request, body: DemoBody):
+    eng = _ctx(request).get_engine()
+
+    async def one(prompt):
+        async for _ in eng.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=body.max_tokens)):
             pass
-        view = await between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
-        return {**view, "text": out.outputs[0].text, "request_id": out.request_id}
 
-    @r.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
-    async def sample(body: SampleBody):
-        eng = core()
-        ids = encode(body.prompt, False)
-        bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
-        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                                frequency_penalty=body.frequency_penalty, seed=body.seed,
-                                max_tokens=1).validate(eng.config.vocab_size)
-        tracer = _LogitsOnly()
-        await run_traced(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1), tracer)
-        view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, tracer.logits, params, ids, list(body.generated))
-        return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
+    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(body.count)]
+    for p in set(prompts):  # the context check, before any is sent
+        eng.engine.encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
+    for p in prompts:
+        task = asyncio.get_running_loop().create_task(one(p))
+        _ctx(request).state.demo_tasks.add(task)
+        task.add_done_callback(_ctx(request).state.demo_tasks.discard)
+    return {"sent": len(prompts), "max_tokens": body.max_tokens}
 
-    @r.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
-    async def beam(body: BeamBody):
-        from nextoken.beam import BeamSearch, async_beam_search
+@router.get("/inspect/api/quant/tensors", summary="Stored tensors by format, bytes against bf16 and fp32")
+async def quant_tensors(request: Request):
+    eng = _ctx(request).core()
+    if not str(eng.model_path).endswith(".gguf"):
+        raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
+    return await asyncio.to_thread(_stored, str(eng.model_path))
 
-        eng = core()
-        ids = encode(body.prompt, False)
-        eng.encode_prompt(ids, SamplingParams(max_tokens=body.max_tokens))  # the context check
-        search = BeamSearch([ids], body.beam_width, body.max_tokens, body.length_penalty, False,
-                            eng.tokenizer.eog_token_ids)
-        outs = await async_beam_search(get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
-                                       search=search)
-        greedy = None
-        async for greedy in get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
-                                                                      logprobs=0)):
-            pass
-        g = greedy.outputs[0]
-        return engine_view.beam_tree(eng.tokenizer, search, list(g.token_ids), g.cumulative_logprob, outs)
-
-    @r.get("/inspect/api/kv", summary="KV cache bytes per token (formula and cache) and memory against context")
-    async def kv():
-        return engine_view.kv_view(core())
-
-    @r.get("/inspect/api/state", summary="The engine now: block pool, running and waiting, recent steps")
-    async def state(since: int = Query(-1, ge=-1)):
-        eng = core()
-        return await between_steps(lambda: engine_view.live_state(eng, since))
-
-    @r.get("/inspect/api/live", summary="Server-sent events: the engine state four times a second",
-           response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
-    async def live(request: Request):
-        eng = core()
-
-        async def events():
-            since = max(-1, eng.num_steps - 64)
-            while not await request.is_disconnected():
-                snap = await between_steps(lambda: engine_view.live_state(eng, since))
-                since = snap["last_step"]
-                yield f"data: {json.dumps(snap)}\n\n"
-                await asyncio.sleep(LIVE_INTERVAL_S)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @r.post("/inspect/api/demo", summary="Send a few demo requests to watch batching (they run as usual)")
-    async def demo(body: DemoBody):
-        eng = get_engine()
-
-        async def one(prompt):
-            async for _ in eng.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=body.max_tokens)):
-                pass
-
-        prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(body.count)]
-        for p in set(prompts):  # the context check, before any is sent
-            eng.engine.encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
-        for p in prompts:
-            task = asyncio.get_running_loop().create_task(one(p))
-            ist.demo_tasks.add(task)
-            task.add_done_callback(ist.demo_tasks.discard)
-        return {"sent": len(prompts), "max_tokens": body.max_tokens}
-
-    @r.get("/inspect/api/quant/tensors", summary="Stored tensors by format, bytes against bf16 and fp32")
-    async def quant_tensors():
-        eng = core()
-        if not str(eng.model_path).endswith(".gguf"):
-            raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
-        return await asyncio.to_thread(_stored, str(eng.model_path))
-
-    @r.get("/inspect/api/quant/error", summary="Error of re-quantizing one stored tensor to other formats")
-    async def quant_error(tensor: str = Query(min_length=1, max_length=200)):
-        eng = core()
-        if not str(eng.model_path).endswith(".gguf"):
-            raise NotFound("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
-        return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)
-
-    return r
+@router.get("/inspect/api/quant/error", summary="Error of re-quantizing one stored tensor to other formats")
+async def quant_error(request: Request, tensor: str = Query(min_length=1, max_length=200)):
+    eng = _ctx(request).core()
+    if not str(eng.model_path).endswith(".gguf"):
+        raise NotFound("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
+    return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)
 
 
 class _LogitsOnly:

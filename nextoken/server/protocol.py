@@ -13,14 +13,14 @@ the model is loaded.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, model_limit, only
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, forbid, sampling_rules
+from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
 from nextoken.structured.params import StructuredOutputsParams
 
 UNION_TAG = "union:"  # prefix of the member tags in validation errors' locations (dropped from messages)
@@ -109,9 +109,15 @@ class _Sampling(Body):
     structured_outputs: StructuredOutputs | None = None
     watermark: bool = False  # TGI's green-list watermark (the server's --watermark-gamma/--watermark-delta)
 
+    RULES: ClassVar[list] = []
+
+    def check_rules(self) -> None:
+        """Raise `InvalidRequest` for the first cross-field rule (`server.rules`) this body breaks."""
+        check(self.model_dump(exclude_none=True, by_alias=True), self.RULES)
+
     def structured(self) -> StructuredOutputsParams | None:
-        """The one output constraint this request asks for, or None. Raises `InvalidRequest`
-        when it sets several."""
+        """The one output constraint this request asks for (`check_rules` refuses several), or
+        None."""
         given = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -129,8 +135,6 @@ class _Sampling(Body):
             given.append(("structured_outputs", StructuredOutputsParams(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                 json_object=bool(so.json_object))))
-        if len(given) > 1:
-            raise InvalidRequest("give one output constraint, not " + " and ".join(n for n, _ in given), given[1][0])
         if not given:
             return None
         name, spec = given[0]
@@ -138,8 +142,6 @@ class _Sampling(Body):
             spec.kind()
         except InvalidRequest as exc:
             raise InvalidRequest(str(exc), name) from None
-        if self.use_beam_search:
-            raise InvalidRequest(f"{name} cannot be combined with use_beam_search", name)
         return spec
 
     def detokenize_options(self) -> dict:
@@ -167,11 +169,8 @@ MaxTokens = Annotated[int, Field(json_schema_extra=model_limit("context"))]
 
 
 class CompletionRequest(_Sampling):
-    # max_tokens 0 (score the prompt once) needs echo, and n = 1
-    model_config = ConfigDict(**BODY, json_schema_extra={
-        "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
-        "then": {"properties": {"echo": {"const": True}, "n": {"const": 1}}, "required": ["echo"]},
-        **forbid(*sampling_rules(chat=False))})
+    RULES: ClassVar[list] = sampling_rules(chat=False)  # the table's cross-field rules: the schema below, and `check_rules`
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RULES))
 
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
@@ -190,14 +189,8 @@ class CompletionRequest(_Sampling):
                 "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim}
 
     def generation_limit(self) -> int:
-        """max_tokens (16 when not given). Raises `InvalidRequest` for 0 without echo or with n > 1."""
-        n = 16 if self.max_tokens is None else self.max_tokens
-        if n == 0 and not self.echo:
-            raise InvalidRequest("max_tokens 0 scores the prompt without generating and needs echo (with "
-                                 "logprobs for the scores)", "max_tokens")
-        if n == 0 and self.n != 1:
-            raise InvalidRequest(f"max_tokens 0 scores the prompt once: n must be 1, got {self.n}", "n")
-        return n
+        """max_tokens (16 when not given; 0 with echo: `RULES`)."""
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def scored_prompt(self) -> int | None:
         """How many alternatives each prompt position's log-probabilities carry, when the
@@ -256,11 +249,8 @@ ROUTER_CHAT_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "retur
 
 
 class ChatCompletionRequest(_Sampling):
-    # top_logprobs needs logprobs: true (as in OpenAI's API)
-    model_config = ConfigDict(**BODY, json_schema_extra={
-        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-        **forbid(*sampling_rules(chat=True))})
+    RULES: ClassVar[list] = sampling_rules(chat=True)  # the table's cross-field rules: the schema below, and `check_rules`
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RULES))
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None

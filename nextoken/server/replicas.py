@@ -36,7 +36,6 @@ from nextoken.errors import InvalidRequest
 
 log = logging.getLogger("nextoken.server")
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
 # flags of the parent that do not go to the replicas (each replica gets its own --host/--port)
 PARENT_ONLY = {"--replicas", "--router-policy", "--port", "--host"}  # each takes a value
 # the router's failure handling: out of the rotation after 3 failed attempts (it retries up to

@@ -1,15 +1,19 @@
-"""The request rules that tie several fields together, written as JSON Schema (draft 2020-12,
-which OpenAPI 3.1 uses) so that the published schema refuses what the server refuses.
+"""The request rules that tie several fields together: one table, from which both the
+published JSON Schema (draft 2020-12, which OpenAPI 3.1 uses) and the server's check are made.
 
-Each rule is a combination the server answers with 400; `forbid` turns a list of them into
-``{"not": {"anyOf": [...]}}`` for a model's ``json_schema_extra``. The server keeps its own
-checks (with messages that name the fields); tests/test_openapi_contract.py holds the two to
-each other with a schema-driven fuzzer.
+Each `Rule` is a combination the server answers with 400 (its condition as JSON Schema, the
+message, the field named). `forbid` turns a list of them into ``{"not": {"anyOf": [...]}}`` for
+a model's ``json_schema_extra``; `check` evaluates the same conditions on a request body
+(`matches`: the subset of JSON Schema the rules use) and raises the first rule's error.
+tests/test_openapi_contract.py holds the server to its schema with a schema-driven fuzzer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import combinations
+
+from nextoken.errors import InvalidRequest
 
 NOT_NULL = {"not": {"type": "null"}}
 
@@ -42,9 +46,61 @@ def any_of(*conds: dict) -> dict:
     return {"anyOf": list(conds)}
 
 
-def forbid(*combos: dict) -> dict:
-    """Schema extra refusing every one of `combos`."""
-    return {"not": {"anyOf": list(combos)}}
+@dataclass(frozen=True)
+class Rule:
+    """A combination of fields refused with a 400: `when` (JSON Schema: the body breaks the rule
+    when it matches), the `message` and the `field` the error names."""
+
+    when: dict
+    message: str
+    field: str
+
+
+def forbid(*rules: Rule) -> dict:
+    """Schema extra refusing every one of `rules`."""
+    return {"not": {"anyOf": [r.when for r in rules]}}
+
+
+def check(body: dict, rules: list[Rule]) -> None:
+    """Raise `InvalidRequest` for the first of `rules` that `body` (a request's JSON, without
+    null fields) breaks."""
+    for rule in rules:
+        if matches(rule.when, body):
+            raise InvalidRequest(rule.message, rule.field)
+
+
+_TYPES = {"null": type(None), "array": list, "object": dict, "string": str, "boolean": bool}
+
+
+def matches(schema: dict, value) -> bool:
+    """Whether `value` satisfies `schema`, for the keywords the rules use: required, properties,
+    const, enum, type, minItems, not, anyOf, allOf, oneOf, if/then."""
+    for key, arg in schema.items():
+        if key == "required" and not (isinstance(value, dict) and all(k in value for k in arg)):
+            return False
+        if key == "properties" and isinstance(value, dict) and \
+                not all(matches(sub, value[k]) for k, sub in arg.items() if k in value):
+            return False
+        if key == "const" and not (value == arg and type(value) is type(arg)):
+            return False
+        if key == "enum" and value not in arg:
+            return False
+        if key == "type" and not (isinstance(value, _TYPES[arg]) if arg != "integer" else
+                                  isinstance(value, int) and not isinstance(value, bool)):
+            return False
+        if key == "minItems" and isinstance(value, list) and len(value) < arg:
+            return False
+        if key == "not" and matches(arg, value):
+            return False
+        if key == "anyOf" and not any(matches(s, value) for s in arg):
+            return False
+        if key == "allOf" and not all(matches(s, value) for s in arg):
+            return False
+        if key == "oneOf" and sum(matches(s, value) for s in arg) != 1:
+            return False
+        if key == "if" and matches(arg, value) and not matches(schema.get("then", {}), value):
+            return False
+    return True
 
 
 # one output constraint at most (`_Sampling.structured`); response_format counts when it asks for JSON
@@ -58,19 +114,38 @@ FORCED_TOOL = all_of(non_empty("tools"), {"required": ["tool_choice"], "properti
     "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}})
 
 
-def sampling_rules(chat: bool) -> list[dict]:
-    """The forbidden combinations of /v1/completions (`chat` False) or /v1/chat/completions."""
+CONSTRAINT_NAMES = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                    "response_format"]
+
+
+def sampling_rules(chat: bool) -> list[Rule]:
+    """The refused combinations of /v1/completions (`chat` False) or /v1/chat/completions."""
     beam = true("use_beam_search")
-    rules = [all_of(a, b) for a, b in combinations(CONSTRAINTS, 2)]
-    rules += [all_of(CONSTRAINED, beam), all_of(CONSTRAINED, true("ignore_eos")), all_of(beam, true("stream"))]
+    named = list(zip(CONSTRAINT_NAMES, CONSTRAINTS))
+    rules = [Rule(all_of(a, b), f"give one output constraint, not {x} and {y}", y)
+             for (x, a), (y, b) in combinations(named, 2)]
+    rules += [Rule(all_of(cond, beam), f"{name} cannot be combined with use_beam_search", name) for name, cond in named]
+    rules += [Rule(all_of(CONSTRAINED, true("ignore_eos")), "structured output cannot be combined with ignore_eos "
+                   "(the grammar ends the output with an end-of-generation token)", "ignore_eos"),
+              Rule(all_of(beam, true("stream")), "use_beam_search cannot stream", "stream")]
     if chat:
-        rules += [all_of(beam, true("logprobs")), all_of(beam, non_empty("tools")),
-                  all_of(FORCED_TOOL, CONSTRAINED),
-                  # tool_choice other than "none" needs tools
-                  all_of({"not": non_empty("tools")}, given("tool_choice"),
-                         {"not": one_of_values("tool_choice", ["none"])})]
+        rules += [Rule(all_of(given("top_logprobs"), {"not": true("logprobs")}), "top_logprobs needs logprobs to be "
+                       "true", "top_logprobs"),
+                  Rule(all_of(beam, true("logprobs")), "use_beam_search does not return logprobs", "use_beam_search"),
+                  Rule(all_of(beam, non_empty("tools")), "tools cannot be combined with use_beam_search", "tools"),
+                  Rule(all_of(FORCED_TOOL, CONSTRAINED), "tool_choice 'required' or a named function cannot be "
+                       "combined with another output constraint", "tool_choice"),
+                  Rule(all_of({"not": non_empty("tools")}, given("tool_choice"),
+                              {"not": one_of_values("tool_choice", ["none"])}), "tool_choice needs tools",
+                       "tool_choice")]
     else:
-        rules += [all_of(beam, any_of(given("logprobs"), true("echo"), given("prompt_logprobs")))]
+        score_only = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
+        rules += [Rule(all_of(beam, any_of(given("logprobs"), true("echo"), given("prompt_logprobs"))),
+                       "use_beam_search does not return logprobs or echo the prompt", "use_beam_search"),
+                  Rule(all_of(score_only, {"not": true("echo")}), "max_tokens 0 scores the prompt without "
+                       "generating and needs echo (with logprobs for the scores)", "max_tokens"),
+                  Rule(all_of(score_only, {"required": ["n"], "properties": {"n": {"not": {"const": 1}}}}),
+                       "max_tokens 0 scores the prompt once: n must be 1", "n")]
     return rules
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,9 @@ from types import SimpleNamespace
 log = logging.getLogger("nextoken.server")
 
 
-def serve(args, announce_inspector: bool = False) -> int:
+def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
+    """Load `engine_args`' model (in the background: /health answers 503 until it is warm) and
+    serve it as `server_args` (`ServerArgs`) say, until SIGTERM or Ctrl-C; the exit status."""
     import uvicorn
 
     from nextoken.catalog import resolve_model
@@ -28,19 +29,13 @@ def serve(args, announce_inspector: bool = False) -> int:
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import warm_up
-    from nextoken.engine_args import EngineArgs
-    from nextoken.server.app import ServerConfig, build_app
+    from nextoken.server.app import build_app
 
-    engine_args = EngineArgs.from_cli_args(args)
     resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     if is_follower():  # a torchrun rank other than 0: no HTTP server, its shard follows rank 0's steps
         LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
     state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0)
-    config = ServerConfig(model_name=args.served_model_name or args.model,
-                          api_key=args.api_key or os.environ.get("NEXTOKEN_API_KEY") or None,
-                          allowed_origins=list(args.allowed_origins or []),
-                          max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                          max_tokens_default=args.max_tokens_default, inspect=getattr(args, "inspect", True))
+    config = server_args.for_model(engine_args.model)
     server_ref = {}
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
 
@@ -80,12 +75,12 @@ def serve(args, announce_inspector: bool = False) -> int:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     app = build_app(state, config, lifespan)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                   timeout_graceful_shutdown=args.shutdown_timeout))
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                   timeout_graceful_shutdown=config.shutdown_timeout))
     server_ref["server"] = server
-    log.info("nextoken serving %s on http://%s:%d", config.model_name, args.host, args.port)
+    log.info("nextoken serving %s on http://%s:%d", config.model_name, config.host, config.port)
     if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
         key = f"?key={config.api_key}" if config.api_key else ""
-        print(f"inspector: http://{args.host}:{args.port}/inspect{key}", flush=True)
+        print(f"inspector: http://{config.host}:{config.port}/inspect{key}", flush=True)
     server.run()
     return state.exit_code

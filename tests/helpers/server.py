@@ -12,7 +12,8 @@ import openai
 import uvicorn
 
 from nextoken.engine.async_engine import AsyncLLMEngine
-from nextoken.server.app import ServerConfig, build_app
+from nextoken.server.app import build_app
+from nextoken.server.args import ServerArgs
 from tests.ports import free_ports
 
 
@@ -23,7 +24,7 @@ class LiveServer:
         self.state = SimpleNamespace(engine=AsyncLLMEngine(llm.engine) if llm else None, draining=False,
                                      started=time.time())
         self.llm = llm
-        app = build_app(self.state, ServerConfig(model_name=name, **config))
+        app = build_app(self.state, ServerArgs(model_name=name, **config))
         self.port = free_ports(1)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -1,0 +1,67 @@
+"""`ServerArgs`: every server option, defined once (as `EngineArgs` is for the engine).
+
+    parser -> ServerArgs.add_cli_args(parser)       # `serve` and `inspect`
+    args   -> ServerArgs.from_cli_args(namespace).for_model(engine_args.model)
+           -> build_app(state, args)                 # `server.app`
+
+Tests and embedders construct it directly: ``ServerArgs(model_name="tiny", api_key="k")``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from nextoken.cli_args import CliArgs, opt
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+@dataclass
+class ServerArgs(CliArgs):
+    """How the HTTP server runs. `model_name` is what clients send as ``model`` (no flag:
+    `for_model` sets it from ``--served-model-name`` or ``--model``)."""
+
+    host: str = opt("127.0.0.1", "address to bind (127.0.0.1: this machine only)", group="server")
+    port: int = opt(8000, "port to listen on", group="server", type=int)
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but /health (or set "
+                              "NEXTOKEN_API_KEY)", group="server", metavar="KEY")
+    served_model_name: str | None = opt(None, "the model name clients use (default: --model)", group="server",
+                                        metavar="NAME")
+    max_queued_requests: int = opt(256, "waiting requests before 429", group="server", type=int)
+    max_body_bytes: int = opt(1 << 20, "largest request body, bytes (413 beyond)", group="server", type=int)
+    max_tokens_default: int | None = opt(None, "most tokens a chat request without max_tokens generates (default: "
+                                         "the rest of the context, which can hold a slot for minutes)",
+                                         group="server", type=positive_int, metavar="N")
+    allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
+    shutdown_timeout: float = opt(30.0, "seconds in-flight requests get to finish after SIGTERM", group="server",
+                                  type=float)
+    inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
+    replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
+                               "vllm-router on --host:--port (needs pip install 'nextoken[router]')",
+                               group="replicas", type=positive_int, metavar="N")
+    router_policy: str = opt("cache_aware", "with --replicas: how the router picks a replica (cache_aware: requests "
+                             "sharing a prompt prefix go to the same replica)", group="replicas",
+                             choices=ROUTER_POLICIES)
+    model_name: str = opt("nextoken", "the name clients send as model", cli="none")
+    disconnect_poll_s: float = opt(0.05, "how often a waiting request checks its client is still there",
+                                   cli="none")
+
+    def for_model(self, model: str) -> ServerArgs:
+        """These arguments serving `model`: `model_name` from ``--served-model-name`` or `model`,
+        the API key from ``NEXTOKEN_API_KEY`` when none is given."""
+        return replace(self, model_name=self.served_model_name or model,
+                       api_key=self.api_key or os.environ.get("NEXTOKEN_API_KEY") or None)

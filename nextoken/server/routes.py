@@ -1,0 +1,137 @@
+"""The server's routes, by area: `info` (health, models, metrics, load, version, tokenizer),
+`tokens` (tokenize, detokenize, watermark detection) and `openai` (completions, chat). Each
+route reads what it needs from ``request.app.state`` (`server.app.build_app` puts the server's
+state, args, metrics and serving objects there) and hands generation to the serving classes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from nextoken.sample.watermark import detect
+from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
+from nextoken.server.errors import error_response
+from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                      TokenizeRequest, WatermarkDetectRequest, WatermarkText)
+from nextoken.server.serving import check_token_ids
+
+info = APIRouter()
+tokens = APIRouter()
+openai = APIRouter()
+
+IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
+
+
+def _engine(request: Request):
+    """The `LLMEngine` behind the server (the Gate answers 503 before this while loading)."""
+    return request.app.state.server.engine.engine
+
+
+def _check_model(request: Request, name: str | None) -> None:
+    request.app.state.serving_completion.check_model(name)
+
+
+# -- info -------------------------------------------------------------------------------------
+@info.get("/health")
+async def health(request: Request):
+    state = request.app.state.server
+    if state.draining:
+        return error_response(503, "the server is shutting down")
+    if state.engine is None:
+        return error_response(503, "the model is still loading")
+    if not state.engine.is_running:
+        return error_response(503, f"the engine loop has stopped: {state.engine.dead!r}")
+    return {"status": "ok"}
+
+
+@info.get("/version")
+async def version():
+    from nextoken import __version__
+
+    return {"version": __version__}
+
+
+@info.get("/v1/models")
+async def models(request: Request):
+    state, args = request.app.state.server, request.app.state.args
+    return {"object": "list", "data": [{"id": args.model_name, "object": "model", "created": int(state.started),
+                                        "owned_by": "nextoken", "max_model_len": _engine(request).max_model_len}]}
+
+
+@info.get("/metrics")
+async def prom(request: Request):
+    state = request.app.state.server
+    stats = state.engine.engine.stats() if state.engine else IDLE_STATS
+    return Response(request.app.state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+
+@info.get("/get_load")
+async def get_load(request: Request):
+    """SGLang's load report, read by the routers derived from SGLang's (vllm-router's
+    ``/get_loads``, its ``power_of_two`` policy): the requests running plus waiting."""
+    stats = _engine(request).stats()
+    return {"load": stats["running"] + stats["waiting"], "num_reqs": stats["running"],
+            "num_waiting_reqs": stats["waiting"]}
+
+
+@info.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's tokenizer description (lm-evaluation-harness's ``tokenizer_backend=remote`` reads
+    it, then tokenizes through /tokenize)."""
+    eng = _engine(request)
+    tok = eng.tokenizer
+
+    def text(i):
+        return tok.tokens[i] if i is not None else None
+
+    return {"tokenizer_class": "nextoken", "eos_token": text(tok.eos_token_id), "bos_token": text(tok.bos_token_id),
+            "pad_token": None, "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+            "model_max_length": eng.max_model_len, "vocab_size": eng.config.vocab_size}
+
+
+# -- tokens -----------------------------------------------------------------------------------
+@tokens.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    _check_model(request, body.model)
+    eng = _engine(request)
+    if isinstance(body, TokenizeChatRequest):
+        ids = R.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
+            [m.model_dump(exclude_none=True) for m in body.messages]))
+    else:
+        ids = eng.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False, parse_special=False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+
+
+@tokens.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    _check_model(request, body.model)
+    eng = _engine(request)
+    check_token_ids(eng, body.tokens)
+    return {"prompt": eng.tokenizer.decode(body.tokens)}
+
+
+@tokens.post("/v1/watermark/detect")
+async def watermark_detect(body: WatermarkDetectRequest, request: Request):
+    _check_model(request, body.model)
+    eng = _engine(request)
+    if isinstance(body, WatermarkText):
+        ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False)
+    else:
+        ids = check_token_ids(eng, body.tokens)
+    res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
+    return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
+
+
+# -- generation -------------------------------------------------------------------------------
+@openai.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await request.app.state.serving_completion.create(body, request)
+
+
+@openai.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request):
+    return await request.app.state.serving_chat.create(body, request)

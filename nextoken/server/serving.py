@@ -1,0 +1,117 @@
+"""What every OpenAI generation route shares (`OpenAIServing`, as vLLM's ``OpenAIServing``):
+the engine, the served model's name, the queue limit, grammars compiled off the event loop,
+waiting for final outputs while watching the client, beam search, and the record of a finished
+request. `serving_completion` and `serving_chat` build on it; `routes` calls them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from nextoken.beam import async_beam_search
+from nextoken.errors import InvalidRequest, NotFound
+from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nextoken.sampling_params import SamplingParams
+from nextoken.server import responses as R
+from nextoken.server.args import ServerArgs
+
+
+class QueueFull(Exception):
+    """More requests wait than ``--max-queued-requests``: a 429 (`server.app`)."""
+
+
+class OpenAIServing:
+    """state: the server's (``engine``: an `AsyncLLMEngine`, None while loading); args: the
+    `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
+
+    def __init__(self, state, args: ServerArgs, metrics):
+        self.state, self.args, self.metrics = state, args, metrics
+
+    @property
+    def engine(self):
+        """The `AsyncLLMEngine` (the Gate middleware answers 503 before any route while loading)."""
+        return self.state.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.args.model_name:
+            raise NotFound(f"model {name!r} not found; this server serves {self.args.model_name!r}", "model")
+
+    def check_queue(self) -> None:
+        if self.engine.num_waiting >= self.args.max_queued_requests:
+            raise QueueFull()
+
+    async def compile(self, structured) -> None:
+        """Compile a request's grammar (cached) in a worker thread, off the event loop and before
+        the request reaches the step loop. Raises `InvalidRequest` for an invalid one."""
+        if structured is not None:
+            await asyncio.to_thread(self.engine.engine.grammars.compile, structured)
+
+    def record(self, outs) -> None:
+        """A finished request's metrics and its log line."""
+        for out in outs:
+            self.metrics.observe(out)
+            R.log_request(out)
+
+    async def collect(self, rids: list[str], request: Request) -> list[RequestOutput]:
+        """Final outputs of `rids`; aborts them all if the client disconnects first."""
+        eng = self.engine
+
+        async def last(rid):
+            out = None
+            async for out in eng.stream(rid):
+                pass
+            return out
+
+        task = asyncio.gather(*(last(r) for r in rids))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.args.disconnect_poll_s)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError()
+        except asyncio.CancelledError:
+            task.cancel()
+            for r in rids:
+                eng.abort(r)
+            raise
+
+    async def beam(self, body, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+        """Beam search for a request with ``use_beam_search``: `best_of` beams (default `n`), the
+        `n` best returned as its choices (best first; the rules table refuses what beam search
+        does not return)."""
+        width = body.best_of or body.n
+        if body.n > width:
+            raise InvalidRequest(f"n ({body.n}) must not exceed best_of ({width}) with use_beam_search", "n")
+        eng = self.engine
+        for ids in prompts:
+            eng.engine.encode_prompt(ids, SamplingParams(max_tokens=max_tokens))  # the context check
+        start = time.perf_counter()
+        results = await async_beam_search(eng, prompts, width, max_tokens, body.length_penalty, body.ignore_eos)
+        eog = eng.engine.tokenizer.eog_token_ids
+        outs = []
+        for ids, res in zip(prompts, results):
+            comps = [CompletionOutput(i, text=b.text, token_ids=b.token_ids, cumulative_logprob=b.cumulative_logprob,
+                                      finish_reason="stop" if b.token_ids and b.token_ids[-1] in eog else "length")
+                     for i, b in enumerate(res.sequences[: body.n])]
+            metrics = RequestMetrics(start, len(ids), 0, sum(len(c.token_ids) for c in comps), None,
+                                     time.perf_counter())
+            outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
+        return outs
+
+
+def sse_response(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def check_token_ids(engine, ids: list[int]) -> list[int]:
+    """`ids`, or `InvalidRequest` (field "tokens") naming the first outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < engine.config.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {engine.config.vocab_size})", "tokens")
+    return ids

@@ -1,0 +1,46 @@
+"""``POST /v1/completions`` (as vLLM's ``OpenAIServingCompletion``): prompts in, one request per
+prompt into the engine, the choices back as JSON or as server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+
+from nextoken.server import responses as R
+from nextoken.server.protocol import CompletionRequest
+from nextoken.server.serving import OpenAIServing, sse_response
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, body: CompletionRequest, request: Request):
+        """The response to `body`. Raises `InvalidRequest` for a bad request (naming the field),
+        `NotFound` for another model, `QueueFull` when too many wait."""
+        self.check_model(body.model)
+        body.check_rules()
+        self.check_queue()
+        eng = self.engine
+        prompts = R.completion_prompts(eng.engine, body.prompt)
+        structured = body.structured()
+        await self.compile(structured)
+        if body.use_beam_search:
+            outs = await self.beam(body, [ids for ids, _ in prompts], body.generation_limit())
+            return R.completion_response(eng.engine, body, outs, prompts, int(time.time()), self.args.model_name)
+        rids = []
+        try:
+            for ids, text in prompts:
+                params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
+                                              body.scored_prompt())
+                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text))
+        except BaseException:
+            for rid in rids:
+                eng.abort(rid)
+            raise
+        created = int(time.time())
+        if body.stream:
+            return sse_response(R.stream_completion(eng, body, rids, prompts, created, self.args.model_name,
+                                                    self.metrics))
+        outs = await self.collect(rids, request)
+        self.record(outs)
+        return R.completion_response(eng.engine, body, outs, prompts, created, self.args.model_name)
