@@ -296,13 +296,13 @@ def cmd_chat(a) -> int:
 
 
 def cmd_explain(a) -> int:
-    from nextoken.trace.explain import ExplainTracer, format_report
+    from nextoken.trace.explain import explain_report, format_report, recorder_for
 
     llm = _load(a)
     params = _params(a).validate(llm.config.vocab_size)
     params.logprobs = None
     chat = not a.raw and llm.tokenizer.chat_template is not None
-    tracer = ExplainTracer(llm.tokenizer, llm.config, top=a.top)
+    tracer = recorder_for(llm.config)
     t0 = time.perf_counter()
     out = None
     for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt,
@@ -310,7 +310,7 @@ def cmd_explain(a) -> int:
         pass
     total = time.perf_counter() - t0
     rendered = llm.render_chat([{"role": "user", "content": a.prompt}], a.system) if chat else None
-    report = tracer.report
+    report = explain_report(tracer, llm.tokenizer, llm.config, a.top)
     report.update(prompt=a.prompt, rendered_prompt=rendered, output_text=out.outputs[0].text,
                   finish_reason=out.outputs[0].finish_reason, total_seconds=total,
                   model={"name": a.model, "architecture": llm.config.architecture, "layers": llm.config.num_layers,

@@ -77,7 +77,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its completions (streamed or final)."""
+    """The state of one request: its prompt and its completions (streamed or final). `logits`
+    (with ``return_logits``): completion 0's raw logits, float32 ``[vocab]``, one per sampled
+    token so far."""
 
     request_id: str
     prompt: str | None
@@ -89,6 +91,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With ``SamplingParams.prompt_logprobs``: per prompt position ``{token_id: logprob}`` (the
     prompt's token and the top alternatives, given the tokens before it); the first is None."""
+    logits: list | None = None
 
     @property
     def usage(self) -> dict:

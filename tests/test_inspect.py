@@ -14,14 +14,15 @@ import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.inspect import engine_view, model_view, text
-from nextoken.inspect.trace import MAX_TRACE_TOKENS, InspectTracer
+from nextoken.inspect.trace import MAX_TRACE_TOKENS, head_stats, logit_lens
+from nextoken.trace.recorder import TraceRecorder
 from tests.helpers.server import LiveServer
 
 PROMPT_IDS = [3, 17, 42, 7, 99, 5, 61, 23, 11, 80, 4, 33]
 
 
-def traced(llm: LLM, ids: list[int]) -> InspectTracer:
-    tracer = InspectTracer(llm.config, len(ids))
+def traced(llm: LLM, ids: list[int]) -> TraceRecorder:
+    tracer = TraceRecorder(llm.config)
     for _ in llm.stream(ids, SamplingParams(temperature=0, max_tokens=1), tracer=tracer):
         pass
     return tracer
@@ -53,8 +54,8 @@ def test_attention_and_residuals_equal_transformers(tiny_gguf, tiny_llms, arch):
         if cfg.is_sliding(layer):
             q, k = torch.meshgrid(torch.arange(t), torch.arange(t), indexing="ij")
             assert (ours[:, q - k >= cfg.sliding_window] == 0).all()
-        assert len(tracer.head_stats(layer)) == cfg.num_heads
-    lens = tracer.logit_lens(llm.runner.model, llm.tokenizer, t - 1, top=3)
+        assert len(head_stats(tracer, layer)) == cfg.num_heads
+    lens = logit_lens(tracer, llm.runner.model, llm.tokenizer, t - 1, top=3)
     assert len(lens) == cfg.num_layers + 1
     want = ref.logits[0, -1].softmax(-1)
     top = want.topk(3)
@@ -72,7 +73,7 @@ def test_head_labels_follow_the_stated_rule(tiny_llms):
     first = torch.zeros(1, t, t, dtype=torch.float16)
     first[0, :, 0] = 1
     tracer.attention[0] = torch.cat([prev, first, torch.eye(t)[None].half(), uniform[None].half()])
-    labels = [h["label"] for h in tracer.head_stats(0)]
+    labels = [h["label"] for h in head_stats(tracer, 0)]
     assert labels == ["previous token", "first token (sink)", "self", "broad"]
 
 

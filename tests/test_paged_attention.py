@@ -73,7 +73,7 @@ def decode_kernel(request):
 def test_fast_path_equals_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs)
     decode_kernel(meta)
-    ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
+    ref = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
 
 
@@ -87,14 +87,15 @@ def test_lone_decode_over_consecutive_blocks_reads_a_view(decode_kernel):
     meta = decode_kernel(AttentionMetadata(torch.tensor([first * BS + seq_len - 1]), [0, 1], [seq_len], table, 1, BS,
                                            first_block=[first]))
     q = torch.randn(1, H, D, generator=g)
-    ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
+    ref = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("specs", SPECS)
 def test_reference_equals_attention_over_contiguous_keys(specs):
     q, kc, vc, meta, contiguous = build_batch(specs, seed=1)
-    out, probs = paged_attention_reference(q, kc, vc, meta, 0.25)
+    probs = []
+    out = paged_attention_reference(q, kc, vc, meta, 0.25, sink=probs)
     for i, (k, v) in enumerate(contiguous):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         expected, _ = naive_attention(q[a:b], k, v, 0.25)
@@ -109,7 +110,7 @@ def test_reference_equals_attention_over_contiguous_keys(specs):
 def test_bfloat16_fast_path_close_to_reference(specs, decode_kernel):
     q, kc, vc, meta, _ = build_batch(specs, seed=2, dtype=torch.bfloat16)
     decode_kernel(meta)
-    ref, _ = paged_attention_reference(q, kc, vc, meta, 0.25)
+    ref = paged_attention_reference(q, kc, vc, meta, 0.25)
     assert (paged_attention(q, kc, vc, meta, 0.25).float() - ref.float()).abs().max() < 0.05
 
 
@@ -127,7 +128,7 @@ def test_native_decode_on_model_shapes(heads, kv_heads, dim, block):
     specs = [(700, 1), (0, 1), (255, 1), (256, 1), (1030, 1), (37, 1)]
     q, kc, vc, meta, _ = build_batch(specs, seed=3, dtype=torch.bfloat16, H=heads, HKV=kv_heads, D=dim, BS=block,
                                      NB=400)
-    ref, _ = paged_attention_reference(q.float(), kc.float(), vc.float(), meta, dim ** -0.5)
+    ref = paged_attention_reference(q.float(), kc.float(), vc.float(), meta, dim ** -0.5)
     out = native_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim ** -0.5)
     assert out is not None
     err = (out.float() - ref).abs()
@@ -252,7 +253,7 @@ def test_native_int8_decode_equals_reference(heads, kv_heads, dim, block, portab
     q, kc, vc, meta, _ = build_batch(specs, seed=4, dtype=torch.bfloat16, H=heads, HKV=kv_heads, D=dim, BS=block,
                                      NB=400)
     k8, v8 = int8_caches(kc, vc, torch.bfloat16)
-    ref, _ = paged_attention_reference(q.float(), Int8Rows(*k8[:2], torch.float32), Int8Rows(*v8[:2], torch.float32),
+    ref = paged_attention_reference(q.float(), Int8Rows(*k8[:2], torch.float32), Int8Rows(*v8[:2], torch.float32),
                                        meta, dim ** -0.5)
     out = native_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, dim ** -0.5, portable=portable)
     assert out is not None, "the C kernel did not build (is gcc installed?)"
@@ -266,7 +267,7 @@ def test_int8_fast_path_close_to_reference(specs, decode_kernel):
     blocks) against the reference over the same codes."""
     q, kc, vc, meta, _ = build_batch(specs, seed=5, dtype=torch.bfloat16)
     k8, v8 = int8_caches(kc, vc, torch.bfloat16)
-    ref, _ = paged_attention_reference(q, k8, v8, meta, 0.25)
+    ref = paged_attention_reference(q, k8, v8, meta, 0.25)
     assert (paged_attention(q, k8, v8, meta, 0.25).float() - ref.float()).abs().max() < 0.05
 
 
@@ -285,6 +286,6 @@ def test_int8_rows_accuracy():
     assert codes.abs().amax(-1).eq(127).all()
     q, kc, vc, meta, _ = build_batch([(300, 1), (40, 1), (0, 20)], seed=7, D=64)
     k8, v8 = int8_caches(kc, vc, torch.float32)
-    exact, _ = paged_attention_reference(q, kc, vc, meta, 0.125)
-    approx, _ = paged_attention_reference(q, k8, v8, meta, 0.125)
+    exact = paged_attention_reference(q, kc, vc, meta, 0.125)
+    approx = paged_attention_reference(q, k8, v8, meta, 0.125)
     assert (approx - exact).abs().max() < 0.01 * exact.abs().max()

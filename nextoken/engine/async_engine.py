@@ -41,7 +41,7 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
-                          truncate_prompt: bool = False, tracer=None) -> str:
+                          truncate_prompt: bool = False, tracer=None, return_logits: bool = False) -> str:
         """Queue a request and return its id (`tracer`: see `LLMEngine.add_request`). Raises
         `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
         if self.dead is not None:
@@ -50,7 +50,8 @@ class AsyncLLMEngine:
         self._queues[rid] = asyncio.Queue()
         try:
             await self._between_steps(
-                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer))
+                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer,
+                                                return_logits=return_logits))
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -79,9 +80,10 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, prompt_text: str | None = None,
-                       truncate_prompt: bool = False, tracer=None) -> AsyncIterator[RequestOutput]:
+                       truncate_prompt: bool = False, tracer=None,
+                       return_logits: bool = False) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""
-        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer)
+        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer, return_logits)
         async for out in self.stream(rid):
             yield out
 

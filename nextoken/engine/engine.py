@@ -115,7 +115,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_text: str | None = None,
                     truncate_prompt: bool = False, tracer=None, keep_prompt_hidden: bool = False,
-                    chosen: tuple[list[int], int] | None = None) -> str:
+                    chosen: tuple[list[int], int] | None = None, return_logits: bool = False) -> str:
         """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
         that does not fit the context window, or one that could never fit in the KV cache.
 
@@ -123,12 +123,11 @@ class LLMEngine:
         state of every scored prompt position, ``RequestGroup.prompt_hidden`` (``[n - 1, hidden]``
         once the prompt is computed; `nextoken.evaluate` turns them into whole distributions).
 
-        `tracer` (see `nextoken.trace`) records every stage of this request: it runs in a
-        forward pass of its own, on the reference attention, without the prefix cache or
-        speculation; the other requests of the step are batched as usual. `chosen`: ``(tokens,
-        draws)``, the first output tokens chosen already (the quick start's first token,
-        `LLM.stream(..., first=...)`), emitted in place of the first draws, and how many numbers
-        of the seeded stream they used: the request then goes on as if it had drawn them."""
+        `tracer` (a `nextoken.trace.Tracer`) records every stage: the request runs in a pass of
+        its own, on the reference attention, without the prefix cache or speculation. `chosen`:
+        ``(tokens, draws)``, first tokens chosen already (`LLM.stream(..., first=...)`), emitted
+        in place of the first draws, and the seeded numbers they used. `return_logits`: outputs
+        carry completion 0's raw logits (`RequestOutput.logits`)."""
         params = (params or SamplingParams()).validate(self.config.vocab_size)
         ids = self.encode_prompt(prompt, params, truncate_prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -139,7 +138,8 @@ class LLMEngine:
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
         seqs = make_sequences(request_id, ids, params, grammars, tracer, chosen)
-        self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, keep_prompt_hidden))
+        self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, keep_prompt_hidden,
+                                   return_logits))
         for s in seqs:
             self.scheduler.add(s)
         if tracer is not None:
@@ -257,6 +257,9 @@ class LLMEngine:
                 continue
             if tracer is not None:
                 tracer.on_sample(logits[idx[i]], res, r.params)
+            group = self.outputs.group_of(r)
+            if group.logits is not None and r.index == 0:
+                group.logits.append(logits[idx[i]].clone())
             self.outputs.emit(r, [res])
 
     def _verify(self, r: Request, logits: torch.Tensor, drafts: list[int], draft_probs, spec_log) -> None:
@@ -273,10 +276,9 @@ class LLMEngine:
 
     def _fail_nonfinite(self, logits: torch.Tensor, rows: dict[Request, tuple[int, int]]) -> None:
         """Fail every request whose logits rows (``rows``: request -> [a, b) rows of `logits`)
-        hold a NaN or an infinity: a model fault (overflowing activations, a broken weight) that
-        would otherwise end in the sampler's traceback, or, greedy, in a silent garbage token. The
-        request finishes with reason ``"error"`` and `RequestOutput.error` saying what happened;
-        the batch's other requests go on. One float32 sum per row: NaN and inf both survive it."""
+        hold a NaN or an infinity (a model fault: overflowing activations, a broken weight): it
+        finishes with reason ``"error"``, the batch's other requests go on. One float32 sum per
+        row: NaN and inf both survive it."""
         if not rows:
             return
         finite = torch.isfinite(logits.float().sum(dim=-1)).tolist()

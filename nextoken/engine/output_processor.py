@@ -36,6 +36,7 @@ class RequestGroup:
     changed: bool = False  # something to report since the last output
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     prompt_hidden: object | None = None  # with keep_prompt_hidden: ``[n_prompt - 1, hidden]``, row p scores token p + 1
+    logits: list | None = None  # with return_logits: completion 0's raw logits per sampled token
 
     @property
     def finished(self) -> bool:
@@ -99,11 +100,12 @@ def make_output(group: RequestGroup) -> RequestOutput:
         c.delta_token_ids = []
     group.changed = False
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
-                         group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs))
+                         group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
+                         None if group.logits is None else list(group.logits))
 
 
 def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],
-              tokenizer, keep_prompt_hidden: bool = False) -> RequestGroup:
+              tokenizer, keep_prompt_hidden: bool = False, return_logits: bool = False) -> RequestGroup:
     """The output state of a new request: one detokenizer and one empty `CompletionOutput` per
     sequence (logprob lists when `params.logprobs` asks), its arrival time, and with
     `params.prompt_logprobs` a slot per prompt position (and the prompt's hidden states when
@@ -117,6 +119,8 @@ def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params
         [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
         RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids)))
+    if return_logits:
+        group.logits = []
     if params.prompt_logprobs is not None:
         group.prompt_logprobs = [None] * len(prompt_ids)
         if keep_prompt_hidden:

@@ -26,7 +26,8 @@ from pydantic import Field
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import engine_view, model_view, text
-from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, InspectTracer
+from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, logit_lens
+from nextoken.trace.recorder import TraceRecorder
 from nextoken.sampling_params import SamplingParams
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -99,15 +100,15 @@ class DemoBody(Body):
 
 
 class InspectState:
-    """The inspector's memory: the last traces (id -> `InspectTracer` and its tokens)."""
+    """The inspector's memory: the last traces (id -> `TraceRecorder` and its tokens)."""
 
     def __init__(self):
-        self.traces: collections.OrderedDict[str, tuple[InspectTracer, list[dict]]] = collections.OrderedDict()
+        self.traces: collections.OrderedDict[str, tuple[TraceRecorder, list[dict]]] = collections.OrderedDict()
         self.ids = itertools.count(1)
         self.last_layer_ms: list[float] | None = None
         self.demo_tasks: set[asyncio.Task] = set()
 
-    def keep(self, tracer: InspectTracer, tokens: list[dict]) -> str:
+    def keep(self, tracer: TraceRecorder, tokens: list[dict]) -> str:
         tid = f"t{next(self.ids)}"
         self.traces[tid] = (tracer, tokens)
         while len(self.traces) > KEEP_TRACES:
@@ -115,7 +116,7 @@ class InspectState:
         self.last_layer_ms = [round(x, 3) for x in tracer.layer_ms]
         return tid
 
-    def get(self, tid: str) -> tuple[InspectTracer, list[dict]]:
+    def get(self, tid: str) -> tuple[TraceRecorder, list[dict]]:
         if tid not in self.traces:
             raise NotFound(f"trace {tid!r} is gone (the last {KEEP_TRACES} are kept); trace again", "trace_id")
         return self.traces[tid]
@@ -236,7 +237,7 @@ async def architecture(request: Request):
 async def trace(request: Request, body: TraceBody):
     eng = _ctx(request).core()
     ids = _ctx(request).encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
-    tracer = InspectTracer(eng.config, len(ids))
+    tracer = TraceRecorder(eng.config)
     start = time.perf_counter()
     await _ctx(request).run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
     ms = (time.perf_counter() - start) * 1000
@@ -244,7 +245,7 @@ async def trace(request: Request, body: TraceBody):
               for i in ids]
     tid = _ctx(request).state.keep(tracer, tokens)
     cfg = eng.config
-    labels = await asyncio.to_thread(lambda: [tracer.head_stats(layer) for layer in range(cfg.num_layers)])
+    labels = await asyncio.to_thread(lambda: [head_stats(tracer, layer) for layer in range(cfg.num_layers)])
     return {"trace_id": tid, "tokens": tokens, "layers": cfg.num_layers, "heads": cfg.num_heads,
             "kv_heads": cfg.num_kv_heads, "sliding_layers": cfg.sliding_layers, "sliding_window": cfg.sliding_window,
             "labels": labels, "label_rule": LABEL_RULE, "layer_ms": [round(x, 3) for x in tracer.layer_ms],
@@ -255,13 +256,13 @@ async def attention(request: Request, trace_id: str, layer: int = Query(ge=0, js
     tracer, _ = _ctx(request).state.get(trace_id)
     if layer >= len(tracer.attention):
         raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
-    return tracer.attention_payload(layer)
+    return attention_payload(tracer, layer)
 
 @router.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
 async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
     tracer, tokens = _ctx(request).state.get(trace_id)
     eng = _ctx(request).whole_model()
-    rows = await asyncio.to_thread(tracer.logit_lens, eng.runner.model, eng.tokenizer, position, top)
+    rows = await asyncio.to_thread(logit_lens, tracer, eng.runner.model, eng.tokenizer, position, top)
     return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
             "layers": rows}
 
@@ -286,9 +287,12 @@ async def sample(request: Request, body: SampleBody):
                             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, seed=body.seed,
                             max_tokens=1).validate(eng.config.vocab_size)
-    tracer = _LogitsOnly()
-    await _ctx(request).run_traced(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1), tracer)
-    view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, tracer.logits, params, ids, list(body.generated))
+    out = None  # a plain request, batched as usual, that returns the logits its token is drawn from
+    async for out in _ctx(request).get_engine().generate(ids + list(body.generated),
+                                                         SamplingParams(temperature=0, max_tokens=1),
+                                                         return_logits=True):
+        pass
+    view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, out.logits[0], params, ids, list(body.generated))
     return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
@@ -364,22 +368,3 @@ async def quant_error(request: Request, tensor: str = Query(min_length=1, max_le
     if not str(eng.model_path).endswith(".gguf"):
         raise NotFound("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
     return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)
-
-
-class _LogitsOnly:
-    """A tracer that keeps only the logits the first token is sampled from. It needs no
-    attention probabilities, so its pass runs the engine's usual kernels and its logits are
-    those a plain request gets."""
-
-    wants_probs = False
-
-    def __init__(self):
-        self.logits = None
-
-    def on_prefill_start(self, ids): ...
-    def on_embedding(self, h, cos, sin): ...
-    def on_layer(self, i, h, probs): ...
-    def on_forward_done(self, n, kv_bytes): ...
-
-    def on_sample(self, logits, res, params):
-        self.logits = logits.float().clone()

@@ -50,7 +50,9 @@ class AttentionMetadata:
     block_size: int
     backend: str = "torch"  # the execution plan's attention: "reference" | "native" | "torch"
     kernels: KernelSet = KernelSet()  # with "native": the attention libraries the plan resolved
-    keep_probs: bool = False  # tracing: the reference path, which returns the probabilities
+    # tracing: a list (the sink) makes every layer run the reference attention and leave its
+    # per-sequence probabilities ``[H, q_len, seq_len]`` here, for the tracer; None: the usual paths
+    probs: list | None = None
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
 
@@ -98,19 +100,20 @@ def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return (probs @ vf).transpose(0, 1).to(q.dtype), probs
 
 
-def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                              sink: list | None = None) -> torch.Tensor:
     """q ``[num_tokens, H, D]``; caches ``[Hkv, num_blocks, block_size, D]`` (this layer;
-    tensors or `Int8Rows`, dequantized as gathered). Returns the output ``[num_tokens, H, D]``
-    and each sequence's probabilities."""
+    tensors or `Int8Rows`, dequantized as gathered). Returns the output ``[num_tokens, H, D]``;
+    each sequence's probabilities ``[H, q_len, seq_len]`` go to `sink` when it is a list."""
     out = torch.empty_like(q)
-    all_probs = []
     for i in range(meta.num_seqs):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         k = gather_kv(k_cache, meta.block_tables[i], meta.seq_lens[i], meta.block_size)
         v = gather_kv(v_cache, meta.block_tables[i], meta.seq_lens[i], meta.block_size)
         out[a:b], probs = naive_attention(q[a:b], k, v, scale)
-        all_probs.append(probs)
-    return out, all_probs
+        if sink is not None:
+            sink.append(probs)
+    return out
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -364,23 +367,24 @@ def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale:
     return out.transpose(0, 1).reshape(nd, num_heads, head_dim)
 
 
-def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, sliding: bool = False):
+def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, sliding: bool = False) -> torch.Tensor:
     """One layer's attention step, whatever its kind: q ``[T, H, D]``, k, v ``[T, Hkv, D]`` ->
-    (output ``[T, H, D]``, per-sequence probabilities or None).
+    output ``[T, H, D]``.
 
     A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`)
     and attends over each sequence's blocks; a `sliding` layer does both over the sequence's ring
-    (`sliding_attention`). The reference path (and tracing) use plain float32 attention and
-    return the probabilities."""
+    (`sliding_attention`). The reference path (and tracing) use plain float32 attention; while
+    tracing, the probabilities go to the metadata's sink (`AttentionMetadata.probs`)."""
     from nextoken.layers.sliding_attention import sliding_window_attention
 
-    reference = meta.backend == "reference" or meta.keep_probs
+    reference = meta.backend == "reference" or meta.probs is not None
     if sliding:
         i = kv.sliding.layer_index[layer]
-        return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference)
+        return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference,
+                                        meta.probs)
     i = kv.layer_index[layer]
     kv.write(i, meta.slot_mapping, k, v)
     k_cache, v_cache = kv.layer(i)
     if reference:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    return paged_attention(q, k_cache, v_cache, meta, scale), None
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, meta.probs)
+    return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -67,11 +67,13 @@ def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int
     return (k <= q) & (k > q - window)
 
 
-def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, reference: bool = False):
+def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, reference: bool = False,
+                             sink: list | None = None):
     """q ``[T, H, D]``, this pass's k, v ``[T, Hkv, D]``; rings ``[Hkv, num_blocks, block_size,
     D]`` (this layer). Writes the new keys and values into the rings. Returns the output
-    ``[T, H, D]`` and, with `reference` (plain float32 attention instead of the fused kernel),
-    each sequence's probabilities ``[H, q_len, seq_len]`` (zero outside the window)."""
+    ``[T, H, D]``; with `reference` (plain float32 attention instead of the fused kernel) and a
+    `sink` list, each sequence's probabilities ``[H, q_len, seq_len]`` (zero outside the window)
+    go to the sink."""
     sm: SlidingMetadata = meta.sliding
     heads, nb, bs, d = k_ring.shape
     k_flat, v_flat = k_ring.view(heads, nb * bs, d), v_ring.view(heads, nb * bs, d)
@@ -81,7 +83,6 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
     k_flat.index_copy_(1, sm.write_slots, k[sm.write_rows].transpose(0, 1))
     v_flat.index_copy_(1, sm.write_slots, v[sm.write_rows].transpose(0, 1))
     out = torch.empty_like(q)
-    all_probs = []
     for i in range(meta.num_seqs):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_start = meta.seq_lens[i] - (b - a)
@@ -95,12 +96,13 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
             out[a:b], probs = _naive(q[a:b], kk, vv, mask, scale)
             full = probs.new_zeros(probs.shape[0], b - a, meta.seq_lens[i])
             full[:, :, sm.key_start[i]:sm.key_start[i] + kk.shape[1]] = probs
-            all_probs.append(full)
+            if sink is not None:
+                sink.append(full)
         else:
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask,
                                                scale=scale, enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
-    return out, (all_probs if reference else None)
+    return out
 
 
 def _naive(q, k, v, mask, scale: float):

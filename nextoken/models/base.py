@@ -48,7 +48,7 @@ class DecoderModel(torch.nn.Module):
             self.register_buffer("inv_freq", inv_frequencies(cfg.rope_dim, cfg.rope_theta), persistent=False)
 
     def make_layer(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> torch.nn.Module:
-        """Decoder layer `layer`: ``layer(h, rope, kv, meta) -> (h, probs or None)``."""
+        """Decoder layer `layer`: ``layer(h, rope, kv, meta) -> h``."""
         raise NotImplementedError
 
     # -- the data flow ------------------------------------------------------------------------
@@ -79,9 +79,11 @@ class DecoderModel(torch.nn.Module):
         if tracer is not None:
             tracer.on_embedding(h, *(rope[False] if rope else (None, None)))
         for i, layer in enumerate(self.layers):
-            h, probs = layer(h, rope, kv, meta)
+            if meta.probs:  # tracing: each layer's probabilities, one list per layer
+                meta.probs = []
+            h = layer(h, rope, kv, meta)
             if tracer is not None:
-                tracer.on_layer(i, h, probs)
+                tracer.on_layer(i, h, meta.probs)
         return self.final_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -55,11 +55,11 @@ class Gemma3DecoderLayer(torch.nn.Module):
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn, probs = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
+        attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
         h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps)
         ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps))
         h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps)
-        return h, probs
+        return h
 
 
 class Gemma3ForCausalLM(DecoderModel):

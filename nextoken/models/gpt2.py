@@ -47,10 +47,10 @@ class GPT2Block(torch.nn.Module):
         q, k, v = self.c_attn(layer_norm(h, self.ln_1_weight, self.ln_1_bias, self.eps)).split(
             self.num_heads * self.head_dim, dim=-1)
         q, k, v = (x.reshape(t, self.num_heads, self.head_dim) for x in (q, k, v))
-        out, probs = attend(q, k, v, kv, self.layer, meta, self.scale)
+        out = attend(q, k, v, kv, self.layer, meta, self.scale)
         h = h + self.attn_proj(out.reshape(t, -1))
         ffn = F.gelu(self.c_fc(layer_norm(h, self.ln_2_weight, self.ln_2_bias, self.eps)), approximate=self.gelu)
-        return h + self.mlp_proj(ffn), probs
+        return h + self.mlp_proj(ffn)
 
 
 class GPT2LMHeadModel(DecoderModel):

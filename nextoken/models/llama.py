@@ -61,8 +61,8 @@ class LlamaAttention(torch.nn.Module):
         if self.q_norm is not None:
             q, k = self.QK_NORM(q, self.q_norm, self.eps), self.QK_NORM(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, probs = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
-        return self.o_proj(out.reshape(t, -1)), probs
+        out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class LlamaMLP(torch.nn.Module):
@@ -94,10 +94,10 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn, probs = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.norm_kernel), cos, sin, kv, meta)
+        attn = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.norm_kernel), cos, sin, kv, meta)
         h = h + attn
         h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.norm_kernel))
-        return h, probs
+        return h
 
 
 class LlamaForCausalLM(DecoderModel):

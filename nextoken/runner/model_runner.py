@@ -250,7 +250,8 @@ class ModelRunner:
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []
         input_ids, positions, meta, order = self.prepare(seqs)
-        meta.keep_probs = tracer is not None and getattr(tracer, "wants_probs", True)
+        if tracer is not None and getattr(tracer, "wants_probs", True):
+            meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
         hidden = None
         if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
                 meta.backend != "reference":  # every layer of a decode step in one C call

@@ -1,10 +1,28 @@
-"""Hooks that record what each stage of the pipeline did (behind `nextoken explain` and the
-inspector, `nextoken.inspect`).
+"""Tracing: what each stage of the pipeline did for one request, behind `nextoken explain` and
+the inspector (`nextoken.inspect`).
 
-A tracer is attached to one request (``LLMEngine.add_request(..., tracer=)``); the engine runs
-that request in a forward pass of its own and calls ``on_prefill_start(ids)``, then per pass
-``on_embedding(h, cos, sin)``, ``on_layer(i, h, probs)``, ``on_forward_done(tokens, kv_bytes)``
-and ``on_sample(logits, result, params)``. Attention probabilities need the reference attention;
-a tracer with ``wants_probs = False`` gets ``probs=None`` and the usual kernels. Requests without
-a tracer cost nothing extra.
+A tracer is attached to one request (``LLMEngine.add_request(..., tracer=)``) and implements
+`Tracer`; the engine runs that request in a forward pass of its own. The one recorder is
+`trace.recorder.TraceRecorder`; `trace.explain` renders it as text or JSON, `inspect.trace`
+as the inspector's views. Requests without a tracer cost nothing extra.
 """
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tracer(Protocol):
+    """The hooks of a traced request, in order: ``on_prefill_start(ids)`` when it is added; per
+    forward pass ``on_embedding(h, cos, sin)``, ``on_layer(i, h, probs)`` (probs: the layer's
+    per-sequence attention weights ``[H, q_len, seq_len]`` from the attention metadata's sink,
+    when `wants_probs`; the pass then runs the reference attention) and ``on_forward_done(tokens
+    in the cache, KV bytes)``; per sampled token ``on_sample(logits, SampleResult, params)``."""
+
+    wants_probs: bool
+
+    def on_prefill_start(self, prompt_ids: list[int]) -> None: ...
+    def on_embedding(self, h, cos, sin) -> None: ...
+    def on_layer(self, i: int, h, probs: list | None) -> None: ...
+    def on_forward_done(self, num_tokens: int, kv_bytes: int) -> None: ...
+    def on_sample(self, logits, res, params) -> None: ...

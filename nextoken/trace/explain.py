@@ -1,96 +1,63 @@
-"""`ExplainTracer`: records each stage of one generation on the real model, for `nextoken explain`.
-
-What it keeps is plain data (numbers, strings, lists) so it prints in a terminal and serialises
-to JSON alike. Tracing runs the reference attention (it needs the attention probabilities).
+"""`nextoken explain`: one generation's stages on the real model, from the request's
+`TraceRecorder` (`trace.recorder`), rendered two ways: `explain_report` (plain data: numbers,
+strings, lists; what ``--json`` prints) and `format_report` (the same, as text for a terminal).
+Tracing runs the reference attention (it needs the attention probabilities).
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
-
 from nextoken.layers.rotary import inv_frequencies
+from nextoken.trace.recorder import TraceRecorder
 
 
-class ExplainTracer:
-    """Collects a report of one request. `top` is how many candidates to show per token."""
+def recorder_for(config) -> TraceRecorder:
+    """The recorder `explain` needs: each layer's attention from the prompt's last position only."""
+    return TraceRecorder(config, last_row_only=True)
 
-    def __init__(self, tokenizer, config, top: int = 10):
-        self.tok, self.cfg, self.top = tokenizer, config, top
-        self.report: dict = {"layers": [], "steps": [], "kv_cache": []}
-        self._pass = 0  # forward passes seen (0 = the prefill)
-        self._t0 = 0.0
-        self._tokens: list[int] = []
 
-    # -- hooks called by the model and the generation loop ---------------------------------
-    def on_prefill_start(self, prompt_ids: list[int]) -> None:
-        self._tokens = list(prompt_ids)
-        self._t0 = time.perf_counter()
-        self.report["tokens"] = [{"id": i, "text": self.tok.token_text(i)} for i in prompt_ids]
+def explain_report(rec: TraceRecorder, tok, cfg, top: int = 10) -> dict:
+    """The report of a recorded request: its tokens, the embedding, RoPE, each layer (residual
+    norm and where the last position attends), each sampled token's `top` candidates, the KV
+    cache after each pass and the prefill's time."""
+    ids = rec.token_ids
+    t = len(ids)
+    emb = rec.residual[0]
+    report = {"tokens": [{"id": i, "text": tok.token_text(i)} for i in ids]}
+    report["embedding"] = {
+        "matrix_shape": [cfg.vocab_size, cfg.hidden_size], "output_shape": [t, cfg.hidden_size],
+        "rows": [{"id": ids[i], "text": tok.token_text(ids[i]), "first_values": [round(v, 4) for v in emb[i, :6].tolist()],
+                  "norm": round(float(emb[i].norm()), 3)} for i in range(min(t, 4))]}
+    report["rope"] = _rope(cfg, t)
+    report["layers"] = [_layer(rec, tok, i) for i in range(cfg.num_layers)] if rec.attention else []
+    report["steps"] = [{"chosen": {"id": s["chosen"], "text": tok.token_text(s["chosen"])},
+                        "candidates": [{"id": c["id"], "text": tok.token_text(c["id"]), "logit": round(c["logit"], 3),
+                                        "prob": round(c["prob"], 5), "kept": c["kept"],
+                                        "sample_prob": None if c["sample_prob"] is None else round(c["sample_prob"], 5)}
+                                       for c in s["candidates"][:top]],
+                        "kept_count": s["kept_count"]} for s in rec.steps]
+    report["kv_cache"] = [{"tokens": p["cached_tokens"], "bytes": p["kv_bytes"], "seconds": round(p["ms"] / 1000, 6)}
+                          for p in rec.passes]
+    prompt_passes = [p for p in rec.passes if p["tokens"]]
+    report["prefill_seconds"] = sum(p["ms"] for p in prompt_passes) / 1000
+    return report
 
-    def on_embedding(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        if self._pass:
-            return
-        n = min(len(self._tokens), 4)
-        self.report["embedding"] = {
-            "matrix_shape": [self.cfg.vocab_size, self.cfg.hidden_size],
-            "output_shape": list(h.shape),
-            "rows": [{"id": self._tokens[i], "text": self.tok.token_text(self._tokens[i]),
-                      "first_values": [round(v, 4) for v in h[i, :6].float().tolist()],
-                      "norm": round(float(h[i].float().norm()), 3)} for i in range(n)],
-        }
-        self.report["rope"] = self._rope(h.shape[0])
 
-    def _rope(self, t: int) -> dict:
-        if not self.cfg.rope_dim:  # learned absolute positions (GPT-2)
-            return {"positions": [0, t - 1], "rope_dim": 0, "learned_position_embeddings": True}
-        inv = inv_frequencies(self.cfg.rope_dim, self.cfg.rope_theta)
-        pairs = [0, 1, len(inv) - 1]
-        last = t - 1
-        return {
-            "positions": [0, t - 1], "rope_dim": self.cfg.rope_dim, "base": self.cfg.rope_theta,
-            "pairs": [{"pair": i, "radians_per_position": float(inv[i]),
-                       "angle_at_last_position": float(last * inv[i])} for i in pairs],
-        }
+def _layer(rec: TraceRecorder, tok, i: int) -> dict:
+    last = rec.last_row(i)  # [heads, T]: where the last position of the prompt looks
+    mean = last.mean(0)
+    j = int(mean.argmax())
+    return {"layer": i, "residual_norm_last": round(float(rec.residual[i + 1, -1].norm()), 3),
+            "attends_most": {"position": j, "text": tok.token_text(rec.token_ids[j]), "weight": round(float(mean[j]), 4)},
+            "per_head_positions": last.argmax(-1).tolist()}
 
-    def on_layer(self, i: int, h: torch.Tensor, probs: list[torch.Tensor] | None) -> None:
-        if self._pass or not probs:
-            return
-        last = probs[0][:, -1, :]  # [heads, seq]: where the last position of the sequence looks
-        top_per_head = last.argmax(-1).tolist()
-        mean = last.mean(0)
-        j = int(mean.argmax())
-        self.report["layers"].append({
-            "layer": i,
-            "residual_norm_last": round(float(h[-1].float().norm()), 3),
-            "attends_most": {"position": j, "text": self.tok.token_text(self._tokens[j]),
-                             "weight": round(float(mean[j]), 4)},
-            "per_head_positions": top_per_head,
-        })
 
-    def on_forward_done(self, num_tokens: int, kv_bytes: int) -> None:
-        now = time.perf_counter()
-        self.report["kv_cache"].append({"tokens": num_tokens, "bytes": kv_bytes,
-                                        "seconds": round(now - self._t0, 6)})
-        if self._pass == 0:
-            self.report["prefill_seconds"] = now - self._t0
-        self._pass += 1
-        self._t0 = now
-
-    def on_sample(self, logits: torch.Tensor, res, params) -> None:
-        probs = logits.float().softmax(-1)
-        vals, ids = logits.topk(self.top)
-        cands = []
-        for v, t in zip(vals.tolist(), ids.tolist()):
-            cands.append({"id": t, "text": self.tok.token_text(t), "logit": round(v, 3),
-                          "prob": round(float(probs[t]), 5),
-                          "kept": bool(res.kept[t]) if res.kept is not None else None,
-                          "sample_prob": round(float(res.probs[t]), 5) if res.probs is not None else None})
-        kept_n = int(res.kept.sum()) if res.kept is not None else None
-        self.report["steps"].append({"chosen": {"id": res.token, "text": self.tok.token_text(res.token)},
-                                     "candidates": cands, "kept_count": kept_n})
-        self._tokens.append(res.token)
+def _rope(cfg, t: int) -> dict:
+    if not cfg.rope_dim:  # learned absolute positions (GPT-2)
+        return {"positions": [0, t - 1], "rope_dim": 0, "learned_position_embeddings": True}
+    inv = inv_frequencies(cfg.rope_dim, cfg.rope_theta)
+    return {"positions": [0, t - 1], "rope_dim": cfg.rope_dim, "base": cfg.rope_theta,
+            "pairs": [{"pair": i, "radians_per_position": float(inv[i]), "angle_at_last_position": float((t - 1) * inv[i])}
+                      for i in (0, 1, len(inv) - 1)]}
 
 
 def format_report(r: dict, prompt: str, rendered: str | None, cfg, params, total_s: float) -> str:
