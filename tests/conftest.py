@@ -45,6 +45,29 @@ def smollm2_llm(smollm2_path):
     llm.close()
 
 
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_path):
+    """One float32 `LLM` on SmolLM2 (the reference path's numbers), shared like `smollm2_llm`.
+    It must not be stepped from a test while `smollm2_server` serves it: that server has its own."""
+    from nextoken import LLM
+
+    llm = LLM(str(smollm2_path), dtype="float32")
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_path):
+    """A live server (uvicorn in a thread, `helpers.server.LiveServer`) on a float32 SmolLM2
+    engine of its own, served as "smollm2", shared by every test that only sends it requests."""
+    from nextoken import LLM
+    from tests.helpers.server import LiveServer
+
+    srv = LiveServer(LLM(str(smollm2_path), dtype="float32"), "smollm2")
+    yield srv
+    srv.stop()
+
+
 def load_reference(name: str) -> dict:
     """Reference outputs made by `transformers` from the real GGUF files (tests/data)."""
     return json.loads((DATA / f"{name}.json").read_text())

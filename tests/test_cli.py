@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import load_reference
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes of its own
+
 
 def nextoken(*args, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -145,14 +145,14 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_gguf, alone):
     assert_no_leak(llm)
 
 
-def test_smollm2_batched_equals_reference_and_alone(smollm2_path):
+def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
     """32 requests at once on the real model: the reference prompts still give the reference
     greedy ids (prefix caching on, and under preemption), the rest match their solo runs."""
     gens = load_reference("smollm2-135m-instruct")["generations"]
     extra = [f"Write one sentence about the number {i}." for i in range(26)]
     prompts = [g["prompt_ids"] for g in gens] + extra
     p = SamplingParams(temperature=0, max_tokens=16)
-    llm = LLM(str(smollm2_path), dtype="float32")
+    llm = smollm2_f32
     outs = token_ids(llm.generate(prompts, p))
     for g, got in zip(gens, outs):
         assert got == g["greedy_ids"][:16]

@@ -172,6 +172,7 @@ def _run_cli(args, env):
                           timeout=300)
 
 
+@pytest.mark.subprocess
 def test_hub_id_resolves_from_the_cache_offline(folders, tmp_path):
     """`--model org/name` with HF_HUB_OFFLINE=1 finds the snapshot in the cache (a user's
     `nextoken run`); an id that is not cached is a clear error, not a traceback."""

@@ -169,10 +169,10 @@ def smol_llm(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_path):
+def oracle(smollm2_llm):
     """A second engine on the same model, for the comparisons: the served engine is stepped by
     the server's loop thread and must not be driven from the test's thread at the same time."""
-    return LLM(str(smollm2_path))
+    return smollm2_llm
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs it
     sync_playwright = None
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     CHROMIUM is None or sync_playwright is None,
-    reason="browser tests need Debian's chromium (apt-get install chromium) and playwright (pip install playwright)")
+    reason="browser tests need Debian's chromium (apt-get install chromium) and playwright (pip install playwright)")]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "nextoken"
 
 
@@ -97,6 +99,7 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b": "a->b"}, "b": {}}) is None
 
 
+@pytest.mark.subprocess
 def test_models_and_help_do_not_import_torch():
     code = ("import sys, contextlib, io\n"
             "from nextoken.cli import main\n"

@@ -11,8 +11,8 @@ from tests.conftest import load_reference
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(str(smollm2_path), dtype="float32")
+def llm(smollm2_f32):
+    return smollm2_f32
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nextoken import LLM, SamplingParams
-from tests.helpers.server import LiveServer
+from nextoken import SamplingParams
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_path):
-    srv = LiveServer(LLM(str(smollm2_path), dtype="float32"), "smollm2")
-    yield srv
-    srv.stop()
 
 
 def _tasks(tmp_path) -> Path:
@@ -29,18 +21,18 @@ def _tasks(tmp_path) -> Path:
     return tmp_path
 
 
-def test_local_completions_equals_our_python_api(served, smollm2_path, tmp_path, monkeypatch):
+def test_local_completions_equals_our_python_api(smollm2_server, smollm2_f32, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    args = (f"base_url={served.url}/v1/completions,model=smollm2,tokenizer_backend=remote,"
+    args = (f"base_url={smollm2_server.url}/v1/completions,model=smollm2,tokenizer_backend=remote,"
             "tokenized_requests=True,num_concurrent=2,max_retries=1")
     results = lm_eval.simple_evaluate(model="local-completions", model_args=args,
                                       tasks=["nextoken_mc", "nextoken_gen"], log_samples=True,
                                       task_manager=TaskManager(include_path=str(_tasks(tmp_path))))
-    oracle = LLM(str(smollm2_path), dtype="float32")
+    oracle = smollm2_f32
     tok = oracle.engine.tokenizer
 
     def loglikelihood(context: str, continuation: str) -> float:

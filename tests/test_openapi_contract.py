@@ -36,6 +36,7 @@ def tiny_srv(tiny_gguf):
     srv.stop()
 
 
+@pytest.mark.subprocess
 def test_schemathesis_finds_no_failure(tiny_srv, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{tiny_srv.url}/openapi.json",
            "--phases", "coverage,fuzzing", "--max-examples", "10", "--seed", "1", "--workers", "1",

@@ -129,6 +129,7 @@ def test_no_cache_or_another_architecture_leaves_it_to_the_engine(tmp_path, tiny
     assert quick_start.first_token("ab", EngineArgs(model=gemma), p, chat=False) is None
 
 
+@pytest.mark.subprocess
 def test_it_runs_without_pytorch(quick_models):
     code = ("import sys\n"
             "from nextoken.engine_args import EngineArgs\n"
@@ -142,6 +143,7 @@ def test_it_runs_without_pytorch(quick_models):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.subprocess
 def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
     """``nextoken run`` prints the quick token, then the engine's continuation after it, through
     the typed hand-off (`LLM.from_engine_args(args, first=...)`, `LLM.stream(..., first=...)`)."""
@@ -164,6 +166,7 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
     assert off.returncode == 0 and "quick start" not in off.stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("seed", [0, 5, 11])
 def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm, seed):
     """``nextoken run --seed S`` (its first token drawn before PyTorch is imported, the rest by

@@ -31,6 +31,8 @@ from nextoken.server.replicas import core_slices, replica_argv, router_command
 from tests.helpers.server import wait_healthy
 from tests.ports import free_ports
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes of its own
+
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MODEL = "smollm2-135m-instruct"

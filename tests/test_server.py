@@ -18,10 +18,8 @@ from tests.ports import free_ports
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path):
-    srv = LiveServer(LLM(str(smollm2_path), dtype="float32"), "smollm2")
-    yield srv
-    srv.stop()
+def smol(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +224,7 @@ def test_32_concurrent_streams_equal_sequential_runs(tiny):
     assert tiny.idle()
 
 
+@pytest.mark.subprocess
 def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
     import os
     import signal

@@ -49,8 +49,8 @@ def compiler(tok):
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path):
-    return LLM(str(smollm2_path), max_num_seqs=32)
+def smol(smollm2_llm):
+    return smollm2_llm
 
 
 def _text_ids(tok, text):

@@ -29,6 +29,8 @@ from nextoken.loader.weights import _gguf_tensor
 from tests.helpers.engine import hf_logits_stepwise
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes of its own
+
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12, 7, 150, 3, 99]
 CONTINUATION = [44, 61, 2, 130, 8]
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4], list(range(20, 50)), [274, 2, 51, 137, 138]]
