@@ -59,7 +59,7 @@ class CliArgs:
                 f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
             default = defaults.get(f.name, _default(f))
             kind, flag = f.metadata["cli"], cls.flag(f)
-            quiet = default in (None, False, []) or kind == "true" or (kind == "bool" and default is True)
+            quiet = default in (None, False, []) or kind == "true"
             shown = f.metadata["help"] + ("" if quiet else f" (default {default})")
             names = [flag, f.metadata["short"]] if f.metadata["short"] else [flag]
             if kind == "true":

@@ -255,6 +255,7 @@ def test_timeline_and_live_state(srv):
     st = httpx.get(f"{srv.url}/inspect/api/state").json()
     assert len(st["blocks"]) == st["stats"]["num_blocks"] and set(st["blocks"]) <= set(".c123456789+")
     assert len(st["requests"]) >= 4 and st["steps"]
+    assert st["stats"]["num_failed"] == 0 and isinstance(st["stats"]["kernel_fallbacks"], dict)  # shown on the page
     with httpx.stream("GET", f"{srv.url}/inspect/api/live", timeout=30) as ev:
         line = next(line for line in ev.iter_lines() if line.startswith("data: "))
     assert json.loads(line[6:])["stats"]["num_blocks"] == st["stats"]["num_blocks"]

@@ -167,9 +167,13 @@ def test_a_raising_processor_ends_only_its_own_request(tiny_gguf, monkeypatch):
     params = MIXED[:4] + [faulty] + MIXED[4:]
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     before = llm.engine.stats()["num_failed"]
+    steps = []
+    llm.engine.subscribe(steps.append)  # the engine's one observability channel
     faulty_processing(monkeypatch)
     outs = llm.generate(prompts, params)
     bad = outs[4]
+    assert [rid for s in steps for rid in s.failed] == [bad.request_id]
+    assert sorted(g.request_id for s in steps for g, _ in s.finished) == sorted(o.request_id for o in outs)
     assert bad.outputs[0].finish_reason == "error" and "injected processor fault" in bad.error
     assert bad.request_id in bad.error and bad.outputs[0].token_ids == clean[4][:3]
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 4] == clean[:4] + clean[5:]

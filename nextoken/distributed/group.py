@@ -85,9 +85,7 @@ class TensorParallel:
 
         Up to `EXCHANGE_MAX_RANKS` ranks the partial sums are exchanged (`exchange`) and added
         here: one round of messages. gloo's ring all-reduce (`all_reduce_gloo`, the reference)
-        needs more rounds; inside Qwen2.5-1.5B decode steps on a 2-core VM (alternating runs) it
-        took 1.35-1.54 ms per call against 0.62-1.06 ms for the exchange: 8.5-8.9 against
-        10.3-15.3 decode tok/s.
+        needs more rounds, and was slower inside decode steps (docs/benchmarks.md).
         """
         if self.size > EXCHANGE_MAX_RANKS:
             return self.all_reduce_gloo(x)
@@ -233,7 +231,7 @@ def pin_to_slice(local_rank: int, local_size: int) -> None:
 def rank_threads(requested: int | None) -> int | None:
     """A rank's compute threads: `requested` (None: one per core of its slice), but no more than
     the cores it is pinned to (more would only make the threads of its cores spin against each
-    other: a 2-core machine measured 0.7 decode tok/s that way)."""
+    other, which slows decoding by an order of magnitude)."""
     cores = len(os.sched_getaffinity(0))
     if requested is not None and requested > cores:
         log.warning("--threads %d is more than this rank's %d cores; using %d", requested, cores, cores)

@@ -1,10 +1,11 @@
 """The inspector's HTTP side: the page at ``GET /inspect`` and its JSON endpoints under
 ``/inspect/api/`` (in the OpenAPI schema, tag "inspector"), plus one server-sent-events stream
-for the live views. Every route only reads: nothing is written, nothing leaves the process.
+for the live views. Nothing leaves the process; the routes write nothing but the inspector's own
+memory (the last traces) and, for the demo, requests like any client's.
 
 Model computations that need a forward pass (attention traces, the logit lens, the sampling
-playground) run as requests of the engine (`AsyncLLMEngine.generate` with a tracer): scheduled,
-abortable and counted like any other, in a pass of their own. Everything else reads the loaded
+playground) run as requests of the engine (`AsyncLLMEngine.generate`, with a `TraceRecorder` or
+``return_logits``): scheduled, abortable and counted like any other. Everything else reads the loaded
 weights or the engine's state between steps.
 """
 

@@ -30,12 +30,11 @@ from nextoken.config import KV_CACHE_DTYPES, ModelConfig
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor whose pages the OS provides on first touch: an anonymous memory map, where
-    ``torch.zeros`` writes every byte at allocation (0.15 s for Qwen2.5-1.5B's default cache,
-    all of it before the first token). Blocks never used never take memory; a block's first
-    write takes its page faults. The map asks for small pages (``MADV_NOHUGEPAGE``): NumPy's
-    ``zeros`` asks for huge ones, and then the first write to each 2 MiB of a sparse cache (the
-    first decode step touches one block per layer and head) cost 1 s for SmolLM2's default
-    1 GiB cache on this VM, in the server's warm-up. The start is page-aligned."""
+    ``torch.zeros`` writes every byte at allocation, all of it before the first token. Blocks
+    never used never take memory; a block's first write takes its page faults. The map asks for
+    small pages (``MADV_NOHUGEPAGE``): with huge pages (NumPy's ``zeros``) the first write to
+    each 2 MiB of a sparse cache (the first decode step touches one block per layer and head)
+    faults in the whole 2 MiB, which made the server's warm-up slow. The start is page-aligned."""
     import math
     import mmap
 

@@ -72,7 +72,7 @@ def gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy blocks out of one layer's cache ``[Hkv, num_blocks, block_size, D]`` (a tensor, or
     `Int8Rows`, then dequantized to its dtype): block_ids of any shape ``[...]`` ->
     ``[Hkv, ..., block_size, D]``. (``index_select`` over rows of ``block_size * D`` copies whole
-    rows; plain advanced indexing is about 2x slower.)"""
+    rows; plain advanced indexing is slower.)"""
     heads, num_blocks, bs, d = cache.shape
     if isinstance(cache, Int8Rows):
         codes = gather_blocks(cache.codes, block_ids)
@@ -138,10 +138,9 @@ SCORES_BUDGET = 8 << 20  # bytes of float32 scores per block (kept in cache): ca
 def prefill_block_rows(heads: int, keys: int) -> int:
     """Query rows per block of `prefill_attention` for `heads` query heads after `keys` keys:
     `PREFILL_BLOCK`, fewer where one block's float32 scores would pass `SCORES_BUDGET`, at least
-    16 (Qwen2.5-1.5B's 12 heads: 128 rows up to 1365 keys, 37 at 4608, 20 at 8704). Scores
+    16 (Qwen2.5-1.5B's 12 heads: 128 rows up to 1365 keys, 37 at 4608, 20 at 8704): scores
     that stay in the caches between the kernel that writes them and the softmax that reads them
-    made the attention of 512 new tokens after 4096 13% (Qwen2.5-1.5B's shapes) to 27%
-    (SmolLM2's) faster than blocks of 128 rows (2 threads; about equal after 2048)."""
+    (`benchmarks/profile_prefill.py --depth N` measures it)."""
     return max(16, min(PREFILL_BLOCK, SCORES_BUDGET // (4 * heads * max(keys, 1))))
 
 
@@ -149,8 +148,8 @@ class _Scratch(threading.local):
     """Buffers kept across calls, one set per thread. Allocating a block's scores (tens of MB
     after thousands of keys) on every call maps fresh pages each time (glibc maps requests above
     its threshold, at most 32 MiB, and unmaps them on free), and faulting those pages in cost
-    more than computing the scores: Qwen2.5-1.5B's attention for 512 new tokens after 8192 took
-    125 ms a layer with fresh buffers, 47 ms with buffers reused. The buffers stay allocated:
+    more than computing the scores (`benchmarks/profile_prefill.py --depth N` shows it). The
+    buffers stay allocated:
     `SCORES_BUDGET` of scores and half that of probabilities (more only past the 16-row floor,
     e.g. 25 MB of scores for Qwen2.5-1.5B after 32768 keys)."""
 
@@ -327,7 +326,7 @@ def _lone_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
     that share a KV head laid out as that head's queries (``[1, Hkv, group, D]``), so GQA needs
     neither a copy of the keys nor a mask (the new token sees every key). When the sequence's
     blocks are consecutive (the usual case for one stream) its keys are a view of the cache, not
-    a copy. Measured at 200 keys: 30 us per layer, against 144 us for the batched path."""
+    a copy; several times faster than the batched path for one sequence."""
     seq_len = meta.seq_lens[0]
     start = meta.first_block[0] if meta.first_block else None
     if start is not None and not isinstance(k_cache, Int8Rows):

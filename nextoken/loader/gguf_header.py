@@ -1,8 +1,7 @@
 """The header of a GGUF file (metadata and tensor table) in one pass, without per-item objects.
 
-The `gguf` package's ``GGUFReader`` builds a NumPy view for every part of every field: 2.3 s
-for SmolLM2's 49k-token vocabulary and 8 s for Qwen2.5's 151k tokens and merges on this machine,
-most of a cold start. This reader walks the same layout (the GGUF spec, ``docs/gguf.md`` of
+The `gguf` package's ``GGUFReader`` builds a NumPy view for every part of every field, which for
+a vocabulary of 150k tokens and merges is most of a cold start. This reader walks the same layout (the GGUF spec, ``docs/gguf.md`` of
 ggml, versions 2 and 3, little-endian) with `struct` over a memory map: numeric arrays come out
 of one ``numpy.frombuffer`` each, string arrays out of one loop of slices. It returns what
 ``ReaderField.contents()`` returns (str, int, float, bool, lists), which a test holds equal to

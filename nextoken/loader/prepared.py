@@ -2,7 +2,7 @@
 later starts instead of repacked again.
 
 Repacking GGUF blocks into the tiled codes of ``kernels/qmatmul.c`` (`qweight.QuantWeight.pack`)
-is most of a cold start: 11 s for Qwen2.5-1.5B on this machine. The first load of a file writes
+is most of a cold start. The first load of a file writes
 what it packed to ``<cache>/prepared/<sha256>-v<LAYOUT_VERSION>.safetensors``
 (`catalog.cache_dir`): each weight's tensors as ``<name>/<field>``, its integers and the key in
 the metadata (JSON), and the small dense tensors the model holds beside the codes (norms, biases,
@@ -24,8 +24,7 @@ model path), under the file's identity: device, inode, size, and the modificatio
 times in nanoseconds. Any write to the file changes its change time (which the kernel sets and
 no program can set back), a replaced file has another inode, so an unchanged identity means
 unchanged bytes, as git's index and ccache assume; anything else hashes again. That saves the
-hash's time on every later start: 0.5-1 s of the quick start's critical path for Qwen2.5-1.5B's
-1.1 GB on this VM, 3 s for a 4.7 GB 7B file.
+hash's time (reading the whole file) on every later start.
 """
 
 from __future__ import annotations

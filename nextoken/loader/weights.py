@@ -8,9 +8,9 @@
       then the tied LM head (sharing the embedding's codes or table when it can)
 
 The name tables are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``) and the Hugging Face
-checkpoint names; the model files describe only the architecture. The hooks are where a tensor-
-parallel shard will be cut. A missing tensor or one of another shape is a `ModelLoadError`
-naming it.
+checkpoint names; the model files describe only the architecture. Under tensor parallelism a
+tensor is cut to the rank's shard before its hook sees it (`CheckpointTensor.shard`). A missing
+tensor or one of another shape is a `ModelLoadError` naming it.
 """
 
 from __future__ import annotations

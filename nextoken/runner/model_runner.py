@@ -45,16 +45,14 @@ RUN_TOP_PAD = 64 << 20
 
 def loading_allocations(loading: bool) -> None:
     """While loading, serve every allocation over 128 KiB with its own mapping (returned to the OS
-    on free), so the converter's large temporaries do not stay behind in a fragmented heap (this
-    took SmolLM2's load from 889 to about 530 MiB peak). Afterwards the forward pass's buffers
+    on free), so the converter's large temporaries do not stay behind in a fragmented heap. Afterwards the forward pass's buffers
     come from the heap and stay there when freed: allocations up to 64 MiB are not mapped, the
     heap's free top is kept up to 1 GiB, and it grows 64 MiB at a time.
     The trim threshold and top pad matter as much as the mmap threshold: once mallopt sets a
     threshold, glibc stops adjusting them and trims the heap's free top above its 128 KiB default
     on every free, so each step's activations and logits went back to the OS and were faulted
-    in, zeroed, again the next step: Qwen2.5-1.5B, 32 x (64 + 128) tokens, 2.4 million page
-    faults and 4.6 s of system time in a 28 s run (146 output tok/s), against about 60 faults
-    and 164-196 tok/s with them set (tests/test_plan.py holds a freed 32 MiB buffer reused)."""
+    in, zeroed, again the next step (docs/benchmarks.md has the page faults and their cost;
+    tests/test_plan.py holds a freed 32 MiB buffer reused)."""
     libc = _libc()
     if libc is None:
         return

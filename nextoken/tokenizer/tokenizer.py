@@ -162,8 +162,8 @@ class Tokenizer:
     Build it with `Tokenizer.from_gguf` or `Tokenizer.from_hf_dir`. Ids are ints in
     ``[0, vocab_size)``. `hf` parses special-token text as special tokens; for text that must
     stay literal (`encode` with ``parse_special=False``) the same tokenizer runs with its
-    ``encode_special_tokens`` switched on, under a lock. (A second copy for that, built from the
-    first's JSON, cost 0.26 s of every Qwen2.5 start.)
+    ``encode_special_tokens`` switched on, under a lock (a second copy for that, built from the
+    first's JSON, would cost every start its construction again).
     """
 
     def __init__(

@@ -37,7 +37,8 @@ const history = [];
 export function batchingLive(st) {
   for (const step of st.steps) history.push(step);
   while (history.length > 150) history.shift();
-  $("bt-stats").textContent = `running ${st.stats.running} · waiting ${st.stats.waiting} · preemptions ${st.stats.num_preemptions} · KV usage ${(st.stats.kv_cache_usage * 100).toFixed(1)}%`;
+  const fallbacks = Object.values(st.stats.kernel_fallbacks || {}).reduce((x, y) => x + y, 0);
+  $("bt-stats").textContent = `running ${st.stats.running} · waiting ${st.stats.waiting} · preemptions ${st.stats.num_preemptions} · failed ${st.stats.num_failed ?? 0} · kernel fallbacks ${fallbacks} · KV usage ${(st.stats.kv_cache_usage * 100).toFixed(1)}%`;
   const cv = $("bt-steps"), ctx = cv.getContext("2d");
   ctx.clearRect(0, 0, cv.width, cv.height);
   const maxTok = Math.max(8, ...history.map((x) => x.prefill.reduce((a, p) => a + p[1], 0) + x.decode.length));

@@ -346,8 +346,8 @@ _scratch = threading.local()
 
 def _scratch_buffer(numel: int) -> torch.Tensor:
     """A bf16 buffer of at least `numel` elements, reused by this thread's expansions: a fresh
-    allocation per call costs its page faults every time (1.0 s against 0.2 s for the 1.3
-    billion weights of a Qwen-1.5B prefill)."""
+    allocation per call costs its page faults every time, which for a large prefill costs more
+    than the expansion itself."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
         buf = _scratch.buf = torch.empty(numel, dtype=torch.bfloat16)
