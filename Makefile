@@ -32,7 +32,7 @@ run: install
 
 test: install-test
 	$(BIN)/nextoken pull smollm2-135m-instruct
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
