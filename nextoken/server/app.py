@@ -18,6 +18,7 @@ import logging
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
@@ -27,7 +28,7 @@ from nextoken.server.errors import error_response
 from nextoken.server.errors import validation_message
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.openapi import document_errors, model_limits
-from nextoken.server.serving import QueueFull
+from nextoken.server.serving import ClientGone, QueueFull
 from nextoken.server.serving_chat import OpenAIServingChat
 from nextoken.server.serving_completion import OpenAIServingCompletion
 
@@ -159,6 +160,10 @@ def _exception_handlers(app: FastAPI, args: ServerArgs) -> None:
     async def _internal(_, exc: Exception):
         log.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_, exc):  # nobody reads this answer; its requests are aborted
+        return Response(status_code=499)
 
     @app.exception_handler(QueueFull)
     async def _queue_full(_, exc):

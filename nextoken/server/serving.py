@@ -24,6 +24,11 @@ class QueueFull(Exception):
     """More requests wait than ``--max-queued-requests``: a 429 (`server.app`)."""
 
 
+class ClientGone(Exception):
+    """The client hung up before its answer was ready: its requests are aborted, and nothing is
+    sent (`server.app` answers 499, as nginx logs such a request, without a traceback)."""
+
+
 class OpenAIServing:
     """state: the server's (``engine``: an `AsyncLLMEngine`, None while loading); args: the
     `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
@@ -57,7 +62,8 @@ class OpenAIServing:
             R.log_request(out)
 
     async def collect(self, rids: list[str], request: Request) -> list[RequestOutput]:
-        """Final outputs of `rids`; aborts them all if the client disconnects first."""
+        """Final outputs of `rids`; aborts them all and raises `ClientGone` if the client
+        disconnects first (a cancelled handler aborts them too)."""
         eng = self.engine
 
         async def last(rid):
@@ -73,11 +79,10 @@ class OpenAIServing:
                 if done:
                     return task.result()
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError()
+                    _abandon(task, rids, eng)
+                    raise ClientGone()
         except asyncio.CancelledError:
-            task.cancel()
-            for r in rids:
-                eng.abort(r)
+            _abandon(task, rids, eng)
             raise
 
     async def beam(self, body, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
@@ -102,6 +107,14 @@ class OpenAIServing:
                                      time.perf_counter())
             outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
         return outs
+
+
+def _abandon(task: asyncio.Future, rids: list[str], eng) -> None:
+    """Stop waiting for `rids` (their outputs will never be read) and abort them."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
+    for r in rids:
+        eng.abort(r)
 
 
 def sse_response(gen) -> StreamingResponse:
