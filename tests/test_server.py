@@ -411,10 +411,12 @@ def test_vllm_metric_names_and_prefix_cache_tokens(smol):
     prompt = "A long shared preamble about the history of astronomy and the stars. " * 6
     with httpx.Client(base_url=smol.url, timeout=60) as h:
         before = scrape(h)
+        steps_before = _metric(h, "nextoken_step_duration_seconds_count")
         usages = [h.post("/v1/completions", json={"prompt": prompt + tail, "max_tokens": 2, "temperature": 0})
                   .json()["usage"] for tail in ("First.", "Second.")]
         after = scrape(h)
         load = h.get("/get_load").json()
+        assert _metric(h, "nextoken_step_duration_seconds_count") - steps_before >= 4  # the metrics follow each step
     key = 'vllm:prefix_cache_hits_total{model_name="smollm2"}'
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert cached >= 48 and after[key] - before.get(key, 0) == cached
@@ -430,6 +432,11 @@ def test_vllm_metric_names_and_prefix_cache_tokens(smol):
     gen = 'vllm:generation_tokens_total{model_name="smollm2"}'
     assert after[gen] - before.get(gen, 0) == 4
     assert load == {"load": 0, "num_reqs": 0, "num_waiting_reqs": 0}
+
+
+def _metric(h, name: str) -> float:
+    """One unlabelled Prometheus sample from /metrics."""
+    return next(float(line.split()[-1]) for line in h.get("/metrics").text.splitlines() if line.startswith(name + " "))
 
 
 def test_warm_up_forgets_its_counts_and_refuses_a_broken_model(tiny_gguf):

@@ -136,7 +136,15 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
 
         install(app, lambda: state.engine)
     document_errors(app, lambda: None if state.engine is None else model_limits(state.engine.engine))
+    if state.engine is not None:
+        attach_engine(app, state.engine)
     return app
+
+
+def attach_engine(app: FastAPI, engine) -> None:
+    """Subscribe the app's metrics to the steps of `engine` (an `AsyncLLMEngine`): called when
+    the model is loaded (`serve`), or at once when the state holds an engine already."""
+    engine.engine.subscribe(app.state.metrics.on_step)
 
 
 def _exception_handlers(app: FastAPI, args: ServerArgs) -> None:

@@ -46,7 +46,8 @@ class ServerMetrics:
         self._fallbacks_seen: dict[str, int] = {}
         self.failed = Counter("nextoken_request_failures", "Requests ended by a fault in their own row "
                               "(non-finite logits, a sampler or grammar error)", registry=r)
-        self._failed_seen = {"num_failed": 0}
+        self.step_seconds = Histogram("nextoken_step_duration_seconds", "Engine steps (schedule, forward pass, "
+                                      "sampling, outputs)", registry=r, buckets=TOKEN_BUCKETS)
         self.spec_acceptance = Gauge("nextoken_spec_decode_acceptance_rate", "Accepted / drafted tokens", registry=r)
         self.spec_length = Gauge("nextoken_spec_decode_mean_accepted_length",
                                  "Tokens emitted per verification (accepted drafts plus one)", registry=r)
@@ -64,6 +65,13 @@ class ServerMetrics:
         self.generation_tokens.inc(m.num_output_tokens)
         self.vllm.observe(out)
 
+    def on_step(self, step) -> None:
+        """The engine's subscriber (`LLMEngine.subscribe`; on the stepping thread): each step's
+        duration and the requests that failed in it (`engine.step_stats.StepStats`)."""
+        self.step_seconds.observe(step.ms / 1000)
+        if step.failed:
+            self.failed.inc(len(step.failed))
+
     def render(self, stats: dict) -> bytes:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
@@ -74,7 +82,6 @@ class ServerMetrics:
         for what, n in stats.get("kernel_fallbacks", {}).items():
             self._fallbacks_seen.setdefault(what, 0)
             _follow(self.fallbacks.labels(what), self._fallbacks_seen, what, n)
-        _follow(self.failed, self._failed_seen, "num_failed", stats.get("num_failed", 0))
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
         self.spec_length.set(stats.get("spec_mean_accepted_length", 0.0))
         self.vllm.render(stats)

@@ -29,7 +29,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import warm_up
-    from nextoken.server.app import build_app
+    from nextoken.server.app import attach_engine, build_app
 
     resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     if is_follower():  # a torchrun rank other than 0: no HTTP server, its shard follows rank 0's steps
@@ -43,6 +43,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
         engine = LLMEngine.from_engine_args(engine_args)
         warm_up(engine)
         async_engine = AsyncLLMEngine(engine, stepper)
+        attach_engine(app, async_engine)  # the metrics follow each step
         async_engine.on_dead = on_dead
         return async_engine
 
