@@ -6,8 +6,8 @@ under ``/inspect/api/`` and the page (``static/``) only draws them:
 - `text`: tokens as typed, the BPE merge replay, the embedding map and the analogy;
 - `model_view`: RoPE tables, the sinusoidal encoding, the architecture, the stored formats and
   the re-quantization error;
-- `trace`: `InspectTracer`, which records one prompt's attention weights and residual stream as
-  a request of the engine (its own forward pass), the head labels and the logit lens;
+- `trace`: the views of one traced prompt (a `trace.recorder.TraceRecorder`, run as a request of
+  the engine in its own forward pass): the head labels, the attention maps, the logit lens;
 - `engine_view`: the sampler's stages, the beam-search tree, the KV cache figures and the live
   state of the engine (block pool, batches, speculation, recent requests).
 """

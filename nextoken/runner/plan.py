@@ -14,8 +14,8 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
 - **native decode**: whether a batch of single-token decodes runs every layer in one C call
   (`layers.native_decode`): bf16, an architecture it implements, every projection as codes;
 - **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
-  C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; set on each MLP's
-  ``native_act`` and each Llama-style layer's ``native_norm`` at load.
+  C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; the library handed to each
+  SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load.
 
 The plan binds: it resolves the kernel libraries once (`kernels.KernelSet`) and hands each
 layer the handle it runs (a `CodesMethod` holds the ``qmatmul`` library, the MLP and norms the
