@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.server import routes
+from nextoken.server.anthropic import AnthropicServingMessages
 from nextoken.server.args import ServerArgs
 from nextoken.server.errors import error_response
 from nextoken.server.errors import validation_message
@@ -85,16 +86,20 @@ class Gate:
     def _refusal(self, scope):
         path = scope["path"]
         if self.expected is not None:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not given and b"x-api-key" in headers:  # Anthropic's header, the same key
+                given = b"Bearer " + headers[b"x-api-key"]
             if path.startswith("/inspect") and not given:  # a browser page and its event stream: ?key=KEY
                 given = b"Bearer " + _query_key(scope)
             if not hmac.compare_digest(given, self.expected):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY"
-                                           + (", or ?key=KEY on /inspect)" if path.startswith("/inspect") else ")"))
+                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY"
+                                           + (", or ?key=KEY on /inspect)" if path.startswith("/inspect") else ")"),
+                                      path=path)
         if self.state.draining:
-            return error_response(503, "the server is shutting down")
+            return error_response(503, "the server is shutting down", path=path)
         if self.state.engine is None and path.startswith(("/v1", "/inspect/api")):
-            return error_response(503, "the model is still loading")
+            return error_response(503, "the model is still loading", path=path)
         return None
 
 
@@ -123,13 +128,14 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
     app.state.serving_chat = OpenAIServingChat(state, args, metrics)
+    app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
     _exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, routes.openai):
+    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic):
         app.include_router(router)
     if args.inspect:
         from nextoken.inspect.routes import install
@@ -148,40 +154,41 @@ def attach_engine(app: FastAPI, engine) -> None:
 
 
 def _exception_handlers(app: FastAPI, args: ServerArgs) -> None:
-    """Every error in OpenAI's shape: a client's mistake a 4xx naming the field, a fault of the
+    """Every error in OpenAI's shape (Anthropic's under ``/v1/messages``): a client's mistake a 4xx naming the field, a fault of the
     request's own a 500, the engine gone a 503; never a traceback."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, exc: RequestValidationError):
+    async def _validation(req, exc: RequestValidationError):
         msg, param = validation_message(exc)
-        return error_response(400, msg, param)
+        return error_response(400, msg, param, path=req.url.path)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_, exc: InvalidRequest):
-        return error_response(exc.status, str(exc), exc.field)
+    async def _invalid(req, exc: InvalidRequest):
+        return error_response(exc.status, str(exc), exc.field, path=req.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http(req, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
+                              path=req.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
+    async def _internal(req, exc: Exception):
         log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}", path=req.url.path)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_, exc):  # nobody reads this answer; its requests are aborted
         return Response(status_code=499)
 
     @app.exception_handler(QueueFull)
-    async def _queue_full(_, exc):
+    async def _queue_full(req, exc):
         return error_response(429, f"too many requests waiting (limit {args.max_queued_requests}); retry later",
-                              headers={"Retry-After": "1"})
+                              headers={"Retry-After": "1"}, path=req.url.path)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_, exc):
-        return error_response(503, str(exc))
+    async def _engine_error(req, exc):
+        return error_response(503, str(exc), path=req.url.path)
 
     @app.exception_handler(RequestFailed)
-    async def _request_failed(_, exc):  # this request's fault in the model: the server stays up
-        return error_response(exc.status, str(exc))
+    async def _request_failed(req, exc):  # this request's fault in the model: the server stays up
+        return error_response(exc.status, str(exc), path=req.url.path)

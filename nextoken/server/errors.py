@@ -1,4 +1,5 @@
-"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, and under
+``/v1/messages`` in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,20 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error body for a request to `path`: Anthropic's shape under ``/v1/messages`` (the
+    field, when there is one, named in the message), OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        text = f"{param}: {message}" if param and not message.startswith(param) else message
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error"),
+                                           "message": text}}
+        return JSONResponse(body, status_code=status, headers=headers)
     body = {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)

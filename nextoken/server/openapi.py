@@ -2,7 +2,7 @@
 
 FastAPI documents only the success and its own 422; the server answers validation errors with
 400 and can refuse any request with the statuses of `Gate`, `BodyLimit` and the engine. This
-adds them to every operation with the OpenAI error body, drops the 422 it never sends, and gives
+adds them to every operation with the OpenAI error body (Anthropic's under /v1/messages), drops the 422 it never sends, and gives
 /metrics its Prometheus text content type and the generation routes their event stream.
 
 Bounds that depend on the loaded model (token ids below the vocabulary size, layers, the context
@@ -22,10 +22,17 @@ ERROR_BODY = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "integer"}}}},
 }
+ANTHROPIC_ERROR_BODY = {  # Anthropic's shape, under /v1/messages
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+ANTHROPIC = "/v1/messages"
 REASONS = {400: "Invalid request (the message and param name the field)", 401: "Missing or wrong API key",
            404: "Unknown model or resource", 413: "Request body too large", 429: "Too many requests waiting",
            500: "Internal error", 503: "Loading, shutting down, or the engine stopped"}
-GENERATION = ("/v1/completions", "/v1/chat/completions")
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 PROMETHEUS = "text/plain; version=0.0.4"
 # one server-sent event of a stream: ``data:`` holds a JSON chunk, or ``[DONE]`` at the end
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -75,9 +82,10 @@ def document_errors(app, limits=lambda: None) -> None:
         if done:
             return done[0]
         schema = copy.deepcopy(original())
-        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_BODY
-        ref = {"$ref": "#/components/schemas/Error"}
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["Error"], components["AnthropicError"] = ERROR_BODY, ANTHROPIC_ERROR_BODY
         for path, ops in schema.get("paths", {}).items():
+            ref = {"$ref": "#/components/schemas/" + ("AnthropicError" if path.startswith(ANTHROPIC) else "Error")}
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)

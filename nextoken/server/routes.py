@@ -1,5 +1,6 @@
 """The server's routes, by area: `info` (health, models, metrics, load, version, tokenizer),
-`tokens` (tokenize, detokenize, watermark detection) and `openai` (completions, chat). Each
+`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat) and
+`anthropic` (messages, `server.anthropic`). Each
 route reads what it needs from ``request.app.state`` (`server.app.build_app` puts the server's
 state, args, metrics and serving objects there) and hands generation to the serving classes."""
 
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nextoken.sample.watermark import detect
+from nextoken.server.anthropic import CountTokensRequest, MessagesRequest
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.errors import error_response
@@ -22,6 +24,7 @@ from nextoken.server.serving import check_token_ids
 info = APIRouter()
 tokens = APIRouter()
 openai = APIRouter()
+anthropic = APIRouter()
 
 IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 
@@ -135,3 +138,13 @@ async def completions(body: CompletionRequest, request: Request):
 @openai.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request):
     return await request.app.state.serving_chat.create(body, request)
+
+
+@anthropic.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    return await request.app.state.serving_messages.create(body, request)
+
+
+@anthropic.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    return await request.app.state.serving_messages.count_tokens(body)

@@ -1,0 +1,291 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) as a thin
+translation onto the chat path: the same template, engine, sampler, grammar-forced tool calls,
+tool-call parser, limits and errors (in Anthropic's shape, `server.errors`).
+
+    request (system, messages of text / tool_use / tool_result blocks, tools, tool_choice)
+      -> chat messages for the template (`to_chat_messages`) -> ids, SamplingParams
+      -> the engine -> content blocks (text, tool_use with the parsed input), stop_reason, usage
+         or, streamed, Anthropic's event sequence (message_start, ping, content_block_start /
+         _delta / _stop per block, message_delta, message_stop)
+
+The anthropic SDK (2.x) takes no sampling arguments: clients send ``temperature``, ``top_p``,
+``top_k`` in the body (``extra_body``); absent, the defaults apply.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import Request
+from pydantic import Field
+
+from nextoken.bodies import Body, FiniteFloat, NonEmptyStr
+from nextoken.errors import InvalidRequest
+from nextoken.sampling_params import SamplingParams
+from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
+from nextoken.server.serving import OpenAIServing, sse_response
+
+PATH_PREFIX = "/v1/messages"  # errors under it take Anthropic's shape
+
+
+# -- the request ------------------------------------------------------------------------------
+class _Block(Body):
+    """What the API lets every block carry beside its content, accepted and not used here:
+    prompt-caching marks and the fields the SDK's own block objects dump (as null)."""
+
+    cache_control: dict[str, Any] | None = None
+    citations: list[Any] | None = None
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: NonEmptyStr
+    name: NonEmptyStr
+    input: dict[str, Any]
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: NonEmptyStr
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+
+
+class Message(Body):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(min_length=1)]
+
+
+class Tool(Body):
+    name: NonEmptyStr
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: NonEmptyStr | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Metadata(Body):
+    user_id: str | None = None
+
+
+class MessagesRequest(Body):
+    model: NonEmptyStr
+    max_tokens: int = Field(ge=1)
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    temperature: FiniteFloat = Field(1.0, ge=0.0, le=1.0)
+    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    stop_sequences: Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class CountTokensRequest(Body):
+    model: NonEmptyStr
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+
+
+# -- translation --------------------------------------------------------------------------------
+def _text(content) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def to_chat_messages(system, messages: list[Message]) -> list[dict]:
+    """Anthropic's system and messages as OpenAI chat messages (what the chat templates take):
+    text blocks joined, an assistant's ``tool_use`` blocks as ``tool_calls``, a user's
+    ``tool_result`` blocks as ``tool`` messages (before the user's own text)."""
+    out = [{"role": "system", "content": _text(system)}] if system else []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text = "".join(b.text for b in m.content if b.type == "text")
+        if m.role == "assistant":
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                     for b in m.content if b.type == "tool_use"]
+            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            continue
+        for b in m.content:
+            if b.type == "tool_use":
+                raise InvalidRequest("tool_use blocks belong to assistant messages", "messages")
+            if b.type == "tool_result":
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+        if text or not any(b.type == "tool_result" for b in m.content):
+            out.append({"role": "user", "content": text})
+    return out
+
+
+def _tools(body, tok) -> tuple[list[dict] | None, object | None]:
+    """(tools for the template, the grammar forcing a call or None) for `tool_choice`."""
+    choice = body.tool_choice.type if getattr(body, "tool_choice", None) else "auto"
+    if not body.tools or choice == "none":
+        if choice in ("any", "tool") and not body.tools:
+            raise InvalidRequest(f"tool_choice {choice!r} needs tools", "tool_choice")
+        return None, None
+    if not tools_mod.supports_tools(tok.chat_template):
+        raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
+                             "--chat-template FILE naming a template that has one", "tools")
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in body.tools]
+    if choice == "auto":
+        return tools, None
+    name = body.tool_choice.name if choice == "tool" else None
+    if choice == "tool" and name not in {t.name for t in body.tools}:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    parallel = not body.tool_choice.disable_parallel_tool_use
+    return tools, tools_mod.forced_grammar(tok, tools, name, parallel)
+
+
+def _stop_reason(c, calls: bool) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished completion."""
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if calls:
+        return "tool_use", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def _tool_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
+
+
+def _input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+# -- serving ------------------------------------------------------------------------------------
+class AnthropicServingMessages(OpenAIServing):
+    """``POST /v1/messages`` and ``/v1/messages/count_tokens`` over the shared engine."""
+
+    def _prompt(self, body) -> tuple[list[int], list[dict] | None, object | None]:
+        tok = self.engine.engine.tokenizer
+        tools, forced = _tools(body, tok)
+        messages = tools_mod.messages_for_template(to_chat_messages(body.system, body.messages))
+        return R.encode_chat(tok, messages, tools), tools, forced
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict:
+        self.check_model(body.model)
+        return {"input_tokens": len(self._prompt(body)[0])}
+
+    async def create(self, body: MessagesRequest, request: Request):
+        """The message answering `body` (JSON, or Anthropic's event stream with ``stream``)."""
+        self.check_model(body.model)
+        self.check_queue()
+        eng = self.engine
+        ids, tools, forced = self._prompt(body)
+        await self.compile(forced)
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                max_tokens=body.max_tokens, stop=body.stop_sequences, structured_outputs=forced)
+        rid = await eng.add_request(ids, params, f"msg_{uuid.uuid4().hex[:24]}")
+        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        if body.stream:
+            return sse_response(self._stream(rid, len(ids), names))
+        out = (await self.collect([rid], request))[0]
+        self.record([out])
+        return self._message(out, names)
+
+    def _message(self, out, names) -> dict:
+        c = out.outputs[0]
+        content, calls = [], []
+        if names:
+            parsed = tools_mod.parse(c.text, names)
+            text, calls = parsed.content, parsed.calls
+        else:
+            text = c.text
+        if text:
+            content.append({"type": "text", "text": text})
+        content += [{"type": "tool_use", "id": _tool_id(), "name": call.name, "input": _input(call.arguments)}
+                    for call in calls]
+        stop, seq = _stop_reason(c, bool(calls))
+        return {"id": out.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
+                "content": content, "stop_reason": stop, "stop_sequence": seq,
+                "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
+
+    async def _stream(self, rid: str, num_prompt: int, names):
+        """Anthropic's event sequence for request `rid`: text and tool calls as content blocks."""
+        parser = tools_mod.ToolCallParser(names) if names else None
+        yield _event("message_start", {"message": {
+            "id": rid, "type": "message", "role": "assistant", "model": self.args.model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
+        yield _event("ping", {})
+        block = {"index": -1, "kind": None}  # the open content block
+        out = c = None
+        try:
+            async for out in self.engine.stream(rid):
+                c = out.outputs[0]
+                events = [("content", c.delta)] if parser is None else parser.feed(c.delta)
+                if c.finished and parser is not None:
+                    events += parser.finish()
+                for text in _block_events(events, block, parser):
+                    yield text
+        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
+            yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
+            return
+        if block["kind"] is not None:
+            yield _event("content_block_stop", {"index": block["index"]})
+        stop, seq = _stop_reason(c, bool(parser and parser.calls))
+        yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                                       "usage": {"output_tokens": len(c.token_ids)}})
+        yield _event("message_stop", {})
+        self.record([out])
+
+
+def _block_events(events, block: dict, parser):
+    """The SSE events for `ToolCallParser` events (or plain text), opening and closing content
+    blocks as the kind changes; `block` holds the open one (index, kind)."""
+    for ev in events:
+        if ev[0] == "content":
+            if not ev[1]:
+                continue
+            if block["kind"] != "text":
+                yield from _open(block, "text", {"type": "text", "text": ""})
+            yield _event("content_block_delta", {"index": block["index"],
+                                                 "delta": {"type": "text_delta", "text": ev[1]}})
+        elif ev[0] == "call":
+            call = parser.calls[ev[1]]
+            yield from _open(block, "tool", {"type": "tool_use", "id": _tool_id(), "name": call.name, "input": {}})
+        elif ev[2]:
+            yield _event("content_block_delta", {"index": block["index"],
+                                                 "delta": {"type": "input_json_delta", "partial_json": ev[2]}})
+
+
+def _open(block: dict, kind: str, start: dict):
+    if block["kind"] is not None:
+        yield _event("content_block_stop", {"index": block["index"]})
+    block["index"] += 1
+    block["kind"] = kind
+    yield _event("content_block_start", {"index": block["index"], "content_block": start})
+
