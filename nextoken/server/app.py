@@ -28,6 +28,7 @@ from nextoken.server.args import ServerArgs
 from nextoken.server.errors import error_response
 from nextoken.server.errors import validation_message
 from nextoken.server.metrics import ServerMetrics
+from nextoken.server.openai_responses import OpenAIServingResponses
 from nextoken.server.openapi import document_errors, model_limits
 from nextoken.server.serving import ClientGone, QueueFull
 from nextoken.server.serving_chat import OpenAIServingChat
@@ -129,6 +130,7 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
     app.state.serving_chat = OpenAIServingChat(state, args, metrics)
     app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
+    app.state.serving_responses = OpenAIServingResponses(state, args, metrics)
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])

@@ -49,6 +49,8 @@ class ServerArgs(CliArgs):
     allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
     shutdown_timeout: float = opt(30.0, "seconds in-flight requests get to finish after SIGTERM", group="server",
                                   type=float)
+    responses_store: int = opt(100, "responses kept for previous_response_id and GET /v1/responses/{id} (least "
+                               "recently used first out; 0: none)", group="server", type=int, metavar="N")
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",

@@ -14,6 +14,7 @@ loads it is served with the marks and rebuilt on the next request.
 from __future__ import annotations
 
 import copy
+import warnings
 
 ERROR_BODY = {
     "type": "object", "required": ["error"],
@@ -32,7 +33,7 @@ ANTHROPIC = "/v1/messages"
 REASONS = {400: "Invalid request (the message and param name the field)", 401: "Missing or wrong API key",
            404: "Unknown model or resource", 413: "Request body too large", 429: "Too many requests waiting",
            500: "Internal error", 503: "Loading, shutting down, or the engine stopped"}
-GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 PROMETHEUS = "text/plain; version=0.0.4"
 # one server-sent event of a stream: ``data:`` holds a JSON chunk, or ``[DONE]`` at the end
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -81,12 +82,18 @@ def document_errors(app, limits=lambda: None) -> None:
     def openapi():
         if done:
             return done[0]
-        schema = copy.deepcopy(original())
+        with warnings.catch_warnings():  # one route serving two methods: its ids are made unique below
+            warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+            schema = copy.deepcopy(original())
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"], components["AnthropicError"] = ERROR_BODY, ANTHROPIC_ERROR_BODY
+        seen: set[str] = set()
         for path, ops in schema.get("paths", {}).items():
             ref = {"$ref": "#/components/schemas/" + ("AnthropicError" if path.startswith(ANTHROPIC) else "Error")}
             for method, op in ops.items():
+                if op.get("operationId") in seen:  # one route serving two methods: one id each
+                    op["operationId"] = op["operationId"].rsplit("_", 1)[0] + "_" + method
+                seen.add(op.get("operationId"))
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 for code in statuses(path, method):

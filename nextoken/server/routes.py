@@ -1,5 +1,5 @@
 """The server's routes, by area: `info` (health, models, metrics, load, version, tokenizer),
-`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat) and
+`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat, responses) and
 `anthropic` (messages, `server.anthropic`). Each
 route reads what it needs from ``request.app.state`` (`server.app.build_app` puts the server's
 state, args, metrics and serving objects there) and hands generation to the serving classes."""
@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from nextoken.sample.watermark import detect
 from nextoken.server.anthropic import CountTokensRequest, MessagesRequest
+from nextoken.server.openai_responses import ResponsesRequest
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.errors import error_response
@@ -138,6 +139,21 @@ async def completions(body: CompletionRequest, request: Request):
 @openai.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request):
     return await request.app.state.serving_chat.create(body, request)
+
+
+@openai.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    return await request.app.state.serving_responses.create(body, request)
+
+
+@openai.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+async def stored_response(response_id: str, request: Request):
+    """GET: a stored response; DELETE: forget it. (One route for both, so a 405 lists both.)"""
+    store = request.app.state.serving_responses.store
+    if request.method == "DELETE":
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+    return store.get(response_id)[0]
 
 
 @anthropic.post("/v1/messages")

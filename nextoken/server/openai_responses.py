@@ -1,0 +1,389 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``)
+as a translation onto the chat path: the same template, engine, structured output and tool-call
+parser as /v1/chat/completions.
+
+    input (a string, or message / function_call / function_call_output items) + instructions
+      (+ the stored conversation of previous_response_id) -> chat messages -> ids, SamplingParams
+      -> the engine -> output items (message with output_text, function_call), usage
+         or, streamed, the Responses event sequence (response.created ... response.completed)
+
+With ``store`` (the API's default), a response and its conversation are kept in a bounded
+in-memory store (`ResponseStore`, ``--responses-store N``, least recently used first out), so a
+later request can continue it with ``previous_response_id``; with the store off (``N = 0``) such a
+request is a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import Request
+from pydantic import Field
+
+from nextoken.bodies import Body, FiniteFloat, NonEmptyStr
+from nextoken.errors import InvalidRequest, NotFound
+from nextoken.sampling_params import SamplingParams
+from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
+from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.structured.params import StructuredOutputsParams
+
+
+# -- the request ------------------------------------------------------------------------------
+class ContentPart(Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+class MessageItem(Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Body):
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Body):
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = Union[FunctionCallItem, FunctionCallOutputItem, MessageItem]
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Body):
+    type: Literal["function"]
+    name: NonEmptyStr
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextOptions(Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Body):
+    model: NonEmptyStr | None = None
+    input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: NonEmptyStr | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+# -- the store ----------------------------------------------------------------------------------
+class ResponseStore:
+    """At most `size` responses (id -> (the response's JSON, its conversation as chat messages)),
+    least recently used first out; thread-safe. `size` 0: nothing is kept."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        if self.size <= 0:
+            return
+        with self._lock:
+            self._items[response["id"]] = (response, conversation)
+            self._items.move_to_end(response["id"])
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict]]:
+        """Raises `NotFound` (404) for an id not (or no longer) stored."""
+        with self._lock:
+            if rid not in self._items:
+                raise NotFound(f"response {rid!r} is not stored (the last {self.size} stored responses are kept)",
+                               "response_id")
+            self._items.move_to_end(rid)
+            return self._items[rid]
+
+    def delete(self, rid: str) -> None:
+        with self._lock:
+            if self._items.pop(rid, None) is None:
+                raise NotFound(f"response {rid!r} is not stored", "response_id")
+
+
+# -- translation --------------------------------------------------------------------------------
+def to_chat_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
+    """The conversation so far (`history`: a stored one) plus this request's instructions and
+    input, as OpenAI chat messages (what the chat templates take)."""
+    out = list(history)
+    if body.instructions:
+        out = [m for m in out if m["role"] != "system"]
+        out.insert(0, {"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return out + [{"role": "user", "content": body.input}]
+    for item in body.input:
+        if item.type == "message":
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            out.append({"role": item.role, "content": text})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
+
+
+def _structured(body: ResponsesRequest) -> StructuredOutputsParams | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.schema_ is None:
+        raise InvalidRequest("text.format of type json_schema needs a schema", "text.format.schema")
+    return StructuredOutputsParams(json=fmt.schema_)
+
+
+def _tools(body: ResponsesRequest, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        return None, None
+    if choice == "none":
+        return None, None
+    if not tools_mod.supports_tools(tok.chat_template):
+        raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
+                             "--chat-template FILE naming a template that has one", "tools")
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.parameters or {"type": "object", "properties": {}}}}
+             for t in body.tools]
+    if choice is None or choice == "auto":
+        return tools, None
+    name = None if choice == "required" else choice.name
+    return tools, tools_mod.forced_grammar(tok, tools, name, body.parallel_tool_calls)
+
+
+def _event(kind: str, data: dict, seq: list[int]) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data}, ensure_ascii=False)}\n\n"
+
+
+# -- serving ------------------------------------------------------------------------------------
+class OpenAIServingResponses(OpenAIServing):
+    """``/v1/responses`` over the shared engine; `store`: the `ResponseStore`."""
+
+    def __init__(self, state, args, metrics):
+        super().__init__(state, args, metrics)
+        self.store = ResponseStore(args.responses_store)
+
+    async def create(self, body: ResponsesRequest, request: Request):
+        self.check_model(body.model)
+        self.check_queue()
+        if body.previous_response_id is not None and self.store.size <= 0:
+            raise InvalidRequest("previous_response_id needs the response store, which is off on this server "
+                                 "(--responses-store 0)", "previous_response_id")
+        history = self.store.get(body.previous_response_id)[1] if body.previous_response_id else []
+        eng = self.engine
+        tok = eng.engine.tokenizer
+        tools, forced = _tools(body, tok)
+        structured = _structured(body)
+        if forced is not None and structured is not None:
+            raise InvalidRequest("a forced tool call cannot be combined with text.format", "tool_choice")
+        structured = forced or structured
+        conversation = to_chat_messages(body, history)
+        ids = R.encode_chat(tok, tools_mod.messages_for_template(conversation), tools)
+        max_tokens = body.max_output_tokens or R.default_max_tokens(eng.engine, len(ids), self.args.max_tokens_default)
+        await self.compile(structured)
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
+                                structured_outputs=structured)
+        rid = await eng.add_request(ids, params, f"resp_{uuid.uuid4().hex}")
+        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+                "tool_choice": _tool_choice_json(body.tool_choice)}
+        if body.stream:
+            return sse_response(self._stream(body, rid, names, meta, conversation))
+        out = (await self.collect([rid], request))[0]
+        self.record([out])
+        response = self._response(body, out, names, meta)
+        self._keep(body, response, conversation)
+        return response
+
+    def _keep(self, body, response: dict, conversation: list[dict]) -> None:
+        if body.store:
+            self.store.put(response, conversation + _as_messages(response["output"]))
+
+    def _response(self, body, out, names, meta) -> dict:
+        c = out.outputs[0]
+        text, calls = c.text, []
+        if names:
+            parsed = tools_mod.parse(c.text, names)
+            text, calls = parsed.content, parsed.calls
+        output = []
+        if text or not calls:
+            output.append(_message_item(text))
+        output += [_call_item(call.id, call.name, call.arguments) for call in calls]
+        return self._envelope(body, out.request_id, output, c, len(out.prompt_token_ids), meta)
+
+    def _envelope(self, body, rid, output, c, num_prompt, meta, status: str | None = None) -> dict:
+        incomplete = c is not None and c.finish_reason == "length"
+        n_out = len(c.token_ids) if c is not None else 0
+        return {"id": rid, "object": "response", "created_at": meta["created_at"],
+                "status": status or ("incomplete" if incomplete else "completed"), "model": self.args.model_name,
+                "output": output, "output_text": "".join(p["text"] for item in output if item["type"] == "message"
+                                                         for p in item["content"]),
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete and not status else None,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "temperature": body.temperature, "top_p": body.top_p, "tools": meta["tools"],
+                "tool_choice": meta["tool_choice"], "parallel_tool_calls": body.parallel_tool_calls,
+                "previous_response_id": body.previous_response_id, "store": body.store,
+                "metadata": body.metadata or {}, "error": None,
+                "usage": {"input_tokens": num_prompt, "output_tokens": n_out, "total_tokens": num_prompt + n_out,
+                          "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": 0}}}
+
+    async def _stream(self, body, rid, names, meta, conversation):
+        """The Responses event sequence for request `rid`."""
+        seq = [-1]
+        start = self._envelope(body, rid, [], None, 0, meta, status="in_progress")
+        yield _event("response.created", {"response": start}, seq)
+        yield _event("response.in_progress", {"response": start}, seq)
+        parser = tools_mod.ToolCallParser(names) if names else None
+        state = {"items": [], "open": None}  # the output items so far; the open one's index
+        out = c = None
+        try:
+            async for out in self.engine.stream(rid):
+                c = out.outputs[0]
+                events = [("content", c.delta)] if parser is None else parser.feed(c.delta)
+                if c.finished and parser is not None:
+                    events += parser.finish()
+                for text in _item_events(events, state, parser, seq):
+                    yield text
+        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
+            yield _event("error", {"message": str(exc), "code": "server_error"}, seq)
+            return
+        for text in _close(state, seq):
+            yield text
+        if not state["items"]:
+            state["items"].append(_message_item(""))
+        final = self._envelope(body, rid, state["items"], c, len(out.prompt_token_ids), meta)
+        yield _event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                     {"response": final}, seq)
+        self.record([out])
+        self._keep(body, final, conversation)
+
+
+def _message_item(text: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": "completed"}
+
+
+def _tool_choice_json(choice):
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def _as_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as chat messages, for the stored conversation."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+
+
+def _item_events(events, state: dict, parser, seq: list[int]):
+    """Responses events for `ToolCallParser` events (or plain text): an output item opened when
+    the kind changes, text deltas into a message item, argument deltas into a function_call."""
+    items = state["items"]
+    for ev in events:
+        if ev[0] == "content":
+            if not ev[1]:
+                continue
+            if state["open"] is None or items[state["open"]]["type"] != "message":
+                yield from _close(state, seq)
+                yield from _open(state, _message_item(""), seq)
+                yield _event("response.content_part.added", {"item_id": items[-1]["id"], "output_index": state["open"],
+                                                             "content_index": 0,
+                                                             "part": {"type": "output_text", "text": "",
+                                                                      "annotations": []}}, seq)
+            item = items[state["open"]]
+            item["content"][0]["text"] += ev[1]
+            yield _event("response.output_text.delta", {"item_id": item["id"], "output_index": state["open"],
+                                                        "content_index": 0, "delta": ev[1]}, seq)
+        elif ev[0] == "call":
+            call = parser.calls[ev[1]]
+            yield from _close(state, seq)
+            yield from _open(state, _call_item(call.id, call.name, ""), seq)
+        elif ev[2]:
+            item = items[state["open"]]
+            item["arguments"] += ev[2]
+            yield _event("response.function_call_arguments.delta", {"item_id": item["id"],
+                                                                    "output_index": state["open"], "delta": ev[2]}, seq)
+
+
+def _open(state: dict, item: dict, seq: list[int]):
+    state["items"].append(item)
+    state["open"] = len(state["items"]) - 1
+    shown = {**item, "status": "in_progress"}
+    yield _event("response.output_item.added", {"output_index": state["open"], "item": shown}, seq)
+
+
+def _close(state: dict, seq: list[int]):
+    if state["open"] is None:
+        return
+    i, item = state["open"], state["items"][state["open"]]
+    if item["type"] == "message":
+        part = item["content"][0]
+        yield _event("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                   "text": part["text"]}, seq)
+        yield _event("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                    "part": part}, seq)
+    else:
+        yield _event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                               "arguments": item["arguments"]}, seq)
+    yield _event("response.output_item.done", {"output_index": i, "item": item}, seq)
+    state["open"] = None
