@@ -28,6 +28,7 @@ from nextoken.server.args import ServerArgs
 from nextoken.server.errors import error_response
 from nextoken.server.errors import validation_message
 from nextoken.server.metrics import ServerMetrics
+from nextoken.server.ollama import OllamaServing
 from nextoken.server.openai_responses import OpenAIServingResponses
 from nextoken.server.openapi import document_errors, model_limits
 from nextoken.server.serving import ClientGone, QueueFull
@@ -99,7 +100,7 @@ class Gate:
                                       path=path)
         if self.state.draining:
             return error_response(503, "the server is shutting down", path=path)
-        if self.state.engine is None and path.startswith(("/v1", "/inspect/api")):
+        if self.state.engine is None and path.startswith(("/v1", "/inspect/api", "/api/")):
             return error_response(503, "the model is still loading", path=path)
         return None
 
@@ -131,13 +132,14 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app.state.serving_chat = OpenAIServingChat(state, args, metrics)
     app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
     app.state.serving_responses = OpenAIServingResponses(state, args, metrics)
+    app.state.serving_ollama = OllamaServing(state, args, metrics)
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
     _exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic):
+    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama):
         app.include_router(router)
     if args.inspect:
         from nextoken.inspect.routes import install

@@ -1,5 +1,6 @@
 """Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, and under
-``/v1/messages`` in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``."""
+``/v1/messages`` in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, under
+``/api/`` in Ollama's, ``{"error": message}``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def error_response(status: int, message: str, param: str | None = None, headers:
                    path: str = "") -> JSONResponse:
     """The error body for a request to `path`: Anthropic's shape under ``/v1/messages`` (the
     field, when there is one, named in the message), OpenAI's elsewhere."""
+    if path.startswith("/api/"):  # Ollama's shape
+        return JSONResponse({"error": f"{param}: {message}" if param and not message.startswith(param) else message},
+                            status_code=status, headers=headers)
     if path.startswith("/v1/messages"):
         text = f"{param}: {message}" if param and not message.startswith(param) else message
         body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error"),

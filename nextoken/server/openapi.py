@@ -30,10 +30,14 @@ ANTHROPIC_ERROR_BODY = {  # Anthropic's shape, under /v1/messages
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
 }
 ANTHROPIC = "/v1/messages"
+OLLAMA_ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+OLLAMA = "/api/"
+NDJSON = ("/api/chat", "/api/generate")  # Ollama's streams: one JSON object per line
 REASONS = {400: "Invalid request (the message and param name the field)", 401: "Missing or wrong API key",
            404: "Unknown model or resource", 413: "Request body too large", 429: "Too many requests waiting",
            500: "Internal error", 503: "Loading, shutting down, or the engine stopped"}
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+QUEUED = GENERATION + ("/api/chat", "/api/generate")  # may answer 429
 PROMETHEUS = "text/plain; version=0.0.4"
 # one server-sent event of a stream: ``data:`` holds a JSON chunk, or ``[DONE]`` at the end
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -47,9 +51,9 @@ def statuses(path: str, method: str) -> list[int]:
         out += [400, 413]
     elif path.startswith(("/inspect/api", "/v1/watermark")) or "{" in path:
         out += [400]
-    if path.startswith(("/v1", "/tokenize", "/detokenize", "/inspect/api")) or "{" in path:
+    if path.startswith(("/v1", "/tokenize", "/detokenize", "/inspect/api", "/api/")) or "{" in path:
         out += [404]
-    if path in GENERATION:
+    if path in QUEUED:
         out += [429]
     return sorted(set(out + [500, 503]))
 
@@ -87,9 +91,12 @@ def document_errors(app, limits=lambda: None) -> None:
             schema = copy.deepcopy(original())
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"], components["AnthropicError"] = ERROR_BODY, ANTHROPIC_ERROR_BODY
+        components["OllamaError"] = OLLAMA_ERROR_BODY
         seen: set[str] = set()
         for path, ops in schema.get("paths", {}).items():
-            ref = {"$ref": "#/components/schemas/" + ("AnthropicError" if path.startswith(ANTHROPIC) else "Error")}
+            kind = "AnthropicError" if path.startswith(ANTHROPIC) else \
+                "OllamaError" if path.startswith(OLLAMA) else "Error"
+            ref = {"$ref": "#/components/schemas/" + kind}
             for method, op in ops.items():
                 if op.get("operationId") in seen:  # one route serving two methods: one id each
                     op["operationId"] = op["operationId"].rsplit("_", 1)[0] + "_" + method
@@ -106,6 +113,10 @@ def document_errors(app, limits=lambda: None) -> None:
             op = schema.get("paths", {}).get(path, {}).get("post")
             if op is not None:
                 op["responses"]["200"].setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
+        for path in NDJSON:  # "stream": true (Ollama's default) answers newline-delimited JSON
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is not None:
+                op["responses"]["200"].setdefault("content", {})["application/x-ndjson"] = {"schema": {"type": "string"}}
         metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
         if metrics is not None:
             metrics["responses"]["200"]["content"] = {PROMETHEUS: {"schema": {"type": "string"}}}

@@ -1,6 +1,6 @@
 """The server's routes, by area: `info` (health, models, metrics, load, version, tokenizer),
-`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat, responses) and
-`anthropic` (messages, `server.anthropic`). Each
+`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat, responses),
+`anthropic` (messages, `server.anthropic`) and `ollama` (``/api/*``, `server.ollama`). Each
 route reads what it needs from ``request.app.state`` (`server.app.build_app` puts the server's
 state, args, metrics and serving objects there) and hands generation to the serving classes."""
 
@@ -14,6 +14,9 @@ from fastapi.responses import Response
 
 from nextoken.sample.watermark import detect
 from nextoken.server.anthropic import CountTokensRequest, MessagesRequest
+from nextoken.server.ollama import ChatRequest as OllamaChat
+from nextoken.server.ollama import GenerateRequest as OllamaGenerate
+from nextoken.server.ollama import ShowRequest as OllamaShow
 from nextoken.server.openai_responses import ResponsesRequest
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
@@ -26,6 +29,7 @@ info = APIRouter()
 tokens = APIRouter()
 openai = APIRouter()
 anthropic = APIRouter()
+ollama = APIRouter()
 
 IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 
@@ -164,3 +168,35 @@ async def messages(body: MessagesRequest, request: Request):
 @anthropic.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     return await request.app.state.serving_messages.count_tokens(body)
+
+
+@ollama.post("/api/chat")
+async def ollama_chat(body: OllamaChat, request: Request):
+    return await request.app.state.serving_ollama.chat(body, request)
+
+
+@ollama.post("/api/generate")
+async def ollama_generate(body: OllamaGenerate, request: Request):
+    return await request.app.state.serving_ollama.generate(body, request)
+
+
+@ollama.get("/api/tags")
+async def ollama_tags(request: Request):
+    return request.app.state.serving_ollama.tags()
+
+
+@ollama.get("/api/ps")
+async def ollama_ps(request: Request):
+    return request.app.state.serving_ollama.ps()
+
+
+@ollama.post("/api/show")
+async def ollama_show(body: OllamaShow, request: Request):
+    return request.app.state.serving_ollama.show(body)
+
+
+@ollama.get("/api/version")
+async def ollama_version():
+    from nextoken.server.ollama import VERSION
+
+    return {"version": VERSION}

@@ -1,0 +1,270 @@
+"""Ollama's API (``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``,
+``/api/version``) as a translation onto the engine: chat through the chat template and the
+tool-call parser, generate as a plain completion; streamed as newline-delimited JSON, as Ollama
+does; ``options`` mapped onto `SamplingParams`; ``format`` (``"json"`` or a JSON schema) through
+structured output; errors in Ollama's shape (``{"error": message}``, `server.errors`).
+
+The final object of every answer carries Ollama's counts and durations, in nanoseconds:
+``total_duration`` (arrival to the last token), ``load_duration`` (0: the model is loaded),
+``prompt_eval_count`` / ``prompt_eval_duration`` (the prompt and the time to the first token),
+``eval_count`` / ``eval_duration`` (the generated tokens and the time after the first).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from nextoken.bodies import Body, NonEmptyStr
+from nextoken.errors import InvalidRequest
+from nextoken.sampling_params import SamplingParams
+from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
+from nextoken.server.serving import OpenAIServing
+from nextoken.structured.params import StructuredOutputsParams
+
+PATH_PREFIX = "/api/"  # errors under it take Ollama's shape
+VERSION = "0.6.0"  # the Ollama API version these routes follow
+# options -> SamplingParams fields (Ollama's other options, runner settings, are accepted and unused)
+OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+           "min_p": "min_p", "repeat_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+class ToolCallFunction(Body):
+    name: NonEmptyStr
+    arguments: dict[str, Any]
+    index: int | None = None
+
+
+class ToolCall(Body):
+    function: ToolCallFunction
+    id: str | None = None
+    type: str | None = None
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class ChatRequest(Body):
+    model: NonEmptyStr
+    messages: list[Message] = Field(default_factory=list)
+    stream: bool = True
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    keep_alive: str | int | None = None
+    think: bool | None = None
+
+
+class GenerateRequest(Body):
+    model: NonEmptyStr
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    stream: bool = True
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | None = None
+    images: list[str] | None = None
+    think: bool | None = None
+
+
+class ShowRequest(Body):
+    model: NonEmptyStr
+    verbose: bool = False
+
+
+def sampling_params(options: dict | None, fmt, max_tokens: int) -> SamplingParams:
+    """`SamplingParams` from Ollama's `options` (num_predict -1 or absent: `max_tokens`, the rest
+    of the context) and `format`. Raises `InvalidRequest` naming the option for a bad value."""
+    values: dict[str, Any] = {"max_tokens": max_tokens}
+    for key, value in (options or {}).items():
+        if key in OPTIONS:
+            if key == "num_predict" and isinstance(value, int) and value < 0:
+                continue
+            if key == "stop" and isinstance(value, str):
+                value = [value]
+            values[OPTIONS[key]] = value
+    if fmt is not None:
+        values["structured_outputs"] = StructuredOutputsParams(json_object=True) if fmt == "json" else \
+            StructuredOutputsParams(json=fmt)
+    try:
+        return SamplingParams(**values)
+    except TypeError as exc:
+        raise InvalidRequest(f"options: {exc}", "options") from None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _stats(out) -> dict:
+    """Ollama's final counts and durations (nanoseconds) of a finished `RequestOutput`."""
+    m, c = out.metrics, out.outputs[0]
+    end = m.finished_time or time.perf_counter()
+    first = m.first_token_time or end
+    ns = lambda s: int(s * 1e9)  # noqa: E731
+    return {"done_reason": "length" if c.finish_reason == "length" else "stop",
+            "total_duration": ns(end - m.arrival_time), "load_duration": 0,
+            "prompt_eval_count": len(out.prompt_token_ids), "prompt_eval_duration": ns(first - m.arrival_time),
+            "eval_count": len(c.token_ids), "eval_duration": ns(end - first)}
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+class OllamaServing(OpenAIServing):
+    """Ollama's routes over the shared engine."""
+
+    def check_model(self, name: str | None) -> None:
+        """Ollama's clients name models with a tag (``smollm2:latest``): the served name, with or
+        without ``:latest``."""
+        super().check_model(name.removesuffix(":latest") if name else name)
+
+    def _max_tokens(self, n_prompt: int) -> int:
+        return R.default_max_tokens(self.engine.engine, n_prompt, self.args.max_tokens_default)
+
+    async def chat(self, body: ChatRequest, request: Request):
+        self.check_model(body.model)
+        self.check_queue()
+        if not body.messages:  # Ollama's way to load a model: an empty answer, done
+            return {"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                    "done_reason": "load", "done": True}
+        tok = self.engine.engine.tokenizer
+        tools = self._tools(body.tools, tok)
+        messages = tools_mod.messages_for_template([_chat_message(m) for m in body.messages])
+        ids = R.encode_chat(tok, messages, tools)
+        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        return await self._run(body, ids, names, request, chat=True)
+
+    async def generate(self, body: GenerateRequest, request: Request):
+        self.check_model(body.model)
+        self.check_queue()
+        tok = self.engine.engine.tokenizer
+        if body.raw or not tok.chat_template:
+            ids = tok.encode(body.prompt)
+        else:
+            msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                [{"role": "user", "content": body.prompt}]
+            ids = R.encode_chat(tok, msgs)
+        if not ids:  # Ollama's way to load a model
+            return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+        return await self._run(body, ids, None, request, chat=False)
+
+    def _tools(self, tools: list[dict] | None, tok) -> list[dict] | None:
+        if not tools:
+            return None
+        if not tools_mod.supports_tools(tok.chat_template):
+            raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
+                                 "--chat-template FILE naming a template that has one", "tools")
+        return tools
+
+    async def _run(self, body, ids: list[int], names, request: Request, chat: bool):
+        params = sampling_params(body.options, body.format, self._max_tokens(len(ids)))
+        params = params.validate(self.engine.engine.config.vocab_size)
+        await self.compile(params.structured_outputs)
+        rid = await self.engine.add_request(ids, params, f"ollama-{uuid.uuid4().hex}")
+        if body.stream:
+            return StreamingResponse(self._stream(body.model, rid, names, chat), media_type="application/x-ndjson")
+        out = (await self.collect([rid], request))[0]
+        self.record([out])
+        return self._final(body.model, out, names, chat, out.outputs[0].text)
+
+    def _final(self, model: str, out, names, chat: bool, text: str) -> dict:
+        head = {"model": model, "created_at": _now()}
+        if not chat:
+            return {**head, "response": text, "done": True, **_stats(out)}
+        message = {"role": "assistant", "content": text}
+        if names:
+            parsed = tools_mod.parse(out.outputs[0].text, names)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content if text else "",
+                           "tool_calls": [{"function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                          for c in parsed.calls]}
+        return {**head, "message": message, "done": True, **_stats(out)}
+
+    async def _stream(self, model: str, rid: str, names, chat: bool):
+        """One JSON object per line as text arrives, then a last one (empty text) with the counts.
+        With tools the text is held (a call is only known whole): the last object carries it all."""
+        out = None
+        try:
+            async for out in self.engine.stream(rid):
+                delta = out.outputs[0].delta
+                if delta and not names:
+                    piece = {"message": {"role": "assistant", "content": delta}} if chat else {"response": delta}
+                    yield _line({"model": model, "created_at": _now(), **piece, "done": False})
+        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error line ends the stream
+            yield _line({"error": str(exc)})
+            return
+        self.record([out])
+        yield _line(self._final(model, out, names, chat, out.outputs[0].text if names else ""))
+
+    def tags(self) -> dict:
+        return {"models": [self._model_entry()]}
+
+    def ps(self) -> dict:
+        entry = self._model_entry()
+        return {"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]}
+
+    def show(self, body: ShowRequest) -> dict:
+        self.check_model(body.model)
+        eng = self.engine.engine
+        cfg = eng.config
+        return {"modelfile": f"FROM {eng.model_path}\n", "parameters": "", "template": eng.tokenizer.chat_template or "",
+                "details": self._details(), "capabilities": ["completion"] + (
+                    ["tools"] if tools_mod.supports_tools(eng.tokenizer.chat_template) else []),
+                "model_info": {"general.architecture": cfg.architecture, "general.name": cfg.name,
+                               f"{cfg.architecture}.context_length": eng.max_model_len,
+                               f"{cfg.architecture}.embedding_length": cfg.hidden_size,
+                               f"{cfg.architecture}.block_count": cfg.num_layers,
+                               f"{cfg.architecture}.attention.head_count": cfg.num_heads,
+                               f"{cfg.architecture}.attention.head_count_kv": cfg.num_kv_heads}}
+
+    def _details(self) -> dict:
+        eng = self.engine.engine
+        path = str(eng.model_path)
+        return {"parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors",
+                "family": eng.config.architecture, "families": [eng.config.architecture],
+                "parameter_size": "", "quantization_level": ""}
+
+    def _model_entry(self) -> dict:
+        import os
+
+        eng = self.engine.engine if self.engine is not None else None
+        path = str(eng.model_path) if eng is not None else ""
+        size = os.path.getsize(path) if path and os.path.isfile(path) else 0
+        return {"name": self.args.model_name, "model": self.args.model_name, "modified_at": _now(), "size": size,
+                "digest": "", "details": self._details() if eng is not None else {}}
+
+
+def _chat_message(m: Message) -> dict:
+    """An Ollama chat message as an OpenAI chat message (tool calls with ids for the template)."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id or f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    return out
+
+
+def _arguments(text: str) -> dict:
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {"_raw": text}
+    return value if isinstance(value, dict) else {"value": value}
