@@ -26,6 +26,7 @@ from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
+from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
 
 PATH_PREFIX = "/v1/messages"  # errors under it take Anthropic's shape
@@ -220,11 +221,13 @@ class AnthropicServingMessages(OpenAIServing):
     def _message(self, out, names) -> dict:
         c = out.outputs[0]
         content, calls = [], []
+        style = self.args.reasoning_parser
+        thought, text = split_reasoning(c.text, style) if style else ("", c.text)
+        if thought:
+            content.append({"type": "thinking", "thinking": thought, "signature": ""})
         if names:
-            parsed = tools_mod.parse(c.text, names)
+            parsed = tools_mod.parse(text, names)
             text, calls = parsed.content, parsed.calls
-        else:
-            text = c.text
         if text:
             content.append({"type": "text", "text": text})
         content += [{"type": "tool_use", "id": _tool_id(), "name": call.name, "input": _input(call.arguments)}
@@ -237,6 +240,7 @@ class AnthropicServingMessages(OpenAIServing):
     async def _stream(self, rid: str, num_prompt: int, names):
         """Anthropic's event sequence for request `rid`: text and tool calls as content blocks."""
         parser = tools_mod.ToolCallParser(names) if names else None
+        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
         yield _event("message_start", {"message": {
             "id": rid, "type": "message", "role": "assistant", "model": self.args.model_name, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
@@ -246,11 +250,21 @@ class AnthropicServingMessages(OpenAIServing):
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                events = [("content", c.delta)] if parser is None else parser.feed(c.delta)
+                text = c.delta
+                if thinker is not None:  # the thought as a thinking block, the answer as before
+                    split = thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
+                    for piece in (p for kind, p in split if kind == "reasoning"):
+                        if block["kind"] != "thinking":
+                            for event in _open(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                                yield event
+                        yield _event("content_block_delta", {"index": block["index"],
+                                                             "delta": {"type": "thinking_delta", "thinking": piece}})
+                    text = "".join(p for kind, p in split if kind == "content")
+                events = [("content", text)] if parser is None else parser.feed(text)
                 if c.finished and parser is not None:
                     events += parser.finish()
-                for text in _block_events(events, block, parser):
-                    yield text
+                for piece in _block_events(events, block, parser):
+                    yield piece
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
             yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
             return

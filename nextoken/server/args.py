@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 from nextoken.cli_args import CliArgs, opt
 
+PARSERS = ("qwen3", "deepseek_r1")  # `server.reasoning`'s styles (restated: this module imports no server code)
+
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
 
 
@@ -51,6 +53,9 @@ class ServerArgs(CliArgs):
                                   type=float)
     responses_store: int = opt(100, "responses kept for previous_response_id and GET /v1/responses/{id} (least "
                                "recently used first out; 0: none)", group="server", type=int, metavar="N")
+    reasoning_parser: str | None = opt(None, "separate a thinking model's <think>...</think> from its answer: "
+                                       "qwen3 (a thought when the answer opens with <think>) or deepseek_r1 (the "
+                                       "template opens the thought)", group="server", choices=PARSERS)
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",

@@ -27,6 +27,7 @@ from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
+from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
 from nextoken.server.serving import OpenAIServing
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -185,15 +186,21 @@ class OllamaServing(OpenAIServing):
         self.record([out])
         return self._final(body.model, out, names, chat, out.outputs[0].text)
 
-    def _final(self, model: str, out, names, chat: bool, text: str) -> dict:
+    def _final(self, model: str, out, names, chat: bool, text: str, thought: str | None = None) -> dict:
+        """The last object: with `text` (the whole answer, not streamed) split by the reasoning
+        parser when the server has one; `thought`: the streamed case's is sent already."""
         head = {"model": model, "created_at": _now()}
+        style = self.args.reasoning_parser
+        if style and thought is None:
+            thought, text = split_reasoning(text, style)
+        extra = {"thinking": thought} if thought else {}
         if not chat:
-            return {**head, "response": text, "done": True, **_stats(out)}
-        message = {"role": "assistant", "content": text}
+            return {**head, "response": text, **extra, "done": True, **_stats(out)}
+        message = {"role": "assistant", "content": text, **extra}
         if names:
-            parsed = tools_mod.parse(out.outputs[0].text, names)
+            parsed = tools_mod.parse(text, names)
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content if text else "",
+                message = {"role": "assistant", "content": parsed.content if text else "", **extra,
                            "tool_calls": [{"function": {"name": c.name, "arguments": _arguments(c.arguments)}}
                                           for c in parsed.calls]}
         return {**head, "message": message, "done": True, **_stats(out)}
@@ -202,17 +209,24 @@ class OllamaServing(OpenAIServing):
         """One JSON object per line as text arrives, then a last one (empty text) with the counts.
         With tools the text is held (a call is only known whole): the last object carries it all."""
         out = None
+        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
         try:
             async for out in self.engine.stream(rid):
-                delta = out.outputs[0].delta
-                if delta and not names:
-                    piece = {"message": {"role": "assistant", "content": delta}} if chat else {"response": delta}
-                    yield _line({"model": model, "created_at": _now(), **piece, "done": False})
+                c = out.outputs[0]
+                split = [("content", c.delta)] if thinker is None else \
+                    thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
+                for kind, piece in split:
+                    if not piece or (names and kind == "content"):
+                        continue
+                    field = "thinking" if kind == "reasoning" else ("content" if chat else "response")
+                    body = {"message": {"role": "assistant", "content": "", field: piece}} if chat else {field: piece}
+                    yield _line({"model": model, "created_at": _now(), **body, "done": False})
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error line ends the stream
             yield _line({"error": str(exc)})
             return
         self.record([out])
-        yield _line(self._final(model, out, names, chat, out.outputs[0].text if names else ""))
+        answer = (thinker.content if thinker else out.outputs[0].text) if names else ""
+        yield _line(self._final(model, out, names, chat, answer, thought=""))
 
     def tags(self) -> dict:
         return {"models": [self._model_entry()]}

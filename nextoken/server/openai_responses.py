@@ -30,6 +30,7 @@ from nextoken.errors import InvalidRequest, NotFound
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
+from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -253,11 +254,13 @@ class OpenAIServingResponses(OpenAIServing):
 
     def _response(self, body, out, names, meta) -> dict:
         c = out.outputs[0]
-        text, calls = c.text, []
+        style = self.args.reasoning_parser
+        thought, text = split_reasoning(c.text, style) if style else ("", c.text)
+        calls = []
         if names:
-            parsed = tools_mod.parse(c.text, names)
+            parsed = tools_mod.parse(text, names)
             text, calls = parsed.content, parsed.calls
-        output = []
+        output = [_reasoning_item(thought)] if thought else []
         if text or not calls:
             output.append(_message_item(text))
         output += [_call_item(call.id, call.name, call.arguments) for call in calls]
@@ -287,16 +290,24 @@ class OpenAIServingResponses(OpenAIServing):
         yield _event("response.created", {"response": start}, seq)
         yield _event("response.in_progress", {"response": start}, seq)
         parser = tools_mod.ToolCallParser(names) if names else None
+        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
         state = {"items": [], "open": None}  # the output items so far; the open one's index
         out = c = None
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                events = [("content", c.delta)] if parser is None else parser.feed(c.delta)
+                text = c.delta
+                if thinker is not None:  # the thought as a reasoning item, the answer as before
+                    split = thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
+                    for piece in (p for kind, p in split if kind == "reasoning"):
+                        for event in _reasoning_events(piece, state, seq):
+                            yield event
+                    text = "".join(p for kind, p in split if kind == "content")
+                events = [("content", text)] if parser is None else parser.feed(text)
                 if c.finished and parser is not None:
                     events += parser.finish()
-                for text in _item_events(events, state, parser, seq):
-                    yield text
+                for event in _item_events(events, state, parser, seq):
+                    yield event
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
             yield _event("error", {"message": str(exc), "code": "server_error"}, seq)
             return
@@ -309,6 +320,23 @@ class OpenAIServingResponses(OpenAIServing):
                      {"response": final}, seq)
         self.record([out])
         self._keep(body, final, conversation)
+
+
+def _reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _reasoning_events(piece: str, state: dict, seq: list[int]):
+    """A piece of the thought: into the open reasoning item (opened first when another is)."""
+    items = state["items"]
+    if state["open"] is None or items[state["open"]]["type"] != "reasoning":
+        yield from _close(state, seq)
+        yield from _open(state, _reasoning_item(""), seq)
+    item = items[state["open"]]
+    item["content"][0]["text"] += piece
+    yield _event("response.reasoning_text.delta", {"item_id": item["id"], "output_index": state["open"],
+                                                   "content_index": 0, "delta": piece}, seq)
 
 
 def _message_item(text: str) -> dict:
@@ -376,7 +404,10 @@ def _close(state: dict, seq: list[int]):
     if state["open"] is None:
         return
     i, item = state["open"], state["items"][state["open"]]
-    if item["type"] == "message":
+    if item["type"] == "reasoning":
+        yield _event("response.reasoning_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                      "text": item["content"][0]["text"]}, seq)
+    elif item["type"] == "message":
         part = item["content"][0]
         yield _event("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
                                                    "text": part["text"]}, seq)

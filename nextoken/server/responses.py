@@ -7,19 +7,21 @@ import json
 import logging
 
 from nextoken.errors import InvalidRequest
+from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
 from nextoken.server.tools import ToolCallParser, parse as parse_tools
 
 log = logging.getLogger("nextoken.server")
 
 
 # -- prompts ------------------------------------------------------------------------------------
-def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """Render `messages` with the chat template and tokenize, keeping any special-token text the
     user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
 
     The template's own text is tokenized with special tokens parsed; each message's content,
     located in the rendered text in order, is tokenized without."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra=template_kwargs)
     specials = tokenizer.special_texts
     contents = [m["content"] or "" for m in messages]
     if not any(s in c for c in contents for s in specials):
@@ -145,18 +147,23 @@ def _prompt_logprobs_json(prompt_logprobs) -> list | None:
     return [None if pos is None else {str(t): {"logprob": lp} for t, lp in pos.items()} for pos in prompt_logprobs]
 
 
-def chat_response(engine, body, out, created: int, model: str, tools: frozenset[str] | None = None) -> dict:
+def chat_response(engine, body, out, created: int, model: str, tools: frozenset[str] | None = None,
+                  reasoning: str | None = None) -> dict:
     """A chat.completion; with `tools` (the request's tool names), each answer's text is parsed
     for tool calls (`tools.parse`), which become ``message.tool_calls`` and finish_reason
-    ``tool_calls``."""
+    ``tool_calls``; with `reasoning` (a `server.reasoning` style) the thought goes to
+    ``reasoning_content`` (and ``reasoning``), the rest is the answer."""
     tok = engine.tokenizer
     choices = []
     for c in out.outputs:
-        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        thought, text = split_reasoning(c.text, reasoning) if reasoning else (None, c.text)
+        message, finish = {"role": "assistant", "content": text}, c.finish_reason
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = thought or None
         if tools:
-            parsed = parse_tools(c.text, tools)
+            parsed = parse_tools(text, tools)
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content or None,
+                message = {**message, "content": parsed.content or None,
                            "tool_calls": [_tool_call(call) for call in parsed.calls]}
                 finish = "tool_calls" if finish == "stop" else finish
         choices.append({"index": c.index, "message": message,
@@ -194,11 +201,14 @@ def _tool_deltas(events, parser) -> list[dict]:
     return deltas
 
 
-async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, tools: frozenset[str] | None = None):
+async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, tools: frozenset[str] | None = None,
+                      reasoning: str | None = None):
     """Chat chunks as the engine produces them; with `tools`, text goes through a
-    `ToolCallParser` per choice and tool calls go out as ``delta.tool_calls``."""
+    `ToolCallParser` per choice and tool calls go out as ``delta.tool_calls``; with `reasoning`,
+    a `ReasoningParser` per choice sends the thought as ``delta.reasoning_content`` first."""
     tok = eng.engine.tokenizer
     parsers = [ToolCallParser(tools) for _ in range(body.n)] if tools else None
+    thinkers = [ReasoningParser(reasoning) for _ in range(body.n)] if reasoning else None
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     try:
@@ -212,13 +222,25 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, to
                     continue
                 lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
                                    if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
+                text = c.delta
+                if thinkers is not None:  # the thought first, as its own deltas; the answer goes on
+                    t = thinkers[c.index]
+                    split = t.feed(c.delta) + (t.finish() if c.finished else [])
+                    for kind, piece in split:
+                        if kind == "reasoning":
+                            yield sse({**base, "choices": [{"index": c.index, "delta": {
+                                "reasoning_content": piece, "reasoning": piece}, "logprobs": None,
+                                "finish_reason": None}]})
+                    text = "".join(piece for kind, piece in split if kind == "content")
                 if parsers is None:
-                    delta = {"content": c.delta} if c.delta or not c.finished else {}
+                    delta = {"content": text} if text or not c.finished else {}
+                    if not delta and not c.finished:
+                        continue
                     yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                     "finish_reason": c.finish_reason}]})
                     continue
                 p = parsers[c.index]
-                events = p.feed(c.delta) + (p.finish() if c.finished else [])
+                events = p.feed(text) + (p.finish() if c.finished else [])
                 deltas = _tool_deltas(events, p)
                 if not deltas:
                     if not c.finished and lp is None:

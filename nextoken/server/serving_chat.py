@@ -32,7 +32,7 @@ class OpenAIServingChat(OpenAIServing):
         tok = eng.engine.tokenizer
         messages = tools_mod.messages_for_template([m.model_dump(exclude_none=True) for m in body.messages])
         tools, forced = _tool_setup(body, tok)
-        ids = R.encode_chat(tok, messages, tools)
+        ids = R.encode_chat(tok, messages, tools, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             R.default_max_tokens(eng.engine, len(ids), self.args.max_tokens_default)
         if body.use_beam_search:
@@ -45,10 +45,11 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         names = frozenset(t["function"]["name"] for t in tools) if tools else None
         if body.stream:
-            return sse_response(R.stream_chat(eng, body, rid, created, self.args.model_name, self.metrics, names))
+            return sse_response(R.stream_chat(eng, body, rid, created, self.args.model_name, self.metrics, names,
+                                              self.args.reasoning_parser))
         out = (await self.collect([rid], request))[0]
         self.record([out])
-        return R.chat_response(eng.engine, body, out, created, self.args.model_name, names)
+        return R.chat_response(eng.engine, body, out, created, self.args.model_name, names, self.args.reasoning_parser)
 
 
 def _tool_setup(body: ChatCompletionRequest, tok):

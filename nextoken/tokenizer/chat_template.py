@@ -67,17 +67,26 @@ def validate_messages(messages) -> list[dict]:
     return messages
 
 
-def render(source: str, messages: list[dict], add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None) -> str:
-    """Render chat template `source` over `messages` (and `tools`, OpenAI function tools, for
-    templates that render them) to the prompt text.
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
-    Raises `InvalidRequest` for malformed messages or a template that rejects them.
+
+def render(source: str, messages: list[dict], add_generation_prompt: bool = True,
+           bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None,
+           extra: dict | None = None) -> str:
+    """Render chat template `source` over `messages` (and `tools`, OpenAI function tools, for
+    templates that render them) to the prompt text; `extra`: more variables for the template
+    (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``).
+
+    Raises `InvalidRequest` for malformed messages, an `extra` name the renderer sets itself, or a
+    template that rejects them.
     """
     validate_messages(messages)
+    clash = [k for k in extra or {} if k in RESERVED]
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {clash[0]!r}", "chat_template_kwargs")
     try:
         return _compile(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **(extra or {}), messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=bos_token, eos_token=eos_token, tools=tools,
         )
     except InvalidRequest:

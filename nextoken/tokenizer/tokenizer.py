@@ -331,9 +331,9 @@ class Tokenizer:
 
     # -- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render `messages` (and `tools`) with the model's chat template (see
-        `chat_template.render`)."""
+                            tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """Render `messages` (and `tools`, and the template variables `extra`) with the model's
+        chat template (see `chat_template.render`)."""
         from nextoken.tokenizer.chat_template import render
 
         if not self.chat_template:
@@ -342,4 +342,4 @@ class Tokenizer:
             )
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
-        return render(self.chat_template, messages, add_generation_prompt, bos, eos, tools)
+        return render(self.chat_template, messages, add_generation_prompt, bos, eos, tools, extra)

@@ -1,0 +1,102 @@
+"""Separating a thinking model's thought from its answer (``<think>...</think>``, as Qwen3 and
+the DeepSeek-R1 distills write it), for every API: ``reasoning_content`` (and ``reasoning``) in
+chat, a ``reasoning`` item in Responses, ``thinking`` blocks in Messages, ``thinking`` in Ollama.
+
+`ReasoningParser` works on a stream: `feed` takes the next piece of text and returns events
+``("reasoning", text)`` and ``("content", text)``, holding back what might still be the start of
+a tag, so the events of any split of a text are the events of the whole text (`split`). The two
+styles (``--reasoning-parser``): ``qwen3`` (a thought only when the answer opens with
+``<think>``) and ``deepseek_r1`` (the template opens the thought: everything up to ``</think>`` is
+thought, a leading ``<think>`` dropped).
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """One completion's stream of text split into thought and answer (see the module)."""
+
+    def __init__(self, style: str = "qwen3"):
+        if style not in PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {style!r}")
+        self.state = "start"  # start: nothing decided yet; think: in the thought; answer: after it
+        self.buf = ""
+        self.opens_in_thought = style == "deepseek_r1"
+        self.strip = False  # just after </think>: its newlines are dropped
+        self.reasoning = self.content = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        events: list[tuple[str, str]] = []
+        while True:
+            if self.state == "start":
+                stripped = self.buf.lstrip()
+                if stripped.startswith(START) or (self.opens_in_thought and not START.startswith(stripped)):
+                    self.buf = stripped[len(START):] if stripped.startswith(START) else self.buf
+                    self.state = "think"
+                elif not stripped or START.startswith(stripped):
+                    return events  # maybe "<think>" still: wait
+                else:
+                    self.state = "answer"
+            elif self.state == "think":
+                i = self.buf.find(END)
+                if i < 0:
+                    keep = _partial(self.buf, END)
+                    self._emit("reasoning", self.buf[: len(self.buf) - keep], events)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return events
+                self._emit("reasoning", self.buf[:i], events)
+                self.buf = self.buf[i + len(END):]
+                self.state, self.strip = "answer", True
+            else:
+                if self.strip:  # the newlines after </think> are not part of the answer
+                    self.buf = self.buf.lstrip("\n")
+                    if not self.buf:
+                        return events
+                    self.strip = False
+                self._emit("content", self.buf, events)
+                self.buf = ""
+                return events
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The events for what is held back at the end (an unclosed thought stays thought)."""
+        events: list[tuple[str, str]] = []
+        if self.strip:
+            self.buf = self.buf.lstrip("\n")
+        if self.buf:
+            kind = "reasoning" if self.state == "think" or (self.state == "start" and self.opens_in_thought) \
+                else "content"
+            self._emit(kind, self.buf, events)
+            self.buf = ""
+        return events
+
+    def _emit(self, kind: str, text: str, events: list) -> None:
+        if not text:
+            return
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        if events and events[-1][0] == kind:
+            events[-1] = (kind, events[-1][1] + text)
+        else:
+            events.append((kind, text))
+
+
+def split(text: str, style: str) -> tuple[str, str]:
+    """(thought, answer) of a whole text."""
+    p = ReasoningParser(style)
+    p.feed(text)
+    p.finish()
+    return p.reasoning, p.content
