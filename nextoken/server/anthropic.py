@@ -255,7 +255,8 @@ class AnthropicServingMessages(OpenAIServing):
                     split = thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
                     for piece in (p for kind, p in split if kind == "reasoning"):
                         if block["kind"] != "thinking":
-                            for event in _open(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                            start = {"type": "thinking", "thinking": "", "signature": ""}
+                            for event in _open(block, "thinking", start):
                                 yield event
                         yield _event("content_block_delta", {"index": block["index"],
                                                              "delta": {"type": "thinking_delta", "thinking": piece}})

@@ -158,8 +158,9 @@ def attach_engine(app: FastAPI, engine) -> None:
 
 
 def _exception_handlers(app: FastAPI, args: ServerArgs) -> None:
-    """Every error in OpenAI's shape (Anthropic's under ``/v1/messages``): a client's mistake a 4xx naming the field, a fault of the
-    request's own a 500, the engine gone a 503; never a traceback."""
+    """Every error in its API's shape (`server.errors.error_response`, by path): a client's
+    mistake a 4xx naming the field, a fault of the request's own a 500, the engine gone a 503;
+    never a traceback."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(req, exc: RequestValidationError):

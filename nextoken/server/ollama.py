@@ -239,7 +239,8 @@ class OllamaServing(OpenAIServing):
         self.check_model(body.model)
         eng = self.engine.engine
         cfg = eng.config
-        return {"modelfile": f"FROM {eng.model_path}\n", "parameters": "", "template": eng.tokenizer.chat_template or "",
+        return {"modelfile": f"FROM {eng.model_path}\n", "parameters": "",
+                "template": eng.tokenizer.chat_template or "",
                 "details": self._details(), "capabilities": ["completion"] + (
                     ["tools"] if tools_mod.supports_tools(eng.tokenizer.chat_template) else []),
                 "model_info": {"general.architecture": cfg.architecture, "general.name": cfg.name,

@@ -162,7 +162,8 @@ def to_chat_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             out.append({"role": item.role, "content": text})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             else:
@@ -205,7 +206,8 @@ def _tools(body: ResponsesRequest, tok) -> tuple[list[dict] | None, StructuredOu
 
 def _event(kind: str, data: dict, seq: list[int]) -> str:
     seq[0] += 1
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0], **data}, ensure_ascii=False)}\n\n"
+    payload = json.dumps({"type": kind, "sequence_number": seq[0], **data}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n"
 
 
 # -- serving ------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 FastAPI documents only the success and its own 422; the server answers validation errors with
 400 and can refuse any request with the statuses of `Gate`, `BodyLimit` and the engine. This
-adds them to every operation with the OpenAI error body (Anthropic's under /v1/messages), drops the 422 it never sends, and gives
+adds them to every operation with its API's error body (OpenAI's; Anthropic's under /v1/messages,
+Ollama's under /api/), drops the 422 it never sends, and gives
 /metrics its Prometheus text content type and the generation routes their event stream.
 
 Bounds that depend on the loaded model (token ids below the vocabulary size, layers, the context
@@ -116,7 +117,8 @@ def document_errors(app, limits=lambda: None) -> None:
         for path in NDJSON:  # "stream": true (Ollama's default) answers newline-delimited JSON
             op = schema.get("paths", {}).get(path, {}).get("post")
             if op is not None:
-                op["responses"]["200"].setdefault("content", {})["application/x-ndjson"] = {"schema": {"type": "string"}}
+                content = op["responses"]["200"].setdefault("content", {})
+                content["application/x-ndjson"] = {"schema": {"type": "string"}}
         metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
         if metrics is not None:
             metrics["responses"]["200"]["content"] = {PROMETHEUS: {"schema": {"type": "string"}}}

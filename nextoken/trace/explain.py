@@ -25,8 +25,9 @@ def explain_report(rec: TraceRecorder, tok, cfg, top: int = 10) -> dict:
     report = {"tokens": [{"id": i, "text": tok.token_text(i)} for i in ids]}
     report["embedding"] = {
         "matrix_shape": [cfg.vocab_size, cfg.hidden_size], "output_shape": [t, cfg.hidden_size],
-        "rows": [{"id": ids[i], "text": tok.token_text(ids[i]), "first_values": [round(v, 4) for v in emb[i, :6].tolist()],
-                  "norm": round(float(emb[i].norm()), 3)} for i in range(min(t, 4))]}
+        "rows": [{"id": ids[i], "text": tok.token_text(ids[i]),
+                  "first_values": [round(v, 4) for v in emb[i, :6].tolist()], "norm": round(float(emb[i].norm()), 3)}
+                 for i in range(min(t, 4))]}
     report["rope"] = _rope(cfg, t)
     report["layers"] = [_layer(rec, tok, i) for i in range(cfg.num_layers)] if rec.attention else []
     report["steps"] = [{"chosen": {"id": s["chosen"], "text": tok.token_text(s["chosen"])},
@@ -47,7 +48,8 @@ def _layer(rec: TraceRecorder, tok, i: int) -> dict:
     mean = last.mean(0)
     j = int(mean.argmax())
     return {"layer": i, "residual_norm_last": round(float(rec.residual[i + 1, -1].norm()), 3),
-            "attends_most": {"position": j, "text": tok.token_text(rec.token_ids[j]), "weight": round(float(mean[j]), 4)},
+            "attends_most": {"position": j, "text": tok.token_text(rec.token_ids[j]),
+                             "weight": round(float(mean[j]), 4)},
             "per_head_positions": last.argmax(-1).tolist()}
 
 
@@ -56,7 +58,8 @@ def _rope(cfg, t: int) -> dict:
         return {"positions": [0, t - 1], "rope_dim": 0, "learned_position_embeddings": True}
     inv = inv_frequencies(cfg.rope_dim, cfg.rope_theta)
     return {"positions": [0, t - 1], "rope_dim": cfg.rope_dim, "base": cfg.rope_theta,
-            "pairs": [{"pair": i, "radians_per_position": float(inv[i]), "angle_at_last_position": float((t - 1) * inv[i])}
+            "pairs": [{"pair": i, "radians_per_position": float(inv[i]),
+                       "angle_at_last_position": float((t - 1) * inv[i])}
                       for i in (0, 1, len(inv) - 1)]}
 
 
