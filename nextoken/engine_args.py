@@ -75,7 +75,7 @@ class EngineArgs(CliArgs):
                                         group="scheduler", cli="bool")
     # speculative decoding
     speculative_model: str | None = opt(None, "draft model (catalog name, .gguf or folder) with the target's "
-                                         "vocabulary", group="speculative decoding")
+                                         "vocabulary", group="speculative decoding", metavar="MODEL")
     speculative_method: str | None = opt(None, "draft (needs --speculative-model) or ngram (prompt lookup, no "
                                           "second model)", group="speculative decoding", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = opt(4, "tokens proposed per step", group="speculative decoding", type=int)
