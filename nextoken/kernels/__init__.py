@@ -167,11 +167,11 @@ def _open(name: str, flags: list[str]) -> ctypes.CDLL | None:
 
 def _warn_if_slow(lib: ctypes.CDLL) -> None:
     """One info line when the quantized matmul was built without AVX-512 VNNI (an older CPU): it
-    then runs its plain C loops, several times slower than on a CPU that has them. Info, not a
+    then runs its AVX2 or plain C loops, several times slower than on a CPU that has VNNI. Info, not a
     warning: the user cannot act on it, and the execution plan's line names it too."""
     if hasattr(lib, "qmatmul_vectorized") and not lib.qmatmul_vectorized():
-        log.info("this CPU has no AVX-512 VNNI: the quantized matmul (kernels/qmatmul.c) runs its portable "
-                    "C loops, several times slower than with VNNI")
+        log.info("this CPU has no AVX-512 VNNI: the quantized matmul (kernels/qmatmul.c) runs its AVX2 loop "
+                 "(or, without AVX2, its portable C loop), several times slower than with VNNI")
 
 
 def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
