@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 import sys
 
-from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args, _positive_int
+from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args
+from nextoken.cli_args import positive_int
 from nextoken.errors import NextokenError
 
 
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity computes it")
     p.add_argument("file", help="text file, or - for standard input")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored (default 512)")
-    p.add_argument("--max-chunks", type=_positive_int, default=None, metavar="N", help="score at most N chunks")
+    p.add_argument("--max-chunks", type=positive_int, default=None, metavar="N", help="score at most N chunks")
     p.add_argument("--kl-divergence", action="store_true",
                    help="also run the float32 reference path and print the KL divergence and top-1 agreement of "
                         "this configuration against it")

@@ -55,16 +55,6 @@ def _add_serve_args(p, exclude: tuple[str, ...] = ()) -> None:
     ServerArgs.add_cli_args(p, exclude=exclude)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _params(a):
     from nextoken.sampling_params import SamplingParams
 

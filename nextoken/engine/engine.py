@@ -243,10 +243,10 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: dict, tracer) -> None:
         """One token for each of `reqs` from its logits row, in one batched sampler call; a row
         whose processors or grammar raise fails its request alone."""
-        chosen = [r for r in reqs if r.chosen]
-        for r in chosen:  # chosen already (the quick start's first token): emitted without a draw
-            self.outputs.emit(r, [SampleResult(r.chosen.pop(0))])
-        reqs = [r for r in reqs if r not in chosen]
+        if any(r.chosen for r in reqs):  # chosen already (the quick start's first token): no draw
+            for r in [r for r in reqs if r.chosen]:
+                self.outputs.emit(r, [SampleResult(r.chosen.pop(0))])
+                reqs.remove(r)
         if not reqs:
             return
         idx = [rows[r][0] for r in reqs]

@@ -26,10 +26,8 @@ from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
+from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
-
-PATH_PREFIX = "/v1/messages"  # errors under it take Anthropic's shape
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -146,9 +144,7 @@ def _tools(body, tok) -> tuple[list[dict] | None, object | None]:
         if choice in ("any", "tool") and not body.tools:
             raise InvalidRequest(f"tool_choice {choice!r} needs tools", "tool_choice")
         return None, None
-    if not tools_mod.supports_tools(tok.chat_template):
-        raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
-                             "--chat-template FILE naming a template that has one", "tools")
+    tools_mod.require_tool_template(tok.chat_template)
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools]
     if choice == "auto":
@@ -239,8 +235,7 @@ class AnthropicServingMessages(OpenAIServing):
 
     async def _stream(self, rid: str, num_prompt: int, names):
         """Anthropic's event sequence for request `rid`: text and tool calls as content blocks."""
-        parser = tools_mod.ToolCallParser(names) if names else None
-        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
+        splitter = StreamSplitter(self.args.reasoning_parser, names)
         yield _event("message_start", {"message": {
             "id": rid, "type": "message", "role": "assistant", "model": self.args.model_name, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
@@ -250,28 +245,21 @@ class AnthropicServingMessages(OpenAIServing):
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                text = c.delta
-                if thinker is not None:  # the thought as a thinking block, the answer as before
-                    split = thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
-                    for piece in (p for kind, p in split if kind == "reasoning"):
-                        if block["kind"] != "thinking":
-                            start = {"type": "thinking", "thinking": "", "signature": ""}
-                            for event in _open(block, "thinking", start):
-                                yield event
-                        yield _event("content_block_delta", {"index": block["index"],
-                                                             "delta": {"type": "thinking_delta", "thinking": piece}})
-                    text = "".join(p for kind, p in split if kind == "content")
-                events = [("content", text)] if parser is None else parser.feed(text)
-                if c.finished and parser is not None:
-                    events += parser.finish()
-                for piece in _block_events(events, block, parser):
-                    yield piece
+                thought, events = splitter.feed(c.delta, c.finished)
+                for piece in thought:  # the thought as a thinking block, the answer as before
+                    if block["kind"] != "thinking":
+                        for event in _open(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                            yield event
+                    yield _event("content_block_delta", {"index": block["index"],
+                                                         "delta": {"type": "thinking_delta", "thinking": piece}})
+                for event in _block_events(events, block, splitter.parser):
+                    yield event
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
             yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
             return
         if block["kind"] is not None:
             yield _event("content_block_stop", {"index": block["index"]})
-        stop, seq = _stop_reason(c, bool(parser and parser.calls))
+        stop, seq = _stop_reason(c, bool(splitter.parser and splitter.parser.calls))
         yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
                                        "usage": {"output_tokens": len(c.token_ids)}})
         yield _event("message_stop", {})

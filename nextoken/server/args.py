@@ -12,24 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from nextoken.cli_args import CliArgs, opt
+from nextoken.cli_args import CliArgs, opt, positive_int
 
 PARSERS = ("qwen3", "deepseek_r1")  # `server.reasoning`'s styles (restated: this module imports no server code)
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 @dataclass

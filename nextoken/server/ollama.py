@@ -27,11 +27,10 @@ from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
+from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing
 from nextoken.structured.params import StructuredOutputsParams
 
-PATH_PREFIX = "/api/"  # errors under it take Ollama's shape
 VERSION = "0.6.0"  # the Ollama API version these routes follow
 # options -> SamplingParams fields (Ollama's other options, runner settings, are accepted and unused)
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
@@ -170,9 +169,7 @@ class OllamaServing(OpenAIServing):
     def _tools(self, tools: list[dict] | None, tok) -> list[dict] | None:
         if not tools:
             return None
-        if not tools_mod.supports_tools(tok.chat_template):
-            raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
-                                 "--chat-template FILE naming a template that has one", "tools")
+        tools_mod.require_tool_template(tok.chat_template)
         return tools
 
     async def _run(self, body, ids: list[int], names, request: Request, chat: bool):
@@ -209,23 +206,25 @@ class OllamaServing(OpenAIServing):
         """One JSON object per line as text arrives, then a last one (empty text) with the counts.
         With tools the text is held (a call is only known whole): the last object carries it all."""
         out = None
-        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
+        splitter = StreamSplitter(self.args.reasoning_parser)  # tool calls are parsed whole, at the end
+        answer = ""
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                split = [("content", c.delta)] if thinker is None else \
-                    thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
-                for kind, piece in split:
-                    if not piece or (names and kind == "content"):
-                        continue
-                    field = "thinking" if kind == "reasoning" else ("content" if chat else "response")
+                thought, events = splitter.feed(c.delta, c.finished)
+                pieces = [("thinking", t) for t in thought]
+                for _, text in events:
+                    answer += text
+                    if not names:
+                        pieces.append(("content" if chat else "response", text))
+                for field, piece in pieces:
                     body = {"message": {"role": "assistant", "content": "", field: piece}} if chat else {field: piece}
                     yield _line({"model": model, "created_at": _now(), **body, "done": False})
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error line ends the stream
             yield _line({"error": str(exc)})
             return
         self.record([out])
-        answer = (thinker.content if thinker else out.outputs[0].text) if names else ""
+        answer = answer if names else ""
         yield _line(self._final(model, out, names, chat, answer, thought=""))
 
     def tags(self) -> dict:

@@ -30,7 +30,7 @@ from nextoken.errors import InvalidRequest, NotFound
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
+from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -192,9 +192,7 @@ def _tools(body: ResponsesRequest, tok) -> tuple[list[dict] | None, StructuredOu
         return None, None
     if choice == "none":
         return None, None
-    if not tools_mod.supports_tools(tok.chat_template):
-        raise InvalidRequest("this model's chat template has no tool-call support; start the server with "
-                             "--chat-template FILE naming a template that has one", "tools")
+    tools_mod.require_tool_template(tok.chat_template)
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.parameters or {"type": "object", "properties": {}}}}
              for t in body.tools]
@@ -291,24 +289,17 @@ class OpenAIServingResponses(OpenAIServing):
         start = self._envelope(body, rid, [], None, 0, meta, status="in_progress")
         yield _event("response.created", {"response": start}, seq)
         yield _event("response.in_progress", {"response": start}, seq)
-        parser = tools_mod.ToolCallParser(names) if names else None
-        thinker = ReasoningParser(self.args.reasoning_parser) if self.args.reasoning_parser else None
+        splitter = StreamSplitter(self.args.reasoning_parser, names)
         state = {"items": [], "open": None}  # the output items so far; the open one's index
         out = c = None
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                text = c.delta
-                if thinker is not None:  # the thought as a reasoning item, the answer as before
-                    split = thinker.feed(c.delta) + (thinker.finish() if c.finished else [])
-                    for piece in (p for kind, p in split if kind == "reasoning"):
-                        for event in _reasoning_events(piece, state, seq):
-                            yield event
-                    text = "".join(p for kind, p in split if kind == "content")
-                events = [("content", text)] if parser is None else parser.feed(text)
-                if c.finished and parser is not None:
-                    events += parser.finish()
-                for event in _item_events(events, state, parser, seq):
+                thought, events = splitter.feed(c.delta, c.finished)
+                for piece in thought:  # the thought as a reasoning item, the answer as before
+                    for event in _reasoning_events(piece, state, seq):
+                        yield event
+                for event in _item_events(events, state, splitter.parser, seq):
                     yield event
         except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
             yield _event("error", {"message": str(exc), "code": "server_error"}, seq)

@@ -12,8 +12,10 @@ thought, a leading ``<think>`` dropped).
 
 from __future__ import annotations
 
+from nextoken.server.tools import ToolCallParser
+
 START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1")  # (server.args restates them: it imports no server code)
 
 
 def _partial(text: str, tag: str) -> int:
@@ -100,3 +102,24 @@ def split(text: str, style: str) -> tuple[str, str]:
     p.feed(text)
     p.finish()
     return p.reasoning, p.content
+
+
+class StreamSplitter:
+    """One completion's streamed text as every API's stream needs it: with a reasoning `style`,
+    the thought's pieces apart; the answer as `ToolCallParser` events with tool `names`, else as
+    plain ``("content", text)`` events. `feed(delta, finished)` -> (thought pieces, events);
+    `parser` is the tool-call parser (its calls), `thinker` the reasoning parser, or None."""
+
+    def __init__(self, style: str | None = None, names: frozenset[str] | None = None):
+        self.thinker = ReasoningParser(style) if style else None
+        self.parser = ToolCallParser(names) if names else None
+
+    def feed(self, delta: str, finished: bool) -> tuple[list[str], list[tuple]]:
+        text, thought = delta, []
+        if self.thinker is not None:
+            split = self.thinker.feed(delta) + (self.thinker.finish() if finished else [])
+            thought = [piece for kind, piece in split if kind == "reasoning"]
+            text = "".join(piece for kind, piece in split if kind == "content")
+        if self.parser is None:
+            return thought, [("content", text)] if text else []
+        return thought, self.parser.feed(text) + (self.parser.finish() if finished else [])

@@ -7,8 +7,8 @@ import json
 import logging
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.reasoning import ReasoningParser, split as split_reasoning
-from nextoken.server.tools import ToolCallParser, parse as parse_tools
+from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
+from nextoken.server.tools import parse as parse_tools
 
 log = logging.getLogger("nextoken.server")
 
@@ -207,8 +207,7 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, to
     `ToolCallParser` per choice and tool calls go out as ``delta.tool_calls``; with `reasoning`,
     a `ReasoningParser` per choice sends the thought as ``delta.reasoning_content`` first."""
     tok = eng.engine.tokenizer
-    parsers = [ToolCallParser(tools) for _ in range(body.n)] if tools else None
-    thinkers = [ReasoningParser(reasoning) for _ in range(body.n)] if reasoning else None
+    splitters = [StreamSplitter(reasoning, tools) for _ in range(body.n)]
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     try:
@@ -222,25 +221,17 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, to
                     continue
                 lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
                                    if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
-                text = c.delta
-                if thinkers is not None:  # the thought first, as its own deltas; the answer goes on
-                    t = thinkers[c.index]
-                    split = t.feed(c.delta) + (t.finish() if c.finished else [])
-                    for kind, piece in split:
-                        if kind == "reasoning":
-                            yield sse({**base, "choices": [{"index": c.index, "delta": {
-                                "reasoning_content": piece, "reasoning": piece}, "logprobs": None,
-                                "finish_reason": None}]})
-                    text = "".join(piece for kind, piece in split if kind == "content")
-                if parsers is None:
+                thought, events = splitters[c.index].feed(c.delta, c.finished)
+                for piece in thought:  # the thought first, as its own deltas; the answer goes on
+                    yield sse({**base, "choices": [{"index": c.index, "delta": {
+                        "reasoning_content": piece, "reasoning": piece}, "logprobs": None, "finish_reason": None}]})
+                p = splitters[c.index].parser
+                if p is None:
+                    text = "".join(piece for _, piece in events)
                     delta = {"content": text} if text or not c.finished else {}
-                    if not delta and not c.finished:
-                        continue
                     yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                     "finish_reason": c.finish_reason}]})
                     continue
-                p = parsers[c.index]
-                events = p.feed(text) + (p.finish() if c.finished else [])
                 deltas = _tool_deltas(events, p)
                 if not deltas:
                     if not c.finished and lp is None:

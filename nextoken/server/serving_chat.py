@@ -59,10 +59,7 @@ def _tool_setup(body: ChatCompletionRequest, tok):
     choice = body.tool_choice
     if not body.tools or choice == "none":
         return None, None
-    if not tools_mod.supports_tools(tok.chat_template):
-        raise InvalidRequest("this model's chat template has no tool-call support (it renders no tools in a "
-                             "<tool_call> format); start the server with --chat-template FILE naming a template "
-                             "that has one", "tools")
+    tools_mod.require_tool_template(tok.chat_template)
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     if choice is None or choice == "auto":
         return tools, None

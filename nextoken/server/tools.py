@@ -32,6 +32,15 @@ def supports_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template and OPEN in template
 
 
+def require_tool_template(template: str | None) -> None:
+    """Raises `InvalidRequest` (field "tools") when the chat template cannot render tools: the one
+    check every API's tools go through."""
+    if not supports_tools(template):
+        raise InvalidRequest("this model's chat template has no tool-call support (it renders no tools in a "
+                             "<tool_call> format); start the server with --chat-template FILE naming a template "
+                             "that has one", "tools")
+
+
 def messages_for_template(messages: list[dict]) -> list[dict]:
     """OpenAI chat messages as chat templates expect them: a missing content is "", and each
     earlier tool call's arguments are an object (OpenAI sends JSON text; templates encode them
