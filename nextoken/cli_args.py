@@ -129,12 +129,12 @@ SIZE_UNITS = {"": 1, "b": 1,
               "tib": 2**40}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, field: str = "kv_cache_memory") -> int:
     """A size in bytes: a number, or a number with a unit. SI units are powers of 1000 (``k``,
     ``M``, ``G``, ``T``, with or without ``B``: ``2GB`` = 2 * 10^9), IEC units powers of 1024
     (``Ki``, ``Mi``, ``Gi``, ``Ti``, with or without ``B``: ``512MiB`` = 512 * 2^20); case does
-    not matter. Raises `InvalidRequest` (field ``kv_cache_memory``) for anything else or a size
-    that is not positive."""
+    not matter. Raises `InvalidRequest` (naming `field`) for anything else or a size that is
+    not positive."""
     t = str(text).strip()
     num = t.rstrip("bBiIkKmMgGtT")
     unit = t[len(num):].lower()
@@ -142,7 +142,7 @@ def parse_size(text: str | int) -> int:
         value = float(num) * SIZE_UNITS[unit]
     except (ValueError, KeyError):
         raise InvalidRequest(f"cannot read size {text!r}: use a number of bytes or a unit, e.g. 512MiB, 2GiB "
-                             "(powers of 1024) or 2GB (powers of 1000)", "kv_cache_memory") from None
+                             "(powers of 1024) or 2GB (powers of 1000)", field) from None
     if value < 1:
-        raise InvalidRequest(f"size {text!r} must be at least one byte", "kv_cache_memory")
+        raise InvalidRequest(f"size {text!r} must be at least one byte", field)
     return int(value)

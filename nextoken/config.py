@@ -74,6 +74,8 @@ class CacheConfig:
     memory_bytes: int | None = None  # budget for keys and values; None: a share of free memory
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    disk_dir: str | None = None  # the prefix cache's disk tier (`kv_cache.disk`); None: RAM only
+    disk_bytes: int | None = None  # its size limit; None: `kv_cache.disk.DEFAULT_DISK_BYTES`
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 from nextoken.catalog import DEFAULT_MODEL
 from nextoken.cli_args import CliArgs, opt, parse_size
-from nextoken.config import KV_CACHE_DTYPES
+from nextoken.config import KV_CACHE_DTYPES, CacheConfig
 from nextoken.errors import InvalidRequest
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "bf16", "fp32")
 SPECULATIVE_METHODS = ("draft", "ngram")
+DISK_OFF = ("off", "none", "")  # --kv-cache-dir values that turn the disk tier off
 
 
 @dataclass
@@ -67,6 +68,13 @@ class EngineArgs(CliArgs):
                                group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes", flag="--prefix-caching",
                                        group="KV cache", cli="bool")
+    kv_cache_dir: str | None = opt(None, "a directory for the prefix cache's disk tier: full KV blocks are written "
+                                   "there in the background and read back instead of recomputed, after a restart "
+                                   "and by every process that shares the directory (default: off; with "
+                                   "--kv-cache-disk alone or serve --replicas, <cache>/kv; off: none)",
+                                   group="KV cache", metavar="DIR")
+    kv_cache_disk: int | None = opt(None, "most bytes the disk tier keeps, least recently used out first, e.g. "
+                                    "20GiB (default: 8 GiB)", group="KV cache", cli="size")
     # scheduler
     max_num_seqs: int = opt(64, "sequences running at once", group="scheduler", type=int)
     max_num_batched_tokens: int = opt(2048, "new tokens per step (prefill chunks + decodes)", group="scheduler",
@@ -88,8 +96,9 @@ class EngineArgs(CliArgs):
                                      "with tool support)", group="output", metavar="FILE")
 
     def __post_init__(self):
-        if isinstance(self.kv_cache_memory, str):  # Python callers may write sizes as on the command line
-            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        for name in ("kv_cache_memory", "kv_cache_disk"):  # Python callers may write sizes as on the command line
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, parse_size(getattr(self, name), name))
         self.validate()
 
     # -- checks ---------------------------------------------------------------------------
@@ -103,11 +112,12 @@ class EngineArgs(CliArgs):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose from "
                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
-        for name, low in (("num_threads", 1), ("tensor_parallel_size", 1), ("max_model_len", 1), ("kv_cache_memory", 1), ("num_kv_blocks", 0),
+        for name, low in (("num_threads", 1), ("tensor_parallel_size", 1), ("max_model_len", 1), ("kv_cache_memory", 1),
+                          ("kv_cache_disk", 1), ("num_kv_blocks", 0),
                           ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("num_speculative_tokens", 1)):
             value = getattr(self, name)
-            if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory"):
+            if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidRequest(f"{name} must be an integer >= {low}, got {value!r}", name)
@@ -120,6 +130,9 @@ class EngineArgs(CliArgs):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise InvalidRequest(f"{name} must be a number {rule}, got {value!r}", name)
+        if self.disk_dir is not None and self.tensor_parallel_size > 1:
+            raise InvalidRequest("the KV disk tier (--kv-cache-dir, --kv-cache-disk) is not available with tensor "
+                                 "parallelism yet", "kv_cache_dir")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"unknown speculative method {self.speculative_method!r}: use 'draft' or 'ngram'",
                                  "speculative_method")
@@ -127,6 +140,23 @@ class EngineArgs(CliArgs):
             raise InvalidRequest("speculative method 'draft' needs speculative_model", "speculative_model")
         if self.speculative_method == "ngram" and self.speculative_model is not None:
             raise InvalidRequest("speculative method 'ngram' takes no speculative_model", "speculative_model")
+
+    @property
+    def disk_dir(self) -> str | None:
+        """The disk tier's directory: `kv_cache_dir`, or ``<cache>/kv`` when only `kv_cache_disk`
+        is given; None when the tier is off (neither given, or `kv_cache_dir` ``off``)."""
+        if self.kv_cache_dir is None and self.kv_cache_disk is None or self.kv_cache_dir in DISK_OFF:
+            return None
+        if self.kv_cache_dir is not None:
+            return self.kv_cache_dir
+        from nextoken.catalog import cache_dir
+
+        return str(cache_dir() / "kv")
+
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's settings (`config.CacheConfig`), the disk tier's included."""
+        return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.enable_prefix_caching,
+                           self.kv_cache_dtype, self.disk_dir, self.kv_cache_disk)
 
     @property
     def speculative(self) -> str | None:
@@ -146,6 +176,7 @@ def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str
     `overrides`: a field's default as the table shows it, where the value alone would not say."""
     shown = {"model": f"`{DEFAULT_MODEL}`", "num_threads": "one per usable core",
              "max_model_len": "the model's context", "kv_cache_memory": "from free memory",
+             "kv_cache_dir": "off", "kv_cache_disk": "8 GiB",
              "num_kv_blocks": "from the memory", "speculative_method": "`draft` with a model",
              **(overrides or {})}
     rows = ["| flag | keyword | default | what |", "|---|---|---|---|"]

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -79,10 +80,12 @@ class Cluster:
     def __init__(self, smollm2_path, policy="cache_aware"):
         self.base = free_ports(4)
         self.log = tempfile.TemporaryFile("w+")  # the replicas' and the router's output, shown on a failure
+        self.kv_dir = tempfile.TemporaryDirectory()  # the replicas' shared KV disk tier
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nextoken", "serve", "--model", MODEL, "--port", str(self.base), "--replicas", "2",
              "--router-policy", policy, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--log-level",
-             "warning"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+             "warning", "--kv-cache-dir", self.kv_dir.name], stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)
         self.url = f"http://127.0.0.1:{self.base}"
         self.replicas = [f"http://127.0.0.1:{self.base + i}" for i in (1, 2)]
         try:
@@ -101,6 +104,7 @@ class Cluster:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             code = self.proc.wait()
+        self.kv_dir.cleanup()
         return code
 
     def replica_pids(self) -> list[int]:
@@ -210,9 +214,11 @@ def conversation_replay(url: str, tag: str, turns: int = 4, conversations: int =
 def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(cluster):
     """The same replay through the `--replicas` router (cache_aware) and through the documented
     vllm-router command with round_robin in front of the same replicas: cache_aware keeps each
-    conversation on one replica, so more of its prompt tokens come from the prefix cache."""
+    conversation on one replica, so more of its prompt tokens come from its RAM prefix cache
+    (the hits less those read back from the shared disk tier)."""
     def hits():
-        return sum(metric(u, "vllm:prefix_cache_hits_total") for u in cluster.replicas)
+        return sum(metric(u, "vllm:prefix_cache_hits_total") - metric(u, "vllm:external_prefix_cache_hits_total")
+                   for u in cluster.replicas)
 
     start = hits()
     conversation_replay(cluster.url, "alpha")
@@ -232,6 +238,27 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(cluster
         router.wait(timeout=30)
     print(f"prefix-cache tokens hit: cache_aware {cache_aware:.0f}, round_robin {round_robin:.0f}")
     assert cache_aware > 1.3 * round_robin, (cache_aware, round_robin)
+
+
+def test_a_prefix_one_replica_computed_is_read_back_by_the_other(cluster):
+    """The replicas share one disk tier: a long prompt sent to replica 1, then to replica 2,
+    is read back from disk on replica 2 (its external hits grow by the prompt's full blocks but
+    the last), with the same greedy answer."""
+    prompt = "Shared document for both replicas. " * 40 + "Summary:"
+    first = complete(cluster.replicas[0], prompt)
+    n = first["usage"]["prompt_tokens"]
+    written, deadline = -1.0, time.time() + 30  # replica 1 writes its blocks in the background
+    while time.time() < deadline:
+        now = metric(cluster.replicas[0], "nextoken_kv_disk_written_bytes_total")
+        if now > 0 and now == written:
+            break
+        written = now
+        time.sleep(0.5)
+    before = metric(cluster.replicas[1], "vllm:external_prefix_cache_hits_total")
+    second = complete(cluster.replicas[1], prompt)
+    got = metric(cluster.replicas[1], "vllm:external_prefix_cache_hits_total") - before
+    assert got >= (n - 1) // 16 * 16 - 16, (got, n)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_a_killed_replica_leaves_the_router_serving_on_the_other(network, smollm2_path):

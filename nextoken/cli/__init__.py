@@ -1,6 +1,6 @@
 """Command line: ``nextoken run | chat | explain | serve | inspect | bench | pull | models |
-perplexity | watermark``, one module per family of commands (`generate`, `serving`, `models`,
-`evaluate`; `common` holds the flags they share).
+cache | perplexity | watermark``, one module per family of commands (`generate`, `serving`,
+`models`, `cache`, `evaluate`; `common` holds the flags they share).
 
 Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
 """
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
     sub.add_parser("models", help="list the catalog and what is cached")
+    from nextoken.cli.cache import add_parser as add_cache_parser
+
+    add_cache_parser(sub)
 
     p = sub.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity computes it")
     p.add_argument("file", help="text file, or - for standard input")
@@ -136,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _commands() -> dict:
-    from nextoken.cli import evaluate, generate, models, serving
+    from nextoken.cli import cache, evaluate, generate, models, serving
 
     return {"perplexity": evaluate.cmd_perplexity, "watermark": evaluate.cmd_watermark, "bench": models.cmd_bench,
             "serve": serving.cmd_serve, "inspect": serving.cmd_inspect, "run": generate.cmd_run,
             "chat": generate.cmd_chat, "explain": generate.cmd_explain, "pull": models.cmd_pull,
-            "models": models.cmd_models}
+            "models": models.cmd_models, "cache": cache.cmd_cache}
 

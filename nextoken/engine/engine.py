@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from nextoken import kernels
-from nextoken.config import CacheConfig, SchedulerConfig
+from nextoken.config import SchedulerConfig
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
 from nextoken.engine.request import Request, make_sequences
 from nextoken.engine.scheduler import Scheduler
@@ -80,15 +80,14 @@ class LLMEngine:
         self.speculator, draft_runner = build_speculator(args, self.tokenizer, self.config, dtype, self.watermark,
                                                          draft_source)
         self.speculative = self.speculator.config if self.speculator else None
-        self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
-                                        args.enable_prefix_caching, args.kv_cache_dtype)
+        self.cache_config = args.cache_config()
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens if args.enable_chunked_prefill
             else max(args.max_num_batched_tokens, self.max_model_len),  # without chunks a whole prompt fits a step
             args.enable_chunked_prefill, args.max_model_len)
         lookahead = self.speculator.lookahead if self.speculator else 0
         self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs,
-                                    self.max_model_len, lookahead)
+                                    self.max_model_len, lookahead, source.path)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, lookahead)
         self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
         # structured output: llguidance over our vocabulary, built on the first request that asks
@@ -319,17 +318,17 @@ class LLMEngine:
         return [final[rid] for rid in request_ids]
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks and leave the group (nothing to do otherwise);
-        the engine cannot run afterwards. Also done at exit."""
+        """Write the disk tier's queued blocks, stop the other tensor-parallel ranks and leave the
+        group; the engine cannot run afterwards. Also done at exit."""
+        self.kv.close()
         if self.runner.tp is not None:
             self.runner.tp.close()
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Queue lengths, KV cache usage (0..1), the prefix cache's block hit rate and its token
-        counts (prompt tokens looked up, and found), preemptions, aborted and failed requests, the
-        kernel fallbacks (calls a kernel the plan chose refused, by kernel), speculative decoding's
-        counts."""
+        """Queue lengths, KV cache usage (0..1), the prefix cache's block hit rate and token counts
+        (looked up, found), preemptions, aborted and failed requests, kernel fallbacks (by kernel),
+        the disk tier's counts (`KVCacheManager.disk_stats`), speculative decoding's counts."""
         pool = self.kv.pool
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
@@ -337,7 +336,8 @@ class LLMEngine:
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.outputs.num_aborted,
-                "num_failed": self.outputs.num_failed, "kernel_fallbacks": dict(kernels.fallbacks), **self.spec_stats()}
+                "num_failed": self.outputs.num_failed, "kernel_fallbacks": dict(kernels.fallbacks),
+                **self.kv.disk_stats(), **self.spec_stats()}
 
     def spec_stats(self) -> dict:
         """Speculative decoding's counts (`Speculator.stats`; zeros without it)."""

@@ -47,6 +47,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    disk_keys: list[bytes] = field(default_factory=list)  # the disk tier's chain keys of its full blocks
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     admitted: bool = False

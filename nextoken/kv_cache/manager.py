@@ -7,6 +7,7 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 from __future__ import annotations
 
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
+from nextoken.kv_cache.disk import chain_key
 
 
 class KVCacheManager:
@@ -28,6 +29,8 @@ class KVCacheManager:
         self.ring_blocks = ring_blocks
         self.sliding_pool = BlockPool(sliding_blocks, False) if sliding_blocks else None
         self.rings: dict[str, list[KVCacheBlock]] = {}
+        self.disk = None  # the prefix cache's disk tier (`kv_cache.disk.DiskTier`), if any
+        self.disk_queries = self.disk_hits = 0  # prompt tokens looked up on disk, and found there
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -50,20 +53,60 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tuple(toks[i * bs : (i + 1) * bs])))
         return hashes[:num_blocks]
 
+    def _disk_keys(self, req, num_blocks: int) -> list[bytes]:
+        """The disk tier's chain keys of the request's first `num_blocks` full blocks (memoised)."""
+        keys, bs, toks, ns = req.disk_keys, self.block_size, req.all_token_ids, self.disk.store.namespace
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(chain_key(ns, keys[-1] if keys else None, toks[i * bs : (i + 1) * bs]))
+        return keys[:num_blocks]
+
     def get_computed_blocks(self, req) -> list[KVCacheBlock]:
-        """The longest run of cached full blocks that starts the request's tokens. At least one
-        token is always left to compute (its logits are needed to sample)."""
+        """The longest run of cached full blocks that starts the request's tokens: from RAM, or
+        read back from the disk tier into free blocks (which then join the RAM prefix cache). At
+        least one token is always left to compute (its logits are needed to sample)."""
         if not self.enable_caching:
             return []
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         hits = []
         for i, h in enumerate(self._block_hashes(req, max_blocks)):
-            b = self.pool.get_cached_block(h, tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+            toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            b = self.pool.get_cached_block(h, toks)
+            if b is None and self.disk is not None:
+                b = self._load_block(req, i, h, toks)
             if b is None:
                 break
+            if self.disk is not None:  # in use while later blocks load, so no load takes it
+                self.pool.touch([b])
             hits.append(b)
+        if self.disk is not None:
+            self.pool.free_blocks(hits)
         return hits
+
+    def _load_block(self, req, i: int, block_hash: int, toks: tuple[int, ...]) -> KVCacheBlock | None:
+        """Block `i` of `req` read from the disk tier into a free block (then cached, unused),
+        or None: not on disk, a bad file, or no free block to spare."""
+        if self.pool.num_free_blocks < 2:
+            return None
+        self.disk_queries += self.block_size
+        payload = self.disk.fetch(self._disk_keys(req, i + 1)[i], toks)
+        if payload is None:
+            return None
+        self.disk_hits += self.block_size
+        b = self.pool.get_new_blocks(1)[0]
+        self.disk.fill(b.block_id, payload)
+        self.pool.cache_block(b, block_hash, toks)
+        self.pool.free_blocks([b])
+        return b
+
+    def disk_stats(self) -> dict:
+        """The disk tier's counts (zeros without one): prompt tokens looked up on disk and found
+        there, and the store's blocks and bytes (`DiskKVStore.stats`) as ``kv_disk_*``."""
+        store = self.disk.store.stats if self.disk is not None else dict.fromkeys(
+            ("hits", "misses", "bytes_read", "bytes_written", "blocks_written", "errors", "dropped"), 0)
+        return {"kv_disk_queries": self.disk_queries, "kv_disk_hit_tokens": self.disk_hits,
+                **{f"kv_disk_{k}": v for k, v in store.items()}}
 
     def allocate_slots(self, req, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Give `req` the blocks for `num_new_tokens` more tokens after its computed ones (and
@@ -112,17 +155,23 @@ class KVCacheManager:
         table = self.block_tables[req.request_id]
         hashes = self._block_hashes(req, n_full)
         bs = self.block_size
+        keys = self._disk_keys(req, n_full) if self.disk is not None else None
         for i in range(start, n_full):
-            self.pool.cache_block(table[i], hashes[i], tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+            toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(table[i], hashes[i], toks)
+            if keys is not None:  # copied now, written by the disk tier's thread
+                self.disk.offer(keys[i], toks, table[i].block_id)
         self._num_cached[req.request_id] = n_full
 
     def uncache(self, req) -> None:
         """Take out of the prefix cache the blocks only `req` holds (call before `free`): a pass
         that produced non-finite logits may have written non-finite keys and values, which no
         later prompt with the same prefix should reuse. Blocks other requests share stay."""
-        for b in self.block_tables.get(req.request_id, []):
+        for i, b in enumerate(self.block_tables.get(req.request_id, [])):
             if b.ref_cnt == 1:
                 self.pool.uncache_block(b)
+                if self.disk is not None and i < len(req.disk_keys):
+                    self.disk.store.discard(req.disk_keys[i])
 
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
@@ -131,3 +180,8 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(table))
         if self.sliding_pool is not None:
             self.sliding_pool.free_blocks(self.rings.pop(req.request_id, []))
+
+    def close(self) -> None:
+        """Wait for the disk tier's queued blocks to be written (nothing to do without one)."""
+        if self.disk is not None:
+            self.disk.store.flush()

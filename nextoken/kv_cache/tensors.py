@@ -157,6 +157,33 @@ class PagedKVCache:
         """Bytes of the paged (full-attention) cache per token."""
         return self._paged_bytes() // (self.num_blocks * self.block_size)
 
+    # -- whole blocks, for the disk tier (`kv_cache.disk`) ----------------------------------
+    def _block_parts(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer: keys, values (and their int8 scales)."""
+        return sum(t[:, :, 0].numel() * t.element_size() for t in self._block_parts())
+
+    def read_block(self, block_id: int) -> memoryview:
+        """A copy of block `block_id`'s keys and values (and scales), `block_bytes` bytes: each
+        tensor's ``[layers, Hkv, block_size, ...]`` slice in turn, C order."""
+        parts = [t[:, :, block_id].contiguous().view(-1).view(torch.uint8) for t in self._block_parts()]
+        return memoryview(torch.cat(parts).numpy())
+
+    def write_block(self, block_id: int, payload) -> None:
+        """Fill block `block_id` from `payload`, bytes as `read_block` gives them (writable:
+        a ``bytearray`` or a view of one). Raises `ValueError` for a payload of another size."""
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"a block payload of {len(payload)} bytes; this cache's blocks take {self.block_bytes}")
+        buf, at = torch.frombuffer(payload, dtype=torch.uint8), 0
+        for t in self._block_parts():
+            dst = t[:, :, block_id]
+            n = dst.numel() * t.element_size()
+            dst.copy_(buf[at : at + n].view(t.dtype).view(dst.shape))
+            at += n
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``
         (quantized first, for an int8 cache)."""

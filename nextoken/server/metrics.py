@@ -39,6 +39,15 @@ class ServerMetrics:
             ("spec_num_accepted_tokens", "num_accepted_tokens", "Drafted tokens the target accepted"),
             ("spec_num_verify_steps", "num_verify_steps", "Verifications (one per request and step)"))}
         self._spec_seen = {key: 0 for key in self.spec}
+        # the prefix cache's disk tier (`kv_cache.disk`; zero without it)
+        self.disk = {key: Counter(f"nextoken_kv_disk_{name}", doc, registry=r) for key, name, doc in (
+            ("kv_disk_hits", "hits", "KV blocks read back from the disk tier"),
+            ("kv_disk_misses", "misses", "KV blocks looked up on disk and not found"),
+            ("kv_disk_bytes_read", "read_bytes", "Bytes of KV block files read"),
+            ("kv_disk_bytes_written", "written_bytes", "Bytes of KV block files written"),
+            ("kv_disk_errors", "errors", "Bad KV block files skipped, and failed reads and writes"),
+            ("kv_disk_dropped", "dropped_blocks", "KV blocks not written (queue full, writes off, too large)"))}
+        self._disk_seen = {key: 0 for key in self.disk}
         # faults: a kernel the plan chose that fell back to PyTorch (per call, by kernel), and
         # requests ended with an error by a fault of their own row (the others went on)
         self.fallbacks = Counter("nextoken_kernel_fallbacks", "Calls a chosen kernel refused, run on PyTorch",
@@ -79,6 +88,8 @@ class ServerMetrics:
         self.hit_rate.set(stats["prefix_cache_hit_rate"])
         for key, counter in self.spec.items():
             _follow(counter, self._spec_seen, key, stats.get(key, 0))
+        for key, counter in self.disk.items():
+            _follow(counter, self._disk_seen, key, stats.get(key, 0))
         for what, n in stats.get("kernel_fallbacks", {}).items():
             self._fallbacks_seen.setdefault(what, 0)
             _follow(self.fallbacks.labels(what), self._fallbacks_seen, what, n)
@@ -110,6 +121,8 @@ class VllmMetrics:
         self.totals = {key: Counter(f"vllm:{name}", doc, **label) for key, name, doc in (
             ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            ("kv_disk_queries", "external_prefix_cache_queries", "Prompt tokens looked up in the KV disk tier"),
+            ("kv_disk_hit_tokens", "external_prefix_cache_hits", "Prompt tokens found in the KV disk tier"),
             ("num_preemptions", "num_preemptions", "Requests preempted (their KV blocks freed) since the start"))}
         self._seen = {key: 0 for key in self.totals}
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", **label)

@@ -10,6 +10,10 @@ cores (``os.sched_setaffinity``: the replicas never compete for a core), and the
         --cb-failure-threshold 3 --health-check-interval-secs 5 --health-failure-threshold 1 \\
         --worker-startup-check-interval 1
 
+The replicas share one prefix-cache disk tier (``--kv-cache-dir``, default ``<cache>/kv``;
+``--kv-cache-dir off`` turns it off): full KV blocks one replica computed are read back by the
+others instead of recomputed (`kv_cache.disk`).
+
 ``cache_aware`` sends requests that share a prompt prefix to the replica that has served that
 prefix (the router asks the replicas' ``/tokenize`` for the tokens), so its prefix cache hits;
 the circuit breaker and health check settings take a replica that died out of the rotation
@@ -97,6 +101,10 @@ def serve_replicas(args, argv: list[str]) -> int:
     slices = core_slices(sorted(os.sched_getaffinity(0)), args.replicas)
     ports = [args.port + 1 + i for i in range(args.replicas)]
     rest = replica_argv(argv)
+    if args.kv_cache_dir is None and args.kv_cache_disk is None and args.enable_prefix_caching:
+        from nextoken.catalog import cache_dir  # one disk tier for all: a prefix one replica computed serves all
+
+        rest += ["--kv-cache-dir", str(cache_dir() / "kv")]
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = {"signal": None}
 
