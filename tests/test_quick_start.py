@@ -171,18 +171,40 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
 def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm, seed):
     """``nextoken run --seed S`` (its first token drawn before PyTorch is imported, the rest by
     the engine) prints the text `LLM.generate` gives for the same prompt, seed and settings: one
-    stream of draws per seed (`sample.rng`), one draw kernel (`sample.draw`)."""
+    stream of draws per seed (`sample.rng`), one draw kernel (`sample.draw`). The quick token is
+    drawn from the decode kernel's logits, which differ from the engine's prefill logits by bf16
+    rounding (`test_prompt_logits_match_the_pytorch_layers`): where this seed's draw falls within
+    that rounding (the two rows draw different tokens), `run` prints its own token first, and
+    ``--no-quick-start`` must then give generate's text."""
+    from nextoken.kernels import load
+    from nextoken.sample.draw import draw_one
+    from nextoken.sample.rng import DrawGenerator
+
     llm = smollm2_llm  # its load wrote the prepared cache
     settings = dict(temperature=0.9, top_p=0.95, max_tokens=8, ignore_eos=True)
+    prompt = llm.render_chat([{"role": "user", "content": "Tell me a story."}])
+    out = llm.generate(prompt, SamplingParams(seed=seed, **settings))[0]
+    params = SamplingParams(seed=seed, **settings).validate(llm.engine.config.vocab_size)
+    f = GGUFFile(smollm2_path)
+    quick_row = quick_start.prompt_logits(f, read_model_config(f), out.prompt_token_ids)
+    rid = llm.engine.add_request(out.prompt_token_ids, SamplingParams(max_tokens=1), return_logits=True)
+    engine_row = llm.engine.run_until_finished([rid])[0].logits[0].float().numpy()
+    u = DrawGenerator(seed).uniform()
+    quick, engine = (draw_one(load("sampling"), row, params, u) for row in (quick_row, engine_row))
+    assert engine == out.outputs[0].token_ids[0]
+    flags = ["--temperature", "0.9", "--top-p", "0.95", "--max-tokens", "8", "--ignore-eos", "--seed", str(seed)]
     r = subprocess.run([sys.executable, "-m", "nextoken", "run", "Tell me a story.", "--model", str(smollm2_path),
-                        "--temperature", "0.9", "--top-p", "0.95", "--max-tokens", "8", "--ignore-eos",
-                        "--seed", str(seed), "--log-level", "info"],
+                        *flags, "--log-level", "info"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stderr
     assert "quick start: first token" in r.stderr
-    prompt = llm.render_chat([{"role": "user", "content": "Tell me a story."}])
-    out = llm.generate(prompt, SamplingParams(seed=seed, **settings))[0]
-    assert r.stdout == out.outputs[0].text + "\n"
+    if quick == engine:
+        assert r.stdout == out.outputs[0].text + "\n"
+    else:
+        assert r.stdout.startswith(llm.tokenizer.decode([quick]).lstrip()), (quick, engine, r.stdout)
+        r = subprocess.run([sys.executable, "-m", "nextoken", "run", "Tell me a story.", "--model", str(smollm2_path),
+                            *flags, "--no-quick-start"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout == out.outputs[0].text + "\n", r.stderr
 
 
 def test_prompt_keys_and_values_are_the_engines(quick_models):

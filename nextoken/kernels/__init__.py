@@ -47,6 +47,21 @@ def _cpu_key() -> str:
         return ""
 
 
+def bf16_matmul_native() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16). Without
+    it PyTorch's bf16 ``bmm`` widens element by element: 60x slower than float32 on an AVX2 Zen 4
+    guest (`benchmarks/profile_prefill.py`), so the PyTorch attention paths compute in float32
+    there. A fact of the CPU, read once."""
+    global _BF16_NATIVE
+    if _BF16_NATIVE is None:
+        flags = set(_cpu_key().split())
+        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return _BF16_NATIVE
+
+
+_BF16_NATIVE: bool | None = None
+
+
 def _sources(source: Path, seen: set[Path] | None = None) -> bytes:
     """The source and every local file it includes (``#include "x"``), recursively: the build key."""
     seen = set() if seen is None else seen

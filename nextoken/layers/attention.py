@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextoken.kernels import KernelSet, count_fallback, load
+from nextoken.kernels import KernelSet, bf16_matmul_native, count_fallback, load
 from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -179,7 +179,8 @@ def prefill_attention(q, k, v, scale: float, kernel=None) -> torch.Tensor:
     ``[group * rows, D]`` matrix, so GQA needs no copy of the keys. The scores ``scale (q k^T)``
     are float32 (as fused kernels keep them: bf16 scores would round logits of 10 by 0.02).
     Softmax in float32; the probabilities are rounded to v's dtype for ``p v``, a batched
-    matmul on the matrix units in bf16. With `kernel` (the ``prefill_scores`` library the plan
+    matmul on the matrix units in bf16 (in float32, unrounded, on a CPU without bf16 matrix
+    instructions: `kernels.bf16_matmul_native`). With `kernel` (the ``prefill_scores`` library the plan
     resolved: CPUs with AVX512-BF16) and bf16 inputs of an even head size, our C kernels
     (``kernels/prefill_scores.c``) compute the scores (exact bf16 products, float32 sums, at the
     bf16 dot-product rate) and the masked softmax straight into bf16 probabilities; otherwise a
@@ -201,6 +202,8 @@ def prefill_attention(q, k, v, scale: float, kernel=None) -> torch.Tensor:
     else:
         qg = (q.float() * scale).view(t, hkv, group, d).permute(1, 2, 0, 3)
         kf = k.float()
+    if v.dtype == torch.bfloat16 and not bf16_matmul_native():  # p v in float32: bf16 bmm is emulated here
+        v = v.float()
     out = torch.empty(hkv, group, t, d, dtype=q.dtype)
     block = prefill_block_rows(h, s)
     for r0 in range(0, t, block):
