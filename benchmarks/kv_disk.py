@@ -43,10 +43,11 @@ def start(args, port: int, kv_dir: str, extra: list[str] = ()) -> subprocess.Pop
     if "--replicas" not in extra:
         cmd += ["--threads", str(args.threads)]
     p = subprocess.Popen(cmd, start_new_session=True)
+    ports = [port] + ([port + 1, port + 2] if "--replicas" in extra else [])
     deadline = time.time() + 600
     while time.time() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if all(httpx.get(f"http://127.0.0.1:{q}/health", timeout=2).status_code == 200 for q in ports):
                 return p
         except httpx.HTTPError:
             pass

@@ -235,6 +235,15 @@ def run_engine(path, **kwargs) -> tuple[str, dict]:
     return text, llm.engine.stats()
 
 
+def scrape(stats: dict) -> dict[str, float]:
+    """The server's /metrics text for these engine stats, as name{labels} -> value."""
+    from nextoken.server.metrics import ServerMetrics
+
+    text = ServerMetrics("m").render(stats).decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def test_a_restart_reads_the_blocks_back_and_answers_the_same(smollm2_path, tmp_path):
     """bf16 then int8 KV in one directory: each first engine writes its blocks, each restart reads
     them back instead of recomputing, and every answer equals the engine's without the tier. The
@@ -248,6 +257,9 @@ def test_a_restart_reads_the_blocks_back_and_answers_the_same(smollm2_path, tmp_
         prompt_blocks = again["prefix_cache_queries"] // 16  # every full block but the last token's
         assert again["kv_disk_hits"] >= prompt_blocks - 1 and again["kv_disk_errors"] == 0
         assert again["prefix_cache_hits"] == again["kv_disk_hit_tokens"] > 0
+        metrics = scrape(again)
+        assert metrics["nextoken_kv_disk_hits_total"] == again["kv_disk_hits"]
+        assert metrics['vllm:external_prefix_cache_hits_total{model_name="m"}'] == again["kv_disk_hit_tokens"]
     assert len([d for d in tmp_path.iterdir() if d.name != "tmp"]) == 2  # one namespace per KV dtype
 
 
@@ -258,3 +270,20 @@ def test_a_disk_that_cannot_take_the_blocks_keeps_serving(smollm2_path, tmp_path
     assert text == reference and stats["kv_disk_errors"] >= 1 and stats["kv_disk_blocks_written"] == 0
     text, stats = run_engine(smollm2_path, kv_cache_dir=str(tmp_path / "tiny"), kv_cache_disk="1KiB")
     assert text == reference and stats["kv_disk_dropped"] > 0 and stats["kv_disk_blocks_written"] == 0
+
+
+def test_the_tier_is_asked_for_by_either_flag_and_refused_where_it_cannot_work(tmp_path, monkeypatch):
+    from nextoken.engine_args import EngineArgs
+    from nextoken.errors import InvalidRequest
+
+    monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path))
+    assert EngineArgs().disk_dir is None and EngineArgs(kv_cache_dir="off").disk_dir is None
+    assert EngineArgs(kv_cache_disk="2GiB").disk_dir == str(tmp_path / "kv")
+    args = EngineArgs(kv_cache_dir="/x", kv_cache_disk="2GiB")
+    assert args.cache_config().disk_dir == "/x" and args.cache_config().disk_bytes == 2 << 30
+    with pytest.raises(InvalidRequest, match="tensor parallelism") as e:
+        EngineArgs(kv_cache_dir="/x", tensor_parallel_size=2)
+    assert e.value.field == "kv_cache_dir"
+    with pytest.raises(InvalidRequest) as e:
+        EngineArgs(kv_cache_disk="lots")
+    assert e.value.field == "kv_cache_disk"

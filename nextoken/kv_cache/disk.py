@@ -57,6 +57,7 @@ KEY_BYTES = 16
 STALE_TMP_SECONDS = 3600
 DEFAULT_DISK_BYTES = 8 << 30
 MAX_PENDING_BYTES = 256 << 20  # blocks queued for writing; more are dropped, never waited for
+MAX_KNOWN_KEYS = 1 << 20  # keys remembered as on disk (about 100 MiB of Python objects at most)
 
 
 class BlockFileError(ValueError):
@@ -188,6 +189,8 @@ class DiskKVStore:
         queue is full. `copy_payload()` copies the block's bytes out of the cache now."""
         if key in self._known:
             return
+        if len(self._known) > MAX_KNOWN_KEYS:  # a hint only: the writer checks the file anyway
+            self._known.clear()
         if not self.writable or self._pending + self.block_bytes > MAX_PENDING_BYTES:
             self.stats["dropped"] += 1
             return
