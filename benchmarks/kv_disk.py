@@ -143,14 +143,14 @@ def bench_throughput(args) -> dict:
         for llm in llms.values():  # first-use costs (the cache's pages, the kernels' buffers) out of the timing
             llm.generate([[rng.randrange(1000, 30000) for _ in range(args.throughput_prompt)]] * 2,
                          SamplingParams(max_tokens=8))
-        for temperature in (0.0, 1.0):
+        for t_index, temperature in enumerate((0.0, 1.0)):
             params = SamplingParams(temperature=temperature, max_tokens=args.throughput_output, ignore_eos=True,
                                     seed=0)
             best = {"off": 0.0, "on": 0.0}
             for r in range(args.rounds):
                 for name, llm in llms.items():
-                    shifted = [[(t + 7919 * (r + 1) * (i + 1)) % 30000 + 1000 for t in p]  # never a shared prefix
-                               for i, p in enumerate(prompts)]
+                    salt = 7919 * (1 + r + args.rounds * t_index)  # every round and mode: prompts never seen
+                    shifted = [[(t + salt * (i + 1)) % 29000 + 1000 for t in p] for i, p in enumerate(prompts)]
                     t = time.perf_counter()
                     llm.generate(shifted, params)
                     dt = time.perf_counter() - t

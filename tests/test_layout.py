@@ -76,7 +76,7 @@ LAYERS = [
     {"kernels", "kv_cache", "sample"},  # the C kernels, the KV cache's bookkeeping, the sampler
     {"layers"},  # PyTorch layers over the kernels
     {"models", "loader", "distributed"},  # architectures, reading checkpoints, process groups
-    {"runner", "trace", "beam", "evaluate"},  # one forward pass; what runs over the engine's outputs
+    {"runner", "trace", "beam", "evaluate", "embedding"},  # one forward pass; what runs over the engine's outputs
     {"spec"},  # speculative decoding over runners
     {"engine"},  # requests, scheduling, the step
     {"llm", "inspect"},  # the Python API; the inspector's numbers

@@ -1,5 +1,5 @@
 """Command line: ``nextoken run | chat | explain | serve | inspect | bench | pull | models |
-cache | perplexity | watermark``, one module per family of commands (`generate`, `serving`,
+cache | embed | perplexity | watermark``, one module per family of commands (`generate`, `serving`,
 `models`, `cache`, `evaluate`; `common` holds the flags they share).
 
 Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
     sub.add_parser("models", help="list the catalog and what is cached")
+    p = sub.add_parser("embed", help="embed texts with an embedding model and compare them (cosine similarity)")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--model", "-m", default="all-minilm-l6-v2", help="an embedding model (default all-minilm-l6-v2)")
+    p.add_argument("--dimensions", type=positive_int, default=None, help="cut the vectors (Matryoshka models only)")
+    p.add_argument("--truncate", action="store_true", help="cut texts longer than the model takes")
+    p.add_argument("--json", action="store_true", help="print the vectors as JSON (OpenAI's shape)")
+
     from nextoken.cli.cache import add_parser as add_cache_parser
 
     add_cache_parser(sub)
@@ -144,5 +151,5 @@ def _commands() -> dict:
     return {"perplexity": evaluate.cmd_perplexity, "watermark": evaluate.cmd_watermark, "bench": models.cmd_bench,
             "serve": serving.cmd_serve, "inspect": serving.cmd_inspect, "run": generate.cmd_run,
             "chat": generate.cmd_chat, "explain": generate.cmd_explain, "pull": models.cmd_pull,
-            "models": models.cmd_models, "cache": cache.cmd_cache}
+            "models": models.cmd_models, "cache": cache.cmd_cache, "embed": models.cmd_embed}
 

@@ -81,6 +81,9 @@ def entries(root: Path, kv_dirs: list[Path]) -> list[dict]:
 
     for f in sorted((root / "models").glob("*.gguf")):
         add("models", f, f.stem, detail="verified" if f.with_suffix(".gguf.verified").exists() else "not verified")
+    for f in sorted(p for p in (root / "models").glob("*") if p.is_dir() and not p.name.endswith(".unpacking")):
+        add("models", f, f.name, detail="verified folder" if (f.parent / f"{f.name}.verified").exists()
+            else "folder, not verified")
     for f in sorted((root / "prepared").glob("*.safetensors")):
         sha, _, layout = f.stem.rpartition("-v")
         source = models.get(sha)
@@ -183,6 +186,7 @@ def _prune(found: list[dict], a) -> int:
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
+        (path.parent / f"{path.name}.verified").unlink(missing_ok=True)  # a model folder's marker
         return
     for p in (path, path.with_suffix(".gguf.verified")) if path.suffix == ".gguf" else (path,):
         try:

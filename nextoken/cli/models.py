@@ -1,4 +1,4 @@
-"""``nextoken pull``, ``models`` and ``bench``: the catalog, and measuring a model."""
+"""``nextoken pull``, ``models``, ``bench`` and ``embed``: the catalog, measuring a model, embeddings."""
 
 from __future__ import annotations
 
@@ -28,3 +28,32 @@ def cmd_bench(a) -> int:
     from nextoken.bench import run
 
     return run(a, engine_args(a))
+
+
+def cmd_embed(a) -> int:
+    """``nextoken embed TEXT...``: each text's embedding (its first values and length), and the
+    cosine similarity of every pair; with ``--json``, the vectors in OpenAI's shape."""
+    import json
+
+    from nextoken import LLM
+
+    llm = LLM(a.model)
+    outs = llm.embed(a.texts, truncate=a.truncate, dimensions=a.dimensions)
+    if a.json:
+        print(json.dumps({"object": "list", "model": a.model,
+                          "data": [{"object": "embedding", "index": i, "embedding": o.outputs.embedding}
+                                   for i, o in enumerate(outs)]}))
+        return 0
+    vecs = [o.outputs.embedding for o in outs]
+    for text, o, v in zip(a.texts, outs, vecs):
+        norm = sum(x * x for x in v) ** 0.5
+        head = ", ".join(f"{x:+.4f}" for x in v[:6])
+        print(f"{text[:40]!r:<44} {len(o.prompt_token_ids):>4} tokens  [{head}, ...] dim {len(v)}, norm {norm:.4f}")
+    if len(vecs) > 1:
+        print("cosine similarity:")
+        for i in range(len(vecs)):
+            for j in range(i + 1, len(vecs)):
+                dot = sum(x * y for x, y in zip(vecs[i], vecs[j]))
+                n = (sum(x * x for x in vecs[i]) * sum(y * y for y in vecs[j])) ** 0.5
+                print(f"  {i} ~ {j}: {dot / n:.4f}")
+    return 0

@@ -34,6 +34,7 @@ from nextoken.kv_cache.budget import allocate_kv_cache
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFModelDir
 from nextoken.loader.opened import OpenedModel
+from nextoken.loader.prepared import content_key
 from nextoken.loader.source import load_tokenizer, model_dtype
 from nextoken.outputs import RequestOutput
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
@@ -86,8 +87,8 @@ class LLMEngine:
             else max(args.max_num_batched_tokens, self.max_model_len),  # without chunks a whole prompt fits a step
             args.enable_chunked_prefill, args.max_model_len)
         lookahead = self.speculator.lookahead if self.speculator else 0
-        self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs,
-                                    self.max_model_len, lookahead, source.path)
+        self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs, self.max_model_len,
+                                    lookahead, content_key(source.path) if args.disk_dir else None)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, lookahead)
         self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
         # structured output: llguidance over our vocabulary, built on the first request that asks
@@ -318,8 +319,7 @@ class LLMEngine:
         return [final[rid] for rid in request_ids]
 
     def close(self) -> None:
-        """Write the disk tier's queued blocks, stop the other tensor-parallel ranks and leave the
-        group; the engine cannot run afterwards. Also done at exit."""
+        """Write the disk tier's queued blocks, stop the tensor-parallel ranks; also done at exit."""
         self.kv.close()
         if self.runner.tp is not None:
             self.runner.tp.close()

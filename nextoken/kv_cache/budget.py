@@ -75,11 +75,11 @@ def plan_kv_budget(*, block_size: int, bytes_per_block: int, max_num_seqs: int, 
 
 
 def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_len: int, lookahead: int = 0,
-                      model_path: str | None = None):
+                      model_key: str | None = None):
     """Size the KV cache for `runner`'s model (and the draft model's, whose keys and values live
     in the same block ids) with `plan_kv_budget`, make the runners' cache tensors, log what was
     made, and return the `KVCacheManager` over the blocks, with the disk tier `cache` asks for
-    (`kv_cache.disk`; `model_path` names the model it keys). cache: the `CacheConfig`;
+    (`kv_cache.disk`; `model_key`: the SHA-256 of the model it keys). cache: the `CacheConfig`;
     lookahead: drafted tokens per step (each sliding-window ring holds them too)."""
     from nextoken.kv_cache.disk import open_disk_tier
     from nextoken.kv_cache.manager import KVCacheManager
@@ -104,6 +104,6 @@ def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_
     log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB%s), max_model_len %d, max_num_seqs %d, prefix caching "
              "%s", budget.num_blocks, bs, cache.cache_dtype, runner.kv.nbytes / 2**20, rings, max_model_len,
              max_num_seqs, "on" if manager.enable_caching else "off")
-    if manager.enable_caching and model_path is not None:
-        manager.disk = open_disk_tier(cache, runner, model_path)
+    if manager.enable_caching and model_key is not None:
+        manager.disk = open_disk_tier(cache, runner, model_key)
     return manager

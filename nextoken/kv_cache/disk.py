@@ -377,29 +377,17 @@ class DiskTier:
         self.kv.write_block(block_id, payload)
 
 
-def model_key(path: str) -> str:
-    """The SHA-256 of a model file (remembered across starts: `loader.prepared.file_key`), or
-    for a Hugging Face folder the SHA-256 over its weight and JSON files' names and hashes."""
-    from nextoken.loader.prepared import file_key
-
-    if not os.path.isdir(path):
-        return file_key(path)
-    h = hashlib.sha256()
-    for name in sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".json"))):
-        h.update(f"{name}\0{file_key(os.path.join(path, name))}\n".encode())
-    return h.hexdigest()
-
-
-def open_disk_tier(cache, runner, model_path: str) -> DiskTier | None:
+def open_disk_tier(cache, runner, model_key: str) -> DiskTier | None:
     """The disk tier `cache` (`CacheConfig`: ``disk_dir``, ``disk_bytes``) asks for over
-    `runner`'s KV cache, or None: none asked for, or prefix caching is off. The identity holds
-    everything the keys and values depend on: the model's bytes, the compute and cache dtypes,
-    the block size, the shard, the cache's shape and the kernels the plan chose."""
+    `runner`'s KV cache, or None: none asked for, or prefix caching is off. `model_key`: the
+    SHA-256 of the model's bytes (`loader.prepared.content_key`). The identity holds everything
+    the keys and values depend on: the model, the compute and cache dtypes, the block size, the
+    shard, the cache's shape and the kernels the plan chose."""
     if not cache.disk_dir or not cache.enable_prefix_caching:
         return None
     kv, plan, cfg = runner.kv, runner.plan, runner.model.config
     tp = runner.tp
-    identity = {"model": model_key(model_path), "dtype": str(runner.dtype), "kv_cache_dtype": cache.cache_dtype,
+    identity = {"model": model_key, "dtype": str(runner.dtype), "kv_cache_dtype": cache.cache_dtype,
                 "block_size": cache.block_size, "shard": [tp.rank, tp.size] if tp is not None else [0, 1],
                 "layers": len(cfg.full_layers), "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "plan": {"codes": plan.codes, "torch_int4": plan.torch_int4, "dense_weights": plan.dense_weights,

@@ -259,3 +259,16 @@ class PreparedWeights:
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("cannot write the prepared-weights cache %s (%s)", self.path, exc)
+
+
+def content_key(path: str | os.PathLike) -> str:
+    """The SHA-256 of a model file (`file_key`, remembered across starts), or for a Hugging Face
+    folder the SHA-256 over its weight and JSON files' names and hashes: what names the model's
+    bytes (the KV disk tier's namespaces, `kv_cache.disk`)."""
+    path = str(path)
+    if not os.path.isdir(path):
+        return file_key(path)
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".json"))):
+        h.update(f"{name}\0{file_key(os.path.join(path, name))}\n".encode())
+    return h.hexdigest()

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
-from nextoken.server import routes
+from nextoken.server import embeddings, routes
 from nextoken.server.anthropic import AnthropicServingMessages
 from nextoken.server.args import ServerArgs
 from nextoken.server.errors import error_response
@@ -139,8 +139,8 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
     _exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama):
-        app.include_router(router)
+    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama, embeddings.router):
+        app.include_router(router)  # (embeddings.router: 400 here, this model generates)
     if args.inspect:
         from nextoken.inspect.routes import install
 

@@ -21,37 +21,53 @@ log = logging.getLogger("nextoken.server")
 
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     """Load `engine_args`' model (in the background: /health answers 503 until it is warm) and
-    serve it as `server_args` (`ServerArgs`) say, until SIGTERM or Ctrl-C; the exit status."""
-    import uvicorn
-
+    serve it as `server_args` (`ServerArgs`) say, until SIGTERM or Ctrl-C; the exit status. An
+    embedding model (`embedding.is_embedding_model`) gets `server.embeddings`' app."""
     from nextoken.catalog import resolve_model
     from nextoken.distributed.group import TensorParallelError, is_follower
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import warm_up
+    from nextoken.embedding import EmbeddingModel, is_embedding_model
     from nextoken.server.app import attach_engine, build_app
+    from nextoken.server.embeddings import EmbeddingService, build_embedding_app
 
-    resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
+    path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
+    if is_embedding_model(path):
+        return _serve(engine_args, server_args, lambda: EmbeddingService(EmbeddingModel(path)), build_embedding_app)
     if is_follower():  # a torchrun rank other than 0: no HTTP server, its shard follows rank 0's steps
         LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
-    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0)
-    config = server_args.for_model(engine_args.model)
-    server_ref = {}
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
+    server_ref = {}
 
     def load():  # /health answers 200 once the model is loaded and warm
         engine = LLMEngine.from_engine_args(engine_args)
         warm_up(engine)
         async_engine = AsyncLLMEngine(engine, stepper)
-        attach_engine(app, async_engine)  # the metrics follow each step
+        attach_engine(server_ref["app"], async_engine)  # the metrics follow each step
         async_engine.on_dead = on_dead
         return async_engine
 
     def on_dead(exc):  # a tensor-parallel rank failed: nothing can be served any more, exit with an error
         if isinstance(exc, TensorParallelError):
             log.error("%s; the server exits", exc)
-            state.exit_code = 1
+            server_ref["state"].exit_code = 1
             server_ref["server"].should_exit = True
+
+    return _serve(engine_args, server_args, load, build_app, announce_inspector, stepper, server_ref)
+
+
+def _serve(engine_args, server_args, load, build, announce_inspector: bool = False, stepper=None,
+           server_ref: dict | None = None) -> int:
+    """Build the app with `build` (`build_app` or `build_embedding_app`), load the model with
+    `load` (what ``state.engine`` becomes) on `stepper` in the background, and run uvicorn until
+    a signal; the exit status."""
+    import uvicorn
+
+    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0)
+    config = server_args.for_model(engine_args.model)
+    server_ref = {} if server_ref is None else server_ref
+    stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-load")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -75,7 +91,8 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             if sig == signal.SIGTERM:  # a requested, graceful stop: exit 0 afterwards, not by the signal
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    app = build_app(state, config, lifespan)
+    app = build(state, config, lifespan)
+    server_ref["app"], server_ref["state"] = app, state
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                    timeout_graceful_shutdown=config.shutdown_timeout))
     server_ref["server"] = server

@@ -18,13 +18,18 @@ from tests.ports import free_ports
 
 
 class LiveServer:
-    """uvicorn in a background thread around an app built on `llm` (or loading, if None)."""
+    """uvicorn in a background thread around an app built on `llm` (or loading, if None); an
+    embedding model's `LLM` gets the embedding app (`server.embeddings`)."""
 
     def __init__(self, llm, name: str, **config):
-        self.state = SimpleNamespace(engine=AsyncLLMEngine(llm.engine) if llm else None, draining=False,
-                                     started=time.time())
+        build, engine = build_app, AsyncLLMEngine(llm.engine) if llm else None
+        if llm is not None and llm.embedder is not None:  # an embedding model: its own app
+            from nextoken.server.embeddings import EmbeddingService, build_embedding_app
+
+            build, engine = build_embedding_app, EmbeddingService(llm.embedder)
+        self.state = SimpleNamespace(engine=engine, draining=False, started=time.time())
         self.llm = llm
-        app = build_app(self.state, ServerArgs(model_name=name, **config))
+        app = build(self.state, ServerArgs(model_name=name, **config))
         self.port = free_ports(1)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

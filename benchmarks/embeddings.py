@@ -1,0 +1,66 @@
+"""Embedding throughput: nextoken's `LLM.embed` against `sentence-transformers` on the same model.
+
+    python benchmarks/embeddings.py                    # all-MiniLM-L6-v2, 512 texts, batch 32, 2 threads
+
+The texts are random word sequences (fixed seed) of 4..120 words, as short queries and passages
+mix in a retrieval workload. Both sides take the texts in requests of `--batch` (nextoken: one
+`embed` call each, packed without padding; sentence-transformers: ``encode(batch_size=--batch)``,
+which sorts by length and pads each batch). Reported: input tokens/s (the tokens both count the
+same way: with [CLS] and [SEP]), best of `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ("model token cache attention layer vector query document search engine batch memory speed "
+             "language river mountain city music history science water light energy market health").split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 120))) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="all-minilm-l6-v2")
+    ap.add_argument("--num-texts", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+
+    from nextoken import LLM
+
+    llm = LLM(args.model)
+    st = SentenceTransformer(llm.model_path, device="cpu")
+    data = texts(args.num_texts)
+    tokens = sum(len(o.prompt_token_ids) for o in llm.embed(data))
+    batches = [data[i : i + args.batch] for i in range(0, len(data), args.batch)]
+    best = {"nextoken": 0.0, "sentence-transformers": 0.0}
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        for b in batches:
+            llm.embed(b)
+        best["nextoken"] = max(best["nextoken"], tokens / (time.perf_counter() - t))
+        t = time.perf_counter()
+        for b in batches:
+            st.encode(b, batch_size=args.batch)
+        best["sentence-transformers"] = max(best["sentence-transformers"], tokens / (time.perf_counter() - t))
+    a, b = best["nextoken"], best["sentence-transformers"]
+    print(f"{args.model}: {args.num_texts} texts, {tokens} tokens, batch {args.batch}, {args.threads} threads")
+    print(f"  nextoken               {a:8.0f} tokens/s")
+    print(f"  sentence-transformers  {b:8.0f} tokens/s")
+    print(f"  ratio                  {a / b:8.2f}x")
+    print(json.dumps({"model": args.model, "tokens": tokens, "nextoken_tok_s": a, "st_tok_s": b, "ratio": a / b}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Sentence embeddings: text -> tokens -> encoder -> pooling -> normalisation, batched.
+
+`EmbeddingModel` opens a sentence-transformers folder (the catalog's ``all-minilm-l6-v2``, or any
+BERT-family folder laid out the same way):
+
+- ``config.json`` and the safetensors weights: the encoder (`models.bert`);
+- ``tokenizer.json``: the tokenizer, by the `tokenizers` library (WordPiece for BERT; its
+  post-processor adds ``[CLS]`` and ``[SEP]``);
+- ``modules.json``, ``1_Pooling/config.json``: pooling (``mean`` over the tokens, the ``cls``
+  token's state, or the ``last`` token's) and whether a ``Normalize`` module follows (unit
+  length); ``sentence_bert_config.json``: ``max_seq_length`` (longer inputs are refused, or cut
+  with `truncate`).
+
+Inputs are batched by length (sorted, packed without padding, at most `max_batch_tokens` tokens a
+pass); each vector comes back in its input's place. Token-id inputs are used as given (no special
+tokens added). ``dimensions`` cuts a vector to its first entries (then renormalises) only for a
+model trained for it (Matryoshka: ``matryoshka_dimensions`` in its config); other models refuse it.
+Raises `InvalidRequest` naming the input for an empty one, one too long, or a token id out of range.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nextoken.errors import InvalidRequest, ModelLoadError
+
+POOLING_MODES = ("mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """`vectors` float32 ``[N, dim]`` in input order; `num_tokens` and `token_ids` per input."""
+
+    vectors: torch.Tensor
+    num_tokens: list[int]
+    token_ids: list[list[int]]
+
+
+class EmbeddingModel:
+    """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`.
+    Raises `ModelLoadError` when a file is missing or names something not supported."""
+
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192):
+        from tokenizers import Tokenizer
+
+        from nextoken.loader.hf import HFModelDir
+        from nextoken.models.bert import BertModel
+
+        self.path = str(path)
+        folder = HFModelDir(self.path)
+        if folder.hf_config.get("model_type") != "bert":
+            raise ModelLoadError(f"{self.path}: an embedding model must be BERT-family (model_type 'bert'), got "
+                                 f"{folder.hf_config.get('model_type')!r}")
+        self.encoder = BertModel.from_dir(folder, dtype)
+        tok_path = os.path.join(self.path, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise ModelLoadError(f"{self.path}: tokenizer.json is missing")
+        self.tokenizer = Tokenizer.from_file(tok_path)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.pooling, self.normalize = _pooling(self.path)
+        st = _read_json(os.path.join(self.path, "sentence_bert_config.json"))
+        self.max_seq_length = min(int(st.get("max_seq_length", 512)), self.encoder.config.max_positions)
+        self.matryoshka = folder.hf_config.get("matryoshka_dimensions") or []
+        self.max_batch_tokens = max_batch_tokens
+
+    @property
+    def dimension(self) -> int:
+        return self.encoder.config.hidden_size
+
+    def tokenize(self, inputs: list[str | list[int]], truncate: bool = False) -> list[list[int]]:
+        """Token ids of each input (strings encoded with special tokens; id lists as given)."""
+        out = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, str):
+                if not x:
+                    raise InvalidRequest(f"input[{i}] is an empty string", "input")
+                ids = self.tokenizer.encode(x).ids
+            else:
+                ids = list(x)
+                if not ids:
+                    raise InvalidRequest(f"input[{i}] is an empty list of tokens", "input")
+                bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.encoder.config.vocab_size]
+                if bad:
+                    raise InvalidRequest(f"input[{i}] holds token id {bad[0]!r}, outside the vocabulary "
+                                         f"(0..{self.encoder.config.vocab_size - 1})", "input")
+            if len(ids) > self.max_seq_length:
+                if not truncate:
+                    raise InvalidRequest(f"input[{i}] has {len(ids)} tokens; this model takes at most "
+                                         f"{self.max_seq_length} (set truncate_prompt_tokens to cut it)", "input")
+                ids = ids[: self.max_seq_length - 1] + ids[-1:] if isinstance(x, str) else ids[: self.max_seq_length]
+            out.append(ids)
+        return out
+
+    def embed(self, inputs: list[str | list[int]], truncate: bool = False, dimensions: int | None = None) -> Embeddings:
+        """One vector per input (see the module docstring)."""
+        if not inputs:
+            raise InvalidRequest("input is empty: give a string, a list of strings or token ids", "input")
+        self.check_dimensions(dimensions)
+        ids = self.tokenize(inputs, truncate)
+        out = torch.empty(len(ids), self.dimension)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        batch: list[int] = []
+        for i in order + [None]:
+            if batch and (i is None or sum(len(ids[j]) for j in batch) + len(ids[i]) > self.max_batch_tokens):
+                out[batch] = self._pass([ids[j] for j in batch])
+                batch = []
+            if i is not None:
+                batch.append(i)
+        return Embeddings(self.cut(out, dimensions), [len(x) for x in ids], ids)
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """`InvalidRequest` unless the vectors can be given with `dimensions` entries."""
+        if dimensions is None or dimensions == self.dimension:
+            return
+        if not self.matryoshka or not 0 < dimensions < self.dimension:
+            raise InvalidRequest(f"dimensions={dimensions}: this model gives {self.dimension}-dimensional vectors "
+                                 "and was not trained to be cut shorter (no matryoshka_dimensions)", "dimensions")
+
+    def cut(self, vectors: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+        """`vectors` cut to their first `dimensions` entries (renormalised when the model
+        normalises); unchanged for None or the full size."""
+        self.check_dimensions(dimensions)
+        if dimensions is None or dimensions == self.dimension:
+            return vectors
+        out = vectors[:, :dimensions]
+        return torch.nn.functional.normalize(out, dim=-1) if self.normalize else out
+
+    def _pass(self, seqs: list[list[int]]) -> torch.Tensor:
+        """One packed encoder pass over `seqs`, pooled (and normalised): ``[len(seqs), dim]``."""
+        lens = [len(s) for s in seqs]
+        hidden = self.encoder(torch.tensor([t for s in seqs for t in s], dtype=torch.long), lens).float()
+        ends = torch.tensor(lens).cumsum(0)
+        if self.pooling == "mean":
+            pooled = torch.stack([h.mean(0) for h in hidden.split(lens)])
+        elif self.pooling == "cls":
+            pooled = hidden[ends - torch.tensor(lens)]
+        else:
+            pooled = hidden[ends - 1]
+        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON ({exc})") from None
+
+
+def _pooling(path: str) -> tuple[str, bool]:
+    """(pooling mode, normalise) from sentence-transformers' ``modules.json`` and pooling config;
+    mean pooling without normalisation when the folder has neither."""
+    modules = _read_json(os.path.join(path, "modules.json")) or []
+    pool_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), "1_Pooling")
+    cfg = _read_json(os.path.join(path, pool_dir, "config.json"))
+    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls", normalize
+    if cfg.get("pooling_mode_lasttoken"):
+        return "last", normalize
+    if cfg and not cfg.get("pooling_mode_mean_tokens", True):
+        modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
+        raise ModelLoadError(f"{path}: pooling {modes} is not supported; supported: {', '.join(POOLING_MODES)}")
+    return "mean", normalize
+
+
+def is_embedding_model(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder of an embedding model this module serves (BERT-family)."""
+    try:
+        return os.path.isdir(path) and _read_json(os.path.join(path, "config.json")).get("model_type") == "bert"
+    except ModelLoadError:
+        return False

@@ -1,0 +1,174 @@
+"""BERT (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers"), the encoder
+behind sentence-embedding models such as all-MiniLM-L6-v2 (Reimers & Gurevych 2019,
+"Sentence-BERT"). Unlike the decoders in this folder: every token attends to every token of its
+sequence (no causal mask, no KV cache: one pass, nothing kept), positions are learned absolute
+embeddings, and each sublayer's LayerNorm comes after its residual add (post-norm):
+
+    h = LN(word[ids] + position[p] + token_type[0])
+    for each layer:
+        a = LN(h + Wo softmax(q k^T / sqrt(D)) v),   q, k, v = Wq h + bq, Wk h + bk, Wv h + bv
+        h = LN(a + W2 gelu(W1 a + b1) + b2)          gelu: the exact (erf) form
+
+A batch is the sequences' tokens packed one after another (``[T]``, no padding) through the
+linears and norms; attention takes runs of sequences of similar length padded to their longest
+(``[B, H, L, D]``, padding keys masked), one call per run (`attention_groups`). The tensor names are those of `transformers`' ``BertModel`` (with or without a
+``bert.`` prefix); the reference test compares against it on a tiny random config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nextoken.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_positions: int
+    type_vocab_size: int
+    layer_norm_eps: float
+
+    @classmethod
+    def from_hf(cls, c: dict, where: str = "config.json") -> BertConfig:
+        """From a ``config.json`` dict; `ModelLoadError` naming a missing key or an activation
+        other than GELU."""
+        try:
+            cfg = cls(int(c["vocab_size"]), int(c["hidden_size"]), int(c["num_hidden_layers"]),
+                      int(c["num_attention_heads"]), int(c["intermediate_size"]), int(c["max_position_embeddings"]),
+                      int(c.get("type_vocab_size", 2)), float(c.get("layer_norm_eps", 1e-12)))
+        except KeyError as exc:
+            raise ModelLoadError(f"{where}: key {exc.args[0]!r} is missing") from None
+        if c.get("hidden_act", "gelu") != "gelu" or c.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelLoadError(f"{where}: only GELU activations and absolute positions are supported")
+        return cfg
+
+
+class BertModel:
+    """The encoder's weights (as named in `transformers`) and its forward pass."""
+
+    def __init__(self, cfg: BertConfig, tensors: dict[str, torch.Tensor]):
+        self.config = cfg
+        self.w = tensors  # name -> tensor, without the ``bert.`` prefix
+
+    @classmethod
+    def from_dir(cls, d, dtype: torch.dtype = torch.float32) -> BertModel:
+        """Load from a Hugging Face folder (`loader.hf.HFModelDir`). Raises `ModelLoadError` for a
+        missing tensor or one of another shape than the config says."""
+        cfg = BertConfig.from_hf(d.hf_config, f"{d.path}/config.json")
+        prefix = "bert." if d.has_tensor("bert.embeddings.word_embeddings.weight") else ""
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        shapes = {"embeddings.word_embeddings.weight": (cfg.vocab_size, h),
+                  "embeddings.position_embeddings.weight": (cfg.max_positions, h),
+                  "embeddings.token_type_embeddings.weight": (cfg.type_vocab_size, h),
+                  "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+        for n in range(cfg.num_layers):
+            p = f"encoder.layer.{n}."
+            for m in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+                shapes[p + m + ".weight"], shapes[p + m + ".bias"] = (h, h), (h,)
+            shapes[p + "intermediate.dense.weight"], shapes[p + "intermediate.dense.bias"] = (i, h), (i,)
+            shapes[p + "output.dense.weight"], shapes[p + "output.dense.bias"] = (h, i), (h,)
+            for m in ("attention.output.LayerNorm", "output.LayerNorm"):
+                shapes[p + m + ".weight"], shapes[p + m + ".bias"] = (h,), (h,)
+        tensors = {}
+        for name, shape in shapes.items():
+            t = d.tensor(prefix + name, dtype)
+            if tuple(t.shape) != shape:
+                raise ModelLoadError(f"{d.path}: tensor {prefix + name} has shape {tuple(t.shape)}, expected {shape}")
+            tensors[name] = t
+        for n in range(cfg.num_layers):  # q, k and v as one matmul: one pass over the activations
+            p = f"encoder.layer.{n}.attention.self."
+            for part in ("weight", "bias"):
+                tensors[f"{p}qkv.{part}"] = torch.cat([tensors.pop(f"{p}{m}.{part}") for m in ("query", "key", "value")])
+        return cls(cfg, tensors)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w["embeddings.word_embeddings.weight"].dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """input_ids ``[T]`` (the sequences packed, ``sum(seq_lens) == T``) -> the last layer's
+        hidden states ``[T, hidden]``. Positions restart at 0 for each sequence; token type 0."""
+        w, cfg = self.w, self.config
+        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        x = w["embeddings.word_embeddings.weight"][input_ids] + w["embeddings.position_embeddings.weight"][positions]
+        x = x + w["embeddings.token_type_embeddings.weight"][0]
+        x = self._norm(x, "embeddings.LayerNorm")
+        groups = attention_groups(seq_lens)
+        for n in range(cfg.num_layers):
+            p = f"encoder.layer.{n}."
+            a = self._attention(x, p + "attention.", groups)
+            x = self._norm(x + self._linear(a, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+            m = F.gelu(self._linear(x, p + "intermediate.dense"))
+            x = self._norm(x + self._linear(m, p + "output.dense"), p + "output.LayerNorm")
+        return x
+
+    __call__ = forward
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
+                            self.config.layer_norm_eps)
+
+    def _attention(self, x: torch.Tensor, p: str, groups: list[Group]) -> torch.Tensor:
+        """Bidirectional attention within each packed sequence: x ``[T, hidden]`` -> ``[T, hidden]``.
+        Each `Group` of sequences of similar length is laid out padded, ``[B, H, L, D]``, for one
+        batched call; the mask hides each sequence's padding keys, and the padding rows are
+        dropped again."""
+        t, h = x.shape
+        heads = self.config.num_heads
+        q, k, v = self._linear(x, p + "self.qkv").split(h, dim=-1)
+        out = torch.empty_like(q)
+        for g in groups:
+            b = g.keep.shape[0]
+            qkv = []
+            for z in (q, k, v):
+                padded = z.new_zeros(b * g.longest, h)
+                padded[g.rows] = z[g.start : g.end]
+                qkv.append(padded.view(b, g.longest, heads, h // heads).transpose(1, 2))
+            mask = None if bool(g.keep.all()) else g.keep[:, None, None, :]
+            o = F.scaled_dot_product_attention(*qkv, attn_mask=mask)  # [B, H, L, D]
+            out[g.start : g.end] = o.transpose(1, 2).reshape(b * g.longest, h)[g.rows]
+        return out
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive packed sequences attended in one call: their tokens ``[start, end)`` of the
+    pass, the tokens' rows in the padded ``[B * L]`` layout, the mask of real tokens ``[B, L]``."""
+
+    start: int
+    end: int
+    rows: torch.Tensor
+    keep: torch.Tensor
+    longest: int
+
+
+def attention_groups(seq_lens: list[int], max_padding: float = 0.25) -> list[Group]:
+    """`seq_lens` (in pass order) cut into runs of consecutive sequences whose padded size,
+    count x longest, stays within ``1 + max_padding`` of their tokens (few calls, little padding
+    when the sequences are sorted by length, as `embedding.EmbeddingModel` sorts them)."""
+    groups, at, i = [], 0, 0
+    while i < len(seq_lens):
+        j, longest, total = i + 1, seq_lens[i], seq_lens[i]
+        while j < len(seq_lens):
+            m = max(longest, seq_lens[j])
+            if m * (j + 1 - i) > (1 + max_padding) * (total + seq_lens[j]):
+                break
+            longest, total, j = m, total + seq_lens[j], j + 1
+        lens = seq_lens[i:j]
+        rows = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lens)])
+        keep = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]
+        groups.append(Group(at, at + total, rows, keep, longest))
+        at, i = at + total, j
+    return groups

@@ -1,0 +1,211 @@
+"""Embeddings: the BERT encoder against `transformers` on a tiny random config, the catalog's
+all-MiniLM-L6-v2 against `sentence-transformers`, pooling and batching, bad inputs, and the HTTP
+API through the openai client."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from nextoken.errors import InvalidRequest
+
+SENTENCES = [
+    "The cat sits on the mat.", "A quick brown fox jumps over the lazy dog.", "Inference engines batch requests.",
+    "Paged attention stores keys and values in blocks.", "Where is the nearest train station?",
+    "I love programming in Python.", "The weather today is sunny and warm.", "Quantum computers use qubits.",
+    "She sells sea shells by the sea shore.", "Transformers changed natural language processing.",
+    "How do I bake sourdough bread?", "The stock market fell sharply on Monday.", "Cats are independent animals.",
+    "Speculative decoding drafts tokens with a smaller model.", "Please close the door behind you.",
+    "A", "Machine learning models need data.", "The museum opens at nine in the morning.",
+    "Rust and C are systems programming languages.", "Embeddings map text to vectors of numbers. " * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    """all-MiniLM-L6-v2 from the catalog, as an `LLM` (embedding-only)."""
+    from nextoken import LLM
+
+    return LLM("all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A tiny random BERT saved by `transformers` (safetensors), with a WordPiece tokenizer and a
+    sentence-transformers pooling config: (folder, the transformers model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=48, max_position_embeddings=40)
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    d = tmp_path_factory.mktemp("tiny-bert")
+    model.save_pretrained(d, safe_serialization=True)
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [chr(97 + i) for i in range(26)]
+                                        + [f"w{i}" for i in range(34)])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                                ("[SEP]", 3)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (d / "1_Pooling").mkdir()
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return d, model
+
+
+def test_the_encoder_equals_transformers_on_packed_sequences(tiny_bert):
+    """Three sequences packed into one pass equal `transformers`' BertModel run on each alone
+    (float32, 1e-5): bidirectional attention within each sequence, positions from 0 in each."""
+    from nextoken.loader.hf import HFModelDir
+    from nextoken.models.bert import BertModel
+
+    d, ref = tiny_bert
+    ours = BertModel.from_dir(HFModelDir(d))
+    seqs = [[2, 5, 9, 3], [2, 40, 41, 42, 43, 44, 45, 3], [2, 7, 3]]
+    packed = ours(torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
+    at = 0
+    for s in seqs:
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([s])).last_hidden_state[0]
+        assert torch.allclose(packed[at : at + len(s)], want, atol=1e-5), (packed[at : at + len(s)] - want).abs().max()
+        at += len(s)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "last"])
+def test_pooling_follows_the_folders_config(tiny_bert, tmp_path, mode):
+    import shutil
+
+    from nextoken.embedding import EmbeddingModel
+
+    src, ref = tiny_bert
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    key = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}[mode]
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": False, key: True}))
+    model = EmbeddingModel(d)
+    ids = model.tokenize(["a b c", "d"])
+    out = model.embed(["a b c", "d"]).vectors
+    for row, s in zip(out, ids):
+        with torch.no_grad():
+            h = ref(input_ids=torch.tensor([s])).last_hidden_state[0]
+        want = {"mean": h.mean(0), "cls": h[0], "last": h[-1]}[mode]
+        assert torch.allclose(row, want, atol=1e-5)
+
+
+def test_minilm_equals_sentence_transformers(minilm):
+    """20 sentences through `LLM.embed` and through sentence-transformers 6 on the same folder:
+    cosine >= 0.9999 each (float32), and the same token counts."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(minilm.model_path, device="cpu")
+    want = torch.from_numpy(st.encode(SENTENCES, batch_size=32))
+    outs = minilm.embed(SENTENCES)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    cos = torch.nn.functional.cosine_similarity(got, want)
+    assert cos.min() >= 0.9999, cos
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)  # its Normalize module
+    assert [len(o.prompt_token_ids) for o in outs] == [len(x) for x in st.tokenizer(SENTENCES)["input_ids"]]
+
+
+def test_minilm_in_bf16_stays_close(minilm):
+    from nextoken.embedding import EmbeddingModel
+
+    bf16 = EmbeddingModel(minilm.model_path, dtype=torch.bfloat16).embed(SENTENCES[:8]).vectors
+    f32 = torch.tensor([o.outputs.embedding for o in minilm.embed(SENTENCES[:8])])
+    assert torch.nn.functional.cosine_similarity(bf16, f32).min() >= 0.999
+
+
+def test_a_batch_equals_each_input_alone_and_token_ids_are_used_as_given(minilm):
+    together = [o.outputs.embedding for o in minilm.embed(SENTENCES[:6])]
+    for s, v in zip(SENTENCES[:6], together):
+        assert np.allclose(minilm.embed(s)[0].outputs.embedding, v, atol=1e-6)
+    ids = minilm.embed(SENTENCES[0])[0].prompt_token_ids
+    assert np.allclose(minilm.embed(ids)[0].outputs.embedding, together[0], atol=1e-6)
+
+
+def test_bad_inputs_are_named(minilm, smollm2_llm):
+    for bad, field in (([""], "input"), ([], "input"), (["word " * 400], "input"), ([[1, 99999]], "input")):
+        with pytest.raises(InvalidRequest) as e:
+            minilm.embed(bad)
+        assert e.value.field == field, bad
+    with pytest.raises(InvalidRequest, match="256"):
+        minilm.embed("word " * 400)
+    assert len(minilm.embed("word " * 400, truncate=True)[0].prompt_token_ids) == 256
+    with pytest.raises(InvalidRequest, match="matryoshka") as e:
+        minilm.embed("x", dimensions=128)
+    assert e.value.field == "dimensions"
+    with pytest.raises(InvalidRequest, match="generates text"):
+        smollm2_llm.embed("x")
+    with pytest.raises(InvalidRequest, match="embedding model"):
+        minilm.generate("x")
+
+
+@pytest.fixture(scope="module")
+def embed_server(minilm):
+    from tests.helpers.server import LiveServer
+
+    srv = LiveServer(minilm, "minilm")
+    yield srv
+    srv.stop()
+
+
+def test_the_openai_client_creates_embeddings(embed_server, minilm):
+    client = embed_server.client()
+    r = client.embeddings.create(model="minilm", input=SENTENCES[:3])
+    want = [o.outputs.embedding for o in minilm.embed(SENTENCES[:3])]
+    assert [d.index for d in r.data] == [0, 1, 2] and np.allclose([d.embedding for d in r.data], want, atol=1e-6)
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in minilm.embed(SENTENCES[:3]))
+    raw = client.embeddings.create(model="minilm", input="The cat sits on the mat.", encoding_format="base64")
+    vec = raw.data[0].embedding  # the client decodes base64 itself
+    assert np.allclose(vec, want[0], atol=1e-6)
+
+
+def test_embeddings_over_http_take_every_input_form_and_refuse_bad_ones(embed_server):
+    import httpx
+
+    url = embed_server.url
+    ids = embed_server.llm.embed("hello world")[0].prompt_token_ids
+    for body in ({"input": "hello world"}, {"input": ["hello world"]}, {"input": ids}, {"input": [ids]}):
+        r = httpx.post(url + "/v1/embeddings", json=body)
+        assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+    r = httpx.post(url + "/v1/embeddings", json={"input": "hi", "encoding_format": "base64"})
+    vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    assert vec.shape == (384,) and abs(np.linalg.norm(vec) - 1) < 1e-5
+    for body, param in (({"input": ""}, "input"), ({"input": "x " * 400}, "input"), ({"input": []}, "input"),
+                        ({"input": "x", "dimensions": 64}, "dimensions"), ({"input": "x", "model": "other"}, "model")):
+        r = httpx.post(url + "/v1/embeddings", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(url + "/v1/embeddings", json={"input": "x " * 400, "truncate_prompt_tokens": 256})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
+
+
+def test_score_and_rerank_by_cosine(embed_server):
+    import httpx
+
+    url = embed_server.url
+    docs = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
+    r = httpx.post(url + "/v1/rerank", json={"query": "What is the capital of France?", "documents": docs,
+                                             "top_n": 2}).json()
+    assert [x["index"] for x in r["results"]] == [0, 2]
+    s = httpx.post(url + "/v1/score", json={"text_1": "What is the capital of France?", "text_2": docs}).json()
+    scores = [d["score"] for d in s["data"]]
+    assert scores[0] == pytest.approx(r["results"][0]["relevance_score"], abs=1e-6) and scores[1] < scores[0]
+    bad = httpx.post(url + "/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert bad.status_code == 400
+
+
+def test_a_generation_server_refuses_embeddings(smollm2_server):
+    import httpx
+
+    r = httpx.post(smollm2_server.url + "/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
