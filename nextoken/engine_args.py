@@ -130,9 +130,6 @@ class EngineArgs(CliArgs):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise InvalidRequest(f"{name} must be a number {rule}, got {value!r}", name)
-        if self.disk_dir is not None and self.tensor_parallel_size > 1:
-            raise InvalidRequest("the KV disk tier (--kv-cache-dir, --kv-cache-disk) is not available with tensor "
-                                 "parallelism yet", "kv_cache_dir")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"unknown speculative method {self.speculative_method!r}: use 'draft' or 'ngram'",
                                  "speculative_method")

@@ -281,8 +281,13 @@ def test_the_tier_is_asked_for_by_either_flag_and_refused_where_it_cannot_work(t
     assert EngineArgs(kv_cache_disk="2GiB").disk_dir == str(tmp_path / "kv")
     args = EngineArgs(kv_cache_dir="/x", kv_cache_disk="2GiB")
     assert args.cache_config().disk_dir == "/x" and args.cache_config().disk_bytes == 2 << 30
-    with pytest.raises(InvalidRequest, match="tensor parallelism") as e:
-        EngineArgs(kv_cache_dir="/x", tensor_parallel_size=2)
+    from types import SimpleNamespace
+
+    from nextoken.kv_cache.disk import open_disk_tier
+
+    runner = SimpleNamespace(kv=None, plan=None, model=SimpleNamespace(config=None), tp=SimpleNamespace(rank=0))
+    with pytest.raises(InvalidRequest, match="tensor parallelism") as e:  # refused when the engine is built
+        open_disk_tier(args.cache_config(), runner, "a" * 64)
     assert e.value.field == "kv_cache_dir"
     with pytest.raises(InvalidRequest) as e:
         EngineArgs(kv_cache_disk="lots")

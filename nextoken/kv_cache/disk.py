@@ -47,6 +47,8 @@ from array import array
 from pathlib import Path
 from typing import Callable, Iterable
 
+from nextoken.errors import InvalidRequest
+
 log = logging.getLogger("nextoken.kv_cache")
 
 FORMAT_VERSION = 1
@@ -387,6 +389,9 @@ def open_disk_tier(cache, runner, model_key: str) -> DiskTier | None:
         return None
     kv, plan, cfg = runner.kv, runner.plan, runner.model.config
     tp = runner.tp
+    if tp is not None:
+        raise InvalidRequest("the KV disk tier (--kv-cache-dir, --kv-cache-disk) is not available with tensor "
+                             "parallelism yet", "kv_cache_dir")
     identity = {"model": model_key, "dtype": str(runner.dtype), "kv_cache_dtype": cache.cache_dtype,
                 "block_size": cache.block_size, "shard": [tp.rank, tp.size] if tp is not None else [0, 1],
                 "layers": len(cfg.full_layers), "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

@@ -139,8 +139,9 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
     _exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama, embeddings.router):
-        app.include_router(router)  # (embeddings.router: 400 here, this model generates)
+    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama):
+        app.include_router(router)
+    app.include_router(embeddings.router, include_in_schema=False)  # a 400 here (this model generates)
     if args.inspect:
         from nextoken.inspect.routes import install
 
