@@ -89,7 +89,8 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.base}"
         self.replicas = [f"http://127.0.0.1:{self.base + i}" for i in (1, 2)]
         try:
-            wait_healthy(self.url, self.proc)
+            for url in (self.url, *self.replicas):  # the tests also talk to each replica directly
+                wait_healthy(url, self.proc)
         except BaseException:
             self.stop()
             self.log.seek(0)
