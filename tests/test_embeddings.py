@@ -209,3 +209,22 @@ def test_a_generation_server_refuses_embeddings(smollm2_server):
 
     r = httpx.post(smollm2_server.url + "/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
+
+
+def test_malformed_bodies_get_a_4xx_never_a_5xx(embed_server):
+    import httpx
+
+    url = embed_server.url
+    cases = [("/v1/embeddings", b) for b in (
+        {"input": 5}, {"input": [[]]}, {"input": [["a"]]}, {"input": [1.5]}, {"input": None}, {},
+        {"input": "x", "encoding_format": "hex"}, {"input": "x", "dimensions": 0}, {"input": [-1]},
+        {"input": [[1, 2], ""]}, {"input": ["ok", "word " * 300]}, {"input": "x", "truncate_prompt_tokens": 0})]
+    cases += [("/v1/rerank", {"query": "q", "documents": []}), ("/v1/rerank", {"query": "q", "documents": ["d"],
+                                                                              "top_n": 0}),
+              ("/v1/rerank", {"query": "", "documents": ["d"]}), ("/v1/score", {"text_1": [], "text_2": "x"}),
+              ("/v1/score", {"text_1": "x"}), ("/tokenize", {"prompt": 3})]
+    for path, body in cases:
+        r = httpx.post(url + path, json=body)
+        assert 400 <= r.status_code < 500 and "error" in r.json(), (path, body, r.status_code, r.text[:200])
+    r = httpx.post(url + "/v1/embeddings", content=b"not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
