@@ -14,6 +14,7 @@ _LAZY = {
     "SamplingParams": "nextoken.sampling_params",
     "RequestOutput": "nextoken.outputs",
     "CompletionOutput": "nextoken.outputs",
+    "LoRARequest": "nextoken.lora",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -87,6 +87,11 @@ class EngineArgs(CliArgs):
     speculative_method: str | None = opt(None, "draft (needs --speculative-model) or ngram (prompt lookup, no "
                                           "second model)", group="speculative decoding", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = opt(4, "tokens proposed per step", group="speculative decoding", type=int)
+    # LoRA
+    enable_lora: bool = opt(False, "let requests use LoRA adapters (PEFT folders): vLLM's LoRARequest in Python, "
+                             "--lora-modules and model: NAME on the server", group="LoRA", cli="true")
+    max_loras: int = opt(1, "adapters loaded at once", group="LoRA", type=int)
+    max_lora_rank: int = opt(16, "highest adapter rank accepted", group="LoRA", type=int)
     # output
     watermark_gamma: float = opt(0.5, "share of the vocabulary on each green list of the watermark (requests "
                                   "with watermark on)", group="output", type=float)
@@ -114,7 +119,8 @@ class EngineArgs(CliArgs):
                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
         for name, low in (("num_threads", 1), ("tensor_parallel_size", 1), ("max_model_len", 1), ("kv_cache_memory", 1),
                           ("kv_cache_disk", 1), ("num_kv_blocks", 0),
-                          ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                          ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1),
+                          ("max_lora_rank", 1),
                           ("num_speculative_tokens", 1)):
             value = getattr(self, name)
             if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk"):

@@ -73,7 +73,8 @@ class LLM:
             path = resolve_model(args.model, auto_pull=args.auto_pull)
             if is_embedding_model(path):  # an encoder: `embed` only
                 self.embedder = EmbeddingModel(path)
-                self.engine, self.model_path, self.tokenizer, self.runner, self.config = None, str(path), None, None, None
+                self.engine, self.tokenizer, self.runner, self.config = None, None, None, None
+                self.model_path = str(path)
                 return
         self.engine = LLMEngine.from_engine_args(args, opened)
         self.model_path = self.engine.model_path
@@ -157,16 +158,21 @@ class LLM:
                 engine.abort_request(rid)  # a no-op once finished; frees the blocks if abandoned
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 truncate_prompt: bool = False) -> list[RequestOutput]:
+                 truncate_prompt: bool = False, lora_request=None) -> list[RequestOutput]:
         """Complete every prompt (raw text, token ids, or vLLM's prompt dictionaries
         ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
         finished `RequestOutput` per prompt, in order. `params` is one `SamplingParams` for all
-        or one per prompt. Every prompt is checked before any runs; a dictionary of another form
-        raises `InvalidRequest`. A prompt whose pass produced non-finite logits comes back with
-        `RequestOutput.error` set and finish reason ``"error"``; the others complete."""
+        or one per prompt; `lora_request` one `lora.LoRARequest` for all, or one (or None, the
+        base model) per prompt (with ``enable_lora=True``). Every prompt is checked before any
+        runs; a dictionary of another form raises `InvalidRequest`. A prompt whose pass produced
+        non-finite logits comes back with `RequestOutput.error` set and finish reason
+        ``"error"``; the others complete."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts", "lora_request")
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
@@ -188,12 +194,19 @@ class LLM:
         prompts = [self._chat_prompt(m, system) for m in convs]
         return self._run_all(prompts, _per_prompt(params, len(prompts)), False)
 
-    def _run_all(self, prompts, params, truncate) -> list[RequestOutput]:
+    def _run_all(self, prompts, params, truncate, loras=None) -> list[RequestOutput]:
         engine = self._generation()
         encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
-        ids = [engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None)
-               for e, p, sp in zip(encoded, prompts, params)]
+        loras = loras or [None] * len(prompts)
+        ids = []
+        try:
+            for e, p, sp, lora in zip(encoded, prompts, params, loras):
+                ids.append(engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None, lora_request=lora))
+        except Exception:  # one bad adapter: none of the prompts run
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
         return engine.run_until_finished(ids)
 
 

@@ -31,6 +31,10 @@ SEMANTIC = {
     "template tools": re.compile(r"^this model's chat template has no tool-call support"),
     # a named tool_choice must name one of the request's tools (a cross-reference)
     "tool name": re.compile(r"^tool_choice names function .* which is not among the tools$"),
+    # LoRA routes on a server started without --enable-lora (the server's state, not the body)
+    "lora off": re.compile(r"^this engine serves no LoRA adapters; start it with enable_lora=True"),
+    # an adapter folder that does not exist on the server (a path the schema cannot check)
+    "adapter folder": re.compile(r"^adapter '.*': \S+ is missing \(a PEFT adapter folder has "),
     # n <= best_of (a comparison of two fields)
     "n <= best_of": re.compile(r"^n \(\d+\) must not exceed best_of \(\d+\) with use_beam_search$"),
 }

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from nextoken.engine.engine import LLMEngine
-from nextoken.errors import EngineError, RequestFailed
+from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.sampling_params import SamplingParams
 
@@ -41,9 +41,10 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
-                          truncate_prompt: bool = False, tracer=None, return_logits: bool = False) -> str:
-        """Queue a request and return its id (`tracer`: see `LLMEngine.add_request`). Raises
-        `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
+                          truncate_prompt: bool = False, tracer=None, return_logits: bool = False,
+                          lora_request=None) -> str:
+        """Queue a request and return its id (`tracer`, `lora_request`: see `LLMEngine.add_request`).
+        Raises `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
@@ -51,12 +52,34 @@ class AsyncLLMEngine:
         try:
             await self._between_steps(
                 lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer,
-                                                return_logits=return_logits))
+                                                return_logits=return_logits, lora_request=lora_request))
         except BaseException:
             self._queues.pop(rid, None)
             raise
         self._ensure_loop()
         return rid
+
+    async def load_lora(self, lora_request) -> int:
+        """Load an adapter between steps (`lora.LoRAManager.add`); its id. Raises `InvalidRequest`
+        when LoRA is off or the adapter is refused."""
+        from nextoken.engine.validation import resolve_lora
+
+        return await self._between_steps(lambda: resolve_lora(self.engine.runner.loras, lora_request))
+
+    async def unload_lora(self, lora_id: int) -> None:
+        """Unload an adapter between steps. Raises `InvalidRequest` while a request still uses it
+        (its tokens would silently go to the base model), or when it is not loaded."""
+        def unload():
+            sched = self.engine.scheduler
+            users = [r for q in (sched.running, sched.waiting, sched.forking) for r in q if r.lora_id == lora_id]
+            if users:
+                raise InvalidRequest(f"{len(users)} requests still use this adapter; unload it when they finish",
+                                     "lora_name")
+            loras = self.engine.runner.loras
+            if loras is None or not loras.remove(lora_id):
+                raise InvalidRequest("this adapter is not loaded", "lora_name")
+
+        await self._between_steps(unload)
 
     async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
         """The outputs of request `rid` (from `add_request`) as they come; stopping early aborts

@@ -27,7 +27,7 @@ from nextoken.engine.output_processor import OutputProcessor, new_group, store_p
 from nextoken.engine.request import Request, make_sequences
 from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.step_stats import StepHistory, StepStats
-from nextoken.engine.validation import check_request, encode_prompt, read_template
+from nextoken.engine.validation import check_request, encode_prompt, read_template, resolve_lora
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
 from nextoken.kv_cache.budget import allocate_kv_cache
@@ -112,10 +112,10 @@ class LLMEngine:
         """Token ids of `prompt` fitted to the context window (`engine.validation.encode_prompt`)."""
         return encode_prompt(self.tokenizer, self.config.vocab_size, self.max_model_len, prompt, params, truncate)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_text: str | None = None,
-                    truncate_prompt: bool = False, tracer=None, keep_prompt_hidden: bool = False,
-                    chosen: tuple[list[int], int] | None = None, return_logits: bool = False) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_text: str | None = None, truncate_prompt: bool = False, tracer=None,
+                    keep_prompt_hidden: bool = False, chosen: tuple[list[int], int] | None = None,
+                    return_logits: bool = False, lora_request=None) -> str:
         """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
         that does not fit the context window, or one that could never fit in the KV cache.
 
@@ -127,17 +127,18 @@ class LLMEngine:
         its own, on the reference attention, without the prefix cache or speculation. `chosen`:
         ``(tokens, draws)``, first tokens chosen already (`LLM.stream(..., first=...)`), emitted
         in place of the first draws, and the seeded numbers they used. `return_logits`: outputs
-        carry completion 0's raw logits (`RequestOutput.logits`)."""
+        carry completion 0's raw logits (`RequestOutput.logits`). `lora_request`: its adapter."""
         params = (params or SamplingParams()).validate(self.config.vocab_size)
         ids = self.encode_prompt(prompt, params, truncate_prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         check_request(self.kv, len(ids), params, tracer is not None, self.runner.tp is not None)
+        lora_id = resolve_lora(self.runner.loras, lora_request)
         text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
-        seqs = make_sequences(request_id, ids, params, grammars, tracer, chosen)
+        seqs = make_sequences(request_id, ids, params, grammars, tracer, chosen, lora_id)
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, keep_prompt_hidden,
                                    return_logits))
         for s in seqs:
@@ -146,8 +147,7 @@ class LLMEngine:
             tracer.on_prefill_start(ids)
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (no-op for unknown or finished ids)."""
+    def abort_request(self, request_id: str) -> None:  # frees its blocks; a no-op for unknown or finished ids
         self.outputs.abort(request_id)
 
     def _release(self, r: Request, uncache: bool = False) -> None:
@@ -236,9 +236,9 @@ class LLMEngine:
         block_ids, ring_ids = self.kv.block_ids(r.request_id), self.kv.ring_ids(r.request_id)
         if drafted is not None:
             return SequenceInput(toks + drafted[0], r.num_computed_tokens, block_ids, True, as_decodes=True,
-                                 ring_ids=ring_ids)
+                                 ring_ids=ring_ids, lora_id=r.lora_id)
         return SequenceInput(toks, r.num_computed_tokens, block_ids, r.num_computed_tokens + n == r.num_tokens,
-                             ring_ids=ring_ids, keep_hidden=_scores_prompt(r))
+                             ring_ids=ring_ids, keep_hidden=_scores_prompt(r), lora_id=r.lora_id)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: dict, tracer) -> None:
         """One token for each of `reqs` from its logits row, in one batched sampler call; a row

@@ -53,6 +53,18 @@ def check_request(kv, num_prompt: int, params: SamplingParams, traced: bool, ten
         raise InvalidRequest("tracing a request is not available with tensor parallelism", "trace")
 
 
+def resolve_lora(loras, lora_request) -> int:
+    """The adapter id of `lora_request` (a `lora.LoRARequest`, loaded on first use into
+    `loras`, the runner's `LoRAManager`), 0 for None. Raises `InvalidRequest` (field ``lora``)
+    when LoRA is off or the adapter cannot be loaded."""
+    if lora_request is None:
+        return 0
+    if loras is None:
+        raise InvalidRequest("this engine serves no LoRA adapters; start it with enable_lora=True (--enable-lora)",
+                             "lora")
+    return loras.add(lora_request)
+
+
 def read_template(path: str) -> str:
     """The text of a chat template file (`--chat-template`); `ModelLoadError` when unreadable."""
     try:

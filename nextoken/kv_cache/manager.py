@@ -48,9 +48,10 @@ class KVCacheManager:
     def _block_hashes(self, req, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
         hashes, bs, toks = req.block_hashes, self.block_size, req.all_token_ids
+        root = ("lora", req.lora_id) if req.lora_id else None  # an adapter's keys and values are its own
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(toks[i * bs : (i + 1) * bs])))
+            hashes.append(hash_block(hashes[-1] if hashes else root, tuple(toks[i * bs : (i + 1) * bs])))
         return hashes[:num_blocks]
 
     def _disk_keys(self, req, num_blocks: int) -> list[bytes]:
@@ -73,7 +74,7 @@ class KVCacheManager:
         for i, h in enumerate(self._block_hashes(req, max_blocks)):
             toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             b = self.pool.get_cached_block(h, toks)
-            if b is None and self.disk is not None:
+            if b is None and self.disk is not None and not req.lora_id:
                 b = self._load_block(req, i, h, toks)
             if b is None:
                 break
@@ -155,7 +156,7 @@ class KVCacheManager:
         table = self.block_tables[req.request_id]
         hashes = self._block_hashes(req, n_full)
         bs = self.block_size
-        keys = self._disk_keys(req, n_full) if self.disk is not None else None
+        keys = self._disk_keys(req, n_full) if self.disk is not None and not req.lora_id else None
         for i in range(start, n_full):
             toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             self.pool.cache_block(table[i], hashes[i], toks)

@@ -40,9 +40,12 @@ class Linear(torch.nn.Module):
         self._qweight_c = None
         self.few_rows = False  # its calls have few rows (the LM head): int4 never expands the weight
         self.combine = None  # tensor parallel: [T, out] of this rank -> the joined output
+        self.lora = None  # its LoRA adapters (`lora.LoRASlots`), once one targets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
+        if self.lora is not None and self.lora.batch.ids:  # the adapters' tokens of this pass
+            y = self.lora.add(x, y)
         return y if self.combine is None else self.combine(y)
 
     def weight_loader(self, t, plan) -> None:

@@ -88,12 +88,13 @@ class SequenceInput:
     as_decodes: bool = False
     ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
     keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
+    lora_id: int = 0  # its LoRA adapter (`ModelRunner.loras`), 0 for the base model
 
     def rows(self) -> list["SequenceInput"]:
         """The inputs this one runs as (itself, or one decode per token)."""
         if not self.as_decodes or len(self.token_ids) == 1:
             return [self]
-        return [SequenceInput([t], self.start + i, self.block_ids, True, ring_ids=self.ring_ids)
+        return [SequenceInput([t], self.start + i, self.block_ids, True, ring_ids=self.ring_ids, lora_id=self.lora_id)
                 for i, t in enumerate(self.token_ids)]
 
 
@@ -144,6 +145,7 @@ class ModelRunner:
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
+        self.loras = None  # the LoRA adapters (`lora.LoRAManager`), made by `enable_lora`
         log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
         self.kept_hidden: list[torch.Tensor] = []
@@ -153,9 +155,12 @@ class ModelRunner:
         """The runner `args` (`EngineArgs`) describes for the opened model `source`."""
         from nextoken.loader.source import model_dtype
 
-        return cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
-                   dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
-                   prepared_cache=args.prepared_cache, tp=tp)
+        runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
+                     dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
+                     prepared_cache=args.prepared_cache, tp=tp)
+        if args.enable_lora:
+            runner.enable_lora(args.max_loras, args.max_lora_rank)
+        return runner
 
     # -- tensor parallelism: rank 0 leads, the others follow ----------------------------------
     def _lead(self, method: str, *args) -> None:
@@ -248,11 +253,12 @@ class ModelRunner:
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []
         input_ids, positions, meta, order = self.prepare(seqs)
+        adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
         if tracer is not None and getattr(tracer, "wants_probs", True):
             meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
         hidden = None
         if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
-                meta.backend != "reference":  # every layer of a decode step in one C call
+                meta.backend != "reference" and not adapters:  # every layer of a decode step in one C call
             out = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta)
             hidden = self.model.final_norm(out) if out is not None else None
         if hidden is None:
@@ -265,6 +271,20 @@ class ModelRunner:
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         return self.model.compute_logits(hidden[rows])
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""
+        from nextoken.lora import LoRAManager
+
+        self.loras = LoRAManager(self.model, max_loras, max_lora_rank)
+
+    def _set_lora_batch(self, seqs: list[SequenceInput], order: list[int], qsl: list[int]) -> bool:
+        """Tell the adapters which rows of this pass are theirs; whether any row has one."""
+        adapter_of_row = [0] * qsl[-1]
+        for row, i in enumerate(order):
+            adapter_of_row[qsl[row] : qsl[row + 1]] = [seqs[i].lora_id] * (qsl[row + 1] - qsl[row])
+        self.loras.set_batch(adapter_of_row)
+        return bool(self.loras.batch.ids)
 
     @torch.inference_mode()
     def score_kept(self, index: int, n: int, targets: list[int], top: int) -> list[dict[int, float]]:

@@ -199,14 +199,14 @@ class AnthropicServingMessages(OpenAIServing):
 
     async def create(self, body: MessagesRequest, request: Request):
         """The message answering `body` (JSON, or Anthropic's event stream with ``stream``)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_queue()
         eng = self.engine
         ids, tools, forced = self._prompt(body)
         await self.compile(forced)
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 max_tokens=body.max_tokens, stop=body.stop_sequences, structured_outputs=forced)
-        rid = await eng.add_request(ids, params, f"msg_{uuid.uuid4().hex[:24]}")
+        rid = await eng.add_request(ids, params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
         names = frozenset(t["function"]["name"] for t in tools) if tools else None
         if body.stream:
             return sse_response(self._stream(rid, len(ids), names))

@@ -43,6 +43,9 @@ class ServerArgs(CliArgs):
     reasoning_parser: str | None = opt(None, "separate a thinking model's <think>...</think> from its answer: "
                                        "qwen3 (a thought when the answer opens with <think>) or deepseek_r1 (the "
                                        "template opens the thought)", group="server", choices=PARSERS)
+    lora_modules: list = opt([], "LoRA adapters served as models, NAME=PATH each (PEFT folders; needs "
+                             "--enable-lora and --max-loras at least their number)", group="LoRA", nargs="*",
+                             metavar="NAME=PATH")
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",

@@ -131,10 +131,10 @@ def _line(obj: dict) -> str:
 class OllamaServing(OpenAIServing):
     """Ollama's routes over the shared engine."""
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None):
         """Ollama's clients name models with a tag (``smollm2:latest``): the served name, with or
         without ``:latest``."""
-        super().check_model(name.removesuffix(":latest") if name else name)
+        return super().check_model(name.removesuffix(":latest") if name else name)
 
     def _max_tokens(self, n_prompt: int) -> int:
         return R.default_max_tokens(self.engine.engine, n_prompt, self.args.max_tokens_default)
@@ -176,7 +176,8 @@ class OllamaServing(OpenAIServing):
         params = sampling_params(body.options, body.format, self._max_tokens(len(ids)))
         params = params.validate(self.engine.engine.config.vocab_size)
         await self.compile(params.structured_outputs)
-        rid = await self.engine.add_request(ids, params, f"ollama-{uuid.uuid4().hex}")
+        rid = await self.engine.add_request(ids, params, f"ollama-{uuid.uuid4().hex}",
+                                            lora_request=self.check_model(body.model))
         if body.stream:
             return StreamingResponse(self._stream(body.model, rid, names, chat), media_type="application/x-ndjson")
         out = (await self.collect([rid], request))[0]

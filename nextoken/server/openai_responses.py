@@ -217,7 +217,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.store = ResponseStore(args.responses_store)
 
     async def create(self, body: ResponsesRequest, request: Request):
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_queue()
         if body.previous_response_id is not None and self.store.size <= 0:
             raise InvalidRequest("previous_response_id needs the response store, which is off on this server "
@@ -236,7 +236,7 @@ class OpenAIServingResponses(OpenAIServing):
         await self.compile(structured)
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
                                 structured_outputs=structured)
-        rid = await eng.add_request(ids, params, f"resp_{uuid.uuid4().hex}")
+        rid = await eng.add_request(ids, params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
         names = frozenset(t["function"]["name"] for t in tools) if tools else None
         meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": _tool_choice_json(body.tool_choice)}

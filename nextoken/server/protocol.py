@@ -311,3 +311,16 @@ class WatermarkText(Body):
 
 
 WatermarkDetectRequest = union_of(("tokens", WatermarkTokens, "tokens"), ("text", WatermarkText, "text"))
+
+
+class LoadLoRARequest(Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)

@@ -21,8 +21,10 @@ from nextoken.server.openai_responses import ResponsesRequest
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.errors import error_response
-from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                                      TokenizeRequest, WatermarkDetectRequest, WatermarkText)
+from nextoken.errors import InvalidRequest, NotFound
+from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
+                                      TokenizeChatRequest, TokenizeRequest, UnloadLoRARequest, WatermarkDetectRequest,
+                                      WatermarkText)
 from nextoken.server.serving import check_token_ids
 
 info = APIRouter()
@@ -66,8 +68,39 @@ async def version():
 @info.get("/v1/models")
 async def models(request: Request):
     state, args = request.app.state.server, request.app.state.args
-    return {"object": "list", "data": [{"id": args.model_name, "object": "model", "created": int(state.started),
-                                        "owned_by": "nextoken", "max_model_len": _engine(request).max_model_len}]}
+    base = {"object": "model", "created": int(state.started), "owned_by": "nextoken",
+            "max_model_len": _engine(request).max_model_len}
+    adapters = [{"id": name, **base, "root": lora.lora_path, "parent": args.model_name}  # vLLM's shape
+                for name, lora in getattr(state, "loras", {}).items()]
+    return {"object": "list", "data": [{"id": args.model_name, **base, "root": args.model_name, "parent": None},
+                                       *adapters]}
+
+
+@info.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request):
+    """vLLM's: load a PEFT adapter at runtime and serve it as model ``lora_name``."""
+    from nextoken.lora import LoRARequest
+
+    state = request.app.state.server
+    loras = state.__dict__.setdefault("loras", {})
+    if body.lora_name in loras or body.lora_name == request.app.state.args.model_name:
+        raise InvalidRequest(f"a model named {body.lora_name!r} is served already", "lora_name")
+    lora = LoRARequest(body.lora_name, max((x.lora_int_id for x in loras.values()), default=0) + 1, body.lora_path)
+    await state.engine.load_lora(lora)
+    loras[body.lora_name] = lora
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+
+@info.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
+    """vLLM's: stop serving adapter ``lora_name`` (refused while a request still uses it)."""
+    loras = getattr(request.app.state.server, "loras", {})
+    lora = loras.get(body.lora_name)
+    if lora is None:
+        raise NotFound(f"no LoRA adapter named {body.lora_name!r} is loaded", "lora_name")
+    await request.app.state.server.engine.unload_lora(lora.lora_int_id)
+    del loras[body.lora_name]
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 @info.get("/metrics")

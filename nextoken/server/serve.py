@@ -29,6 +29,8 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import warm_up
     from nextoken.embedding import EmbeddingModel, is_embedding_model
+    from nextoken.errors import InvalidRequest
+    from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine, build_app
     from nextoken.server.embeddings import EmbeddingService, build_embedding_app
 
@@ -40,8 +42,15 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
     server_ref = {}
 
+    adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
+    if adapters and not engine_args.enable_lora:
+        raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+
     def load():  # /health answers 200 once the model is loaded and warm
         engine = LLMEngine.from_engine_args(engine_args)
+        for lora in adapters:  # a bad adapter stops the start, naming it
+            engine.runner.loras.add(lora)
+        server_ref["state"].loras = {lora.lora_name: lora for lora in adapters}
         warm_up(engine)
         async_engine = AsyncLLMEngine(engine, stepper)
         attach_engine(server_ref["app"], async_engine)  # the metrics follow each step
@@ -64,7 +73,7 @@ def _serve(engine_args, server_args, load, build, announce_inspector: bool = Fal
     a signal; the exit status."""
     import uvicorn
 
-    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0)
+    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0, loras={})
     config = server_args.for_model(engine_args.model)
     server_ref = {} if server_ref is None else server_ref
     stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-load")

@@ -29,6 +29,13 @@ class ClientGone(Exception):
     sent (`server.app` answers 499, as nginx logs such a request, without a traceback)."""
 
 
+def no_lora_beams(lora) -> None:
+    """Beam search runs on the base model only: refuse it for a LoRA adapter's name."""
+    if lora is not None:
+        raise InvalidRequest(f"beam search is not available with a LoRA adapter ({lora.lora_name!r})",
+                             "use_beam_search")
+
+
 class OpenAIServing:
     """state: the server's (``engine``: an `AsyncLLMEngine`, None while loading); args: the
     `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
@@ -41,9 +48,16 @@ class OpenAIServing:
         """The `AsyncLLMEngine` (the Gate middleware answers 503 before any route while loading)."""
         return self.state.engine
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.args.model_name:
-            raise NotFound(f"model {name!r} not found; this server serves {self.args.model_name!r}", "model")
+    def check_model(self, name: str | None):
+        """The `LoRARequest` a request's ``model`` names (None: the base model). Raises
+        `NotFound` for a name this server does not serve."""
+        if name is None or name == self.args.model_name:
+            return None
+        lora = getattr(self.state, "loras", {}).get(name)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.args.model_name, *getattr(self.state, "loras", {})])
+            raise NotFound(f"model {name!r} not found; this server serves {served}", "model")
+        return lora
 
     def check_queue(self) -> None:
         if self.engine.num_waiting >= self.args.max_queued_requests:

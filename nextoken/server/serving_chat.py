@@ -13,14 +13,14 @@ from nextoken.errors import InvalidRequest
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.protocol import ChatCompletionRequest
-from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.server.serving import OpenAIServing, no_lora_beams, sse_response
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, request: Request):
         """The response to `body`. Raises `InvalidRequest` for a bad request (naming the field),
         `NotFound` for another model, `QueueFull` when too many wait."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_rules()
         self.check_queue()
         eng = self.engine
@@ -36,12 +36,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             R.default_max_tokens(eng.engine, len(ids), self.args.max_tokens_default)
         if body.use_beam_search:
+            no_lora_beams(lora)
             out = (await self.beam(body, [ids], max_tokens))[0]
             return R.chat_response(eng.engine, body, out, int(time.time()), self.args.model_name)
         structured = forced or body.structured()
         await self.compile(structured)
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, structured)
-        rid = await eng.add_request(ids, params, f"chatcmpl-{uuid.uuid4().hex}")
+        rid = await eng.add_request(ids, params, f"chatcmpl-{uuid.uuid4().hex}", lora_request=lora)
         created = int(time.time())
         names = frozenset(t["function"]["name"] for t in tools) if tools else None
         if body.stream:

@@ -10,14 +10,14 @@ from fastapi import Request
 
 from nextoken.server import responses as R
 from nextoken.server.protocol import CompletionRequest
-from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.server.serving import OpenAIServing, no_lora_beams, sse_response
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, request: Request):
         """The response to `body`. Raises `InvalidRequest` for a bad request (naming the field),
         `NotFound` for another model, `QueueFull` when too many wait."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_rules()
         self.check_queue()
         eng = self.engine
@@ -25,6 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
         structured = body.structured()
         await self.compile(structured)
         if body.use_beam_search:
+            no_lora_beams(lora)
             outs = await self.beam(body, [ids for ids, _ in prompts], body.generation_limit())
             return R.completion_response(eng.engine, body, outs, prompts, int(time.time()), self.args.model_name)
         rids = []
@@ -32,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for ids, text in prompts:
                 params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
                                               body.scored_prompt())
-                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text))
+                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text, lora_request=lora))
         except BaseException:
             for rid in rids:
                 eng.abort(rid)
