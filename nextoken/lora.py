@@ -2,8 +2,9 @@
 Models"): a request names an adapter, and each targeted linear adds ``scaling * (x A^T) B^T`` to
 its output for that request's tokens, the base weights staying on our quantized kernels.
 
-An adapter is a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
-``use_rslora``) and ``adapter_model.safetensors`` (``...layers.N.self_attn.q_proj.lora_A.weight``
+An adapter is a PEFT folder, or a llama.cpp GGUF LoRA file (`read_gguf_adapter`). A PEFT folder:
+``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``) and
+``adapter_model.safetensors`` (``...layers.N.self_attn.q_proj.lora_A.weight``
 ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``). ``scaling = lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski 2023). Targets: q, k, v, o, gate, up and down
 projections of Llama-style layers.
@@ -131,7 +132,7 @@ class LoRAManager:
             raise InvalidRequest(f"lora_int_id must be an integer >= 1, got {req.lora_int_id!r}", "lora")
         if req.lora_int_id in self.loaded:
             return req.lora_int_id
-        weights, scaling = read_adapter(req, self.max_lora_rank)
+        weights, scaling = read_adapter(req, self.max_lora_rank, self.model.config)
         for name, (a, b) in weights.items():
             lin = self.linears.get(name)
             if lin is None:
@@ -179,9 +180,73 @@ class LoRAManager:
         self.batch.mask = mask
 
 
-def read_adapter(req: LoRARequest, max_rank: int) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
-    """The adapter's (A, B) per layer name, float32, and its scaling. Raises `InvalidRequest`."""
+def read_gguf_adapter(req: LoRARequest, max_rank: int, config) -> tuple[dict, float]:
+    """A llama.cpp LoRA file (``convert_lora_to_gguf.py``: ``general.type`` adapter,
+    ``adapter.lora.alpha``, ``blk.N.attn_q.weight.lora_a`` ``[r, in]`` and ``.lora_b`` ``[out, r]``) as `read_adapter`
+    gives a PEFT folder: its B of Q and K un-permuted as the loader does the base weights
+    (`loader.gguf_names.GGUF_PERMUTED_QK`). `config`: the base model's `ModelConfig`."""
+    import gguf
+
+    from nextoken.layers.rotary import unpermute_qk
+    from nextoken.loader.gguf_names import GGUF_PERMUTED_QK, GGUF_PROJECTIONS
+
+    try:
+        reader = gguf.GGUFReader(req.lora_path)
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except Exception as exc:  # the gguf package raises several kinds on a damaged file
+        raise InvalidRequest(f"adapter {req.lora_name!r}: {req.lora_path} is not a readable GGUF file ({exc})",
+                             "lora") from None
+    if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
+        raise InvalidRequest(f"adapter {req.lora_name!r}: {req.lora_path} is not a GGUF LoRA adapter", "lora")
+    arch = fields.get("general.architecture")
+    if arch != config.architecture:
+        raise InvalidRequest(f"adapter {req.lora_name!r} is for another base model: a {arch} adapter on a "
+                             f"{config.architecture} model", "lora")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for t in reader.tensors:
+        hit = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])", t.name)
+        if hit is None or hit.group(2) not in GGUF_PROJECTIONS:
+            raise InvalidRequest(f"adapter {req.lora_name!r}: tensor {t.name} is not a LoRA A or B of a supported "
+                                 "projection", "lora")
+        data = t.data if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else \
+            gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(data.astype("float32").reshape([int(n) for n in reversed(t.shape)]))
+        if hit.group(3) == "b" and hit.group(2) in ("attn_q", "attn_k") and arch in GGUF_PERMUTED_QK:
+            w = unpermute_qk(w, w.shape[0] // config.head_dim)
+        name = f"layers.{hit.group(1)}.{GGUF_PROJECTIONS[hit.group(2)]}"
+        parts.setdefault(name, {})[hit.group(3).upper()] = w
+    ranks = {ab["A"].shape[0] for ab in parts.values() if "A" in ab}
+    if len(ranks) != 1:
+        raise InvalidRequest(f"adapter {req.lora_name!r} holds no LoRA weights, or several ranks {sorted(ranks)}",
+                             "lora")
+    r = ranks.pop()
+    alpha = float(fields.get("adapter.lora.alpha") or r)
+    return _checked(req, parts, r, max_rank), alpha / r
+
+
+def _checked(req: LoRARequest, parts: dict, r: int, max_rank: int) -> dict:
+    if r > max_rank:
+        raise InvalidRequest(f"adapter {req.lora_name!r} has rank {r}, above max_lora_rank {max_rank}", "lora")
+    out = {}
+    for name, ab in parts.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != r or ab["B"].shape[1] != r:
+            raise InvalidRequest(f"adapter {req.lora_name!r}: {name} needs lora_A [r, in] and lora_B [out, r] "
+                                 f"with r = {r}", "lora")
+        out[name] = (ab["A"], ab["B"])
+    if not out:
+        raise InvalidRequest(f"adapter {req.lora_name!r} holds no LoRA weights", "lora")
+    return out
+
+
+def read_adapter(req: LoRARequest, max_rank: int, config=None) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                                        float]:
+    """The adapter's (A, B) per layer name, float32, and its scaling, from a PEFT folder or a
+    llama.cpp GGUF LoRA file (`read_gguf_adapter`; `config`: the base model's `ModelConfig`).
+    Raises `InvalidRequest`."""
     from safetensors import safe_open
+
+    if os.path.isfile(req.lora_path):
+        return read_gguf_adapter(req, max_rank, config)
 
     cfg_path = os.path.join(req.lora_path, "adapter_config.json")
     weights_path = os.path.join(req.lora_path, "adapter_model.safetensors")
@@ -196,7 +261,7 @@ def read_adapter(req: LoRARequest, max_rank: int) -> tuple[dict[str, tuple[torch
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidRequest(f"adapter {req.lora_name!r}: adapter_config.json is not readable ({exc})",
                              "lora") from None
-    if r > max_rank:
+    if r > max_rank:  # before reading the weights
         raise InvalidRequest(f"adapter {req.lora_name!r} has rank {r}, above max_lora_rank {max_rank}", "lora")
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
@@ -221,12 +286,4 @@ def read_adapter(req: LoRARequest, max_rank: int) -> tuple[dict[str, tuple[torch
         raise
     except Exception as exc:  # safetensors raises its own errors on damaged files
         raise InvalidRequest(f"adapter {req.lora_name!r}: {weights_path} is not readable ({exc})", "lora") from None
-    out = {}
-    for name, ab in parts.items():
-        if set(ab) != {"A", "B"} or ab["A"].shape[0] != r or ab["B"].shape[1] != r:
-            raise InvalidRequest(f"adapter {req.lora_name!r}: {name} needs lora_A [r, in] and lora_B [out, r] "
-                                 f"with r = {r}", "lora")
-        out[name] = (ab["A"], ab["B"])
-    if not out:
-        raise InvalidRequest(f"adapter {req.lora_name!r} holds no LoRA weights", "lora")
-    return out, scaling
+    return _checked(req, parts, r, max_rank), scaling

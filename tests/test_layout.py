@@ -73,10 +73,11 @@ def test_no_import_cycles_between_parts():
 LAYERS = [
     {"errors", "config", "catalog", "structured", "tokenizer", "bodies", "sampling_params", "outputs",
      "cli_args", "engine_args"},  # values and formats: no model, no engine
-    {"kernels", "kv_cache", "sample", "lora"},  # the C kernels, the KV cache's bookkeeping, the sampler, adapters
+    {"kernels", "kv_cache", "sample"},  # the C kernels, the KV cache's bookkeeping, the sampler
     {"layers"},  # PyTorch layers over the kernels
     {"models", "loader", "distributed"},  # architectures, reading checkpoints, process groups
-    {"runner", "trace", "beam", "evaluate", "embedding"},  # one forward pass; what runs over the engine's outputs
+    {"runner", "trace", "beam", "evaluate", "embedding", "lora"},  # one forward pass; adapters; what runs over the
+    # engine's outputs
     {"spec"},  # speculative decoding over runners
     {"engine"},  # requests, scheduling, the step
     {"llm", "inspect"},  # the Python API; the inspector's numbers

@@ -66,6 +66,25 @@ def test_logits_equal_peft_unmerged_and_merged(llm, adapters, name):
         assert (ours - plain).abs().max() > 1e-2  # the adapter changes the answer
 
 
+def test_a_llama_cpp_gguf_adapter_equals_its_peft_folder(tiny_gguf, adapters):
+    """tests/data/lora-tiny-llama.gguf is adapter "a" (the same seeds) converted by llama.cpp's own
+    converter (``convert_lora_to_gguf.py lora --base base --outtype f32``, llama-cpp-python
+    0.3.36's vendored tree): read back, with its Q and K un-permuted, it gives peft's logits."""
+    from pathlib import Path
+
+    req, model = adapters["a"]
+    gguf_req = LoRARequest("a-gguf", 1, str(Path(__file__).parent / "data" / "lora-tiny-llama.gguf"))
+    fresh = LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0, -1]
+        got = last_logits(fresh, ids, gguf_req)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    qwen = LLM(str(tiny_gguf["qwen2"][0]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(InvalidRequest, match="a llama adapter on a qwen2 model"):
+        qwen.generate([PROMPTS[1]], SamplingParams(max_tokens=2), lora_request=gguf_req)
+
+
 def test_greedy_decoding_equals_peft_generate(llm, adapters):
     req, model = adapters["a"]
     ids = PROMPTS[0]
