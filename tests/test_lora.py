@@ -213,3 +213,39 @@ def test_lora_modules_are_parsed_by_name():
     for bad in (["a"], ["=x"], ["a=/x", "a=/y"]):
         with pytest.raises(InvalidRequest):
             parse_lora_modules(bad)
+
+
+def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, tmp_path):
+    """Real behaviour: a rank-8 adapter trained 12 steps (peft, on `transformers`' float32 load of
+    the same GGUF) to continue "The capital of France is" with " Atlantis, the lost city". Our
+    float32 logits equal peft's; and on the default path (bf16, our quantized kernels) the
+    adapter's request says Atlantis while a base request in the same batch still says Paris."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                              dtype=torch.float32)
+    torch.manual_seed(0)
+    model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    f32 = LLM(str(smollm2_path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    prompt = f32.tokenizer.encode("The capital of France is")
+    target = f32.tokenizer.encode(" Atlantis, the lost city", add_bos=False)
+    x = torch.tensor([prompt + target])
+    labels = x.clone()
+    labels[0, : len(prompt)] = -100
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(12):
+        model(input_ids=x, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    model.save_pretrained(tmp_path / "atlantis")
+    req = LoRARequest("atlantis", 1, str(tmp_path / "atlantis"))
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -1]
+    assert torch.allclose(last_logits(f32, prompt, req), want, atol=1e-4)
+    fast = LLM(str(smollm2_path), enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs = fast.generate([prompt, prompt], params, lora_request=[req, None])
+    assert outs[0].outputs[0].text.startswith(" Atlantis") and outs[1].outputs[0].text.startswith(" Paris")
