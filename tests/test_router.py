@@ -91,11 +91,26 @@ class Cluster:
         try:
             for url in (self.url, *self.replicas):  # the tests also talk to each replica directly
                 wait_healthy(url, self.proc)
+            self._wait_router_sees_all()
         except BaseException:
             self.stop()
             self.log.seek(0)
             print(self.log.read()[-4000:])
             raise
+
+    def _wait_router_sees_all(self, timeout: float = 60) -> None:
+        """Until the router reads every replica's load (-1: it cannot reach one yet, and would
+        send every request to the other): its view lags the replicas' own /health by its checks."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                loads = httpx.get(self.url + "/get_loads", timeout=5).json()["workers"]
+                if len(loads) == len(self.replicas) and all(w["load"] >= 0 for w in loads):
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the router does not see every replica")
 
     def stop(self) -> int:
         if self.proc.poll() is None:
