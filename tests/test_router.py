@@ -99,18 +99,27 @@ class Cluster:
             raise
 
     def _wait_router_sees_all(self, timeout: float = 60) -> None:
-        """Until the router reads every replica's load (-1: it cannot reach one yet, and would
-        send every request to the other): its view lags the replicas' own /health by its checks."""
+        """Until the router counts every replica healthy (its ``/workers``) and reads their loads:
+        its view lags the replicas' own /health by its checks (every 5 s), and a replica it holds
+        unhealthy gets no request."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             try:
+                workers = httpx.get(self.url + "/workers", timeout=5).json()["workers"]
                 loads = httpx.get(self.url + "/get_loads", timeout=5).json()["workers"]
-                if len(loads) == len(self.replicas) and all(w["load"] >= 0 for w in loads):
+                if len(workers) == len(self.replicas) and all(w["is_healthy"] for w in workers) and \
+                        all(w["load"] >= 0 for w in loads):
                     return
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError("the router does not see every replica")
+        raise TimeoutError(f"the router does not see every replica healthy: {self.router_view()}")
+
+    def router_view(self) -> str:
+        try:
+            return httpx.get(self.url + "/workers", timeout=5).text
+        except httpx.HTTPError as exc:
+            return repr(exc)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -200,6 +209,7 @@ def test_router_reads_the_replicas_models_and_loads(cluster):
 
 
 def test_eight_concurrent_clients_reach_both_replicas(cluster):
+    cluster._wait_router_sees_all()  # (a replica the router held unhealthy would get none)
     before = [metric(u, "vllm:request_success_total") for u in cluster.replicas]
     prompts = [f"{i}: {topic}" for i, topic in enumerate(
         ["Rivers of Europe", "How bread rises", "A poem about rain", "Prime numbers", "The moon landing",
@@ -209,7 +219,7 @@ def test_eight_concurrent_clients_reach_both_replicas(cluster):
         outs = list(pool.map(lambda p: complete(cluster.url, p, max_tokens=16), prompts))
     assert all(o["choices"][0]["text"] for o in outs)
     served = [metric(u, "vllm:request_success_total") - b for u, b in zip(cluster.replicas, before)]
-    assert sum(served) == len(prompts) and min(served) > 0, served
+    assert sum(served) == len(prompts) and min(served) > 0, (served, cluster.router_view())
 
 
 def conversation_replay(url: str, tag: str, turns: int = 4, conversations: int = 3) -> None:
