@@ -101,7 +101,10 @@ class EmbeddingModel:
         if not inputs:
             raise InvalidRequest("input is empty: give a string, a list of strings or token ids", "input")
         self.check_dimensions(dimensions)
-        ids = self.tokenize(inputs, truncate)
+        return self.embed_ids(self.tokenize(inputs, truncate), dimensions)
+
+    def embed_ids(self, ids: list[list[int]], dimensions: int | None = None) -> Embeddings:
+        """`embed` for inputs `tokenize` has checked already."""
         out = torch.empty(len(ids), self.dimension)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         batch: list[int] = []

@@ -173,10 +173,10 @@ class LoRAManager:
         starts, at = {}, 0
         for i in ids:
             starts[i], at = at, at + self.batch.ranks[i]
+        rows = torch.tensor(adapter_of_row)
         mask = torch.zeros(len(adapter_of_row), at)
-        for row, i in enumerate(adapter_of_row):
-            if i:
-                mask[row, starts[i] : starts[i] + self.batch.ranks[i]] = 1.0
+        for i in ids:
+            mask[rows == i, starts[i] : starts[i] + self.batch.ranks[i]] = 1.0
         self.batch.mask = mask
 
 

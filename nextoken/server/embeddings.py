@@ -83,7 +83,7 @@ class EmbeddingService:
                 batch, self._queue = self._queue, []
             flat = [x for ids, _, _ in batch for x in ids]
             try:
-                out = self.model.embed(flat)
+                out = self.model.embed_ids(flat)
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported to each caller of this pass
                 out, error = None, exc
@@ -204,18 +204,6 @@ def _cosine(a, b) -> list[float]:
 info = APIRouter()
 
 
-@info.get("/health")
-async def health(request: Request):
-    from nextoken.server.errors import error_response
-
-    state = request.app.state.server
-    if state.draining:
-        return error_response(503, "the server is shutting down")
-    if state.engine is None:
-        return error_response(503, "the model is still loading")
-    return {"status": "ok"}
-
-
 @info.get("/v1/models")
 async def models(request: Request):
     service, args = _service(request), request.app.state.args
@@ -262,6 +250,9 @@ def build_embedding_app(state, args, lifespan=None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
     _exception_handlers(app, args)
+    from nextoken.server.routes import health
+
+    app.add_api_route("/health", health, methods=["GET"])  # the generation server's own check
     app.include_router(info)
     app.include_router(router)
 
