@@ -179,15 +179,17 @@ def test_two_processes_write_the_same_blocks_at_once(tmp_path):
 
 
 def test_a_process_killed_mid_write_leaves_nothing_that_is_read(tmp_path):
-    """A real ``kill -9`` while a writer streams 8 MiB blocks: every file under its final name is
+    """A real ``kill -9`` while a writer streams 32 MiB blocks, sent once a temporary file exists: every file under its final name is
     whole, the half-written one stays a temporary file, and a later store deletes it once stale."""
-    size, killed_mid_write = 8 << 20, False
+    size, killed_mid_write = 32 << 20, False
     for attempt in range(5):
         d = tmp_path / str(attempt)
         p = subprocess.Popen([sys.executable, "-c", WRITER, str(d), "10000", str(size)])
         deadline = time.time() + 60
         while time.time() < deadline and len(list(d.glob("*/*/*.kv"))) < 3:
             time.sleep(0.05)
+        while time.time() < deadline and not list((d / "tmp").glob("*.tmp")):  # kill while a file is half-written
+            pass
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         check_every_file(d, size, 10000)
