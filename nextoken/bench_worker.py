@@ -133,6 +133,7 @@ def _sizes(llm) -> dict:
 
     kv = llm.runner.kv
     return {"threads": torch.get_num_threads(), "weights_mib": llm.runner.weight_bytes / 2**20,
+            "decode_weights_mib": llm.runner.decode_weight_bytes / 2**20,
             "kv_cache_mib": kv.nbytes / 2**20, "kv_bytes_per_token": kv.bytes_per_token}
 
 

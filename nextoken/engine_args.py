@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from nextoken.catalog import DEFAULT_MODEL
 from nextoken.cli_args import CliArgs, opt, parse_size
-from nextoken.config import KV_CACHE_DTYPES, CacheConfig
+from nextoken.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig
 from nextoken.errors import InvalidRequest
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "bf16", "fp32")
@@ -51,6 +51,10 @@ class EngineArgs(CliArgs):
                                      "Alone, rank 0 starts the others on this machine, each on its own cores; across "
                                      "hosts, launch with torchrun --nproc-per-node N --nnodes ...", type=int)
     auto_pull: bool = opt(True, "download a catalog model on first use", cli="none")
+    quantization: str | None = opt(None, "quantize a Hugging Face folder's linear and embedding weights at load "
+                                   "into GGUF blocks run by our kernels (the gguf package's quantizers: the bytes "
+                                   "llama.cpp writes); kept in the prepared-weights cache, so only the first start "
+                                   "quantizes", choices=QUANTIZATIONS)
     prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
                                 "file's SHA-256) and memory-map them on later starts", cli="bool")
     # KV cache
@@ -114,6 +118,9 @@ class EngineArgs(CliArgs):
         if self.dtype not in DTYPE_CHOICES:
             raise InvalidRequest(f"dtype {self.dtype!r} is not supported; choose from {', '.join(DTYPE_CHOICES)}",
                                  "dtype")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequest(f"quantization {self.quantization!r} is not supported; choose from "
+                                 f"{', '.join(QUANTIZATIONS)}", "quantization")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose from "
                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")

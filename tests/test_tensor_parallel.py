@@ -132,7 +132,7 @@ def test_bf16_codes_shards_stay_close_to_one_process(tmp_path):
     with LLM(str(path), dtype="bfloat16", auto_pull=False, tensor_parallel_size=2) as llm:
         describe = llm.runner.plan.describe(llm.runner.model)
         got = llm.generate([PROMPT], params)[0].outputs[0].logprobs[0]
-    assert "linears: 14 codes, 1 dense bfloat16" in describe, describe  # the head (F32 in the file) is dense
+    assert "linears: 14 codes, 1 dense-kernel" in describe, describe  # the head (F32 in the file): dense, our kernel
     common = want.keys() & got.keys()
     assert len(common) >= 15 and max(abs(want[k] - got[k]) for k in common) < 0.05
 

@@ -133,6 +133,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qdequant_bf16_t": (None, [P, P]),
     "qlookup_bf16": (_INT, [P, P, _I64, P]),
     "qmatmul_vectorized": (_INT, []),
+    "dense_bf16_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,
     "paged_decode_int8": (_INT, [P, P, P, P, P, *_PAGED[1][3:]]),

@@ -67,10 +67,22 @@ static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, in
  * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
  * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */
 static int apply(const uint16_t *x, int64_t T, const qw_t *w, qact_t qa[2], uint16_t *y) {
+    if (w->bits == 16) return dense_bf16_matmul(x, 1, T, w, y, 1, w->N); /* dense bf16: no quantization */
     const int64_t QB = qw_act_block(w);
     qact_t *a = &qa[QB != 32];
     if (!a->q && quantize(x, 1, T, w->K, QB, a)) return 1;
     qmatmul_q(a, w, y, 1, w->N);
+    return 0;
+}
+
+/* apply for weights that share x (q, k, v; gate, up): dense bf16 ones in one pass over all their
+ * rows (dense_bf16_multi), else one by one */
+static int apply_n(const uint16_t *x, int64_t T, const qw_t *const *ws, int n, qact_t qa[2], uint16_t *const *ys) {
+    int dense = 1;
+    for (int i = 0; i < n; i++) dense &= ws[i]->bits == 16;
+    if (dense) return dense_bf16_multi(x, 1, T, ws, n, (void *const *)ys, 1);
+    for (int i = 0; i < n; i++)
+        if (apply(x, T, ws[i], qa, ys[i])) return 1;
     return 0;
 }
 
@@ -125,7 +137,9 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
         const layer_t *ly = layers + l;
         qact_t qa[2] = {{0}, {0}};
         rms_norm_rows_bf16(h, ly->attn_norm, T, hidden, eps, x);
-        rc = apply(x, T, &ly->q, qa, q) || apply(x, T, &ly->k, qa, k) || apply(x, T, &ly->v, qa, v);
+        const qw_t *qkv[3] = {&ly->q, &ly->k, &ly->v}, *gu[2] = {&ly->gate, &ly->up};
+        uint16_t *qkv_out[3] = {q, k, v}, *gu_out[2] = {g, u};
+        rc = apply_n(x, T, qkv, 3, qa, qkv_out);
         qacts_free(qa);
         if (rc) break;
         for (int64_t t = 0; t < T; t++) {
@@ -144,7 +158,7 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
         if (rc) break;
         for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
         rms_norm_rows_bf16(h, ly->ffn_norm, T, hidden, eps, x);
-        rc = apply(x, T, &ly->gate, qa, g) || apply(x, T, &ly->up, qa, u);
+        rc = apply_n(x, T, gu, 2, qa, gu_out);
         qacts_free(qa);
         if (rc) break;
         silu_mul_bf16(g, u, g, T * inter); /* a scalar expf loop took 46 us of Qwen-1.5B's layer */

@@ -720,8 +720,11 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
 #endif /* QM_AVX2 */
 #endif
 
+#include "dense_bf16.c" /* bits == 16: dense bf16 rows */
+
 static int qw_ok(const qw_t *w) {
     const int64_t G = w->group;
+    if (w->bits == 16) return w->N > 0 && w->K > 0 && w->codes && !w->scales;
     return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
            (w->bits >= 4 && w->bits <= 8 && w->bits != 7) && !(w->bits <= 5 && G != 32) && !(w->bits == 6 && G != 16) &&
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
@@ -752,6 +755,7 @@ static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64
  * Returns 0, 1 when out of memory, 2 for a weight the kernel does not take. */
 int qmatmul(const void *x, int x_bf16, int64_t M, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
     if (!qw_ok(w)) return 2;
+    if (w->bits == 16) return dense_bf16_matmul(x, x_bf16, M, w, y, y_bf16, ldy);
     qact_t a;
     if (quantize(x, x_bf16, M, w->K, qw_act_block(w), &a)) return 1;
     qmatmul_q(&a, w, y, y_bf16, ldy);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nextoken.layers.quantization.methods import load_codes
+from nextoken.layers.quantization.methods import load_codes, store_dense
 from nextoken.layers.quantization.qweight import QuantWeight
 from nextoken.layers.quantization.ggml import QK, _f16
 
@@ -40,7 +40,7 @@ class Embedding(torch.nn.Module):
         elif form == "q8_0":
             self.set_q8_0(t.raw())
         else:
-            self.weight.data.copy_(t.dense(self.dtype))
+            self.weight = store_dense(self.weight, t, self.dtype)
 
     def set_qweight(self, qweight: QuantWeight) -> None:
         self.qweight = qweight

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, LinearMethod, TorchInt4Method, expand_int4
-from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16
+from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
+                                                  TorchInt4Method, expand_int4)
+from nextoken.layers.quantization.qweight import QuantWeight, dense_c_struct, dequantize_bf16
 
 
 class Linear(torch.nn.Module):
@@ -62,12 +63,20 @@ class Linear(torch.nn.Module):
         self.method = method
 
     def qweight_c(self):
-        """The kernel's view of the codes with this layer's bias (float32), built once."""
+        """The kernel's view of the weight (its codes, or the dense bf16 weight the dense kernel
+        multiplies: `DenseKernelMethod`) with this layer's bias (float32), built once."""
         if self._qweight_c is None:
             if self.bias is not None:
                 self.bias_f32 = self.bias.float()
-            self._qweight_c = self.qweight.c_struct(self.bias_f32)
+            self._qweight_c = (self.qweight.c_struct(self.bias_f32) if self.qweight is not None
+                               else dense_c_struct(self.weight, self.bias_f32))
         return self._qweight_c
+
+    @property
+    def on_kernel(self) -> bool:
+        """Whether our C kernel holds this weight (codes, or dense bf16): the one-call decode step
+        can run it."""
+        return isinstance(self.method, (CodesMethod, DenseKernelMethod))
 
     def set_int4(self, parts: list[tuple[torch.Tensor, torch.Tensor]], keep_dense: bool = False) -> None:
         """Keep the weight as int4 parts ``(packed, scales_and_zeros)`` (`torch_int4.pack_int4`),

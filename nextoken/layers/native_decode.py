@@ -25,8 +25,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """The C decode path for a model whose layers `decode_step.serves` and whose linears all
-    hold `QuantWeight` codes; `lib`: the ``decode`` library the execution plan resolved."""
+    """The C decode path for a model whose layers `decode_step.serves` and whose projections all
+    run on our kernel (`Linear.on_kernel`: `QuantWeight` codes or dense bf16); `lib`: the
+    ``decode`` library the execution plan resolved."""
 
     def __init__(self, model, lib):
         self.model = model
@@ -36,16 +37,23 @@ class NativeDecoder:
 
     @staticmethod
     def supports(model) -> bool:
-        """bf16, layers decode.c implements (`decode_step.serves`) and every projection as codes.
-        (Whether the kernel builds is the plan's check.)"""
-        if model.dtype != torch.bfloat16 or not serves(model.config):
-            return False
+        """bf16, layers decode.c implements (`decode_step.serves`) and every projection on our
+        kernel. (Whether the kernel builds is the plan's check.)"""
+        return NativeDecoder.why_not(model) is None
+
+    @staticmethod
+    def why_not(model) -> str | None:
+        """Why `supports` says no, in words for the plan's log line; None when it says yes."""
+        if model.dtype != torch.bfloat16:
+            return f"{str(model.dtype).removeprefix('torch.')} weights"
+        if not serves(model.config):
+            return f"not for this architecture ({model.config.architecture}) or its head shapes"
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            if any(lin.qweight is None for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                                     m.down_proj)):
-                return False
-        return True
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                if not lin.on_kernel:
+                    return f"a projection on {lin.method.name}, not our kernel"
+        return None
 
     def _layers(self, kv) -> ctypes.Array:
         if self._table is None or self._kv is not kv:

@@ -1,7 +1,11 @@
 """Hugging Face model folders: ``config.json`` + ``*.safetensors`` (one file, or shards listed by
 ``model.safetensors.index.json``) + ``tokenizer.json`` / ``tokenizer_config.json``.
 
-Tensors are read with the `safetensors` library, one at a time, straight into our parameters.
+Tensors are read with the `safetensors` library, one at a time, straight into our parameters;
+a tensor already in the dtype the model runs in (a bf16 folder served in bf16) is not read at
+all: the parameter is a view of the file, memory-mapped copy-on-write (`mapped`), so the pages
+are read on first use and the weights take their size once, not once in the page cache and
+once more in the process.
 Only safetensors are loaded: a pickle checkpoint (``*.bin``, ``*.pt``) can run arbitrary code
 when unpickled, so a folder that has only those is refused with a message saying so.
 """
@@ -9,7 +13,9 @@ when unpickled, so a folder that has only those is refused with a message saying
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from typing import Any
 
 import torch
@@ -28,6 +34,7 @@ HF_ARCHITECTURES = {
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.bfloat16}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -51,6 +58,7 @@ class HFModelDir:
             raise ModelLoadError(f"{cfg_path} is not readable JSON: {exc}") from None
         self._files = self._weight_files()
         self._handles: dict[str, Any] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
         self._where: dict[str, str] = {}
         for f in self._files:
             for name in self._open(f).keys():
@@ -98,6 +106,35 @@ class HFModelDir:
         if name not in self._where:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the safetensors weights")
         return self._open(self._where[name]).get_tensor(name).to(dtype)
+
+    def mapped(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """Tensor `name` as a view of its file (copy-on-write: writes stay in this process), when
+        the file stores it as `dtype`; None otherwise (another dtype, or a header this reader does
+        not follow: the caller reads a copy with `tensor`). The safetensors layout: an 8-byte
+        little-endian header size, a JSON header of ``{name: {dtype, shape, data_offsets}}``,
+        then the data, offsets relative to its start."""
+        file = self._where.get(name)
+        if file is None:
+            return None
+        if file not in self._maps:
+            try:
+                with open(file, "rb") as fh:
+                    size = struct.unpack("<Q", fh.read(8))[0]
+                    header = json.loads(fh.read(size))
+                    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):
+                return None
+            self._maps[file] = (buf, 8 + size, header)
+        buf, base, header = self._maps[file]
+        entry = header.get(name) or {}
+        if SAFETENSORS_DTYPES.get(entry.get("dtype")) != dtype:
+            return None
+        start, stop = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        count = stop - start
+        if count != dtype.itemsize * int(torch.Size(shape).numel()) or base + stop > len(buf):
+            return None
+        return torch.frombuffer(buf, dtype=dtype, count=count // dtype.itemsize, offset=base + start).view(shape)
 
     def release_metadata(self) -> None:
         """Nothing to release (for symmetry with `GGUFFile`)."""

@@ -180,13 +180,16 @@ class PreparedFile:
 
 
 class PreparedWeights:
-    """The cache for one GGUF file: `codes(name, build)` returns the stored `QuantWeight` of
-    tensor `name`, or builds it with `build()` and keeps it for `save`."""
+    """The cache for one GGUF file, or for a Hugging Face folder quantized at load to the format
+    `variant` (``--quantization``; the key then covers the folder's content and the format):
+    `codes(name, build)` returns the stored `QuantWeight` of tensor `name`, or builds it with
+    `build()` and keeps it for `save`."""
 
-    def __init__(self, model_path: str, directory: Path | None = None):
+    def __init__(self, model_path: str, directory: Path | None = None, variant: str | None = None):
         from nextoken.catalog import cache_dir
 
-        self.key = file_key(model_path)
+        self.key = file_key(model_path) if variant is None else \
+            hashlib.sha256(f"{content_key(model_path)}:{variant}".encode()).hexdigest()
         self.path = (directory or cache_dir() / "prepared") / f"{self.key}-v{LAYOUT_VERSION}.safetensors"
         self.dense: dict = {}  # dense tensors (norms, biases) by checkpoint name
         self.stored = self._read()

@@ -47,6 +47,7 @@ class CheckpointTensor:
     read_dense: Callable[[torch.dtype], torch.Tensor]
     read_raw: Callable[[int, int | None], torch.Tensor] | None = None
     row_head_dim: int | None = None
+    read_mapped: Callable[[torch.dtype], torch.Tensor | None] | None = None  # a view of the file, if stored so
     prepared: PreparedWeights | None = None  # the prepared-weights cache of its file, if used
 
     @property
@@ -58,6 +59,11 @@ class CheckpointTensor:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.map_rows(self.read_dense(dtype))
+
+    def stored(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The tensor as a view of its file when the file holds it in `dtype` as it is (no
+        transform, no row mapping): the caller keeps the view instead of a copy. Else None."""
+        return self.read_mapped(dtype) if self.read_mapped is not None and not self.maps_rows else None
 
     def raw(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.read_raw is None:
@@ -82,7 +88,10 @@ class CheckpointTensor:
         if dim == 0:
             read_raw = None if self.read_raw is None else \
                 lambda a, b: self.read_raw(start + a, start + (stop - start if b is None else b))
-            return CheckpointTensor(name, self.type_name, tuple(shape), read_dense, read_raw, self.row_head_dim)
+            read_mapped = None if self.read_mapped is None else \
+                lambda dtype: (lambda v: None if v is None else v[start:stop])(self.read_mapped(dtype))
+            return CheckpointTensor(name, self.type_name, tuple(shape), read_dense, read_raw, self.row_head_dim,
+                                    read_mapped=read_mapped)
         block, size = block_geometry(self.type_name)
         if self.read_raw is None or start % block or stop % block:
             return CheckpointTensor(name, "F32", tuple(shape), read_dense, None, self.row_head_dim)
@@ -154,6 +163,12 @@ def hf_names(model, source: HFModelDir) -> dict[str, str]:
     return m
 
 
+def hf_transformed(architecture: str, name: str) -> bool:
+    """Whether `hf_transform` changes this tensor (then it is never used as a view of the file)."""
+    return (architecture == "gpt2" and name.endswith(GPT2_CONV1D)) or \
+        (architecture == "gemma3" and name.endswith("norm.weight"))
+
+
 def hf_transform(architecture: str, name: str, w: torch.Tensor) -> torch.Tensor:
     """A Hugging Face tensor in our layout: GPT-2's ``Conv1D`` weights (``[in, out]``) transposed;
     Gemma's RMSNorm weights stored as ``w - 1`` by `transformers` made ``w`` (as GGUF has them)."""
@@ -171,10 +186,13 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: boo
     `prepared_cache` (GGUF weights as codes), codes come from and go to the prepared-weights cache.
     `shards` (tensor parallelism): per parameter, the ``(dim, start, stop)`` slice of its
     checkpoint tensor this rank loads (`CheckpointTensor.shard`)."""
+    progress = None
     if isinstance(source, HFModelDir):
         arch = model.config.architecture
         tensors = {ours: _hf_tensor(source, name, arch) for name, ours in hf_names(model, source).items()}
         prepared = None
+        if plan.quantization:
+            tensors, prepared, progress = _quantized(model, source, tensors, plan, prepared_cache)
     else:
         tensors = {ours: _gguf_tensor(source, name, hd) for name, (ours, hd) in gguf_names(model).items()}
         prepared = PreparedWeights(source.path) if prepared_cache and plan.codes else None
@@ -197,10 +215,31 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: boo
                 prepared.keep_dense(t.name, params[ours].data)
     if model.config.tie_word_embeddings:
         _tie_head(model, tensors["embed_tokens.weight"], plan)
+    if progress is not None:
+        progress.close()
     if prepared is not None:
         if getattr(model, "inv_freq", None) is not None:  # RoPE's frequencies, as the model computed them
             prepared.keep_dense(PREPARED_INV_FREQ, model.inv_freq)
         prepared.save()
+
+
+def _quantized(model, source: HFModelDir, tensors: dict, plan, prepared_cache: bool):
+    """``--quantization``: the folder's linear and embedding weights as GGUF blocks of the plan's
+    format (`loader.quantize`), with the prepared-weights cache of the folder's content and that
+    format (when `prepared_cache` and the codes run on our kernel)."""
+    from nextoken.loader.quantize import GGML_TYPES, Progress, at_load, quantizable
+
+    type_name = GGML_TYPES[plan.quantization]
+    chosen = [ours for ours, t in tensors.items() if ours.endswith(".weight")
+              and quantizable(model.get_submodule(ours.rsplit(".", 1)[0]), t)]
+    progress = Progress(len(chosen), plan.quantization)
+    prepared = PreparedWeights(source.path, variant=plan.quantization) if prepared_cache and plan.codes else None
+    out = dict(tensors)
+    for ours in chosen:
+        out[ours] = at_load(tensors[ours], type_name, progress)
+    for t in out.values():
+        t.prepared = prepared
+    return out, prepared, progress
 
 
 def _tie_head(model, table: CheckpointTensor, plan) -> None:
@@ -212,7 +251,8 @@ def _tie_head(model, table: CheckpointTensor, plan) -> None:
     if emb.qweight is not None and isinstance(method, CodesMethod):
         head.set_qweight(emb.qweight, method)
     elif emb.weight is not None:
-        head.weight, head.method = emb.weight, DenseMethod()
+        head.weight = emb.weight  # the same table, on our kernel when the plan runs dense weights there
+        head.method = method if isinstance(method, DenseMethod) else DenseMethod()
     else:
         head.weight_loader(table, plan)
 
@@ -230,5 +270,7 @@ def _hf_tensor(d: HFModelDir, name: str, arch: str) -> CheckpointTensor:
     shape = d.tensor_shape(name)
     if arch == "gpt2" and name.endswith(GPT2_CONV1D):
         shape = tuple(reversed(shape))
+    plain = not hf_transformed(arch, name)
     return CheckpointTensor(name, "F32", shape,
-                            lambda dtype: hf_transform(arch, name, d.tensor(name, torch.float32)).to(dtype))
+                            lambda dtype: hf_transform(arch, name, d.tensor(name, torch.float32)).to(dtype),
+                            read_mapped=(lambda dtype: d.mapped(name, dtype)) if plain else None)

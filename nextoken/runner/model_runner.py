@@ -21,6 +21,7 @@ from nextoken.layers.sliding_attention import build_sliding_metadata
 from nextoken.kv_cache.tensors import PagedKVCache, SlidingKVCache
 from nextoken.layers.native_decode import NativeDecoder
 from nextoken.loader.gguf import GGUFFile, read_model_config
+from nextoken.errors import ModelLoadError
 from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
@@ -123,10 +124,11 @@ class ModelRunner:
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
-                 prepared_cache: bool = False, tp=None):
+                 prepared_cache: bool = False, tp=None, quantization: str | None = None):
         self.config: ModelConfig = read_config(source)
         self.dtype, self.tp = dtype, tp
-        self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights)
+        check_quantization(quantization, source, dtype)
+        self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights, quantization)
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
@@ -157,7 +159,7 @@ class ModelRunner:
 
         runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
                      dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
-                     prepared_cache=args.prepared_cache, tp=tp)
+                     prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization)
         if args.enable_lora:
             runner.enable_lora(args.max_loras, args.max_lora_rank)
         return runner
@@ -187,6 +189,18 @@ class ModelRunner:
             qw = getattr(m, "qweight", None)
             tensors += [t for t in (qw.codes, qw.scales, qw.mins) if t is not None] if qw is not None else []
         return sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: `weight_bytes` less the embedding table but one
+        row of it (a step looks up one row per sequence), unless the LM head reads that same table
+        (tied), which then counts once, as the head."""
+        emb, head = self.model.embed_tokens, self.model.lm_head
+        tied = (emb.weight is not None and emb.weight is getattr(head, "weight", None)) or \
+            (emb.qweight is not None and emb.qweight is getattr(head, "qweight", None))
+        if tied:
+            return self.weight_bytes
+        return self.weight_bytes - emb.nbytes + emb.nbytes // emb.vocab_size
 
     def init_kv_cache(self, num_blocks: int, block_size: int, sliding_blocks: int = 0,
                       ring_blocks: int = 0, cache_dtype: str = "auto") -> PagedKVCache:
@@ -309,6 +323,19 @@ def score(model, hidden: torch.Tensor, targets: list[int], top: int, chunk: int 
                 entry.update(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
             out.append(entry)
     return out
+
+
+def check_quantization(quantization: str | None, source, dtype: torch.dtype) -> None:
+    """``--quantization`` needs a Hugging Face folder (a GGUF file's tensors are already in their
+    formats) and bf16 (float32 is the exact reference); `ModelLoadError` says which is wrong."""
+    if quantization is None:
+        return
+    if not isinstance(source, HFModelDir):
+        raise ModelLoadError(f"--quantization {quantization} quantizes a Hugging Face folder's weights at load; "
+                             f"{source.path} is a GGUF file, whose tensors keep the formats they were written in")
+    if dtype != torch.bfloat16:
+        raise ModelLoadError(f"--quantization {quantization} runs in bfloat16; --dtype "
+                             f"{str(dtype).removeprefix('torch.')} is the unquantized reference")
 
 
 def read_config(source: GGUFFile | HFModelDir) -> ModelConfig:

@@ -6,13 +6,16 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
 
 - **linears**: per layer, a `LinearMethod` (`layers.quantization.methods`): GGUF codes on our C
   kernel (bf16, kernels on, a block format we map), PyTorch's int4 kernel (bf16 without our
-  kernels, 4-bit or Q8_0 blocks), or dense (everything else, and float32: the reference);
+  kernels, 4-bit or Q8_0 blocks), dense bf16 on our kernel for few rows (bf16, kernels on:
+  a Hugging Face folder's weights), or dense on PyTorch (everything else, and float32: the
+  reference);
 - **embedding**: codes (sharing them with a tied head), Q8_0 rows (PyTorch path), or dense;
 - **attention**: ``reference`` (plain float32 attention, the oracle), ``native`` (our C decode
   kernel reading the paged cache in place, blocked matmuls for prefill) or ``torch`` (the same
   without the C kernel); carried to the layers in `AttentionMetadata.backend`;
 - **native decode**: whether a batch of single-token decodes runs every layer in one C call
-  (`layers.native_decode`): bf16, an architecture it implements, every projection as codes;
+  (`layers.native_decode`): bf16, an architecture it implements, every projection on our kernel
+  (codes or dense bf16);
 - **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
   C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; the library handed to each
   SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load.
@@ -38,11 +41,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels import KernelSet
-from nextoken.layers.quantization.methods import CodesMethod, DenseMethod, LinearMethod, TorchInt4Method
+from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
+                                                  TorchInt4Method)
 from nextoken.layers.quantization.qweight import qweight_supported
 from nextoken.layers.quantization.torch_int4 import int4_supported
 
 log = logging.getLogger("nextoken.plan")
+DENSE_TYPES = ("F32", "F16", "BF16")  # dense checkpoint tensors (a safetensors tensor reads as F32)
 
 
 @dataclass
@@ -57,14 +62,17 @@ class ExecutionPlan:
     attention: str  # "reference" | "native" | "torch"
     native_decode: bool = False
     native_activations: bool = False
+    quantization: str | None = None  # a folder's weights quantized at load to this format (`loader.quantize`)
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
     kernels: KernelSet = KernelSet()  # the libraries resolved once; None where PyTorch runs
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
-               keep_quantized: bool = True, dense_weights: bool = False) -> ExecutionPlan:
+               keep_quantized: bool = True, dense_weights: bool = False,
+               quantization: str | None = None) -> ExecutionPlan:
         """The plan for a model in `dtype` on this machine. `keep_quantized`: block-quantized
-        weights stay quantized (bf16 only; float32 de-quantizes everything, the reference)."""
+        weights stay quantized (bf16 only; float32 de-quantizes everything, the reference).
+        `quantization`: a Hugging Face folder's weights are quantized at load to this format."""
         reasons = {}
         ks = KernelSet.resolve(not enforce_eager)
         native = ks != KernelSet()
@@ -86,7 +94,7 @@ class ExecutionPlan:
             attention = "torch"
         activations = dtype == torch.bfloat16 and ks.activation is not None
         return cls(dtype, codes, quantized and not codes, dense_weights, attention,
-                   native_activations=activations, reasons=reasons, kernels=ks)
+                   native_activations=activations, quantization=quantization, reasons=reasons, kernels=ks)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -95,7 +103,14 @@ class ExecutionPlan:
             return CodesMethod(self.kernels.qmatmul)
         if self.torch_int4 and int4_supported(type_name, rows, cols, self.dtype):
             return TorchInt4Method(self.dense_weights)
+        if self.dense_kernel and type_name in DENSE_TYPES:
+            return DenseKernelMethod(self.kernels.qmatmul)
         return DenseMethod()
+
+    @property
+    def dense_kernel(self) -> bool:
+        """Dense weights on our kernel: bf16 and the ``qmatmul`` library built."""
+        return self.dtype == torch.bfloat16 and self.kernels.qmatmul is not None
 
     def embedding_form(self, type_name: str, rows: int, cols: int) -> str:
         """``"codes"``, ``"q8_0"`` (int8 rows and scales, the PyTorch path) or ``"dense"``."""
@@ -127,13 +142,12 @@ class ExecutionPlan:
             self.reasons["attention"] = f"head_dim {cfg.head_dim} or {cfg.num_queries_per_kv} heads per KV head"
         if self.kernels.prefill_scores is not None and (self.dtype != torch.bfloat16 or cfg.head_dim % 2):
             self.kernels = replace(self.kernels, prefill_scores=None)
-        self.native_decode = NativeDecoder.supports(model) and self.codes and self.kernels.decode is not None
+        self.native_decode = NativeDecoder.supports(model) and self.kernels.decode is not None
         if tensor_parallel and self.native_decode:
             self.native_decode = False
             self.reasons["native decode"] = "tensor parallel (all-reduces between the layers)"
-        elif not self.native_decode and self.codes:
-            self.reasons["native decode"] = "not for this architecture or these weights" \
-                if not NativeDecoder.supports(model) else "the decode kernel did not build"
+        elif not self.native_decode and (self.codes or self.dense_kernel):
+            self.reasons["native decode"] = NativeDecoder.why_not(model) or "the decode kernel did not build"
 
     def settle_cache(self, int8_cache: bool) -> None:
         """When the KV cache is made: an int8 cache needs bf16 queries in the C decode attention."""
@@ -162,6 +176,8 @@ class ExecutionPlan:
         decode = "one C call per step" if self.native_decode else "PyTorch layers"
         act = "C" if self.native_activations else "PyTorch"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
-        return (f"execution plan: {str(self.dtype).removeprefix('torch.')}; linears: {linears}; embedding: {emb_form}; "
+        quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""
+        return (f"execution plan: {str(self.dtype).removeprefix('torch.')}{quantized}; linears: {linears}; "
+                f"embedding: {emb_form}; "
                 f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}"
                 + (f" ({off})" if off else ""))

@@ -3,6 +3,9 @@ layer, chosen at load by the model runner's execution plan (`nextoken.runner.pla
 from then on.
 
 - `DenseMethod`: the weight as a dense tensor in the model's dtype; PyTorch's matmul.
+- `DenseKernelMethod`: a dense bf16 weight on our C kernel (``kernels/dense_bf16.c``) for calls
+  of few rows (decode, the LM head), PyTorch's matmul for larger ones (in float32 where the CPU
+  has no bf16 matmul instructions: PyTorch's bf16 matmul there is several times slower).
 - `CodesMethod`: GGUF block codes (`qweight.QuantWeight`) on our C kernel (``kernels/qmatmul.c``,
   int8 activations, AVX-512 VNNI), for every call, prefill included.
 - `TorchInt4Method`: 4-bit blocks (and Q8_0 as two 4-bit halves) packed for PyTorch's int4 kernel
@@ -18,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nextoken.kernels import count_fallback
-from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16, gguf_codes, qmatmul
+from nextoken.kernels import bf16_matmul_native, count_fallback
+from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16, gguf_codes, kernel_matmul, qmatmul
 from nextoken.layers.quantization.torch_int4 import empty_int4, int4_groups, int4_linear, int4_unpack, pack_int4
 
 LOAD_CHUNK_ROWS = 4096  # rows converted at a time (a multiple of 64, the int4 packing block)
@@ -45,10 +48,43 @@ class DenseMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def load(self, layer, t) -> None:
-        if layer.weight is None:  # released by an earlier form: a fresh one
-            layer.weight = torch.nn.Parameter(torch.empty(t.shape, dtype=layer.dtype), requires_grad=False)
-        layer.weight.data.copy_(t.dense(layer.dtype))
+        layer.weight = store_dense(layer.weight, t, layer.dtype)
         layer.method = self
+
+
+def store_dense(param: torch.nn.Parameter | None, t, dtype: torch.dtype) -> torch.nn.Parameter:
+    """Checkpoint tensor `t` as a dense parameter in `dtype`: the file's own pages when it stores
+    it so (`CheckpointTensor.stored`: no copy), else `param` (or a fresh one) filled with a copy."""
+    view = t.stored(dtype)
+    if view is not None:
+        return torch.nn.Parameter(view, requires_grad=False)
+    if param is None or param.dtype != dtype:  # released by an earlier form: a fresh one
+        param = torch.nn.Parameter(torch.empty(t.shape, dtype=dtype), requires_grad=False)
+    param.data.copy_(t.dense(dtype))
+    return param
+
+
+class DenseKernelMethod(DenseMethod):
+    """A dense bf16 weight on our kernel (``kernels/dense_bf16.c``, through ``qmatmul`` with a
+    ``bits == 16`` weight; `lib`: the library the execution plan resolved) for calls of up to
+    `MAX_ROWS` rows and for a layer with ``few_rows`` (the LM head); PyTorch's matmul beyond,
+    computed in float32 and rounded once on a CPU without bf16 matmul instructions
+    (`kernels.bf16_matmul_native`), which is what PyTorch's bf16 matmul computes, 4x faster there
+    at 512 rows. The one-call decode step (`layers.native_decode`) runs the same kernel."""
+
+    name = "dense-kernel"
+    MAX_ROWS = 32  # the kernel up to here (a batch of decodes); crossover in benchmarks/dense_bf16.py
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def apply(self, layer, x):
+        if x.dtype == torch.bfloat16 and (x.shape[0] <= self.MAX_ROWS or layer.few_rows):
+            return kernel_matmul(x, layer.qweight_c(), layer.out_features, lib=self.lib)
+        if x.dtype != torch.bfloat16 or bf16_matmul_native():
+            return F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+        y = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+        return y.to(x.dtype)
 
 
 class CodesMethod(LinearMethod):

@@ -314,6 +314,38 @@ def qmatmul_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
     return y.float()
 
 
+def dense_c_struct(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QW:
+    """The kernel's view of a dense bf16 weight ``[N, K]`` (contiguous; ``bits`` 16, no scales):
+    ``kernels/dense_bf16.c``. bias: float32 ``[N]`` or None. The tensors must outlive the view."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"dense kernel weight: a contiguous 2-D bf16 tensor, not {weight.dtype} {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    return QW(weight.data_ptr(), None, None, None, None, _ptr(bias), 0.0, 16, 0, 0, rows, cols)
+
+
+def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | None = None, lib=None,
+                  portable: bool = False) -> torch.Tensor | None:
+    """``x [M, K]`` (float32 or bf16) times the weight `c` describes (codes, or dense bf16:
+    `dense_c_struct`) -> ``[M, rows]`` in `out_dtype` (x's dtype by default), on the C kernel
+    (``qmatmul``); None when the kernel is unavailable or x's dtype has no path. `lib`: the
+    library the plan resolved, else loaded here (`portable`: its plain C loops). Raises
+    `MemoryError` when it cannot allocate, `ValueError` for a weight it does not take."""
+    lib = lib if lib is not None else load("qmatmul", portable)
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(x.shape[0], rows, dtype=out_dtype)
+    rc = lib.qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
+                     ctypes.c_int64(x.shape[0]), ctypes.byref(c), ctypes.c_void_p(y.data_ptr()),
+                     ctypes.c_int(out_dtype == torch.bfloat16), ctypes.c_int64(rows))
+    if rc == 1:
+        raise MemoryError("qmatmul: out of memory for its buffers")
+    if rc != 0:
+        raise ValueError(f"qmatmul: unsupported weight (bits {c.bits}, group {c.group}, shape [{c.N}, {c.K}])")
+    return y
+
+
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None, portable: bool = False, c: QW | None = None,
             lib=None) -> torch.Tensor | None:
@@ -323,22 +355,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     kernel's plain C loops (tests). `lib`: the library the execution plan resolved (the model's
     layers pass it; without it the kernel is loaded here). Raises `ValueError` for a shape the
     kernel does not take."""
-    lib = lib if lib is not None else load("qmatmul", portable)
-    if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    x = x.contiguous()
-    rows = w.shape[0]
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(x.shape[0], rows, dtype=out_dtype)
-    c = c if c is not None else w.c_struct(bias)
-    rc = lib.qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
-                     ctypes.c_int64(x.shape[0]), ctypes.byref(c), ctypes.c_void_p(y.data_ptr()),
-                     ctypes.c_int(out_dtype == torch.bfloat16), ctypes.c_int64(rows))
-    if rc == 1:
-        raise MemoryError("qmatmul: out of memory for the quantized activations")
-    if rc != 0:
-        raise ValueError(f"qmatmul: unsupported weight (bits {w.bits}, group {w.group}, shape {w.shape})")
-    return y
+    return kernel_matmul(x, c if c is not None else w.c_struct(bias), w.shape[0], out_dtype, lib, portable)
 
 
 _scratch = threading.local()
