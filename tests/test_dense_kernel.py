@@ -30,10 +30,10 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 @needs_kernel
 @pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 9, 33])
 @pytest.mark.parametrize("n,k", [(40, 64), (37, 50), (129, 200)])
 def test_product_equals_float64_within_float32_sums(portable, m, n, k):
-    """Streaming (up to 4 rows), widened pairs with an odd last row (5, 9, 33), tails of K (50,
+    """Streaming (up to 4 rows), widened triples and pairs with a last single row (5, 7, 9, 33), tails of K (50,
     200: not multiples of 16) and of N (37, 129: not multiples of the 16-row block)."""
     lib_ = load("qmatmul", portable=True) if portable else lib
     if not portable:

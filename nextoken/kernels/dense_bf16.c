@@ -11,11 +11,11 @@
  * contiguous range of rows, DB_ROWS rows at a time, each row one sequential stream.
  *   AVX512-BF16 (vdpbf16ps): x rounded to bf16 once (a bf16 model's activations already are),
  *     pairs of products summed in float32 by the instruction;
- *   AVX2 + FMA and AVX-512F: each bf16 is widened (a 16-bit shift: bf16 is the top half of a
- *     float32) and multiplied in float32;
+ *   AVX2 + FMA (also on an AVX-512 CPU without BF16): each bf16 is widened (a 16-bit shift:
+ *     bf16 is the top half of a float32) and multiplied in float32;
  *   portable C: the same float32 products and sums, one lane at a time.
- * More rows than DB_MROWS (a batch of decodes) share each widened block of DB_ROWS weight rows,
- * kept in float32 in L2 for every row of x; larger calls (prefill) are left to the caller's
+ * More rows than DB_MROWS (a batch of decodes) share each block of DB_BLOCK weight rows, widened
+ * to float32 once and kept in L2 for every row of x; larger calls (prefill) are left to the caller's
  * float32 matmul, which the Linear layer runs (`layers.quantization.methods.DenseKernelMethod`).
  */
 #include <stdint.h>
@@ -126,11 +126,37 @@ static void db_dots_row_bf16(const uint16_t *xb, const uint16_t *W, int64_t K, i
 }
 #endif
 
-/* every row of xf [M, K] against the nr weight rows wf [nr, K], already widened to float32:
- * out [M, nr]. The vector loop takes two rows of x and four of wf at a time (eight sums). */
-static void db_dots_block(const float *xf, int64_t M, const float *wf, int64_t K, int64_t nr, float *out) {
+/* rows of xf [M, K] against the nr weight rows wf [nr, K], already widened to float32: out [M, nr].
+ * The vector loop takes three rows of x and four of wf at a time (twelve sums, seven loads),
+ * then two; returns how many rows it did (all of them in the portable build; a last odd row is
+ * left to db_dots_row, which streams the bf16 rows). */
+static int64_t db_dots_block(const float *xf, int64_t M, const float *wf, int64_t K, int64_t nr, float *out) {
     int64_t m = 0;
 #ifdef DB_AVX2
+    if (K % 8 == 0 && nr % DB_ROWS == 0)
+        for (; m + 3 <= M; m += 3) { /* three rows of x against four of wf: twelve sums, seven loads */
+            const float *x0 = xf + m * K, *x1 = x0 + K, *x2 = x1 + K;
+            for (int64_t r = 0; r < nr; r += DB_ROWS) {
+                const float *w0 = wf + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+                for (int64_t k = 0; k < K; k += 8) {
+                    const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k), z = _mm256_loadu_ps(x2 + k);
+                    __m256 q = _mm256_loadu_ps(w0 + k);
+                    a0 = _mm256_fmadd_ps(q, u, a0), b0 = _mm256_fmadd_ps(q, v, b0), c0 = _mm256_fmadd_ps(q, z, c0);
+                    q = _mm256_loadu_ps(w1 + k);
+                    a1 = _mm256_fmadd_ps(q, u, a1), b1 = _mm256_fmadd_ps(q, v, b1), c1 = _mm256_fmadd_ps(q, z, c1);
+                    q = _mm256_loadu_ps(w2 + k);
+                    a2 = _mm256_fmadd_ps(q, u, a2), b2 = _mm256_fmadd_ps(q, v, b2), c2 = _mm256_fmadd_ps(q, z, c2);
+                    q = _mm256_loadu_ps(w3 + k);
+                    a3 = _mm256_fmadd_ps(q, u, a3), b3 = _mm256_fmadd_ps(q, v, b3), c3 = _mm256_fmadd_ps(q, z, c3);
+                }
+                float *o0 = out + m * nr + r, *o1 = o0 + nr, *o2 = o1 + nr;
+                o0[0] = hsum8(a0), o0[1] = hsum8(a1), o0[2] = hsum8(a2), o0[3] = hsum8(a3);
+                o1[0] = hsum8(b0), o1[1] = hsum8(b1), o1[2] = hsum8(b2), o1[3] = hsum8(b3);
+                o2[0] = hsum8(c0), o2[1] = hsum8(c1), o2[2] = hsum8(c2), o2[3] = hsum8(c3);
+            }
+        }
     if (K % 8 == 0 && nr % DB_ROWS == 0)
         for (; m + 2 <= M; m += 2) {
             const float *x0 = xf + m * K, *x1 = x0 + K;
@@ -156,6 +182,9 @@ static void db_dots_block(const float *xf, int64_t M, const float *wf, int64_t K
             }
         }
 #endif
+#ifdef DB_AVX2
+    if (K % 8 == 0 && nr % DB_ROWS == 0) return m; /* a last row: the caller streams it (db_dots_row) */
+#endif
     for (; m < M; m++) /* portable: 8 lanes, as the vector loop sums */
         for (int64_t r = 0; r < nr; r++) {
             const float *x = xf + m * K, *w = wf + r * K;
@@ -167,6 +196,7 @@ static void db_dots_block(const float *xf, int64_t M, const float *wf, int64_t K
             for (; k < K; k++) s += x[k] * w[k];
             out[m * nr + r] = s;
         }
+    return m;
 }
 
 #define DB_MROWS 4  /* up to this many rows of x stream the weights directly; more widen them once */
@@ -186,9 +216,8 @@ static void db_block(const float *xf, const uint16_t *xb, int64_t M, const qw_t 
     for (int64_t m0 = 0; m0 < M; m0 += 64) {
         const int64_t mr = M - m0 < 64 ? M - m0 : 64;
         if (wf) {
-            const int64_t pairs = mr & ~(int64_t)1; /* an odd last row streams the bf16 rows */
-            db_dots_block(xf + m0 * K, pairs, wf, K, nr, out);
-            if (pairs < mr) db_dots_row(xf + (m0 + pairs) * K, W, K, n0, nr, out + pairs * nr);
+            const int64_t done = db_dots_block(xf + m0 * K, mr, wf, K, nr, out);
+            for (int64_t m = done; m < mr; m++) db_dots_row(xf + (m0 + m) * K, W, K, n0, nr, out + m * nr);
         } else {
             for (int64_t m = 0; m < mr; m++)
 #ifdef DB_DPBF16
