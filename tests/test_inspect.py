@@ -204,6 +204,35 @@ def test_sampling_playground_draws_what_the_engine_generates(srv, oracle):
     assert g["chosen"]["id"] == greedy.outputs[0].token_ids[0] and g["kept_counts"]["min_p"] == 1
 
 
+def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
+    """Five journey steps, each fed the tokens chosen so far, give greedy `LLM.generate`'s ids;
+    every stage carries this prompt's data; a seeded step draws what a seeded request draws."""
+    prompt = "The capital of France is"
+    ids = oracle.tokenizer.encode(prompt)
+    want = oracle.generate(ids, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    generated = []
+    for step in range(5):
+        r = post(srv, "journey/step", {"prompt": prompt, "generated": generated})
+        assert r.status_code == 200, r.text
+        v = r.json()
+        n = len(ids) + step
+        assert [t["id"] for t in v["tokens"]] == ids + generated and v["prompt_tokens"] == len(ids)
+        assert len(v["layers"]) == 30 and all(len(layer["heads"]) == 9 for layer in v["layers"])
+        for layer in v["layers"]:  # the last query row's three strongest keys, all at or before it
+            assert all(0 <= k["position"] < n for head in layer["heads"] for k in head)
+        assert v["positions"]["position"] == n - 1 and v["positions"]["pairs"][0]["rate"] == pytest.approx(1.0)
+        assert sum(v["kv"]["blocks"]) == n and v["embedding"]["id"] == (ids + generated)[-1]
+        assert v["final"]["top"][0]["id"] == v["choice"]["id"]  # greedy: the largest logit
+        assert v["layers"][-1]["lens"]["id"] == v["choice"]["id"]  # the last layer's lens is the output
+        generated.append(v["choice"]["id"])
+    assert generated == want
+    assert oracle.tokenizer.decode(want).startswith(v["detokenizer"]["after"][:3])
+    settings = dict(temperature=0.9, top_k=40, seed=3)
+    seeded = post(srv, "journey/step", {"prompt": prompt, **settings}).json()
+    out = oracle.generate(prompt, SamplingParams(max_tokens=1, **settings))[0]
+    assert seeded["choice"]["id"] == out.outputs[0].token_ids[0]
+
+
 def test_beam_tree_best_beam_equals_beam_search(srv, oracle):
     r = post(srv, "beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4})
     assert r.status_code == 200, r.text
@@ -270,6 +299,8 @@ def test_timeline_and_live_state(srv):
     ("beam", {"beam_width": 20}, "beam_width"),
     ("bpe", {"word": "x" * 100}, "word"),
     ("analogy", {"target": "xqzwvjk"}, "target"),
+    ("journey/step", {"generated": [10 ** 6]}, "generated"),
+    ("journey/step", {"generated": [5] * 300}, "generated"),
 ])
 def test_bad_input_is_a_400_naming_the_field(srv, path, body, field):
     r = post(srv, path, body)

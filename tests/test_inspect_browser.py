@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from nextoken import LLM
+from nextoken import LLM, SamplingParams
 from tests.helpers.server import LiveServer
 
 CHROMIUM = os.environ.get("NEXTOKEN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -125,3 +125,45 @@ def test_widgets_show_the_servers_numbers(page_run, srv):
     # every id it shows is among the server's recent requests (not necessarily the newest)
     shown = set(re.findall(r"async-\d+", t["w-requests"]))
     assert shown and shown <= {r["request_id"] for r in state["requests"]}
+
+
+def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
+    """The journey view: Start then Next token four times gives greedy `LLM.generate`'s five ids
+    (as data-journey-token-id), every stage drawn (data-ready) with the step's numbers, no console
+    error and no outside request; a screenshot of each stage."""
+    prompt = "The capital of France is"
+    want = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    OUT.mkdir(parents=True, exist_ok=True)
+    outside, errors = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
+                   else (outside.append(route.request.url), route.abort()))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{srv.url}/inspect?key=secret")
+        page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+        page.fill("#journey-prompt", prompt)
+        page.click("#journey-start")
+        page.wait_for_selector("[data-journey-token-id]", timeout=60_000)
+        for n in range(2, 6):
+            page.click("#journey-next")
+            page.wait_for_function("n => document.querySelectorAll('[data-journey-token-id]').length >= n", arg=n,
+                                   timeout=60_000)
+        got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]",
+                                                          "els => els.map(e => e.dataset.journeyTokenId)")]
+        stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
+        texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
+        for name, _ in stages:
+            page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
+        page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
+        browser.close()
+    assert got == want
+    assert [n for n, _ in stages] == ["tokens", "embedding", "positions", "layers", "final", "sampler", "choice",
+                                      "detokenizer", "kv"]
+    assert all(ready == "true" for _, ready in stages), stages
+    assert not errors and not outside, (errors, outside)
+    text = smollm2_llm.tokenizer.decode(want)
+    assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]
+    assert texts["layers"].count("\n") >= 30  # a row per layer

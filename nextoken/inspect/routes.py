@@ -26,7 +26,7 @@ from pydantic import Field
 
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.inspect import engine_view, model_view, text
+from nextoken.inspect import engine_view, journey, model_view, text
 from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, logit_lens
 from nextoken.trace.recorder import TraceRecorder
 from nextoken.sampling_params import SamplingParams
@@ -80,6 +80,15 @@ class SampleBody(Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = Field(0, ge=0, le=SEED_LIMIT)
+
+
+class JourneyBody(SampleBody):
+    """One step of a prompt's journey: the prompt, the tokens generated so far, the sampler's settings."""
+
+    prompt: str = Field("The capital of France is", min_length=1, max_length=text.MAX_TEXT_CHARS)
+    chat: bool = False
+    generated: list[TokenId] = Field(default_factory=list, max_length=256)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
 
 
 class BeamBody(Body):
@@ -295,6 +304,34 @@ async def sample(request: Request, body: SampleBody):
         pass
     view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, out.logits[0], params, ids, list(body.generated))
     return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
+
+@router.post("/inspect/api/journey/step", summary="One decode step of a prompt's journey, every stage on its data")
+async def journey_step(request: Request, body: JourneyBody):
+    ctx = _ctx(request)
+    eng = ctx.core()
+    ids = ctx.encode(body.prompt, body.chat)
+    full = ids + list(body.generated)
+    if len(full) > MAX_TRACE_TOKENS:
+        raise InvalidRequest(f"prompt and generated tokens are {len(full)}; a journey takes at most "
+                             f"{MAX_TRACE_TOKENS}", "generated")
+    bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
+    if bad:
+        raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
+    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                            frequency_penalty=body.frequency_penalty, seed=body.seed,
+                            max_tokens=1).validate(eng.config.vocab_size)
+    start = time.perf_counter()
+    out = None  # the engine's own pass, batched as usual: the logits the token is drawn from
+    async for out in ctx.get_engine().generate(full, SamplingParams(temperature=0, max_tokens=1), return_logits=True):
+        pass
+    tracer = TraceRecorder(eng.config, last_row_only=True)  # what happens inside, on the same tokens
+    await ctx.run_traced(full, SamplingParams(temperature=0, max_tokens=1), tracer)
+    logits = out.logits[0]
+    stages = engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated))
+    view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
+    return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
+
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
 async def beam(request: Request, body: BeamBody):

@@ -3,6 +3,7 @@ import { $, api, liveUrl, showError } from "./lib.js";
 import { tokenizer, embeddings, positions, architecture } from "./text_widgets.js";
 import { attention, timeline, sampling, beam } from "./run_widgets.js";
 import { kvStatic, kvLive, batchingLive, specLive, requestsLive, quantization } from "./engine_widgets.js";
+import { journey } from "./journey.js";
 
 async function main() {
   let info;
@@ -14,6 +15,7 @@ async function main() {
   }
   $("model-info").textContent = `${info.model} · ${info.name} (${info.architecture}) · vocabulary ${info.vocab_size}`;
   document.body.dataset.model = info.model;
+  journey();
   tokenizer();
   embeddings();
   const pending = [positions(), architecture(), kvStatic(), quantization(info.gguf)];

@@ -1,0 +1,141 @@
+// The journey: one prompt through every stage, one decode step at a time (POST journey/step).
+// DOM contract: #journey, #journey-prompt, #journey-start, #journey-next; every generated token an
+// element with data-journey-token-id; each stage a [data-stage] element with data-ready="true" once drawn.
+import { $, api, h, table, color, showError } from "./lib.js";
+
+const STAGES = [
+  ["tokens", "1 · Text → tokens", "The tokenizer cuts the text into pieces from its vocabulary (BPE: the most frequent pairs were merged during training). The model only ever sees the ids. Generated tokens are added to the end, one per step."],
+  ["embedding", "2 · Embedding", "Each id selects one row of the embedding table: a vector of hidden-size numbers. This is the row of the last token, the one whose next token is being predicted."],
+  ["positions", "3 · Positions (RoPE)", "Attention alone does not know order. RoPE rotates each pair of query and key dimensions by position × rate: fast pairs turn many times, slow pairs barely move, so the score between two tokens depends on their distance."],
+  ["layers", "4 · The layers", "Each layer reads the residual stream, attends to earlier tokens (the last token's strongest keys per head are shown), adds an MLP's output, and writes back. The logit lens reads what the stream would predict if the model stopped after that layer."],
+  ["final", "5 · Final norm and LM head", "The last residual vector is normalised and multiplied by the LM head: one logit per vocabulary entry. Softmax turns logits into probabilities."],
+  ["sampler", "6 · Sampler", "Temperature divides the logits; top-k, top-p and min-p cut the tail; the draw picks from what is left (greedy at temperature 0). Crossed-out candidates were cut."],
+  ["choice", "7 · The chosen token", "The token the sampler picked, and its probability under the raw softmax."],
+  ["detokenizer", "8 · Detokenizer and stream", "The new id is turned back into text. A piece can be part of a character, so the stream shows only the text that became complete."],
+  ["kv", "9 · KV cache", "Keys and values of every token stay in the paged cache, block by block, so the next step computes only the new token. This request's blocks fill as it grows."],
+];
+
+const state = { prompt: "", chat: false, generated: [], busy: false, playing: false, stream: "" };
+
+function settings() {
+  return { temperature: Number($("journey-temperature").value), seed: Number($("journey-seed").value) };
+}
+
+function stageBox(name) { return document.querySelector(`#journey [data-stage="${name}"] .body`); }
+
+// a token chip; `output`: one of the journey's generated tokens in #journey-out (the DOM contract's
+// data-journey-token-id; the stages' copies of them are only styled)
+function tokenEl(t, generated, output = false) {
+  const e = h("span", { class: "tok" + (t.special ? " special" : "") + (generated ? " gen" : ""), title: `id ${t.id}` }, t.token, h("small", {}, t.id));
+  if (output) e.dataset.journeyTokenId = String(t.id);
+  return e;
+}
+
+const draw = {
+  tokens(v) {
+    return [h("div", { class: "stat" }, `${v.prompt_tokens} prompt tokens + ${v.tokens.length - v.prompt_tokens} generated`),
+      h("div", { class: "tokens" }, v.tokens.map((t) => tokenEl(t, t.generated)))];
+  },
+  embedding(v) {
+    const e = v.embedding, max = Math.max(...e.values.map(Math.abs), 1e-6);
+    return [h("div", { class: "stat" }, `token ${e.token} (id ${e.id}): ${e.hidden} numbers, norm ${e.norm}`),
+      h("div", { class: "vec", role: "img", "aria-label": "first values of the embedding row" },
+        e.values.map((x) => h("span", { style: `background:${color(x, -max, max, true)}`, title: x }, x.toFixed(3))))];
+  },
+  positions(v) {
+    const p = v.positions;
+    if (!p.rope) return [h("div", { class: "stat" }, `position ${p.position}: this model learns a position vector instead of rotating`)];
+    return [h("div", { class: "stat" }, `position ${p.position}, ${p.num_pairs} dimension pairs (${p.pairs.length} shown)`),
+      table(["pair", "rate", "turns", "angle (rad)", "cos", "sin"], p.pairs.map((r) => [r.pair, r.rate.toExponential(2), r.turns, r.angle, r.cos, r.sin]))];
+  },
+  layers(v) {
+    const maxN = Math.max(...v.layers.map((l) => l.norm_out));
+    const rows = v.layers.map((l) => {
+      const best = l.heads.map((hs, i) => ({ i, k: hs[0] })).sort((a, b) => b.k.weight - a.k.weight).slice(0, 2);
+      return [l.layer, `${l.norm_in} → ${l.norm_out}`,
+        h("span", { class: "bar", style: `width:${Math.round(80 * l.norm_out / maxN)}px` }),
+        best.map((b) => `h${b.i}: ${b.k.token}@${b.k.position} (${b.k.weight})`).join(", "),
+        `${l.lens.token} (${l.lens.prob})`, l.ms];
+    });
+    return [table(["layer", "‖h‖ in → out", "", "strongest heads (key@position, weight)", "logit lens top-1", "ms"], rows)];
+  },
+  final(v) {
+    const max = v.final.top[0].prob;
+    return [h("div", { class: "stat" }, `‖h‖ before the norm ${v.final.norm_in}; ${v.final.vocab} logits`),
+      table(["token", "logit", "p", ""], v.final.top.map((c) => [c.token, c.logit, c.prob, h("span", { class: "bar", style: `width:${Math.round(120 * c.prob / max)}px` })]))];
+  },
+  sampler(v) {
+    const s = v.sampler, k = s.kept_counts;
+    return [h("div", { class: "stat" }, s.greedy ? "greedy: the largest logit wins" : `kept after top-k ${k.top_k}, top-p ${k.top_p}, min-p ${k.min_p} of ${s.vocab_size}`),
+      table(["token", "p raw", "p after temperature", "p final"], s.candidates.slice(0, 8).map((c) => [
+        h("span", { class: c.id === s.chosen.id ? "chosen" : c.kept.min_p ? "kept" : "cut" }, c.token), c.p_raw, c.p_temperature, c.p_final]))];
+  },
+  choice(v) {
+    const c = v.choice;
+    return [h("div", { class: "tokens" }, tokenEl(c, false)), h("div", { class: "stat" }, `id ${c.id}, p = ${c.prob}${c.is_eos ? " (end of generation)" : ""}`)];
+  },
+  detokenizer(v) {
+    return [h("div", { class: "stat" }, `new text: ${JSON.stringify(v.detokenizer.delta)}`),
+      h("pre", { class: "stream" }, state.prompt + v.detokenizer.after)];
+  },
+  kv(v) {
+    const k = v.kv;
+    return [h("div", { class: "stat" }, `${k.tokens} tokens in ${k.blocks.length} block${k.blocks.length === 1 ? "" : "s"} of ${k.block_size} · ${k.bytes_per_token} B per token`),
+      h("div", { class: "blocks", role: "img", "aria-label": `${k.blocks.length} KV blocks` }, k.blocks.map((n, i) =>
+        h("span", { class: "blk", title: `block ${i}: ${n}/${k.block_size}` }, h("i", { style: `width:${Math.round(100 * n / k.block_size)}%` }))))];
+  },
+};
+
+function render(v) {
+  for (const [name] of STAGES) {
+    const el = document.querySelector(`#journey [data-stage="${name}"]`);
+    stageBox(name).replaceChildren(...draw[name](v));
+    el.dataset.ready = "true";
+  }
+  $("journey-meta").textContent = `step ${state.generated.length + 1} · ${v.step_ms} ms`;
+}
+
+async function step() {
+  if (state.busy) return;
+  state.busy = true;
+  try {
+    const v = await api("journey/step", { prompt: state.prompt, chat: state.chat, generated: state.generated, ...settings() });
+    render(v);
+    state.generated.push(v.choice.id);
+    $("journey-out").append(tokenEl(v.choice, true, true));
+    if (v.choice.is_eos) state.playing = false;
+  } catch (e) {
+    state.playing = false;
+    showError("journey", e);
+  } finally {
+    state.busy = false;
+  }
+}
+
+async function start() {
+  state.prompt = $("journey-prompt").value;
+  state.chat = $("journey-chat").checked;
+  state.generated = [];
+  $("journey-out").replaceChildren();
+  document.querySelectorAll("#journey [data-stage]").forEach((e) => delete e.dataset.ready);
+  await step();
+}
+
+async function play() {
+  if (state.playing) { state.playing = false; return; }
+  state.playing = true;
+  $("journey-play").textContent = "Stop";
+  while (state.playing && state.generated.length < 64) await step();
+  state.playing = false;
+  $("journey-play").textContent = "Play";
+}
+
+export function journey() {
+  const stages = STAGES.map(([name, title, note]) => h("div", { class: "stage", "data-stage": name },
+    h("h3", {}, title), h("p", { class: "note" }, note), h("div", { class: "body" })));
+  $("journey-stages").replaceChildren(...stages);
+  $("journey-start").addEventListener("click", start);
+  $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
+  $("journey-play").addEventListener("click", play);
+  $("journey").dataset.ready = "1";  // the stages say data-ready="true" once a step has drawn them
+}
