@@ -98,3 +98,18 @@ def test_functions_have_declared_types(fresh):
 def test_native_kernels_can_be_switched_off(fresh, monkeypatch):
     monkeypatch.setenv("NEXTOKEN_NATIVE_KERNELS", "0")
     assert kernels.load("qmatmul") is None
+
+
+@needs_gcc
+def test_avx512_bf16_loops_compile():
+    """The AVX512-BF16 bodies (vdpbf16ps: dense_bf16.c, paged_attention.c, prefill_scores.c) cannot
+    run on a CPU without those instructions, but they must compile: a build for such a CPU
+    (Sapphire Rapids) of every kernel, syntax and types checked, nothing run."""
+    import subprocess
+    from pathlib import Path
+
+    src = Path(kernels.__file__).parent
+    for name in ("decode", "prefill_scores", "sampling"):
+        proc = subprocess.run(["gcc", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-std=c11", "-Wall",
+                               "-Werror", str(src / f"{name}.c")], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
