@@ -54,13 +54,23 @@ class Progress:
             self.bar.close()
 
 
+QUANTIZE_ROWS = 4096  # rows per call of the quantizer: its float32 temporaries stay a few MiB
+
+
 def quantize_rows(values: torch.Tensor, type_name: str) -> torch.Tensor:
     """``values [rows, cols]`` float32 -> GGUF blocks ``[rows, cols / 32 * bytes_per_block]``
-    uint8 of GGML type `type_name` (`gguf.quants.quantize`)."""
-    from gguf.constants import GGMLQuantizationType
+    uint8 of GGML type `type_name` (`gguf.quants.quantize`), `QUANTIZE_ROWS` rows at a time."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
-    return torch.from_numpy(quantize(values.contiguous().numpy(), GGMLQuantizationType[type_name]))
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = values.shape
+    out = torch.empty(rows, cols // block * size, dtype=torch.uint8)
+    for start in range(0, rows, QUANTIZE_ROWS):
+        part = values[start:start + QUANTIZE_ROWS].contiguous().numpy()
+        out[start:start + QUANTIZE_ROWS] = torch.from_numpy(quantize(part, qtype))
+    return out
 
 
 def dequantize_rows(raw: torch.Tensor, type_name: str, cols: int) -> torch.Tensor:
@@ -73,9 +83,11 @@ def dequantize_rows(raw: torch.Tensor, type_name: str, cols: int) -> torch.Tenso
 
 def at_load(t, type_name: str, progress: Progress):
     """Checkpoint tensor `t` (dense) as a tensor of GGML type `type_name`: its blocks are computed
-    on first read (`raw`), once; its dense values are those blocks de-quantized, so every path
-    that reads it sees the same weights."""
+    on first read (`raw`) and kept until a read reaches the last row (the loader packs a tensor
+    in row chunks, in order), so a load holds one tensor's blocks at a time; its dense values are
+    those blocks de-quantized, so every path that reads it sees the same weights."""
     blocks: list[torch.Tensor] = []
+    rows = t.shape[0]
 
     def raw_blocks() -> torch.Tensor:
         if not blocks:
@@ -84,7 +96,10 @@ def at_load(t, type_name: str, progress: Progress):
         return blocks[0]
 
     def read_raw(start: int, stop: int | None) -> torch.Tensor:
-        return raw_blocks()[start:stop]
+        part = raw_blocks()[start:stop]
+        if stop is None or stop >= rows:
+            blocks.clear()  # read to the end: the packed codes hold it now
+        return part
 
     def read_dense(dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(raw_blocks(), type_name, t.shape[1]).to(dtype)
