@@ -309,11 +309,10 @@ async def sample(request: Request, body: SampleBody):
 async def journey_step(request: Request, body: JourneyBody):
     ctx = _ctx(request)
     eng = ctx.core()
-    ids = ctx.encode(body.prompt, body.chat)
+    ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
     full = ids + list(body.generated)
-    if len(full) > MAX_TRACE_TOKENS:
-        raise InvalidRequest(f"prompt and generated tokens are {len(full)}; a journey takes at most "
-                             f"{MAX_TRACE_TOKENS}", "generated")
+    if len(full) > MAX_TRACE_TOKENS:  # the traced pass runs on the prompt and the tokens generated so far
+        raise InvalidRequest(f"prompt has {len(full)} tokens; traces take at most {MAX_TRACE_TOKENS}", "generated")
     bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
     if bad:
         raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
