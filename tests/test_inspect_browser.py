@@ -144,6 +144,7 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{srv.url}/inspect?key=secret")
         page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")  # the widgets' own runs done
         page.fill("#journey-prompt", prompt)
         page.click("#journey-start")
         page.wait_for_selector("[data-journey-token-id]", timeout=60_000)
@@ -167,3 +168,39 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     text = smollm2_llm.tokenizer.decode(want)
     assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]
     assert texts["layers"].count("\n") >= 30  # a row per layer
+
+
+OVERLAPS_JS = """() => {
+  const bad = [];
+  for (const svg of document.querySelectorAll("svg")) {
+    const boxes = [...svg.querySelectorAll("text")].filter((t) => t.textContent.trim()).map((t) => {
+      const b = t.getBoundingClientRect();
+      return { text: t.textContent, x: b.x, y: b.y, w: b.width, h: b.height };
+    });
+    for (let i = 0; i < boxes.length; i++)
+      for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];
+        if (a.x + 0.5 < b.x + b.w && b.x + 0.5 < a.x + a.w && a.y + 0.5 < b.y + b.h && b.y + 0.5 < a.y + a.h)
+          bad.push([svg.id, a.text, b.text]);
+      }
+  }
+  const doc = document.documentElement;
+  return { bad, scroll: doc.scrollWidth - doc.clientWidth };
+}"""
+
+
+@pytest.mark.parametrize("width", [1280, 800])
+def test_no_overlapping_chart_text_and_no_horizontal_scroll(srv, width):
+    """After every widget has drawn: no two text elements of one chart (SVG) overlap (by their
+    bounding boxes), and the page needs no horizontal scroll at this width."""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.goto(f"{srv.url}/inspect?key=secret")
+        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
+        page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
+        seen = page.evaluate(OVERLAPS_JS)
+        page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)
+        browser.close()
+    assert seen["bad"] == [], seen["bad"][:10]
+    assert seen["scroll"] <= 0, f"{seen['scroll']} px of horizontal scroll at {width} px"

@@ -99,11 +99,11 @@ export function lineChart(svg, points, opts = {}) {
   svg.append(s("line", { x1: m, y1: 6, x2: m, y2: H - 18, stroke: "#556" }));
   svg.append(s("polyline", { points: points.map((p) => `${X(p.x)},${Y(p.y)}`).join(" "), fill: "none", stroke: opts.color || "#5fb3f9", "stroke-width": 2 }));
   svg.append(s("text", { x: m + 2, y: 14 }, opts.ylabel || ""));
-  svg.append(s("text", { x: W - 160, y: H - 4 }, opts.xlabel || ""));
+  svg.append(s("text", { x: (m + W) / 2, y: H - 4, "text-anchor": "middle" }, opts.xlabel || ""));
   svg.append(s("text", { x: 2, y: H - 18 }, String(opts.fmtY ? opts.fmtY(y0) : y0.toFixed(2))));
   svg.append(s("text", { x: 2, y: 16 }, String(opts.fmtY ? opts.fmtY(y1) : y1.toFixed(2))));
   svg.append(s("text", { x: m, y: H - 4 }, String(points[0].x)));
-  svg.append(s("text", { x: W - 50, y: H - 4 - 10 }, String(points[points.length - 1].x)));
+  svg.append(s("text", { x: W - 8, y: H - 4, "text-anchor": "end" }, String(points[points.length - 1].x)));
 }
 
 export function debounce(fn, ms) {
