@@ -233,6 +233,19 @@ def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
     assert seeded["choice"]["id"] == out.outputs[0].token_ids[0]
 
 
+def test_lens_grid_is_the_lens_at_every_position(srv):
+    """The heatmap's cells are the per-position lens' top tokens, for every layer and position."""
+    trace = post(srv, "trace", {"prompt": "The animal didn't cross the street"}).json()
+    grid = httpx.get(f"{srv.url}/inspect/api/trace/{trace['trace_id']}/lens_grid", timeout=60).json()
+    t = len(trace["tokens"])
+    assert grid["positions"] == t and len(grid["cells"]) == 31 and grid["rows"][0] == "embedding"
+    for p in (0, t // 2, t - 1):
+        lens = httpx.get(f"{srv.url}/inspect/api/trace/{trace['trace_id']}/lens", params={"position": p, "top": 1}).json()
+        for layer, row in enumerate(lens["layers"]):
+            assert grid["cells"][layer][p]["id"] == row["top"][0]["id"]
+            assert grid["cells"][layer][p]["prob"] == pytest.approx(row["top"][0]["prob"], abs=2e-4)
+
+
 def test_beam_tree_best_beam_equals_beam_search(srv, oracle):
     r = post(srv, "beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4})
     assert r.status_code == 200, r.text

@@ -27,7 +27,8 @@ from pydantic import Field
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import engine_view, journey, model_view, text
-from nextoken.inspect.trace import LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, logit_lens
+from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
+                                    logit_lens)
 from nextoken.trace.recorder import TraceRecorder
 from nextoken.sampling_params import SamplingParams
 
@@ -275,6 +276,14 @@ async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top
     rows = await asyncio.to_thread(logit_lens, tracer, eng.runner.model, eng.tokenizer, position, top)
     return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
             "layers": rows}
+
+@router.get("/inspect/api/trace/{trace_id}/lens_grid", summary="Logit lens heatmap: every layer's top token at every position")
+async def lens_heatmap(request: Request, trace_id: str):
+    tracer, tokens = _ctx(request).state.get(trace_id)
+    eng = _ctx(request).whole_model()
+    grid = await asyncio.to_thread(lens_grid, tracer, eng.runner.model, eng.tokenizer)
+    return {**grid, "tokens": [t["token"] for t in tokens[grid["first"]:]]}
+
 
 @router.post("/inspect/api/run", summary="Generate and return the engine's timeline: prefill, decode steps, TTFT, TPOT")
 async def run(request: Request, body: RunBody):

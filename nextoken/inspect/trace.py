@@ -71,3 +71,24 @@ def logit_lens(rec: TraceRecorder, model, tokenizer, position: int, top: int = 5
     return [{"layer": "embedding" if l == 0 else l - 1,
              "top": [{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
                      for v, i in zip(vals[l], ids[l])]} for l in range(probs.shape[0])]
+
+
+MAX_LENS_POSITIONS = 64  # the heatmap's columns: the last 64 positions of a longer trace
+
+
+def lens_grid(rec: TraceRecorder, model, tokenizer) -> dict:
+    """The logit lens at every position (the last `MAX_LENS_POSITIONS`) and every residual stream
+    (embeddings, then after each layer): the top token and its probability through the final
+    norm and the LM head, a layer at a time. ``cells[l][p]``: row l (0: embeddings, l: after layer
+    l - 1), column p (position ``first + p``)."""
+    t = rec.num_tokens
+    first = max(0, t - MAX_LENS_POSITIONS)
+    cells = []
+    with torch.inference_mode():
+        for l in range(rec.residual.shape[0]):
+            h = rec.residual[l, first:t].to(model.dtype)
+            probs = model.compute_logits(model.final_norm(h)).float().softmax(-1)
+            vals, ids = probs.max(-1)
+            cells.append([{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
+                          for v, i in zip(vals, ids)])
+    return {"first": first, "positions": t - first, "rows": ["embedding"] + list(range(len(cells) - 1)), "cells": cells}

@@ -1,5 +1,5 @@
 // Widgets 5-9: attention (trace), logit lens, prefill vs decode, sampling, beam search.
-import { $, api, h, ready, showError, heatmap, s, debounce, table } from "./lib.js";
+import { $, api, h, ready, showError, heatmap, s, debounce, table, color } from "./lib.js";
 
 let trace = null;        // the last trace's summary
 let layerData = {};      // layer -> Uint8Array [heads, T, T]
@@ -37,6 +37,34 @@ async function drawAttention() {
   ready("w-attention");
 }
 
+// layers x positions: each cell the lens' top token, its probability as the colour
+async function drawLensGrid() {
+  const g = await api(`trace/${trace.trace_id}/lens_grid`);
+  const canvas = $("lens-heat"), rows = g.cells.length, cols = g.positions;
+  const cw = Math.max(36, Math.min(90, Math.floor(880 / cols))), ch = 16, left = 70, top = 18;
+  canvas.width = left + cols * cw;
+  canvas.height = top + rows * ch;
+  const ctx = canvas.getContext("2d");
+  ctx.fillStyle = "#0b0f13";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  ctx.font = "10px ui-monospace, monospace";
+  ctx.textBaseline = "middle";
+  const fit = (text, w) => { let t = text; while (t.length > 1 && ctx.measureText(t).width > w) t = t.slice(0, -1); return t; };
+  for (let p = 0; p < cols; p++) { ctx.fillStyle = "#9aa5b1"; ctx.fillText(fit(g.tokens[p], cw - 4), left + p * cw + 2, top / 2); }
+  for (let l = 0; l < rows; l++) {
+    ctx.fillStyle = "#9aa5b1";
+    ctx.fillText(l === 0 ? "embedding" : `layer ${l - 1}`, 2, top + l * ch + ch / 2);
+    for (let p = 0; p < cols; p++) {
+      const c = g.cells[l][p];
+      ctx.fillStyle = color(c.prob);
+      ctx.fillRect(left + p * cw, top + l * ch, cw - 1, ch - 1);
+      ctx.fillStyle = c.prob > 0.5 ? "#0b0f13" : "#e6e6e6";
+      ctx.fillText(fit(c.token, cw - 4), left + p * cw + 2, top + l * ch + ch / 2);
+    }
+  }
+  canvas.setAttribute("aria-label", `logit lens: top token of each of ${rows} residual streams at ${cols} positions`);
+}
+
 async function drawLens() {
   try {
     const r = await api(`trace/${trace.trace_id}/lens?position=${$("lens-pos").value}&top=5`);
@@ -65,6 +93,7 @@ export function attention() {
       $("lens-pos").replaceChildren(...trace.tokens.map((t, k) => h("option", { value: k }, `${k}: ${t.token}`)));
       $("lens-pos").value = T - 1;
       await drawAttention();
+      await drawLensGrid();
       await drawLens();
     } catch (e) { showError("w-attention", e); }
   };
