@@ -246,6 +246,22 @@ def test_lens_grid_is_the_lens_at_every_position(srv):
             assert grid["cells"][layer][p]["prob"] == pytest.approx(row["top"][0]["prob"], abs=2e-4)
 
 
+def test_kv_contrast_runs_the_same_continuation_both_ways(srv, oracle):
+    """With the cache: greedy generate's tokens; without: each step a request that recomputes the
+    prefix, predicting the same tokens; one time per step and position for each (how long they
+    take is the benchmark's business, not a test's)."""
+    prompt = "The history of the printing press began"
+    r = post(srv, "kv/contrast", {"prompt": prompt, "tokens": 6})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    want = oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert v["tokens"] == want.token_ids and v["same_tokens"]
+    n = len(oracle.tokenizer.encode(prompt))
+    assert v["prompt_tokens"] == n and v["positions"] == list(range(n + 1, n + 6))
+    assert len(v["with_cache_ms"]) == len(v["without_cache_ms"]) == 5
+    assert all(x > 0 for x in v["with_cache_ms"] + v["without_cache_ms"])
+
+
 def test_beam_tree_best_beam_equals_beam_search(srv, oracle):
     r = post(srv, "beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4})
     assert r.status_code == 200, r.text

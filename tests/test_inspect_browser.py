@@ -199,6 +199,10 @@ def test_no_overlapping_chart_text_and_no_horizontal_scroll(srv, width):
         page.goto(f"{srv.url}/inspect?key=secret")
         page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
         page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
+        page.click("#kv-contrast-go")  # the on-demand chart too: the KV cache on and off
+        page.wait_for_function("document.querySelector('#kv-contrast-meta').textContent.includes('ms per token')",
+                               timeout=120_000)
+        page.locator("#w-kv").screenshot(path=str(OUT / f"w-kv-contrast-{width}.png"))
         seen = page.evaluate(OVERLAPS_JS)
         page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)
         browser.close()

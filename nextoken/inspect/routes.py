@@ -26,7 +26,7 @@ from pydantic import Field
 
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.inspect import engine_view, journey, model_view, text
+from nextoken.inspect import contrast, engine_view, journey, model_view, text
 from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
                                     logit_lens)
 from nextoken.trace.recorder import TraceRecorder
@@ -90,6 +90,11 @@ class JourneyBody(SampleBody):
     chat: bool = False
     generated: list[TokenId] = Field(default_factory=list, max_length=256)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
+
+
+class ContrastBody(Body):
+    prompt: str = Field("The history of the printing press began", min_length=1, max_length=text.MAX_TEXT_CHARS)
+    tokens: int = Field(24, ge=2, le=64)
 
 
 class BeamBody(Body):
@@ -339,6 +344,35 @@ async def journey_step(request: Request, body: JourneyBody):
     stages = engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated))
     view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
     return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
+
+
+@router.post("/inspect/api/kv/contrast", summary="The same greedy continuation with the KV cache and by recomputing the prefix")
+async def kv_contrast(request: Request, body: ContrastBody):
+    ctx = _ctx(request)
+    ids = ctx.encode(body.prompt, False, MAX_TRACE_TOKENS - body.tokens)
+    params = SamplingParams(temperature=0, max_tokens=body.tokens, ignore_eos=True)
+    cached, with_ms, t = [], [], time.perf_counter()
+    async for out in ctx.get_engine().generate(ids, params):  # with the cache: one request, a token per step
+        new = out.outputs[0].token_ids[len(cached):]
+        now = time.perf_counter()
+        if new and cached:  # decode steps only (the first token includes the prompt's prefill)
+            with_ms.append((now - t) * 1000 / len(new))
+        cached += new
+        t = now
+    recomputed, without_ms = [], []
+    for k in range(1, len(cached)):  # without: each step recomputes the prompt and the k tokens before it
+        t = time.perf_counter()
+        async for out in ctx.get_engine().generate(ids + cached[:k], SamplingParams(temperature=0, max_tokens=1),
+                                                    tracer=contrast.Recompute()):
+            pass
+        without_ms.append((time.perf_counter() - t) * 1000)
+        recomputed += out.outputs[0].token_ids
+    positions = [len(ids) + i for i in range(1, body.tokens)]
+    return {"positions": positions, "with_cache_ms": [round(x, 2) for x in with_ms],
+            "without_cache_ms": [round(x, 2) for x in without_ms], "prompt_tokens": len(ids),
+            "tokens": cached, "same_tokens": cached[1:] == recomputed,
+            "slope_with": round(contrast.slope(positions[: len(with_ms)], with_ms), 4),
+            "slope_without": round(contrast.slope(positions, without_ms), 4)}
 
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")

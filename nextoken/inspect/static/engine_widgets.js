@@ -1,5 +1,5 @@
 // Widgets 10-14: KV cache, continuous batching, speculative decoding (live), quantization, requests.
-import { $, api, h, ready, showError, lineChart, table, fmtBytes } from "./lib.js";
+import { $, api, h, ready, showError, lineChart, table, fmtBytes, s } from "./lib.js";
 
 export async function kvStatic() {
   try {
@@ -12,6 +12,36 @@ export async function kvStatic() {
     lineChart($("kv-curve"), r.curve.map((c) => ({ x: c.tokens, y: c.bytes / 2 ** 20 })), { logx: true, xlabel: "context length (tokens, log)", ylabel: "MiB per sequence", fmtY: (y) => y.toFixed(1) });
     ready("w-kv");
   } catch (e) { showError("w-kv", e); }
+}
+
+// the KV cache on and off: time per generated token against the context length, two series
+export async function kvContrast() {
+  try {
+    $("kv-contrast-go").disabled = true;
+    const r = await api("kv/contrast", { tokens: 24 });
+    const svg = $("kv-contrast");
+    svg.replaceChildren();
+    const W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), m = 44;
+    const all = [...r.with_cache_ms, ...r.without_cache_ms], y1 = Math.max(...all) * 1.1;
+    const x0 = r.positions[0], x1 = r.positions[r.positions.length - 1];
+    const X = (x) => m + ((x - x0) / (x1 - x0 || 1)) * (W - m - 12), Y = (y) => H - 24 - (y / y1) * (H - 44);
+    svg.append(s("line", { x1: m, y1: H - 24, x2: W - 12, y2: H - 24, stroke: "#556" }), s("line", { x1: m, y1: 20, x2: m, y2: H - 24, stroke: "#556" }));
+    const series = [["with the cache", r.with_cache_ms, "#5fb3f9", r.slope_with], ["recomputing the prefix", r.without_cache_ms, "#f2994a", r.slope_without]];
+    series.forEach(([name, ys, col, slope], i) => {
+      svg.append(s("polyline", { points: ys.map((y, k) => `${X(r.positions[k])},${Y(y)}`).join(" "), fill: "none", stroke: col, "stroke-width": 2 }));
+      svg.append(s("text", { x: W - 12, y: 14 + 14 * i, "text-anchor": "end", fill: col, style: `fill:${col}` }, `${name}: +${slope.toFixed(2)} ms per token of context`));
+    });
+    svg.append(s("text", { x: 4, y: 14 }, `${y1.toFixed(0)} ms`));
+    svg.append(s("text", { x: 4, y: H - 26 }, "0"));
+    svg.append(s("text", { x: m, y: H - 6 }, String(x0)));
+    svg.append(s("text", { x: W - 12, y: H - 6, "text-anchor": "end" }, String(x1)));
+    svg.append(s("text", { x: (m + W) / 2, y: H - 6, "text-anchor": "middle" }, "context length (tokens)"));
+    const mean = (a) => a.reduce((x, y) => x + y, 0) / a.length;
+    $("kv-contrast-meta").textContent = `${r.positions.length} steps after a ${r.prompt_tokens}-token prompt, measured now on the loaded model: ` +
+      `${mean(r.with_cache_ms).toFixed(1)} ms per token with the cache, ${mean(r.without_cache_ms).toFixed(1)} ms recomputing the prefix` +
+      (r.same_tokens ? " · the same tokens both ways" : " · the tokens differ (bf16 rounding between the two paths)");
+  } catch (e) { showError("w-kv", e); }
+  $("kv-contrast-go").disabled = false;
 }
 
 const POOL_COLORS = { ".": "#26313c", c: "#3d6b4a" };
