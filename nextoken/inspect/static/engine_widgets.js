@@ -64,6 +64,7 @@ export function kvLive(st) {
 }
 
 const history = [];
+const LANE_LEFT = 90;  // px of request ids left of the lanes (and of the steps chart's columns)
 export function batchingLive(st) {
   for (const step of st.steps) history.push(step);
   while (history.length > 150) history.shift();
@@ -72,19 +73,48 @@ export function batchingLive(st) {
   const cv = $("bt-steps"), ctx = cv.getContext("2d");
   ctx.clearRect(0, 0, cv.width, cv.height);
   const maxTok = Math.max(8, ...history.map((x) => x.prefill.reduce((a, p) => a + p[1], 0) + x.decode.length));
-  const w = cv.width / 150;
+  const left = LANE_LEFT, w = (cv.width - left) / 150;  // the same columns as the lanes below
   history.forEach((x, i) => {
     const pre = x.prefill.reduce((a, p) => a + p[1], 0), dec = x.decode.length;
     const H = cv.height - 20, hp = (pre / maxTok) * H, hd = (dec / maxTok) * H;
-    ctx.fillStyle = "#5fb3f9"; ctx.fillRect(i * w, cv.height - hd, w - 1, hd);
-    ctx.fillStyle = "#f2c94c"; ctx.fillRect(i * w, cv.height - hd - hp, w - 1, hp);
-    if (x.preempted.length) { ctx.fillStyle = "#eb5757"; ctx.fillRect(i * w, 0, w - 1, 6); }
+    ctx.fillStyle = "#5fb3f9"; ctx.fillRect(left + i * w, cv.height - hd, w - 1, hd);
+    ctx.fillStyle = "#f2c94c"; ctx.fillRect(left + i * w, cv.height - hd - hp, w - 1, hp);
+    if (x.preempted.length) { ctx.fillStyle = "#eb5757"; ctx.fillRect(left + i * w, 14, w - 1, 6); }
   });
   ctx.fillStyle = "#9aa5b1"; ctx.font = "11px sans-serif";
   ctx.fillText(`tokens per step (last ${history.length} steps, max ${maxTok}): yellow = prefill chunks, blue = decodes, red mark = preemption`, 4, 12);
   const row = (q) => h("span", { class: "tok" }, `${q.request_id} ${q.computed}/${q.prompt_tokens + q.output_tokens}`);
-  $("bt-queue").replaceChildren(h("div", { class: "note" }, "running: "), ...st.running.map(row), h("div", { class: "note" }, "waiting: "), ...st.waiting.map(row));
+  const none = h("span", { class: "note" }, "none now");
+  $("bt-queue").replaceChildren(h("div", { class: "note" }, "running: "), ...(st.running.length ? st.running.map(row) : [none.cloneNode(true)]),
+    h("div", { class: "note" }, "waiting: "), ...(st.waiting.length ? st.waiting.map(row) : [none.cloneNode(true)]));
+  drawLanes();
   ready("w-batching");
+}
+
+// one lane per request over the recent steps: yellow a prefill chunk, blue a decode, red a
+// preemption, grey a step it sat out between its first and last (waiting, or preempted)
+function drawLanes() {
+  const cv = $("bt-lanes"), ctx = cv.getContext("2d");
+  const ids = [];
+  for (const x of history) for (const rid of [...x.prefill.map((p) => p[0]), ...x.decode, ...x.preempted]) if (!ids.includes(rid)) ids.push(rid);
+  const lanes = ids.slice(-16), lh = 14, left = LANE_LEFT, w = (cv.width - left) / 150;
+  cv.height = 18 + Math.max(1, lanes.length) * lh;
+  ctx.clearRect(0, 0, cv.width, cv.height);
+  ctx.font = "10px ui-monospace, monospace";
+  ctx.fillStyle = "#9aa5b1";
+  ctx.fillText(lanes.length ? "request lanes over the same steps: yellow prefill chunk, blue decode, red preempted, grey waiting" : "no request in the recent steps: send demo requests", 4, 11);
+  lanes.forEach((rid, r) => {
+    const y = 16 + r * lh;
+    ctx.fillStyle = "#9aa5b1";
+    ctx.fillText(rid.length > 13 ? "…" + rid.slice(-12) : rid, 2, y + lh - 4);
+    const seen = history.map((x) => (x.preempted.includes(rid) ? "p" : x.prefill.some((p) => p[0] === rid) ? "f" : x.decode.includes(rid) ? "d" : ""));
+    const first = seen.findIndex((c) => c), last = seen.length - 1 - [...seen].reverse().findIndex((c) => c);
+    seen.forEach((c, i) => {
+      if (i < first || i > last) return;
+      ctx.fillStyle = { f: "#f2c94c", d: "#5fb3f9", p: "#eb5757" }[c] || "#3a4550";
+      ctx.fillRect(left + i * w, y, Math.max(1, w - 1), lh - 2);
+    });
+  });
 }
 
 const specHistory = [];
