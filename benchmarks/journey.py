@@ -11,12 +11,16 @@ and the server's own `step_ms`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import httpx
+
+spec = importlib.util.spec_from_file_location("serve_bench", Path(__file__).resolve().parent / "serve.py")
+serve_bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(serve_bench)
 
 
 def main() -> None:
@@ -26,17 +30,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8320)
     ap.add_argument("--prompt", default="The capital of France is")
     a = ap.parse_args()
-    url = f"http://127.0.0.1:{a.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "nextoken", "serve", "--model", a.model, "--port", str(a.port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = serve_bench.launch(a.model, a.port, [])  # benchmarks/serve.py's: serve, wait for /health
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         for name, settings in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 1.0, "seed": 1})):
             generated, wall, server = [], [], []
             httpx.post(f"{url}/inspect/api/journey/step", json={"prompt": a.prompt, **settings}, timeout=60)  # warm-up

@@ -226,7 +226,7 @@ def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
         assert v["layers"][-1]["lens"]["id"] == v["choice"]["id"]  # the last layer's lens is the output
         generated.append(v["choice"]["id"])
     assert generated == want
-    assert oracle.tokenizer.decode(want).startswith(v["detokenizer"]["after"][:3])
+    assert v["detokenizer"]["after"] == oracle.tokenizer.decode(want)  # the text after the fifth token
     settings = dict(temperature=0.9, top_k=40, seed=3)
     seeded = post(srv, "journey/step", {"prompt": prompt, **settings}).json()
     out = oracle.generate(prompt, SamplingParams(max_tokens=1, **settings))[0]

@@ -300,10 +300,11 @@ async def run(request: Request, body: RunBody):
     view = await _ctx(request).between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
     return {**view, "text": out.outputs[0].text, "request_id": out.request_id}
 
-@router.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
-async def sample(request: Request, body: SampleBody):
-    eng = _ctx(request).core()
-    ids = _ctx(request).encode(body.prompt, False)
+async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
+    """The logits after `ids` + ``body.generated`` from a plain request (batched as usual) and the
+    sampler's stages on them with `body`'s settings (`engine_view.sampling_stages`); raises
+    `InvalidRequest` for a generated id outside the vocabulary."""
+    eng = ctx.core()
     bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
     if bad:
         raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
@@ -311,13 +312,21 @@ async def sample(request: Request, body: SampleBody):
                             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, seed=body.seed,
                             max_tokens=1).validate(eng.config.vocab_size)
-    out = None  # a plain request, batched as usual, that returns the logits its token is drawn from
-    async for out in _ctx(request).get_engine().generate(ids + list(body.generated),
-                                                         SamplingParams(temperature=0, max_tokens=1),
-                                                         return_logits=True):
+    out = None
+    async for out in ctx.get_engine().generate(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1),
+                                               return_logits=True):
         pass
-    view = engine_view.sampling_stages(eng.tokenizer, eng.sampler, out.logits[0], params, ids, list(body.generated))
-    return {**view, "prompt_tokens": len(ids), "generated_text": eng.tokenizer.decode(body.generated)}
+    logits = out.logits[0]
+    return logits, engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated))
+
+
+@router.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
+async def sample(request: Request, body: SampleBody):
+    ctx = _ctx(request)
+    ids = ctx.encode(body.prompt, False)
+    _, view = await _next_token(ctx, ids, body)
+    return {**view, "prompt_tokens": len(ids), "generated_text": ctx.core().tokenizer.decode(body.generated)}
+
 
 @router.post("/inspect/api/journey/step", summary="One decode step of a prompt's journey, every stage on its data")
 async def journey_step(request: Request, body: JourneyBody):
@@ -327,21 +336,10 @@ async def journey_step(request: Request, body: JourneyBody):
     full = ids + list(body.generated)
     if len(full) > MAX_TRACE_TOKENS:  # the traced pass runs on the prompt and the tokens generated so far
         raise InvalidRequest(f"prompt has {len(full)} tokens; traces take at most {MAX_TRACE_TOKENS}", "generated")
-    bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
-    if bad:
-        raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
-    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, seed=body.seed,
-                            max_tokens=1).validate(eng.config.vocab_size)
     start = time.perf_counter()
-    out = None  # the engine's own pass, batched as usual: the logits the token is drawn from
-    async for out in ctx.get_engine().generate(full, SamplingParams(temperature=0, max_tokens=1), return_logits=True):
-        pass
+    logits, stages = await _next_token(ctx, ids, body)  # the engine's own pass: the token and its draw
     tracer = TraceRecorder(eng.config, last_row_only=True)  # what happens inside, on the same tokens
     await ctx.run_traced(full, SamplingParams(temperature=0, max_tokens=1), tracer)
-    logits = out.logits[0]
-    stages = engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated))
     view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
     return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
 

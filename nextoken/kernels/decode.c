@@ -80,7 +80,7 @@ static int apply(const uint16_t *x, int64_t T, const qw_t *w, qact_t qa[2], uint
 static int apply_n(const uint16_t *x, int64_t T, const qw_t *const *ws, int n, qact_t qa[2], uint16_t *const *ys) {
     int dense = 1;
     for (int i = 0; i < n; i++) dense &= ws[i]->bits == 16;
-    if (dense) return dense_bf16_multi(x, 1, T, ws, n, (void *const *)ys, 1);
+    if (dense) return dense_bf16_multi(x, 1, T, ws, n, (void *const *)ys, 1, NULL);
     for (int i = 0; i < n; i++)
         if (apply(x, T, ws[i], qa, ys[i])) return 1;
     return 0;

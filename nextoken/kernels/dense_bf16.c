@@ -230,12 +230,15 @@ static void db_block(const float *xf, const uint16_t *xb, int64_t M, const qw_t 
     }
 }
 
-/* ys[i] [M, N_i] (row stride N_i; bf16 or float32) = x [M, K] (bf16 or float32) W_i^T + bias_i for
- * nw dense weights of the same K (q, k and v; gate and up): one parallel pass over all their
- * rows, so a small weight (k, v) costs no fork and join of its own. Returns 0, or 1 when out of
- * memory. */
+#define DB_MAX_WEIGHTS 8
+
+/* ys[i] [M, N_i] (row stride ldys[i], or N_i when ldys is NULL; bf16 or float32) = x [M, K] (bf16
+ * or float32) W_i^T + bias_i for nw <= DB_MAX_WEIGHTS dense weights of the same K (q, k and v;
+ * gate and up): one parallel pass over all their rows, so a small weight (k, v) costs no fork and
+ * join of its own. Returns 0, 1 when out of memory, 2 for more than DB_MAX_WEIGHTS weights. */
 static int dense_bf16_multi(const void *x, int x_bf16, int64_t M, const qw_t *const *ws, int nw, void *const *ys,
-                            int y_bf16) {
+                            int y_bf16, const int64_t *ldys) {
+    if (nw < 1 || nw > DB_MAX_WEIGHTS) return 2;
     const int64_t K = ws[0]->K;
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     uint16_t *xb = NULL;
@@ -246,7 +249,7 @@ static int dense_bf16_multi(const void *x, int x_bf16, int64_t M, const qw_t *co
     if (!xb) { free(xf); return 1; }
     for (int64_t i = 0; i < M * K; i++) xb[i] = f32_to_bf16(xf[i]);
 #endif
-    int64_t first[9] = {0}, work = 0; /* first block of each weight, in the pass over all of them */
+    int64_t first[DB_MAX_WEIGHTS + 1] = {0}, work = 0; /* first block of each weight, in the pass over all */
     for (int i = 0; i < nw; i++) {
         first[i + 1] = first[i] + (ws[i]->N + DB_BLOCK - 1) / DB_BLOCK;
         work += ws[i]->N * K * M;
@@ -265,7 +268,7 @@ static int dense_bf16_multi(const void *x, int x_bf16, int64_t M, const qw_t *co
             int i = 0;
             while (b >= first[i + 1]) i++;
             const int64_t n0 = (b - first[i]) * DB_BLOCK, N = ws[i]->N;
-            db_block(xf, xb, M, ws[i], n0, N - n0 < DB_BLOCK ? N - n0 : DB_BLOCK, wf, ys[i], y_bf16, N);
+            db_block(xf, xb, M, ws[i], n0, N - n0 < DB_BLOCK ? N - n0 : DB_BLOCK, wf, ys[i], y_bf16, ldys ? ldys[i] : N);
         }
         free(wf);
     }
@@ -276,15 +279,7 @@ static int dense_bf16_multi(const void *x, int x_bf16, int64_t M, const qw_t *co
 
 /* y [M, N] (row stride ldy) = x [M, K] W^T + bias for one dense weight (see dense_bf16_multi) */
 static int dense_bf16_matmul(const void *x, int x_bf16, int64_t M, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
-    if (ldy == w->N) return dense_bf16_multi(x, x_bf16, M, &w, 1, &y, y_bf16);
-    void *tmp = malloc((y_bf16 ? 2 : 4) * (size_t)(M * w->N));
-    if (!tmp) return 1;
-    const int rc = dense_bf16_multi(x, x_bf16, M, &w, 1, &tmp, y_bf16);
-    for (int64_t m = 0; m < M && !rc; m++)
-        memcpy((char *)y + (y_bf16 ? 2 : 4) * m * ldy, (char *)tmp + (y_bf16 ? 2 : 4) * m * w->N,
-               (y_bf16 ? 2 : 4) * (size_t)w->N);
-    free(tmp);
-    return rc;
+    return dense_bf16_multi(x, x_bf16, M, &w, 1, &y, y_bf16, &ldy);
 }
 
 /* 1 when the dense bf16 loops are vectorized (AVX2 + FMA or AVX512-BF16), 0 for the plain C ones */

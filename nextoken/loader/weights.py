@@ -65,6 +65,13 @@ class CheckpointTensor:
         transform, no row mapping): the caller keeps the view instead of a copy. Else None."""
         return self.read_mapped(dtype) if self.read_mapped is not None and not self.maps_rows else None
 
+    def _mapped_rows(self, start: int, stop: int) -> Callable[[torch.dtype], torch.Tensor | None]:
+        """`read_mapped` of rows ``[start, stop)``: a view of the file's view (rows are contiguous)."""
+        def read(dtype: torch.dtype) -> torch.Tensor | None:
+            view = self.read_mapped(dtype)
+            return None if view is None else view[start:stop]
+        return read
+
     def raw(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.read_raw is None:
             raise ModelLoadError(f"tensor {self.name} has no block-quantized bytes")
@@ -88,10 +95,8 @@ class CheckpointTensor:
         if dim == 0:
             read_raw = None if self.read_raw is None else \
                 lambda a, b: self.read_raw(start + a, start + (stop - start if b is None else b))
-            read_mapped = None if self.read_mapped is None else \
-                lambda dtype: (lambda v: None if v is None else v[start:stop])(self.read_mapped(dtype))
             return CheckpointTensor(name, self.type_name, tuple(shape), read_dense, read_raw, self.row_head_dim,
-                                    read_mapped=read_mapped)
+                                    read_mapped=None if self.read_mapped is None else self._mapped_rows(start, stop))
         block, size = block_geometry(self.type_name)
         if self.read_raw is None or start % block or stop % block:
             return CheckpointTensor(name, "F32", tuple(shape), read_dense, None, self.row_head_dim)
