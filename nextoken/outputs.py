@@ -92,6 +92,9 @@ class RequestOutput:
     """With ``SamplingParams.prompt_logprobs``: per prompt position ``{token_id: logprob}`` (the
     prompt's token and the top alternatives, given the tokens before it); the first is None."""
     logits: list | None = None
+    prompt_hidden: object | None = None
+    """With ``keep_prompt_hidden``, in the finished output: the final hidden states of the scored
+    prompt positions, float ``[n_prompt - 1, hidden]`` (row p scores prompt token p + 1)."""
 
     @property
     def usage(self) -> dict:

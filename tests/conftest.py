@@ -34,6 +34,17 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """`transformers`' float32 load of the same SmolLM2 GGUF (its own de-quantization): the
+    independent oracle for tests on the real model. Loading takes seconds: share it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
     """One `LLM` on SmolLM2-135M-Instruct with the default settings (bf16, our kernels), shared by
     every test that only generates with it: build your own to change a setting or the engine's

@@ -204,6 +204,93 @@ def test_sampling_playground_draws_what_the_engine_generates(srv, oracle):
     assert g["chosen"]["id"] == greedy.outputs[0].token_ids[0] and g["kept_counts"]["min_p"] == 1
 
 
+def test_grammar_mask_stage_refuses_what_the_grammar_refuses(srv, oracle):
+    """Under a regex the sampling view's grammar stage keeps exactly llguidance's own allowed
+    tokens (`reference_allowed`, its byte-per-token bias), marks refused candidates, and draws
+    what a request with that regex draws: greedy, and seeded step by step."""
+    from nextoken.structured import StructuredOutputsParams
+    from nextoken.structured.backend import reference_allowed
+
+    prompt, regex = "The year it happened was", "(19|20)[0-9]{2}"
+    so = StructuredOutputsParams(regex=regex)
+    compiled = oracle.engine.grammars.compile(so)
+    want_allowed = int(reference_allowed(compiled.deep_copy(), oracle.config.vocab_size).sum())
+    for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.7, "seed": 11}):
+        want = oracle.generate(prompt, SamplingParams(max_tokens=3, structured_outputs=so, **settings))[0]
+        generated = []
+        for step, token in enumerate(want.outputs[0].token_ids):
+            r = post(srv, "sample", {"prompt": prompt, "regex": regex, "generated": generated, **settings})
+            assert r.status_code == 200, r.text
+            view = r.json()
+            assert view["grammar"] and view["chosen"]["id"] == token
+            if step == 0:
+                assert view["kept_counts"]["grammar"] == want_allowed
+                refused = [c for c in view["candidates"] if not c["kept"]["grammar"]]
+                assert refused and all(c["p_final"] == 0 for c in refused)
+                assert all(oracle.tokenizer.token_text(c["id"]).strip()[:2] in ("19", "20", "1", "2")
+                           for c in view["candidates"] if c["kept"]["grammar"])
+            if not settings.get("seed"):  # the seed's stream restarts each call: only the first draw is a request's
+                generated.append(token)
+            else:
+                break
+    assert post(srv, "sample", {"prompt": prompt, "regex": regex, "generated": [oracle.tokenizer.encode("x")[0]]}
+                ).status_code == 400
+    bad = post(srv, "sample", {"prompt": prompt, "regex": "a", "json_schema": {"type": "object"}})
+    assert bad.status_code == 400 and "not both" in bad.json()["error"]["message"]
+    schema = post(srv, "sample", {"prompt": prompt, "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                                  "temperature": 0})
+    assert schema.status_code == 200 and schema.json()["chosen"]["token"] == "{"
+
+
+def test_quantization_cost_against_transformers_float32(srv, oracle, smollm2_hf):
+    """The KL view's reference side equals `transformers`' float32 load of the same GGUF (the
+    log-probability of each next token and the top token), its served side equals the served
+    engine's own prompt log-probabilities, and the KL is a divergence (>= 0, its mean the mean)."""
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    r = post(srv, "quant/kl", {"prompt": prompt})
+    assert r.status_code == 200, r.text
+    view = r.json()
+    ids = oracle.tokenizer.encode(prompt)
+    rows = view["positions"]
+    assert len(rows) == len(ids) - 1 == view["prompt_tokens"] - 1
+    with torch.no_grad():
+        lr = smollm2_hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = lr[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert [x["logprob_reference"] for x in rows] == pytest.approx(want.tolist(), abs=2e-3)
+    assert [x["top_reference"] for x in rows] == [text.display(oracle.tokenizer.token_text(t))
+                                                  for t in lr[:-1].argmax(-1).tolist()]
+    served = oracle.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert [x["logprob_served"] for x in rows] == pytest.approx([served[p + 1][ids[p + 1]] for p in range(len(ids) - 1)],
+                                                                abs=2e-3)
+    kls = [x["kl"] for x in rows]
+    assert min(kls) >= -1e-6 and view["kl_mean"] == pytest.approx(sum(kls) / len(kls), abs=1e-5)
+    assert view["top1_agreement"] == pytest.approx(sum(x["same_top"] for x in rows) / len(rows), abs=1e-4)
+    assert view["reference"]["bytes"] < view["reference"]["cap_bytes"]
+    assert post(srv, "quant/kl", {"prompt": "a"}).status_code == 400  # one token: nothing to score
+
+
+def test_speculation_on_demand_gives_greedy_text_and_accepts_repeats(srv, oracle):
+    """N-gram speculation for one request on a server without --speculative-*: greedy, the
+    emitted tokens are greedy generate's; a repetitive prompt gets drafts accepted, every
+    verification emits its accepted drafts plus one token, and greedy p_target is 1 exactly for
+    the accepted ones."""
+    prompt = "one two three four five, one two three four five, one two"
+    r = post(srv, "spec/run", {"prompt": prompt, "max_tokens": 16, "num_speculative_tokens": 4})
+    assert r.status_code == 200, r.text
+    view = r.json()
+    want = oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
+    assert view["token_ids"] == want
+    assert view["accepted"] > 0 and view["verifications"] < 16
+    for st in view["steps"]:
+        assert len(st["emitted"]) == st["accepted"] + 1 or st is view["steps"][-1]
+        assert [e["id"] for e in st["emitted"][: st["accepted"]]] == [d["id"] for d in st["drafted"][: st["accepted"]]]
+        assert st["p_target"][: st["accepted"]] == [1.0] * st["accepted"]
+        if len(st["p_target"]) > st["accepted"]:
+            assert st["p_target"][st["accepted"]] == 0.0
+    sampled = post(srv, "spec/run", {"prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5}).json()
+    assert len(sampled["token_ids"]) == 8 and all(0 <= p <= 1 for st in sampled["steps"] for p in st["p_target"])
+
+
 def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
     """Five journey steps, each fed the tokens chosen so far, give greedy `LLM.generate`'s ids;
     every stage carries this prompt's data; a seeded step draws what a seeded request draws."""

@@ -215,19 +215,16 @@ def test_lora_modules_are_parsed_by_name():
             parse_lora_modules(bad)
 
 
-def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, tmp_path):
+def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_hf, tmp_path):
     """Real behaviour: a rank-8 adapter trained 12 steps (peft, on `transformers`' float32 load of
     the same GGUF) to continue "The capital of France is" with " Atlantis, the lost city". Our
     float32 logits equal peft's; and on the default path (bf16, our quantized kernels) the
     adapter's request says Atlantis while a base request in the same batch still says Paris."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                              dtype=torch.float32)
     torch.manual_seed(0)
-    model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    model = get_peft_model(copy.deepcopy(smollm2_hf), LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
     f32 = LLM(str(smollm2_path), dtype="float32", enable_lora=True, max_lora_rank=8)
     prompt = f32.tokenizer.encode("The capital of France is")
     target = f32.tokenizer.encode(" Atlantis, the lost city", add_bos=False)

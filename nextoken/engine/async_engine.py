@@ -42,8 +42,9 @@ class AsyncLLMEngine:
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt_text: str | None = None,
                           truncate_prompt: bool = False, tracer=None, return_logits: bool = False,
-                          lora_request=None) -> str:
-        """Queue a request and return its id (`tracer`, `lora_request`: see `LLMEngine.add_request`).
+                          lora_request=None, keep_prompt_hidden: bool = False) -> str:
+        """Queue a request and return its id (`tracer`, `lora_request`, `keep_prompt_hidden`: see
+        `LLMEngine.add_request`; the kept states come in the final output's ``prompt_hidden``).
         Raises `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
@@ -52,7 +53,8 @@ class AsyncLLMEngine:
         try:
             await self._between_steps(
                 lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer,
-                                                return_logits=return_logits, lora_request=lora_request))
+                                                keep_prompt_hidden=keep_prompt_hidden, return_logits=return_logits,
+                                                lora_request=lora_request))
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -103,10 +105,11 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, prompt_text: str | None = None,
-                       truncate_prompt: bool = False, tracer=None,
-                       return_logits: bool = False) -> AsyncIterator[RequestOutput]:
+                       truncate_prompt: bool = False, tracer=None, return_logits: bool = False,
+                       keep_prompt_hidden: bool = False) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""
-        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer, return_logits)
+        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer, return_logits,
+                                     keep_prompt_hidden=keep_prompt_hidden)
         async for out in self.stream(rid):
             yield out
 

@@ -101,7 +101,8 @@ def make_output(group: RequestGroup) -> RequestOutput:
     group.changed = False
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
-                         None if group.logits is None else list(group.logits))
+                         None if group.logits is None else list(group.logits),
+                         group.prompt_hidden if group.finished else None)
 
 
 def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],

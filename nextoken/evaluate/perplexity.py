@@ -50,8 +50,9 @@ def chunk_tokens(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     return chunks
 
 
-def _run(engine, chunks: list[list[int]], keep_hidden: bool, on_done=None) -> list:
-    """Score every chunk (one request each, batched by the engine); returns each chunk's group."""
+def score_prompts(engine, chunks: list[list[int]], keep_hidden: bool, on_done=None) -> list:
+    """Score every prompt in `chunks` (one request each, batched by the engine, `max_tokens=0`);
+    returns each one's `RequestGroup`, with its final hidden states when `keep_hidden`."""
     params = SamplingParams(max_tokens=0, prompt_logprobs=0)
     groups = {}
     try:
@@ -97,7 +98,7 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
             bar.update(1)
             bar.set_postfix(ppl=f"{math.exp(sum(nll) / len(nll)):.4f}")
 
-    fast = _run(engine, chunks, reference is not None, done)
+    fast = score_prompts(engine, chunks, reference is not None, done)
     if bar is not None:
         bar.close()
     n = len(nll)
@@ -106,16 +107,16 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
     ppl = math.exp(mean)
     res = PerplexityResult(ppl, ppl * math.sqrt(var / max(1, n - 1)), len(chunks), n, nll)
     if reference is not None:
-        ref = _run(reference, chunks, True)
+        ref = score_prompts(reference, chunks, True)
         failed = next((g.error for g in ref if g.error is not None), None)
         if failed is not None:
             raise RequestFailed(f"the reference engine: {failed}")
         kls, same = [], 0
         for g_fast, g_ref in zip(fast, ref):
-            lp = _log_probs(engine, g_fast.prompt_hidden[first:])
-            lr = _log_probs(reference, g_ref.prompt_hidden[first:])
-            kls += (lr.exp() * (lr - lp)).sum(-1).tolist()
-            same += int((lp.argmax(-1) == lr.argmax(-1)).sum())
+            kl, agree = kl_and_agreement(log_probs(engine, g_fast.prompt_hidden[first:]),
+                                         log_probs(reference, g_ref.prompt_hidden[first:]))
+            kls += kl.tolist()
+            same += int(agree.sum())
         km = sum(kls) / len(kls)
         res.kl_mean = km
         res.kl_uncertainty = math.sqrt(sum((k - km) ** 2 for k in kls) / len(kls) / max(1, len(kls) - 1))
@@ -123,6 +124,14 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
     return res
 
 
-def _log_probs(engine, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 log-softmax ``[n, vocab]`` of hidden states through `engine`'s head."""
+def log_probs(engine, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax ``[n, vocab]`` of final hidden states ``[n, hidden]`` through
+    `engine`'s LM head (the distributions its prompt log-probabilities come from)."""
     return engine.runner.model.compute_logits(hidden.to(engine.runner.dtype)).float().log_softmax(-1)
+
+
+def kl_and_agreement(lp: torch.Tensor, lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row, for log-probabilities ``[n, vocab]`` of a fast path (`lp`) and its reference
+    (`lr`): KL(P_ref || P_fast) in nats ``[n]``, and whether both put the same token first
+    (bool ``[n]``)."""
+    return (lr.exp() * (lr - lp)).sum(-1), lp.argmax(-1) == lr.argmax(-1)

@@ -9,23 +9,29 @@ import torch
 
 from nextoken.inspect.text import display
 from nextoken.sample.logits_processors import process_logits
-from nextoken.sample.sampler import Sampler, SamplerRequest, draw, filter_mask, make_generator, uniform
+from nextoken.sample.sampler import (Sampler, SamplerRequest, draw, draw_unmasked_is_exact, filter_mask, make_generator,
+                                     uniform)
 from nextoken.sampling_params import SamplingParams
 
 SHOW_CANDIDATES = 24
 
 
 def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
-                    prompt_ids: list[int], generated: list[int]) -> dict:
+                    prompt_ids: list[int], generated: list[int], grammar=None) -> dict:
     """The engine's sampler (`nextoken.sample.sampler`) taken apart on one row of real logits
     ``[vocab]``: the softmax of the raw logits; after the penalties (`process_logits`, history =
-    `generated`); after temperature; which tokens top-k, then top-p, then min-p keep (the same
-    `filter_mask` the sampler runs, stage by stage); the final distribution
-    (`Sampler.distribution`) and the token a generator seeded with ``params.seed`` draws from it,
-    the first token a request with these parameters and seed would produce."""
+    `generated`); which tokens the grammar allows (`grammar`: a `structured.backend.SequenceGrammar`
+    that has consumed `generated`, or None); after temperature; which tokens top-k, then top-p,
+    then min-p keep (the same `filter_mask` the sampler runs, stage by stage, on the masked
+    logits); the final distribution (`Sampler.distribution`) and the token a generator seeded with
+    ``params.seed`` draws from it, the first token a request with these parameters, grammar and
+    seed would produce. The candidates are the most likely before the grammar, then the most
+    likely it allows, then the chosen token."""
     raw = logits.float()
     processed = process_logits(raw, params, prompt_ids, generated, sampler.eog_ids)
-    row = SamplerRequest(params, prompt_ids, list(generated), make_generator(params.seed))
+    row = SamplerRequest(params, prompt_ids, list(generated), make_generator(params.seed), grammar)
+    allowed = grammar.allowed() if grammar is not None else torch.ones_like(raw, dtype=torch.bool)
+    masked = processed.masked_fill(~allowed, float("-inf"))
     kept, probs = sampler.distribution(raw, row)
     if probs is None:  # greedy: the argmax, all mass on it
         chosen = kept
@@ -36,12 +42,16 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
         scaled = processed
     else:
         scaled = processed / params.temperature
-        stages = {"top_k": filter_mask(scaled, params.top_k, 1.0, 0.0),
-                  "top_p": filter_mask(scaled, params.top_k, params.top_p, 0.0), "min_p": kept}
+        stages = {"top_k": filter_mask(masked / params.temperature, params.top_k, 1.0, 0.0),
+                  "top_p": filter_mask(masked / params.temperature, params.top_k, params.top_p, 0.0), "min_p": kept}
         final = probs
-        chosen = int(draw(probs, uniform(row.generator)))
+        chosen = _seeded_draw(sampler, raw, row, probs, allowed)
+    stages = {"grammar": allowed, **stages}
     p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), scaled.softmax(-1)
     order = p_temp.topk(SHOW_CANDIDATES).indices.tolist()
+    if grammar is not None:
+        order += [t for t in masked.topk(min(SHOW_CANDIDATES // 2, int(allowed.sum()))).indices.tolist()
+                  if t not in order]
     if chosen not in order:
         order.append(chosen)
     cands = [{"id": t, "token": display(tokenizer.token_text(t)), "logit": round(float(raw[t]), 4),
@@ -51,7 +61,21 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
              for t in order]
     return {"candidates": cands, "kept_counts": {k: int(m.sum()) for k, m in stages.items()},
             "vocab_size": raw.shape[0], "chosen": {"id": chosen, "token": display(tokenizer.token_text(chosen))},
-            "greedy": params.greedy, "entropy_raw": round(float(-(p_raw * p_raw.clamp_min(1e-30).log()).sum()), 4)}
+            "greedy": params.greedy, "grammar": grammar is not None, "entropy_raw": round(float(-(p_raw * p_raw.clamp_min(1e-30).log()).sum()), 4)}
+
+
+def _seeded_draw(sampler: Sampler, raw: torch.Tensor, row: SamplerRequest, probs: torch.Tensor,
+                 allowed: torch.Tensor) -> int:
+    """The token the engine's sampler draws for `row` from its generator: from `probs`, except
+    under a grammar where the sampler first draws from the unmasked distribution and keeps an
+    allowed token (`sampler.draw_unmasked_is_exact`), drawing from the masked one only when
+    the first draw is refused; the same distribution either way, and here the same draw."""
+    if row.grammar is not None and draw_unmasked_is_exact(row, row.output_ids):
+        unmasked = SamplerRequest(row.params, row.prompt_ids, row.output_ids, row.generator)
+        first = int(draw(sampler.distribution(raw, unmasked)[1], uniform(row.generator)))
+        if allowed[first]:
+            return first
+    return int(draw(probs, uniform(row.generator)))
 
 
 def beam_tree(tokenizer, search, greedy_ids: list[int], greedy_logprob: float | None, outputs) -> dict:

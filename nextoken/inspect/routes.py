@@ -26,7 +26,7 @@ from pydantic import Field
 
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.inspect import contrast, engine_view, journey, model_view, text
+from nextoken.inspect import engine_view, journey, model_view, quality, text
 from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
                                     logit_lens)
 from nextoken.trace.recorder import TraceRecorder
@@ -81,6 +81,9 @@ class SampleBody(Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = Field(0, ge=0, le=SEED_LIMIT)
+    json_schema: dict | None = Field(None, description="a JSON schema the output follows (its mask shown as a stage)")
+    regex: str | None = Field(None, min_length=1, max_length=text.MAX_TEXT_CHARS,
+                              description="a regular expression the whole output matches (instead of json_schema)")
 
 
 class JourneyBody(SampleBody):
@@ -90,11 +93,6 @@ class JourneyBody(SampleBody):
     chat: bool = False
     generated: list[TokenId] = Field(default_factory=list, max_length=256)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
-
-
-class ContrastBody(Body):
-    prompt: str = Field("The history of the printing press began", min_length=1, max_length=text.MAX_TEXT_CHARS)
-    tokens: int = Field(24, ge=2, le=64)
 
 
 class BeamBody(Body):
@@ -123,6 +121,7 @@ class InspectState:
         self.ids = itertools.count(1)
         self.last_layer_ms: list[float] | None = None
         self.demo_tasks: set[asyncio.Task] = set()
+        self.reference = quality.Reference()  # the float32 reference, built on demand
 
     def keep(self, tracer: TraceRecorder, tokens: list[dict]) -> str:
         tid = f"t{next(self.ids)}"
@@ -188,8 +187,11 @@ router = APIRouter(tags=["inspector"])
 def install(app, get_engine) -> None:
     """Serve the inspector on `app`: its page, static files and ``/inspect/api`` routes, over the
     engine `get_engine()` returns."""
+    from nextoken.inspect import measure_routes
+
     app.state.inspector = InspectContext(get_engine)
     app.include_router(router)
+    app.include_router(measure_routes.router)
 
 
 def _ctx(request: Request) -> InspectContext:
@@ -312,12 +314,37 @@ async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
                             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                             frequency_penalty=body.frequency_penalty, seed=body.seed,
                             max_tokens=1).validate(eng.config.vocab_size)
+    grammar = await _grammar(eng, body)
     out = None
     async for out in ctx.get_engine().generate(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1),
                                                return_logits=True):
         pass
     logits = out.logits[0]
-    return logits, engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated))
+    return logits, engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated),
+                                               grammar)
+
+
+async def _grammar(eng, body: SampleBody):
+    """The grammar state after ``body.generated`` for ``body.json_schema`` or ``body.regex``
+    (compiled by the engine's own `GrammarCompiler`, in a worker thread), or None. Raises
+    `InvalidRequest` when both are given, when the constraint does not compile, or when a
+    generated token breaks it."""
+    from nextoken.structured import StructuredOutputsParams
+
+    if body.json_schema is not None and body.regex is not None:
+        raise InvalidRequest("give json_schema or regex, not both", "regex")
+    if body.json_schema is None and body.regex is None:
+        return None
+    spec = StructuredOutputsParams(json=body.json_schema) if body.json_schema is not None else \
+        StructuredOutputsParams(regex=body.regex)
+    grammar = await asyncio.to_thread(eng.grammars.sequence_grammar, spec)
+    ok = grammar.valid_prefix(list(body.generated))
+    if ok < len(body.generated):
+        raise InvalidRequest(f"generated token {body.generated[ok]} (position {ok}) is refused by the grammar; "
+                             "reset the generated tokens", "generated")
+    for t in body.generated:
+        grammar.accept(t)
+    return grammar
 
 
 @router.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
@@ -342,35 +369,6 @@ async def journey_step(request: Request, body: JourneyBody):
     await ctx.run_traced(full, SamplingParams(temperature=0, max_tokens=1), tracer)
     view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
     return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
-
-
-@router.post("/inspect/api/kv/contrast", summary="The same greedy continuation with the KV cache and by recomputing the prefix")
-async def kv_contrast(request: Request, body: ContrastBody):
-    ctx = _ctx(request)
-    ids = ctx.encode(body.prompt, False, MAX_TRACE_TOKENS - body.tokens)
-    params = SamplingParams(temperature=0, max_tokens=body.tokens, ignore_eos=True)
-    cached, with_ms, t = [], [], time.perf_counter()
-    async for out in ctx.get_engine().generate(ids, params):  # with the cache: one request, a token per step
-        new = out.outputs[0].token_ids[len(cached):]
-        now = time.perf_counter()
-        if new and cached:  # decode steps only (the first token includes the prompt's prefill)
-            with_ms.append((now - t) * 1000 / len(new))
-        cached += new
-        t = now
-    recomputed, without_ms = [], []
-    for k in range(1, len(cached)):  # without: each step recomputes the prompt and the k tokens before it
-        t = time.perf_counter()
-        async for out in ctx.get_engine().generate(ids + cached[:k], SamplingParams(temperature=0, max_tokens=1),
-                                                    tracer=contrast.Recompute()):
-            pass
-        without_ms.append((time.perf_counter() - t) * 1000)
-        recomputed += out.outputs[0].token_ids
-    positions = [len(ids) + i for i in range(1, body.tokens)]
-    return {"positions": positions, "with_cache_ms": [round(x, 2) for x in with_ms],
-            "without_cache_ms": [round(x, 2) for x in without_ms], "prompt_tokens": len(ids),
-            "tokens": cached, "same_tokens": cached[1:] == recomputed,
-            "slope_with": round(contrast.slope(positions[: len(with_ms)], with_ms), 4),
-            "slope_without": round(contrast.slope(positions, without_ms), 4)}
 
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")

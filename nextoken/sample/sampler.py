@@ -8,7 +8,7 @@ Per step, for the batch as a whole (in the manner of vLLM v1's ``Sampler`` and
 2. the processors (`logits_processors.process_rows`: min_tokens block, logit bias, penalties,
    watermark) on a copy of the rows that have any, each edit one sparse operation;
 3. structured output: a row under a grammar first draws from its unmasked logits and keeps the
-   token if the grammar allows it (exact, see `_draw_unmasked_is_exact`), else it is masked
+   token if the grammar allows it (exact, see `draw_unmasked_is_exact`), else it is masked
    and drawn again;
 4. the draw (`draw_rows`): greedy argmax, or temperature -> top-k -> top-p -> min-p -> one
    uniform number u from the request's own ``torch.Generator`` and the inverse CDF of the kept
@@ -196,7 +196,7 @@ class SamplingMetadata:
                    max((ps[i].logprobs for i in lp), default=0), list(rows))
 
 
-def _draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
+def draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
     """The fast path of structured output (as llama.cpp samples under a grammar): draw from the
     unmasked distribution and keep the token if the grammar allows it, else mask and draw again.
     Exact where masking commutes with the row's sampling (greedy, or no top-k, top-p or min-p,
@@ -252,7 +252,7 @@ class Sampler:
         for i, r in enumerate(rows):  # grammars: masked now, unless the unmasked draw is exact (then after, if refused)
             if r.grammar is None or results[i].error:
                 continue
-            if keep_details or not _draw_unmasked_is_exact(r, r.output_ids):
+            if keep_details or not draw_unmasked_is_exact(r, r.output_ids):
                 try:
                     source[i] = self._masked(logits[i], source.get(i), r, r.output_ids)
                 except Exception as exc:  # noqa: BLE001 - one row's fault ends only its own request

@@ -145,6 +145,8 @@ export function sampling() {
   const body = () => {
     const b = { prompt: $("smp-prompt").value, generated, seed: +$("smp-seed").value };
     for (const n of names) b[n] = +$("smp-" + n).value;
+    const kind = $("smp-kind").value, text = $("smp-constraint").value.trim();
+    if (kind && text) b[kind] = kind === "json_schema" ? JSON.parse(text) : text;
     return b;
   };
   let last = null;
@@ -154,18 +156,22 @@ export function sampling() {
       const r = await api("sample", body());
       last = r;
       const k = r.kept_counts;
-      $("smp-meta").textContent = `vocabulary ${r.vocab_size} · kept after top-k ${k.top_k}, top-p ${k.top_p}, min-p ${k.min_p} · entropy of the raw distribution ${r.entropy_raw} nats · seeded draw: "${r.chosen.token}"` + (r.greedy ? " (temperature 0: greedy)" : "");
+      $("smp-meta").textContent = `vocabulary ${r.vocab_size} · ` + (r.grammar ? `the grammar allows ${k.grammar} · ` : "") + `kept after top-k ${k.top_k}, top-p ${k.top_p}, min-p ${k.min_p} · entropy of the raw distribution ${r.entropy_raw} nats · seeded draw: "${r.chosen.token}"` + (r.greedy ? " (temperature 0: greedy)" : "");
       const max = Math.max(...r.candidates.map((c) => c.p_final), ...r.candidates.map((c) => c.p_raw), 1e-9);
-      $("smp-out").replaceChildren(table(["token", "logit", "p raw", "p penalized", "p at T", "top-k", "top-p", "min-p", "p final", ""],
+      const g = r.grammar ? ["grammar"] : [];
+      $("smp-out").replaceChildren(table(["token", "logit", "p raw", "p penalized", ...g, "p at T", "top-k", "top-p", "min-p", "p final", ""],
         r.candidates.map((c) => {
-          const mark = (b) => h("span", { class: b ? "kept" : "cut" }, b ? "kept" : "cut");
-          return [h("span", { class: c.id === r.chosen.id ? "chosen" : "" }, c.token), c.logit, c.p_raw, c.p_penalized, c.p_temperature,
+          const mark = (b, no = "cut") => h("span", { class: b ? "kept" : "cut" }, b ? "kept" : no);
+          return [h("span", { class: c.id === r.chosen.id ? "chosen" : "" }, c.token), c.logit, c.p_raw, c.p_penalized,
+            ...(r.grammar ? [mark(c.kept.grammar, "refused")] : []), c.p_temperature,
             mark(c.kept.top_k), mark(c.kept.top_p), mark(c.kept.min_p), c.p_final, h("span", { class: "bar", style: `width:${(c.p_final / max) * 160}px` })];
         })));
+      $("w-sampling").querySelectorAll(".err").forEach((e) => e.remove());
       ready("w-sampling");
     } catch (e) { showError("w-sampling", e); }
   }, 120);
-  for (const n of [...names, "seed", "prompt"]) $("smp-" + n).addEventListener("input", go);
+  for (const n of [...names, "seed", "prompt", "kind", "constraint"]) $("smp-" + n).addEventListener("input", go);
+  $("smp-kind").addEventListener("change", () => { generated = []; $("smp-gen").textContent = ""; });
   $("smp-draw").addEventListener("click", () => {
     if (!last) return;
     generated.push(last.chosen.id);
