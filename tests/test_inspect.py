@@ -37,11 +37,20 @@ def tiny_llms(tiny_gguf):
 def test_attention_and_residuals_equal_transformers(tiny_gguf, tiny_llms, arch):
     """Every layer's and head's weights equal `transformers`' (eager attention, output_attentions),
     rows sum to 1 and are zero above the diagonal (and outside the window of sliding layers); the
-    logit lens at the last layer equals transformers' next-token distribution."""
+    residual stream inside each layer, after attention's add, equals what transformers feeds the
+    norm before its feed-forward; the logit lens at the last layer equals transformers'
+    next-token distribution."""
     llm, hf = tiny_llms[arch], tiny_gguf[arch][1]
     tracer = traced(llm, PROMPT_IDS)
+    mids = []
+    norm = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
+    hooks = [getattr(layer, norm).register_forward_pre_hook(lambda m, args: mids.append(args[0][0].clone()))
+             for layer in hf.model.layers]
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT_IDS]), output_attentions=True)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(tracer.mid, torch.stack(mids), atol=1e-4, rtol=1e-4)
     cfg = llm.config
     assert len(tracer.attention) == cfg.num_layers == len(ref.attentions)
     t = len(PROMPT_IDS)
@@ -226,7 +235,7 @@ def test_grammar_mask_stage_refuses_what_the_grammar_refuses(srv, oracle):
             if step == 0:
                 assert view["kept_counts"]["grammar"] == want_allowed
                 refused = [c for c in view["candidates"] if not c["kept"]["grammar"]]
-                assert refused and all(c["p_final"] == 0 for c in refused)
+                assert refused and all(c["p_final"] == 0 and not c["kept"]["min_p"] for c in refused)
                 assert all(oracle.tokenizer.token_text(c["id"]).strip()[:2] in ("19", "20", "1", "2")
                            for c in view["candidates"] if c["kept"]["grammar"])
             if not settings.get("seed"):  # the seed's stream restarts each call: only the first draw is a request's
@@ -307,6 +316,8 @@ def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
         assert len(v["layers"]) == 30 and all(len(layer["heads"]) == 9 for layer in v["layers"])
         for layer in v["layers"]:  # the last query row's three strongest keys, all at or before it
             assert all(0 <= k["position"] < n for head in layer["heads"] for k in head)
+        for a, b in zip(v["layers"], v["layers"][1:]):  # one residual stream: each layer starts where the last ended
+            assert b["norm_in"] == a["norm_out"] and a["norm_mid"] > 0
         assert v["positions"]["position"] == n - 1 and v["positions"]["pairs"][0]["rate"] == pytest.approx(1.0)
         assert sum(v["kv"]["blocks"]) == n and v["embedding"]["id"] == (ids + generated)[-1]
         assert v["final"]["top"][0]["id"] == v["choice"]["id"]  # greedy: the largest logit

@@ -170,6 +170,63 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert texts["layers"].count("\n") >= 30  # a row per layer
 
 
+def _open(p, srv, width=1300):
+    """A page on the inspector with every widget drawn, and the console errors and outside
+    requests it makes."""
+    errors, outside = [], []
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
+               else (outside.append(route.request.url), route.abort()))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{srv.url}/inspect?key=secret")
+    page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
+    page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
+    return browser, page, errors, outside
+
+
+def test_on_demand_views_show_the_apis_numbers(srv):
+    """The grammar mask in the sampling view, quantization's cost on a prompt and speculation on
+    demand, driven by their controls: each shows what its API returns for the same input."""
+    auth = {"Authorization": "Bearer secret"}
+    api = f"{srv.url}/inspect/api"
+    regex = "(19|20)[0-9]{2}"
+    with sync_playwright() as p:
+        browser, page, errors, outside = _open(p, srv)
+        page.fill("#smp-prompt", "The year it happened was")
+        page.select_option("#smp-kind", "regex")
+        page.fill("#smp-constraint", regex)
+        page.wait_for_function("document.querySelector('#smp-meta').textContent.includes('the grammar allows')",
+                               timeout=30_000)
+        sampling = page.inner_text("#w-sampling")
+        page.locator("#w-sampling").screenshot(path=str(OUT / "w-sampling-grammar.png"))
+        page.click("#qkl-go")
+        page.wait_for_function("document.querySelector('#qkl-meta').textContent.includes('mean KL')", timeout=120_000)
+        quant = page.inner_text("#w-quant")
+        page.locator("#w-quant").screenshot(path=str(OUT / "w-quant-kl.png"))
+        page.click("#spec-go")
+        page.wait_for_function("document.querySelector('#spec-meta').textContent.includes('target passes')",
+                               timeout=120_000)
+        spec = page.inner_text("#w-spec")
+        page.locator("#w-spec").screenshot(path=str(OUT / "w-spec-demand.png"))
+        browser.close()
+    assert not errors and not outside, (errors, outside)
+    g = httpx.post(f"{api}/sample", json={"prompt": "The year it happened was", "regex": regex, "temperature": 0.8},
+                   headers=auth).json()
+    assert f"the grammar allows {g['kept_counts']['grammar']}" in sampling and "refused" in sampling
+    kl = httpx.post(f"{api}/quant/kl", json={"prompt": "The quick brown fox jumps over the lazy dog. The quick brown fox"},
+                    headers=auth).json()
+    js_exp = f"{kl['kl_mean']:.3e}".replace("e-0", "e-").replace("e+0", "e+")  # JavaScript's toExponential(3)
+    assert f"mean KL {js_exp}" in quant
+    assert f"same top token at {kl['top1_agreement'] * 100:.1f}% of {len(kl['positions'])} positions" in quant
+    sp = httpx.post(f"{api}/spec/run", json={"prompt": "one two three four five, one two three four five, one two",
+                                             "num_speculative_tokens": 4, "temperature": 0, "max_tokens": 24},
+                    headers=auth).json()
+    assert f"{len(sp['token_ids'])} tokens in {sp['verifications']} target passes" in spec
+    assert f"accepted {sp['accepted']}" in spec and sp["text"].strip()[:10] in spec
+
+
 OVERLAPS_JS = """() => {
   const bad = [];
   for (const svg of document.querySelectorAll("svg")) {
@@ -199,9 +256,11 @@ def test_no_overlapping_chart_text_and_no_horizontal_scroll(srv, width):
         page.goto(f"{srv.url}/inspect?key=secret")
         page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
         page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
-        page.click("#kv-contrast-go")  # the on-demand chart too: the KV cache on and off
+        page.click("#kv-contrast-go")  # the on-demand charts too: the KV cache on and off, quantization's cost
         page.wait_for_function("document.querySelector('#kv-contrast-meta').textContent.includes('ms per token')",
                                timeout=120_000)
+        page.click("#qkl-go")
+        page.wait_for_function("document.querySelector('#qkl-meta').textContent.includes('mean KL')", timeout=120_000)
         page.locator("#w-kv").screenshot(path=str(OUT / f"w-kv-contrast-{width}.png"))
         seen = page.evaluate(OVERLAPS_JS)
         page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)

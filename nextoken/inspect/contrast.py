@@ -19,7 +19,7 @@ class Recompute:
     def on_embedding(self, h, cos, sin) -> None:
         pass
 
-    def on_layer(self, i, h, probs) -> None:
+    def on_layer(self, i, h, probs, mid=None) -> None:
         pass
 
     def on_forward_done(self, num_tokens, kv_bytes) -> None:

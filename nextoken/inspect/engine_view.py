@@ -33,22 +33,22 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
     allowed = grammar.allowed() if grammar is not None else torch.ones_like(raw, dtype=torch.bool)
     masked = processed.masked_fill(~allowed, float("-inf"))
     kept, probs = sampler.distribution(raw, row)
+    temperature = 1.0 if params.greedy else params.temperature
     if probs is None:  # greedy: the argmax, all mass on it
         chosen = kept
         mask = torch.zeros_like(raw, dtype=torch.bool)
         mask[chosen] = True
         stages = {"top_k": mask, "top_p": mask, "min_p": mask}
         final = mask.float()
-        scaled = processed
     else:
-        scaled = processed / params.temperature
-        stages = {"top_k": filter_mask(masked / params.temperature, params.top_k, 1.0, 0.0),
-                  "top_p": filter_mask(masked / params.temperature, params.top_k, params.top_p, 0.0), "min_p": kept}
+        scaled = masked / temperature
+        stages = {"top_k": filter_mask(scaled, params.top_k, 1.0, 0.0) & allowed,
+                  "top_p": filter_mask(scaled, params.top_k, params.top_p, 0.0) & allowed, "min_p": kept & allowed}
         final = probs
         chosen = _seeded_draw(sampler, raw, row, probs, allowed)
     stages = {"grammar": allowed, **stages}
-    p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), scaled.softmax(-1)
-    order = p_temp.topk(SHOW_CANDIDATES).indices.tolist()
+    p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), (masked / temperature).softmax(-1)
+    order = processed.topk(SHOW_CANDIDATES).indices.tolist()  # the most likely before the grammar
     if grammar is not None:
         order += [t for t in masked.topk(min(SHOW_CANDIDATES // 2, int(allowed.sum()))).indices.tolist()
                   if t not in order]

@@ -46,10 +46,10 @@ def _positions(model, position: int) -> dict:
 
 
 def _layers(tracer, lens: list[dict], tokens: list[dict]) -> list[dict]:
-    """Per layer: the residual's norm at its input and output (last token), the last token's
-    strongest keys per head, and the logit lens' top token after it."""
+    """Per layer: the residual's norm at its input, after the attention's add and at its output
+    (last token), the last token's strongest keys per head, and the logit lens' top token after it."""
     res = tracer.residual[:, -1]  # [layers + 1, hidden]
-    norms = res.norm(dim=-1)
+    norms, mids = res.norm(dim=-1), tracer.mid[:, -1].norm(dim=-1)
     out = []
     for layer, att in enumerate(tracer.attention):
         a = att.float()  # [heads, T]: the last query row
@@ -58,7 +58,8 @@ def _layers(tracer, lens: list[dict], tokens: list[dict]) -> list[dict]:
         heads = [[{"position": int(p), "token": tokens[int(p)]["token"], "weight": round(float(v), 3)}
                   for v, p in zip(vals[h], idx[h])] for h in range(a.shape[0])]
         top = lens[layer + 1]["top"][0]
-        out.append({"layer": layer, "norm_in": round(float(norms[layer]), 3), "norm_out": round(float(norms[layer + 1]), 3),
+        out.append({"layer": layer, "norm_in": round(float(norms[layer]), 3), "norm_mid": round(float(mids[layer]), 3),
+                    "norm_out": round(float(norms[layer + 1]), 3),
                     "heads": heads, "lens": top, "ms": round(tracer.layer_ms[layer], 3)})
     return out
 

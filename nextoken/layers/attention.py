@@ -53,6 +53,9 @@ class AttentionMetadata:
     # tracing: a list (the sink) makes every layer run the reference attention and leave its
     # per-sequence probabilities ``[H, q_len, seq_len]`` here, for the tracer; None: the usual paths
     probs: list | None = None
+    # tracing: a list (the sink) where each layer leaves its residual stream after the attention's
+    # residual add, before the feed-forward ``[T, hidden]``; None: nothing is kept
+    mid: list | None = None
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
 

@@ -81,9 +81,11 @@ class DecoderModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             if meta.probs:  # tracing: each layer's probabilities, one list per layer
                 meta.probs = []
+            if tracer is not None:
+                meta.mid = []
             h = layer(h, rope, kv, meta)
             if tracer is not None:
-                tracer.on_layer(i, h, meta.probs)
+                tracer.on_layer(i, h, meta.probs, meta.mid[0] if meta.mid else None)
         return self.final_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

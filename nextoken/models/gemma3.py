@@ -57,6 +57,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
         cos, sin = rope[self.self_attn.sliding]
         attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
         h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps)
+        if meta.mid is not None:
+            meta.mid.append(h)
         ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps))
         h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps)
         return h

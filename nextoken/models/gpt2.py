@@ -49,6 +49,8 @@ class GPT2Block(torch.nn.Module):
         q, k, v = (x.reshape(t, self.num_heads, self.head_dim) for x in (q, k, v))
         out = attend(q, k, v, kv, self.layer, meta, self.scale)
         h = h + self.attn_proj(out.reshape(t, -1))
+        if meta.mid is not None:
+            meta.mid.append(h)
         ffn = F.gelu(self.c_fc(layer_norm(h, self.ln_2_weight, self.ln_2_bias, self.eps)), approximate=self.gelu)
         return h + self.mlp_proj(ffn)
 

@@ -96,6 +96,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         cos, sin = rope[self.self_attn.sliding]
         attn = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.norm_kernel), cos, sin, kv, meta)
         h = h + attn
+        if meta.mid is not None:
+            meta.mid.append(h)
         h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.norm_kernel))
         return h
 

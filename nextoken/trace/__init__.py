@@ -14,15 +14,16 @@ from typing import Protocol
 
 class Tracer(Protocol):
     """The hooks of a traced request, in order: ``on_prefill_start(ids)`` when it is added; per
-    forward pass ``on_embedding(h, cos, sin)``, ``on_layer(i, h, probs)`` (probs: the layer's
-    per-sequence attention weights ``[H, q_len, seq_len]`` from the attention metadata's sink,
-    when `wants_probs`; the pass then runs the reference attention) and ``on_forward_done(tokens
+    forward pass ``on_embedding(h, cos, sin)``, ``on_layer(i, h, probs, mid)`` (h: the layer's
+    output; probs: its per-sequence attention weights ``[H, q_len, seq_len]`` from the attention
+    metadata's sink, when `wants_probs`, the pass then running the reference attention; mid: the
+    residual stream after the attention's residual add ``[T, hidden]``) and ``on_forward_done(tokens
     in the cache, KV bytes)``; per sampled token ``on_sample(logits, SampleResult, params)``."""
 
     wants_probs: bool
 
     def on_prefill_start(self, prompt_ids: list[int]) -> None: ...
     def on_embedding(self, h, cos, sin) -> None: ...
-    def on_layer(self, i: int, h, probs: list | None) -> None: ...
+    def on_layer(self, i: int, h, probs: list | None, mid=None) -> None: ...
     def on_forward_done(self, num_tokens: int, kv_bytes: int) -> None: ...
     def on_sample(self, logits, res, params) -> None: ...

@@ -5,7 +5,8 @@ attention maps, the logit lens).
 It implements the `Tracer` hooks (`trace.Tracer`): the engine runs the traced request in a
 forward pass of its own on the reference attention, whose probabilities reach `on_layer`
 through the attention metadata's sink. For the prompt's rows (prefill chunks are stitched
-together by position) it keeps the residual stream after the embedding and after every layer,
+together by position) it keeps the residual stream after the embedding, inside every layer after attention and after
+every layer,
 and the attention weights (every query row, or with `last_row_only` the prompt's last one); for
 every pass the time per layer and the KV cache's size; for every sampled token the logits'
 top candidates with the sampler's kept mask and distribution, and the first token's whole logits.
@@ -24,7 +25,8 @@ class TraceRecorder:
     """Records one request. After the run: `token_ids` (the prompt), `attention[layer]` float16
     ``[heads, T, T]`` (row = query position; with `last_row_only` ``[heads, T]``, the last
     prompt position's row), `residual[l]` float32 ``[T, hidden]`` (l = 0: the embeddings, l = i
-    + 1: after layer i), `layer_ms` (per layer, summed over passes), `passes` (per pass: prompt
+    + 1: after layer i), `mid[i]` float32 ``[T, hidden]`` (inside layer i: after the attention's
+    residual add, before the feed-forward), `layer_ms` (per layer, summed over passes), `passes` (per pass: prompt
     rows recorded, tokens in the cache, KV bytes, ms), `steps` (per sampled token: `chosen`, the
     `TOP_KEPT` candidates by logit with ``logit``, ``prob``, ``kept``, ``sample_prob``, and
     ``kept_count``), `first_logits` float32 ``[vocab]`` (what the first token was drawn from)."""
@@ -36,6 +38,7 @@ class TraceRecorder:
         self.token_ids: list[int] = []
         self.attention: list[torch.Tensor] = []
         self.residual = torch.empty(0)
+        self.mid = torch.empty(0)
         self.layer_ms = [0.0] * config.num_layers
         self.passes: list[dict] = []
         self.steps: list[dict] = []
@@ -56,6 +59,7 @@ class TraceRecorder:
         shape = (cfg.num_heads, t) if self.last_row_only else (cfg.num_heads, t, t)
         self.attention = [torch.zeros(shape, dtype=torch.float16) for _ in range(cfg.num_layers)]
         self.residual = torch.zeros(cfg.num_layers + 1, t, cfg.hidden_size)
+        self.mid = torch.zeros(cfg.num_layers, t, cfg.hidden_size)
 
     def on_embedding(self, h: torch.Tensor, cos, sin) -> None:
         now = time.perf_counter()
@@ -65,7 +69,7 @@ class TraceRecorder:
             self.residual[0, self._at : self._at + self._q] = h[: self._q].float()
         self._t = now
 
-    def on_layer(self, i: int, h: torch.Tensor, probs: list | None) -> None:
+    def on_layer(self, i: int, h: torch.Tensor, probs: list | None, mid: torch.Tensor | None = None) -> None:
         now = time.perf_counter()
         self.layer_ms[i] += (now - self._t) * 1000
         self._t = now
@@ -73,6 +77,8 @@ class TraceRecorder:
             return
         a, b = self._at, self._at + self._q
         self.residual[i + 1, a:b] = h[: self._q].float()
+        if mid is not None:
+            self.mid[i, a:b] = mid[: self._q].float()
         if not probs:
             return
         p = probs[0]  # [heads, rows of this pass, keys]

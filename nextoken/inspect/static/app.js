@@ -2,7 +2,7 @@
 import { $, api, liveUrl, showError } from "./lib.js";
 import { tokenizer, embeddings, positions, architecture } from "./text_widgets.js";
 import { attention, timeline, sampling, beam } from "./run_widgets.js";
-import { kvStatic, kvLive, kvContrast, batchingLive, specLive, requestsLive, quantization } from "./engine_widgets.js";
+import { kvStatic, kvLive, kvContrast, batchingLive, specLive, specDemand, requestsLive, quantization, quantKl } from "./engine_widgets.js";
 import { journey } from "./journey.js";
 
 async function main() {
@@ -36,6 +36,8 @@ async function main() {
   };
   es.onerror = () => showError("w-batching", new Error("the live stream was interrupted; it reconnects by itself"));
   $("kv-contrast-go").addEventListener("click", kvContrast);
+  $("spec-go").addEventListener("click", specDemand);
+  $("qkl-go").addEventListener("click", quantKl);
   $("demo-go").addEventListener("click", () => api("demo", { count: 6, max_tokens: 48 }).catch((e) => showError("w-batching", e)));
   document.body.dataset.loaded = "1";
 }

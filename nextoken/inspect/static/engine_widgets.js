@@ -123,7 +123,7 @@ export function specLive(st) {
   while (specHistory.length > 40) specHistory.shift();
   const sp = st.speculative;
   if (!sp) {
-    $("spec-out").replaceChildren(h("div", { class: "note" }, "This server runs without speculative decoding. Start it with --speculative-method ngram (or --speculative-model M) to see each step's drafted tokens, which the target accepted, and the target's and draft's probabilities."));
+    $("spec-out").replaceChildren(h("div", { class: "note" }, "This server runs without speculative decoding in its steps (try it on demand above). Start it with --speculative-method ngram (or --speculative-model M) to see every request's drafts, which the target accepted, and the target's and draft's probabilities here."));
   } else {
     const s = st.stats;
     $("spec-out").replaceChildren(
@@ -170,4 +170,49 @@ export async function quantization(isGguf) {
     $("q-tensor").value = q.name;
     await go();
   } catch (e) { showError("w-quant", e); }
+}
+
+// speculation on demand: one request, n-gram drafts verified by the served model
+export async function specDemand() {
+  try {
+    $("spec-go").disabled = true;
+    const r = await api("spec/run", { prompt: $("spec-prompt").value, num_speculative_tokens: +$("spec-k").value, temperature: +$("spec-t").value, max_tokens: 24 });
+    $("spec-meta").textContent = `${r.token_ids.length} tokens in ${r.verifications} target passes (${r.tokens_per_verification} per pass; without speculation: 1) · drafted ${r.drafted}, accepted ${r.accepted} (${(r.acceptance_rate * 100).toFixed(1)}%)`;
+    const tok = (t, cls, title) => h("span", { class: "tok " + cls, title }, t.token);
+    $("spec-steps").replaceChildren(
+      table(["pass", "drafted: p_target / q_draft (green accepted, struck out rejected, grey not checked)", "accepted", "emitted"], r.steps.map((st, i) => [i + 1,
+        st.drafted.length ? h("span", { class: "tokens" }, ...st.drafted.map((d, j) => h("span", { class: "tok " + (j < st.accepted ? "kept" : j < st.p_target.length ? "cut" : "") }, `${d.token} ${st.p_target[j] ?? "–"}/${st.q_draft[j]}`))) : h("span", { class: "note" }, "no earlier occurrence: nothing to guess"),
+        st.accepted, h("span", { class: "tokens" }, ...st.emitted.map((e, j) => tok(e, j < st.accepted ? "kept" : "gen", j < st.accepted ? "an accepted draft" : "the target's own token")))])),
+      h("pre", { class: "stream" }, r.text));
+    ready("w-spec");
+  } catch (e) { showError("w-spec", e); } finally { $("spec-go").disabled = false; }
+}
+
+// the served weights against the float32 reference, per position of the learner's prompt
+export async function quantKl() {
+  try {
+    $("qkl-go").disabled = true;
+    $("qkl-meta").textContent = "building the float32 reference on first use, then scoring …";
+    const r = await api("quant/kl", { prompt: $("qkl-prompt").value });
+    const sv = r.served, ref = r.reference;
+    $("qkl-meta").textContent = `served: ${sv.dtype} activations, weights ${sv.weights.join(", ")}, KV cache ${sv.kv_cache_dtype} · reference: float32 (${fmtBytes(ref.bytes)}; built once in ${ref.build_s} s; the page builds one up to ${fmtBytes(ref.cap_bytes)}) · mean KL ${r.kl_mean.toExponential(3)} nats, max ${r.kl_max.toExponential(3)} · same top token at ${(r.top1_agreement * 100).toFixed(1)}% of ${r.positions.length} positions`;
+    const svg = $("qkl-chart"), H = 180, m = 40, bw = Math.max(6, Math.min(24, 560 / r.positions.length));
+    const W = Math.max(620, m + 10 + bw * r.positions.length);
+    svg.setAttribute("width", String(W));
+    svg.replaceChildren();
+    const top = Math.max(...r.positions.map((p) => p.kl), 1e-9);
+    r.positions.forEach((p, i) => {
+      const bh = (Math.max(0, p.kl) / top) * (H - 40);
+      const bar = s("rect", { x: m + i * bw, y: H - 20 - bh, width: bw - 1, height: Math.max(1, bh), fill: p.same_top ? "#5fb3f9" : "#eb5757" });
+      bar.append(s("title", {}, `${p.token} → ${p.next}: KL ${p.kl}`));
+      svg.append(bar);
+    });
+    svg.append(s("line", { x1: m, y1: H - 20, x2: W - 8, y2: H - 20, stroke: "#556" }));
+    svg.append(s("text", { x: 2, y: 14 }, `KL ${top.toExponential(1)} nats`));
+    svg.append(s("text", { x: m, y: H - 4 }, "position 0"));
+    svg.append(s("text", { x: W - 8, y: H - 4, "text-anchor": "end" }, `${r.positions.length - 1} (red: a different top token)`));
+    $("qkl-out").replaceChildren(table(["position", "token → next", "KL (nats)", "top served", "top reference", "log p(next) served", "log p(next) reference"],
+      r.positions.map((p) => [p.position, `${p.token} → ${p.next}`, p.kl.toExponential(2), h("span", { class: p.same_top ? "kept" : "cut" }, p.top_served), p.top_reference, p.logprob_served, p.logprob_reference])));
+    ready("w-quant");
+  } catch (e) { showError("w-quant", e); } finally { $("qkl-go").disabled = false; }
 }

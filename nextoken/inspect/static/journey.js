@@ -7,7 +7,7 @@ const STAGES = [
   ["tokens", "1 · Text → tokens", "The tokenizer cuts the text into pieces from its vocabulary (BPE: the most frequent pairs were merged during training). The model only ever sees the ids. Generated tokens are added to the end, one per step."],
   ["embedding", "2 · Embedding", "Each id selects one row of the embedding table: a vector of hidden-size numbers. This is the row of the last token, the one whose next token is being predicted."],
   ["positions", "3 · Positions (RoPE)", "Attention alone does not know order. RoPE rotates each pair of query and key dimensions by position × rate: fast pairs turn many times, slow pairs barely move, so the score between two tokens depends on their distance."],
-  ["layers", "4 · The layers", "Each layer reads the residual stream, attends to earlier tokens (the last token's strongest keys per head are shown), adds an MLP's output, and writes back. The logit lens reads what the stream would predict if the model stopped after that layer."],
+  ["layers", "4 · The layers", "Each layer reads the residual stream, attends to earlier tokens (the last token's strongest keys per head are shown), adds an MLP's output, and writes back: ‖h‖, the residual stream's size, is shown entering the layer, after attention adds its part, and after the MLP adds its own. The logit lens reads what the stream would predict if the model stopped after that layer."],
   ["final", "5 · Final norm and LM head", "The last residual vector is normalised and multiplied by the LM head: one logit per vocabulary entry. Softmax turns logits into probabilities."],
   ["sampler", "6 · Sampler", "Temperature divides the logits; top-k, top-p and min-p cut the tail; the draw picks from what is left (greedy at temperature 0). Crossed-out candidates were cut."],
   ["choice", "7 · The chosen token", "The token the sampler picked, and its probability under the raw softmax."],
@@ -52,12 +52,12 @@ const draw = {
     const maxN = Math.max(...v.layers.map((l) => l.norm_out));
     const rows = v.layers.map((l) => {
       const best = l.heads.map((hs, i) => ({ i, k: hs[0] })).sort((a, b) => b.k.weight - a.k.weight).slice(0, 2);
-      return [l.layer, `${l.norm_in} → ${l.norm_out}`,
+      return [l.layer, `${l.norm_in} → ${l.norm_mid} → ${l.norm_out}`,
         h("span", { class: "bar", style: `width:${Math.round(80 * l.norm_out / maxN)}px` }),
         best.map((b) => `h${b.i}: ${b.k.token}@${b.k.position} (${b.k.weight})`).join(", "),
         `${l.lens.token} (${l.lens.prob})`, l.ms];
     });
-    return [table(["layer", "‖h‖ in → out", "", "strongest heads (key@position, weight)", "logit lens top-1", "ms"], rows)];
+    return [table(["layer", "‖h‖ in → after attention → after MLP", "", "strongest heads (key@position, weight)", "logit lens top-1", "ms"], rows)];
   },
   final(v) {
     const max = v.final.top[0].prob;
