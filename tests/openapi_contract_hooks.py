@@ -37,6 +37,13 @@ SEMANTIC = {
     "adapter folder": re.compile(r"^adapter '.*': \S+ is missing \(a PEFT adapter folder has "),
     # n <= best_of (a comparison of two fields)
     "n <= best_of": re.compile(r"^n \(\d+\) must not exceed best_of \(\d+\) with use_beam_search$"),
+    # the inspector's sampling view takes one constraint, and its generated tokens must follow it
+    "one constraint": re.compile(r"^give json_schema or regex, not both$"),
+    "grammar refuses generated": re.compile(r"^generated token \d+ \(position \d+\) is refused by the grammar"),
+    # quantization's cost scores each position on the next token: a one-token prompt has none
+    "two tokens": re.compile(r"^the prompt needs at least 2 tokens"),
+    # the server's own speculation exists only when it was started with it (its state, not the body)
+    "speculation off": re.compile(r"^this server runs without speculative decoding in its steps"),
 }
 
 

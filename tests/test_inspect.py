@@ -289,7 +289,7 @@ def test_speculation_on_demand_gives_greedy_text_and_accepts_repeats(srv, oracle
     view = r.json()
     want = oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
     assert view["token_ids"] == want
-    assert view["accepted"] > 0 and view["verifications"] < 16
+    assert view["accepted"] > 0 and view["verifications"] == view["target_passes"] < 16
     for st in view["steps"]:
         assert len(st["emitted"]) == st["accepted"] + 1 or st is view["steps"][-1]
         assert [e["id"] for e in st["emitted"][: st["accepted"]]] == [d["id"] for d in st["drafted"][: st["accepted"]]]
@@ -298,6 +298,30 @@ def test_speculation_on_demand_gives_greedy_text_and_accepts_repeats(srv, oracle
             assert st["p_target"][st["accepted"]] == 0.0
     sampled = post(srv, "spec/run", {"prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5}).json()
     assert len(sampled["token_ids"]) == 8 and all(0 <= p <= 1 for st in sampled["steps"] for p in st["p_target"])
+
+
+def test_speculation_in_the_engine_reads_its_own_verifications(smollm2_path, oracle, srv):
+    """On a server started with --speculative-method ngram, method "engine" runs an ordinary
+    request and shows the engine's own verifications of it: the tokens are greedy generate's,
+    each verification's emitted tokens are its accepted drafts plus one, and every token is in a
+    verification, a plain decode step or the prefill. Without speculation the method is refused."""
+    prompt = "one two three four five, one two three four five, one two"
+    spec_srv = LiveServer(LLM(str(smollm2_path), speculative_method="ngram"), "smollm2")
+    try:
+        r = httpx.post(f"{spec_srv.url}/inspect/api/spec/run", json={"method": "engine", "prompt": prompt,
+                                                                     "max_tokens": 16}, timeout=120)
+    finally:
+        spec_srv.stop()
+    assert r.status_code == 200, r.text
+    view = r.json()
+    assert view["token_ids"] == oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
+    assert view["method"] == "ngram" and view["verifications"] > 0 and view["accepted"] > 0
+    for st in view["steps"]:
+        assert [e["id"] for e in st["emitted"][: st["accepted"]]] == [d["id"] for d in st["drafted"][: st["accepted"]]]
+        assert len(st["emitted"]) == st["accepted"] + 1
+    assert view["target_passes"] < 16
+    refused = post(srv, "spec/run", {"method": "engine", "prompt": prompt})
+    assert refused.status_code == 400 and "without speculative decoding" in refused.json()["error"]["message"]
 
 
 def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
@@ -460,6 +484,24 @@ def test_page_routes_schema_and_switches(srv, tiny_gguf):
         assert httpx.get(f"{keyed.url}/v1/models", params={"key": "k"}).status_code == 401  # only /inspect
     finally:
         keyed.stop()
+
+
+def test_page_code_is_small_plain_and_local():
+    """The page's own code: plain ES modules, 150 KB of JavaScript at most in all, no address
+    outside the server, and every chart (svg, canvas) in the HTML with a text alternative."""
+    import re
+    from pathlib import Path
+
+    static = Path(text.__file__).resolve().parent / "static"
+    scripts = sorted(static.glob("*.js"))
+    assert scripts and sum(p.stat().st_size for p in scripts) <= 150_000
+    for p in [*scripts, static / "index.html", static / "inspect.css"]:
+        src = p.read_text()
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}/", src.replace("http://www.w3.org/2000/svg", "")), p.name
+        assert "require(" not in src
+    html = (static / "index.html").read_text()
+    charts = re.findall(r"<(?:svg|canvas)\b[^>]*>", html)
+    assert charts and all('aria-label="' in c for c in charts), [c for c in charts if "aria-label" not in c]
 
 
 def test_kv_bytes_formula_with_an_int8_cache(tiny_gguf):

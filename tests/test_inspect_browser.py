@@ -194,6 +194,9 @@ def test_on_demand_views_show_the_apis_numbers(srv):
     regex = "(19|20)[0-9]{2}"
     with sync_playwright() as p:
         browser, page, errors, outside = _open(p, srv)
+        page.focus('#arch-svg g[data-part="mlp"]')  # a clickable chart part works from the keyboard too
+        page.keyboard.press("Enter")
+        arch_detail = page.inner_text("#arch-detail")
         page.fill("#smp-prompt", "The year it happened was")
         page.select_option("#smp-kind", "regex")
         page.fill("#smp-constraint", regex)
@@ -212,6 +215,7 @@ def test_on_demand_views_show_the_apis_numbers(srv):
         page.locator("#w-spec").screenshot(path=str(OUT / "w-spec-demand.png"))
         browser.close()
     assert not errors and not outside, (errors, outside)
+    assert arch_detail.startswith("mlp")
     g = httpx.post(f"{api}/sample", json={"prompt": "The year it happened was", "regex": regex, "temperature": 0.8},
                    headers=auth).json()
     assert f"the grammar allows {g['kept_counts']['grammar']}" in sampling and "refused" in sampling
@@ -223,7 +227,7 @@ def test_on_demand_views_show_the_apis_numbers(srv):
     sp = httpx.post(f"{api}/spec/run", json={"prompt": "one two three four five, one two three four five, one two",
                                              "num_speculative_tokens": 4, "temperature": 0, "max_tokens": 24},
                     headers=auth).json()
-    assert f"{len(sp['token_ids'])} tokens in {sp['verifications']} target passes" in spec
+    assert f"ngram: {len(sp['token_ids'])} tokens in {sp['target_passes']} target passes" in spec
     assert f"accepted {sp['accepted']}" in spec and sp["text"].strip()[:10] in spec
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field
@@ -33,6 +34,9 @@ class QualityBody(Body):
 
 
 class SpeculateBody(Body):
+    method: Literal["ngram", "engine"] = Field("ngram", description="ngram: n-gram drafts verified here, on any "
+                                               "server; engine: the server's own --speculative-method (n-gram or a "
+                                               "draft model), read from its step log")
     prompt: str = Field("one two three four five, one two three four five, one two", min_length=1,
                         max_length=text.MAX_TEXT_CHARS)
     num_speculative_tokens: int = Field(4, ge=1, le=8)
@@ -93,8 +97,8 @@ async def quant_kl(request: Request, body: QualityBody):
                 "build_s": round(ctx.state.reference.build_s, 2), "dtype": "float32"}}
 
 
-@router.post("/inspect/api/spec/run", summary="Speculative decoding (n-gram) for one request, on demand: each "
-                                              "verification's drafts, acceptance and p_target / q_draft")
+@router.post("/inspect/api/spec/run", summary="Speculative decoding for one request, on demand: each verification's "
+                                              "drafts, acceptance and p_target / q_draft")
 async def spec_run(request: Request, body: SpeculateBody):
     ctx = _ctx(request)
     eng = ctx.core()
@@ -102,5 +106,8 @@ async def spec_run(request: Request, body: SpeculateBody):
     params = SamplingParams(temperature=body.temperature, seed=body.seed,
                             max_tokens=body.max_tokens).validate(eng.config.vocab_size)
     t = time.perf_counter()
-    view = await speculate.run(ctx, ids, params, body.num_speculative_tokens)
+    if body.method == "engine":
+        view = await speculate.run_in_engine(ctx, ids, params)
+    else:
+        view = await speculate.run(ctx, ids, params, body.num_speculative_tokens)
     return {**view, "prompt_tokens": len(ids), "ms": round((time.perf_counter() - t) * 1000, 1)}

@@ -10,7 +10,8 @@ what was accepted, and the acceptance test's p_target against q_draft (1 for an 
 
 Unlike the engine's own speculation (``--speculative-method``), each verification here is one
 request that recomputes its prompt: the page shows the mechanism and how many tokens one target
-pass yields, not the speed-up.
+pass yields, not the speed-up. On a server started with speculation (n-gram or a draft model),
+`run_in_engine` runs the request as usual and reads its verifications from the engine's step log.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from nextoken.config import SpeculativeConfig
-from nextoken.errors import RequestFailed
+from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.inspect.text import display
 from nextoken.sample.sampler import SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
@@ -44,13 +45,40 @@ async def run(ctx, ids: list[int], params: SamplingParams, k: int) -> dict:
                       "p_target": [round(x, 4) for x in p_target], "q_draft": [1.0] * len(drafts),
                       "emitted": [_tok(eng, t) for t in emitted]})
         out.extend(emitted)
+    return _summary(eng, steps, list(out), "ngram", k, len(steps))
+
+
+async def run_in_engine(ctx, ids: list[int], params: SamplingParams) -> dict:
+    """One ordinary request on an engine that speculates (``--speculative-method``): its
+    verifications as the engine's step log recorded them (drafts from n-gram lookup or the draft
+    model, with the draft's q), in the shape `run` returns. Raises `InvalidRequest` when the
+    engine runs without speculation, `RequestFailed` when the request fails."""
+    eng = ctx.core()
+    if eng.speculative is None:
+        raise InvalidRequest("this server runs without speculative decoding in its steps; use method 'ngram', or "
+                             "start it with --speculative-method", "method")
+    out = None
+    async for out in ctx.get_engine().generate(ids, params):
+        pass
+    if out.error is not None:
+        raise RequestFailed(out.error)
+    records = await ctx.between_steps(lambda: [v for s in eng.history.steps for v in s["spec"]
+                                               if v["request_id"] == out.request_id])
+    steps = [{"drafted": [_tok(eng, t) for t in v["drafted"]], "accepted": v["accepted"], "p_target": v["p_target"],
+              "q_draft": v["q_draft"], "emitted": [_tok(eng, t) for t in v["emitted"]]} for v in records]
+    tokens = list(out.outputs[0].token_ids)
+    plain = len(tokens) - 1 - sum(len(s["emitted"]) for s in steps)  # decode steps without a verification
+    return _summary(eng, steps, tokens, eng.speculative.method, eng.speculative.num_speculative_tokens,
+                    len(steps) + max(0, plain) + 1)
+
+
+def _summary(eng, steps: list[dict], tokens: list[int], method: str, k: int, passes: int) -> dict:
     drafted = sum(len(s["drafted"]) for s in steps)
     accepted = sum(s["accepted"] for s in steps)
-    return {"steps": steps, "token_ids": list(out), "text": eng.tokenizer.decode(out, skip_special_tokens=True),
-            "verifications": len(steps), "drafted": drafted, "accepted": accepted,
+    return {"steps": steps, "token_ids": tokens, "text": eng.tokenizer.decode(tokens, skip_special_tokens=True),
+            "verifications": len(steps), "target_passes": passes, "drafted": drafted, "accepted": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "tokens_per_verification": round(len(out) / max(1, len(steps)), 3), "method": "ngram",
-            "num_speculative_tokens": k}
+            "tokens_per_pass": round(len(tokens) / max(1, passes), 3), "method": method, "num_speculative_tokens": k}
 
 
 async def _target_logits(ctx, tokens: list[int], drafts: list[int]) -> torch.Tensor:

@@ -176,8 +176,8 @@ export async function quantization(isGguf) {
 export async function specDemand() {
   try {
     $("spec-go").disabled = true;
-    const r = await api("spec/run", { prompt: $("spec-prompt").value, num_speculative_tokens: +$("spec-k").value, temperature: +$("spec-t").value, max_tokens: 24 });
-    $("spec-meta").textContent = `${r.token_ids.length} tokens in ${r.verifications} target passes (${r.tokens_per_verification} per pass; without speculation: 1) · drafted ${r.drafted}, accepted ${r.accepted} (${(r.acceptance_rate * 100).toFixed(1)}%)`;
+    const r = await api("spec/run", { method: $("spec-method").value, prompt: $("spec-prompt").value, num_speculative_tokens: +$("spec-k").value, temperature: +$("spec-t").value, max_tokens: 24 });
+    $("spec-meta").textContent = `${r.method}: ${r.token_ids.length} tokens in ${r.target_passes} target passes (${r.tokens_per_pass} per pass; without speculation: 1) · ${r.verifications} verifications, drafted ${r.drafted}, accepted ${r.accepted} (${(r.acceptance_rate * 100).toFixed(1)}%)`;
     const tok = (t, cls, title) => h("span", { class: "tok " + cls, title }, t.token);
     $("spec-steps").replaceChildren(
       table(["pass", "drafted: p_target / q_draft (green accepted, struck out rejected, grey not checked)", "accepted", "emitted"], r.steps.map((st, i) => [i + 1,

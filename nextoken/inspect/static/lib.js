@@ -19,11 +19,19 @@ export function liveUrl() { return "/inspect/api/live" + (KEY ? "?key=" + encode
 
 export const $ = (id) => document.getElementById(id);
 
+// an element that reacts to a click is reachable and operable from the keyboard as well
+function operable(e, onclick) {
+  if (["BUTTON", "INPUT", "SELECT", "A"].includes(e.tagName)) return;
+  e.setAttribute("tabindex", "0");
+  e.setAttribute("role", "button");
+  e.addEventListener("keydown", (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); onclick(ev); } });
+}
+
 export function h(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
     if (k === "class") e.className = v;
-    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else if (k.startsWith("on")) { e.addEventListener(k.slice(2), v); if (k === "onclick") operable(e, v); }
     else e.setAttribute(k, v);
   }
   for (const c of children.flat()) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
@@ -81,7 +89,7 @@ export const SVG = "http://www.w3.org/2000/svg";
 export function s(tag, attrs = {}, text) {
   const e = document.createElementNS(SVG, tag);
   for (const [k, v] of Object.entries(attrs)) {
-    if (k.startsWith("on")) e.addEventListener(k.slice(2), v); else e.setAttribute(k, v);
+    if (k.startsWith("on")) { e.addEventListener(k.slice(2), v); if (k === "onclick") operable(e, v); } else e.setAttribute(k, v);
   }
   if (text !== undefined) e.textContent = text;
   return e;

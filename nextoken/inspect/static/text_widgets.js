@@ -154,8 +154,7 @@ export async function architecture() {
     };
     blocks.forEach(([key, label, x, hgt], i) => {
       if (i === 1) layerTop = y - 4;
-      const g = s("g", { style: "cursor:pointer", onclick: () => detail(key), "data-part": key, tabindex: 0, role: "button", "aria-label": label });
-      g.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") detail(key); });
+      const g = s("g", { style: "cursor:pointer", onclick: () => detail(key), "data-part": key, "aria-label": label });
       g.append(s("rect", { x, y, width: 300 - (x - 10), height: hgt, rx: 5, fill: fill[key] || "#2a3946" }));
       g.append(s("text", { x: x + 10, y: y + 17 }, label));
       const p = parts[key];
