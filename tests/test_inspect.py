@@ -289,7 +289,7 @@ def test_speculation_on_demand_gives_greedy_text_and_accepts_repeats(srv, oracle
     view = r.json()
     want = oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
     assert view["token_ids"] == want
-    assert view["accepted"] > 0 and view["verifications"] == view["target_passes"] < 16
+    assert view["accepted"] > 0 and 0 < view["verifications"] <= view["target_passes"] == len(view["steps"]) < 16
     for st in view["steps"]:
         assert len(st["emitted"]) == st["accepted"] + 1 or st is view["steps"][-1]
         assert [e["id"] for e in st["emitted"][: st["accepted"]]] == [d["id"] for d in st["drafted"][: st["accepted"]]]

@@ -76,7 +76,7 @@ def _summary(eng, steps: list[dict], tokens: list[int], method: str, k: int, pas
     drafted = sum(len(s["drafted"]) for s in steps)
     accepted = sum(s["accepted"] for s in steps)
     return {"steps": steps, "token_ids": tokens, "text": eng.tokenizer.decode(tokens, skip_special_tokens=True),
-            "verifications": len(steps), "target_passes": passes, "drafted": drafted, "accepted": accepted,
+            "verifications": sum(1 for s in steps if s["drafted"]), "target_passes": passes, "drafted": drafted, "accepted": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
             "tokens_per_pass": round(len(tokens) / max(1, passes), 3), "method": method, "num_speculative_tokens": k}
 
