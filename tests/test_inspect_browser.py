@@ -155,6 +155,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]",
                                                           "els => els.map(e => e.dataset.journeyTokenId)")]
         stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
+        page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
+        page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
         for name, _ in stages:
             page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
@@ -168,6 +170,10 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     text = smollm2_llm.tokenizer.decode(want)
     assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]
     assert texts["layers"].count("\n") >= 30  # a row per layer
+    merges = httpx.post(f"{srv.url}/inspect/api/bpe", json={"word": " capital"},
+                        headers={"Authorization": "Bearer secret"}).json()
+    last = merges["pieces"][-1]["steps"][-1]
+    assert f"rank {last['rank']}" in texts["tokens"]
 
 
 def _open(p, srv, width=1300):

@@ -25,7 +25,8 @@ EMBED_VALUES = 16  # leading values of the embedding row shown
 
 
 def _tokens(tokenizer, ids: list[int], prompt_len: int) -> list[dict]:
-    return [{"id": i, "token": display(tokenizer.token_text(i)), "special": i in tokenizer.special_ids,
+    return [{"id": i, "token": display(tokenizer.token_text(i)), "text": tokenizer.token_text(i),
+             "special": i in tokenizer.special_ids,
              "generated": n >= prompt_len} for n, i in enumerate(ids)]
 
 

@@ -31,10 +31,26 @@ function tokenEl(t, generated, output = false) {
   return e;
 }
 
+// the merges that build one token, replayed with the model's own merge list (POST bpe)
+async function showMerges(t, box) {
+  try {
+    const r = await api("bpe", { word: t.text });
+    box.replaceChildren(h("div", { class: "note" }, `"${t.token}" (id ${t.id}): the pair of lowest rank merges first`),
+      ...r.pieces.flatMap((p) => [h("div", { class: "merge-step" }, "start: ", p.start.map((x) => `[${x}]`).join(" ")),
+        ...p.steps.map((st) => h("div", { class: "merge-step" }, h("b", {}, `rank ${st.rank}: ${st.pair[0]} + ${st.pair[1]}`), "  →  ", st.symbols.map((x) => `[${x}]`).join(" ")))]));
+  } catch (e) { box.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
+}
+
 const draw = {
   tokens(v) {
-    return [h("div", { class: "stat" }, `${v.prompt_tokens} prompt tokens + ${v.tokens.length - v.prompt_tokens} generated`),
-      h("div", { class: "tokens" }, v.tokens.map((t) => tokenEl(t, t.generated)))];
+    const merges = h("div", { class: "bpe", "aria-live": "polite" });
+    const chip = (t) => {
+      const e = tokenEl(t, t.generated);
+      if (t.special || !t.text.trim()) return e;
+      return h("span", { onclick: () => showMerges(t, merges), title: "show the BPE merges that build this token" }, e);
+    };
+    return [h("div", { class: "stat" }, `${v.prompt_tokens} prompt tokens + ${v.tokens.length - v.prompt_tokens} generated · click a token for its BPE merges`),
+      h("div", { class: "tokens" }, v.tokens.map(chip)), merges];
   },
   embedding(v) {
     const e = v.embedding, max = Math.max(...e.values.map(Math.abs), 1e-6);
