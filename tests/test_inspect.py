@@ -276,6 +276,12 @@ def test_quantization_cost_against_transformers_float32(srv, oracle, smollm2_hf)
     assert view["top1_agreement"] == pytest.approx(sum(x["same_top"] for x in rows) / len(rows), abs=1e-4)
     assert view["reference"]["bytes"] < view["reference"]["cap_bytes"]
     assert post(srv, "quant/kl", {"prompt": "a"}).status_code == 400  # one token: nothing to score
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:  # the reference engine is stepped by one request at a time
+        both = list(pool.map(lambda p: post(srv, "quant/kl", {"prompt": p}), ["Hello world, a test.", "Once upon a time",
+                                                                              "The sky is blue"]))
+    assert [r.status_code for r in both] == [200, 200, 200], [r.text for r in both]
 
 
 def test_speculation_on_demand_gives_greedy_text_and_accepts_repeats(srv, oracle):

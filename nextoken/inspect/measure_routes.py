@@ -83,8 +83,7 @@ async def quant_kl(request: Request, body: QualityBody):
     if len(ids) < 2:
         raise InvalidRequest("the prompt needs at least 2 tokens: each position is scored on the next", "prompt")
     t = time.perf_counter()
-    reference = await asyncio.to_thread(ctx.state.reference.get, eng)
-    ref_hidden = await asyncio.to_thread(quality.reference_hidden, reference, ids)
+    reference, ref_hidden = await asyncio.to_thread(ctx.state.reference.hidden, eng, ids)
     out = None
     async for out in ctx.get_engine().generate(ids, quality.served_params(), keep_prompt_hidden=True):
         pass

@@ -36,40 +36,41 @@ def reference_bytes(engine) -> int:
 
 
 class Reference:
-    """The float32 reference engine for one served engine, built on first use (`get`) and kept."""
+    """The float32 reference engine for one served engine, built on first use and kept. It is
+    a synchronous `LLMEngine`, stepped by one caller at a time (`hidden` holds a lock)."""
 
     def __init__(self):
         self.engine = None
         self.build_s: float | None = None
         self._lock = threading.Lock()
 
-    def get(self, served):
-        """The reference `LLMEngine` (blocking: call it in a worker thread). Raises
-        `InvalidRequest` when its float32 weights would exceed `REFERENCE_MAX_BYTES`."""
+    def hidden(self, served, ids: list[int]) -> tuple[object, torch.Tensor]:
+        """The reference engine and its final hidden states of prompt `ids` ``[len(ids) - 1,
+        hidden]`` (blocking: call it in a worker thread). Raises `InvalidRequest` when the
+        reference's float32 weights would exceed `REFERENCE_MAX_BYTES` or its request fails."""
+        with self._lock:
+            reference = self._get(served)
+            group = score_prompts(reference, [ids], True)[0]
+        if group.error is not None:
+            raise InvalidRequest(f"the reference failed: {group.error}", "prompt")
+        return reference, group.prompt_hidden
+
+    def _get(self, served):
         size = reference_bytes(served)
         if size > REFERENCE_MAX_BYTES:
             raise InvalidRequest(f"the float32 reference of this model needs {size / 2**30:.1f} GiB; the inspector "
                                  f"builds one only up to {REFERENCE_MAX_BYTES / 2**30:.0f} GiB", "prompt")
-        with self._lock:
-            if self.engine is None:
-                from nextoken.engine.engine import LLMEngine
+        if self.engine is None:
+            from nextoken.engine.engine import LLMEngine
 
-                t = time.perf_counter()
-                self.engine = LLMEngine.from_engine_args(served.args.replace(
-                    dtype="float32", enforce_eager=True, reference_attention=True, quantization=None,
-                    speculative_model=None, speculative_method=None, enable_lora=False, tensor_parallel_size=1,
-                    max_num_seqs=1, num_kv_blocks=REFERENCE_BLOCKS, kv_cache_dtype="auto", kv_cache_dir="off",
-                    enable_prefix_caching=False))
-                self.build_s = time.perf_counter() - t
-            return self.engine
-
-
-def reference_hidden(reference, ids: list[int]) -> torch.Tensor:
-    """The reference's final hidden states of prompt `ids` ``[len(ids) - 1, hidden]`` (blocking)."""
-    group = score_prompts(reference, [ids], True)[0]
-    if group.error is not None:
-        raise InvalidRequest(f"the reference failed: {group.error}", "prompt")
-    return group.prompt_hidden
+            t = time.perf_counter()
+            self.engine = LLMEngine.from_engine_args(served.args.replace(
+                dtype="float32", enforce_eager=True, reference_attention=True, quantization=None,
+                speculative_model=None, speculative_method=None, enable_lora=False, tensor_parallel_size=1,
+                max_num_seqs=1, num_kv_blocks=REFERENCE_BLOCKS, kv_cache_dtype="auto", kv_cache_dir="off",
+                enable_prefix_caching=False))
+            self.build_s = time.perf_counter() - t
+        return self.engine
 
 
 def compare(served, reference, ids: list[int], served_hidden: torch.Tensor, ref_hidden: torch.Tensor) -> dict:
