@@ -442,7 +442,8 @@ def test_timeline_and_live_state(srv):
     assert len(st["blocks"]) == st["stats"]["num_blocks"] and set(st["blocks"]) <= set(".c123456789+")
     assert len(st["requests"]) >= 4 and st["steps"]
     assert st["stats"]["num_failed"] == 0 and isinstance(st["stats"]["kernel_fallbacks"], dict)  # shown on the page
-    with httpx.stream("GET", f"{srv.url}/inspect/api/live", timeout=30) as ev:
+    with httpx.stream("GET", f"{srv.url}/inspect/api/live", timeout=30) as ev:  # the contract run skips it
+        assert ev.status_code == 200 and ev.headers["content-type"].startswith("text/event-stream")
         line = next(line for line in ev.iter_lines() if line.startswith("data: "))
     assert json.loads(line[6:])["stats"]["num_blocks"] == st["stats"]["num_blocks"]
 

@@ -1,7 +1,8 @@
 """The published OpenAPI schema against what the server answers.
 
 `test_schemathesis_finds_no_failure` runs schemathesis (PyPI) as a user would: its CLI against a
-live server on the tiny model, every route, coverage and fuzzing phases, bounded in examples
+live server on the tiny model, every route but the inspector's endless event stream (it takes
+no input, and each case waits on it; `test_inspect` reads it), coverage and fuzzing phases, bounded in examples
 (and a fixed seed, so that CI reruns the same cases). Its checks: no 5xx, statuses, content
 types and bodies as documented, schema-violating requests refused, and schema-valid requests
 accepted except for the refusals JSON Schema cannot state (tests/openapi_contract_hooks.py).
@@ -41,12 +42,13 @@ def test_schemathesis_finds_no_failure(tiny_srv, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{tiny_srv.url}/openapi.json",
            "--phases", "coverage,fuzzing", "--max-examples", "10", "--seed", "1", "--workers", "1",
            "--request-timeout", "60", "--exclude-checks", "positive_data_acceptance", "--no-color",
+           "--exclude-path", "/inspect/api/live",  # an endless event stream: test_inspect reads it directly
            "--output-sanitize", "false"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.openapi_contract_hooks", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-6000:]
-    assert "Tested: 49" in report and " passed" in report, report[-2000:]
+    assert "Tested: 48" in report and " passed" in report, report[-2000:]
     assert tiny_srv.idle(timeout=30)
 
 
