@@ -81,12 +81,54 @@ def page_run(srv):
                                arg=newest, timeout=30_000)
         seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
         texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
+        recent = _finished_ids(srv)  # before the on-demand views send their own requests
         for w in WIDGETS:
             page.locator(f"#{w}").screenshot(path=str(OUT / f"{w}.png"))
         page.screenshot(path=str(OUT / "page.png"), full_page=True)
+        on_demand = _drive_on_demand_views(page)
+        layout = _layout_at_widths(page, (1280, 800))
         browser.close()
     print(f"inspector page loaded (every widget drawn) in {load_s:.2f} s")
-    return {"ready": seen, "texts": texts, "errors": errors, "outside": outside}
+    return {"ready": seen, "texts": texts, "errors": errors, "outside": outside, "on_demand": on_demand,
+            "layout": layout, "recent": recent}
+
+
+GRAMMAR_PROMPT, GRAMMAR_REGEX = "The year it happened was", "(19|20)[0-9]{2}"
+
+
+def _drive_on_demand_views(page) -> dict:
+    """Use the views that run on demand as a learner would (a diagram block from the keyboard,
+    the grammar mask, quantization's cost, speculation, the KV cache on and off); their texts."""
+    page.focus('#arch-svg g[data-part="mlp"]')  # a clickable chart part works from the keyboard too
+    page.keyboard.press("Enter")
+    seen = {"arch": page.inner_text("#arch-detail")}
+    page.fill("#smp-prompt", GRAMMAR_PROMPT)
+    page.select_option("#smp-kind", "regex")
+    page.fill("#smp-constraint", GRAMMAR_REGEX)
+    waits = {"w-sampling": ("#smp-constraint", None, "#smp-meta", "the grammar allows"),
+             "w-quant": ("#qkl-go", "click", "#qkl-meta", "mean KL"),
+             "w-spec": ("#spec-go", "click", "#spec-meta", "target passes"),
+             "w-kv": ("#kv-contrast-go", "click", "#kv-contrast-meta", "ms per token")}
+    for widget, (control, action, meta, done) in waits.items():
+        if action == "click":
+            page.click(control)
+        page.wait_for_function("([m, d]) => document.querySelector(m).textContent.includes(d)", arg=[meta, done],
+                               timeout=120_000)
+        seen[widget] = page.inner_text(f"#{widget}")
+        page.locator(f"#{widget}").screenshot(path=str(OUT / f"{widget}-on-demand.png"))
+    return seen
+
+
+def _layout_at_widths(page, widths) -> dict:
+    """At each viewport width (the charts' sizes do not depend on it): the overlapping SVG texts
+    and the horizontal scroll, with a full-page screenshot."""
+    out = {}
+    for width in widths:
+        page.set_viewport_size({"width": width, "height": 900})
+        page.wait_for_timeout(200)  # the reflow
+        out[width] = page.evaluate(OVERLAPS_JS)
+        page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)
+    return out
 
 
 def _finished_ids(srv) -> set[str]:
@@ -124,7 +166,7 @@ def test_widgets_show_the_servers_numbers(page_run, srv):
     # the table shows the requests finished when it was drawn; widgets drawn later ran more, so
     # every id it shows is among the server's recent requests (not necessarily the newest)
     shown = set(re.findall(r"async-\d+", t["w-requests"]))
-    assert shown and shown <= {r["request_id"] for r in state["requests"]}
+    assert shown and shown <= page_run["recent"]
 
 
 def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
@@ -176,65 +218,28 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert f"rank {last['rank']}" in texts["tokens"]
 
 
-def _open(p, srv, width=1300):
-    """A page on the inspector with every widget drawn, and the console errors and outside
-    requests it makes."""
-    errors, outside = [], []
-    browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-    page = browser.new_page(viewport={"width": width, "height": 900})
-    page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
-               else (outside.append(route.request.url), route.abort()))
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(f"{srv.url}/inspect?key=secret")
-    page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
-    page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
-    return browser, page, errors, outside
-
-
-def test_on_demand_views_show_the_apis_numbers(srv):
+def test_on_demand_views_show_the_apis_numbers(page_run, srv):
     """The grammar mask in the sampling view, quantization's cost on a prompt and speculation on
-    demand, driven by their controls: each shows what its API returns for the same input."""
+    demand, driven by their controls on the open page: each shows what its API returns for the
+    same input; a diagram block opens from the keyboard."""
     auth = {"Authorization": "Bearer secret"}
     api = f"{srv.url}/inspect/api"
-    regex = "(19|20)[0-9]{2}"
-    with sync_playwright() as p:
-        browser, page, errors, outside = _open(p, srv)
-        page.focus('#arch-svg g[data-part="mlp"]')  # a clickable chart part works from the keyboard too
-        page.keyboard.press("Enter")
-        arch_detail = page.inner_text("#arch-detail")
-        page.fill("#smp-prompt", "The year it happened was")
-        page.select_option("#smp-kind", "regex")
-        page.fill("#smp-constraint", regex)
-        page.wait_for_function("document.querySelector('#smp-meta').textContent.includes('the grammar allows')",
-                               timeout=30_000)
-        sampling = page.inner_text("#w-sampling")
-        page.locator("#w-sampling").screenshot(path=str(OUT / "w-sampling-grammar.png"))
-        page.click("#qkl-go")
-        page.wait_for_function("document.querySelector('#qkl-meta').textContent.includes('mean KL')", timeout=120_000)
-        quant = page.inner_text("#w-quant")
-        page.locator("#w-quant").screenshot(path=str(OUT / "w-quant-kl.png"))
-        page.click("#spec-go")
-        page.wait_for_function("document.querySelector('#spec-meta').textContent.includes('target passes')",
-                               timeout=120_000)
-        spec = page.inner_text("#w-spec")
-        page.locator("#w-spec").screenshot(path=str(OUT / "w-spec-demand.png"))
-        browser.close()
-    assert not errors and not outside, (errors, outside)
-    assert arch_detail.startswith("mlp")
-    g = httpx.post(f"{api}/sample", json={"prompt": "The year it happened was", "regex": regex, "temperature": 0.8},
+    seen = page_run["on_demand"]
+    assert seen["arch"].startswith("mlp")
+    g = httpx.post(f"{api}/sample", json={"prompt": GRAMMAR_PROMPT, "regex": GRAMMAR_REGEX, "temperature": 0.8},
                    headers=auth).json()
-    assert f"the grammar allows {g['kept_counts']['grammar']}" in sampling and "refused" in sampling
+    assert f"the grammar allows {g['kept_counts']['grammar']}" in seen["w-sampling"] and "refused" in seen["w-sampling"]
     kl = httpx.post(f"{api}/quant/kl", json={"prompt": "The quick brown fox jumps over the lazy dog. The quick brown fox"},
                     headers=auth).json()
     js_exp = f"{kl['kl_mean']:.3e}".replace("e-0", "e-").replace("e+0", "e+")  # JavaScript's toExponential(3)
-    assert f"mean KL {js_exp}" in quant
-    assert f"same top token at {kl['top1_agreement'] * 100:.1f}% of {len(kl['positions'])} positions" in quant
+    assert f"mean KL {js_exp}" in seen["w-quant"]
+    assert f"same top token at {kl['top1_agreement'] * 100:.1f}% of {len(kl['positions'])} positions" in seen["w-quant"]
     sp = httpx.post(f"{api}/spec/run", json={"prompt": "one two three four five, one two three four five, one two",
                                              "num_speculative_tokens": 4, "temperature": 0, "max_tokens": 24},
                     headers=auth).json()
-    assert f"ngram: {len(sp['token_ids'])} tokens in {sp['target_passes']} target passes" in spec
-    assert f"accepted {sp['accepted']}" in spec and sp["text"].strip()[:10] in spec
+    assert f"ngram: {len(sp['token_ids'])} tokens in {sp['target_passes']} target passes" in seen["w-spec"]
+    assert f"accepted {sp['accepted']}" in seen["w-spec"] and sp["text"].strip()[:10] in seen["w-spec"]
+    assert "with the cache" in seen["w-kv"] and "ms per token" in seen["w-kv"]
 
 
 OVERLAPS_JS = """() => {
@@ -257,23 +262,10 @@ OVERLAPS_JS = """() => {
 
 
 @pytest.mark.parametrize("width", [1280, 800])
-def test_no_overlapping_chart_text_and_no_horizontal_scroll(srv, width):
-    """After every widget has drawn: no two text elements of one chart (SVG) overlap (by their
-    bounding boxes), and the page needs no horizontal scroll at this width."""
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": width, "height": 900})
-        page.goto(f"{srv.url}/inspect?key=secret")
-        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
-        page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
-        page.click("#kv-contrast-go")  # the on-demand charts too: the KV cache on and off, quantization's cost
-        page.wait_for_function("document.querySelector('#kv-contrast-meta').textContent.includes('ms per token')",
-                               timeout=120_000)
-        page.click("#qkl-go")
-        page.wait_for_function("document.querySelector('#qkl-meta').textContent.includes('mean KL')", timeout=120_000)
-        page.locator("#w-kv").screenshot(path=str(OUT / f"w-kv-contrast-{width}.png"))
-        seen = page.evaluate(OVERLAPS_JS)
-        page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)
-        browser.close()
+def test_no_overlapping_chart_text_and_no_horizontal_scroll(page_run, width):
+    """After every widget has drawn, the on-demand charts included: no two text elements of one
+    chart (SVG) overlap (by their bounding boxes), and the page needs no horizontal scroll at
+    this width."""
+    seen = page_run["layout"][width]
     assert seen["bad"] == [], seen["bad"][:10]
     assert seen["scroll"] <= 0, f"{seen['scroll']} px of horizontal scroll at {width} px"
