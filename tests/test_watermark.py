@@ -62,12 +62,13 @@ def test_z_scores_of_synthetic_sequences():
 
 
 def test_watermarked_smollm2_text_is_detected_and_plain_text_is_not(smollm2_path):
-    llm = LLM(str(smollm2_path), max_num_seqs=8)
+    llm = LLM(str(smollm2_path), max_num_seqs=12)
     prompt = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
     vocab = llm.engine.config.vocab_size
-    for mark, check in ((True, lambda z: z > 4), (False, lambda z: abs(z) < 2)):
-        params = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=False, seed=5, n=6, watermark=mark,
-                                min_tokens=200)
-        out = llm.generate([prompt], params)[0]
+    checks = ((True, lambda z: z > 4), (False, lambda z: abs(z) < 2))
+    params = [SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=False, seed=5, n=6, watermark=mark,
+                             min_tokens=200) for mark, _ in checks]
+    outs = llm.generate([prompt, prompt], params)  # marked and plain in one batch
+    for (mark, check), out in zip(checks, outs):
         zs = [detect(list(c.token_ids), vocab, 0.5).z_score for c in out.outputs]
         assert sum(check(z) for z in zs) >= 5, (mark, zs)
