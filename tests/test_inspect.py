@@ -251,7 +251,7 @@ def test_grammar_mask_stage_refuses_what_the_grammar_refuses(srv, oracle):
     assert schema.status_code == 200 and schema.json()["chosen"]["token"] == "{"
 
 
-def test_quantization_cost_against_the_float32_path(srv, oracle, smollm2_path):
+def test_quantization_cost_against_the_float32_path(srv, oracle, smollm2_f32):
     """The KL view's reference side equals the float32 plain path's prompt log-probabilities (the
     path test_real_model holds to `transformers`' logits within 5e-5; `transformers`' own load
     of this GGUF costs 25 s) for each next token and the top token; its served side equals the
@@ -264,9 +264,7 @@ def test_quantization_cost_against_the_float32_path(srv, oracle, smollm2_path):
     ids = oracle.tokenizer.encode(prompt)
     rows = view["positions"]
     assert len(rows) == len(ids) - 1 == view["prompt_tokens"] - 1
-    f32 = LLM(str(smollm2_path), dtype="float32", enforce_eager=True, reference_attention=True)
-    ref = f32.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=3))[0].prompt_logprobs[1:]
-    f32.close()
+    ref = smollm2_f32.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=3))[0].prompt_logprobs[1:]
     assert [x["logprob_reference"] for x in rows] == pytest.approx([lp[t] for lp, t in zip(ref, ids[1:])], abs=1e-4)
     assert [x["top_reference"] for x in rows] == [text.display(oracle.tokenizer.token_text(max(lp, key=lp.get)))
                                                   for lp in ref]
