@@ -116,6 +116,8 @@ def _drive_on_demand_views(page) -> dict:
                                timeout=120_000)
         seen[widget] = page.inner_text(f"#{widget}")
         page.locator(f"#{widget}").screenshot(path=str(OUT / f"{widget}-on-demand.png"))
+    seen["kv_series"] = page.eval_on_selector_all("#kv-contrast polyline",
+                                                  "els => els.map(e => e.getAttribute('points').trim().split(' ').length)")
     return seen
 
 
@@ -239,7 +241,10 @@ def test_on_demand_views_show_the_apis_numbers(page_run, srv):
                     headers=auth).json()
     assert f"ngram: {len(sp['token_ids'])} tokens in {sp['target_passes']} target passes" in seen["w-spec"]
     assert f"accepted {sp['accepted']}" in seen["w-spec"] and sp["text"].strip()[:10] in seen["w-spec"]
-    assert "with the cache" in seen["w-kv"] and "ms per token" in seen["w-kv"]
+    # the KV cache on and off: the page asks for 24 tokens, so 23 decode steps each way after the prompt
+    prompt = httpx.post(f"{api}/tokenize", json={"text": "The history of the printing press began"}, headers=auth).json()
+    assert f"23 steps after a {prompt['count']}-token prompt" in seen["w-kv"]
+    assert seen["kv_series"] == [23, 23]
 
 
 OVERLAPS_JS = """() => {

@@ -33,7 +33,7 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
     allowed = grammar.allowed() if grammar is not None else torch.ones_like(raw, dtype=torch.bool)
     masked = processed.masked_fill(~allowed, float("-inf"))
     kept, probs = sampler.distribution(raw, row)
-    temperature = 1.0 if params.greedy else params.temperature
+    scaled = masked / (1.0 if params.greedy else params.temperature)
     if probs is None:  # greedy: the argmax, all mass on it
         chosen = kept
         mask = torch.zeros_like(raw, dtype=torch.bool)
@@ -41,13 +41,12 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
         stages = {"top_k": mask, "top_p": mask, "min_p": mask}
         final = mask.float()
     else:
-        scaled = masked / temperature
         stages = {"top_k": filter_mask(scaled, params.top_k, 1.0, 0.0) & allowed,
                   "top_p": filter_mask(scaled, params.top_k, params.top_p, 0.0) & allowed, "min_p": kept & allowed}
         final = probs
         chosen = _seeded_draw(sampler, raw, row, probs, allowed)
     stages = {"grammar": allowed, **stages}
-    p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), (masked / temperature).softmax(-1)
+    p_raw, p_proc, p_temp = raw.softmax(-1), processed.softmax(-1), scaled.softmax(-1)
     order = processed.topk(SHOW_CANDIDATES).indices.tolist()  # the most likely before the grammar
     if grammar is not None:
         order += [t for t in masked.topk(min(SHOW_CANDIDATES // 2, int(allowed.sum()))).indices.tolist()
@@ -61,7 +60,8 @@ def sampling_stages(tokenizer, sampler: Sampler, logits: torch.Tensor, params: S
              for t in order]
     return {"candidates": cands, "kept_counts": {k: int(m.sum()) for k, m in stages.items()},
             "vocab_size": raw.shape[0], "chosen": {"id": chosen, "token": display(tokenizer.token_text(chosen))},
-            "greedy": params.greedy, "grammar": grammar is not None, "entropy_raw": round(float(-(p_raw * p_raw.clamp_min(1e-30).log()).sum()), 4)}
+            "greedy": params.greedy, "grammar": grammar is not None,
+            "entropy_raw": round(float(-(p_raw * p_raw.clamp_min(1e-30).log()).sum()), 4)}
 
 
 def _seeded_draw(sampler: Sampler, raw: torch.Tensor, row: SamplerRequest, probs: torch.Tensor,

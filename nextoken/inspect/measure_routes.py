@@ -89,7 +89,7 @@ async def quant_kl(request: Request, body: QualityBody):
         pass
     if out.error is not None:
         raise RequestFailed(out.error)
-    view = await ctx.between_steps(lambda: quality.compare(eng, reference, ids, out.prompt_hidden, ref_hidden))
+    view = await asyncio.to_thread(quality.compare, eng, reference, ids, out.prompt_hidden, ref_hidden)
     return {**view, "prompt_tokens": len(ids), "ms": round((time.perf_counter() - t) * 1000, 1),
             "served": quality.describe(eng), "reference": {
                 "bytes": quality.reference_bytes(eng), "cap_bytes": quality.REFERENCE_MAX_BYTES,

@@ -76,7 +76,8 @@ class Reference:
 def compare(served, reference, ids: list[int], served_hidden: torch.Tensor, ref_hidden: torch.Tensor) -> dict:
     """Per scored position p (predicting prompt token p + 1): KL(P_ref || P_served) in nats, each
     side's top token and the log-probability each gives the prompt's actual next token; and the
-    means. Runs the served engine's head: call it between engine steps."""
+    means. Runs both LM heads (their scratch buffers are per thread: a worker thread may run this
+    while the engine steps)."""
     tok = served.tokenizer
     lp, lr = log_probs(served, served_hidden), log_probs(reference, ref_hidden)
     kl, same = kl_and_agreement(lp, lr)

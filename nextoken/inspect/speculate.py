@@ -16,6 +16,8 @@ pass yields, not the speed-up. On a server started with speculation (n-gram or a
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from nextoken.config import SpeculativeConfig
@@ -40,7 +42,7 @@ async def run(ctx, ids: list[int], params: SamplingParams, k: int) -> dict:
         drafts = propose_ngram(ids + out, min(k, params.max_tokens - len(out) - 1), cfg.ngram_max, cfg.ngram_min)
         logits = await _target_logits(ctx, ids + out, drafts)
         p_target: list[float] = []
-        results, accepted = await ctx.between_steps(lambda: verify(eng.sampler, logits, drafts, None, row, p_target))
+        results, accepted = await asyncio.to_thread(verify, eng.sampler, logits, drafts, None, row, p_target)
         emitted = [r.token for r in results][: params.max_tokens - len(out)]
         steps.append({"drafted": [_tok(eng, t) for t in drafts], "accepted": accepted,
                       "p_target": [round(x, 4) for x in p_target], "q_draft": [1.0] * len(drafts),
@@ -77,7 +79,8 @@ def _summary(eng, steps: list[dict], tokens: list[int], method: str, k: int, pas
     drafted = sum(len(s["drafted"]) for s in steps)
     accepted = sum(s["accepted"] for s in steps)
     return {"steps": steps, "token_ids": tokens, "text": eng.tokenizer.decode(tokens, skip_special_tokens=True),
-            "verifications": sum(1 for s in steps if s["drafted"]), "target_passes": passes, "drafted": drafted, "accepted": accepted,
+            "verifications": sum(1 for s in steps if s["drafted"]), "target_passes": passes, "drafted": drafted,
+            "accepted": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
             "tokens_per_pass": round(len(tokens) / max(1, passes), 3), "method": method, "num_speculative_tokens": k}
 
@@ -98,7 +101,7 @@ async def _target_logits(ctx, tokens: list[int], drafts: list[int]) -> torch.Ten
     if not drafts:
         return last
     hidden = out.prompt_hidden[len(tokens) - 1:]
-    inner = await ctx.between_steps(lambda: eng.runner.model.compute_logits(hidden.to(eng.runner.dtype)).float())
+    inner = await asyncio.to_thread(lambda: eng.runner.model.compute_logits(hidden.to(eng.runner.dtype)).float())
     return torch.cat([inner, last])
 
 

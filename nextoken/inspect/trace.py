@@ -59,18 +59,23 @@ def attention_payload(rec: TraceRecorder, layer: int) -> dict:
     return {"layer": layer, "heads": a.shape[0], "tokens": a.shape[1], "scale": 255,
             "data": base64.b64encode(q.numpy().tobytes()).decode()}
 
+
+def lens_probs(model, residual: torch.Tensor) -> torch.Tensor:
+    """What residual streams ``[n, hidden]`` predict if the model stopped there: softmax of the LM
+    head after the final norm, float32 ``[n, vocab]`` (nostalgebraist 2020)."""
+    with torch.inference_mode():
+        return model.compute_logits(model.final_norm(residual.to(model.dtype))).float().softmax(-1)
+
+
 def logit_lens(rec: TraceRecorder, model, tokenizer, position: int, top: int = 5) -> list[dict]:
     """For each residual stream at `position` (embeddings, then after each layer): the top
     tokens it predicts through the final norm and the LM head (nostalgebraist 2020)."""
     if not 0 <= position < rec.num_tokens:
         raise NotFound(f"the trace has no position {position} (it has 0..{rec.num_tokens - 1})", "position")
-    with torch.inference_mode():
-        h = rec.residual[:, position].to(model.dtype)
-        probs = model.compute_logits(model.final_norm(h)).softmax(-1)
-    vals, ids = probs.topk(top, dim=-1)
+    vals, ids = lens_probs(model, rec.residual[:, position]).topk(top, dim=-1)
     return [{"layer": "embedding" if l == 0 else l - 1,
              "top": [{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
-                     for v, i in zip(vals[l], ids[l])]} for l in range(probs.shape[0])]
+                     for v, i in zip(vals[l], ids[l])]} for l in range(vals.shape[0])]
 
 
 MAX_LENS_POSITIONS = 64  # the heatmap's columns: the last 64 positions of a longer trace
@@ -84,11 +89,8 @@ def lens_grid(rec: TraceRecorder, model, tokenizer) -> dict:
     t = rec.num_tokens
     first = max(0, t - MAX_LENS_POSITIONS)
     cells = []
-    with torch.inference_mode():
-        for l in range(rec.residual.shape[0]):
-            h = rec.residual[l, first:t].to(model.dtype)
-            probs = model.compute_logits(model.final_norm(h)).float().softmax(-1)
-            vals, ids = probs.max(-1)
-            cells.append([{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
-                          for v, i in zip(vals, ids)])
+    for l in range(rec.residual.shape[0]):
+        vals, ids = lens_probs(model, rec.residual[l, first:t]).max(-1)
+        cells.append([{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
+                      for v, i in zip(vals, ids)])
     return {"first": first, "positions": t - first, "rows": ["embedding"] + list(range(len(cells) - 1)), "cells": cells}

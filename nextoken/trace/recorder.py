@@ -5,11 +5,11 @@ attention maps, the logit lens).
 It implements the `Tracer` hooks (`trace.Tracer`): the engine runs the traced request in a
 forward pass of its own on the reference attention, whose probabilities reach `on_layer`
 through the attention metadata's sink. For the prompt's rows (prefill chunks are stitched
-together by position) it keeps the residual stream after the embedding, inside every layer after attention and after
-every layer,
-and the attention weights (every query row, or with `last_row_only` the prompt's last one); for
-every pass the time per layer and the KV cache's size; for every sampled token the logits'
-top candidates with the sampler's kept mask and distribution, and the first token's whole logits.
+together by position) it keeps the residual stream after the embedding, inside every layer
+after attention, and after every layer, and the attention weights (every query row, or with
+`last_row_only` the prompt's last one); for every pass the time per layer and the KV cache's
+size; for every sampled token the logits' top candidates with the sampler's kept mask and
+distribution, and the first token's whole logits.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ class TraceRecorder:
     ``[heads, T, T]`` (row = query position; with `last_row_only` ``[heads, T]``, the last
     prompt position's row), `residual[l]` float32 ``[T, hidden]`` (l = 0: the embeddings, l = i
     + 1: after layer i), `mid[i]` float32 ``[T, hidden]`` (inside layer i: after the attention's
-    residual add, before the feed-forward), `layer_ms` (per layer, summed over passes), `passes` (per pass: prompt
-    rows recorded, tokens in the cache, KV bytes, ms), `steps` (per sampled token: `chosen`, the
-    `TOP_KEPT` candidates by logit with ``logit``, ``prob``, ``kept``, ``sample_prob``, and
-    ``kept_count``), `first_logits` float32 ``[vocab]`` (what the first token was drawn from)."""
+    residual add, before the feed-forward), `layer_ms` (per layer, summed over passes), `passes`
+    (per pass: prompt rows recorded, tokens in the cache, KV bytes, ms), `steps` (per sampled
+    token: `chosen`, the `TOP_KEPT` candidates by logit with ``logit``, ``prob``, ``kept``,
+    ``sample_prob``, and ``kept_count``), `first_logits` float32 ``[vocab]`` (what the first token was drawn from)."""
 
     wants_probs = True
 
