@@ -3,6 +3,13 @@ PyTorch matmul, on the linear shapes of SmolLM2-135M and Qwen2.5-1.5B.
 
     python benchmarks/qmatmul.py                   # rows 1 2 4 5 8 64 128 512
     python benchmarks/qmatmul.py --rows 1 512 --repeat 10
+    python benchmarks/qmatmul.py --stream          # decode from memory: GB/s and the cost of 1-8 rows
+
+`--stream` multiplies 1 to 8 activation rows by copies of one weight per format, 1 GiB of them
+in turn (far past any cache, as a decode step reads a model's layers), and prints the weights'
+read rate in GB/s beside this machine's bare read rate, and each row count's time over one
+row's (the issue 48 bar: 5 rows at most 1.3x one). NEXTOKEN_KERNEL_ISA=avx2 runs the AVX2 loops
+on a CPU that has more.
 
 Weights are random codes in the shape's GGUF format (Q4_1 for SmolLM2's, Q4_K for Qwen's, Q6_K
 for Qwen's down projection); activations random bf16. For each row count it prints the best of
@@ -18,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nextoken.layers.quantization.qweight import PlainCodes, QuantWeight, dequantize_bf16, qmatmul
+from nextoken.layers.quantization.qweight import PlainCodes, QuantWeight, dequantize_bf16, kernel_matmul, qmatmul
 
 SHAPES = [  # (name, rows N, cols K, format)
     ("smollm2 q/o", 576, 576, "Q4_1"),
@@ -46,6 +53,10 @@ def random_weight(rows: int, cols: int, fmt: str, g: torch.Generator) -> QuantWe
         ng = cols // 32
         return QuantWeight.pack(PlainCodes(ints(16, (rows, cols)), ints(64, (rows, ng)).float(), f16((rows, ng // 8)),
                                            ints(64, (rows, ng)).float(), -f16((rows, ng // 8)), 0.0, 4, 32, 8))
+    if fmt in ("Q4_0", "Q5_0", "Q8_0"):  # one f16 scale per 32 columns, min = -offset * scale
+        bits, offset = {"Q4_0": (4, 8.0), "Q5_0": (5, 16.0), "Q8_0": (8, 128.0)}[fmt]
+        return QuantWeight.pack(PlainCodes(ints(1 << bits, (rows, cols)), f16((rows, cols // 32)), None, None, None,
+                                           offset, bits, 32))
     ng = cols // 16  # Q6_K
     return QuantWeight.pack(PlainCodes(ints(64, (rows, cols)), ints(128, (rows, ng)).float() - 64,
                                        f16((rows, ng // 16)), None, None, 32.0, 6, 16, 16))
@@ -61,14 +72,55 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+STREAM_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+
+
+def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1536, total: int = 1 << 30) -> None:
+    """Decode from memory: each format's weight [n, k] copied until the copies hold `total`
+    bytes, multiplied in turn (best of `repeat` sweeps)."""
+    from nextoken.bench import read_bandwidth
+    from nextoken.kernels import default_isa, load
+
+    lib = load("qmatmul")
+    print(f"kernel build: {default_isa()} (loop {lib.qmatmul_loop() if hasattr(lib, 'qmatmul_loop') else '?'}); "
+          f"bare read {read_bandwidth(threads) / 1e9:.1f} GB/s, {threads} threads")
+    g = torch.Generator().manual_seed(0)
+    print(f"{'format':<6} " + " ".join(f"{f'{m} rows GB/s':>12}" for m in rows) + "   time / 1 row: " +
+          " ".join(f"{m:>4}" for m in rows))
+    for fmt in STREAM_FORMATS:
+        w0 = random_weight(n, k, fmt, g)
+        copies = [w0] + [QuantWeight(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                       for f, v in vars(w0).items()}) for _ in range(max(1, total // w0.nbytes) - 1)]
+        structs = [w.c_struct() for w in copies]
+        nbytes = sum(w.nbytes for w in copies)
+        rates, times = [], []
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+
+            def sweep():
+                for c in structs:
+                    kernel_matmul(x, c, n, lib=lib)
+            t = best(sweep, repeat)
+            rates.append(nbytes / t / 1e9)
+            times.append(t)
+        print(f"{fmt:<6} " + " ".join(f"{r:>12.1f}" for r in rates) + "                  " +
+              " ".join(f"{t / times[0]:>4.2f}" for t in times))
+        del copies, structs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 64, 128, 512])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stream", action="store_true", help="decode from memory (see above)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.stream:
+        stream(args.rows if args.rows != ap.get_default("rows") else [1, 2, 3, 4, 5, 6, 8], args.repeat,
+               args.threads or torch.get_num_threads())
+        return
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<18} {'rows':>5} {'kernel ms':>10} {'expand+bf16 ms':>15} {'kernel GOP/s':>13}")
     for name, n, k, fmt in SHAPES:

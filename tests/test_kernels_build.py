@@ -113,3 +113,28 @@ def test_avx512_bf16_loops_compile():
         proc = subprocess.run(["gcc", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-std=c11", "-Wall",
                                "-Werror", str(src / f"{name}.c")], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@needs_gcc
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+def test_older_instruction_set_builds_compile(isa):
+    """The AVX2 and AVX-VNNI bodies compile with every warning an error, on any machine: a CPU
+    without those instructions cannot run them, but a user's CPU may be one that has them."""
+    import subprocess
+    from pathlib import Path
+
+    src = Path(kernels.__file__).parent
+    march = [f for f in kernels.isa_flags(isa) if f.startswith("-m")]
+    for name in ("decode", "prefill_scores", "sampling"):
+        proc = subprocess.run(["gcc", "-fsyntax-only", *march, "-fopenmp", "-std=c11", "-Wall", "-Werror",
+                               str(src / f"{name}.c")], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_kernel_isa_names_are_checked(monkeypatch):
+    monkeypatch.setenv("NEXTOKEN_KERNEL_ISA", "avx9000")
+    with pytest.raises(ValueError, match="unknown kernel instruction set 'avx9000'"):
+        kernels.default_isa()
+    monkeypatch.setenv("NEXTOKEN_KERNEL_ISA", "portable")
+    assert kernels.default_isa() == "portable"
+    assert "-march=x86-64-v3" in kernels.isa_flags("avx2") and "-march=native" not in kernels.isa_flags("avx2")

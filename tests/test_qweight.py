@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.kernels import load
+from nextoken.kernels import cpu_runs, load
 from nextoken.layers.quantization.methods import CodesMethod
 from nextoken.layers.linear import Linear
 from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
@@ -90,6 +90,28 @@ def test_kernel_equals_reference_arithmetic(type_name, portable):
         assert rel(qmatmul(xb, qw, bias, portable=portable), qmatmul_reference(xb, qw, bias)) < 2 ** -7
         exact = x @ w.T + bias  # int8 activations cost about 1% of the output's scale
         assert float((ref - exact).norm() / exact.norm()) < 0.02
+
+
+SIMD_ISAS = [isa for isa in ("avx2", "avxvnni") if cpu_runs(isa)]
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS or [pytest.param("avx2", marks=pytest.mark.skip(reason="no AVX2 here"))])
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+def test_simd_loops_equal_the_plain_loop_bit_for_bit(isa, type_name):
+    """The AVX2 loop and the AVX-VNNI one (``kernels/qmatmul_avx2.c``, built for those instruction
+    sets on any CPU that has them: `nextoken.kernels.ISAS`) give the plain C loop's outputs bit for
+    bit: the same integer sums, the same float operations in the same order. Every pass shape: 1
+    to 9 rows (passes of 4 and the tails), 33 and 512; every format; a bias; bf16 and float32 in."""
+    lib, plain = load("qmatmul", isa=isa), load("qmatmul", portable=True)
+    assert lib.qmatmul_loop().decode() == {"avx2": "avx2", "avxvnni": "avx-vnni"}[isa]
+    assert plain.qmatmul_loop() == b"plain"
+    _, qw = weight(type_name, 48, 512, seed=26)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
+    for m in (*range(1, 10), 33, 512):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        for xin in (x, x.to(torch.bfloat16)):
+            ours = qmatmul(xin, qw, bias, out_dtype=torch.float32, lib=lib)
+            assert torch.equal(ours, qmatmul(xin, qw, bias, out_dtype=torch.float32, lib=plain)), (m, xin.dtype)
 
 
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)

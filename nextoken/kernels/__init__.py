@@ -2,7 +2,9 @@
 
 Each kernel is one ``.c`` file next to this module. `load` compiles it once per source and CPU
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
-and opens it with ctypes. Every caller keeps a PyTorch path: when no compiler is found, the
+and opens it with ctypes. ``NEXTOKEN_KERNEL_ISA`` builds for an older instruction set than the
+CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs, on any CPU that has AVX2),
+so every loop can be run, measured and tested on one machine. Every caller keeps a PyTorch path: when no compiler is found, the
 build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is set, `load` returns None and the caller uses
 that path. Which kernels a model runs is decided once, at load, by the execution plan
 (`nextoken.runner.plan`); ``enforce_eager`` makes that plan PyTorch alone, which is what the
@@ -28,8 +30,47 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# instruction sets a build can target instead of the CPU's own (-march=native): the flags that
+# replace -march=native, and the /proc/cpuinfo flags the CPU needs to run that build
+ISAS = {
+    "portable": (["-march=x86-64-v2"], ()),  # SSE4.2: every kernel's plain C loops
+    "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),  # AVX2/FMA/F16C, no AVX-512 (Zen 1-3, Haswell..)
+    "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),  # + 256-bit vpdpbusd
+}
 PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v2" for f in FLAGS]  # no AVX-512
-_loaded: dict[tuple[str, bool], ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of a build for `isa` ("native" or a key of `ISAS`). Raises ValueError
+    naming the choices for any other name."""
+    if isa == "native":
+        return list(FLAGS)
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel instruction set {isa!r}: choose native or one of {', '.join(ISAS)}")
+    out = []
+    for f in FLAGS:
+        out.extend(ISAS[isa][0] if f == "-march=native" else [f])
+    return out
+
+
+def cpu_runs(isa: str) -> bool:
+    """Whether this CPU can run a build for `isa` (its /proc/cpuinfo flags)."""
+    if isa in ("native", "portable"):
+        return True
+    flags = set(_cpu_key().split())
+    return all(f in flags for f in ISAS[isa][1])
+
+
+def default_isa() -> str:
+    """The instruction set the engine's kernels are built for: ``NEXTOKEN_KERNEL_ISA`` (one of
+    `ISAS`, for measuring an older CPU's loops on this one), else native. Raises ValueError for a
+    name it does not know, or one this CPU cannot run."""
+    isa = os.environ.get("NEXTOKEN_KERNEL_ISA", "").strip() or "native"
+    isa_flags(isa)  # validates the name
+    if not cpu_runs(isa):
+        raise ValueError(f"NEXTOKEN_KERNEL_ISA={isa}: this CPU lacks {', '.join(ISAS[isa][1])}")
+    return isa
 
 
 def native_allowed() -> bool:
@@ -133,6 +174,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qdequant_bf16_t": (None, [P, P]),
     "qlookup_bf16": (_INT, [P, P, _I64, P]),
     "qmatmul_vectorized": (_INT, []),
+    "qmatmul_loop": (ctypes.c_char_p, []),
     "dense_bf16_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,
@@ -190,18 +232,20 @@ def _warn_if_slow(lib: ctypes.CDLL) -> None:
                  "(or, without AVX2, its portable C loop), several times slower than with VNNI")
 
 
-def load(name: str, portable: bool = False) -> ctypes.CDLL | None:
+def load(name: str, portable: bool = False, isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None (then the
     caller runs PyTorch). The model's layers never call it: they hold the handles the execution
-plan resolved once (`KernelSet`). `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain
-    C loops), for the tests that hold those loops equal to the vectorized ones. Never raises for
-    a build or load failure: it warns once and returns None."""
+    plan resolved once (`KernelSet`). `portable` builds it for any x86-64 CPU (no AVX-512: the
+    kernels' plain C loops), `isa` for a named instruction set (`ISAS`; default `default_isa`),
+    for the tests that hold every loop equal to the plain ones. Never raises for a build or load
+    failure: it warns once and returns None; raises ValueError for an unknown `isa`."""
     if not native_allowed():
         return None
-    key = (name, portable)
+    isa = "portable" if portable else (isa or default_isa())
+    key = (name, isa)
     if key not in _loaded:
-        lib = _open(name, PORTABLE_FLAGS if portable else FLAGS)
-        if lib is not None and not portable:
+        lib = _open(name, isa_flags(isa))
+        if lib is not None and isa != "portable":
             _warn_if_slow(lib)
         _loaded[key] = lib
     return _loaded[key]

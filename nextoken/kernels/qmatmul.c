@@ -517,134 +517,7 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
 #define PMB 8 /* activation rows per pass of the plain loop */
 
 #if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define QM_AVX2 1
-
-/* the 8 rows' scales (or mins) of half h of tile t, group g: group_scale's arithmetic on 8 lanes */
-static inline __m256 vgroup8(const void *v, const float *sup, int64_t gps, int64_t t, int64_t ng, int64_t g, int h) {
-    const int64_t i = (t * ng + g) * TILE + 8 * h;
-    if (sup) {
-        int64_t raw;
-        memcpy(&raw, (const int8_t *)v + i, 8);
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw)));
-        return _mm256_mul_ps(q, _mm256_loadu_ps(sup + (t * (ng / gps) + g / gps) * TILE + 8 * h));
-    }
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)));
-}
-
-/* A group's codes for half h (rows 8h..8h+7) of the tile as G / 4 vectors, vector j holding in
- * 32-bit lane l the codes of row 8h + l for columns 4j..4j+3 (u8; 8-bit codes as u ^ 0x80, signed:
- * vpmaddubsw's 16-bit pair sums of u * x could overflow). */
-static inline void unpack_half(const uint8_t *cg, int bits, int h, __m256i *c) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    if (bits == 8) {
-        for (int j = 0; j < 8; j++)
-            c[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cg + 64 * j + 32 * h)), _mm256_set1_epi8((char)0x80));
-    } else if (bits == 6) {
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(cg + 128 + 32 * h)), m30 = _mm256_set1_epi8(0x30);
-        for (int a = 0; a < 2; a++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(cg + 64 * a + 32 * h));
-            const __m256i hi_j = a == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);      /* j = a */
-            const __m256i hi_j2 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);                           /* j = 2 + a */
-            c[a] = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(hi_j, m30));
-            c[2 + a] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), _mm256_and_si256(hi_j2, m30));
-        }
-    } else { /* 4 or 5 bits, G = 32: vector j's low nibbles are columns 4j.., its high ones 16 + 4j.. */
-        const __m256i hb = bits == 5 ? _mm256_loadu_si256((const __m256i *)(cg + 256 + 32 * h)) : _mm256_setzero_si256();
-        const __m256i m10 = _mm256_set1_epi8(0x10);
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(cg + 64 * j + 32 * h));
-            c[j] = _mm256_and_si256(q, nib);
-            c[4 + j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
-            if (bits == 5) { /* fifth bits: bit j of each byte for the low columns, bit 4 + j for the high */
-                const __m256i lo5 = j == 0 ? _mm256_slli_epi16(hb, 4) : j == 1 ? _mm256_slli_epi16(hb, 3)
-                                  : j == 2 ? _mm256_slli_epi16(hb, 2) : _mm256_slli_epi16(hb, 1);
-                const __m256i hi5 = j == 0 ? hb : j == 1 ? _mm256_srli_epi16(hb, 1)
-                                  : j == 2 ? _mm256_srli_epi16(hb, 2) : _mm256_srli_epi16(hb, 3);
-                c[j] = _mm256_or_si256(c[j], _mm256_and_si256(lo5, m10));
-                c[4 + j] = _mm256_or_si256(c[4 + j], _mm256_and_si256(hi5, m10));
-            }
-        }
-    }
-}
-
-/* column of vector j of the unpacked group (see unpack_half) */
-static inline int64_t vec_col(int bits, int j) { return bits == 4 || bits == 5 ? (j < 4 ? 4 * j : 16 + 4 * (j - 4)) : 4 * j; }
-
-/* The plain loop's sums on AVX2 (llama.cpp's vpmaddubsw + vpmaddwd pairing for u8 x s8): the
- * same integer sums per (row, group), and the same float operations in the same order, so the
- * results equal the plain loop's bit for bit. */
-static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
-    const int64_t K = w->K, G = w->group, ng = K / G, gbytes = TILE * G * w->bits / 8, n0 = t * TILE;
-    const int bits = (int)w->bits, nv = (int)(G / 4);
-    const uint8_t *codes = w->codes + t * ng * gbytes;
-    const float *xs = G == 16 ? a->xs16 : a->xs32;
-    const __m256i ones16 = _mm256_set1_epi16(1);
-    const __m256 negoff = _mm256_set1_ps(-(float)w->offset);
-    __m256i c[2][8];
-    for (int64_t m0 = 0; m0 < a->M; m0 += PMB) {
-        const int64_t mr = a->M - m0 < PMB ? a->M - m0 : PMB;
-        __m256 acc[PMB][2];
-        for (int64_t mm = 0; mm < PMB; mm++) acc[mm][0] = acc[mm][1] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *cg = codes + g * gbytes;
-            if (a->M <= 2) { /* decode: the codes stream from memory; every line of a group ahead */
-                const char *pc = (const char *)(cg + AVX2_PF * gbytes);
-                for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, _MM_HINT_T0);
-            } else if (g + 2 < ng) {
-                _mm_prefetch((const char *)(cg + 2 * gbytes), _MM_HINT_T0);
-            }
-            __m256 sc[2], mn[2];
-            for (int h = 0; h < 2; h++) {
-                unpack_half(cg, bits, h, c[h]);
-                sc[h] = vgroup8(w->scales, w->scale_sup, w->gps, t, ng, g, h);
-                mn[h] = w->mins ? vgroup8(w->mins, w->min_sup, w->gps, t, ng, g, h) : _mm256_mul_ps(negoff, sc[h]);
-            }
-            for (int64_t mm = 0; mm < mr; mm++) {
-                const int64_t m = m0 + mm;
-                const int8_t *q = a->q + m * K + g * G;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                int32_t xsum = 0;
-                for (int j = 0; j < nv; j++) {
-                    int32_t x4;
-                    memcpy(&x4, q + vec_col(bits, j), 4);
-                    const __m256i xb = _mm256_set1_epi32(x4);
-                    if (bits == 8) { /* sum (u - 128) x + 128 sum x, as |u - 128| sign(x, u - 128) (|x| <= 127) */
-                        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c[0][j]),
-                                                                                         _mm256_sign_epi8(xb, c[0][j])), ones16));
-                        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c[1][j]),
-                                                                                         _mm256_sign_epi8(xb, c[1][j])), ones16));
-                    } else {
-                        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(c[0][j], xb), ones16));
-                        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(c[1][j], xb), ones16));
-                    }
-                }
-                if (bits == 8) { /* the activations' group sum, from the quantization */
-                    xsum = G == 16 ? a->bs16[m * (K / 16) + g] : a->bs32[m * (K / 32) + g];
-                    s0 = _mm256_add_epi32(s0, _mm256_set1_epi32(128 * xsum));
-                    s1 = _mm256_add_epi32(s1, _mm256_set1_epi32(128 * xsum));
-                }
-                const __m256 d = _mm256_set1_ps(a->dx[m * (K / a->QB) + g * G / a->QB]), xv = _mm256_set1_ps(xs[m * ng + g]);
-                /* acc += isum dx scale + min xs, in the plain loop's order */
-                acc[mm][0] = _mm256_add_ps(acc[mm][0], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s0), d), sc[0]),
-                                                                      _mm256_mul_ps(mn[0], xv)));
-                acc[mm][1] = _mm256_add_ps(acc[mm][1], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s1), d), sc[1]),
-                                                                      _mm256_mul_ps(mn[1], xv)));
-            }
-        }
-        for (int64_t mm = 0; mm < mr; mm++) {
-            float v[TILE];
-            _mm256_storeu_ps(v, acc[mm][0]);
-            _mm256_storeu_ps(v + 8, acc[mm][1]);
-            for (int64_t l = 0; l < TILE; l++) {
-                float o = v[l];
-                if (w->bias) o += w->bias[n0 + l];
-                if (y_bf16) ((uint16_t *)y)[(m0 + mm) * ldy + n0 + l] = f32_to_bf16(o);
-                else ((float *)y)[(m0 + mm) * ldy + n0 + l] = o;
-            }
-        }
-    }
-}
+#include "qmatmul_avx2.c" /* AVX2 and AVX-VNNI loops */
 #else
 /* vectors 0..nvec-1 of a group: the low nibble of byte (l, i) of vector j is column 4j + i of row
  * l, the high nibble column hi + 4j + i */
@@ -858,5 +731,18 @@ int qmatmul_vectorized(void) {
     return 1;
 #else
     return 0;
+#endif
+}
+
+/* which loop this build runs: "avx512-vnni", "avx-vnni", "avx2" or "plain" */
+const char *qmatmul_loop(void) {
+#if defined(QM_VNNI)
+    return "avx512-vnni";
+#elif defined(QM_AVXVNNI)
+    return "avx-vnni";
+#elif defined(QM_AVX2)
+    return "avx2";
+#else
+    return "plain";
 #endif
 }

@@ -1,0 +1,259 @@
+/* The quantized matmul's loops for CPUs with AVX2, FMA and F16C but no AVX-512 VNNI (AMD Zen 1-3,
+ * Intel client CPUs before Alder Lake, most cloud VMs), and with AVX-VNNI (the 256-bit vpdpbusd of
+ * Alder Lake and Zen 5) where built with it. Included by qmatmul.c, which holds the layout (its top
+ * comment), the activation quantization and the plain C loop these must equal bit for bit: the same
+ * integer sum per (row, group) however it is formed, then the plain loop's float operations in its
+ * order, acc += (float)isum * dx * scale + min * xsum, group after group, in one tile's 16 lanes.
+ *
+ * Integer sums (llama.cpp's and ik_llama.cpp's AVX2 pairing for u8 x s8): vpmaddubsw multiplies
+ * unsigned codes by signed activation bytes and adds pairs into int16; vpmaddwd by ones widens to
+ * int32. Where the codes are small the int16 pair sums of several vectors are added before one
+ * widening (ik_llama.cpp's trick): a pair sum is at most 2 * c_max * 127, so 8 of them fit int16 for
+ * 4-bit codes (30480), 4 for 5-bit (31496), 2 for 6-bit (32004); 8-bit codes go through the sign
+ * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening.
+ * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
+ *
+ * Blocking: a pass runs one tile (16 weight rows, as two halves of 8 lanes) against up to MR = 4
+ * activation rows, every constant (format, rows) compiled in, so codes, sums and accumulators live
+ * in registers and each unpacked code vector serves every row of the pass. Decode (up to MR rows:
+ * one stream, speculative verification, small batches) reads each weight once per call, every line
+ * of a group prefetched AVX2_PF groups ahead; more rows take more passes over the tile, whose codes
+ * are then in L1 or L2.
+ */
+#include <immintrin.h>
+#define QM_AVX2 1
+#if defined(__AVXVNNI__)
+#define QM_AVXVNNI 1 /* 256-bit vpdpbusd */
+#endif
+
+#define MR 4 /* activation rows per pass over a tile */
+
+/* the 8 rows' scales (or mins) of half h of a tile's group: group_scale's arithmetic on 8 lanes;
+ * i: the group's first entry ((t * ng + g) * TILE), sup: its super-block's 16 float32 or NULL */
+static inline __m256 vgroup8(const void *v, const float *sup, int64_t i, int h) {
+    if (sup) {
+        int64_t raw;
+        memcpy(&raw, (const int8_t *)v + i + 8 * h, 8);
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw)));
+        return _mm256_mul_ps(q, _mm256_loadu_ps(sup + 8 * h));
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i + 8 * h)));
+}
+
+static inline __m256i bcast4x(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* s += unsigned codes c times signed bytes x, four products per 32-bit lane: one vpdpbusd, or
+ * (AVX2) the int16 pair sums, to be widened by the caller (dot16) */
+#ifdef QM_AVXVNNI
+#define DOT32(s, c, x) ((s) = _mm256_dpbusd_avx_epi32((s), (c), (x)))
+#endif
+#define DOT16(c, x) _mm256_maddubs_epi16((c), (x))
+#define WIDEN(s16) _mm256_madd_epi16((s16), _mm256_set1_epi16(1))
+
+/* Integer sums of one group of a tile (codes from cg) against mb activation rows (row i's group
+ * columns at x + i * K): isum[h][i] lane l = sum over the columns k of u[8h + l, k] x_i[k], the
+ * two halves h of the tile side by side so that each activation broadcast serves both (8-bit
+ * codes without VNNI: sum (u - 128) x; the caller adds 128 sum x). */
+static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, const int bits, const int8_t *x,
+                                                             const int64_t K, const int mb, __m256i isum[2][MR]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mb; i++) isum[h][i] = _mm256_setzero_si256();
+#ifdef QM_AVXVNNI
+    /* a second accumulator per sum: two chains of dependent vpdpbusd instead of one (its latency,
+     * not its throughput, bounded one row) */
+    __m256i s2[2][MR];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mb; i++) s2[h][i] = _mm256_setzero_si256();
+#endif
+    if (bits == 4 || bits == 5) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
+        const __m256i m10 = _mm256_set1_epi8(0x10);
+#ifndef QM_AVXVNNI
+        __m256i s16[2][MR];
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < mb; i++) s16[h][i] = _mm256_setzero_si256();
+#endif
+        for (int j = 0; j < 4; j++) {
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = load32(cg + 64 * j + 32 * h);
+                lo[h] = _mm256_and_si256(q, nib);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+                if (bits == 5) { /* fifth bits: bit j of each byte for the low columns, bit 4 + j for the high */
+                    const __m256i hb = load32(cg + 256 + 32 * h);
+                    const __m256i lo5 = j == 0 ? _mm256_slli_epi16(hb, 4) : j == 1 ? _mm256_slli_epi16(hb, 3)
+                                      : j == 2 ? _mm256_slli_epi16(hb, 2) : _mm256_slli_epi16(hb, 1);
+                    const __m256i hi5 = j == 0 ? hb : j == 1 ? _mm256_srli_epi16(hb, 1)
+                                      : j == 2 ? _mm256_srli_epi16(hb, 2) : _mm256_srli_epi16(hb, 3);
+                    lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(lo5, m10));
+                    hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(hi5, m10));
+                }
+            }
+            for (int i = 0; i < mb; i++) {
+                const __m256i xl = bcast4x(x + i * K + 4 * j), xh = bcast4x(x + i * K + 16 + 4 * j);
+                for (int h = 0; h < 2; h++) {
+#ifdef QM_AVXVNNI
+                    DOT32(isum[h][i], lo[h], xl);
+                    DOT32(s2[h][i], hi[h], xh);
+#else
+                    s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_add_epi16(DOT16(lo[h], xl), DOT16(hi[h], xh)));
+                    if (bits == 5 && (j & 1)) { /* 4 pair sums of 5-bit codes fill int16 */
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(s16[h][i]));
+                        s16[h][i] = _mm256_setzero_si256();
+                    }
+#endif
+                }
+            }
+        }
+#ifndef QM_AVXVNNI
+        if (bits == 4)
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i]);
+#endif
+    } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        for (int a = 0; a < 2; a++) {
+            __m256i v0[2], v1[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = load32(cg + 64 * a + 32 * h), hb = load32(cg + 128 + 32 * h);
+                const __m256i h0 = a == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
+                const __m256i h1 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);
+                v0[h] = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(h0, m30));
+                v1[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), _mm256_and_si256(h1, m30));
+            }
+            for (int i = 0; i < mb; i++) {
+                const __m256i x0 = bcast4x(x + i * K + 4 * a), x1 = bcast4x(x + i * K + 8 + 4 * a);
+                for (int h = 0; h < 2; h++) {
+#ifdef QM_AVXVNNI
+                    DOT32(isum[h][i], v0[h], x0);
+                    DOT32(s2[h][i], v1[h], x1);
+#else
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(_mm256_add_epi16(DOT16(v0[h], x0), DOT16(v1[h], x1))));
+#endif
+                }
+            }
+        }
+    } else { /* 8 bits: vector j = columns 4j.. */
+        for (int j = 0; j < 8; j++) {
+            __m256i c[2], ca[2];
+            for (int h = 0; h < 2; h++) {
+                c[h] = load32(cg + 64 * j + 32 * h);
+#ifndef QM_AVXVNNI
+                c[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80));
+                ca[h] = _mm256_abs_epi8(c[h]);
+#endif
+            }
+            for (int i = 0; i < mb; i++) {
+                const __m256i xb = bcast4x(x + i * K + 4 * j);
+                for (int h = 0; h < 2; h++) {
+#ifdef QM_AVXVNNI
+                    if (j & 1) DOT32(s2[h][i], c[h], xb);
+                    else DOT32(isum[h][i], c[h], xb);
+#else
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ca[h], _mm256_sign_epi8(xb, c[h]))));
+#endif
+                }
+            }
+            (void)ca;
+        }
+    }
+#ifdef QM_AVXVNNI
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mb; i++) isum[h][i] = _mm256_add_epi32(isum[h][i], s2[h][i]);
+#endif
+}
+
+/* Tile t against activation rows m0 .. m0 + mb - 1 (bits and mb compile-time constants): the
+ * plain loop's float operations per group, then the bias and the output rounding. */
+static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
+                                                            const int mb, const int bits, void *y, int y_bf16,
+                                                            int64_t ldy) {
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, n0 = t * TILE;
+    const uint8_t *codes = w->codes + t * ng * gbytes;
+    const float *xs = G == 16 ? a->xs16 : a->xs32;
+#ifndef QM_AVXVNNI
+    const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
+#endif
+    const __m256 negoff = _mm256_set1_ps(-(float)w->offset);
+    const int stream = a->M <= MR; /* the tile is read once: stream it from memory */
+    /* row i's activations, scales (one per QB = 32 or 256 columns: a shift, never a division in the
+     * loop) and group sums, at a stride from row m0's */
+    const int qsh = a->QB == 256 ? 8 : 5;
+    const int64_t dxn = K >> qsh;
+    const int8_t *xq = a->q + m0 * K;
+    const float *dxr = a->dx + m0 * dxn, *xsr = xs + m0 * ng;
+#ifndef QM_AVXVNNI
+    const int16_t *bsr = bs + m0 * ng; /* (VNNI multiplies the 8-bit codes unsigned) */
+#endif
+    const int64_t gps = w->gps > 0 ? w->gps : 1, nsb = ng / gps;
+    int64_t sb = 0, gin = 0; /* the group's super-block, and its place in it */
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mb; i++) acc[h][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *cg = codes + g * gbytes;
+        if (stream) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
+            const char *pc = (const char *)(cg + AVX2_PF * gbytes);
+            for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, _MM_HINT_T0);
+        }
+        __m256i isum[2][MR];
+        group_sums(cg, bits, xq + g * G, K, mb, isum);
+        const int64_t si = (t * ng + g) * TILE; /* the group's scales; its super-block's: */
+        const float *ssup = w->scale_sup ? w->scale_sup + (t * nsb + sb) * TILE : NULL;
+        const float *msup = w->min_sup ? w->min_sup + (t * nsb + sb) * TILE : NULL;
+        if (++gin == gps) { /* (a running count: no division per group) */
+            gin = 0;
+            sb++;
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sc = vgroup8(w->scales, ssup, si, h);
+            const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h) : _mm256_mul_ps(negoff, sc);
+            for (int i = 0; i < mb; i++) {
+#ifndef QM_AVXVNNI
+                if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
+#endif
+                const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
+                acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
+                                                                   _mm256_mul_ps(mn, xv)));
+            }
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        float v[TILE];
+        _mm256_storeu_ps(v, acc[0][i]);
+        _mm256_storeu_ps(v + 8, acc[1][i]);
+        for (int64_t l = 0; l < TILE; l++) {
+            float o = v[l];
+            if (w->bias) o += w->bias[n0 + l];
+            if (y_bf16) ((uint16_t *)y)[(m0 + i) * ldy + n0 + l] = f32_to_bf16(o);
+            else ((float *)y)[(m0 + i) * ldy + n0 + l] = o;
+        }
+    }
+}
+
+#define TILE_MB(BITS)                                                         \
+    switch (mb) {                                                             \
+    case 1: tile_rows(w, t, a, m0, 1, BITS, y, y_bf16, ldy); break;           \
+    case 2: tile_rows(w, t, a, m0, 2, BITS, y, y_bf16, ldy); break;           \
+    case 3: tile_rows(w, t, a, m0, 3, BITS, y, y_bf16, ldy); break;           \
+    default: tile_rows(w, t, a, m0, 4, BITS, y, y_bf16, ldy); break;          \
+    }
+
+/* every activation row against tile t, MR rows per pass */
+static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < a->M; m0 += MR) {
+        const int64_t mb = a->M - m0 < MR ? a->M - m0 : MR;
+        switch (w->bits) {
+        case 4: TILE_MB(4) break;
+        case 5: TILE_MB(5) break;
+        case 6: TILE_MB(6) break;
+        default: TILE_MB(8) break;
+        }
+    }
+}
