@@ -30,8 +30,11 @@ the greedy ones, and the time its sampler takes per step in both):
   whole embedding table too (`docs/benchmarks.md`).
 
 ``--llama-bench PATH`` runs llama.cpp's own ``llama-bench`` binary in the same run (the Python
-binding adds overhead: it reads about 15% lower here); ``--compare llama.cpp`` runs
-``llama-cpp-python`` instead.
+binding adds overhead: it reads about 15% lower here), alternating: `--rounds` times (default 3)
+nextoken's single-stream figures, then llama-bench's, so a machine whose speed drifts by 10-30%
+within minutes drifts for both. Each round's pair and ratio are printed, and the table holds the
+medians, with the median of the rounds' ratios; the header names the CPU, its SIMD flags and the
+loop our quantized matmul runs. ``--compare llama.cpp`` runs ``llama-cpp-python`` instead.
 
 Every figure comes from its own child process running `nextoken.bench_worker` (shipped in the
 package: an installed nextoken benches without a checkout; so memory and thread pools do not mix), after a warm-up run; prefill is the
@@ -198,6 +201,67 @@ def nextoken_cold_start(a, threads: int) -> dict:
             "cold_serve_healthy_s": _median_wall(serve_once, a.repeat)}
 
 
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
+def cpu_line() -> str:
+    """The CPU's model name, its SIMD flags that pick our loops, and the loop the quantized
+    matmul runs here (``NEXTOKEN_KERNEL_ISA`` may name an older one), for the bench's header."""
+    from nextoken.kernels import default_isa, load
+
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    lib = load("qmatmul")
+    loop = lib.qmatmul_loop().decode() if lib is not None and hasattr(lib, "qmatmul_loop") else "PyTorch"
+    have = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + " ".join(SIMD_FLAGS)
+    return f"CPU: {model} | SIMD: {have} | our quantized matmul: {loop} loop (build {default_isa()})"
+
+
+def alternate(a, engine_args, threads: int, first: dict) -> tuple[dict, dict, list[tuple[dict, dict]]]:
+    """`a.rounds` rounds of nextoken's single-stream figures (`first` is round one's) then
+    llama-bench's, alternated. Returns the median of each figure for both sides and the rounds.
+    Raises `EngineError` when llama-bench fails."""
+    import statistics
+
+    pairs = []
+    for r in range(a.rounds):
+        ours = first if r == 0 else _run_worker(sys.executable, "nextoken", "single", a, engine_args)
+        sys.stderr.write(f"[bench] llama-bench, round {r + 1} of {a.rounds} ...\n")
+        theirs = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
+        pairs.append((ours, theirs))
+        if r + 1 < a.rounds:
+            sys.stderr.write(f"[bench] nextoken: single, round {r + 2} of {a.rounds} ...\n")
+    med = lambda side, key: statistics.median(p[side][key] for p in pairs)  # noqa: E731
+    ours = {k: med(0, k) for k in ("prefill_tok_s", "decode_tok_s", "decode_sampled_tok_s") if k in pairs[0][0]}
+    theirs = {k: med(1, k) for k in ("prefill_tok_s", "decode_tok_s")}
+    theirs.update({k: v for k, v in pairs[0][1].items() if k not in theirs})  # version, cold start (round one)
+    return ours, theirs, pairs
+
+
+def format_rounds(pairs: list[tuple[dict, dict]]) -> str:
+    """Each round's prefill and greedy decode, ours and llama-bench's, and the median ratios."""
+    import statistics
+
+    lines = ["| round | prefill nextoken | prefill llama-bench | ratio | decode nextoken (greedy) | decode llama-bench "
+             "| ratio |", "|---|---|---|---|---|---|---|"]
+    rp, rd = [], []
+    for i, (o, t) in enumerate(pairs, 1):
+        rp.append(o["prefill_tok_s"] / t["prefill_tok_s"])
+        rd.append(o["decode_tok_s"] / t["decode_tok_s"])
+        lines.append(f"| {i} | {o['prefill_tok_s']:.1f} | {t['prefill_tok_s']:.1f} | {rp[-1]:.2f}x "
+                     f"| {o['decode_tok_s']:.1f} | {t['decode_tok_s']:.1f} | {rd[-1]:.2f}x |")
+    lines.append(f"| median | | | {statistics.median(rp):.2f}x | | | {statistics.median(rd):.2f}x |")
+    return "\n".join(lines)
+
+
 def add_cap_share(res: dict, bandwidth: float, a, weights: float, kv_per_token: float) -> None:
     """Decode tok/s as a share of the bandwidth cap: bandwidth / (weight bytes + the KV bytes
     of the average context of the decode run)."""
@@ -248,7 +312,8 @@ def run(a, engine_args) -> int:
     a.model_path = str(resolve_model(engine_args.model, auto_pull=engine_args.auto_pull))
     threads = engine_args.num_threads or len(os.sched_getaffinity(0))
     engine_args = engine_args.replace(num_threads=threads)
-    for name in ("prompt_tokens", "decode_tokens", "batch", "batch_prompt_tokens", "batch_output_tokens", "repeat"):
+    for name in ("prompt_tokens", "decode_tokens", "batch", "batch_prompt_tokens", "batch_output_tokens", "repeat",
+                 "rounds"):
         if getattr(a, name) < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be >= 1", name)
     if a.depth < 0:
@@ -278,11 +343,12 @@ def run(a, engine_args) -> int:
     if a.cold_start:
         sys.stderr.write("[bench] nextoken: cold start ...\n")
         results["nextoken"].update(nextoken_cold_start(a, threads))
-    failed = None
+    failed, pairs = None, []
     if a.llama_bench:
-        sys.stderr.write("[bench] llama-bench ...\n")
         try:
-            results["llama-bench"] = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
+            ours, theirs, pairs = alternate(a, engine_args, threads, dict(results["nextoken"]))
+            results["nextoken"].update(ours)
+            results["llama-bench"] = theirs
         except EngineError as exc:  # minutes of our own figures are still worth printing
             failed = str(exc)
             sys.stderr.write(f"[bench] {failed}; its column is left out\n")
@@ -293,11 +359,16 @@ def run(a, engine_args) -> int:
         add_cap_share(res, bandwidth, a, weights, ours.get("kv_bytes_per_token", 0))
     sys.stderr.write(f"[bench] read bandwidth {bandwidth / 1e9:.1f} GB/s with {threads} threads\n")
     context = engine_args.max_model_len
+    print(cpu_line())
     print(format_table(results, a, threads, context))
+    if pairs:
+        print(f"\nalternated rounds (nextoken's single-stream run, then llama-bench's; the table above: medians):")
+        print(format_rounds(pairs))
     if a.json:
         with open(a.json, "w") as f:
             args = {k: v for k, v in vars(a).items() if k != "func"}
-            json.dump({"args": args, "engine_args": vars(engine_args), "results": results}, f, indent=2)
+            json.dump({"args": args, "engine_args": vars(engine_args), "results": results, "cpu": cpu_line(),
+                       "rounds": [{"nextoken": o, "llama-bench": t} for o, t in pairs]}, f, indent=2)
     if failed:
         sys.stderr.write(f"error: {failed}\n")
         return 1
@@ -327,5 +398,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cold-start", action="store_true", help="also time fresh processes to their first token "
                    "and to a healthy server")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary, run on the "
-                   "same workload in the same run")
+                   "same workload in the same run, alternated with ours (--rounds)")
+    p.add_argument("--rounds", type=int, default=3, help="with --llama-bench: alternated rounds of nextoken's "
+                   "single-stream figures and llama-bench's (the medians count)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")

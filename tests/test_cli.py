@@ -172,3 +172,31 @@ def test_bench_prints_its_figures_when_llama_bench_fails(tiny_gguf, tmp_path):
     res = json.loads(out.read_text())["results"]
     assert "llama-bench" not in res
     assert f"{res['nextoken']['decode_tok_s']:.1f}" in r.stdout
+
+
+def test_bench_alternates_with_llama_bench(tiny_gguf, tmp_path):
+    """`--llama-bench` with `--rounds 2`: nextoken's single-stream run and llama-bench's alternate
+    (a stand-in counts its calls), each round's pair and ratio are printed with the median ratio,
+    the table holds the medians, and the header names the CPU and our matmul's loop."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json\n"
+                    f"with open({str(calls)!r}, 'a') as f: f.write('x')\n"
+                    "print(json.dumps([{'n_gen': 0, 'avg_ts': 1000.0, 'build_commit': 'abc'},"
+                    " {'n_gen': 8, 'avg_ts': 2000.0, 'build_commit': 'abc'}]))\n")
+    fake.chmod(0o755)
+    out = tmp_path / "bench.json"
+    r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--prompt-tokens", "32", "--decode-tokens", "8",
+                 "--repeat", "1", "--no-batched", "--threads", "1", "--llama-bench", str(fake), "--rounds", "2",
+                 "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert calls.read_text() == "xx"
+    data = json.loads(out.read_text())
+    rounds = data["rounds"]
+    assert len(rounds) == 2 and all(p["llama-bench"]["decode_tok_s"] == 2000.0 for p in rounds)
+    ours = sorted(p["nextoken"]["decode_tok_s"] for p in rounds)
+    assert data["results"]["nextoken"]["decode_tok_s"] == pytest.approx(sum(ours) / 2)  # the median of two
+    assert "alternated rounds" in r.stdout and r.stdout.count("| 1 | ") == 1 and r.stdout.count("| 2 | ") == 1
+    ratios = sorted(p["nextoken"]["decode_tok_s"] / 2000.0 for p in rounds)
+    assert f"{sum(ratios) / 2:.2f}x |" in r.stdout.split("| median |")[1]
+    assert r.stdout.startswith("CPU: ") and "our quantized matmul:" in r.stdout and data["cpu"].startswith("CPU: ")
