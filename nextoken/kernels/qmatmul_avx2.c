@@ -27,6 +27,9 @@
 #endif
 
 #define MR 4 /* activation rows per pass over a tile */
+#ifndef AVX2_PF_HINT
+#define AVX2_PF_HINT _MM_HINT_T0
+#endif
 
 /* the 8 rows' scales (or mins) of half h of a tile's group: group_scale's arithmetic on 8 lanes;
  * i: the group's first entry ((t * ng + g) * TILE), sup: its super-block's 16 float32 or NULL */
@@ -200,7 +203,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
         const uint8_t *cg = codes + g * gbytes;
         if (stream) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
             const char *pc = (const char *)(cg + AVX2_PF * gbytes);
-            for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, AVX2_PF_HINT);
         }
         __m256i isum[2][MR];
         group_sums(cg, bits, xq + g * G, K, mb, isum);
