@@ -213,7 +213,8 @@ static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
  * 32 for the others. */
 static inline int64_t qw_act_block(const qw_t *w) {
     const int64_t sb = w->group * w->gps;
-    return w->scale_sup && (!w->mins || w->min_sup) && sb % 32 == 0 && w->K % sb == 0 ? sb : 32;
+    return w->scale_sup && (!w->mins || w->min_sup) && sb % 32 == 0 && (sb & (sb - 1)) == 0 && w->K % sb == 0
+               ? sb : 32; /* (a power of two: the AVX2 loop indexes the scales by shifting) */
 }
 
 /* scale and min of row 16t + l in group g */

@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     const int stream = a->M <= MR; /* the tile is read once: stream it from memory */
     /* row i's activations, scales (one per QB = 32 or 256 columns: a shift, never a division in the
      * loop) and group sums, at a stride from row m0's */
-    const int qsh = a->QB == 256 ? 8 : 5;
+    const int qsh = __builtin_ctzll((unsigned long long)a->QB); /* QB: 32, or a power-of-two super-block */
     const int64_t dxn = K >> qsh;
     const int8_t *xq = a->q + m0 * K;
     const float *dxr = a->dx + m0 * dxn, *xsr = xs + m0 * ng;

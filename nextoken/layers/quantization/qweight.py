@@ -141,7 +141,7 @@ class QuantWeight:
         kernel): the 256-column super-block for the k-quants, 32 for the others."""
         sb = self.group * self.gps
         sup = self.scale_sup is not None and (self.mins is None or self.min_sup is not None)
-        return sb if sup and sb % QK == 0 and self.shape[1] % sb == 0 else QK
+        return sb if sup and sb % QK == 0 and sb & (sb - 1) == 0 and self.shape[1] % sb == 0 else QK
 
     @property
     def nbytes(self) -> int:
