@@ -217,6 +217,11 @@ static inline int64_t qw_act_block(const qw_t *w) {
                ? sb : 32; /* (a power of two: the AVX2 loop indexes the scales by shifting) */
 }
 
+/* Whether the loops without AVX-512 VNNI run w in the super-block form (integer sums across a
+ * super-block: the plain loop's comment): a super-block activation block and codes of at most 6
+ * bits (8-bit codes take the sign trick's correction per group on AVX2). */
+static inline int qw_sb_form(const qw_t *w) { return qw_act_block(w) != 32 && w->bits <= 6; }
+
 /* scale and min of row 16t + l in group g */
 static inline float group_scale(const qw_t *w, int64_t t, int64_t g, int64_t l) {
     const int64_t ng = qw_groups(w), i = (t * ng + g) * TILE + l;
@@ -561,33 +566,59 @@ static void unpack_group(const uint8_t *cg, int bits, int64_t G, uint8_t u[TILE]
 }
 
 /* The plain loop: each group's codes unpacked once per PMB activation rows, integer sums over
- * the group, then the same float arithmetic in the same order per output as the VNNI loops'
- * reference (acc += isum dx scale + min xs, group after group). */
+ * the group, then the float arithmetic every loop without AVX-512 VNNI shares, in its order:
+ *   the legacy formats (f16 scale and min per group, activation scale per 32 columns):
+ *     acc += isum dx scale + min xsum, group after group;
+ *   the super-block formats (int8 scale and min per group times a float32 per super-block, one
+ *   activation scale dx per super-block: qw_act_block), in integers across the super-block, as
+ *   the VNNI loop's tiles_sb:  isb = sum_g sc_g isum_g,  imin = sum_g mn_g bsum_g  (exact int32),
+ *     acc += isb (scale_sup dx) + imin (min_sup dx),   min_sup = -offset scale_sup without mins. */
 static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
     const int64_t K = w->K, G = w->group, ng = K / G, gbytes = TILE * G * w->bits / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
+    const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
+    const int sbf = qw_sb_form(w), gps = w->gps > 0 ? (int)w->gps : 1; /* the super-block form; groups per super-block */
+    const int64_t nsb = ng / gps;
+    const int8_t *sc8 = (const int8_t *)w->scales, *mn8 = w->mins ? (const int8_t *)w->mins : sc8;
     uint8_t u[TILE][32];
     float sc[TILE], mn[TILE];
     for (int64_t m0 = 0; m0 < a->M; m0 += PMB) {
         const int64_t mr = a->M - m0 < PMB ? a->M - m0 : PMB;
         float acc[PMB][TILE];
+        int32_t isb[PMB][TILE], imin[PMB][TILE];
         memset(acc, 0, sizeof(acc));
+        memset(isb, 0, sizeof(isb));
+        memset(imin, 0, sizeof(imin));
         for (int64_t g = 0; g < ng; g++) {
             unpack_group(codes + g * gbytes, (int)w->bits, G, u);
-            for (int64_t l = 0; l < TILE; l++) {
-                sc[l] = group_scale(w, t, g, l);
-                mn[l] = group_min(w, t, g, l);
-            }
+            if (!sbf)
+                for (int64_t l = 0; l < TILE; l++) {
+                    sc[l] = group_scale(w, t, g, l);
+                    mn[l] = group_min(w, t, g, l);
+                }
+            const int64_t si = (t * ng + g) * TILE, sb = g / gps;
             for (int64_t mm = 0; mm < mr; mm++) {
                 const int64_t m = m0 + mm;
                 const int8_t *q = a->q + m * K + g * G;
-                const float d = a->dx[m * (K / a->QB) + g * G / a->QB], s = xs[m * ng + g];
                 for (int64_t l = 0; l < TILE; l++) {
                     int32_t isum = 0;
                     for (int64_t kk = 0; kk < G; kk++) isum += (int32_t)u[l][kk] * (int32_t)q[kk];
-                    acc[mm][l] += (float)isum * d * sc[l] + mn[l] * s;
+                    if (sbf) {
+                        isb[mm][l] += (int32_t)sc8[si + l] * isum;
+                        imin[mm][l] += (int32_t)mn8[si + l] * (int32_t)bs[m * ng + g];
+                    } else {
+                        acc[mm][l] += (float)isum * a->dx[m * (K / a->QB) + g * G / a->QB] * sc[l] + mn[l] * xs[m * ng + g];
+                    }
                 }
+                if (sbf && g % gps == gps - 1) /* the super-block's end: scale its sums once */
+                    for (int64_t l = 0; l < TILE; l++) {
+                        const int64_t at = (t * nsb + sb) * TILE + l;
+                        const float d = a->dx[m * nsb + sb];
+                        const float ms = w->mins ? w->min_sup[at] : w->scale_sup[at] * -(float)w->offset;
+                        acc[mm][l] += (float)isb[mm][l] * (w->scale_sup[at] * d) + (float)imin[mm][l] * (ms * d);
+                        isb[mm][l] = imin[mm][l] = 0;
+                    }
             }
         }
         for (int64_t mm = 0; mm < mr; mm++)

@@ -43,6 +43,14 @@ static inline __m256 vgroup8(const void *v, const float *sup, int64_t i, int h) 
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i + 8 * h)));
 }
 
+/* int8 values p[0..7] as 8 lanes of int16 pairs: lane l = (p[l], p[l]) with dup, else (p[l], q[l]) */
+static inline __m256i pairs16(const int8_t *p, const int8_t *q) {
+    int64_t a, b;
+    memcpy(&a, p, 8);
+    memcpy(&b, q, 8);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128(a), _mm_cvtsi64_si128(b)));
+}
+
 static inline __m256i bcast4x(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -57,14 +65,19 @@ static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((cons
 #define DOT32(s, c, x) ((s) = _mm256_dpbusd_avx_epi32((s), (c), (x)))
 #endif
 #define DOT16(c, x) _mm256_maddubs_epi16((c), (x))
-#define WIDEN(s16) _mm256_madd_epi16((s16), _mm256_set1_epi16(1))
+#define WIDEN(s16, w) _mm256_madd_epi16((s16), (w)) /* int16 pairs times w's int16 pairs, added: int32 */
+/* the int16 pair sums of two products (AVX2) */
+#define PAIR16(c0, x0, c1, x1) _mm256_add_epi16(DOT16((c0), (x0)), DOT16((c1), (x1)))
 
 /* Integer sums of one group of a tile (codes from cg) against mb activation rows (row i's group
  * columns at x + i * K): isum[h][i] lane l = sum over the columns k of u[8h + l, k] x_i[k], the
  * two halves h of the tile side by side so that each activation broadcast serves both (8-bit
- * codes without VNNI: sum (u - 128) x; the caller adds 128 sum x). */
+ * codes without VNNI: sum (u - 128) x; the caller adds 128 sum x). Without VNNI the int16 pair
+ * sums are widened by vpmaddwd against w16[h]: ones, or the group's int8 scales as int16 pairs
+ * (the super-block form: the sums come out times their scale, at no extra instruction). */
 static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, const int bits, const int8_t *x,
-                                                             const int64_t K, const int mb, __m256i isum[2][MR]) {
+                                                             const int64_t K, const int mb, const __m256i w16[2],
+                                                             __m256i isum[2][MR]) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < mb; i++) isum[h][i] = _mm256_setzero_si256();
@@ -105,9 +118,9 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32(isum[h][i], lo[h], xl);
                     DOT32(s2[h][i], hi[h], xh);
 #else
-                    s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_add_epi16(DOT16(lo[h], xl), DOT16(hi[h], xh)));
+                    s16[h][i] = _mm256_add_epi16(s16[h][i], PAIR16(lo[h], xl, hi[h], xh));
                     if (bits == 5 && (j & 1)) { /* 4 pair sums of 5-bit codes fill int16 */
-                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(s16[h][i]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(s16[h][i], w16[h]));
                         s16[h][i] = _mm256_setzero_si256();
                     }
 #endif
@@ -117,7 +130,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
 #ifndef QM_AVXVNNI
         if (bits == 4)
             for (int h = 0; h < 2; h++)
-                for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i]);
+                for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
     } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
@@ -137,7 +150,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32(isum[h][i], v0[h], x0);
                     DOT32(s2[h][i], v1[h], x1);
 #else
-                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(_mm256_add_epi16(DOT16(v0[h], x0), DOT16(v1[h], x1))));
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(PAIR16(v0[h], x0, v1[h], x1), w16[h]));
 #endif
                 }
             }
@@ -159,7 +172,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     if (j & 1) DOT32(s2[h][i], c[h], xb);
                     else DOT32(isum[h][i], c[h], xb);
 #else
-                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ca[h], _mm256_sign_epi8(xb, c[h]))));
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ca[h], _mm256_sign_epi8(xb, c[h])), w16[h]));
 #endif
                 }
             }
@@ -169,62 +182,115 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
 #ifdef QM_AVXVNNI
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < mb; i++) isum[h][i] = _mm256_add_epi32(isum[h][i], s2[h][i]);
+    (void)w16;
 #endif
 }
 
-/* Tile t against activation rows m0 .. m0 + mb - 1 (bits and mb compile-time constants): the
- * plain loop's float operations per group, then the bias and the output rounding. */
+/* The end of a super-block (groups g0..g1) in the super-block form: the mins' term in integers
+ * (two groups' int8 mins against their int16 activation sums per vpmaddwd), then one float
+ * scaling of both terms into acc; isb is cleared. at: the super-block's scales, dx: row 0's scale
+ * of it (row i's at i * dxn). */
+static inline __attribute__((always_inline)) void sb_end(const qw_t *w, int64_t t, int64_t ng, int64_t g0, int64_t g1,
+                                                         int64_t at, const int8_t *mn8, const int16_t *bsr,
+                                                         const float *dx, int64_t dxn, const int mb, __m256 negoff,
+                                                         __m256i isb[2][MR], __m256 acc[2][MR]) {
+    static const int8_t zero[8] = {0};
+    for (int h = 0; h < 2; h++) {
+        __m256i imin[MR];
+        for (int i = 0; i < mb; i++) imin[i] = _mm256_setzero_si256();
+        for (int64_t g2 = g0; g2 <= g1; g2 += 2) {
+            const int two = g2 + 1 <= g1;
+            const __m256i mp = pairs16(mn8 + (t * ng + g2) * TILE + 8 * h, two ? mn8 + (t * ng + g2 + 1) * TILE + 8 * h : zero);
+            for (int i = 0; i < mb; i++) {
+                uint32_t pair = (uint16_t)bsr[i * ng + g2];
+                if (two) pair |= (uint32_t)(uint16_t)bsr[i * ng + g2 + 1] << 16;
+                imin[i] = _mm256_add_epi32(imin[i], _mm256_madd_epi16(mp, _mm256_set1_epi32((int32_t)pair)));
+            }
+        }
+        const __m256 ssup = _mm256_loadu_ps(w->scale_sup + at + 8 * h);
+        const __m256 msup = w->mins ? _mm256_loadu_ps(w->min_sup + at + 8 * h) : _mm256_mul_ps(ssup, negoff);
+        for (int i = 0; i < mb; i++) {
+            const __m256 d = _mm256_set1_ps(dx[i * dxn]);
+            acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isb[h][i]), _mm256_mul_ps(ssup, d)),
+                                                               _mm256_mul_ps(_mm256_cvtepi32_ps(imin[i]), _mm256_mul_ps(msup, d))));
+            isb[h][i] = _mm256_setzero_si256();
+        }
+    }
+}
+
+/* Tile t against activation rows m0 .. m0 + mb - 1 (bits, mb and sbf compile-time constants): the
+ * plain loop's float operations (its comment), then the bias and the output rounding. sbf: the
+ * super-block form (int8 scales; dx per super-block), its sums in integers until the super-block
+ * ends. */
 static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
-                                                            const int mb, const int bits, void *y, int y_bf16,
-                                                            int64_t ldy) {
+                                                            const int mb, const int bits, const int sbf, void *y,
+                                                            int y_bf16, int64_t ldy) {
     const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
-#ifndef QM_AVXVNNI
     const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
-#endif
+    const int8_t *sc8 = (const int8_t *)w->scales, *mn8 = w->mins ? (const int8_t *)w->mins : sc8;
     const __m256 negoff = _mm256_set1_ps(-(float)w->offset);
     const int stream = a->M <= MR; /* the tile is read once: stream it from memory */
     /* row i's activations, scales (one per QB = 32 or 256 columns: a shift, never a division in the
      * loop) and group sums, at a stride from row m0's */
-    const int qsh = __builtin_ctzll((unsigned long long)a->QB); /* QB: 32, or a power-of-two super-block */
+    /* QB: 32, or a power-of-two super-block; the two that occur spelt out: with __builtin_ctz alone
+     * the loop ran at half speed (gcc 12) */
+    const int qsh = a->QB == 256 ? 8 : a->QB == 32 ? 5 : __builtin_ctzll((unsigned long long)a->QB);
     const int64_t dxn = K >> qsh;
     const int8_t *xq = a->q + m0 * K;
     const float *dxr = a->dx + m0 * dxn, *xsr = xs + m0 * ng;
-#ifndef QM_AVXVNNI
-    const int16_t *bsr = bs + m0 * ng; /* (VNNI multiplies the 8-bit codes unsigned) */
-#endif
+    const int16_t *bsr = bs + m0 * ng;
     const int64_t gps = w->gps > 0 ? w->gps : 1, nsb = ng / gps;
-    int64_t sb = 0, gin = 0; /* the group's super-block, and its place in it */
+    int64_t sb = 0, gin = 0; /* the group's super-block, and its place in it (no division per group) */
     __m256 acc[2][MR];
+    __m256i isb[2][MR]; /* the super-block form: sum_g sc_g isum_g so far */
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < mb; i++) acc[h][i] = _mm256_setzero_ps();
+        for (int i = 0; i < mb; i++) {
+            acc[h][i] = _mm256_setzero_ps();
+            isb[h][i] = _mm256_setzero_si256();
+        }
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *cg = codes + g * gbytes;
+        const int64_t si = (t * ng + g) * TILE; /* the group's scales */
         if (stream) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
             const char *pc = (const char *)(cg + AVX2_PF * gbytes);
             for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, AVX2_PF_HINT);
         }
-        __m256i isum[2][MR];
-        group_sums(cg, bits, xq + g * G, K, mb, isum);
-        const int64_t si = (t * ng + g) * TILE; /* the group's scales; its super-block's: */
-        const float *ssup = w->scale_sup ? w->scale_sup + (t * nsb + sb) * TILE : NULL;
-        const float *msup = w->min_sup ? w->min_sup + (t * nsb + sb) * TILE : NULL;
-        if (++gin == gps) { /* (a running count: no division per group) */
+        __m256i isum[2][MR], w16[2];
+        for (int h = 0; h < 2; h++) w16[h] = sbf ? pairs16(sc8 + si + 8 * h, sc8 + si + 8 * h) : _mm256_set1_epi16(1);
+        group_sums(cg, bits, xq + g * G, K, mb, w16, isum);
+        const int64_t at = (t * nsb + sb) * TILE; /* the group's super-block's float32 scales */
+        if (!sbf) { /* (super-block scales here only where the activations are not: see qw_act_block) */
+            const float *ssup = w->scale_sup ? w->scale_sup + at : NULL, *msup = w->min_sup ? w->min_sup + at : NULL;
+            for (int h = 0; h < 2; h++) {
+                const __m256 sc = vgroup8(w->scales, ssup, si, h);
+                const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h) : _mm256_mul_ps(negoff, sc);
+                for (int i = 0; i < mb; i++) {
+#ifndef QM_AVXVNNI
+                    if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
+#endif
+                    const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
+                    acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
+                                                                       _mm256_mul_ps(mn, xv)));
+                }
+            }
+        } else {
+            for (int h = 0; h < 2; h++) {
+#ifdef QM_AVXVNNI /* vpdpbusd's sums are int32: times the scales here */
+                int64_t raw;
+                memcpy(&raw, sc8 + si + 8 * h, 8);
+                const __m256i s32 = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw));
+                for (int i = 0; i < mb; i++) isum[h][i] = _mm256_mullo_epi32(isum[h][i], s32);
+#endif
+                for (int i = 0; i < mb; i++) isb[h][i] = _mm256_add_epi32(isb[h][i], isum[h][i]);
+            }
+            if (gin + 1 == gps)
+                sb_end(w, t, ng, g + 1 - gps, g, at, mn8, bsr, dxr + sb, dxn, mb, negoff, isb, acc);
+        }
+        if (++gin == gps) {
             gin = 0;
             sb++;
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m256 sc = vgroup8(w->scales, ssup, si, h);
-            const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h) : _mm256_mul_ps(negoff, sc);
-            for (int i = 0; i < mb; i++) {
-#ifndef QM_AVXVNNI
-                if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
-#endif
-                const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
-                acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
-                                                                   _mm256_mul_ps(mn, xv)));
-            }
         }
     }
     for (int i = 0; i < mb; i++) {
@@ -240,23 +306,31 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     }
 }
 
-#define TILE_MB(BITS)                                                         \
+#define TILE_MB(BITS, SBF)                                                    \
     switch (mb) {                                                             \
-    case 1: tile_rows(w, t, a, m0, 1, BITS, y, y_bf16, ldy); break;           \
-    case 2: tile_rows(w, t, a, m0, 2, BITS, y, y_bf16, ldy); break;           \
-    case 3: tile_rows(w, t, a, m0, 3, BITS, y, y_bf16, ldy); break;           \
-    default: tile_rows(w, t, a, m0, 4, BITS, y, y_bf16, ldy); break;          \
+    case 1: tile_rows(w, t, a, m0, 1, BITS, SBF, y, y_bf16, ldy); break;      \
+    case 2: tile_rows(w, t, a, m0, 2, BITS, SBF, y, y_bf16, ldy); break;      \
+    case 3: tile_rows(w, t, a, m0, 3, BITS, SBF, y, y_bf16, ldy); break;      \
+    default: tile_rows(w, t, a, m0, 4, BITS, SBF, y, y_bf16, ldy); break;     \
     }
 
 /* every activation row against tile t, MR rows per pass */
 static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
     for (int64_t m0 = 0; m0 < a->M; m0 += MR) {
         const int64_t mb = a->M - m0 < MR ? a->M - m0 : MR;
-        switch (w->bits) {
-        case 4: TILE_MB(4) break;
-        case 5: TILE_MB(5) break;
-        case 6: TILE_MB(6) break;
-        default: TILE_MB(8) break;
+        if (qw_sb_form(w)) { /* Q4_K, Q6_K (and a 5-bit one, were it mapped) */
+            switch (w->bits) {
+            case 4: TILE_MB(4, 1) break;
+            case 5: TILE_MB(5, 1) break;
+            default: TILE_MB(6, 1) break;
+            }
+        } else {
+            switch (w->bits) {
+            case 4: TILE_MB(4, 0) break;
+            case 5: TILE_MB(5, 0) break;
+            case 6: TILE_MB(6, 0) break;
+            default: TILE_MB(8, 0) break;
+            }
         }
     }
 }
