@@ -1,4 +1,4 @@
-"""schemathesis hooks for tests/test_openapi_contract.py (loaded with SCHEMATHESIS_HOOKS).
+"""schemathesis hooks for tests/server/test_openapi_contract.py (loaded with SCHEMATHESIS_HOOKS).
 
 The built-in ``positive_data_acceptance`` check is replaced by `accepted_unless_semantic`:
 every request the published schema allows must be accepted, except for refusals whose reason

@@ -2,8 +2,8 @@
  * Intel client CPUs before Alder Lake, most cloud VMs), and with AVX-VNNI (the 256-bit vpdpbusd of
  * Alder Lake and Zen 5) where built with it. Included by qmatmul.c, which holds the layout (its top
  * comment), the activation quantization and the plain C loop these must equal bit for bit: the same
- * integer sum per (row, group) however it is formed, then the plain loop's float operations in its
- * order, acc += (float)isum * dx * scale + min * xsum, group after group, in one tile's 16 lanes.
+ * integer sums however they are formed, then the plain loop's float operations in its order (its
+ * comment: per group for the legacy formats, per super-block for the K-quants), in a tile's 16 lanes.
  *
  * Integer sums (llama.cpp's and ik_llama.cpp's AVX2 pairing for u8 x s8): vpmaddubsw multiplies
  * unsigned codes by signed activation bytes and adds pairs into int16; vpmaddwd by ones widens to

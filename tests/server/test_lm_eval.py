@@ -10,7 +10,7 @@ import pytest
 
 from nextoken import SamplingParams
 
-TASKS = Path(__file__).parent / "data" / "lm_eval"
+TASKS = Path(__file__).parents[1] / "data" / "lm_eval"
 
 
 def _tasks(tmp_path) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nextoken.engine_args import options_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def between(text: str, name: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "nextoken"
+PACKAGE = Path(__file__).resolve().parents[2] / "nextoken"
 
 
 def part_of(module: str) -> str:

@@ -73,7 +73,7 @@ def test_a_llama_cpp_gguf_adapter_equals_its_peft_folder(tiny_gguf, adapters):
     from pathlib import Path
 
     req, model = adapters["a"]
-    gguf_req = LoRARequest("a-gguf", 1, str(Path(__file__).parent / "data" / "lora-tiny-llama.gguf"))
+    gguf_req = LoRARequest("a-gguf", 1, str(Path(__file__).parents[1] / "data" / "lora-tiny-llama.gguf"))
     fresh = LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_lora=True, max_lora_rank=8)
     for ids in PROMPTS:
         with torch.no_grad():

@@ -24,8 +24,8 @@ from nextoken import LLM, SamplingParams
 from tests.openapi_contract_hooks import semantic_reason
 from tests.helpers.server import LiveServer
 
-ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = Path(__file__).parents[1] / "data" / "chatml_tools.jinja"
 CONTEXT = 256
 
 

@@ -16,7 +16,7 @@ from nextoken import LLM
 from nextoken.server.tools import ToolCallParser, messages_for_template, parse
 from tests.helpers.server import LiveServer
 
-TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
+TEMPLATE = Path(__file__).parents[1] / "data" / "chatml_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

@@ -21,7 +21,7 @@ from nextoken import LLM, SamplingParams
 from tests.helpers.server import LiveServer
 
 CHROMIUM = os.environ.get("NEXTOKEN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-OUT = Path(__file__).resolve().parent.parent / "build" / "test-output" / "inspector"
+OUT = Path(__file__).resolve().parents[2] / "build" / "test-output" / "inspector"
 WIDGETS = ["w-tokenizer", "w-embeddings", "w-positions", "w-architecture", "w-attention", "w-lens", "w-timeline",
            "w-sampling", "w-beam", "w-kv", "w-batching", "w-spec", "w-quant", "w-requests"]
 

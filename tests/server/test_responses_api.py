@@ -16,7 +16,7 @@ import pytest
 from nextoken import LLM
 from tests.helpers.server import LiveServer
 
-TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
+TEMPLATE = Path(__file__).parents[1] / "data" / "chatml_tools.jinja"
 ASK = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

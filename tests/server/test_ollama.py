@@ -15,7 +15,7 @@ import pytest
 from nextoken import LLM
 from tests.helpers.server import LiveServer
 
-TEMPLATE = Path(__file__).parent / "data" / "chatml_tools.jinja"
+TEMPLATE = Path(__file__).parents[1] / "data" / "chatml_tools.jinja"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 20}
 WEATHER = {"type": "function", "function": {
