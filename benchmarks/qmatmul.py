@@ -82,7 +82,7 @@ def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1
     from nextoken.kernels import default_isa, load
 
     lib = load("qmatmul")
-    print(f"kernel build: {default_isa()} (loop {lib.qmatmul_loop() if hasattr(lib, 'qmatmul_loop') else '?'}); "
+    print(f"kernel build: {default_isa()} (loop {lib.qmatmul_loop().decode()}); "
           f"bare read {read_bandwidth(threads) / 1e9:.1f} GB/s, {threads} threads")
     g = torch.Generator().manual_seed(0)
     print(f"{'format':<6} " + " ".join(f"{f'{m} rows GB/s':>12}" for m in rows) + "   time / 1 row: " +

@@ -220,7 +220,7 @@ def cpu_line() -> str:
     except OSError:
         pass
     lib = load("qmatmul")
-    loop = lib.qmatmul_loop().decode() if lib is not None and hasattr(lib, "qmatmul_loop") else "PyTorch"
+    loop = lib.qmatmul_loop().decode() if lib is not None else "PyTorch"
     have = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + " ".join(SIMD_FLAGS)
     return f"CPU: {model} | SIMD: {have} | our quantized matmul: {loop} loop (build {default_isa()})"
 
@@ -362,7 +362,7 @@ def run(a, engine_args) -> int:
     print(cpu_line())
     print(format_table(results, a, threads, context))
     if pairs:
-        print(f"\nalternated rounds (nextoken's single-stream run, then llama-bench's; the table above: medians):")
+        print("\nalternated rounds (nextoken's single-stream run, then llama-bench's; the table above: medians):")
         print(format_rounds(pairs))
     if a.json:
         with open(a.json, "w") as f:

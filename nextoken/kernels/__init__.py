@@ -3,18 +3,20 @@
 Each kernel is one ``.c`` file next to this module. `load` compiles it once per source and CPU
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
 and opens it with ctypes. ``NEXTOKEN_KERNEL_ISA`` builds for an older instruction set than the
-CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs, on any CPU that has AVX2),
-so every loop can be run, measured and tested on one machine. Every caller keeps a PyTorch path: when no compiler is found, the
-build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is set, `load` returns None and the caller uses
-that path. Which kernels a model runs is decided once, at load, by the execution plan
-(`nextoken.runner.plan`); ``enforce_eager`` makes that plan PyTorch alone, which is what the
-reference tests compare against. OpenMP: the library asks for ``libgomp.so.1``, the runtime PyTorch has already
-loaded, so both share one thread pool (no oversubscription).
+CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs, on any CPU that has
+AVX2), so every loop can be run, measured and tested on one machine. Every caller keeps a
+PyTorch path: when no compiler is found, the build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is
+set, `load` returns None and the caller uses that path. Which kernels a model runs is decided
+once, at load, by the execution plan (`nextoken.runner.plan`); ``enforce_eager`` makes that plan
+PyTorch alone, which is what the reference tests compare against. OpenMP: the library asks for
+``libgomp.so.1``, the runtime PyTorch has already loaded, so both share one thread pool (no
+oversubscription).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -37,7 +39,6 @@ ISAS = {
     "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),  # AVX2/FMA/F16C, no AVX-512 (Zen 1-3, Haswell..)
     "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),  # + 256-bit vpdpbusd
 }
-PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v2" for f in FLAGS]  # no AVX-512
 _loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
 
 
@@ -52,6 +53,9 @@ def isa_flags(isa: str) -> list[str]:
     for f in FLAGS:
         out.extend(ISAS[isa][0] if f == "-march=native" else [f])
     return out
+
+
+PORTABLE_FLAGS = isa_flags("portable")  # no AVX-512, no AVX2: the plain C loops
 
 
 def cpu_runs(isa: str) -> bool:
@@ -80,6 +84,7 @@ def native_allowed() -> bool:
     return os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
 
 
+@functools.cache
 def _cpu_key() -> str:
     try:
         with open("/proc/cpuinfo") as f:

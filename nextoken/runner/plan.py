@@ -85,7 +85,7 @@ class ExecutionPlan:
         if quantized and native and not codes:
             reasons["codes"] = "the qmatmul kernel did not build"
         elif codes and not ks.qmatmul.qmatmul_vectorized():
-            loop = ks.qmatmul.qmatmul_loop().decode() if hasattr(ks.qmatmul, "qmatmul_loop") else "AVX2 or plain"
+            loop = ks.qmatmul.qmatmul_loop().decode()
             reasons["VNNI"] = f"no AVX-512 VNNI in this build: the codes run the kernel's {loop} loop"
         if reference_attention:
             attention = "reference"
