@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from nextoken.layers.quantization.methods import load_codes, store_dense
 from nextoken.layers.quantization.qweight import QuantWeight
-from nextoken.layers.quantization.ggml import QK, _f16
+from nextoken.layers.quantization.ggml import QK, f16_field
 
 
 class Embedding(torch.nn.Module):
@@ -49,7 +49,7 @@ class Embedding(torch.nn.Module):
     def set_q8_0(self, raw: torch.Tensor) -> None:
         """raw: the tensor's Q8_0 blocks, uint8 ``[vocab, hidden // 32 * 34]``."""
         b = raw.reshape(-1, 2 + QK)
-        d = _f16(b, 0).reshape(self.vocab_size, self.hidden_size // QK)
+        d = f16_field(b, 0).reshape(self.vocab_size, self.hidden_size // QK)
         q = b[:, 2:].contiguous().view(torch.int8).reshape(self.vocab_size, self.hidden_size)
         self.q8 = (q, d)
         self.weight = None

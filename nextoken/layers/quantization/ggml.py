@@ -17,7 +17,7 @@ QK = 32  # elements per block of the "legacy" formats (Q4_0, Q4_1, Q5_0, Q8_0)
 QK_K = 256  # elements per super-block of the k-quants (Q4_K, Q6_K)
 
 
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+def f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The float16 stored at byte `start` of each block, as float32 ``[num_blocks, 1]``."""
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
@@ -29,21 +29,21 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_0: ``d: f16, qs: u8[16]``; x = d * (q - 8). Low nibbles are elements 0-15."""
-    d = _f16(blocks, 0)
+    d = f16_field(blocks, 0)
     q = _nibbles(blocks[:, 2:]).reshape(-1, QK).float()
     return d * (q - 8.0)
 
 
 def dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1: ``d: f16, m: f16, qs: u8[16]``; x = d * q + m."""
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    d, m = f16_field(blocks, 0), f16_field(blocks, 2)
     q = _nibbles(blocks[:, 4:]).reshape(-1, QK).float()
     return d * q + m
 
 
 def codes_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 -> (q int32 ``[n, 32]`` in 0..31, d float32 ``[n, 1]``)."""
-    d = _f16(blocks, 0)
+    d = f16_field(blocks, 0)
     qh = blocks[:, 2:6].contiguous().view(torch.int32)  # [n, 1], bit j is the 5th bit of element j
     bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, 32]
     low = _nibbles(blocks[:, 6:]).reshape(-1, QK).to(torch.int32)
@@ -58,7 +58,7 @@ def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """Q8_0: ``d: f16, qs: i8[32]``; x = d * q."""
-    d = _f16(blocks, 0)
+    d = f16_field(blocks, 0)
     q = blocks[:, 2:].contiguous().view(torch.int8).float()
     return d * q
 
@@ -79,7 +79,7 @@ def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     2i+1 (high nibbles).
     """
     n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    d, dmin = f16_field(blocks, 0), f16_field(blocks, 2)
     sc, mn = _q4_k_scales(blocks[:, 4:16])
     q = _nibbles(blocks[:, 16:].reshape(n, 4, 32).reshape(n * 4, 32))  # [4n, 2, 32]
     q = q.reshape(n, 8, 32).float()
@@ -103,7 +103,7 @@ def codes_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
-    d = _f16(blocks, 208)
+    d = f16_field(blocks, 208)
     low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 2, 2, 64)  # [n, half, nibble, 64]
     low = low.reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)

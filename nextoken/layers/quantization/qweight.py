@@ -35,7 +35,7 @@ import torch
 
 from nextoken.kernels import load
 from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import QK, _f16, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
+from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
 
 QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
 TILE = 16  # rows per tile of the kernel's layout
@@ -232,28 +232,28 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     offset, group, gps = 0.0, QK, 1
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
-        q, scale, offset = _nibbles(b[:, 2:]).reshape(-1, QK), _f16(b, 0), 8.0
+        q, scale, offset = _nibbles(b[:, 2:]).reshape(-1, QK), f16_field(b, 0), 8.0
     elif type_name == "Q4_1":
         b = raw.reshape(-1, 20)
-        q, scale, mins = _nibbles(b[:, 4:]).reshape(-1, QK), _f16(b, 0), _f16(b, 2)
+        q, scale, mins = _nibbles(b[:, 4:]).reshape(-1, QK), f16_field(b, 0), f16_field(b, 2)
     elif type_name == "Q4_K":
         b = raw.reshape(-1, 144)
         n = b.shape[0]
         sc, mn = _q4_k_scales(b[:, 4:16])  # [n, 8] each, 0..63
         q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK)
-        scale, scale_sup, mins, min_sup, gps = sc, _f16(b, 0), mn, -_f16(b, 2), 8
+        scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
     elif type_name == "Q5_0":
         q, scale = codes_q5_0(raw.reshape(-1, 22))
         offset = 16.0
     elif type_name == "Q8_0":
         b = raw.reshape(-1, 34)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
-        scale, offset = _f16(b, 0), 128.0
+        scale, offset = f16_field(b, 0), 128.0
     else:  # Q6_K
         b = raw.reshape(-1, 210)
         q, _ = codes_q6_k(b)
         scale = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
-        scale_sup, group, gps, offset = _f16(b, 208), 16, 16, 32.0
+        scale_sup, group, gps, offset = f16_field(b, 208), 16, 16, 32.0
     ng = cols // group
     shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from nextoken.layers.quantization.ggml import _f16, _nibbles, _q4_k_scales
+from nextoken.layers.quantization.ggml import f16_field, _nibbles, _q4_k_scales
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
@@ -41,24 +41,24 @@ def int4_groups(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> list
     ``[rows, cols // 32]``), float32. One part for the 4-bit formats, two for Q8_0."""
     if type_name == "Q8_0":
         b = raw.reshape(-1, 34)
-        d = _f16(b, 0)
+        d = f16_field(b, 0)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
         hi, lo = (q >> 4) + 8, q & 15
         return [_shaped(hi, 16 * d, torch.zeros_like(d), rows, cols), _shaped(lo, d, 8 * d, rows, cols)]
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
-        d = _f16(b, 0)
+        d = f16_field(b, 0)
         q = _nibbles(b[:, 2:]).reshape(-1, GROUP)
         scale, zero = d, torch.zeros_like(d)
     elif type_name == "Q4_1":
         b = raw.reshape(-1, 20)
-        d, m = _f16(b, 0), _f16(b, 2)
+        d, m = f16_field(b, 0), f16_field(b, 2)
         q = _nibbles(b[:, 4:]).reshape(-1, GROUP)
         scale, zero = d, m + 8 * d
     elif type_name == "Q4_K":
         b = raw.reshape(-1, 144)
         n = b.shape[0]
-        d, dmin = _f16(b, 0), _f16(b, 2)
+        d, dmin = f16_field(b, 0), f16_field(b, 2)
         sc, mn = _q4_k_scales(b[:, 4:16])
         q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, GROUP)
         scale = (d * sc).reshape(-1, 1)
