@@ -15,7 +15,7 @@ from pydantic import Field
 from nextoken.bodies import SEED_LIMIT, Body
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.inspect import contrast, quality, speculate, text
-from nextoken.inspect.routes import _ctx
+from nextoken.inspect.context import context_of
 from nextoken.inspect.trace import MAX_TRACE_TOKENS
 from nextoken.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ class SpeculateBody(Body):
 
 @router.post("/inspect/api/kv/contrast", summary="The same greedy continuation with the KV cache and by recomputing the prefix")
 async def kv_contrast(request: Request, body: ContrastBody):
-    ctx = _ctx(request)
+    ctx = context_of(request)
     ids = ctx.encode(body.prompt, False, MAX_TRACE_TOKENS - body.tokens)
     params = SamplingParams(temperature=0, max_tokens=body.tokens, ignore_eos=True)
     cached, with_ms, t = [], [], time.perf_counter()
@@ -77,7 +77,7 @@ async def kv_contrast(request: Request, body: ContrastBody):
 @router.post("/inspect/api/quant/kl", summary="Per position: KL divergence and top-1 agreement of the served weights "
                                             "against a float32 reference")
 async def quant_kl(request: Request, body: QualityBody):
-    ctx = _ctx(request)
+    ctx = context_of(request)
     eng = ctx.whole_model()
     ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
     if len(ids) < 2:
@@ -99,7 +99,7 @@ async def quant_kl(request: Request, body: QualityBody):
 @router.post("/inspect/api/spec/run", summary="Speculative decoding for one request, on demand: each verification's "
                                               "drafts, acceptance and p_target / q_draft")
 async def spec_run(request: Request, body: SpeculateBody):
-    ctx = _ctx(request)
+    ctx = context_of(request)
     eng = ctx.core()
     ids = ctx.encode(body.prompt, False, MAX_TRACE_TOKENS - body.max_tokens - body.num_speculative_tokens)
     params = SamplingParams(temperature=body.temperature, seed=body.seed,

@@ -12,9 +12,7 @@ weights or the engine's state between steps.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import itertools
 import json
 import os
 import time
@@ -26,14 +24,14 @@ from pydantic import Field
 
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.inspect import engine_view, journey, model_view, quality, text
+from nextoken.inspect import engine_view, journey, measure_routes, model_view, text
+from nextoken.inspect.context import InspectContext, context_of
 from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
                                     logit_lens)
 from nextoken.trace.recorder import TraceRecorder
 from nextoken.sampling_params import SamplingParams
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
-KEEP_TRACES = 4
 LIVE_INTERVAL_S = 0.25
 DEMO_PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?", "Count from one to ten.",
                 "Name three primary colors.", "Explain gravity in one sentence.", "Say hello in four languages.",
@@ -113,72 +111,9 @@ class DemoBody(Body):
     max_tokens: int = Field(48, ge=1, le=256)
 
 
-class InspectState:
-    """The inspector's memory: the last traces (id -> `TraceRecorder` and its tokens)."""
-
-    def __init__(self):
-        self.traces: collections.OrderedDict[str, tuple[TraceRecorder, list[dict]]] = collections.OrderedDict()
-        self.ids = itertools.count(1)
-        self.last_layer_ms: list[float] | None = None
-        self.demo_tasks: set[asyncio.Task] = set()
-        self.reference = quality.Reference()  # the float32 reference, built on demand
-
-    def keep(self, tracer: TraceRecorder, tokens: list[dict]) -> str:
-        tid = f"t{next(self.ids)}"
-        self.traces[tid] = (tracer, tokens)
-        while len(self.traces) > KEEP_TRACES:
-            self.traces.popitem(last=False)
-        self.last_layer_ms = [round(x, 3) for x in tracer.layer_ms]
-        return tid
-
-    def get(self, tid: str) -> tuple[TraceRecorder, list[dict]]:
-        if tid not in self.traces:
-            raise NotFound(f"trace {tid!r} is gone (the last {KEEP_TRACES} are kept); trace again", "trace_id")
-        return self.traces[tid]
-
-
 @functools.lru_cache(maxsize=2)
 def _stored(path: str) -> dict:
     return model_view.stored_tensors(path)
-
-
-class InspectContext:
-    """What the inspector's routes share: the engine (`get_engine()`: the `AsyncLLMEngine`; it
-    raises while loading) and the inspector's memory (`state`)."""
-
-    def __init__(self, get_engine):
-        self.get_engine = get_engine
-        self.state = InspectState()
-
-    def core(self):
-        return self.get_engine().engine
-
-    def whole_model(self):
-        """The engine, for views that read the model's weights directly: each rank of a
-        tensor-parallel group holds only its shard (and a forward pass needs every rank)."""
-        eng = self.core()
-        if eng.runner.tp is not None:
-            raise InvalidRequest("this view reads the whole model, which tensor parallelism splits over processes; "
-                                 "run the inspector with --tensor-parallel-size 1", "tensor_parallel_size")
-        return eng
-
-    async def between_steps(self, fn):
-        return await self.get_engine()._between_steps(fn)
-
-    async def run_traced(self, ids: list[int], params: SamplingParams, tracer) -> None:
-        async for _ in self.get_engine().generate(ids, params, tracer=tracer):
-            pass
-
-    def encode(self, prompt: str, chat: bool, cap: int | None = None) -> list[int]:
-        eng = self.core()
-        if chat:
-            prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = eng.tokenizer.encode(prompt)
-        if not ids:
-            raise InvalidRequest("prompt is empty", "prompt")
-        if cap is not None and len(ids) > cap:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {cap}", "prompt")
-        return ids
 
 
 router = APIRouter(tags=["inspector"])
@@ -187,15 +122,9 @@ router = APIRouter(tags=["inspector"])
 def install(app, get_engine) -> None:
     """Serve the inspector on `app`: its page, static files and ``/inspect/api`` routes, over the
     engine `get_engine()` returns."""
-    from nextoken.inspect import measure_routes
-
     app.state.inspector = InspectContext(get_engine)
     app.include_router(router)
     app.include_router(measure_routes.router)
-
-
-def _ctx(request: Request) -> InspectContext:
-    return request.app.state.inspector
 
 
 @router.get("/inspect", include_in_schema=False)
@@ -212,7 +141,7 @@ async def static(request: Request, name: str):
 
 @router.get("/inspect/api/info", summary="The loaded model and the inspector's limits")
 async def info(request: Request):
-    eng = _ctx(request).core()
+    eng = context_of(request).core()
     return {"model": eng.args.model, "architecture": eng.config.architecture, "name": eng.config.name,
             "vocab_size": eng.config.vocab_size, "max_trace_tokens": MAX_TRACE_TOKENS,
             "has_chat_template": bool(eng.tokenizer.chat_template), "label_rule": LABEL_RULE,
@@ -221,26 +150,26 @@ async def info(request: Request):
 
 @router.post("/inspect/api/tokenize", summary="Tokens of a text (ids, pieces, bytes, special tokens)")
 async def tokenize(request: Request, body: TokenizeBody):
-    return text.tokens_view(_ctx(request).core().tokenizer, body.text, body.chat)
+    return text.tokens_view(context_of(request).core().tokenizer, body.text, body.chat)
 
 @router.post("/inspect/api/bpe", summary="Replay of the BPE merges that build one word")
 async def bpe(request: Request, body: WordBody):
-    return text.bpe_replay(_ctx(request).core().tokenizer, body.word)
+    return text.bpe_replay(context_of(request).core().tokenizer, body.word)
 
 @router.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
 async def embeddings(request: Request, body: WordsBody):
-    eng = _ctx(request).whole_model()
+    eng = context_of(request).whole_model()
     return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
 
 @router.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
 async def analogy(request: Request, body: AnalogyBody):
-    eng = _ctx(request).whole_model()
+    eng = context_of(request).whole_model()
     return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
                                    body.target, body.top)
 
 @router.get("/inspect/api/rope", summary="The model's RoPE angles and tables, and their decay with distance")
 async def rope(request: Request, positions: int = Query(64, ge=2, le=model_view.MAX_POSITIONS)):
-    return model_view.rope_view(_ctx(request).core().runner.model, positions)
+    return model_view.rope_view(context_of(request).core().runner.model, positions)
 
 @router.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
 async def sinusoidal(request: Request, base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
@@ -249,19 +178,19 @@ async def sinusoidal(request: Request, base: float = Query(10000.0, ge=2, le=1e6
 
 @router.get("/inspect/api/architecture", summary="Layers, sizes, parameters and bytes per part")
 async def architecture(request: Request):
-    return model_view.architecture(_ctx(request).whole_model(), _ctx(request).state.last_layer_ms)
+    return model_view.architecture(context_of(request).whole_model(), context_of(request).state.last_layer_ms)
 
 @router.post("/inspect/api/trace", summary="Trace a prompt: tokens, head labels, time per layer")
 async def trace(request: Request, body: TraceBody):
-    eng = _ctx(request).core()
-    ids = _ctx(request).encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+    eng = context_of(request).core()
+    ids = context_of(request).encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
     tracer = TraceRecorder(eng.config)
     start = time.perf_counter()
-    await _ctx(request).run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
+    await context_of(request).run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
     ms = (time.perf_counter() - start) * 1000
     tokens = [{"id": i, "token": text.display(eng.tokenizer.token_text(i)), "special": i in eng.tokenizer.special_ids}
               for i in ids]
-    tid = _ctx(request).state.keep(tracer, tokens)
+    tid = context_of(request).state.keep(tracer, tokens)
     cfg = eng.config
     labels = await asyncio.to_thread(lambda: [head_stats(tracer, layer) for layer in range(cfg.num_layers)])
     return {"trace_id": tid, "tokens": tokens, "layers": cfg.num_layers, "heads": cfg.num_heads,
@@ -271,35 +200,35 @@ async def trace(request: Request, body: TraceBody):
 
 @router.get("/inspect/api/trace/{trace_id}/attention", summary="One layer's attention weights (uint8, base64)")
 async def attention(request: Request, trace_id: str, layer: int = Query(ge=0, json_schema_extra=model_limit("layer"))):
-    tracer, _ = _ctx(request).state.get(trace_id)
+    tracer, _ = context_of(request).state.get(trace_id)
     if layer >= len(tracer.attention):
         raise InvalidRequest(f"layer must be in [0, {len(tracer.attention) - 1}], got {layer}", "layer")
     return attention_payload(tracer, layer)
 
 @router.get("/inspect/api/trace/{trace_id}/lens", summary="Logit lens: each layer's top tokens at a position")
 async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
-    tracer, tokens = _ctx(request).state.get(trace_id)
-    eng = _ctx(request).whole_model()
+    tracer, tokens = context_of(request).state.get(trace_id)
+    eng = context_of(request).whole_model()
     rows = await asyncio.to_thread(logit_lens, tracer, eng.runner.model, eng.tokenizer, position, top)
     return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
             "layers": rows}
 
 @router.get("/inspect/api/trace/{trace_id}/lens_grid", summary="Logit lens heatmap: every layer's top token at every position")
 async def lens_heatmap(request: Request, trace_id: str):
-    tracer, tokens = _ctx(request).state.get(trace_id)
-    eng = _ctx(request).whole_model()
+    tracer, tokens = context_of(request).state.get(trace_id)
+    eng = context_of(request).whole_model()
     grid = await asyncio.to_thread(lens_grid, tracer, eng.runner.model, eng.tokenizer)
     return {**grid, "tokens": [t["token"] for t in tokens[grid["first"]:]]}
 
 
 @router.post("/inspect/api/run", summary="Generate and return the engine's timeline: prefill, decode steps, TTFT, TPOT")
 async def run(request: Request, body: RunBody):
-    eng = _ctx(request).core()
-    ids = _ctx(request).encode(body.prompt, body.chat)
+    eng = context_of(request).core()
+    ids = context_of(request).encode(body.prompt, body.chat)
     out = None
-    async for out in _ctx(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
+    async for out in context_of(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
         pass
-    view = await _ctx(request).between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
+    view = await context_of(request).between_steps(lambda: engine_view.timeline(eng, out.request_id, out.metrics))
     return {**view, "text": out.outputs[0].text, "request_id": out.request_id}
 
 async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
@@ -349,7 +278,7 @@ async def _grammar(eng, body: SampleBody):
 
 @router.post("/inspect/api/sample", summary="The sampler's stages on the next-token logits after a prompt")
 async def sample(request: Request, body: SampleBody):
-    ctx = _ctx(request)
+    ctx = context_of(request)
     ids = ctx.encode(body.prompt, False)
     _, view = await _next_token(ctx, ids, body)
     return {**view, "prompt_tokens": len(ids), "generated_text": ctx.core().tokenizer.decode(body.generated)}
@@ -357,7 +286,7 @@ async def sample(request: Request, body: SampleBody):
 
 @router.post("/inspect/api/journey/step", summary="One decode step of a prompt's journey, every stage on its data")
 async def journey_step(request: Request, body: JourneyBody):
-    ctx = _ctx(request)
+    ctx = context_of(request)
     eng = ctx.core()
     ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
     full = ids + list(body.generated)
@@ -375,15 +304,15 @@ async def journey_step(request: Request, body: JourneyBody):
 async def beam(request: Request, body: BeamBody):
     from nextoken.beam import BeamSearch, async_beam_search
 
-    eng = _ctx(request).core()
-    ids = _ctx(request).encode(body.prompt, False)
+    eng = context_of(request).core()
+    ids = context_of(request).encode(body.prompt, False)
     eng.encode_prompt(ids, SamplingParams(max_tokens=body.max_tokens))  # the context check
     search = BeamSearch([ids], body.beam_width, body.max_tokens, body.length_penalty, False,
                         eng.tokenizer.eog_token_ids)
-    outs = await async_beam_search(_ctx(request).get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
+    outs = await async_beam_search(context_of(request).get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
                                    search=search)
     greedy = None
-    async for greedy in _ctx(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
+    async for greedy in context_of(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
                                                                   logprobs=0)):
         pass
     g = greedy.outputs[0]
@@ -391,22 +320,22 @@ async def beam(request: Request, body: BeamBody):
 
 @router.get("/inspect/api/kv", summary="KV cache bytes per token (formula and cache) and memory against context")
 async def kv(request: Request):
-    return engine_view.kv_view(_ctx(request).core())
+    return engine_view.kv_view(context_of(request).core())
 
 @router.get("/inspect/api/state", summary="The engine now: block pool, running and waiting, recent steps")
 async def state(request: Request, since: int = Query(-1, ge=-1)):
-    eng = _ctx(request).core()
-    return await _ctx(request).between_steps(lambda: engine_view.live_state(eng, since))
+    eng = context_of(request).core()
+    return await context_of(request).between_steps(lambda: engine_view.live_state(eng, since))
 
 @router.get("/inspect/api/live", summary="Server-sent events: the engine state four times a second",
        response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
 async def live(request: Request):
-    eng = _ctx(request).core()
+    eng = context_of(request).core()
 
     async def events():
         since = max(-1, eng.num_steps - 64)
         while not await request.is_disconnected():
-            snap = await _ctx(request).between_steps(lambda: engine_view.live_state(eng, since))
+            snap = await context_of(request).between_steps(lambda: engine_view.live_state(eng, since))
             since = snap["last_step"]
             yield f"data: {json.dumps(snap)}\n\n"
             await asyncio.sleep(LIVE_INTERVAL_S)
@@ -416,7 +345,7 @@ async def live(request: Request):
 
 @router.post("/inspect/api/demo", summary="Send a few demo requests to watch batching (they run as usual)")
 async def demo(request: Request, body: DemoBody):
-    eng = _ctx(request).get_engine()
+    eng = context_of(request).get_engine()
 
     async def one(prompt):
         async for _ in eng.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=body.max_tokens)):
@@ -427,20 +356,20 @@ async def demo(request: Request, body: DemoBody):
         eng.engine.encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
     for p in prompts:
         task = asyncio.get_running_loop().create_task(one(p))
-        _ctx(request).state.demo_tasks.add(task)
-        task.add_done_callback(_ctx(request).state.demo_tasks.discard)
+        context_of(request).state.demo_tasks.add(task)
+        task.add_done_callback(context_of(request).state.demo_tasks.discard)
     return {"sent": len(prompts), "max_tokens": body.max_tokens}
 
 @router.get("/inspect/api/quant/tensors", summary="Stored tensors by format, bytes against bf16 and fp32")
 async def quant_tensors(request: Request):
-    eng = _ctx(request).core()
+    eng = context_of(request).core()
     if not str(eng.model_path).endswith(".gguf"):
         raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
     return await asyncio.to_thread(_stored, str(eng.model_path))
 
 @router.get("/inspect/api/quant/error", summary="Error of re-quantizing one stored tensor to other formats")
 async def quant_error(request: Request, tensor: str = Query(min_length=1, max_length=200)):
-    eng = _ctx(request).core()
+    eng = context_of(request).core()
     if not str(eng.model_path).endswith(".gguf"):
         raise NotFound("the re-quantization view reads GGUF files; this model is a Hugging Face folder", "model")
     return await asyncio.to_thread(model_view.requant_error, str(eng.model_path), tensor)

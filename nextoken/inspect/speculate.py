@@ -31,7 +31,7 @@ from nextoken.spec.verify import verify
 
 async def run(ctx, ids: list[int], params: SamplingParams, k: int) -> dict:
     """Generate ``params.max_tokens`` tokens after `ids` by n-gram speculation with up to `k`
-    drafts per verification, on the engine behind `ctx` (`routes.InspectContext`). Returns every
+    drafts per verification, on the engine behind `ctx` (`context.InspectContext`). Returns every
     verification and the tokens. Raises `RequestFailed` when a target pass fails, `InvalidRequest`
     under tensor parallelism (the inner rows go through this process's LM head)."""
     eng = ctx.whole_model()

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible endpoints over `AsyncLLMEngine`.
 
-    build_app(state, ServerArgs) -> middleware (API key and draining gate, body limit, CORS)
+    build_app(state, ServerArgs) -> middleware (`server.middleware`: API key and draining gate, body limit; CORS)
                                   + error handlers + routers (`server.routes`: info, tokens,
                                     openai -> `serving_completion`, `serving_chat`)
                                   + the inspector's routes (`inspect.routes`)
@@ -12,112 +12,23 @@ blocks freed) within a step.
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.server import embeddings, routes
 from nextoken.server.anthropic import AnthropicServingMessages
 from nextoken.server.args import ServerArgs
-from nextoken.server.errors import error_response
-from nextoken.server.errors import validation_message
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.ollama import OllamaServing
 from nextoken.server.openai_responses import OpenAIServingResponses
 from nextoken.server.openapi import document_errors, model_limits
-from nextoken.server.serving import ClientGone, QueueFull
+from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
 from nextoken.server.serving_chat import OpenAIServingChat
 from nextoken.server.serving_completion import OpenAIServingCompletion
 
 log = logging.getLogger("nextoken.server")
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over `limit` bytes (declared or streamed)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(self.limit)(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge()
-            return msg
-
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
-
-
-class Gate:
-    """ASGI middleware: the API key (every route but /health), 503 while draining or loading.
-
-    A pure ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one wraps ``receive``
-    so that ``request.is_disconnected()`` never sees the client hang up."""
-
-    def __init__(self, app, state, config: ServerArgs):
-        self.app, self.state, self.config = app, state, config
-        self.expected = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
-
-    async def __call__(self, scope, receive, send):
-        # open: /health, and the inspector's static files (code and styles, no data: a browser
-        # loads them without the key; the page and every /inspect/api route need it)
-        if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/inspect/static/"):
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                return await refusal(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope):
-        path = scope["path"]
-        if self.expected is not None:
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not given and b"x-api-key" in headers:  # Anthropic's header, the same key
-                given = b"Bearer " + headers[b"x-api-key"]
-            if path.startswith("/inspect") and not given:  # a browser page and its event stream: ?key=KEY
-                given = b"Bearer " + _query_key(scope)
-            if not hmac.compare_digest(given, self.expected):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY"
-                                           + (", or ?key=KEY on /inspect)" if path.startswith("/inspect") else ")"),
-                                      path=path)
-        if self.state.draining:
-            return error_response(503, "the server is shutting down", path=path)
-        if self.state.engine is None and path.startswith(("/v1", "/inspect/api", "/api/")):
-            return error_response(503, "the model is still loading", path=path)
-        return None
-
-
-def _query_key(scope) -> bytes:
-    from urllib.parse import parse_qs
-
-    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [])
-    return values[0].encode("latin-1") if values else b""
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def _too_large(limit: int):
-    return error_response(413, f"the request body is larger than {limit} bytes")
 
 
 def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
@@ -138,7 +49,7 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
-    _exception_handlers(app, args)
+    exception_handlers(app, args)
     for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama):
         app.include_router(router)
     app.include_router(embeddings.router, include_in_schema=False)  # a 400 here (this model generates)
@@ -156,45 +67,3 @@ def attach_engine(app: FastAPI, engine) -> None:
     """Subscribe the app's metrics to the steps of `engine` (an `AsyncLLMEngine`): called when
     the model is loaded (`serve`), or at once when the state holds an engine already."""
     engine.engine.subscribe(app.state.metrics.on_step)
-
-
-def _exception_handlers(app: FastAPI, args: ServerArgs) -> None:
-    """Every error in its API's shape (`server.errors.error_response`, by path): a client's
-    mistake a 4xx naming the field, a fault of the request's own a 500, the engine gone a 503;
-    never a traceback."""
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(req, exc: RequestValidationError):
-        msg, param = validation_message(exc)
-        return error_response(400, msg, param, path=req.url.path)
-
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(req, exc: InvalidRequest):
-        return error_response(exc.status, str(exc), exc.field, path=req.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(req, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
-                              path=req.url.path)
-
-    @app.exception_handler(Exception)
-    async def _internal(req, exc: Exception):
-        log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}", path=req.url.path)
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_, exc):  # nobody reads this answer; its requests are aborted
-        return Response(status_code=499)
-
-    @app.exception_handler(QueueFull)
-    async def _queue_full(req, exc):
-        return error_response(429, f"too many requests waiting (limit {args.max_queued_requests}); retry later",
-                              headers={"Retry-After": "1"}, path=req.url.path)
-
-    @app.exception_handler(EngineError)
-    async def _engine_error(req, exc):
-        return error_response(503, str(exc), path=req.url.path)
-
-    @app.exception_handler(RequestFailed)
-    async def _request_failed(req, exc):  # this request's fault in the model: the server stays up
-        return error_response(exc.status, str(exc), path=req.url.path)

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from nextoken.errors import InvalidRequest
+from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
                     "/api/generate")
@@ -235,9 +236,7 @@ async def metrics(request: Request):
 
 def build_embedding_app(state, args, lifespan=None) -> FastAPI:
     """The server of an embedding model: `state.engine` is its `EmbeddingService` (None while it
-    loads). Middleware and error shapes are the generation server's (`server.app`)."""
-    from nextoken.server.app import BodyLimit, Gate, _exception_handlers
-
+    loads). Middleware and error shapes are the generation server's (`server.middleware`)."""
     app = FastAPI(title="nextoken (embeddings)", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server, app.state.args = state, args
     registry = CollectorRegistry()
@@ -249,7 +248,7 @@ def build_embedding_app(state, args, lifespan=None) -> FastAPI:
                                                              ("num_passes", "Encoder passes (micro-batches)"))}}
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.add_middleware(Gate, state=state, config=args)
-    _exception_handlers(app, args)
+    exception_handlers(app, args)
     from nextoken.server.routes import health
 
     app.add_api_route("/health", health, methods=["GET"])  # the generation server's own check

@@ -5,7 +5,7 @@ Each `Rule` is a combination the server answers with 400 (its condition as JSON 
 message, the field named). `forbid` turns a list of them into ``{"not": {"anyOf": [...]}}`` for
 a model's ``json_schema_extra``; `check` evaluates the same conditions on a request body
 (`matches`: the subset of JSON Schema the rules use) and raises the first rule's error.
-tests/test_openapi_contract.py holds the server to its schema with a schema-driven fuzzer.
+tests/server/test_openapi_contract.py holds the server to its schema with a schema-driven fuzzer.
 """
 
 from __future__ import annotations
