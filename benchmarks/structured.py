@@ -24,7 +24,7 @@ PERSON = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "city": {"enum": ["Paris", "Tokyo", "Lima"]}}, "required": ["name", "age", "city"]}
 LONG = {"type": "array", "items": PERSON, "minItems": 200}
-TEST_SCHEMAS = {  # the schemas of tests/test_structured.py and a tool call
+TEST_SCHEMAS = {  # the schemas of tests/engine/test_structured.py and a tool call
     "person": PERSON,
     "tags": {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {
         "type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}, "required": ["ok", "tags"]},

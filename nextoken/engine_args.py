@@ -182,7 +182,7 @@ class EngineArgs(CliArgs):
 def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str] | None = None) -> str:
     """The Markdown table of every field of `args_cls` that has a flag (flag, Python keyword,
     default, help), in field order: the README's engine-options table is this text
-    (tests/test_docs.py keeps them equal; ``python -m nextoken.engine_args`` prints it).
+    (tests/cli/test_docs.py keeps them equal; ``python -m nextoken.engine_args`` prints it).
     `overrides`: a field's default as the table shows it, where the value alone would not say."""
     shown = {"model": f"`{DEFAULT_MODEL}`", "num_threads": "one per usable core",
              "max_model_len": "the model's context", "kv_cache_memory": "from free memory",

@@ -317,7 +317,7 @@ static void scores_bf16_any(const uint16_t *qh, const uint16_t *kc, const uint16
  * stays as exact as with float32 p), and each value row interleaved with itself (v_d, v_d in
  * each 32-bit lane), so that one vdpbf16ps adds v_d hi + v_d lo for 16 d. (Rounding p to a
  * single bf16, with two keys' rows paired, halves the instructions again but adds about 15% to
- * the output's error at a few hundred keys: tests/test_paged_attention holds the error to the
+ * the output's error at a few hundred keys: tests/kernels/test_paged_attention holds the error to the
  * output's bf16 rounding.) The scores' rows hold each key's (hi, lo)
  * in place of its float (`split_probs`). unpacklo/hi work within 128-bit lanes: lane l of
  * accumulator 2j (2j + 1) holds d = 32 j + 8 (l / 4) + l % 4 (+ 4). GB query heads at a time,

@@ -53,7 +53,7 @@ def loading_allocations(loading: bool) -> None:
     threshold, glibc stops adjusting them and trims the heap's free top above its 128 KiB default
     on every free, so each step's activations and logits went back to the OS and were faulted
     in, zeroed, again the next step (docs/benchmarks.md has the page faults and their cost;
-    tests/test_plan.py holds a freed 32 MiB buffer reused)."""
+    tests/engine/test_plan.py holds a freed 32 MiB buffer reused)."""
     libc = _libc()
     if libc is None:
         return
