@@ -234,8 +234,8 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     const int stream = a->M <= MR; /* the tile is read once: stream it from memory */
     /* row i's activations, scales (one per QB = 32 or 256 columns: a shift, never a division in the
      * loop) and group sums, at a stride from row m0's */
-    /* QB: 32, or a power-of-two super-block; the two that occur spelt out: with __builtin_ctz alone
-     * the loop ran at half speed (gcc 12) */
+    /* QB: 32, or a power-of-two super-block (the two that occur spelt out, constants the compiler
+     * can specialise on) */
     const int qsh = a->QB == 256 ? 8 : a->QB == 32 ? 5 : __builtin_ctzll((unsigned long long)a->QB);
     const int64_t dxn = K >> qsh;
     const int8_t *xq = a->q + m0 * K;
