@@ -47,7 +47,8 @@ VOCAB_SIZE = len(tiny_vocab()[0])
 
 
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = VOCAB_SIZE):
-    """A random float32 `transformers` model of `arch` ("llama" or "qwen2") with 2 layers.
+    """A random float32 `transformers` model of `arch` ("llama", "qwen2", "qwen3" with 2 layers;
+    "gemma3" with 6).
     A `vocab_size` above the tiny vocabulary's adds rows that `write_gguf` names as padding
     tokens (a whole number of 16-row tiles lets the embedding be kept as codes)."""
     import transformers
@@ -62,6 +63,9 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = VOCAB_SIZE):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":  # QK-norm, head_dim 32 (wider than hidden / heads)
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
     elif arch == "gemma3":  # 5 local layers (window 8, shorter than the test prompts) + 1 global, as GGUF's pattern
         common.pop("rope_theta")
         cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,

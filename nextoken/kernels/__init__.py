@@ -172,7 +172,7 @@ def _build(name: str, flags: list[str], force: bool = False) -> Path | None:
 
 P = ctypes.c_void_p
 _I64, _INT, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_PAGED = (_INT, [P, P, P, P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, P])
+_PAGED = (_INT, [P, P, P, P, _I64, P, P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, P])
 SIGNATURES = {  # C function -> (result type, argument types), as the .c files declare them
     "qmatmul": (_INT, [P, _INT, _I64, P, P, _INT, _I64]),
     "qmatmul_quantize": (_INT, [P, _INT, _I64, _I64, _I64, P, P]),
@@ -194,9 +194,11 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "silu_mul_bf16": (None, [P, P, P, _I64]),
     "activation_vectorized": (_INT, []),
     "rms_norm_rows_bf16": (None, [P, P, _I64, _I64, _F32, P]),
+    "rms_norm_rows_gemma": (None, [P, P, _I64, _I64, _F32, P]),
+    "gelu_tanh_mul_bf16": (None, [P, P, P, _I64]),
     "sample_rows": (_INT, [P, _I64, _I64, P, P, P, P, P, P, P]),
     "decode_layers": (_INT, [P, _I64, P, _I64, _I64, _I64, _I64, _I64, _I64, P, P, P, P, _I64, P, _I64, _I64,
-                             _F32, _F32]),
+                             _F32, _F32, P]),
 }
 
 

@@ -112,4 +112,33 @@ void rms_norm_rows_bf16(const uint16_t *h, const uint16_t *w, int64_t T, int64_t
     for (int64_t t = 0; t < T; t++) rms_norm_row(h + t * n, w, n, eps, out + t * n);
 }
 
+/* Gemma's RMSNorm of T rows: out = bf16((h * r) * w), the product with the weight in float32
+ * (layers/norm.py's rms_norm_gemma, transformers' Gemma3RMSNorm); r as in rms_norm_row. */
+void rms_norm_rows_gemma(const uint16_t *h, const uint16_t *w, int64_t T, int64_t n, float eps, uint16_t *out) {
+    #pragma omp parallel for schedule(static) if (T * n >= (1 << 16))
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *x = h + t * n;
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = bf16_to_f32(x[i]);
+            ss += (double)(v * v);
+        }
+        const float r = 1.f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) out[t * n + i] = f32_to_bf16(bf16_to_f32(x[i]) * r * bf16_to_f32(w[i]));
+    }
+}
+
+/* GeGLU on bf16 rows (Shazeer 2020; Gemma): y = bf16(bf16(gelu_tanh(g)) * u), gelu_tanh(x) =
+ * x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in float32 (Hendrycks & Gimpel 2016), rounded as
+ * layers/activation.py's ``F.gelu(gate, approximate="tanh") * up`` rounds on bf16 (tanhf's last
+ * bits can move a rounding). y may be g. */
+void gelu_tanh_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
+    #pragma omp parallel for schedule(static) if (n >= (1 << 16))
+    for (int64_t i = 0; i < n; i++) {
+        const float x = bf16_to_f32(g[i]);
+        const float a = rb(0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))));
+        y[i] = f32_to_bf16(a * bf16_to_f32(u[i]));
+    }
+}
+
 int activation_vectorized(void) { return ACT_AVX512; }

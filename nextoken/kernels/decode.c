@@ -1,17 +1,22 @@
 /* The decoder layers of a Llama-style model for a batch of single-token decodes, in one call.
  * nextoken's own kernel; the reference it must match is the model's PyTorch forward
- * (nextoken.models.llama.LlamaDecoderLayer with qweight linears), step by step, with the
- * same bf16 roundings at the same points:
+ * (nextoken.models.llama.LlamaDecoderLayer, or gemma3.Gemma3DecoderLayer, with qweight linears),
+ * step by step, with the same bf16 roundings at the same points:
  *
  *   for each layer:
- *     x  = bf16(w_attn * bf16(h * rsqrt(mean(h^2) + eps)))          RMSNorm
+ *     x  = norm(h, w_attn)                     RMSNorm: bf16(w * bf16(h * rsqrt(mean(h^2) + eps)))
+ *                                              (Gemma: bf16(h * rsqrt(..) * w), the product in float32)
  *     q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv                (qmatmul, one quantization of x)
+ *     q, k = norm(q, w_qn), norm(k, w_kn) over each head              (QK-norm: Qwen 3, Gemma 3)
  *     q, k = bf16(bf16(r cos) + bf16(rot(r) sin)), rot(a, b) = (-b, a) RoPE, rotate-half pairs
+ *       (a sliding-window layer: its own RoPE base, inv_freq_local)
  *     cache[slot] = k, v ;  a = softmax(q K^T * scale) V              (paged_attention.c)
- *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8)
- *     h  = bf16(h + a Wo^T)
- *     x  = RMSNorm(h) with w_ffn ;  h = bf16(h + bf16(bf16(silu(x Wg^T)) * x Wu^T) Wd^T)
- *       (SwiGLU: activation.c's kernel, which rounds as the PyTorch layers do)
+ *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8; a
+ *       sliding-window layer writes to its ring and reads its window, keys ring_starts[i] ..)
+ *     h  = bf16(h + a Wo^T)                    Gemma: bf16(h + norm(a Wo^T, w_post_attn))
+ *     x  = norm(h, w_ffn) ;  h = bf16(h + bf16(bf16(act(x Wg^T)) * x Wu^T) Wd^T)
+ *       (act: SiLU, or Gemma's tanh GELU, activation.c's kernels; Gemma normalises the
+ *       feed-forward's output with w_post_ffn before the add)
  *
  * h: [T, hidden] bf16, updated in place. Token i is the one new token of sequence i, at
  * positions[i], written to slots[i], attending to seq_lens[i] keys through row i of tables.
@@ -26,7 +31,20 @@ typedef struct {
     qw_t q, k, v, o, gate, up, down;
     void *k_cache, *v_cache;     /* [Hkv, NB, BS, D] bf16, or int8 codes when the scales are set */
     float *k_scale, *v_scale;    /* [Hkv, NB, BS] float32 for an int8 cache, else NULL */
+    const uint16_t *q_norm, *k_norm;               /* bf16 [D]: QK-norm over each head, or NULL */
+    const uint16_t *post_attn_norm, *post_ffn_norm; /* bf16 [hidden]: Gemma's norms before the adds, or NULL */
+    int64_t sliding;             /* 1: a sliding-window layer; its caches are its ring ([Hkv, ring NB, BS, D]) */
 } layer_t;
+
+/* What the architectures differ in, beyond the layers' tensors (all zero / NULL: Llama) */
+typedef struct {
+    int64_t gemma;               /* Gemma's norms (weight product in float32) and tanh-GELU GeGLU */
+    const float *inv_freq_local; /* [rope_dim / 2]: the sliding-window layers' RoPE frequencies */
+    const int64_t *ring_tables;  /* [T, ring_max_blocks]: logical block b of row i -> its ring block */
+    int64_t ring_max_blocks, ring_NB;
+    const int64_t *ring_slots;   /* [T]: where row i's key goes in the ring */
+    const int64_t *ring_starts;  /* [T]: the position of the first key of row i's window */
+} arch_t;
 
 /* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
  * nextoken.kv_cache.tensors.quantize_rows: scale = amax / 127, code = rint(x * (127 / amax)) */
@@ -108,64 +126,124 @@ static void rope_bf16(uint16_t *x, int64_t heads, int64_t D, int64_t rope_dim, c
     }
 }
 
+/* cos and sin of every row's position (f32, then bf16, as the PyTorch path): [T, rope_dim] each */
+static void rope_tables(const float *inv_freq, const int64_t *positions, int64_t T, int64_t rope_dim, float *cs,
+                        float *sn) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < rope_dim; i++) {
+            const float ang = (float)positions[t] * inv_freq[i % (rope_dim / 2)];
+            cs[t * rope_dim + i] = rb(cosf(ang));
+            sn[t * rope_dim + i] = rb(sinf(ang));
+        }
+}
+
+static void norm_rows(const arch_t *ar, const uint16_t *x, const uint16_t *w, int64_t T, int64_t n, float eps,
+                      uint16_t *out) {
+    if (ar->gemma)
+        rms_norm_rows_gemma(x, w, T, n, eps, out);
+    else
+        rms_norm_rows_bf16(x, w, T, n, eps, out);
+}
+
+/* h = bf16(h + o), o first normalised with w when w is set (Gemma's post-norms) */
+static void residual_add(const arch_t *ar, uint16_t *h, uint16_t *o, const uint16_t *w, int64_t T, int64_t n,
+                         float eps) {
+    if (w) norm_rows(ar, o, w, T, n, eps, o);
+    for (int64_t i = 0; i < T * n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
+}
+
+typedef struct { /* one call's shapes and buffers, shared by its layers */
+    int64_t T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS;
+    float eps, scale;
+    const int64_t *slots, *tables, *seq_lens;
+    const float *cs[2], *sn[2]; /* [T, rope_dim]: full-attention layers [0], sliding-window layers [1] */
+    uint16_t *x, *q, *k, *v, *att, *g, *u, *o;
+} step_t;
+
+/* the attention half of one layer: h += attention(norm(h)) */
+static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16_t *h) {
+    const int64_t T = s->T, qd = s->H * s->D, kd = s->Hkv * s->D, sl = ly->sliding != 0;
+    qact_t qa[2] = {{0}, {0}};
+    norm_rows(ar, h, ly->attn_norm, T, s->hidden, s->eps, s->x);
+    const qw_t *qkv[3] = {&ly->q, &ly->k, &ly->v};
+    uint16_t *qkv_out[3] = {s->q, s->k, s->v};
+    int rc = apply_n(s->x, T, qkv, 3, qa, qkv_out);
+    qacts_free(qa);
+    if (rc) return rc;
+    if (ly->q_norm) {
+        norm_rows(ar, s->q, ly->q_norm, T * s->H, s->D, s->eps, s->q);
+        norm_rows(ar, s->k, ly->k_norm, T * s->Hkv, s->D, s->eps, s->k);
+    }
+    const int64_t NB = sl ? ar->ring_NB : s->NB;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = s->cs[sl] + t * s->rope_dim, *sn = s->sn[sl] + t * s->rope_dim;
+        rope_bf16(s->q + t * qd, s->H, s->D, s->rope_dim, cs, sn);
+        rope_bf16(s->k + t * kd, s->Hkv, s->D, s->rope_dim, cs, sn);
+        write_kv(ly, s->k + t * kd, s->v + t * kd, sl ? ar->ring_slots[t] : s->slots[t], s->Hkv, s->D, NB, s->BS);
+    }
+    const int64_t *tables = sl ? ar->ring_tables : s->tables, max_blocks = sl ? ar->ring_max_blocks : s->max_blocks;
+    const kv_t kv = {ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale};
+    if (paged_decode(ly->k_scale ? chunk_i8 : chunk_bf16, s->q, &kv, tables, max_blocks, s->seq_lens,
+                     sl ? ar->ring_starts : NULL, T, s->H, s->Hkv, s->D, NB, s->BS, s->scale, s->att, 1))
+        return 1;
+    rc = apply(s->att, T, &ly->o, qa, s->o);
+    qacts_free(qa);
+    if (rc) return rc;
+    residual_add(ar, h, s->o, ly->post_attn_norm, T, s->hidden, s->eps);
+    return 0;
+}
+
+/* the feed-forward half: h += down(act(gate(x)) * up(x)), x = norm(h) */
+static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16_t *h) {
+    const int64_t T = s->T;
+    qact_t qa[2] = {{0}, {0}};
+    norm_rows(ar, h, ly->ffn_norm, T, s->hidden, s->eps, s->x);
+    const qw_t *gu[2] = {&ly->gate, &ly->up};
+    uint16_t *gu_out[2] = {s->g, s->u};
+    int rc = apply_n(s->x, T, gu, 2, qa, gu_out);
+    qacts_free(qa);
+    if (rc) return rc;
+    if (ar->gemma)
+        gelu_tanh_mul_bf16(s->g, s->u, s->g, T * s->inter);
+    else
+        silu_mul_bf16(s->g, s->u, s->g, T * s->inter); /* a scalar expf loop took 46 us of Qwen-1.5B's layer */
+    rc = apply(s->g, T, &ly->down, qa, s->o);
+    qacts_free(qa);
+    if (rc) return rc;
+    residual_add(ar, h, s->o, ly->post_ffn_norm, T, s->hidden, s->eps);
+    return 0;
+}
+
 int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int64_t hidden, int64_t H,
                   int64_t Hkv, int64_t D, int64_t rope_dim, const float *inv_freq, const int64_t *positions,
                   const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
-                  int64_t NB, int64_t BS, float eps, float scale) {
+                  int64_t NB, int64_t BS, float eps, float scale, const arch_t *arch) {
+    static const arch_t LLAMA = {0};
+    const arch_t *ar = arch ? arch : &LLAMA;
     if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;
     for (int64_t l = 0; l < L; l++) {
         const layer_t *ly = layers + l;
         const qw_t *ws[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
         for (int i = 0; i < 7; i++)
             if (!qw_ok(ws[i])) return 2;
+        if (ly->sliding && (!ar->ring_tables || !ar->ring_slots || !ar->ring_starts || ly->k_scale)) return 2;
+        if ((ly->q_norm == NULL) != (ly->k_norm == NULL)) return 2;
     }
     const int64_t inter = layers[0].gate.N, qd = H * D, kd = Hkv * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * T * (hidden + qd + 2 * kd + qd + 2 * inter + hidden));
-    float *cs = malloc(sizeof(float) * T * rope_dim * 2);
+    float *cs = malloc(sizeof(float) * T * rope_dim * 4);
     if (!buf || !cs) { free(buf); free(cs); return 1; }
-    uint16_t *x = buf, *q = x + T * hidden, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
-    uint16_t *g = att + T * qd, *u = g + T * inter, *o = u + T * inter;
-    float *sn = cs + T * rope_dim;
-    for (int64_t t = 0; t < T; t++) /* cos/sin once per call, as the PyTorch path: f32, then bf16 */
-        for (int64_t i = 0; i < rope_dim; i++) {
-            const float ang = (float)positions[t] * inv_freq[i % (rope_dim / 2)];
-            cs[t * rope_dim + i] = rb(cosf(ang));
-            sn[t * rope_dim + i] = rb(sinf(ang));
-        }
+    step_t s = {T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS, eps, scale, slots, tables, seq_lens,
+                {cs, cs + 2 * T * rope_dim}, {cs + T * rope_dim, cs + 3 * T * rope_dim}};
+    s.x = buf, s.q = s.x + T * hidden, s.k = s.q + T * qd, s.v = s.k + T * kd, s.att = s.v + T * kd;
+    s.g = s.att + T * qd, s.u = s.g + T * inter, s.o = s.u + T * inter;
+    rope_tables(inv_freq, positions, T, rope_dim, cs, cs + T * rope_dim);
+    rope_tables(ar->inv_freq_local ? ar->inv_freq_local : inv_freq, positions, T, rope_dim, cs + 2 * T * rope_dim,
+                cs + 3 * T * rope_dim);
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
-        const layer_t *ly = layers + l;
-        qact_t qa[2] = {{0}, {0}};
-        rms_norm_rows_bf16(h, ly->attn_norm, T, hidden, eps, x);
-        const qw_t *qkv[3] = {&ly->q, &ly->k, &ly->v}, *gu[2] = {&ly->gate, &ly->up};
-        uint16_t *qkv_out[3] = {q, k, v}, *gu_out[2] = {g, u};
-        rc = apply_n(x, T, qkv, 3, qa, qkv_out);
-        qacts_free(qa);
-        if (rc) break;
-        for (int64_t t = 0; t < T; t++) {
-            rope_bf16(q + t * qd, H, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
-            rope_bf16(k + t * kd, Hkv, D, rope_dim, cs + t * rope_dim, sn + t * rope_dim);
-            write_kv(ly, k + t * kd, v + t * kd, slots[t], Hkv, D, NB, BS);
-        }
-        const int failed = ly->k_scale
-            ? paged_decode_int8(q, ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale, tables, max_blocks, seq_lens, T,
-                                H, Hkv, D, NB, BS, scale, att)
-            : paged_decode_bf16(q, ly->k_cache, ly->v_cache, tables, max_blocks, seq_lens, T, H, Hkv, D, NB, BS,
-                                scale, att);
-        if (failed) { rc = 1; break; }
-        rc = apply(att, T, &ly->o, qa, o);
-        qacts_free(qa);
-        if (rc) break;
-        for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
-        rms_norm_rows_bf16(h, ly->ffn_norm, T, hidden, eps, x);
-        rc = apply_n(x, T, gu, 2, qa, gu_out);
-        qacts_free(qa);
-        if (rc) break;
-        silu_mul_bf16(g, u, g, T * inter); /* a scalar expf loop took 46 us of Qwen-1.5B's layer */
-        rc = apply(g, T, &ly->down, qa, o);
-        qacts_free(qa);
-        if (rc) break;
-        for (int64_t i = 0; i < T * hidden; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(o[i]));
+        rc = attention_half(layers + l, ar, &s, h);
+        if (rc == 0) rc = ffn_half(layers + l, ar, &s, h);
     }
     free(buf);
     free(cs);

@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import ctypes
 
-from nextoken.kernels.structs import QW, DecodeLayer
+from nextoken.kernels.structs import QW, DecodeArch, DecodeLayer
 
-# the Llama layer without QK-norm or sliding windows: what decode.c implements (Mistral folders
-# without a window have it too; Qwen 3's QK-norm and Gemma 3's layer do not)
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+# what decode.c implements: the Llama layer (Qwen 2, Mistral), with QK-norm (Qwen 3), and
+# Gemma 3's (its norms, GeGLU, sliding-window layers with their own RoPE base)
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
+PLAIN_ARCHITECTURES = ("llama", "qwen2", "mistral")  # no QK-norm, no Gemma norms: `runner.quick_start`'s
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 64, 512  # decode.c's guard (it returns 2 beyond these)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def serves(cfg) -> bool:
-    """Whether decode.c implements the layers of `cfg` (a `ModelConfig`): the architecture, no
-    sliding-window layers, and head shapes within its guard."""
-    return (cfg.architecture in ARCHITECTURES and not cfg.sliding_layers and cfg.num_heads % cfg.num_kv_heads == 0
+    """Whether decode.c implements the layers of `cfg` (a `ModelConfig`): the architecture and
+    head shapes within its guard."""
+    return (cfg.architecture in ARCHITECTURES and cfg.num_heads % cfg.num_kv_heads == 0
             and cfg.num_heads // cfg.num_kv_heads <= MAX_GROUP and cfg.head_dim <= MAX_HEAD_DIM
             and cfg.rope_dim <= min(MAX_ROPE_DIM, cfg.head_dim))
 
@@ -35,26 +36,31 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
     """The ``layer_t`` array of every decoder layer: each ``(attn_norm, ffn_norm, [q, k, v, o, gate,
     up, down] as `QW`, k_cache, v_cache, k_scale, v_scale)``, norms bf16 ``[hidden]`` and caches
     ``[Hkv, num_blocks, block_size, head_dim]`` (bf16, or int8 with float32 row scales; None
-    scales for bf16) as addresses."""
-    rows = [DecodeLayer(attn, ffn, *projections, k, v, ks, vs) for attn, ffn, projections, k, v, ks, vs in layers]
+    scales for bf16) as addresses, optionally followed by ``(q_norm, k_norm, post_attn_norm,
+    post_ffn_norm, sliding)`` (`DecodeLayer`)."""
+    rows = [DecodeLayer(attn, ffn, *projections, k, v, ks, vs, *rest)
+            for attn, ffn, projections, k, v, ks, vs, *rest in layers]
     return (DecodeLayer * len(rows))(*rows)
 
 
 def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, positions: int, slots: int,
-                  block_tables: int, max_blocks: int, seq_lens: int, num_blocks: int, block_size: int) -> int:
+                  block_tables: int, max_blocks: int, seq_lens: int, num_blocks: int, block_size: int,
+                  scale: float | None = None, arch: DecodeArch | None = None) -> int:
     """Run every layer of `table` over `t` rows (decode.c's ``decode_layers``). Addresses: h bf16
     ``[t, hidden]`` (updated in place: the hidden states after the last layer), inv_freq float32
     ``[rope_dim / 2]``, positions, slots, seq_lens int64 ``[t]``, block_tables int64 ``[t,
-    max_blocks]``. Returns 0, or 2 when the kernel refuses the shapes (`serves` rules that out);
-    raises `MemoryError` when it cannot allocate its buffers."""
+    max_blocks]``. `scale`: the attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma
+    or sliding-window model adds (None: Llama's layer). Returns 0, or 2 when the kernel refuses
+    the shapes (`serves` rules that out); raises `MemoryError` when it cannot allocate its buffers."""
     rc = lib.decode_layers(table, _i64(cfg.num_layers), _ptr(h), _i64(t), _i64(cfg.hidden_size),
                            _i64(cfg.num_heads), _i64(cfg.num_kv_heads), _i64(cfg.head_dim), _i64(cfg.rope_dim),
                            _ptr(inv_freq), _ptr(positions), _ptr(slots), _ptr(block_tables), _i64(max_blocks),
                            _ptr(seq_lens), _i64(num_blocks), _i64(block_size), ctypes.c_float(cfg.norm_eps),
-                           ctypes.c_float(cfg.head_dim ** -0.5))
+                           ctypes.c_float(cfg.head_dim ** -0.5 if scale is None else scale),
+                           ctypes.byref(arch) if arch is not None else None)
     if rc == 1:
         raise MemoryError("native decode: out of memory for its buffers")
     return rc
 
 
-__all__ = ["ARCHITECTURES", "QW", "decode_layers", "layer_table", "serves"]
+__all__ = ["ARCHITECTURES", "PLAIN_ARCHITECTURES", "QW", "DecodeArch", "decode_layers", "layer_table", "serves"]

@@ -566,15 +566,17 @@ typedef void (*chunk_fn)(const void *q, const kv_t *kv, const int64_t *table, in
 
 /* The whole call: tasks over (sequence, KV head, chunk), each run by `body`, then each
  * (sequence, query head)'s chunks combined; out is bf16 when `out_bf16`, else float32.
- * Returns 1 when out of memory. */
+ * Sequence b reads keys starts[b] .. seq_lens[b] - 1 (a sliding window), or from 0 when
+ * `starts` is NULL. Returns 1 when out of memory. */
 static int paged_decode(chunk_fn body, const void *q, const kv_t *kv, const int64_t *tables, int64_t max_blocks,
-                        const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB,
-                        int64_t BS, float scale, void *out, int out_bf16) {
+                        const int64_t *seq_lens, const int64_t *starts, int64_t B, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t NB, int64_t BS, float scale, void *out, int out_bf16) {
     const int64_t G = H / Hkv, P = G * (D + 2);
     int64_t *first = malloc(sizeof(int64_t) * (B + 1)); /* first chunk of each sequence */
     if (!first) return 1;
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + CHUNK - 1) / CHUNK;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + (seq_lens[b] - (starts ? starts[b] : 0) + CHUNK - 1) / CHUNK;
     const int64_t chunks = first[B];
     int64_t *seq = malloc(sizeof(int64_t) * (chunks + 1));
     float *parts = malloc(sizeof(float) * (chunks * Hkv * P + 1));
@@ -592,7 +594,7 @@ static int paged_decode(chunk_fn body, const void *q, const kv_t *kv, const int6
         for (int64_t c = 0; c < chunks; c++) {
             for (int64_t h = 0; h < Hkv; h++) {
                 if (!work) continue;
-                const int64_t b = seq[c], t0 = (c - first[b]) * CHUNK;
+                const int64_t b = seq[c], t0 = (starts ? starts[b] : 0) + (c - first[b]) * CHUNK;
                 const int64_t t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
                 body(q, kv, tables + b * max_blocks, b, h, t0, t1, H, G, D, NB, BS, scale, work,
                      parts + (c * Hkv + h) * P);
@@ -686,26 +688,28 @@ static void chunk_f32_body(const void *q, const kv_t *kv, const int64_t *table, 
     chunk_f32(q, kv, table, b, h, t0, t1, H, G, D, NB, BS, scale, work, part);
 }
 
-/* The entry points: q, out [B, H, D] in the cache's dtype (bf16 for the int8 cache). */
+/* The entry points: q, out [B, H, D] in the cache's dtype (bf16 for the int8 cache); `starts`
+ * [B] (or NULL: from 0): the first key of each sequence's window. */
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables, int64_t max_blocks,
-                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                     const int64_t *seq_lens, const int64_t *starts, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
                      float scale, float *out) {
     const kv_t kv = {kc, vc, NULL, NULL};
-    return paged_decode(chunk_f32_body, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 0);
+    return paged_decode(chunk_f32_body, q, &kv, tables, max_blocks, seq_lens, starts, B, H, Hkv, D, NB, BS, scale, out, 0);
 }
 
 int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
-                      int64_t max_blocks, const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                      int64_t NB, int64_t BS, float scale, uint16_t *out) {
+                      int64_t max_blocks, const int64_t *seq_lens, const int64_t *starts, int64_t B, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t NB, int64_t BS, float scale, uint16_t *out) {
     const kv_t kv = {kc, vc, NULL, NULL};
-    return paged_decode(chunk_bf16, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 1);
+    return paged_decode(chunk_bf16, q, &kv, tables, max_blocks, seq_lens, starts, B, H, Hkv, D, NB, BS, scale, out, 1);
 }
 
 int paged_decode_int8(const uint16_t *q, const int8_t *kc, const int8_t *vc, const float *ks, const float *vs,
-                      const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens, int64_t B, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t NB, int64_t BS, float scale, uint16_t *out) {
+                      const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens, const int64_t *starts,
+                      int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t NB, int64_t BS, float scale,
+                      uint16_t *out) {
     const kv_t kv = {kc, vc, ks, vs};
-    return paged_decode(chunk_i8, q, &kv, tables, max_blocks, seq_lens, B, H, Hkv, D, NB, BS, scale, out, 1);
+    return paged_decode(chunk_i8, q, &kv, tables, max_blocks, seq_lens, starts, B, H, Hkv, D, NB, BS, scale, out, 1);
 }
 
 /* Limits the caller checks before calling: head_dim <= 256, query heads per KV head <= 64. */

@@ -18,9 +18,24 @@ class QW(ctypes.Structure):
 
 class DecodeLayer(ctypes.Structure):
     """``layer_t`` of ``kernels/decode.c``: one decoder layer's norms (bf16), projections and
-    KV cache (bf16, or int8 codes with float32 row scales; NULL scales for bf16)."""
+    KV cache (bf16, or int8 codes with float32 row scales; NULL scales for bf16); the QK-norm
+    weights and Gemma's post-norms (NULL where the architecture has none); `sliding` 1 for a
+    sliding-window layer (its caches are its ring)."""
 
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 *[(n, QW) for n in ("q", "k", "v", "o", "gate", "up", "down")],
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
+                ("sliding", ctypes.c_int64)]
+
+
+class DecodeArch(ctypes.Structure):
+    """``arch_t`` of ``kernels/decode.c``: `gemma` (Gemma's norms and GeGLU), the sliding-window
+    layers' RoPE frequencies (float32 ``[rope_dim / 2]``) and, per row of the call, its ring's
+    block table (int64 ``[T, ring_max_blocks]``), write slot and first key position (``[T]``)."""
+
+    _fields_ = [("gemma", ctypes.c_int64), ("inv_freq_local", ctypes.c_void_p), ("ring_tables", ctypes.c_void_p),
+                ("ring_max_blocks", ctypes.c_int64), ("ring_NB", ctypes.c_int64), ("ring_slots", ctypes.c_void_p),
+                ("ring_starts", ctypes.c_void_p)]

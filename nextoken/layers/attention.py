@@ -297,14 +297,15 @@ def native_decode_supports(dtype: torch.dtype, head_dim: int, group: int, int8_c
 
 
 def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float,
-                            portable: bool = False, lib=None):
+                            portable: bool = False, lib=None, starts: list[int] | None = None):
     """Decode attention by our C kernel (``nextoken/kernels/paged_attention.c``), reading every
     sequence's keys and values in place through its block table: no gather copy, no padding.
     Same arguments as `_decode_chunk` (seq_lens a list; the caches tensors in q's dtype, or
     `Int8Rows` with bf16 q); returns ``[B, H, D]``, or None when the kernel is unavailable or
     does not cover these shapes (`native_decode_supports`, which the plan checks at load; the
     caller then runs PyTorch). `lib`: the library the plan resolved; without it the kernel is
-    loaded here (tests), `portable`: the build without AVX-512 (its plain C loops)."""
+    loaded here (tests), `portable`: the build without AVX-512 (its plain C loops). `starts`: the
+    position of each sequence's first key (a sliding window; default 0)."""
     int8 = isinstance(k_cache, Int8Rows)
     caches = (k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
     if not native_decode_supports(q.dtype, q.shape[2], q.shape[1] // k_cache.shape[0], int8) or \
@@ -316,11 +317,13 @@ def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[in
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = torch.tensor(seq_lens, dtype=torch.int64)
+    first = torch.tensor(starts, dtype=torch.int64) if starts is not None else None
     out = torch.empty_like(q)
     hkv, nb, bs, d = k_cache.shape
     head = [_PTR(q.data_ptr()), *(_PTR(c.data_ptr()) for c in caches)]  # q, k, v (, k scales, v scales)
     fn = getattr(lib, "paged_decode_int8" if int8 else _NATIVE_FN[q.dtype])
-    failed = fn(*head, _PTR(tables.data_ptr()), _I64(tables.shape[1]), _PTR(lens.data_ptr()), _I64(q.shape[0]),
+    failed = fn(*head, _PTR(tables.data_ptr()), _I64(tables.shape[1]), _PTR(lens.data_ptr()),
+                _PTR(first.data_ptr() if first is not None else None), _I64(q.shape[0]),
                 _I64(q.shape[1]), _I64(hkv), _I64(d), _I64(nb), _I64(bs), ctypes.c_float(scale), _PTR(out.data_ptr()))
     if failed:
         raise MemoryError("paged attention kernel could not allocate its score buffer")

@@ -7,6 +7,8 @@ stack to C for batches where every sequence decodes one token: RMSNorm, the q/k/
 attention (bf16 or int8 cache), the output projection, the SwiGLU feed-forward and both residuals, with the same
 bf16 roundings as the PyTorch layers (`models.llama.LlamaDecoderLayer`), which stay the path
 for prefill, tracing, the reference attention and ``--enforce-eager``; a test compares the two.
+Qwen 3's QK-norm and Gemma 3's layer (its float32-product norms, post-norms, GeGLU, and
+sliding-window layers reading their rings with their own RoPE base) run there too.
 The model runner decides at load whether it runs (`nextoken.runner.plan`).
 """
 
@@ -17,7 +19,8 @@ import ctypes
 import torch
 
 from nextoken.kernels import count_fallback
-from nextoken.kernels.decode_step import decode_layers, layer_table, serves
+from nextoken.kernels.decode_step import DecodeArch, decode_layers, layer_table, serves
+from nextoken.layers.activation import gelu_tanh_and_mul, silu_and_mul
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -48,8 +51,11 @@ class NativeDecoder:
             return f"{str(model.dtype).removeprefix('torch.')} weights"
         if not serves(model.config):
             return f"not for this architecture ({model.config.architecture}) or its head shapes"
+        gemma = model.config.architecture == "gemma3"
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
+            if m.act is not (gelu_tanh_and_mul if gemma else silu_and_mul):
+                return f"an activation decode.c does not run ({m.act.__name__})"
             for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
                 if not lin.on_kernel:
                     return f"a projection on {lin.method.name}, not our kernel"
@@ -62,12 +68,52 @@ class NativeDecoder:
                 a, m = layer.self_attn, layer.mlp
                 projections = [lin.qweight_c() for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
                                                            m.up_proj, m.down_proj)]
-                rows.append((_ptr(layer.input_layernorm), _ptr(layer.post_attention_layernorm), projections,
-                             _ptr(kv.k[i]), _ptr(kv.v[i]), _ptr(kv.k_scale[i] if kv.quantized else None),
-                             _ptr(kv.v_scale[i] if kv.quantized else None)))
+                if a.sliding:
+                    j = kv.sliding.layer_index[i]
+                    caches = (_ptr(kv.sliding.k[j]), _ptr(kv.sliding.v[j]), None, None)
+                else:
+                    j = kv.layer_index[i]
+                    caches = (_ptr(kv.k[j]), _ptr(kv.v[j]), _ptr(kv.k_scale[j] if kv.quantized else None),
+                              _ptr(kv.v_scale[j] if kv.quantized else None))
+                rows.append((_ptr(layer.input_layernorm), *self._norms(layer), projections, *caches,
+                             _ptr(a.q_norm), _ptr(a.k_norm), *self._post_norms(layer), int(a.sliding)))
             self._table = layer_table(rows)
             self._kv = kv
         return self._table
+
+    @staticmethod
+    def _norms(layer) -> tuple:
+        """(the feed-forward's input norm,): Gemma names it ``pre_feedforward_layernorm``."""
+        return (_ptr(getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)),)
+
+    @staticmethod
+    def _post_norms(layer) -> tuple:
+        """Gemma's norms of the attention's and the feed-forward's outputs, or (None, None)."""
+        if not hasattr(layer, "post_feedforward_layernorm"):
+            return None, None
+        return _ptr(layer.post_attention_layernorm), _ptr(layer.post_feedforward_layernorm)
+
+    def _arch(self, meta, keep: list) -> DecodeArch | None:
+        """What decode.c needs beyond Llama's layer for this step (None for Llama's); `keep`
+        holds the tensors whose addresses it carries until the call returns."""
+        model = self.model
+        gemma = model.config.architecture == "gemma3"
+        sm = meta.sliding
+        if not gemma and sm is None:
+            return None
+        arch = DecodeArch(gemma=int(gemma))
+        if hasattr(model, "inv_freq_local"):
+            local = model.inv_freq_local.float().contiguous()
+            keep.append(local)
+            arch.inv_freq_local = local.data_ptr()
+        if sm is not None:
+            tables = sm.ring_tables.contiguous()
+            starts = torch.tensor(sm.key_start, dtype=torch.int64)
+            slots = sm.write_slots.contiguous()
+            keep += [tables, starts, slots]
+            arch.ring_tables, arch.ring_max_blocks = tables.data_ptr(), tables.shape[1]
+            arch.ring_NB, arch.ring_slots, arch.ring_starts = self._kv.sliding.num_blocks, slots.data_ptr(), starts.data_ptr()
+        return arch
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta) -> torch.Tensor | None:
         """h ``[T, hidden]`` bf16 (the embeddings of T single-token decodes) -> the hidden states
@@ -80,9 +126,11 @@ class NativeDecoder:
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
         inv_freq = self.model.inv_freq.float().contiguous()
-        rc = decode_layers(self.lib, self._layers(kv), self.model.config, h.data_ptr(), t, inv_freq.data_ptr(),
+        table, keep = self._layers(kv), []
+        rc = decode_layers(self.lib, table, self.model.config, h.data_ptr(), t, inv_freq.data_ptr(),
                            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                           lens.data_ptr(), kv.num_blocks, kv.block_size)
+                           lens.data_ptr(), kv.num_blocks, kv.block_size, self.model.layers[0].self_attn.scale,
+                           self._arch(meta, keep))
         if rc != 0:
             count_fallback("native decode step")
             return None

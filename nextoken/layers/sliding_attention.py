@@ -26,23 +26,28 @@ class SlidingMetadata:
     rows of the flat batch whose keys and values go into the ring, and where; key_slots[i]:
     int64 ring slots read by sequence i (a decode: its whole window, after this pass's writes;
     a prefill chunk: the keys before its first new token, before the writes); key_start[i]:
-    the position of sequence i's first key read (or of its first new token if none)."""
+    the position of sequence i's first key read (or of its first new token if none);
+    ring_tables: int64 ``[num_seqs, logical blocks]``, logical block b of sequence i -> its ring
+    block (what the one-call C decode step reads, `layers.native_decode`)."""
 
     window: int
     write_rows: torch.Tensor
     write_slots: torch.Tensor
     key_slots: list[torch.Tensor]
     key_start: list[int]
+    ring_tables: torch.Tensor
 
 
 def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
                            seqs: list[tuple[int, int, list[int]]]) -> SlidingMetadata:
     """seqs: per sequence in batch order, (position of its first new token, number of new
     tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``)."""
-    write_rows, write_slots, key_slots, key_start = [], [], [], []
+    write_rows, write_slots, key_slots, key_start, rings = [], [], [], [], []
     row = 0
+    logical = torch.arange(max(-(-(start + n) // block_size) for start, n, _ in seqs))
     for start, n, ring in seqs:
         ring_t = torch.tensor(ring, dtype=torch.long)
+        rings.append(ring_t[(logical % ring_blocks).clamp(max=len(ring) - 1)] if ring else torch.zeros_like(logical))
 
         def slots(lo: int, hi: int) -> torch.Tensor:
             pos = torch.arange(lo, hi)
@@ -56,7 +61,8 @@ def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
         key_slots.append(slots(lo, start + 1 if n == 1 else start))
         key_start.append(lo)
         row += n
-    return SlidingMetadata(window, torch.cat(write_rows), torch.cat(write_slots), key_slots, key_start)
+    return SlidingMetadata(window, torch.cat(write_rows), torch.cat(write_slots), key_slots, key_start,
+                           torch.stack(rings))
 
 
 def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int) -> torch.Tensor:
@@ -83,7 +89,8 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
     k_flat.index_copy_(1, sm.write_slots, k[sm.write_rows].transpose(0, 1))
     v_flat.index_copy_(1, sm.write_slots, v[sm.write_rows].transpose(0, 1))
     out = torch.empty_like(q)
-    for i in range(meta.num_seqs):
+    first = _native_decodes(q[:nd], k_ring, v_ring, meta, scale, out) if not reference and nd else 0
+    for i in range(first, meta.num_seqs):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_start = meta.seq_lens[i] - (b - a)
         if i < nd:
@@ -103,6 +110,25 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
                                                scale=scale, enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
     return out
+
+
+def _native_decodes(q, k_ring, v_ring, meta, scale: float, out) -> int:
+    """The decodes' windows by our paged decode kernel (``kernels/paged_attention.c``, as the
+    one-call C decode step reads them), through each sequence's ring table from its first key:
+    q ``[nd, H, D]`` into ``out[:nd]``. Returns how many sequences it did: nd, or 0 when the plan
+    gave no kernel or it does not take these shapes (SDPA then runs them)."""
+    from nextoken.layers.attention import native_decode_attention
+
+    lib, nd = meta.kernels.paged_attention, q.shape[0]
+    if meta.backend != "native" or lib is None:
+        return 0
+    sm: SlidingMetadata = meta.sliding
+    o = native_decode_attention(q, k_ring, v_ring, sm.ring_tables[:nd], meta.seq_lens[:nd], scale, lib=lib,
+                                starts=sm.key_start[:nd])
+    if o is None:
+        return 0
+    out[:nd] = o
+    return nd
 
 
 def _naive(q, k, v, mask, scale: float):

@@ -125,7 +125,7 @@ class ExecutionPlan:
         """After loading: hand the row-wise kernels (activation, RMSNorm) to every SwiGLU MLP and
         Llama-style layer; check the decode attention kernel against the model's head shapes;
         decide whether the one-call C decode step runs `model` (bf16, an architecture and head
-        shapes it implements, no sliding-window layers, every projection as codes, the kernel
+        shapes it implements, every projection as codes, the kernel
         builds, and no tensor parallelism: the ranks all-reduce between layers)."""
         from nextoken.layers.activation import silu_and_mul
         from nextoken.layers.attention import native_decode_supports

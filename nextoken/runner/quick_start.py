@@ -129,7 +129,7 @@ def first_token(prompt: str, engine_args, params, chat: bool, system: str | None
 
 def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
     from nextoken.kernels import load
-    from nextoken.kernels.decode_step import serves
+    from nextoken.kernels.decode_step import PLAIN_ARCHITECTURES, serves
     from nextoken.loader.gguf import GGUFFile, read_model_config
     from nextoken.sample.draw import draw_one
     from nextoken.sample.rng import DrawGenerator
@@ -138,8 +138,8 @@ def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
 
     f = GGUFFile(path)  # the header and tokenizer first: the file's hash (the cache's key) is
     cfg = read_model_config(f)  # being computed on another thread meanwhile (`loader.prepared`)
-    if not serves(cfg):
-        return None
+    if not serves(cfg) or cfg.architecture not in PLAIN_ARCHITECTURES or cfg.sliding_layers:
+        return None  # (the engine's decode step runs Gemma's and Qwen 3's layers; this reads Llama's)
     tok = Tokenizer.from_gguf(f)
     if chat and tok.chat_template is not None:
         prompt = chat_prompt(tok, prompt, system)

@@ -10,6 +10,8 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
+QUANT8 = {name: "Q8_0" for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                       "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")}
 QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q8_0", "attn_output.weight": "Q5_0",
          "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q4_0"}
 
@@ -19,9 +21,10 @@ def runners(tmp_path, arch: str):
     hf = tiny_hf_model(arch, seed=7)
     with torch.no_grad():  # sharp attention, so that positions (RoPE) and every key matter
         for layer in hf.model.layers:
-            layer.self_attn.q_proj.weight.mul_(12)
-            layer.self_attn.k_proj.weight.mul_(12)
-    write_gguf(hf, path, arch, quant=QUANT)
+            a = layer.self_attn
+            for w in (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (a.q_proj.weight, a.k_proj.weight):
+                w.mul_(12 if w is a.q_proj.weight or w is a.k_proj.weight else 1)  # (QK-norm undoes a scaled projection)
+    write_gguf(hf, path, arch, quant=QUANT8 if arch == "gemma3" else QUANT)
     native = ModelRunner(GGUFFile(path), torch.bfloat16)
     assert native.native_decoder is not None, "the C decode did not build or a linear has no codes"
     plain = ModelRunner(GGUFFile(path), torch.bfloat16)
@@ -30,16 +33,20 @@ def runners(tmp_path, arch: str):
     return native, plain, f32
 
 
-def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
-    """Logits agree to `tol` of their spread, with the same greedy token."""
+def close(a: torch.Tensor, b: torch.Tensor, tol: float, argmax: bool = True) -> None:
+    """Logits agree to `tol` of their spread, with the same greedy token (if `argmax`)."""
     assert float((a - b).abs().max()) <= tol * float(b.std()), float((a - b).abs().max())
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert not argmax or torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("arch,cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("qwen2", "int8")])
+@pytest.mark.parametrize("arch,cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("qwen2", "int8"),
+                                              ("qwen3", "auto"), ("gemma3", "auto"), ("gemma3", "int8")])
 def test_one_stream_decode_matches_pytorch_layers(tmp_path, arch, cache_dtype):
     """qwen2: q/k/v biases, untied head. int8: the C decode quantizes the new keys and values
-    as `quantize_rows` does and attends over the codes; the PyTorch layers use the same cache."""
+    as `quantize_rows` does and attends over the codes; the PyTorch layers use the same cache.
+    qwen3: QK-norm. gemma3: its norms, GeGLU, and 5 sliding-window layers (window 8, their own
+    RoPE base, rings of blocks in reverse order; bf16 rings beside an int8 global layer) over 37
+    positions."""
     native, plain, f32 = runners(tmp_path, arch)
     prompt = [5, 17, 200, 33, 41, 270, 90, 12, 7, 7, 150]
     seqs = [OneSequence(native, cache_dtype=cache_dtype), OneSequence(plain, cache_dtype=cache_dtype), OneSequence(f32)]
@@ -50,24 +57,35 @@ def test_one_stream_decode_matches_pytorch_layers(tmp_path, arch, cache_dtype):
         # Same roundings; only float32 reductions (the norm's mean, exp) may differ in a last bit.
         # (with an int8 cache a key that differs in its last bit can round to the next code)
         close(a, b, 0.02 if cache_dtype == "auto" else 0.04)
-        close(a, c, 0.25)  # bf16 and int8 activations (and int8 keys and values) against the float32 model
+        # bf16 and int8 activations (and int8 keys and values) against the float32 model; Gemma's
+        # extra norms leave this random 6-layer model's bf16 logits about 0.36 of their spread from
+        # float32 on average (0.63 at most; its flat logits then swap greedy tokens): the PyTorch
+        # layers' too, which equal the C step's (above)
+        close(a, c, 0.25) if arch != "gemma3" else close(a, c, 0.75, argmax=False)
     if cache_dtype == "int8":  # the C decode wrote codes (its quantizer: the test below)
         assert native.kv.k.dtype == torch.int8 and native.kv.k_scale.abs().sum() > 0
 
 
-def test_batched_decodes_match_pytorch_layers(tmp_path):
-    """Sequences of different lengths with scattered blocks, decoding together."""
-    native, plain, _ = runners(tmp_path, "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_batched_decodes_match_pytorch_layers(tmp_path, arch):
+    """Sequences of different lengths with scattered blocks (and, for Gemma's sliding-window
+    layers, scattered rings), decoding together."""
+    from nextoken.kv_cache.tensors import ring_blocks
+
+    native, plain, _ = runners(tmp_path, arch)
+    ring = ring_blocks(native.config.sliding_window, 4) if native.config.sliding_layers else 0
+    rings = [[5, 0, 9, 2][:ring], [1, 7, 3, 11][:ring], [10, 4, 6, 8][:ring]] if ring else [None] * 3
     out = []
     for r in (native, plain):
-        r.init_kv_cache(32, 4)
+        r.init_kv_cache(32, 4, 12 if ring else 0, ring)
         tables = [[9, 2, 30, 4, 17], [0, 1, 3], [31, 8, 6, 12, 13, 14, 15, 16]]
         lens = [17, 9, 29]
         prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)]
-        r.execute([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)])
+        r.execute([SequenceInput(p, 0, t, ring_ids=g) for p, t, g in zip(prompts, tables, rings)])
         steps = []
         for step in range(3):
-            seqs = [SequenceInput([40 + step + i], n + step, t) for i, (n, t) in enumerate(zip(lens, tables))]
+            seqs = [SequenceInput([40 + step + i], n + step, t, ring_ids=g)
+                    for i, (n, t, g) in enumerate(zip(lens, tables, rings))]
             steps.append(r.execute(seqs))
         out.append(torch.stack(steps))
     close(out[0], out[1], 0.02)

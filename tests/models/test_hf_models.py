@@ -28,15 +28,10 @@ def tiny_hf(arch: str):
     """A random float32 transformers model of `arch` with 2 layers (6 for gemma3)."""
     import transformers
 
-    if arch in ("llama", "qwen2", "gemma3"):
+    if arch in ("llama", "qwen2", "qwen3", "gemma3"):
         return tiny_hf_model(arch)
     torch.manual_seed(1)
-    if arch == "qwen3":
-        cfg = transformers.Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                       max_position_embeddings=256, tie_word_embeddings=False)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif arch == "mistral":  # every layer slides over 8 keys, shorter than the prompt
+    if arch == "mistral":  # every layer slides over 8 keys, shorter than the prompt
         cfg = transformers.MistralConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=256, sliding_window=8, tie_word_embeddings=False)
