@@ -16,18 +16,29 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, kernel=None) -> torch.Ten
     e^-x move a rounding); otherwise PyTorch, the reference (with a `kernel` given, a counted
     fallback).
     """
-    if kernel is not None:
-        if gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape and gate.is_contiguous() \
-                and up.is_contiguous():
-            out = torch.empty_like(gate)
-            kernel.silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
-            return out
-        count_fallback("silu_and_mul")
-    return F.silu(gate) * up
+    out = _on_kernel(kernel, "silu_mul_bf16", "silu_and_mul", gate, up)
+    return out if out is not None else F.silu(gate) * up
 
 
 def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor, kernel=None) -> torch.Tensor:
     """GeGLU (Shazeer 2020) with the tanh approximation of GELU (Hendrycks & Gimpel 2016), as
-    Gemma uses it: ``gelu_tanh(gate) * up``. gate, up: ``[num_tokens, intermediate]``. PyTorch
-    only (the plan gives GeGLU layers no `kernel`: there is no C kernel for it yet)."""
-    return F.gelu(gate, approximate="tanh") * up
+    Gemma uses it: ``gelu_tanh(gate) * up``. gate, up: ``[num_tokens, intermediate]``. With
+    `kernel`, our C kernel under the same conditions as `silu_and_mul` (GELU in float32 rounded
+    to bf16, then the product; computed as ``x / (1 + e^-2a)``, so a last bit of e^x
+    may move a rounding); otherwise this PyTorch expression, the reference."""
+    out = _on_kernel(kernel, "gelu_tanh_mul_bf16", "gelu_tanh_and_mul", gate, up)
+    return out if out is not None else F.gelu(gate, approximate="tanh") * up
+
+
+def _on_kernel(kernel, fn: str, name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`fn` of the ``activation`` library on contiguous bf16 gate and up of one shape; None (a
+    fallback counted under `name` when `kernel` was given) otherwise."""
+    if kernel is None:
+        return None
+    if gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape and gate.is_contiguous() \
+            and up.is_contiguous():
+        out = torch.empty_like(gate)
+        getattr(kernel, fn)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        return out
+    count_fallback(name)
+    return None

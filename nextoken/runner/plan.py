@@ -122,19 +122,19 @@ class ExecutionPlan:
         return "dense"
 
     def settle(self, model, tensor_parallel: bool = False) -> None:
-        """After loading: hand the row-wise kernels (activation, RMSNorm) to every SwiGLU MLP and
+        """After loading: hand the row-wise kernels (activation, RMSNorm) to every SwiGLU or GeGLU MLP and
         Llama-style layer; check the decode attention kernel against the model's head shapes;
         decide whether the one-call C decode step runs `model` (bf16, an architecture and head
         shapes it implements, every projection as codes, the kernel
         builds, and no tensor parallelism: the ranks all-reduce between layers)."""
-        from nextoken.layers.activation import silu_and_mul
+        from nextoken.layers.activation import gelu_tanh_and_mul, silu_and_mul
         from nextoken.layers.attention import native_decode_supports
         from nextoken.layers.native_decode import NativeDecoder
 
         act = self.kernels.activation if self.native_activations else None
         for m in model.modules():
             if hasattr(m, "act_kernel"):
-                m.act_kernel = act if m.act is silu_and_mul else None
+                m.act_kernel = act if m.act in (silu_and_mul, gelu_tanh_and_mul) else None
             if hasattr(m, "norm_kernel"):
                 m.norm_kernel = act
         cfg = model.config

@@ -66,3 +66,41 @@ def test_non_contiguous_or_float32_inputs_take_pytorch():
     assert torch.equal(silu_and_mul(gb, ub, kernel=kernels.load("activation")), F.silu(gb) * ub)
     assert kernels.fallbacks["silu_and_mul"] > before  # each such call is counted, never silent
 
+
+
+@pytest.mark.parametrize("shape", [(512, 2048), (3, 37), (1, 1)])
+def test_native_geglu_within_one_bf16_step(lib, shape):
+    """Gemma's GeGLU kernel against PyTorch's ``F.gelu(gate, approximate="tanh") * up`` in bf16
+    and the float32 value, gates over +-40 (tanh saturates) and tails shorter than a vector."""
+    from nextoken.layers.activation import gelu_tanh_and_mul
+
+    g = torch.Generator().manual_seed(shape[1] + 1)
+    gate = (torch.randn(*shape, generator=g) * 4).clamp(-40, 40).bfloat16()
+    gate.view(-1)[-2:] = torch.tensor([40.0, -40.0])[-gate.numel():]
+    up = torch.randn(*shape, generator=g).bfloat16()
+    out = gelu_tanh_and_mul(gate, up, kernel=lib)
+    exact = F.gelu(gate.float(), approximate="tanh") * up.float()
+    ref = gelu_tanh_and_mul(gate, up)
+    assert (out.float() - exact).abs().le(exact.abs() * 2 ** -7 + 1e-6).all()
+    assert (out.float() - ref.float()).abs().le(ref.float().abs() * 2 ** -7 + 1e-6).all()
+    # PyTorch's x/2 (1 + tanh a) cancels to 0 below x = -4 or so, where the kernel's x / (1 + e^-2a)
+    # keeps the tiny true value (the float32 check above): elsewhere the same values but for rare roundings
+    big = exact.abs() > 1e-3
+    assert (out != ref)[big].sum() <= 0.01 * big.sum()
+
+
+@pytest.mark.parametrize("fn", ["silu_mul_bf16", "gelu_tanh_mul_bf16"])
+def test_avx2_bodies_equal_the_portable_loop_but_for_rare_roundings(fn):
+    """The AVX2 bodies (exp8; any x86 CPU with AVX2 runs them, so they are built and run here when
+    this CPU has AVX2) against the plain C loops."""
+    if not kernels.cpu_runs("avx2"):
+        pytest.skip("this CPU has no AVX2")  # the plain loop is then what runs, and it is tested above
+    avx2, portable = kernels.load("activation", isa="avx2"), kernels.load("activation", portable=True)
+    assert avx2.activation_vectorized() == 1 and portable.activation_vectorized() == 0
+    g = torch.Generator().manual_seed(9)
+    gate, up = (torch.randn(5003, generator=g) * 6).bfloat16(), torch.randn(5003, generator=g).bfloat16()
+    a, b = torch.empty_like(gate), torch.empty_like(gate)
+    getattr(avx2, fn)(gate.data_ptr(), up.data_ptr(), a.data_ptr(), gate.numel())
+    getattr(portable, fn)(gate.data_ptr(), up.data_ptr(), b.data_ptr(), gate.numel())
+    assert (a.float() - b.float()).abs().le(b.float().abs() * 2 ** -8 + 1e-6).all()
+    assert (a != b).float().mean() < 0.01
