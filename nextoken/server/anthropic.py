@@ -222,7 +222,7 @@ class AnthropicServingMessages(OpenAIServing):
         if thought:
             content.append({"type": "thinking", "thinking": thought, "signature": ""})
         if names:
-            parsed = tools_mod.parse(text, names)
+            parsed = tools_mod.parse(text, names, c.finish_reason == "length")
             text, calls = parsed.content, parsed.calls
         if text:
             content.append({"type": "text", "text": text})
@@ -245,7 +245,7 @@ class AnthropicServingMessages(OpenAIServing):
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                thought, events = splitter.feed(c.delta, c.finished)
+                thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
                 for piece in thought:  # the thought as a thinking block, the answer as before
                     if block["kind"] != "thinking":
                         for event in _open(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""}):

@@ -196,7 +196,8 @@ class OllamaServing(OpenAIServing):
             return {**head, "response": text, **extra, "done": True, **_stats(out)}
         message = {"role": "assistant", "content": text, **extra}
         if names:
-            parsed = tools_mod.parse(text, names)
+            parsed = tools_mod.parse(text, names, out.outputs[0].finish_reason == "length")
+            message["content"] = parsed.content
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content if text else "", **extra,
                            "tool_calls": [{"function": {"name": c.name, "arguments": _arguments(c.arguments)}}

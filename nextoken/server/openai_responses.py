@@ -258,7 +258,7 @@ class OpenAIServingResponses(OpenAIServing):
         thought, text = split_reasoning(c.text, style) if style else ("", c.text)
         calls = []
         if names:
-            parsed = tools_mod.parse(text, names)
+            parsed = tools_mod.parse(text, names, c.finish_reason == "length")
             text, calls = parsed.content, parsed.calls
         output = [_reasoning_item(thought)] if thought else []
         if text or not calls:
@@ -295,7 +295,7 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             async for out in self.engine.stream(rid):
                 c = out.outputs[0]
-                thought, events = splitter.feed(c.delta, c.finished)
+                thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
                 for piece in thought:  # the thought as a reasoning item, the answer as before
                     for event in _reasoning_events(piece, state, seq):
                         yield event

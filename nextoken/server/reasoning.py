@@ -114,7 +114,9 @@ class StreamSplitter:
         self.thinker = ReasoningParser(style) if style else None
         self.parser = ToolCallParser(names) if names else None
 
-    def feed(self, delta: str, finished: bool) -> tuple[list[str], list[tuple]]:
+    def feed(self, delta: str, finished: bool, cut: bool = False) -> tuple[list[str], list[tuple]]:
+        """`cut`: the completion stopped at its token limit (a tool call it leaves open is
+        dropped, `ToolCallParser.finish`)."""
         text, thought = delta, []
         if self.thinker is not None:
             split = self.thinker.feed(delta) + (self.thinker.finish() if finished else [])
@@ -122,4 +124,4 @@ class StreamSplitter:
             text = "".join(piece for kind, piece in split if kind == "content")
         if self.parser is None:
             return thought, [("content", text)] if text else []
-        return thought, self.parser.feed(text) + (self.parser.finish() if finished else [])
+        return thought, self.parser.feed(text) + (self.parser.finish(cut) if finished else [])

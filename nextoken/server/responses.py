@@ -161,7 +161,8 @@ def chat_response(engine, body, out, created: int, model: str, tools: frozenset[
         if reasoning:
             message["reasoning_content"] = message["reasoning"] = thought or None
         if tools:
-            parsed = parse_tools(text, tools)
+            parsed = parse_tools(text, tools, c.finish_reason == "length")
+            message["content"] = parsed.content or (None if parsed.calls else "")
             if parsed.calls:
                 message = {**message, "content": parsed.content or None,
                            "tool_calls": [_tool_call(call) for call in parsed.calls]}
@@ -221,7 +222,7 @@ async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, to
                     continue
                 lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
                                    if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
-                thought, events = splitters[c.index].feed(c.delta, c.finished)
+                thought, events = splitters[c.index].feed(c.delta, c.finished, c.finish_reason == "length")
                 for piece in thought:  # the thought first, as its own deltas; the answer goes on
                     yield sse({**base, "choices": [{"index": c.index, "delta": {
                         "reasoning_content": piece, "reasoning": piece}, "logprobs": None, "finish_reason": None}]})

@@ -123,6 +123,7 @@ class ToolCallParser:
         self._args_at: int | None = None  # where the arguments start in the body
         self._sent = 0  # argument characters emitted for the open call
         self._gap = ""  # whitespace held before the open tag
+        self.cut_call: ToolCallOut | None = None  # the call the token limit cut short (`finish`)
 
     def feed(self, text: str) -> list[tuple]:
         events: list[tuple] = []
@@ -137,13 +138,24 @@ class ToolCallParser:
             elif not self._scan_call(events):
                 return events
 
-    def finish(self) -> list[tuple]:
-        """Events for the text held back at the end (an unclosed call is closed)."""
+    def finish(self, cut: bool = False) -> list[tuple]:
+        """Events for the text held back at the end (an unclosed call is closed). `cut`: the
+        text stopped at the token limit, so an open tag (or the start of one, or of an untagged
+        call object) is a call cut short:
+        its markup is dropped (never content), and a call whose arguments had begun stays out of `calls`
+        (a stream has sent its pieces already; the finish reason says it was cut)."""
         events: list[tuple] = []
         if self._body is None and self._bare_call(events):
             return events
+        if cut and self._body is None:  # the start of a tag, or of an untagged call, cut: no content either
+            held = self.names and not self.content and not self.calls and self._call_start(self._buf)
+            self._buf = "" if held else self._buf[: len(self._buf) - _partial_suffix(self._buf, OPEN)]
         if self._body is not None:
-            if self._args_at is None:  # never became a call: it was content after all
+            if cut:
+                if self._args_at is not None:
+                    self.cut_call = self.calls.pop()
+                self._body, self._args_at = None, None
+            elif self._args_at is None:  # never became a call: it was content after all
                 self._buf, self._body = self._gap + OPEN + self._body, None
             else:
                 self._close(self._body, events)
@@ -194,6 +206,17 @@ class ToolCallParser:
         self._send(_arguments_so_far(text[m.end():]), events)
         self._buf, self._args_at = "", None
         return True
+
+    def _call_start(self, text: str) -> bool:
+        """Whether `text` is the start of an untagged call object of one of the tools (``{"name":
+        "get_w``, maybe in a ```json fence), whitespace aside."""
+        s = re.sub(r"\s+", "", text)
+        s = s.removeprefix("```json") if s.startswith("```json") else s.removeprefix("```")
+        head = '{"name":"'
+        if len(s) <= len(head):
+            return head.startswith(s)
+        name = s[len(head):].split('"', 1)[0]
+        return s.startswith(head) and any(n.startswith(name) for n in self.names)
 
     def _emit_content(self, text: str, events) -> None:
         self.content += text
@@ -256,9 +279,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse(text: str, names: set[str] | frozenset[str] = frozenset()) -> ToolCallParser:
-    """The whole text through a `ToolCallParser` (what a non-streamed answer returns)."""
+def parse(text: str, names: set[str] | frozenset[str] = frozenset(), cut: bool = False) -> ToolCallParser:
+    """The whole text through a `ToolCallParser` (what a non-streamed answer returns); `cut`: the
+    text stopped at the token limit (`ToolCallParser.finish`)."""
     p = ToolCallParser(names)
     p.feed(text)
-    p.finish()
+    p.finish(cut)
     return p

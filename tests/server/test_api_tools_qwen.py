@@ -92,3 +92,39 @@ def test_ollama_tool_call_round_trip(srv):
     text, calls = chat_answer(srv, call.function.arguments, OPENAI_TOOLS)
     assert (again.message.content or "") == text
     assert [(c.function.name, c.function.arguments) for c in again.message.tool_calls or []] == calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_leaks_no_markup_in_any_api(srv, stream):
+    """The model starts its call (``<tool_call>\\n{"``) and meets max_tokens 3: every API ends as
+    cut (length / max_tokens / incomplete / done_reason length) with no text and no call, not the
+    markup as text."""
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": PARAMS}]
+    msgs = [{"role": "user", "content": ASK}]
+    if stream:
+        chunks = list(srv.client().chat.completions.create(model="qwen", messages=msgs, tools=OPENAI_TOOLS,
+                                                            temperature=0, max_tokens=3, stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    else:
+        m = srv.client().chat.completions.create(model="qwen", messages=msgs, tools=OPENAI_TOOLS, temperature=0,
+                                                 max_tokens=3).choices[0]
+        text, finish = m.message.content or "", m.finish_reason
+    assert (text, finish) == ("", "length")
+    a = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+    kw = dict(model="qwen", max_tokens=3, messages=msgs, extra_body={"temperature": 0},
+              tools=[{"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}])
+    if stream:
+        with a.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = a.messages.create(**kw)
+    assert msg.stop_reason == "max_tokens" and not [b for b in msg.content if b.type == "text" and b.text]
+    r = srv.client().responses.create(model="qwen", input=ASK, tools=tools, temperature=0, max_output_tokens=3,
+                                      stream=stream)
+    if stream:
+        r = [e for e in r if e.type == "response.incomplete"][0].response
+    assert r.status == "incomplete" and r.output_text == ""
+    o = ollama.Client(host=srv.url).chat(model="qwen", messages=msgs, tools=OPENAI_TOOLS, stream=False,
+                                         options={"temperature": 0, "num_predict": 3})
+    assert o.done_reason == "length" and (o.message.content or "") == "" and not o.message.tool_calls

@@ -68,6 +68,31 @@ def test_parser_results():
     assert not parse(TEXTS[9], {"get_weather"}).calls  # not one of the tools: plain content
 
 
+@pytest.mark.parametrize("tail", ['<tool_call>\n{"', '<tool_call>\n{"name": "b", "arguments": {"q": "Par',
+                                  "<tool_", "<tool_call>"])
+def test_a_call_cut_by_the_token_limit_leaves_no_markup(tail):
+    """A text stopped at max_tokens inside a call: the complete calls only, and none of the cut
+    call's markup as content, whole or streamed in any split (the same text that ended on its own
+    keeps an unclosed tag that never named a tool as content, as before)."""
+    whole = 'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' + tail
+    r = parse(whole, {"a", "b"}, cut=True)
+    assert r.content == "Sure." and [(c.name, json.loads(c.arguments)) for c in r.calls] == [("a", {"x": 1})]
+    for split in range(len(whole) + 1):
+        p = ToolCallParser({"a", "b"})
+        events = p.feed(whole[:split]) + p.feed(whole[split:]) + p.finish(cut=True)
+        assert "".join(e[1] for e in events if e[0] == "content") == "Sure.", split
+        assert [c.name for c in p.calls] == ["a"]
+    if tail == '<tool_call>\n{"':
+        assert parse(whole, {"a", "b"}).content == 'Sure.\n<tool_call>\n{"'
+
+
+def test_an_untagged_call_cut_by_the_token_limit_is_no_content():
+    """Small models often write the call object without its tags: cut, it is dropped too."""
+    for text in ('{"name":', '```json\n{"name": "a", "argu'):
+        assert parse(text, {"a"}, cut=True).content == "" and parse(text, {"a"}).content == text
+    assert parse('{"name": 1} is JSON', {"a"}, cut=True).content == '{"name": 1} is JSON'
+
+
 def test_tool_call_arguments_go_back_to_the_template_as_objects():
     msgs = messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
