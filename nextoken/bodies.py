@@ -5,6 +5,7 @@ OpenAPI schema allows, and the marks for limits known only once a model is loade
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -53,3 +54,31 @@ def only(value: bool):
             raise PydanticCustomError("unsupported_value", "{value} is not supported", {"value": str(v).lower()})
         return v
     return Annotated[bool, AfterValidator(check), Field(json_schema_extra={"const": value})]
+
+
+class Published:
+    """A field of an API's published request schema that changes nothing here, accepted (and
+    dropped before validation) at the values `allows` takes; another value is a 400 naming the
+    field and the value, with `why`. `note` says, in the guide's words, why it changes nothing."""
+
+    def __init__(self, note: str, allows=lambda value: True, why: str = "not supported by this server"):
+        self.note, self.allows, self.why = note, allows, why
+
+
+def unset_or(*values):
+    """`Published.allows` for a field accepted absent (null) or at one of `values` only."""
+    return lambda value: value is None or any(value is v or (value == v and type(value) is type(v)) for v in values)
+
+
+def accept_published(data, table: dict[str, Published]):
+    """A body with the fields of `table` dropped (each at a value it allows); raises a
+    validation error ``unsupported_field_value`` naming the field and value otherwise."""
+    if not isinstance(data, dict) or not any(k in data for k in table):
+        return data
+    for key, value in data.items():
+        if key in table and not table[key].allows(value):
+            shown = json.dumps(value) if not isinstance(value, (dict, list)) else "an object" if isinstance(value, dict) \
+                else json.dumps(value)[:60]
+            raise PydanticCustomError("unsupported_field_value", "{field} {value} is not supported: {why}",
+                                      {"field": key, "value": shown[:60], "why": table[key].why})
+    return {k: v for k, v in data.items() if k not in table}

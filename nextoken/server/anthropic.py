@@ -19,11 +19,12 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, FiniteFloat, NonEmptyStr
+from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
+from nextoken.server import published
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
@@ -98,6 +99,12 @@ class MessagesRequest(Body):
     metadata: Metadata | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """Anthropic's published fields that change nothing here (`published.MESSAGES`)."""
+        return accept_published(data, published.MESSAGES)
 
 
 class CountTokensRequest(Body):

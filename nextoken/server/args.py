@@ -32,8 +32,9 @@ class ServerArgs(CliArgs):
                                         metavar="NAME")
     max_queued_requests: int = opt(256, "waiting requests before 429", group="server", type=int)
     max_body_bytes: int = opt(1 << 20, "largest request body, bytes (413 beyond)", group="server", type=int)
-    max_tokens_default: int | None = opt(None, "most tokens a chat request without max_tokens generates (default: "
-                                         "the rest of the context, which can hold a slot for minutes)",
+    max_tokens_default: int | None = opt(4096, "most tokens a request that sets no output limit generates, on "
+                                         "every API (chat, responses, Ollama; a model that never stops would "
+                                         "hold its slot to the end of the context)",
                                          group="server", type=positive_int, metavar="N")
     allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
     shutdown_timeout: float = opt(30.0, "seconds in-flight requests get to finish after SIGTERM", group="server",

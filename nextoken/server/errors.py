@@ -57,6 +57,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind in ("model_attributes_type", "model_type", "dict_type") and not field:
         return "the request body must be a JSON object", None
     got = err.get("input")
+    if kind == "unsupported_field_value":  # a published field at a value not honoured (`bodies.Published`)
+        ctx = err.get("ctx") or {}
+        return err["msg"], ".".join([*loc, ctx["field"]]) if "field" in ctx else field
     if kind == "unsupported_value":  # a switch accepted at one value only (`nextoken.bodies.only`)
         return f"{field} {err['msg']}", field
     got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__

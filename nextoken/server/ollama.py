@@ -20,11 +20,13 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, NonEmptyStr
+from nextoken.bodies import Body, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
+from nextoken.server import published
+from nextoken.server.protocol import FunctionDefinition
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
@@ -50,6 +52,12 @@ class ToolCall(Body):
     type: str | None = None
 
 
+class Tool(Body):
+    """A function tool, as Ollama takes it (OpenAI's chat shape; `type` may be left out)."""
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class Message(Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
@@ -65,9 +73,15 @@ class ChatRequest(Body):
     stream: bool = True
     format: Literal["json"] | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     keep_alive: str | int | None = None
     think: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """Ollama's published fields that change nothing here (`published.OLLAMA_CHAT`)."""
+        return accept_published(data, published.OLLAMA_CHAT)
 
 
 class GenerateRequest(Body):
@@ -81,6 +95,12 @@ class GenerateRequest(Body):
     keep_alive: str | int | None = None
     images: list[str] | None = None
     think: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """Ollama's published fields that change nothing here (`published.GENERATE`)."""
+        return accept_published(data, published.GENERATE)
 
 
 class ShowRequest(Body):
@@ -166,11 +186,11 @@ class OllamaServing(OpenAIServing):
             return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         return await self._run(body, ids, None, request, chat=False)
 
-    def _tools(self, tools: list[dict] | None, tok) -> list[dict] | None:
+    def _tools(self, tools: list[Tool] | None, tok) -> list[dict] | None:
         if not tools:
             return None
         tools_mod.require_tool_template(tok.chat_template)
-        return tools
+        return [t.model_dump(exclude_none=True) for t in tools]
 
     async def _run(self, body, ids: list[int], names, request: Request, chat: bool):
         params = sampling_params(body.options, body.format, self._max_tokens(len(ids)))

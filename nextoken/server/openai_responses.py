@@ -23,11 +23,12 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, FiniteFloat, NonEmptyStr
+from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.sampling_params import SamplingParams
+from nextoken.server import published
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
@@ -93,6 +94,7 @@ class TextFormat(Body):
 
 class TextOptions(Body):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a style hint; changes nothing here
 
 
 class ResponsesRequest(Body):
@@ -111,6 +113,12 @@ class ResponsesRequest(Body):
     previous_response_id: NonEmptyStr | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """OpenAI's published fields that change nothing here (`published.RESPONSES`)."""
+        return accept_published(data, published.RESPONSES)
 
 
 # -- the store ----------------------------------------------------------------------------------
@@ -132,12 +140,12 @@ class ResponseStore:
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]]:
-        """Raises `NotFound` (404) for an id not (or no longer) stored."""
+    def get(self, rid: str, field: str = "response_id") -> tuple[dict, list[dict]]:
+        """Raises `NotFound` (404, naming `field`) for an id not (or no longer) stored."""
         with self._lock:
             if rid not in self._items:
-                raise NotFound(f"response {rid!r} is not stored (the last {self.size} stored responses are kept)",
-                               "response_id")
+                raise NotFound(f"{field} {rid!r} is not stored (the last {self.size} stored responses are kept)",
+                               field)
             self._items.move_to_end(rid)
             return self._items[rid]
 
@@ -222,7 +230,8 @@ class OpenAIServingResponses(OpenAIServing):
         if body.previous_response_id is not None and self.store.size <= 0:
             raise InvalidRequest("previous_response_id needs the response store, which is off on this server "
                                  "(--responses-store 0)", "previous_response_id")
-        history = self.store.get(body.previous_response_id)[1] if body.previous_response_id else []
+        history = self.store.get(body.previous_response_id, "previous_response_id")[1] \
+            if body.previous_response_id else []
         eng = self.engine
         tok = eng.engine.tokenizer
         tools, forced = _tools(body, tok)

@@ -17,9 +17,11 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, model_limit, only
+from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, accept_published, model_limit, \
+    only
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
+from nextoken.server import published
 from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -267,11 +269,11 @@ class ChatCompletionRequest(_Sampling):
     def _router_fields(cls, data):
         """Drop the fields vllm-router adds to every chat request when they hold the values it
         sends (`ROUTER_CHAT_FIELDS`); any other value stays, and is refused as an unsupported
-        parameter. They are not in the published schema: one more property puts this body's
+        parameter. Then OpenAI's published fields that change nothing here (`published.CHAT`). They are not in the published schema: one more property puts this body's
         cross-field rules past what schemathesis's generator can build cases for."""
         if isinstance(data, dict) and any(k in data for k in ROUTER_CHAT_FIELDS):
             data = {k: v for k, v in data.items() if not (k in ROUTER_CHAT_FIELDS and v is ROUTER_CHAT_FIELDS[k])}
-        return data
+        return accept_published(data, published.CHAT)
 
 
 class TokenizePromptRequest(Body):

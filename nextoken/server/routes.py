@@ -31,7 +31,7 @@ info = APIRouter()
 tokens = APIRouter()
 openai = APIRouter()
 anthropic = APIRouter()
-ollama = APIRouter()
+ollama = APIRouter(strict_content_type=False)  # Ollama reads a body without Content-Type as JSON
 
 IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 

@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def between(text: str, name: str) -> str:
     start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
-    assert start in text and end in text, f"the README lost its {name} markers"
+    assert start in text and end in text, f"the document lost its {name} markers"
     return text[text.index(start) + len(start) : text.index(end)]
 
 
@@ -31,3 +31,11 @@ def test_every_engine_flag_is_in_the_table():
 
 def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
+
+
+def test_guide_lists_the_published_fields_that_change_nothing():
+    """Regenerate with ``python -m nextoken.server.published`` when `server.published` changes."""
+    from nextoken.server.published import guide_table
+
+    guide = README.parent / "docs" / "guide.md"
+    assert between(guide.read_text(), "published-fields") == guide_table()

@@ -177,3 +177,106 @@ def test_tiny_repetition_penalty_keeps_the_engine_alive(tiny_srv):
     # and offline: the same request through LLM
     out = tiny_srv.llm.generate(["the cat"], SamplingParams(max_tokens=3, repetition_penalty=5e-324, seed=0))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+# -- every field of each API's published request schema ---------------------------------------
+def _sample(tp, depth: int = 0):
+    """A value of type `tp` (a `typing` annotation of the SDKs' request types): the first
+    Literal, the first member of a Union that is not None, a TypedDict's required keys, one
+    element for a list, a plain "x", 1, 0.5 or True."""
+    import collections.abc
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated or origin in (typing.Required, typing.NotRequired):
+        return _sample(args[0], depth)
+    if origin is typing.Literal:
+        return args[0]
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return _sample(next(a for a in args if a is not type(None)), depth)
+    if depth > 4:
+        return None
+    if typing.is_typeddict(tp):
+        hints = typing.get_type_hints(tp)
+        return {k: _sample(hints[k], depth + 1) for k in tp.__required_keys__}
+    if origin in (list, collections.abc.Iterable, collections.abc.Sequence, typing.List):
+        return [_sample(args[0], depth + 1)]
+    if origin in (dict, typing.Dict):
+        return {"k": _sample(args[1], depth + 1)}
+    if hasattr(tp, "model_fields"):  # a pydantic model (the ollama package's types)
+        return {k: _sample(f.annotation, depth + 1) for k, f in tp.model_fields.items() if f.is_required()}
+    return {str: "x", int: 1, float: 0.5, bool: True}.get(tp, "x")
+
+
+def _published_fields():
+    """(route, base body, field, sample value) for every optional top-level field of the `openai`,
+    `anthropic` and `ollama` packages' request types, the route's required fields aside."""
+    import typing
+
+    import ollama._types as ot
+    from anthropic.types import message_create_params as ant
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as resp
+
+    msg = [{"role": "user", "content": "the cat"}]
+    routes = [("/v1/chat/completions", {"model": "tiny", "messages": msg, "max_tokens": 2},
+               typing.get_type_hints(chat.CompletionCreateParamsBase)),
+              ("/v1/responses", {"model": "tiny", "input": "the cat", "max_output_tokens": 2},
+               typing.get_type_hints(resp.ResponseCreateParamsBase)),
+              ("/v1/messages", {"model": "tiny", "messages": msg, "max_tokens": 2},
+               typing.get_type_hints(ant.MessageCreateParamsBase)),
+              ("/api/chat", {"model": "tiny", "messages": msg, "stream": False, "options": {"num_predict": 2}},
+               {k: f.annotation for k, f in ot.ChatRequest.model_fields.items()}),
+              ("/api/generate", {"model": "tiny", "prompt": "the cat", "stream": False, "options": {"num_predict": 2}},
+               {k: f.annotation for k, f in ot.GenerateRequest.model_fields.items()})]
+    for route, base, hints in routes:
+        for field, tp in sorted(hints.items()):
+            if field not in base and field != "model":
+                yield route, base, field, _sample(tp)
+
+
+def test_every_published_field_alone_is_accepted_or_named(tiny_srv):
+    """Each optional field of each API's published request schema (generated from the SDKs'
+    request types, not a hand list), sent alone with a sample value: 200, or a 400 (404 for an id
+    of something not stored) whose error names the field. The fields that change nothing here are accepted at the values that mean
+    nothing (`server.published`): those answer 200 at their neutral value too."""
+    from nextoken.server import published
+
+    seen = 0
+    with httpx.Client(base_url=tiny_srv.url, timeout=60) as h:
+        for route, base, field, value in _published_fields():
+            r = h.post(route, json={**base, field: value})
+            text = r.text
+            assert r.status_code == 200 or (r.status_code in (400, 404) and field in text), \
+                (route, field, value, text[:300])
+            seen += 1
+        for route, table in published.TABLES.items():  # each at a value that means nothing here
+            base = next(b for rt, b, _, _ in _published_fields() if rt == route.split(" ")[1])
+            for field, entry in table.items():
+                neutral = next(v for v in (None, False, 0, "", [], {}, ["text"], "disabled", "x", {"k": "x"})
+                               if entry.allows(v))
+                r = h.post(route.split(" ")[1], json={**base, field: neutral})
+                assert r.status_code == 200, (route, field, neutral, r.text[:300])
+    assert seen > 90
+
+
+def test_a_published_field_at_a_value_not_honoured_names_field_and_value(tiny_srv):
+    with httpx.Client(base_url=tiny_srv.url, timeout=60) as h:
+        r = h.post("/v1/responses", json={"model": "tiny", "input": "hi", "background": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+        assert r.json()["error"]["message"].startswith("background true is not supported")
+        r = h.post("/v1/responses", json={"model": "tiny", "input": "hi", "include": ["file_search_call.results"]})
+        assert r.status_code == 400 and "include" in r.json()["error"]["message"]
+        r = h.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, "include": [],
+                                          "store": False, "text": {"verbosity": "low"}, "truncation": "disabled"})
+        assert r.status_code == 200  # what an agent SDK sends
+
+
+def test_ollama_reads_a_body_without_content_type_as_json(tiny_srv):
+    """As Ollama does (an LLM gateway's provider posts so), with its message fields (images)."""
+    import json
+
+    body = json.dumps({"model": "tiny", "stream": False, "options": {"num_predict": 2},
+                       "messages": [{"role": "user", "content": "the cat", "images": []}]})
+    r = httpx.post(f"{tiny_srv.url}/api/chat", content=body.encode())  # httpx sends no Content-Type for bytes
+    assert r.status_code == 200 and r.json()["done"] is True

@@ -339,6 +339,12 @@ def test_max_tokens_default_caps_chat_without_max_tokens(tiny_gguf):
         r = c.chat.completions.create(**kw)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
         assert c.chat.completions.create(**kw, max_tokens=5).usage.completion_tokens == 5
+        # the same bound on the other APIs that let a request set no limit
+        assert c.responses.create(model="tiny", input="the cat").usage.output_tokens <= 3
+        import ollama
+
+        assert ollama.Client(host=srv.url).chat(model="tiny", messages=[{"role": "user", "content": "a"}],
+                                                stream=False).eval_count <= 3
     finally:
         srv.stop()
 
