@@ -23,9 +23,8 @@ from pydantic import Field, model_validator
 
 from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
-from nextoken.sampling_params import SamplingParams
 from nextoken.server import published
-from nextoken.server import responses as R
+from nextoken.server.chat_core import ChatSpec, prepare, render
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
@@ -144,23 +143,22 @@ def to_chat_messages(system, messages: list[Message]) -> list[dict]:
     return out
 
 
-def _tools(body, tok) -> tuple[list[dict] | None, object | None]:
-    """(tools for the template, the grammar forcing a call or None) for `tool_choice`."""
-    choice = body.tool_choice.type if getattr(body, "tool_choice", None) else "auto"
-    if not body.tools or choice == "none":
-        if choice in ("any", "tool") and not body.tools:
-            raise InvalidRequest(f"tool_choice {choice!r} needs tools", "tool_choice")
-        return None, None
-    tools_mod.require_tool_template(tok.chat_template)
+CHOICES = {"auto": "auto", "none": "none", "any": "required"}  # Anthropic's tool_choice -> the core's
+
+
+def to_spec(body) -> ChatSpec:
+    """A messages (or count_tokens) request as the chat core's `ChatSpec`."""
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in body.tools]
-    if choice == "auto":
-        return tools, None
-    name = body.tool_choice.name if choice == "tool" else None
-    if choice == "tool" and name not in {t.name for t in body.tools}:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    parallel = not body.tool_choice.disable_parallel_tool_use
-    return tools, tools_mod.forced_grammar(tok, tools, name, parallel)
+                                               "parameters": t.input_schema}} for t in body.tools or []]
+    tc = getattr(body, "tool_choice", None)
+    choice = None if tc is None else tc.name if tc.type == "tool" else CHOICES[tc.type]
+    sampling = {}
+    if isinstance(body, MessagesRequest):
+        sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+                    "stop": body.stop_sequences}
+    return ChatSpec(to_chat_messages(body.system, body.messages), tools or None, choice,
+                    not (tc is not None and tc.disable_parallel_tool_use), None, sampling,
+                    getattr(body, "max_tokens", None))
 
 
 def _stop_reason(c, calls: bool) -> tuple[str, str | None]:
@@ -194,29 +192,19 @@ def _event(kind: str, data: dict) -> str:
 class AnthropicServingMessages(OpenAIServing):
     """``POST /v1/messages`` and ``/v1/messages/count_tokens`` over the shared engine."""
 
-    def _prompt(self, body) -> tuple[list[int], list[dict] | None, object | None]:
-        tok = self.engine.engine.tokenizer
-        tools, forced = _tools(body, tok)
-        messages = tools_mod.messages_for_template(to_chat_messages(body.system, body.messages))
-        return R.encode_chat(tok, messages, tools), tools, forced
-
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         self.check_model(body.model)
-        return {"input_tokens": len(self._prompt(body)[0])}
+        return {"input_tokens": len(render(self.engine.engine.tokenizer, to_spec(body))[0])}
 
     async def create(self, body: MessagesRequest, request: Request):
         """The message answering `body` (JSON, or Anthropic's event stream with ``stream``)."""
         lora = self.check_model(body.model)
         self.check_queue()
-        eng = self.engine
-        ids, tools, forced = self._prompt(body)
-        await self.compile(forced)
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                max_tokens=body.max_tokens, stop=body.stop_sequences, structured_outputs=forced)
-        rid = await eng.add_request(ids, params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
-        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        p = await prepare(self, to_spec(body))
+        rid = await self.engine.add_request(p.ids, p.params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
+        names = p.names
         if body.stream:
-            return sse_response(self._stream(rid, len(ids), names))
+            return sse_response(self._stream(rid, len(p.ids), names))
         out = (await self.collect([rid], request))[0]
         self.record([out])
         return self._message(out, names)

@@ -26,6 +26,7 @@ from nextoken.bodies import Body, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import published
+from nextoken.server.chat_core import ChatSpec, prepare
 from nextoken.server.protocol import FunctionDefinition
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
@@ -108,24 +109,37 @@ class ShowRequest(Body):
     verbose: bool = False
 
 
-def sampling_params(options: dict | None, fmt, max_tokens: int) -> SamplingParams:
-    """`SamplingParams` from Ollama's `options` (num_predict -1 or absent: `max_tokens`, the rest
-    of the context) and `format`. Raises `InvalidRequest` naming the option for a bad value."""
-    values: dict[str, Any] = {"max_tokens": max_tokens}
+def sampling_fields(options: dict | None) -> tuple[dict, int | None]:
+    """(`SamplingParams` fields, max_tokens or None) from Ollama's `options` (num_predict -1 or
+    absent: None, the server's bound); the runner options (num_ctx, num_thread, ...) change
+    nothing here."""
+    values: dict[str, Any] = {}
+    max_tokens = None
     for key, value in (options or {}).items():
-        if key in OPTIONS:
-            if key == "num_predict" and isinstance(value, int) and value < 0:
-                continue
-            if key == "stop" and isinstance(value, str):
-                value = [value]
-            values[OPTIONS[key]] = value
-    if fmt is not None:
-        values["structured_outputs"] = StructuredOutputsParams(json_object=True) if fmt == "json" else \
-            StructuredOutputsParams(json=fmt)
-    try:
-        return SamplingParams(**values)
-    except TypeError as exc:
-        raise InvalidRequest(f"options: {exc}", "options") from None
+        if key == "num_predict":
+            max_tokens = None if isinstance(value, int) and value < 0 else value
+        elif key in OPTIONS:
+            values[OPTIONS[key]] = [value] if key == "stop" and isinstance(value, str) else value
+    return values, max_tokens
+
+
+def constraint(fmt) -> StructuredOutputsParams | None:
+    """Ollama's `format` ("json" or a JSON schema) as an output constraint."""
+    if fmt is None:
+        return None
+    return StructuredOutputsParams(json_object=True) if fmt == "json" else StructuredOutputsParams(json=fmt)
+
+
+def to_spec(body: ChatRequest) -> ChatSpec:
+    """A chat request as the chat core's `ChatSpec` (Ollama has no tool_choice: auto)."""
+    sampling, max_tokens = sampling_fields(body.options)
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise InvalidRequest(f"options.num_predict must be a positive integer or -1 (got {max_tokens!r})",
+                             "options.num_predict")
+    return ChatSpec([_chat_message(m) for m in body.messages],
+                    [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                    None, True, constraint(body.format), sampling, max_tokens,
+                    fields={"max_tokens": "options.num_predict", "constraint": "format"})
 
 
 def _now() -> str:
@@ -165,12 +179,8 @@ class OllamaServing(OpenAIServing):
         if not body.messages:  # Ollama's way to load a model: an empty answer, done
             return {"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                     "done_reason": "load", "done": True}
-        tok = self.engine.engine.tokenizer
-        tools = self._tools(body.tools, tok)
-        messages = tools_mod.messages_for_template([_chat_message(m) for m in body.messages])
-        ids = R.encode_chat(tok, messages, tools)
-        names = frozenset(t["function"]["name"] for t in tools) if tools else None
-        return await self._run(body, ids, names, request, chat=True)
+        p = await prepare(self, to_spec(body))
+        return await self._answer(body, p.ids, p.params, p.names, request, chat=True)
 
     async def generate(self, body: GenerateRequest, request: Request):
         self.check_model(body.model)
@@ -184,18 +194,21 @@ class OllamaServing(OpenAIServing):
             ids = R.encode_chat(tok, msgs)
         if not ids:  # Ollama's way to load a model
             return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        return await self._run(body, ids, None, request, chat=False)
+        return await self._generate(body, ids, request)
 
-    def _tools(self, tools: list[Tool] | None, tok) -> list[dict] | None:
-        if not tools:
-            return None
-        tools_mod.require_tool_template(tok.chat_template)
-        return [t.model_dump(exclude_none=True) for t in tools]
-
-    async def _run(self, body, ids: list[int], names, request: Request, chat: bool):
-        params = sampling_params(body.options, body.format, self._max_tokens(len(ids)))
+    async def _generate(self, body: GenerateRequest, ids: list[int], request: Request):
+        """/api/generate's completion (no chat core: a raw or single-turn prompt, no tools)."""
+        sampling, max_tokens = sampling_fields(body.options)
+        try:
+            params = SamplingParams(**sampling, max_tokens=max_tokens or self._max_tokens(len(ids)),
+                                    structured_outputs=constraint(body.format))
+        except TypeError as exc:
+            raise InvalidRequest(f"options: {exc}", "options") from None
         params = params.validate(self.engine.engine.config.vocab_size)
         await self.compile(params.structured_outputs)
+        return await self._answer(body, ids, params, None, request, chat=False)
+
+    async def _answer(self, body, ids: list[int], params: SamplingParams, names, request: Request, chat: bool):
         rid = await self.engine.add_request(ids, params, f"ollama-{uuid.uuid4().hex}",
                                             lora_request=self.check_model(body.model))
         if body.stream:

@@ -27,9 +27,8 @@ from pydantic import Field, model_validator
 
 from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.sampling_params import SamplingParams
 from nextoken.server import published
-from nextoken.server import responses as R
+from nextoken.server.chat_core import ChatSpec, prepare
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
@@ -192,22 +191,16 @@ def _structured(body: ResponsesRequest) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=fmt.schema_)
 
 
-def _tools(body: ResponsesRequest, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
-            raise InvalidRequest("tool_choice needs tools", "tool_choice")
-        return None, None
-    if choice == "none":
-        return None, None
-    tools_mod.require_tool_template(tok.chat_template)
+def to_spec(body: ResponsesRequest, conversation: list[dict]) -> ChatSpec:
+    """The request as the chat core's `ChatSpec` (its conversation already as chat messages)."""
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.parameters or {"type": "object", "properties": {}}}}
-             for t in body.tools]
-    if choice is None or choice == "auto":
-        return tools, None
-    name = None if choice == "required" else choice.name
-    return tools, tools_mod.forced_grammar(tok, tools, name, body.parallel_tool_calls)
+             for t in body.tools or []]
+    choice = body.tool_choice
+    return ChatSpec(conversation, tools or None, choice.name if isinstance(choice, NamedFunction) else choice,
+                    body.parallel_tool_calls, _structured(body),
+                    {"temperature": body.temperature, "top_p": body.top_p}, body.max_output_tokens,
+                    fields={"max_tokens": "max_output_tokens", "constraint": "text.format"})
 
 
 def _event(kind: str, data: dict, seq: list[int]) -> str:
@@ -232,21 +225,10 @@ class OpenAIServingResponses(OpenAIServing):
                                  "(--responses-store 0)", "previous_response_id")
         history = self.store.get(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id else []
-        eng = self.engine
-        tok = eng.engine.tokenizer
-        tools, forced = _tools(body, tok)
-        structured = _structured(body)
-        if forced is not None and structured is not None:
-            raise InvalidRequest("a forced tool call cannot be combined with text.format", "tool_choice")
-        structured = forced or structured
         conversation = to_chat_messages(body, history)
-        ids = R.encode_chat(tok, tools_mod.messages_for_template(conversation), tools)
-        max_tokens = body.max_output_tokens or R.default_max_tokens(eng.engine, len(ids), self.args.max_tokens_default)
-        await self.compile(structured)
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
-                                structured_outputs=structured)
-        rid = await eng.add_request(ids, params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
-        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        p = await prepare(self, to_spec(body, conversation))
+        rid = await self.engine.add_request(p.ids, p.params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
+        names = p.names
         meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": _tool_choice_json(body.tool_choice)}
         if body.stream:

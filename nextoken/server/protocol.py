@@ -155,15 +155,22 @@ class _Sampling(Body):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # echo without logprobs: nothing to generate, the prompt is computed once
-        return SamplingParams(
+        fields = self.sampling_fields(logprobs)
+        fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
+        return SamplingParams(**fields, max_tokens=max_tokens, structured_outputs=structured,
+                              prompt_logprobs=prompt_logprobs)
+
+    def sampling_fields(self, logprobs: int | None) -> dict:
+        """The `SamplingParams` fields this body sets, but max_tokens, the output constraint and
+        the prompt's log-probabilities (what the chat core's `ChatSpec.sampling` holds)."""
+        return dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens), stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, **self.detokenize_options(),
+            frequency_penalty=self.frequency_penalty, seed=self.seed, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            **self.detokenize_options(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            structured_outputs=structured, watermark=self.watermark, prompt_logprobs=prompt_logprobs,
-        )
+            watermark=self.watermark)
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

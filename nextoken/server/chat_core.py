@@ -1,0 +1,123 @@
+"""The chat core under every chat-like API (OpenAI chat, Responses, Anthropic Messages, Ollama
+chat): each API turns its request into a `ChatSpec` (its `to_spec`), and `prepare` does the
+steps they share, once, in one order:
+
+    ChatSpec -> tools for the template (+ the grammar forcing a call: tool_choice "required" or
+    a named tool) -> the prompt's token ids (chat template) -> max_tokens (the request's, checked
+    against the context, or the server's --max-tokens-default bound) -> SamplingParams (checked
+    against the vocabulary) -> the grammar compiled off the event loop -> `Prepared`
+
+Errors name the request's own field (`ChatSpec.fields`: ``max_output_tokens`` on Responses,
+``options.num_predict`` on Ollama, ...). What comes back out (the answer's shape, its stream) is
+still each API's own module; the typed events that module reads are `ToolCallParser`'s and
+`StreamSplitter`'s (`server.tools`, `server.reasoning`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nextoken.errors import InvalidRequest
+from nextoken.sampling_params import SamplingParams
+from nextoken.server import responses as R
+from nextoken.server import tools as tools_mod
+from nextoken.structured.params import StructuredOutputsParams
+
+# the neutral names of the fields an API may call otherwise (`ChatSpec.fields`)
+FIELDS = ("max_tokens", "tool_choice", "constraint", "tools")
+
+
+@dataclass
+class ChatSpec:
+    """One chat request in API-neutral terms.
+
+    messages: OpenAI chat messages (role, content, tool_calls with JSON-text arguments,
+    tool_call_id); tools: OpenAI chat tools (``{"type": "function", "function": {name,
+    description, parameters}}``) or None; tool_choice: "auto", "none", "required", or a tool's
+    name (None: "auto"); parallel_tool_calls: whether a forced answer may hold several calls;
+    constraint: the output format asked for (a JSON schema, json_object, ...) or None;
+    sampling: `SamplingParams` fields but max_tokens and structured_outputs (min_tokens is
+    clamped to max_tokens); max_tokens: the request's output bound, or None for the server's;
+    template_kwargs: more chat-template variables; fields: the request's name for each of
+    `FIELDS` where it differs, for errors; other_bounds: output bounds the request also names
+    but does not use (field -> value: OpenAI chat's max_tokens beside max_completion_tokens),
+    each checked against the context as max_tokens is."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
+    constraint: StructuredOutputsParams | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    template_kwargs: dict | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+    other_bounds: dict[str, int] = field(default_factory=dict)
+
+    def name(self, neutral: str) -> str:
+        return self.fields.get(neutral, neutral)
+
+
+@dataclass
+class Prepared:
+    """What the engine gets and what the answer is parsed with: the prompt's ids, the sampling
+    parameters, the template's tools (None without) and their names (the tool-call parser's)."""
+
+    ids: list[int]
+    params: SamplingParams
+    tools: list[dict] | None
+    names: frozenset[str] | None
+
+
+async def prepare(serving, spec: ChatSpec) -> Prepared:
+    """`spec` as a request ready for the engine of `serving` (an `OpenAIServing`). Raises
+    `InvalidRequest` naming the request's field: a tool_choice without tools or naming none of
+    them, a forced call beside an output format, tools on a template that cannot render them,
+    max_tokens that leaves no room for the prompt, an invalid sampling value or grammar."""
+    engine = serving.engine.engine
+    ids, tools, forced = render(engine.tokenizer, spec)
+    for name, bound in {spec.name("max_tokens"): spec.max_tokens, **spec.other_bounds}.items():
+        if bound is not None and bound >= engine.max_model_len:
+            raise InvalidRequest(f"{name} is {bound}: no room for the prompt in the context length "
+                                 f"{engine.max_model_len} (max_model_len)", name)
+    max_tokens = spec.max_tokens or R.default_max_tokens(engine, len(ids), serving.args.max_tokens_default)
+    sampling = dict(spec.sampling)
+    if "min_tokens" in sampling:
+        sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
+    try:
+        params = SamplingParams(**sampling, max_tokens=max_tokens, structured_outputs=forced or spec.constraint)
+    except TypeError as exc:
+        raise InvalidRequest(str(exc)) from None
+    params = params.validate(engine.config.vocab_size)
+    await serving.compile(params.structured_outputs)
+    names = frozenset(t["function"]["name"] for t in tools) if tools else None
+    return Prepared(ids, params, tools, names)
+
+
+def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, StructuredOutputsParams | None]:
+    """(the prompt's token ids, the template's tools or None, the grammar forcing a call or
+    None) of `spec` with tokenizer `tok`; raises `InvalidRequest` as `prepare` does."""
+    tools, forced = _tool_setup(spec, tok)
+    if forced is not None and spec.constraint is not None:
+        raise InvalidRequest(f"a forced tool call cannot be combined with {spec.name('constraint')}",
+                             spec.name("tool_choice"))
+    return R.encode_chat(tok, tools_mod.messages_for_template(spec.messages), tools, spec.template_kwargs), tools, forced
+
+
+def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:
+    """(tools for the template or None, the grammar forcing calls or None)."""
+    choice = spec.tool_choice or "auto"
+    if not spec.tools:
+        if choice not in ("auto", "none"):
+            raise InvalidRequest(f"tool_choice {choice!r} needs tools", spec.name("tool_choice"))
+        return None, None
+    if choice == "none":
+        return None, None
+    tools_mod.require_tool_template(tok.chat_template)
+    if choice == "auto":
+        return spec.tools, None
+    name = None if choice == "required" else choice
+    if name is not None and name not in {t["function"]["name"] for t in spec.tools}:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", spec.name("tool_choice"))
+    return spec.tools, tools_mod.forced_grammar(tok, spec.tools, name, spec.parallel_tool_calls)
