@@ -28,6 +28,13 @@ class NotFound(InvalidRequest):
     status = 404
 
 
+class DependencyFailed(InvalidRequest):
+    """A service the request names failed (an MCP server that is down, hangs or refuses):
+    HTTP 424, the request itself may be fine."""
+
+    status = 424
+
+
 class ModelLoadError(NextokenError):
     """A model could not be found, downloaded, verified or read."""
 

@@ -47,6 +47,13 @@ class ServerArgs(CliArgs):
     lora_modules: list = opt([], "LoRA adapters served as models, NAME=PATH each (PEFT folders; needs "
                              "--enable-lora and --max-loras at least their number)", group="LoRA", nargs="*",
                              metavar="NAME=PATH")
+    allow_mcp_url: list = opt([], "MCP servers /v1/responses may call (type mcp tools), as globs of their URL, "
+                              "e.g. 'http://127.0.0.1:8931/*' (repeatable; default: none)", group="MCP tools",
+                              action="append", metavar="PATTERN")
+    mcp_timeout: float = opt(30.0, "seconds an MCP server gets to list its tools or run one call", group="MCP tools",
+                             type=float, metavar="S")
+    mcp_max_output_bytes: int = opt(1 << 20, "largest MCP tool output kept (a larger one is an error item)",
+                                    group="MCP tools", type=int, metavar="N")
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",

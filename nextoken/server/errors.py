@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+         413: "invalid_request_error", 424: "failed_dependency", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

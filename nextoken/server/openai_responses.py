@@ -29,6 +29,8 @@ from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
 from nextoken.server.chat_core import ChatSpec, prepare
+from nextoken.server import responses_mcp
+from nextoken.server.mcp_tools import MCPTool
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing, sse_response
@@ -67,7 +69,38 @@ class FunctionCallOutputItem(Body):
     status: str | None = None
 
 
-InputItem = Union[FunctionCallItem, FunctionCallOutputItem, MessageItem]
+class MCPApprovalResponseItem(Body):
+    """The client's answer to an ``mcp_approval_request`` item of an earlier response."""
+    type: Literal["mcp_approval_response"]
+    approval_request_id: NonEmptyStr
+    approve: bool
+    reason: str | None = None
+    id: str | None = None
+
+
+class MCPCallItem(Body):
+    """An earlier response's MCP call passed back as input (a client that keeps the history)."""
+    type: Literal["mcp_call"]
+    id: str | None = None
+    server_label: str
+    name: NonEmptyStr
+    arguments: str
+    output: str | None = None
+    error: str | None = None
+    status: str | None = None
+    approval_request_id: str | None = None
+
+
+class MCPEchoItem(Body):
+    """An earlier response's tool listing or approval request passed back as input: the listing
+    changes nothing, the approval request is what an ``mcp_approval_response`` answers."""
+    model_config = {**Body.model_config, "extra": "allow"}
+    type: Literal["mcp_list_tools", "mcp_approval_request"]
+    id: str | None = None
+
+
+InputItem = Union[FunctionCallItem, FunctionCallOutputItem, MessageItem, MCPApprovalResponseItem, MCPCallItem,
+                  MCPEchoItem]
 
 
 class FunctionTool(Body):
@@ -103,7 +136,7 @@ class ResponsesRequest(Body):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    tools: list[FunctionTool] | None = None
+    tools: list[Annotated[Union[FunctionTool, MCPTool], Field(discriminator="type")]] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
@@ -112,6 +145,7 @@ class ResponsesRequest(Body):
     previous_response_id: NonEmptyStr | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # MCP calls the server may run for this response
 
     @model_validator(mode="before")
     @classmethod
@@ -169,15 +203,24 @@ def to_chat_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             out.append({"role": item.role, "content": text})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
+            append_call(out, item.call_id, item.name, item.arguments)
+        elif item.type == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        elif item.type == "mcp_call":  # a call the server ran earlier: the call and its result
+            call_id = item.id or f"call_{uuid.uuid4().hex[:24]}"
+            append_call(out, call_id, item.name, item.arguments)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": item.output or item.error or ""})
+        # mcp_list_tools changes nothing; approval requests and responses: the MCP loop (`responses_mcp`)
     return out
+
+
+def append_call(messages: list[dict], call_id: str, name: str, arguments: str) -> None:
+    """A tool call onto the conversation: into the last assistant message's calls, or a new one."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+        messages[-1]["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def _structured(body: ResponsesRequest) -> StructuredOutputsParams | None:
@@ -191,16 +234,24 @@ def _structured(body: ResponsesRequest) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=fmt.schema_)
 
 
-def to_spec(body: ResponsesRequest, conversation: list[dict]) -> ChatSpec:
-    """The request as the chat core's `ChatSpec` (its conversation already as chat messages)."""
+def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[dict] | None = None,
+            first: bool = True) -> ChatSpec:
+    """The request as the chat core's `ChatSpec` (its conversation already as chat messages),
+    with the listed tools of its MCP servers (`mcp_tools`, in OpenAI chat's shape). After the
+    server ran MCP calls (`first` False) a forcing tool_choice is "auto": it forced the first."""
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.parameters or {"type": "object", "properties": {}}}}
-             for t in body.tools or []]
-    choice = body.tool_choice
+             for t in body.tools or [] if t.type == "function"] + (mcp_tools or [])
+    choice = body.tool_choice if first or body.tool_choice in (None, "none") else "auto"
     return ChatSpec(conversation, tools or None, choice.name if isinstance(choice, NamedFunction) else choice,
                     body.parallel_tool_calls, _structured(body),
                     {"temperature": body.temperature, "top_p": body.top_p}, body.max_output_tokens,
                     fields={"max_tokens": "max_output_tokens", "constraint": "text.format"})
+
+
+async def iter_events(events: list[str]):
+    for e in events:
+        yield e
 
 
 def _event(kind: str, data: dict, seq: list[int]) -> str:
@@ -223,14 +274,22 @@ class OpenAIServingResponses(OpenAIServing):
         if body.previous_response_id is not None and self.store.size <= 0:
             raise InvalidRequest("previous_response_id needs the response store, which is off on this server "
                                  "(--responses-store 0)", "previous_response_id")
-        history = self.store.get(body.previous_response_id, "previous_response_id")[1] \
-            if body.previous_response_id else []
+        previous, history = self.store.get(body.previous_response_id, "previous_response_id") \
+            if body.previous_response_id else (None, [])
         conversation = to_chat_messages(body, history)
+        meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+                "tool_choice": _tool_choice_json(body.tool_choice)}
+        if any(t.type == "mcp" for t in body.tools or []):
+            response, conversation = await responses_mcp.respond(self, body, request, lora, conversation, previous,
+                                                                 meta)
+            self._keep(body, response, conversation)
+            if body.stream:
+                seq = [-1]
+                return sse_response(iter_events(responses_mcp.replay(response, lambda k, d: _event(k, d, seq))))
+            return response
         p = await prepare(self, to_spec(body, conversation))
         rid = await self.engine.add_request(p.ids, p.params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
         names = p.names
-        meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-                "tool_choice": _tool_choice_json(body.tool_choice)}
         if body.stream:
             return sse_response(self._stream(body, rid, names, meta, conversation))
         out = (await self.collect([rid], request))[0]

@@ -43,7 +43,6 @@ RESPONSES = {
     "service_tier": TIER,
     "reasoning": HINT,
     "stream_options": Published("include_obfuscation pads events against side channels; a local server has none"),
-    "max_tool_calls": Published("bounds built-in tool calls; the server runs none (function calls return to the client)"),
     "background_options": Published("options of background mode", _empty_or_unset, "background mode is not available"),
     "image": Published("image generation options", _empty_or_unset, "image generation is not available"),
     "background": Published("background mode", unset_or(False), "a response runs while its request is open"),
