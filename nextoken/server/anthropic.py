@@ -24,10 +24,12 @@ from pydantic import Field, model_validator
 from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.server import published
+from nextoken.server import anthropic_mcp
+from nextoken.server.anthropic_mcp import MCPServer
 from nextoken.server.chat_core import ChatSpec, prepare, render
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.server.serving import OpenAIServing, iter_events, sse_response
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -98,6 +100,7 @@ class MessagesRequest(Body):
     metadata: Metadata | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    mcp_servers: list[MCPServer] | None = None  # the MCP connector (`anthropic_mcp`)
 
     @model_validator(mode="before")
     @classmethod
@@ -146,17 +149,23 @@ def to_chat_messages(system, messages: list[Message]) -> list[dict]:
 CHOICES = {"auto": "auto", "none": "none", "any": "required"}  # Anthropic's tool_choice -> the core's
 
 
-def to_spec(body) -> ChatSpec:
-    """A messages (or count_tokens) request as the chat core's `ChatSpec`."""
+def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] | None = None,
+            first: bool = True) -> ChatSpec:
+    """A messages (or count_tokens) request as the chat core's `ChatSpec`; with the MCP
+    connector, the conversation so far and its servers' tools (a forcing tool_choice forces the
+    first pass only)."""
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools or []]
+    tools += mcp_tools or []
     tc = getattr(body, "tool_choice", None)
     choice = None if tc is None else tc.name if tc.type == "tool" else CHOICES[tc.type]
+    choice = choice if first or choice in (None, "none") else "auto"
     sampling = {}
     if isinstance(body, MessagesRequest):
         sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                     "stop": body.stop_sequences}
-    return ChatSpec(to_chat_messages(body.system, body.messages), tools or None, choice,
+    messages = conversation if conversation is not None else to_chat_messages(body.system, body.messages)
+    return ChatSpec(messages, tools or None, choice,
                     not (tc is not None and tc.disable_parallel_tool_use), None, sampling,
                     getattr(body, "max_tokens", None))
 
@@ -200,6 +209,11 @@ class AnthropicServingMessages(OpenAIServing):
         """The message answering `body` (JSON, or Anthropic's event stream with ``stream``)."""
         lora = self.check_model(body.model)
         self.check_queue()
+        if body.mcp_servers:
+            message = await anthropic_mcp.respond(self, body, request, lora, to_spec)
+            if body.stream:
+                return sse_response(iter_events(anthropic_mcp.replay(message, _event)))
+            return message
         p = await prepare(self, to_spec(body))
         rid = await self.engine.add_request(p.ids, p.params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
         names = p.names

@@ -121,3 +121,12 @@ def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutpu
     if name is not None and name not in {t["function"]["name"] for t in spec.tools}:
         raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", spec.name("tool_choice"))
     return spec.tools, tools_mod.forced_grammar(tok, spec.tools, name, spec.parallel_tool_calls)
+
+
+def append_call(messages: list[dict], call_id: str, name: str, arguments: str) -> None:
+    """A tool call onto the conversation: into the last assistant message's calls, or a new one."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+        messages[-1]["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import importlib.util
 import json
 import uuid
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from nextoken.bodies import Body, NonEmptyStr
-from nextoken.errors import InvalidRequest
+from nextoken.errors import DependencyFailed, InvalidRequest
+from nextoken.server.chat_core import append_call
 
 
 class MCPToolFilter(Body):
@@ -74,13 +76,12 @@ class Limits:
     max_output_bytes: int
 
 
-def check_allowed(tool: MCPTool, index: int, limits: Limits) -> None:
-    """Raises `InvalidRequest` naming ``tools[index].server_url`` for a URL no pattern allows."""
+def check_allowed(tool: MCPTool, field: str, limits: Limits) -> None:
+    """Raises `InvalidRequest` naming `field` (the request's URL field) for a URL no pattern allows."""
     if not any(fnmatch.fnmatchcase(tool.server_url, p) for p in limits.allowed):
         hint = "none are allowed (serve --allow-mcp-url PATTERN)" if not limits.allowed else \
             f"allowed: {', '.join(limits.allowed)}"
-        raise InvalidRequest(f"MCP server URL {tool.server_url!r} is not allowed on this server; {hint}",
-                             f"tools[{index}].server_url")
+        raise InvalidRequest(f"MCP server URL {tool.server_url!r} is not allowed on this server; {hint}", field)
 
 
 def _client(tool: MCPTool, limits: Limits):
@@ -133,6 +134,61 @@ async def call_tool(tool: MCPTool, name: str, arguments: dict[str, Any], limits:
     if result.is_error:
         raise MCPFailure(text or f"MCP tool {name!r} failed")
     return text
+
+
+def server_limits(args, field: str = "tools") -> Limits:
+    """The server's MCP limits (`ServerArgs`); raises `InvalidRequest` naming `field` when the
+    `mcp` package is missing."""
+    if importlib.util.find_spec("mcp") is None:
+        raise InvalidRequest("MCP tools need the mcp package on the server: pip install 'nextoken[mcp]'", field)
+    return Limits(tuple(args.allow_mcp_url or ()), args.mcp_timeout, args.mcp_max_output_bytes)
+
+
+async def listings(servers, limits: Limits, field: str = "tools") -> tuple[list[dict], dict[str, MCPTool], list[dict]]:
+    """(the mcp_list_tools items, tool name -> its server, the tools in OpenAI chat's shape)."""
+    items, owners, offered = [], {}, []
+    for i, t in servers:
+        try:
+            listed = await list_tools(t, limits)
+        except MCPFailure as exc:
+            raise DependencyFailed(str(exc), f"{field}[{i}]") from None
+        items.append({"type": "mcp_list_tools", "id": item_id("mcpl"), "server_label": t.server_label,
+                      "tools": listed, "error": None})
+        for tool in listed:
+            if tool["name"] in owners:
+                continue  # the first server offering a name keeps it
+            owners[tool["name"]] = t
+            offered.append({"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                                             "parameters": tool["input_schema"]}})
+    return items, owners, offered
+
+
+async def run_call(tool: MCPTool, name: str, arguments: str, conversation: list[dict], limits: Limits,
+               approval=None) -> dict:
+    """Run one call (or record a declined one), add it and its result to `conversation`, and
+    return its ``mcp_call`` item."""
+    item = {"type": "mcp_call", "id": item_id("mcp"), "server_label": tool.server_label, "name": name,
+            "arguments": arguments, "output": None, "error": None, "status": "completed"}
+    if approval is not None:
+        item["approval_request_id"] = approval.approval_request_id
+    if approval is not None and not approval.approve:
+        item["error"] = "the user declined this call" + (f": {approval.reason}" if approval.reason else "")
+    else:
+        try:
+            args = json.loads(arguments) if arguments.strip() else {}
+            if not isinstance(args, dict):
+                raise MCPFailure(f"the arguments of {name!r} are not a JSON object")
+            item["output"] = await call_tool(tool, name, args, limits)
+        except json.JSONDecodeError:
+            item["error"] = f"the arguments of {name!r} are not JSON: {arguments[:200]}"
+        except MCPFailure as exc:
+            item["error"] = str(exc)
+    if item["error"] is not None:
+        item["status"] = "failed"
+    append_call(conversation, item["id"], name, arguments)
+    conversation.append({"role": "tool", "tool_call_id": item["id"],
+                         "content": item["output"] if item["output"] is not None else f"error: {item['error']}"})
+    return item
 
 
 def _schema(t) -> dict:

@@ -28,12 +28,12 @@ from pydantic import Field, model_validator
 from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
-from nextoken.server.chat_core import ChatSpec, prepare
+from nextoken.server.chat_core import ChatSpec, append_call, prepare
 from nextoken.server import responses_mcp
 from nextoken.server.mcp_tools import MCPTool
 from nextoken.server import tools as tools_mod
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.server.serving import OpenAIServing, iter_events, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
 
@@ -214,15 +214,6 @@ def to_chat_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
     return out
 
 
-def append_call(messages: list[dict], call_id: str, name: str, arguments: str) -> None:
-    """A tool call onto the conversation: into the last assistant message's calls, or a new one."""
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
-        messages[-1]["tool_calls"].append(call)
-    else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
 def _structured(body: ResponsesRequest) -> StructuredOutputsParams | None:
     fmt = body.text.format if body.text is not None else None
     if fmt is None or fmt.type == "text":
@@ -247,11 +238,6 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     body.parallel_tool_calls, _structured(body),
                     {"temperature": body.temperature, "top_p": body.top_p}, body.max_output_tokens,
                     fields={"max_tokens": "max_output_tokens", "constraint": "text.format"})
-
-
-async def iter_events(events: list[str]):
-    for e in events:
-        yield e
 
 
 def _event(kind: str, data: dict, seq: list[int]) -> str:

@@ -15,12 +15,11 @@ fails is a 424 naming the tool. Streamed, the same items are sent as events once
 
 from __future__ import annotations
 
-import json
 import uuid
 
-from nextoken.errors import DependencyFailed, InvalidRequest
+from nextoken.errors import InvalidRequest
 from nextoken.server.chat_core import prepare
-from nextoken.server.mcp_tools import Limits, MCPFailure, MCPTool, call_tool, check_allowed, item_id, list_tools
+from nextoken.server.mcp_tools import MCPTool, check_allowed, item_id, listings, run_call, server_limits
 
 DEFAULT_MAX_CALLS = 8  # MCP calls one response may run when the request sets no max_tool_calls
 
@@ -32,20 +31,14 @@ async def respond(serving, body, request, lora, conversation: list[dict], previo
     server that cannot list its tools)."""
     from nextoken.server.openai_responses import to_spec
 
-    try:
-        import mcp  # noqa: F401
-    except ImportError:
-        raise InvalidRequest("MCP tools need the mcp package on the server: pip install 'nextoken[mcp]'",
-                             "tools") from None
-    limits = Limits(tuple(serving.args.allow_mcp_url or ()), serving.args.mcp_timeout,
-                    serving.args.mcp_max_output_bytes)
+    limits = server_limits(serving.args)
     servers = [(i, t) for i, t in enumerate(body.tools) if isinstance(t, MCPTool)]
     labels: dict[str, MCPTool] = {}
     for i, t in servers:
-        check_allowed(t, i, limits)
+        check_allowed(t, f"tools[{i}].server_url", limits)
         if labels.setdefault(t.server_label, t) is not t:
             raise InvalidRequest(f"two MCP tools have server_label {t.server_label!r}", f"tools[{i}].server_label")
-    items, owners, offered = await _listings(servers, limits)
+    items, owners, offered = await listings(servers, limits)
     conversation = list(conversation)
     for approval in _approvals(body):
         asked = _approval_request(approval.approval_request_id, body, previous)
@@ -53,7 +46,7 @@ async def respond(serving, body, request, lora, conversation: list[dict], previo
         if tool is None:
             raise InvalidRequest(f"the approved call's MCP server {asked['server_label']!r} is not among the tools",
                                  "tools")
-        items.append(await _run(tool, asked["name"], asked["arguments"], conversation, limits, approval))
+        items.append(await run_call(tool, asked["name"], asked["arguments"], conversation, limits, approval))
     budget = body.max_tool_calls if isinstance(body.max_tool_calls, int) else DEFAULT_MAX_CALLS
     used, tokens, first = 0, [0, 0], True
     while True:
@@ -76,57 +69,8 @@ async def respond(serving, body, request, lora, conversation: list[dict], previo
                        owners[c["name"]].server_label, "name": c["name"], "arguments": c["arguments"]} for c in asks]
             return _finish(response, items + [it for it in rest if it["type"] != "message"], tokens), conversation
         for c in calls[: budget - used]:
-            items.append(await _run(owners[c["name"]], c["name"], c["arguments"], conversation, limits))
+            items.append(await run_call(owners[c["name"]], c["name"], c["arguments"], conversation, limits))
             used += 1
-
-
-async def _listings(servers, limits: Limits) -> tuple[list[dict], dict[str, MCPTool], list[dict]]:
-    """(the mcp_list_tools items, tool name -> its server, the tools in OpenAI chat's shape)."""
-    items, owners, offered = [], {}, []
-    for i, t in servers:
-        try:
-            listed = await list_tools(t, limits)
-        except MCPFailure as exc:
-            raise DependencyFailed(str(exc), f"tools[{i}]") from None
-        items.append({"type": "mcp_list_tools", "id": item_id("mcpl"), "server_label": t.server_label,
-                      "tools": listed, "error": None})
-        for tool in listed:
-            if tool["name"] in owners:
-                continue  # the first server offering a name keeps it
-            owners[tool["name"]] = t
-            offered.append({"type": "function", "function": {"name": tool["name"], "description": tool["description"],
-                                                             "parameters": tool["input_schema"]}})
-    return items, owners, offered
-
-
-async def _run(tool: MCPTool, name: str, arguments: str, conversation: list[dict], limits: Limits,
-               approval=None) -> dict:
-    """Run one call (or record a declined one), add it and its result to `conversation`, and
-    return its ``mcp_call`` item."""
-    from nextoken.server.openai_responses import append_call
-
-    item = {"type": "mcp_call", "id": item_id("mcp"), "server_label": tool.server_label, "name": name,
-            "arguments": arguments, "output": None, "error": None, "status": "completed"}
-    if approval is not None:
-        item["approval_request_id"] = approval.approval_request_id
-    if approval is not None and not approval.approve:
-        item["error"] = "the user declined this call" + (f": {approval.reason}" if approval.reason else "")
-    else:
-        try:
-            args = json.loads(arguments) if arguments.strip() else {}
-            if not isinstance(args, dict):
-                raise MCPFailure(f"the arguments of {name!r} are not a JSON object")
-            item["output"] = await call_tool(tool, name, args, limits)
-        except json.JSONDecodeError:
-            item["error"] = f"the arguments of {name!r} are not JSON: {arguments[:200]}"
-        except MCPFailure as exc:
-            item["error"] = str(exc)
-    if item["error"] is not None:
-        item["status"] = "failed"
-    append_call(conversation, item["id"], name, arguments)
-    conversation.append({"role": "tool", "tool_call_id": item["id"],
-                         "content": item["output"] if item["output"] is not None else f"error: {item['error']}"})
-    return item
 
 
 def _approvals(body) -> list:

@@ -48,7 +48,7 @@ def mcp_url():
         return a + b
 
     @srv.tool()
-    async def slow(x: int) -> str:
+    async def slow() -> str:  # (no arguments: the random model cannot write them without end)
         """Takes a minute."""
         import anyio
 
@@ -56,7 +56,7 @@ def mcp_url():
         return "late"
 
     @srv.tool()
-    def huge(x: int) -> str:
+    def huge() -> str:
         """Returns 10 MB."""
         return "x" * HUGE
 
@@ -171,7 +171,8 @@ def test_failures_are_clear_and_the_server_keeps_serving(srv, mcp_url):
         t0 = time.time()
         r = h.post("/v1/responses", json={**base, "tools": [mcp_tool(mcp_url, allowed_tools=[name])]})
         assert r.status_code == 200, r.text
-        call = next(o for o in r.json()["output"] if o["type"] == "mcp_call")
+        call = next((o for o in r.json()["output"] if o["type"] == "mcp_call"), None)
+        assert call is not None, (name, r.json()["output"])
         assert call["status"] == "failed" and words in call["error"] and call["output"] is None
         assert time.time() - t0 < 30
     assert h.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 4}).status_code == 200
@@ -214,3 +215,29 @@ def test_qwen_calls_an_mcp_tool_and_answers_with_its_output(mcp_url, stream):
         assert "21" in r.output_text, r.output_text
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_mcp_connector_runs_the_same_calls(srv, mcp_url, stream):
+    """Anthropic's ``mcp_servers`` (its SDK's beta Messages API, as users send them): the call and
+    its result as mcp_tool_use and mcp_tool_result blocks before the answer, streamed and not."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+    kw = dict(model="tiny", max_tokens=120, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              betas=["mcp-client-2025-04-04"], tool_choice={"type": "any"}, extra_body={"temperature": 0},
+              mcp_servers=[{"type": "url", "url": mcp_url, "name": "weather",
+                            "tool_configuration": {"allowed_tools": ["get_weather"]}}])
+    if stream:
+        with c.beta.messages.stream(**kw) as s:
+            msg = s.get_final_message().model_dump()
+    else:
+        msg = c.beta.messages.create(**kw).model_dump()
+    use, result = msg["content"][:2]
+    assert use["type"] == "mcp_tool_use" and use["name"] == "get_weather" and use["server_name"] == "weather"
+    assert result["type"] == "mcp_tool_result" and result["tool_use_id"] == use["id"] and not result["is_error"]
+    assert result["content"][0]["text"] == expected_output("get_weather", use["input"])
+    r = httpx.post(f"{srv.url}/v1/messages", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "mcp_servers": [{"type": "url", "url": "http://example.com/mcp", "name": "x"}]})
+    assert r.status_code == 400 and "mcp_servers[0].url" in r.json()["error"]["message"]
