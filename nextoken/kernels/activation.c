@@ -131,12 +131,19 @@ static void silu_mul_range(const uint16_t *g, const uint16_t *u, uint16_t *y, in
 #endif
 }
 
-/* y[i] = silu(g[i]) * u[i] for i < n; g, u, y bf16 (y may be g or u). */
-void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
+typedef void (*range_fn)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t);
+
+/* `range` over [0, n) in ACT_CHUNK pieces, split over OpenMP threads when there are many */
+static void over_chunks(range_fn range, const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
     const int64_t chunks = (n + ACT_CHUNK - 1) / ACT_CHUNK;
     #pragma omp parallel for schedule(static) if (chunks > 4)
     for (int64_t c = 0; c < chunks; c++)
-        silu_mul_range(g, u, y, c * ACT_CHUNK, c * ACT_CHUNK + ACT_CHUNK < n ? c * ACT_CHUNK + ACT_CHUNK : n);
+        range(g, u, y, c * ACT_CHUNK, c * ACT_CHUNK + ACT_CHUNK < n ? c * ACT_CHUNK + ACT_CHUNK : n);
+}
+
+/* y[i] = silu(g[i]) * u[i] for i < n; g, u, y bf16 (y may be g or u). */
+void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
+    over_chunks(silu_mul_range, g, u, y, n);
 }
 
 /* RMSNorm (Zhang & Sennrich 2019) of one row: out = bf16(w * bf16(h * r)), r = 1 / sqrt(mean(h^2) + eps).
@@ -212,10 +219,7 @@ static void gelu_mul_range(const uint16_t *g, const uint16_t *u, uint16_t *y, in
 }
 
 void gelu_tanh_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
-    const int64_t chunks = (n + ACT_CHUNK - 1) / ACT_CHUNK;
-    #pragma omp parallel for schedule(static) if (chunks > 4)
-    for (int64_t c = 0; c < chunks; c++)
-        gelu_mul_range(g, u, y, c * ACT_CHUNK, c * ACT_CHUNK + ACT_CHUNK < n ? c * ACT_CHUNK + ACT_CHUNK : n);
+    over_chunks(gelu_mul_range, g, u, y, n);
 }
 
 int activation_vectorized(void) { return ACT_AVX512 || ACT_AVX2; }

@@ -289,6 +289,19 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 _NATIVE_FN = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
+def _native_window_decodes(q, k_ring, v_ring, meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+    """Sliding-window decodes by our paged decode kernel (as the one-call C decode step reads
+    them): each sequence's ring as a block table (`SlidingMetadata.ring_tables`) from its
+    window's first key. q ``[nd, H, D]`` -> ``[nd, H, D]``, or None when the plan gave no kernel
+    or it does not take these shapes."""
+    lib, nd = meta.kernels.paged_attention, q.shape[0]
+    if meta.backend != "native" or lib is None:
+        return None
+    sm = meta.sliding
+    return native_decode_attention(q, k_ring, v_ring, sm.ring_tables[:nd], meta.seq_lens[:nd], scale, lib=lib,
+                                   starts=sm.key_start[:nd])
+
+
 def native_decode_supports(dtype: torch.dtype, head_dim: int, group: int, int8_cache: bool = False) -> bool:
     """Whether the C decode attention takes a model of these shapes (the execution plan asks at
     load): float32 or bf16 queries (bf16 with an int8 cache), head_dim <= 256, <= 64 query heads
@@ -389,7 +402,7 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
     if sliding:
         i = kv.sliding.layer_index[layer]
         return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference,
-                                        meta.probs)
+                                        meta.probs, _native_window_decodes)
     i = kv.layer_index[layer]
     kv.write(i, meta.slot_mapping, k, v)
     k_cache, v_cache = kv.layer(i)

@@ -74,12 +74,13 @@ def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int
 
 
 def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, reference: bool = False,
-                             sink: list | None = None):
+                             sink: list | None = None, decode=None):
     """q ``[T, H, D]``, this pass's k, v ``[T, Hkv, D]``; rings ``[Hkv, num_blocks, block_size,
     D]`` (this layer). Writes the new keys and values into the rings. Returns the output
     ``[T, H, D]``; with `reference` (plain float32 attention instead of the fused kernel) and a
     `sink` list, each sequence's probabilities ``[H, q_len, seq_len]`` (zero outside the window)
-    go to the sink."""
+    go to the sink. `decode(q_decodes, k_ring, v_ring, meta, scale)`: the decodes' windows after
+    the writes in one call (``[nd, H, D]``, or None: SDPA runs them), when given."""
     sm: SlidingMetadata = meta.sliding
     heads, nb, bs, d = k_ring.shape
     k_flat, v_flat = k_ring.view(heads, nb * bs, d), v_ring.view(heads, nb * bs, d)
@@ -89,8 +90,10 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
     k_flat.index_copy_(1, sm.write_slots, k[sm.write_rows].transpose(0, 1))
     v_flat.index_copy_(1, sm.write_slots, v[sm.write_rows].transpose(0, 1))
     out = torch.empty_like(q)
-    first = _native_decodes(q[:nd], k_ring, v_ring, meta, scale, out) if not reference and nd else 0
-    for i in range(first, meta.num_seqs):
+    done = decode(q[:nd], k_ring, v_ring, meta, scale) if decode is not None and nd and not reference else None
+    if done is not None:
+        out[:nd] = done
+    for i in range(nd if done is not None else 0, meta.num_seqs):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_start = meta.seq_lens[i] - (b - a)
         if i < nd:
@@ -110,25 +113,6 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
                                                scale=scale, enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
     return out
-
-
-def _native_decodes(q, k_ring, v_ring, meta, scale: float, out) -> int:
-    """The decodes' windows by our paged decode kernel (``kernels/paged_attention.c``, as the
-    one-call C decode step reads them), through each sequence's ring table from its first key:
-    q ``[nd, H, D]`` into ``out[:nd]``. Returns how many sequences it did: nd, or 0 when the plan
-    gave no kernel or it does not take these shapes (SDPA then runs them)."""
-    from nextoken.layers.attention import native_decode_attention
-
-    lib, nd = meta.kernels.paged_attention, q.shape[0]
-    if meta.backend != "native" or lib is None:
-        return 0
-    sm: SlidingMetadata = meta.sliding
-    o = native_decode_attention(q, k_ring, v_ring, sm.ring_tables[:nd], meta.seq_lens[:nd], scale, lib=lib,
-                                starts=sm.key_start[:nd])
-    if o is None:
-        return 0
-    out[:nd] = o
-    return nd
 
 
 def _naive(q, k, v, mask, scale: float):

@@ -267,7 +267,7 @@ class OpenAIServingResponses(OpenAIServing):
                 "tool_choice": _tool_choice_json(body.tool_choice)}
         if any(t.type == "mcp" for t in body.tools or []):
             response, conversation = await responses_mcp.respond(self, body, request, lora, conversation, previous,
-                                                                 meta)
+                                                                 meta, to_spec)
             self._keep(body, response, conversation)
             if body.stream:
                 seq = [-1]

@@ -24,13 +24,13 @@ from nextoken.server.mcp_tools import MCPTool, check_allowed, item_id, listings,
 DEFAULT_MAX_CALLS = 8  # MCP calls one response may run when the request sets no max_tool_calls
 
 
-async def respond(serving, body, request, lora, conversation: list[dict], previous: dict | None, meta: dict) -> tuple[dict, list[dict]]:
+async def respond(serving, body, request, lora, conversation: list[dict], previous: dict | None, meta: dict,
+                  to_spec) -> tuple[dict, list[dict]]:
     """The whole response to `body` (whose tools include MCP servers) and the conversation to
-    store; `previous`: the stored response `previous_response_id` names, or None. Raises
+    store; `previous`: the stored response `previous_response_id` names, or None; `to_spec(body,
+    conversation, offered tools, first)` makes each pass's `ChatSpec`. Raises
     `InvalidRequest` (a URL not allowed, an approval for no request), `DependencyFailed` (a
     server that cannot list its tools)."""
-    from nextoken.server.openai_responses import to_spec
-
     limits = server_limits(serving.args)
     servers = [(i, t) for i, t in enumerate(body.tools) if isinstance(t, MCPTool)]
     labels: dict[str, MCPTool] = {}

@@ -185,6 +185,7 @@ def _sample(tp, depth: int = 0):
     Literal, the first member of a Union that is not None, a TypedDict's required keys, one
     element for a list, a plain "x", 1, 0.5 or True."""
     import collections.abc
+    import types
     import typing
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -192,7 +193,7 @@ def _sample(tp, depth: int = 0):
         return _sample(args[0], depth)
     if origin is typing.Literal:
         return args[0]
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+    if origin in (typing.Union, types.UnionType):
         return _sample(next(a for a in args if a is not type(None)), depth)
     if depth > 4:
         return None
