@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
@@ -27,9 +28,8 @@ from nextoken.server import published
 from nextoken.server import anthropic_mcp
 from nextoken.server.anthropic_mcp import MCPServer
 from nextoken.server.chat_core import ChatSpec, prepare, render
-from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.serving import OpenAIServing, iter_events, sse_response
+from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
+from nextoken.server.serving import OpenAIServing, sse_response
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -170,14 +170,14 @@ def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] 
                     getattr(body, "max_tokens", None))
 
 
-def _stop_reason(c, calls: bool) -> tuple[str, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for a finished completion."""
-    if c.finish_reason == "length":
+def stop_reason(choice) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished `chat_run.Choice`."""
+    if choice.finish == "length":
         return "max_tokens", None
-    if calls:
+    if choice.finish == "tool_calls":
         return "tool_use", None
-    if isinstance(c.stop_reason, str):
-        return "stop_sequence", c.stop_reason
+    if isinstance(choice.stop_reason, str):
+        return "stop_sequence", choice.stop_reason
     return "end_turn", None
 
 
@@ -185,7 +185,7 @@ def _tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def _input(arguments: str) -> dict:
+def tool_input(arguments: str) -> dict:
     try:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
@@ -210,94 +210,96 @@ class AnthropicServingMessages(OpenAIServing):
         lora = self.check_model(body.model)
         self.check_queue()
         if body.mcp_servers:
-            message = await anthropic_mcp.respond(self, body, request, lora, to_spec)
-            if body.stream:
-                return sse_response(iter_events(anthropic_mcp.replay(message, _event)))
-            return message
+            return await self._connector(body, request, lora)
         p = await prepare(self, to_spec(body))
-        rid = await self.engine.add_request(p.ids, p.params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
-        names = p.names
+        res = await run(self, p, request, lora, body.stream, "msg_")
         if body.stream:
-            return sse_response(self._stream(rid, len(p.ids), names))
-        out = (await self.collect([rid], request))[0]
-        self.record([out])
-        return self._message(out, names)
+            return sse_response(self._stream(res, len(p.ids)))
+        return self.message(res)
 
-    def _message(self, out, names) -> dict:
-        c = out.outputs[0]
-        content, calls = [], []
-        style = self.args.reasoning_parser
-        thought, text = split_reasoning(c.text, style) if style else ("", c.text)
-        if thought:
-            content.append({"type": "thinking", "thinking": thought, "signature": ""})
-        if names:
-            parsed = tools_mod.parse(text, names, c.finish_reason == "length")
-            text, calls = parsed.content, parsed.calls
-        if text:
-            content.append({"type": "text", "text": text})
-        content += [{"type": "tool_use", "id": _tool_id(), "name": call.name, "input": _input(call.arguments)}
-                    for call in calls]
-        stop, seq = _stop_reason(c, bool(calls))
-        return {"id": out.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
-                "content": content, "stop_reason": stop, "stop_sequence": seq,
-                "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
+    async def _connector(self, body, request, lora):
+        """A message with the MCP connector (`anthropic_mcp.ConnectorLoop`), streamed or not."""
+        loop = await anthropic_mcp.ConnectorLoop(self, body, request, lora, to_spec, RENDER).start()
+        if body.stream:
+            return sse_response(loop.events(_event))
+        async for _ in loop.events(lambda kind, data: None):
+            pass
+        if loop.error is not None:
+            raise loop.error
+        return loop.message
 
-    async def _stream(self, rid: str, num_prompt: int, names):
-        """Anthropic's event sequence for request `rid`: text and tool calls as content blocks."""
-        splitter = StreamSplitter(self.args.reasoning_parser, names)
+    def message(self, res) -> dict:
+        """The message of the core's `ChatResult`: thinking, text, then tool_use blocks."""
+        c = res.choices[0]
+        stop, seq = stop_reason(c)
+        return {"id": res.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
+                "content": blocks(c), "stop_reason": stop, "stop_sequence": seq,
+                "usage": {"input_tokens": res.usage.prompt_tokens, "output_tokens": res.usage.completion_tokens}}
+
+    async def _stream(self, events, num_prompt: int):
+        """Anthropic's event sequence for the core's events: content blocks (thinking, text,
+        tool_use) opened and closed as the kind changes."""
         yield _event("message_start", {"message": {
-            "id": rid, "type": "message", "role": "assistant", "model": self.args.model_name, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
+            "id": events.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
         yield _event("ping", {})
         block = {"index": -1, "kind": None}  # the open content block
-        out = c = None
-        try:
-            async for out in self.engine.stream(rid):
-                c = out.outputs[0]
-                thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
-                for piece in thought:  # the thought as a thinking block, the answer as before
-                    if block["kind"] != "thinking":
-                        for event in _open(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""}):
-                            yield event
-                    yield _event("content_block_delta", {"index": block["index"],
-                                                         "delta": {"type": "thinking_delta", "thinking": piece}})
-                for event in _block_events(events, block, splitter.parser):
-                    yield event
-        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
-            yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
-            return
-        if block["kind"] is not None:
-            yield _event("content_block_stop", {"index": block["index"]})
-        stop, seq = _stop_reason(c, bool(splitter.parser and splitter.parser.calls))
-        yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
-                                       "usage": {"output_tokens": len(c.token_ids)}})
-        yield _event("message_stop", {})
-        self.record([out])
+        async for ev in events:
+            if isinstance(ev, Failed):
+                yield _event("error", {"error": {"type": "api_error", "message": ev.message}})
+                return
+            for kind, data in block_events(ev, block):
+                yield _event(kind, data)
+            if isinstance(ev, Finish):
+                stop, seq = stop_reason(ev.choice)
+                yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                                               "usage": {"output_tokens": ev.usage.completion_tokens}})
+                yield _event("message_stop", {})
 
 
-def _block_events(events, block: dict, parser):
-    """The SSE events for `ToolCallParser` events (or plain text), opening and closing content
-    blocks as the kind changes; `block` holds the open one (index, kind)."""
-    for ev in events:
-        if ev[0] == "content":
-            if not ev[1]:
-                continue
-            if block["kind"] != "text":
-                yield from _open(block, "text", {"type": "text", "text": ""})
-            yield _event("content_block_delta", {"index": block["index"],
-                                                 "delta": {"type": "text_delta", "text": ev[1]}})
-        elif ev[0] == "call":
-            call = parser.calls[ev[1]]
-            yield from _open(block, "tool", {"type": "tool_use", "id": _tool_id(), "name": call.name, "input": {}})
-        elif ev[2]:
-            yield _event("content_block_delta", {"index": block["index"],
-                                                 "delta": {"type": "input_json_delta", "partial_json": ev[2]}})
+def blocks(c, skip: frozenset[str] | set[str] = frozenset()) -> list[dict]:
+    """The content blocks of a `chat_run.Choice`: thinking, text, tool_use (but calls of the
+    functions in `skip`)."""
+    content = [{"type": "thinking", "thinking": c.thought, "signature": ""}] if c.thought else []
+    if c.text:
+        content.append({"type": "text", "text": c.text})
+    return content + [{"type": "tool_use", "id": _tool_id(), "name": call.name, "input": tool_input(call.arguments)}
+                      for call in c.calls if call.name not in skip]
 
 
-def _open(block: dict, kind: str, start: dict):
+def block_events(ev, block: dict):
+    """Anthropic's events (kind, data) for one core event, opening and closing content blocks
+    as the kind changes (`block`: the open one's index and kind); `Finish` closes the open one."""
+    if isinstance(ev, Thought):
+        if block["kind"] != "thinking":
+            yield from open_block(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        yield "content_block_delta", {"index": block["index"], "delta": {"type": "thinking_delta", "thinking": ev.text}}
+    elif isinstance(ev, Text):
+        if block["kind"] != "text":
+            yield from open_block(block, "text", {"type": "text", "text": ""})
+        yield "content_block_delta", {"index": block["index"], "delta": {"type": "text_delta", "text": ev.text}}
+    elif isinstance(ev, ToolCallStart):
+        yield from open_block(block, "tool", {"type": "tool_use", "id": _tool_id(), "name": ev.name, "input": {}})
+    elif isinstance(ev, ToolCallArgs):
+        yield "content_block_delta", {"index": block["index"],
+                                      "delta": {"type": "input_json_delta", "partial_json": ev.text}}
+    elif isinstance(ev, Finish):
+        yield from open_block(block, None, None)
+
+
+def open_block(block: dict, kind: str | None, start: dict | None) -> list[tuple[str, dict]]:
+    """Close the open block and (unless `kind` is None) open block `start`: its events."""
+    events = []
     if block["kind"] is not None:
-        yield _event("content_block_stop", {"index": block["index"]})
-    block["index"] += 1
-    block["kind"] = kind
-    yield _event("content_block_start", {"index": block["index"], "content_block": start})
+        events.append(("content_block_stop", {"index": block["index"]}))
+        block["kind"] = None
+    if kind is not None:
+        block["index"] += 1
+        block["kind"] = kind
+        events.append(("content_block_start", {"index": block["index"], "content_block": start}))
+    return events
 
+
+RENDER = SimpleNamespace(block_events=block_events, blocks=blocks, stop_reason=stop_reason,
+                         open_block=open_block, tool_input=tool_input)  # (`anthropic_mcp`)

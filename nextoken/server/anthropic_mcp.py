@@ -7,12 +7,13 @@ connector runs calls without approval; at most `MAX_CALLS` per message.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Literal
 
 from nextoken.bodies import Body, NonEmptyStr
 from nextoken.server.chat_core import prepare
+from nextoken.errors import InvalidRequest
+from nextoken.server.chat_run import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, run
 from nextoken.server.mcp_tools import MCPTool, check_allowed, listings, run_call, server_limits
 
 MAX_CALLS = 8
@@ -39,63 +40,89 @@ class MCPServer(Body):
                        if self.authorization_token else None)
 
 
-async def respond(serving, body, request, lora, to_spec) -> dict:
-    """The message answering `body`, whose ``mcp_servers`` the server calls; `to_spec(body,
-    conversation, offered, first)` makes each pass's `ChatSpec`."""
-    limits = server_limits(serving.args, "mcp_servers")
-    servers = [(i, s.as_tool()) for i, s in enumerate(body.mcp_servers)]
-    for i, t in servers:
-        check_allowed(t, f"mcp_servers[{i}].url", limits)
-    _, owners, offered = await listings(servers, limits, "mcp_servers")
-    blocks, conversation, tokens, first, used = [], None, [0, 0], True, 0
-    while True:
-        spec = to_spec(body, conversation, offered, first)
-        conversation, first = spec.messages, False
-        p = await prepare(serving, spec)
-        rid = await serving.engine.add_request(p.ids, p.params, f"msg_{uuid.uuid4().hex[:24]}", lora_request=lora)
-        out = (await serving.collect([rid], request))[0]
-        serving.record([out])
-        tokens[0] += len(out.prompt_token_ids)
-        tokens[1] += len(out.outputs[0].token_ids)
-        message = serving._message(out, p.names)
-        calls = [b for b in message["content"] if b["type"] == "tool_use" and b["name"] in owners]
-        if not calls or used >= MAX_CALLS:
-            message["content"] = blocks + [b for b in message["content"] if b not in calls]
-            message["usage"] = {"input_tokens": tokens[0], "output_tokens": tokens[1]}
-            if calls and message["stop_reason"] == "tool_use" and not any(b["type"] == "tool_use"
-                                                                            for b in message["content"]):
-                message["stop_reason"] = "end_turn"
-            return message
-        for b in calls[: MAX_CALLS - used]:
-            tool = owners[b["name"]]
-            item = await run_call(tool, b["name"], json.dumps(b["input"]), conversation, limits)
-            blocks += [{"type": "mcp_tool_use", "id": item["id"], "name": b["name"], "server_name": tool.server_label,
-                        "input": b["input"]},
+class ConnectorLoop:
+    """One message answering a request with ``mcp_servers``. `start` checks and lists the
+    servers and prepares the first pass (raising before any answer goes out); `events(emit)`
+    runs the passes, the text and thinking streamed as generated (`emit(kind, data)` formats an
+    SSE event, or returns None: not streamed); then `message` is set. `render`: the Messages
+    API's renderer (``block_events``, ``blocks``, ``stop_reason``, ``open_block``)."""
+
+    def __init__(self, serving, body, request, lora, to_spec, render):
+        self.serving, self.body, self.request, self.lora = serving, body, request, lora
+        self.to_spec, self.render = to_spec, render
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.message: dict | None = None
+        self.error: Exception | None = None
+
+    async def start(self) -> "ConnectorLoop":
+        self.limits = limits = server_limits(self.serving.args, "mcp_servers")
+        servers = [(i, s.as_tool()) for i, s in enumerate(self.body.mcp_servers)]
+        for i, t in servers:
+            check_allowed(t, f"mcp_servers[{i}].url", limits)
+        _, self.owners, self.offered = await listings(servers, limits, "mcp_servers")
+        spec = self.to_spec(self.body, None, self.offered, True)
+        self.conversation = spec.messages
+        self.first = await prepare(self.serving, spec)
+        return self
+
+    async def events(self, emit):
+        async for text in self._events(emit):
+            if text is not None:
+                yield text
+
+    async def _events(self, emit):
+        r, p = self.render, self.first
+        yield emit("message_start", {"message": {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.serving.args.model_name,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(p.ids), "output_tokens": 0}}})
+        block, content, tokens, used = {"index": -1, "kind": None}, [], [0, 0], 0
+        while True:
+            choice, owned_open = None, False
+            async for ev in await run(self.serving, p, self.request, self.lora, stream=True, prefix="msg_"):
+                if isinstance(ev, Failed):
+                    self.error = RuntimeError(ev.message)
+                    yield emit("error", {"error": {"type": "api_error", "message": ev.message}})
+                    return
+                if isinstance(ev, ToolCallStart):
+                    owned_open = ev.name in self.owners  # a connector call: its blocks come once it ran
+                if isinstance(ev, Finish):
+                    choice = ev.choice
+                    tokens = [tokens[0] + ev.usage.prompt_tokens, tokens[1] + ev.usage.completion_tokens]
+                    for t in r.open_block(block, None, None):
+                        yield emit(*t)
+                elif not (owned_open and isinstance(ev, (ToolCallStart, ToolCallArgs, Tokens))):
+                    for t in r.block_events(ev, block):
+                        yield emit(*t)
+            owned = [c for c in choice.calls if c.name in self.owners]
+            content += r.blocks(choice, skip=set(self.owners))
+            if not owned or used >= MAX_CALLS:
+                break
+            for call in owned[: MAX_CALLS - used]:
+                tool = self.owners[call.name]
+                item = await run_call(tool, call.name, call.arguments, self.conversation, self.limits)
+                ran = [{"type": "mcp_tool_use", "id": item["id"], "name": call.name, "server_name": tool.server_label,
+                        "input": r.tool_input(call.arguments)},
                        {"type": "mcp_tool_result", "tool_use_id": item["id"], "is_error": item["error"] is not None,
                         "content": [{"type": "text", "text": item["output"] if item["error"] is None
                                      else item["error"]}]}]
-            used += 1
-
-
-def replay(message: dict, event) -> list[str]:
-    """A finished message as Anthropic's event stream (`event(kind, data)` formats one): each
-    content block started, its content as one delta where it has one, stopped."""
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": message["usage"]["input_tokens"], "output_tokens": 0}}
-    out = [event("message_start", {"message": start})]
-    for i, b in enumerate(message["content"]):
-        if b["type"] == "text":
-            out += [event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}),
-                    event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})]
-        elif b["type"] == "tool_use":
-            out += [event("content_block_start", {"index": i, "content_block": {**b, "input": {}}}),
-                    event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                        "partial_json": json.dumps(b["input"])}})]
-        else:
-            out.append(event("content_block_start", {"index": i, "content_block": b}))
-        out.append(event("content_block_stop", {"index": i}))
-    out += [event("message_delta", {"delta": {"stop_reason": message["stop_reason"],
-                                              "stop_sequence": message["stop_sequence"]},
-                                    "usage": {"output_tokens": message["usage"]["output_tokens"]}}),
-            event("message_stop", {})]
-    return out
+                content += ran
+                used += 1
+                for b in ran:
+                    for t in r.open_block(block, "mcp", b) + r.open_block(block, None, None):
+                        yield emit(*t)
+            try:
+                p = await prepare(self.serving, self.to_spec(self.body, self.conversation, self.offered, False))
+            except InvalidRequest as exc:  # (the conversation outgrew the context, ...): after the 200
+                self.error = exc
+                yield emit("error", {"error": {"type": "invalid_request_error", "message": str(exc)}})
+                return
+        stop, seq = r.stop_reason(choice)
+        if stop == "tool_use" and not any(b["type"] == "tool_use" for b in content):
+            stop = "end_turn"  # the calls were the connector's, and they ran
+        self.message = {"id": self.id, "type": "message", "role": "assistant", "model": self.serving.args.model_name,
+                        "content": content, "stop_reason": stop, "stop_sequence": seq,
+                        "usage": {"input_tokens": tokens[0], "output_tokens": tokens[1]}}
+        yield emit("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                                     "usage": {"output_tokens": tokens[1]}})
+        yield emit("message_stop", {})

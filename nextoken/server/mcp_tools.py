@@ -164,10 +164,10 @@ async def listings(servers, limits: Limits, field: str = "tools") -> tuple[list[
 
 
 async def run_call(tool: MCPTool, name: str, arguments: str, conversation: list[dict], limits: Limits,
-               approval=None) -> dict:
+               approval=None, call_id: str | None = None) -> dict:
     """Run one call (or record a declined one), add it and its result to `conversation`, and
-    return its ``mcp_call`` item."""
-    item = {"type": "mcp_call", "id": item_id("mcp"), "server_label": tool.server_label, "name": name,
+    return its ``mcp_call`` item (whose id is `call_id`, or a new one)."""
+    item = {"type": "mcp_call", "id": call_id or item_id("mcp"), "server_label": tool.server_label, "name": name,
             "arguments": arguments, "output": None, "error": None, "status": "completed"}
     if approval is not None:
         item["approval_request_id"] = approval.approval_request_id

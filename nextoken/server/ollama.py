@@ -26,11 +26,11 @@ from nextoken.bodies import Body, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import published
-from nextoken.server.chat_core import ChatSpec, prepare
+from nextoken.server.chat_core import ChatSpec, Prepared, prepare
+from nextoken.server.chat_run import Failed, Finish, Text, Thought, run
 from nextoken.server.protocol import FunctionDefinition
 from nextoken.server import responses as R
 from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import OpenAIServing
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -179,8 +179,7 @@ class OllamaServing(OpenAIServing):
         if not body.messages:  # Ollama's way to load a model: an empty answer, done
             return {"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                     "done_reason": "load", "done": True}
-        p = await prepare(self, to_spec(body))
-        return await self._answer(body, p.ids, p.params, p.names, request, chat=True)
+        return await self._answer(body, await prepare(self, to_spec(body)), request, chat=True)
 
     async def generate(self, body: GenerateRequest, request: Request):
         self.check_model(body.model)
@@ -194,10 +193,10 @@ class OllamaServing(OpenAIServing):
             ids = R.encode_chat(tok, msgs)
         if not ids:  # Ollama's way to load a model
             return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        return await self._generate(body, ids, request)
+        return await self._answer(body, await self._prepare_generate(body, ids), request, chat=False)
 
-    async def _generate(self, body: GenerateRequest, ids: list[int], request: Request):
-        """/api/generate's completion (no chat core: a raw or single-turn prompt, no tools)."""
+    async def _prepare_generate(self, body: GenerateRequest, ids: list[int]) -> Prepared:
+        """/api/generate's request (no chat spec: a raw or single-turn prompt, no tools)."""
         sampling, max_tokens = sampling_fields(body.options)
         try:
             params = SamplingParams(**sampling, max_tokens=max_tokens or self._max_tokens(len(ids)),
@@ -206,61 +205,43 @@ class OllamaServing(OpenAIServing):
             raise InvalidRequest(f"options: {exc}", "options") from None
         params = params.validate(self.engine.engine.config.vocab_size)
         await self.compile(params.structured_outputs)
-        return await self._answer(body, ids, params, None, request, chat=False)
+        return Prepared(ids, params, None, None)
 
-    async def _answer(self, body, ids: list[int], params: SamplingParams, names, request: Request, chat: bool):
-        rid = await self.engine.add_request(ids, params, f"ollama-{uuid.uuid4().hex}",
-                                            lora_request=self.check_model(body.model))
+    async def _answer(self, body, p: Prepared, request: Request, chat: bool):
+        res = await run(self, p, request, self.check_model(body.model), body.stream, "ollama-")
         if body.stream:
-            return StreamingResponse(self._stream(body.model, rid, names, chat), media_type="application/x-ndjson")
-        out = (await self.collect([rid], request))[0]
-        self.record([out])
-        return self._final(body.model, out, names, chat, out.outputs[0].text)
+            return StreamingResponse(self._stream(body.model, res, chat, bool(p.names)),
+                                     media_type="application/x-ndjson")
+        return self._final(body.model, res.choices[0], res.output, chat)
 
-    def _final(self, model: str, out, names, chat: bool, text: str, thought: str | None = None) -> dict:
-        """The last object: with `text` (the whole answer, not streamed) split by the reasoning
-        parser when the server has one; `thought`: the streamed case's is sent already."""
+    def _final(self, model: str, c, out, chat: bool, sent: tuple[bool, bool] = (False, False)) -> dict:
+        """The last object for the core's `Choice` `c` (and the engine's output, for the counts);
+        `sent`: whether its thought, and its text, went out in the stream already."""
         head = {"model": model, "created_at": _now()}
-        style = self.args.reasoning_parser
-        if style and thought is None:
-            thought, text = split_reasoning(text, style)
+        thought, text = "" if sent[0] else c.thought, "" if sent[1] else c.text
         extra = {"thinking": thought} if thought else {}
         if not chat:
             return {**head, "response": text, **extra, "done": True, **_stats(out)}
         message = {"role": "assistant", "content": text, **extra}
-        if names:
-            parsed = tools_mod.parse(text, names, out.outputs[0].finish_reason == "length")
-            message["content"] = parsed.content
-            if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content if text else "", **extra,
-                           "tool_calls": [{"function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-                                          for c in parsed.calls]}
+        if c.calls:
+            message["tool_calls"] = [{"function": {"name": call.name, "arguments": _arguments(call.arguments)}}
+                                     for call in c.calls]
         return {**head, "message": message, "done": True, **_stats(out)}
 
-    async def _stream(self, model: str, rid: str, names, chat: bool):
-        """One JSON object per line as text arrives, then a last one (empty text) with the counts.
-        With tools the text is held (a call is only known whole): the last object carries it all."""
-        out = None
-        splitter = StreamSplitter(self.args.reasoning_parser)  # tool calls are parsed whole, at the end
-        answer = ""
-        try:
-            async for out in self.engine.stream(rid):
-                c = out.outputs[0]
-                thought, events = splitter.feed(c.delta, c.finished)
-                pieces = [("thinking", t) for t in thought]
-                for _, text in events:
-                    answer += text
-                    if not names:
-                        pieces.append(("content" if chat else "response", text))
-                for field, piece in pieces:
-                    body = {"message": {"role": "assistant", "content": "", field: piece}} if chat else {field: piece}
-                    yield _line({"model": model, "created_at": _now(), **body, "done": False})
-        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error line ends the stream
-            yield _line({"error": str(exc)})
-            return
-        self.record([out])
-        answer = answer if names else ""
-        yield _line(self._final(model, out, names, chat, answer, thought=""))
+    async def _stream(self, model: str, events, chat: bool, tools: bool):
+        """One JSON object per line as text arrives, then a last one with the counts. With
+        `tools` the answer's text is held (a call is only known whole): the last object carries
+        it and the calls."""
+        async for ev in events:
+            if isinstance(ev, Failed):
+                yield _line({"error": ev.message})
+                return
+            if isinstance(ev, Finish):
+                yield _line(self._final(model, ev.choice, ev.output, chat, sent=(True, not tools)))
+            elif isinstance(ev, Thought) or (isinstance(ev, Text) and not tools):
+                field = "thinking" if isinstance(ev, Thought) else "content" if chat else "response"
+                body = {"message": {"role": "assistant", "content": "", field: ev.text}} if chat else {field: ev.text}
+                yield _line({"model": model, "created_at": _now(), **body, "done": False})
 
     def tags(self) -> dict:
         return {"models": [self._model_entry()]}

@@ -16,6 +16,7 @@ request is a 400 that says so.
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 import json
 import threading
 import time
@@ -31,9 +32,8 @@ from nextoken.server import published
 from nextoken.server.chat_core import ChatSpec, append_call, prepare
 from nextoken.server import responses_mcp
 from nextoken.server.mcp_tools import MCPTool
-from nextoken.server import tools as tools_mod
-from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.serving import OpenAIServing, iter_events, sse_response
+from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
+from nextoken.server.serving import OpenAIServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
 
@@ -266,45 +266,53 @@ class OpenAIServingResponses(OpenAIServing):
         meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": _tool_choice_json(body.tool_choice)}
         if any(t.type == "mcp" for t in body.tools or []):
-            response, conversation = await responses_mcp.respond(self, body, request, lora, conversation, previous,
-                                                                 meta, to_spec)
-            self._keep(body, response, conversation)
-            if body.stream:
-                seq = [-1]
-                return sse_response(iter_events(responses_mcp.replay(response, lambda k, d: _event(k, d, seq))))
-            return response
+            return await self._mcp(body, request, lora, meta, conversation, previous)
         p = await prepare(self, to_spec(body, conversation))
-        rid = await self.engine.add_request(p.ids, p.params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
-        names = p.names
+        res = await run(self, p, request, lora, body.stream, "resp_")
         if body.stream:
-            return sse_response(self._stream(body, rid, names, meta, conversation))
-        out = (await self.collect([rid], request))[0]
-        self.record([out])
-        response = self._response(body, out, names, meta)
+            return sse_response(self._stream(body, res, meta, conversation))
+        response = self.response(body, res, meta)
         self._keep(body, response, conversation)
         return response
+
+    async def _mcp(self, body, request, lora, meta, conversation, previous):
+        """A response whose tools include MCP servers (`responses_mcp.MCPLoop`), streamed or not."""
+        loop = await responses_mcp.MCPLoop(self, body, request, lora, meta, to_spec, RENDER).start(conversation,
+                                                                                                 previous)
+        if body.stream:
+            seq = [-1]
+
+            async def events():
+                async for text in loop.events(lambda kind, data: _event(kind, data, seq)):
+                    yield text
+                if loop.response is not None:
+                    self._keep(body, loop.response, loop.conversation)
+            return sse_response(events())
+        async for _ in loop.events(lambda kind, data: None):
+            pass
+        if loop.error is not None:
+            raise loop.error
+        self._keep(body, loop.response, loop.conversation)
+        return loop.response
 
     def _keep(self, body, response: dict, conversation: list[dict]) -> None:
         if body.store:
             self.store.put(response, conversation + _as_messages(response["output"]))
 
-    def _response(self, body, out, names, meta) -> dict:
-        c = out.outputs[0]
-        style = self.args.reasoning_parser
-        thought, text = split_reasoning(c.text, style) if style else ("", c.text)
-        calls = []
-        if names:
-            parsed = tools_mod.parse(text, names, c.finish_reason == "length")
-            text, calls = parsed.content, parsed.calls
-        output = [_reasoning_item(thought)] if thought else []
-        if text or not calls:
-            output.append(_message_item(text))
-        output += [_call_item(call.id, call.name, call.arguments) for call in calls]
-        return self._envelope(body, out.request_id, output, c, len(out.prompt_token_ids), meta)
+    def response(self, body, res, meta) -> dict:
+        """The response of the core's `ChatResult`: reasoning, message, function_call items."""
+        c = res.choices[0]
+        output = [_reasoning_item(c.thought)] if c.thought else []
+        if c.text or not c.calls:
+            output.append(message_item(c.text))
+        output += [_call_item(call.id, call.name, call.arguments) for call in c.calls]
+        return self.envelope(body, res.request_id, output, c.finish, res.usage, meta)
 
-    def _envelope(self, body, rid, output, c, num_prompt, meta, status: str | None = None) -> dict:
-        incomplete = c is not None and c.finish_reason == "length"
-        n_out = len(c.token_ids) if c is not None else 0
+    def envelope(self, body, rid, output, finish: str | None, usage, meta, status: str | None = None) -> dict:
+        """The response object around `output`; `finish`: the core's finish reason (None: not
+        finished), `usage`: a `chat_run.Usage` or None."""
+        incomplete = finish == "length"
+        n_in, n_out = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
         return {"id": rid, "object": "response", "created_at": meta["created_at"],
                 "status": status or ("incomplete" if incomplete else "completed"), "model": self.args.model_name,
                 "output": output, "output_text": "".join(p["text"] for item in output if item["type"] == "message"
@@ -315,40 +323,33 @@ class OpenAIServingResponses(OpenAIServing):
                 "tool_choice": meta["tool_choice"], "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id, "store": body.store,
                 "metadata": body.metadata or {}, "error": None,
-                "usage": {"input_tokens": num_prompt, "output_tokens": n_out, "total_tokens": num_prompt + n_out,
-                          "input_tokens_details": {"cached_tokens": 0},
+                "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
+                          "input_tokens_details": {"cached_tokens": usage.cached_tokens if usage else 0},
                           "output_tokens_details": {"reasoning_tokens": 0}}}
 
-    async def _stream(self, body, rid, names, meta, conversation):
-        """The Responses event sequence for request `rid`."""
+    async def _stream(self, body, events, meta, conversation):
+        """The Responses event sequence of the core's events."""
         seq = [-1]
-        start = self._envelope(body, rid, [], None, 0, meta, status="in_progress")
-        yield _event("response.created", {"response": start}, seq)
-        yield _event("response.in_progress", {"response": start}, seq)
-        splitter = StreamSplitter(self.args.reasoning_parser, names)
+        emit = lambda kind, data: _event(kind, data, seq)  # noqa: E731
+        start = self.envelope(body, events.request_id, [], None, None, meta, status="in_progress")
+        yield emit("response.created", {"response": start})
+        yield emit("response.in_progress", {"response": start})
         state = {"items": [], "open": None}  # the output items so far; the open one's index
-        out = c = None
-        try:
-            async for out in self.engine.stream(rid):
-                c = out.outputs[0]
-                thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
-                for piece in thought:  # the thought as a reasoning item, the answer as before
-                    for event in _reasoning_events(piece, state, seq):
-                        yield event
-                for event in _item_events(events, state, splitter.parser, seq):
-                    yield event
-        except Exception as exc:  # noqa: BLE001 - after the 200 went out: an error event ends the stream
-            yield _event("error", {"message": str(exc), "code": "server_error"}, seq)
-            return
-        for text in _close(state, seq):
-            yield text
-        if not state["items"]:
-            state["items"].append(_message_item(""))
-        final = self._envelope(body, rid, state["items"], c, len(out.prompt_token_ids), meta)
-        yield _event("response.completed" if final["status"] == "completed" else "response.incomplete",
-                     {"response": final}, seq)
-        self.record([out])
-        self._keep(body, final, conversation)
+        async for ev in events:
+            if isinstance(ev, Failed):
+                yield emit("error", {"message": ev.message, "code": "server_error"})
+                return
+            for text in item_events(ev, state, emit):
+                yield text
+            if isinstance(ev, Finish):
+                if not state["items"]:
+                    state["items"].append(message_item(""))
+                kept = {call.id for call in ev.choice.calls}  # a call cut by the token limit is not one
+                output = [it for it in state["items"] if it["type"] != "function_call" or it["call_id"] in kept]
+                final = self.envelope(body, events.request_id, output, ev.reason, ev.usage, meta)
+                yield emit("response.completed" if final["status"] == "completed" else "response.incomplete",
+                           {"response": final})
+                self._keep(body, final, conversation)
 
 
 def _reasoning_item(text: str) -> dict:
@@ -356,19 +357,7 @@ def _reasoning_item(text: str) -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _reasoning_events(piece: str, state: dict, seq: list[int]):
-    """A piece of the thought: into the open reasoning item (opened first when another is)."""
-    items = state["items"]
-    if state["open"] is None or items[state["open"]]["type"] != "reasoning":
-        yield from _close(state, seq)
-        yield from _open(state, _reasoning_item(""), seq)
-    item = items[state["open"]]
-    item["content"][0]["text"] += piece
-    yield _event("response.reasoning_text.delta", {"item_id": item["id"], "output_index": state["open"],
-                                                   "content_index": 0, "delta": piece}, seq)
-
-
-def _message_item(text: str) -> dict:
+def message_item(text: str) -> dict:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
@@ -392,58 +381,67 @@ def _as_messages(output: list[dict]) -> list[dict]:
     return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
 
 
-def _item_events(events, state: dict, parser, seq: list[int]):
-    """Responses events for `ToolCallParser` events (or plain text): an output item opened when
-    the kind changes, text deltas into a message item, argument deltas into a function_call."""
+def item_events(ev, state: dict, emit):
+    """Responses events for one core event: an output item opened when the kind changes
+    (reasoning, message, function_call), the deltas into it; `Finish` closes the open one.
+    `state`: the output items so far and the open one's index; `emit(kind, data)` formats."""
     items = state["items"]
-    for ev in events:
-        if ev[0] == "content":
-            if not ev[1]:
-                continue
-            if state["open"] is None or items[state["open"]]["type"] != "message":
-                yield from _close(state, seq)
-                yield from _open(state, _message_item(""), seq)
-                yield _event("response.content_part.added", {"item_id": items[-1]["id"], "output_index": state["open"],
-                                                             "content_index": 0,
-                                                             "part": {"type": "output_text", "text": "",
-                                                                      "annotations": []}}, seq)
-            item = items[state["open"]]
-            item["content"][0]["text"] += ev[1]
-            yield _event("response.output_text.delta", {"item_id": item["id"], "output_index": state["open"],
-                                                        "content_index": 0, "delta": ev[1]}, seq)
-        elif ev[0] == "call":
-            call = parser.calls[ev[1]]
-            yield from _close(state, seq)
-            yield from _open(state, _call_item(call.id, call.name, ""), seq)
-        elif ev[2]:
-            item = items[state["open"]]
-            item["arguments"] += ev[2]
-            yield _event("response.function_call_arguments.delta", {"item_id": item["id"],
-                                                                    "output_index": state["open"], "delta": ev[2]}, seq)
+    if isinstance(ev, Thought):
+        if state["open"] is None or items[state["open"]]["type"] != "reasoning":
+            yield from close_item(state, emit)
+            yield from _open(state, _reasoning_item(""), emit)
+        item = items[state["open"]]
+        item["content"][0]["text"] += ev.text
+        yield emit("response.reasoning_text.delta", {"item_id": item["id"], "output_index": state["open"],
+                                                     "content_index": 0, "delta": ev.text})
+    elif isinstance(ev, Text):
+        if state["open"] is None or items[state["open"]]["type"] != "message":
+            yield from close_item(state, emit)
+            yield from _open(state, message_item(""), emit)
+            yield emit("response.content_part.added", {"item_id": items[-1]["id"], "output_index": state["open"],
+                                                       "content_index": 0,
+                                                       "part": {"type": "output_text", "text": "", "annotations": []}})
+        item = items[state["open"]]
+        item["content"][0]["text"] += ev.text
+        yield emit("response.output_text.delta", {"item_id": item["id"], "output_index": state["open"],
+                                                  "content_index": 0, "delta": ev.text})
+    elif isinstance(ev, ToolCallStart):
+        yield from close_item(state, emit)
+        yield from _open(state, _call_item(ev.id, ev.name, ""), emit)
+    elif isinstance(ev, ToolCallArgs):
+        item = items[state["open"]]
+        item["arguments"] += ev.text
+        yield emit("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": state["open"],
+                                                              "delta": ev.text})
+    elif isinstance(ev, Finish):
+        yield from close_item(state, emit)
 
 
-def _open(state: dict, item: dict, seq: list[int]):
+def _open(state: dict, item: dict, emit):
     state["items"].append(item)
     state["open"] = len(state["items"]) - 1
     shown = {**item, "status": "in_progress"}
-    yield _event("response.output_item.added", {"output_index": state["open"], "item": shown}, seq)
+    yield emit("response.output_item.added", {"output_index": state["open"], "item": shown})
 
 
-def _close(state: dict, seq: list[int]):
+def close_item(state: dict, emit):
     if state["open"] is None:
         return
     i, item = state["open"], state["items"][state["open"]]
     if item["type"] == "reasoning":
-        yield _event("response.reasoning_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                      "text": item["content"][0]["text"]}, seq)
+        yield emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                      "text": item["content"][0]["text"]})
     elif item["type"] == "message":
         part = item["content"][0]
-        yield _event("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                   "text": part["text"]}, seq)
-        yield _event("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                    "part": part}, seq)
+        yield emit("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                   "text": part["text"]})
+        yield emit("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                    "part": part})
     else:
-        yield _event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
-                                                               "arguments": item["arguments"]}, seq)
-    yield _event("response.output_item.done", {"output_index": i, "item": item}, seq)
+        yield emit("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                               "arguments": item["arguments"]})
+    yield emit("response.output_item.done", {"output_index": i, "item": item})
     state["open"] = None
+
+
+RENDER = SimpleNamespace(item_events=item_events, close=close_item, message_item=message_item)  # (`responses_mcp`)

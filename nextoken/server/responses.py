@@ -7,8 +7,7 @@ import json
 import logging
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.tools import parse as parse_tools
+from nextoken.server.chat_run import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
 
 log = logging.getLogger("nextoken.server")
 
@@ -104,11 +103,7 @@ def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0) -> di
 
 # -- non-streaming ------------------------------------------------------------------------------
 def usage(outs) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.metrics.num_cached_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return usage_json(Usage.of(outs))
 
 
 def completion_response(engine, body, outs, prompts, created: int, model: str) -> dict:
@@ -148,31 +143,29 @@ def _prompt_logprobs_json(prompt_logprobs) -> list | None:
     return [None if pos is None else {str(t): {"logprob": lp} for t, lp in pos.items()} for pos in prompt_logprobs]
 
 
-def chat_response(engine, body, out, created: int, model: str, tools: frozenset[str] | None = None,
-                  reasoning: str | None = None) -> dict:
-    """A chat.completion; with `tools` (the request's tool names), each answer's text is parsed
-    for tool calls (`tools.parse`), which become ``message.tool_calls`` and finish_reason
-    ``tool_calls``; with `reasoning` (a `server.reasoning` style) the thought goes to
-    ``reasoning_content`` (and ``reasoning``), the rest is the answer."""
-    tok = engine.tokenizer
+def chat_response(tok, body, res, created: int, model: str, reasoning: bool = False) -> dict:
+    """A chat.completion of the core's `ChatResult` `res`: each choice's tool calls as
+    ``message.tool_calls`` (finish_reason ``tool_calls``); with `reasoning` (the server has a
+    reasoning parser) its thought as ``reasoning_content`` (and ``reasoning``)."""
     choices = []
-    for c in out.outputs:
-        thought, text = split_reasoning(c.text, reasoning) if reasoning else (None, c.text)
-        message, finish = {"role": "assistant", "content": text}, c.finish_reason
+    for c in res.choices:
+        message = {"role": "assistant", "content": c.text or (None if c.calls else "")}
         if reasoning:
-            message["reasoning_content"] = message["reasoning"] = thought or None
-        if tools:
-            parsed = parse_tools(text, tools, c.finish_reason == "length")
-            message["content"] = parsed.content or (None if parsed.calls else "")
-            if parsed.calls:
-                message = {**message, "content": parsed.content or None,
-                           "tool_calls": [_tool_call(call) for call in parsed.calls]}
-                finish = "tool_calls" if finish == "stop" else finish
+            message["reasoning_content"] = message["reasoning"] = c.thought or None
+        if c.calls:
+            message["tool_calls"] = [_tool_call(call) for call in c.calls]
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0),
-                        "finish_reason": finish})
-    return {"id": out.request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage([out])}
+                        "finish_reason": c.finish})
+    return {"id": res.request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_json(res.usage)}
+
+
+def usage_json(u) -> dict:
+    """OpenAI's usage object of a `chat_run.Usage`."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 # -- streaming ----------------------------------------------------------------------------------
@@ -187,76 +180,58 @@ def _tool_call(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _tool_deltas(events, parser) -> list[dict]:
-    """OpenAI chat deltas for `ToolCallParser` events: content text, a call's id and name (once),
-    then pieces of its arguments."""
-    deltas = []
-    for ev in events:
-        if ev[0] == "content":
-            deltas.append({"content": ev[1]})
-        elif ev[0] == "call":
-            call = parser.calls[ev[1]]
-            deltas.append({"tool_calls": [{"index": ev[1], "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-        else:
-            deltas.append({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]})
-    return deltas
-
-
-async def stream_chat(eng, body, rid: str, created: int, model: str, metrics, tools: frozenset[str] | None = None,
-                      reasoning: str | None = None):
-    """Chat chunks as the engine produces them; with `tools`, text goes through a
-    `ToolCallParser` per choice and tool calls go out as ``delta.tool_calls``; with `reasoning`,
-    a `ReasoningParser` per choice sends the thought as ``delta.reasoning_content`` first."""
-    tok = eng.engine.tokenizer
-    splitters = [StreamSplitter(reasoning, tools) for _ in range(body.n)]
+async def stream_chat(tok, body, events, rid: str, created: int, model: str, tools: bool):
+    """Chat chunks of the core's event stream: each step's text as ``delta.content`` (with its
+    log-probabilities), the thought first as ``delta.reasoning_content``; with `tools` (the
+    request offers some), calls as ``delta.tool_calls`` (id and name once, then argument pieces)."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    try:
-        for i in range(body.n):
-            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+    for i in range(body.n):
+        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    deltas: list[dict] = []  # this step's
+    finish = last = None
+    async for ev in events:
+        if isinstance(ev, Failed):
+            yield sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": 500}})
+            break
+        if isinstance(ev, Thought):  # the thought first, as its own deltas; the answer goes on
+            yield sse({**base, "choices": [{"index": ev.index, "delta": {"reasoning_content": ev.text,
+                                                                         "reasoning": ev.text},
                                             "logprobs": None, "finish_reason": None}]})
-        out = None
-        async for out in eng.stream(rid):
-            for c in out.outputs:
-                if not c.delta and not c.delta_token_ids and not (c.finished and out.finished):
-                    continue
-                lp = chat_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
-                                   if c.logprobs is not None and c.delta_token_ids else None, body.top_logprobs or 0)
-                thought, events = splitters[c.index].feed(c.delta, c.finished, c.finish_reason == "length")
-                for piece in thought:  # the thought first, as its own deltas; the answer goes on
-                    yield sse({**base, "choices": [{"index": c.index, "delta": {
-                        "reasoning_content": piece, "reasoning": piece}, "logprobs": None, "finish_reason": None}]})
-                p = splitters[c.index].parser
-                if p is None:
-                    text = "".join(piece for _, piece in events)
-                    delta = {"content": text} if text or not c.finished else {}
-                    yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                    "finish_reason": c.finish_reason}]})
-                    continue
-                deltas = _tool_deltas(events, p)
-                if not deltas:
-                    if not c.finished and lp is None:
-                        continue  # text held back by the parser: nothing to send yet
-                    deltas = [{}]
-                finish = "tool_calls" if c.finish_reason == "stop" and p.calls else c.finish_reason
-                for k, delta in enumerate(deltas):
-                    last = k == len(deltas) - 1
-                    yield sse({**base, "choices": [{"index": c.index, "delta": delta,
-                                                    "logprobs": lp if last else None,
-                                                    "finish_reason": finish if last else None}]})
-        if include_usage and out is not None:
-            yield sse({**base, "choices": [], "usage": usage([out])})
-        if out is not None:
-            metrics.observe(out)
-            log_request(out)
-        yield DONE
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # an engine failure after the 200 went out: say so in the stream
-        log.exception("stream failed")
-        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
-        yield DONE
+        elif isinstance(ev, Text):
+            deltas.append({"content": ev.text})
+        elif isinstance(ev, ToolCallStart):
+            deltas.append({"tool_calls": [{"index": ev.call, "id": ev.id, "type": "function",
+                                           "function": {"name": ev.name, "arguments": ""}}]})
+        elif isinstance(ev, ToolCallArgs):
+            deltas.append({"tool_calls": [{"index": ev.call, "function": {"arguments": ev.text}}]})
+        elif isinstance(ev, Finish):
+            finish = last = ev
+        else:  # Tokens: the step's chunks
+            for chunk in _step_chunks(tok, body, ev, deltas, finish, tools):
+                yield sse({**base, "choices": [chunk]})
+            deltas, finish = [], None
+    else:
+        if include_usage and last is not None:
+            yield sse({**base, "choices": [], "usage": usage_json(last.usage)})
+    yield DONE
+
+
+def _step_chunks(tok, body, ev: Tokens, deltas: list[dict], finish, tools: bool) -> list[dict]:
+    """The choices of one step's chunks: its deltas, the log-probabilities and finish reason on
+    the last (without tools, the step's text as one delta, even an empty one)."""
+    lp = chat_logprobs(tok, ev.token_ids, ev.logprobs, body.top_logprobs or 0) if ev.logprobs else None
+    reason = finish.reason if finish is not None else None
+    if not tools:
+        text = "".join(d["content"] for d in deltas)
+        deltas = [{"content": text} if text or finish is None else {}]
+    elif not deltas:
+        if finish is None and lp is None:
+            return []  # text held back by the parser: nothing to send yet
+        deltas = [{}]
+    return [{"index": ev.index, "delta": d, "logprobs": lp if k == len(deltas) - 1 else None,
+             "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
 
 
 async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, metrics):

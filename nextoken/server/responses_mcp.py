@@ -10,67 +10,190 @@ model answers without calling one (or the request's ``max_tool_calls``, default
 
 A call that fails (the server is down, hangs, refuses or returns too much) is an ``mcp_call``
 item with its ``error``, and the model sees that error as the tool's result; a listing that
-fails is a 424 naming the tool. Streamed, the same items are sent as events once each is done.
+fails is a 424 naming the tool. Each pass streams from the chat core's events as it is
+generated, streamed or not (`MCPLoop.events`): text token by token, an MCP call's arguments as
+``response.mcp_call_arguments.delta``, then its result once it ran.
 """
 
 from __future__ import annotations
 
-import uuid
-
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat_core import prepare
+from nextoken.server.chat_run import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, Usage, run
 from nextoken.server.mcp_tools import MCPTool, check_allowed, item_id, listings, run_call, server_limits
 
 DEFAULT_MAX_CALLS = 8  # MCP calls one response may run when the request sets no max_tool_calls
 
 
-async def respond(serving, body, request, lora, conversation: list[dict], previous: dict | None, meta: dict,
-                  to_spec) -> tuple[dict, list[dict]]:
-    """The whole response to `body` (whose tools include MCP servers) and the conversation to
-    store; `previous`: the stored response `previous_response_id` names, or None; `to_spec(body,
-    conversation, offered tools, first)` makes each pass's `ChatSpec`. Raises
-    `InvalidRequest` (a URL not allowed, an approval for no request), `DependencyFailed` (a
-    server that cannot list its tools)."""
-    limits = server_limits(serving.args)
-    servers = [(i, t) for i, t in enumerate(body.tools) if isinstance(t, MCPTool)]
-    labels: dict[str, MCPTool] = {}
-    for i, t in servers:
-        check_allowed(t, f"tools[{i}].server_url", limits)
-        if labels.setdefault(t.server_label, t) is not t:
-            raise InvalidRequest(f"two MCP tools have server_label {t.server_label!r}", f"tools[{i}].server_label")
-    items, owners, offered = await listings(servers, limits)
-    conversation = list(conversation)
-    for approval in _approvals(body):
-        asked = _approval_request(approval.approval_request_id, body, previous)
-        tool = labels.get(asked["server_label"])
-        if tool is None:
-            raise InvalidRequest(f"the approved call's MCP server {asked['server_label']!r} is not among the tools",
-                                 "tools")
-        items.append(await run_call(tool, asked["name"], asked["arguments"], conversation, limits, approval))
-    budget = body.max_tool_calls if isinstance(body.max_tool_calls, int) else DEFAULT_MAX_CALLS
-    used, tokens, first = 0, [0, 0], True
-    while True:
-        p = await prepare(serving, to_spec(body, conversation, offered, first))
-        first = False
-        rid = await serving.engine.add_request(p.ids, p.params, f"resp_{uuid.uuid4().hex}", lora_request=lora)
-        out = (await serving.collect([rid], request))[0]
-        serving.record([out])
-        tokens[0] += len(out.prompt_token_ids)
-        tokens[1] += len(out.outputs[0].token_ids)
-        response = serving._response(body, out, p.names, meta)
-        calls = [it for it in response["output"] if it["type"] == "function_call" and it["name"] in owners]
-        rest = [it for it in response["output"] if it not in calls and not (it["type"] == "message" and calls
-                                                                               and not _text(it))]
-        if not calls or used >= budget:
-            return _finish(response, items + rest, tokens), conversation
-        asks = [c for c in calls if owners[c["name"]].needs_approval(c["name"])]
-        if asks:  # the response ends with the requests; the client approves or not
-            items += [{"type": "mcp_approval_request", "id": item_id("mcpr"), "server_label":
-                       owners[c["name"]].server_label, "name": c["name"], "arguments": c["arguments"]} for c in asks]
-            return _finish(response, items + [it for it in rest if it["type"] != "message"], tokens), conversation
-        for c in calls[: budget - used]:
-            items.append(await run_call(owners[c["name"]], c["name"], c["arguments"], conversation, limits))
-            used += 1
+class MCPLoop:
+    """One response to a request whose tools include MCP servers. `start` checks the servers
+    and lists their tools (raising before any answer goes out); `events(emit)` runs the passes,
+    yielding what `emit(kind, data)` formats (None: nothing, not streamed); then `response` and
+    `conversation` (to store) are set. `render`: the Responses API's item renderer
+    (``item_events(event, state, emit)`` and ``close(state, emit)``)."""
+
+    def __init__(self, serving, body, request, lora, meta: dict, to_spec, render):
+        self.serving, self.body, self.request, self.lora, self.meta = serving, body, request, lora, meta
+        self.to_spec, self.render = to_spec, render
+        self.id = item_id("resp")
+        self.response: dict | None = None
+        self.conversation: list[dict] = []
+        self.error: Exception | None = None  # what ended the passes early (then no response)
+
+    async def start(self, conversation: list[dict], previous: dict | None) -> "MCPLoop":
+        """Raises `InvalidRequest` (a URL not allowed, an approval for no request) or
+        `DependencyFailed` (a server that cannot list its tools)."""
+        body = self.body
+        self.limits = limits = server_limits(self.serving.args)
+        servers = [(i, t) for i, t in enumerate(body.tools) if isinstance(t, MCPTool)]
+        labels: dict[str, MCPTool] = {}
+        for i, t in servers:
+            check_allowed(t, f"tools[{i}].server_url", limits)
+            if labels.setdefault(t.server_label, t) is not t:
+                raise InvalidRequest(f"two MCP tools have server_label {t.server_label!r}", f"tools[{i}].server_label")
+        self.items, self.owners, self.offered = await listings(servers, limits)
+        self.conversation = list(conversation)
+        self.approved = []
+        for approval in _approvals(body):
+            asked = _approval_request(approval.approval_request_id, body, previous)
+            tool = labels.get(asked["server_label"])
+            if tool is None:
+                raise InvalidRequest(f"the approved call's MCP server {asked['server_label']!r} is not among the "
+                                     "tools", "tools")
+            self.approved.append((tool, asked, approval))
+        return self
+
+    async def events(self, emit):
+        """The passes, as `emit` formats their events (see the class)."""
+        async for text in self._events(emit):
+            if text is not None:
+                yield text
+
+    async def _events(self, emit):
+        start = self.serving.envelope(self.body, self.id, [], None, None, self.meta, status="in_progress")
+        yield emit("response.created", {"response": start})
+        yield emit("response.in_progress", {"response": start})
+        state = {"items": [], "open": None, "mcp": {}}  # mcp: the MCP items of this pass, by call id
+        for item in self.items:
+            for t in _whole_item(item, state, emit):
+                yield t
+        for tool, asked, approval in self.approved:
+            item = await run_call(tool, asked["name"], asked["arguments"], self.conversation, self.limits, approval)
+            for t in _whole_item(item, state, emit):
+                yield t
+        budget = self.body.max_tool_calls if isinstance(self.body.max_tool_calls, int) else DEFAULT_MAX_CALLS
+        used, usage, first, finish = 0, Usage(0, 0), True, None
+        while True:
+            try:
+                p = await prepare(self.serving, self.to_spec(self.body, self.conversation, self.offered, first))
+            except InvalidRequest as exc:  # (the conversation outgrew the context, ...): after the 200
+                self.error = exc
+                yield emit("error", {"message": str(exc), "code": "invalid_request_error", "param": exc.field})
+                return
+            first, choice, before = False, None, len(state["items"])
+            async for ev in await run(self.serving, p, self.request, self.lora, stream=True, prefix="resp_"):
+                if isinstance(ev, Failed):
+                    self.error = RuntimeError(ev.message)
+                    yield emit("error", {"message": ev.message, "code": "server_error"})
+                    return
+                for t in self._pass_events(ev, state, emit):
+                    yield t
+                if isinstance(ev, Finish):
+                    choice, finish = ev.choice, ev.reason
+                    usage = Usage(usage.prompt_tokens + ev.usage.prompt_tokens,
+                                  usage.completion_tokens + ev.usage.completion_tokens)
+            calls = _settle(state, choice)
+            runs = [it for it in calls if it["type"] == "mcp_call"]
+            stop = any(it["type"] == "mcp_approval_request" for it in calls) or not runs or used >= budget
+            for item in runs:
+                if stop or used >= budget:
+                    item.update(status="failed", error=f"not run: max_tool_calls ({budget}) reached")
+                else:
+                    ran = await run_call(self.owners[item["name"]], item["name"], item["arguments"],
+                                         self.conversation, self.limits, call_id=item["id"])
+                    item.update(output=ran["output"], error=ran["error"], status=ran["status"])
+                    used += 1
+                at = state["items"].index(item)
+                yield emit(f"response.mcp_call.{'failed' if item['error'] else 'completed'}",
+                           {"item_id": item["id"], "output_index": at})
+                yield emit("response.output_item.done", {"output_index": at, "item": item})
+            if stop:
+                if len(state["items"]) == before:  # an empty answer is an empty message
+                    state["items"].append(self.render.message_item(""))
+                break
+        self.response = self.serving.envelope(self.body, self.id, state["items"], finish, usage, self.meta)
+        final = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
+        yield emit(final, {"response": self.response})
+
+    def _pass_events(self, ev, state: dict, emit):
+        """A core event of one pass: an MCP server's call as an ``mcp_call`` (or, needing
+        approval, an ``mcp_approval_request``) item, anything else as the Responses API's."""
+        items, open_mcp = state["items"], state.get("open_mcp")
+        if isinstance(ev, ToolCallArgs) and open_mcp is not None:
+            item = items[open_mcp]
+            item["arguments"] += ev.text
+            if item["type"] == "mcp_call":
+                yield emit("response.mcp_call_arguments.delta", {"item_id": item["id"], "output_index": open_mcp,
+                                                                 "delta": ev.text})
+            return
+        if open_mcp is not None and not isinstance(ev, Tokens):  # anything else ends the call's text
+            yield from _close_mcp(state, emit)
+        if isinstance(ev, ToolCallStart):
+            state.setdefault("pass_ids", set()).add(ev.id)
+        if not (isinstance(ev, ToolCallStart) and ev.name in self.owners):
+            yield from self.render.item_events(ev, state, emit)
+            return
+        yield from self.render.close(state, emit)
+        tool = self.owners[ev.name]
+        kind = "mcp_approval_request" if tool.needs_approval(ev.name) else "mcp_call"
+        item = {"type": kind, "id": item_id("mcp" if kind == "mcp_call" else "mcpr"),
+                "server_label": tool.server_label, "name": ev.name, "arguments": ""}
+        if kind == "mcp_call":
+            item.update(output=None, error=None, status="in_progress")
+        items.append(item)
+        state["open_mcp"], state["mcp"][ev.id] = len(items) - 1, item
+        yield emit("response.output_item.added", {"output_index": state["open_mcp"], "item": item})
+        if kind == "mcp_call":
+            yield emit("response.mcp_call.in_progress", {"item_id": item["id"], "output_index": state["open_mcp"]})
+
+
+def _close_mcp(state: dict, emit):
+    """Close the open MCP item: an approval request is done; a call's arguments are done (the
+    call itself is done once it ran)."""
+    at = state.pop("open_mcp")
+    item = state["items"][at]
+    if item["type"] == "mcp_call":
+        yield emit("response.mcp_call_arguments.done", {"item_id": item["id"], "output_index": at,
+                                                        "arguments": item["arguments"]})
+    else:
+        yield emit("response.output_item.done", {"output_index": at, "item": item})
+
+
+def _settle(state: dict, choice) -> list[dict]:
+    """After a pass: the MCP items of its complete calls, in order; the items of calls the
+    token limit cut (MCP or function calls) leave the output."""
+    kept = {c.id for c in choice.calls} if choice is not None else set()
+    by_call, state["mcp"] = state["mcp"], {}
+    cut_ids, state["pass_ids"] = state.pop("pass_ids", set()) - kept, set()
+    cut = {id(item) for cid, item in by_call.items() if cid in cut_ids}
+    state["items"][:] = [it for it in state["items"] if id(it) not in cut
+                         and not (it["type"] == "function_call" and it["call_id"] in cut_ids)]
+    return [item for cid, item in by_call.items() if cid in kept]
+
+
+def _whole_item(item: dict, state: dict, emit):
+    """A finished item (a listing, an approved call) as its added .. done events."""
+    state["items"].append(item)
+    at = len(state["items"]) - 1
+    yield emit("response.output_item.added", {"output_index": at, "item": {**item, "status": "in_progress"}})
+    kind = item["type"]
+    yield emit(f"response.{kind}.in_progress", {"item_id": item["id"], "output_index": at})
+    if kind == "mcp_call":
+        yield emit("response.mcp_call_arguments.done", {"item_id": item["id"], "output_index": at,
+                                                        "arguments": item["arguments"]})
+    yield emit(f"response.{kind}.{'failed' if item.get('error') else 'completed'}",
+               {"item_id": item["id"], "output_index": at})
+    yield emit("response.output_item.done", {"output_index": at, "item": item})
 
 
 def _approvals(body) -> list:
@@ -87,46 +210,3 @@ def _approval_request(rid: str, body, previous: dict | None) -> dict:
         if it.get("id") == rid and all(k in it for k in ("server_label", "name", "arguments")):
             return it
     raise InvalidRequest(f"approval_request_id {rid!r} names no mcp_approval_request of this conversation", "input")
-
-
-def _text(item: dict) -> str:
-    return "".join(p["text"] for p in item.get("content", []))
-
-
-def _finish(response: dict, output: list[dict], tokens: list[int]) -> dict:
-    response["output"] = output
-    response["output_text"] = "".join(_text(it) for it in output if it["type"] == "message")
-    response["usage"].update(input_tokens=tokens[0], output_tokens=tokens[1], total_tokens=sum(tokens))
-    return response
-
-
-def replay(response: dict, event) -> list[str]:
-    """A finished response as the Responses event sequence (`event(kind, data)` formats one):
-    created, in_progress, each output item added and done (with the MCP items' own events and
-    a message's text as one delta), then completed or incomplete."""
-    start = {**response, "status": "in_progress", "output": [], "output_text": ""}
-    out = [event("response.created", {"response": start}), event("response.in_progress", {"response": start})]
-    for i, item in enumerate(response["output"]):
-        out.append(event("response.output_item.added", {"output_index": i, "item": {**item, "status": "in_progress"}}))
-        kind = item["type"]
-        if kind in ("mcp_list_tools", "mcp_call"):
-            out.append(event(f"response.{kind}.in_progress", {"item_id": item["id"], "output_index": i}))
-            if kind == "mcp_call":
-                out.append(event("response.mcp_call_arguments.done", {"item_id": item["id"], "output_index": i,
-                                                                      "arguments": item["arguments"]}))
-            done = "failed" if item.get("error") else "completed"
-            out.append(event(f"response.{kind}.{done}", {"item_id": item["id"], "output_index": i}))
-        elif kind == "message":
-            part = item["content"][0]
-            base = {"item_id": item["id"], "output_index": i, "content_index": 0}
-            out += [event("response.content_part.added", {**base, "part": {**part, "text": ""}}),
-                    event("response.output_text.delta", {**base, "delta": part["text"]}),
-                    event("response.output_text.done", {**base, "text": part["text"]}),
-                    event("response.content_part.done", {**base, "part": part})]
-        elif kind == "function_call":
-            out.append(event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
-                                                                       "arguments": item["arguments"]}))
-        out.append(event("response.output_item.done", {"output_index": i, "item": item}))
-    final = "response.completed" if response["status"] == "completed" else "response.incomplete"
-    out.append(event(final, {"response": response}))
-    return out

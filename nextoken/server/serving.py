@@ -131,12 +131,6 @@ def _abandon(task: asyncio.Future, rids: list[str], eng) -> None:
         eng.abort(r)
 
 
-async def iter_events(events: list[str]):
-    """Events made already (a replayed answer), as the async stream `sse_response` takes."""
-    for e in events:
-        yield e
-
-
 def sse_response(gen) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

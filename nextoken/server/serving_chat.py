@@ -5,12 +5,12 @@ as server-sent events; forced tool calls by a grammar, free ones parsed from the
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 
 from nextoken.server import responses as R
 from nextoken.server.chat_core import ChatSpec, prepare
+from nextoken.server.chat_run import result, run
 from nextoken.server.protocol import ChatCompletionRequest, NamedToolChoice
 from nextoken.server.serving import OpenAIServing, no_lora_beams, sse_response
 
@@ -22,20 +22,17 @@ class OpenAIServingChat(OpenAIServing):
         lora = self.check_model(body.model)
         body.check_rules()
         self.check_queue()
-        eng = self.engine
         p = await prepare(self, to_spec(body))
+        created, tok, model = int(time.time()), self.engine.engine.tokenizer, self.args.model_name
         if body.use_beam_search:
             no_lora_beams(lora)
             out = (await self.beam(body, [p.ids], p.params.max_tokens))[0]
-            return R.chat_response(eng.engine, body, out, int(time.time()), self.args.model_name)
-        rid = await eng.add_request(p.ids, p.params, f"chatcmpl-{uuid.uuid4().hex}", lora_request=lora)
-        created, names = int(time.time()), p.names
+            return R.chat_response(tok, body, result(out, None, None), created, model)
+        res = await run(self, p, request, lora, body.stream, "chatcmpl-")
         if body.stream:
-            return sse_response(R.stream_chat(eng, body, rid, created, self.args.model_name, self.metrics, names,
-                                              self.args.reasoning_parser))
-        out = (await self.collect([rid], request))[0]
-        self.record([out])
-        return R.chat_response(eng.engine, body, out, created, self.args.model_name, names, self.args.reasoning_parser)
+            return sse_response(R.stream_chat(tok, body, res, res.request_id, created, model,
+                                              bool(p.names)))
+        return R.chat_response(tok, body, res, created, model, bool(self.args.reasoning_parser))
 
 
 def to_spec(body: ChatCompletionRequest) -> ChatSpec:

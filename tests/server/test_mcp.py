@@ -114,6 +114,12 @@ def test_the_server_lists_calls_and_answers(srv, mcp_url, stream):
         assert kinds[:2] == ["response.created", "response.in_progress"]
         assert kinds[-1] in ("response.completed", "response.incomplete")
         assert kinds.index("response.mcp_list_tools.completed") < kinds.index("response.mcp_call.completed")
+        # token by token, as generated: the call's arguments in pieces before it runs, then the answer's text
+        args = [e.delta for e in events if e.type == "response.mcp_call_arguments.delta"]
+        assert len(args) > 1 and kinds.index("response.mcp_call_arguments.done") < kinds.index(
+            "response.mcp_call.completed")
+        done = next(e for e in events if e.type == "response.mcp_call_arguments.done")
+        assert "".join(args) == done.arguments
         r = events[-1].response
     else:
         r = c.responses.create(**kw)
@@ -206,7 +212,10 @@ def test_qwen_calls_an_mcp_tool_and_answers_with_its_output(mcp_url, stream):
         kw = dict(model="qwen", input="What is the weather in Paris right now? Use the tool.", temperature=0,
                   tools=[mcp_tool(mcp_url)], max_output_tokens=80)
         if stream:
-            r = [e for e in s.client().responses.create(**kw, stream=True) if e.type == "response.completed"][0].response
+            events = list(s.client().responses.create(**kw, stream=True))
+            r = [e for e in events if e.type == "response.completed"][0].response
+            texts = [e.delta for e in events if e.type == "response.output_text.delta"]
+            assert texts and "".join(texts) == r.output_text  # (held whole where it opens like an untagged call)
         else:
             r = s.client().responses.create(**kw)
         kinds = [o.type for o in r.output]

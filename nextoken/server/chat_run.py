@@ -1,0 +1,227 @@
+"""Running a prepared chat request (`chat_core.Prepared`) on the engine, once for every API:
+`run` adds it, waits for it or streams it, splits each completion into thought, answer text and
+tool calls, records its metrics and log line, and logs a stream that fails. Each API renders
+what comes back: a `ChatResult` (not streamed) or an async stream of typed events.
+
+The stream, per engine step and per choice, in order::
+
+    Thought* -> (Text | ToolCallStart | ToolCallArgs)* -> [Finish] -> Tokens
+
+`Tokens` closes each step (its token ids and log-probabilities, for APIs that send them with
+the text); `Finish` comes once per choice, in the step where it ends; `Failed` ends a stream the
+engine could not finish (after the 200 went out). The split is `reasoning.StreamSplitter`'s, so
+the events of a streamed answer are the parse of the whole (`result`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Union
+
+from nextoken.outputs import RequestOutput
+from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
+from nextoken.server.tools import ToolCallOut, parse as parse_tools
+
+log = logging.getLogger("nextoken.server")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of a request: its prompt, its completions (all choices), the prompt's tokens found
+    in the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, outs: list[RequestOutput]) -> "Usage":
+        return cls(sum(len(o.prompt_token_ids) for o in outs),
+                   sum(len(c.token_ids) for o in outs for c in o.outputs),
+                   sum(o.metrics.num_cached_tokens for o in outs))
+
+
+@dataclass
+class Choice:
+    """One completion, split: `thought` (with a reasoning parser), `text` (the answer without
+    its tool calls), `calls` (complete calls only), `finish` ("stop", "length" or "tool_calls":
+    a stop with calls), `stop_reason` (the stop string or token that ended it), its tokens and
+    their log-probabilities (when asked)."""
+
+    index: int
+    thought: str = ""
+    text: str = ""
+    calls: list[ToolCallOut] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class ChatResult:
+    """A finished request: its id, its choices, its usage, and the engine's output (metrics)."""
+
+    request_id: str
+    choices: list[Choice]
+    usage: Usage
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Thought:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Text:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    """Call number `call` of choice `index` begins: its id and function name."""
+    index: int
+    call: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgs:
+    """A piece of the JSON text of call `call`'s arguments."""
+    index: int
+    call: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Choice `index` ended: `choice` holds it whole; `usage` is the request's so far (all its
+    choices when the last one ends); `output` the engine's output of that step."""
+    index: int
+    choice: Choice
+    usage: Usage
+    output: RequestOutput
+
+    @property
+    def reason(self) -> str:
+        return self.choice.finish
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens of one step of choice `index` and their log-probabilities (None unless asked)."""
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict] | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine failed after the answer began (logged here; the API says so in its stream)."""
+    message: str
+
+
+Event = Union[Thought, Text, ToolCallStart, ToolCallArgs, Finish, Tokens, Failed]
+
+
+class EventStream:
+    """The events of request `request_id` (``async for``; read once)."""
+
+    def __init__(self, request_id: str, events: AsyncIterator[Event]):
+        self.request_id, self._events = request_id, events
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events
+
+
+def _finish(c, calls: list) -> str:
+    return "tool_calls" if c.finish_reason == "stop" and calls else c.finish_reason
+
+
+def result(out: RequestOutput, names: frozenset[str] | None, style: str | None) -> ChatResult:
+    """A finished output split for the answer: each completion's thought (reasoning `style`),
+    answer text and tool calls (tool `names`; a call cut by the token limit is dropped)."""
+    choices = []
+    for c in out.outputs:
+        thought, text = split_reasoning(c.text, style) if style else ("", c.text)
+        calls = []
+        if names:
+            parsed = parse_tools(text, names, c.finish_reason == "length")
+            text, calls = parsed.content, parsed.calls
+        choices.append(Choice(c.index, thought, text, calls, _finish(c, calls), c.stop_reason, c.token_ids,
+                              c.logprobs))
+    return ChatResult(out.request_id, choices, Usage.of([out]), out)
+
+
+async def run(serving, prepared, request, lora=None, stream: bool = False,
+              prefix: str = "chatcmpl-") -> ChatResult | EventStream:
+    """`prepared` into the engine of `serving` (an `ApiServing`) as request ``prefix + uuid``
+    (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
+    of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
+    eng = serving.engine
+    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}", lora_request=lora)
+    style = serving.args.reasoning_parser
+    if stream:
+        return EventStream(rid, _events(serving, rid, prepared.names, style))
+    out = (await serving.collect([rid], request))[0]
+    serving.record([out])
+    return result(out, prepared.names, style)
+
+
+async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
+    splitters: dict[int, StreamSplitter] = {}
+    choices: dict[int, Choice] = {}
+    out = None
+    try:
+        async for out in serving.engine.stream(rid):
+            for c in out.outputs:
+                if c.index in choices and choices[c.index].finish is not None:
+                    continue  # ended in an earlier step
+                if not c.delta and not c.delta_token_ids and not c.finished:
+                    continue
+                sp = splitters.setdefault(c.index, StreamSplitter(style, names))
+                ch = choices.setdefault(c.index, Choice(c.index))
+                for event in _step(c, sp, ch):
+                    yield event
+                if c.finished:
+                    ch.finish, ch.stop_reason = _finish(c, ch.calls), c.stop_reason
+                    ch.token_ids, ch.logprobs = c.token_ids, c.logprobs
+                    yield Finish(c.index, ch, Usage.of([out]), out)
+                lps = c.logprobs[-len(c.delta_token_ids):] if c.logprobs is not None and c.delta_token_ids else None
+                yield Tokens(c.index, c.delta_token_ids, lps)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - after the 200 went out: the API ends its stream with an error
+        log.exception("stream failed")
+        yield Failed(str(exc))
+        return
+    if out is not None and out.finished:
+        serving.record([out])
+
+
+def _step(c, splitter: StreamSplitter, choice: Choice):
+    """The events of one step of completion `c`, and `choice` kept whole."""
+    thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
+    for piece in thought:
+        choice.thought += piece
+        yield Thought(c.index, piece)
+    parser = splitter.parser
+    for ev in events:
+        if ev[0] == "content":
+            if ev[1]:
+                choice.text += ev[1]
+                yield Text(c.index, ev[1])
+        elif ev[0] == "call":
+            call = parser.calls[ev[1]]
+            yield ToolCallStart(c.index, ev[1], call.id, call.name)
+        elif ev[2]:
+            yield ToolCallArgs(c.index, ev[1], ev[2])
+    if parser is not None:
+        choice.calls = list(parser.calls)
