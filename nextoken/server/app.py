@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI-compatible endpoints over `AsyncLLMEngine`.
 
     build_app(state, ServerArgs) -> middleware (`server.middleware`: API key and draining gate, body limit; CORS)
-                                  + error handlers + routers (`server.routes`: info, tokens,
-                                    openai -> `serving_completion`, `serving_chat`)
+                                  + error handlers + routers (`server.routes`: info, tokens;
+                                    each API's package: `server.openai`, `server.anthropic`,
+                                    `server.ollama`, listed in `server.routers`)
                                   + the inspector's routes (`inspect.routes`)
 
 Every request streams from the one shared engine. A client's mistake is a 4xx in OpenAI's error
@@ -17,16 +18,16 @@ import logging
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from nextoken.server import embeddings, routes
-from nextoken.server.anthropic import AnthropicServingMessages
+from nextoken.server import embeddings, routers, routes
+from nextoken.server.anthropic.serving import AnthropicServingMessages
 from nextoken.server.args import ServerArgs
 from nextoken.server.metrics import ServerMetrics
-from nextoken.server.ollama import OllamaServing
-from nextoken.server.openai_responses import OpenAIServingResponses
+from nextoken.server.ollama.serving import OllamaServing
+from nextoken.server.openai.chat import OpenAIServingChat
+from nextoken.server.openai.completions import OpenAIServingCompletion
+from nextoken.server.openai.responses import OpenAIServingResponses
 from nextoken.server.openapi import document_errors, model_limits
 from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
-from nextoken.server.serving_chat import OpenAIServingChat
-from nextoken.server.serving_completion import OpenAIServingCompletion
 
 log = logging.getLogger("nextoken.server")
 
@@ -39,6 +40,7 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServerMetrics(args.model_name)
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
+    app.state.apis = apis = routers.apis()
     app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
     app.state.serving_chat = OpenAIServingChat(state, args, metrics)
     app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
@@ -47,10 +49,10 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(BodyLimit, limit=args.max_body_bytes)
-    app.add_middleware(Gate, state=state, config=args)
+    app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
+    app.add_middleware(Gate, state=state, config=args, apis=apis)
     exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, routes.openai, routes.anthropic, routes.ollama):
+    for router in (routes.info, routes.tokens, *routers.API_ROUTERS):
         app.include_router(router)
     app.include_router(embeddings.router, include_in_schema=False)  # a 400 here (this model generates)
     if args.inspect:

@@ -20,7 +20,7 @@ from typing import Any
 
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import responses as R
+from nextoken.server import prompts
 from nextoken.server import tools as tools_mod
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -71,7 +71,7 @@ class Prepared:
 
 
 async def prepare(serving, spec: ChatSpec) -> Prepared:
-    """`spec` as a request ready for the engine of `serving` (an `OpenAIServing`). Raises
+    """`spec` as a request ready for the engine of `serving` (an `ApiServing`). Raises
     `InvalidRequest` naming the request's field: a tool_choice without tools or naming none of
     them, a forced call beside an output format, tools on a template that cannot render them,
     max_tokens that leaves no room for the prompt, an invalid sampling value or grammar."""
@@ -81,7 +81,7 @@ async def prepare(serving, spec: ChatSpec) -> Prepared:
         if bound is not None and bound >= engine.max_model_len:
             raise InvalidRequest(f"{name} is {bound}: no room for the prompt in the context length "
                                  f"{engine.max_model_len} (max_model_len)", name)
-    max_tokens = spec.max_tokens or R.default_max_tokens(engine, len(ids), serving.args.max_tokens_default)
+    max_tokens = spec.max_tokens or prompts.default_max_tokens(engine, len(ids), serving.args.max_tokens_default)
     sampling = dict(spec.sampling)
     if "min_tokens" in sampling:
         sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
@@ -102,7 +102,7 @@ def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, Structure
     if forced is not None and spec.constraint is not None:
         raise InvalidRequest(f"a forced tool call cannot be combined with {spec.name('constraint')}",
                              spec.name("tool_choice"))
-    return R.encode_chat(tok, tools_mod.messages_for_template(spec.messages), tools, spec.template_kwargs), tools, forced
+    return prompts.encode_chat(tok, tools_mod.messages_for_template(spec.messages), tools, spec.template_kwargs), tools, forced
 
 
 def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:

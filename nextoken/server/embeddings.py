@@ -26,8 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from nextoken.errors import InvalidRequest
 from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
-                    "/api/generate")
 
 
 class EmbeddingRequest(BaseModel):
@@ -246,8 +244,11 @@ def build_embedding_app(state, args, lifespan=None) -> FastAPI:
                                             for key, doc in (("num_requests", "Embedding requests served"),
                                                              ("num_tokens", "Input tokens embedded"),
                                                              ("num_passes", "Encoder passes (micro-batches)"))}}
-    app.add_middleware(BodyLimit, limit=args.max_body_bytes)
-    app.add_middleware(Gate, state=state, config=args)
+    from nextoken.server import routers
+
+    app.state.apis = apis = routers.apis()  # the generation routes' paths and shapes, for their refusals
+    app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
+    app.add_middleware(Gate, state=state, config=args, apis=apis)
     exception_handlers(app, args)
     from nextoken.server.routes import health
 
@@ -259,6 +260,6 @@ def build_embedding_app(state, args, lifespan=None) -> FastAPI:
         raise InvalidRequest(f"model {args.model_name!r} is an embedding model: it does not generate text; use "
                              "/v1/embeddings, /v1/score or /v1/rerank", "model")
 
-    for path in GENERATION_PATHS:
+    for path, _ in apis.generation_paths():
         app.add_api_route(path, refuse, methods=["POST"])
     return app

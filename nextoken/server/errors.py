@@ -1,6 +1,5 @@
-"""Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, and under
-``/v1/messages`` in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, under
-``/api/`` in Ollama's, ``{"error": message}``."""
+"""Error responses in the shape of the API a request is for (each API's router declares it:
+`api.ApiShape`), and one readable sentence for pydantic's complaint about a body."""
 
 from __future__ import annotations
 
@@ -9,30 +8,13 @@ import re
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 424: "failed_dependency", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
-
-
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                   503: "overloaded_error"}
-
+from nextoken.server.api import OPENAI, ApiShape
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
-                   path: str = "") -> JSONResponse:
-    """The error body for a request to `path`: Anthropic's shape under ``/v1/messages`` (the
-    field, when there is one, named in the message), OpenAI's elsewhere."""
-    if path.startswith("/api/"):  # Ollama's shape
-        return JSONResponse({"error": f"{param}: {message}" if param and not message.startswith(param) else message},
-                            status_code=status, headers=headers)
-    if path.startswith("/v1/messages"):
-        text = f"{param}: {message}" if param and not message.startswith(param) else message
-        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error"),
-                                           "message": text}}
-        return JSONResponse(body, status_code=status, headers=headers)
-    body = {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+                   shape: ApiShape = OPENAI) -> JSONResponse:
+    """The error body of the API `shape` (`api.ApiShape`; the app's `Apis` names the shape of a
+    request's path), OpenAI's by default."""
+    return JSONResponse(shape.error_body(status, message, param), status_code=status, headers=headers)
 
 
 UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict)\[.*\]|(function|constrained)-.*|union:.*)$")

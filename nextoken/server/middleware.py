@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
+from nextoken.server.api import Apis
 from nextoken.server.args import ServerArgs
 from nextoken.server.errors import error_response, validation_message
 from nextoken.server.serving import ClientGone, QueueFull
@@ -21,17 +22,18 @@ log = logging.getLogger("nextoken.server")
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over `limit` bytes (declared or streamed)."""
+    """ASGI middleware: 413 for a body over `limit` bytes (declared or streamed), in the shape
+    of the path's API (`apis`: the app's `api.Apis`)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, apis: Apis):
+        self.app, self.limit, self.apis = app, limit, apis
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(self.limit)(scope, receive, send)
+            return await _too_large(self.limit, self.apis.shape(scope["path"]))(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -45,7 +47,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
+            await _too_large(self.limit, self.apis.shape(scope["path"]))(scope, receive, send)
 
 
 class Gate:
@@ -54,8 +56,8 @@ class Gate:
     A pure ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one wraps ``receive``
     so that ``request.is_disconnected()`` never sees the client hang up."""
 
-    def __init__(self, app, state, config: ServerArgs):
-        self.app, self.state, self.config = app, state, config
+    def __init__(self, app, state, config: ServerArgs, apis: Apis):
+        self.app, self.state, self.config, self.apis = app, state, config, apis
         self.expected = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
 
     async def __call__(self, scope, receive, send):
@@ -69,6 +71,7 @@ class Gate:
 
     def _refusal(self, scope):
         path = scope["path"]
+        shape = self.apis.shape(path)
         if self.expected is not None:
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"")
@@ -79,11 +82,11 @@ class Gate:
             if not hmac.compare_digest(given, self.expected):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY"
                                            + (", or ?key=KEY on /inspect)" if path.startswith("/inspect") else ")"),
-                                      path=path)
+                                      shape=shape)
         if self.state.draining:
-            return error_response(503, "the server is shutting down", path=path)
-        if self.state.engine is None and path.startswith(("/v1", "/inspect/api", "/api/")):
-            return error_response(503, "the model is still loading", path=path)
+            return error_response(503, "the server is shutting down", shape=shape)
+        if self.state.engine is None and (self.apis.serves(path) or path.startswith(("/v1", "/inspect/api"))):
+            return error_response(503, "the model is still loading", shape=shape)
         return None
 
 
@@ -98,33 +101,37 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def _too_large(limit: int):
-    return error_response(413, f"the request body is larger than {limit} bytes")
+def _too_large(limit: int, shape):
+    return error_response(413, f"the request body is larger than {limit} bytes", shape=shape)
+
+
+def _shape(req):
+    return req.app.state.apis.shape(req.url.path)
 
 
 def exception_handlers(app: FastAPI, args: ServerArgs) -> None:
-    """Every error in its API's shape (`server.errors.error_response`, by path): a client's
+    """Every error in its API's shape (``app.state.apis``, an `api.Apis`, names it by path): a client's
     mistake a 4xx naming the field, a fault of the request's own a 500, the engine gone a 503;
     never a traceback."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(req, exc: RequestValidationError):
         msg, param = validation_message(exc)
-        return error_response(400, msg, param, path=req.url.path)
+        return error_response(400, msg, param, shape=_shape(req))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(req, exc: InvalidRequest):
-        return error_response(exc.status, str(exc), exc.field, path=req.url.path)
+        return error_response(exc.status, str(exc), exc.field, shape=_shape(req))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(req, exc: StarletteHTTPException):  # 404, 405 (with its Allow header), ...
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
-                              path=req.url.path)
+                              shape=_shape(req))
 
     @app.exception_handler(Exception)
     async def _internal(req, exc: Exception):
         log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}", path=req.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", shape=_shape(req))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_, exc):  # nobody reads this answer; its requests are aborted
@@ -133,12 +140,12 @@ def exception_handlers(app: FastAPI, args: ServerArgs) -> None:
     @app.exception_handler(QueueFull)
     async def _queue_full(req, exc):
         return error_response(429, f"too many requests waiting (limit {args.max_queued_requests}); retry later",
-                              headers={"Retry-After": "1"}, path=req.url.path)
+                              headers={"Retry-After": "1"}, shape=_shape(req))
 
     @app.exception_handler(EngineError)
     async def _engine_error(req, exc):
-        return error_response(503, str(exc), path=req.url.path)
+        return error_response(503, str(exc), shape=_shape(req))
 
     @app.exception_handler(RequestFailed)
     async def _request_failed(req, exc):  # this request's fault in the model: the server stays up
-        return error_response(exc.status, str(exc), path=req.url.path)
+        return error_response(exc.status, str(exc), shape=_shape(req))

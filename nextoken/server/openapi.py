@@ -2,12 +2,12 @@
 
 FastAPI documents only the success and its own 422; the server answers validation errors with
 400 and can refuse any request with the statuses of `Gate`, `BodyLimit` and the engine. This
-adds them to every operation with its API's error body (OpenAI's; Anthropic's under /v1/messages,
-Ollama's under /api/), drops the 422 it never sends, and gives
-/metrics its Prometheus text content type and the generation routes their event stream.
+adds them to every operation with its API's error body (each API's router declares its shape,
+`api.ApiShape`), drops the 422 it never sends, and gives /metrics its Prometheus text content
+type and each generating route its API's stream.
 
 Bounds that depend on the loaded model (token ids below the vocabulary size, layers, the context
-length) are marked ``x-maximum`` by the request models (`nextoken.server.protocol.model_limit`);
+length) are marked ``x-maximum`` by the request models (`nextoken.server.openai.protocol.model_limit`);
 once the model is loaded they become ``maximum``. The schema is kept from then on; while the model
 loads it is served with the marks and rebuilt on the next request.
 """
@@ -17,44 +17,28 @@ from __future__ import annotations
 import copy
 import warnings
 
-ERROR_BODY = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "integer"}}}},
-}
-ANTHROPIC_ERROR_BODY = {  # Anthropic's shape, under /v1/messages
-    "type": "object", "required": ["type", "error"],
-    "properties": {"type": {"const": "error"}, "error": {
-        "type": "object", "required": ["type", "message"],
-        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
-}
-ANTHROPIC = "/v1/messages"
-OLLAMA_ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
-OLLAMA = "/api/"
-NDJSON = ("/api/chat", "/api/generate")  # Ollama's streams: one JSON object per line
+from nextoken.server.api import OPENAI
+
 REASONS = {400: "Invalid request (the message and param name the field)", 401: "Missing or wrong API key",
            404: "Unknown model or resource", 413: "Request body too large", 429: "Too many requests waiting",
            500: "Internal error", 503: "Loading, shutting down, or the engine stopped"}
-GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
-QUEUED = GENERATION + ("/api/chat", "/api/generate")  # may answer 429
 PROMETHEUS = "text/plain; version=0.0.4"
 # one server-sent event of a stream: ``data:`` holds a JSON chunk, or ``[DONE]`` at the end
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
-def statuses(path: str, method: str) -> list[int]:
-    """The error statuses operation `method` `path` can answer."""
+def statuses(path: str, method: str, apis) -> list[int]:
+    """The error statuses operation `method` `path` can answer (a generating route of `apis`
+    may answer 429)."""
     out = [] if path == "/health" or path.startswith("/inspect/static") else [401]
     if method in ("post", "put", "patch"):
         out += [400, 413]
     elif path.startswith(("/inspect/api", "/v1/watermark")) or "{" in path:
         out += [400]
-    if path.startswith(("/v1", "/tokenize", "/detokenize", "/inspect/api", "/api/")) or "{" in path:
+    if apis.serves(path) or path.startswith(("/v1", "/tokenize", "/detokenize", "/inspect/api")) or "{" in path:
         out += [404]
-    if path in QUEUED:
+    if apis.is_generation(path):
         out += [429]
     return sorted(set(out + [500, 503]))
 
@@ -81,7 +65,7 @@ def apply_limits(node, limits: dict[str, int]) -> None:
 def document_errors(app, limits=lambda: None) -> None:
     """Wrap `app.openapi` so that the schema lists every error status of every operation and
     the model's bounds; `limits()` gives `model_limits`, or None while the model loads."""
-    original = app.openapi
+    original, apis = app.openapi, app.state.apis
     done: list[dict] = []
 
     def openapi():
@@ -91,34 +75,30 @@ def document_errors(app, limits=lambda: None) -> None:
             warnings.filterwarnings("ignore", message="Duplicate Operation ID")
             schema = copy.deepcopy(original())
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components["Error"], components["AnthropicError"] = ERROR_BODY, ANTHROPIC_ERROR_BODY
-        components["OllamaError"] = OLLAMA_ERROR_BODY
+        for router in apis.routers:
+            components[router.shape.name] = router.shape.error_schema
+        components[OPENAI.name] = OPENAI.error_schema
         seen: set[str] = set()
         for path, ops in schema.get("paths", {}).items():
-            kind = "AnthropicError" if path.startswith(ANTHROPIC) else \
-                "OllamaError" if path.startswith(OLLAMA) else "Error"
-            ref = {"$ref": "#/components/schemas/" + kind}
+            ref = {"$ref": "#/components/schemas/" + apis.shape(path).name}
             for method, op in ops.items():
                 if op.get("operationId") in seen:  # one route serving two methods: one id each
                     op["operationId"] = op["operationId"].rsplit("_", 1)[0] + "_" + method
                 seen.add(op.get("operationId"))
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
-                for code in statuses(path, method):
+                for code in statuses(path, method, apis):
                     headers = {"Retry-After": {"schema": {"type": "integer"}}} if code == 429 else None
                     resp = {"description": REASONS[code], "content": {"application/json": {"schema": ref}}}
                     if headers:
                         resp["headers"] = headers
                     responses.setdefault(str(code), resp)
-        for path in GENERATION:  # "stream": true answers server-sent events
+        for path, shape in apis.generation_paths():  # "stream": true answers the API's stream
             op = schema.get("paths", {}).get(path, {}).get("post")
             if op is not None:
-                op["responses"]["200"].setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
-        for path in NDJSON:  # "stream": true (Ollama's default) answers newline-delimited JSON
-            op = schema.get("paths", {}).get(path, {}).get("post")
-            if op is not None:
-                content = op["responses"]["200"].setdefault("content", {})
-                content["application/x-ndjson"] = {"schema": {"type": "string"}}
+                kind = shape.stream_media_type
+                op["responses"]["200"].setdefault("content", {})[kind] = {
+                    "schema": SSE_EVENT if kind == "text/event-stream" else {"type": "string"}}
         metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
         if metrics is not None:
             metrics["responses"]["200"]["content"] = {PROMETHEUS: {"schema": {"type": "string"}}}

@@ -1,8 +1,8 @@
-"""The server's routes, by area: `info` (health, models, metrics, load, version, tokenizer),
-`tokens` (tokenize, detokenize, watermark detection), `openai` (completions, chat, responses),
-`anthropic` (messages, `server.anthropic`) and `ollama` (``/api/*``, `server.ollama`). Each
-route reads what it needs from ``request.app.state`` (`server.app.build_app` puts the server's
-state, args, metrics and serving objects there) and hands generation to the serving classes."""
+"""The server's routes that belong to no one API: `info` (health, models, metrics, load,
+version, tokenizer, LoRA adapters) and `tokens` (tokenize, detokenize, watermark detection).
+Each API's own routes are its package's router (`server.openai.router`, `server.anthropic.router`,
+`server.ollama.router`). Each route reads what it needs from ``request.app.state``
+(`server.app.build_app` puts the server's state, args, metrics and serving objects there)."""
 
 from __future__ import annotations
 
@@ -13,25 +13,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nextoken.sample.watermark import detect
-from nextoken.server.anthropic import CountTokensRequest, MessagesRequest
-from nextoken.server.ollama import ChatRequest as OllamaChat
-from nextoken.server.ollama import GenerateRequest as OllamaGenerate
-from nextoken.server.ollama import ShowRequest as OllamaShow
-from nextoken.server.openai_responses import ResponsesRequest
-from nextoken.server import responses as R
+from nextoken.server import prompts
 from nextoken.server import tools as tools_mod
 from nextoken.server.errors import error_response
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
+from nextoken.server.openai.protocol import (DetokenizeRequest, LoadLoRARequest,
                                       TokenizeChatRequest, TokenizeRequest, UnloadLoRARequest, WatermarkDetectRequest,
                                       WatermarkText)
 from nextoken.server.serving import check_token_ids
 
 info = APIRouter()
 tokens = APIRouter()
-openai = APIRouter()
-anthropic = APIRouter()
-ollama = APIRouter(strict_content_type=False)  # Ollama reads a body without Content-Type as JSON
 
 IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 
@@ -140,7 +132,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     _check_model(request, body.model)
     eng = _engine(request)
     if isinstance(body, TokenizeChatRequest):
-        ids = R.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
+        ids = prompts.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
             [m.model_dump(exclude_none=True) for m in body.messages]))
     else:
         ids = eng.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False, parse_special=False)
@@ -165,71 +157,3 @@ async def watermark_detect(body: WatermarkDetectRequest, request: Request):
         ids = check_token_ids(eng, body.tokens)
     res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
     return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
-
-
-# -- generation -------------------------------------------------------------------------------
-@openai.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    return await request.app.state.serving_completion.create(body, request)
-
-
-@openai.post("/v1/chat/completions")
-async def chat(body: ChatCompletionRequest, request: Request):
-    return await request.app.state.serving_chat.create(body, request)
-
-
-@openai.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request):
-    return await request.app.state.serving_responses.create(body, request)
-
-
-@openai.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-async def stored_response(response_id: str, request: Request):
-    """GET: a stored response; DELETE: forget it. (One route for both, so a 405 lists both.)"""
-    store = request.app.state.serving_responses.store
-    if request.method == "DELETE":
-        store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-    return store.get(response_id)[0]
-
-
-@anthropic.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request):
-    return await request.app.state.serving_messages.create(body, request)
-
-
-@anthropic.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request):
-    return await request.app.state.serving_messages.count_tokens(body)
-
-
-@ollama.post("/api/chat")
-async def ollama_chat(body: OllamaChat, request: Request):
-    return await request.app.state.serving_ollama.chat(body, request)
-
-
-@ollama.post("/api/generate")
-async def ollama_generate(body: OllamaGenerate, request: Request):
-    return await request.app.state.serving_ollama.generate(body, request)
-
-
-@ollama.get("/api/tags")
-async def ollama_tags(request: Request):
-    return request.app.state.serving_ollama.tags()
-
-
-@ollama.get("/api/ps")
-async def ollama_ps(request: Request):
-    return request.app.state.serving_ollama.ps()
-
-
-@ollama.post("/api/show")
-async def ollama_show(body: OllamaShow, request: Request):
-    return request.app.state.serving_ollama.show(body)
-
-
-@ollama.get("/api/version")
-async def ollama_version():
-    from nextoken.server.ollama import VERSION
-
-    return {"version": VERSION}

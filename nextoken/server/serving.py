@@ -1,11 +1,12 @@
-"""What every OpenAI generation route shares (`OpenAIServing`, as vLLM's ``OpenAIServing``):
+"""What every generation route of every API shares (`ApiServing`, as vLLM's ``OpenAIServing``):
 the engine, the served model's name, the queue limit, grammars compiled off the event loop,
 waiting for final outputs while watching the client, beam search, and the record of a finished
-request. `serving_completion` and `serving_chat` build on it; `routes` calls them."""
+request. Each API's serving classes build on it (`server.openai`, `server.anthropic`, `server.ollama`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -16,8 +17,9 @@ from nextoken.beam import async_beam_search
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import responses as R
 from nextoken.server.args import ServerArgs
+
+log = logging.getLogger("nextoken.server")
 
 
 class QueueFull(Exception):
@@ -36,7 +38,7 @@ def no_lora_beams(lora) -> None:
                              "use_beam_search")
 
 
-class OpenAIServing:
+class ApiServing:
     """state: the server's (``engine``: an `AsyncLLMEngine`, None while loading); args: the
     `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
 
@@ -73,7 +75,7 @@ class OpenAIServing:
         """A finished request's metrics and its log line."""
         for out in outs:
             self.metrics.observe(out)
-            R.log_request(out)
+            log_request(out)
 
     async def collect(self, rids: list[str], request: Request) -> list[RequestOutput]:
         """Final outputs of `rids`; aborts them all and raises `ClientGone` if the client
@@ -142,3 +144,13 @@ def check_token_ids(engine, ids: list[int]) -> list[int]:
     if bad:
         raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {engine.config.vocab_size})", "tokens")
     return ids
+
+
+def log_request(out) -> None:
+    """One log line per finished request: id, tokens in and out, TTFT, total time."""
+    m = out.metrics
+    total = (m.finished_time - m.arrival_time) if m.finished_time else float("nan")
+    ttft = f"{m.ttft:.3f}s" if m.ttft is not None else "-"
+    log.info("request %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s", out.request_id,
+             m.num_prompt_tokens, m.num_output_tokens, ttft, total,
+             ",".join(str(c.finish_reason) for c in out.outputs))

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`nextoken.server.openai_responses`) with the real `openai` SDK
+"""OpenAI's Responses API (`nextoken.server.openai.responses`) with the real `openai` SDK
 (``client.responses``) against a live server on SmolLM2: the chat route's answers, the stream's
 events joined, structured output, a function-call round trip, the store with
 previous_response_id, and errors."""

@@ -16,97 +16,25 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import published
+from nextoken.server import prompts
+from nextoken.server import tools as tools_mod
 from nextoken.server.chat_core import ChatSpec, Prepared, prepare
 from nextoken.server.chat_run import Failed, Finish, Text, Thought, run
-from nextoken.server.protocol import FunctionDefinition
-from nextoken.server import responses as R
-from nextoken.server import tools as tools_mod
-from nextoken.server.serving import OpenAIServing
+from nextoken.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ShowRequest
+from nextoken.server.serving import ApiServing
 from nextoken.structured.params import StructuredOutputsParams
 
-VERSION = "0.6.0"  # the Ollama API version these routes follow
 # options -> SamplingParams fields (Ollama's other options, runner settings, are accepted and unused)
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
            "min_p": "min_p", "repeat_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
-
-
-class ToolCallFunction(Body):
-    name: NonEmptyStr
-    arguments: dict[str, Any]
-    index: int | None = None
-
-
-class ToolCall(Body):
-    function: ToolCallFunction
-    id: str | None = None
-    type: str | None = None
-
-
-class Tool(Body):
-    """A function tool, as Ollama takes it (OpenAI's chat shape; `type` may be left out)."""
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class Message(Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    images: list[str] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_name: str | None = None
-    thinking: str | None = None
-
-
-class ChatRequest(Body):
-    model: NonEmptyStr
-    messages: list[Message] = Field(default_factory=list)
-    stream: bool = True
-    format: Literal["json"] | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    keep_alive: str | int | None = None
-    think: bool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _published(cls, data):
-        """Ollama's published fields that change nothing here (`published.OLLAMA_CHAT`)."""
-        return accept_published(data, published.OLLAMA_CHAT)
-
-
-class GenerateRequest(Body):
-    model: NonEmptyStr
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    stream: bool = True
-    format: Literal["json"] | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | None = None
-    images: list[str] | None = None
-    think: bool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _published(cls, data):
-        """Ollama's published fields that change nothing here (`published.GENERATE`)."""
-        return accept_published(data, published.GENERATE)
-
-
-class ShowRequest(Body):
-    model: NonEmptyStr
-    verbose: bool = False
 
 
 def sampling_fields(options: dict | None) -> tuple[dict, int | None]:
@@ -162,7 +90,7 @@ def _line(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
 
 
-class OllamaServing(OpenAIServing):
+class OllamaServing(ApiServing):
     """Ollama's routes over the shared engine."""
 
     def check_model(self, name: str | None):
@@ -171,7 +99,7 @@ class OllamaServing(OpenAIServing):
         return super().check_model(name.removesuffix(":latest") if name else name)
 
     def _max_tokens(self, n_prompt: int) -> int:
-        return R.default_max_tokens(self.engine.engine, n_prompt, self.args.max_tokens_default)
+        return prompts.default_max_tokens(self.engine.engine, n_prompt, self.args.max_tokens_default)
 
     async def chat(self, body: ChatRequest, request: Request):
         self.check_model(body.model)
@@ -190,7 +118,7 @@ class OllamaServing(OpenAIServing):
         else:
             msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
                 [{"role": "user", "content": body.prompt}]
-            ids = R.encode_chat(tok, msgs)
+            ids = prompts.encode_chat(tok, msgs)
         if not ids:  # Ollama's way to load a model
             return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         return await self._answer(body, await self._prepare_generate(body, ids), request, chat=False)

@@ -17,103 +17,15 @@ from __future__ import annotations
 import json
 import uuid
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest
-from nextoken.server import published
-from nextoken.server import anthropic_mcp
-from nextoken.server.anthropic_mcp import MCPServer
+from nextoken.server.anthropic import mcp as connector
+from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat_core import ChatSpec, prepare, render
 from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
-from nextoken.server.serving import OpenAIServing, sse_response
-
-
-# -- the request ------------------------------------------------------------------------------
-class _Block(Body):
-    """What the API lets every block carry beside its content, accepted and not used here:
-    prompt-caching marks and the fields the SDK's own block objects dump (as null)."""
-
-    cache_control: dict[str, Any] | None = None
-    citations: list[Any] | None = None
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: str
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: NonEmptyStr
-    name: NonEmptyStr
-    input: dict[str, Any]
-    caller: dict[str, Any] | None = None
-    toolset_name: str | None = None
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: NonEmptyStr
-    content: str | list[TextBlock] = ""
-    is_error: bool = False
-
-
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
-
-
-class Message(Body):
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[Block], Field(min_length=1)]
-
-
-class Tool(Body):
-    name: NonEmptyStr
-    description: str | None = None
-    input_schema: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
-
-
-class ToolChoice(Body):
-    type: Literal["auto", "any", "tool", "none"]
-    name: NonEmptyStr | None = None
-    disable_parallel_tool_use: bool = False
-
-
-class Metadata(Body):
-    user_id: str | None = None
-
-
-class MessagesRequest(Body):
-    model: NonEmptyStr
-    max_tokens: int = Field(ge=1)
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=1.0)
-    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    stop_sequences: Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
-    stream: bool = False
-    metadata: Metadata | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    mcp_servers: list[MCPServer] | None = None  # the MCP connector (`anthropic_mcp`)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _published(cls, data):
-        """Anthropic's published fields that change nothing here (`published.MESSAGES`)."""
-        return accept_published(data, published.MESSAGES)
-
-
-class CountTokensRequest(Body):
-    model: NonEmptyStr
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+from nextoken.server.serving import ApiServing, sse_response
 
 
 # -- translation --------------------------------------------------------------------------------
@@ -198,7 +110,7 @@ def _event(kind: str, data: dict) -> str:
 
 
 # -- serving ------------------------------------------------------------------------------------
-class AnthropicServingMessages(OpenAIServing):
+class AnthropicServingMessages(ApiServing):
     """``POST /v1/messages`` and ``/v1/messages/count_tokens`` over the shared engine."""
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
@@ -218,8 +130,8 @@ class AnthropicServingMessages(OpenAIServing):
         return self.message(res)
 
     async def _connector(self, body, request, lora):
-        """A message with the MCP connector (`anthropic_mcp.ConnectorLoop`), streamed or not."""
-        loop = await anthropic_mcp.ConnectorLoop(self, body, request, lora, to_spec, RENDER).start()
+        """A message with the MCP connector (`connector.ConnectorLoop`), streamed or not."""
+        loop = await connector.ConnectorLoop(self, body, request, lora, to_spec, RENDER).start()
         if body.stream:
             return sse_response(loop.events(_event))
         async for _ in loop.events(lambda kind, data: None):
@@ -302,4 +214,4 @@ def open_block(block: dict, kind: str | None, start: dict | None) -> list[tuple[
 
 
 RENDER = SimpleNamespace(block_events=block_events, blocks=blocks, stop_reason=stop_reason,
-                         open_block=open_block, tool_input=tool_input)  # (`anthropic_mcp`)
+                         open_block=open_block, tool_input=tool_input)  # (`anthropic.mcp`)

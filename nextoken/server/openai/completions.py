@@ -8,12 +8,13 @@ import uuid
 
 from fastapi import Request
 
-from nextoken.server import responses as R
-from nextoken.server.protocol import CompletionRequest
-from nextoken.server.serving import OpenAIServing, no_lora_beams, sse_response
+from nextoken.server.prompts import completion_prompts
+from nextoken.server.openai import render as R
+from nextoken.server.openai.protocol import CompletionRequest
+from nextoken.server.serving import ApiServing, no_lora_beams, sse_response
 
 
-class OpenAIServingCompletion(OpenAIServing):
+class OpenAIServingCompletion(ApiServing):
     async def create(self, body: CompletionRequest, request: Request):
         """The response to `body`. Raises `InvalidRequest` for a bad request (naming the field),
         `NotFound` for another model, `QueueFull` when too many wait."""
@@ -21,7 +22,7 @@ class OpenAIServingCompletion(OpenAIServing):
         body.check_rules()
         self.check_queue()
         eng = self.engine
-        prompts = R.completion_prompts(eng.engine, body.prompt)
+        prompts = completion_prompts(eng.engine, body.prompt)
         structured = body.structured()
         await self.compile(structured)
         if body.use_beam_search:
@@ -41,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         if body.stream:
             return sse_response(R.stream_completion(eng, body, rids, prompts, created, self.args.model_name,
-                                                    self.metrics))
+                                                    self.record))
         outs = await self.collect(rids, request)
         self.record(outs)
         return R.completion_response(eng.engine, body, outs, prompts, created, self.args.model_name)

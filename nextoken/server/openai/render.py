@@ -1,4 +1,5 @@
-"""Building OpenAI-shaped responses (JSON and server-sent-event chunks) from engine outputs."""
+"""The OpenAI bodies of answers: chat.completion and text_completion objects, their chunks
+(server-sent events) from the chat core's events or the engine's outputs, logprobs, usage."""
 
 from __future__ import annotations
 
@@ -6,62 +7,9 @@ import asyncio
 import json
 import logging
 
-from nextoken.errors import InvalidRequest
 from nextoken.server.chat_run import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
 
 log = logging.getLogger("nextoken.server")
-
-
-# -- prompts ------------------------------------------------------------------------------------
-def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
-    """Render `messages` with the chat template and tokenize, keeping any special-token text the
-    user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
-
-    The template's own text is tokenized with special tokens parsed; each message's content,
-    located in the rendered text in order, is tokenized without."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra=template_kwargs)
-    specials = tokenizer.special_texts
-    contents = [m["content"] or "" for m in messages]
-    if not any(s in c for c in contents for s in specials):
-        return tokenizer.encode(text)
-    ids, pos = [], 0
-    for k, c in enumerate(contents):
-        if not c:
-            continue
-        i = text.find(c, pos)
-        if i < 0:
-            raise InvalidRequest(f"messages[{k}].content holds special-token text that the chat template "
-                                 "changes; remove it", f"messages[{k}].content")
-        ids += tokenizer.encode(text[pos:i], add_bos=False) + tokenizer.encode(c, add_bos=False, parse_special=False)
-        pos = i + len(c)
-    return ids + tokenizer.encode(text[pos:], add_bos=False)
-
-
-def completion_prompts(engine, prompt) -> list[tuple[list[int], str | None]]:
-    """``(ids, text)`` for each prompt of a /v1/completions request (a string, strings, ids, or
-    lists of ids)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    if not prompt:
-        raise InvalidRequest("prompt must not be empty", "prompt")
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            out.append((engine.tokenizer.encode(p), p))
-        else:
-            out.append((list(p), None))
-    return out
-
-
-def default_max_tokens(engine, num_prompt_tokens: int, cap: int | None = None) -> int:
-    """max_tokens for a request that gives none (chat, responses, Ollama): the rest of the
-    context window, or of the KV cache if that is smaller, and at most `cap` (the server's
-    ``--max-tokens-default``, 4096 unless set)."""
-    room = max(1, min(engine.max_model_len, engine.kv.pool.num_blocks * engine.kv.block_size) - num_prompt_tokens)
-    return min(room, cap) if cap else room
 
 
 # -- logprobs -----------------------------------------------------------------------------------
@@ -234,7 +182,9 @@ def _step_chunks(tok, body, ev: Tokens, deltas: list[dict], finish, tools: bool)
              "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
 
 
-async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, metrics):
+async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, record):
+    """text_completion chunks of requests `rids` as the engine makes them; `record([out])` takes each
+    finished one (metrics and log line)."""
     tok = eng.engine.tokenizer
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     queue: asyncio.Queue = asyncio.Queue()
@@ -280,8 +230,7 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
                                         "finish_reason": c.finish_reason if out.finished else None}]})
             if out.finished:
                 finals[k] = out
-                metrics.observe(out)
-                log_request(out)
+                record([out])
         if include_usage:
             yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
@@ -297,13 +246,3 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
             t.cancel()
         for rid in rids:
             eng.abort(rid)
-
-
-def log_request(out) -> None:
-    """One log line per finished request: id, tokens in and out, TTFT, total time."""
-    m = out.metrics
-    total = (m.finished_time - m.arrival_time) if m.finished_time else float("nan")
-    ttft = f"{m.ttft:.3f}s" if m.ttft is not None else "-"
-    log.info("request %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s", out.request_id,
-             m.num_prompt_tokens, m.num_output_tokens, ttft, total,
-             ",".join(str(c.finish_reason) for c in out.outputs))

@@ -8,9 +8,7 @@ connector runs calls without approval; at most `MAX_CALLS` per message.
 from __future__ import annotations
 
 import uuid
-from typing import Literal
 
-from nextoken.bodies import Body, NonEmptyStr
 from nextoken.server.chat_core import prepare
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat_run import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, run
@@ -19,25 +17,14 @@ from nextoken.server.mcp_tools import MCPTool, check_allowed, listings, run_call
 MAX_CALLS = 8
 
 
-class ToolConfiguration(Body):
-    enabled: bool = True
-    allowed_tools: list[str] | None = None
-
-
-class MCPServer(Body):
-    """One entry of ``mcp_servers`` (Anthropic's URL-based MCP server definition)."""
-    type: Literal["url"]
-    url: NonEmptyStr
-    name: NonEmptyStr
-    authorization_token: str | None = None
-    tool_configuration: ToolConfiguration | None = None
-
-    def as_tool(self) -> MCPTool:
-        cfg = self.tool_configuration or ToolConfiguration()
-        return MCPTool(type="mcp", server_label=self.name, server_url=self.url, require_approval="never",
-                       allowed_tools=cfg.allowed_tools if cfg.enabled else [],
-                       headers={"Authorization": f"Bearer {self.authorization_token}"}
-                       if self.authorization_token else None)
+def as_tool(server) -> MCPTool:
+    """One ``mcp_servers`` entry (`protocol.MCPServer`) as the Responses API's MCP tool."""
+    cfg = server.tool_configuration
+    enabled, allowed = (cfg.enabled, cfg.allowed_tools) if cfg is not None else (True, None)
+    return MCPTool(type="mcp", server_label=server.name, server_url=server.url, require_approval="never",
+                   allowed_tools=allowed if enabled else [],
+                   headers={"Authorization": f"Bearer {server.authorization_token}"}
+                   if server.authorization_token else None)
 
 
 class ConnectorLoop:
@@ -56,7 +43,7 @@ class ConnectorLoop:
 
     async def start(self) -> "ConnectorLoop":
         self.limits = limits = server_limits(self.serving.args, "mcp_servers")
-        servers = [(i, s.as_tool()) for i, s in enumerate(self.body.mcp_servers)]
+        servers = [(i, as_tool(s)) for i, s in enumerate(self.body.mcp_servers)]
         for i, t in servers:
             check_allowed(t, f"mcp_servers[{i}].url", limits)
         _, self.owners, self.offered = await listings(servers, limits, "mcp_servers")

@@ -30,10 +30,10 @@ from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
 from nextoken.server.chat_core import ChatSpec, append_call, prepare
-from nextoken.server import responses_mcp
+from nextoken.server.openai import responses_mcp
 from nextoken.server.mcp_tools import MCPTool
 from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
-from nextoken.server.serving import OpenAIServing, sse_response
+from nextoken.server.serving import ApiServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
 
@@ -247,7 +247,7 @@ def _event(kind: str, data: dict, seq: list[int]) -> str:
 
 
 # -- serving ------------------------------------------------------------------------------------
-class OpenAIServingResponses(OpenAIServing):
+class OpenAIServingResponses(ApiServing):
     """``/v1/responses`` over the shared engine; `store`: the `ResponseStore`."""
 
     def __init__(self, state, args, metrics):

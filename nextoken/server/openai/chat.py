@@ -8,14 +8,14 @@ import time
 
 from fastapi import Request
 
-from nextoken.server import responses as R
+from nextoken.server.openai import render as R
 from nextoken.server.chat_core import ChatSpec, prepare
 from nextoken.server.chat_run import result, run
-from nextoken.server.protocol import ChatCompletionRequest, NamedToolChoice
-from nextoken.server.serving import OpenAIServing, no_lora_beams, sse_response
+from nextoken.server.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from nextoken.server.serving import ApiServing, no_lora_beams, sse_response
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat(ApiServing):
     async def create(self, body: ChatCompletionRequest, request: Request):
         """The response to `body`. Raises `InvalidRequest` for a bad request (naming the field),
         `NotFound` for another model, `QueueFull` when too many wait."""

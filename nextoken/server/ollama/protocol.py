@@ -1,0 +1,82 @@
+"""Ollama's request bodies (``/api/chat``, ``/api/generate``, ``/api/show``), with the message
+and option fields its clients send (`published.OLLAMA_CHAT`, `published.GENERATE`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from nextoken.bodies import Body, NonEmptyStr, accept_published
+from nextoken.server import published
+from nextoken.server.openai.protocol import FunctionDefinition
+
+VERSION = "0.6.0"  # the Ollama API version these routes follow
+
+
+class ToolCallFunction(Body):
+    name: NonEmptyStr
+    arguments: dict[str, Any]
+    index: int | None = None
+
+
+class ToolCall(Body):
+    function: ToolCallFunction
+    id: str | None = None
+    type: str | None = None
+
+
+class Tool(Body):
+    """A function tool, as Ollama takes it (OpenAI's chat shape; `type` may be left out)."""
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class ChatRequest(Body):
+    model: NonEmptyStr
+    messages: list[Message] = Field(default_factory=list)
+    stream: bool = True
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    keep_alive: str | int | None = None
+    think: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """Ollama's published fields that change nothing here (`published.OLLAMA_CHAT`)."""
+        return accept_published(data, published.OLLAMA_CHAT)
+
+
+class GenerateRequest(Body):
+    model: NonEmptyStr
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    stream: bool = True
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | None = None
+    images: list[str] | None = None
+    think: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published(cls, data):
+        """Ollama's published fields that change nothing here (`published.GENERATE`)."""
+        return accept_published(data, published.GENERATE)
+
+
+class ShowRequest(Body):
+    model: NonEmptyStr
+    verbose: bool = False

@@ -1,0 +1,45 @@
+"""Ollama's routes (``/api/*``): a JSON body read whatever its Content-Type (as Ollama does),
+errors as ``{"error": message}``, streams as newline-delimited JSON."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from nextoken.server.api import ApiRouter, ApiShape, with_field
+from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
+from nextoken.server.ollama.protocol import ShowRequest as OllamaShow
+
+SHAPE = ApiShape("OllamaError", lambda status, message, param: {"error": with_field(message, param)},
+                 {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+                 stream_media_type="application/x-ndjson")
+router = ApiRouter(SHAPE, strict_content_type=False)  # Ollama reads a body without Content-Type as JSON
+
+
+@router.generation_route("/api/chat")
+async def ollama_chat(body: OllamaChat, request: Request):
+    return await request.app.state.serving_ollama.chat(body, request)
+
+
+@router.generation_route("/api/generate")
+async def ollama_generate(body: OllamaGenerate, request: Request):
+    return await request.app.state.serving_ollama.generate(body, request)
+
+
+@router.get("/api/tags")
+async def ollama_tags(request: Request):
+    return request.app.state.serving_ollama.tags()
+
+
+@router.get("/api/ps")
+async def ollama_ps(request: Request):
+    return request.app.state.serving_ollama.ps()
+
+
+@router.post("/api/show")
+async def ollama_show(body: OllamaShow, request: Request):
+    return request.app.state.serving_ollama.show(body)
+
+
+@router.get("/api/version")
+async def ollama_version():
+    return {"version": VERSION}

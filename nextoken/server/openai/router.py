@@ -1,0 +1,37 @@
+"""OpenAI's generation routes (completions, chat completions, responses and the stored
+responses), in OpenAI's error shape, streaming server-sent events."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from nextoken.server.api import OPENAI, ApiRouter
+from nextoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from nextoken.server.openai.responses import ResponsesRequest
+
+router = ApiRouter(OPENAI)
+
+
+@router.generation_route("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await request.app.state.serving_completion.create(body, request)
+
+
+@router.generation_route("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request):
+    return await request.app.state.serving_chat.create(body, request)
+
+
+@router.generation_route("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    return await request.app.state.serving_responses.create(body, request)
+
+
+@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+async def stored_response(response_id: str, request: Request):
+    """GET: a stored response; DELETE: forget it. (One route for both, so a 405 lists both.)"""
+    store = request.app.state.serving_responses.store
+    if request.method == "DELETE":
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+    return store.get(response_id)[0]

@@ -1,0 +1,16 @@
+"""The API routers a generation server serves, each from its API's package: OpenAI's
+(completions, chat, responses), Anthropic's (messages) and Ollama's (``/api/*``). Each declares
+its error shape, its streams' media type and its generating routes (`api.ApiRouter`)."""
+
+from __future__ import annotations
+
+from nextoken.server.anthropic.router import router as anthropic
+from nextoken.server.api import Apis
+from nextoken.server.ollama.router import router as ollama
+from nextoken.server.openai.router import router as openai
+
+API_ROUTERS = (openai, anthropic, ollama)
+
+
+def apis() -> Apis:
+    return Apis(list(API_ROUTERS))
