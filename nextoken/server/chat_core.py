@@ -25,7 +25,7 @@ from nextoken.server import tools as tools_mod
 from nextoken.structured.params import StructuredOutputsParams
 
 # the neutral names of the fields an API may call otherwise (`ChatSpec.fields`)
-FIELDS = ("max_tokens", "tool_choice", "constraint", "tools")
+FIELDS = ("max_tokens", "tool_choice", "constraint", "tools", "sampling")
 
 
 @dataclass
@@ -42,7 +42,8 @@ class ChatSpec:
     template_kwargs: more chat-template variables; fields: the request's name for each of
     `FIELDS` where it differs, for errors; other_bounds: output bounds the request also names
     but does not use (field -> value: OpenAI chat's max_tokens beside max_completion_tokens),
-    each checked against the context as max_tokens is."""
+    each checked against the context as max_tokens is; prompt_ids: the prompt's token ids as
+    they are (a raw prompt: no template, no tools; `messages` unused)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -54,6 +55,7 @@ class ChatSpec:
     template_kwargs: dict | None = None
     fields: dict[str, str] = field(default_factory=dict)
     other_bounds: dict[str, int] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -87,17 +89,32 @@ async def prepare(serving, spec: ChatSpec) -> Prepared:
         sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
     try:
         params = SamplingParams(**sampling, max_tokens=max_tokens, structured_outputs=forced or spec.constraint)
-    except TypeError as exc:
-        raise InvalidRequest(str(exc)) from None
-    params = params.validate(engine.config.vocab_size)
+        params = params.validate(engine.config.vocab_size)
+    except (TypeError, InvalidRequest) as exc:
+        raise _sampling_error(spec, exc) from None
     await serving.compile(params.structured_outputs)
     names = frozenset(t["function"]["name"] for t in tools) if tools else None
     return Prepared(ids, params, tools, names)
 
 
+def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:
+    """A sampling value's error, its field under the request's own name for the sampling fields
+    (``options.top_p`` on Ollama)."""
+    where = spec.fields.get("sampling")
+    field = getattr(exc, "field", None)
+    if where is None:
+        return exc if isinstance(exc, InvalidRequest) else InvalidRequest(str(exc))
+    if field in ("max_tokens", "structured_outputs"):  # not a sampling field: the request's own name
+        return InvalidRequest(str(exc), spec.name("max_tokens" if field == "max_tokens" else "constraint"))
+    name = f"{where}.{field}" if field else where
+    return InvalidRequest(f"{name}: {exc}", name)
+
+
 def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, StructuredOutputsParams | None]:
     """(the prompt's token ids, the template's tools or None, the grammar forcing a call or
     None) of `spec` with tokenizer `tok`; raises `InvalidRequest` as `prepare` does."""
+    if spec.prompt_ids is not None:
+        return spec.prompt_ids, None, None
     tools, forced = _tool_setup(spec, tok)
     if forced is not None and spec.constraint is not None:
         raise InvalidRequest(f"a forced tool call cannot be combined with {spec.name('constraint')}",

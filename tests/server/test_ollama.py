@@ -101,3 +101,15 @@ def test_listings_and_errors(srv):
                  {"model": "smollm2", "messages": [{"role": "robot", "content": "x"}]}):
         r = httpx.post(f"{srv.url}/api/chat", json={**body, "stream": False})
         assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
+
+
+def test_an_empty_prompt_loads_and_a_bad_option_names_options(srv):
+    """Ollama's clients load a model by sending no prompt (generate) or no messages (chat); an
+    option the sampler does not take is a 400 naming ``options``."""
+    for path, body, key in (("/api/generate", {"model": "smollm2"}, "response"),
+                            ("/api/chat", {"model": "smollm2", "messages": []}, "message")):
+        r = httpx.post(f"{srv.url}{path}", json={**body, "stream": False})
+        assert r.status_code == 200 and r.json()["done_reason"] == "load" and r.json()["done"], r.text
+    r = httpx.post(f"{srv.url}/api/generate", json={"model": "smollm2", "prompt": "hi", "stream": False,
+                                                     "options": {"top_p": "high", "num_predict": 2}})
+    assert r.status_code == 400 and r.json()["error"].startswith("options"), r.text

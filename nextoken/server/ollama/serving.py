@@ -22,8 +22,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nextoken.errors import InvalidRequest
-from nextoken.sampling_params import SamplingParams
-from nextoken.server import prompts
 from nextoken.server import tools as tools_mod
 from nextoken.server.chat_core import ChatSpec, Prepared, prepare
 from nextoken.server.chat_run import Failed, Finish, Text, Thought, run
@@ -58,16 +56,18 @@ def constraint(fmt) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json_object=True) if fmt == "json" else StructuredOutputsParams(json=fmt)
 
 
-def to_spec(body: ChatRequest) -> ChatSpec:
-    """A chat request as the chat core's `ChatSpec` (Ollama has no tool_choice: auto)."""
+def to_spec(body, messages: list[dict] | None = None) -> ChatSpec:
+    """A chat request (or, with its `messages`, a generate request) as the chat core's
+    `ChatSpec` (Ollama has no tool_choice: auto)."""
     sampling, max_tokens = sampling_fields(body.options)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise InvalidRequest(f"options.num_predict must be a positive integer or -1 (got {max_tokens!r})",
                              "options.num_predict")
-    return ChatSpec([_chat_message(m) for m in body.messages],
-                    [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+    tools = getattr(body, "tools", None)
+    return ChatSpec([_chat_message(m) for m in body.messages] if messages is None else messages,
+                    [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                     None, True, constraint(body.format), sampling, max_tokens,
-                    fields={"max_tokens": "options.num_predict", "constraint": "format"})
+                    fields={"max_tokens": "options.num_predict", "constraint": "format", "sampling": "options"})
 
 
 def _now() -> str:
@@ -98,9 +98,6 @@ class OllamaServing(ApiServing):
         without ``:latest``."""
         return super().check_model(name.removesuffix(":latest") if name else name)
 
-    def _max_tokens(self, n_prompt: int) -> int:
-        return prompts.default_max_tokens(self.engine.engine, n_prompt, self.args.max_tokens_default)
-
     async def chat(self, body: ChatRequest, request: Request):
         self.check_model(body.model)
         self.check_queue()
@@ -113,27 +110,16 @@ class OllamaServing(ApiServing):
         self.check_model(body.model)
         self.check_queue()
         tok = self.engine.engine.tokenizer
+        if not body.prompt and not body.system:  # Ollama's way to load a model: an empty prompt
+            return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         if body.raw or not tok.chat_template:
             ids = tok.encode(body.prompt)
+            spec = to_spec(body, [])
+            spec.prompt_ids = ids
         else:
-            msgs = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                [{"role": "user", "content": body.prompt}]
-            ids = prompts.encode_chat(tok, msgs)
-        if not ids:  # Ollama's way to load a model
-            return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        return await self._answer(body, await self._prepare_generate(body, ids), request, chat=False)
-
-    async def _prepare_generate(self, body: GenerateRequest, ids: list[int]) -> Prepared:
-        """/api/generate's request (no chat spec: a raw or single-turn prompt, no tools)."""
-        sampling, max_tokens = sampling_fields(body.options)
-        try:
-            params = SamplingParams(**sampling, max_tokens=max_tokens or self._max_tokens(len(ids)),
-                                    structured_outputs=constraint(body.format))
-        except TypeError as exc:
-            raise InvalidRequest(f"options: {exc}", "options") from None
-        params = params.validate(self.engine.engine.config.vocab_size)
-        await self.compile(params.structured_outputs)
-        return Prepared(ids, params, None, None)
+            spec = to_spec(body, ([{"role": "system", "content": body.system}] if body.system else [])
+                           + [{"role": "user", "content": body.prompt}])
+        return await self._answer(body, await prepare(self, spec), request, chat=False)
 
     async def _answer(self, body, p: Prepared, request: Request, chat: bool):
         res = await run(self, p, request, self.check_model(body.model), body.stream, "ollama-")
