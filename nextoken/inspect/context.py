@@ -4,9 +4,9 @@ behind the app and the inspector's memory, kept on ``app.state.inspector``."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 
+from cachetools import LRUCache
 from fastapi import Request
 
 from nextoken.errors import InvalidRequest, NotFound
@@ -21,7 +21,7 @@ class InspectState:
     """The inspector's memory: the last traces (id -> `TraceRecorder` and its tokens)."""
 
     def __init__(self):
-        self.traces: collections.OrderedDict[str, tuple[TraceRecorder, list[dict]]] = collections.OrderedDict()
+        self.traces: LRUCache[str, tuple[TraceRecorder, list[dict]]] = LRUCache(KEEP_TRACES)
         self.ids = itertools.count(1)
         self.last_layer_ms: list[float] | None = None
         self.demo_tasks: set[asyncio.Task] = set()
@@ -30,8 +30,6 @@ class InspectState:
     def keep(self, tracer: TraceRecorder, tokens: list[dict]) -> str:
         tid = f"t{next(self.ids)}"
         self.traces[tid] = (tracer, tokens)
-        while len(self.traces) > KEEP_TRACES:
-            self.traces.popitem(last=False)
         self.last_layer_ms = [round(x, 3) for x in tracer.layer_ms]
         return tid
 

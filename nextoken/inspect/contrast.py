@@ -6,6 +6,7 @@ request computes every token, `engine.scheduler`, and `Recompute` keeps the usua
 
 from __future__ import annotations
 
+import numpy as np
 
 class Recompute:
     """A tracer that records nothing: its request skips the prefix cache and computes every
@@ -31,9 +32,6 @@ class Recompute:
 
 def slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs (ms per position): how a series grows with the context."""
-    n = len(xs)
-    if n < 2:
+    if len(xs) < 2 or len(set(xs)) < 2:
         return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return float(np.polyfit(xs, ys, 1)[0])

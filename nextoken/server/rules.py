@@ -4,14 +4,18 @@ published JSON Schema (draft 2020-12, which OpenAPI 3.1 uses) and the server's c
 Each `Rule` is a combination the server answers with 400 (its condition as JSON Schema, the
 message, the field named). `forbid` turns a list of them into ``{"not": {"anyOf": [...]}}`` for
 a model's ``json_schema_extra``; `check` evaluates the same conditions on a request body
-(`matches`: the subset of JSON Schema the rules use) and raises the first rule's error.
+(`matches`, by the `jsonschema` package) and raises the first rule's error.
 tests/server/test_openapi_contract.py holds the server to its schema with a schema-driven fuzzer.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from itertools import combinations
+
+from jsonschema import Draft202012Validator
 
 from nextoken.errors import InvalidRequest
 
@@ -69,38 +73,15 @@ def check(body: dict, rules: list[Rule]) -> None:
             raise InvalidRequest(rule.message, rule.field)
 
 
-_TYPES = {"null": type(None), "array": list, "object": dict, "string": str, "boolean": bool}
-
-
 def matches(schema: dict, value) -> bool:
-    """Whether `value` satisfies `schema`, for the keywords the rules use: required, properties,
-    const, enum, type, minItems, not, anyOf, allOf, oneOf, if/then."""
-    for key, arg in schema.items():
-        if key == "required" and not (isinstance(value, dict) and all(k in value for k in arg)):
-            return False
-        if key == "properties" and isinstance(value, dict) and \
-                not all(matches(sub, value[k]) for k, sub in arg.items() if k in value):
-            return False
-        if key == "const" and not (value == arg and type(value) is type(arg)):
-            return False
-        if key == "enum" and value not in arg:
-            return False
-        if key == "type" and not (isinstance(value, _TYPES[arg]) if arg != "integer" else
-                                  isinstance(value, int) and not isinstance(value, bool)):
-            return False
-        if key == "minItems" and isinstance(value, list) and len(value) < arg:
-            return False
-        if key == "not" and matches(arg, value):
-            return False
-        if key == "anyOf" and not any(matches(s, value) for s in arg):
-            return False
-        if key == "allOf" and not all(matches(s, value) for s in arg):
-            return False
-        if key == "oneOf" and sum(matches(s, value) for s in arg) != 1:
-            return False
-        if key == "if" and matches(arg, value) and not matches(schema.get("then", {}), value):
-            return False
-    return True
+    """Whether `value` satisfies `schema` (JSON Schema 2020-12, by `jsonschema`): the rules'
+    conditions are checked by the same standard the published schema states them in."""
+    return _validator(json.dumps(schema, sort_keys=True)).is_valid(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema_json: str) -> Draft202012Validator:
+    return Draft202012Validator(json.loads(schema_json))
 
 
 # one output constraint at most (`_Sampling.structured`); response_format counts when it asks for JSON

@@ -9,12 +9,12 @@ tokens and the engine advances with every token it emits.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 
 import numpy as np
 import torch
+from cachetools import LRUCache
 
 from nextoken.errors import InvalidRequest
 from nextoken.structured.params import StructuredOutputsParams, grammar_source
@@ -60,7 +60,7 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll_tokenizer = None
-        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
+        self._cache: LRUCache[tuple[str, str], object] = LRUCache(CACHE_SIZE)
         self._lock = threading.Lock()
 
     @property
@@ -77,8 +77,7 @@ class GrammarCompiler:
         key = spec.source()
         with self._lock:
             if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+                return self._cache[key]  # (a read makes it the most recently used)
         import llguidance
 
         grammar = grammar_source(*key)
@@ -89,8 +88,6 @@ class GrammarCompiler:
             raise InvalidRequest(f"{field} cannot be used: {_first_line(matcher.get_error())}", field)
         with self._lock:
             self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
         return matcher
 
     def sequence_grammar(self, spec: StructuredOutputsParams) -> "SequenceGrammar":

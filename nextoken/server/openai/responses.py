@@ -15,14 +15,14 @@ request is a 400 that says so.
 
 from __future__ import annotations
 
-import collections
-from types import SimpleNamespace
 import json
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
 
+from cachetools import LRUCache
 from fastapi import Request
 from pydantic import Field, model_validator
 
@@ -161,7 +161,7 @@ class ResponseStore:
 
     def __init__(self, size: int):
         self.size = size
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._items: LRUCache[str, tuple[dict, list[dict]]] = LRUCache(max(size, 1))
         self._lock = threading.Lock()
 
     def put(self, response: dict, conversation: list[dict]) -> None:
@@ -169,9 +169,6 @@ class ResponseStore:
             return
         with self._lock:
             self._items[response["id"]] = (response, conversation)
-            self._items.move_to_end(response["id"])
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
 
     def get(self, rid: str, field: str = "response_id") -> tuple[dict, list[dict]]:
         """Raises `NotFound` (404, naming `field`) for an id not (or no longer) stored."""
@@ -179,8 +176,7 @@ class ResponseStore:
             if rid not in self._items:
                 raise NotFound(f"{field} {rid!r} is not stored (the last {self.size} stored responses are kept)",
                                field)
-            self._items.move_to_end(rid)
-            return self._items[rid]
+            return self._items[rid]  # (a read makes it the most recently used)
 
     def delete(self, rid: str) -> None:
         with self._lock:
