@@ -20,6 +20,7 @@ from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.loader.opened import OpenedModel
 from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
 
@@ -136,15 +137,16 @@ class LLM:
         the number it used, so the output is what `generate` gives for the prompt (the first
         token included). Raises `RequestFailed` when the model's pass for it produced
         non-finite logits."""
-        chosen = None
+        first_tokens = None
         if first is not None:
-            prompt, chat, chosen = first.prompt_ids, False, ([first.token], first.draws)
+            prompt, chat, first_tokens = first.prompt_ids, False, ((first.token,), first.draws)
         if chat:
             prompt = self._chat_prompt(prompt, system)
         engine = self._generation()
         rid = None
         try:
-            rid = engine.add_request(prompt, params, truncate_prompt=truncate_prompt, tracer=tracer, chosen=chosen)
+            rid = engine.add_request(prompt, params, options=RequestOptions(
+                truncate_prompt=truncate_prompt, tracer=tracer, first_tokens=first_tokens))
             done = False
             while not done:
                 for out in engine.step():
@@ -202,7 +204,8 @@ class LLM:
         ids = []
         try:
             for e, p, sp, lora in zip(encoded, prompts, params, loras):
-                ids.append(engine.add_request(e, sp, prompt_text=p if isinstance(p, str) else None, lora_request=lora))
+                ids.append(engine.add_request(e, sp, options=RequestOptions(
+                    prompt_text=p if isinstance(p, str) else None, lora_request=lora)))
         except Exception:  # one bad adapter: none of the prompts run
             for rid in ids:
                 engine.abort_request(rid)

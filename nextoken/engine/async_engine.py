@@ -21,6 +21,7 @@ from typing import AsyncIterator
 from nextoken.engine.engine import LLMEngine
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
+from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
 
 
@@ -40,21 +41,17 @@ class AsyncLLMEngine:
         self._stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, prompt_text: str | None = None,
-                          truncate_prompt: bool = False, tracer=None, return_logits: bool = False,
-                          lora_request=None, keep_prompt_hidden: bool = False) -> str:
-        """Queue a request and return its id (`tracer`, `lora_request`, `keep_prompt_hidden`: see
-        `LLMEngine.add_request`; the kept states come in the final output's ``prompt_hidden``).
-        Raises `InvalidRequest` at once for bad input, `EngineError` if the engine loop has died."""
+                          request_id: str | None = None, options: RequestOptions = DEFAULT) -> str:
+        """Queue a request and return its id (`options`: see `LLMEngine.add_request`; kept hidden
+        states come in the final output's ``prompt_hidden``). Raises `InvalidRequest` at once for
+        bad input, `EngineError` if the engine loop has died."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         self._queues[rid] = asyncio.Queue()
         try:
             await self._between_steps(
-                lambda: self.engine.add_request(prompt, params, rid, prompt_text, truncate_prompt, tracer,
-                                                keep_prompt_hidden=keep_prompt_hidden, return_logits=return_logits,
-                                                lora_request=lora_request))
+                lambda: self.engine.add_request(prompt, params, rid, options))
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -104,12 +101,9 @@ class AsyncLLMEngine:
                 self.abort(rid)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, prompt_text: str | None = None,
-                       truncate_prompt: bool = False, tracer=None, return_logits: bool = False,
-                       keep_prompt_hidden: bool = False) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, options: RequestOptions = DEFAULT) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""
-        rid = await self.add_request(prompt, params, request_id, prompt_text, truncate_prompt, tracer, return_logits,
-                                     keep_prompt_hidden=keep_prompt_hidden)
+        rid = await self.add_request(prompt, params, request_id, options)
         async for out in self.stream(rid):
             yield out
 

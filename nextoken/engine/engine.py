@@ -40,6 +40,7 @@ from nextoken.outputs import RequestOutput
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import SampleResult, Sampler
 from nextoken.sample.watermark import WatermarkConfig
+from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.speculator import Speculator, build_speculator
 from nextoken.structured.backend import GrammarCompiler
@@ -113,38 +114,29 @@ class LLMEngine:
         return encode_prompt(self.tokenizer, self.config.vocab_size, self.max_model_len, prompt, params, truncate)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_text: str | None = None, truncate_prompt: bool = False, tracer=None,
-                    keep_prompt_hidden: bool = False, chosen: tuple[list[int], int] | None = None,
-                    return_logits: bool = False, lora_request=None) -> str:
-        """Queue a request; returns its id. Raises `InvalidRequest` for bad parameters, a prompt
-        that does not fit the context window, or one that could never fit in the KV cache.
-
-        `keep_prompt_hidden` (with ``params.prompt_logprobs``): also keep the final hidden
-        state of every scored prompt position, ``RequestGroup.prompt_hidden`` (``[n - 1, hidden]``
-        once the prompt is computed; `nextoken.evaluate` turns them into whole distributions).
-
-        `tracer` (a `nextoken.trace.Tracer`) records every stage: the request runs in a pass of
-        its own, on the reference attention, without the prefix cache or speculation. `chosen`:
-        ``(tokens, draws)``, first tokens chosen already (`LLM.stream(..., first=...)`), emitted
-        in place of the first draws, and the seeded numbers they used. `return_logits`: outputs
-        carry completion 0's raw logits (`RequestOutput.logits`). `lora_request`: its adapter."""
+                    options: RequestOptions = DEFAULT) -> str:
+        """Queue a request; returns its id. `options`: how it runs (`RequestOptions`: its text,
+        truncation, tracer, kept hidden states, first tokens, raw logits, LoRA adapter). Raises
+        `InvalidRequest` for bad parameters, a prompt that does not fit the context window, or
+        one that could never fit in the KV cache."""
+        o = options
         params = (params or SamplingParams()).validate(self.config.vocab_size)
-        ids = self.encode_prompt(prompt, params, truncate_prompt)
+        ids = self.encode_prompt(prompt, params, o.truncate_prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        check_request(self.kv, len(ids), params, tracer is not None, self.runner.tp is not None)
-        lora_id = resolve_lora(self.runner.loras, lora_request)
-        text = prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None)
+        check_request(self.kv, len(ids), params, o.tracer is not None, self.runner.tp is not None)
+        lora_id = resolve_lora(self.runner.loras, o.lora_request)
+        text = o.prompt_text if o.prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
-        seqs = make_sequences(request_id, ids, params, grammars, tracer, chosen, lora_id)
-        self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, keep_prompt_hidden,
-                                   return_logits))
+        seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id)
+        self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
+                                   o.return_logits))
         for s in seqs:
             self.scheduler.add(s)
-        if tracer is not None:
-            tracer.on_prefill_start(ids)
+        if o.tracer is not None:
+            o.tracer.on_prefill_start(ids)
         return request_id
 
     def abort_request(self, request_id: str) -> None:  # frees its blocks; a no-op for unknown or finished ids
@@ -243,9 +235,9 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: dict, tracer) -> None:
         """One token for each of `reqs` from its logits row, in one batched sampler call; a row
         whose processors or grammar raise fails its request alone."""
-        if any(r.chosen for r in reqs):  # chosen already (the quick start's first token): no draw
-            for r in [r for r in reqs if r.chosen]:
-                self.outputs.emit(r, [SampleResult(r.chosen.pop(0))])
+        if any(r.first_tokens for r in reqs):  # drawn already (the quick start's first token): no draw
+            for r in [r for r in reqs if r.first_tokens]:
+                self.outputs.emit(r, [SampleResult(r.first_tokens.pop(0))])
                 reqs.remove(r)
         if not reqs:
             return

@@ -56,7 +56,7 @@ class Request:
     spec_skip: int = 0  # steps left without drafting (after a verification that accepted nothing)
     spec_backoff: int = 0  # how many steps the next such pause lasts
     tracer: object | None = None  # `nextoken.trace` recorder: this request runs in a pass of its own
-    chosen: list[int] = field(default_factory=list)  # tokens emitted in place of the next draws (the quick start's)
+    first_tokens: list[int] = field(default_factory=list)  # emitted in place of the next draws (the quick start's)
     lora_id: int = 0  # its LoRA adapter (`lora.LoRAManager`), 0 for the base model
 
     def __post_init__(self):
@@ -88,19 +88,20 @@ def completion_seed(seed: int | None, index: int) -> int | None:
 
 
 def make_sequences(request_id: str, prompt_ids: list[int], params: SamplingParams, grammars: list,
-                   tracer=None, chosen: tuple[list[int], int] | None = None, lora_id: int = 0) -> list[Request]:
+                   tracer=None, first_tokens: tuple[tuple[int, ...], int] | None = None,
+                   lora_id: int = 0) -> list[Request]:
     """The `params.n` sequences of a request: ``<id>#<i>``, each with its own generator
     (`completion_seed`), grammar (`grammars[i]`, or None) and sampler row; the later ones fork
-    from the first (`parent`), which computes the shared prompt. `chosen`: ``(tokens, draws)``,
-    the first sequence's first tokens chosen already and the numbers of its seeded stream they
-    used. `lora_id`: their adapter."""
+    from the first (`parent`), which computes the shared prompt. `first_tokens`: ``(tokens,
+    draws)``, the first sequence's first tokens drawn already and the numbers of its seeded
+    stream they used. `lora_id`: their adapter."""
     seqs: list[Request] = []
     for i in range(params.n):
         s = Request(f"{request_id}#{i}", prompt_ids, params, make_generator(completion_seed(params.seed, i)),
                     group_id=request_id, index=i, parent=seqs[0] if i else None)
-        if i == 0 and chosen is not None:
-            s.chosen = list(chosen[0])
-            s.generator.skip(chosen[1])
+        if i == 0 and first_tokens is not None:
+            s.first_tokens = list(first_tokens[0])
+            s.generator.skip(first_tokens[1])
         s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[i])
         s.tracer, s.lora_id = tracer, lora_id
         seqs.append(s)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nextoken.errors import InvalidRequest, RequestFailed
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 
 
@@ -57,7 +58,7 @@ def score_prompts(engine, chunks: list[list[int]], keep_hidden: bool, on_done=No
     groups = {}
     try:
         for c in chunks:
-            rid = engine.add_request(c, params, keep_prompt_hidden=keep_hidden)
+            rid = engine.add_request(c, params, options=RequestOptions(keep_prompt_hidden=keep_hidden))
             groups[rid] = engine.outputs.groups[rid]
         left = set(groups)
         while left:

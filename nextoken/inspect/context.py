@@ -11,6 +11,7 @@ from fastapi import Request
 
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import quality
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.trace.recorder import TraceRecorder
 
@@ -63,7 +64,7 @@ class InspectContext:
         return await self.get_engine()._between_steps(fn)
 
     async def run_traced(self, ids: list[int], params: SamplingParams, tracer) -> None:
-        async for _ in self.get_engine().generate(ids, params, tracer=tracer):
+        async for _ in self.get_engine().generate(ids, params, options=RequestOptions(tracer=tracer)):
             pass
 
     def encode(self, prompt: str, chat: bool, cap: int | None = None) -> list[int]:

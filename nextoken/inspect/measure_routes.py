@@ -17,6 +17,7 @@ from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.inspect import contrast, quality, speculate, text
 from nextoken.inspect.context import context_of
 from nextoken.inspect.trace import MAX_TRACE_TOKENS
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 
 router = APIRouter(tags=["inspector"])
@@ -85,7 +86,7 @@ async def quant_kl(request: Request, body: QualityBody):
     t = time.perf_counter()
     reference, ref_hidden = await asyncio.to_thread(ctx.state.reference.hidden, eng, ids)
     out = None
-    async for out in ctx.get_engine().generate(ids, quality.served_params(), keep_prompt_hidden=True):
+    async for out in ctx.get_engine().generate(ids, quality.served_params(), options=RequestOptions(keep_prompt_hidden=True)):
         pass
     if out.error is not None:
         raise RequestFailed(out.error)

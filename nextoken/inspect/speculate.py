@@ -24,6 +24,7 @@ from nextoken.config import SpeculativeConfig
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.inspect.text import display
 from nextoken.sample.sampler import SamplerRequest, make_generator
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.spec.ngram import propose_ngram
 from nextoken.spec.verify import verify
@@ -93,7 +94,8 @@ async def _target_logits(ctx, tokens: list[int], drafts: list[int]) -> torch.Ten
     full = tokens + drafts
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0 if drafts else None)
     out = None
-    async for out in ctx.get_engine().generate(full, params, return_logits=True, keep_prompt_hidden=bool(drafts)):
+    async for out in ctx.get_engine().generate(full, params, options=RequestOptions(return_logits=True,
+                                                                            keep_prompt_hidden=bool(drafts))):
         pass
     if out.error is not None:
         raise RequestFailed(out.error)

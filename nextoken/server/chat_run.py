@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Union
 
 from nextoken.outputs import RequestOutput
+from nextoken.request_options import RequestOptions
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.tools import ToolCallOut, parse as parse_tools
 
@@ -166,7 +167,8 @@ async def run(serving, prepared, request, lora=None, stream: bool = False,
     (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine
-    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}", lora_request=lora)
+    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}",
+                                RequestOptions(lora_request=lora))
     style = serving.args.reasoning_parser
     if stream:
         return EventStream(rid, _events(serving, rid, prepared.names, style))

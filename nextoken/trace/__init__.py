@@ -1,7 +1,7 @@
 """Tracing: what each stage of the pipeline did for one request, behind `nextoken explain` and
 the inspector (`nextoken.inspect`).
 
-A tracer is attached to one request (``LLMEngine.add_request(..., tracer=)``) and implements
+A tracer is attached to one request (``RequestOptions(tracer=...)`` to ``add_request``) and implements
 `Tracer`; the engine runs that request in a forward pass of its own. The one recorder is
 `trace.recorder.TraceRecorder`; `trace.explain` renders it as text or JSON, `inspect.trace`
 as the inspector's views. Requests without a tracer cost nothing extra.

@@ -17,6 +17,7 @@ from nextoken.engine_args import EngineArgs
 from nextoken.loader.gguf import GGUFFile, read_model_config
 from nextoken.runner import quick_start
 from nextoken.runner.model_runner import ModelRunner
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
@@ -187,7 +188,8 @@ def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm, s
     params = SamplingParams(seed=seed, **settings).validate(llm.engine.config.vocab_size)
     f = GGUFFile(smollm2_path)
     quick_row = quick_start.prompt_logits(f, read_model_config(f), out.prompt_token_ids)
-    rid = llm.engine.add_request(out.prompt_token_ids, SamplingParams(max_tokens=1), return_logits=True)
+    rid = llm.engine.add_request(out.prompt_token_ids, SamplingParams(max_tokens=1),
+                                 options=RequestOptions(return_logits=True))
     engine_row = llm.engine.run_until_finished([rid])[0].logits[0].float().numpy()
     u = DrawGenerator(seed).uniform()
     quick, engine = (draw_one(load("sampling"), row, params, u) for row in (quick_row, engine_row))

@@ -12,6 +12,7 @@ import torch
 
 from nextoken import LLM, LoRARequest, SamplingParams
 from nextoken.errors import InvalidRequest
+from nextoken.request_options import RequestOptions
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3], [7, 11, 15, 19, 23, 27, 31]]
@@ -43,8 +44,8 @@ def llm(tiny_gguf):
 
 
 def last_logits(llm, ids, lora) -> torch.Tensor:
-    rid = llm.engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), return_logits=True,
-                                 lora_request=lora)
+    rid = llm.engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0),
+                                 options=RequestOptions(return_logits=True, lora_request=lora))
     return llm.engine.run_until_finished([rid])[0].logits[0].float()
 
 

@@ -8,9 +8,10 @@ import uuid
 
 from fastapi import Request
 
-from nextoken.server.prompts import completion_prompts
+from nextoken.request_options import RequestOptions
 from nextoken.server.openai import render as R
 from nextoken.server.openai.protocol import CompletionRequest
+from nextoken.server.prompts import completion_prompts
 from nextoken.server.serving import ApiServing, no_lora_beams, sse_response
 
 
@@ -34,7 +35,8 @@ class OpenAIServingCompletion(ApiServing):
             for ids, text in prompts:
                 params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
                                               body.scored_prompt())
-                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}", text, lora_request=lora))
+                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}",
+                                                  RequestOptions(prompt_text=text, lora_request=lora)))
         except BaseException:
             for rid in rids:
                 eng.abort(rid)

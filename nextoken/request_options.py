@@ -1,0 +1,34 @@
+"""`RequestOptions`: how one request runs, beside its prompt and its `SamplingParams`. Frozen
+and keyword-only; `LLM`, the async engine and the server build one and pass it unchanged to
+`LLMEngine.add_request`, so a new per-request option is one field here and one use in the
+engine, not an edit of every signature on the way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOptions:
+    """prompt_text: the prompt's text when the prompt is given as ids (outputs carry it);
+    truncate_prompt: keep the prompt's last tokens that fit the context instead of refusing it;
+    tracer: a `nextoken.trace.Tracer` recording every stage (the request runs in a pass of its
+    own, on the reference attention, without the prefix cache or speculation);
+    keep_prompt_hidden: with ``prompt_logprobs``, keep each scored prompt position's final
+    hidden state (``RequestGroup.prompt_hidden``, ``[n - 1, hidden]``);
+    first_tokens: ``(tokens, draws)``, first tokens drawn before the engine ran (the quick
+    start's), emitted in place of the first draws, and the numbers of the seeded stream they
+    used; return_logits: outputs carry completion 0's raw logits (`RequestOutput.logits`);
+    lora_request: the `lora.LoRARequest` whose adapter the request runs with (None: the base)."""
+
+    prompt_text: str | None = None
+    truncate_prompt: bool = False
+    tracer: Any = None
+    keep_prompt_hidden: bool = False
+    first_tokens: tuple[tuple[int, ...], int] | None = None
+    return_logits: bool = False
+    lora_request: Any = None
+
+
+DEFAULT = RequestOptions()
