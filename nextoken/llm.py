@@ -41,7 +41,7 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enforce_eager``
     (PyTorch only, none of our C kernels: the reference path), ``reference_attention``,
     ``dense_weights``, ``speculative_model`` / ``speculative_method`` /
-    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec`),
+    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec_decode`),
     ``tensor_parallel_size`` (the model split across that many processes: rank 0 here starts
     the others on this machine, or joins them under torchrun, where on ranks other than 0
     ``LLM(...)`` never returns: they follow rank 0 and exit with it; `nextoken.distributed`).

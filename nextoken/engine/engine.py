@@ -42,7 +42,7 @@ from nextoken.sample.sampler import SampleResult, Sampler
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
-from nextoken.spec.speculator import Speculator, build_speculator
+from nextoken.spec_decode.speculator import Speculator, build_speculator
 from nextoken.structured.backend import GrammarCompiler
 
 log = logging.getLogger("nextoken.engine")

@@ -26,8 +26,8 @@ from nextoken.inspect.text import display
 from nextoken.sample.sampler import SamplerRequest, make_generator
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
-from nextoken.spec.ngram import propose_ngram
-from nextoken.spec.verify import verify
+from nextoken.spec_decode.ngram import propose_ngram
+from nextoken.spec_decode.verify import verify
 
 
 async def run(ctx, ids: list[int], params: SamplingParams, k: int) -> dict:

@@ -78,7 +78,7 @@ LAYERS = [
     {"models", "loader", "distributed"},  # architectures, reading checkpoints, process groups
     {"runner", "trace", "beam", "evaluate", "embedding", "lora"},  # one forward pass; adapters; what runs over the
     # engine's outputs
-    {"spec"},  # speculative decoding over runners
+    {"spec_decode"},  # speculative decoding over runners
     {"engine"},  # requests, scheduling, the step
     {"llm", "inspect"},  # the Python API; the inspector's numbers
     {"server", "bench", "bench_worker"},  # HTTP, benchmarks

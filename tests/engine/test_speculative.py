@@ -12,8 +12,8 @@ from nextoken.errors import ModelLoadError
 from nextoken.llm import LLM
 from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
 from nextoken.sampling_params import SamplingParams
-from nextoken.spec.ngram import propose_ngram
-from nextoken.spec.verify import verify
+from nextoken.spec_decode.ngram import propose_ngram
+from nextoken.spec_decode.verify import verify
 from tests.helpers.engine import assert_no_leak
 from tests.tiny_models import tiny_hf_model, write_gguf
 

@@ -17,7 +17,7 @@ from nextoken.errors import InvalidRequest
 from nextoken.loader.source import load_tokenizer, open_model
 from nextoken import kernels
 from nextoken.sample.sampler import Sampler, SamplerRequest, draw, filter_mask, make_generator, uniform
-from nextoken.spec.verify import verify
+from nextoken.spec_decode.verify import verify
 from nextoken.structured import StructuredOutputsParams
 from nextoken.structured.backend import GrammarCompiler, SequenceGrammar, reference_allowed
 from nextoken.tokenizer.tokenizer import Tokenizer
@@ -171,7 +171,7 @@ def test_speculative_verification_with_masked_drafts_samples_the_masked_target()
 
 
 def test_ngram_drafts_are_cut_at_the_first_disallowed_token(tok, compiler):
-    from nextoken.spec.speculator import _grammar_prefix
+    from nextoken.spec_decode.speculator import _grammar_prefix
 
     g = compiler.sequence_grammar(StructuredOutputsParams(regex=r"[0-9]{2}-[0-9]{2}"))
     r = type("R", (), {})()

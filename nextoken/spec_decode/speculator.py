@@ -16,9 +16,9 @@ import torch
 
 from nextoken.config import SpeculativeConfig
 from nextoken.sample.sampler import SampleResult, Sampler
-from nextoken.spec.draft import DraftProposer
-from nextoken.spec.ngram import propose_ngram
-from nextoken.spec.verify import verify
+from nextoken.spec_decode.draft import DraftProposer
+from nextoken.spec_decode.ngram import propose_ngram
+from nextoken.spec_decode.verify import verify
 
 
 class Speculator:
@@ -136,7 +136,7 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
     from nextoken.errors import InvalidRequest
     from nextoken.loader.source import load_tokenizer
     from nextoken.runner.model_runner import ModelRunner
-    from nextoken.spec.draft import check_same_vocabulary
+    from nextoken.spec_decode.draft import check_same_vocabulary
 
     if args.speculative is None:
         return None, None
