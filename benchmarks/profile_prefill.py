@@ -17,7 +17,7 @@ import time
 from torch.profiler import profile
 
 import nextoken.layers.linear as linear
-from nextoken.bench_worker import _prompt
+from nextoken.bench.worker import _prompt
 from nextoken.llm import LLM
 from nextoken.sampling_params import SamplingParams
 

@@ -288,7 +288,7 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""
-        from nextoken.lora import LoRAManager
+        from nextoken.lora.manager import LoRAManager
 
         self.loras = LoRAManager(self.model, max_loras, max_lora_rank)
 

@@ -81,7 +81,7 @@ LAYERS = [
     {"spec_decode"},  # speculative decoding over runners
     {"engine"},  # requests, scheduling, the step
     {"llm", "inspect"},  # the Python API; the inspector's numbers
-    {"server", "bench", "bench_worker"},  # HTTP, benchmarks
+    {"server", "bench"},  # HTTP, benchmarks
     {"cli", "__main__"},  # the command line
 ]
 
@@ -93,6 +93,13 @@ def test_no_part_imports_a_higher_layer():
     assert not parts - set(level), f"place these parts in LAYERS: {sorted(parts - set(level))}"
     upward = [why for src, deps in graph.items() for dst, why in deps.items() if level[dst] > level[src]]
     assert not upward, upward
+
+
+def test_only_the_command_line_imports_the_bench_harness():
+    """`nextoken bench` is a tool over the engine, not part of it: the core never imports it."""
+    graph = import_graph()
+    users = sorted(src for src, deps in graph.items() if "bench" in deps)
+    assert users == ["cli"], users
 
 
 def test_the_cycle_finder_finds_a_cycle():

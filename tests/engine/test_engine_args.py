@@ -110,12 +110,11 @@ def test_serve_passes_every_option(built, tiny_gguf, monkeypatch, speculative):
 @pytest.mark.parametrize("speculative", ["ngram", "draft"])
 def test_bench_passes_every_option_but_the_workloads(built, tiny_gguf, monkeypatch, speculative):
     """`bench` hands the engine flags to its worker process; run the worker in this process."""
-    import nextoken.bench as bench
-
-    from nextoken import bench_worker as worker
+    import nextoken.bench.harness as bench
+    from nextoken.bench import worker
 
     def run_worker(cmd, **kwargs):
-        assert cmd[1:3] == ["-m", "nextoken.bench_worker"]  # the worker ships in the package
+        assert cmd[1:3] == ["-m", "nextoken.bench.worker"]  # the worker ships in the package
         a, engine_args = worker.parse(cmd[3:])
         worker.nextoken_worker(a, engine_args)
 

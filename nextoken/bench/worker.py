@@ -1,6 +1,6 @@
-"""One figure of `nextoken bench` (``nextoken/bench.py``), measured in a process of its own.
+"""One figure of `nextoken bench` (``nextoken/bench/harness.py``), measured in a process of its own.
 
-    python -m nextoken.bench_worker --worker nextoken|llama.cpp --mode single|batched \
+    python -m nextoken.bench.worker --worker nextoken|llama.cpp --mode single|batched \
         --model-path FILE [workload flags] [nextoken's engine flags]
 
 Prints one JSON line. nextoken's engine is built from the same `EngineArgs` flags as every

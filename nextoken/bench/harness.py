@@ -36,7 +36,7 @@ within minutes drifts for both. Each round's pair and ratio are printed, and the
 medians, with the median of the rounds' ratios; the header names the CPU, its SIMD flags and the
 loop our quantized matmul runs. ``--compare llama.cpp`` runs ``llama-cpp-python`` instead.
 
-Every figure comes from its own child process running `nextoken.bench_worker` (shipped in the
+Every figure comes from its own child process running `nextoken.bench.worker` (shipped in the
 package: an installed nextoken benches without a checkout; so memory and thread pools do not mix), after a warm-up run; prefill is the
 median of `--repeat` runs. nextoken's engine takes every engine flag given here (`EngineArgs`),
 except ``--max-num-seqs``, which the workload sets (1 for the single-stream figures, `--batch`
@@ -57,7 +57,7 @@ from pathlib import Path
 ENGINES = ("nextoken", "llama.cpp")
 BENCH_EXCLUDED = ("max_num_seqs",)  # set by the workload
 BENCH_ENGINE_DEFAULTS = {"max_model_len": 2048, "enable_prefix_caching": False}
-WORKER = "nextoken.bench_worker"  # run as `python -m`, with this package on the path
+WORKER = "nextoken.bench.worker"  # run as `python -m`, with this package on the path
 
 
 def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
@@ -80,7 +80,7 @@ def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])
 
 
 def find_llama_python(explicit: str | None) -> str | None:
