@@ -50,7 +50,7 @@ class AsyncLLMEngine:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         self._queues[rid] = asyncio.Queue()
         try:
-            await self._between_steps(
+            await self.between_steps(
                 lambda: self.engine.add_request(prompt, params, rid, options))
         except BaseException:
             self._queues.pop(rid, None)
@@ -63,7 +63,7 @@ class AsyncLLMEngine:
         when LoRA is off or the adapter is refused."""
         from nextoken.engine.validation import resolve_lora
 
-        return await self._between_steps(lambda: resolve_lora(self.engine.runner.loras, lora_request))
+        return await self.between_steps(lambda: resolve_lora(self.engine.runner.loras, lora_request))
 
     async def unload_lora(self, lora_id: int) -> None:
         """Unload an adapter between steps. Raises `InvalidRequest` while a request still uses it
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
             if loras is None or not loras.remove(lora_id):
                 raise InvalidRequest("this adapter is not loaded", "lora_name")
 
-        await self._between_steps(unload)
+        await self.between_steps(unload)
 
     async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
         """The outputs of request `rid` (from `add_request`) as they come; stopping early aborts
@@ -117,7 +117,9 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     # -- the loop ---------------------------------------------------------------------------
-    async def _between_steps(self, fn):
+    async def between_steps(self, fn):
+        """`fn()`'s value, run between two engine steps (under the lock the step loop takes):
+        adds, aborts, adapter loads and the inspector's reads of the engine's state."""
         async with self._lock:
             return fn()
 

@@ -9,6 +9,7 @@ import itertools
 from cachetools import LRUCache
 from fastapi import Request
 
+from nextoken.engine.view import EngineView
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.inspect import quality
 from nextoken.request_options import RequestOptions
@@ -48,20 +49,21 @@ class InspectContext:
         self.get_engine = get_engine
         self.state = InspectState()
 
-    def core(self):
-        return self.get_engine().engine
+    def core(self) -> EngineView:
+        """The engine, read through its `EngineView` (public names only)."""
+        return EngineView(self.get_engine().engine)
 
     def whole_model(self):
         """The engine, for views that read the model's weights directly: each rank of a
         tensor-parallel group holds only its shard (and a forward pass needs every rank)."""
         eng = self.core()
-        if eng.runner.tp is not None:
+        if eng.tensor_parallel is not None:
             raise InvalidRequest("this view reads the whole model, which tensor parallelism splits over processes; "
                                  "run the inspector with --tensor-parallel-size 1", "tensor_parallel_size")
         return eng
 
     async def between_steps(self, fn):
-        return await self.get_engine()._between_steps(fn)
+        return await self.get_engine().between_steps(fn)
 
     async def run_traced(self, ids: list[int], params: SamplingParams, tracer) -> None:
         async for _ in self.get_engine().generate(ids, params, options=RequestOptions(tracer=tracer)):

@@ -102,7 +102,7 @@ def kv_view(engine) -> dict:
     head dim x bytes per value`` (plus a 4-byte scale per row for an int8 cache), its value, the
     cache's measured bytes per token, and memory against context length (the sliding-window layers
     keep only their window, in the model's dtype)."""
-    cfg, kv = engine.config, engine.runner.kv
+    cfg, kv = engine.config, engine.kv_tensors
     elt = kv.k.element_size()
     scale_bytes = 4 if kv.quantized else 0  # one float32 scale per key / value row
     full = len(cfg.full_layers)
@@ -117,7 +117,7 @@ def kv_view(engine) -> dict:
             "sliding": {"layers": len(cfg.sliding_layers), "window": window, "bytes_per_token": sliding},
             "per_query_heads_without_gqa": 2 * full * cfg.num_heads * cfg.head_dim * elt,
             "curve": [{"tokens": n, "bytes": n * formula + min(n, window) * sliding} for n in lengths],
-            "block_size": kv.block_size, "num_blocks": engine.kv.pool.num_blocks, "cache_bytes": kv.nbytes,
+            "block_size": kv.block_size, "num_blocks": engine.block_pool.num_blocks, "cache_bytes": kv.nbytes,
             "max_model_len": engine.max_model_len}
 
 
@@ -137,19 +137,19 @@ def _seq(engine, r) -> dict:
     return {"request_id": r.group_id, "sequence": r.request_id, "prompt_tokens": r.num_prompt_tokens,
             "output_tokens": len(r.output_ids), "computed": r.num_computed_tokens,
             "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "traced": r.tracer is not None,
-            "blocks": engine.kv.block_ids(r.request_id) if r.request_id in engine.kv.block_tables else []}
+            "blocks": engine.block_ids(r.request_id)}
 
 
 def live_state(engine, since_step: int = -1) -> dict:
     """The engine now (called between steps): stats, the block pool, running and waiting
     sequences with their block tables, the step-log entries after `since_step`, the recent
     finished requests."""
-    pool = engine.kv.pool
+    pool = engine.block_pool
     steps = [s for s in engine.history.steps if s["step"] > since_step]
     return {"time": time.perf_counter(), "stats": engine.stats(), "blocks": _block_states(pool),
-            "block_size": engine.kv.block_size, "cached_blocks": len(pool.cached),
-            "running": [_seq(engine, r) for r in engine.scheduler.running],
-            "waiting": [_seq(engine, r) for r in engine.scheduler.waiting],
+            "block_size": engine.block_size, "cached_blocks": len(pool.cached),
+            "running": [_seq(engine, r) for r in engine.running],
+            "waiting": [_seq(engine, r) for r in engine.waiting],
             "steps": steps, "last_step": engine.num_steps - 1,
             "speculative": None if engine.speculative is None else {
                 "method": engine.speculative.method, "num_speculative_tokens": engine.speculative.num_speculative_tokens},

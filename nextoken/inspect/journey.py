@@ -69,7 +69,7 @@ def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], p
     """The stages of one step. `ids`: prompt + generated (what the passes ran on); `logits`
     ``[vocab]``: the plain request's next-token row; `stages`: `engine_view.sampling_stages` on
     it (its ``chosen`` is the step's token)."""
-    tok, model = eng.tokenizer, eng.runner.model
+    tok, model = eng.tokenizer, eng.model
     tokens = _tokens(tok, ids, prompt_len)
     last = len(ids) - 1
     emb = tracer.residual[0, -1]
@@ -95,5 +95,5 @@ def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], p
         "detokenizer": {"before": before, "after": after,
                         "delta": after[len(before):] if after.startswith(before) else after},
         "kv": {"block_size": bs, "tokens": filled, "blocks": [min(bs, filled - b * bs) for b in range(-(-filled // bs))],
-               "bytes_per_token": eng.runner.kv.bytes_per_token},
+               "bytes_per_token": eng.kv_tensors.bytes_per_token},
     }

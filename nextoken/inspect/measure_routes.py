@@ -63,7 +63,7 @@ async def kv_contrast(request: Request, body: ContrastBody):
     for k in range(1, len(cached)):  # without: each step recomputes the prompt and the k tokens before it
         t = time.perf_counter()
         async for out in ctx.get_engine().generate(ids + cached[:k], SamplingParams(temperature=0, max_tokens=1),
-                                                    tracer=contrast.Recompute()):
+                                                    options=RequestOptions(tracer=contrast.Recompute())):
             pass
         without_ms.append((time.perf_counter() - t) * 1000)
         recomputed += out.outputs[0].token_ids

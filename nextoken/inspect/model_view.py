@@ -106,7 +106,7 @@ def architecture(engine, layer_times: list[float] | None = None) -> dict:
     """The loaded model as the diagram draws it: the config, and per part (embedding, attention,
     MLP, norms, LM head) parameters and bytes as held in memory, and the shapes and formats of
     layer 0's weights. `layer_times`: milliseconds per layer in the last inspector trace."""
-    cfg, model = engine.config, engine.runner.model
+    cfg, model = engine.config, engine.model
     parts: dict[str, dict] = {}
     seen = set()
     for name, mod in model.named_modules():
@@ -141,9 +141,9 @@ def architecture(engine, layer_times: list[float] | None = None) -> dict:
         "context_length": cfg.context_length, "max_model_len": engine.max_model_len,
         "rope_theta": cfg.rope_theta, "rope_dim": cfg.rope_dim, "norm": norm, "norm_eps": cfg.norm_eps,
         "activation": act, "tied_embeddings": tied, "sliding_window": cfg.sliding_window,
-        "sliding_layers": cfg.sliding_layers, "dtype": str(engine.runner.model.dtype).replace("torch.", ""),
+        "sliding_layers": cfg.sliding_layers, "dtype": str(engine.model.dtype).replace("torch.", ""),
         "parts": parts, "layer0": layer0, "total_bytes": sum(p["bytes"] for p in parts.values()),
-        "plan": engine.runner.plan.describe(model), "layer_times_ms": layer_times,
+        "plan": engine.plan_description(), "layer_times_ms": layer_times,
     }
 
 
@@ -161,7 +161,7 @@ def stored_tensors(path: str) -> dict:
         raise NotFound("the stored-format view reads GGUF files; this model is a Hugging Face folder", "model")
     f = _gguf(path)
     tensors = [{"name": n, "type": f.tensor_type(n), "shape": list(f.tensor_shape(n)),
-                "bytes": f._get(n).nbytes} for n in f.tensor_names]
+                "bytes": f.tensor_nbytes(n)} for n in f.tensor_names]
     by: dict[str, dict] = {}
     for t in tensors:
         b = by.setdefault(t["type"], {"tensors": 0, "parameters": 0, "bytes": 0})

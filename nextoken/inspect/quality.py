@@ -79,7 +79,7 @@ def compare(served, reference, ids: list[int], served_hidden: torch.Tensor, ref_
     means. Runs both LM heads (their scratch buffers are per thread: a worker thread may run this
     while the engine steps)."""
     tok = served.tokenizer
-    lp, lr = log_probs(served, served_hidden), log_probs(reference, ref_hidden)
+    lp, lr = served.compute_logits(served_hidden).log_softmax(-1), log_probs(reference, ref_hidden)
     kl, same = kl_and_agreement(lp, lr)
     nxt = torch.tensor(ids[1:])
     lp_next, lr_next = lp.gather(1, nxt[:, None])[:, 0], lr.gather(1, nxt[:, None])[:, 0]

@@ -29,6 +29,7 @@ from nextoken.inspect.context import InspectContext, context_of
 from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
                                     logit_lens)
 from nextoken.trace.recorder import TraceRecorder
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -159,17 +160,17 @@ async def bpe(request: Request, body: WordBody):
 @router.post("/inspect/api/embeddings", summary="2D PCA of the embedding rows of a word list")
 async def embeddings(request: Request, body: WordsBody):
     eng = context_of(request).whole_model()
-    return await asyncio.to_thread(text.embedding_map, eng.runner.model, eng.tokenizer, body.words)
+    return await asyncio.to_thread(text.embedding_map, eng.model, eng.tokenizer, body.words)
 
 @router.post("/inspect/api/analogy", summary="a - b + c on the embedding table: nearest tokens, rank of target")
 async def analogy(request: Request, body: AnalogyBody):
     eng = context_of(request).whole_model()
-    return await asyncio.to_thread(text.analogy, eng.runner.model, eng.tokenizer, body.a, body.b, body.c,
+    return await asyncio.to_thread(text.analogy, eng.model, eng.tokenizer, body.a, body.b, body.c,
                                    body.target, body.top)
 
 @router.get("/inspect/api/rope", summary="The model's RoPE angles and tables, and their decay with distance")
 async def rope(request: Request, positions: int = Query(64, ge=2, le=model_view.MAX_POSITIONS)):
-    return model_view.rope_view(context_of(request).core().runner.model, positions)
+    return model_view.rope_view(context_of(request).core().model, positions)
 
 @router.get("/inspect/api/sinusoidal", summary="The original sinusoidal encoding (not used by the model)")
 async def sinusoidal(request: Request, base: float = Query(10000.0, ge=2, le=1e6), positions: int = Query(50, ge=1, le=512),
@@ -209,7 +210,7 @@ async def attention(request: Request, trace_id: str, layer: int = Query(ge=0, js
 async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top: int = Query(5, ge=1, le=20)):
     tracer, tokens = context_of(request).state.get(trace_id)
     eng = context_of(request).whole_model()
-    rows = await asyncio.to_thread(logit_lens, tracer, eng.runner.model, eng.tokenizer, position, top)
+    rows = await asyncio.to_thread(logit_lens, tracer, eng.model, eng.tokenizer, position, top)
     return {"position": position, "token": tokens[position]["token"] if position < len(tokens) else None,
             "layers": rows}
 
@@ -217,7 +218,7 @@ async def lens(request: Request, trace_id: str, position: int = Query(ge=0), top
 async def lens_heatmap(request: Request, trace_id: str):
     tracer, tokens = context_of(request).state.get(trace_id)
     eng = context_of(request).whole_model()
-    grid = await asyncio.to_thread(lens_grid, tracer, eng.runner.model, eng.tokenizer)
+    grid = await asyncio.to_thread(lens_grid, tracer, eng.model, eng.tokenizer)
     return {**grid, "tokens": [t["token"] for t in tokens[grid["first"]:]]}
 
 
@@ -246,7 +247,7 @@ async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
     grammar = await _grammar(eng, body)
     out = None
     async for out in ctx.get_engine().generate(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1),
-                                               return_logits=True):
+                                               options=RequestOptions(return_logits=True)):
         pass
     logits = out.logits[0]
     return logits, engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated),
@@ -266,7 +267,7 @@ async def _grammar(eng, body: SampleBody):
         return None
     spec = StructuredOutputsParams(json=body.json_schema) if body.json_schema is not None else \
         StructuredOutputsParams(regex=body.regex)
-    grammar = await asyncio.to_thread(eng.grammars.sequence_grammar, spec)
+    grammar = await asyncio.to_thread(eng.sequence_grammar, spec)
     ok = grammar.valid_prefix(list(body.generated))
     if ok < len(body.generated):
         raise InvalidRequest(f"generated token {body.generated[ok]} (position {ok}) is refused by the grammar; "
@@ -353,7 +354,7 @@ async def demo(request: Request, body: DemoBody):
 
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(body.count)]
     for p in set(prompts):  # the context check, before any is sent
-        eng.engine.encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
+        context_of(request).core().encode_prompt(p, SamplingParams(max_tokens=body.max_tokens))
     for p in prompts:
         task = asyncio.get_running_loop().create_task(one(p))
         context_of(request).state.demo_tasks.add(task)

@@ -103,7 +103,7 @@ async def _target_logits(ctx, tokens: list[int], drafts: list[int]) -> torch.Ten
     if not drafts:
         return last
     hidden = out.prompt_hidden[len(tokens) - 1:]
-    inner = await asyncio.to_thread(lambda: eng.runner.model.compute_logits(hidden.to(eng.runner.dtype)).float())
+    inner = await asyncio.to_thread(eng.compute_logits, hidden)
     return torch.cat([inner, last])
 
 

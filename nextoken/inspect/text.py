@@ -18,7 +18,7 @@ SPACE_MARK = "\u2423"  # ␣, the seed's leading-space marker
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(tok) -> dict:
-    return json.loads(tok._tok.to_str())
+    return json.loads(tok.hf_tokenizer.to_str())
 
 
 def display(text: str) -> str:
@@ -73,7 +73,7 @@ def bpe_replay(tok, word: str) -> dict:
     if len(word) > MAX_WORD_CHARS:
         raise InvalidRequest(f"word has {len(word)} characters; at most {MAX_WORD_CHARS}", "word")
     ranks, vocab, ignore_merges = _merge_ranks(tok)
-    hf = tok._tok
+    hf = tok.hf_tokenizer
     text = hf.normalizer.normalize_str(word) if hf.normalizer is not None else word
     pieces = [p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)] if hf.pre_tokenizer is not None else [text]
     out = []

@@ -121,6 +121,10 @@ class GGUFFile:
         """PyTorch-order shape (rows first) of tensor `name`."""
         return self._get(name).shape
 
+    def tensor_nbytes(self, name: str) -> int:
+        """The bytes tensor `name` takes in the file (its codes, for a quantized format)."""
+        return self._get(name).nbytes
+
     def tensor(self, name: str, dtype: torch.dtype | None = None, chunk_rows: int = 4096) -> torch.Tensor:
         """Tensor `name` de-quantized to `dtype` (float32 by default), PyTorch-order shape
         ``[rows, cols]``.

@@ -179,6 +179,7 @@ class Tokenizer:
         unused_ids: Iterable[int] = (),
     ):
         self._tok = hf
+        self.hf_tokenizer = hf  # the `tokenizers.Tokenizer` (read-only use: its JSON, normalizer, pre-tokenizer)
         self._encode_lock = threading.Lock()  # encode_special_tokens is the tokenizer's state
         self.tokens = tokens
         self.vocab_size = len(tokens)

@@ -122,3 +122,26 @@ def test_models_and_help_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _private_reaches() -> list[str]:
+    """Imports of a private name from another part, and (in the inspector) attribute reads of a
+    private name on anything but ``self``/``cls``."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nextoken") \
+                    and part_of(node.module) != part_of(module):
+                found += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            if part_of(module) == "inspect" and isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{module} reads .{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_part():
+    assert not _private_reaches(), _private_reaches()

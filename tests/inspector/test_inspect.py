@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nextoken import LLM, SamplingParams
+from nextoken.engine.view import EngineView
 from nextoken.inspect import engine_view, model_view, text
 from nextoken.inspect.trace import MAX_TRACE_TOKENS, head_stats, logit_lens
 from nextoken.trace.recorder import TraceRecorder
@@ -103,7 +104,7 @@ def test_rope_tables_equal_transformers(tiny_gguf, tiny_llms):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_kv_bytes_formula_equals_the_cache(tiny_llms, arch):
     eng = tiny_llms[arch].engine
-    v = engine_view.kv_view(eng)
+    v = engine_view.kv_view(EngineView(eng))
     kv = eng.runner.kv
     assert v["bytes_per_token"] == v["measured_bytes_per_token"] == (kv.k.nbytes + kv.v.nbytes) // (
         kv.num_blocks * kv.block_size)
@@ -518,7 +519,7 @@ def test_kv_bytes_formula_with_an_int8_cache(tiny_gguf):
 
     for arch in ("llama", "gemma3"):
         eng = LLM(str(tiny_gguf[arch][0]), dtype="float32", kv_cache_dtype="int8", max_model_len=64).engine
-        v, kv = engine_view.kv_view(eng), eng.runner.kv
+        v, kv = engine_view.kv_view(EngineView(eng)), eng.runner.kv
         paged = kv.k.nbytes + kv.v.nbytes + kv.k_scale.nbytes + kv.v_scale.nbytes
         assert v["bytes_per_token"] == v["measured_bytes_per_token"] == paged // (kv.num_blocks * kv.block_size)
         assert v["formula"]["bytes_per_value"] == 1 and v["formula"]["scale_bytes_per_row"] == 4
