@@ -58,14 +58,17 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}; best of {a.repeat}; us per layer call (GB/s of KV read)")
     print("| shape | depth | batch | C kernel, bf16 cache | C kernel, int8 cache | PyTorch, bf16 cache |")
     print("|---|---|---|---|---|---|")
+    from nextoken.kernels import load
+
+    lib = load("paged_attention")
     for name, h, hkv, d in SHAPES:
         for depth in a.depth:
             for batch in a.batch:
                 q, kc, vc, tables, lens = case(h, hkv, d, depth, batch)
                 kv_bytes = 2 * hkv * d * kc.element_size() * depth * batch
-                native = best(lambda: native_decode_attention(q, kc, vc, tables, lens, 0.125), a.repeat)
+                native = best(lambda: native_decode_attention(q, kc, vc, tables, lens, 0.125, lib=lib), a.repeat)
                 k8, v8 = Int8Rows(*quantize_rows(kc), kc.dtype), Int8Rows(*quantize_rows(vc), vc.dtype)
-                int8 = best(lambda: native_decode_attention(q, k8, v8, tables, lens, 0.125), a.repeat)
+                int8 = best(lambda: native_decode_attention(q, k8, v8, tables, lens, 0.125, lib=lib), a.repeat)
                 int8_bytes = 2 * hkv * (d + 4) * depth * batch
                 if batch == 1:
                     meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64), [0, 1], lens, tables, 1, BLOCK)

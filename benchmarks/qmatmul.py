@@ -121,14 +121,17 @@ def main() -> None:
         stream(args.rows if args.rows != ap.get_default("rows") else [1, 2, 3, 4, 5, 6, 8], args.repeat,
                args.threads or torch.get_num_threads())
         return
+    from nextoken.kernels import load
+
+    lib = load("qmatmul")
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<18} {'rows':>5} {'kernel ms':>10} {'expand+bf16 ms':>15} {'kernel GOP/s':>13}")
     for name, n, k, fmt in SHAPES:
         w = random_weight(n, k, fmt, g)
         for m in args.rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            t_kernel = best(lambda: qmatmul(x, w), args.repeat)
-            t_dense = best(lambda: F.linear(x, dequantize_bf16(w, scratch=True)), args.repeat)
+            t_kernel = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
+            t_dense = best(lambda: F.linear(x, dequantize_bf16(w, scratch=True, lib=lib)), args.repeat)
             print(f"{name + ' ' + fmt:<18} {m:>5} {t_kernel * 1e3:>10.3f} {t_dense * 1e3:>15.3f} "
                   f"{2 * m * n * k / t_kernel / 1e9:>13.0f}")
 

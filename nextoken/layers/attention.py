@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextoken.kernels import KernelSet, bf16_matmul_native, count_fallback, load
+from nextoken.kernels import KernelSet, bf16_matmul_native, count_fallback
 from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -309,22 +309,21 @@ def native_decode_supports(dtype: torch.dtype, head_dim: int, group: int, int8_c
     return dtype in _NATIVE_FN and (not int8_cache or dtype == torch.bfloat16) and head_dim <= 256 and group <= 64
 
 
-def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float,
-                            portable: bool = False, lib=None, starts: list[int] | None = None):
+def native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float, *, lib,
+                            starts: list[int] | None = None):
     """Decode attention by our C kernel (``nextoken/kernels/paged_attention.c``), reading every
     sequence's keys and values in place through its block table: no gather copy, no padding.
     Same arguments as `_decode_chunk` (seq_lens a list; the caches tensors in q's dtype, or
     `Int8Rows` with bf16 q); returns ``[B, H, D]``, or None when the kernel is unavailable or
     does not cover these shapes (`native_decode_supports`, which the plan checks at load; the
-    caller then runs PyTorch). `lib`: the library the plan resolved; without it the kernel is
-    loaded here (tests), `portable`: the build without AVX-512 (its plain C loops). `starts`: the
+    caller then runs PyTorch). `lib`: the ``paged_attention`` library the plan resolved (tests
+    load one themselves: `kernels.load`); None: no kernel, None returned. `starts`: the
     position of each sequence's first key (a sliding window; default 0)."""
     int8 = isinstance(k_cache, Int8Rows)
     caches = (k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
     if not native_decode_supports(q.dtype, q.shape[2], q.shape[1] // k_cache.shape[0], int8) or \
             (not int8 and k_cache.dtype != q.dtype) or not all(c.is_contiguous() for c in caches):
         return None
-    lib = lib if lib is not None else load("paged_attention", portable)
     if lib is None:
         return None
     q = q.contiguous()

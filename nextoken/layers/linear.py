@@ -91,7 +91,7 @@ class Linear(torch.nn.Module):
         if self.weight is not None:
             return self.weight
         if self.qweight is not None:
-            return dequantize_bf16(self.qweight, lib=getattr(self.method, "lib", None)).to(self.dtype)
+            return dequantize_bf16(self.qweight, lib=self.method.lib).to(self.dtype)
         return expand_int4(self.int4)
 
     @property

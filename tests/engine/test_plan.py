@@ -60,8 +60,7 @@ def forbid_kernel_lookups(monkeypatch) -> None:
         raise AssertionError("a kernel was looked up, or the environment read, while the model ran")
 
     monkeypatch.setattr("nextoken.kernels.native_allowed", no_lookup)
-    for module in ("nextoken.kernels", "nextoken.layers.attention", "nextoken.layers.quantization.qweight"):
-        monkeypatch.setattr(f"{module}.load", no_lookup)
+    monkeypatch.setattr("nextoken.kernels.load", no_lookup)  # (the layers import no `load`: they are handed one)
 
 
 def test_the_default_plan_binds(quantized, monkeypatch):
@@ -79,6 +78,19 @@ def test_the_default_plan_binds(quantized, monkeypatch):
     runner.native_decoder = None
     seq.forward([int(logits.argmax())])  # the PyTorch layers on the plan's kernels
     assert sum(kernels.fallbacks.values()) == before
+
+
+def test_a_kernel_method_without_its_library_is_a_load_error():
+    """The plan binds with no back door: a method that runs on our kernel refuses to exist
+    without the library the plan resolved (never a lookup at run time)."""
+    from nextoken.errors import ModelLoadError
+    from nextoken.kernels import KernelSet
+    from nextoken.runner.plan import ExecutionPlan
+
+    plan = ExecutionPlan(torch.bfloat16, codes=True, torch_int4=False, dense_weights=False, attention="native",
+                         kernels=KernelSet())
+    with pytest.raises(ModelLoadError, match="without its kernel library"):
+        plan.linear_method("Q4_0", 64, 64)
 
 
 def test_a_refused_call_is_counted(quantized):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextoken.kernels import KernelSet
+from nextoken.kernels import KernelSet, load
 from nextoken.layers.attention import PREFILL_BLOCK, AttentionMetadata, causal_mask, naive_attention, \
     native_decode_attention, paged_attention, paged_attention_reference, prefill_attention
 
@@ -56,8 +56,6 @@ SPECS = [
 def decode_kernel(request):
     """Run a test with our C decode kernel, then with the PyTorch decode paths: a function that
     sets a batch's metadata to that backend, as the execution plan does."""
-    from nextoken.kernels import KernelSet
-
     kernels = KernelSet()
     if request.param == "native":
         kernels = KernelSet.resolve()
@@ -129,7 +127,8 @@ def test_native_decode_on_model_shapes(heads, kv_heads, dim, block):
     q, kc, vc, meta, _ = build_batch(specs, seed=3, dtype=torch.bfloat16, H=heads, HKV=kv_heads, D=dim, BS=block,
                                      NB=400)
     ref = paged_attention_reference(q.float(), kc.float(), vc.float(), meta, dim ** -0.5)
-    out = native_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim ** -0.5)
+    out = native_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim ** -0.5,
+                                  lib=load("paged_attention"))
     assert out is not None
     err = (out.float() - ref).abs()
     assert err.max() < 2e-2 and err.mean() < 2e-3  # bf16 output rounding: 2^-9 of values about 1
@@ -255,7 +254,8 @@ def test_native_int8_decode_equals_reference(heads, kv_heads, dim, block, portab
     k8, v8 = int8_caches(kc, vc, torch.bfloat16)
     ref = paged_attention_reference(q.float(), Int8Rows(*k8[:2], torch.float32), Int8Rows(*v8[:2], torch.float32),
                                        meta, dim ** -0.5)
-    out = native_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, dim ** -0.5, portable=portable)
+    out = native_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, dim ** -0.5,
+                                  lib=load("paged_attention", portable))
     assert out is not None, "the C kernel did not build (is gcc installed?)"
     err = (out.float() - ref).abs()
     assert err.max() < 2e-2 and err.mean() < 2e-3  # bf16 output rounding

@@ -61,7 +61,7 @@ def test_kernel_activation_quantization_equals_reference(portable, dtype, block)
     x[3, 32:64] = 0.0  # an all-zero block
     x[4, 256:] = 0.0  # an all-zero block of 256
     x = x.to(dtype)
-    native = quantize_activations_native(x, portable=portable, block=block)
+    native = quantize_activations_native(x, block, lib=load("qmatmul", portable))
     assert native is not None, "the C kernel did not build (is gcc installed?)"
     xq, dx = quantize_activations(x, block)
     assert dx.shape == (9, 512 // block)
@@ -85,9 +85,9 @@ def test_kernel_equals_reference_arithmetic(type_name, portable):
     for m in (1, 2, 4, 6, 7, 13, 50):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         ref = qmatmul_reference(x, qw, bias)
-        assert rel(qmatmul(x, qw, bias, portable=portable), ref) < 1e-5
+        assert rel(qmatmul(x, qw, bias, lib=lib), ref) < 1e-5
         xb = x.to(torch.bfloat16)  # bf16 in, bf16 out
-        assert rel(qmatmul(xb, qw, bias, portable=portable), qmatmul_reference(xb, qw, bias)) < 2 ** -7
+        assert rel(qmatmul(xb, qw, bias, lib=lib), qmatmul_reference(xb, qw, bias)) < 2 ** -7
         exact = x @ w.T + bias  # int8 activations cost about 1% of the output's scale
         assert float((ref - exact).norm() / exact.norm()) < 0.02
 
@@ -121,11 +121,12 @@ def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     scored in a prefill or a verification step gets the logits a decode step would give it."""
     _, qw = weight(type_name, 80, 512, seed=25)
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    many = qmatmul(x, qw, out_dtype=torch.float32)
+    lib = load("qmatmul")
+    many = qmatmul(x, qw, out_dtype=torch.float32, lib=lib)
     assert many is not None, "the C kernel did not build (is gcc installed?)"
     for i in (0, 5, 12):
-        assert torch.equal(qmatmul(x[i : i + 1], qw, out_dtype=torch.float32), many[i : i + 1])
-    assert torch.equal(qmatmul(x[6:8], qw, out_dtype=torch.float32), many[6:8])
+        assert torch.equal(qmatmul(x[i : i + 1], qw, out_dtype=torch.float32, lib=lib), many[i : i + 1])
+    assert torch.equal(qmatmul(x[6:8], qw, out_dtype=torch.float32, lib=lib), many[6:8])
     assert qw.act_block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
 
 
@@ -151,7 +152,7 @@ def test_kernel_lookup_equals_reference(type_name, portable):
 @pytest.mark.parametrize("portable", [False, True])
 def test_dense_expansion_equals_reference(type_name, portable):
     w, qw = weight(type_name, 32, 512, seed=23)
-    dense = dequantize_bf16(qw, portable=portable)
+    dense = dequantize_bf16(qw, lib=load("qmatmul", portable))
     assert dense.shape == (32, 512)
     assert (dense.float() - w).abs().max() <= 2 ** -8 * w.abs().max()
 
@@ -165,7 +166,7 @@ def test_linear_paths_agree():
     assert lin.weight is None
     x = torch.randn(100, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     kernel = lin(x).float()
-    expanded = torch.nn.functional.linear(x, dequantize_bf16(qw)).float()
+    expanded = torch.nn.functional.linear(x, dequantize_bf16(qw, lib=load("qmatmul"))).float()
     few = torch.cat([lin(x[i : i + 4]).float() for i in range(0, len(x), 4)])
     ref = x.float() @ w.T
     assert float((expanded - ref).norm() / ref.norm()) < 1e-2

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nextoken.errors import ModelLoadError
 from nextoken.kernels import bf16_matmul_native, count_fallback
 from nextoken.layers.quantization.qweight import QuantWeight, dequantize_bf16, gguf_codes, kernel_matmul, qmatmul
 from nextoken.layers.quantization.torch_int4 import empty_int4, int4_groups, int4_linear, int4_unpack, pack_int4
@@ -64,6 +65,13 @@ def store_dense(param: torch.nn.Parameter | None, t, dtype: torch.dtype) -> torc
     return param
 
 
+def _required(lib, method: str):
+    """The kernel library a method runs on: the plan binds it, or the model does not load."""
+    if lib is None:
+        raise ModelLoadError(f"the execution plan chose the {method!r} method without its kernel library")
+    return lib
+
+
 class DenseKernelMethod(DenseMethod):
     """A dense bf16 weight on our kernel (``kernels/dense_bf16.c``, through ``qmatmul`` with a
     ``bits == 16`` weight; `lib`: the library the execution plan resolved) for calls of up to
@@ -76,7 +84,7 @@ class DenseKernelMethod(DenseMethod):
     MAX_ROWS = 32  # the kernel up to here (a batch of decodes); crossover in benchmarks/dense_bf16.py
 
     def __init__(self, lib):
-        self.lib = lib
+        self.lib = _required(lib, self.name)
 
     def apply(self, layer, x):
         if x.dtype == torch.bfloat16 and (x.shape[0] <= self.MAX_ROWS or layer.few_rows):
@@ -95,7 +103,7 @@ class CodesMethod(LinearMethod):
     name = "codes"
 
     def __init__(self, lib):
-        self.lib = lib
+        self.lib = _required(lib, self.name)
 
     def apply(self, layer, x):
         y = qmatmul(x, layer.qweight, c=layer.qweight_c(), lib=self.lib)

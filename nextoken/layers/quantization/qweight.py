@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from nextoken.kernels import load
 from nextoken.kernels.structs import QW
 from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
 
@@ -277,11 +276,10 @@ def quantize_activations(x: torch.Tensor, block: int = QK) -> tuple[torch.Tensor
     return xq.view(m, k), dx
 
 
-def quantize_activations_native(x: torch.Tensor, portable: bool = False,
-                                block: int = QK) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`quantize_activations` as the C kernel computes it (for the tests that hold the two
-    equal): ``x [M, K]`` float32 or bf16 -> (xq int32, dx float32), or None without the kernel."""
-    lib = load("qmatmul", portable)
+def quantize_activations_native(x: torch.Tensor, block: int = QK, *, lib) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_activations` as the C kernel (``qmatmul`` library `lib`) computes it (for the
+    tests that hold the two equal): ``x [M, K]`` float32 or bf16 -> (xq int32, dx float32), or
+    None without the kernel."""
     if lib is None:
         return None
     x = x.contiguous()
@@ -323,14 +321,13 @@ def dense_c_struct(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QW
     return QW(weight.data_ptr(), None, None, None, None, _ptr(bias), 0.0, 16, 0, 0, rows, cols)
 
 
-def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | None = None, lib=None,
-                  portable: bool = False) -> torch.Tensor | None:
+def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | None = None, *,
+                  lib) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) times the weight `c` describes (codes, or dense bf16:
     `dense_c_struct`) -> ``[M, rows]`` in `out_dtype` (x's dtype by default), on the C kernel
     (``qmatmul``); None when the kernel is unavailable or x's dtype has no path. `lib`: the
     library the plan resolved, else loaded here (`portable`: its plain C loops). Raises
     `MemoryError` when it cannot allocate, `ValueError` for a weight it does not take."""
-    lib = lib if lib is not None else load("qmatmul", portable)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     x = x.contiguous()
@@ -347,15 +344,14 @@ def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | No
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, portable: bool = False, c: QW | None = None,
-            lib=None) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, c: QW | None = None, *, lib) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
     bias: float32 ``[N]`` or None (or `c`, a prepared `QuantWeight.c_struct`). `portable`: the
     kernel's plain C loops (tests). `lib`: the library the execution plan resolved (the model's
     layers pass it; without it the kernel is loaded here). Raises `ValueError` for a shape the
     kernel does not take."""
-    return kernel_matmul(x, c if c is not None else w.c_struct(bias), w.shape[0], out_dtype, lib, portable)
+    return kernel_matmul(x, c if c is not None else w.c_struct(bias), w.shape[0], out_dtype, lib=lib)
 
 
 _scratch = threading.local()
@@ -371,12 +367,11 @@ def _scratch_buffer(numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def dequantize_bf16(w: QuantWeight, portable: bool = False, scratch: bool = False, lib=None) -> torch.Tensor:
+def dequantize_bf16(w: QuantWeight, scratch: bool = False, *, lib) -> torch.Tensor:
     """The weight as bf16 ``[rows, cols]`` for one large matmul: by the C kernel when
     available (a transposed view of a ``[cols, rows]`` tensor), else `QuantWeight.dequantize`.
     With `scratch` the result lives in a per-thread buffer that the next call overwrites: use
     it at once. `lib`: as for `qmatmul`."""
-    lib = lib if lib is not None else load("qmatmul", portable)
     if lib is None:
         return w.dequantize().to(torch.bfloat16)
     rows, cols = w.shape
