@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from nextoken import kernels
 from nextoken.config import SchedulerConfig
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
 from nextoken.engine.request import Request, make_sequences
 from nextoken.engine.scheduler import Scheduler
+from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
 from nextoken.engine.validation import check_request, encode_prompt, read_template, resolve_lora
 from nextoken.engine_args import EngineArgs
@@ -42,7 +42,7 @@ from nextoken.sample.sampler import SampleResult, Sampler
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
-from nextoken.spec_decode.speculator import Speculator, build_speculator
+from nextoken.spec_decode.speculator import SpecStats, build_speculator
 from nextoken.structured.backend import GrammarCompiler
 
 log = logging.getLogger("nextoken.engine")
@@ -317,23 +317,17 @@ class LLMEngine:
             self.runner.tp.close()
 
     # -- introspection ----------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Queue lengths, KV cache usage (0..1), the prefix cache's block hit rate and token counts
-        (looked up, found), preemptions, aborted and failed requests, kernel fallbacks (by kernel),
-        the disk tier's counts (`KVCacheManager.disk_stats`), speculative decoding's counts."""
-        pool = self.kv.pool
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": pool.usage, "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
-                "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
-                "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-                "prefix_cache_hits": self.scheduler.prefix_cache_hits,
-                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.outputs.num_aborted,
-                "num_failed": self.outputs.num_failed, "kernel_fallbacks": dict(kernels.fallbacks),
-                **self.kv.disk_stats(), **self.spec_stats()}
+    def scheduler_stats(self) -> SchedulerStats:
+        """The queues and the totals since the start, typed (`engine.stats.SchedulerStats`)."""
+        return SchedulerStats.now(self)
 
-    def spec_stats(self) -> dict:
+    def stats(self) -> dict:
+        """`scheduler_stats` as one flat dictionary (`SchedulerStats.as_dict`), for JSON."""
+        return self.scheduler_stats().as_dict()
+
+    def spec_stats(self) -> SpecStats:
         """Speculative decoding's counts (`Speculator.stats`; zeros without it)."""
-        return (self.speculator or Speculator.idle()).stats()
+        return self.speculator.stats() if self.speculator is not None else SpecStats()
 
 
 def _scores_prompt(r: Request) -> bool:

@@ -15,6 +15,7 @@ oversubscription).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,7 @@ class KernelSet:
     activation: ctypes.CDLL | None = None
     decode: ctypes.CDLL | None = None
     sampling: ctypes.CDLL | None = None
+    fallbacks: "FallbackCounts" = field(default_factory=lambda: FallbackCounts(), compare=False, repr=False)
 
     @classmethod
     def resolve(cls, enabled: bool = True) -> KernelSet:
@@ -277,7 +279,7 @@ class KernelSet:
         ``NEXTOKEN_NATIVE_KERNELS`` allows; the empty set (PyTorch everywhere) otherwise."""
         if not enabled or not native_allowed():
             return cls()
-        libs = {f.name: load(f.name) for f in fields(cls)}
+        libs = {f.name: load(f.name) for f in fields(cls) if f.name != "fallbacks"}
         scores = libs["prefill_scores"]
         if scores is not None and not scores.prefill_scores_supported():
             libs["prefill_scores"] = None
@@ -286,11 +288,44 @@ class KernelSet:
 
 _fallback_lock = threading.Lock()
 fallbacks: Counter = Counter()  # runtime fallbacks from a kernel the plan chose to PyTorch, by what fell back
+_counting = threading.local()  # the running engine's `FallbackCounts` (`counting`)
+
+
+class FallbackCounts:
+    """One engine's fallbacks (each `KernelSet` holds one): calls where a kernel its plan chose
+    did not take its input and PyTorch ran instead, by what fell back. Thread-safe."""
+
+    def __init__(self):
+        self._counts: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@contextlib.contextmanager
+def counting(counts: FallbackCounts):
+    """Fallbacks on this thread go to `counts` too while the block runs (a model runner's pass)."""
+    previous = getattr(_counting, "counts", None)
+    _counting.counts = counts
+    try:
+        yield
+    finally:
+        _counting.counts = previous
 
 
 def count_fallback(what: str) -> None:
     """Count one call where a kernel the execution plan chose did not take its input and PyTorch
-    ran instead (shown in `LLMEngine.stats`, ``/metrics`` and the inspector). Logged once."""
+    ran instead: in the process's total (`fallbacks`) and the running engine's (`counting`;
+    shown in `LLMEngine.stats`, ``/metrics`` and the inspector). Logged once per process."""
+    counts = getattr(_counting, "counts", None)
+    if counts is not None:
+        counts.add(what)
     with _fallback_lock:
         if not fallbacks[what]:
             log.warning("kernel fallback: %s ran on PyTorch (counted in nextoken_kernel_fallbacks_total)", what)

@@ -6,8 +6,28 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
 from nextoken.kv_cache.disk import chain_key
+
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """The prefix cache's disk tier since the start (zeros without it): prompt tokens looked up
+    there and found; its blocks read (hits), looked up and absent (misses), written, dropped
+    (queue full, writes off, too large), bad files and failed reads or writes (errors); bytes."""
+
+    queries: int = 0
+    hit_tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    errors: int = 0
+    dropped: int = 0
 
 
 class KVCacheManager:
@@ -101,13 +121,11 @@ class KVCacheManager:
         self.pool.free_blocks([b])
         return b
 
-    def disk_stats(self) -> dict:
+    def disk_stats(self) -> DiskStats:
         """The disk tier's counts (zeros without one): prompt tokens looked up on disk and found
-        there, and the store's blocks and bytes (`DiskKVStore.stats`) as ``kv_disk_*``."""
-        store = self.disk.store.stats if self.disk is not None else dict.fromkeys(
-            ("hits", "misses", "bytes_read", "bytes_written", "blocks_written", "errors", "dropped"), 0)
-        return {"kv_disk_queries": self.disk_queries, "kv_disk_hit_tokens": self.disk_hits,
-                **{f"kv_disk_{k}": v for k, v in store.items()}}
+        there, and the store's blocks and bytes (`DiskKVStore.stats`)."""
+        store = self.disk.store.stats if self.disk is not None else {}
+        return DiskStats(self.disk_queries, self.disk_hits, **store)
 
     def allocate_slots(self, req, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Give `req` the blocks for `num_new_tokens` more tokens after its computed ones (and

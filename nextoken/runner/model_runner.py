@@ -16,6 +16,7 @@ import torch
 from nextoken.config import ModelConfig
 from nextoken.distributed.sharding import parallelize, partition, shard_config
 from nextoken.errors import EngineError
+from nextoken.kernels import counting
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.sliding_attention import build_sliding_metadata
 from nextoken.kv_cache.tensors import PagedKVCache, SlidingKVCache
@@ -263,6 +264,10 @@ class ModelRunner:
         under tensor parallelism, `TensorParallelError` when a collective fails."""
         if tracer is not None and self.tp is not None:
             raise EngineError("tracing a request is not available with tensor parallelism")
+        with counting(self.plan.kernels.fallbacks):  # this engine's kernel fallbacks
+            return self._execute(seqs, tracer, all_logits)
+
+    def _execute(self, seqs: list[SequenceInput], tracer, all_logits: bool) -> torch.Tensor:
         self._lead("execute", seqs, None, all_logits)
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []

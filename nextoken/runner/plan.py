@@ -64,7 +64,7 @@ class ExecutionPlan:
     native_activations: bool = False
     quantization: str | None = None  # a folder's weights quantized at load to this format (`loader.quantize`)
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
-    kernels: KernelSet = KernelSet()  # the libraries resolved once; None where PyTorch runs
+    kernels: KernelSet = field(default_factory=KernelSet)  # the libraries resolved once; None where PyTorch runs
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,

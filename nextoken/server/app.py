@@ -21,6 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from nextoken.server import embeddings, routers, routes
 from nextoken.server.anthropic.serving import AnthropicServingMessages
 from nextoken.server.args import ServerArgs
+from nextoken.engine.stats import SchedulerStats
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.ollama.serving import OllamaServing
 from nextoken.server.openai.chat import OpenAIServingChat
@@ -38,7 +39,8 @@ def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
     routes (`server.routes`, and the inspector's `inspect.routes`) find the state, the args,
     the metrics and the serving objects on ``app.state``."""
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServerMetrics(args.model_name)
+    metrics = ServerMetrics(args.model_name, lambda: state.engine.engine.scheduler_stats() if state.engine is not None
+                            else SchedulerStats())
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.apis = apis = routers.apis()
     app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)

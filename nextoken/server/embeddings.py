@@ -19,7 +19,8 @@ from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -223,13 +224,23 @@ async def tokenize(request: Request):
 
 @info.get("/metrics")
 async def metrics(request: Request):
-    m = request.app.state.embed_metrics
-    service = request.app.state.server.engine
-    if isinstance(service, EmbeddingService):
-        for key, counter in m["counters"].items():
-            counter.inc(max(0, getattr(service, key) - m["seen"][key]))
-            m["seen"][key] = getattr(service, key)
-    return Response(generate_latest(m["registry"]), media_type="text/plain; version=0.0.4")
+    return Response(generate_latest(request.app.state.embed_registry), media_type="text/plain; version=0.0.4")
+
+
+class EmbeddingCollector:
+    """The embedding service's totals since the start, read at each scrape (zeros while loading)."""
+
+    COUNTERS = (("num_requests", "Embedding requests served"), ("num_tokens", "Input tokens embedded"),
+                ("num_passes", "Encoder passes (micro-batches)"))
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        service = self.state.engine
+        for key, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"nextoken_embedding_{key.removeprefix('num_')}", doc,
+                                      value=getattr(service, key) if isinstance(service, EmbeddingService) else 0)
 
 
 def build_embedding_app(state, args, lifespan=None) -> FastAPI:
@@ -237,13 +248,8 @@ def build_embedding_app(state, args, lifespan=None) -> FastAPI:
     loads). Middleware and error shapes are the generation server's (`server.middleware`)."""
     app = FastAPI(title="nextoken (embeddings)", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server, app.state.args = state, args
-    registry = CollectorRegistry()
-    app.state.embed_metrics = {"registry": registry, "seen": {"num_requests": 0, "num_tokens": 0, "num_passes": 0},
-                               "counters": {key: Counter(f"nextoken_embedding_{key.removeprefix('num_')}", doc,
-                                                         registry=registry)
-                                            for key, doc in (("num_requests", "Embedding requests served"),
-                                                             ("num_tokens", "Input tokens embedded"),
-                                                             ("num_passes", "Encoder passes (micro-batches)"))}}
+    app.state.embed_registry = registry = CollectorRegistry()
+    registry.register(EmbeddingCollector(state))
     from nextoken.server import routers
 
     app.state.apis = apis = routers.apis()  # the generation routes' paths and shapes, for their refusals

@@ -25,7 +25,6 @@ from nextoken.server.serving import check_token_ids
 info = APIRouter()
 tokens = APIRouter()
 
-IDLE_STATS = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 
 
 def _engine(request: Request):
@@ -97,18 +96,15 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
 
 @info.get("/metrics")
 async def prom(request: Request):
-    state = request.app.state.server
-    stats = state.engine.engine.stats() if state.engine else IDLE_STATS
-    return Response(request.app.state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 @info.get("/get_load")
 async def get_load(request: Request):
     """SGLang's load report, read by the routers derived from SGLang's (vllm-router's
     ``/get_loads``, its ``power_of_two`` policy): the requests running plus waiting."""
-    stats = _engine(request).stats()
-    return {"load": stats["running"] + stats["waiting"], "num_reqs": stats["running"],
-            "num_waiting_reqs": stats["waiting"]}
+    stats = _engine(request).scheduler_stats()
+    return {"load": stats.running + stats.waiting, "num_reqs": stats.running, "num_waiting_reqs": stats.waiting}
 
 
 @info.get("/tokenizer_info")

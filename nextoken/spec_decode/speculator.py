@@ -10,6 +10,8 @@ more than were accepted, and after a verification that accepted nothing, no draf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Callable
 
 import torch
@@ -19,6 +21,20 @@ from nextoken.sample.sampler import SampleResult, Sampler
 from nextoken.spec_decode.draft import DraftProposer
 from nextoken.spec_decode.ngram import propose_ngram
 from nextoken.spec_decode.verify import verify
+
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding since the start (zeros without it): drafted and accepted tokens,
+    verifications (one per request and step), accepted / drafted, and tokens emitted per
+    verification (accepted drafts plus one)."""
+
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
 
 
 class Speculator:
@@ -99,14 +115,12 @@ class Speculator:
     def reset_counts(self) -> None:
         self.counts = dict.fromkeys(self.counts, 0)
 
-    def stats(self) -> dict:
+    def stats(self) -> SpecStats:
         """Drafted and accepted token counts, the acceptance rate, and the mean number of tokens
         emitted per verification (accepted drafts plus one)."""
         c = self.counts
-        return {"spec_num_drafted_tokens": c["drafted"], "spec_num_accepted_tokens": c["accepted"],
-                "spec_num_verify_steps": c["steps"],
-                "spec_acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
-                "spec_mean_accepted_length": c["emitted"] / c["steps"] if c["steps"] else 0.0}
+        return SpecStats(c["drafted"], c["accepted"], c["steps"], c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+                         c["emitted"] / c["steps"] if c["steps"] else 0.0)
 
 
 def _grammar_prefix(r, drafts: list[int]) -> list[int]:

@@ -225,8 +225,8 @@ def greedy(llm, prompt: str = PROMPT) -> str:
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
 
 
-def run_engine(path, **kwargs) -> tuple[str, dict]:
-    """Greedy text of `PROMPT` from a fresh engine (a restart), and its stats after its writes."""
+def run_engine(path, **kwargs):
+    """Greedy text of `PROMPT` from a fresh engine (a restart), and its `SchedulerStats` after its writes."""
     from nextoken import LLM
 
     llm = LLM(str(path), **SETTINGS, **kwargs)
@@ -234,14 +234,14 @@ def run_engine(path, **kwargs) -> tuple[str, dict]:
         text = greedy(llm)
     finally:
         llm.close()  # waits for the disk tier's writes
-    return text, llm.engine.stats()
+    return text, llm.engine.scheduler_stats()
 
 
-def scrape(stats: dict) -> dict[str, float]:
-    """The server's /metrics text for these engine stats, as name{labels} -> value."""
+def scrape(stats) -> dict[str, float]:
+    """The server's /metrics text for these engine stats (a `SchedulerStats`), as name{labels} -> value."""
     from nextoken.server.metrics import ServerMetrics
 
-    text = ServerMetrics("m").render(stats).decode()
+    text = ServerMetrics("m", lambda: stats).render().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
 
@@ -253,15 +253,15 @@ def test_a_restart_reads_the_blocks_back_and_answers_the_same(smollm2_path, tmp_
     for kv_dtype in ("auto", "int8"):
         reference, _ = run_engine(smollm2_path, kv_cache_dtype=kv_dtype)
         text, first = run_engine(smollm2_path, kv_cache_dtype=kv_dtype, kv_cache_dir=str(tmp_path))
-        assert text == reference and first["kv_disk_hits"] == 0 and first["kv_disk_blocks_written"] > 0
+        assert text == reference and first.disk.hits == 0 and first.disk.blocks_written > 0
         text, again = run_engine(smollm2_path, kv_cache_dtype=kv_dtype, kv_cache_dir=str(tmp_path))
         assert text == reference, kv_dtype
-        prompt_blocks = again["prefix_cache_queries"] // 16  # every full block but the last token's
-        assert again["kv_disk_hits"] >= prompt_blocks - 1 and again["kv_disk_errors"] == 0
-        assert again["prefix_cache_hits"] == again["kv_disk_hit_tokens"] > 0
+        prompt_blocks = again.prefix_cache_queries // 16  # every full block but the last token's
+        assert again.disk.hits >= prompt_blocks - 1 and again.disk.errors == 0
+        assert again.prefix_cache_hits == again.disk.hit_tokens > 0
         metrics = scrape(again)
-        assert metrics["nextoken_kv_disk_hits_total"] == again["kv_disk_hits"]
-        assert metrics['vllm:external_prefix_cache_hits_total{model_name="m"}'] == again["kv_disk_hit_tokens"]
+        assert metrics["nextoken_kv_disk_hits_total"] == again.disk.hits
+        assert metrics['vllm:external_prefix_cache_hits_total{model_name="m"}'] == again.disk.hit_tokens
     assert len([d for d in tmp_path.iterdir() if d.name != "tmp"]) == 2  # one namespace per KV dtype
 
 
@@ -269,9 +269,9 @@ def test_a_disk_that_cannot_take_the_blocks_keeps_serving(smollm2_path, tmp_path
     reference, _ = run_engine(smollm2_path)
     (tmp_path / "file").write_text("not a directory")
     text, stats = run_engine(smollm2_path, kv_cache_dir=str(tmp_path / "file" / "kv"))
-    assert text == reference and stats["kv_disk_errors"] >= 1 and stats["kv_disk_blocks_written"] == 0
+    assert text == reference and stats.disk.errors >= 1 and stats.disk.blocks_written == 0
     text, stats = run_engine(smollm2_path, kv_cache_dir=str(tmp_path / "tiny"), kv_cache_disk="1KiB")
-    assert text == reference and stats["kv_disk_dropped"] > 0 and stats["kv_disk_blocks_written"] == 0
+    assert text == reference and stats.disk.dropped > 0 and stats.disk.blocks_written == 0
 
 
 def test_the_tier_is_asked_for_by_either_flag_and_refused_where_it_cannot_work(tmp_path, monkeypatch):

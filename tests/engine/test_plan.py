@@ -95,7 +95,8 @@ def test_a_kernel_method_without_its_library_is_a_load_error():
 
 def test_a_refused_call_is_counted(quantized):
     """A call the plan's kernel cannot take (here float16 activations into a codes matmul) runs
-    PyTorch and is counted by kernel, which `LLMEngine.stats` and /metrics report."""
+    PyTorch and is counted by kernel, in the process and in the running engine's own counts
+    (`KernelSet.fallbacks`, which `LLMEngine.scheduler_stats` and /metrics report)."""
     from nextoken import kernels
 
     runner = ModelRunner(GGUFFile(quantized), torch.bfloat16)
@@ -105,6 +106,12 @@ def test_a_refused_call_is_counted(quantized):
     y = lin(x.half())
     assert y.shape == (3, lin.out_features) and torch.isfinite(y).all()
     assert kernels.fallbacks["codes matmul on torch.float16"] == before + 1
+    # each engine counts its own: the call inside this runner's pass goes to its plan's counts only
+    other = ModelRunner(GGUFFile(quantized), torch.bfloat16)
+    with kernels.counting(runner.plan.kernels.fallbacks):
+        lin(x.half())
+    assert runner.plan.kernels.fallbacks.snapshot() == {"codes matmul on torch.float16": 1}
+    assert other.plan.kernels.fallbacks.snapshot() == {}
 
 
 def test_float32_and_reference_plans(quantized):
