@@ -1,6 +1,7 @@
-"""The base of every HTTP request body (the OpenAI-compatible API and the inspector): pydantic
-models that refuse unknown fields and type coercions, so the server accepts exactly what its
-OpenAPI schema allows, and the marks for limits known only once a model is loaded.
+"""The strict base of every HTTP request body (every API and the inspector).
+
+Pydantic models that refuse unknown fields and type coercions, so the server accepts exactly what
+its OpenAPI schema allows, and the marks for limits known only once a model is loaded.
 """
 
 from __future__ import annotations

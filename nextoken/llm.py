@@ -33,18 +33,10 @@ class LLM:
     ``LLM(model, **options)``: `model` is a catalog name (pulled on first use unless
     ``auto_pull=False``), a path to a ``.gguf`` file or to a Hugging Face model folder, or a hub
     id ``org/name`` (found in the `huggingface_hub` cache). Every other keyword is an engine
-    option, a field of `nextoken.engine_args.EngineArgs` (the same options as the command line's
-    flags): ``dtype`` ("auto", "bfloat16", or "float32": the exact reference, equal to
-    `transformers` within 1e-4), ``num_threads``, ``max_model_len``, ``kv_cache_memory`` (bytes,
-    or a size such as "512MiB"; default: ``max_num_seqs`` full contexts, at most a quarter of
-    free memory and 1 GiB), ``num_kv_blocks``, ``block_size``, ``enable_prefix_caching``,
-    ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enforce_eager``
-    (PyTorch only, none of our C kernels: the reference path), ``reference_attention``,
-    ``dense_weights``, ``speculative_model`` / ``speculative_method`` /
-    ``num_speculative_tokens`` (speculative decoding, `nextoken.spec_decode`),
-    ``tensor_parallel_size`` (the model split across that many processes: rank 0 here starts
-    the others on this machine, or joins them under torchrun, where on ranks other than 0
-    ``LLM(...)`` never returns: they follow rank 0 and exit with it; `nextoken.distributed`).
+    option: a field of `nextoken.engine_args.EngineArgs`, which defines each one once (its
+    default, its meaning, its command-line flag: the README's engine-options table is generated
+    from it). ``LLM(model, dtype="float32")`` is the exact reference, equal to `transformers`
+    within 1e-4.
 
     Raises `InvalidRequest` naming an option whose value is out of range, `TypeError` for an
     unknown option, and `ModelLoadError` when the model cannot be found or read.

@@ -1,5 +1,6 @@
-"""`nextoken bench` (`harness`: the figures, the table, llama.cpp beside) and its worker process
-(`worker`: one figure each). The core never imports this package (tests/cli/test_layout.py)."""
+"""`nextoken bench` (`harness`) and its worker process (`worker`: one figure each).
+
+The core never imports this package (tests/cli/test_layout.py)."""
 
 from nextoken.bench.harness import BENCH_ENGINE_DEFAULTS, BENCH_EXCLUDED, add_arguments, read_bandwidth, run, \
     run_llama_bench

@@ -1,6 +1,8 @@
-"""Command line: ``nextoken run | chat | explain | serve | inspect | bench | pull | models |
-cache | embed | perplexity | watermark``, one module per family of commands (`generate`, `serving`,
-`models`, `cache`, `evaluate`; `common` holds the flags they share).
+"""The command line, one module per family of commands.
+
+``nextoken run | chat | explain | serve | inspect | bench | pull | models | cache | embed |
+perplexity | watermark``: `generate`, `serving`, `models`, `cache`, `evaluate`; `common` holds
+the flags they share.
 
 Every error a user can cause prints one line (``error: ...``) and exits with status 1 or 2.
 """

@@ -1,5 +1,6 @@
-"""Tensor parallelism on `torch.distributed` (Megatron-LM's split; Shoeybi et al. 2019,
-arXiv:1909.08053, as vLLM applies it to inference).
+"""Tensor parallelism on `torch.distributed`, Megatron-LM's split as vLLM applies it.
+
+(Shoeybi et al. 2019, arXiv:1909.08053.)
 
     rank 0: scheduler, sampler, HTTP   ranks 1..N-1: `runner.follower` -> `ModelRunner.follow`
       step -> runner.execute(seqs) ----broadcast(seqs)----> runner.execute(seqs)

@@ -1,1 +1,1 @@
-"""The engine: requests, the scheduler, the paged KV cache bookkeeping, the step loop."""
+"""The engine: requests, the scheduler, KV cache bookkeeping, the step loop, its stats."""

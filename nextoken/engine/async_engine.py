@@ -157,3 +157,7 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self.dead is None
+
+    def close(self) -> None:
+        """Free the engine (`LLMEngine.close`: the disk tier's writes, the tensor-parallel group)."""
+        self.engine.close()

@@ -1,2 +1,1 @@
-"""Scoring text: perplexity as llama.cpp's ``llama-perplexity`` computes it, and the KL
-divergence of the fast path from the float32 reference (`perplexity.py`)."""
+"""Scoring text: perplexity as ``llama-perplexity`` computes it, KL divergence from float32."""

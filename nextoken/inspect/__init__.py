@@ -1,4 +1,4 @@
-"""The inspector: every stage of inference on the loaded model, for the page at ``/inspect``.
+"""The inspector: every stage of inference on the loaded model (the page at ``/inspect``).
 
 Each module computes the numbers of some widgets as plain JSON-ready data; `routes` serves them
 under ``/inspect/api/`` and the page (``static/``) only draws them:

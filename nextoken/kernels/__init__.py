@@ -1,4 +1,4 @@
-"""Native kernels of our own, in C, compiled on first use with the system's C compiler.
+"""Our C kernels, compiled on first use with the system's C compiler.
 
 Each kernel is one ``.c`` file next to this module. `load` compiles it once per source and CPU
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)

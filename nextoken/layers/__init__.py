@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: norm, rotary, attention, activation, linear."""
+"""The model files' building blocks: norm, rotary, attention, activation, linear."""
 
 import torch
 

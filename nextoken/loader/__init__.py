@@ -1,1 +1,1 @@
-"""Model file loaders: GGUF (and, later, safetensors folders)."""
+"""Reading models: GGUF files and Hugging Face folders (safetensors), the prepared-weights cache."""

@@ -1,4 +1,6 @@
-"""LoRA adapters per request (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+"""LoRA adapters per request: request, readers, each linear's slots, the manager.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
 Models"): a request names an adapter, and each targeted linear adds ``scaling * (x A^T) B^T`` to
 its output for that request's tokens, the base weights staying on our quantized kernels.
 

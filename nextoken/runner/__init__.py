@@ -1,1 +1,3 @@
-"""Running the model: KV cache and the model runner (prefill and decode)."""
+"""Running the model: one forward pass over a batch, and the plan binding the kernels.
+
+Also threads, the quick start (`nextoken run`'s first token), the tensor-parallel follower."""

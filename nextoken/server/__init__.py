@@ -1,1 +1,3 @@
-"""The OpenAI-compatible HTTP server (`nextoken serve`)."""
+"""The HTTP server: one app for every model, one chat core under every API.
+
+One package per API (`openai`, `anthropic`, `ollama`)."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from nextoken.server import embeddings, routers, routes
 from nextoken.server.anthropic.serving import AnthropicServingMessages
+from nextoken.errors import InvalidRequest
 from nextoken.server.args import ServerArgs
 from nextoken.engine.stats import SchedulerStats
 from nextoken.server.metrics import ServerMetrics
@@ -28,43 +29,70 @@ from nextoken.server.openai.chat import OpenAIServingChat
 from nextoken.server.openai.completions import OpenAIServingCompletion
 from nextoken.server.openai.responses import OpenAIServingResponses
 from nextoken.server.openapi import document_errors, model_limits
+from nextoken.server.state import Capabilities, ServerState
 from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
 
 log = logging.getLogger("nextoken.server")
 
 
-def build_app(state, args: ServerArgs, lifespan=None) -> FastAPI:
-    """The app. `state` has ``engine`` (an `AsyncLLMEngine`, None while loading), ``draining``
-    and ``started`` (a Unix time); `args`: the `ServerArgs` (``args.model_name`` set). The
-    routes (`server.routes`, and the inspector's `inspect.routes`) find the state, the args,
-    the metrics and the serving objects on ``app.state``."""
+def build_app(state: ServerState, args: ServerArgs, lifespan=None,
+              capabilities: Capabilities = Capabilities()) -> FastAPI:
+    """The one app, for every model: `state` (a `ServerState`: the generation engine and/or the
+    embedding service, None while loading), `args` (``args.model_name`` set), `capabilities`:
+    what it serves. Generation: every API's router (each generating route answers 400 naming the
+    reason on an embedding-only server), the inspector; embeddings: ``/v1/embeddings``,
+    ``/v1/score``, ``/v1/rerank`` (400 without an embedding model). ``/health``, ``/v1/models``,
+    ``/metrics``, the refusals while loading and the error shapes are the same for both. The
+    routes find the state, the args, the metrics and the serving objects on ``app.state``."""
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServerMetrics(args.model_name, lambda: state.engine.engine.scheduler_stats() if state.engine is not None
                             else SchedulerStats())
+    metrics.registry.register(embeddings.EmbeddingCollector(state))
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.apis = apis = routers.apis()
-    app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
-    app.state.serving_chat = OpenAIServingChat(state, args, metrics)
-    app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
-    app.state.serving_responses = OpenAIServingResponses(state, args, metrics)
-    app.state.serving_ollama = OllamaServing(state, args, metrics)
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
     app.add_middleware(Gate, state=state, config=args, apis=apis)
     exception_handlers(app, args)
-    for router in (routes.info, routes.tokens, *routers.API_ROUTERS):
-        app.include_router(router)
-    app.include_router(embeddings.router, include_in_schema=False)  # a 400 here (this model generates)
-    if args.inspect:
-        from nextoken.inspect.routes import install
-
-        install(app, lambda: state.engine)
+    app.include_router(routes.info)
+    if capabilities.generate:
+        _generation(app, state, args, metrics)
+    else:
+        _refuse_generation(app, args, apis)
+    app.include_router(embeddings.router, include_in_schema=capabilities.embed)
     document_errors(app, lambda: None if state.engine is None else model_limits(state.engine.engine))
     if state.engine is not None:
         attach_engine(app, state.engine)
     return app
+
+
+def _generation(app: FastAPI, state, args: ServerArgs, metrics) -> None:
+    """The generation APIs' serving objects and routers, the token routes and the inspector."""
+    app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
+    app.state.serving_chat = OpenAIServingChat(state, args, metrics)
+    app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
+    app.state.serving_responses = OpenAIServingResponses(state, args, metrics)
+    app.state.serving_ollama = OllamaServing(state, args, metrics)
+    for router in (routes.tokens, *routers.API_ROUTERS):
+        app.include_router(router)
+    if args.inspect:
+        from nextoken.inspect.routes import install
+
+        install(app, lambda: state.engine)
+
+
+def _refuse_generation(app: FastAPI, args: ServerArgs, apis) -> None:
+    """An embedding-only server: its tokenizer's /tokenize, and a 400 on every generating route."""
+    app.include_router(embeddings.tokens)
+
+    async def refuse(request: Request):
+        raise InvalidRequest(f"model {args.model_name!r} is an embedding model: it does not generate text; use "
+                             "/v1/embeddings, /v1/score or /v1/rerank", "model")
+
+    for path, _ in apis.generation_paths():
+        app.add_api_route(path, refuse, methods=["POST"], include_in_schema=False)
 
 
 def attach_engine(app: FastAPI, engine) -> None:

@@ -30,6 +30,9 @@ class ServerArgs(CliArgs):
                               "NEXTOKEN_API_KEY)", group="server", metavar="KEY")
     served_model_name: str | None = opt(None, "the model name clients use (default: --model)", group="server",
                                         metavar="NAME")
+    embedding_model: str | None = opt(None, "also serve this embedding model (a catalog name or a path) on "
+                                      "/v1/embeddings, /v1/score and /v1/rerank, beside --model", group="server",
+                                      metavar="MODEL")
     max_queued_requests: int = opt(256, "waiting requests before 429", group="server", type=int)
     max_body_bytes: int = opt(1 << 20, "largest request body, bytes (413 beyond)", group="server", type=int)
     max_tokens_default: int | None = opt(4096, "most tokens a request that sets no output limit generates, on "

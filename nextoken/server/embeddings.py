@@ -1,10 +1,10 @@
 """Embeddings over HTTP: OpenAI's ``POST /v1/embeddings``, and vLLM's ``/v1/score`` and
 ``/v1/rerank`` by cosine similarity of the embedding model's vectors (no cross-encoder).
 
-A server whose model is an embedding model (`embedding.is_embedding_model`) is built by
-`build_embedding_app`: the same middleware and error shapes as the generation server, these
-routes, and ``/health``, ``/v1/models``, ``/metrics``, ``/tokenize``; the generation routes
-answer 400 naming the reason. A generation server answers these three routes with 400 the same way.
+The one app (`server.app.build_app`) serves these routes when the server holds an embedding
+model (`ServerState.embedder`: its model is one, or ``serve --embedding-model``); without one they
+answer 400 naming the reason, as the generation routes do on a server with no generation model.
+``/tokenize`` is this module's (`tokens`) on an embedding-only server.
 
 Requests that arrive together share encoder passes: `EmbeddingService` runs one pass for every
 input queued while the previous pass ran (micro-batching), on its own thread.
@@ -18,14 +18,11 @@ import threading
 from typing import Literal
 
 import numpy as np
-from fastapi import APIRouter, FastAPI, Request
-from prometheus_client import CollectorRegistry, generate_latest
+from fastapi import APIRouter, Request
 from prometheus_client.core import CounterMetricFamily
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
 
 
 
@@ -53,17 +50,34 @@ class RerankRequest(BaseModel):
 
 
 class EmbeddingService:
-    """An `embedding.EmbeddingModel` serving many requests: each `embed` call's inputs join a
-    queue; one thread runs a pass over everything queued, then hands each caller its rows."""
-
-    is_running, dead = True, None
+    """An `embedding.EmbeddingModel` serving many requests (a `state.EngineClient`): each `embed`
+    call's inputs join a queue; one thread runs a pass over everything queued, then hands each
+    caller its rows. `num_requests`, `num_tokens`, `num_passes`: totals since the start."""
 
     def __init__(self, model):
         self.model = model
         self._cond = threading.Condition()
         self._queue: list[tuple[list, bool, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.num_requests = self.num_tokens = self.num_passes = 0
-        threading.Thread(target=self._loop, name="nextoken-embed", daemon=True).start()
+        self.dead: BaseException | None = None  # what stopped the pass loop (a pass's own error does not)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="nextoken-embed", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None and not self._closed and self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - /health reports it
+            self.dead = exc
 
     async def embed(self, inputs: list, truncate: bool = False):
         """Vectors for `inputs` (`Embeddings`); raises `InvalidRequest` as `EmbeddingModel.embed`."""
@@ -78,8 +92,10 @@ class EmbeddingService:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cond.wait()
+                if self._closed:
+                    return
                 batch, self._queue = self._queue, []
             flat = [x for ids, _, _ in batch for x in ids]
             try:
@@ -112,18 +128,25 @@ def _resolve(fut: asyncio.Future, result, error) -> None:
 
 def _service(request: Request) -> EmbeddingService:
     state, args = request.app.state.server, request.app.state.args
-    if not isinstance(state.engine, EmbeddingService):
+    if state.embedder is None:
         raise InvalidRequest(f"model {args.model_name!r} generates text; embeddings, scores and reranking need an "
-                             "embedding model (e.g. nextoken serve -m all-minilm-l6-v2)", "model")
-    return state.engine
+                             "embedding model (e.g. nextoken serve -m all-minilm-l6-v2, or --embedding-model "
+                             "all-minilm-l6-v2 beside a generation model)", "model")
+    return state.embedder
+
+
+def model_name(request: Request) -> str:
+    """The name clients send for the embedding model."""
+    state = request.app.state.server
+    return state.embedding_model_name or request.app.state.args.model_name
 
 
 def _check_model(request: Request, name: str | None) -> None:
-    args = request.app.state.args
-    if name is not None and name != args.model_name:
+    served = model_name(request)
+    if name is not None and name != served:
         from nextoken.errors import NotFound
 
-        raise NotFound(f"model {name!r} not found; this server serves {args.model_name!r}", "model")
+        raise NotFound(f"model {name!r} not found; this server embeds with {served!r}", "model")
 
 
 def _inputs(x) -> list:
@@ -154,7 +177,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     out = await service.embed(inputs, truncate=body.truncate_prompt_tokens is not None)
     vectors = service.model.cut(out.vectors, body.dimensions).numpy()
     n = sum(out.num_tokens)
-    return {"object": "list", "model": request.app.state.args.model_name,
+    return {"object": "list", "model": model_name(request),
             "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
                      for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n, "total_tokens": n}}
@@ -174,7 +197,7 @@ async def score(body: ScoreRequest, request: Request):
     va, vb = out.vectors[: len(a)], out.vectors[len(a):]
     sims = _cosine(va.expand(len(b), -1) if len(a) == 1 else va, vb)
     n = sum(out.num_tokens)
-    return {"object": "list", "model": request.app.state.args.model_name,
+    return {"object": "list", "model": model_name(request),
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(sims)],
             "usage": {"prompt_tokens": n, "total_tokens": n}}
 
@@ -188,7 +211,7 @@ async def rerank(body: RerankRequest, request: Request):
     sims = _cosine(out.vectors[:1].expand(len(body.documents), -1), out.vectors[1:])
     order = sorted(range(len(sims)), key=lambda i: -sims[i])[: body.top_n or len(sims)]
     n = sum(out.num_tokens)
-    return {"model": request.app.state.args.model_name,
+    return {"model": model_name(request),
             "results": [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": sims[i]}
                         for i in order],
             "usage": {"total_tokens": n}}
@@ -200,19 +223,11 @@ def _cosine(a, b) -> list[float]:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
 
 
-# -- the embedding model's own server ----------------------------------------------------------
-info = APIRouter()
+# -- on an embedding-only server ---------------------------------------------------------------
+tokens = APIRouter()
 
 
-@info.get("/v1/models")
-async def models(request: Request):
-    service, args = _service(request), request.app.state.args
-    return {"object": "list", "data": [{"id": args.model_name, "object": "model", "owned_by": "nextoken",
-                                        "created": int(request.app.state.server.started),
-                                        "max_model_len": service.model.max_seq_length}]}
-
-
-@info.post("/tokenize")
+@tokens.post("/tokenize")
 async def tokenize(request: Request):
     body = await request.json()
     service = _service(request)
@@ -220,11 +235,6 @@ async def tokenize(request: Request):
         raise InvalidRequest("prompt must be a string", "prompt")
     ids = service.model.tokenize([body["prompt"]], truncate=True)[0]
     return {"tokens": ids, "count": len(ids), "max_model_len": service.model.max_seq_length}
-
-
-@info.get("/metrics")
-async def metrics(request: Request):
-    return Response(generate_latest(request.app.state.embed_registry), media_type="text/plain; version=0.0.4")
 
 
 class EmbeddingCollector:
@@ -237,35 +247,7 @@ class EmbeddingCollector:
         self.state = state
 
     def collect(self):
-        service = self.state.engine
+        service = self.state.embedder
         for key, doc in self.COUNTERS:
             yield CounterMetricFamily(f"nextoken_embedding_{key.removeprefix('num_')}", doc,
-                                      value=getattr(service, key) if isinstance(service, EmbeddingService) else 0)
-
-
-def build_embedding_app(state, args, lifespan=None) -> FastAPI:
-    """The server of an embedding model: `state.engine` is its `EmbeddingService` (None while it
-    loads). Middleware and error shapes are the generation server's (`server.middleware`)."""
-    app = FastAPI(title="nextoken (embeddings)", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.server, app.state.args = state, args
-    app.state.embed_registry = registry = CollectorRegistry()
-    registry.register(EmbeddingCollector(state))
-    from nextoken.server import routers
-
-    app.state.apis = apis = routers.apis()  # the generation routes' paths and shapes, for their refusals
-    app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
-    app.add_middleware(Gate, state=state, config=args, apis=apis)
-    exception_handlers(app, args)
-    from nextoken.server.routes import health
-
-    app.add_api_route("/health", health, methods=["GET"])  # the generation server's own check
-    app.include_router(info)
-    app.include_router(router)
-
-    async def refuse(request: Request):
-        raise InvalidRequest(f"model {args.model_name!r} is an embedding model: it does not generate text; use "
-                             "/v1/embeddings, /v1/score or /v1/rerank", "model")
-
-    for path, _ in apis.generation_paths():
-        app.add_api_route(path, refuse, methods=["POST"])
-    return app
+                                      value=getattr(service, key) if service is not None else 0)

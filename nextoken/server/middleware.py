@@ -85,7 +85,7 @@ class Gate:
                                       shape=shape)
         if self.state.draining:
             return error_response(503, "the server is shutting down", shape=shape)
-        if self.state.engine is None and (self.apis.serves(path) or path.startswith(("/v1", "/inspect/api"))):
+        if not self.state.ready and (self.apis.serves(path) or path.startswith(("/v1", "/inspect/api"))):
             return error_response(503, "the model is still loading", shape=shape)
         return None
 

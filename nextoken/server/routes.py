@@ -28,8 +28,13 @@ tokens = APIRouter()
 
 
 def _engine(request: Request):
-    """The `LLMEngine` behind the server (the Gate answers 503 before this while loading)."""
-    return request.app.state.server.engine.engine
+    """The `LLMEngine` behind the server (the Gate answers 503 before this while loading).
+    Raises `InvalidRequest` on a server without a generation model."""
+    state = request.app.state.server
+    if state.engine is None:
+        raise InvalidRequest(f"model {request.app.state.args.model_name!r} is an embedding model: this route needs "
+                             "a generation model", "model")
+    return state.engine.engine
 
 
 def _check_model(request: Request, name: str | None) -> None:
@@ -42,10 +47,11 @@ async def health(request: Request):
     state = request.app.state.server
     if state.draining:
         return error_response(503, "the server is shutting down")
-    if state.engine is None:
+    if not state.ready or not state.clients():
         return error_response(503, "the model is still loading")
-    if not state.engine.is_running:
-        return error_response(503, f"the engine loop has stopped: {state.engine.dead!r}")
+    for client in state.clients():  # the generation engine and the embedding service alike
+        if not client.is_running:
+            return error_response(503, f"the engine loop has stopped: {client.dead!r}")
     return {"status": "ok"}
 
 
@@ -59,12 +65,18 @@ async def version():
 @info.get("/v1/models")
 async def models(request: Request):
     state, args = request.app.state.server, request.app.state.args
-    base = {"object": "model", "created": int(state.started), "owned_by": "nextoken",
-            "max_model_len": _engine(request).max_model_len}
-    adapters = [{"id": name, **base, "root": lora.lora_path, "parent": args.model_name}  # vLLM's shape
-                for name, lora in getattr(state, "loras", {}).items()]
-    return {"object": "list", "data": [{"id": args.model_name, **base, "root": args.model_name, "parent": None},
-                                       *adapters]}
+    base = {"object": "model", "created": int(state.started), "owned_by": "nextoken"}
+    data = []
+    if state.engine is not None:
+        gen = {**base, "max_model_len": state.engine.engine.max_model_len}
+        data.append({"id": args.model_name, **gen, "root": args.model_name, "parent": None})
+        data += [{"id": name, **gen, "root": lora.lora_path, "parent": args.model_name}  # vLLM's shape
+                 for name, lora in state.loras.items()]
+    if state.embedder is not None:
+        name = state.embedding_model_name or args.model_name
+        data.append({"id": name, **base, "max_model_len": state.embedder.model.max_seq_length, "root": name,
+                     "parent": None})
+    return {"object": "list", "data": data}
 
 
 @info.post("/v1/load_lora_adapter")

@@ -11,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 log = logging.getLogger("nextoken.server")
 
 
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
-    """Load `engine_args`' model (in the background: /health answers 503 until it is warm) and
-    serve it as `server_args` (`ServerArgs`) say, until SIGTERM or Ctrl-C; the exit status. An
-    embedding model (`embedding.is_embedding_model`) gets `server.embeddings`' app."""
+    """Load `engine_args`' model (in the background: /health answers 503 until it is warm), and
+    ``--embedding-model`` beside it, and serve them as `server_args` (`ServerArgs`) say, until
+    SIGTERM or Ctrl-C; the exit status. An embedding model (`embedding.is_embedding_model`) as
+    `--model` serves embeddings alone (the one app, `server.app.build_app`, without generation)."""
     from nextoken.catalog import resolve_model
     from nextoken.distributed.group import TensorParallelError, is_follower
     from nextoken.engine.async_engine import AsyncLLMEngine
@@ -31,13 +30,18 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.embedding import EmbeddingModel, is_embedding_model
     from nextoken.errors import InvalidRequest
     from nextoken.lora import parse_lora_modules
-    from nextoken.server.app import attach_engine, build_app
-    from nextoken.server.embeddings import EmbeddingService, build_embedding_app
+    from nextoken.server.app import attach_engine
+    from nextoken.server.embeddings import EmbeddingService
+    from nextoken.server.state import Capabilities
 
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
-    if is_embedding_model(path):
-        return _serve(engine_args, server_args, lambda: EmbeddingService(EmbeddingModel(path)), build_embedding_app)
-    if is_follower():  # a torchrun rank other than 0: no HTTP server, its shard follows rank 0's steps
+    embed_only = is_embedding_model(path)
+    extra = server_args.embedding_model
+    embedding_path = resolve_model(extra, auto_pull=engine_args.auto_pull) if extra else (path if embed_only else None)
+    if extra and (embed_only or not is_embedding_model(embedding_path)):
+        raise InvalidRequest("--embedding-model names an embedding model served beside a generation --model",
+                             "embedding_model")
+    if not embed_only and is_follower():  # a torchrun rank other than 0: no HTTP server, it follows rank 0's steps
         LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
     server_ref = {}
@@ -46,16 +50,21 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     if adapters and not engine_args.enable_lora:
         raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
 
-    def load():  # /health answers 200 once the model is loaded and warm
+    def load(state):  # /health answers 200 once every model is loaded and warm
+        if embedding_path is not None:
+            state.embedder = EmbeddingService(EmbeddingModel(embedding_path))
+            state.embedding_model_name = extra
+        if embed_only:
+            return
         engine = LLMEngine.from_engine_args(engine_args)
         for lora in adapters:  # a bad adapter stops the start, naming it
             engine.runner.loras.add(lora)
-        server_ref["state"].loras = {lora.lora_name: lora for lora in adapters}
+        state.loras = {lora.lora_name: lora for lora in adapters}
         warm_up(engine)
         async_engine = AsyncLLMEngine(engine, stepper)
         attach_engine(server_ref["app"], async_engine)  # the metrics follow each step
         async_engine.on_dead = on_dead
-        return async_engine
+        state.engine = async_engine
 
     def on_dead(exc):  # a tensor-parallel rank failed: nothing can be served any more, exit with an error
         if isinstance(exc, TensorParallelError):
@@ -63,17 +72,21 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             server_ref["state"].exit_code = 1
             server_ref["server"].should_exit = True
 
-    return _serve(engine_args, server_args, load, build_app, announce_inspector, stepper, server_ref)
+    caps = Capabilities(generate=not embed_only, embed=embedding_path is not None)
+    return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref)
 
 
-def _serve(engine_args, server_args, load, build, announce_inspector: bool = False, stepper=None,
+def _serve(engine_args, server_args, load, capabilities, announce_inspector: bool = False, stepper=None,
            server_ref: dict | None = None) -> int:
-    """Build the app with `build` (`build_app` or `build_embedding_app`), load the model with
-    `load` (what ``state.engine`` becomes) on `stepper` in the background, and run uvicorn until
-    a signal; the exit status."""
+    """Build the one app (`build_app` with `capabilities`), load the models with `load(state)`
+    (which sets ``state.engine`` and/or ``state.embedder``) on `stepper` in the background, and
+    run uvicorn until a signal; the exit status."""
     import uvicorn
 
-    state = SimpleNamespace(engine=None, draining=False, started=time.time(), exit_code=0, loras={})
+    from nextoken.server.app import build_app
+    from nextoken.server.state import ServerState
+
+    state = ServerState(ready=False)
     config = server_args.for_model(engine_args.model)
     server_ref = {} if server_ref is None else server_ref
     stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-load")
@@ -82,7 +95,8 @@ def _serve(engine_args, server_args, load, build, announce_inspector: bool = Fal
     async def lifespan(app):
         async def load_in_background():
             try:
-                state.engine = await asyncio.get_running_loop().run_in_executor(stepper, load)
+                await asyncio.get_running_loop().run_in_executor(stepper, load, state)
+                state.ready = True
                 log.info("model %s loaded; serving", config.model_name)
             except Exception as exc:  # nothing to serve: say why and stop
                 log.error("could not load the model: %s", exc)
@@ -92,6 +106,8 @@ def _serve(engine_args, server_args, load, build, announce_inspector: bool = Fal
         task = asyncio.create_task(load_in_background())
         yield
         task.cancel()
+        for client in state.clients():  # in-flight requests are done: free each model (disk writes flushed)
+            await asyncio.get_running_loop().run_in_executor(stepper, client.close)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -100,7 +116,7 @@ def _serve(engine_args, server_args, load, build, announce_inspector: bool = Fal
             if sig == signal.SIGTERM:  # a requested, graceful stop: exit 0 afterwards, not by the signal
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    app = build(state, config, lifespan)
+    app = build_app(state, config, lifespan, capabilities)
     server_ref["app"], server_ref["state"] = app, state
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                    timeout_graceful_shutdown=config.shutdown_timeout))

@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers (`ngram`, `draft`) and exact verification (`verify`)."""
+"""Speculative decoding: n-gram and draft proposers, exact verification."""

@@ -1,4 +1,4 @@
-"""Text <-> token ids: the BPE tokenizer, the chat template and the incremental detokenizer."""
+"""Text <-> token ids: BPE, the chat template, the incremental detokenizer."""
 
 from nextoken.tokenizer.tokenizer import Tokenizer
 

@@ -1,5 +1,4 @@
-"""Tracing: what each stage of the pipeline did for one request, behind `nextoken explain` and
-the inspector (`nextoken.inspect`).
+"""Tracing: what each stage did for one request (`nextoken explain`, the inspector).
 
 A tracer is attached to one request (``RequestOptions(tracer=...)`` to ``add_request``) and implements
 `Tracer`; the engine runs that request in a forward pass of its own. The one recorder is

@@ -39,3 +39,14 @@ def test_guide_lists_the_published_fields_that_change_nothing():
 
     guide = README.parent / "docs" / "guide.md"
     assert between(guide.read_text(), "published-fields") == guide_table()
+
+
+def test_layout_maps_are_generated_from_the_docstrings():
+    """README's and docs/design.md's layout maps: regenerate with ``python -m nextoken.docs``."""
+    from nextoken.docs import MAPS, full_map, short_map
+
+    assert between(README.read_text(), "layout") == short_map()
+    design = README.parent / "docs" / "design.md"
+    assert between(design.read_text(), "layout") == full_map()
+    assert set(MAPS) == {README, design}
+    assert "server/" in short_map() and "lora/" in short_map() and "chat_run.py" in full_map()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -18,18 +17,26 @@ from tests.ports import free_ports
 
 
 class LiveServer:
-    """uvicorn in a background thread around an app built on `llm` (or loading, if None); an
-    embedding model's `LLM` gets the embedding app (`server.embeddings`)."""
+    """uvicorn in a background thread around the one app (`server.app.build_app`) serving `llm`
+    (still loading, if None): a generation model, or an embedding model's `LLM` (embeddings
+    alone); `embedder`: an embedding model's `LLM` served beside a generation `llm` (as
+    ``serve --embedding-model``), under the name `embedder_name`."""
 
-    def __init__(self, llm, name: str, **config):
-        build, engine = build_app, AsyncLLMEngine(llm.engine) if llm else None
-        if llm is not None and llm.embedder is not None:  # an embedding model: its own app
-            from nextoken.server.embeddings import EmbeddingService, build_embedding_app
+    def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, **config):
+        from nextoken.server.embeddings import EmbeddingService
+        from nextoken.server.state import Capabilities, ServerState
 
-            build, engine = build_embedding_app, EmbeddingService(llm.embedder)
-        self.state = SimpleNamespace(engine=engine, draining=False, started=time.time())
+        embed_only = llm is not None and llm.embedder is not None
+        self.state = ServerState(ready=llm is not None)
+        if embed_only:
+            self.state.embedder = EmbeddingService(llm.embedder)
+        elif llm is not None:
+            self.state.engine = AsyncLLMEngine(llm.engine)
+        if embedder is not None:
+            self.state.embedder, self.state.embedding_model_name = EmbeddingService(embedder.embedder), embedder_name
         self.llm = llm
-        app = build(self.state, ServerArgs(model_name=name, **config))
+        caps = Capabilities(generate=not embed_only, embed=embed_only or embedder is not None)
+        app = build_app(self.state, ServerArgs(model_name=name, **config), capabilities=caps)
         self.port = free_ports(1)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -228,3 +228,35 @@ def test_malformed_bodies_get_a_4xx_never_a_5xx(embed_server):
         assert 400 <= r.status_code < 500 and "error" in r.json(), (path, body, r.status_code, r.text[:200])
     r = httpx.post(url + "/v1/embeddings", content=b"not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
+
+
+def test_one_server_serves_a_generation_and_an_embedding_model(smollm2_path, minilm):
+    """``serve --model A --embedding-model B``: one app, both models. Chat answers as the
+    generation model alone does, embeddings equal the embedding model's, /v1/models lists both,
+    /health watches both, /metrics carries both families; each model's routes refuse the other's name."""
+    import httpx
+
+    from nextoken import LLM, SamplingParams
+    from tests.helpers.server import LiveServer
+
+    gen = LLM(str(smollm2_path), dtype="float32")
+    srv = LiveServer(gen, "smollm2", embedder=minilm, embedder_name="minilm")
+    try:
+        client = srv.client()
+        chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}],
+                                              max_tokens=8, temperature=0)
+        alone = gen.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8, temperature=0))
+        assert chat.choices[0].message.content == alone[0].outputs[0].text
+        r = client.embeddings.create(model="minilm", input=SENTENCES[:2])
+        want = [o.outputs.embedding for o in minilm.embed(SENTENCES[:2])]
+        assert np.allclose([d.embedding for d in r.data], want, atol=1e-6) and r.model == "minilm"
+        assert [m.id for m in client.models.list().data] == ["smollm2", "minilm"]
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "nextoken_embedding_requests_total 1.0" in metrics and "vllm:num_requests_running" in metrics
+        wrong = httpx.post(srv.url + "/v1/embeddings", json={"model": "smollm2", "input": "hi"})
+        assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+        srv.state.embedder.close()  # a model that stops: /health says so
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        srv.stop()
