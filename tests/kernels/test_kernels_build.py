@@ -85,7 +85,9 @@ def test_a_cpu_without_vnni_is_told_so(fresh, monkeypatch, caplog):
 
 
 @needs_gcc
-def test_functions_have_declared_types(fresh):
+def test_functions_have_declared_types():
+    """(The libraries the suite built already: the declarations are checked on what the engine
+    loads; the build from an empty cache is the tests above.)"""
     lib = kernels.load("decode")  # includes qmatmul.c and paged_attention.c
     libs = [lib, kernels.load("prefill_scores"), kernels.load("activation"), kernels.load("sampling")]
     for fn, (restype, argtypes) in kernels.SIGNATURES.items():
