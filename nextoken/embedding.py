@@ -40,8 +40,26 @@ class Embeddings:
     token_ids: list[list[int]]
 
 
+def encoder_dtype(name: str = "auto") -> torch.dtype:
+    """The encoder's dtype for an engine ``dtype`` option: "float32" (the exact reference, equal to
+    sentence-transformers within 1e-4), "bfloat16", or "auto": bfloat16 where the CPU multiplies
+    bf16 matrices in hardware (`kernels.bf16_matmul_native`: AVX512-BF16 or AMX, where PyTorch's
+    bf16 matmul is about 3x its float32 one), else float32 (elsewhere bf16 matmuls are emulated,
+    slower than float32). Raises `InvalidRequest` for another name."""
+    from nextoken.kernels import bf16_matmul_native
+
+    if name in ("float32", "fp32"):
+        return torch.float32
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name == "auto":
+        return torch.bfloat16 if bf16_matmul_native() else torch.float32
+    raise InvalidRequest(f"dtype {name!r} is not one an encoder runs in: auto, bfloat16 or float32", "dtype")
+
+
 class EmbeddingModel:
-    """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`.
+    """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`;
+    `dtype`: its weights' and activations' (pooling and normalisation run in float32).
     Raises `ModelLoadError` when a file is missing or names something not supported."""
 
     def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192):

@@ -57,7 +57,7 @@ class LLM:
 
     def _setup(self, args: EngineArgs, opened: OpenedModel | None = None) -> None:
         from nextoken.catalog import resolve_model
-        from nextoken.embedding import EmbeddingModel, is_embedding_model
+        from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
 
         self.engine_args = args
         self.model_name = args.model
@@ -65,7 +65,7 @@ class LLM:
         if opened is None:
             path = resolve_model(args.model, auto_pull=args.auto_pull)
             if is_embedding_model(path):  # an encoder: `embed` only
-                self.embedder = EmbeddingModel(path)
+                self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype))
                 self.engine, self.tokenizer, self.runner, self.config = None, None, None, None
                 self.model_path = str(path)
                 return

@@ -27,7 +27,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import warm_up
-    from nextoken.embedding import EmbeddingModel, is_embedding_model
+    from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
     from nextoken.errors import InvalidRequest
     from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine
@@ -52,7 +52,8 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
 
     def load(state):  # /health answers 200 once every model is loaded and warm
         if embedding_path is not None:
-            state.embedder = EmbeddingService(EmbeddingModel(embedding_path))
+            dtype = encoder_dtype(engine_args.dtype if embed_only else "auto")
+            state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype))
             state.embedding_model_name = extra
         if embed_only:
             return

@@ -27,10 +27,10 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm():
-    """all-MiniLM-L6-v2 from the catalog, as an `LLM` (embedding-only)."""
+    """all-MiniLM-L6-v2 from the catalog, as an `LLM` (embedding-only), in float32: the reference."""
     from nextoken import LLM
 
-    return LLM("all-minilm-l6-v2")
+    return LLM("all-minilm-l6-v2", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +115,42 @@ def test_minilm_equals_sentence_transformers(minilm):
     assert [len(o.prompt_token_ids) for o in outs] == [len(x) for x in st.tokenizer(SENTENCES)["input_ids"]]
 
 
-def test_minilm_in_bf16_stays_close(minilm):
+def varied_sentences(n: int = 200) -> list[str]:
+    """`n` texts of 1 to 6 of `SENTENCES` joined (each picked by a fixed rule): 2 to 150 tokens."""
+    return [" ".join(SENTENCES[(i * 7 + j * 3) % len(SENTENCES)] for j in range(1 + i % 6)) for i in range(n)]
+
+
+def test_the_bf16_encoder_keeps_cosine_and_nearest_neighbours(minilm):
+    """The bf16 encoder (what ``dtype="auto"`` picks where the CPU multiplies bf16 in hardware)
+    against float32 on 200 texts of varied length: cosine >= 0.999 each, and each text's nearest
+    neighbour the same, but where float32's two nearest are closer than bf16's own error."""
     from nextoken.embedding import EmbeddingModel
 
-    bf16 = EmbeddingModel(minilm.model_path, dtype=torch.bfloat16).embed(SENTENCES[:8]).vectors
-    f32 = torch.tensor([o.outputs.embedding for o in minilm.embed(SENTENCES[:8])])
+    texts = varied_sentences()
+    bf16 = EmbeddingModel(minilm.model_path, dtype=torch.bfloat16).embed(texts).vectors.float()
+    f32 = torch.tensor([o.outputs.embedding for o in minilm.embed(texts)])
     assert torch.nn.functional.cosine_similarity(bf16, f32).min() >= 0.999
+    sim32, sim16 = f32 @ f32.T, bf16 @ bf16.T
+    err = float((sim32 - sim16).abs().max())  # how far bf16 moves any similarity
+    for s in (sim32, sim16):
+        s.fill_diagonal_(-2.0)
+        s[torch.tensor([[a == b for b in texts] for a in texts])] = -2.0  # (identical texts: no neighbour)
+    top2 = sim32.topk(2, dim=1)
+    same = sim32.argmax(1) == sim16.argmax(1)
+    close = (top2.values[:, 0] - top2.values[:, 1]) <= 2 * err
+    assert bool((same | close).all()) and float(same.float().mean()) >= 0.95, (err, int((~same).sum()))
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    import nextoken.kernels as kernels
+    from nextoken.embedding import encoder_dtype
+
+    monkeypatch.setattr(kernels, "_BF16_NATIVE", False)
+    assert encoder_dtype("auto") == torch.float32 and encoder_dtype("bfloat16") == torch.bfloat16
+    monkeypatch.setattr(kernels, "_BF16_NATIVE", True)
+    assert encoder_dtype("auto") == torch.bfloat16 and encoder_dtype("float32") == torch.float32
+    with pytest.raises(InvalidRequest, match="dtype"):
+        encoder_dtype("float16")
 
 
 def test_a_batch_equals_each_input_alone_and_token_ids_are_used_as_given(minilm):
