@@ -3,7 +3,8 @@
     python benchmarks/embeddings.py                    # all-MiniLM-L6-v2, 512 texts, batch 32, 2 threads
 
 Rows: nextoken with ``dtype="auto"`` (the bf16 encoder where the CPU multiplies bf16 in hardware,
-else float32), nextoken float32 (the exact reference), sentence-transformers (PyTorch, float32).
+else float32), nextoken float32 (the exact reference), nextoken q8_0 (``--quantization q8_0``: the
+linears on our int8 kernel), sentence-transformers (PyTorch, float32).
 
 The texts are random word sequences (fixed seed) of 4..120 words, as short queries and passages
 mix in a retrieval workload. Both sides take the texts in requests of `--batch` (nextoken: one
@@ -46,12 +47,14 @@ def main() -> None:
 
     auto = LLM(args.model)  # dtype "auto": bf16 where the CPU multiplies bf16 in hardware
     exact = LLM(args.model, dtype="float32")
+    int8 = LLM(args.model, dtype="float32", quantization="q8_0")  # the linears on our int8 kernel
     st = SentenceTransformer(exact.model_path, device="cpu")
     data = texts(args.num_texts)
     tokens = sum(len(o.prompt_token_ids) for o in exact.embed(data))
     batches = [data[i : i + args.batch] for i in range(0, len(data), args.batch)]
     runners = {f"nextoken auto ({str(encoder_dtype()).removeprefix('torch.')})": auto.embed,
-               "nextoken float32": exact.embed, "sentence-transformers": lambda b: st.encode(b, batch_size=args.batch)}
+               "nextoken float32": exact.embed, "nextoken q8_0": int8.embed,
+               "sentence-transformers": lambda b: st.encode(b, batch_size=args.batch)}
     best = dict.fromkeys(runners, 0.0)
     for _ in range(args.rounds):  # alternated: the machine's speed drifts
         for name, fn in runners.items():

@@ -59,10 +59,12 @@ def encoder_dtype(name: str = "auto") -> torch.dtype:
 
 class EmbeddingModel:
     """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`;
-    `dtype`: its weights' and activations' (pooling and normalisation run in float32).
+    `dtype`: its weights' and activations' (pooling and normalisation run in float32);
+    `quantization`: a GGUF block format its linears are quantized to at load (``"q8_0"``, ...).
     Raises `ModelLoadError` when a file is missing or names something not supported."""
 
-    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192):
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192,
+                 quantization: str | None = None):
         from tokenizers import Tokenizer
 
         from nextoken.loader.hf import HFModelDir
@@ -74,6 +76,10 @@ class EmbeddingModel:
             raise ModelLoadError(f"{self.path}: an embedding model must be BERT-family (model_type 'bert'), got "
                                  f"{folder.hf_config.get('model_type')!r}")
         self.encoder = BertModel.from_dir(folder, dtype)
+        if quantization is not None:  # ``--quantization q8_0``: the encoder's linears on our int8 kernel
+            from nextoken.kernels import load
+
+            self.encoder.quantize(quantization.upper(), load("qmatmul"))
         tok_path = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise ModelLoadError(f"{self.path}: tokenizer.json is missing")

@@ -65,7 +65,7 @@ class LLM:
         if opened is None:
             path = resolve_model(args.model, auto_pull=args.auto_pull)
             if is_embedding_model(path):  # an encoder: `embed` only
-                self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype))
+                self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype), quantization=args.quantization)
                 self.engine, self.tokenizer, self.runner, self.config = None, None, None, None
                 self.model_path = str(path)
                 return

@@ -113,8 +113,29 @@ class BertModel:
 
     __call__ = forward
 
+    def quantize(self, type_name: str, lib) -> None:
+        """Every linear's weight as GGUF blocks of `type_name` (``"Q8_0"``, ...: the `gguf`
+        package's quantizers, `loader.quantize`) on our kernel, the ``qmatmul`` library `lib`:
+        int8 products of its codes and each row's activations quantized per block of 32. The
+        embedding tables, norms and biases stay as they are."""
+        from nextoken.layers.quantization.qweight import from_gguf
+        from nextoken.loader.quantize import quantize_rows
+
+        if lib is None:
+            raise ModelLoadError("a quantized encoder needs our qmatmul kernel (NEXTOKEN_NATIVE_KERNELS=0 or no "
+                                 "C compiler)")
+        self.codes, self.lib = {}, lib
+        for name in [n for n in self.w if n.startswith("encoder.") and n.endswith(".weight") and "LayerNorm" not in n]:
+            w = self.w.pop(name).float()
+            self.codes[name.removesuffix(".weight")] = from_gguf(quantize_rows(w, type_name), type_name, *w.shape)
+
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+        codes = getattr(self, "codes", {}).get(name)
+        if codes is None:
+            return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+        from nextoken.layers.quantization.qweight import qmatmul
+
+        return qmatmul(x.contiguous(), codes, self.w[name + ".bias"].float(), out_dtype=x.dtype, lib=self.lib)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],

@@ -53,7 +53,8 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     def load(state):  # /health answers 200 once every model is loaded and warm
         if embedding_path is not None:
             dtype = encoder_dtype(engine_args.dtype if embed_only else "auto")
-            state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype))
+            quantization = engine_args.quantization if embed_only else None
+            state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype, quantization=quantization))
             state.embedding_model_name = extra
         if embed_only:
             return

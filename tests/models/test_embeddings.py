@@ -120,14 +120,17 @@ def varied_sentences(n: int = 200) -> list[str]:
     return [" ".join(SENTENCES[(i * 7 + j * 3) % len(SENTENCES)] for j in range(1 + i % 6)) for i in range(n)]
 
 
-def test_the_bf16_encoder_keeps_cosine_and_nearest_neighbours(minilm):
+@pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, None), (torch.float32, "q8_0"),
+                                                (torch.bfloat16, "q8_0")])
+def test_fast_encoders_keep_cosine_and_nearest_neighbours(minilm, dtype, quantization):
     """The bf16 encoder (what ``dtype="auto"`` picks where the CPU multiplies bf16 in hardware)
-    against float32 on 200 texts of varied length: cosine >= 0.999 each, and each text's nearest
-    neighbour the same, but where float32's two nearest are closer than bf16's own error."""
+    and the int8 one (``quantization="q8_0"``: its linears on our kernel) against float32 on 200
+    texts of varied length: cosine >= 0.999 each, and each text's nearest neighbour the same, but
+    where float32's two nearest are closer than the fast encoder's own error."""
     from nextoken.embedding import EmbeddingModel
 
     texts = varied_sentences()
-    bf16 = EmbeddingModel(minilm.model_path, dtype=torch.bfloat16).embed(texts).vectors.float()
+    bf16 = EmbeddingModel(minilm.model_path, dtype=dtype, quantization=quantization).embed(texts).vectors.float()
     f32 = torch.tensor([o.outputs.embedding for o in minilm.embed(texts)])
     assert torch.nn.functional.cosine_similarity(bf16, f32).min() >= 0.999
     sim32, sim16 = f32 @ f32.T, bf16 @ bf16.T
