@@ -203,3 +203,28 @@ def _annotations(t) -> dict | None:
 
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class PassLoop:
+    """The passes of an answer during which the server runs MCP calls (`responses_mcp.MCPLoop`,
+    `anthropic.mcp.ConnectorLoop`): `_events(emit)` generates them, yielding what `emit(kind,
+    data)` formats, None when not streamed; `error` is what ended them early."""
+
+    error: Exception | None = None
+
+    def _events(self, emit):
+        raise NotImplementedError
+
+    async def events(self, emit):
+        """The formatted events, as the passes run."""
+        async for text in self._events(emit):
+            if text is not None:
+                yield text
+
+    async def run(self) -> None:
+        """Run the passes unstreamed; raise what ended them early."""
+        async for _ in self.events(lambda kind, data: None):
+            pass
+        if self.error is not None:
+            raise self.error
+

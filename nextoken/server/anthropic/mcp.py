@@ -12,7 +12,7 @@ import uuid
 from nextoken.server.chat_core import prepare
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat_run import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, run
-from nextoken.server.mcp_tools import MCPTool, check_allowed, listings, run_call, server_limits
+from nextoken.server.mcp_tools import MCPTool, PassLoop, check_allowed, listings, run_call, server_limits
 
 MAX_CALLS = 8
 
@@ -27,7 +27,7 @@ def as_tool(server) -> MCPTool:
                    if server.authorization_token else None)
 
 
-class ConnectorLoop:
+class ConnectorLoop(PassLoop):
     """One message answering a request with ``mcp_servers``. `start` checks and lists the
     servers and prepares the first pass (raising before any answer goes out); `events(emit)`
     runs the passes, the text and thinking streamed as generated (`emit(kind, data)` formats an
@@ -39,7 +39,6 @@ class ConnectorLoop:
         self.to_spec, self.render = to_spec, render
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.message: dict | None = None
-        self.error: Exception | None = None
 
     async def start(self) -> "ConnectorLoop":
         self.limits = limits = server_limits(self.serving.args, "mcp_servers")
@@ -51,11 +50,6 @@ class ConnectorLoop:
         self.conversation = spec.messages
         self.first = await prepare(self.serving, spec)
         return self
-
-    async def events(self, emit):
-        async for text in self._events(emit):
-            if text is not None:
-                yield text
 
     async def _events(self, emit):
         r, p = self.render, self.first

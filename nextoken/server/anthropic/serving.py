@@ -134,10 +134,7 @@ class AnthropicServingMessages(ApiServing):
         loop = await connector.ConnectorLoop(self, body, request, lora, to_spec, RENDER).start()
         if body.stream:
             return sse_response(loop.events(_event))
-        async for _ in loop.events(lambda kind, data: None):
-            pass
-        if loop.error is not None:
-            raise loop.error
+        await loop.run()
         return loop.message
 
     def message(self, res) -> dict:

@@ -284,10 +284,7 @@ class OpenAIServingResponses(ApiServing):
                 if loop.response is not None:
                     self._keep(body, loop.response, loop.conversation)
             return sse_response(events())
-        async for _ in loop.events(lambda kind, data: None):
-            pass
-        if loop.error is not None:
-            raise loop.error
+        await loop.run()
         self._keep(body, loop.response, loop.conversation)
         return loop.response
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat_core import prepare
 from nextoken.server.chat_run import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, Usage, run
-from nextoken.server.mcp_tools import MCPTool, check_allowed, item_id, listings, run_call, server_limits
+from nextoken.server.mcp_tools import MCPTool, PassLoop, check_allowed, item_id, listings, run_call, server_limits
 
 DEFAULT_MAX_CALLS = 8  # MCP calls one response may run when the request sets no max_tool_calls
 
 
-class MCPLoop:
+class MCPLoop(PassLoop):
     """One response to a request whose tools include MCP servers. `start` checks the servers
     and lists their tools (raising before any answer goes out); `events(emit)` runs the passes,
     yielding what `emit(kind, data)` formats (None: nothing, not streamed); then `response` and
@@ -38,7 +38,6 @@ class MCPLoop:
         self.id = item_id("resp")
         self.response: dict | None = None
         self.conversation: list[dict] = []
-        self.error: Exception | None = None  # what ended the passes early (then no response)
 
     async def start(self, conversation: list[dict], previous: dict | None) -> "MCPLoop":
         """Raises `InvalidRequest` (a URL not allowed, an approval for no request) or
@@ -62,12 +61,6 @@ class MCPLoop:
                                      "tools", "tools")
             self.approved.append((tool, asked, approval))
         return self
-
-    async def events(self, emit):
-        """The passes, as `emit` formats their events (see the class)."""
-        async for text in self._events(emit):
-            if text is not None:
-                yield text
 
     async def _events(self, emit):
         start = self.serving.envelope(self.body, self.id, [], None, None, self.meta, status="in_progress")
