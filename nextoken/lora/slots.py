@@ -18,12 +18,22 @@ class LoRABatch:
     ids: tuple[int, ...] = ()
     ranks: dict[int, int] = field(default_factory=dict)
     mask: torch.Tensor | None = None
+    _as: dict = field(default_factory=dict)  # the mask in each activation dtype, made once per pass
+
+    def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        got = self._as.get(dtype)
+        if got is None or got[0] is not self.mask:
+            got = self._as[dtype] = (self.mask, self.mask.to(dtype))
+        return got[1]
 
 
 class LoRASlots:
     """One linear layer's adapters: adapter id -> (A ``[r, in]``, scaling * B ``[out, r]``),
-    float32, and the pass's `LoRABatch`. For each set of adapters in a pass, their A are stacked
-    ``[R, in]`` and B ``[out, R]`` once (zeros for an adapter that does not target this layer)."""
+    float32, and the pass's `LoRABatch`. For each set of adapters in a pass and each activation
+    dtype, their A are stacked and transposed ``[in, R]`` and B ``[R, out]`` once, in that dtype
+    (zeros for an adapter that does not target this layer): the addition is then three PyTorch
+    calls, in the model's dtype as vLLM's LoRA kernels compute it (float32 for a float32 model,
+    the exact reference against peft)."""
 
     def __init__(self, batch: LoRABatch):
         self.batch = batch
@@ -38,11 +48,13 @@ class LoRASlots:
             self.weights[adapter] = (a, b)
         self._stacked.clear()
 
-    def _stack(self, ids: tuple[int, ...], ranks: dict[int, int], x_in: int, y_out: int):
-        got = self._stacked.get(ids)
+    def _stack(self, ids: tuple[int, ...], ranks: dict[int, int], x_in: int, y_out: int, dtype: torch.dtype):
+        got = self._stacked.get((ids, dtype))
         if got is None:
             parts = [self.weights.get(i) or (torch.zeros(ranks[i], x_in), torch.zeros(y_out, ranks[i])) for i in ids]
-            got = self._stacked[ids] = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], dim=1))
+            a = torch.cat([a for a, _ in parts]).t().contiguous().to(dtype)
+            b = torch.cat([b for _, b in parts], dim=1).t().contiguous().to(dtype)
+            got = self._stacked[(ids, dtype)] = (a, b)
         return got
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -52,6 +64,7 @@ class LoRASlots:
         batch = self.batch
         if not any(i in self.weights for i in batch.ids):
             return y
-        a, b = self._stack(batch.ids, batch.ranks, x.shape[1], y.shape[1])
-        delta = ((x.float() @ a.T) * batch.mask) @ b.T
-        return y + delta.to(y.dtype)
+        dtype = y.dtype
+        x = x if x.dtype == dtype else x.to(dtype)
+        a_t, b_t = self._stack(batch.ids, batch.ranks, x.shape[1], y.shape[1], dtype)
+        return torch.addmm(y, torch.mm(x, a_t).mul_(batch.mask_as(dtype)), b_t)
