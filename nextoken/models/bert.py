@@ -57,6 +57,8 @@ class BertModel:
     def __init__(self, cfg: BertConfig, tensors: dict[str, torch.Tensor]):
         self.config = cfg
         self.w = tensors  # name -> tensor, without the ``bert.`` prefix
+        self.codes: dict = {}  # linear name -> its `QuantWeight` and float32 bias, once quantized (`quantize`)
+        self.lib = None
 
     @classmethod
     def from_dir(cls, d, dtype: torch.dtype = torch.float32) -> BertModel:
@@ -124,18 +126,20 @@ class BertModel:
         if lib is None:
             raise ModelLoadError("a quantized encoder needs our qmatmul kernel (NEXTOKEN_NATIVE_KERNELS=0 or no "
                                  "C compiler)")
-        self.codes, self.lib = {}, lib
+        self.lib = lib
         for name in [n for n in self.w if n.startswith("encoder.") and n.endswith(".weight") and "LayerNorm" not in n]:
-            w = self.w.pop(name).float()
-            self.codes[name.removesuffix(".weight")] = from_gguf(quantize_rows(w, type_name), type_name, *w.shape)
+            w, linear = self.w.pop(name).float(), name.removesuffix(".weight")
+            self.codes[linear] = (from_gguf(quantize_rows(w, type_name), type_name, *w.shape),
+                                  self.w[linear + ".bias"].float())
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        codes = getattr(self, "codes", {}).get(name)
-        if codes is None:
+        quantized = self.codes.get(name)
+        if quantized is None:
             return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
         from nextoken.layers.quantization.qweight import qmatmul
 
-        return qmatmul(x.contiguous(), codes, self.w[name + ".bias"].float(), out_dtype=x.dtype, lib=self.lib)
+        codes, bias = quantized
+        return qmatmul(x.contiguous(), codes, bias, out_dtype=x.dtype, lib=self.lib)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],

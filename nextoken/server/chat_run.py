@@ -179,22 +179,20 @@ async def run(serving, prepared, request, lora=None, stream: bool = False,
 
 async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
     splitters: dict[int, StreamSplitter] = {}
-    choices: dict[int, Choice] = {}
+    choices: dict[int, Choice] = {}  # the finished ones
     out = None
     try:
         async for out in serving.engine.stream(rid):
             for c in out.outputs:
-                if c.index in choices and choices[c.index].finish is not None:
+                if c.index in choices:
                     continue  # ended in an earlier step
                 if not c.delta and not c.delta_token_ids and not c.finished:
                     continue
                 sp = splitters.setdefault(c.index, StreamSplitter(style, names))
-                ch = choices.setdefault(c.index, Choice(c.index))
-                for event in _step(c, sp, ch):
+                for event in _step(c, sp):
                     yield event
                 if c.finished:
-                    ch.finish, ch.stop_reason = _finish(c, ch.calls), c.stop_reason
-                    ch.token_ids, ch.logprobs = c.token_ids, c.logprobs
+                    choices[c.index] = ch = _whole(c, sp)
                     yield Finish(c.index, ch, Usage.of([out]), out)
                 lps = c.logprobs[-len(c.delta_token_ids):] if c.logprobs is not None and c.delta_token_ids else None
                 yield Tokens(c.index, c.delta_token_ids, lps)
@@ -208,22 +206,27 @@ async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
         serving.record([out])
 
 
-def _step(c, splitter: StreamSplitter, choice: Choice):
-    """The events of one step of completion `c`, and `choice` kept whole."""
+def _step(c, splitter: StreamSplitter):
+    """The events of one step of completion `c`."""
     thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
     for piece in thought:
-        choice.thought += piece
         yield Thought(c.index, piece)
-    parser = splitter.parser
     for ev in events:
         if ev[0] == "content":
             if ev[1]:
-                choice.text += ev[1]
                 yield Text(c.index, ev[1])
         elif ev[0] == "call":
-            call = parser.calls[ev[1]]
+            call = splitter.parser.calls[ev[1]]
             yield ToolCallStart(c.index, ev[1], call.id, call.name)
         elif ev[2]:
             yield ToolCallArgs(c.index, ev[1], ev[2])
-    if parser is not None:
-        choice.calls = list(parser.calls)
+
+
+def _whole(c, splitter: StreamSplitter) -> Choice:
+    """Finished completion `c` whole, from what its splitter kept (the parsers hold the thought,
+    the answer and the complete calls; without either, the answer is the engine's text)."""
+    thinker, parser = splitter.thinker, splitter.parser
+    text = parser.content if parser else thinker.content if thinker else c.text
+    calls = list(parser.calls) if parser else []
+    return Choice(c.index, thinker.reasoning if thinker else "", text, calls, _finish(c, calls), c.stop_reason,
+                  c.token_ids, c.logprobs)

@@ -38,7 +38,6 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter("nextoken_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nextoken_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("nextoken_requests", "Finished requests", ["status"], registry=r)
         self.failed = Counter("nextoken_request_failures", "Requests ended by a fault in their own row "
                               "(non-finite logits, a sampler or grammar error)", registry=r)
         self.step_seconds = Histogram("nextoken_step_duration_seconds", "Engine steps (schedule, forward pass, "

@@ -25,7 +25,7 @@ class EngineClient(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Capabilities:
     """What the app serves: text generation (every generation API, the inspector) and/or
     embeddings (``/v1/embeddings``, ``/v1/score``, ``/v1/rerank``)."""

@@ -66,7 +66,8 @@ class MCPLoop(PassLoop):
         start = self.serving.envelope(self.body, self.id, [], None, None, self.meta, status="in_progress")
         yield emit("response.created", {"response": start})
         yield emit("response.in_progress", {"response": start})
-        state = {"items": [], "open": None, "mcp": {}}  # mcp: the MCP items of this pass, by call id
+        # the output items, the open one; this pass's MCP items by call id and its calls' ids
+        state = {"items": [], "open": None, "mcp": {}, "pass_ids": set()}
         for item in self.items:
             for t in _whole_item(item, state, emit):
                 yield t
@@ -97,10 +98,13 @@ class MCPLoop(PassLoop):
                                   usage.completion_tokens + ev.usage.completion_tokens)
             calls = _settle(state, choice)
             runs = [it for it in calls if it["type"] == "mcp_call"]
-            stop = any(it["type"] == "mcp_approval_request" for it in calls) or not runs or used >= budget
+            asks = any(it["type"] == "mcp_approval_request" for it in calls)
+            stop = asks or not runs or used >= budget
             for item in runs:
-                if stop or used >= budget:
-                    item.update(status="failed", error=f"not run: max_tool_calls ({budget}) reached")
+                if asks or used >= budget:
+                    why = "the response ends at a call awaiting approval" if asks else \
+                        f"max_tool_calls ({budget}) reached"
+                    item.update(status="failed", error=f"not run: {why}")
                 else:
                     ran = await run_call(self.owners[item["name"]], item["name"], item["arguments"],
                                          self.conversation, self.limits, call_id=item["id"])
@@ -132,7 +136,7 @@ class MCPLoop(PassLoop):
         if open_mcp is not None and not isinstance(ev, Tokens):  # anything else ends the call's text
             yield from _close_mcp(state, emit)
         if isinstance(ev, ToolCallStart):
-            state.setdefault("pass_ids", set()).add(ev.id)
+            state["pass_ids"].add(ev.id)
         if not (isinstance(ev, ToolCallStart) and ev.name in self.owners):
             yield from self.render.item_events(ev, state, emit)
             return
@@ -167,7 +171,7 @@ def _settle(state: dict, choice) -> list[dict]:
     token limit cut (MCP or function calls) leave the output."""
     kept = {c.id for c in choice.calls} if choice is not None else set()
     by_call, state["mcp"] = state["mcp"], {}
-    cut_ids, state["pass_ids"] = state.pop("pass_ids", set()) - kept, set()
+    cut_ids, state["pass_ids"] = state["pass_ids"] - kept, set()
     cut = {id(item) for cid, item in by_call.items() if cid in cut_ids}
     state["items"][:] = [it for it in state["items"] if id(it) not in cut
                          and not (it["type"] == "function_call" and it["call_id"] in cut_ids)]
