@@ -230,7 +230,8 @@ class LLMEngine:
             return SequenceInput(toks + drafted[0], r.num_computed_tokens, block_ids, True, as_decodes=True,
                                  ring_ids=ring_ids, lora_id=r.lora_id)
         return SequenceInput(toks, r.num_computed_tokens, block_ids, r.num_computed_tokens + n == r.num_tokens,
-                             ring_ids=ring_ids, keep_hidden=_scores_prompt(r), lora_id=r.lora_id)
+                             ring_ids=ring_ids, keep_hidden=_scores_prompt(r), lora_id=r.lora_id,
+                             prefill_len=r.num_tokens)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: dict, tracer) -> None:
         """One token for each of `reqs` from its logits row, in one batched sampler call; a row

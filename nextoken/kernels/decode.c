@@ -15,11 +15,14 @@
  *       sliding-window layer writes to its ring and reads its window, keys ring_starts[i] ..)
  *     h  = bf16(h + a Wo^T)                    Gemma: bf16(h + norm(a Wo^T, w_post_attn))
  *     x  = norm(h, w_ffn) ;  h = bf16(h + bf16(bf16(act(x Wg^T)) * x Wu^T) Wd^T)
+ *   with LoRA adapters, each projection's output y of a row gets its adapter's term:
+ *     y = bf16(y + bf16(x A^T) (s B)^T)          (nextoken.lora.slots.LoRASlots.add)
  *       (act: SiLU, or Gemma's tanh GELU, activation.c's kernels; Gemma normalises the
  *       feed-forward's output with w_post_ffn before the add)
  *
- * h: [T, hidden] bf16, updated in place. Token i is the one new token of sequence i, at
- * positions[i], written to slots[i], attending to seq_lens[i] keys through row i of tables.
+ * h: [T, hidden] bf16, updated in place. Row i is one new token, at positions[i], written to
+ * slots[i], attending to seq_lens[i] keys through row i of tables (every row's key and value are
+ * written before any row attends: consecutive rows of one sequence are a causal prefill).
  * Returns 0, 1 when out of memory, 2 for shapes the kernels do not take.
  */
 #include "qmatmul.c"
@@ -45,6 +48,52 @@ typedef struct {
     const int64_t *ring_slots;   /* [T]: where row i's key goes in the ring */
     const int64_t *ring_starts;  /* [T]: the position of the first key of row i's window */
 } arch_t;
+
+#define MAX_LORA_RANK 256
+
+/* One projection's LoRA adapters in a step: every adapter's A stacked, bf16 [R, K], and its scaled
+ * B transposed and stacked the same way, bf16 [R, N]; NULL a: no adapter of the step targets it */
+typedef struct {
+    const uint16_t *a, *b;
+} lora_w_t;
+
+/* The step's adapters: w [L * 7] (q, k, v, o, gate, up, down of each layer); row t uses rows
+ * row_start[t] .. row_start[t] + row_rank[t] - 1 of the stacks (rank 0: the base model alone) */
+typedef struct {
+    const lora_w_t *w;
+    const int64_t *row_start, *row_rank;
+} lora_t;
+
+/* y[t] = bf16(y[t] + bf16(x[t] A_t^T) B_t) for each row t of x [T, K] with an adapter (A_t, B_t:
+ * its rows of the stacks; y [T, N]): the roundings of LoRASlots.add (its mm rounds x A^T to bf16,
+ * its addmm rounds the sum once). A row's arithmetic does not depend on the other rows. */
+static void lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int64_t T, int64_t K, int64_t N,
+                     uint16_t *y) {
+    if (!lr || !w || !w->a) return;
+#pragma omp parallel for schedule(static) if (T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r0 = lr->row_start[t], rk = lr->row_rank[t];
+        if (rk <= 0) continue;
+        float xf[K], acc[N], u[MAX_LORA_RANK];
+        for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
+        for (int64_t r = 0; r < rk; r++) {
+            const uint16_t *ar = w->a + (r0 + r) * K;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t k = 0; k < K; k++) sum += xf[k] * bf16_to_f32(ar[k]);
+            u[r] = rb(sum);
+        }
+        for (int64_t n = 0; n < N; n++) acc[n] = 0.f;
+        for (int64_t r = 0; r < rk; r++) {
+            const uint16_t *br = w->b + (r0 + r) * N;
+            const float ur = u[r];
+#pragma omp simd
+            for (int64_t n = 0; n < N; n++) acc[n] += ur * bf16_to_f32(br[n]);
+        }
+        uint16_t *yt = y + t * N;
+        for (int64_t n = 0; n < N; n++) yt[n] = f32_to_bf16(bf16_to_f32(yt[n]) + acc[n]);
+    }
+}
 
 /* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
  * nextoken.kv_cache.tensors.quantize_rows: scale = amax / 127, code = rint(x * (127 / amax)) */
@@ -158,10 +207,11 @@ typedef struct { /* one call's shapes and buffers, shared by its layers */
     const int64_t *slots, *tables, *seq_lens;
     const float *cs[2], *sn[2]; /* [T, rope_dim]: full-attention layers [0], sliding-window layers [1] */
     uint16_t *x, *q, *k, *v, *att, *g, *u, *o;
+    const lora_t *lora; /* the step's adapters, or NULL */
 } step_t;
 
 /* the attention half of one layer: h += attention(norm(h)) */
-static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16_t *h) {
+static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, const lora_w_t *lw, uint16_t *h) {
     const int64_t T = s->T, qd = s->H * s->D, kd = s->Hkv * s->D, sl = ly->sliding != 0;
     qact_t qa[2] = {{0}, {0}};
     norm_rows(ar, h, ly->attn_norm, T, s->hidden, s->eps, s->x);
@@ -170,6 +220,11 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     int rc = apply_n(s->x, T, qkv, 3, qa, qkv_out);
     qacts_free(qa);
     if (rc) return rc;
+    if (lw) {
+        lora_add(s->lora, lw + 0, s->x, T, s->hidden, qd, s->q);
+        lora_add(s->lora, lw + 1, s->x, T, s->hidden, kd, s->k);
+        lora_add(s->lora, lw + 2, s->x, T, s->hidden, kd, s->v);
+    }
     if (ly->q_norm) {
         norm_rows(ar, s->q, ly->q_norm, T * s->H, s->D, s->eps, s->q);
         norm_rows(ar, s->k, ly->k_norm, T * s->Hkv, s->D, s->eps, s->k);
@@ -189,12 +244,13 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     rc = apply(s->att, T, &ly->o, qa, s->o);
     qacts_free(qa);
     if (rc) return rc;
+    if (lw) lora_add(s->lora, lw + 3, s->att, T, qd, s->hidden, s->o);
     residual_add(ar, h, s->o, ly->post_attn_norm, T, s->hidden, s->eps);
     return 0;
 }
 
 /* the feed-forward half: h += down(act(gate(x)) * up(x)), x = norm(h) */
-static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16_t *h) {
+static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const lora_w_t *lw, uint16_t *h) {
     const int64_t T = s->T;
     qact_t qa[2] = {{0}, {0}};
     norm_rows(ar, h, ly->ffn_norm, T, s->hidden, s->eps, s->x);
@@ -203,6 +259,10 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16
     int rc = apply_n(s->x, T, gu, 2, qa, gu_out);
     qacts_free(qa);
     if (rc) return rc;
+    if (lw) {
+        lora_add(s->lora, lw + 4, s->x, T, s->hidden, s->inter, s->g);
+        lora_add(s->lora, lw + 5, s->x, T, s->hidden, s->inter, s->u);
+    }
     if (ar->gemma)
         gelu_tanh_mul_bf16(s->g, s->u, s->g, T * s->inter);
     else
@@ -210,6 +270,7 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16
     rc = apply(s->g, T, &ly->down, qa, s->o);
     qacts_free(qa);
     if (rc) return rc;
+    if (lw) lora_add(s->lora, lw + 6, s->g, T, s->inter, s->hidden, s->o);
     residual_add(ar, h, s->o, ly->post_ffn_norm, T, s->hidden, s->eps);
     return 0;
 }
@@ -217,10 +278,13 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, uint16
 int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int64_t hidden, int64_t H,
                   int64_t Hkv, int64_t D, int64_t rope_dim, const float *inv_freq, const int64_t *positions,
                   const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
-                  int64_t NB, int64_t BS, float eps, float scale, const arch_t *arch) {
+                  int64_t NB, int64_t BS, float eps, float scale, const arch_t *arch, const lora_t *lora) {
     static const arch_t LLAMA = {0};
     const arch_t *ar = arch ? arch : &LLAMA;
     if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;
+    if (lora)
+        for (int64_t t = 0; t < T; t++)
+            if (lora->row_rank[t] > MAX_LORA_RANK) return 2;
     for (int64_t l = 0; l < L; l++) {
         const layer_t *ly = layers + l;
         const qw_t *ws[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
@@ -237,13 +301,15 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
                 {cs, cs + 2 * T * rope_dim}, {cs + T * rope_dim, cs + 3 * T * rope_dim}};
     s.x = buf, s.q = s.x + T * hidden, s.k = s.q + T * qd, s.v = s.k + T * kd, s.att = s.v + T * kd;
     s.g = s.att + T * qd, s.u = s.g + T * inter, s.o = s.u + T * inter;
+    s.lora = lora;
     rope_tables(inv_freq, positions, T, rope_dim, cs, cs + T * rope_dim);
     rope_tables(ar->inv_freq_local ? ar->inv_freq_local : inv_freq, positions, T, rope_dim, cs + 2 * T * rope_dim,
                 cs + 3 * T * rope_dim);
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
-        rc = attention_half(layers + l, ar, &s, h);
-        if (rc == 0) rc = ffn_half(layers + l, ar, &s, h);
+        const lora_w_t *lw = lora ? lora->w + l * 7 : NULL;
+        rc = attention_half(layers + l, ar, &s, lw, h);
+        if (rc == 0) rc = ffn_half(layers + l, ar, &s, lw, h);
     }
     free(buf);
     free(cs);

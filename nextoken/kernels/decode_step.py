@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import ctypes
 
-from nextoken.kernels.structs import QW, DecodeArch, DecodeLayer
+from nextoken.kernels.structs import QW, DecodeArch, DecodeLayer, LoRAStep, LoRAWeights
 
 # what decode.c implements: the Llama layer (Qwen 2, Mistral), with QK-norm (Qwen 3), and
 # Gemma 3's (its norms, GeGLU, sliding-window layers with their own RoPE base)
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
 PLAIN_ARCHITECTURES = ("llama", "qwen2", "mistral")  # no QK-norm, no Gemma norms: `runner.quick_start`'s
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 64, 512  # decode.c's guard (it returns 2 beyond these)
+# a step with prefill rows runs in one call up to this many new tokens: past ~170 the PyTorch
+# layers' batched prefill attention is faster (`benchmarks/native_prefill.py`). The same bound
+# makes `runner.quick_start` (prompts up to it) compute the engine's arithmetic exactly.
+MAX_PREFILL_TOKENS = 128
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -45,22 +49,25 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
 
 def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, positions: int, slots: int,
                   block_tables: int, max_blocks: int, seq_lens: int, num_blocks: int, block_size: int,
-                  scale: float | None = None, arch: DecodeArch | None = None) -> int:
+                  scale: float | None = None, arch: DecodeArch | None = None, lora: LoRAStep | None = None) -> int:
     """Run every layer of `table` over `t` rows (decode.c's ``decode_layers``). Addresses: h bf16
     ``[t, hidden]`` (updated in place: the hidden states after the last layer), inv_freq float32
     ``[rope_dim / 2]``, positions, slots, seq_lens int64 ``[t]``, block_tables int64 ``[t,
     max_blocks]``. `scale`: the attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma
-    or sliding-window model adds (None: Llama's layer). Returns 0, or 2 when the kernel refuses
-    the shapes (`serves` rules that out); raises `MemoryError` when it cannot allocate its buffers."""
+    or sliding-window model adds (None: Llama's layer); `lora`: the rows' LoRA adapters (None:
+    none; rank at most 256). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
+    that out); raises `MemoryError` when it cannot allocate its buffers."""
     rc = lib.decode_layers(table, _i64(cfg.num_layers), _ptr(h), _i64(t), _i64(cfg.hidden_size),
                            _i64(cfg.num_heads), _i64(cfg.num_kv_heads), _i64(cfg.head_dim), _i64(cfg.rope_dim),
                            _ptr(inv_freq), _ptr(positions), _ptr(slots), _ptr(block_tables), _i64(max_blocks),
                            _ptr(seq_lens), _i64(num_blocks), _i64(block_size), ctypes.c_float(cfg.norm_eps),
                            ctypes.c_float(cfg.head_dim ** -0.5 if scale is None else scale),
-                           ctypes.byref(arch) if arch is not None else None)
+                           ctypes.byref(arch) if arch is not None else None,
+                           ctypes.byref(lora) if lora is not None else None)
     if rc == 1:
         raise MemoryError("native decode: out of memory for its buffers")
     return rc
 
 
-__all__ = ["ARCHITECTURES", "PLAIN_ARCHITECTURES", "QW", "DecodeArch", "decode_layers", "layer_table", "serves"]
+__all__ = ["ARCHITECTURES", "PLAIN_ARCHITECTURES", "QW", "DecodeArch", "LoRAStep", "LoRAWeights", "decode_layers",
+           "layer_table", "serves"]

@@ -39,3 +39,19 @@ class DecodeArch(ctypes.Structure):
     _fields_ = [("gemma", ctypes.c_int64), ("inv_freq_local", ctypes.c_void_p), ("ring_tables", ctypes.c_void_p),
                 ("ring_max_blocks", ctypes.c_int64), ("ring_NB", ctypes.c_int64), ("ring_slots", ctypes.c_void_p),
                 ("ring_starts", ctypes.c_void_p)]
+
+
+class LoRAWeights(ctypes.Structure):
+    """``lora_w_t`` of ``kernels/decode.c``: one projection's adapters in a step, every adapter's A
+    stacked (bf16 ``[R, K]``) and its scaled B transposed and stacked (bf16 ``[R, N]``); a None
+    `a`: no adapter of the step targets the projection."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p)]
+
+
+class LoRAStep(ctypes.Structure):
+    """``lora_t`` of ``kernels/decode.c``: `w`, a `LoRAWeights` array ``[layers * 7]`` (q, k, v, o,
+    gate, up, down of each layer); per row of the call (int64 ``[T]``) the first row of its
+    adapter in the stacks and its rank (0: the base model)."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("row_start", ctypes.c_void_p), ("row_rank", ctypes.c_void_p)]

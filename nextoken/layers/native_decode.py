@@ -2,11 +2,13 @@
 
 A decode step of a small model is mostly overhead: ~12 PyTorch ops per layer, each a few
 microseconds of dispatch, around matmuls that take tens. `NativeDecoder` hands the whole layer
-stack to C for batches where every sequence decodes one token: RMSNorm, the q/k/v projections
+stack to C for single-token decodes (speculative verification's rows among them) and for the
+prefill of short prompts (`NativeDecoder.takes`): RMSNorm, the q/k/v projections
 (one int8 quantization of the input for the three), RoPE, the KV cache write, paged
 attention (bf16 or int8 cache), the output projection, the SwiGLU feed-forward and both residuals, with the same
 bf16 roundings as the PyTorch layers (`models.llama.LlamaDecoderLayer`), which stay the path
-for prefill, tracing, the reference attention and ``--enforce-eager``; a test compares the two.
+for longer prefills, tracing, the reference attention and ``--enforce-eager``; a test compares
+the two.
 Qwen 3's QK-norm and Gemma 3's layer (its float32-product norms, post-norms, GeGLU, and
 sliding-window layers reading their rings with their own RoPE base) run there too.
 The model runner decides at load whether it runs (`nextoken.runner.plan`).
@@ -19,7 +21,8 @@ import ctypes
 import torch
 
 from nextoken.kernels import count_fallback
-from nextoken.kernels.decode_step import DecodeArch, decode_layers, layer_table, serves
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, DecodeArch, LoRAStep, LoRAWeights, decode_layers, \
+    layer_table, serves
 from nextoken.layers.activation import gelu_tanh_and_mul, silu_and_mul
 
 
@@ -32,11 +35,14 @@ class NativeDecoder:
     run on our kernel (`Linear.on_kernel`: `QuantWeight` codes or dense bf16); `lib`: the
     ``decode`` library the execution plan resolved."""
 
+    ROWS_PER_CALL = 256  # bounds decode_layers' buffers (rows x the layer's widths)
+
     def __init__(self, model, lib):
         self.model = model
         self.lib = lib
         self._table = None
         self._kv = None
+        self._lora = (None, None)  # (the LoRA batch's key, its `LoRAWeights` table and the stacks it points at)
 
     @staticmethod
     def supports(model) -> bool:
@@ -60,6 +66,17 @@ class NativeDecoder:
                 if not lin.on_kernel:
                     return f"a projection on {lin.method.name}, not our kernel"
         return None
+
+    @staticmethod
+    def takes(new_tokens: int, prefill_len: int, sliding: bool) -> bool:
+        """Whether a sequence's `new_tokens` of a step run here: a decode (one token), or rows of a
+        prefill whose whole extent (`prefill_len` tokens: the prompt, whatever the chunk or the
+        prefix cache leaves of it) is at most `MAX_PREFILL_TOKENS`, on a model without
+        sliding-window layers (`sliding`: their rings are indexed per sequence). Each row
+        writes its key and value, then attends to every key up to its position, so prefill rows
+        are causal here too, and a row's arithmetic is the same whatever else the step holds:
+        a prompt is prefilled the same way alone, batched, chunked or after a cached prefix."""
+        return new_tokens == 1 or (not sliding and prefill_len <= MAX_PREFILL_TOKENS)
 
     def _layers(self, kv) -> ctypes.Array:
         if self._table is None or self._kv is not kv:
@@ -115,23 +132,52 @@ class NativeDecoder:
             arch.ring_NB, arch.ring_slots, arch.ring_starts = self._kv.sliding.num_blocks, slots.data_ptr(), starts.data_ptr()
         return arch
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta) -> torch.Tensor | None:
-        """h ``[T, hidden]`` bf16 (the embeddings of T single-token decodes) -> the hidden states
-        after the last layer, or None (counted: `kernels.count_fallback`) when the kernel refuses
-        them, which `supports` rules out at load."""
+    def _lora_table(self, batch) -> ctypes.Array:
+        """The `LoRAWeights` of every projection for the adapters of `batch` (`lora.LoRABatch`),
+        made once per set of adapters (and again after one is loaded or unloaded)."""
+        key = (batch.ids, batch.version)
+        if self._lora[0] != key:
+            entries, keep = [], []
+            for layer in self.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                    stacks = lin.lora.stacks(self.model.dtype) if lin.lora is not None else None
+                    keep.append(stacks)
+                    entries.append(LoRAWeights(*(t.data_ptr() for t in stacks)) if stacks else LoRAWeights())
+            self._lora = (key, ((LoRAWeights * len(entries))(*entries), keep))
+        return self._lora[1][0]
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta, lora=None) -> torch.Tensor | None:
+        """h ``[T, hidden]`` bf16 (the embeddings of the step's T new tokens, each sequence's
+        rows ones it `takes`) -> the hidden states after the last layer, or None (counted:
+        `kernels.count_fallback`) when the kernel refuses them, which `supports` rules out at
+        load. Row i attends to ``positions[i] + 1`` keys through its sequence's block table;
+        rows go in calls of at most `ROWS_PER_CALL` (in order: a row's keys are written by then).
+        `lora`: the pass's `lora.LoRABatch` when a row has an adapter (each row adds its own)."""
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
-        tables = meta.block_tables[:t].contiguous()
-        lens = torch.tensor(meta.seq_lens[:t], dtype=torch.int64)
         positions = positions.contiguous()
+        if meta.num_decodes == meta.num_seqs:
+            tables = meta.block_tables[:t].contiguous()
+        else:  # each row reads its own sequence's table
+            qsl = torch.tensor(meta.query_start_loc)
+            tables = meta.block_tables[torch.repeat_interleave(torch.arange(meta.num_seqs), qsl.diff())]
+        lens = (positions + 1).to(torch.int64)
         slots = meta.slot_mapping.contiguous()
         inv_freq = self.model.inv_freq.float().contiguous()
         table, keep = self._layers(kv), []
-        rc = decode_layers(self.lib, table, self.model.config, h.data_ptr(), t, inv_freq.data_ptr(),
-                           positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                           lens.data_ptr(), kv.num_blocks, kv.block_size, self.model.layers[0].self_attn.scale,
-                           self._arch(meta, keep))
-        if rc != 0:
-            count_fallback("native decode step")
-            return None
+        arch = self._arch(meta, keep)
+        step = t if meta.sliding is not None else self.ROWS_PER_CALL  # (ring arrays: decodes, one call)
+        adapters = self._lora_table(lora) if lora is not None and lora.ids else None
+        for a in range(0, t, step):
+            n = min(step, t - a)
+            rows = LoRAStep(ctypes.addressof(adapters), lora.row_start[a].data_ptr(),
+                            lora.row_rank[a].data_ptr()) if adapters is not None else None
+            rc = decode_layers(self.lib, table, self.model.config, h[a].data_ptr(), n, inv_freq.data_ptr(),
+                               positions[a].data_ptr(), slots[a].data_ptr(), tables[a].data_ptr(), tables.shape[1],
+                               lens[a].data_ptr(), kv.num_blocks, kv.block_size,
+                               self.model.layers[0].self_attn.scale, arch, rows)
+            if rc != 0:
+                count_fallback("native decode step")
+                return None
         return h

@@ -59,6 +59,7 @@ class LoRAManager:
             lin.lora.set(req.lora_int_id, a, b * scaling)
         self.loaded[req.lora_int_id] = req
         self.batch.ranks[req.lora_int_id] = next(iter(weights.values()))[0].shape[0]
+        self.batch.version += 1
         return req.lora_int_id
 
     def remove(self, lora_id: int) -> bool:
@@ -69,20 +70,21 @@ class LoRAManager:
             if lin.lora is not None:
                 lin.lora.set(lora_id, None, None)
         self.batch.ranks.pop(lora_id, None)
+        self.batch.version += 1
         return True
 
     def set_batch(self, adapter_of_row: list[int]) -> None:
         """This pass's adapter per token row (0: the base model): the batch's ids and mask."""
         ids = tuple(sorted(set(adapter_of_row) - {0}))
-        self.batch.ids = ids
+        batch = self.batch
+        batch.ids = ids
         if not ids:
-            self.batch.mask = None
+            batch.mask = batch.row_start = batch.row_rank = None
             return
-        starts, at = {}, 0
+        starts, at = {0: 0}, 0
         for i in ids:
-            starts[i], at = at, at + self.batch.ranks[i]
-        rows = torch.tensor(adapter_of_row)
-        mask = torch.zeros(len(adapter_of_row), at)
-        for i in ids:
-            mask[rows == i, starts[i] : starts[i] + self.batch.ranks[i]] = 1.0
-        self.batch.mask = mask
+            starts[i], at = at, at + batch.ranks[i]
+        batch.row_start = torch.tensor([starts[i] for i in adapter_of_row], dtype=torch.int64)
+        batch.row_rank = torch.tensor([batch.ranks.get(i, 0) for i in adapter_of_row], dtype=torch.int64)
+        cols = torch.arange(at)
+        batch.mask = ((cols >= batch.row_start[:, None]) & (cols < (batch.row_start + batch.row_rank)[:, None])).float()

@@ -13,11 +13,16 @@ class LoRABatch:
     """The current pass's adapters, set by the runner before each forward pass: `ids`, the
     adapters present (in column order), `ranks` of every loaded adapter, and `mask` ``[T, R]``
     (R: the sum of their ranks), 1 where token t's adapter owns column c, else 0 (base-model
-    tokens have a zero row). Empty `ids` when no request of the pass uses an adapter."""
+    tokens have a zero row); the same per row for the C decode step: `row_start` (its adapter's
+    first column) and `row_rank` (0: the base model), int64 ``[T]``. Empty `ids` when no request
+    of the pass uses an adapter. `version` changes whenever an adapter is loaded or unloaded."""
 
     ids: tuple[int, ...] = ()
     ranks: dict[int, int] = field(default_factory=dict)
     mask: torch.Tensor | None = None
+    row_start: torch.Tensor | None = None
+    row_rank: torch.Tensor | None = None
+    version: int = 0
     _as: dict = field(default_factory=dict)  # the mask in each activation dtype, made once per pass
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
@@ -30,10 +35,11 @@ class LoRABatch:
 class LoRASlots:
     """One linear layer's adapters: adapter id -> (A ``[r, in]``, scaling * B ``[out, r]``),
     float32, and the pass's `LoRABatch`. For each set of adapters in a pass and each activation
-    dtype, their A are stacked and transposed ``[in, R]`` and B ``[R, out]`` once, in that dtype
-    (zeros for an adapter that does not target this layer): the addition is then three PyTorch
-    calls, in the model's dtype as vLLM's LoRA kernels compute it (float32 for a float32 model,
-    the exact reference against peft)."""
+    dtype, their A are stacked ``[R, in]`` and their B transposed and stacked ``[R, out]`` once,
+    in that dtype (zeros for an adapter that does not target this layer): the addition is then
+    three PyTorch calls, in the model's dtype as vLLM's LoRA kernels compute it (float32 for a
+    float32 model, the exact reference against peft), or a step of the C decode
+    (`layers.native_decode`), which reads the same stacks."""
 
     def __init__(self, batch: LoRABatch):
         self.batch = batch
@@ -48,23 +54,31 @@ class LoRASlots:
             self.weights[adapter] = (a, b)
         self._stacked.clear()
 
-    def _stack(self, ids: tuple[int, ...], ranks: dict[int, int], x_in: int, y_out: int, dtype: torch.dtype):
-        got = self._stacked.get((ids, dtype))
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pass's adapters stacked in `dtype`: A ``[R, in]`` and the scaled B transposed
+        ``[R, out]`` (contiguous, rows in the pass's column order); None when none of them
+        targets this layer."""
+        batch = self.batch
+        if not any(i in self.weights for i in batch.ids):
+            return None
+        got = self._stacked.get((batch.ids, dtype))
         if got is None:
-            parts = [self.weights.get(i) or (torch.zeros(ranks[i], x_in), torch.zeros(y_out, ranks[i])) for i in ids]
-            a = torch.cat([a for a, _ in parts]).t().contiguous().to(dtype)
+            a0, b0 = next(iter(self.weights.values()))
+            x_in, y_out = a0.shape[1], b0.shape[0]
+            parts = [self.weights.get(i) or (torch.zeros(batch.ranks[i], x_in), torch.zeros(y_out, batch.ranks[i]))
+                     for i in batch.ids]
+            a = torch.cat([a for a, _ in parts]).to(dtype).contiguous()
             b = torch.cat([b for _, b in parts], dim=1).t().contiguous().to(dtype)
-            got = self._stacked[(ids, dtype)] = (a, b)
+            got = self._stacked[(batch.ids, dtype)] = (a, b)
         return got
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus, for each token, its adapter's ``(x A^T) (s B)^T`` (x ``[T, in]``, y
         ``[T, out]``): two matmuls for every adapter of the pass together, the mask keeping each
         token to its own adapter's columns."""
-        batch = self.batch
-        if not any(i in self.weights for i in batch.ids):
+        stacks = self.stacks(y.dtype)
+        if stacks is None:
             return y
-        dtype = y.dtype
-        x = x if x.dtype == dtype else x.to(dtype)
-        a_t, b_t = self._stack(batch.ids, batch.ranks, x.shape[1], y.shape[1], dtype)
-        return torch.addmm(y, torch.mm(x, a_t).mul_(batch.mask_as(dtype)), b_t)
+        a, b_t = stacks
+        x = x if x.dtype == y.dtype else x.to(y.dtype)
+        return torch.addmm(y, torch.mm(x, a.t()).mul_(self.batch.mask_as(y.dtype)), b_t)

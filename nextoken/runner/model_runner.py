@@ -91,6 +91,12 @@ class SequenceInput:
     ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
     keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
     lora_id: int = 0  # its LoRA adapter (`ModelRunner.loras`), 0 for the base model
+    prefill_len: int = 0  # the tokens its whole prefill covers (the prompt), this chunk or not; 0: up to this chunk's end
+
+    @property
+    def extent(self) -> int:
+        """The tokens the sequence holds once its prefill (of which these tokens are part) is done."""
+        return self.prefill_len or self.start + len(self.token_ids)
 
     def rows(self) -> list["SequenceInput"]:
         """The inputs this one runs as (itself, or one decode per token)."""
@@ -271,25 +277,47 @@ class ModelRunner:
         self._lead("execute", seqs, None, all_logits)
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []
-        input_ids, positions, meta, order = self.prepare(seqs)
-        adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
-        if tracer is not None and getattr(tracer, "wants_probs", True):
-            meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
-        hidden = None
-        if self.native_decoder is not None and tracer is None and meta.num_decodes == meta.num_seqs and \
-                meta.backend != "reference" and not adapters:  # every layer of a decode step in one C call
-            out = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta)
-            hidden = self.model.final_norm(out) if out is not None else None
-        if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv, meta, tracer)
-        if all_logits:
-            return self.model.compute_logits(hidden)
-        last = {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
+        one_call = [self._one_call(s, tracer) for s in seqs]
+        if all_logits or all(one_call) or not any(one_call):  # one pass
+            hidden, last = self._forward(seqs, tracer, all(one_call))
+            if all_logits:
+                return self.model.compute_logits(hidden)
+        else:  # the rows the C step takes, then the rest on the PyTorch layers
+            parts = [[i for i, c in enumerate(one_call) if c == want] for want in (True, False)]
+            hidden, last, at = [], {}, 0
+            for part, want in zip(parts, (True, False)):
+                h, part_last = self._forward([seqs[i] for i in part], tracer, want)
+                last.update({part[j]: at + row for j, row in part_last.items()})
+                hidden.append(h)
+                at += h.shape[0]
+            hidden = torch.cat(hidden)
         if any(s.keep_hidden for s in seqs):
             self.kept_hidden = [hidden[last[i] + 1 - len(s.token_ids) : last[i] + 1]
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         return self.model.compute_logits(hidden[rows])
+
+    def _one_call(self, s: SequenceInput, tracer) -> bool:
+        """Whether `s`'s rows go to the one-call C step (`NativeDecoder.takes`)."""
+        return (self.native_decoder is not None and tracer is None and self.plan.attention != "reference"
+                and NativeDecoder.takes(len(s.token_ids), s.extent, self.kv.sliding is not None))
+
+    def _forward(self, seqs: list[SequenceInput], tracer, one_call: bool) -> tuple[torch.Tensor, dict[int, int]]:
+        """One forward pass over `seqs` (in the C step with `one_call`, unless the kernel
+        refuses): the final hidden states ``[T, hidden]`` in batch
+        order, and each sequence's last row in them (by index into `seqs`)."""
+        input_ids, positions, meta, order = self.prepare(seqs)
+        adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
+        if tracer is not None and getattr(tracer, "wants_probs", True):
+            meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
+        hidden = None
+        if one_call:  # every layer of the step in one C call
+            out = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta,
+                                      self.loras.batch if adapters else None)
+            hidden = self.model.final_norm(out) if out is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv, meta, tracer)
+        return hidden, {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""

@@ -13,9 +13,9 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
 - **attention**: ``reference`` (plain float32 attention, the oracle), ``native`` (our C decode
   kernel reading the paged cache in place, blocked matmuls for prefill) or ``torch`` (the same
   without the C kernel); carried to the layers in `AttentionMetadata.backend`;
-- **native decode**: whether a batch of single-token decodes runs every layer in one C call
-  (`layers.native_decode`): bf16, an architecture it implements, every projection on our kernel
-  (codes or dense bf16);
+- **native decode**: whether single-token decodes (and the prefill of short prompts) run every
+  layer in one C call (`layers.native_decode`), LoRA adapters included: bf16, an architecture
+  it implements, every projection on our kernel (codes or dense bf16);
 - **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
   C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; the library handed to each
   SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load.
@@ -174,7 +174,10 @@ class ExecutionPlan:
         emb = model.embed_tokens
         emb_form = "codes" if emb.qweight is not None else "q8_0" if emb.q8 is not None else "dense"
         linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
-        decode = "one C call per step" if self.native_decode else "PyTorch layers"
+        from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
+
+        decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
+                  if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "PyTorch"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""

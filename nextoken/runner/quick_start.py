@@ -16,9 +16,9 @@ The command prints that token at once. When generation goes on, the engine is bu
 (`LLM.from_engine_args(args, first=...)`: the GGUF file and tokenizer read here are reused) and
 runs the request as `LLM.generate` would, with that token chosen already (`LLM.stream(...,
 first=...)`: its prefill, then the token emitted without a draw, the seeded stream past the
-number it used). So ``nextoken run --seed S`` prints the text `LLM.generate` gives for seed S,
-unless the first draw falls within the rounding by which the decode kernel's attention differs
-from the prefill's (then the first token differs, and what follows it).
+number it used). The engine prefills a prompt this short with the same call
+(`NativeDecoder.takes`), so the logits are the engine's bit for bit and ``nextoken run --seed
+S`` prints the text `LLM.generate` gives for seed S.
 
 It runs only where it is the engine's arithmetic: GGUF weights all cached as codes, layers
 ``decode.c`` implements (`decode_step.serves`), bf16 with a bf16 KV cache, one sequence, a prompt
@@ -36,13 +36,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
 from nextoken.loader.opened import OpenedModel
 
 log = logging.getLogger(__name__)
 
 CHUNK = 256  # prompt tokens per decode_layers call (bounds its buffers)
-# longer prompts go to the engine, whose prefill kernels batch the rows (benchmarks/ has the crossover)
-MAX_PROMPT_TOKENS = 512
+# longer prompts go to the engine: it prefills them with its PyTorch layers, whose arithmetic
+# (attention) differs from the decode step's by bf16 rounding; up to this bound its prefill is
+# this same call (`layers.native_decode.NativeDecoder.takes`)
+MAX_PROMPT_TOKENS = MAX_PREFILL_TOKENS
 
 
 @dataclass

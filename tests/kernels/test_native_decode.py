@@ -3,6 +3,8 @@ model's PyTorch layers on the same codes, and against the float32 model it came 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -33,6 +35,17 @@ def runners(tmp_path, arch: str):
     return native, plain, f32
 
 
+@contextlib.contextmanager
+def pytorch_layers(runner):
+    """Steps on `runner` run its PyTorch layers (a prompt whose keys and values both runners
+    then share bit for bit, so their decode steps can be compared tightly)."""
+    decoder, runner.native_decoder = runner.native_decoder, None
+    try:
+        yield
+    finally:
+        runner.native_decoder = decoder
+
+
 def close(a: torch.Tensor, b: torch.Tensor, tol: float, argmax: bool = True) -> None:
     """Logits agree to `tol` of their spread, with the same greedy token (if `argmax`)."""
     assert float((a - b).abs().max()) <= tol * float(b.std()), float((a - b).abs().max())
@@ -50,8 +63,9 @@ def test_one_stream_decode_matches_pytorch_layers(tmp_path, arch, cache_dtype):
     native, plain, f32 = runners(tmp_path, arch)
     prompt = [5, 17, 200, 33, 41, 270, 90, 12, 7, 7, 150]
     seqs = [OneSequence(native, cache_dtype=cache_dtype), OneSequence(plain, cache_dtype=cache_dtype), OneSequence(f32)]
-    for s in seqs:
-        s.forward(prompt)
+    with pytorch_layers(native):
+        for s in seqs:
+            s.forward(prompt)
     for token in [3, 99, 240, 18, 18, 61] + list(range(20, 40)):  # 26 decode steps, past a block boundary
         a, b, c = (s.forward([token]) for s in seqs)
         # Same roundings; only float32 reductions (the norm's mean, exp) may differ in a last bit.
@@ -81,7 +95,8 @@ def test_batched_decodes_match_pytorch_layers(tmp_path, arch):
         tables = [[9, 2, 30, 4, 17], [0, 1, 3], [31, 8, 6, 12, 13, 14, 15, 16]]
         lens = [17, 9, 29]
         prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)]
-        r.execute([SequenceInput(p, 0, t, ring_ids=g) for p, t, g in zip(prompts, tables, rings)])
+        with pytorch_layers(r):
+            r.execute([SequenceInput(p, 0, t, ring_ids=g) for p, t, g in zip(prompts, tables, rings)])
         steps = []
         for step in range(3):
             seqs = [SequenceInput([40 + step + i], n + step, t, ring_ids=g)
@@ -112,3 +127,71 @@ def test_kernel_kv_quantization_equals_quantize_rows():
     ref_codes, ref_scales = quantize_rows(x)
     assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
     assert ref_codes[4, :5].tolist() == [127, 0, 2, -2, 64] and ref_codes[5].eq(-127).all() and ref_scales[3] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_short_steps_with_prefill_rows_run_in_one_call(tmp_path, arch, monkeypatch):
+    """A step of at most `MAX_PREFILL_TOKENS` new tokens mixing a decode, a prefill chunk that
+    starts past a cached prefix, and a 4-row run (speculative verification's shape) runs in the
+    C call (`NativeDecoder.takes`): every row's logits agree with the PyTorch layers' to bf16
+    rounding (their prefill attention rounds differently: the bound is 8% of the logits'
+    spread, as for the quick start), and each row's arithmetic is independent of what else the
+    step holds (bit for bit against each sequence alone)."""
+    from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
+    from nextoken.layers.native_decode import NativeDecoder
+
+    native, plain, _ = runners(tmp_path, arch)
+    calls, step = [], NativeDecoder.__call__
+    monkeypatch.setattr(NativeDecoder, "__call__", lambda self, *a: calls.append(1) or step(self, *a))
+    tables = [[9, 2, 30, 4, 17], [0, 1, 3, 5], [31, 8, 6, 12, 13, 14, 15, 16, 18]]
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((17, 9, 29))]
+    new = [[40], [41, 42, 43, 44, 45, 46, 47], [50, 51, 52, 53]]
+
+    def run(r, which):
+        r.init_kv_cache(32, 4)
+        r.execute([SequenceInput(prompts[i], 0, tables[i]) for i in which])
+        return r.execute([SequenceInput(new[i], len(prompts[i]), tables[i]) for i in which], all_logits=True)
+
+    mixed = run(native, [0, 1, 2])
+    assert len(calls) == 2 and sum(map(len, prompts)) <= MAX_PREFILL_TOKENS
+    close(mixed, run(plain, [0, 1, 2]), 0.08)
+    alone = torch.cat([run(native, [i]) for i in range(3)])
+    assert torch.equal(mixed, alone)
+
+
+def test_a_step_with_a_long_prefill_splits_in_two_passes(tmp_path, monkeypatch):
+    """A long prompt's prefill (past `MAX_PREFILL_TOKENS`) beside a decode and a short prompt:
+    the C step takes the two short ones, the PyTorch layers the long one, in two passes; each
+    sequence's logits equal its own alone, bit for bit, whatever it shares the step with."""
+    from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
+    from nextoken.layers.native_decode import NativeDecoder
+
+    native, _, _ = runners(tmp_path, "qwen2")
+    calls, step = [], NativeDecoder.__call__
+    monkeypatch.setattr(NativeDecoder, "__call__", lambda self, h, *a: calls.append(h.shape[0]) or step(self, h, *a))
+    long_prompt = [(5 * j) % 250 + 3 for j in range(MAX_PREFILL_TOKENS + 12)]
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 16 + len(long_prompt) // 4 + 1))]
+
+    def run(which):
+        native.init_kv_cache(64, 4)
+        if 0 in which:  # a sequence that decodes
+            native.execute([SequenceInput([7, 8, 9, 10, 11], 0, tables[0])])
+        seqs = {0: SequenceInput([12], 5, tables[0]), 1: SequenceInput([20, 21, 22], 0, tables[1]),
+                2: SequenceInput(long_prompt, 0, tables[2])}
+        return native.execute([seqs[i] for i in which])
+
+    calls.clear()
+    mixed = run([0, 1, 2])
+    assert calls == [5, 1 + 3], calls  # the first sequence's prompt; then its decode and the short prompt
+    alone = torch.cat([run([i]) for i in range(3)])
+    assert torch.equal(mixed, alone)
+
+
+def test_which_rows_run_in_one_call():
+    from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
+    from nextoken.layers.native_decode import NativeDecoder
+
+    assert NativeDecoder.takes(1, 5000, sliding=False) and NativeDecoder.takes(1, 5000, sliding=True)  # decodes
+    assert NativeDecoder.takes(40, MAX_PREFILL_TOKENS, sliding=False)  # a short prompt, chunk or not
+    assert not NativeDecoder.takes(40, MAX_PREFILL_TOKENS + 1, sliding=False)  # part of a longer one
+    assert not NativeDecoder.takes(5, 20, sliding=True)  # a prefill would overwrite ring slots

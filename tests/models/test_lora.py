@@ -247,3 +247,51 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
     params = SamplingParams(temperature=0, max_tokens=4)
     outs = fast.generate([prompt, prompt], params, lora_request=[req, None])
     assert outs[0].outputs[0].text.startswith(" Atlantis") and outs[1].outputs[0].text.startswith(" Paris")
+
+
+def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters):
+    """bf16 on our kernels, the one-call C step adds each row's adapter (`layers.native_decode`):
+    decode steps mixing adapter "a", the base model and "b" (q and v only) over the same cache
+    equal the PyTorch layers' LoRA (the same stacks) to bf16 rounding, for every row; prompts of
+    each kind run there too, and each sequence's rows are bit for bit those it gets alone."""
+    from nextoken.loader.gguf import GGUFFile
+    from nextoken.runner.model_runner import ModelRunner, SequenceInput
+
+    path = tiny_gguf["llama"][0]
+    native, plain = (ModelRunner(GGUFFile(path), torch.bfloat16) for _ in range(2))
+    assert native.native_decoder is not None, native.plan.describe(native.model)
+    plain.native_decoder = None
+    for r in (native, plain):
+        r.enable_lora(2, 8)
+        for name in ("a", "b"):
+            r.loras.add(adapters[name][0])
+    loras, tables = [1, 0, 2, 1], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    prompts = [PROMPTS[0][:n] for n in (20, 20, 20)] + [PROMPTS[1]]
+
+    def run(r, which, cached: bool):
+        r.init_kv_cache(16, 16)
+        prefill = [SequenceInput(prompts[i], 0, tables[i], lora_id=loras[i]) for i in which]
+        if cached:  # the prompts on the PyTorch layers: both runners then hold the same keys and values
+            decoder, r.native_decoder = r.native_decoder, None
+            r.execute(prefill)
+            r.native_decoder = decoder
+            first = None
+        else:
+            first = r.execute(prefill)
+        steps = [r.execute([SequenceInput([40 + step + i], len(prompts[i]) + step, tables[i], lora_id=loras[i])
+                            for i in which]) for step in range(3)]
+        return first, torch.stack(steps)
+
+    from nextoken.kernels import fallbacks
+
+    before = fallbacks["native decode step"]
+    _, fast = run(native, range(4), cached=True)
+    _, slow = run(plain, range(4), cached=True)
+    assert fallbacks["native decode step"] == before  # the C step took every step
+    spread = float(slow.std())
+    assert float((fast - slow).abs().max()) <= 0.02 * spread
+    assert float((slow[:, 0] - slow[:, 1]).abs().max()) > 0.1 * spread  # the adapter changes the answer
+    together = run(native, range(4), cached=False)
+    for i in range(4):
+        first, steps = run(native, [i], cached=False)
+        assert torch.equal(together[0][i], first[0]) and torch.equal(together[1][:, i], steps[:, 0])
