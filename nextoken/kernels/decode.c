@@ -49,8 +49,6 @@ typedef struct {
     const int64_t *ring_starts;  /* [T]: the position of the first key of row i's window */
 } arch_t;
 
-#define MAX_LORA_RANK 256
-
 /* One projection's LoRA adapters in a step: every adapter's A stacked, bf16 [R, K], and its scaled
  * B transposed and stacked the same way, bf16 [R, N]; NULL a: no adapter of the step targets it */
 typedef struct {
@@ -64,35 +62,70 @@ typedef struct {
     const int64_t *row_start, *row_rank;
 } lora_t;
 
+#define LORA_COLS 128 /* output columns per task of the expansion */
+
 /* y[t] = bf16(y[t] + bf16(x[t] A_t^T) B_t) for each row t of x [T, K] with an adapter (A_t, B_t:
  * its rows of the stacks; y [T, N]): the roundings of LoRASlots.add (its mm rounds x A^T to bf16,
- * its addmm rounds the sum once). A row's arithmetic does not depend on the other rows. */
-static void lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int64_t T, int64_t K, int64_t N,
-                     uint16_t *y) {
-    if (!lr || !w || !w->a) return;
-#pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t r0 = lr->row_start[t], rk = lr->row_rank[t];
-        if (rk <= 0) continue;
-        float xf[K], acc[N], u[MAX_LORA_RANK];
-        for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
-        for (int64_t r = 0; r < rk; r++) {
-            const uint16_t *ar = w->a + (r0 + r) * K;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t k = 0; k < K; k++) sum += xf[k] * bf16_to_f32(ar[k]);
-            u[r] = rb(sum);
-        }
-        for (int64_t n = 0; n < N; n++) acc[n] = 0.f;
-        for (int64_t r = 0; r < rk; r++) {
-            const uint16_t *br = w->b + (r0 + r) * N;
-            const float ur = u[r];
-#pragma omp simd
-            for (int64_t n = 0; n < N; n++) acc[n] += ur * bf16_to_f32(br[n]);
-        }
-        uint16_t *yt = y + t * N;
-        for (int64_t n = 0; n < N; n++) yt[n] = f32_to_bf16(bf16_to_f32(yt[n]) + acc[n]);
+ * its addmm rounds the sum once). One parallel region: the (row, rank) dot products of the shrink
+ * (vdpbf16ps where the CPU has it, else float32 FMAs), then the expansion by blocks of columns,
+ * so that even one row uses every thread. A row's arithmetic does not depend on the other rows.
+ * Returns 0, or 1 when out of memory. */
+static int lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int64_t T, int64_t K, int64_t N,
+                    uint16_t *y) {
+    if (!lr || !w || !w->a) return 0;
+    int64_t rmax = 0;
+    for (int64_t t = 0; t < T; t++) rmax = lr->row_rank[t] > rmax ? lr->row_rank[t] : rmax;
+    if (rmax == 0) return 0;
+#ifdef DB_DPBF16
+    const int wide = K % 32 != 0; /* the bf16 dot products take whole 32-column runs */
+#else
+    const int wide = 1;
+#endif
+    float *u = malloc(sizeof(float) * T * rmax), *xf = wide ? malloc(sizeof(float) * T * K) : NULL;
+    if (!u || (wide && !xf)) {
+        free(u);
+        free(xf);
+        return 1;
     }
+    const int64_t blocks = (N + LORA_COLS - 1) / LORA_COLS;
+#pragma omp parallel
+    {
+        if (wide) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < T * K; i++) xf[i] = bf16_to_f32(x[i]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * rmax; i++) {
+            const int64_t t = i / rmax, r = i % rmax;
+            if (r >= lr->row_rank[t]) continue;
+            float d;
+#ifdef DB_DPBF16
+            if (!wide)
+                db_dots_row_bf16(x + t * K, w->a, K, lr->row_start[t] + r, 1, &d);
+            else
+#endif
+                db_dots_row(xf + t * K, w->a, K, lr->row_start[t] + r, 1, &d);
+            u[i] = rb(d);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * blocks; i++) {
+            const int64_t t = i / blocks, n0 = (i % blocks) * LORA_COLS;
+            const int64_t n1 = n0 + LORA_COLS < N ? n0 + LORA_COLS : N, rk = lr->row_rank[t];
+            if (rk == 0) continue;
+            float acc[LORA_COLS] = {0};
+            for (int64_t r = 0; r < rk; r++) {
+                const uint16_t *br = w->b + (lr->row_start[t] + r) * N;
+                const float ur = u[t * rmax + r];
+#pragma omp simd
+                for (int64_t n = n0; n < n1; n++) acc[n - n0] += ur * bf16_to_f32(br[n]);
+            }
+            uint16_t *yt = y + t * N;
+            for (int64_t n = n0; n < n1; n++) yt[n] = f32_to_bf16(bf16_to_f32(yt[n]) + acc[n - n0]);
+        }
+    }
+    free(u);
+    free(xf);
+    return 0;
 }
 
 /* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
@@ -220,11 +253,10 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     int rc = apply_n(s->x, T, qkv, 3, qa, qkv_out);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw) {
-        lora_add(s->lora, lw + 0, s->x, T, s->hidden, qd, s->q);
-        lora_add(s->lora, lw + 1, s->x, T, s->hidden, kd, s->k);
-        lora_add(s->lora, lw + 2, s->x, T, s->hidden, kd, s->v);
-    }
+    if (lw && (lora_add(s->lora, lw + 0, s->x, T, s->hidden, qd, s->q) ||
+               lora_add(s->lora, lw + 1, s->x, T, s->hidden, kd, s->k) ||
+               lora_add(s->lora, lw + 2, s->x, T, s->hidden, kd, s->v)))
+        return 1;
     if (ly->q_norm) {
         norm_rows(ar, s->q, ly->q_norm, T * s->H, s->D, s->eps, s->q);
         norm_rows(ar, s->k, ly->k_norm, T * s->Hkv, s->D, s->eps, s->k);
@@ -244,7 +276,7 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     rc = apply(s->att, T, &ly->o, qa, s->o);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw) lora_add(s->lora, lw + 3, s->att, T, qd, s->hidden, s->o);
+    if (lw && lora_add(s->lora, lw + 3, s->att, T, qd, s->hidden, s->o)) return 1;
     residual_add(ar, h, s->o, ly->post_attn_norm, T, s->hidden, s->eps);
     return 0;
 }
@@ -259,10 +291,9 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const 
     int rc = apply_n(s->x, T, gu, 2, qa, gu_out);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw) {
-        lora_add(s->lora, lw + 4, s->x, T, s->hidden, s->inter, s->g);
-        lora_add(s->lora, lw + 5, s->x, T, s->hidden, s->inter, s->u);
-    }
+    if (lw && (lora_add(s->lora, lw + 4, s->x, T, s->hidden, s->inter, s->g) ||
+               lora_add(s->lora, lw + 5, s->x, T, s->hidden, s->inter, s->u)))
+        return 1;
     if (ar->gemma)
         gelu_tanh_mul_bf16(s->g, s->u, s->g, T * s->inter);
     else
@@ -270,7 +301,7 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const 
     rc = apply(s->g, T, &ly->down, qa, s->o);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw) lora_add(s->lora, lw + 6, s->g, T, s->inter, s->hidden, s->o);
+    if (lw && lora_add(s->lora, lw + 6, s->g, T, s->inter, s->hidden, s->o)) return 1;
     residual_add(ar, h, s->o, ly->post_ffn_norm, T, s->hidden, s->eps);
     return 0;
 }
@@ -282,9 +313,6 @@ int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int6
     static const arch_t LLAMA = {0};
     const arch_t *ar = arch ? arch : &LLAMA;
     if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;
-    if (lora)
-        for (int64_t t = 0; t < T; t++)
-            if (lora->row_rank[t] > MAX_LORA_RANK) return 2;
     for (int64_t l = 0; l < L; l++) {
         const layer_t *ly = layers + l;
         const qw_t *ws[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};

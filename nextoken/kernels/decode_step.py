@@ -55,7 +55,7 @@ def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, 
     ``[rope_dim / 2]``, positions, slots, seq_lens int64 ``[t]``, block_tables int64 ``[t,
     max_blocks]``. `scale`: the attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma
     or sliding-window model adds (None: Llama's layer); `lora`: the rows' LoRA adapters (None:
-    none; rank at most 256). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
+    none). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
     that out); raises `MemoryError` when it cannot allocate its buffers."""
     rc = lib.decode_layers(table, _i64(cfg.num_layers), _ptr(h), _i64(t), _i64(cfg.hidden_size),
                            _i64(cfg.num_heads), _i64(cfg.num_kv_heads), _i64(cfg.head_dim), _i64(cfg.rope_dim),
