@@ -4,7 +4,10 @@
 
 Rows: nextoken with ``dtype="auto"`` (the bf16 encoder where the CPU multiplies bf16 in hardware,
 else float32), nextoken float32 (the exact reference), nextoken q8_0 (``--quantization q8_0``: the
-linears on our int8 kernel), sentence-transformers (PyTorch, float32).
+linears on our int8 kernel), sentence-transformers (PyTorch, float32), and with ``--onnx-python
+PYTHON`` (an interpreter with sentence-transformers' ONNX backend, which needs optimum and
+transformers 4.x) its ONNX backend, float32 and its dynamic int8 export
+(`benchmarks/st_onnx_worker.py`, in a process of its own, fed the same batches).
 
 The texts are random word sequences (fixed seed) of 4..120 words, as short queries and passages
 mix in a retrieval workload. Both sides take the texts in requests of `--batch` (nextoken: one
@@ -30,6 +33,25 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 120))) for _ in range(n)]
 
 
+class OnnxPeer:
+    """`benchmarks/st_onnx_worker.py` in the interpreter `python`: `names` of the backends it
+    loaded; `run(batches, batch_size)` -> seconds per backend."""
+
+    def __init__(self, python: str, folder, threads: int):
+        import subprocess
+        from pathlib import Path
+
+        worker = Path(__file__).with_name("st_onnx_worker.py")
+        self.proc = subprocess.Popen([python, str(worker), str(folder), str(threads)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.names = json.loads(self.proc.stdout.readline())
+
+    def run(self, batches: list[list[str]], batch_size: int) -> dict[str, float]:
+        self.proc.stdin.write(json.dumps({"batches": batches, "batch_size": batch_size}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="all-minilm-l6-v2")
@@ -37,6 +59,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--onnx-python", default=None, help="a Python with sentence-transformers' ONNX backend")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -55,17 +78,23 @@ def main() -> None:
     runners = {f"nextoken auto ({str(encoder_dtype()).removeprefix('torch.')})": auto.embed,
                "nextoken float32": exact.embed, "nextoken q8_0": int8.embed,
                "sentence-transformers": lambda b: st.encode(b, batch_size=args.batch)}
-    best = dict.fromkeys(runners, 0.0)
+    onnx = OnnxPeer(args.onnx_python, exact.model_path, args.threads) if args.onnx_python else None
+    best = dict.fromkeys([*runners, *(onnx.names if onnx else [])], 0.0)
     for _ in range(args.rounds):  # alternated: the machine's speed drifts
         for name, fn in runners.items():
             t = time.perf_counter()
             for b in batches:
                 fn(b)
             best[name] = max(best[name], tokens / (time.perf_counter() - t))
+        if onnx is not None:
+            for name, seconds in onnx.run(batches, args.batch).items():
+                best[name] = max(best[name], tokens / seconds)
     ref = best["sentence-transformers"]
+    fastest_onnx = max((v for k, v in best.items() if "onnx" in k), default=None)
     print(f"{args.model}: {args.num_texts} texts, {tokens} tokens, batch {args.batch}, {args.threads} threads")
     for name, rate in best.items():
-        print(f"  {name:<28} {rate:8.0f} tokens/s  {rate / ref:5.2f}x sentence-transformers")
+        vs_onnx = f"  {rate / fastest_onnx:5.2f}x the fastest ONNX" if fastest_onnx else ""
+        print(f"  {name:<32} {rate:8.0f} tokens/s  {rate / ref:5.2f}x sentence-transformers{vs_onnx}")
     print(json.dumps({"model": args.model, "tokens": tokens, **{k: round(v) for k, v in best.items()}}))
 
 
