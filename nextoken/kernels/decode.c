@@ -64,30 +64,33 @@ typedef struct {
 
 #define LORA_COLS 128 /* output columns per task of the expansion */
 
-/* y[t] = bf16(y[t] + bf16(x[t] A_t^T) B_t) for each row t of x [T, K] with an adapter (A_t, B_t:
- * its rows of the stacks; y [T, N]): the roundings of LoRASlots.add (its mm rounds x A^T to bf16,
- * its addmm rounds the sum once). One parallel region: the (row, rank) dot products of the shrink
- * (vdpbf16ps where the CPU has it, else float32 FMAs), then the expansion by blocks of columns,
- * so that even one row uses every thread. A row's arithmetic does not depend on the other rows.
- * Returns 0, or 1 when out of memory. */
-static int lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int64_t T, int64_t K, int64_t N,
-                    uint16_t *y) {
-    if (!lr || !w || !w->a) return 0;
-    int64_t rmax = 0;
+/* y_j[t] = bf16(y_j[t] + bf16(x[t] A_jt^T) B_jt) for the n projections j that take x [T, K] (A_jt,
+ * B_jt: row t's adapter's rows of projection j's stacks w[j]; y_j [T, N_j]): the roundings of
+ * LoRASlots.add (its mm rounds x A^T to bf16, its addmm rounds the sum once). One parallel region
+ * for them all (q, k and v share one, gate and up another): the (projection, row, rank) dot
+ * products of the shrink (vdpbf16ps where the CPU has it, else float32 FMAs), then the expansion
+ * by blocks of columns, so that even one row uses every thread. A row's arithmetic does not
+ * depend on the other rows. Returns 0, or 1 when out of memory. */
+static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t *x, int64_t T, int64_t K,
+                      const int64_t *N, uint16_t *const *y) {
+    if (!lr) return 0;
+    int64_t rmax = 0, any = 0;
+    for (int j = 0; j < n; j++) any |= w[j].a != NULL;
     for (int64_t t = 0; t < T; t++) rmax = lr->row_rank[t] > rmax ? lr->row_rank[t] : rmax;
-    if (rmax == 0) return 0;
+    if (rmax == 0 || !any) return 0;
 #ifdef DB_DPBF16
     const int wide = K % 32 != 0; /* the bf16 dot products take whole 32-column runs */
 #else
     const int wide = 1;
 #endif
-    float *u = malloc(sizeof(float) * T * rmax), *xf = wide ? malloc(sizeof(float) * T * K) : NULL;
+    int64_t blocks[8], nb = 0; /* the expansion's tasks: [projection][row][column block] */
+    for (int j = 0; j < n; j++) blocks[j] = w[j].a ? (N[j] + LORA_COLS - 1) / LORA_COLS : 0, nb += blocks[j];
+    float *u = malloc(sizeof(float) * n * T * rmax), *xf = wide ? malloc(sizeof(float) * T * K) : NULL;
     if (!u || (wide && !xf)) {
         free(u);
         free(xf);
         return 1;
     }
-    const int64_t blocks = (N + LORA_COLS - 1) / LORA_COLS;
 #pragma omp parallel
     {
         if (wide) {
@@ -95,37 +98,46 @@ static int lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int6
             for (int64_t i = 0; i < T * K; i++) xf[i] = bf16_to_f32(x[i]);
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * rmax; i++) {
-            const int64_t t = i / rmax, r = i % rmax;
-            if (r >= lr->row_rank[t]) continue;
+        for (int64_t i = 0; i < n * T * rmax; i++) {
+            const int64_t j = i / (T * rmax), t = (i / rmax) % T, r = i % rmax;
+            if (!w[j].a || r >= lr->row_rank[t]) continue;
             float d;
 #ifdef DB_DPBF16
             if (!wide)
-                db_dots_row_bf16(x + t * K, w->a, K, lr->row_start[t] + r, 1, &d);
+                db_dots_row_bf16(x + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
             else
 #endif
-                db_dots_row(xf + t * K, w->a, K, lr->row_start[t] + r, 1, &d);
+                db_dots_row(xf + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
             u[i] = rb(d);
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * blocks; i++) {
-            const int64_t t = i / blocks, n0 = (i % blocks) * LORA_COLS;
-            const int64_t n1 = n0 + LORA_COLS < N ? n0 + LORA_COLS : N, rk = lr->row_rank[t];
+        for (int64_t i = 0; i < T * nb; i++) {
+            const int64_t t = i / nb;
+            int64_t blk = i % nb, j = 0;
+            while (blk >= blocks[j]) blk -= blocks[j++];
+            const int64_t Nj = N[j], n0 = blk * LORA_COLS, n1 = n0 + LORA_COLS < Nj ? n0 + LORA_COLS : Nj;
+            const int64_t rk = lr->row_rank[t];
             if (rk == 0) continue;
             float acc[LORA_COLS] = {0};
             for (int64_t r = 0; r < rk; r++) {
-                const uint16_t *br = w->b + (lr->row_start[t] + r) * N;
-                const float ur = u[t * rmax + r];
+                const uint16_t *br = w[j].b + (lr->row_start[t] + r) * Nj;
+                const float ur = u[(j * T + t) * rmax + r];
 #pragma omp simd
-                for (int64_t n = n0; n < n1; n++) acc[n - n0] += ur * bf16_to_f32(br[n]);
+                for (int64_t c = n0; c < n1; c++) acc[c - n0] += ur * bf16_to_f32(br[c]);
             }
-            uint16_t *yt = y + t * N;
-            for (int64_t n = n0; n < n1; n++) yt[n] = f32_to_bf16(bf16_to_f32(yt[n]) + acc[n - n0]);
+            uint16_t *yt = y[j] + t * Nj;
+            for (int64_t c = n0; c < n1; c++) yt[c] = f32_to_bf16(bf16_to_f32(yt[c]) + acc[c - n0]);
         }
     }
     free(u);
     free(xf);
     return 0;
+}
+
+/* one projection's lora_add_n */
+static int lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int64_t T, int64_t K, int64_t N,
+                    uint16_t *y) {
+    return lora_add_n(lr, w, 1, x, T, K, &N, &y);
 }
 
 /* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
@@ -253,10 +265,8 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     int rc = apply_n(s->x, T, qkv, 3, qa, qkv_out);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw && (lora_add(s->lora, lw + 0, s->x, T, s->hidden, qd, s->q) ||
-               lora_add(s->lora, lw + 1, s->x, T, s->hidden, kd, s->k) ||
-               lora_add(s->lora, lw + 2, s->x, T, s->hidden, kd, s->v)))
-        return 1;
+    const int64_t qkv_n[3] = {qd, kd, kd};
+    if (lw && lora_add_n(s->lora, lw, 3, s->x, T, s->hidden, qkv_n, qkv_out)) return 1;
     if (ly->q_norm) {
         norm_rows(ar, s->q, ly->q_norm, T * s->H, s->D, s->eps, s->q);
         norm_rows(ar, s->k, ly->k_norm, T * s->Hkv, s->D, s->eps, s->k);
@@ -291,9 +301,8 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const 
     int rc = apply_n(s->x, T, gu, 2, qa, gu_out);
     qacts_free(qa);
     if (rc) return rc;
-    if (lw && (lora_add(s->lora, lw + 4, s->x, T, s->hidden, s->inter, s->g) ||
-               lora_add(s->lora, lw + 5, s->x, T, s->hidden, s->inter, s->u)))
-        return 1;
+    const int64_t gu_n[2] = {s->inter, s->inter};
+    if (lw && lora_add_n(s->lora, lw + 4, 2, s->x, T, s->hidden, gu_n, gu_out)) return 1;
     if (ar->gemma)
         gelu_tanh_mul_bf16(s->g, s->u, s->g, T * s->inter);
     else

@@ -249,17 +249,23 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
     assert outs[0].outputs[0].text.startswith(" Atlantis") and outs[1].outputs[0].text.startswith(" Paris")
 
 
-def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters):
+@pytest.mark.parametrize("isa", [None, "avx2", "portable"])
+def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, isa):
     """bf16 on our kernels, the one-call C step adds each row's adapter (`layers.native_decode`):
     decode steps mixing adapter "a", the base model and "b" (q and v only) over the same cache
     equal the PyTorch layers' LoRA (the same stacks) to bf16 rounding, for every row; prompts of
-    each kind run there too, and each sequence's rows are bit for bit those it gets alone."""
+    each kind run there too, and each sequence's rows are bit for bit those it gets alone. With
+    the kernels built for this CPU, for AVX2 (no vdpbf16ps) and portable (plain C loops)."""
+    from nextoken.kernels import load
     from nextoken.loader.gguf import GGUFFile
     from nextoken.runner.model_runner import ModelRunner, SequenceInput
 
     path = tiny_gguf["llama"][0]
     native, plain = (ModelRunner(GGUFFile(path), torch.bfloat16) for _ in range(2))
     assert native.native_decoder is not None, native.plan.describe(native.model)
+    if isa is not None:
+        native.native_decoder.lib = load("decode", portable=True) if isa == "portable" else load("decode", isa=isa)
+        assert native.native_decoder.lib is not None
     plain.native_decoder = None
     for r in (native, plain):
         r.enable_lora(2, 8)
