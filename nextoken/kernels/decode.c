@@ -50,9 +50,11 @@ typedef struct {
 } arch_t;
 
 /* One projection's LoRA adapters in a step: every adapter's A stacked, bf16 [R, K], and its scaled
- * B transposed and stacked the same way, bf16 [R, N]; NULL a: no adapter of the step targets it */
+ * B transposed and stacked the same way, bf16 [R, N] (b2: the same with each pair of ranks
+ * interleaved, [R / 2, N, 2], for vdpbf16ps; NULL when R is odd); NULL a: no adapter of the step
+ * targets it */
 typedef struct {
-    const uint16_t *a, *b;
+    const uint16_t *a, *b, *b2;
 } lora_w_t;
 
 /* The step's adapters: w [L * 7] (q, k, v, o, gate, up, down of each layer); row t uses rows
@@ -116,16 +118,41 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
             int64_t blk = i % nb, j = 0;
             while (blk >= blocks[j]) blk -= blocks[j++];
             const int64_t Nj = N[j], n0 = blk * LORA_COLS, n1 = n0 + LORA_COLS < Nj ? n0 + LORA_COLS : Nj;
-            const int64_t rk = lr->row_rank[t];
+            const int64_t rk = lr->row_rank[t], r0 = lr->row_start[t];
             if (rk == 0) continue;
+            uint16_t *yt = y[j] + t * Nj;
+            const float *ut = u + (j * T + t) * rmax;
+#ifdef DB_DPBF16
+            if (w[j].b2 && !(r0 & 1) && !(rk & 1) && (n1 - n0) % 16 == 0) { /* pairs of ranks per vdpbf16ps */
+                __m512 acc[LORA_COLS / 16];
+                const int64_t nv = (n1 - n0) / 16;
+                for (int64_t v = 0; v < nv; v++) acc[v] = _mm512_setzero_ps();
+                for (int64_t p = 0; p < rk / 2; p++) {
+                    const uint32_t pair = (uint32_t)f32_to_bf16(ut[2 * p]) | (uint32_t)f32_to_bf16(ut[2 * p + 1]) << 16;
+                    const __m512i up = _mm512_set1_epi32((int)pair);
+                    const uint32_t *row = (const uint32_t *)w[j].b2 + (r0 / 2 + p) * Nj + n0;
+                    for (int64_t v = 0; v < nv; v++)
+                        acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)_mm512_loadu_si512((const void *)(row + 16 * v)),
+                                                  (__m512bh)up);
+                }
+                for (int64_t v = 0; v < nv; v++) {
+                    float o[16];
+                    _mm512_storeu_ps(o, acc[v]);
+                    for (int l = 0; l < 16; l++) {
+                        const int64_t c = n0 + 16 * v + l;
+                        yt[c] = f32_to_bf16(bf16_to_f32(yt[c]) + o[l]);
+                    }
+                }
+                continue;
+            }
+#endif
             float acc[LORA_COLS] = {0};
             for (int64_t r = 0; r < rk; r++) {
-                const uint16_t *br = w[j].b + (lr->row_start[t] + r) * Nj;
-                const float ur = u[(j * T + t) * rmax + r];
+                const uint16_t *br = w[j].b + (r0 + r) * Nj;
+                const float ur = ut[r];
 #pragma omp simd
                 for (int64_t c = n0; c < n1; c++) acc[c - n0] += ur * bf16_to_f32(br[c]);
             }
-            uint16_t *yt = y[j] + t * Nj;
             for (int64_t c = n0; c < n1; c++) yt[c] = f32_to_bf16(bf16_to_f32(yt[c]) + acc[c - n0]);
         }
     }

@@ -142,8 +142,14 @@ class NativeDecoder:
                 a, m = layer.self_attn, layer.mlp
                 for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
                     stacks = lin.lora.stacks(self.model.dtype) if lin.lora is not None else None
-                    keep.append(stacks)
-                    entries.append(LoRAWeights(*(t.data_ptr() for t in stacks)) if stacks else LoRAWeights())
+                    if stacks is None:
+                        entries.append(LoRAWeights())
+                        continue
+                    a_, b_t = stacks
+                    r, n = b_t.shape  # each pair of ranks interleaved, for the bf16 dot products
+                    b2 = b_t.view(r // 2, 2, n).transpose(1, 2).contiguous() if r % 2 == 0 else None
+                    keep.append((a_, b_t, b2))
+                    entries.append(LoRAWeights(a_.data_ptr(), b_t.data_ptr(), b2.data_ptr() if b2 is not None else None))
             self._lora = (key, ((LoRAWeights * len(entries))(*entries), keep))
         return self._lora[1][0]
 
