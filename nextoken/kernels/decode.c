@@ -135,13 +135,11 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
                         acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)_mm512_loadu_si512((const void *)(row + 16 * v)),
                                                   (__m512bh)up);
                 }
-                for (int64_t v = 0; v < nv; v++) {
-                    float o[16];
-                    _mm512_storeu_ps(o, acc[v]);
-                    for (int l = 0; l < 16; l++) {
-                        const int64_t c = n0 + 16 * v + l;
-                        yt[c] = f32_to_bf16(bf16_to_f32(yt[c]) + o[l]);
-                    }
+                for (int64_t v = 0; v < nv; v++) { /* y = bf16(y + acc): widen, add, round to nearest even */
+                    uint16_t *yc = yt + n0 + 16 * v;
+                    const __m512 yv = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)yc)), 16));
+                    _mm256_storeu_si256((__m256i *)yc, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yv, acc[v])));
                 }
                 continue;
             }
