@@ -51,10 +51,12 @@ typedef struct {
 
 /* One projection's LoRA adapters in a step: every adapter's A stacked, bf16 [R, K], and its scaled
  * B transposed and stacked the same way, bf16 [R, N] (b2: the same with each pair of ranks
- * interleaved, [R / 2, N, 2], for vdpbf16ps; NULL when R is odd); NULL a: no adapter of the step
- * targets it */
+ * interleaved, [R / 2, N, 2], for vdpbf16ps; NULL when R is odd; a2 likewise for A, pairs of
+ * columns: NULL when K is odd); NULL a: no adapter of the step targets it */
 typedef struct {
     const uint16_t *a, *b, *b2;
+    const uint16_t *a2; /* A with each pair of columns interleaved, [K / 2, R, 2], for vdpbf16ps; or NULL */
+    int64_t R;          /* the stacks' rows (every adapter's rank) */
 } lora_w_t;
 
 /* The step's adapters: w [L * 7] (q, k, v, o, gate, up, down of each layer); row t uses rows
@@ -82,6 +84,8 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     if (rmax == 0 || !any) return 0;
 #ifdef DB_DPBF16
     const int wide = K % 32 != 0; /* the bf16 dot products take whole 32-column runs */
+    int pairs = K % 2 == 0;
+    for (int j = 0; j < n; j++) pairs &= !w[j].a || w[j].a2 != NULL;
 #else
     const int wide = 1;
 #endif
@@ -99,6 +103,34 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < T * K; i++) xf[i] = bf16_to_f32(x[i]);
         }
+#ifdef DB_DPBF16
+        if (pairs) { /* 16 ranks of a row at once: x's column pairs against A's interleaved rows */
+            const int64_t chunks = (rmax + 15) / 16;
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n * T * chunks; i++) {
+                const int64_t j = i / (T * chunks), t = (i / chunks) % T, c = (i % chunks) * 16;
+                const int64_t rk = lr->row_rank[t];
+                if (!w[j].a || c >= rk) continue;
+                const int64_t m = rk - c < 16 ? rk - c : 16;
+                const __mmask16 mask = (__mmask16)((1u << m) - 1u);
+                const uint32_t *a2 = (const uint32_t *)w[j].a2 + lr->row_start[t] + c, *xp = (const uint32_t *)(x + t * K);
+                const int64_t R = w[j].R, P = K / 2;
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                int64_t p = 0;
+                for (; p + 4 <= P; p += 4) {
+                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + p * R), (__m512bh)_mm512_set1_epi32((int)xp[p]));
+                    s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 1) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 1]));
+                    s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 2) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 2]));
+                    s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 3) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 3]));
+                }
+                for (; p < P; p++)
+                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + p * R), (__m512bh)_mm512_set1_epi32((int)xp[p]));
+                float d[16];
+                _mm512_storeu_ps(d, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+                for (int64_t l = 0; l < m; l++) u[(j * T + t) * rmax + c + l] = rb(d[l]);
+            }
+        } else
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n * T * rmax; i++) {
             const int64_t j = i / (T * rmax), t = (i / rmax) % T, r = i % rmax;

@@ -44,10 +44,12 @@ class DecodeArch(ctypes.Structure):
 class LoRAWeights(ctypes.Structure):
     """``lora_w_t`` of ``kernels/decode.c``: one projection's adapters in a step, every adapter's A
     stacked (bf16 ``[R, K]``) and its scaled B transposed and stacked (bf16 ``[R, N]``; `b2` the
-    same with each pair of ranks interleaved, ``[R / 2, N, 2]``, or None when R is odd); a None
-    `a`: no adapter of the step targets the projection."""
+    same with each pair of ranks interleaved, ``[R / 2, N, 2]``, or None when R is odd; `a2` A
+    with each pair of columns interleaved, ``[K / 2, R, 2]``, or None when K is odd; `R` the
+    stacks' rows); a None `a`: no adapter of the step targets the projection."""
 
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("b2", ctypes.c_void_p)]
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("b2", ctypes.c_void_p), ("a2", ctypes.c_void_p),
+                ("R", ctypes.c_int64)]
 
 
 class LoRAStep(ctypes.Structure):

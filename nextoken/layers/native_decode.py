@@ -146,10 +146,12 @@ class NativeDecoder:
                         entries.append(LoRAWeights())
                         continue
                     a_, b_t = stacks
-                    r, n = b_t.shape  # each pair of ranks interleaved, for the bf16 dot products
+                    (r, n), k = b_t.shape, a_.shape[1]  # pairs interleaved, for the bf16 dot products
                     b2 = b_t.view(r // 2, 2, n).transpose(1, 2).contiguous() if r % 2 == 0 else None
-                    keep.append((a_, b_t, b2))
-                    entries.append(LoRAWeights(a_.data_ptr(), b_t.data_ptr(), b2.data_ptr() if b2 is not None else None))
+                    a2 = a_.view(r, k // 2, 2).transpose(0, 1).contiguous() if k % 2 == 0 else None
+                    keep.append((a_, b_t, b2, a2))
+                    entries.append(LoRAWeights(a_.data_ptr(), b_t.data_ptr(), None if b2 is None else b2.data_ptr(),
+                                               None if a2 is None else a2.data_ptr(), r))
             self._lora = (key, ((LoRAWeights * len(entries))(*entries), keep))
         return self._lora[1][0]
 
