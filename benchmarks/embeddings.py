@@ -12,7 +12,7 @@ transformers 4.x) its ONNX backend, float32 and its dynamic int8 export
 The texts are random word sequences (fixed seed) of 4..120 words, as short queries and passages
 mix in a retrieval workload. Both sides take the texts in requests of `--batch` (nextoken: one
 `embed` call each, packed without padding; sentence-transformers: ``encode(batch_size=--batch)``,
-which sorts by length and pads each batch). Reported: input tokens/s (the tokens both count the
+which sorts by length and pads each batch), or with ``--one-call`` all in one call. Reported: input tokens/s (the tokens both count the
 same way: with [CLS] and [SEP]), best of `--rounds`.
 """
 
@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--onnx-python", default=None, help="a Python with sentence-transformers' ONNX backend")
+    ap.add_argument("--one-call", action="store_true",
+                    help="every text in one call, as a script embeds a corpus (sentence-transformers then sorts "
+                         "them all by length before batching); default: requests of --batch, as a server gets them")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -74,7 +77,7 @@ def main() -> None:
     st = SentenceTransformer(exact.model_path, device="cpu")
     data = texts(args.num_texts)
     tokens = sum(len(o.prompt_token_ids) for o in exact.embed(data))
-    batches = [data[i : i + args.batch] for i in range(0, len(data), args.batch)]
+    batches = [data] if args.one_call else [data[i : i + args.batch] for i in range(0, len(data), args.batch)]
     runners = {f"nextoken auto ({str(encoder_dtype()).removeprefix('torch.')})": auto.embed,
                "nextoken float32": exact.embed, "nextoken q8_0": int8.embed,
                "sentence-transformers": lambda b: st.encode(b, batch_size=args.batch)}
@@ -91,7 +94,8 @@ def main() -> None:
                 best[name] = max(best[name], tokens / seconds)
     ref = best["sentence-transformers"]
     fastest_onnx = max((v for k, v in best.items() if "onnx" in k), default=None)
-    print(f"{args.model}: {args.num_texts} texts, {tokens} tokens, batch {args.batch}, {args.threads} threads")
+    how = "one call" if args.one_call else f"requests of {args.batch}"
+    print(f"{args.model}: {args.num_texts} texts, {tokens} tokens, {how}, batch {args.batch}, {args.threads} threads")
     for name, rate in best.items():
         vs_onnx = f"  {rate / fastest_onnx:5.2f}x the fastest ONNX" if fastest_onnx else ""
         print(f"  {name:<32} {rate:8.0f} tokens/s  {rate / ref:5.2f}x sentence-transformers{vs_onnx}")
