@@ -71,8 +71,8 @@ typedef struct {
 /* y_j[t] = bf16(y_j[t] + bf16(x[t] A_jt^T) B_jt) for the n projections j that take x [T, K] (A_jt,
  * B_jt: row t's adapter's rows of projection j's stacks w[j]; y_j [T, N_j]): the roundings of
  * LoRASlots.add (its mm rounds x A^T to bf16, its addmm rounds the sum once). One parallel region
- * for them all (q, k and v share one, gate and up another): the (projection, row, rank) dot
- * products of the shrink (vdpbf16ps where the CPU has it, else float32 FMAs), then the expansion
+ * for them all (q, k and v share one, gate and up another): the shrink (16 ranks of a row per
+ * vdpbf16ps chain where the CPU has it, else one float32 dot product per rank), then the expansion
  * by blocks of columns, so that even one row uses every thread. A row's arithmetic does not
  * depend on the other rows. Returns 0, or 1 when out of memory. */
 static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t *x, int64_t T, int64_t K,
@@ -83,12 +83,12 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     for (int64_t t = 0; t < T; t++) rmax = lr->row_rank[t] > rmax ? lr->row_rank[t] : rmax;
     if (rmax == 0 || !any) return 0;
 #ifdef DB_DPBF16
-    const int wide = K % 32 != 0; /* the bf16 dot products take whole 32-column runs */
-    int pairs = K % 2 == 0;
+    int pairs = K % 2 == 0; /* the shrink on vdpbf16ps: every projection's A interleaved by column pairs */
     for (int j = 0; j < n; j++) pairs &= !w[j].a || w[j].a2 != NULL;
 #else
-    const int wide = 1;
+    const int pairs = 0;
 #endif
+    const int wide = !pairs; /* else float32 dot products, x widened once */
     int64_t blocks[8], nb = 0; /* the expansion's tasks: [projection][row][column block] */
     for (int j = 0; j < n; j++) blocks[j] = w[j].a ? (N[j] + LORA_COLS - 1) / LORA_COLS : 0, nb += blocks[j];
     float *u = malloc(sizeof(float) * n * T * rmax), *xf = wide ? malloc(sizeof(float) * T * K) : NULL;
@@ -113,18 +113,22 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
                 if (!w[j].a || c >= rk) continue;
                 const int64_t m = rk - c < 16 ? rk - c : 16;
                 const __mmask16 mask = (__mmask16)((1u << m) - 1u);
-                const uint32_t *a2 = (const uint32_t *)w[j].a2 + lr->row_start[t] + c, *xp = (const uint32_t *)(x + t * K);
+                const uint32_t *a2 = (const uint32_t *)w[j].a2 + lr->row_start[t] + c;
+                const uint32_t *xp = (const uint32_t *)(x + t * K);
                 const int64_t R = w[j].R, P = K / 2;
-                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+#define LORA_DP(acc, p) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p) * R), \
+                           (__m512bh)_mm512_set1_epi32((int)xp[p]))
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* four chains */
                 int64_t p = 0;
                 for (; p + 4 <= P; p += 4) {
-                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + p * R), (__m512bh)_mm512_set1_epi32((int)xp[p]));
-                    s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 1) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 1]));
-                    s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 2) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 2]));
-                    s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + (p + 3) * R), (__m512bh)_mm512_set1_epi32((int)xp[p + 3]));
+                    LORA_DP(s0, p);
+                    LORA_DP(s1, p + 1);
+                    LORA_DP(s2, p + 2);
+                    LORA_DP(s3, p + 3);
                 }
-                for (; p < P; p++)
-                    s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_maskz_loadu_epi32(mask, a2 + p * R), (__m512bh)_mm512_set1_epi32((int)xp[p]));
+                for (; p < P; p++) LORA_DP(s0, p);
+#undef LORA_DP
                 float d[16];
                 _mm512_storeu_ps(d, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
                 for (int64_t l = 0; l < m; l++) u[(j * T + t) * rmax + c + l] = rb(d[l]);
@@ -136,12 +140,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
             const int64_t j = i / (T * rmax), t = (i / rmax) % T, r = i % rmax;
             if (!w[j].a || r >= lr->row_rank[t]) continue;
             float d;
-#ifdef DB_DPBF16
-            if (!wide)
-                db_dots_row_bf16(x + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
-            else
-#endif
-                db_dots_row(xf + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
+            db_dots_row(xf + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
             u[i] = rb(d);
         }
 #pragma omp for schedule(static)

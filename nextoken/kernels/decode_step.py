@@ -24,6 +24,7 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 64, 512  # decode.c's guard (it ret
 # layers' batched prefill attention is faster (`benchmarks/native_prefill.py`). The same bound
 # makes `runner.quick_start` (prompts up to it) compute the engine's arithmetic exactly.
 MAX_PREFILL_TOKENS = 128
+ROWS_PER_CALL = 256  # rows per decode_layers call (bounds its buffers: rows x the layer's widths)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -69,5 +70,5 @@ def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, 
     return rc
 
 
-__all__ = ["ARCHITECTURES", "PLAIN_ARCHITECTURES", "QW", "DecodeArch", "LoRAStep", "LoRAWeights", "decode_layers",
-           "layer_table", "serves"]
+__all__ = ["ARCHITECTURES", "MAX_PREFILL_TOKENS", "PLAIN_ARCHITECTURES", "QW", "ROWS_PER_CALL", "DecodeArch", "LoRAStep",
+           "LoRAWeights", "decode_layers", "layer_table", "serves"]

@@ -21,8 +21,8 @@ import ctypes
 import torch
 
 from nextoken.kernels import count_fallback
-from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, DecodeArch, LoRAStep, LoRAWeights, decode_layers, \
-    layer_table, serves
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, ROWS_PER_CALL, DecodeArch, LoRAStep, LoRAWeights, \
+    decode_layers, layer_table, serves
 from nextoken.layers.activation import gelu_tanh_and_mul, silu_and_mul
 
 
@@ -34,8 +34,6 @@ class NativeDecoder:
     """The C decode path for a model whose layers `decode_step.serves` and whose projections all
     run on our kernel (`Linear.on_kernel`: `QuantWeight` codes or dense bf16); `lib`: the
     ``decode`` library the execution plan resolved."""
-
-    ROWS_PER_CALL = 256  # bounds decode_layers' buffers (rows x the layer's widths)
 
     def __init__(self, model, lib):
         self.model = model
@@ -160,7 +158,8 @@ class NativeDecoder:
         rows ones it `takes`) -> the hidden states after the last layer, or None (counted:
         `kernels.count_fallback`) when the kernel refuses them, which `supports` rules out at
         load. Row i attends to ``positions[i] + 1`` keys through its sequence's block table;
-        rows go in calls of at most `ROWS_PER_CALL` (in order: a row's keys are written by then).
+        rows go in calls of at most `decode_step.ROWS_PER_CALL` (in order: a row's keys are
+        written by then).
         `lora`: the pass's `lora.LoRABatch` when a row has an adapter (each row adds its own)."""
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
@@ -175,7 +174,7 @@ class NativeDecoder:
         inv_freq = self.model.inv_freq.float().contiguous()
         table, keep = self._layers(kv), []
         arch = self._arch(meta, keep)
-        step = t if meta.sliding is not None else self.ROWS_PER_CALL  # (ring arrays: decodes, one call)
+        step = t if meta.sliding is not None else ROWS_PER_CALL  # (ring arrays: decodes, one call)
         adapters = self._lora_table(lora) if lora is not None and lora.ids else None
         for a in range(0, t, step):
             n = min(step, t - a)

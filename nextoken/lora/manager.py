@@ -74,17 +74,14 @@ class LoRAManager:
         return True
 
     def set_batch(self, adapter_of_row: list[int]) -> None:
-        """This pass's adapter per token row (0: the base model): the batch's ids and mask."""
+        """This pass's adapter per token row (0: the base model): the batch's ids and each row's
+        columns of the stacks."""
         ids = tuple(sorted(set(adapter_of_row) - {0}))
-        batch = self.batch
-        batch.ids = ids
         if not ids:
-            batch.mask = batch.row_start = batch.row_rank = None
+            self.batch.set_rows(ids, None, None)
             return
         starts, at = {0: 0}, 0
         for i in ids:
-            starts[i], at = at, at + batch.ranks[i]
-        batch.row_start = torch.tensor([starts[i] for i in adapter_of_row], dtype=torch.int64)
-        batch.row_rank = torch.tensor([batch.ranks.get(i, 0) for i in adapter_of_row], dtype=torch.int64)
-        cols = torch.arange(at)
-        batch.mask = ((cols >= batch.row_start[:, None]) & (cols < (batch.row_start + batch.row_rank)[:, None])).float()
+            starts[i], at = at, at + self.batch.ranks[i]
+        self.batch.set_rows(ids, torch.tensor([starts[i] for i in adapter_of_row], dtype=torch.int64),
+                            torch.tensor([self.batch.ranks.get(i, 0) for i in adapter_of_row], dtype=torch.int64))

@@ -11,25 +11,31 @@ import torch
 @dataclass
 class LoRABatch:
     """The current pass's adapters, set by the runner before each forward pass: `ids`, the
-    adapters present (in column order), `ranks` of every loaded adapter, and `mask` ``[T, R]``
-    (R: the sum of their ranks), 1 where token t's adapter owns column c, else 0 (base-model
-    tokens have a zero row); the same per row for the C decode step: `row_start` (its adapter's
-    first column) and `row_rank` (0: the base model), int64 ``[T]``. Empty `ids` when no request
-    of the pass uses an adapter. `version` changes whenever an adapter is loaded or unloaded."""
+    adapters present (in column order), `ranks` of every loaded adapter, and per token row
+    `row_start` (its adapter's first column of the stacks) and `row_rank` (0: the base model),
+    int64 ``[T]``. Empty `ids` when no request of the pass uses an adapter. `version` changes
+    whenever an adapter is loaded or unloaded."""
 
     ids: tuple[int, ...] = ()
     ranks: dict[int, int] = field(default_factory=dict)
-    mask: torch.Tensor | None = None
     row_start: torch.Tensor | None = None
     row_rank: torch.Tensor | None = None
     version: int = 0
-    _as: dict = field(default_factory=dict)  # the mask in each activation dtype, made once per pass
+    _masks: dict = field(default_factory=dict)  # the pass's mask per dtype (the PyTorch path's; made on first use)
+
+    def set_rows(self, ids: tuple[int, ...], row_start: torch.Tensor | None, row_rank: torch.Tensor | None) -> None:
+        self.ids, self.row_start, self.row_rank = ids, row_start, row_rank
+        self._masks = {}
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
-        got = self._as.get(dtype)
-        if got is None or got[0] is not self.mask:
-            got = self._as[dtype] = (self.mask, self.mask.to(dtype))
-        return got[1]
+        """``[T, R]`` (R: the sum of the pass's ranks) in `dtype`: 1 where row t's adapter owns
+        column c, else 0 (base-model rows are zero)."""
+        got = self._masks.get(dtype)
+        if got is None:
+            cols = torch.arange(sum(self.ranks[i] for i in self.ids))
+            start, end = self.row_start[:, None], (self.row_start + self.row_rank)[:, None]
+            got = self._masks[dtype] = ((cols >= start) & (cols < end)).to(dtype)
+        return got
 
 
 class LoRASlots:

@@ -91,7 +91,7 @@ class SequenceInput:
     ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
     keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
     lora_id: int = 0  # its LoRA adapter (`ModelRunner.loras`), 0 for the base model
-    prefill_len: int = 0  # the tokens its whole prefill covers (the prompt), this chunk or not; 0: up to this chunk's end
+    prefill_len: int = 0  # tokens its whole prefill covers (the prompt), this chunk or not; 0: to this chunk's end
 
     @property
     def extent(self) -> int:
@@ -304,8 +304,8 @@ class ModelRunner:
 
     def _forward(self, seqs: list[SequenceInput], tracer, one_call: bool) -> tuple[torch.Tensor, dict[int, int]]:
         """One forward pass over `seqs` (in the C step with `one_call`, unless the kernel
-        refuses): the final hidden states ``[T, hidden]`` in batch
-        order, and each sequence's last row in them (by index into `seqs`)."""
+        refuses): the final hidden states ``[T, hidden]`` in batch order, and each sequence's
+        last row in them (by index into `seqs`)."""
         input_ids, positions, meta, order = self.prepare(seqs)
         adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
         if tracer is not None and getattr(tracer, "wants_probs", True):

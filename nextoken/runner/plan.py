@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels import KernelSet
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
 from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
                                                   TorchInt4Method)
 from nextoken.layers.quantization.qweight import qweight_supported
@@ -174,8 +175,6 @@ class ExecutionPlan:
         emb = model.embed_tokens
         emb_form = "codes" if emb.qweight is not None else "q8_0" if emb.q8 is not None else "dense"
         linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
-        from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
-
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "PyTorch"

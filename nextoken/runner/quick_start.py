@@ -6,9 +6,10 @@ token needs is torch-free: the GGUF metadata, config and tokenizer (`loader.gguf
 the prepared file mapped with NumPy (`loader.prepared.PreparedFile`: the codes, the norms and
 biases, RoPE's frequencies, as the engine's model holds them) and our C kernels. `first_token`
 runs the prompt through the engine's one-call decode step (`kernels.decode_step`, the module
-`layers.native_decode` calls too), in chunks of `CHUNK` tokens: within a call each row is one
-prompt position, at ``slot = position``, attending to ``position + 1`` keys, the keys and values
-of a chunk being written before any row attends, so the chunk is a causal prefill. Then the final
+`layers.native_decode` calls too), in calls of at most `decode_step.ROWS_PER_CALL` tokens:
+within a call each row is one prompt position, at ``slot = position``, attending to
+``position + 1`` keys, the keys and values of a call being written before any row attends, so
+the call is a causal prefill. Then the final
 norm, the LM head and the sampler's draw (`sample.draw`: the same kernel, one uniform number
 from the request's seeded stream, `sample.rng`), as the engine would.
 
@@ -36,12 +37,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, ROWS_PER_CALL
 from nextoken.loader.opened import OpenedModel
 
 log = logging.getLogger(__name__)
 
-CHUNK = 256  # prompt tokens per decode_layers call (bounds its buffers)
 # longer prompts go to the engine: it prefills them with its PyTorch layers, whose arithmetic
 # (attention) differs from the decode step's by bf16 rounding; up to this bound its prefill is
 # this same call (`layers.native_decode.NativeDecoder.takes`)
@@ -262,8 +262,8 @@ def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndar
     blocks = np.arange(num_blocks, dtype=np.int64)
     i64, p = ctypes.c_int64, ctypes.c_void_p
     h = None
-    for start in range(0, n, CHUNK):
-        chunk = np.asarray(ids[start : start + CHUNK], dtype=np.int64)
+    for start in range(0, n, ROWS_PER_CALL):
+        chunk = np.asarray(ids[start : start + ROWS_PER_CALL], dtype=np.int64)
         t = len(chunk)
         h = np.empty((t, hidden), dtype=np.uint16)
         if lib.qlookup_bf16(ctypes.byref(embed), p(chunk.ctypes.data), i64(t), p(h.ctypes.data)) != 0:

@@ -57,13 +57,12 @@ def close(a: np.ndarray, b: torch.Tensor, tol: float) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("n", [1, 20, 300])  # 300: two chunks of the prompt pass
-def test_prompt_logits_match_the_pytorch_layers(quick_models, arch, n, monkeypatch):
+def test_prompt_logits_match_the_pytorch_layers(quick_models, arch, n):
     """The prompt through ``decode_layers`` (rows as causal positions) against the prefill of the
     PyTorch layers on the same codes: bit for bit for one token, else to bf16 rounding (their
     attention differs: 2.4-4.7% of the logits' spread on these models; the bound is 8%); against
     the float32 model to quantization; and, up to `MAX_PROMPT_TOKENS`, bit for bit against the
     engine's runner, whose prefill of such a step is the same call (`NativeDecoder.takes`)."""
-    monkeypatch.setattr(quick_start, "CHUNK", 256)
     path = quick_models[arch]
     ids = (PROMPT * 20)[:n]
     f = GGUFFile(path)
