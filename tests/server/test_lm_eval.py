@@ -31,7 +31,8 @@ def test_local_completions_equals_our_python_api(smollm2_server, smollm2_f32, tm
             "tokenized_requests=True,num_concurrent=2,max_retries=1")
     results = lm_eval.simple_evaluate(model="local-completions", model_args=args,
                                       tasks=["nextoken_mc", "nextoken_gen"], log_samples=True,
-                                      task_manager=TaskManager(include_path=str(_tasks(tmp_path))))
+                                      task_manager=TaskManager(include_path=str(_tasks(tmp_path)),
+                                                               include_defaults=False))
     oracle = smollm2_f32
     tok = oracle.engine.tokenizer
 
