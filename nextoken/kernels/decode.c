@@ -66,6 +66,144 @@ typedef struct {
     const int64_t *row_start, *row_rank;
 } lora_t;
 
+#if defined(DB_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define LORA_AMX 1
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only for _DEFAULT_SOURCE builds */
+
+/* AMX needs the kernel's leave to use its tile data (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM,
+ * once per process); 1 when granted. A kernel or hypervisor that refuses leaves the vdpbf16ps loops. */
+static int lora_amx_ready(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) lora_tilecfg_t;
+
+/* The tiles for a group of m rows: 0-3 float32 sums [m, 16]; 4, 5: the shrink's x [m rows, 32
+ * columns] and A [16 column pairs, 16 ranks x 2]; 6, 7: the expansion's u [m rows, 16 ranks] and
+ * B [8 rank pairs, 16 columns x 2]. Each row's sums are the same whatever m is. (volatile: GCC
+ * may drop stores to a local that only ldtilecfg reads.) */
+static void lora_amx_config(int64_t m) {
+    volatile lora_tilecfg_t c;
+    for (size_t i = 0; i < sizeof c; i++) ((volatile uint8_t *)&c)[i] = 0;
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = 64;
+    c.rows[5] = 16, c.colsb[6] = 32, c.rows[7] = 8;
+    _tile_loadconfig((const void *)&c);
+}
+
+/* The rows of lora_add_n whose adapter's rank is a multiple of 16, on AMX: rows sharing an adapter
+ * are taken 16 at a time (Punica's SGMV shape), so that one tdpbf16ps multiplies up to 16 rows by
+ * 32 columns of A for 16 ranks (the shrink), or by 16 ranks of B for 16 columns (the expansion).
+ * Each output is its own row's dot product, summed in float32 in the same order whatever the group
+ * holds, so a row's arithmetic does not depend on the other rows. A task is one group's shrink and
+ * expansion for one projection (no barrier between them); the threads share the tasks. done[t]
+ * is set for the rows it took. Returns 0, or 1 when out of memory. */
+static int lora_add_amx(const lora_t *lr, const lora_w_t *w, int n, const uint16_t *x, int64_t T, int64_t K,
+                        const int64_t *N, uint16_t *const *y, char *done) {
+    if (K % 32) return 0;
+    for (int j = 0; j < n; j++)
+        if (w[j].a && (!w[j].a2 || !w[j].b2 || N[j] % 16)) return 0;
+    if (!lora_amx_ready()) return 0;
+    int64_t *perm = malloc(sizeof(int64_t) * T * 2), *gstart = perm + T, ng = 0, nrow = 0, rmax = 0;
+    if (!perm) return 1;
+    for (int64_t t = 0; t < T; t++) { /* group the rows by adapter, 16 at most per group */
+        const int64_t rk = lr->row_rank[t], rs = lr->row_start[t];
+        if (done[t] || rk == 0 || rk % 16 || rs % 2) continue;
+        const int64_t g0 = nrow;
+        perm[nrow++] = t, done[t] = 1;
+        for (int64_t s = t + 1; s < T && nrow - g0 < 16; s++)
+            if (!done[s] && lr->row_start[s] == rs && lr->row_rank[s] == rk) perm[nrow++] = s, done[s] = 1;
+        gstart[ng++] = g0;
+        rmax = rk > rmax ? rk : rmax;
+    }
+    if (ng == 0) { free(perm); return 0; }
+    uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(nrow * K)), *us = malloc(sizeof(uint16_t) * (size_t)(n * nrow * rmax));
+    if (!xs || !us) { free(perm); free(xs); free(us); return 1; }
+    for (int64_t i = 0; i < nrow; i++) memcpy(xs + i * K, x + perm[i] * K, sizeof(uint16_t) * K); /* grouped */
+#pragma omp parallel if (ng * n > 1)
+    {
+    float c0[256], c1[256], acc[4][256];
+    int64_t tiles_m = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < ng * n; task++) {
+        const int64_t g = task / n;
+        const int j = (int)(task % n);
+        const int64_t first = gstart[g], m = (g + 1 < ng ? gstart[g + 1] : nrow) - first;
+        const int64_t t0 = perm[first], rk = lr->row_rank[t0], rs = lr->row_start[t0];
+        if (tiles_m != m) lora_amx_config(m), tiles_m = m;
+        {
+            if (!w[j].a) continue;
+            const int64_t R = w[j].R, Nj = N[j];
+            uint16_t *ug = us + (j * nrow + first) * rmax;
+            for (int64_t c = 0; c < rk; c += 16) { /* the shrink: u = bf16(x A^T), m rows x 16 ranks */
+                const uint32_t *a2 = (const uint32_t *)w[j].a2 + rs + c;
+                const uint16_t *xg = xs + first * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t k = 0; k < K; k += 64) { /* two sums: even and odd blocks of 32 columns */
+                    _tile_loadd(4, xg + k, K * 2);
+                    _tile_loadd(5, a2 + (k / 2) * R, R * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (k + 32 < K) {
+                        _tile_loadd(4, xg + k + 32, K * 2);
+                        _tile_loadd(5, a2 + (k / 2 + 16) * R, R * 4);
+                        _tile_dpbf16ps(1, 4, 5);
+                    }
+                }
+                _tile_stored(0, c0, 64);
+                _tile_stored(1, c1, 64);
+                for (int64_t r = 0; r < m; r++)
+                    _mm256_storeu_si256((__m256i *)(ug + r * rmax + c),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c0 + 16 * r),
+                                                                                  _mm512_loadu_ps(c1 + 16 * r))));
+            }
+            for (int64_t n0 = 0; n0 < Nj; n0 += 64) { /* the expansion: y += u B^T, m rows x 64 columns */
+                const int64_t nt = (Nj - n0) / 16 < 4 ? (Nj - n0) / 16 : 4;
+                _tile_zero(0); /* tile numbers are constants: one call each */
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < rk; c += 16) {
+                    _tile_loadd(6, ug + c, rmax * 2);
+                    const uint32_t *b2 = (const uint32_t *)w[j].b2 + ((rs + c) / 2) * Nj + n0;
+                    _tile_loadd(7, b2, Nj * 4);
+                    _tile_dpbf16ps(0, 6, 7);
+                    if (nt > 1) { _tile_loadd(7, b2 + 16, Nj * 4); _tile_dpbf16ps(1, 6, 7); }
+                    if (nt > 2) { _tile_loadd(7, b2 + 32, Nj * 4); _tile_dpbf16ps(2, 6, 7); }
+                    if (nt > 3) { _tile_loadd(7, b2 + 48, Nj * 4); _tile_dpbf16ps(3, 6, 7); }
+                }
+                _tile_stored(0, acc[0], 64);
+                if (nt > 1) _tile_stored(1, acc[1], 64);
+                if (nt > 2) _tile_stored(2, acc[2], 64);
+                if (nt > 3) _tile_stored(3, acc[3], 64);
+                for (int64_t r = 0; r < m; r++) {
+                    uint16_t *yr = y[j] + perm[first + r] * Nj + n0;
+                    for (int64_t v = 0; v < nt; v++) { /* y = bf16(y + sum), round to nearest even */
+                        const __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(yr + 16 * v))), 16));
+                        _mm256_storeu_si256((__m256i *)(yr + 16 * v),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yv, _mm512_loadu_ps(acc[v] + 16 * r))));
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+    }
+    free(perm);
+    free(xs);
+    free(us);
+    return 0;
+}
+#endif
+
 #define LORA_COLS 128 /* output columns per task of the expansion */
 
 /* y_j[t] = bf16(y_j[t] + bf16(x[t] A_jt^T) B_jt) for the n projections j that take x [T, K] (A_jt,
@@ -82,6 +220,19 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     for (int j = 0; j < n; j++) any |= w[j].a != NULL;
     for (int64_t t = 0; t < T; t++) rmax = lr->row_rank[t] > rmax ? lr->row_rank[t] : rmax;
     if (rmax == 0 || !any) return 0;
+    int64_t *rank = malloc(sizeof(int64_t) * T); /* each row's rank left to the loops below */
+    char *done = calloc((size_t)T, 1);
+    if (!rank || !done) { free(rank); free(done); return 1; }
+#ifdef LORA_AMX
+    if (lora_add_amx(lr, w, n, x, T, K, N, y, done)) { free(rank); free(done); return 1; }
+#endif
+    rmax = 0;
+    for (int64_t t = 0; t < T; t++) {
+        rank[t] = done[t] ? 0 : lr->row_rank[t];
+        rmax = rank[t] > rmax ? rank[t] : rmax;
+    }
+    free(done);
+    if (rmax == 0) { free(rank); return 0; }
 #ifdef DB_DPBF16
     int pairs = K % 2 == 0; /* the shrink on vdpbf16ps: every projection's A interleaved by column pairs */
     for (int j = 0; j < n; j++) pairs &= !w[j].a || w[j].a2 != NULL;
@@ -95,6 +246,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     if (!u || (wide && !xf)) {
         free(u);
         free(xf);
+        free(rank);
         return 1;
     }
 #pragma omp parallel
@@ -109,7 +261,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n * T * chunks; i++) {
                 const int64_t j = i / (T * chunks), t = (i / chunks) % T, c = (i % chunks) * 16;
-                const int64_t rk = lr->row_rank[t];
+                const int64_t rk = rank[t];
                 if (!w[j].a || c >= rk) continue;
                 const int64_t m = rk - c < 16 ? rk - c : 16;
                 const __mmask16 mask = (__mmask16)((1u << m) - 1u);
@@ -138,7 +290,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n * T * rmax; i++) {
             const int64_t j = i / (T * rmax), t = (i / rmax) % T, r = i % rmax;
-            if (!w[j].a || r >= lr->row_rank[t]) continue;
+            if (!w[j].a || r >= rank[t]) continue;
             float d;
             db_dots_row(xf + t * K, w[j].a, K, lr->row_start[t] + r, 1, &d);
             u[i] = rb(d);
@@ -149,7 +301,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
             int64_t blk = i % nb, j = 0;
             while (blk >= blocks[j]) blk -= blocks[j++];
             const int64_t Nj = N[j], n0 = blk * LORA_COLS, n1 = n0 + LORA_COLS < Nj ? n0 + LORA_COLS : Nj;
-            const int64_t rk = lr->row_rank[t], r0 = lr->row_start[t];
+            const int64_t rk = rank[t], r0 = lr->row_start[t];
             if (rk == 0) continue;
             uint16_t *yt = y[j] + t * Nj;
             const float *ut = u + (j * T + t) * rmax;
@@ -187,6 +339,7 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     }
     free(u);
     free(xf);
+    free(rank);
     return 0;
 }
 
@@ -369,6 +522,16 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const 
     if (lw && lora_add(s->lora, lw + 6, s->g, T, s->inter, s->hidden, s->o)) return 1;
     residual_add(ar, h, s->o, ly->post_ffn_norm, T, s->hidden, s->eps);
     return 0;
+}
+
+/* 1 when the step's LoRA runs on AMX tiles (built with AMX-BF16 and the kernel granted the tiles),
+ * else 0: the vdpbf16ps or float32 loops */
+int decode_lora_amx(void) {
+#ifdef LORA_AMX
+    return lora_amx_ready();
+#else
+    return 0;
+#endif
 }
 
 int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int64_t hidden, int64_t H,

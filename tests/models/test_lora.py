@@ -39,8 +39,34 @@ def adapters(tiny_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def adapters16(tiny_gguf, tmp_path_factory):
+    """Two adapters whose ranks are multiples of 16 (the C step's AMX path takes those): "c" (rank
+    16, every target) and "d" (rank 32, q and v only)."""
+    from peft import LoraConfig, get_peft_model
+
+    _, hf = tiny_gguf["llama"]
+    out = {}
+    for i, (name, r, targets) in enumerate((("c", 16, ALL), ("d", 32, ["q_proj", "v_proj"]))):
+        torch.manual_seed(20 + i)
+        cfg = LoraConfig(r=r, lora_alpha=r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+        model = get_peft_model(copy.deepcopy(hf), cfg).eval()
+        d = tmp_path_factory.mktemp(f"lora-{name}")
+        model.save_pretrained(d)
+        out[name] = (LoRARequest(name, 3 + i, str(d)), model)
+    return out
+
+
+@pytest.fixture(scope="module")
 def llm(tiny_gguf):
     return LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def last_logits(llm, ids, lora) -> torch.Tensor:
@@ -249,13 +275,15 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
     assert outs[0].outputs[0].text.startswith(" Atlantis") and outs[1].outputs[0].text.startswith(" Paris")
 
 
-@pytest.mark.parametrize("isa", [None, "avx2", "portable"])
-def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, isa):
+@pytest.mark.parametrize("isa, names", [(None, "ab"), ("avx2", "ab"), ("portable", "ab"), (None, "ca"),
+                                         (None, "cd"), ("avx2", "cd")])
+def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, adapters16, isa, names):
     """bf16 on our kernels, the one-call C step adds each row's adapter (`layers.native_decode`):
-    decode steps mixing adapter "a", the base model and "b" (q and v only) over the same cache
-    equal the PyTorch layers' LoRA (the same stacks) to bf16 rounding, for every row; prompts of
-    each kind run there too, and each sequence's rows are bit for bit those it gets alone. With
-    the kernels built for this CPU, for AVX2 (no vdpbf16ps) and portable (plain C loops)."""
+    decode steps mixing the first adapter, the base model and the second over the same cache equal
+    the PyTorch layers' LoRA (the same stacks) to bf16 rounding, for every row; prompts of each kind
+    run there too, and each sequence's rows are bit for bit those it gets alone. With the kernels
+    built for this CPU, for AVX2 (no vdpbf16ps) and portable (plain C loops); ranks 4 and 8 ("a",
+    "b"), 16 and 32 ("c", "d": on AMX tiles where the CPU has them), and 16 beside 4 in one step."""
     from nextoken.kernels import load
     from nextoken.loader.gguf import GGUFFile
     from nextoken.runner.model_runner import ModelRunner, SequenceInput
@@ -266,12 +294,17 @@ def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, isa):
     if isa is not None:
         native.native_decoder.lib = load("decode", portable=True) if isa == "portable" else load("decode", isa=isa)
         assert native.native_decoder.lib is not None
+        assert native.native_decoder.lib.decode_lora_amx() == 0
+    elif "c" in names and {"amx_bf16", "avx512_bf16"} <= _cpu_flags():
+        assert native.native_decoder.lib.decode_lora_amx() == 1  # the AMX path is the one measured here
     plain.native_decoder = None
+    every = {**adapters, **adapters16}
     for r in (native, plain):
-        r.enable_lora(2, 8)
-        for name in ("a", "b"):
-            r.loras.add(adapters[name][0])
-    loras, tables = [1, 0, 2, 1], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        r.enable_lora(2, 32)
+        for name in names:
+            r.loras.add(every[name][0])
+    ids = [every[name][0].lora_int_id for name in names]
+    loras, tables = [ids[0], 0, ids[1], ids[0]], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     prompts = [PROMPTS[0][:n] for n in (20, 20, 20)] + [PROMPTS[1]]
 
     def run(r, which, cached: bool):
