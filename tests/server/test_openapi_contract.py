@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nextoken import LLM, SamplingParams
-from tests.openapi_contract_hooks import semantic_reason
+from tests.helpers.semantic_refusals import semantic_reason
 from tests.helpers.server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[2]
