@@ -98,6 +98,62 @@ static void lora_amx_config(int64_t m) {
     _tile_loadconfig((const void *)&c);
 }
 
+/* One group of m <= 16 rows of one adapter (ranks rs .. rs + rk - 1 of the stacks) for projection
+ * w: xg [m, K] the rows' inputs, gathered; ug [m, ld] their shrink, bf16(x A^T); y [T, N] the
+ * projection's outputs, row perm[r] for the group's row r. The tiles are configured for m rows. */
+static void lora_amx_group(const lora_w_t *w, const uint16_t *xg, int64_t m, int64_t K, int64_t N, int64_t rs,
+                           int64_t rk, uint16_t *ug, int64_t ld, const int64_t *perm, uint16_t *y) {
+    float c0[256], c1[256], acc[4][256];
+    for (int64_t c = 0; c < rk; c += 16) { /* the shrink: u = bf16(x A^T), m rows x 16 ranks */
+        const uint32_t *a2 = (const uint32_t *)w->a2 + rs + c;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < K; k += 64) { /* two sums: even and odd blocks of 32 columns */
+            _tile_loadd(4, xg + k, K * 2);
+            _tile_loadd(5, a2 + (k / 2) * w->R, w->R * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (k + 32 < K) {
+                _tile_loadd(4, xg + k + 32, K * 2);
+                _tile_loadd(5, a2 + (k / 2 + 16) * w->R, w->R * 4);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+        }
+        _tile_stored(0, c0, 64);
+        _tile_stored(1, c1, 64);
+        for (int64_t r = 0; r < m; r++)
+            _mm256_storeu_si256((__m256i *)(ug + r * ld + c), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(
+                                    _mm512_loadu_ps(c0 + 16 * r), _mm512_loadu_ps(c1 + 16 * r))));
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += 64) { /* the expansion: y += u B^T, m rows x 64 columns */
+        const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
+        _tile_zero(0); /* tile numbers are constants: one call each */
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < rk; c += 16) {
+            _tile_loadd(6, ug + c, ld * 2);
+            const uint32_t *b2 = (const uint32_t *)w->b2 + ((rs + c) / 2) * N + n0;
+            _tile_loadd(7, b2, N * 4);
+            _tile_dpbf16ps(0, 6, 7);
+            if (nt > 1) { _tile_loadd(7, b2 + 16, N * 4); _tile_dpbf16ps(1, 6, 7); }
+            if (nt > 2) { _tile_loadd(7, b2 + 32, N * 4); _tile_dpbf16ps(2, 6, 7); }
+            if (nt > 3) { _tile_loadd(7, b2 + 48, N * 4); _tile_dpbf16ps(3, 6, 7); }
+        }
+        _tile_stored(0, acc[0], 64);
+        if (nt > 1) _tile_stored(1, acc[1], 64);
+        if (nt > 2) _tile_stored(2, acc[2], 64);
+        if (nt > 3) _tile_stored(3, acc[3], 64);
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t v = 0; v < nt; v++) { /* y = bf16(y + sum), round to nearest even */
+                uint16_t *yc = y + perm[r] * N + n0 + 16 * v;
+                const __m512 yv = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)yc)), 16));
+                _mm256_storeu_si256((__m256i *)yc,
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yv, _mm512_loadu_ps(acc[v] + 16 * r))));
+            }
+    }
+}
+
 /* The rows of lora_add_n whose adapter's rank is a multiple of 16, on AMX: rows sharing an adapter
  * are taken 16 at a time (Punica's SGMV shape), so that one tdpbf16ps multiplies up to 16 rows by
  * 32 columns of A for 16 ranks (the shrink), or by 16 ranks of B for 16 columns (the expansion).
@@ -129,73 +185,18 @@ static int lora_add_amx(const lora_t *lr, const lora_w_t *w, int n, const uint16
     for (int64_t i = 0; i < nrow; i++) memcpy(xs + i * K, x + perm[i] * K, sizeof(uint16_t) * K); /* grouped */
 #pragma omp parallel if (ng * n > 1)
     {
-    float c0[256], c1[256], acc[4][256];
-    int64_t tiles_m = 0;
+        int64_t tiles_m = 0;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < ng * n; task++) {
-        const int64_t g = task / n;
-        const int j = (int)(task % n);
-        const int64_t first = gstart[g], m = (g + 1 < ng ? gstart[g + 1] : nrow) - first;
-        const int64_t t0 = perm[first], rk = lr->row_rank[t0], rs = lr->row_start[t0];
-        if (tiles_m != m) lora_amx_config(m), tiles_m = m;
-        {
+        for (int64_t task = 0; task < ng * n; task++) {
+            const int64_t g = task / n, first = gstart[g], m = (g + 1 < ng ? gstart[g + 1] : nrow) - first;
+            const int j = (int)(task % n);
             if (!w[j].a) continue;
-            const int64_t R = w[j].R, Nj = N[j];
-            uint16_t *ug = us + (j * nrow + first) * rmax;
-            for (int64_t c = 0; c < rk; c += 16) { /* the shrink: u = bf16(x A^T), m rows x 16 ranks */
-                const uint32_t *a2 = (const uint32_t *)w[j].a2 + rs + c;
-                const uint16_t *xg = xs + first * K;
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t k = 0; k < K; k += 64) { /* two sums: even and odd blocks of 32 columns */
-                    _tile_loadd(4, xg + k, K * 2);
-                    _tile_loadd(5, a2 + (k / 2) * R, R * 4);
-                    _tile_dpbf16ps(0, 4, 5);
-                    if (k + 32 < K) {
-                        _tile_loadd(4, xg + k + 32, K * 2);
-                        _tile_loadd(5, a2 + (k / 2 + 16) * R, R * 4);
-                        _tile_dpbf16ps(1, 4, 5);
-                    }
-                }
-                _tile_stored(0, c0, 64);
-                _tile_stored(1, c1, 64);
-                for (int64_t r = 0; r < m; r++)
-                    _mm256_storeu_si256((__m256i *)(ug + r * rmax + c),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c0 + 16 * r),
-                                                                                  _mm512_loadu_ps(c1 + 16 * r))));
-            }
-            for (int64_t n0 = 0; n0 < Nj; n0 += 64) { /* the expansion: y += u B^T, m rows x 64 columns */
-                const int64_t nt = (Nj - n0) / 16 < 4 ? (Nj - n0) / 16 : 4;
-                _tile_zero(0); /* tile numbers are constants: one call each */
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t c = 0; c < rk; c += 16) {
-                    _tile_loadd(6, ug + c, rmax * 2);
-                    const uint32_t *b2 = (const uint32_t *)w[j].b2 + ((rs + c) / 2) * Nj + n0;
-                    _tile_loadd(7, b2, Nj * 4);
-                    _tile_dpbf16ps(0, 6, 7);
-                    if (nt > 1) { _tile_loadd(7, b2 + 16, Nj * 4); _tile_dpbf16ps(1, 6, 7); }
-                    if (nt > 2) { _tile_loadd(7, b2 + 32, Nj * 4); _tile_dpbf16ps(2, 6, 7); }
-                    if (nt > 3) { _tile_loadd(7, b2 + 48, Nj * 4); _tile_dpbf16ps(3, 6, 7); }
-                }
-                _tile_stored(0, acc[0], 64);
-                if (nt > 1) _tile_stored(1, acc[1], 64);
-                if (nt > 2) _tile_stored(2, acc[2], 64);
-                if (nt > 3) _tile_stored(3, acc[3], 64);
-                for (int64_t r = 0; r < m; r++) {
-                    uint16_t *yr = y[j] + perm[first + r] * Nj + n0;
-                    for (int64_t v = 0; v < nt; v++) { /* y = bf16(y + sum), round to nearest even */
-                        const __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(yr + 16 * v))), 16));
-                        _mm256_storeu_si256((__m256i *)(yr + 16 * v),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yv, _mm512_loadu_ps(acc[v] + 16 * r))));
-                    }
-                }
-            }
+            if (tiles_m != m) lora_amx_config(m), tiles_m = m;
+            const int64_t t0 = perm[first];
+            lora_amx_group(w + j, xs + first * K, m, K, N[j], lr->row_start[t0], lr->row_rank[t0],
+                           us + (j * nrow + first) * rmax, rmax, perm + first, y[j]);
         }
-    }
-    _tile_release();
+        _tile_release();
     }
     free(perm);
     free(xs);

@@ -22,6 +22,16 @@ def _linears(model) -> dict[str, torch.nn.Module]:
     return out
 
 
+def _even_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[r, in]`` and B ``[out, r]`` of an odd rank r padded with one zero rank (a zero row of A,
+    a zero column of B): the same product, and every adapter's columns then start at an even
+    column of the stacks with an even width, as the C step's copies interleaved by pairs need
+    (so a row's arithmetic does not depend on which adapters share its batch)."""
+    if a.shape[0] % 2 == 0:
+        return a, b
+    return torch.cat([a, a.new_zeros(1, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], 1)], dim=1)
+
+
 class LoRAManager:
     """The adapters loaded into one model (at most `max_loras`, of rank <= `max_lora_rank`):
     `add` loads a `LoRARequest` once and returns its id; `remove` unloads it."""
@@ -52,6 +62,7 @@ class LoRAManager:
         if len(self.loaded) >= self.max_loras:
             raise InvalidRequest(f"{len(self.loaded)} adapters are loaded, the limit (max_loras); unload one first",
                                  "lora")
+        weights = {name: _even_rank(a, b) for name, (a, b) in weights.items()}
         for name, (a, b) in weights.items():
             lin = self.linears[name]
             if lin.lora is None:

@@ -13,6 +13,7 @@ import torch
 from nextoken import LLM, LoRARequest, SamplingParams
 from nextoken.errors import InvalidRequest
 from nextoken.request_options import RequestOptions
+from tests.helpers.cpu import cpu_has
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3], [7, 11, 15, 19, 23, 27, 31]]
@@ -39,14 +40,14 @@ def adapters(tiny_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def adapters16(tiny_gguf, tmp_path_factory):
-    """Two adapters whose ranks are multiples of 16 (the C step's AMX path takes those): "c" (rank
-    16, every target) and "d" (rank 32, q and v only)."""
+def more_adapters(tiny_gguf, tmp_path_factory):
+    """Adapters whose ranks are multiples of 16 (the C step's AMX path takes those): "c" (rank 16,
+    every target) and "d" (rank 32, q and v only); and "e", of odd rank 5 (every target)."""
     from peft import LoraConfig, get_peft_model
 
     _, hf = tiny_gguf["llama"]
     out = {}
-    for i, (name, r, targets) in enumerate((("c", 16, ALL), ("d", 32, ["q_proj", "v_proj"]))):
+    for i, (name, r, targets) in enumerate((("c", 16, ALL), ("d", 32, ["q_proj", "v_proj"]), ("e", 5, ALL))):
         torch.manual_seed(20 + i)
         cfg = LoraConfig(r=r, lora_alpha=r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
         model = get_peft_model(copy.deepcopy(hf), cfg).eval()
@@ -59,14 +60,6 @@ def adapters16(tiny_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_gguf):
     return LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def last_logits(llm, ids, lora) -> torch.Tensor:
@@ -91,6 +84,24 @@ def test_logits_equal_peft_unmerged_and_merged(llm, adapters, name):
             with model.disable_adapter():
                 plain = base(torch.tensor([ids])).logits[0, -1]
         assert (ours - plain).abs().max() > 1e-2  # the adapter changes the answer
+
+
+def test_an_odd_rank_equals_peft_and_leaves_the_stacks_even(tiny_gguf, more_adapters):
+    """Rank 5 ("e") is held padded with a zero rank: its logits still equal peft's, and beside a
+    rank-16 adapter every row's columns start at an even column of stacks of even width (the C
+    step's pair-interleaved copies exist and take every row, whatever shares its batch)."""
+    (e, model), (c, _) = more_adapters["e"], more_adapters["c"]
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0, -1]
+        assert torch.allclose(last_logits(llm, ids, e), want, atol=1e-4)
+    loras = llm.engine.runner.loras
+    loras.add(c)
+    for rows in ([e.lora_int_id, 0, c.lora_int_id], [c.lora_int_id, e.lora_int_id]):
+        loras.set_batch(rows)
+        assert all(int(s) % 2 == 0 for s in loras.batch.row_start)
+        assert all(lin.lora.stacks(torch.float32)[0].shape[0] % 2 == 0 for lin in loras.linears.values())
 
 
 def test_a_llama_cpp_gguf_adapter_equals_its_peft_folder(tiny_gguf, adapters):
@@ -276,14 +287,15 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
 
 
 @pytest.mark.parametrize("isa, names", [(None, "ab"), ("avx2", "ab"), ("portable", "ab"), (None, "ca"),
-                                         (None, "cd"), ("avx2", "cd")])
-def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, adapters16, isa, names):
+                                         (None, "cd"), ("avx2", "cd"), (None, "ce")])
+def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, more_adapters, isa, names):
     """bf16 on our kernels, the one-call C step adds each row's adapter (`layers.native_decode`):
     decode steps mixing the first adapter, the base model and the second over the same cache equal
     the PyTorch layers' LoRA (the same stacks) to bf16 rounding, for every row; prompts of each kind
     run there too, and each sequence's rows are bit for bit those it gets alone. With the kernels
     built for this CPU, for AVX2 (no vdpbf16ps) and portable (plain C loops); ranks 4 and 8 ("a",
-    "b"), 16 and 32 ("c", "d": on AMX tiles where the CPU has them), and 16 beside 4 in one step."""
+    "b"), 16 and 32 ("c", "d": on AMX tiles where the CPU has them), 16 beside 4 and beside the
+    odd rank 5 in one step."""
     from nextoken.kernels import load
     from nextoken.loader.gguf import GGUFFile
     from nextoken.runner.model_runner import ModelRunner, SequenceInput
@@ -295,10 +307,10 @@ def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, adapters1
         native.native_decoder.lib = load("decode", portable=True) if isa == "portable" else load("decode", isa=isa)
         assert native.native_decoder.lib is not None
         assert native.native_decoder.lib.decode_lora_amx() == 0
-    elif "c" in names and {"amx_bf16", "avx512_bf16"} <= _cpu_flags():
+    elif "c" in names and cpu_has("amx_bf16") and cpu_has("avx512_bf16"):
         assert native.native_decoder.lib.decode_lora_amx() == 1  # the AMX path is the one measured here
     plain.native_decoder = None
-    every = {**adapters, **adapters16}
+    every = {**adapters, **more_adapters}
     for r in (native, plain):
         r.enable_lora(2, 32)
         for name in names:
