@@ -61,7 +61,7 @@ def _current_kernels() -> set[str]:
     compiler = kernels._compiler()
     if compiler is None:
         return set()
-    names = [p.stem for p in Path(kernels.__file__).parent.glob("*.c")]
+    names = {kernels.host(p.stem) for p in Path(kernels.__file__).parent.glob("*.c")}
     return {kernels.library_path(n, flags, compiler).name for n in names
             for flags in (kernels.FLAGS, kernels.PORTABLE_FLAGS)}
 
@@ -188,7 +188,8 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
         (path.parent / f"{path.name}.verified").unlink(missing_ok=True)  # a model folder's marker
         return
-    for p in (path, path.with_suffix(".gguf.verified")) if path.suffix == ".gguf" else (path,):
+    extra = {".gguf": path.with_suffix(".gguf.verified"), ".so": path.with_name(path.name + ".lock")}  # markers
+    for p in (path, extra[path.suffix]) if path.suffix in extra else (path,):
         try:
             p.unlink()
         except FileNotFoundError:

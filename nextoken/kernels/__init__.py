@@ -2,7 +2,11 @@
 
 Each kernel is one ``.c`` file next to this module. `load` compiles it once per source and CPU
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
-and opens it with ctypes. ``NEXTOKEN_KERNEL_ISA`` builds for an older instruction set than the
+and opens it with ctypes; a kernel whose source another kernel includes (``qmatmul.c``,
+``paged_attention.c`` and ``activation.c`` are in ``decode.c``) is served by the including
+library (`host`), so its code is compiled once, not twice (``qmatmul.c`` alone takes 20 s), and
+one copy of it runs. Concurrent builds of one library (two processes starting) wait on a lock
+file: one compiles, the others open its result. ``NEXTOKEN_KERNEL_ISA`` builds for an older instruction set than the
 CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs, on any CPU that has
 AVX2), so every loop can be run, measured and tested on one machine. Every caller keeps a
 PyTorch path: when no compiler is found, the build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -143,6 +148,17 @@ def library_path(name: str, flags: list[str], compiler: list[str]) -> Path:
     return cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 
 
+@functools.cache
+def host(name: str) -> str:
+    """The kernel whose library serves kernel `name`: the outermost kernel source that includes
+    ``<name>.c`` (directly or through another), else `name` itself."""
+    here = Path(__file__).parent
+    for other in sorted(p.stem for p in here.glob("*.c")):
+        if other != name and f'#include "{name}.c"' in (here / f"{other}.c").read_text():
+            return host(other)
+    return name
+
+
 def _build(name: str, flags: list[str], force: bool = False) -> Path | None:
     """The cached library of kernel `name`, compiled first if needed (or when `force`). Every
     failure (no compiler, a cache folder that cannot be written, a compiler that fails or cannot
@@ -157,17 +173,37 @@ def _build(name: str, flags: list[str], force: bool = False) -> Path | None:
     source = Path(__file__).with_name(f"{name}.c")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_so = Path(tmp) / out.name
-            proc = subprocess.run([*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
-                return None
-            os.replace(tmp_so, out)  # atomic: a concurrent build never sees half a file
+        with _build_lock(out):
+            if out.exists() and not force:  # another process built it while this one waited
+                return out
+            return _compile(name, compiler, flags, source, out)
     except OSError as exc:  # unwritable cache folder, a compiler that cannot be started
         log.warning("cannot build %s in %s (%s); using the PyTorch path", name, out.parent, exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """Hold an exclusive lock on ``<out>.lock`` (flock: released if the process dies)."""
+    with open(out.with_name(out.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(name: str, compiler: list[str], flags: list[str], source: Path, out: Path) -> Path | None:
+    """Compile `source` into `out` (atomically: a process opening `out` never sees half a file);
+    None after one warning when the compiler fails. Raises OSError when it cannot be started."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        proc = subprocess.run([*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
+            return None
+        os.replace(tmp_so, out)
     return out
 
 
@@ -241,8 +277,8 @@ def _warn_if_slow(lib: ctypes.CDLL) -> None:
 
 
 def load(name: str, portable: bool = False, isa: str | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (``nextoken/kernels/<name>.c``), or None (then the
-    caller runs PyTorch). The model's layers never call it: they hold the handles the execution
+    """The compiled kernel library that serves `name` (``nextoken/kernels/<name>.c``, or the
+    kernel that includes it: `host`), or None (then the caller runs PyTorch). The model's layers never call it: they hold the handles the execution
     plan resolved once (`KernelSet`). `portable` builds it for any x86-64 CPU (no AVX-512: the
     kernels' plain C loops), `isa` for a named instruction set (`ISAS`; default `default_isa`),
     for the tests that hold every loop equal to the plain ones. Never raises for a build or load
@@ -250,9 +286,9 @@ def load(name: str, portable: bool = False, isa: str | None = None) -> ctypes.CD
     if not native_allowed():
         return None
     isa = "portable" if portable else (isa or default_isa())
-    key = (name, isa)
+    key = (host(name), isa)
     if key not in _loaded:
-        lib = _open(name, isa_flags(isa))
+        lib = _open(key[0], isa_flags(isa))
         if lib is not None and isa != "portable":
             _warn_if_slow(lib)
         _loaded[key] = lib

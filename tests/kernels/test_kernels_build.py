@@ -29,8 +29,8 @@ def warnings_of(caplog) -> list[str]:
 @needs_gcc
 def test_cc_with_arguments_builds(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", f"{shutil.which('gcc')} -DNEXTOKEN_CC_HAS_ARGUMENTS")
-    lib = kernels.load("paged_attention")
-    assert lib is not None and lib.paged_decode_max_head_dim() == 256
+    lib = kernels.load("sampling")  # the smallest library: half a second to build
+    assert lib is not None and lib.sample_rows.restype is ctypes.c_int
     assert not warnings_of(caplog)
 
 
@@ -53,12 +53,12 @@ def test_unwritable_cache_folder_is_one_warning(fresh, monkeypatch, caplog):
 
 @needs_gcc
 def test_a_damaged_cached_library_is_rebuilt(fresh, caplog):
-    path = kernels.library_path("paged_attention", kernels.FLAGS, kernels._compiler())
+    path = kernels.library_path("sampling", kernels.FLAGS, kernels._compiler())
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     with caplog.at_level(logging.WARNING):
-        lib = kernels.load("paged_attention")
-    assert lib is not None and lib.paged_decode_max_group() == 64
+        lib = kernels.load("sampling")
+    assert lib is not None and lib.sample_rows.restype is ctypes.c_int
     assert any("building it again" in w for w in warnings_of(caplog))
 
 
@@ -69,7 +69,7 @@ def test_dlopen_failure_falls_back(fresh, monkeypatch, caplog):
 
     monkeypatch.setattr(kernels.ctypes, "CDLL", refuse)
     with caplog.at_level(logging.WARNING):
-        assert kernels.load("paged_attention") is None
+        assert kernels.load("sampling") is None
     assert any("using the PyTorch path" in w for w in warnings_of(caplog))
 
 
@@ -95,6 +95,41 @@ def test_functions_have_declared_types():
         assert f.argtypes == argtypes and f.restype == restype, fn
     with pytest.raises(ctypes.ArgumentError):  # a wrong argument is caught before C sees it
         lib.qmatmul_quantize(None, 0, "one row", 32, 32, None, None)
+
+
+@needs_gcc
+def test_concurrent_builds_compile_once(fresh, monkeypatch):
+    """Two workers (here threads) asking for a library no one has built yet: one compiles, the
+    other waits on the lock and opens the same file."""
+    import stat
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = fresh / "calls"
+    cc = fresh / "cc"
+    cc.write_text(f'#!/bin/sh\necho compile >> {calls}\nexec {shutil.which("gcc")} "$@"\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: kernels._build("sampling", kernels.FLAGS), range(2)))
+    assert paths[0] == paths[1] and paths[0].exists()
+    assert calls.read_text().split() == ["compile"]
+
+
+@needs_gcc
+def test_an_included_kernel_is_served_by_the_library_that_includes_it():
+    """qmatmul.c, paged_attention.c and activation.c are compiled into decode.c's library: one
+    build, one copy of their code in the process; every function they declare is there."""
+    from pathlib import Path
+
+    src = Path(kernels.__file__).parent
+    for name in ("qmatmul", "paged_attention", "activation"):
+        assert kernels.host(name) == "decode" and f'#include "{name}.c"' in (src / "decode.c").read_text()
+        assert kernels.load(name) is kernels.load("decode")
+    assert kernels.host("sampling") == "sampling" and kernels.host("prefill_scores") == "prefill_scores"
+    lib = kernels.load("decode")
+    for fn in kernels.SIGNATURES:
+        if fn.startswith(("qmatmul", "qdequant", "qlookup", "dense_bf16", "paged_decode", "silu", "gelu", "rms_norm")):
+            assert hasattr(lib, fn), fn
 
 
 def test_native_kernels_can_be_switched_off(fresh, monkeypatch):
