@@ -287,17 +287,16 @@ def test_a_prefix_one_replica_computed_is_read_back_by_the_other(cluster):
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 
-def test_a_killed_replica_leaves_the_router_serving_on_the_other(network, smollm2_path):
-    c = Cluster(smollm2_path)
-    try:
-        complete(c.url, "Warm words")
-        victim, survivor = c.replica_pids()[0], c.replicas[1]
-        before = metric(survivor, "vllm:request_success_total")
-        os.kill(victim, signal.SIGKILL)
-        prompts = [f"After the failure, request {i} says" for i in range(6)]
-        outs = [complete(c.url, p) for p in prompts]  # every one succeeds (the router retries elsewhere)
-        assert all(o["choices"][0]["text"] for o in outs)
-        assert metric(survivor, "vllm:request_success_total") - before == len(prompts)
-        assert c.proc.poll() is None  # the --replicas process keeps serving with one replica
-    finally:
-        assert c.stop() == 0
+def test_a_killed_replica_leaves_the_router_serving_on_the_other(cluster):
+    """The last test of this file: it kills a replica of the module's cluster (whose teardown then
+    checks that the --replicas process still exits cleanly), rather than starting a cluster of its own."""
+    c = cluster
+    complete(c.url, "Warm words")
+    victim, survivor = c.replica_pids()[0], c.replicas[1]
+    before = metric(survivor, "vllm:request_success_total")
+    os.kill(victim, signal.SIGKILL)
+    prompts = [f"After the failure, request {i} says" for i in range(6)]
+    outs = [complete(c.url, p) for p in prompts]  # every one succeeds (the router retries elsewhere)
+    assert all(o["choices"][0]["text"] for o in outs)
+    assert metric(survivor, "vllm:request_success_total") - before == len(prompts)
+    assert c.proc.poll() is None  # the --replicas process keeps serving with one replica
