@@ -56,6 +56,8 @@ def _add_serve_args(p, exclude: tuple[str, ...] = ()) -> None:
 
 
 def _params(a):
+    """The command's `SamplingParams`, checked before any model loads (a bad value: one line at
+    once, not after PyTorch's import; the vocabulary's bounds are checked when the model is read)."""
     from nextoken.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -63,7 +65,7 @@ def _params(a):
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
         ignore_eos=a.ignore_eos, logprobs=a.logprobs, structured_outputs=_structured(a), watermark=a.watermark,
-    )
+    ).validate()
 
 
 def _structured(a):
@@ -93,10 +95,15 @@ def engine_args(a):
 
 def _load(a, first=None):
     """The model for a single-user command (`run`, `chat`, `explain`); `first`: the quick start's
-    first token, which the engine takes over (`LLM.from_engine_args`)."""
+    first token, which the engine takes over (`LLM.from_engine_args`). The model is resolved
+    first, so that an unknown name or a missing file is one line before PyTorch is imported."""
+    from nextoken.catalog import resolve_model
+
+    args = engine_args(a)
+    resolve_model(args.model, auto_pull=args.auto_pull)
     from nextoken.llm import LLM
 
-    return LLM.from_engine_args(engine_args(a), first)
+    return LLM.from_engine_args(args, first)
 
 
 def _read_text(path: str) -> str:

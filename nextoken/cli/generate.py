@@ -72,8 +72,9 @@ def _spec_stats(llm) -> str:
 
 
 def cmd_chat(a) -> int:
+    params = _params(a)  # a bad value: one line before the model loads
     llm = _load(a)
-    params = _params(a).validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size)
     messages: list[dict] = []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -109,10 +110,11 @@ def cmd_chat(a) -> int:
 
 
 def cmd_explain(a) -> int:
+    params = _params(a)  # a bad value: one line before PyTorch is imported
+    llm = _load(a)
     from nextoken.trace.explain import explain_report, format_report, recorder_for
 
-    llm = _load(a)
-    params = _params(a).validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size)
     params.logprobs = None
     chat = not a.raw and llm.tokenizer.chat_template is not None
     tracer = recorder_for(llm.config)

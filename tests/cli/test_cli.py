@@ -95,6 +95,18 @@ def test_errors_are_one_line(args, message, smollm2_path, tiny_gguf):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args", [["run", "hi", "--model", "no-such-model"], ["run", "hi", "--temperature", "-1"],
+                                  ["chat", "--model", "/nonexistent/x.gguf"], ["explain", "hi", "--top-p", "0"]])
+def test_argument_errors_are_found_before_pytorch_is_imported(args):
+    """A mistyped model or a bad sampling value is reported at once, not after PyTorch's import."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "nextoken.cli", *args], capture_output=True,
+                       text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines[-1].startswith("error: "), r.stderr[-500:]
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "nextoken.cli" in imported and "torch" not in imported
+
+
 def test_corrupt_file_is_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 50)
