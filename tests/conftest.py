@@ -36,12 +36,23 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     """`transformers`' float32 load of the same SmolLM2 GGUF (its own de-quantization): the
-    independent oracle for tests on the real model. Loading takes seconds: share it."""
+    independent oracle for tests on the real model. Loading takes seconds: share it.
+
+    transformers opens the file with gguf-py's `GGUFReader` twice (each parses the 49k-token
+    vocabulary in Python, about 7 s) and builds gguf-py's `TensorNameMap` once per tensor (397
+    times): during the load both are memoised, so it reads the same file and maps the same names
+    once each; what it computes is unchanged."""
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                dtype=torch.float32)
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                    dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
