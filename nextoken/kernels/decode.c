@@ -159,10 +159,11 @@ static void lora_amx_group(const lora_w_t *w, const uint16_t *xg, int64_t m, int
  * 32 columns of A for 16 ranks (the shrink), or by 16 ranks of B for 16 columns (the expansion).
  * Each output is its own row's dot product, summed in float32 in the same order whatever the group
  * holds, so a row's arithmetic does not depend on the other rows. A task is one group's shrink and
- * expansion for one projection (no barrier between them); the threads share the tasks. done[t]
- * is set for the rows it took. Returns 0, or 1 when out of memory. */
+ * expansion for one projection (no barrier between them); the threads share the tasks. rank[t]:
+ * the rank row t still needs (0: none, or another path's), set to 0 for the rows it takes.
+ * Returns 0, or 1 when out of memory. */
 static int lora_add_amx(const lora_t *lr, const lora_w_t *w, int n, const uint16_t *x, int64_t T, int64_t K,
-                        const int64_t *N, uint16_t *const *y, char *done) {
+                        const int64_t *N, uint16_t *const *y, int64_t *rank) {
     if (K % 32) return 0;
     for (int j = 0; j < n; j++)
         if (w[j].a && (!w[j].a2 || !w[j].b2 || N[j] % 16)) return 0;
@@ -170,12 +171,12 @@ static int lora_add_amx(const lora_t *lr, const lora_w_t *w, int n, const uint16
     int64_t *perm = malloc(sizeof(int64_t) * T * 2), *gstart = perm + T, ng = 0, nrow = 0, rmax = 0;
     if (!perm) return 1;
     for (int64_t t = 0; t < T; t++) { /* group the rows by adapter, 16 at most per group */
-        const int64_t rk = lr->row_rank[t], rs = lr->row_start[t];
-        if (done[t] || rk == 0 || rk % 16 || rs % 2) continue;
+        const int64_t rk = rank[t], rs = lr->row_start[t];
+        if (rk == 0 || rk % 16 || rs % 2) continue;
         const int64_t g0 = nrow;
-        perm[nrow++] = t, done[t] = 1;
+        perm[nrow++] = t, rank[t] = 0;
         for (int64_t s = t + 1; s < T && nrow - g0 < 16; s++)
-            if (!done[s] && lr->row_start[s] == rs && lr->row_rank[s] == rk) perm[nrow++] = s, done[s] = 1;
+            if (rank[s] == rk && lr->row_start[s] == rs) perm[nrow++] = s, rank[s] = 0;
         gstart[ng++] = g0;
         rmax = rk > rmax ? rk : rmax;
     }
@@ -222,17 +223,13 @@ static int lora_add_n(const lora_t *lr, const lora_w_t *w, int n, const uint16_t
     for (int64_t t = 0; t < T; t++) rmax = lr->row_rank[t] > rmax ? lr->row_rank[t] : rmax;
     if (rmax == 0 || !any) return 0;
     int64_t *rank = malloc(sizeof(int64_t) * T); /* each row's rank left to the loops below */
-    char *done = calloc((size_t)T, 1);
-    if (!rank || !done) { free(rank); free(done); return 1; }
+    if (!rank) return 1;
+    memcpy(rank, lr->row_rank, sizeof(int64_t) * T);
 #ifdef LORA_AMX
-    if (lora_add_amx(lr, w, n, x, T, K, N, y, done)) { free(rank); free(done); return 1; }
+    if (lora_add_amx(lr, w, n, x, T, K, N, y, rank)) { free(rank); return 1; }
 #endif
     rmax = 0;
-    for (int64_t t = 0; t < T; t++) {
-        rank[t] = done[t] ? 0 : lr->row_rank[t];
-        rmax = rank[t] > rmax ? rank[t] : rmax;
-    }
-    free(done);
+    for (int64_t t = 0; t < T; t++) rmax = rank[t] > rmax ? rank[t] : rmax;
     if (rmax == 0) { free(rank); return 0; }
 #ifdef DB_DPBF16
     int pairs = K % 2 == 0; /* the shrink on vdpbf16ps: every projection's A interleaved by column pairs */

@@ -33,7 +33,8 @@ def teacher_forced(runner: ModelRunner, gen: dict, decode_last: int):
     """Like `replay`, but one prefill over the prompt and all but the last `decode_last` reference
     tokens gives the log-probabilities of those steps at once (every position's logits, as
     ``prompt_logprobs`` reads them); the last steps are decodes over that cache. One pass over the
-    float32 weights instead of one per step: the same positions checked, both paths on each."""
+    float32 weights instead of one per step: every position is checked, most through prefill, the
+    last `decode_last` through decode."""
     steps = gen["steps"]
     cut = max(len(steps) - decode_last, 1)
     seq = OneSequence(runner, len(gen["prompt_ids"]) + len(steps))
