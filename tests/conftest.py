@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import tiny_hf_model, write_gguf
 
 DATA = Path(__file__).parent / "data"
+
+
+def pytest_configure(config):
+    """Each of pytest-xdist's N workers computes with cores/N threads (`OMP_NUM_THREADS`, which
+    PyTorch, our kernels' OpenMP and every `nextoken` process the tests start read). Two workers
+    each running two OpenMP threads on two cores keep one core's threads spinning at barriers
+    while the other worker's threads hold it. Set here, before anything imports torch."""
+    import sys
+
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // count))
+        assert "torch" not in sys.modules, "a plugin imported torch before the worker's thread count was set"
+
+
+@pytest.fixture
+def two_threads():
+    """PyTorch and our kernels (one libgomp) compute with two threads in this test, whatever the
+    worker's count: a test of the threaded partitions, reductions and barriers uses it. An `LLM`
+    built in the test sets its own count (``num_threads``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
     """``{arch: (gguf path, transformers model)}`` for the tiny llama, qwen2 and gemma3 models."""
+    from tests.tiny_models import tiny_hf_model, write_gguf
+
     out = {}
     d = tmp_path_factory.mktemp("tiny")
     for arch in ("llama", "qwen2", "gemma3"):

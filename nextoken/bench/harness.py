@@ -310,7 +310,9 @@ def run(a, engine_args) -> int:
     from nextoken.errors import EngineError, InvalidRequest
 
     a.model_path = str(resolve_model(engine_args.model, auto_pull=engine_args.auto_pull))
-    threads = engine_args.num_threads or len(os.sched_getaffinity(0))
+    from nextoken.runner.threads import default_threads
+
+    threads = engine_args.num_threads or default_threads()
     engine_args = engine_args.replace(num_threads=threads)
     for name in ("prompt_tokens", "decode_tokens", "batch", "batch_prompt_tokens", "batch_output_tokens", "repeat",
                  "rounds"):

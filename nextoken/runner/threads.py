@@ -2,7 +2,7 @@
 
 PyTorch's intra-op pool (OpenMP) does the work of every kernel; by default it gets one thread per
 core this process may run on (``os.sched_getaffinity``, which respects CPU sets and
-``taskset``), not per hyper-thread. The inter-op pool gets one thread: the model runs one op at a
+``taskset``), not per hyper-thread, or fewer if ``OMP_NUM_THREADS`` asks for fewer. The inter-op pool gets one thread: the model runs one op at a
 time, and a second pool would only compete with the first for the same cores. The server's
 event loop and the engine's step thread mostly wait, so they take no core of their own.
 """
@@ -15,11 +15,14 @@ from nextoken.errors import InvalidRequest
 
 
 def default_threads() -> int:
-    """Cores this process may use."""
+    """The cores this process may use, or fewer where ``OMP_NUM_THREADS`` (a positive count, as
+    PyTorch and OpenMP read it) says so: more threads than cores only spin against each other."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(int(env), cores) if env.isdigit() and int(env) >= 1 else cores
 
 
 def configure_threads(num_threads: int | None = None) -> int:

@@ -187,3 +187,21 @@ def test_parse_size_units(text, size):
 def test_parse_size_refuses(text):
     with pytest.raises(InvalidRequest):
         parse_size(text)
+
+
+def test_default_threads_are_the_usable_cores_or_fewer_by_omp_num_threads(monkeypatch):
+    """As PyTorch reads OMP_NUM_THREADS, and never more threads than cores (they would spin)."""
+    import os
+
+    from nextoken.runner.threads import default_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads() == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 3))
+    assert default_threads() == cores
+    for ignored in ("0", "", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", ignored)
+        assert default_threads() == cores

@@ -286,6 +286,7 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
     assert outs[0].outputs[0].text.startswith(" Atlantis") and outs[1].outputs[0].text.startswith(" Paris")
 
 
+@pytest.mark.usefixtures("two_threads")  # lora_add_n splits rows and ranks over the threads
 @pytest.mark.parametrize("isa, names", [(None, "ab"), ("avx2", "ab"), ("portable", "ab"), (None, "ca"),
                                          (None, "cd"), ("avx2", "cd"), (None, "ce")])
 def test_the_c_decode_step_adds_each_rows_adapter(tiny_gguf, adapters, more_adapters, isa, names):
