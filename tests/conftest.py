@@ -14,15 +14,17 @@ DATA = Path(__file__).parent / "data"
 
 def pytest_configure(config):
     """Each of pytest-xdist's N workers computes with cores/N threads (`OMP_NUM_THREADS`, which
-    PyTorch, our kernels' OpenMP and every `nextoken` process the tests start read). Two workers
-    each running two OpenMP threads on two cores keep one core's threads spinning at barriers
-    while the other worker's threads hold it. Set here, before anything imports torch."""
+    PyTorch, our kernels' OpenMP and every `nextoken` process the tests start read), and OpenMP
+    threads that wait sleep instead of spinning (`OMP_WAIT_POLICY`): two workers each running two
+    spinning threads on two cores keep a core's threads spinning at barriers while the other
+    worker's threads hold it. Set here, before anything imports torch (OpenMP reads both once)."""
     import sys
 
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // count))
         assert "torch" not in sys.modules, "a plugin imported torch before the worker's thread count was set"
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // count))
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import anthropic
 import httpx
 import pytest
 
@@ -32,6 +31,8 @@ def srv(smollm2_path):
 
 
 def client(srv, key="k3y") -> anthropic.Anthropic:
+    import anthropic  # here: the SDK takes ~3 s to import, and every worker collects this module
+
     return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0)
 
 
@@ -112,6 +113,8 @@ def test_errors_have_anthropics_shape(srv, body, status, kind):
 
 
 def test_x_api_key_is_the_servers_key(srv):
+    import anthropic
+
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(srv, key="wrong").messages.create(model="smollm2", max_tokens=2, messages=ASK)
     assert e.value.body["error"]["type"] == "authentication_error"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
-import ollama
 import pytest
 
 from nextoken import LLM
@@ -50,6 +48,8 @@ def srv():
 
 
 def test_messages_tool_use_round_trip(srv):
+    import anthropic  # the SDKs are imported where used: every worker collects this module
+
     c = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}]
     msg = c.messages.create(model="qwen", max_tokens=80, tools=tools, messages=[{"role": "user", "content": ASK}],
@@ -79,6 +79,8 @@ def test_responses_function_call_round_trip(srv):
 
 
 def test_ollama_tool_call_round_trip(srv):
+    import ollama
+
     c = ollama.Client(host=srv.url)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": PARAMS}}]
@@ -99,6 +101,9 @@ def test_a_call_cut_by_max_tokens_leaks_no_markup_in_any_api(srv, stream):
     """The model starts its call (``<tool_call>\\n{"``) and meets max_tokens 3: every API ends as
     cut (length / max_tokens / incomplete / done_reason length) with no text and no call, not the
     markup as text."""
+    import anthropic
+    import ollama
+
     tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": PARAMS}]
     msgs = [{"role": "user", "content": ASK}]
     if stream:
