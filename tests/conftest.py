@@ -22,9 +22,11 @@ def pytest_configure(config):
 
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-        assert "torch" not in sys.modules, "a plugin imported torch before the worker's thread count was set"
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // count))
+        threads = max(1, len(os.sched_getaffinity(0)) // count)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "torch" in sys.modules:  # a plugin loaded it first: OpenMP has read its settings already
+            sys.modules["torch"].set_num_threads(threads)
 
 
 @pytest.fixture
