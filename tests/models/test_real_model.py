@@ -110,13 +110,14 @@ def test_smollm2_fast_paths_generate_within_reference_top5(smollm2_path, mode):
     """Free-running greedy generations through the whole engine, for each fast path: one stream
     (lone-decode attention, int4 weights only, with our C kernels or PyTorch alone) and
     all prompts batched (the one-call decode over many rows, with or without dense bf16 copies, or
-    with an int8 KV cache), on two threads as users run them. Up to the
+    with an int8 KV cache), our kernels on two threads as users run them. Up to the
     first token where we and the reference differ, the texts are equal; there, each side's token
     is in the other's top 5."""
     from nextoken.llm import LLM
     from nextoken.sampling_params import SamplingParams
 
-    llm = LLM(str(smollm2_path), num_threads=2, max_num_seqs=1 if mode.startswith("single") else 8,
+    llm = LLM(str(smollm2_path), num_threads=1 if mode.endswith("eager") else 2,
+              max_num_seqs=1 if mode.startswith("single") else 8,
               dense_weights=mode.endswith("dense"), enforce_eager=mode.endswith("eager"),
               kv_cache_dtype="int8" if mode.endswith("int8kv") else "auto")
     gens = load_reference("smollm2-135m-instruct")["generations"]
