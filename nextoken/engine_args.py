@@ -38,8 +38,8 @@ class EngineArgs(CliArgs):
                      short="-m", metavar="NAME|PATH")
     dtype: str = opt("auto", "weights and activations dtype: auto (bfloat16 for GGUF; a Hugging Face folder's "
                       "config dtype), bfloat16, or float32 (the exact reference)", choices=DTYPE_CHOICES)
-    num_threads: int | None = opt(None, "compute threads (default: one per core this process may use, at most OMP_NUM_THREADS)",
-                                   flag="--threads", type=int)
+    num_threads: int | None = opt(None, "compute threads (default: one per core this process may use, at "
+                                        "most OMP_NUM_THREADS)", flag="--threads", type=int)
     enforce_eager: bool = opt(False, "PyTorch only, none of nextoken's C kernels (the reference path); fixed at "
                                "load in the execution plan", cli="true")
     reference_attention: bool = opt(False, "plain float32 attention (the reference) instead of the fast paths",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-
 DATA = Path(__file__).parent / "data"
 
 
@@ -20,9 +19,8 @@ def pytest_configure(config):
     worker's threads hold it. Set here, before anything imports torch (OpenMP reads both once)."""
     import sys
 
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // count)
+        threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if "torch" in sys.modules:  # a plugin loaded it first: OpenMP has read its settings already

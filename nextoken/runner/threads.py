@@ -2,9 +2,10 @@
 
 PyTorch's intra-op pool (OpenMP) does the work of every kernel; by default it gets one thread per
 core this process may run on (``os.sched_getaffinity``, which respects CPU sets and
-``taskset``), not per hyper-thread, or fewer if ``OMP_NUM_THREADS`` asks for fewer. The inter-op pool gets one thread: the model runs one op at a
-time, and a second pool would only compete with the first for the same cores. The server's
-event loop and the engine's step thread mostly wait, so they take no core of their own.
+``taskset``), not per hyper-thread, or fewer if ``OMP_NUM_THREADS`` asks for fewer. The
+inter-op pool gets one thread: the model runs one op at a time, and a second pool would only
+compete with the first for the same cores. The server's event loop and the engine's step thread
+mostly wait, so they take no core of their own.
 """
 
 from __future__ import annotations

@@ -288,8 +288,9 @@ def test_a_prefix_one_replica_computed_is_read_back_by_the_other(cluster):
 
 
 def test_a_killed_replica_leaves_the_router_serving_on_the_other(cluster):
-    """The last test of this file: it kills a replica of the module's cluster (whose teardown then
-    checks that the --replicas process still exits cleanly), rather than starting a cluster of its own."""
+    """The last test of this file: it kills a replica of the module's cluster (whose teardown
+    then checks that the --replicas process still exits cleanly), rather than starting a cluster
+    of its own."""
     c = cluster
     complete(c.url, "Warm words")
     victim, survivor = c.replica_pids()[0], c.replicas[1]
