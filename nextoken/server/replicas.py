@@ -20,8 +20,8 @@ the circuit breaker and health check settings take a replica that died out of th
 after three failed attempts, which the router retries on another replica. Every replica can as
 well run on another host: start ``nextoken serve`` there and give its URL to ``vllm-router``.
 
-The router starts listening once every replica's ``/health`` answers 200 (the model loaded and
-warm). SIGTERM or Ctrl-C stops the router, then the replicas (each drains its requests within
+The router starts once every replica's ``/health`` answers 200 (the model loaded and warm),
+so it finds them all healthy at its first check. SIGTERM or Ctrl-C stops the router, then the replicas (each drains its requests within
 ``--shutdown-timeout``). A replica that exits is logged and left out by the router; when the
 router or every replica has exited, the rest are stopped and the command exits with status 1.
 """
@@ -117,6 +117,8 @@ def serve_replicas(args, argv: list[str]) -> int:
             cmd = [sys.executable, "-m", "nextoken", "serve", *rest, "--host", "127.0.0.1", "--port", str(port)]
             procs.append((f"replica {i} (port {port}, cores {','.join(map(str, cores))})",
                           subprocess.Popen(cmd, preexec_fn=_pin(cores))))
+        if not _wait_replicas(procs, ports, stopping):
+            return 0 if stopping["signal"] is not None else 1
         cmd = router_command(router, args.host, args.port, args.router_policy,
                              [f"http://127.0.0.1:{p}" for p in ports], args.port + args.replicas + 1)
         procs.append(("router", subprocess.Popen(cmd)))
@@ -134,6 +136,27 @@ def _pin(cores: list[int]):
         os.sched_setaffinity(0, cores)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us in order
     return pin
+
+
+def _wait_replicas(procs, ports: list[int], stopping) -> bool:
+    """Until every replica still running answers ``/health`` with 200. The router starts after:
+    its start-up check then finds every replica healthy at once, where a replica still loading
+    would wait for two of its periodic checks (10 s) before it takes requests. False on a
+    signal or when every replica has exited (logged here)."""
+    pending = dict(zip(ports, procs))
+    while stopping["signal"] is None:
+        for port, (name, p) in list(pending.items()):
+            if p.poll() is not None or _healthy(f"http://127.0.0.1:{port}/health"):
+                del pending[port]  # one that exited is logged by `_supervise`
+        if not pending:
+            if all(p.poll() is not None for _, p in procs):
+                for name, p in procs:
+                    log.warning("%s exited with status %s", name, p.returncode)
+                log.error("every replica has exited; stopping")
+                return False
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _supervise(procs, stopping, args) -> int:

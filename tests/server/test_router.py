@@ -184,6 +184,48 @@ def test_core_slices_and_replica_arguments():
                        "--worker-urls", "http://a:1"]
 
 
+def test_the_router_waits_for_every_replica_still_running(caplog):
+    """`serve --replicas` starts the router once every live replica answers /health (stand-ins: one
+    that exits at once, one that answers after a while); it gives up when every replica exited."""
+    import http.server
+    import threading
+
+    from nextoken.server.replicas import _wait_replicas
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if time.monotonic() > ready_at else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def exits(code):
+        return subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+
+    def waits():
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    port = free_ports(2)
+    ready_at = time.monotonic() + 1.0
+    health = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=health.serve_forever, daemon=True).start()
+    procs = [("replica 0", waits()), ("replica 1", exits(3))]
+    try:
+        assert _wait_replicas(procs, [port, port + 1], {"signal": None})
+        assert time.monotonic() > ready_at  # not before the live one answered 200
+        assert _wait_replicas(procs, [port, port + 1], {"signal": signal.SIGTERM}) is False
+    finally:
+        health.shutdown()
+        health.server_close()
+        procs[0][1].kill()
+        procs[0][1].wait()
+    dead = [("replica 0", exits(4)), ("replica 1", exits(5))]
+    with caplog.at_level("WARNING", logger="nextoken.server"):
+        assert _wait_replicas(dead, [port, port + 1], {"signal": None}) is False
+    assert "replica 1 exited with status 5" in caplog.text and "every replica has exited" in caplog.text
+
+
 # -- the cluster ----------------------------------------------------------------------------
 def test_replicas_are_pinned_to_disjoint_cores(cluster):
     slices = [os.sched_getaffinity(pid) for pid in cluster.replica_pids()]
