@@ -24,7 +24,7 @@ the greedy ones, and the time its sampler takes per step in both):
   ``/health``; the median of `--repeat` starts after one untimed start (which fills the page
   cache and any cache of ours, as a second start of a server would find them);
 - the decode figures as a share of the bandwidth cap: the measured read bandwidth of this
-  machine (`read_bandwidth`) over the bytes one decode step reads (the weights it reads,
+  machine (`worker.read_bandwidth`, in the single-stream process after its runs) over the bytes one decode step reads (the weights it reads,
   `ModelRunner.decode_weight_bytes`: one row of an untied embedding table, a tied one once as
   the LM head; plus the KV cache at that depth). Shares printed before 2026-11-26 counted the
   whole embedding table too (`docs/benchmarks.md`).
@@ -102,24 +102,6 @@ ROWS = [("prefill", "prefill_tok_s", "tok/s"), ("decode, greedy", "decode_tok_s"
         ("cold start to serve healthy", "cold_serve_healthy_s", "s")]
 COLD_PROMPT_TOKENS = 128
 COLD_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 13)  # about 128 tokens
-
-
-def read_bandwidth(threads: int, nbytes: int = 1 << 29, repeats: int = 20) -> float:
-    """Bytes/s this machine reads from memory with `threads` threads: the best of `repeats`
-    float32 sums over `nbytes` (512 MiB, far past any cache). The best, so the cap is an upper
-    bound: a shared machine's bandwidth varies by 30% from one second to the next."""
-    import time
-
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 def run_llama_bench(path: str, a, threads: int, kv_cache_dtype: str = "auto") -> dict:
@@ -354,8 +336,8 @@ def run(a, engine_args) -> int:
         except EngineError as exc:  # minutes of our own figures are still worth printing
             failed = str(exc)
             sys.stderr.write(f"[bench] {failed}; its column is left out\n")
-    bandwidth = read_bandwidth(threads)
     ours = results["nextoken"]
+    bandwidth = ours["read_bandwidth"]
     weights = ours.get("decode_weights_mib", 0) * 2**20
     for res in results.values():
         add_cap_share(res, bandwidth, a, weights, ours.get("kv_bytes_per_token", 0))

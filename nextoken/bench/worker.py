@@ -25,6 +25,24 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def read_bandwidth(threads: int | None = None, nbytes: int = 1 << 29, repeats: int = 20) -> float:
+    """Bytes/s this machine reads from memory with `threads` threads (default: PyTorch's current
+    number): the best of `repeats` float32 sums over `nbytes` (512 MiB, far past any cache). The
+    best, so the cap is an upper bound: a shared machine's bandwidth varies by 30% from one second
+    to the next. `nextoken bench` measures it in its single-stream process, after the figures."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
 def _prompt(n: int, vocab: int, seed: int, skip: set[int] = frozenset()) -> list[int]:
     rng = random.Random(seed)
     out = []
@@ -83,7 +101,7 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
             if tok_s > res.get(f"{key}_tok_s", 0.0):
                 res[f"{key}_tok_s"] = tok_s
             res[f"{key}_sampler_ms"] = clock.ms_per_step()
-    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm)}
+    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm), "read_bandwidth": read_bandwidth()}
 
 
 class SamplerClock:
@@ -148,7 +166,7 @@ def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
     m = llm.generate([context + _prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0].metrics
     return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts),
             "decode_tok_s": a.decode_tokens / (m.finished_time - m.first_token_time), "peak_rss_mib": _peak_rss_mib(),
-            **_sizes(llm)}
+            **_sizes(llm), "read_bandwidth": read_bandwidth()}
 
 
 def _llama_forward(llm, token_ids: list[int]) -> None:
