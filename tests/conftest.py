@@ -25,6 +25,31 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if "torch" in sys.modules:  # a plugin loaded it first: OpenMP has read its settings already
             sys.modules["torch"].set_num_threads(threads)
+    _one_ssl_context_for_httpx()
+
+
+def _one_ssl_context_for_httpx():
+    """httpx builds a new SSL context for every client, loading certifi's CA bundle: 38 ms of CPU
+    here for each `httpx.get`/`httpx.post` and each SDK client (openai, anthropic), paid even for
+    plain HTTP. The tests' traffic is plain HTTP to 127.0.0.1, so one default context, built once,
+    serves every client in this process (a client that asks for other settings still gets its
+    own). If httpx moves the function, nothing is patched: only speed depends on it."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None or getattr(build, "shared", False):
+        return
+    default = functools.cache(lambda: build())
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return default()
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    create_ssl_context.shared = True
+    transports.create_ssl_context = create_ssl_context
 
 
 @pytest.fixture
