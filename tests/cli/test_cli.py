@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from nextoken import LLM, SamplingParams
 from tests.conftest import load_reference
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes of its own
@@ -33,12 +34,15 @@ def test_run_real_model_greedy_chat_equals_reference(smollm2_path):
 
 
 def test_run_raw_with_sampling_options(tiny_gguf):
+    """Seeded sampling from the command prints what `LLM.generate` gives for the same values."""
     path = tiny_gguf["llama"][0]
     args = ["run", "the cat", "--model", path, "--raw", "--max-tokens", "6", "--temperature", "0.9",
             "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3", "--repetition-penalty", "1.1"]
-    a, b = nextoken(*args), nextoken(*args)
+    a = nextoken(*args)
     assert a.returncode == 0, a.stderr
-    assert a.stdout == b.stdout  # seeded
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, seed=3,
+                            repetition_penalty=1.1)
+    assert a.stdout == LLM(str(path)).generate("the cat", params)[0].outputs[0].text + "\n"
 
 
 def test_explain_json(tiny_gguf):
@@ -64,17 +68,18 @@ def test_explain_text_shows_every_stage(smollm2_path):
         assert section in r.stdout
 
 
-def test_chat_keeps_the_conversation(smollm2_path):
-    """The second turn sees the first (its answer changes); after /reset it is a fresh session."""
-    def chat(stdin):
-        r = nextoken("chat", "--model", smollm2_path, "--max-tokens", "16", "--temperature", "0", stdin=stdin)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
-
-    fresh = chat("What is 2+2?\n")
+def test_chat_keeps_the_conversation(smollm2_path, smollm2_llm):
+    """The second turn sees the first (its answer changes); after /reset it is a fresh session,
+    which answers as `LLM.stream` does for the same chat."""
+    params = SamplingParams(max_tokens=16, temperature=0)
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    fresh = "".join(o.outputs[0].delta for o in smollm2_llm.stream(question, params, chat=True)) + "\n"
     # one session: "Hello!" (its answer, unknown here), /reset, the fresh question, /reset, then
     # "Hello!" again and the question as its second turn
-    out = chat("Hello!\n/reset\nWhat is 2+2?\n/reset\nHello!\nWhat is 2+2?\n")
+    r = nextoken("chat", "--model", smollm2_path, "--max-tokens", "16", "--temperature", "0",
+                 stdin="Hello!\n/reset\nWhat is 2+2?\n/reset\nHello!\nWhat is 2+2?\n")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
     first = out[: out.index(fresh)]  # the first answer (each reply ends in a newline)
     assert first and out.startswith(first + fresh + first)  # after /reset the same answers as fresh sessions
     assert out[len(first + fresh + first):] != fresh  # the second turn saw the first

@@ -172,7 +172,8 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
 
 def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smollm2_llm):
     """What ``nextoken run --seed S`` does (the first token by the quick start, then the engine
-    from it: `LLM.stream(..., first=...)`) gives `LLM.generate`'s text for 50 seeds: the prompt's
+    from it: `LLM.stream(..., first=...)`) gives `LLM.generate`'s text for 50 seeds (generated
+    in one batch: a row's tokens do not depend on its batch, `test_engine`): the prompt's
     logits are the engine's bit for bit, one stream of draws per seed (`sample.rng`), one draw
     kernel (`sample.draw`). (`first_token` itself for three seeds; it reads the GGUF file each
     time, so the other seeds draw from its logits as it does.)"""
@@ -188,15 +189,16 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
     engine_row = llm.engine.run_until_finished([rid])[0].logits[0].float().numpy()
     quick_row = quick_start.prompt_logits(f, read_model_config(f), ids)
     assert np.array_equal(quick_row, engine_row)
-    for seed in range(50):
-        params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=seed)
+    seeds = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=seed) for seed in range(50)]
+    generated = [o.outputs[0].text for o in llm.generate([prompt] * len(seeds), seeds)]  # one batch
+    for seed, params in enumerate(seeds):
         token = draw_one(load("sampling"), quick_row, params.validate(len(quick_row)), DrawGenerator(seed).uniform())
         first = quick_start.FirstToken(ids, token, llm.tokenizer.decode([token]), False, draws=1)
         if seed < 3:
             first = quick_start.first_token(prompt, EngineArgs(model=str(smollm2_path)), params, chat=False)
             assert first is not None and (first.prompt_ids, first.token) == (ids, token)
         text = "".join(o.outputs[0].delta for o in llm.stream(prompt, params, first=first))
-        assert text == llm.generate(prompt, params)[0].outputs[0].text, seed
+        assert text == generated[seed], seed
 
 
 @pytest.mark.subprocess
