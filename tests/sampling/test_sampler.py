@@ -61,11 +61,15 @@ def test_draws_never_violate_the_mask(params):
 
 
 def test_temperature_sampling_follows_softmax_chi_square():
-    """Counts of 20,000 draws against softmax(logits / T): chi-square goodness of fit."""
+    """Counts of 20,000 draws against softmax(logits / T): chi-square goodness of fit. Drawn as
+    200 steps of a batch of 100 seeded rows (each row's stream is what it draws alone:
+    `test_seeded_draws_do_not_depend_on_the_batch`), 40 times faster than one row at a time."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
     t = 0.7
     n = 20_000
-    tokens = draw(logits, SamplingParams(temperature=t), n, seed=123)
+    s, rows = Sampler(), [row(SamplingParams(temperature=t), seed=123 + i) for i in range(100)]
+    batch = logits[None].expand(len(rows), -1).contiguous()
+    tokens = [r.token for _ in range(n // len(rows)) for r in s(batch, rows)]
     observed = torch.bincount(torch.tensor(tokens), minlength=8).double()
     expected = (logits.double() / t).softmax(-1) * n
     _, p = stats.chisquare(observed.numpy(), expected.numpy())
