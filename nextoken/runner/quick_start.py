@@ -111,6 +111,7 @@ def first_token(prompt: str, engine_args, params, chat: bool, system: str | None
     when the model has one."""
     import time
 
+    from nextoken.errors import ModelLoadError
     from nextoken.kernels import native_allowed
 
     t0 = time.perf_counter()
@@ -121,6 +122,8 @@ def first_token(prompt: str, engine_args, params, chat: bool, system: str | None
         if path is None:
             return None
         out = _run(path, prompt, engine_args, params, chat, system)
+    except ModelLoadError:  # a damaged GGUF file: the engine's reader (the same) would say the same, later
+        raise
     except Exception as exc:  # never worse than the engine: it runs next and reports what is wrong
         log.info("quick start skipped (%s: %s)", type(exc).__name__, exc)
         return None

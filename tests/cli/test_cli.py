@@ -113,10 +113,16 @@ def test_argument_errors_are_found_before_pytorch_is_imported(args):
 
 
 def test_corrupt_file_is_one_line(tmp_path):
+    """A damaged GGUF file is one line, found by the quick start's reader before PyTorch's import."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 50)
     r = nextoken("run", "hi", "--model", bad)
     assert r.returncode == 1 and "error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "nextoken.cli", "run", "hi", "--model", str(bad)],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "not a readable GGUF file" in lines[-1]
+    assert "torch" not in {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
 
 
 def test_models_lists_the_catalog(smollm2_path):
