@@ -19,7 +19,17 @@ from tests.ports import free_ports
 
 @pytest.fixture(scope="module")
 def smol(smollm2_server):
+    """SmolLM2 in float32 (the reference path): for the answers checked against the reference."""
     return smollm2_server
+
+
+@pytest.fixture(scope="module")
+def fast(smollm2_path):
+    """SmolLM2 as `serve` runs it by default (bf16, our kernels): for the checks of the server's
+    own behaviour, which do not depend on the numbers' path."""
+    srv = LiveServer(LLM(str(smollm2_path)), "smollm2")
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +52,8 @@ def test_chat_and_completions(smol):
     assert r.usage.completion_tokens == 6
 
 
-def test_streamed_text_equals_non_streamed(smol):
-    c = smol.client()
+def test_streamed_text_equals_non_streamed(fast):
+    c = fast.client()
     kw = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me about cats."}], temperature=0,
               max_tokens=40)
     full = c.chat.completions.create(**kw).choices[0].message.content
@@ -365,12 +375,12 @@ ROUTER_CHAT_FIELDS = {"stream": False, "logprobs": False, "no_stop_trim": False,
                       "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
 
 
-def test_router_request_fields_are_accepted(smol):
+def test_router_request_fields_are_accepted(fast):
     """vllm-router 0.1.17 adds these fields, at these values, to every request it forwards
     (captured from its traffic); the answer is the same as without them."""
     body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
     chat = {"model": "smollm2", "messages": FRANCE, "max_tokens": 6, "temperature": 0}
-    with httpx.Client(base_url=smol.url, timeout=60) as h:
+    with httpx.Client(base_url=fast.url, timeout=60) as h:
         plain = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
         routed = h.post("/v1/completions", json={**body, **ROUTER_COMPLETION_FIELDS})
         assert routed.status_code == 200 and routed.json()["choices"][0]["text"] == plain
@@ -388,16 +398,16 @@ def test_router_request_fields_are_accepted(smol):
 
 
 @pytest.mark.parametrize("flag", ["include_stop_str_in_output", "no_stop_trim"])
-def test_stop_string_kept_on_request(smol, flag):
+def test_stop_string_kept_on_request(fast, flag):
     """vLLM's include_stop_str_in_output (SGLang's no_stop_trim) keeps the stop string, as
     `SamplingParams.include_stop_str_in_output` does offline."""
     prompt = "The capital of France is"
-    free = smol.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    free = fast.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     stop = free.split()[1]  # the second word: generation runs past the first to meet it
-    expected = smol.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop],
+    expected = fast.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop],
                                                         include_stop_str_in_output=True))[0].outputs[0].text
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
-    with httpx.Client(base_url=smol.url, timeout=60) as h:
+    with httpx.Client(base_url=fast.url, timeout=60) as h:
         kept = h.post("/v1/completions", json={**body, flag: True}).json()["choices"][0]["text"]
         cut = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert kept == expected and kept.endswith(stop) and kept == cut + stop
