@@ -1,5 +1,5 @@
-"""The Python API end to end on the real SmolLM2 (float32, against the reference) and on a tiny
-model (context-window handling)."""
+"""The Python API end to end on the real SmolLM2 (float32 against the reference; the default
+path for streams, seeds and n) and on a tiny model (context-window handling)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ from tests.conftest import load_reference
 @pytest.fixture(scope="module")
 def llm(smollm2_f32):
     return smollm2_f32
+
+
+@pytest.fixture(scope="module")
+def fast(smollm2_llm):
+    """The default path (bf16, our kernels): for what does not depend on the numbers' path."""
+    return smollm2_llm
 
 
 @pytest.fixture(scope="module")
@@ -50,28 +56,28 @@ def test_system_message_is_used(llm):
     assert out.prompt_token_ids == ref["prompt_ids"] and out.outputs[0].token_ids == ref["greedy_ids"]
 
 
-def test_streamed_text_equals_final_text(llm):
+def test_streamed_text_equals_final_text(fast):
     p = SamplingParams(temperature=0.8, seed=11, max_tokens=40)
-    chunks = list(llm.stream("Once upon a time", p))
+    chunks = list(fast.stream("Once upon a time", p))
     assert "".join(c.outputs[0].delta for c in chunks) == chunks[-1].outputs[0].text
     assert sum((c.outputs[0].delta_token_ids for c in chunks), []) == chunks[-1].outputs[0].token_ids
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
-    assert llm.generate("Once upon a time", p)[0].outputs[0].text == chunks[-1].outputs[0].text
+    assert fast.generate("Once upon a time", p)[0].outputs[0].text == chunks[-1].outputs[0].text
 
 
-def test_same_seed_same_text(llm):
+def test_same_seed_same_text(fast):
     p = SamplingParams(temperature=1.0, seed=42, max_tokens=24)
-    a, b = (llm.generate("My favourite food is", p)[0].outputs[0].token_ids for _ in range(2))
-    c = llm.generate("My favourite food is", SamplingParams(temperature=1.0, seed=43, max_tokens=24))[0]
+    a, b = (fast.generate("My favourite food is", p)[0].outputs[0].token_ids for _ in range(2))
+    c = fast.generate("My favourite food is", SamplingParams(temperature=1.0, seed=43, max_tokens=24))[0]
     assert a == b and c.outputs[0].token_ids != a
 
 
-def test_n_completions_have_their_own_streams(llm):
+def test_n_completions_have_their_own_streams(fast):
     p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12)
-    out = llm.generate("I like", p)[0]
+    out = fast.generate("I like", p)[0]
     ids = [c.token_ids for c in out.outputs]
     assert len(ids) == 3 and len({tuple(x) for x in ids}) == 3
-    assert [c.token_ids for c in llm.generate("I like", p)[0].outputs] == ids
+    assert [c.token_ids for c in fast.generate("I like", p)[0].outputs] == ids
 
 
 def test_stop_string_and_max_tokens(llm):
