@@ -272,7 +272,7 @@ def test_one_server_serves_a_generation_and_an_embedding_model(smollm2_path, min
     from nextoken import LLM, SamplingParams
     from tests.helpers.server import LiveServer
 
-    gen = LLM(str(smollm2_path), dtype="float32")
+    gen = LLM(str(smollm2_path))  # as `serve` runs it (bf16, our kernels)
     srv = LiveServer(gen, "smollm2", embedder=minilm, embedder_name="minilm")
     try:
         client = srv.client()
