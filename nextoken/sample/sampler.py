@@ -93,8 +93,10 @@ def filter_masks(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     by x descending, ties by id; e = exp(x - max); top-k keeps the first k; top-p keeps a token
     while the mass before it (exclusive sum of e in that order, float64) is below top_p times the
     top-k mass (Holtzman et al. 2019); min-p keeps e >= min_p, i.e. p >= min_p * p_max (Nguyen
-    et al. 2024). The most likely token always survives."""
+    et al. 2024). The most likely token always survives; rows with every filter off keep all."""
     b, V = x.shape
+    if not bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0) | (min_p > 0)).any()):
+        return torch.ones(b, V, dtype=torch.bool)  # no filter on any row: the sort would change nothing
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     e = (sorted_x - sorted_x[:, :1]).exp()
     k = torch.where((top_k > 0) & (top_k < V), top_k.long(), torch.full_like(top_k, V, dtype=torch.long))

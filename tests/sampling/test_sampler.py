@@ -41,7 +41,7 @@ def hf_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tor
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (-1, 0.5, 0.0), (-1, 0.9, 0.0), (-1, 1.0, 0.1),
-                                                (10, 0.8, 0.05), (1, 1.0, 0.0), (-1, 0.01, 0.0)])
+                                                (10, 0.8, 0.05), (1, 1.0, 0.0), (-1, 0.01, 0.0), (-1, 1.0, 0.0)])
 def test_filter_mask_equals_transformers_warpers(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(top_k + int(top_p * 100) + int(min_p * 1000))
     for _ in range(20):
