@@ -23,11 +23,11 @@ the greedy ones, and the time its sampler takes per step in both):
   the model and running one pass over as many tokens) and until ``nextoken serve`` answers
   ``/health``; the median of `--repeat` starts after one untimed start (which fills the page
   cache and any cache of ours, as a second start of a server would find them);
-- the decode figures as a share of the bandwidth cap: the measured read bandwidth of this
-  machine (`worker.read_bandwidth`, in the single-stream process after its runs) over the bytes one decode step reads (the weights it reads,
-  `ModelRunner.decode_weight_bytes`: one row of an untied embedding table, a tied one once as
-  the LM head; plus the KV cache at that depth). Shares printed before 2026-11-26 counted the
-  whole embedding table too (`docs/benchmarks.md`).
+- the decode figures as a share of the bandwidth cap: the measured read bandwidth of this machine
+  (`worker.read_bandwidth`, in the single-stream process after its runs) over the bytes one decode
+  step reads (the weights it reads, `ModelRunner.decode_weight_bytes`: one row of an untied
+  embedding table, a tied one once as the LM head; plus the KV cache at that depth). Shares
+  printed before 2026-11-26 counted the whole embedding table too (`docs/benchmarks.md`).
 
 ``--llama-bench PATH`` runs llama.cpp's own ``llama-bench`` binary in the same run (the Python
 binding adds overhead: it reads about 15% lower here), alternating: `--rounds` times (default 3)

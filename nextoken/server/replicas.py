@@ -20,10 +20,11 @@ the circuit breaker and health check settings take a replica that died out of th
 after three failed attempts, which the router retries on another replica. Every replica can as
 well run on another host: start ``nextoken serve`` there and give its URL to ``vllm-router``.
 
-The router starts once every replica's ``/health`` answers 200 (the model loaded and warm),
-so it finds them all healthy at its first check. SIGTERM or Ctrl-C stops the router, then the replicas (each drains its requests within
-``--shutdown-timeout``). A replica that exits is logged and left out by the router; when the
-router or every replica has exited, the rest are stopped and the command exits with status 1.
+The router starts once every replica's ``/health`` answers 200 (the model loaded and warm), so it
+finds them all healthy at its first check. SIGTERM or Ctrl-C stops the router, then the replicas
+(each drains its requests within ``--shutdown-timeout``). A replica that exits is logged and left
+out by the router; when the router or every replica has exited, the rest are stopped and the
+command exits with status 1.
 """
 
 from __future__ import annotations
