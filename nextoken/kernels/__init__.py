@@ -8,9 +8,9 @@ library (`host`), so its code is compiled once, not twice (``qmatmul.c`` alone t
 one copy of it runs. Concurrent builds of one library (two processes starting) wait on a lock
 file: one compiles, the others open its result. ``NEXTOKEN_KERNEL_ISA`` builds for an older
 instruction set than the CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs,
-on any CPU that has AVX2), so every loop can be run, measured and tested on one machine. Every caller keeps a
-PyTorch path: when no compiler is found, the build fails, or ``NEXTOKEN_NATIVE_KERNELS=0`` is
-set, `load` returns None and the caller uses that path. Which kernels a model runs is decided
+on any CPU that has AVX2), so every loop can be run, measured and tested on one machine. Every
+caller keeps a PyTorch path: when no compiler is found, the build fails, or
+``NEXTOKEN_NATIVE_KERNELS=0`` is set, `load` returns None and the caller uses that path. Which kernels a model runs is decided
 once, at load, by the execution plan (`nextoken.runner.plan`); ``enforce_eager`` makes that plan
 PyTorch alone, which is what the reference tests compare against. OpenMP: the library asks for
 ``libgomp.so.1``, the runtime PyTorch has already loaded, so both share one thread pool (no
@@ -280,8 +280,9 @@ def load(name: str, portable: bool = False, isa: str | None = None) -> ctypes.CD
     """The compiled kernel library that serves `name` (``nextoken/kernels/<name>.c``, or the
     kernel that includes it: `host`), or None (then the caller runs PyTorch). The model's layers
     never call it: they hold the handles the execution plan resolved once (`KernelSet`).
-    `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain C loops), `isa` for a named instruction set (`ISAS`; default `default_isa`),
-    for the tests that hold every loop equal to the plain ones. Never raises for a build or load
+    `portable` builds it for any x86-64 CPU (no AVX-512: the kernels' plain C loops), `isa` for
+    a named instruction set (`ISAS`; default `default_isa`), for the tests that hold every loop
+    equal to the plain ones. Never raises for a build or load
     failure: it warns once and returns None; raises ValueError for an unknown `isa`."""
     if not native_allowed():
         return None

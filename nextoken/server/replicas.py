@@ -146,7 +146,7 @@ def _wait_replicas(procs, ports: list[int], stopping) -> bool:
     signal or when every replica has exited (logged here)."""
     pending = dict(zip(ports, procs))
     while stopping["signal"] is None:
-        for port, (name, p) in list(pending.items()):
+        for port, (_, p) in list(pending.items()):
             if p.poll() is not None or _healthy(f"http://127.0.0.1:{port}/health"):
                 del pending[port]  # one that exited is logged by `_supervise`
         if not pending:
