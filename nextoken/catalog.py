@@ -180,13 +180,26 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     """Download catalog model `name` into the cache and verify it; returns its path.
 
     Raises `ModelLoadError` when a download fails or the assembled file's size or SHA-256 differ
-    from the catalog's (the bad file is deleted).
+    from the catalog's (the bad file is deleted). Processes pulling one model at once take turns
+    on a lock file: one downloads, the others then find it cached (two at once wrote one partial
+    file and unpacked into one folder, which left an archive model without its config).
     """
     entry = get_entry(name)
     dest = model_path(name)
     if is_cached(name) and not force:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(dest.parent / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_cached(name) and not force:
+            return dest
+        return _download(name, entry, dest, progress)
+
+
+def _download(name: str, entry: CatalogEntry, dest: Path, progress: bool) -> Path:
+    """`pull`'s download, verification and unpacking, under its lock."""
     partial = dest.parent / f"{dest.name}.partial"
     digest = hashlib.sha256()
     bar = _progress(entry, progress)

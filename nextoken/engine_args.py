@@ -23,6 +23,7 @@ from nextoken.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig
 from nextoken.errors import InvalidRequest
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "bf16", "fp32")
+ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 SPECULATIVE_METHODS = ("draft", "ngram")
 DISK_OFF = ("off", "none", "")  # --kv-cache-dir values that turn the disk tier off
 
@@ -38,12 +39,19 @@ class EngineArgs(CliArgs):
                      short="-m", metavar="NAME|PATH")
     dtype: str = opt("auto", "weights and activations dtype: auto (bfloat16 for GGUF; a Hugging Face folder's "
                       "config dtype), bfloat16, or float32 (the exact reference)", choices=DTYPE_CHOICES)
+    device: str = opt("auto", "where the model runs: auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda "
+                      "or cuda:N", metavar="DEVICE")
     num_threads: int | None = opt(None, "compute threads (default: one per core this process may use, at "
                                         "most OMP_NUM_THREADS)", flag="--threads", type=int)
-    enforce_eager: bool = opt(False, "PyTorch only, none of nextoken's C kernels (the reference path); fixed at "
-                               "load in the execution plan", cli="true")
+    enforce_eager: bool = opt(False, "on the CPU, PyTorch only, none of nextoken's C kernels (the reference path); on "
+                               "a GPU, no CUDA graphs (every decode step launched op by op); fixed at load in the "
+                               "execution plan", cli="true")
     reference_attention: bool = opt(False, "plain float32 attention (the reference) instead of the fast paths",
                                      cli="true")
+    attention_backend: str = opt("auto", "attention's code: auto (the device's fastest: our C kernels on the CPU, "
+                                 "Triton on a GPU), native (C), torch (PyTorch), or triton (on the CPU only under "
+                                 "Triton's interpreter, TRITON_INTERPRET=1: a slow check of the GPU path)",
+                                 choices=ATTENTION_BACKENDS)
     dense_weights: bool = opt(False, "with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of "
                                "int4-packed weights for calls of many rows (about 4x the weight memory)", cli="bool")
     tensor_parallel_size: int = opt(1, "processes the model is split across (Megatron-style: heads, feed-forward "
@@ -63,6 +71,9 @@ class EngineArgs(CliArgs):
     kv_cache_memory: int | None = opt(None, "bytes for the KV cache, e.g. 512MiB or 2GB (default: max_num_seqs "
                                        "full contexts, at most a quarter of free memory and 1 GiB)",
                                        group="KV cache", cli="size")
+    gpu_memory_utilization: float = opt(0.9, "on a GPU, the share of its memory this engine may take: weights, "
+                                         "activations and the KV cache, which gets what the weights and a profiling "
+                                         "pass leave (vLLM's)", group="KV cache", type=float)
     num_kv_blocks: int = opt(0, "KV cache blocks, overriding --kv-cache-memory (0: from the memory budget)",
                               group="KV cache", type=int)
     block_size: int = opt(16, "tokens per KV cache block", group="KV cache", type=int)
@@ -121,6 +132,15 @@ class EngineArgs(CliArgs):
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidRequest(f"quantization {self.quantization!r} is not supported; choose from "
                                  f"{', '.join(QUANTIZATIONS)}", "quantization")
+        if not isinstance(self.device, str) or not _device_name_ok(self.device):
+            raise InvalidRequest(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N", "device")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequest(f"attention_backend {self.attention_backend!r} is not supported; choose from "
+                                 f"{', '.join(ATTENTION_BACKENDS)}", "attention_backend")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise InvalidRequest(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}",
+                                 "gpu_memory_utilization")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose from "
                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
@@ -177,6 +197,12 @@ class EngineArgs(CliArgs):
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _device_name_ok(name: str) -> bool:
+    """Whether `name` is a device this option takes: auto, cpu, cuda or cuda:N."""
+    kind, _, index = name.partition(":")
+    return name in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())
 
 
 def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str] | None = None) -> str:

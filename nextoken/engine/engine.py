@@ -89,7 +89,10 @@ class LLMEngine:
             args.enable_chunked_prefill, args.max_model_len)
         lookahead = self.speculator.lookahead if self.speculator else 0
         self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs, self.max_model_len,
-                                    lookahead, content_key(source.path) if args.disk_dir else None)
+                                    lookahead, content_key(source.path) if args.disk_dir else None,
+                                    args.gpu_memory_utilization, self.scheduler_config.max_num_batched_tokens)
+        if self.runner.plan.cuda_graphs:
+            self.runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len + lookahead)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, lookahead)
         self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
         # structured output: llguidance over our vocabulary, built on the first request that asks
@@ -252,7 +255,7 @@ class LLMEngine:
                 tracer.on_sample(logits[idx[i]], res, r.params)
             group = self.outputs.group_of(r)
             if group.logits is not None and r.index == 0:
-                group.logits.append(logits[idx[i]].clone())
+                group.logits.append(logits[idx[i]].to("cpu", copy=True))
             self.outputs.emit(r, [res])
 
     def _verify(self, r: Request, logits: torch.Tensor, drafts: list[int], draft_probs, spec_log) -> None:

@@ -75,12 +75,16 @@ def plan_kv_budget(*, block_size: int, bytes_per_block: int, max_num_seqs: int, 
 
 
 def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_len: int, lookahead: int = 0,
-                      model_key: str | None = None):
+                      model_key: str | None = None, gpu_memory_utilization: float = 0.9,
+                      max_num_batched_tokens: int = 2048):
     """Size the KV cache for `runner`'s model (and the draft model's, whose keys and values live
     in the same block ids) with `plan_kv_budget`, make the runners' cache tensors, log what was
     made, and return the `KVCacheManager` over the blocks, with the disk tier `cache` asks for
     (`kv_cache.disk`; `model_key`: the SHA-256 of the model it keys). cache: the `CacheConfig`;
-    lookahead: drafted tokens per step (each sliding-window ring holds them too)."""
+    lookahead: drafted tokens per step (each sliding-window ring holds them too). On a GPU
+    without a size given, the cache takes what `gpu_memory_utilization` of the GPU's memory
+    leaves after the weights and a measured pass of `max_num_batched_tokens` tokens
+    (`ModelRunner.gpu_kv_memory`), as vLLM sizes it."""
     from nextoken.kv_cache.disk import open_disk_tier
     from nextoken.kv_cache.manager import KVCacheManager
     from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
@@ -93,17 +97,21 @@ def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_
     if cfg.sliding_layers:  # each sequence's ring: its window plus this step's drafts
         ring = ring_blocks(cfg.sliding_window, bs, 1 + lookahead)
         per_ring = ring * cfg.sliding_kv_bytes_per_token(torch.finfo(dtype).bits // 8) * bs
+    memory = cache.memory_bytes
+    if runner.device.is_cuda and memory is None and not cache.num_blocks:
+        memory = runner.gpu_kv_memory(gpu_memory_utilization, min(max_num_batched_tokens, max_model_len),
+                                      max_num_seqs, ring)
     budget = plan_kv_budget(block_size=bs, bytes_per_block=per_block, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, ring_blocks=ring, bytes_per_ring=per_ring,
-                            memory_bytes=cache.memory_bytes, num_blocks=cache.num_blocks)
+                            memory_bytes=memory, num_blocks=cache.num_blocks)
     manager = KVCacheManager(budget.num_blocks, bs, cache.enable_prefix_caching, budget.sliding_blocks, ring)
     runner.init_kv_cache(budget.num_blocks, bs, budget.sliding_blocks, ring, cache.cache_dtype)
     if draft_runner is not None:
         draft_runner.init_kv_cache(budget.num_blocks, bs, cache_dtype=cache.cache_dtype)
     rings = f", rings of {ring} blocks for {budget.num_rings} sequences" if ring else ""
-    log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB%s), max_model_len %d, max_num_seqs %d, prefix caching "
-             "%s", budget.num_blocks, bs, cache.cache_dtype, runner.kv.nbytes / 2**20, rings, max_model_len,
-             max_num_seqs, "on" if manager.enable_caching else "off")
+    log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB%s) on %s, max_model_len %d, max_num_seqs %d, prefix "
+             "caching %s", budget.num_blocks, bs, cache.cache_dtype, runner.kv.nbytes / 2**20, rings,
+             runner.device.torch, max_model_len, max_num_seqs, "on" if manager.enable_caching else "off")
     if manager.enable_caching and model_key is not None:
         manager.disk = open_disk_tier(cache, runner, model_key)
     return manager

@@ -17,6 +17,10 @@ head, symmetric, absmax: `quantize_rows`), so a token takes ``D + 4`` bytes per 
 instead of ``2 D`` in bf16 (0.53x at D = 64, 0.52x at D = 128). Rows are quantized when
 written and dequantized when read (`Int8Rows`); the attention kernels read the codes in place.
 The sliding-window rings stay in the model's dtype (they hold only a window).
+
+On a GPU the tensors live in its memory (`device`), and with `spare` one more block than the
+block pool hands out follows the others: the slot where a CUDA graph's padding rows write
+(`PagedKVCache.spare_slot`), which no sequence reads.
 """
 
 from __future__ import annotations
@@ -47,6 +51,13 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero cache tensor on `device`: `lazy_zeros` on the CPU, device memory on a GPU."""
+    if device.type == "cpu":
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
@@ -102,12 +113,13 @@ class SlidingKVCache:
     """Rings of the sliding-window layers: k, v ``[num_sliding_layers, Hkv, num_blocks,
     block_size, head_dim]``; each sequence owns `ring_blocks` of the `num_blocks`."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, ring_blocks: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, ring_blocks: int, dtype: torch.dtype,
+                 device: torch.device = torch.device("cpu"), spare: bool = False):
         self.window, self.ring_blocks, self.num_blocks, self.block_size = \
             config.sliding_window, ring_blocks, num_blocks, block_size
-        shape = (len(config.sliding_layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.k = lazy_zeros(shape, dtype)
-        self.v = lazy_zeros(shape, dtype)
+        shape = (len(config.sliding_layers), config.num_kv_heads, num_blocks + spare, block_size, config.head_dim)
+        self.k = cache_zeros(shape, dtype, device)
+        self.v = cache_zeros(shape, dtype, device)
         self.layer_index = {layer: i for i, layer in enumerate(config.sliding_layers)}
 
 
@@ -115,22 +127,24 @@ class PagedKVCache:
     """Keys and values for `num_blocks` blocks of `block_size` tokens in every full-attention
     layer (``k[layer_index[layer]]``), and `sliding` for the sliding-window layers, if any.
     `cache_dtype` ``"int8"`` stores int8 codes in `k`, `v` and their row scales in `k_scale`,
-    `v_scale` ``[layers, Hkv, num_blocks, block_size]`` float32 (see the module docstring)."""
+    `v_scale` ``[layers, Hkv, num_blocks, block_size]`` float32 (see the module docstring). On
+    `device`; with `spare`, block `num_blocks` exists too (`spare_slot`)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 sliding: SlidingKVCache | None = None, cache_dtype: str = "auto"):
+                 sliding: SlidingKVCache | None = None, cache_dtype: str = "auto",
+                 device: torch.device = torch.device("cpu"), spare: bool = False):
         if cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         self.config, self.num_blocks, self.block_size, self.dtype = config, num_blocks, block_size, dtype
-        self.cache_dtype = cache_dtype
-        shape = (len(config.full_layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.cache_dtype, self.device, self.spare = cache_dtype, device, int(spare)
+        shape = (len(config.full_layers), config.num_kv_heads, num_blocks + self.spare, block_size, config.head_dim)
         store = torch.int8 if cache_dtype == "int8" else dtype
-        self.k = lazy_zeros(shape, store)
-        self.v = lazy_zeros(shape, store)
+        self.k = cache_zeros(shape, store, device)
+        self.v = cache_zeros(shape, store, device)
         self.k_scale = self.v_scale = None
         if cache_dtype == "int8":
-            self.k_scale = lazy_zeros(shape[:-1], torch.float32)
-            self.v_scale = lazy_zeros(shape[:-1], torch.float32)
+            self.k_scale = cache_zeros(shape[:-1], torch.float32, device)
+            self.v_scale = cache_zeros(shape[:-1], torch.float32, device)
         self.layer_index = {layer: i for i, layer in enumerate(config.full_layers)}
         self.sliding = sliding
 
@@ -155,7 +169,15 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of the paged (full-attention) cache per token."""
-        return self._paged_bytes() // (self.num_blocks * self.block_size)
+        return self._paged_bytes() // ((self.num_blocks + self.spare) * self.block_size)
+
+    @property
+    def spare_slot(self) -> int:
+        """The first slot of the spare block (a CUDA graph's padding rows write there). Raises
+        `ValueError` for a cache made without it."""
+        if not self.spare:
+            raise ValueError("this KV cache has no spare block")
+        return self.num_blocks * self.block_size
 
     # -- whole blocks, for the disk tier (`kv_cache.disk`) ----------------------------------
     def _block_parts(self) -> list[torch.Tensor]:
@@ -170,7 +192,7 @@ class PagedKVCache:
         """A copy of block `block_id`'s keys and values (and scales), `block_bytes` bytes: each
         tensor's ``[layers, Hkv, block_size, ...]`` slice in turn, C order."""
         parts = [t[:, :, block_id].contiguous().view(-1).view(torch.uint8) for t in self._block_parts()]
-        return memoryview(torch.cat(parts).numpy())
+        return memoryview(torch.cat(parts).cpu().numpy())
 
     def write_block(self, block_id: int, payload) -> None:
         """Fill block `block_id` from `payload`, bytes as `read_block` gives them (writable:

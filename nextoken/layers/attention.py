@@ -5,11 +5,12 @@ shared key/value heads (GQA; Ainslie et al. 2023). One forward pass carries seve
 single-token decodes and prefill chunks, flattened into ``[num_tokens, ...]`` and described by
 `AttentionMetadata`. A sequence's keys and values are read from its blocks (its block table).
 
-Two backends compute the same function, and the tests hold them equal:
+The backends compute the same function, and the tests hold them equal:
 - `paged_attention_reference`: gather each sequence's blocks, naive masked attention in
   float32; also returns the probabilities (for `nextoken explain`).
 - `paged_attention`: decodes batched as grouped matmuls over padded gathered keys (or our C
   kernel); prefill chunks through `prefill_attention`, blocked causal matmuls.
+- ``triton`` (a GPU's): our Triton kernel reading the cache in place (`layers.gpu_attention`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     num_decodes: int
     block_size: int
-    backend: str = "torch"  # the execution plan's attention: "reference" | "native" | "torch"
+    backend: str = "torch"  # the execution plan's attention: "reference" | "native" | "torch" | "triton"
     kernels: KernelSet = KernelSet()  # with "native": the attention libraries the plan resolved
     # tracing: a list (the sink) makes every layer run the reference attention and leave its
     # per-sequence probabilities ``[H, q_len, seq_len]`` here, for the tracer; None: the usual paths
@@ -58,6 +59,7 @@ class AttentionMetadata:
     mid: list | None = None
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
+    device: object | None = None  # with "triton": `gpu_attention.DeviceMetadata`, what the kernel reads
 
     @property
     def num_seqs(self) -> int:
@@ -85,10 +87,11 @@ def gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(heads, *block_ids.shape, bs, d)
 
 
-def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:
-    """bool ``[q_len, seq_len]``: new token i (position seq_len - q_len + i) sees keys j <= it."""
+def causal_mask(q_len: int, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool ``[q_len, seq_len]`` on `device` (default the CPU): new token i (position seq_len -
+    q_len + i) sees keys j <= it."""
     start = seq_len - q_len
-    return torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]
+    return torch.arange(seq_len, device=device)[None, :] <= torch.arange(start, seq_len, device=device)[:, None]
 
 
 def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +101,7 @@ def naive_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     kf = k.float().repeat_interleave(group, dim=0)  # [H, S, D]
     vf = v.float().repeat_interleave(group, dim=0)
     scores = q.float().transpose(0, 1) @ kf.transpose(1, 2) * scale  # [H, T, S]
-    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[1]), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[1], q.device), float("-inf"))
     probs = scores.softmax(-1)
     return (probs @ vf).transpose(0, 1).to(q.dtype), probs
 
@@ -398,6 +401,10 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
     from nextoken.layers.sliding_attention import sliding_window_attention
 
     reference = meta.backend == "reference" or meta.probs is not None
+    if meta.backend == "triton" and not reference:
+        from nextoken.layers.gpu_attention import attend_triton
+
+        return attend_triton(q, k, v, kv, layer, meta, scale, sliding)
     if sliding:
         i = kv.sliding.layer_index[layer]
         return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,35 +42,38 @@ class SlidingMetadata:
 def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
                            seqs: list[tuple[int, int, list[int]]]) -> SlidingMetadata:
     """seqs: per sequence in batch order, (position of its first new token, number of new
-    tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``)."""
+    tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``). The
+    tensors are on the CPU (computed with NumPy: a few operations per sequence)."""
     write_rows, write_slots, key_slots, key_start, rings = [], [], [], [], []
     row = 0
-    logical = torch.arange(max(-(-(start + n) // block_size) for start, n, _ in seqs))
+    logical = np.arange(max(-(-(start + n) // block_size) for start, n, _ in seqs), dtype=np.int64)
     for start, n, ring in seqs:
-        ring_t = torch.tensor(ring, dtype=torch.long)
-        rings.append(ring_t[(logical % ring_blocks).clamp(max=len(ring) - 1)] if ring else torch.zeros_like(logical))
+        ring_a = np.asarray(ring, dtype=np.int64)
+        rings.append(ring_a[np.minimum(logical % ring_blocks, len(ring) - 1)] if ring else np.zeros_like(logical))
 
-        def slots(lo: int, hi: int) -> torch.Tensor:
-            pos = torch.arange(lo, hi)
-            return ring_t[(pos // block_size) % ring_blocks] * block_size + pos % block_size
+        def slots(lo: int, hi: int) -> np.ndarray:
+            pos = np.arange(lo, hi, dtype=np.int64)
+            return ring_a[(pos // block_size) % ring_blocks] * block_size + pos % block_size
 
         first_written = max(start, start + n - ring_blocks * block_size)  # older ones would collide
-        write_rows.append(torch.arange(row + first_written - start, row + n))
+        write_rows.append(np.arange(row + first_written - start, row + n, dtype=np.int64))
         write_slots.append(slots(first_written, start + n))
         lo = max(0, start - window + 1)
         # a decode: its window, read after the writes; a prefill chunk: the keys before it, read before
-        key_slots.append(slots(lo, start + 1 if n == 1 else start))
+        key_slots.append(torch.from_numpy(slots(lo, start + 1 if n == 1 else start)))
         key_start.append(lo)
         row += n
-    return SlidingMetadata(window, torch.cat(write_rows), torch.cat(write_slots), key_slots, key_start,
-                           torch.stack(rings))
+    return SlidingMetadata(window, torch.from_numpy(np.concatenate(write_rows)),
+                           torch.from_numpy(np.concatenate(write_slots)), key_slots, key_start,
+                           torch.from_numpy(np.stack(rings)))
 
 
-def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int) -> torch.Tensor:
-    """bool ``[q_len, k_len]``: query at position q sees key at position k iff
-    ``q - window < k <= q``."""
-    q = torch.arange(q_start, q_start + q_len)[:, None]
-    k = torch.arange(k_start, k_start + k_len)[None, :]
+def sliding_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """bool ``[q_len, k_len]`` on `device` (default the CPU): query at position q sees key at
+    position k iff ``q - window < k <= q``."""
+    q = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    k = torch.arange(k_start, k_start + k_len, device=device)[None, :]
     return (k <= q) & (k > q - window)
 
 
@@ -101,7 +105,7 @@ def sliding_window_attention(q, k, v, k_ring, v_ring, meta, scale: float, refere
         else:
             kk = torch.cat([past[i][0], k[a:b].transpose(0, 1)], dim=1)  # [Hkv, S, D]
             vv = torch.cat([past[i][1], v[a:b].transpose(0, 1)], dim=1)
-        mask = sliding_mask(q_start, b - a, sm.key_start[i], kk.shape[1], sm.window)
+        mask = sliding_mask(q_start, b - a, sm.key_start[i], kk.shape[1], sm.window, q.device)
         if reference:
             out[a:b], probs = _naive(q[a:b], kk, vv, mask, scale)
             full = probs.new_zeros(probs.shape[0], b - a, meta.seq_lens[i])

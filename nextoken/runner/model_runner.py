@@ -15,10 +15,9 @@ import torch
 
 from nextoken.config import ModelConfig
 from nextoken.distributed.sharding import parallelize, partition, shard_config
-from nextoken.errors import EngineError
+from nextoken.errors import EngineError, InvalidRequest
 from nextoken.kernels import counting
 from nextoken.layers.attention import AttentionMetadata
-from nextoken.layers.sliding_attention import build_sliding_metadata
 from nextoken.kv_cache.tensors import PagedKVCache, SlidingKVCache
 from nextoken.layers.native_decode import NativeDecoder
 from nextoken.loader.gguf import GGUFFile, read_model_config
@@ -26,6 +25,8 @@ from nextoken.errors import ModelLoadError
 from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
+from nextoken.runner.device import CPU, Device, move_model, resolve_device
+from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 
 log = logging.getLogger("nextoken.runner")
@@ -116,7 +117,9 @@ class ModelRunner:
     bfloat16, block-quantized GGUF weights stay quantized (our kernel's codes, or PyTorch's int4)
     instead of being de-quantized; dense_weights: on PyTorch's int4 path, keep a bf16 copy as
     well; enforce_eager: PyTorch alone, none of our C kernels; prepared_cache: keep GGUF codes in
-    the prepared-weights cache (`loader.prepared`). The `plan`
+    the prepared-weights cache (`loader.prepared`); device: where the model runs
+    (`runner.device.Device`: on a GPU the weights, the KV cache and every pass live in its
+    memory); attention_backend: `EngineArgs.attention_backend`. The `plan`
     (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
 
     tp: this process's place in a tensor-parallel group (`distributed.group.TensorParallel`), or
@@ -131,11 +134,15 @@ class ModelRunner:
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
-                 prepared_cache: bool = False, tp=None, quantization: str | None = None):
+                 prepared_cache: bool = False, tp=None, quantization: str | None = None, device: Device = CPU,
+                 attention_backend: str = "auto"):
         self.config: ModelConfig = read_config(source)
-        self.dtype, self.tp = dtype, tp
+        self.dtype, self.tp, self.device = dtype, tp, device
         check_quantization(quantization, source, dtype)
-        self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights, quantization)
+        if device.is_cuda and tp is not None:
+            raise InvalidRequest("tensor parallelism runs on the CPU (gloo); on a GPU run one process", "device")
+        self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights, quantization,
+                                         device, attention_backend)
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
@@ -151,6 +158,8 @@ class ModelRunner:
         finally:
             loading_allocations(False)
         release_free_memory()
+        if device.is_cuda:
+            move_model(self.model, device.torch)
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
@@ -158,15 +167,27 @@ class ModelRunner:
         log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
         self.kept_hidden: list[torch.Tensor] = []
+        self.staging = Staging(device.torch)
+        self.graphs = None  # the captured decode steps (`runner.cuda_graphs.DecodeGraphs`), a GPU's
+        self.tile_queries = 0  # Triton attention: queries per prefill tile
+        if self.plan.attention == "triton":
+            from nextoken.kernels.gpu.attention import tiling
+
+            self.tile_queries = tiling(False, self.config.num_queries_per_kv, self.config.head_dim).block_q
 
     @classmethod
     def from_engine_args(cls, args, source: GGUFFile | HFModelDir, tp=None) -> ModelRunner:
         """The runner `args` (`EngineArgs`) describes for the opened model `source`."""
         from nextoken.loader.source import model_dtype
 
+        device = resolve_device(args.device)
+        if device.is_cuda and args.enable_lora:
+            raise InvalidRequest("LoRA adapters run on the CPU for now (the GPU path has no adapter kernels); use "
+                                 "--device cpu", "enable_lora")
         runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
                      dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
-                     prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization)
+                     prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization, device=device,
+                     attention_backend=args.attention_backend)
         if args.enable_lora:
             runner.enable_lora(args.max_loras, args.max_lora_rank)
         return runner
@@ -221,43 +242,83 @@ class ModelRunner:
         if self.config.sliding_layers:
             if not sliding_blocks:
                 raise ValueError("a model with sliding-window layers needs sliding_blocks and ring_blocks")
-            sliding = SlidingKVCache(cfg, sliding_blocks, block_size, ring_blocks, self.dtype)
-        self.kv = PagedKVCache(cfg, num_blocks, block_size, self.dtype, sliding, cache_dtype)
+            sliding = SlidingKVCache(cfg, sliding_blocks, block_size, ring_blocks, self.dtype, self.device.torch,
+                                     spare=self.plan.cuda_graphs)
+        self.kv = PagedKVCache(cfg, num_blocks, block_size, self.dtype, sliding, cache_dtype, self.device.torch,
+                               spare=self.plan.cuda_graphs)
         self.plan.settle_cache(self.kv.quantized)
         self.attention_kernels = self.plan.attention_kernels
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Batch inputs for `seqs`: input_ids ``[T]``, positions ``[T]``, the attention
-        metadata, and the batch order (indices into `seqs`, decodes first)."""
-        bs = self.kv.block_size
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
-        ids, positions, slots, qsl, seq_lens, first_block = [], [], [], [0], [], []
-        max_blocks = max(len(seqs[i].block_ids) for i in order)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for row, i in enumerate(order):
-            s = seqs[i]
-            n = len(s.token_ids)
-            pos = torch.arange(s.start, s.start + n)
-            table = torch.tensor(s.block_ids, dtype=torch.long)
-            tables[row, : len(s.block_ids)] = table
-            ids.extend(s.token_ids)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(s.start + n)
-            b = s.block_ids
-            first_block.append(b[0] if b and b[-1] - b[0] == len(b) - 1 and b == list(range(b[0], b[-1] + 1))
-                               else None)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-            num_decodes=sum(1 for i in order if len(seqs[i].token_ids) == 1), block_size=bs,
-            backend=self.plan.attention, kernels=self.attention_kernels, first_block=first_block)
-        sw = self.kv.sliding
-        if sw is not None:
-            meta.sliding = build_sliding_metadata(sw.window, bs, sw.ring_blocks, [
-                (seqs[i].start, len(seqs[i].token_ids), seqs[i].ring_ids) for i in order])
-        return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta, order
+        metadata (on the model's device), and the batch order (indices into `seqs`, decodes
+        first)."""
+        batch = layout(seqs, self.kv.block_size, self.kv.sliding)
+        return (*self._model_inputs(batch), batch.order)
+
+    def _model_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        splits = 1
+        if self.plan.attention == "triton" and batch.num_decodes:
+            splits = self._decode_splits(batch.num_decodes)
+        return model_inputs(batch, self.staging, self.plan.attention, self.attention_kernels, self.tile_queries,
+                            splits)
+
+    def _decode_splits(self, num_decodes: int) -> int:
+        """Key splits per decode of the Triton attention for a step of `num_decodes` decodes
+        (`kernels.gpu.attention.decode_splits`; on the CPU, as for a GPU of one multiprocessor)."""
+        from nextoken.kernels.gpu.attention import decode_splits
+
+        return decode_splits(num_decodes, self.model.config.num_kv_heads, max(1, self.device.num_sms))
+
+    SAMPLER_BYTES = 48  # per logits element: the sampler's float32, float64 and index temporaries at their peak
+
+    def gpu_kv_memory(self, utilization: float, max_tokens: int, max_seqs: int, ring_blocks: int = 0) -> int:
+        """Bytes the KV cache may take on this GPU (vLLM's ``--gpu-memory-utilization``):
+        `utilization` of its memory, less what is in use now (the weights, the CUDA context,
+        other processes) and less the peak that one forward pass of `max_tokens` tokens, the
+        logits of `max_seqs` rows and their sampling take beyond it: the pass is measured over a
+        temporary cache (with `ring_blocks` ring blocks for a sliding-window model), the sampler
+        estimated at `SAMPLER_BYTES` per logits element. Raises `ModelLoadError` when nothing is
+        left."""
+        dev, cfg = self.device.torch, self.config
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        bs = 16
+        blocks = -(-max_tokens // bs)
+        self.init_kv_cache(blocks, bs, ring_blocks, ring_blocks)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        seq = SequenceInput([0] * max_tokens, 0, list(range(blocks)), ring_ids=list(range(ring_blocks)) or None)
+        self.execute([seq])
+        with torch.inference_mode():
+            self.model.compute_logits(torch.zeros(max_seqs, cfg.hidden_size, dtype=self.dtype, device=dev))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base + max_seqs * cfg.vocab_size * self.SAMPLER_BYTES
+        self.kv = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = int(total * utilization) - (total - free) - peak
+        log.info("GPU memory: %.2f GiB of %.2f in use (weights %.2f GiB), a pass's peak %.2f GiB, so %.2f GiB for "
+                 "the KV cache at --gpu-memory-utilization %.2f", (total - free) / 2**30, total / 2**30,
+                 self.weight_bytes / 2**30, peak / 2**30, budget / 2**30, utilization)
+        if budget <= 0:
+            raise ModelLoadError(f"{self.device.name}: the weights ({self.weight_bytes / 2**30:.2f} GiB) and a pass's "
+                                 f"peak ({peak / 2**30:.2f} GiB) leave no room for the KV cache within "
+                                 f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB "
+                                 f"({(total - free) / 2**30:.2f} GiB in use); raise it or lower "
+                                 "--max-num-batched-tokens")
+        return budget
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture the decode step as CUDA graphs for batches of up to `max_batch` decodes of up to
+        `max_model_len` tokens (`runner.cuda_graphs`); on the CPU (a test's plan) the same padded
+        static buffers run eagerly. Needs the KV cache, made with its spare block."""
+        from nextoken.runner.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-max_model_len // self.kv.block_size) + 1
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self, max_batch, max_blocks, self._decode_splits, self.device.is_cuda)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput], tracer=None, all_logits: bool = False) -> torch.Tensor:
@@ -306,7 +367,12 @@ class ModelRunner:
         """One forward pass over `seqs` (in the C step with `one_call`, unless the kernel
         refuses): the final hidden states ``[T, hidden]`` in batch order, and each sequence's
         last row in them (by index into `seqs`)."""
-        input_ids, positions, meta, order = self.prepare(seqs)
+        batch = layout(seqs, self.kv.block_size, self.kv.sliding)
+        last = {i: batch.query_start_loc[row + 1] - 1 for row, i in enumerate(batch.order)}
+        if self.graphs is not None and tracer is None and self.loras is None and self.graphs.takes(batch):
+            return self.graphs.run(batch), last
+        input_ids, positions, meta = self._model_inputs(batch)
+        order = batch.order
         adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
         if tracer is not None and getattr(tracer, "wants_probs", True):
             meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
@@ -317,7 +383,7 @@ class ModelRunner:
             hidden = self.model.final_norm(out) if out is not None else None
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv, meta, tracer)
-        return hidden, {i: meta.query_start_loc[row + 1] - 1 for row, i in enumerate(order)}
+        return hidden, last
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""
@@ -347,7 +413,7 @@ def score(model, hidden: torch.Tensor, targets: list[int], top: int, chunk: int 
     out = []
     for a in range(0, hidden.shape[0], chunk):
         lp = model.compute_logits(hidden[a : a + chunk]).float().log_softmax(-1)
-        tgt = torch.tensor(targets[a : a + chunk])
+        tgt = torch.tensor(targets[a : a + chunk], device=lp.device)
         chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
         tops = lp.topk(top, dim=-1) if top else None
         for j, t in enumerate(targets[a : a + chunk]):

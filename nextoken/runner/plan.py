@@ -10,9 +10,14 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   a Hugging Face folder's weights), or dense on PyTorch (everything else, and float32: the
   reference);
 - **embedding**: codes (sharing them with a tied head), Q8_0 rows (PyTorch path), or dense;
+- **device**: the CPU, or a GPU (``--device``, `runner.device`): on a GPU every weight is dense
+  (GGUF blocks de-quantized at load), attention runs our Triton kernel, the rest PyTorch, and
+  decode steps replay CUDA graphs (`runner.cuda_graphs`) unless ``enforce_eager``;
 - **attention**: ``reference`` (plain float32 attention, the oracle), ``native`` (our C decode
-  kernel reading the paged cache in place, blocked matmuls for prefill) or ``torch`` (the same
-  without the C kernel); carried to the layers in `AttentionMetadata.backend`;
+  kernel reading the paged cache in place, blocked matmuls for prefill), ``torch`` (the same
+  without the C kernel) or ``triton`` (`kernels.gpu.attention`: the GPU's; on the CPU only
+  under Triton's interpreter, to test the GPU path); carried to the layers in
+  `AttentionMetadata.backend`;
 - **native decode**: whether single-token decodes (and the prefill of short prompts) run every
   layer in one C call (`layers.native_decode`), LoRA adapters included: bf16, an architecture
   it implements, every projection on our kernel (codes or dense bf16);
@@ -27,25 +32,28 @@ one, the sampler the ``sampling`` one). Shape limits of a kernel are checked her
 chosen kernel takes every call; a call it still refuses runs PyTorch and is counted
 (`kernels.count_fallback`: `LLMEngine.stats`, ``/metrics``, the inspector), never silently.
 
-``enforce_eager`` fixes all of these to PyTorch at load; nothing reads the environment or a
-process-wide switch while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has
+``enforce_eager`` fixes all of these to PyTorch at load (on a GPU: no CUDA graphs); nothing reads
+the environment or a process-wide switch while the model runs. ``NEXTOKEN_NATIVE_KERNELS=0`` in the environment has
 the same effect as a machine without a C compiler.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from nextoken.errors import InvalidRequest
 from nextoken.kernels import KernelSet
 from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
 from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
                                                   TorchInt4Method)
 from nextoken.layers.quantization.qweight import qweight_supported
 from nextoken.layers.quantization.torch_int4 import int4_supported
+from nextoken.runner.device import CPU, Device
 
 log = logging.getLogger("nextoken.plan")
 DENSE_TYPES = ("F32", "F16", "BF16")  # dense checkpoint tensors (a safetensors tensor reads as F32)
@@ -60,7 +68,9 @@ class ExecutionPlan:
     codes: bool  # block-quantized weights as codes on our C kernel
     torch_int4: bool  # else 4-bit/Q8_0 blocks on PyTorch's int4 kernel
     dense_weights: bool  # with torch_int4: keep a dense copy too
-    attention: str  # "reference" | "native" | "torch"
+    attention: str  # "reference" | "native" | "torch" | "triton"
+    device: Device = CPU
+    cuda_graphs: bool = False  # decode steps replay captured CUDA graphs (a GPU, not enforce_eager)
     native_decode: bool = False
     native_activations: bool = False
     quantization: str | None = None  # a folder's weights quantized at load to this format (`loader.quantize`)
@@ -70,10 +80,16 @@ class ExecutionPlan:
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
                keep_quantized: bool = True, dense_weights: bool = False,
-               quantization: str | None = None) -> ExecutionPlan:
-        """The plan for a model in `dtype` on this machine. `keep_quantized`: block-quantized
-        weights stay quantized (bf16 only; float32 de-quantizes everything, the reference).
-        `quantization`: a Hugging Face folder's weights are quantized at load to this format."""
+               quantization: str | None = None, device: Device = CPU,
+               attention_backend: str = "auto") -> ExecutionPlan:
+        """The plan for a model in `dtype` on `device`. `keep_quantized`: block-quantized
+        weights stay quantized (bf16 on the CPU only; float32 and a GPU de-quantize everything).
+        `quantization`: a Hugging Face folder's weights are quantized at load to this format (the
+        CPU's kernels). `attention_backend`: ``auto`` or one of ``native``, ``torch``,
+        ``triton`` (`EngineArgs.attention_backend`). Raises `InvalidRequest` for a choice the
+        device cannot run."""
+        if device.is_cuda:
+            return cls._on_gpu(dtype, enforce_eager, reference_attention, quantization, device, attention_backend)
         reasons = {}
         ks = KernelSet.resolve(not enforce_eager)
         native = ks != KernelSet()
@@ -88,15 +104,25 @@ class ExecutionPlan:
         elif codes and not ks.qmatmul.qmatmul_vectorized():
             loop = ks.qmatmul.qmatmul_loop().decode()
             reasons["VNNI"] = f"no AVX-512 VNNI in this build: the codes run the kernel's {loop} loop"
-        if reference_attention:
-            attention = "reference"
-        elif ks.paged_attention is not None:
-            attention = "native"
-        else:
-            attention = "torch"
+        attention = _cpu_attention(reference_attention, attention_backend, ks)
         activations = dtype == torch.bfloat16 and ks.activation is not None
-        return cls(dtype, codes, quantized and not codes, dense_weights, attention,
+        return cls(dtype, codes, quantized and not codes, dense_weights, attention, device,
                    native_activations=activations, quantization=quantization, reasons=reasons, kernels=ks)
+
+    @classmethod
+    def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
+        """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS), Triton attention (or the
+        float32 reference), PyTorch's norms, activations and sampler, CUDA graphs for decode
+        steps unless `enforce_eager`."""
+        if quantization is not None:
+            raise InvalidRequest(f"--quantization {quantization} packs weights for the CPU's kernels; on a GPU the "
+                                 "weights run dense (bf16)", "quantization")
+        if attention_backend not in ("auto", "triton"):
+            raise InvalidRequest(f"attention_backend {attention_backend} runs on the CPU; a GPU runs triton (or "
+                                 "--reference-attention)", "attention_backend")
+        attention = "reference" if reference_attention else "triton"
+        reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
+        return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -165,7 +191,8 @@ class ExecutionPlan:
         return KernelSet(paged_attention=self.kernels.paged_attention, prefill_scores=self.kernels.prefill_scores)
 
     def describe(self, model) -> str:
-        """One line: the linears by method (and GGML type), the embedding, attention, decode."""
+        """One line: the device and why, the linears by method (and GGML type), the embedding,
+        attention, decode."""
         by_method: Counter = Counter()
         for name, m in model.named_modules():
             method = getattr(m, "method", None)
@@ -180,7 +207,28 @@ class ExecutionPlan:
         act = "C" if self.native_activations else "PyTorch"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""
-        return (f"execution plan: {str(self.dtype).removeprefix('torch.')}{quantized}; linears: {linears}; "
+        graphs = "; CUDA graphs for decode steps" if self.cuda_graphs else ""
+        return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
-                f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}"
+                f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}{graphs}"
                 + (f" ({off})" if off else ""))
+
+
+def _cpu_attention(reference: bool, backend: str, ks: KernelSet) -> str:
+    """The CPU's attention: the reference when asked, else `backend` (``auto``: our C kernel
+    when it built, else PyTorch). Raises `InvalidRequest` for ``native`` without the kernel and
+    for ``triton`` outside Triton's interpreter."""
+    if reference:
+        return "reference"
+    if backend == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidRequest("attention_backend triton runs on the CPU only under Triton's interpreter "
+                                 "(TRITON_INTERPRET=1, a slow check of the GPU path); use --device cuda",
+                                 "attention_backend")
+        return "triton"
+    if backend == "native" and ks.paged_attention is None:
+        raise InvalidRequest("attention_backend native needs our C kernels (not --enforce-eager, a C compiler)",
+                             "attention_backend")
+    if backend == "torch" or ks.paged_attention is None:
+        return "torch"
+    return "native"

@@ -119,17 +119,17 @@ def apply_presence_frequency(values: torch.Tensor, counts: torch.Tensor, presenc
 def process_rows(work: torch.Tensor, rows: list[RowEdits], eog_ids: frozenset[int],
                  watermark: WatermarkConfig | None = None) -> None:
     """Apply every enabled edit of each row's params to `work` ``[len(rows), vocab]`` float32, in
-    place (row j of `work` belongs to ``rows[j]``)."""
-    V = work.shape[1]
+    place (row j of `work` belongs to ``rows[j]``; on any device: the indices go to it)."""
+    V, dev = work.shape[1], work.device
     flat = work.view(-1)
     blocked = [j * V + i for j, r in enumerate(rows) if len(r.output_ids) + len(r.ahead) < r.params.min_tokens
                for i in (*eog_ids, *r.params.stop_token_ids) if i < V]
     if blocked:
-        flat[torch.tensor(blocked, dtype=torch.long)] = float("-inf")
+        flat[torch.tensor(blocked, dtype=torch.long, device=dev)] = float("-inf")
     bias = [(j * V + t, v) for j, r in enumerate(rows) if r.params.logit_bias for t, v in r.params.logit_bias.items()]
     if bias:
-        idx = torch.tensor([i for i, _ in bias], dtype=torch.long)
-        flat[idx] += torch.tensor([v for _, v in bias], dtype=work.dtype)
+        idx = torch.tensor([i for i, _ in bias], dtype=torch.long, device=dev)
+        flat[idx] += torch.tensor([v for _, v in bias], dtype=work.dtype, device=dev)
     _apply_penalties(flat, V, rows)
     for j, r in enumerate(rows):
         if r.params.watermark:
@@ -152,11 +152,12 @@ def _apply_penalties(flat: torch.Tensor, V: int, rows: list[RowEdits]) -> None:
     if not parts:
         return
     lengths = [len(ids) for _, ids, _, _, _, _ in parts]
-    idx = torch.from_numpy(np.concatenate([ids + j * V for j, ids, *_ in parts]))
-    counts = torch.from_numpy(np.concatenate([c for _, _, c, *_ in parts]))
+    dev = flat.device
+    idx = torch.from_numpy(np.concatenate([ids + j * V for j, ids, *_ in parts])).to(dev)
+    counts = torch.from_numpy(np.concatenate([c for _, _, c, *_ in parts])).to(dev)
 
     def per_token(k: int) -> torch.Tensor:
-        return torch.from_numpy(np.repeat(np.array([part[k] for part in parts], np.float32), lengths))
+        return torch.from_numpy(np.repeat(np.array([part[k] for part in parts], np.float32), lengths)).to(dev)
 
     rep, presence, frequency = per_token(3), per_token(4), per_token(5)
     vals = flat[idx]

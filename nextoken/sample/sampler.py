@@ -20,7 +20,9 @@ Per step, for the batch as a whole (in the manner of vLLM v1's ``Sampler`` and
 
 The settings of the batch's rows (temperature, top-k, top-p, min-p, which rows need processing
 or log-probabilities) are tensors built once and reused while the batch is the same
-(`SamplingMetadata`). Speculative verification, the draft model, the inspector and `nextoken
+(`SamplingMetadata`), on the logits' device: on a GPU the whole chain runs there, and what the
+host decides (which rows are greedy, whether any filter is on) it knows from the rows'
+settings, so a step's only copy back is the chosen ids (and log-probabilities when asked). Speculative verification, the draft model, the inspector and `nextoken
 explain` get whole distributions from `distributions` (the same processors and rule).
 """
 
@@ -86,21 +88,26 @@ def uniform(generator: DrawGenerator | None) -> float:
 
 
 # -- the rule, in PyTorch (the plain path) --------------------------------------------------
-def filter_masks(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_masks(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 active: bool | None = None) -> torch.Tensor:
     """Which tokens survive top-k, then top-p, then min-p, on rows of temperature-scaled logits
     x ``[b, vocab]`` float32 with per-row settings ``[b]`` (top_k <= 0: off; top_p 1: off; min_p
     0: off). Returns bool ``[b, vocab]``. The rule (``kernels/sampling.c`` runs the same): order
     by x descending, ties by id; e = exp(x - max); top-k keeps the first k; top-p keeps a token
     while the mass before it (exclusive sum of e in that order, float64) is below top_p times the
     top-k mass (Holtzman et al. 2019); min-p keeps e >= min_p, i.e. p >= min_p * p_max (Nguyen
-    et al. 2024). The most likely token always survives; rows with every filter off keep all."""
+    et al. 2024). The most likely token always survives; rows with every filter off keep all.
+    `active`: whether any row has a filter on, when the caller knows (else read from the
+    settings, a copy to the host on a GPU)."""
     b, V = x.shape
-    if not bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0) | (min_p > 0)).any()):
-        return torch.ones(b, V, dtype=torch.bool)  # no filter on any row: the sort would change nothing
+    if active is None:
+        active = bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0) | (min_p > 0)).any())
+    if not active:
+        return torch.ones(b, V, dtype=torch.bool, device=x.device)  # no filter on any row: nothing to sort
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     e = (sorted_x - sorted_x[:, :1]).exp()
     k = torch.where((top_k > 0) & (top_k < V), top_k.long(), torch.full_like(top_k, V, dtype=torch.long))
-    keep = torch.arange(V)[None, :] < k[:, None]
+    keep = torch.arange(V, device=x.device)[None, :] < k[:, None]
     ed = torch.where(keep, e.double(), 0.0)
     before = torch.cat([ed.new_zeros(b, 1), ed.cumsum(-1)[:, :-1]], dim=1)
     zk = ed.sum(-1, keepdim=True)
@@ -114,8 +121,10 @@ def filter_masks(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 
 def filter_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """`filter_masks` for one row ``[vocab]`` and scalar settings; returns bool ``[vocab]``."""
-    return filter_masks(logits[None].float(), torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float32),
-                        torch.tensor([min_p], dtype=torch.float32))[0]
+    dev = logits.device
+    return filter_masks(logits[None].float(), torch.tensor([top_k], device=dev),
+                        torch.tensor([top_p], dtype=torch.float32, device=dev),
+                        torch.tensor([min_p], dtype=torch.float32, device=dev))[0]
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
@@ -123,31 +132,35 @@ def draw(weights: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
     the first token whose running sum (float64) exceeds u times the total. ``u`` in [0, 1)
     (a float or ``[...]``); returns int64 ``[...]``."""
     s = weights.double().cumsum(-1)
-    u = torch.as_tensor(u, dtype=torch.float64)
+    u = torch.as_tensor(u, dtype=torch.float64, device=weights.device)
     target = (u * s[..., -1]).unsqueeze(-1)
     return torch.searchsorted(s, target, right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
 
 
 def kept_weights(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 min_p: torch.Tensor, active: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For sampled rows ``[b, vocab]`` (temperature > 0): (kept bool ``[b, vocab]``, the draw's
-    weights e = exp(x - max) on the kept tokens, 0 elsewhere, float32 ``[b, vocab]``)."""
+    weights e = exp(x - max) on the kept tokens, 0 elsewhere, float32 ``[b, vocab]``). `active`:
+    as `filter_masks`'s."""
     x = rows / temperature[:, None]
-    kept = filter_masks(x, top_k, top_p, min_p)
+    kept = filter_masks(x, top_k, top_p, min_p, active)
     e = (x - x.max(-1, keepdim=True).values).exp()
     return kept, torch.where(kept, e, 0.0)
 
 
 def torch_draw(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+               min_p: torch.Tensor, u: torch.Tensor, sampled: list[int] | None = None,
+               active: bool | None = None) -> torch.Tensor:
     """The draw of every row ``[b, vocab]`` float32 (the plain path of `draw_rows`): greedy rows
     (temperature 0) their first argmax, the others `draw` over `kept_weights`. Returns int64
-    ``[b]``."""
+    ``[b]``, on the rows' device. `sampled` (the rows with temperature > 0) and `active` (any
+    filter on among them), when the caller knows them, spare copies to the host."""
     tokens = rows.argmax(-1)
-    sampled = (temperature > 0).nonzero().flatten()
-    if len(sampled):
-        s = sampled
-        _, w = kept_weights(rows[s], temperature[s], top_k[s], top_p[s], min_p[s])
+    if sampled is None:
+        sampled = (temperature > 0).nonzero().flatten().tolist()
+    if sampled:
+        s = torch.tensor(sampled, device=rows.device) if len(sampled) < rows.shape[0] else slice(None)
+        _, w = kept_weights(rows[s], temperature[s], top_k[s], top_p[s], min_p[s], active)
         tokens[s] = draw(w, u[s])
     return tokens
 
@@ -162,7 +175,7 @@ class _Kernel:
                  top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         b = len(addresses)
         rows = np.array(addresses, dtype=np.int64)
-        tokens = torch.empty(b, dtype=torch.int64)
+        tokens = torch.empty(b, dtype=torch.int64, device="cpu")
         sample_rows(self.lib, rows.ctypes.data, b, V, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
                     min_p.data_ptr(), u.data_ptr(), tokens.data_ptr())
         return tokens
@@ -183,19 +196,23 @@ class SamplingMetadata:
     num_logprobs: list[int]  # how many top log-probabilities each of those asks
     max_logprobs: int
     rows: list = field(default_factory=list, repr=False)  # the rows it was built for (held: see `Sampler.metadata`)
+    filtered: list[bool] = field(default_factory=list)  # per row: a sampled row with top-k, top-p or min-p on
 
     @classmethod
-    def build(cls, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
+    def build(cls, rows: list[SamplerRequest], V: int, device: torch.device | None = None) -> SamplingMetadata:
+        """The settings of `rows` for a vocabulary of `V`, as tensors on `device` (the logits')."""
+        device = device or torch.device("cpu")
         ps = [r.params for r in rows]
         settings = list(zip(*(row_settings(p, V) for p in ps))) or [(), (), (), ()]
-        temperature = torch.tensor(settings[0], dtype=torch.float32)
-        top_k = torch.tensor(settings[1], dtype=torch.int32)
-        top_p = torch.tensor(settings[2], dtype=torch.float32)
-        min_p = torch.tensor(settings[3], dtype=torch.float32)
+        temperature = torch.tensor(settings[0], dtype=torch.float32, device=device)
+        top_k = torch.tensor(settings[1], dtype=torch.int32, device=device)
+        top_p = torch.tensor(settings[2], dtype=torch.float32, device=device)
+        min_p = torch.tensor(settings[3], dtype=torch.float32, device=device)
         lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
         processed = [i for i, p in enumerate(ps) if has_processors(p)]
+        filtered = [t > 0 and (k > 0 or tp < 1.0 or mp > 0) for t, k, tp, mp in zip(*settings)]
         return cls(temperature, top_k, top_p, min_p, processed, lp, [ps[i].logprobs for i in lp],
-                   max((ps[i].logprobs for i in lp), default=0), list(rows))
+                   max((ps[i].logprobs for i in lp), default=0), list(rows), filtered)
 
 
 def draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
@@ -246,7 +263,7 @@ class Sampler:
         kept mask and the distribution drawn from. A row whose processors or grammar raise gets
         no token (-1) and `SampleResult.error`; the other rows are drawn as without it."""
         B, V = logits.shape
-        meta = self.metadata(rows, V)
+        meta = self.metadata(rows, V, logits.device)
         results = [SampleResult(-1) for _ in rows]
         edited = [i for i in meta.processed if needs_edits(rows[i].params, len(rows[i].output_ids))]
         source = self._process_isolated(logits, rows, edited, results)
@@ -298,13 +315,15 @@ class Sampler:
                     _fail(results[i], exc)
             return source
 
-    def metadata(self, rows: list[SamplerRequest], V: int) -> SamplingMetadata:
-        """The batch's settings: the last batch's when the rows are the same objects in the same
-        order (the metadata holds them, so no new row can take a held one's identity), else built
-        anew."""
+    def metadata(self, rows: list[SamplerRequest], V: int, device: torch.device | None = None) -> SamplingMetadata:
+        """The batch's settings on `device`: the last batch's when the rows are the same objects
+        in the same order (the metadata holds them, so no new row can take a held one's
+        identity), else built anew."""
         m = self._meta
-        if m is None or len(m.rows) != len(rows) or any(a is not b for a, b in zip(m.rows, rows)):
-            self._meta = m = SamplingMetadata.build(rows, V)
+        device = device or torch.device("cpu")
+        if m is None or len(m.rows) != len(rows) or any(a is not b for a, b in zip(m.rows, rows)) \
+                or m.temperature.device != device:
+            self._meta = m = SamplingMetadata.build(rows, V, device)
         return m
 
     def _process(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
@@ -325,24 +344,32 @@ class Sampler:
 
     def _masked(self, raw: torch.Tensor, processed: torch.Tensor | None, row: SamplerRequest,
                 history: list[int]) -> torch.Tensor:
-        refused = row.grammar.refused(history[len(row.output_ids):])
+        refused = row.grammar.refused(history[len(row.output_ids):]).to(raw.device)
         return _mask(raw if processed is None else processed, refused, raw, len(history) < row.params.min_tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
               source: dict[int, torch.Tensor], meta: SamplingMetadata) -> list[int]:
         """Tokens of rows `which`: each from its processed logits (`source`) or the raw row; one
-        uniform number from each sampled row's generator."""
+        uniform number from each sampled row's generator. On a GPU: one copy of the uniform
+        numbers over, one of the tokens back."""
+        dev = logits.device
         u = torch.tensor([uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which],
-                         dtype=torch.float32)
-        sel = torch.tensor(which, dtype=torch.long)
+                         dtype=torch.float32, device=dev)
+        whole = len(which) == logits.shape[0]  # (every row, in order: `which` is sorted)
+        sel = slice(None) if whole else torch.tensor(which, dtype=torch.long, device=dev)
         settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
-        if self.kernel is not None:
+        if self.kernel is not None and dev.type == "cpu":
             base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
             addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
             if logits.dtype == torch.float32 and logits.stride(1) == 1:
                 return self.kernel(addresses, logits.shape[1], *settings).tolist()
-        rows = torch.stack([source[i] if i in source else logits[i].float() for i in which])
-        return torch_draw(rows, *settings).tolist()
+        if whole and not source and logits.dtype == torch.float32:
+            stack = logits
+        else:
+            stack = torch.stack([source[i] if i in source else logits[i].float() for i in which])
+        sampled = [j for j, i in enumerate(which) if not rows[i].params.greedy]
+        active = any(meta.filtered[i] for i in which)
+        return torch_draw(stack, *settings, sampled=sampled, active=active).tolist()
 
     def _draw_with_details(self, logits, rows, source, results) -> None:
         """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
@@ -352,7 +379,7 @@ class Sampler:
                 continue
             if probs is None:  # greedy: all the mass on the argmax
                 token = kept
-                kept = torch.zeros(logits.shape[1], dtype=torch.bool)
+                kept = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
                 kept[token] = True
                 results[i] = SampleResult(token, kept=kept, probs=kept.float())
             else:
@@ -370,9 +397,9 @@ class Sampler:
             else:
                 sampled.append(i)
         if sampled:
-            meta = SamplingMetadata.build([rows[i] for i in sampled], logits.shape[1])
+            meta = SamplingMetadata.build([rows[i] for i in sampled], logits.shape[1], logits.device)
             stack = torch.stack([source.get(i, logits[i]).float() for i in sampled])
-            kept, w = kept_weights(stack, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+            kept, w = kept_weights(stack, meta.temperature, meta.top_k, meta.top_p, meta.min_p, any(meta.filtered))
             probs = w / w.sum(-1, keepdim=True)
             for j, i in enumerate(sampled):
                 out[i] = (kept[j], probs[j])
@@ -385,7 +412,7 @@ class Sampler:
         if not lr:
             return
         lp = (logits if len(lr) == logits.shape[0] else logits[lr]).float().log_softmax(-1)
-        tokens = torch.tensor([max(results[i].token, 0) for i in lr])  # (a failed row's -1: ignored)
+        tokens = torch.tensor([max(results[i].token, 0) for i in lr], device=lp.device)  # (a failed row's -1: ignored)
         chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
         top_vals = top_ids = None
         if meta.max_logprobs:

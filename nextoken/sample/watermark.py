@@ -40,17 +40,17 @@ class WatermarkConfig:
 
 def green_mask(prev_token: int, vocab_size: int, gamma: float) -> torch.Tensor:
     """bool ``[vocab_size]``: the green list that follows `prev_token`."""
-    g = torch.Generator()
+    g = torch.Generator(device="cpu")
     g.manual_seed(HASH_KEY * int(prev_token))
-    perm = torch.randperm(vocab_size, generator=g)
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    perm = torch.randperm(vocab_size, generator=g, device="cpu")
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
     mask[perm[: int(vocab_size * gamma)]] = True
     return mask
 
 
 def apply_watermark(logits: torch.Tensor, prev_token: int, config: WatermarkConfig) -> torch.Tensor:
     """Add delta to the green logits of one row ``[vocab]`` in place; returns it."""
-    logits[green_mask(prev_token, logits.shape[0], config.gamma)] += config.delta
+    logits[green_mask(prev_token, logits.shape[0], config.gamma).to(logits.device)] += config.delta
     return logits
 
 

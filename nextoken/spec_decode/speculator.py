@@ -149,6 +149,7 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
     target's."""
     from nextoken.errors import InvalidRequest
     from nextoken.loader.source import load_tokenizer
+    from nextoken.runner.device import resolve_device
     from nextoken.runner.model_runner import ModelRunner
     from nextoken.spec_decode.draft import check_same_vocabulary
 
@@ -162,7 +163,8 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
         raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
     draft_tok = load_tokenizer(draft_source)
     draft_source.release_metadata()
-    runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager)
+    runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager,
+                         device=resolve_device(args.device), attention_backend=args.attention_backend)
     check_same_vocabulary(tokenizer, draft_tok, target_config.vocab_size, runner.config.vocab_size,
                           config.model or "draft")
     if runner.config.sliding_layers:

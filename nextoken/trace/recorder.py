@@ -57,9 +57,9 @@ class TraceRecorder:
         cfg, t = self.cfg, len(prompt_ids)
         self.token_ids = list(prompt_ids)
         shape = (cfg.num_heads, t) if self.last_row_only else (cfg.num_heads, t, t)
-        self.attention = [torch.zeros(shape, dtype=torch.float16) for _ in range(cfg.num_layers)]
-        self.residual = torch.zeros(cfg.num_layers + 1, t, cfg.hidden_size)
-        self.mid = torch.zeros(cfg.num_layers, t, cfg.hidden_size)
+        self.attention = [torch.zeros(shape, dtype=torch.float16, device="cpu") for _ in range(cfg.num_layers)]
+        self.residual = torch.zeros(cfg.num_layers + 1, t, cfg.hidden_size, device="cpu")
+        self.mid = torch.zeros(cfg.num_layers, t, cfg.hidden_size, device="cpu")
 
     def on_embedding(self, h: torch.Tensor, cos, sin) -> None:
         now = time.perf_counter()
@@ -95,7 +95,7 @@ class TraceRecorder:
         self._pass_start = 0.0
 
     def on_sample(self, logits: torch.Tensor, res, params) -> None:
-        logits = logits.float()
+        logits = logits.float().cpu()
         if self.first_logits is None:
             self.first_logits = logits.clone()
         probs = logits.softmax(-1)

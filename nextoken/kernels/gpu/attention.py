@@ -1,0 +1,288 @@
+"""Paged attention in Triton: one kernel for the prefill chunks and the decodes of a batch.
+
+``softmax(scale q k^T + mask) v`` (Vaswani et al. 2017) computed the FlashAttention way (Dao et
+al. 2022): each program holds a tile of query rows, walks the keys a tile at a time and keeps a
+running maximum, denominator and output (the online softmax, Milakov & Gimelshein 2018), so
+the scores never reach memory. The keys and values are read where they lie in the paged cache
+(``[Hkv, num_blocks, block_size, D]``, `kv_cache.tensors.PagedKVCache`): each key's block comes
+from the sequence's block table. The query heads that share a KV head (GQA, Ainslie et al.
+2023) are stacked as rows of one tile, so a key tile is read once for all of them.
+
+One program covers one KV head and either one decode (``decode=True``: one query, its
+`group` heads) or `block_q` consecutive queries of one prefill chunk (their `group` heads
+each). A decode can also be split over the keys (flash-decoding, Dao et al. 2023): `splits`
+programs each take a share of the keys and leave their partial maximum, denominator and output,
+which `_combine_kernel` joins exactly; a long sequence of a small batch then fills the GPU.
+
+Masks: causal (key position <= the query's), a sliding window (key position > query position -
+`window`, `transformers`' rule), and soft-capping of the scores (``softcap tanh(s /
+softcap)``, Gemma 2) where a model has it. The cache may hold int8 rows with a float32 scale
+each (``--kv-cache-dtype int8``: dequantized to the queries' dtype as read, as
+`kv_cache.tensors.dequantize_rows` does). With `k_new`/`v_new` (`fresh`), the keys from the
+chunk's first new token on come from this pass's keys instead of the cache: a sliding-window
+layer's ring is read before the chunk's own keys overwrite it.
+
+Arithmetic: bf16 queries, keys and probabilities multiply on the tensor cores with float32
+sums; float32 inputs multiply in IEEE float32 (never TF32), so the float32 path is the
+reference's function to float32 rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``,
+the CPU tests) the bf16 operands are widened to float32 before each product, which computes the
+same exact products (bf16 x bf16 fits float32; Triton 3.6's interpreter multiplies bf16 tiles
+wrongly otherwise). The reference these are tested against is `layers.attention.naive_attention`
+(float32).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: Triton's interpreter
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tile(ptr, kv_head, stride_h, stride_b, scales_ptr, stride_sh, stride_sb, tables_ptr, seq, stride_tab,
+               kpos, ok, d, new_ptr, stride_nt, stride_nh, q_start, new_start, like,
+               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr, FRESH: tl.constexpr):
+    """Keys (or values) at positions `kpos` ``[BLOCK_N]`` of sequence `seq`, ``[BLOCK_N, D]`` in
+    the dtype of `like` (the queries): from the paged cache through the block table, or
+    (`FRESH`) from this pass's rows for positions from `new_start` on. Rows with `ok` false are
+    zero."""
+    cached = ok
+    if FRESH:
+        cached = ok & (kpos < new_start)
+    block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
+    slot = kpos % BLOCK_SIZE
+    x = tl.load(ptr + kv_head * stride_h + block[:, None] * stride_b + slot[:, None] * HEAD_DIM + d[None, :],
+                mask=cached[:, None], other=0.0)
+    if INT8:
+        s = tl.load(scales_ptr + kv_head * stride_sh + block * stride_sb + slot, mask=cached, other=0.0)
+        x = x.to(tl.float32) * s[:, None]
+    x = x.to(like.dtype)
+    if FRESH:
+        row = (q_start + kpos - new_start).to(tl.int64)
+        y = tl.load(new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :],
+                    mask=(ok & (kpos >= new_start))[:, None], other=0.0)
+        x = tl.where(cached[:, None], x, y.to(like.dtype))
+    return x
+
+
+@triton.jit
+def _attention_kernel(
+        out_ptr, part_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr, vn_ptr,
+        tables_ptr, seq_lens_ptr, q_start_ptr, qb_seq_ptr, qb_first_ptr,
+        scale, softcap, window,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_sh, stride_sb,
+        stride_nt, stride_nh, stride_tab, num_heads,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, SPLITS: tl.constexpr,
+        INT8: tl.constexpr, FRESH: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+        WIDEN: tl.constexpr):
+    """One tile of query rows against one KV head's keys; see the module docstring. Grid:
+    (query tiles, KV heads, SPLITS)."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = pid
+        q0 = 0
+    else:
+        seq = tl.load(qb_seq_ptr + pid)
+        q0 = tl.load(qb_first_ptr + pid)
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    new_start = seq_len - q_len  # the position of the sequence's first new token
+
+    m = tl.arange(0, BLOCK_M)
+    qi = q0 + m // GROUP  # each row's query (among the sequence's new tokens) and head
+    head = kv_head * GROUP + m % GROUP
+    row_ok = (m < BLOCK_Q * GROUP) & (qi < q_len)
+    q_pos = new_start + qi
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    hi = new_start + tl.minimum(q0 + BLOCK_Q, q_len)  # the tile's last query sees keys < hi
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(new_start + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLITS > 1:
+        share = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * share
+        hi = tl.minimum(hi, lo + share)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 is the hardware's
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + n
+        key_ok = kpos < hi
+        k = _load_tile(k_ptr, kv_head, stride_kh, stride_kb, ks_ptr, stride_sh, stride_sb, tables_ptr, seq,
+                       stride_tab, kpos, key_ok, d, kn_ptr, stride_nt, stride_nh, q_start, new_start, q,
+                       HEAD_DIM, BLOCK_SIZE, INT8, FRESH)
+        if WIDEN:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh written with exp
+            t = tl.exp(-2.0 * tl.abs(s * scale / softcap))
+            s = softcap * tl.where(s >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        seen = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            seen = seen & (kpos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr, kv_head, stride_kh, stride_kb, vs_ptr, stride_sh, stride_sb, tables_ptr, seq,
+                       stride_tab, kpos, key_ok, d, vn_ptr, stride_nt, stride_nh, q_start, new_start, q,
+                       HEAD_DIM, BLOCK_SIZE, INT8, FRESH)
+        p = p.to(q.dtype)  # probabilities rounded to the values' dtype for the product (as FlashAttention)
+        if WIDEN:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SPLITS > 1:  # this split's share: running max, denominator and unnormalised output
+        at = ((seq * num_heads + head) * SPLITS + split).to(tl.int64) * (HEAD_DIM + 2)
+        tl.store(part_ptr + at[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ptr + at + HEAD_DIM, m_i, mask=row_ok)
+        tl.store(part_ptr + at + HEAD_DIM + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_ptr, q_start_ptr, stride_ot, stride_oh, num_heads,
+                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Join one decode head's `SPLITS` partial softmaxes: ``sum_s 2^(m_s - M) acc_s / sum_s
+    2^(m_s - M) l_s``. Grid: (decodes, query heads)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    at = ((seq * num_heads + head) * SPLITS + s).to(tl.int64) * (HEAD_DIM + 2)
+    m = tl.load(part_ptr + at + HEAD_DIM)
+    l = tl.load(part_ptr + at + HEAD_DIM + 1)
+    acc = tl.load(part_ptr + at[:, None] + d[None, :])
+    top = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)))
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    row = tl.load(q_start_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile shapes of one kind of call: query rows per program (`block_m`, padded to a power of
+    two; `block_q` queries of `group` heads each), keys per step (`block_n`), and Triton's
+    launch settings."""
+
+    block_q: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiling(decode: bool, group: int, head_dim: int) -> Tiling:
+    """The tiles for decodes (one query per program) or prefill chunks, for `group` query heads
+    per KV head and heads of `head_dim`. Prefill tiles hold 128 query rows (64 for heads over 128
+    dims, whose accumulators take twice the registers); a key step holds 64 keys (32 over 128
+    dims)."""
+    block_n = 64 if head_dim <= 128 else 32
+    if decode:
+        block_m = max(16, triton.next_power_of_2(group))
+        return Tiling(1, block_m, block_n, 4, 2)
+    block_m = max(64 if head_dim > 128 else 128, triton.next_power_of_2(group))
+    return Tiling(block_m // group, block_m, block_n, 8 if block_m >= 128 else 4, 2)
+
+
+def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tuple[list[int], list[int]]:
+    """The query tiles of sequences ``first ..``: for each tile, (its sequence, its first query
+    among the sequence's new tokens), `block_q` queries per tile. query_start_loc: the batch's
+    ``[num_seqs + 1]`` offsets (host integers)."""
+    seqs, firsts = [], []
+    for i in range(first, len(query_start_loc) - 1):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        for q0 in range(0, n, block_q):
+            seqs.append(i)
+            firsts.append(q0)
+    return seqs, firsts
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Key splits per decode (a power of two): enough programs for two per multiprocessor, at
+    most `max_splits`; 1 when the batch alone fills the GPU."""
+    want = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
+    return max(1, min(max_splits, triton.next_power_of_2(want)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, out: torch.Tensor,
+                    decode: bool, num_seqs: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    splits: int = 1, partials: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the queries of `num_seqs` sequences over their paged keys; writes `out`.
+
+    q ``[T, H, D]`` (bf16 or float32; D a power of two >= 16); k_cache, v_cache ``[Hkv,
+    num_blocks, block_size, D]`` in q's dtype, or int8 codes with `k_scales`, `v_scales`
+    ``[Hkv, num_blocks, block_size]`` float32; block_tables int32 ``[>= num_seqs, max_blocks]``;
+    seq_lens int32 ``[>= num_seqs]`` (keys of each sequence, its new tokens included: its new
+    tokens sit at positions ``seq_len - q_len ..``); query_start_loc int32 ``[>= num_seqs + 1]``
+    (each sequence's rows of q). out ``[T, H, D]``: each sequence's rows are written.
+
+    decode: every sequence has one query; one program per (sequence, KV head, split), `splits`
+    of them (a power of two) over the keys, joined through `partials` (float32 ``[num_seqs * H
+    * splits * (D + 2)]``). Otherwise `tiles`: (sequence, first query) int32 ``[P]`` each
+    (`query_tiles` with the prefill `tiling`'s block_q). window: a sliding window (0: none);
+    softcap: soft-capping of the scores (0: none); k_new, v_new ``[T, Hkv, D]``: keys from each
+    sequence's first new token on come from these rows (a sliding-window ring read before
+    this pass writes it). Shapes are the caller's to get right: the kernel does not check
+    them. Returns `out`."""
+    hkv, _, block_size, d = k_cache.shape
+    h = q.shape[1]
+    group = h // hkv
+    f32 = q.dtype == torch.float32
+    t = tiling(decode, group, d)
+    int8 = k_scales is not None
+    fresh = k_new is not None
+    if not decode:
+        splits = 1
+    grid = (num_seqs if decode else tiles[0].shape[0], hkv, splits)
+    if grid[0] == 0:
+        return out
+    ks, vs = (k_scales, v_scales) if int8 else (q, q)  # (unused pointers when the cache is not int8)
+    kn, vn = (k_new, v_new) if fresh else (q, q)
+    qb_seq, qb_first = tiles if tiles is not None else (seq_lens, seq_lens)
+    part = partials if splits > 1 else out
+    _attention_kernel[grid](
+        out, part, q, k_cache, v_cache, ks, vs, kn, vn, block_tables, seq_lens, query_start_loc, qb_seq, qb_first,
+        scale, softcap, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
+        kn.stride(0) if fresh else 0, kn.stride(1) if fresh else 0, block_tables.stride(0), h,
+        GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        DECODE=decode, SPLITS=splits, INT8=int8, FRESH=fresh, SOFTCAP=softcap > 0, WINDOW=window > 0,
+        WIDEN=INTERPRET and not f32, num_warps=t.num_warps, num_stages=t.num_stages)
+    if splits > 1:
+        _combine_kernel[(num_seqs, h)](out, partials, query_start_loc, out.stride(0), out.stride(1), h,
+                                       SPLITS=splits, HEAD_DIM=d, num_warps=4)
+    return out

@@ -1,0 +1,166 @@
+"""A forward pass's inputs: every scheduled sequence's new tokens laid out flat, where their keys
+and values go, and which blocks each sequence reads (vLLM's input batch).
+
+    sequences -> `layout` (host arrays: ids, positions, slot mapping, block tables, offsets;
+                 decodes first)
+              -> `model_inputs` (tensors on the model's device and the `AttentionMetadata`;
+                 for Triton attention its `DeviceMetadata` too)
+
+`layout` works on NumPy arrays, a few operations per pass rather than per sequence, so a GPU's
+step is not held up by the host. On a GPU the arrays go over in two copies (one int64, one
+int32) from pinned staging memory (`Staging`); on the CPU the tensors are views of the arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nextoken.errors import EngineError
+from nextoken.layers.attention import AttentionMetadata
+from nextoken.layers.gpu_attention import DeviceMetadata
+from nextoken.layers.sliding_attention import SlidingMetadata, build_sliding_metadata
+
+
+@dataclass
+class HostBatch:
+    """One pass laid out on the host, sequences in batch order (decodes first).
+
+    order: each batch row's index into the caller's sequences; input_ids, positions,
+    slot_mapping: int64 ``[T]``; block_tables: int64 ``[S, max_blocks]`` (padded with 0);
+    query_start_loc: ``[S + 1]`` offsets of each sequence's tokens; seq_lens ``[S]``: its
+    tokens once this pass is written; num_decodes: the leading single-token sequences;
+    first_block: each sequence's first block when its blocks are consecutive, else None;
+    sliding: the rings' metadata (CPU tensors), for a model with sliding-window layers."""
+
+    order: list[int]
+    block_size: int
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    num_decodes: int
+    first_block: list[int | None]
+    sliding: SlidingMetadata | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def layout(seqs, block_size: int, sliding=None) -> HostBatch:
+    """The `HostBatch` of `seqs` (`runner.model_runner.SequenceInput`, one row each) for a cache
+    of `block_size`-token blocks (and `sliding`, its `SlidingKVCache`, or None). Raises
+    `EngineError` when a sequence's blocks cannot hold its tokens (a scheduler fault)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+    ss = [seqs[i] for i in order]
+    lens = np.array([len(s.token_ids) for s in ss], dtype=np.int64)
+    qsl = np.zeros(len(ss) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    starts = np.array([s.start for s in ss], dtype=np.int64)
+    tables = np.zeros((len(ss), max(1, max(len(s.block_ids) for s in ss))), dtype=np.int64)
+    for row, s in enumerate(ss):
+        if len(s.block_ids) * block_size < s.start + len(s.token_ids):
+            raise EngineError(f"a sequence of {s.start + len(s.token_ids)} tokens has {len(s.block_ids)} blocks of "
+                              f"{block_size}")
+        tables[row, : len(s.block_ids)] = s.block_ids
+    rows = np.repeat(np.arange(len(ss)), lens)
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(starts - qsl[:-1], lens)
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    batch = HostBatch(order, block_size, np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1])), positions,
+                      slots, tables, qsl.tolist(), (starts + lens).tolist(), int(np.sum(lens == 1)),
+                      [_first_block(s.block_ids) for s in ss])
+    if sliding is not None:
+        batch.sliding = build_sliding_metadata(sliding.window, block_size, sliding.ring_blocks,
+                                               [(s.start, len(s.token_ids), s.ring_ids) for s in ss])
+    return batch
+
+
+def _first_block(b: list[int]) -> int | None:
+    """`b`'s first block when its blocks are consecutive (a view of the cache serves it)."""
+    return b[0] if b and b[-1] - b[0] == len(b) - 1 and b == list(range(b[0], b[-1] + 1)) else None
+
+
+class Staging:
+    """Pinned host buffers for a GPU's inputs: arrays are packed into one buffer per dtype and
+    copied over in one asynchronous copy; an event makes sure a buffer is not refilled while its
+    last copy is still pending. On the CPU, `send` returns views of the arrays."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.done: dict[torch.dtype, object] = {}
+
+    def send(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """`arrays` (any shapes) as tensors of `dtype` on the device, in order."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if dtype in self.done:  # its last copy must be done before the buffer is refilled
+            self.done[dtype].synchronize()
+        buf = self.host.get(dtype)
+        if buf is None or buf.numel() < total:
+            buf = self.host[dtype] = torch.empty(max(total, 4096) * 2, dtype=dtype, pin_memory=True)
+        flat = buf.numpy()
+        at = 0
+        for a, n in zip(arrays, sizes):
+            flat[at : at + n] = a.reshape(-1)
+            at += n
+        dev = buf[:total].to(self.device, non_blocking=True)
+        event = self.done[dtype] = torch.cuda.Event()
+        event.record()
+        out, at = [], 0
+        for a, n in zip(arrays, sizes):
+            out.append(dev[at : at + n].view(a.shape))
+            at += n
+        return out
+
+
+def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tiling_q: int = 0,
+                 splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids ``[T]``, positions ``[T]`` (int64, on the device) and the `AttentionMetadata`
+    of `batch` for attention `backend` (the plan's; `kernels`: the attention libraries it
+    resolved). For ``triton``: `tiling_q` queries per prefill tile and `splits` key splits per
+    decode (`kernels.gpu.attention`), and the `DeviceMetadata` with them."""
+    sm = batch.sliding
+    ring = [] if sm is None or staging.device.type == "cpu" else \
+        [sm.write_rows.numpy(), sm.write_slots.numpy(), *[k.numpy() for k in sm.key_slots]]
+    sent = staging.send([batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, *ring],
+                        torch.int64)
+    ids, positions, slots, tables = sent[:4]
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                             block_tables=tables, num_decodes=batch.num_decodes, block_size=batch.block_size,
+                             backend=backend, kernels=kernels, first_block=batch.first_block)
+    if sm is not None:  # on a GPU: its tensors there (the ring tables stay on the host, for the C step only)
+        meta.sliding = SlidingMetadata(sm.window, sent[4], sent[5], sent[6:], sm.key_start, sm.ring_tables) \
+            if ring else sm
+    if backend == "triton":
+        meta.device = device_metadata(batch, staging, tiling_q, splits, meta.sliding)
+    return ids, positions, meta
+
+
+def device_metadata(batch: HostBatch, staging: Staging, tiling_q: int, splits: int,
+                    sliding: SlidingMetadata | None) -> DeviceMetadata:
+    """What the Triton kernel reads of `batch` (`layers.gpu_attention.DeviceMetadata`), in one
+    int32 copy: `tiling_q` queries per prefill tile, `splits` key splits per decode."""
+    from nextoken.kernels.gpu.attention import query_tiles
+
+    nd, ns = batch.num_decodes, batch.num_seqs
+    parts = [np.asarray(batch.seq_lens, np.int32), np.asarray(batch.query_start_loc, np.int32),
+             batch.block_tables.astype(np.int32)]
+    if nd < ns:
+        parts += [np.asarray(a, np.int32) for a in query_tiles(batch.query_start_loc, tiling_q, first=nd)]
+    if sliding is not None:
+        parts.append(sliding.ring_tables.numpy().astype(np.int32))
+    sent = staging.send(parts, torch.int32)
+    seq_lens, qsl, tables = sent[:3]
+    tiles = (sent[3], sent[4]) if nd < ns else None
+    dm = DeviceMetadata(seq_lens, qsl, tables, nd, ns, tiles, splits if nd else 1)
+    if sliding is not None:
+        dm.ring_tables, dm.ring_rows, dm.ring_slots = sent[-1], sliding.write_rows, sliding.write_slots
+    return dm
