@@ -16,9 +16,14 @@ def pytest_configure(config):
     PyTorch, our kernels' OpenMP and every `nextoken` process the tests start read), and OpenMP
     threads that wait sleep instead of spinning (`OMP_WAIT_POLICY`): two workers each running two
     spinning threads on two cores keep a core's threads spinning at barriers while the other
-    worker's threads hold it. Set here, before anything imports torch (OpenMP reads both once)."""
+    worker's threads hold it. Set here, before anything imports torch (OpenMP reads both once).
+
+    Triton's kernels (`nextoken.kernels.gpu`) run under Triton's interpreter
+    (``TRITON_INTERPRET=1``, read when a kernel is defined) unless the environment says otherwise:
+    benchmarks/gpu_check.py sets ``TRITON_INTERPRET=0`` to run the same tests compiled on a GPU."""
     import sys
 
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         os.environ["OMP_NUM_THREADS"] = str(threads)

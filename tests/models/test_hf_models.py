@@ -94,10 +94,15 @@ def hf_stepwise(model, prompt, continuation):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt2"])
-@pytest.mark.parametrize("reference", [False, True])
-def test_folder_logits_equal_transformers(folders, arch, reference):
+@pytest.mark.parametrize("attention", ["fast", "reference", "triton"])
+def test_folder_logits_equal_transformers(folders, arch, attention):
+    """Every architecture, on each attention path: the CPU's, the float32 reference, and the
+    GPU's Triton kernel (here under Triton's interpreter, PyTorch for the rest, as on a GPU)."""
     path, hf = folders[arch]
-    runner = ModelRunner(HFModelDir(path), torch.float32, reference=reference)
+    runner = ModelRunner(HFModelDir(path), torch.float32, reference=attention == "reference",
+                         enforce_eager=attention == "triton", attention_backend="triton" if attention == "triton"
+                         else "auto")
+    assert runner.plan.attention == {"fast": "native", "reference": "reference", "triton": "triton"}[attention]
     assert runner.config.architecture == arch
     full, steps = hf_stepwise(hf, PROMPT, CONTINUATION)
     seq = OneSequence(runner, 64, block_size=4)

@@ -1,0 +1,205 @@
+"""Our Triton paged attention (`kernels.gpu.attention`) against attention computed in float64.
+
+On a machine without a GPU the kernel's own source runs under Triton's interpreter
+(``TRITON_INTERPRET=1``, set by tests/conftest.py before Triton is imported); with a GPU the
+same tests run it compiled (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs them). The
+reference gathers each sequence's keys from its block table by hand and applies the masks in
+float64: an oracle that shares nothing with the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
+
+from nextoken.kernels.gpu.attention import decode_splits, paged_attention, query_tiles, tiling  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def make_case(q_lens, ctx, *, hkv=2, group=3, d=32, bs=16, dtype=torch.float32, device="cpu", int8=False, seed=0):
+    """A batch of sequences (`q_lens` new tokens after `ctx` cached ones each) over a paged cache
+    whose blocks are shuffled: q, caches, tables, lengths, offsets."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx, q_lens)]
+    need = sum(-(-s // bs) for s in seq_lens)
+    nb = need + 3
+    shape = (hkv, nb, bs, d)
+    if int8:
+        k = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        v = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        ks = torch.rand(shape[:-1], generator=g) * 0.02
+        vs = torch.rand(shape[:-1], generator=g) * 0.02
+    else:
+        k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+        ks = vs = None
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(q_lens), max(-(-s // bs) for s in seq_lens), dtype=torch.int32)
+    at = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        tables[i, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(sum(q_lens), hkv * group, d, generator=g).to(dtype)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    case = dict(q=q, k=k, v=v, ks=ks, vs=vs, tables=tables, seq_lens=seq_lens, qsl=qsl, bs=bs, d=d)
+    return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in case.items()}
+
+
+def keys_of(cache, scales, table, seq_len, bs):
+    """A sequence's keys (or values) ``[Hkv, S, D]`` in float64, gathered block by block."""
+    rows = []
+    for p in range(seq_len):
+        b, o = int(table[p // bs]), p % bs
+        x = cache[:, b, o].double()
+        rows.append(x * scales[:, b, o, None].double() if scales is not None else x)
+    return torch.stack(rows, 1)
+
+
+def reference(case, scale, window=0, softcap=0.0, fresh=None):
+    """float64 attention of every sequence of `case`: causal, a sliding `window`, soft-capped
+    scores; `fresh` (k, v ``[T, Hkv, D]``): the new tokens' keys come from these rows instead."""
+    q, out = case["q"].double(), torch.zeros(case["q"].shape, dtype=torch.float64, device=case["q"].device)
+    for i, s in enumerate(case["seq_lens"]):
+        a, b = case["qsl"][i], case["qsl"][i + 1]
+        k = keys_of(case["k"], case["ks"], case["tables"][i], s, case["bs"])
+        v = keys_of(case["v"], case["vs"], case["tables"][i], s, case["bs"])
+        if fresh is not None:
+            k[:, s - (b - a):] = fresh[0][a:b].transpose(0, 1).double()
+            v[:, s - (b - a):] = fresh[1][a:b].transpose(0, 1).double()
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = (q[a:b].transpose(0, 1) @ k.transpose(1, 2)) * scale  # [H, T, S]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(s - (b - a), s, device=q.device)[:, None]
+        kpos = torch.arange(s, device=q.device)[None, :]
+        seen = kpos <= qpos
+        if window:
+            seen &= kpos > qpos - window
+        out[a:b] = (scores.masked_fill(~seen, -math.inf).softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None):
+    """The kernel on `case`; its output (poisoned with NaN before, so every row must be written)."""
+    q, d = case["q"], case["d"]
+    dev = q.device
+    out = torch.full_like(q, float("nan"))
+    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev)
+    qsl = torch.tensor(case["qsl"], dtype=torch.int32, device=dev)
+    n = len(case["seq_lens"])
+    extra = {}
+    if case["ks"] is not None:
+        extra = {"k_scales": case["ks"], "v_scales": case["vs"]}
+    if fresh is not None:
+        extra.update(k_new=fresh[0], v_new=fresh[1])
+    if decode:
+        partials = torch.empty(n * q.shape[1] * splits * (d + 2), device=dev)
+        paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=True,
+                        num_seqs=n, splits=splits, partials=partials, window=window, softcap=softcap, **extra)
+    else:
+        t = tiling(False, q.shape[1] // case["k"].shape[0], d)
+        seqs, firsts = query_tiles(case["qsl"], t.block_q)
+        tiles = (torch.tensor(seqs, dtype=torch.int32, device=dev), torch.tensor(firsts, dtype=torch.int32, device=dev))
+        paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=False,
+                        num_seqs=n, tiles=tiles, window=window, softcap=softcap, **extra)
+    return out
+
+
+def close(out, ref, dtype):
+    """float32: to float32 rounding; bf16: the kernel rounds its inputs' products' probabilities
+    to bf16 (as FlashAttention) and its output to bf16, and the mean error stays at that scale."""
+    err = (out.double() - ref).abs()
+    assert not torch.isnan(out).any()
+    if dtype == torch.float32:
+        assert err.max() < 2e-5, float(err.max())
+    else:
+        assert err.max() < 3e-2 and err.mean() < 4e-3, (float(err.max()), float(err.mean()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_over_cached_prefixes(device, dtype):
+    """Chunks of 1 to 37 queries after 0 to 20 cached keys, three query heads per KV head,
+    tiles that split a chunk, shuffled blocks: each query sees exactly its causal prefix."""
+    case = make_case((1, 37, 5, 16), (20, 0, 13, 3), dtype=dtype, device=device)
+    close(run(case, decode=False), reference(case, case["d"] ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group,d", [(1, 16), (7, 64), (4, 256)])
+def test_prefill_head_shapes(device, group, d):
+    """GQA groups and head sizes of the catalog's models (SmolLM2 3 per KV head at 64 dims, Qwen2.5
+    7 at 64, Gemma 3 4 at 256, plain multi-head at 16)."""
+    case = make_case((9, 3), (5, 30), hkv=1, group=group, d=d, device=device)
+    close(run(case, decode=False), reference(case, d ** -0.5), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_with_split_keys(device, splits, dtype):
+    """Decodes of 1 to 200 keys, each split over `splits` programs whose partial softmaxes are
+    joined; a split with no keys (a 1-key sequence) joins as nothing."""
+    case = make_case((1, 1, 1, 1), (0, 40, 199, 7), dtype=dtype, device=device)
+    close(run(case, decode=True, splits=splits), reference(case, case["d"] ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_padding_row_attends_to_nothing(device):
+    """A CUDA graph's padding row (no keys) comes out as zeros, never NaN; the others unchanged."""
+    case = make_case((1, 1), (10, 5), device=device)
+    case["seq_lens"] = [11, 0]
+    ref = reference({**case, "seq_lens": [11], "qsl": [0, 1]}, case["d"] ** -0.5)[:1]
+    for splits in (1, 2):
+        out = run(case, decode=True, splits=splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        close(out[:1], ref, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_window_and_softcap(device):
+    """A window of 5 keys (Gemma 3's local layers' rule: key position > query position - 5) in
+    prefill and split decodes, and scores soft-capped at 2 (tanh; Gemma 2)."""
+    pre = make_case((12, 4), (0, 20), device=device)
+    close(run(pre, decode=False, window=5, softcap=2.0), reference(pre, pre["d"] ** -0.5, 5, 2.0), torch.float32)
+    dec = make_case((1, 1, 1), (30, 3, 64), device=device)
+    close(run(dec, decode=True, splits=2, window=5), reference(dec, dec["d"] ** -0.5, 5), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_cache(device):
+    """An int8 cache (codes and a float32 scale per row, read in place) equals attention over the
+    dequantized rows, in prefill and decode."""
+    pre = make_case((6, 2), (9, 17), int8=True, device=device)
+    close(run(pre, decode=False), reference(pre, pre["d"] ** -0.5), torch.float32)
+    dec = make_case((1, 1), (9, 17), int8=True, device=device)
+    close(run(dec, decode=True, splits=2), reference(dec, dec["d"] ** -0.5), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fresh_keys_replace_the_cache_from_the_first_new_token(device):
+    """`k_new`/`v_new`: a sliding-window ring is read before the pass writes it, so the chunk's own
+    keys come from the pass's rows, the earlier ones from the cache (whose slots for the new
+    positions hold stale keys here, which must not be read)."""
+    case = make_case((7, 3), (11, 4), device=device, seed=3)
+    g = torch.Generator().manual_seed(9)
+    t, hkv, d = case["q"].shape[0], case["k"].shape[0], case["d"]
+    fresh = tuple(torch.randn(t, hkv, d, generator=g).to(device) for _ in range(2))
+    out = run(case, decode=False, window=6, fresh=fresh)
+    close(out, reference(case, d ** -0.5, 6, fresh=fresh), torch.float32)
+
+
+def test_query_tiles_and_splits():
+    """Tiles cover every query once; splits fill two programs per multiprocessor, a power of two."""
+    seqs, firsts = query_tiles([0, 1, 1, 40, 45], 16, first=1)
+    assert list(zip(seqs, firsts)) == [(2, 0), (2, 16), (2, 32), (3, 0)]
+    assert decode_splits(1, 2, 132) == 16 and decode_splits(64, 2, 132) == 4 and decode_splits(256, 8, 132) == 1
+    assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
