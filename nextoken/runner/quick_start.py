@@ -31,6 +31,7 @@ and any failure here, returns None: the command then runs the engine alone, whic
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
 import os
 from dataclasses import dataclass
@@ -86,8 +87,11 @@ def _params_allow(p) -> bool:
 
 
 def _engine_allows(e) -> bool:
-    """Whether these `EngineArgs` run the model as this path does."""
-    return (e.dtype in ("auto", "bfloat16", "bf16") and not e.enforce_eager and not e.reference_attention
+    """Whether these `EngineArgs` run the model as this path does (on the CPU: ``--device cpu``,
+    or ``auto`` on a machine that shows no NVIDIA device, read without importing PyTorch)."""
+    on_cpu = e.device == "cpu" or (e.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+    return (on_cpu and e.attention_backend == "auto" and e.dtype in ("auto", "bfloat16", "bf16")
+            and not e.enforce_eager and not e.reference_attention
             and not e.dense_weights and e.tensor_parallel_size == 1 and e.prepared_cache
             and e.kv_cache_dtype == "auto" and e.speculative_model is None and e.speculative_method is None
             and e.chat_template is None)

@@ -1,6 +1,11 @@
-"""The GPU's path, run on the CPU: the engine with Triton attention (under Triton's interpreter),
-PyTorch for the rest, and the CUDA graphs' static, padded decode buffers run eagerly; against the
-engine's own CPU reference path (float32, PyTorch only), token for token.
+"""The GPU's path against the engine's own CPU reference path (float32, PyTorch only), token for
+token.
+
+Without a GPU (CI) it runs on the CPU: Triton attention under Triton's interpreter, PyTorch for
+the rest, and the CUDA graphs' static, padded decode buffers run eagerly. On a GPU with Triton
+compiled (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs it) the same tests run the
+engine with ``device="cuda"``: its weights, cache and sampler there, the decode steps replayed
+as captured CUDA graphs.
 
 Every step runs with PyTorch's default device set to ``meta``: a tensor the device path makes
 without naming its device would land there and fail the test, so nothing on that path can
@@ -8,6 +13,8 @@ quietly put a tensor on the CPU that a GPU would need on the GPU (or the reverse
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -28,13 +35,20 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=5, max_tokens=14, ignore_eos=True, top_k=20, min_p=0.05),
           SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, presence_penalty=0.5,
                          logit_bias={3: 2.0})]
-SMALL = dict(dtype="float32", max_num_seqs=4, block_size=4)
+SMALL = dict(dtype="float32", max_num_seqs=4, block_size=4, num_kv_blocks=64)  # (a GPU would give the cache 90%)
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"
+# the GPU path: on a GPU its own device; here the CPU with the Triton attention the GPU runs
+GPU_PATH = dict(device="cuda") if ON_GPU else dict(enforce_eager=True, attention_backend="triton")
+REFERENCE = dict(device="cpu", enforce_eager=True)  # the CPU's PyTorch path
 
 
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
     """Plans that ask for CUDA graphs: on the CPU the engine then runs every decode batch through
-    the graphs' static buffers (padded to 1, 2 or 4 rows) without capturing."""
+    the graphs' static buffers (padded to 1, 2 or 4 rows) without capturing. (A GPU's plan asks
+    for them itself.)"""
+    if ON_GPU:
+        return
     choose = plan_module.ExecutionPlan.choose.__func__
 
     def with_graphs(cls, *args, **kwargs):
@@ -59,8 +73,8 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     reference path."""
     path = str(tiny_gguf[arch][0])
     prompts, params = PROMPTS[:n], PARAMS[:n]
-    want = [o.outputs[0] for o in LLM(path, enforce_eager=True, **SMALL, num_kv_blocks=64).generate(prompts, params)]
-    llm = LLM(path, enforce_eager=True, attention_backend="triton", **SMALL, num_kv_blocks=64)
+    want = [o.outputs[0] for o in LLM(path, **REFERENCE, **SMALL).generate(prompts, params)]
+    llm = LLM(path, **GPU_PATH, **SMALL)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4]
     got = generate_on_meta(llm, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -77,12 +91,11 @@ def test_preemption_and_ngram_speculation_on_the_gpu_path(tiny_gguf, graphs_on_c
     path = str(tiny_gguf["llama"][0])
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(30, 50)), [9, 9, 9, 9, 9, 9]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(path, enforce_eager=True, **SMALL).generate(prompts, params)]
-    tight = LLM(path, enforce_eager=True, attention_backend="triton", **SMALL, num_kv_blocks=12)
+    want = [o.outputs[0].token_ids for o in LLM(path, **REFERENCE, **SMALL).generate(prompts, params)]
+    tight = LLM(path, **GPU_PATH, **{**SMALL, "num_kv_blocks": 12})
     assert [o.token_ids for o in generate_on_meta(tight, prompts, params)] == want
     assert tight.engine.scheduler_stats().num_preemptions > 0
-    spec = LLM(path, enforce_eager=True, attention_backend="triton", **SMALL, num_kv_blocks=64,
-               speculative_method="ngram", num_speculative_tokens=3)
+    spec = LLM(path, **GPU_PATH, **SMALL, speculative_method="ngram", num_speculative_tokens=3)
     assert [o.token_ids for o in generate_on_meta(spec, prompts, params)] == want
     assert spec.engine.spec_stats().num_drafted_tokens > 0
 
@@ -92,9 +105,8 @@ def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     attention dequantizes, so the float32 log-probabilities agree."""
     path = str(tiny_gguf["qwen2"][0])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    want = LLM(path, enforce_eager=True, kv_cache_dtype="int8", **SMALL).generate(PROMPTS[:3], params)
-    got = LLM(path, enforce_eager=True, attention_backend="triton", kv_cache_dtype="int8", **SMALL).generate(
-        PROMPTS[:3], params)
+    want = LLM(path, **REFERENCE, kv_cache_dtype="int8", **SMALL).generate(PROMPTS[:3], params)
+    got = LLM(path, **GPU_PATH, kv_cache_dtype="int8", **SMALL).generate(PROMPTS[:3], params)
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -106,9 +118,8 @@ def test_bf16_on_the_gpu_path_stays_in_the_float32_top5(tiny_gguf):
     likely at its step (the issue's bf16 criterion, here against our float32 reference)."""
     path = str(tiny_gguf["qwen2"][0])
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    got = LLM(path, dtype="bfloat16", enforce_eager=True, attention_backend="triton", max_num_seqs=2,
-              block_size=4).generate(PROMPTS[:2], params)
-    ref = LLM(path, dtype="float32", enforce_eager=True, max_num_seqs=2, block_size=4)
+    got = LLM(path, **GPU_PATH, **{**SMALL, "dtype": "bfloat16"}).generate(PROMPTS[:2], params)
+    ref = LLM(path, **REFERENCE, **SMALL)
     for prompt, out in zip(PROMPTS[:2], got):
         ids = out.outputs[0].token_ids
         top5 = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -117,6 +128,7 @@ def test_bf16_on_the_gpu_path_stays_in_the_float32_top5(tiny_gguf):
             assert t in alt, (i, t, alt)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU answers")
 def test_device_and_backend_errors(tiny_gguf, monkeypatch):
     """A GPU PyTorch does not see, and Triton attention outside its interpreter on the CPU, are
     errors that say what to do; ``auto`` on this machine is the CPU, and the plan says why."""

@@ -10,6 +10,7 @@ float64: an oracle that shares nothing with the kernel.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ triton = pytest.importorskip("triton", reason="Triton is a test dependency (pypr
 
 from nextoken.kernels.gpu.attention import decode_splits, paged_attention, query_tiles, tiling  # noqa: E402
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the interpreter runs CPU tensors; compiled Triton (TRITON_INTERPRET=0 on a GPU) runs CUDA ones
+DEVICES = ["cuda"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else ["cpu"]
 
 
 def make_case(q_lens, ctx, *, hkv=2, group=3, d=32, bs=16, dtype=torch.float32, device="cpu", int8=False, seed=0):
@@ -202,4 +204,5 @@ def test_query_tiles_and_splits():
     seqs, firsts = query_tiles([0, 1, 1, 40, 45], 16, first=1)
     assert list(zip(seqs, firsts)) == [(2, 0), (2, 16), (2, 32), (3, 0)]
     assert decode_splits(1, 2, 132) == 16 and decode_splits(64, 2, 132) == 4 and decode_splits(256, 8, 132) == 1
+    assert decode_splits(16, 2, 132) == 16 and decode_splits(1, 1, 1) == 4
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21

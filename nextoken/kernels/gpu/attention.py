@@ -227,11 +227,14 @@ def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tup
     return seqs, firsts
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Key splits per decode (a power of two): enough programs for two per multiprocessor, at
-    most `max_splits`; 1 when the batch alone fills the GPU."""
+SPLIT_CHOICES = (1, 4, 16)  # few values, so few compiled variants of the kernel
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Key splits per decode: enough programs for two per multiprocessor, rounded up to one of
+    `SPLIT_CHOICES` (at most its last); 1 when the batch alone fills the GPU."""
     want = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(max_splits, triton.next_power_of_2(want)))
+    return next((s for s in SPLIT_CHOICES if s >= want), SPLIT_CHOICES[-1])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

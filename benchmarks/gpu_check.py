@@ -1,0 +1,542 @@
+"""The GPU path's one prepared check (issue 61): its tests, exactness against `transformers`, the
+speed goals against the card's measured limits, and a table printed last.
+
+On the GPU machine, from the repository root, after the wheels it lacks are installed
+(`benchmarks/gpu_wheels.sh` fetches them here into .whl/; the device call carries .whl):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py            # about 7 minutes
+
+Sections, in order, each timed and each allowed to fail alone (its error is printed and the
+rest go on); a section that would start past the time budget (``--budget`` seconds) is skipped
+and says so:
+
+1. the card: name, memory, the HBM copy bandwidth (bytes read + written) and the bf16 matrix
+   rate of an 8192^3 product (METHOD.md: measured, not the datasheet's);
+2. the GPU tests: the Triton kernel's tests compiled, the engine's GPU-path tests on the GPU,
+   every tiny architecture's float32 logits against `transformers` (pytest, TRITON_INTERPRET=0);
+3. per model (the catalog's four at their real sizes, random weights: `benchmarks/gpu_models.py`):
+   exactness (float32, TF32 off: the logits of a prefill and 32 decode steps against
+   `transformers` float32 on the same card, relative to the largest logit; bf16: the first 16
+   greedy tokens equal `transformers`' bf16 greedy ones, every one of 32 in its top 5; one
+   request alone and in a batch of 24, float32 and bf16), then speed (batch-1 decode, greedy and
+   sampled, against the bandwidth roofline; 64 sequences of 512 + 256 tokens, the decode step
+   against the roofline step; one 4096-token prefill against the bf16 matrix rate);
+4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client, 256
+   requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s; and
+   `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
+
+Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
+``OUT`` is set. ``--dry-run`` runs the same sections on a machine without a GPU, on two tiny
+models on the CPU (Triton's interpreter), to check the script itself before GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+ORDER = ["qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "gemma-3-270m"]
+RESULTS: dict = {"sections": {}, "models": {}}
+START = time.perf_counter()
+DEV = "cuda"  # "cpu" in a dry run
+DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill": 4096, "requests": 256, "hf_batches": (32, 128)}
+
+
+def on_device() -> dict:
+    """`LLM` keywords of the GPU path: the GPU, or in a dry run the CPU with Triton attention."""
+    if DEV == "cuda":
+        return {"device": "cuda"}
+    return {"device": "cpu", "enforce_eager": True, "attention_backend": "triton"}
+
+
+def sync() -> None:
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(*args) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s]", *args, flush=True)
+
+
+@contextlib.contextmanager
+def section(name: str, budget: float, need: float = 0.0):
+    """Run a section unless fewer than `need` seconds of the budget are left; record how it went."""
+    left = budget - (time.perf_counter() - START)
+    if left < need:
+        log(f"== {name}: skipped, {left:.0f} s of the budget left (needs about {need:.0f})")
+        RESULTS["sections"][name] = "skipped (time)"
+        yield False
+        return
+    log(f"== {name}")
+    t0 = time.perf_counter()
+    try:
+        yield True
+        RESULTS["sections"][name] = f"ok ({time.perf_counter() - t0:.0f} s)"
+    except Exception as exc:  # noqa: BLE001 - one section's failure is reported, the others still run
+        traceback.print_exc()
+        RESULTS["sections"][name] = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+        log(f"   {name} failed: {type(exc).__name__}: {exc}")
+    finally:
+        free()
+
+
+def free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def cuda_time(fn, repeat: int, warmup: int = 1) -> float:
+    """Median seconds of `fn()` over `repeat` runs after `warmup`, timed with CUDA events (a
+    host clock in a dry run)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if DEV != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+# -- 1. the card ----------------------------------------------------------------------------------
+def card() -> dict:
+    import torch
+    import triton
+    import transformers
+
+    props = torch.cuda.get_device_properties(0)
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, several times the L2
+    x.random_()
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x), 10, 3)
+    bandwidth = 2 * x.numel() / t
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = cuda_time(lambda: a @ b, 10, 3)
+    rate = 2 * 8192 ** 3 / t
+    out = {"name": props.name, "sms": props.multi_processor_count, "memory_gib": props.total_memory / 2**30,
+           "bandwidth": bandwidth, "bf16_rate": rate, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "triton": triton.__version__, "transformers": transformers.__version__}
+    log(f"   {props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB; copy "
+        f"{bandwidth / 1e12:.2f} TB/s (read + written), bf16 8192^3 {rate / 1e12:.0f} TFLOP/s; torch "
+        f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
+    return out
+
+
+# -- 2. the tests ---------------------------------------------------------------------------------
+def gpu_tests(timeout: float) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
+           "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "-k", "triton or gpu"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    for line in tail[-40:]:
+        print("   |", line)
+    summary = next((line for line in reversed(tail) if " passed" in line or " failed" in line or "error" in line),
+                   "no summary")
+    return {"returncode": proc.returncode, "summary": summary, "seconds": time.perf_counter() - t0}
+
+
+# -- 3. per model: exactness ----------------------------------------------------------------------
+def rand_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab - 3) for _ in range(n)]  # (the folders' last three ids are special)
+
+
+def one_sequence(runner, ids: list[int], start: int, blocks: list[int]):
+    """A `SequenceInput` of `ids` at `start` on `blocks` (and, for a sliding-window model, the
+    whole ring), for driving the runner directly."""
+    from nextoken.runner.model_runner import SequenceInput
+
+    sw = runner.kv.sliding
+    return SequenceInput(ids, start, blocks, ring_ids=list(range(sw.ring_blocks)) if sw is not None else None)
+
+
+def hf_model(folder: str, dtype):
+    import torch
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    return m.to(DEV).eval()
+
+
+def exact_float32(folder: str, vocab: int) -> dict:
+    """Our float32 logits (prefill, then 32 decode steps through the captured graphs) against
+    transformers' float32 on the same card, TF32 off: max |ours - theirs| / max |theirs|."""
+    import torch
+
+    from nextoken import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    prompt = rand_ids(random.Random(1), 48, vocab)
+    llm = LLM(folder, dtype="float32", **on_device(), max_num_seqs=2, max_model_len=256, gpu_memory_utilization=0.3)
+    runner = llm.engine.runner
+    hf = hf_model(folder, torch.float32)
+    blocks = list(range(-(-(len(prompt) + 33) // runner.kv.block_size)))
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt], device=DEV), use_cache=True)
+        ref, past = out.logits[0].float(), out.past_key_values
+        ours = runner.execute([one_sequence(runner, prompt, 0, blocks)], all_logits=True)
+        errs = [float((ours - ref).abs().max() / ref.abs().max())]
+        token = int(ref[-1].argmax())
+        for step in range(32):
+            out = hf(torch.tensor([[token]], device=DEV), past_key_values=past, use_cache=True)
+            ref, past = out.logits[0, -1].float(), out.past_key_values
+            mine = runner.execute([one_sequence(runner, [token], len(prompt) + step, blocks)])[0]
+            errs.append(float((mine - ref).abs().max() / ref.abs().max()))
+            token = int(ref.argmax())
+    del llm, hf, runner
+    return {"f32_prefill_rel": errs[0], "f32_decode_rel": max(errs[1:])}
+
+
+def exact_bf16(folder: str, vocab: int) -> dict:
+    """Greedy bf16: our first 16 tokens against transformers' bf16 greedy ones; each of our 32 in
+    transformers' top 5 at its step (teacher-forced on ours); and batch invariance (one request
+    alone and among 23 others) in bf16 and float32."""
+    import torch
+
+    from nextoken import LLM, SamplingParams
+
+    rng = random.Random(2)
+    prompt = rand_ids(rng, 40, vocab)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    others = [rand_ids(rng, rng.randint(8, 200), vocab) for _ in range(DRY["others"])]
+    out: dict = {}
+    llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
+    ours = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+    batch = llm.generate([prompt] + others, greedy)
+    out["bf16_batch_invariant"] = list(batch[0].outputs[0].token_ids) == ours
+    del llm, batch
+    free()
+    hf = hf_model(folder, torch.bfloat16)
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device=DEV)
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+                             do_sample=False, pad_token_id=vocab - 3)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + ours], device=DEV)).logits[0, len(prompt) - 1 : len(prompt) + 31]
+    top5 = logits.topk(5, dim=-1).indices.tolist()
+    out["bf16_first16_equal"] = ours[:16] == theirs[:16]
+    out["bf16_agree_prefix"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 32)
+    out["bf16_in_top5"] = sum(t in top for t, top in zip(ours, top5))
+    del hf
+    free()
+    llm = LLM(folder, dtype="float32", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
+    alone = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+    batch = llm.generate([prompt] + others, greedy)
+    out["f32_batch_invariant"] = list(batch[0].outputs[0].token_ids) == alone
+    del llm, batch
+    return out
+
+
+# -- 3. per model: speed ----------------------------------------------------------------------------
+def model_facts(runner) -> dict:
+    """Weight bytes a decode step reads, matmul parameters per token, KV bytes per token."""
+    cfg = runner.config
+    linears = sum(m.weight.numel() for name, m in runner.model.named_modules()
+                  if type(m).__name__ == "Linear" and m.weight is not None)
+    return {"decode_weight_bytes": runner.decode_weight_bytes, "matmul_params": linears,
+            "kv_bytes_per_token": runner.kv.bytes_per_token, "layers": cfg.num_layers, "heads": cfg.num_heads,
+            "head_dim": cfg.head_dim, "full_layers": len(cfg.full_layers), "window": cfg.sliding_window or 0}
+
+
+def attention_flops(facts: dict, queries: int, keys: float) -> float:
+    """2 products (q k, p v) of 2 flops per (query, key, head, dim), over the full-attention
+    layers (sliding layers see at most their window)."""
+    per_layer = 4 * facts["heads"] * facts["head_dim"] * queries
+    full = facts["full_layers"] * keys
+    sliding = (facts["layers"] - facts["full_layers"]) * min(keys, facts["window"] or keys)
+    return per_layer * (full + sliding)
+
+
+def speed(folder: str, vocab: int, limits: dict) -> dict:
+    import torch
+
+    from nextoken import LLM, SamplingParams
+
+    bw, rate = limits["bandwidth"], limits["bf16_rate"]
+    out: dict = {}
+    n_tok, batch, plen, n_pre = DRY["speed_tokens"], DRY["batch"], DRY["prompt"], DRY["prefill"]
+    llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=batch, max_model_len=n_pre + 512,
+              gpu_memory_utilization=0.6, max_num_batched_tokens=8192)
+    runner = llm.engine.runner
+    facts = model_facts(runner)
+    out.update(facts)
+    log("   " + runner.plan.describe(runner.model))
+    rng = random.Random(3)
+    prompt = rand_ids(rng, 128, vocab)
+    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
+                         ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=n_tok,
+                                                    ignore_eos=True))):
+        llm.generate([prompt], params)  # warm
+        tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
+        out[f"b1_{name}_tok_s"] = 1 / statistics.median(tpots)
+    roof = (facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * (128 + n_tok // 2)) / bw
+    out["b1_roofline_tok_s"] = 1 / roof
+    out["b1_share"] = out["b1_greedy_tok_s"] / out["b1_roofline_tok_s"]
+    log(f"   batch 1: {out['b1_greedy_tok_s']:.0f} tok/s greedy, {out['b1_sampled_tok_s']:.0f} sampled; roofline "
+        f"{out['b1_roofline_tok_s']:.0f} ({100 * out['b1_share']:.0f}%)")
+
+    prompts = [rand_ids(rng, plen, vocab) for _ in range(batch)]
+    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
+                         ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=2, max_tokens=n_tok,
+                                                    ignore_eos=True))):
+        steps: list[tuple[int, float]] = []
+        llm.engine.subscribe(lambda st: steps.append((len(st.decode), st.ms)) if not st.prefill else None)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        llm.engine.subscribers.pop()
+        full = [ms for n, ms in steps if n == batch]
+        out[f"b64_{name}_step_ms"] = statistics.median(full) if full else float("nan")
+        out[f"b64_{name}_out_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    ctx = plen + n_tok // 2  # the mean context over the decode
+    step_bytes = facts["decode_weight_bytes"] + batch * ctx * facts["kv_bytes_per_token"]
+    step_flops = 2 * facts["matmul_params"] * batch + attention_flops(facts, batch, ctx)
+    out["b64_roofline_ms"] = 1000 * max(step_bytes / bw, step_flops / rate)
+    out["b64_ratio"] = out["b64_greedy_step_ms"] / out["b64_roofline_ms"]
+    log(f"   64 x (512 + 256): decode step {out['b64_greedy_step_ms']:.2f} ms greedy, {out['b64_sampled_step_ms']:.2f} "
+        f"sampled; roofline {out['b64_roofline_ms']:.2f} ms ({out['b64_ratio']:.1f}x)")
+
+    n = n_pre
+    blocks = list(range(-(-n // runner.kv.block_size)))
+    ids = rand_ids(rng, n, vocab)
+    t = cuda_time(lambda: runner.execute([one_sequence(runner, ids, 0, blocks)]), 3, 1)
+    flops = 2 * facts["matmul_params"] * n + attention_flops(facts, n, n / 2)
+    out["prefill4096_ms"] = 1000 * t
+    out["prefill4096_share"] = flops / t / rate
+    log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
+        "the bf16 rate")
+    del llm, runner
+    return out
+
+
+# -- 4. serving ---------------------------------------------------------------------------------------
+def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256) -> dict:
+    import asyncio
+
+    import httpx
+
+    import serve as serve_bench
+
+    port = 8123
+    logf = open(os.path.join(out_dir, "serve.log") if out_dir else os.devnull, "w")
+    where = ["--device", "cuda"] if DEV == "cuda" else ["--device", "cpu", "--enforce-eager", "--attention-backend",
+                                                         "triton"]
+    cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
+           "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
+           "--gpu-memory-utilization", "0.85", "--log-level", "info"]
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < 240:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} (see serve.log)")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the server did not become healthy in 240 s")
+        started = time.perf_counter() - t0
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        rng = random.Random(4)
+        top = 1024 if DEV == "cuda" else 24
+        reqs = [(rand_ids(rng, rng.randint(top // 10, top), vocab), rng.randint(top // 10, top))
+                for _ in range(num_requests)]
+        results, wall = asyncio.run(serve_bench.run_rate(url, model, math.inf, reqs, 4, 0.0))
+        ok = [r for r in results if "error" not in r]
+        errors = sorted({r["error"] for r in results if "error" in r})
+        tokens = sum(r["out"] for r in ok)
+        ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+        out = {"serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors, "serve_wall_s": wall,
+               "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} tokens in "
+            f"{wall:.1f} s = {tokens / wall:.0f} output tok/s")
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        logf.close()
+
+
+def transformers_generate(folder: str, vocab: int) -> dict:
+    """`transformers`' greedy `generate` (bf16, SDPA) on 512-token prompts, 128 new tokens, at
+    batch 32 and 128: output tokens/s of each, and the best."""
+    import torch
+
+    hf = hf_model(folder, torch.bfloat16)
+    rng = random.Random(5)
+    out = {}
+    new = 128 if DEV == "cuda" else 8
+    for b in DRY["hf_batches"]:
+        ids = torch.tensor([rand_ids(rng, DRY["prompt"], vocab) for _ in range(b)], device=DEV)
+        with torch.no_grad():
+            hf.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=4, do_sample=False,
+                        pad_token_id=vocab - 3)
+            sync()
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=vocab - 3)
+            sync()
+        out[f"hf_b{b}_tok_s"] = b * new / (time.perf_counter() - t0)
+        log(f"   transformers generate, batch {b}: {out[f'hf_b{b}_tok_s']:.0f} output tok/s")
+    out["hf_best_tok_s"] = max(out.values())
+    del hf
+    return out
+
+
+# -- the table ------------------------------------------------------------------------------------------
+def fmt(x, spec=".0f", suffix="") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return f"{x:{spec}}{suffix}"
+
+
+def table(limits: dict) -> str:
+    lines = [f"GPU check, {time.strftime('%Y-%m-%d')}: {limits.get('name', '?')}, copy "
+             f"{limits.get('bandwidth', 0) / 1e12:.2f} TB/s, bf16 {limits.get('bf16_rate', 0) / 1e12:.0f} TFLOP/s; "
+             f"torch {limits.get('torch')}, triton {limits.get('triton')}",
+             "", "| model | batch-1 decode tok/s greedy / sampled (roofline, share) | 64x(512+256) decode step ms "
+             "greedy / sampled (roofline, ratio) | prefill 4096 ms (share of bf16 rate) | serving out tok/s "
+             "(transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
+             "batch-invariant f32 / bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in RESULTS["models"].items():
+        ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") else None
+        lines.append(
+            f"| {name} | {fmt(r.get('b1_greedy_tok_s'))} / {fmt(r.get('b1_sampled_tok_s'))} "
+            f"({fmt(r.get('b1_roofline_tok_s'))}, {fmt(100 * r['b1_share'] if 'b1_share' in r else None, '.0f', '%')}) | "
+            f"{fmt(r.get('b64_greedy_step_ms'), '.2f')} / {fmt(r.get('b64_sampled_step_ms'), '.2f')} "
+            f"({fmt(r.get('b64_roofline_ms'), '.2f')}, {fmt(r.get('b64_ratio'), '.1f', 'x')}) | "
+            f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(100 * r['prefill4096_share'] if 'prefill4096_share' in r else None, '.0f', '%')}) | "
+            f"{fmt(r.get('serve_out_tok_s'))} ({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
+            f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
+            f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
+            f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} |")
+    lines.append("")
+    lines += [f"{k}: {v}" for k, v in RESULTS["sections"].items()]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: tests, exact, speed, serve")
+    ap.add_argument("--budget", type=float, default=460, help="seconds; later sections are skipped past it")
+    ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny models on the CPU, to check this script")
+    args = ap.parse_args()
+    import torch
+
+    global DEV
+    skip = set(filter(None, args.skip.split(",")))
+    out_dir = os.environ.get("OUT")
+    limits: dict = {}
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEV = "cpu"
+        DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
+        args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models
+        limits = {"name": "CPU (dry run)", "bandwidth": 1e10, "bf16_rate": 1e11}
+        skip.add("tests")
+    elif not torch.cuda.is_available():
+        print("no GPU visible to PyTorch: this check runs on a GPU machine (or --dry-run)", file=sys.stderr)
+        return 2
+    else:
+        with section("card", args.budget) as go:
+            if go:
+                limits = card()
+                RESULTS["card"] = limits
+    if "tests" not in skip:
+        with section("tests", args.budget, 60) as go:
+            if go:
+                RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(200.0, args.budget / 3)))
+                log("   tests:", RESULTS["tests"]["summary"])
+    from gpu_models import MODELS, TINY, build_folder
+
+    models = [m for m in args.models.split(",") if m]
+    for name in models:
+        r = RESULTS["models"].setdefault(name, {})
+        vocab = {**MODELS, **TINY}[name][1]["vocab_size"]
+        folder = os.path.join(args.folders, name)
+        with section(f"{name}: folder", args.budget, 20) as go:
+            if not go:
+                continue
+            build_folder(name, folder, DEV)
+        if "exact" not in skip:
+            with section(f"{name}: float32 exactness", args.budget, 30) as go:
+                if go:
+                    r.update(exact_float32(folder, vocab))
+                    log(f"   float32 relative error: prefill {r['f32_prefill_rel']:.1e}, decode {r['f32_decode_rel']:.1e}")
+            with section(f"{name}: bf16 exactness and batch invariance", args.budget, 30) as go:
+                if go:
+                    r.update(exact_bf16(folder, vocab))
+                    log(f"   bf16: first 16 equal {r['bf16_first16_equal']} (agree for {r['bf16_agree_prefix']}), "
+                        f"{r['bf16_in_top5']}/32 in the top 5; batch-invariant f32 {r['f32_batch_invariant']}, bf16 "
+                        f"{r['bf16_batch_invariant']}")
+        if "speed" not in skip and limits:
+            with section(f"{name}: speed", args.budget, 45) as go:
+                if go:
+                    r.update(speed(folder, vocab, limits))
+        if "serve" not in skip and name == models[0]:
+            with section(f"{name}: serving", args.budget, 60) as go:
+                if go:
+                    r.update(serving(folder, vocab, out_dir, DRY["requests"]))
+            with section(f"{name}: transformers generate", args.budget, 25) as go:
+                if go:
+                    r.update(transformers_generate(folder, vocab))
+        if out_dir:
+            with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+    print("\n" + table(limits), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+        with open(os.path.join(out_dir, "table.md"), "w") as f:
+            f.write(table(limits) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
