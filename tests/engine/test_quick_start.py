@@ -77,7 +77,8 @@ def test_prompt_logits_match_the_pytorch_layers(quick_models, arch, n):
     close(quick, prefill, 0.08)
     close(quick, OneSequence(f32, capacity=512).forward(ids), 0.15)
     engine = OneSequence(ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True), capacity=512).forward(ids)
-    assert np.array_equal(quick, engine.float().numpy()) == (n <= quick_start.MAX_PROMPT_TOKENS)
+    if n <= quick_start.MAX_PROMPT_TOKENS:  # (beyond, the engine prefills on its PyTorch layers: close, above)
+        assert np.array_equal(quick, engine.float().numpy())
 
 
 def test_first_token_is_the_engines_greedy_token_and_text(quick_models):

@@ -65,7 +65,8 @@ def test_watermarked_smollm2_text_is_detected_and_plain_text_is_not(smollm2_path
     llm = LLM(str(smollm2_path), max_num_seqs=12)
     prompt = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
     vocab = llm.engine.config.vocab_size
-    checks = ((True, lambda z: z > 4), (False, lambda z: abs(z) < 2))
+    # unmarked text's z is about standard normal (repeated tokens make it only about): within 3
+    checks = ((True, lambda z: z > 4), (False, lambda z: abs(z) < 3))
     params = [SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=False, seed=5, n=6, watermark=mark,
                              min_tokens=200) for mark, _ in checks]
     outs = llm.generate([prompt, prompt], params)  # marked and plain in one batch
