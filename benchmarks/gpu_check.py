@@ -56,7 +56,8 @@ ORDER = ["qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "gemma-3-270m"]
 RESULTS: dict = {"sections": {}, "models": {}}
 START = time.perf_counter()
 DEV = "cuda"  # "cpu" in a dry run
-DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill": 4096, "requests": 256, "hf_batches": (32, 128)}
+DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill": 4096, "requests": 256,
+       "hf_batches": (32, 128)}  # the workload's sizes (smaller in a dry run)
 
 
 def on_device() -> dict:
@@ -161,7 +162,8 @@ def card() -> dict:
 def gpu_tests(timeout: float) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
-           "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "-k", "triton or gpu"]
+           "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
+           "-k", "triton or gpu"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
@@ -376,6 +378,8 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
             raise RuntimeError("the server did not become healthy in 240 s")
         started = time.perf_counter() - t0
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        smoke = server_smoke(url, model, vocab)
+        log(f"   the server on the GPU: {smoke}")
         rng = random.Random(4)
         top = 1024 if DEV == "cuda" else 24
         reqs = [(rand_ids(rng, rng.randint(top // 10, top), vocab), rng.randint(top // 10, top))
@@ -385,9 +389,11 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         errors = sorted({r["error"] for r in results if "error" in r})
         tokens = sum(r["out"] for r in ok)
         ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
-        out = {"serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors, "serve_wall_s": wall,
+        out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
+               "serve_wall_s": wall,
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
-        log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} tokens in "
+        log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} "
+            f"tokens in "
             f"{wall:.1f} s = {tokens / wall:.0f} output tok/s")
         return out
     finally:
@@ -397,6 +403,43 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
+
+
+def server_smoke(url: str, model: str, vocab: int) -> dict:
+    """The APIs on the GPU engine, each call's status (and what it must hold): a chat completion,
+    JSON held to a schema (the grammar's mask on device logits), completions with log-probabilities
+    from token ids, Anthropic's Messages, and the inspector's journey (a traced request: the
+    reference attention and the per-layer views)."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+              "additionalProperties": False}
+    calls = {
+        "chat": ("/v1/chat/completions", {"model": model, "max_tokens": 16,
+                                          "messages": [{"role": "user", "content": "Hello there"}]}),
+        "json_schema": ("/v1/chat/completions", {"model": model, "max_tokens": 40, "messages": [
+            {"role": "user", "content": "A JSON object"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        "completions_logprobs": ("/v1/completions", {"model": model, "prompt": list(range(10, 40)), "max_tokens": 8,
+                                                     "logprobs": 2, "temperature": 0.7, "seed": 1}),
+        "messages": ("/v1/messages", {"model": model, "max_tokens": 8,
+                                      "messages": [{"role": "user", "content": "Hi"}]}),
+        "journey": ("/inspect/api/journey/step", {"prompt": "The capital of France is", "generated": []}),
+    }
+    out = {}
+    for name, (path, body) in calls.items():
+        try:
+            r = httpx.post(url + path, json=body, timeout=120)
+            note = str(r.status_code)
+            if name == "json_schema" and r.status_code == 200:
+                text = r.json()["choices"][0]["message"]["content"]
+                note += " valid" if isinstance(json.loads(text).get("a"), int) else f" INVALID {text!r}"
+            elif r.status_code != 200:
+                note += " " + r.text[:200]
+        except Exception as exc:  # noqa: BLE001 - each call reported on its own
+            note = f"{type(exc).__name__}: {exc}"
+        out[name] = note
+    return out
 
 
 def transformers_generate(folder: str, vocab: int) -> dict:
@@ -443,13 +486,16 @@ def table(limits: dict) -> str:
              "(transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
              "batch-invariant f32 / bf16 |", "|---|---|---|---|---|---|---|---|"]
     for name, r in RESULTS["models"].items():
-        ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") else None
+        ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") \
+            else None
+        b1 = 100 * r["b1_share"] if "b1_share" in r else None
+        pre = 100 * r["prefill4096_share"] if "prefill4096_share" in r else None
         lines.append(
             f"| {name} | {fmt(r.get('b1_greedy_tok_s'))} / {fmt(r.get('b1_sampled_tok_s'))} "
-            f"({fmt(r.get('b1_roofline_tok_s'))}, {fmt(100 * r['b1_share'] if 'b1_share' in r else None, '.0f', '%')}) | "
+            f"({fmt(r.get('b1_roofline_tok_s'))}, {fmt(b1, '.0f', '%')}) | "
             f"{fmt(r.get('b64_greedy_step_ms'), '.2f')} / {fmt(r.get('b64_sampled_step_ms'), '.2f')} "
             f"({fmt(r.get('b64_roofline_ms'), '.2f')}, {fmt(r.get('b64_ratio'), '.1f', 'x')}) | "
-            f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(100 * r['prefill4096_share'] if 'prefill4096_share' in r else None, '.0f', '%')}) | "
+            f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(pre, '.0f', '%')}) | "
             f"{fmt(r.get('serve_out_tok_s'))} ({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
             f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
@@ -508,7 +554,8 @@ def main() -> int:
             with section(f"{name}: float32 exactness", args.budget, 30) as go:
                 if go:
                     r.update(exact_float32(folder, vocab))
-                    log(f"   float32 relative error: prefill {r['f32_prefill_rel']:.1e}, decode {r['f32_decode_rel']:.1e}")
+                    log(f"   float32 relative error: prefill {r['f32_prefill_rel']:.1e}, decode "
+                        f"{r['f32_decode_rel']:.1e}")
             with section(f"{name}: bf16 exactness and batch invariance", args.budget, 30) as go:
                 if go:
                     r.update(exact_bf16(folder, vocab))

@@ -50,7 +50,8 @@ TINY = {
     "tiny-gemma3": ("Gemma3TextConfig", dict(
         vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=16,
-        query_pre_attn_scalar=32, tie_word_embeddings=True, layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+        query_pre_attn_scalar=32, tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])),
 }
 ARCH_CLASS = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM",
               "Gemma3TextConfig": "Gemma3ForCausalLM"}
@@ -74,7 +75,7 @@ def hf_config(name: str):
 
 def byte_symbols() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

@@ -40,12 +40,12 @@ class Embeddings:
     token_ids: list[list[int]]
 
 
-def encoder_dtype(name: str = "auto") -> torch.dtype:
+def encoder_dtype(name: str = "auto", device: torch.device | None = None) -> torch.dtype:
     """The encoder's dtype for an engine ``dtype`` option: "float32" (the exact reference, equal to
     sentence-transformers within 1e-4), "bfloat16", or "auto": bfloat16 where the CPU multiplies
     bf16 matrices in hardware (`kernels.bf16_matmul_native`: AVX512-BF16 or AMX, where PyTorch's
     bf16 matmul is about 3x its float32 one), else float32 (elsewhere bf16 matmuls are emulated,
-    slower than float32). Raises `InvalidRequest` for another name."""
+    slower than float32); on a GPU (`device`), bfloat16. Raises `InvalidRequest` for another name."""
     from nextoken.kernels import bf16_matmul_native
 
     if name in ("float32", "fp32"):
@@ -53,18 +53,20 @@ def encoder_dtype(name: str = "auto") -> torch.dtype:
     if name in ("bfloat16", "bf16"):
         return torch.bfloat16
     if name == "auto":
-        return torch.bfloat16 if bf16_matmul_native() else torch.float32
+        gpu = device is not None and device.type != "cpu"
+        return torch.bfloat16 if gpu or bf16_matmul_native() else torch.float32
     raise InvalidRequest(f"dtype {name!r} is not one an encoder runs in: auto, bfloat16 or float32", "dtype")
 
 
 class EmbeddingModel:
     """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`;
     `dtype`: its weights' and activations' (pooling and normalisation run in float32);
-    `quantization`: a GGUF block format its linears are quantized to at load (``"q8_0"``, ...).
+    `quantization`: a GGUF block format its linears are quantized to at load (``"q8_0"``, ...);
+    `device`: where the encoder runs (a GPU too; the vectors come back to the CPU).
     Raises `ModelLoadError` when a file is missing or names something not supported."""
 
     def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192,
-                 quantization: str | None = None):
+                 quantization: str | None = None, device: torch.device | None = None):
         from tokenizers import Tokenizer
 
         from nextoken.loader.hf import HFModelDir
@@ -80,6 +82,8 @@ class EmbeddingModel:
             from nextoken.kernels import load
 
             self.encoder.quantize(quantization.upper(), load("qmatmul"))
+        if device is not None and device.type != "cpu":
+            self.encoder.to(device)
         tok_path = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise ModelLoadError(f"{self.path}: tokenizer.json is missing")
@@ -129,7 +133,7 @@ class EmbeddingModel:
 
     def embed_ids(self, ids: list[list[int]], dimensions: int | None = None) -> Embeddings:
         """`embed` for inputs `tokenize` has checked already."""
-        out = torch.empty(len(ids), self.dimension)
+        out = torch.empty(len(ids), self.dimension, device="cpu")
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         batch: list[int] = []
         for i in order + [None]:
@@ -160,15 +164,17 @@ class EmbeddingModel:
     def _pass(self, seqs: list[list[int]]) -> torch.Tensor:
         """One packed encoder pass over `seqs`, pooled (and normalised): ``[len(seqs), dim]``."""
         lens = [len(s) for s in seqs]
-        hidden = self.encoder(torch.tensor([t for s in seqs for t in s], dtype=torch.long), lens).float()
-        ends = torch.tensor(lens).cumsum(0)
+        dev = self.encoder.device
+        hidden = self.encoder(torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev), lens).float()
+        ends = torch.tensor(lens, device=dev).cumsum(0)
         if self.pooling == "mean":
             pooled = torch.stack([h.mean(0) for h in hidden.split(lens)])
         elif self.pooling == "cls":
-            pooled = hidden[ends - torch.tensor(lens)]
+            pooled = hidden[ends - torch.tensor(lens, device=dev)]
         else:
             pooled = hidden[ends - 1]
-        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        out = torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        return out.cpu()
 
 
 def _read_json(path: str) -> dict:

@@ -65,7 +65,11 @@ class LLM:
         if opened is None:
             path = resolve_model(args.model, auto_pull=args.auto_pull)
             if is_embedding_model(path):  # an encoder: `embed` only
-                self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype), quantization=args.quantization)
+                from nextoken.runner.device import resolve_device
+
+                device = resolve_device(args.device).torch
+                self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype, device), quantization=args.quantization,
+                                               device=device)
                 self.engine, self.tokenizer, self.runner, self.config = None, None, None, None
                 self.model_path = str(path)
                 return

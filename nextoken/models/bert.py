@@ -95,16 +95,30 @@ class BertModel:
     def dtype(self) -> torch.dtype:
         return self.w["embeddings.word_embeddings.weight"].dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.w["embeddings.word_embeddings.weight"].device
+
+    def to(self, device: torch.device) -> BertModel:
+        """Move the weights to `device` (a GPU: its matmuls and attention run there); returns self.
+        A quantized encoder stays on the CPU (its codes run on our C kernel)."""
+        if self.codes and device.type != "cpu":
+            raise ModelLoadError("a quantized encoder (--quantization) runs on the CPU's kernels; on a GPU it runs "
+                                 "dense")
+        self.w = {name: t.to(device) for name, t in self.w.items()}
+        return self
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """input_ids ``[T]`` (the sequences packed, ``sum(seq_lens) == T``) -> the last layer's
-        hidden states ``[T, hidden]``. Positions restart at 0 for each sequence; token type 0."""
-        w, cfg = self.w, self.config
-        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        """input_ids ``[T]`` (the sequences packed, ``sum(seq_lens) == T``, on the weights'
+        device) -> the last layer's hidden states ``[T, hidden]``. Positions restart at 0 for each
+        sequence; token type 0."""
+        w, cfg, dev = self.w, self.config, self.device
+        positions = torch.cat([torch.arange(n, device="cpu") for n in seq_lens]).to(dev)
         x = w["embeddings.word_embeddings.weight"][input_ids] + w["embeddings.position_embeddings.weight"][positions]
         x = x + w["embeddings.token_type_embeddings.weight"][0]
         x = self._norm(x, "embeddings.LayerNorm")
-        groups = attention_groups(seq_lens)
+        groups = attention_groups(seq_lens, device=dev)
         for n in range(cfg.num_layers):
             p = f"encoder.layer.{n}."
             a = self._attention(x, p + "attention.", groups)
@@ -161,7 +175,7 @@ class BertModel:
                 padded = z.new_zeros(b * g.longest, h)
                 padded[g.rows] = z[g.start : g.end]
                 qkv.append(padded.view(b, g.longest, heads, h // heads).transpose(1, 2))
-            mask = None if bool(g.keep.all()) else g.keep[:, None, None, :]
+            mask = None if g.full else g.keep[:, None, None, :]
             o = F.scaled_dot_product_attention(*qkv, attn_mask=mask)  # [B, H, L, D]
             out[g.start : g.end] = o.transpose(1, 2).reshape(b * g.longest, h)[g.rows]
         return out
@@ -170,19 +184,22 @@ class BertModel:
 @dataclass(frozen=True)
 class Group:
     """Consecutive packed sequences attended in one call: their tokens ``[start, end)`` of the
-    pass, the tokens' rows in the padded ``[B * L]`` layout, the mask of real tokens ``[B, L]``."""
+    pass, the tokens' rows in the padded ``[B * L]`` layout, the mask of real tokens ``[B, L]``,
+    and whether every sequence fills it (no padding: no mask)."""
 
     start: int
     end: int
     rows: torch.Tensor
     keep: torch.Tensor
     longest: int
+    full: bool = False
 
 
-def attention_groups(seq_lens: list[int], max_padding: float = 0.25) -> list[Group]:
+def attention_groups(seq_lens: list[int], max_padding: float = 0.25, device: torch.device | None = None) -> list[Group]:
     """`seq_lens` (in pass order) cut into runs of consecutive sequences whose padded size,
     count x longest, stays within ``1 + max_padding`` of their tokens (few calls, little padding
-    when the sequences are sorted by length, as `embedding.EmbeddingModel` sorts them)."""
+    when the sequences are sorted by length, as `embedding.EmbeddingModel` sorts them); the
+    groups' tensors on `device` (default the CPU)."""
     groups, at, i = [], 0, 0
     while i < len(seq_lens):
         j, longest, total = i + 1, seq_lens[i], seq_lens[i]
@@ -192,8 +209,8 @@ def attention_groups(seq_lens: list[int], max_padding: float = 0.25) -> list[Gro
                 break
             longest, total, j = m, total + seq_lens[j], j + 1
         lens = seq_lens[i:j]
-        rows = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lens)])
-        keep = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]
-        groups.append(Group(at, at + total, rows, keep, longest))
+        rows = torch.cat([torch.arange(n, device="cpu") + r * longest for r, n in enumerate(lens)])
+        keep = torch.arange(longest, device="cpu")[None, :] < torch.tensor(lens, device="cpu")[:, None]
+        groups.append(Group(at, at + total, rows.to(device), keep.to(device), longest, all(n == longest for n in lens)))
         at, i = at + total, j
     return groups

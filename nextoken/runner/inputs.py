@@ -71,9 +71,9 @@ def layout(seqs, block_size: int, sliding=None) -> HostBatch:
     rows = np.repeat(np.arange(len(ss)), lens)
     positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(starts - qsl[:-1], lens)
     slots = tables[rows, positions // block_size] * block_size + positions % block_size
-    batch = HostBatch(order, block_size, np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1])), positions,
-                      slots, tables, qsl.tolist(), (starts + lens).tolist(), int(np.sum(lens == 1)),
-                      [_first_block(s.block_ids) for s in ss])
+    ids = np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1]))
+    batch = HostBatch(order, block_size, ids, positions, slots, tables, qsl.tolist(), (starts + lens).tolist(),
+                      int(np.sum(lens == 1)), [_first_block(s.block_ids) for s in ss])
     if sliding is not None:
         batch.sliding = build_sliding_metadata(sliding.window, block_size, sliding.ring_blocks,
                                                [(s.start, len(s.token_ids), s.ring_ids) for s in ss])

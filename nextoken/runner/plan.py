@@ -208,7 +208,8 @@ class ExecutionPlan:
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""
         graphs = "; CUDA graphs for decode steps" if self.cuda_graphs else ""
-        return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}{quantized}; linears: {linears}; "
+        return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}"
+                f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
                 f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}{graphs}"
                 + (f" ({off})" if off else ""))

@@ -52,9 +52,13 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
 
     def load(state):  # /health answers 200 once every model is loaded and warm
         if embedding_path is not None:
-            dtype = encoder_dtype(engine_args.dtype if embed_only else "auto")
+            from nextoken.runner.device import resolve_device
+
+            device = resolve_device(engine_args.device).torch
+            dtype = encoder_dtype(engine_args.dtype if embed_only else "auto", device)
             quantization = engine_args.quantization if embed_only else None
-            state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype, quantization=quantization))
+            state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype, quantization=quantization,
+                                                             device=device))
             state.embedding_model_name = extra
         if embed_only:
             return

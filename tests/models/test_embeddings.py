@@ -79,6 +79,25 @@ def test_the_encoder_equals_transformers_on_packed_sequences(tiny_bert):
         at += len(s)
 
 
+def test_the_encoder_on_the_gpu_path_names_every_device(tiny_bert):
+    """The encoder on its device (a GPU when the check runs there: ``TRITON_INTERPRET=0``; here
+    the CPU), with PyTorch's default device set to meta, so any tensor made without its device
+    fails: the same float32 vectors as the CPU's encoder."""
+    import os
+
+    from nextoken.embedding import EmbeddingModel
+
+    d, _ = tiny_bert
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"
+    device = torch.device("cuda" if gpu else "cpu")
+    texts = ["a b c", "w1 w2 w3 w4 w5 w6", "z"]
+    want = EmbeddingModel(d).embed(texts).vectors
+    model = EmbeddingModel(d, device=device)
+    with torch.device("meta"):
+        got = model.embed(texts).vectors
+    assert got.device.type == "cpu" and (got - want).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("mode", ["mean", "cls", "last"])
 def test_pooling_follows_the_folders_config(tiny_bert, tmp_path, mode):
     import shutil
