@@ -36,8 +36,9 @@ class LoRAManager:
     """The adapters loaded into one model (at most `max_loras`, of rank <= `max_lora_rank`):
     `add` loads a `LoRARequest` once and returns its id; `remove` unloads it."""
 
-    def __init__(self, model, max_loras: int = 8, max_lora_rank: int = 64):
+    def __init__(self, model, max_loras: int = 8, max_lora_rank: int = 64, device: torch.device | None = None):
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.device = device or torch.device("cpu")  # where the passes run: each row's columns go there
         self.batch = LoRABatch()
         self.loaded: dict[int, LoRARequest] = {}
         self.linears = _linears(model)
@@ -94,5 +95,6 @@ class LoRAManager:
         starts, at = {0: 0}, 0
         for i in ids:
             starts[i], at = at, at + self.batch.ranks[i]
-        self.batch.set_rows(ids, torch.tensor([starts[i] for i in adapter_of_row], dtype=torch.int64),
-                            torch.tensor([self.batch.ranks.get(i, 0) for i in adapter_of_row], dtype=torch.int64))
+        self.batch.set_rows(ids, torch.tensor([starts[i] for i in adapter_of_row], dtype=torch.int64, device=self.device),
+                            torch.tensor([self.batch.ranks.get(i, 0) for i in adapter_of_row], dtype=torch.int64,
+                                         device=self.device))

@@ -28,11 +28,11 @@ class LoRABatch:
         self._masks = {}
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[T, R]`` (R: the sum of the pass's ranks) in `dtype`: 1 where row t's adapter owns
-        column c, else 0 (base-model rows are zero)."""
+        """``[T, R]`` (R: the sum of the pass's ranks) in `dtype`, on the rows' device: 1 where
+        row t's adapter owns column c, else 0 (base-model rows are zero)."""
         got = self._masks.get(dtype)
         if got is None:
-            cols = torch.arange(sum(self.ranks[i] for i in self.ids))
+            cols = torch.arange(sum(self.ranks[i] for i in self.ids), device=self.row_start.device)
             start, end = self.row_start[:, None], (self.row_start + self.row_rank)[:, None]
             got = self._masks[dtype] = ((cols >= start) & (cols < end)).to(dtype)
         return got
@@ -60,29 +60,30 @@ class LoRASlots:
             self.weights[adapter] = (a, b)
         self._stacked.clear()
 
-    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The pass's adapters stacked in `dtype`: A ``[R, in]`` and the scaled B transposed
-        ``[R, out]`` (contiguous, rows in the pass's column order); None when none of them
-        targets this layer."""
+    def stacks(self, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pass's adapters stacked in `dtype` on `device` (default the CPU, where the adapters
+        are held): A ``[R, in]`` and the scaled B transposed ``[R, out]`` (contiguous, rows in the
+        pass's column order); None when none of them targets this layer."""
         batch = self.batch
         if not any(i in self.weights for i in batch.ids):
             return None
-        got = self._stacked.get((batch.ids, dtype))
+        device = device or torch.device("cpu")
+        got = self._stacked.get((batch.ids, dtype, device))
         if got is None:
             a0, b0 = next(iter(self.weights.values()))
             x_in, y_out = a0.shape[1], b0.shape[0]
-            parts = [self.weights.get(i) or (torch.zeros(batch.ranks[i], x_in), torch.zeros(y_out, batch.ranks[i]))
-                     for i in batch.ids]
-            a = torch.cat([a for a, _ in parts]).to(dtype).contiguous()
-            b = torch.cat([b for _, b in parts], dim=1).t().contiguous().to(dtype)
-            got = self._stacked[(batch.ids, dtype)] = (a, b)
+            parts = [self.weights.get(i) or (torch.zeros(batch.ranks[i], x_in, device="cpu"),
+                                             torch.zeros(y_out, batch.ranks[i], device="cpu")) for i in batch.ids]
+            a = torch.cat([a for a, _ in parts]).to(dtype).contiguous().to(device)
+            b = torch.cat([b for _, b in parts], dim=1).t().contiguous().to(dtype).to(device)
+            got = self._stacked[(batch.ids, dtype, device)] = (a, b)
         return got
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus, for each token, its adapter's ``(x A^T) (s B)^T`` (x ``[T, in]``, y
         ``[T, out]``): two matmuls for every adapter of the pass together, the mask keeping each
         token to its own adapter's columns."""
-        stacks = self.stacks(y.dtype)
+        stacks = self.stacks(y.dtype, y.device)
         if stacks is None:
             return y
         a, b_t = stacks

@@ -181,9 +181,6 @@ class ModelRunner:
         from nextoken.loader.source import model_dtype
 
         device = resolve_device(args.device)
-        if device.is_cuda and args.enable_lora:
-            raise InvalidRequest("LoRA adapters run on the CPU for now (the GPU path has no adapter kernels); use "
-                                 "--device cpu", "enable_lora")
         runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
                      dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
                      prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization, device=device,
@@ -369,7 +366,8 @@ class ModelRunner:
         last row in them (by index into `seqs`)."""
         batch = layout(seqs, self.kv.block_size, self.kv.sliding)
         last = {i: batch.query_start_loc[row + 1] - 1 for row, i in enumerate(batch.order)}
-        if self.graphs is not None and tracer is None and self.loras is None and self.graphs.takes(batch):
+        plain = tracer is None and not any(s.lora_id for s in seqs)  # (a graph holds no tracer or adapter)
+        if self.graphs is not None and plain and self.graphs.takes(batch):
             return self.graphs.run(batch), last
         input_ids, positions, meta = self._model_inputs(batch)
         order = batch.order
@@ -389,7 +387,7 @@ class ModelRunner:
         """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""
         from nextoken.lora.manager import LoRAManager
 
-        self.loras = LoRAManager(self.model, max_loras, max_lora_rank)
+        self.loras = LoRAManager(self.model, max_loras, max_lora_rank, self.device.torch)
 
     def _set_lora_batch(self, seqs: list[SequenceInput], order: list[int], qsl: list[int]) -> bool:
         """Tell the adapters which rows of this pass are theirs; whether any row has one."""

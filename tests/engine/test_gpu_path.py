@@ -102,6 +102,32 @@ def test_preemption_and_ngram_speculation_on_the_gpu_path(tiny_gguf, graphs_on_c
     assert spec.engine.spec_stats().num_drafted_tokens > 0
 
 
+def test_lora_adapters_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path):
+    """A PEFT adapter's requests beside the base model's in one batch (adapter rows run eagerly,
+    base-only decode steps through the graphs): the CPU reference path's tokens."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from nextoken import LoRARequest
+
+    path, hf = tiny_gguf["llama"]
+    torch.manual_seed(7)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     lora_dropout=0.0)
+    get_peft_model(copy.deepcopy(hf), cfg).save_pretrained(tmp_path)
+    lora = LoRARequest("x", 1, str(tmp_path))
+    prompts, loras = PROMPTS[:3], [lora, None, lora]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(path), **REFERENCE, **SMALL, enable_lora=True).generate(prompts, params, lora_request=loras)
+    llm = LLM(str(path), **GPU_PATH, **SMALL, enable_lora=True)
+    with torch.device("meta"):
+        got = llm.generate(prompts, params, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    base = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
+    assert base != got[0].outputs[0].token_ids  # the adapter changes the answer
+
+
 def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     """``--kv-cache-dtype int8``: the Triton kernel reads the same codes and scales the CPU's
     attention dequantizes, so the float32 log-probabilities agree."""
