@@ -173,7 +173,8 @@ class ModelRunner:
         if self.plan.attention == "triton":
             from nextoken.kernels.gpu.attention import tiling
 
-            self.tile_queries = tiling(False, self.config.num_queries_per_kv, self.config.head_dim).block_q
+            self.tile_queries = tiling(False, self.config.num_queries_per_kv, self.config.head_dim,
+                                       dtype == torch.float32).block_q
 
     @classmethod
     def from_engine_args(cls, args, source: GGUFFile | HFModelDir, tp=None) -> ModelRunner:

@@ -107,7 +107,7 @@ def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None):
         paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=True,
                         num_seqs=n, splits=splits, partials=partials, window=window, softcap=softcap, **extra)
     else:
-        t = tiling(False, q.shape[1] // case["k"].shape[0], d)
+        t = tiling(False, q.shape[1] // case["k"].shape[0], d, q.dtype == torch.float32)
         seqs, firsts = query_tiles(case["qsl"], t.block_q)
         tiles = (torch.tensor(seqs, dtype=torch.int32, device=dev), torch.tensor(firsts, dtype=torch.int32, device=dev))
         paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=False,
@@ -206,3 +206,4 @@ def test_query_tiles_and_splits():
     assert decode_splits(1, 2, 132) == 16 and decode_splits(64, 2, 132) == 4 and decode_splits(256, 8, 132) == 1
     assert decode_splits(16, 2, 132) == 16 and decode_splits(1, 1, 1) == 4
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
+    assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 5

@@ -201,17 +201,25 @@ class Tiling:
     num_stages: int
 
 
-def tiling(decode: bool, group: int, head_dim: int) -> Tiling:
+def tiling(decode: bool, group: int, head_dim: int, f32: bool = False) -> Tiling:
     """The tiles for decodes (one query per program) or prefill chunks, for `group` query heads
-    per KV head and heads of `head_dim`. Prefill tiles hold 128 query rows (64 for heads over 128
-    dims, whose accumulators take twice the registers); a key step holds 64 keys (32 over 128
-    dims)."""
-    block_n = 64 if head_dim <= 128 else 32
+    per KV head, heads of `head_dim` and bf16 (or, `f32`, float32) operands. Chosen from the
+    compiler's report for Hopper (sm_90: registers and spills, `tests/kernels/test_triton_compile.py`)
+    so that no tile spills: each key tile's addresses are 64-bit per element, so wider heads take
+    fewer keys per step (64 keys at 64 dims, 32 at 128 and 256), and float32 (the reference) takes
+    small tiles throughout. bf16 prefill holds 128 query rows up to 128 dims (32 at 256)."""
+    rows = max(16, triton.next_power_of_2(group))
     if decode:
-        block_m = max(16, triton.next_power_of_2(group))
-        return Tiling(1, block_m, block_n, 4, 2)
-    block_m = max(64 if head_dim > 128 else 128, triton.next_power_of_2(group))
-    return Tiling(block_m // group, block_m, block_n, 8 if block_m >= 128 else 4, 2)
+        block_n = 16 if f32 else 64 if head_dim <= 64 else 32
+        return Tiling(1, rows, block_n, 4, 2)
+    if f32:
+        block_m, block_n, warps = (32, 32, 4) if head_dim <= 128 else (16, 16, 4)
+    elif head_dim <= 128:
+        block_m, block_n, warps = 128, 64 if head_dim <= 64 else 32, 8
+    else:
+        block_m, block_n, warps = 32, 32, 4
+    block_m = max(block_m, rows)
+    return Tiling(block_m // group, block_m, block_n, warps, 2)
 
 
 def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tuple[list[int], list[int]]:
@@ -264,7 +272,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     h = q.shape[1]
     group = h // hkv
     f32 = q.dtype == torch.float32
-    t = tiling(decode, group, d)
+    t = tiling(decode, group, d, f32)
     int8 = k_scales is not None
     fresh = k_new is not None
     if not decode:

@@ -1,0 +1,62 @@
+"""The compiler's report on our Triton attention for a Hopper GPU (sm_90), made on a machine
+without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
+spills and the matrix instructions off it (METHOD.md: what costs no device time).
+
+    python -m tests.helpers.triton_report     # one JSON line per kernel variant
+
+Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces the compiled kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+VARIANTS = [  # (dtype, query heads per KV head, head dim, decode, splits): the catalog's shapes
+    ("bf16", 3, 64, True, 4), ("bf16", 3, 64, False, 1),  # SmolLM2
+    ("bf16", 6, 128, True, 4), ("bf16", 6, 128, False, 1),  # Qwen2.5-1.5B
+    ("bf16", 4, 256, True, 16), ("bf16", 4, 256, False, 1),  # Gemma 3 270M
+    ("fp32", 6, 128, True, 4), ("fp32", 6, 128, False, 1),  # the float32 reference
+]
+
+
+def report(dtype: str, group: int, d: int, decode: bool, splits: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nextoken.kernels.gpu import attention as A
+
+    t = A.tiling(decode, group, d, dtype == "fp32")
+    p = f"*{dtype}"
+    types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "q_ptr": p, "k_ptr": p, "v_ptr": p,
+             "ks_ptr": p, "vs_ptr": p, "kn_ptr": p, "vn_ptr": p, "tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "q_start_ptr": "*i32", "qb_seq_ptr": "*i32", "qb_first_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
+    consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
+                  DECODE=decode, SPLITS=splits, INT8=False, FRESH=False, SOFTCAP=False, WINDOW=False, WIDEN=False)
+    fn = A._attention_kernel
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    fields = dict(x.split(":") for x in next(line for line in usage.splitlines() if "REG:" in line).split()
+                  if ":" in x and x.split(":")[1].isdigit())
+    return {"variant": [dtype, group, d, decode, splits], "registers": int(fields["REG"]),
+            "stack": int(fields["STACK"]), "spill_stores": sass.count("STL"),
+            "tensor_core": sass.count("HMMA") + sass.count("HGMMA")}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1")
+    for v in VARIANTS:
+        print(json.dumps(report(*v)), flush=True)
