@@ -425,11 +425,27 @@ def server_smoke(url: str, model: str, vocab: int) -> dict:
         "messages": ("/v1/messages", {"model": model, "max_tokens": 8,
                                       "messages": [{"role": "user", "content": "Hi"}]}),
         "journey": ("/inspect/api/journey/step", {"prompt": "The capital of France is", "generated": []}),
+        "sample": ("/inspect/api/sample", {"prompt": "Hello", "seed": 3, "temperature": 0.8, "top_p": 0.9}),
+        "sample_regex": ("/inspect/api/sample", {"prompt": "Hello", "regex": "[a-c]+"}),
+        "trace": ("/inspect/api/trace", {"prompt": "The animal didn't cross the street"}),
+        "kv_contrast": ("/inspect/api/kv/contrast", {"prompt": "Hello there", "tokens": 4}),
+        "beam": ("/inspect/api/beam", {"prompt": "The best thing about", "beam_width": 3, "max_tokens": 4}),
+        "spec_run": ("/inspect/api/spec/run", {"prompt": "a b c a b c a b", "max_tokens": 8}),
+        "quant_kl": ("/inspect/api/quant/kl", {"prompt": "Hello world, a test."}),
+        "analogy": ("/inspect/api/analogy", {"a": "a", "b": "b", "c": "c", "target": "d"}),
+        "rope": ("/inspect/api/rope", None),
+        "architecture": ("/inspect/api/architecture", None),
+        "state": ("/inspect/api/state", None),
     }
     out = {}
     for name, (path, body) in calls.items():
         try:
-            r = httpx.post(url + path, json=body, timeout=120)
+            r = httpx.post(url + path, json=body, timeout=120) if body is not None else httpx.get(url + path, timeout=60)
+            if name == "trace" and r.status_code == 200:  # its views too: attention, the logit lens
+                tid = r.json()["trace_id"]
+                for view, params in (("attention", {"layer": 1}), ("lens", {"position": 2}), ("lens_grid", {})):
+                    v = httpx.get(f"{url}/inspect/api/trace/{tid}/{view}", params=params, timeout=60)
+                    out[f"trace_{view}"] = str(v.status_code) + ("" if v.status_code == 200 else " " + v.text[:200])
             note = str(r.status_code)
             if name == "json_schema" and r.status_code == 200:
                 text = r.json()["choices"][0]["message"]["content"]

@@ -73,7 +73,8 @@ class EngineView:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, hidden]`` through the LM head."""
-        return self._engine.runner.model.compute_logits(hidden.to(self._engine.runner.dtype)).float()
+        runner = self._engine.runner
+        return runner.model.compute_logits(hidden.to(runner.device.torch, runner.dtype)).float()
 
     def encode_prompt(self, prompt, params, truncate: bool = False) -> list[int]:
         return self._engine.encode_prompt(prompt, params, truncate)

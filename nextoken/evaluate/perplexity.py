@@ -128,7 +128,8 @@ def perplexity(engine, text: str, ctx: int = 512, reference=None, max_chunks: in
 def log_probs(engine, hidden: torch.Tensor) -> torch.Tensor:
     """float32 log-softmax ``[n, vocab]`` of final hidden states ``[n, hidden]`` through
     `engine`'s LM head (the distributions its prompt log-probabilities come from)."""
-    return engine.runner.model.compute_logits(hidden.to(engine.runner.dtype)).float().log_softmax(-1)
+    runner = engine.runner
+    return runner.model.compute_logits(hidden.to(runner.device.torch, runner.dtype)).float().log_softmax(-1)
 
 
 def kl_and_agreement(lp: torch.Tensor, lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

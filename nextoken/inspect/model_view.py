@@ -33,14 +33,14 @@ def rope_view(model, positions: int = 64, max_distance: int = 4096) -> dict:
     cfg = model.config
     if not cfg.rope_dim:
         return {"learned_position_embeddings": True, "max_positions": cfg.context_length}
-    pos = torch.arange(positions)
-    tables = model.rope(pos)
+    pos = torch.arange(positions, device="cpu")
+    tables = {k: (c.cpu(), s.cpu()) for k, (c, s) in model.rope(pos.to(model.inv_freq.device)).items()}
     pairs = cfg.rope_dim // 2
-    rate = model.inv_freq.float()
+    rate = model.inv_freq.float().cpu()
     angle = pos.float()[:, None] * rate[None, :]
     cos = tables[False][0][:, :pairs].float()
     dist = sorted({0, *(int(round(x)) for x in np.geomspace(1, max(2, min(max_distance, cfg.context_length)), 96))})
-    decay = torch.cos(torch.tensor(dist, dtype=torch.float64)[:, None] * rate.double()[None, :]).mean(1)
+    decay = torch.cos(torch.tensor(dist, dtype=torch.float64, device="cpu")[:, None] * rate.double()[None, :]).mean(1)
     out = {"rope_dim": cfg.rope_dim, "head_dim": cfg.head_dim, "base": cfg.rope_theta, "pairs": pairs,
            "rate": [float(r) for r in rate], "angle": _rounded(angle, 4), "cos": _rounded(cos, 4),
            "decay": {"distance": dist, "score": [round(float(x), 5) for x in decay]},
@@ -68,7 +68,7 @@ def sinusoidal(base: float = 10000.0, positions: int = 50, dims: int = 64) -> di
 
 
 def _rounded(t: torch.Tensor, digits: int) -> list:
-    return np.round(t.double().numpy(), digits).tolist()
+    return np.round(t.detach().double().cpu().numpy(), digits).tolist()
 
 
 def _part(name: str) -> str:

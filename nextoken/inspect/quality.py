@@ -80,8 +80,9 @@ def compare(served, reference, ids: list[int], served_hidden: torch.Tensor, ref_
     while the engine steps)."""
     tok = served.tokenizer
     lp, lr = served.compute_logits(served_hidden).log_softmax(-1), log_probs(reference, ref_hidden)
+    lr = lr.to(lp.device)
     kl, same = kl_and_agreement(lp, lr)
-    nxt = torch.tensor(ids[1:])
+    nxt = torch.tensor(ids[1:], device=lp.device)
     lp_next, lr_next = lp.gather(1, nxt[:, None])[:, 0], lr.gather(1, nxt[:, None])[:, 0]
     top_s, top_r = lp.argmax(-1).tolist(), lr.argmax(-1).tolist()
     rows = [{"position": p, "token": display(tok.token_text(ids[p])), "next": display(tok.token_text(ids[p + 1])),

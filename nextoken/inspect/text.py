@@ -115,16 +115,16 @@ def word_token(tok, word: str, field: str = "words") -> int:
 
 def embedding_rows(model, ids: list[int]) -> torch.Tensor:
     """Rows of the embedding table as stored, de-quantized in float32 (not rounded to the
-    model's compute dtype), ``[len(ids), hidden]``."""
+    model's compute dtype), ``[len(ids), hidden]``, on the CPU."""
     emb = model.embed_tokens
-    idx = torch.tensor(ids, dtype=torch.long)
+    idx = torch.tensor(ids, dtype=torch.long, device="cpu")
     with torch.inference_mode():
         if emb.qweight is not None:
             return emb.qweight.lookup(idx).float()
         if emb.q8 is not None:
             q, d = emb.q8
             return (q[idx].view(len(ids), -1, 32).float() * d[idx].float()[..., None]).view(len(ids), -1)
-        return emb.weight[idx].float()
+        return emb.weight[idx.to(emb.weight.device)].float().cpu()
 
 
 def embedding_map(model, tok, words: list[str]) -> dict:

@@ -62,9 +62,11 @@ def attention_payload(rec: TraceRecorder, layer: int) -> dict:
 
 def lens_probs(model, residual: torch.Tensor) -> torch.Tensor:
     """What residual streams ``[n, hidden]`` predict if the model stopped there: softmax of the LM
-    head after the final norm, float32 ``[n, vocab]`` (nostalgebraist 2020)."""
+    head after the final norm, float32 ``[n, vocab]`` on the CPU (nostalgebraist 2020). The
+    residuals (a recorder's, on the CPU) go to the model's device for the head."""
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        return model.compute_logits(model.final_norm(residual.to(model.dtype))).float().softmax(-1)
+        return model.compute_logits(model.final_norm(residual.to(device, model.dtype))).float().softmax(-1).cpu()
 
 
 def logit_lens(rec: TraceRecorder, model, tokenizer, position: int, top: int = 5) -> list[dict]:
