@@ -87,9 +87,10 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     assert_no_leak(llm)
 
 
-def test_preemption_and_ngram_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
-    """A cache too small for the batch (preemption by recompute) and n-gram speculation (its
-    verification rows as decodes of one sequence, in the same pass): greedy text unchanged."""
+def test_preemption_and_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
+    """A cache too small for the batch (preemption by recompute), n-gram speculation (its
+    verification rows as decodes of one sequence, in the same pass) and a draft model on the same
+    device (its own runner and cache): greedy text unchanged."""
     path = str(tiny_gguf["llama"][0])
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(30, 50)), [9, 9, 9, 9, 9, 9]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -100,6 +101,10 @@ def test_preemption_and_ngram_speculation_on_the_gpu_path(tiny_gguf, graphs_on_c
     spec = LLM(path, **GPU_PATH, **SMALL, speculative_method="ngram", num_speculative_tokens=3)
     assert [o.token_ids for o in generate_on_meta(spec, prompts, params)] == want
     assert spec.engine.spec_stats().num_drafted_tokens > 0
+    draft = LLM(path, **GPU_PATH, **SMALL, speculative_model=path, num_speculative_tokens=2)  # its own runner
+    assert draft.engine.speculator.draft.runner.plan.attention == "triton"
+    assert [o.token_ids for o in generate_on_meta(draft, prompts[:1], params)] == want[:1]
+    assert draft.engine.spec_stats().num_accepted_tokens > 0
 
 
 def test_lora_adapters_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path):
