@@ -7,6 +7,12 @@ On the GPU machine, from the repository root, after the wheels it lacks are inst
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py            # about 7 minutes
 
+As one device call (carry ``.whl``; its 6.6 MB and the repository's 3 MB travel):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L &&
+    timeout 560 python3 benchmarks/gpu_check.py --budget 460 2>&1 | tee $OUT/log.txt
+
 Sections, in order, each timed and each allowed to fail alone (its error is printed and the
 rest go on); a section that would start past the time budget (``--budget`` seconds) is skipped
 and says so:
