@@ -8,9 +8,10 @@ A user's request is a `RequestGroup` of `n` sequences (`Request`s); each sequenc
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from nextoken.engine.request import Request
@@ -93,13 +94,14 @@ def make_output(group: RequestGroup) -> RequestOutput:
     m = group.metrics
     m.num_output_tokens = sum(len(c.token_ids) for c in group.completions)
     m.num_cached_tokens = group.seqs[0].num_cached_tokens
-    outs = [replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-            for c in group.completions]
+    outs = [CompletionOutput(c.index, c.text, c.delta, list(c.token_ids), c.delta_token_ids, c.finish_reason,
+                             c.stop_reason, None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
+            for c in group.completions]  # (the constructor: dataclasses.replace took 15 us a call)
     for c in group.completions:
         c.delta = ""
         c.delta_token_ids = []
     group.changed = False
-    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, replace(m),
+    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, copy.copy(m),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
                          None if group.logits is None else list(group.logits),
                          group.prompt_hidden if group.finished else None)
