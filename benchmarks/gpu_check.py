@@ -150,7 +150,7 @@ def card() -> dict:
     y = torch.empty_like(x)
     t = cuda_time(lambda: y.copy_(x), 10, 3)
     bandwidth = 2 * x.numel() / t
-    del x, y
+    x = y = None  # (2 GiB back before the matrices)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     t = cuda_time(lambda: a @ b, 10, 3)
@@ -195,7 +195,6 @@ def one_sequence(runner, ids: list[int], start: int, blocks: list[int]):
 
 
 def hf_model(folder: str, dtype):
-    import torch
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
@@ -292,7 +291,6 @@ def attention_flops(facts: dict, queries: int, keys: float) -> float:
 
 
 def speed(folder: str, vocab: int, limits: dict) -> dict:
-    import torch
 
     from nextoken import LLM, SamplingParams
 
@@ -349,7 +347,6 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     out["prefill4096_share"] = flops / t / rate
     log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
         "the bf16 rate")
-    del llm, runner
     return out
 
 
