@@ -14,7 +14,8 @@ on a CPU that has more.
 Weights are random codes in the shape's GGUF format (Q4_1 for SmolLM2's, Q4_K for Qwen's, Q6_K
 for Qwen's down projection); activations random bf16. For each row count it prints the best of
 `--repeat` times in ms for the kernel, for expansion + bf16 matmul, and the kernel's integer
-throughput (2 M N K / time). Timings on a shared VM drift: compare within one run.
+throughput (2 M N K / time); on a CPU with AMX-INT8, also the VNNI loop alone (calls of 16 rows
+or more run on AMX tiles there) and the tiles' speedup over it. Timings on a shared VM drift: compare within one run.
 """
 
 from __future__ import annotations
@@ -124,16 +125,24 @@ def main() -> None:
     from nextoken.kernels import load
 
     lib = load("qmatmul")
+    amx = bool(lib.qmatmul_amx(-1))  # then each row count runs twice: AMX tiles, and the VNNI loop alone
     g = torch.Generator().manual_seed(0)
-    print(f"{'shape':<18} {'rows':>5} {'kernel ms':>10} {'expand+bf16 ms':>15} {'kernel GOP/s':>13}")
+    print(f"{'shape':<18} {'rows':>5} {'kernel ms':>10} {'expand+bf16 ms':>15} {'kernel GOP/s':>13}"
+          + (f" {'VNNI-only ms':>13} {'AMX speedup':>12}" if amx else ""))
     for name, n, k, fmt in SHAPES:
         w = random_weight(n, k, fmt, g)
         for m in args.rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             t_kernel = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
             t_dense = best(lambda: F.linear(x, dequantize_bf16(w, scratch=True, lib=lib)), args.repeat)
+            extra = ""
+            if amx:
+                lib.qmatmul_amx(0)
+                t_vnni = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
+                lib.qmatmul_amx(1)
+                extra = f" {t_vnni * 1e3:>13.3f} {t_vnni / t_kernel:>11.2f}x"
             print(f"{name + ' ' + fmt:<18} {m:>5} {t_kernel * 1e3:>10.3f} {t_dense * 1e3:>15.3f} "
-                  f"{2 * m * n * k / t_kernel / 1e9:>13.0f}")
+                  f"{2 * m * n * k / t_kernel / 1e9:>13.0f}" + extra)
 
 
 if __name__ == "__main__":

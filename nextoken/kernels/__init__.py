@@ -217,6 +217,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qlookup_bf16": (_INT, [P, P, _I64, P]),
     "qmatmul_vectorized": (_INT, []),
     "qmatmul_loop": (ctypes.c_char_p, []),
+    "qmatmul_amx": (_INT, [_INT]),
     "dense_bf16_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,

@@ -68,29 +68,14 @@ typedef struct {
 
 #if defined(DB_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define LORA_AMX 1
-#include <sys/syscall.h>
-long syscall(long number, ...); /* unistd.h declares it only for _DEFAULT_SOURCE builds */
-
-/* AMX needs the kernel's leave to use its tile data (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM,
- * once per process); 1 when granted. A kernel or hypervisor that refuses leaves the vdpbf16ps loops. */
-static int lora_amx_ready(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) lora_tilecfg_t;
+#include "amx.h"
 
 /* The tiles for a group of m rows: 0-3 float32 sums [m, 16]; 4, 5: the shrink's x [m rows, 32
  * columns] and A [16 column pairs, 16 ranks x 2]; 6, 7: the expansion's u [m rows, 16 ranks] and
  * B [8 rank pairs, 16 columns x 2]. Each row's sums are the same whatever m is. (volatile: GCC
  * may drop stores to a local that only ldtilecfg reads.) */
 static void lora_amx_config(int64_t m) {
-    volatile lora_tilecfg_t c;
+    volatile amx_tilecfg_t c;
     for (size_t i = 0; i < sizeof c; i++) ((volatile uint8_t *)&c)[i] = 0;
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = 64;
@@ -167,7 +152,7 @@ static int lora_add_amx(const lora_t *lr, const lora_w_t *w, int n, const uint16
     if (K % 32) return 0;
     for (int j = 0; j < n; j++)
         if (w[j].a && (!w[j].a2 || !w[j].b2 || N[j] % 16)) return 0;
-    if (!lora_amx_ready()) return 0;
+    if (!amx_ready()) return 0;
     int64_t *perm = malloc(sizeof(int64_t) * T * 2), *gstart = perm + T, ng = 0, nrow = 0, rmax = 0;
     if (!perm) return 1;
     for (int64_t t = 0; t < T; t++) { /* group the rows by adapter, 16 at most per group */
@@ -526,7 +511,7 @@ static int ffn_half(const layer_t *ly, const arch_t *ar, const step_t *s, const 
  * else 0: the vdpbf16ps or float32 loops */
 int decode_lora_amx(void) {
 #ifdef LORA_AMX
-    return lora_amx_ready();
+    return amx_ready();
 #else
     return 0;
 #endif

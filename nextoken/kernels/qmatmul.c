@@ -519,6 +519,11 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
     if (qw_act_block(w) != 32) run_tiles_sb(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy);
     else run_tiles_mb(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define QM_AMX 1
+#include "qmatmul_amx.c" /* 16 rows or more on AMX tiles, the same sums */
+#endif
 #else
 #define PMB 8 /* activation rows per pass of the plain loop */
 
@@ -645,6 +650,9 @@ static int qw_ok(const qw_t *w) {
 
 /* y = x W^T + bias with x already quantized (so several weights can share one quantization). */
 static void qmatmul_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, int64_t ldy) {
+#ifdef QM_AMX
+    if (amx_takes(a, w) && qmatmul_amx_q(a, w, y, y_bf16, ldy) == 0) return;
+#endif
 #ifdef QM_VNNI
     /* Pairs of tiles (an odd last tile alone), split over the threads, for each block of
      * MBLOCK activation rows in turn: a block's rows stay in L2 while every tile passes.
@@ -756,6 +764,14 @@ int qlookup_bf16(const qw_t *w, const int64_t *ids, int64_t T, uint16_t *out) {
     }
     return 0;
 }
+
+#ifndef QM_AMX
+/* 1 when calls of 16 rows or more run on AMX tiles (qmatmul_amx.c): never in this build */
+int qmatmul_amx(int enable) {
+    (void)enable;
+    return 0;
+}
+#endif
 
 /* 1 when built with the AVX-512 VNNI loops, 0 for the plain C ones */
 int qmatmul_vectorized(void) {

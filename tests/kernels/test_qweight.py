@@ -115,6 +115,33 @@ def test_simd_loops_equal_the_plain_loop_bit_for_bit(isa, type_name):
 
 
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
+def test_amx_loop_equals_the_vnni_loop_bit_for_bit(type_name):
+    """Calls of 16 rows or more run on AMX tiles (``kernels/qmatmul_amx.c``): the same integer
+    sums as the AVX-512 VNNI loop and the same float operations after them, so every output equals
+    that loop's bit for bit: full blocks of 16 rows and the tails the VNNI loop takes (17, 31, 33),
+    an odd number of groups (544 columns), a bias, bf16 and float32 in and out."""
+    lib = load("qmatmul")
+    assert lib is not None, "the C kernel did not build (is gcc installed?)"
+    if not lib.qmatmul_amx(-1):
+        pytest.skip("this CPU has no AMX-INT8 (or its kernel refuses the tile data)")
+    cols = [512] + ([544] if type_name not in ("Q4_K", "Q6_K") else [])
+    try:
+        for k in cols:
+            _, qw = weight(type_name, 48, k, seed=27)
+            bias = torch.randn(48, generator=torch.Generator().manual_seed(3))
+            for m in (16, 17, 31, 32, 33, 64, 130):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+                for xin, out in ((x, torch.float32), (x.to(torch.bfloat16), torch.bfloat16)):
+                    assert lib.qmatmul_amx(1)
+                    amx = qmatmul(xin, qw, bias, out_dtype=out, lib=lib)
+                    lib.qmatmul_amx(0)
+                    vnni = qmatmul(xin, qw, bias, out_dtype=out, lib=lib)
+                    assert torch.equal(amx, vnni), (k, m, xin.dtype)
+    finally:
+        lib.qmatmul_amx(1)
+
+
+@pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
 def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     """One row alone (decode: one tile at a time, the L2 prefetch), two, and the same row among
     13 (prefill: pairs of tiles, six rows per pass) give the same output bit for bit, so a token
@@ -127,6 +154,8 @@ def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     for i in (0, 5, 12):
         assert torch.equal(qmatmul(x[i : i + 1], qw, out_dtype=torch.float32, lib=lib), many[i : i + 1])
     assert torch.equal(qmatmul(x[6:8], qw, out_dtype=torch.float32, lib=lib), many[6:8])
+    x40 = torch.cat([x, x, x, x[:1]])  # 40 rows: two blocks of 16 on AMX where the CPU has it, 8 on VNNI
+    assert torch.equal(qmatmul(x40, qw, out_dtype=torch.float32, lib=lib)[26:39], many)
     assert qw.act_block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
 
 
