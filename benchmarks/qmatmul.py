@@ -14,7 +14,7 @@ on a CPU that has more.
 Weights are random codes in the shape's GGUF format (Q4_1 for SmolLM2's, Q4_K for Qwen's, Q6_K
 for Qwen's down projection); activations random bf16. For each row count it prints the best of
 `--repeat` times in ms for the kernel, for expansion + bf16 matmul, and the kernel's integer
-throughput (2 M N K / time); on a CPU with AMX-INT8, also the VNNI loop alone (calls of 16 rows
+throughput (2 M N K / time); on a CPU with AMX-INT8, also the VNNI loop alone (calls of 32 rows
 or more run on AMX tiles there) and the tiles' speedup over it. Timings on a shared VM drift: compare within one run.
 """
 

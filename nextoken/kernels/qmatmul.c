@@ -41,6 +41,8 @@
  * a few groups ahead; Q4_K at one row went from 60 to about 95 GB/s from L3 and from 31 to 35
  * GB/s from memory. One row runs one tile at a time (one stream of codes per thread, see
  * qmatmul_q), prefetched into L2.
+ * Where the CPU has AMX-INT8, calls of 32 rows or more run on tiles (qmatmul_amx.c): the same
+ * integer sums and float operations, so the same outputs bit for bit.
  * A portable C loop computes the same sums where VNNI is missing. Requires N % 16 == 0 and
  * K % 32 == 0.
  */
@@ -522,7 +524,7 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define QM_AMX 1
-#include "qmatmul_amx.c" /* 16 rows or more on AMX tiles, the same sums */
+#include "qmatmul_amx.c" /* 32 rows or more on AMX tiles, the same sums */
 #endif
 #else
 #define PMB 8 /* activation rows per pass of the plain loop */
@@ -766,7 +768,7 @@ int qlookup_bf16(const qw_t *w, const int64_t *ids, int64_t T, uint16_t *out) {
 }
 
 #ifndef QM_AMX
-/* 1 when calls of 16 rows or more run on AMX tiles (qmatmul_amx.c): never in this build */
+/* 1 when calls of 32 rows or more run on AMX tiles (qmatmul_amx.c): never in this build */
 int qmatmul_amx(int enable) {
     (void)enable;
     return 0;

@@ -1,4 +1,4 @@
-/* The AVX-512 VNNI loops' sums on AMX tiles, for calls of 16 activation rows or more (prefill,
+/* The AVX-512 VNNI loops' sums on AMX tiles, for calls of 32 activation rows or more (prefill,
  * large decode batches). Included by qmatmul.c in a build for a CPU with AMX-INT8 (Sapphire
  * Rapids and later), under Linux, which grants the tile data per process (amx.h).
  *
@@ -21,7 +21,7 @@
  */
 #include "amx.h"
 
-#define AMX_MIN_ROWS 16 /* rows from which a call runs here */
+#define AMX_MIN_ROWS 32 /* rows from which a call runs here: at 16, the VNNI loop was faster for all but Q6_K */
 
 static int amx_enabled = 1; /* qmatmul_amx(0) turns these loops off (tests, benchmarks) */
 
@@ -328,7 +328,7 @@ static int qmatmul_amx_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, in
     return failed != 0;
 }
 
-/* 1 when calls of 16 rows or more run on AMX tiles; enable: 0 or 1 sets it, -1 only asks */
+/* 1 when calls of 32 rows or more run on AMX tiles; enable: 0 or 1 sets it, -1 only asks */
 int qmatmul_amx(int enable) {
     if (enable >= 0) amx_enabled = enable;
     return amx_enabled && amx_ready();
