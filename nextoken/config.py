@@ -96,9 +96,12 @@ class SpeculativeConfig:
 
     method: ``"draft"`` (a smaller model with the same vocabulary, `model`) or ``"ngram"``
     (prompt lookup: continue the most recent earlier occurrence of the last `ngram_max` ..
-    `ngram_min` tokens; no second model). Per request, the next draft is one token longer than
-    the last verification accepted, and after a verification that accepted nothing the request
-    skips drafting for 1, 2, 4, then 8 steps (each drafted token costs a verification row).
+    `ngram_min` tokens; no second model). With `adapt_length`, per request, the next draft is one
+    token longer than the last verification accepted, and after a verification that accepted
+    nothing the request skips drafting for 1, 2, 4, then 8 steps (each drafted token costs a
+    verification row, and a draft model's pass); without it every draft is as long as allowed,
+    which the engine chooses for n-gram lookup where a few more rows cost about one row's pass
+    (`ExecutionPlan.cheap_verification`).
     """
 
     method: str = "ngram"
@@ -106,6 +109,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    adapt_length: bool = True
     # no drafting in steps with more running decodes than this: batched decode already uses the
     # compute that verification would need (vLLM's speculative_disable_by_batch_size)
     disable_by_batch_size: int | None = 4

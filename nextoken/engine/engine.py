@@ -80,7 +80,7 @@ class LLMEngine:
         self.max_model_len = min(ctx, args.max_model_len or ctx)
         self.watermark = WatermarkConfig(args.watermark_gamma, args.watermark_delta)
         self.speculator, draft_runner = build_speculator(args, self.tokenizer, self.config, dtype, self.watermark,
-                                                         draft_source)
+                                                         draft_source, self.runner.plan.cheap_verification)
         self.speculative = self.speculator.config if self.speculator else None
         self.cache_config = args.cache_config()
         self.scheduler_config = SchedulerConfig(

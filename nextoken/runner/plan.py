@@ -184,6 +184,17 @@ class ExecutionPlan:
             self.reasons["attention"] = "an int8 KV cache with float32 queries"
 
     @property
+    def cheap_verification(self) -> bool:
+        """Whether a pass of a few more rows (a speculative verification's) costs about one row's:
+        on a GPU, or with the codes on the AVX-512 VNNI loop, where 2 / 4 / 8 rows cost 0.9-1.1 /
+        1.0-1.2 / 1.3-1.6x one row from memory (`benchmarks/qmatmul.py --stream`; the AVX2 loop's
+        5 rows 2.5-3x)."""
+        if self.device.is_cuda:
+            return True
+        q = self.kernels.qmatmul
+        return self.codes and q is not None and bool(q.qmatmul_vectorized())
+
+    @property
     def attention_kernels(self) -> KernelSet:
         """The libraries the attention layers receive (`AttentionMetadata.kernels`)."""
         if self.attention != "native":

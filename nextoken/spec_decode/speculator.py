@@ -92,9 +92,10 @@ class Speculator:
         c["steps"] += 1
         c["emitted"] += len(results)
         r.num_computed_tokens += accepted
-        r.spec_k = min(self.config.num_speculative_tokens, accepted + 1)
-        r.spec_backoff = 0 if accepted else min(8, 2 * r.spec_backoff or 1)
-        r.spec_skip = r.spec_backoff
+        if self.config.adapt_length:
+            r.spec_k = min(self.config.num_speculative_tokens, accepted + 1)
+            r.spec_backoff = 0 if accepted else min(8, 2 * r.spec_backoff or 1)
+            r.spec_skip = r.spec_backoff
         return results
 
     def on_verified(self, r) -> None:
@@ -141,9 +142,11 @@ def verification_record(r, drafts: list[int], p_target: list[float], draft_probs
             "emitted": [res.token for res in results]}
 
 
-def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_source=None):
+def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_source=None, cheap_verification=False):
     """The `Speculator` `args` (`EngineArgs`) asks for, or None without ``speculative``; with
-    method ``"draft"`` it loads the draft model from the opened `draft_source`. Returns
+    method ``"draft"`` it loads the draft model from the opened `draft_source`. N-gram drafts keep
+    their full length when `cheap_verification` (the target's plan: a few more rows cost about one
+    row's pass), else they adapt (`SpeculativeConfig.adapt_length`). Returns
     ``(speculator, draft runner or None)``. Raises `InvalidRequest` when the draft model is
     missing or has sliding-window layers, `ModelLoadError` when its vocabulary is not the
     target's."""
@@ -155,7 +158,8 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
 
     if args.speculative is None:
         return None, None
-    config = SpeculativeConfig(args.speculative, args.speculative_model, args.num_speculative_tokens)
+    config = SpeculativeConfig(args.speculative, args.speculative_model, args.num_speculative_tokens,
+                               adapt_length=not (args.speculative == "ngram" and cheap_verification))
     max_model_len = min(target_config.context_length, args.max_model_len or target_config.context_length)
     if args.speculative != "draft":
         return Speculator(config, None, max_model_len), None

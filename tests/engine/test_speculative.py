@@ -114,6 +114,36 @@ def test_greedy_output_unchanged(tiny_pair, method, max_num_seqs):
     assert_no_leak(llm)
 
 
+def test_ngram_draft_length_adapts_only_where_rows_are_dear(tiny_pair):
+    """N-gram drafts keep their full length where a verification's extra rows cost about one
+    row's (the codes on the AVX-512 VNNI loop, or a GPU: `ExecutionPlan.cheap_verification`), and
+    otherwise adapt (one longer than the last accepted run; drafting backs off after a full
+    rejection). Both policies, forced on any machine, emit the plain greedy tokens, and the fixed
+    length drafts more tokens than the adapting one on prompts with rejections."""
+    import dataclasses
+
+    from nextoken.kernels import load
+
+    target, _ = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(target, max_num_seqs=4, dense_weights=False).generate(PROMPTS, params)]
+    llm = LLM(target, max_num_seqs=4, dense_weights=False, speculative_method="ngram", num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    cheap = bool(load("qmatmul").qmatmul_vectorized())
+    assert llm.engine.runner.plan.cheap_verification == cheap and spec.config.adapt_length == (not cheap)
+    drafted = {}
+    for adapt in (True, False):
+        spec.config = dataclasses.replace(spec.config, adapt_length=adapt)
+        spec.reset_counts()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == plain
+        drafted[adapt] = spec.counts["drafted"]
+        assert spec.counts["accepted"] < drafted[adapt]  # rejections happened
+    assert drafted[False] > drafted[True]
+    assert_no_leak(llm)
+    eager = LLM(target, enforce_eager=True, speculative_method="ngram")  # PyTorch alone: rows are dear
+    assert not eager.engine.runner.plan.cheap_verification and eager.engine.speculator.config.adapt_length
+
+
 def test_limits_seeds_and_logprobs_under_speculation(tiny_pair):
     target, draft = tiny_pair
     llm = LLM(target, max_num_seqs=4, dense_weights=False, speculative_model=draft, num_speculative_tokens=4)
