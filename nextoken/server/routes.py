@@ -141,7 +141,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     eng = _engine(request)
     if isinstance(body, TokenizeChatRequest):
         ids = prompts.encode_chat(eng.tokenizer, tools_mod.messages_for_template(
-            [m.model_dump(exclude_none=True) for m in body.messages]))
+            [m.template_dict() for m in body.messages]))
     else:
         ids = eng.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False, parse_special=False)
     return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}

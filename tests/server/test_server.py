@@ -52,6 +52,27 @@ def test_chat_and_completions(smol):
     assert r.usage.completion_tokens == 6
 
 
+def test_content_as_a_list_of_text_parts(fast):
+    """OpenAI's content parts (sent by smolagents and others for every role): text parts are
+    joined with newlines (as vLLM joins them), so the answer equals the string form's; /tokenize
+    takes them too; an image part is a 400 that names it, not a schema error."""
+    c = fast.client()
+    kw = dict(model="smollm2", temperature=0, max_tokens=12)
+    text = [{"role": "system", "content": "Be brief.\nAnswer in English."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in English."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    want = c.chat.completions.create(messages=text, **kw).choices[0].message.content
+    assert want and c.chat.completions.create(messages=parts, **kw).choices[0].message.content == want
+    tok = [httpx.post(fast.url + "/tokenize", json={"messages": m}).json()["tokens"] for m in (text, parts)]
+    assert tok[0] == tok[1] and tok[0]
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(messages=image, **kw)
+    assert "messages.0 content[1]: image_url parts are not supported" in str(e.value)
+
+
 def test_streamed_text_equals_non_streamed(fast):
     c = fast.client()
     kw = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me about cats."}], temperature=0,

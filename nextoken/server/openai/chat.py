@@ -39,7 +39,7 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
     """The request as the chat core's `ChatSpec` (the rules table has checked its cross-field rules)."""
     choice = body.tool_choice
     used = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    return ChatSpec([m.model_dump(exclude_none=True) for m in body.messages],
+    return ChatSpec([m.template_dict() for m in body.messages],
                     [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                     choice.function.name if isinstance(choice, NamedToolChoice) else choice,
                     body.parallel_tool_calls, body.structured(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, accept_published, model_limit, \
     only
@@ -66,9 +67,9 @@ class StructuredOutputs(Body):
 
     model_config = ConfigDict(**BODY, json_schema_extra=STRUCTURED_ONE)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
+    regex: NonEmptyStr | None = None
     choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
-    grammar: str | None = None
+    grammar: NonEmptyStr | None = None
     json_object: bool | None = None
 
 
@@ -105,9 +106,9 @@ class _Sampling(Body):
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
+    guided_regex: NonEmptyStr | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
-    guided_grammar: str | None = None
+    guided_grammar: NonEmptyStr | None = None
     structured_outputs: StructuredOutputs | None = None
     watermark: bool = False  # TGI's green-list watermark (the server's --watermark-gamma/--watermark-delta)
 
@@ -220,12 +221,43 @@ class ToolCall(Body):
     function: FunctionCall
 
 
+class ChatTextPart(Body):
+    """A text part of a message's content (OpenAI's ``{"type": "text", "text": ...}``)."""
+
+    type: Literal["text"]
+    text: str
+
+
+MEDIA_PARTS = ("image_url", "input_audio", "file")  # content parts only a vision, audio or file model reads
+
+
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[ChatTextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _media_parts(cls, data):
+        """An image, audio or file part (`MEDIA_PARTS`, valid OpenAI input) is refused by name:
+        the models served here read text only. Not in the published schema."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                raise PydanticCustomError("unsupported_value", "content[{j}]: {kind} parts are not supported: this "
+                                          "model reads text only; send text parts or a string",
+                                          {"j": j, "kind": part["type"]})
+        return data
+
+    def template_dict(self) -> dict:
+        """This message as the chat template takes it: content given as text parts joined by
+        newlines (as vLLM joins them)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.text for part in self.content)
+        return out
 
 
 class FunctionDefinition(Body):
