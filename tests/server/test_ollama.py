@@ -113,3 +113,19 @@ def test_an_empty_prompt_loads_and_a_bad_option_names_options(srv):
     r = httpx.post(f"{srv.url}/api/generate", json={"model": "smollm2", "prompt": "hi", "stream": False,
                                                      "options": {"top_p": "high", "num_predict": 2}})
     assert r.status_code == 400 and r.json()["error"].startswith("options"), r.text
+
+
+def test_curl_bodies_and_old_clients(srv):
+    """`curl URL/api/generate -d '{...}'`, as Ollama's API docs show it, sends the JSON as
+    application/x-www-form-urlencoded: Ollama reads any body as JSON, and so do these routes.
+    /api/show takes `name` (what older clients, LiteLLM among them, send) as well as `model`."""
+    body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "stream": False,
+                       "options": {"temperature": 0, "num_predict": 4}})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = httpx.post(srv.url + "/api/generate", content=body, headers=form)
+    want = httpx.post(srv.url + "/api/generate", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["response"] == want.json()["response"] != ""
+    show = [httpx.post(srv.url + "/api/show", content=json.dumps({k: "smollm2"}), headers=form) for k in ("model", "name")]
+    assert [s.status_code for s in show] == [200, 200] and show[0].json() == show[1].json()
+    bad = httpx.post(srv.url + "/api/generate", content="model=smollm2&prompt=hi", headers=form)
+    assert bad.status_code == 400 and "error" in bad.json()

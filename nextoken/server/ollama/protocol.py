@@ -80,3 +80,12 @@ class GenerateRequest(Body):
 class ShowRequest(Body):
     model: NonEmptyStr
     verbose: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name(cls, data):
+        """`name`, the field's older name (LiteLLM and older clients send it), stands for `model`;
+        both at different values is a 400 naming `name`."""
+        if isinstance(data, dict) and "name" in data and data.get("model", data["name"]) == data["name"]:
+            data = {**{k: v for k, v in data.items() if k != "name"}, "model": data["name"]}
+        return data

@@ -4,6 +4,7 @@ errors as ``{"error": message}``, streams as newline-delimited JSON."""
 from __future__ import annotations
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 
 from nextoken.server.api import ApiRouter, ApiShape, with_field
 from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
@@ -12,7 +13,27 @@ from nextoken.server.ollama.protocol import ShowRequest as OllamaShow
 SHAPE = ApiShape("OllamaError", lambda status, message, param: {"error": with_field(message, param)},
                  {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
                  stream_media_type="application/x-ndjson")
-router = ApiRouter(SHAPE, strict_content_type=False)  # Ollama reads a body without Content-Type as JSON
+
+
+class AnyBodyAsJSON(APIRoute):
+    """A route that reads its body as JSON whatever the request's Content-Type says, as Ollama
+    does: ``curl URL/api/generate -d '{...}'`` (Ollama's own API docs) sends
+    application/x-www-form-urlencoded."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            if request.method == "POST":
+                scope = dict(request.scope)
+                scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"] + \
+                    [(b"content-type", b"application/json")]
+                request = Request(scope, request.receive)
+            return await handler(request)
+        return route
+
+
+router = ApiRouter(SHAPE, strict_content_type=False, route_class=AnyBodyAsJSON)
 
 
 @router.generation_route("/api/chat")
