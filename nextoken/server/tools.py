@@ -110,9 +110,9 @@ class ToolCallParser:
     sure, so the events of any split of a text are the events of the whole text. Whitespace
     around calls is dropped.
 
-    `names`: the tools' names. With them, an answer that is nothing but one call object without
-    the tags (``{"name": ..., "arguments": ...}``, maybe in a ```json fence), which small models
-    often write, is a call too; such an answer is held back until it ends."""
+    `names`: the tools' names. With them, an answer that is nothing but call objects without
+    the tags (``{"name": ..., "arguments": ...}``, one or several, maybe in a ```json fence), which
+    small models often write, is calls too; such an answer is held back until it ends."""
 
     def __init__(self, names: set[str] | frozenset[str] = frozenset()):
         self.names = frozenset(names)
@@ -145,7 +145,7 @@ class ToolCallParser:
         its markup is dropped (never content), and a call whose arguments had begun stays out of `calls`
         (a stream has sent its pieces already; the finish reason says it was cut)."""
         events: list[tuple] = []
-        if self._body is None and self._bare_call(events):
+        if self._body is None and self._bare_call(events, cut):
             return events
         if cut and self._body is None:  # the start of a tag, or of an untagged call, cut: no content either
             held = self.names and not self.content and not self.calls and self._call_start(self._buf)
@@ -185,25 +185,42 @@ class ToolCallParser:
             self._buf = buf[len(ready):]
         return False
 
-    def _bare_call(self, events) -> bool:
-        """At the end: the held answer as one untagged call, if it is one."""
+    def _bare_call(self, events, cut: bool = False) -> bool:
+        """At the end: the held answer as untagged calls, if it is nothing else: one call object
+        or several (Qwen2.5 writes one per line), maybe in a ```json fence. `cut` (the token
+        limit): the complete objects are the calls, and an object cut short that began as a call
+        of one of the tools is dropped."""
         if not self.names or self.content or self.calls:
             return False
         text = self._buf.strip()
-        fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.S)
-        text = fence.group(1) if fence else text
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
+        fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*(```)?", text, re.S)
+        if fence and (fence.group(2) or cut):
+            text = fence.group(1)
+        objects, at, decoder = [], 0, json.JSONDecoder()
+        while True:
+            while at < len(text) and text[at] in " \t\r\n,":
+                at += 1
+            if at == len(text):
+                break
+            try:
+                obj, end = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                if cut and objects and self._call_start(text[at:]):
+                    break  # the last call, cut short
+                return False
+            if not isinstance(obj, dict) or obj.get("name") not in self.names \
+                    or not isinstance(obj.get("arguments"), dict) or len(obj) != 2:
+                return False
+            objects.append((obj, text[at:end]))
+            at = end
+        if not objects:
             return False
-        m = _HEAD.match(text)
-        if m is None or not isinstance(obj, dict) or obj.get("name") not in self.names \
-                or not isinstance(obj.get("arguments"), dict) or len(obj) != 2:
-            return False
-        self.calls.append(ToolCallOut(m.group(1)))
-        events.append(("call", 0, m.group(1)))
-        self._args_at = 0
-        self._send(_arguments_so_far(text[m.end():]), events)
+        for i, (obj, raw) in enumerate(objects):
+            self.calls.append(ToolCallOut(obj["name"]))
+            events.append(("call", i, obj["name"]))
+            m = _HEAD.match(raw)
+            self._args_at, self._sent = 0, 0
+            self._send(_arguments_so_far(raw[m.end():]) if m else json.dumps(obj["arguments"]), events)
         self._buf, self._args_at = "", None
         return True
 

@@ -93,6 +93,29 @@ def test_an_untagged_call_cut_by_the_token_limit_is_no_content():
     assert parse('{"name": 1} is JSON', {"a"}, cut=True).content == '{"name": 1} is JSON'
 
 
+def test_several_untagged_calls_and_a_cut_one():
+    """Qwen2.5 often writes its calls as bare objects, one per line: each is a call, whole or
+    streamed at any split; at the token limit the complete ones stay calls and the one cut short
+    is dropped (before, the answer came back empty, with no calls); an object that is no call
+    makes the whole answer content."""
+    names = {"get_weather", "get_time"}
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_time", "arguments": {"tz": "CET"}}'
+    want = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    for answer in (text, "```json\n" + text + "\n```"):
+        r = parse(answer, names)
+        assert r.content == "" and [(c.name, json.loads(c.arguments)) for c in r.calls] == want
+        for split in range(0, len(answer) + 1, 3):
+            p = ToolCallParser(names)
+            events = p.feed(answer[:split]) + p.feed(answer[split:]) + p.finish()
+            assert _events_to_result(events) == ("", [n for n, _ in want], [c.arguments for c in r.calls]), split
+    cut = text + '\n{"name": "get_weather", "arguments": {"city": "Ly'
+    for answer in (cut, "```json\n" + cut):
+        r = parse(answer, names, cut=True)
+        assert r.content == "" and [(c.name, json.loads(c.arguments)) for c in r.calls] == want
+    mixed = text + '\n{"note": "done"}'
+    assert parse(mixed, names).content == mixed and not parse(mixed, names).calls
+
+
 def test_tool_call_arguments_go_back_to_the_template_as_objects():
     msgs = messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
