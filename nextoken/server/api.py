@@ -53,9 +53,10 @@ def with_field(message: str, param: str | None) -> str:
 class ApiRouter(APIRouter):
     """One API's routes and its `shape`; `generation` holds the paths of its generating routes."""
 
-    def __init__(self, shape: ApiShape = OPENAI, **kwargs):
+    def __init__(self, shape: ApiShape = OPENAI, prefix_of_paths: str = "", **kwargs):
         super().__init__(**kwargs)
         self.shape = shape
+        self.prefix_of_paths = prefix_of_paths  # every path under it is this API's (errors in its shape)
         self.generation: set[str] = set()
 
     def generation_route(self, path: str, **kwargs):
@@ -81,7 +82,12 @@ class Apis:
         return self._router(path) is not None
 
     def shape(self, path: str) -> ApiShape:
+        """The error shape of `path`: its router's; for a path no router serves, the shape of the
+        API whose prefix it has (a 404 under ``/api/`` in Ollama's shape, which ollama-js prints;
+        OpenAI's shape printed there as ``[object Object]``), else OpenAI's."""
         router = self._router(path)
+        if router is None:
+            router = next((r for r in self.routers if r.prefix_of_paths and path.startswith(r.prefix_of_paths)), None)
         return router.shape if router is not None else OPENAI
 
     def generation_paths(self) -> list[tuple[str, ApiShape]]:

@@ -62,6 +62,7 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
     else:
         _refuse_generation(app, args, apis)
     app.include_router(embeddings.router, include_in_schema=capabilities.embed)
+    app.include_router(routers.ollama_embed, include_in_schema=capabilities.embed)
     document_errors(app, lambda: None if state.engine is None else model_limits(state.engine.engine))
     if state.engine is not None:
         attach_engine(app, state.engine)

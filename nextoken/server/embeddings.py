@@ -126,7 +126,8 @@ def _resolve(fut: asyncio.Future, result, error) -> None:
         fut.set_result(result)
 
 
-def _service(request: Request) -> EmbeddingService:
+def embedding_service(request: Request) -> EmbeddingService:
+    """The server's embedding service; `InvalidRequest` naming how to start one when it has none."""
     state, args = request.app.state.server, request.app.state.args
     if state.embedder is None:
         raise InvalidRequest(f"model {args.model_name!r} generates text; embeddings, scores and reranking need an "
@@ -141,7 +142,8 @@ def model_name(request: Request) -> str:
     return state.embedding_model_name or request.app.state.args.model_name
 
 
-def _check_model(request: Request, name: str | None) -> None:
+def check_model(request: Request, name: str | None) -> None:
+    """`NotFound` for a model name that is not the embedding model's."""
     served = model_name(request)
     if name is not None and name != served:
         from nextoken.errors import NotFound
@@ -167,8 +169,8 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request):
-    service = _service(request)
-    _check_model(request, body.model)
+    service = embedding_service(request)
+    check_model(request, body.model)
     inputs = _inputs(body.input)
     if not inputs:
         raise InvalidRequest("input is empty: give a string, a list of strings or token ids", "input")
@@ -187,8 +189,8 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 async def score(body: ScoreRequest, request: Request):
     """vLLM's score API: cosine similarity of ``text_1`` against each ``text_2`` (one against
     many, or pairwise for equal-length lists)."""
-    service = _service(request)
-    _check_model(request, body.model)
+    service = embedding_service(request)
+    check_model(request, body.model)
     a = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     b = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     if not a or not b or (len(a) != 1 and len(a) != len(b)):
@@ -205,8 +207,8 @@ async def score(body: ScoreRequest, request: Request):
 @router.post("/v1/rerank")
 async def rerank(body: RerankRequest, request: Request):
     """vLLM's (Jina/Cohere-style) rerank API: documents by cosine similarity to the query."""
-    service = _service(request)
-    _check_model(request, body.model)
+    service = embedding_service(request)
+    check_model(request, body.model)
     out = await service.embed([body.query, *body.documents])
     sims = _cosine(out.vectors[:1].expand(len(body.documents), -1), out.vectors[1:])
     order = sorted(range(len(sims)), key=lambda i: -sims[i])[: body.top_n or len(sims)]
@@ -230,7 +232,7 @@ tokens = APIRouter()
 @tokens.post("/tokenize")
 async def tokenize(request: Request):
     body = await request.json()
-    service = _service(request)
+    service = embedding_service(request)
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         raise InvalidRequest("prompt must be a string", "prompt")
     ids = service.model.tokenize([body["prompt"]], truncate=True)[0]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from nextoken.server.anthropic.router import router as anthropic
 from nextoken.server.api import Apis
-from nextoken.server.ollama.router import router as ollama
+from nextoken.server.ollama.router import embed_router as ollama_embed, router as ollama
 from nextoken.server.openai.router import router as openai
 
 API_ROUTERS = (openai, anthropic, ollama)
 
 
 def apis() -> Apis:
-    return Apis(list(API_ROUTERS))
+    return Apis([*API_ROUTERS, ollama_embed])

@@ -220,6 +220,25 @@ def test_the_openai_client_creates_embeddings(embed_server, minilm):
     assert np.allclose(vec, want[0], atol=1e-6)
 
 
+def test_the_ollama_client_embeds(embed_server, minilm):
+    """Ollama's ``/api/embed`` and older ``/api/embeddings`` (LangChain's OllamaEmbeddings,
+    LlamaIndex's, the ollama packages): the model's vectors, Ollama's counts, Ollama's error shape."""
+    import httpx
+    import ollama
+
+    c = ollama.Client(host=embed_server.url)
+    want = [o.outputs.embedding for o in minilm.embed(SENTENCES[:2])]
+    r = c.embed(model="minilm:latest", input=SENTENCES[:2])
+    assert np.allclose(r.embeddings, want, atol=1e-6) and r.model == "minilm"
+    assert r.prompt_eval_count == sum(len(o.prompt_token_ids) for o in minilm.embed(SENTENCES[:2]))
+    assert np.allclose(c.embed(model="minilm", input=SENTENCES[0]).embeddings, want[:1], atol=1e-6)
+    assert np.allclose(c.embeddings(model="minilm", prompt=SENTENCES[1]).embedding, want[1], atol=1e-6)
+    bad = httpx.post(embed_server.url + "/api/embed", json={"model": "nope", "input": "hi"})
+    assert bad.status_code == 404 and set(bad.json()) == {"error"}
+    with pytest.raises(ollama.ResponseError):
+        c.embed(model="minilm", input=[])
+
+
 def test_embeddings_over_http_take_every_input_form_and_refuse_bad_ones(embed_server):
     import httpx
 
@@ -306,6 +325,10 @@ def test_one_server_serves_a_generation_and_an_embedding_model(smollm2_path, min
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
         metrics = httpx.get(srv.url + "/metrics").text
         assert "nextoken_embedding_requests_total 1.0" in metrics and "vllm:num_requests_running" in metrics
+        tags = httpx.get(srv.url + "/api/tags").json()["models"]  # Ollama's listing names both
+        assert [m["name"] for m in tags] == ["smollm2", "minilm"]
+        r = httpx.post(srv.url + "/api/embed", json={"model": "minilm", "input": SENTENCES[:2]}).json()
+        assert np.allclose(r["embeddings"], want, atol=1e-6)
         wrong = httpx.post(srv.url + "/v1/embeddings", json={"model": "smollm2", "input": "hi"})
         assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
         srv.state.embedder.close()  # a model that stops: /health says so

@@ -18,7 +18,8 @@ def test_a_path_finds_its_api_by_the_routers_own_routes():
     assert apis.shape("/api/chat").name == "OllamaError" and apis.shape("/api/tags").name == "OllamaError"
     assert apis.shape("/v1/chat/completions").name == "Error"
     assert apis.shape("/v1/responses/resp_123").name == "Error"  # a route with a path parameter
-    assert apis.shape("/api/nothing-here").name == "Error"  # no router serves it: OpenAI's shape
+    assert apis.shape("/api/nothing-here").name == "OllamaError"  # under Ollama's prefix: its shape (ollama-js)
+    assert apis.shape("/v2/nothing-here").name == "Error"  # under no API's prefix: OpenAI's shape
     assert apis.shape("/v1/messagesX").name == "Error"  # a route, not a prefix
     body = apis.shape("/v1/messages").error_body(400, "must be positive", "max_tokens")
     assert body == {"type": "error", "error": {"type": "invalid_request_error",

@@ -129,3 +129,5 @@ def test_curl_bodies_and_old_clients(srv):
     assert [s.status_code for s in show] == [200, 200] and show[0].json() == show[1].json()
     bad = httpx.post(srv.url + "/api/generate", content="model=smollm2&prompt=hi", headers=form)
     assert bad.status_code == 400 and "error" in bad.json()
+    missing = httpx.post(srv.url + "/api/pull", json={"model": "smollm2"})  # not served: Ollama's shape still
+    assert missing.status_code == 404 and isinstance(missing.json()["error"], str)

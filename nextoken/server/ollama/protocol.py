@@ -89,3 +89,24 @@ class ShowRequest(Body):
         if isinstance(data, dict) and "name" in data and data.get("model", data["name"]) == data["name"]:
             data = {**{k: v for k, v in data.items() if k != "name"}, "model": data["name"]}
         return data
+
+
+class EmbedRequest(Body):
+    """``POST /api/embed``: one text or several; `truncate` (Ollama's default true) cuts a text
+    longer than the model takes instead of refusing it."""
+
+    model: NonEmptyStr
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1)
+    options: dict[str, Any] | None = None  # runner options: nothing to change for an encoder
+    keep_alive: str | int | None = None
+
+
+class EmbeddingsRequest(Body):
+    """``POST /api/embeddings``, Ollama's older route: one `prompt`, one `embedding` back."""
+
+    model: NonEmptyStr
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | None = None

@@ -8,7 +8,7 @@ from fastapi.routing import APIRoute
 
 from nextoken.server.api import ApiRouter, ApiShape, with_field
 from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
-from nextoken.server.ollama.protocol import ShowRequest as OllamaShow
+from nextoken.server.ollama.protocol import EmbeddingsRequest, EmbedRequest, ShowRequest as OllamaShow
 
 SHAPE = ApiShape("OllamaError", lambda status, message, param: {"error": with_field(message, param)},
                  {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
@@ -33,7 +33,9 @@ class AnyBodyAsJSON(APIRoute):
         return route
 
 
-router = ApiRouter(SHAPE, strict_content_type=False, route_class=AnyBodyAsJSON)
+router = ApiRouter(SHAPE, "/api/", strict_content_type=False, route_class=AnyBodyAsJSON)
+# the embedding routes, served beside the embedding model whether or not the server generates
+embed_router = ApiRouter(SHAPE, "/api/", strict_content_type=False, route_class=AnyBodyAsJSON)
 
 
 @router.generation_route("/api/chat")
@@ -64,3 +66,39 @@ async def ollama_show(body: OllamaShow, request: Request):
 @router.get("/api/version")
 async def ollama_version():
     return {"version": VERSION}
+
+
+@embed_router.post("/api/embed")
+async def ollama_embed(body: EmbedRequest, request: Request):
+    """Vectors for `input` from the server's embedding model (`server.embeddings`), in Ollama's
+    answer: ``embeddings``, ``prompt_eval_count`` and durations in nanoseconds."""
+    import time
+
+    from nextoken.server import embeddings as emb
+
+    start = time.perf_counter_ns()
+    service = emb.embedding_service(request)
+    name = emb.model_name(request)
+    emb.check_model(request, body.model.removesuffix(":latest"))
+    inputs = [body.input] if isinstance(body.input, str) else list(body.input)
+    if not inputs:
+        from nextoken.errors import InvalidRequest
+
+        raise InvalidRequest("input is empty: give a string or a list of strings", "input")
+    if body.dimensions is not None:
+        service.model.check_dimensions(body.dimensions)
+    out = await service.embed(inputs, truncate=body.truncate)
+    vectors = service.model.cut(out.vectors, body.dimensions)
+    return {"model": name, "embeddings": vectors.tolist(), "total_duration": time.perf_counter_ns() - start,
+            "load_duration": 0, "prompt_eval_count": sum(out.num_tokens)}
+
+
+@embed_router.post("/api/embeddings")
+async def ollama_embeddings(body: EmbeddingsRequest, request: Request):
+    """Ollama's older route: one `prompt`, ``{"embedding": [...]}``."""
+    from nextoken.server import embeddings as emb
+
+    service = emb.embedding_service(request)
+    emb.check_model(request, body.model.removesuffix(":latest"))
+    out = await service.embed([body.prompt], truncate=True)
+    return {"embedding": out.vectors[0].tolist()}

@@ -158,7 +158,13 @@ class OllamaServing(ApiServing):
                 yield _line({"model": model, "created_at": _now(), **body, "done": False})
 
     def tags(self) -> dict:
-        return {"models": [self._model_entry()]}
+        """The served model, and the embedding model beside it (``--embedding-model``)."""
+        models = [self._model_entry()]
+        name = self.state.embedding_model_name
+        if self.state.embedder is not None and name and name != self.args.model_name:
+            models.append({"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
+                           "details": {"family": "bert"}})
+        return {"models": models}
 
     def ps(self) -> dict:
         entry = self._model_entry()
