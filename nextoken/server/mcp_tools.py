@@ -212,6 +212,15 @@ class PassLoop:
 
     error: Exception | None = None
 
+    @staticmethod
+    def check_template(serving) -> None:
+        """`InvalidRequest` (field "tools") when the model's chat template renders no tools: checked
+        before any MCP server is contacted, so a streamed request fails as an unstreamed one does,
+        with a 400 and no listing."""
+        from nextoken.server.tools import require_tool_template
+
+        require_tool_template(serving.engine.engine.tokenizer.chat_template)
+
     def _events(self, emit):
         raise NotImplementedError
 

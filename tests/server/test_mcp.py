@@ -198,6 +198,26 @@ def test_a_server_that_is_down_is_a_424_naming_the_tool(long_tiny):
         s.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_without_tool_support_is_a_400_before_any_listing(long_tiny, stream):
+    """The tiny model's own template renders no tools: MCP tools are a 400 naming "tools", streamed
+    or not, on the Responses API and the Anthropic connector, before the server is contacted (the
+    URL has nothing listening: a listing would be a 424)."""
+    port = free_ports(1)
+    s = LiveServer(LLM(str(long_tiny), dtype="float32"), "tiny", allow_mcp_url=["http://127.0.0.1:*"], mcp_timeout=2.0)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        r = httpx.post(f"{s.url}/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "hi", "stream": stream, "tools": [mcp_tool(url)]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        r = httpx.post(f"{s.url}/v1/messages", timeout=60, headers={"anthropic-beta": "mcp-client-2025-04-04"}, json={
+            "model": "tiny", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "hi"}],
+            "mcp_servers": [{"type": "url", "url": url, "name": "weather"}]})
+        assert r.status_code == 400 and "tool-call support" in r.json()["error"]["message"], r.text
+    finally:
+        s.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_qwen_calls_an_mcp_tool_and_answers_with_its_output(mcp_url, stream):

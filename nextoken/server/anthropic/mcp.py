@@ -41,6 +41,7 @@ class ConnectorLoop(PassLoop):
         self.message: dict | None = None
 
     async def start(self) -> "ConnectorLoop":
+        self.check_template(self.serving)
         self.limits = limits = server_limits(self.serving.args, "mcp_servers")
         servers = [(i, as_tool(s)) for i, s in enumerate(self.body.mcp_servers)]
         for i, t in servers:

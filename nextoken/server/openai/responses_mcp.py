@@ -43,6 +43,7 @@ class MCPLoop(PassLoop):
         """Raises `InvalidRequest` (a URL not allowed, an approval for no request) or
         `DependencyFailed` (a server that cannot list its tools)."""
         body = self.body
+        self.check_template(self.serving)
         self.limits = limits = server_limits(self.serving.args)
         servers = [(i, t) for i, t in enumerate(body.tools) if isinstance(t, MCPTool)]
         labels: dict[str, MCPTool] = {}
