@@ -36,7 +36,6 @@ CHAT = {
 }
 
 # POST /v1/responses (the `openai` SDK's ResponseCreateParams)
-INCLUDE_IGNORED = {"reasoning.encrypted_content"}  # nothing here is encrypted: reasoning items carry plain text
 RESPONSES = {
     "prompt_cache_key": CACHE, "prompt_cache_retention": CACHE, "prompt_cache_options": CACHE,
     "safety_identifier": ACCOUNT, "moderation": ACCOUNT, "access_programs": ACCOUNT,
@@ -51,9 +50,6 @@ RESPONSES = {
     "context_management": Published("server-side compaction", _empty_or_unset, "context compaction is not available"),
     "truncation": Published("'auto' drops old input to fit the context", unset_or("disabled"),
                             "a prompt past the context is refused, never truncated"),
-    "top_logprobs": Published("log-probabilities of the output text", unset_or(0), "log-probabilities are not returned"),
-    "include": Published("extra output data", lambda v: v is None or (isinstance(v, list) and set(v) <= INCLUDE_IGNORED),
-                         f"only {sorted(INCLUDE_IGNORED)} (nothing to add) can be included"),
 }
 
 # POST /v1/messages (the `anthropic` SDK's MessageCreateParams)

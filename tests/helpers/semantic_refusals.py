@@ -36,6 +36,8 @@ SEMANTIC = {
     "grammar refuses generated": re.compile(r"^generated token \d+ \(position \d+\) is refused by the grammar"),
     # quantization's cost scores each position on the next token: a one-token prompt has none
     "two tokens": re.compile(r"^the prompt needs at least 2 tokens"),
+    # a Responses input of MCP approval items alone, with no previous response (a cross-reference)
+    "nothing to answer": re.compile(r"^input holds nothing to answer: MCP approval items alone continue "),
     # the server's own speculation exists only when it was started with it (its state, not the body)
     "speculation off": re.compile(r"^this server runs without speculative decoding in its steps"),
 }

@@ -56,6 +56,23 @@ def test_stream_joins_to_the_response(srv):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_logprobs_equal_the_chat_routes(srv):
+    """``include: ["message.output_text.logprobs"]`` with `top_logprobs`: the output_text part
+    carries each token's log-probability and alternatives, equal to the chat route's
+    ``logprobs.content``, unstreamed and streamed (in the final response); without it, none."""
+    c = srv.client()
+    kw = dict(model="smollm2", input=ASK, temperature=0, max_output_tokens=12)
+    chat = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=12, logprobs=True, top_logprobs=3,
+                                     messages=[{"role": "user", "content": ASK}])
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    r = c.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **kw)
+    got = [e.model_dump() for e in r.output[0].content[0].logprobs]
+    assert got == want and len(got) == chat.usage.completion_tokens and len(got[0]["top_logprobs"]) == 3
+    events = list(c.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=3, **kw))
+    assert [e.model_dump() for e in events[-1].response.output[0].content[0].logprobs] == want
+    assert not c.responses.create(**kw).output[0].content[0].logprobs
+
+
 def test_structured_output_through_text_format(srv):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
               "additionalProperties": False}

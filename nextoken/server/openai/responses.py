@@ -146,6 +146,14 @@ class ResponsesRequest(Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # MCP calls the server may run for this response
+    # "message.output_text.logprobs": each output_text part's tokens with their log-probabilities (and
+    # top_logprobs alternatives); "reasoning.encrypted_content" adds nothing (reasoning is plain text here)
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
 
     @model_validator(mode="before")
     @classmethod
@@ -232,7 +240,8 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
     choice = body.tool_choice if first or body.tool_choice in (None, "none") else "auto"
     return ChatSpec(conversation, tools or None, choice.name if isinstance(choice, NamedFunction) else choice,
                     body.parallel_tool_calls, _structured(body),
-                    {"temperature": body.temperature, "top_p": body.top_p}, body.max_output_tokens,
+                    {"temperature": body.temperature, "top_p": body.top_p,
+                     "logprobs": (body.top_logprobs or 0) if body.wants_logprobs else None}, body.max_output_tokens,
                     fields={"max_tokens": "max_output_tokens", "constraint": "text.format"})
 
 
@@ -259,9 +268,14 @@ class OpenAIServingResponses(ApiServing):
         previous, history = self.store.get(body.previous_response_id, "previous_response_id") \
             if body.previous_response_id else (None, [])
         conversation = to_chat_messages(body, history)
+        if not conversation:
+            raise InvalidRequest("input holds nothing to answer: MCP approval items alone continue a previous "
+                                 "response (give previous_response_id) or come with a message", "input")
         meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": _tool_choice_json(body.tool_choice)}
         if any(t.type == "mcp" for t in body.tools or []):
+            if body.wants_logprobs:
+                raise InvalidRequest("message.output_text.logprobs is not supported with MCP tools", "include")
             return await self._mcp(body, request, lora, meta, conversation, previous)
         p = await prepare(self, to_spec(body, conversation))
         res = await run(self, p, request, lora, body.stream, "resp_")
@@ -298,6 +312,9 @@ class OpenAIServingResponses(ApiServing):
         output = [_reasoning_item(c.thought)] if c.thought else []
         if c.text or not c.calls:
             output.append(message_item(c.text))
+            if body.wants_logprobs:
+                output[-1]["content"][0]["logprobs"] = text_logprobs(self.engine.engine.tokenizer, c.token_ids,
+                                                                     c.logprobs, body.top_logprobs or 0)
         output += [_call_item(call.id, call.name, call.arguments) for call in c.calls]
         return self.envelope(body, res.request_id, output, c.finish, res.usage, meta)
 
@@ -328,10 +345,17 @@ class OpenAIServingResponses(ApiServing):
         yield emit("response.created", {"response": start})
         yield emit("response.in_progress", {"response": start})
         state = {"items": [], "open": None}  # the output items so far; the open one's index
+        tok = self.engine.engine.tokenizer
         async for ev in events:
             if isinstance(ev, Failed):
                 yield emit("error", {"message": ev.message, "code": "server_error"})
                 return
+            if isinstance(ev, Finish) and body.wants_logprobs:  # the message's, before it closes (as unstreamed)
+                for item in state["items"]:
+                    if item["type"] == "message":
+                        item["content"][0]["logprobs"] = text_logprobs(tok, ev.choice.token_ids, ev.choice.logprobs,
+                                                                       body.top_logprobs or 0)
+                        break
             for text in item_events(ev, state, emit):
                 yield text
             if isinstance(ev, Finish):
@@ -348,6 +372,14 @@ class OpenAIServingResponses(ApiServing):
 def _reasoning_item(text: str) -> dict:
     return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [], "status": "completed",
             "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def text_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int) -> list[dict]:
+    """An output_text part's ``logprobs``: each generated token with its log-probability and its
+    `n` most likely alternatives, the entries of the chat route's ``logprobs.content``."""
+    from nextoken.server.openai.render import chat_logprobs
+
+    return (chat_logprobs(tok, token_ids, logprobs, n) or {"content": []})["content"]
 
 
 def message_item(text: str) -> dict:
