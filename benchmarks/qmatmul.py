@@ -8,7 +8,8 @@ PyTorch matmul, on the linear shapes of SmolLM2-135M and Qwen2.5-1.5B.
 `--stream` multiplies 1 to 8 activation rows by copies of one weight per format, 1 GiB of them
 in turn (far past any cache, as a decode step reads a model's layers), and prints the weights'
 read rate in GB/s beside this machine's bare read rate, and each row count's time over one
-row's (the issue 48 bar: 5 rows at most 1.3x one). NEXTOKEN_KERNEL_ISA=avx2 runs the AVX2 loops
+row's (the issue 48 bar: 5 rows at most 1.3x one), then the ratios ik_llama.cpp and mainline
+llama.cpp published for 2 / 4 / 8 rows. NEXTOKEN_KERNEL_ISA=avx2 runs the AVX2 loops
 on a CPU that has more.
 
 Weights are random codes in the shape's GGUF format (Q4_1 for SmolLM2's, Q4_K for Qwen's, Q6_K
@@ -74,6 +75,9 @@ def best(fn, repeat: int) -> float:
 
 
 STREAM_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+# the multi-row shape other engines published (issue 62's anchors): time of 2 / 4 / 8 rows over 1
+PEER_RATIOS = {"llama.cpp (mainline)": (1.26, 2.28, 4.34), "ik_llama.cpp": (1.04, 1.24, 2.32),
+               "ik_llama.cpp interleaved": (1.00, 1.04, 1.82)}
 
 
 def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1536, total: int = 1 << 30) -> None:
@@ -107,6 +111,9 @@ def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1
         print(f"{fmt:<6} " + " ".join(f"{r:>12.1f}" for r in rates) + "                  " +
               " ".join(f"{t / times[0]:>4.2f}" for t in times))
         del copies, structs
+    print("published step cost of 2 / 4 / 8 rows against 1 (ik_llama.cpp discussion #164, an AVX2 Xeon):")
+    for name, ratios in PEER_RATIOS.items():
+        print(f"  {name:<26} " + " / ".join(f"{r:.2f}" for r in ratios))
 
 
 def main() -> None:
