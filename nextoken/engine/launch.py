@@ -16,7 +16,7 @@ def launch_engine(cls, args: EngineArgs, opened: OpenedModel | None = None):
     opens them. Raises `ModelLoadError` when a model cannot be found or read.
 
     On a torchrun rank other than 0 this never returns: the process loads its shard, follows
-    rank 0's steps (`distributed.follower`), and exits when rank 0 stops. `opened`: the model
+    rank 0's steps (`runner.follower`), and exits when rank 0 stops. `opened`: the model
     file and tokenizer when the caller read them already (the quick start of ``nextoken run``),
     so they are not read twice."""
     from nextoken.catalog import resolve_model

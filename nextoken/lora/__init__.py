@@ -14,8 +14,9 @@ projections of Llama-style layers.
 In a batch, every adapter's A is stacked into one matrix and every B into another, and a mask
 keeps each token to its own adapter's columns: two small matmuls per targeted layer whatever the
 number of adapters (`LoRASlots.add`), so requests for different adapters and for the base model
-share one forward pass. A decode step with any adapter runs the PyTorch layers (the
-one-call C decode step knows nothing of adapters).
+share one forward pass. The one-call C decode step (`layers.native_decode`) adds each row's
+adapter too (`kernels/decode.c`: the same bf16 roundings as `LoRASlots.add`; AMX tiles for rows
+sharing an adapter where the CPU has them).
 """
 
 from nextoken.lora.request import LoRARequest, parse_lora_modules

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible endpoints over `AsyncLLMEngine`.
+"""The FastAPI app, one for every model: the generation APIs (OpenAI's, Anthropic's, Ollama's) over
+the shared `AsyncLLMEngine`, and/or the embedding routes over the `EmbeddingService`.
 
     build_app(state, ServerArgs) -> middleware (`server.middleware`: API key and draining gate, body limit; CORS)
                                   + error handlers + routers (`server.routes`: info, tokens;
@@ -6,8 +7,8 @@
                                     `server.ollama`, listed in `server.routers`)
                                   + the inspector's routes (`inspect.routes`)
 
-Every request streams from the one shared engine. A client's mistake is a 4xx in OpenAI's error
-shape naming the field, never a 500; a client that disconnects has its request aborted (its KV
+Every request streams from the one shared engine. A client's mistake is a 4xx in its API's error
+shape (`server.api.ApiShape`) naming the field, never a 500; a client that disconnects has its request aborted (its KV
 blocks freed) within a step.
 """
 

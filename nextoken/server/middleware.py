@@ -1,6 +1,6 @@
-"""What every nextoken app (the generation server's, `server.app`, and the embedding server's,
-`server.embeddings`) puts in front of its routes: the body limit, the API key and draining gate
-(ASGI middleware), and the error handlers that give every error its API's shape."""
+"""What the app (`server.app.build_app`, one for every model: generation, embeddings or both) puts
+in front of its routes: the body limit, the API key and draining gate (ASGI middleware), and the
+error handlers that give every error its API's shape."""
 
 from __future__ import annotations
 
