@@ -59,7 +59,7 @@ class AsyncLLMEngine:
         return rid
 
     async def load_lora(self, lora_request) -> int:
-        """Load an adapter between steps (`lora.LoRAManager.add`); its id. Raises `InvalidRequest`
+        """Load an adapter between steps (`lora.manager.LoRAManager.add`); its id. Raises `InvalidRequest`
         when LoRA is off or the adapter is refused."""
         from nextoken.engine.validation import resolve_lora
 

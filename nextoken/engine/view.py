@@ -1,5 +1,5 @@
 """`EngineView`: what the inspector reads of an `LLMEngine`, read-only and by public names, so
-the inspector never walks the engine's parts (`engine.kv.pool`, `engine.runner.model`, ...).
+the inspector never walks the engine's parts (its KV cache's block pool, its runner's model, ...).
 Reads of the state that a step changes (the block pool, the running and waiting requests, the
 step history) are made between steps (`AsyncLLMEngine.between_steps`) or accept a snapshot's
 staleness (the live view)."""

@@ -131,7 +131,7 @@ class NativeDecoder:
         return arch
 
     def _lora_table(self, batch) -> ctypes.Array:
-        """The `LoRAWeights` of every projection for the adapters of `batch` (`lora.LoRABatch`),
+        """The `LoRAWeights` of every projection for the adapters of `batch` (`lora.slots.LoRABatch`),
         made once per set of adapters (and again after one is loaded or unloaded)."""
         key = (batch.ids, batch.version)
         if self._lora[0] != key:
@@ -160,7 +160,7 @@ class NativeDecoder:
         load. Row i attends to ``positions[i] + 1`` keys through its sequence's block table;
         rows go in calls of at most `decode_step.ROWS_PER_CALL` (in order: a row's keys are
         written by then).
-        `lora`: the pass's `lora.LoRABatch` when a row has an adapter (each row adds its own)."""
+        `lora`: the pass's `lora.slots.LoRABatch` when a row has an adapter (each row adds its own)."""
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
         positions = positions.contiguous()

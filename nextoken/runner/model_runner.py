@@ -163,7 +163,7 @@ class ModelRunner:
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
-        self.loras = None  # the LoRA adapters (`lora.LoRAManager`), made by `enable_lora`
+        self.loras = None  # the LoRA adapters (`lora.manager.LoRAManager`), made by `enable_lora`
         log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
         self.kept_hidden: list[torch.Tensor] = []
@@ -385,7 +385,7 @@ class ModelRunner:
         return hidden, last
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
-        """Let requests use LoRA adapters (`lora.LoRAManager`, at ``self.loras``)."""
+        """Let requests use LoRA adapters (`lora.manager.LoRAManager`, at ``self.loras``)."""
         from nextoken.lora.manager import LoRAManager
 
         self.loras = LoRAManager(self.model, max_loras, max_lora_rank, self.device.torch)

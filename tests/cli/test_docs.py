@@ -1,5 +1,5 @@
 """The docs say what the code does: the README's engine-options table is the one `EngineArgs`
-generates, and the README stays a short page."""
+generates, the README stays a short page, and every docstring's names of code exist."""
 
 from __future__ import annotations
 
@@ -50,3 +50,44 @@ def test_layout_maps_are_generated_from_the_docstrings():
     assert between(design.read_text(), "layout") == full_map()
     assert set(MAPS) == {README, design}
     assert "server/" in short_map() and "lora/" in short_map() and "chat_run.py" in full_map()
+
+
+def test_docstrings_name_code_that_exists():
+    """A dotted name in backticks in a docstring (module, class or function) that starts with one of nextoken's
+    modules (`server.app.build_app`, `runner.follower`, ...) names a module, class, function or
+    attribute that exists: a moved or renamed one fails here, not in a reader's hands. File
+    names (``config.json``), GGUF metadata keys (``tokenizer.ggml.model``) and double-backticked
+    literals are not references."""
+    import ast
+    import importlib
+    import pkgutil
+    import re
+
+    import nextoken
+
+    root = Path(nextoken.__file__).parent
+    top = {m.name for m in pkgutil.iter_modules([str(root)])}
+    dotted = re.compile(r"(?<!`)`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`(?!`)")  # ``literal text`` is no reference
+    not_code = re.compile(r"\.(json|model|pre|gguf|safetensors|jinja|md|txt)$|^tokenizer\.ggml\.")
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        doc = "\n".join(ast.get_docstring(n) or "" for n in ast.walk(tree)
+                        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+        for name in dotted.findall(doc):
+            parts = name.removeprefix("nextoken.").split(".")
+            if parts[0] not in top or not_code.search(name):
+                continue
+            for i in range(len(parts), 0, -1):  # the longest importable module, then attributes
+                try:
+                    obj = importlib.import_module("nextoken." + ".".join(parts[:i]))
+                except ImportError:
+                    continue
+                for attr in parts[i:]:
+                    obj = getattr(obj, attr, None)
+                if obj is None:
+                    missing.append(f"{path.relative_to(root)}: {name}")
+                break
+            else:
+                missing.append(f"{path.relative_to(root)}: {name}")
+    assert not missing, missing
