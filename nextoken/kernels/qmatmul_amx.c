@@ -59,8 +59,8 @@ static inline __attribute__((always_inline)) void amx_unpack(const qw_t *w, int6
 /* The activations' per-row scalars the scaling broadcasts, transposed per block of 16 rows, so
  * that a group's 16 values lie together (one base, constant offsets; read row by row, their 16
  * addresses took 16 registers, spilled): dx [M16 / 16, K / QB, 16] the scales, xs [M16 / 16,
- * K / G, 16] dx times each group's sum of codes (the legacy formats; NULL for the super-block
- * ones, whose mins' pass reads the int16 sums in place). */
+ * K / G, 16] dx times each group's sum of codes (the legacy formats; empty for the others), bs
+ * (the super-block formats' mins' pass) below. */
 typedef struct {
     float *dx, *xs;
     int32_t *bs; /* the super-block formats: [M16 / 16, K / G / 2, 16], groups 2j and 2j + 1's int16 sums of xq */
@@ -86,8 +86,8 @@ static int amx_rows(const qact_t *a, const qw_t *w, int64_t m16, amx_rows_t *tr)
 
 /* Groups 2p and 2p + 1 (when there is one) of activation rows xq.. against the B tiles at bsrc,
  * into C tiles CA and CB (constants), stored to buf [2][256]. Each pair's sums are stored one pair
- * ahead of the scaling that reads them (amx_pairs): a tile's store and the vector loads of the
- * same bytes right after it ran at a quarter of the rate (the loads wait for the store to retire). */
+ * ahead of the scaling that reads them (AMX_NEXT_PAIR), so the vector loads of a tile's store do
+ * not wait right behind it (measured: within the noise of storing and scaling in turn). */
 #define AMX_PAIR(CA, CB, p, buf)                                                      \
     do {                                                                              \
         const int64_t g_ = 2 * (p);                                                   \

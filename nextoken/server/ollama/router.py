@@ -3,9 +3,13 @@ errors as ``{"error": message}``, streams as newline-delimited JSON."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi import Request
 from fastapi.routing import APIRoute
 
+from nextoken.errors import InvalidRequest
+from nextoken.server import embeddings as emb
 from nextoken.server.api import ApiRouter, ApiShape, with_field
 from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
 from nextoken.server.ollama.protocol import EmbeddingsRequest, EmbedRequest, ShowRequest as OllamaShow
@@ -33,9 +37,9 @@ class AnyBodyAsJSON(APIRoute):
         return route
 
 
-router = ApiRouter(SHAPE, "/api/", strict_content_type=False, route_class=AnyBodyAsJSON)
+router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
 # the embedding routes, served beside the embedding model whether or not the server generates
-embed_router = ApiRouter(SHAPE, "/api/", strict_content_type=False, route_class=AnyBodyAsJSON)
+embed_router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
 
 
 @router.generation_route("/api/chat")
@@ -72,18 +76,12 @@ async def ollama_version():
 async def ollama_embed(body: EmbedRequest, request: Request):
     """Vectors for `input` from the server's embedding model (`server.embeddings`), in Ollama's
     answer: ``embeddings``, ``prompt_eval_count`` and durations in nanoseconds."""
-    import time
-
-    from nextoken.server import embeddings as emb
-
     start = time.perf_counter_ns()
     service = emb.embedding_service(request)
     name = emb.model_name(request)
     emb.check_model(request, body.model.removesuffix(":latest"))
     inputs = [body.input] if isinstance(body.input, str) else list(body.input)
     if not inputs:
-        from nextoken.errors import InvalidRequest
-
         raise InvalidRequest("input is empty: give a string or a list of strings", "input")
     if body.dimensions is not None:
         service.model.check_dimensions(body.dimensions)
@@ -96,8 +94,6 @@ async def ollama_embed(body: EmbedRequest, request: Request):
 @embed_router.post("/api/embeddings")
 async def ollama_embeddings(body: EmbeddingsRequest, request: Request):
     """Ollama's older route: one `prompt`, ``{"embedding": [...]}``."""
-    from nextoken.server import embeddings as emb
-
     service = emb.embedding_service(request)
     emb.check_model(request, body.model.removesuffix(":latest"))
     out = await service.embed([body.prompt], truncate=True)

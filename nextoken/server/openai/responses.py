@@ -31,6 +31,7 @@ from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
 from nextoken.server.chat_core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
+from nextoken.server.openai.render import chat_logprobs
 from nextoken.server.mcp_tools import MCPTool
 from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
 from nextoken.server.serving import ApiServing, sse_response
@@ -377,8 +378,6 @@ def _reasoning_item(text: str) -> dict:
 def text_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int) -> list[dict]:
     """An output_text part's ``logprobs``: each generated token with its log-probability and its
     `n` most likely alternatives, the entries of the chat route's ``logprobs.content``."""
-    from nextoken.server.openai.render import chat_logprobs
-
     return (chat_logprobs(tok, token_ids, logprobs, n) or {"content": []})["content"]
 
 
