@@ -141,7 +141,7 @@ async def async_beam_search(eng, prompts: list[list[int]], beam_width: int, max_
     import asyncio
 
     bs = search or BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos,
-                              eng.engine.tokenizer.eog_token_ids)
+                              eng.tokenizer.eog_token_ids)
 
     async def one(ids):
         out = None
@@ -151,4 +151,4 @@ async def async_beam_search(eng, prompts: list[list[int]], beam_width: int, max_
 
     while not bs.done:
         bs.advance(list(await asyncio.gather(*(one(p) for p in bs.pending()))))
-    return bs.outputs(eng.engine.tokenizer)
+    return bs.outputs(eng.tokenizer)

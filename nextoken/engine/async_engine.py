@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from nextoken.engine.engine import LLMEngine
+from nextoken.engine.view import EngineView
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import DEFAULT, RequestOptions
@@ -26,10 +27,12 @@ from nextoken.sampling_params import SamplingParams
 
 
 class AsyncLLMEngine:
+    """An `LLMEngine` stepped in the background: the server's `engine.protocol.EngineClient`."""
+
     def __init__(self, engine: LLMEngine, stepper: ThreadPoolExecutor | None = None):
         """`stepper`: the one-thread executor the steps run in (default: a new one); the server
         passes the one that loaded and warmed the model, so a single OpenMP team ever works."""
-        self.engine = engine
+        self._engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
         self._lock = asyncio.Lock()  # held while the engine is touched (a step, an add, an abort)
@@ -51,7 +54,7 @@ class AsyncLLMEngine:
         self._queues[rid] = asyncio.Queue()
         try:
             await self.between_steps(
-                lambda: self.engine.add_request(prompt, params, rid, options))
+                lambda: self._engine.add_request(prompt, params, rid, options))
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -63,18 +66,18 @@ class AsyncLLMEngine:
         when LoRA is off or the adapter is refused."""
         from nextoken.engine.validation import resolve_lora
 
-        return await self.between_steps(lambda: resolve_lora(self.engine.runner.loras, lora_request))
+        return await self.between_steps(lambda: resolve_lora(self._engine.runner.loras, lora_request))
 
     async def unload_lora(self, lora_id: int) -> None:
         """Unload an adapter between steps. Raises `InvalidRequest` while a request still uses it
         (its tokens would silently go to the base model), or when it is not loaded."""
         def unload():
-            sched = self.engine.scheduler
+            sched = self._engine.scheduler
             users = [r for q in (sched.running, sched.waiting, sched.forking) for r in q if r.lora_id == lora_id]
             if users:
                 raise InvalidRequest(f"{len(users)} requests still use this adapter; unload it when they finish",
                                      "lora_name")
-            loras = self.engine.runner.loras
+            loras = self._engine.runner.loras
             if loras is None or not loras.remove(lora_id):
                 raise InvalidRequest("this adapter is not loaded", "lora_name")
 
@@ -109,7 +112,54 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return len(self._engine.scheduler.waiting)
+
+    # -- the model and the checks made before a request is queued (`engine.protocol.EngineClient`)
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def config(self):
+        """The model's `ModelConfig`."""
+        return self._engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def watermark(self):
+        return self._engine.watermark
+
+    @property
+    def model_path(self):
+        """The model's file or folder."""
+        return self._engine.model_path
+
+    @property
+    def kv_capacity(self) -> int:
+        """The tokens the KV cache holds (its blocks times the block size)."""
+        return self._engine.kv.pool.num_blocks * self._engine.kv.block_size
+
+    def compile_grammar(self, structured) -> None:
+        """Compile (and cache) a request's grammar; blocking. Raises `InvalidRequest`."""
+        self._engine.grammars.compile(structured)
+
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams, truncate: bool = False) -> list[int]:
+        """`LLMEngine.encode_prompt`: the prompt's ids; raises `InvalidRequest` when it does not fit."""
+        return self._engine.encode_prompt(prompt, params, truncate)
+
+    def scheduler_stats(self):
+        return self._engine.scheduler_stats()
+
+    def subscribe(self, subscriber) -> None:
+        """`LLMEngine.subscribe`: `subscriber(StepStats)` after each step, on the stepping thread."""
+        self._engine.subscribe(subscriber)
+
+    def view(self) -> EngineView:
+        """The inspector's read-only `EngineView` of the engine."""
+        return EngineView(self._engine)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (frees its blocks)."""
@@ -133,12 +183,12 @@ class AsyncLLMEngine:
             while True:
                 async with self._lock:
                     while self._pending_aborts:
-                        self.engine.abort_request(self._pending_aborts.pop())
-                    if not self.engine.has_unfinished_requests():
+                        self._engine.abort_request(self._pending_aborts.pop())
+                    if not self._engine.has_unfinished_requests():
                         self._wakeup.clear()
                         outputs = None
                     else:
-                        outputs = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
+                        outputs = await asyncio.get_running_loop().run_in_executor(self._stepper, self._engine.step)
                 if outputs is None:
                     await self._wakeup.wait()
                     continue
@@ -160,4 +210,4 @@ class AsyncLLMEngine:
 
     def close(self) -> None:
         """Free the engine (`LLMEngine.close`: the disk tier's writes, the tensor-parallel group)."""
-        self.engine.close()
+        self._engine.close()

@@ -51,7 +51,7 @@ class InspectContext:
 
     def core(self) -> EngineView:
         """The engine, read through its `EngineView` (public names only)."""
-        return EngineView(self.get_engine().engine)
+        return self.get_engine().view()
 
     def whole_model(self):
         """The engine, for views that read the model's weights directly: each rank of a

@@ -13,12 +13,18 @@
  * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening.
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
- * Blocking: a pass runs one tile (16 weight rows, as two halves of 8 lanes) against up to MR = 4
- * activation rows, every constant (format, rows) compiled in, so codes, sums and accumulators live
- * in registers and each unpacked code vector serves every row of the pass. Decode (up to MR rows:
- * one stream, speculative verification, small batches) reads each weight once per call, every line
- * of a group prefetched AVX2_PF groups ahead; more rows take more passes over the tile, whose codes
- * are then in L1 or L2.
+ * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
+ * one pass over both halves (each activation broadcast serves both); 5 to 8 rows (MR) run one pass
+ * per half, so that a pass's sums and accumulators fit the 16 vector registers better, and each
+ * unpacked code vector serves every row. More rows go in blocks of at most MR, split evenly (9
+ * rows: 4 + 5). Every constant (format, rows, halves) is compiled in, and KEEP stops GCC from
+ * spilling a group's products. Decode (up to MR rows: one stream, speculative verification, small
+ * batches) reads each weight once per call, every line of a group prefetched AVX2_PF groups ahead
+ * by the first pass; a second half's pass and more row blocks find the tile's codes in L1 or L2.
+ * Measured (benchmarks/qmatmul.py --stream, AVX2 build on a 2-core Sapphire Rapids VM, 2 / 4 / 8
+ * rows against 1): Q4_K 1.06 / 1.46 / 2.13, Q6_K 1.19 / 1.32 / 1.83, Q8_0 1.11 / 1.49 / 2.15,
+ * where passes of at most 4 rows over both halves took 1.14 / 1.59 / 2.65, 1.20 / 1.28 / 2.33,
+ * 1.04 / 1.42 / 2.65.
  */
 #include <immintrin.h>
 #define QM_AVX2 1
@@ -26,7 +32,8 @@
 #define QM_AVXVNNI 1 /* 256-bit vpdpbusd */
 #endif
 
-#define MR 4 /* activation rows per pass over a tile */
+#define MR 8 /* activation rows per pass over one half of a tile */
+#define MR2 4 /* activation rows per pass over both halves */
 #ifndef AVX2_PF_HINT
 #define AVX2_PF_HINT _MM_HINT_T0
 #endif
@@ -59,6 +66,11 @@ static inline __m256i bcast4x(const int8_t *p) {
 
 static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* Pins vector v to a register at this point: without it GCC 12 computes every product of a group's
+ * unrolled loops before adding any and spills them to the stack (a 4-row pass over a Q4_K tile:
+ * 180 stack accesses in its code, 2 with it). */
+#define KEEP(v) __asm__("" : "+x"(v))
+
 /* s += unsigned codes c times signed bytes x, four products per 32-bit lane: one vpdpbusd, or
  * (AVX2) the int16 pair sums, to be widened by the caller (dot16) */
 #ifdef QM_AVXVNNI
@@ -70,39 +82,41 @@ static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((cons
 #define PAIR16(c0, x0, c1, x1) _mm256_add_epi16(DOT16((c0), (x0)), DOT16((c1), (x1)))
 
 /* Integer sums of one group of a tile (codes from cg) against mb activation rows (row i's group
- * columns at x + i * K): isum[h][i] lane l = sum over the columns k of u[8h + l, k] x_i[k], the
- * two halves h of the tile side by side so that each activation broadcast serves both (8-bit
+ * columns at x + i * K): isum[hh][i] lane l = sum over the columns k of u[8h + l, k] x_i[k] for the
+ * nh halves h = h0 + hh of the pass, side by side so that each activation broadcast serves both (8-bit
  * codes without VNNI: sum (u - 128) x; the caller adds 128 sum x). Without VNNI the int16 pair
  * sums are widened by vpmaddwd against w16[h]: ones, or the group's int8 scales as int16 pairs
  * (the super-block form: the sums come out times their scale, at no extra instruction). */
 static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, const int bits, const int8_t *x,
-                                                             const int64_t K, const int mb, const __m256i w16[2],
-                                                             __m256i isum[2][MR]) {
+                                                             const int64_t K, const int mb, const int h0, const int nh,
+                                                             const __m256i w16[2], __m256i isum[2][MR]) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < nh; h++)
         for (int i = 0; i < mb; i++) isum[h][i] = _mm256_setzero_si256();
 #ifdef QM_AVXVNNI
-    /* a second accumulator per sum: two chains of dependent vpdpbusd instead of one (its latency,
-     * not its throughput, bounded one row) */
+    /* with one or two sums, a second accumulator each: two chains of dependent vpdpbusd instead of
+     * one (its latency, not its throughput, bounded one row); more sums are chains enough */
+    const int c2 = mb * nh <= 2;
     __m256i s2[2][MR];
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < nh; h++)
         for (int i = 0; i < mb; i++) s2[h][i] = _mm256_setzero_si256();
+#define DOT32B(s, t, c, x) (c2 ? DOT32((t), (c), (x)) : DOT32((s), (c), (x)))
 #endif
     if (bits == 4 || bits == 5) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
         const __m256i m10 = _mm256_set1_epi8(0x10);
 #ifndef QM_AVXVNNI
         __m256i s16[2][MR];
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < nh; h++)
             for (int i = 0; i < mb; i++) s16[h][i] = _mm256_setzero_si256();
 #endif
         for (int j = 0; j < 4; j++) {
             __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i q = load32(cg + 64 * j + 32 * h);
+            for (int h = 0; h < nh; h++) {
+                const __m256i q = load32(cg + 64 * j + 32 * (h0 + h));
                 lo[h] = _mm256_and_si256(q, nib);
                 hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
                 if (bits == 5) { /* fifth bits: bit j of each byte for the low columns, bit 4 + j for the high */
-                    const __m256i hb = load32(cg + 256 + 32 * h);
+                    const __m256i hb = load32(cg + 256 + 32 * (h0 + h));
                     const __m256i lo5 = j == 0 ? _mm256_slli_epi16(hb, 4) : j == 1 ? _mm256_slli_epi16(hb, 3)
                                       : j == 2 ? _mm256_slli_epi16(hb, 2) : _mm256_slli_epi16(hb, 1);
                     const __m256i hi5 = j == 0 ? hb : j == 1 ? _mm256_srli_epi16(hb, 1)
@@ -113,12 +127,14 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             }
             for (int i = 0; i < mb; i++) {
                 const __m256i xl = bcast4x(x + i * K + 4 * j), xh = bcast4x(x + i * K + 16 + 4 * j);
-                for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < nh; h++) {
 #ifdef QM_AVXVNNI
                     DOT32(isum[h][i], lo[h], xl);
-                    DOT32(s2[h][i], hi[h], xh);
+                    DOT32B(isum[h][i], s2[h][i], hi[h], xh);
+                    KEEP(isum[h][i]);
 #else
                     s16[h][i] = _mm256_add_epi16(s16[h][i], PAIR16(lo[h], xl, hi[h], xh));
+                    KEEP(s16[h][i]);
                     if (bits == 5 && (j & 1)) { /* 4 pair sums of 5-bit codes fill int16 */
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(s16[h][i], w16[h]));
                         s16[h][i] = _mm256_setzero_si256();
@@ -129,15 +145,15 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
         }
 #ifndef QM_AVXVNNI
         if (bits == 4)
-            for (int h = 0; h < 2; h++)
+            for (int h = 0; h < nh; h++)
                 for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
     } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int a = 0; a < 2; a++) {
             __m256i v0[2], v1[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i q = load32(cg + 64 * a + 32 * h), hb = load32(cg + 128 + 32 * h);
+            for (int h = 0; h < nh; h++) {
+                const __m256i q = load32(cg + 64 * a + 32 * (h0 + h)), hb = load32(cg + 128 + 32 * (h0 + h));
                 const __m256i h0 = a == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
                 const __m256i h1 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);
                 v0[h] = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(h0, m30));
@@ -145,21 +161,22 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             }
             for (int i = 0; i < mb; i++) {
                 const __m256i x0 = bcast4x(x + i * K + 4 * a), x1 = bcast4x(x + i * K + 8 + 4 * a);
-                for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < nh; h++) {
 #ifdef QM_AVXVNNI
                     DOT32(isum[h][i], v0[h], x0);
-                    DOT32(s2[h][i], v1[h], x1);
+                    DOT32B(isum[h][i], s2[h][i], v1[h], x1);
 #else
                     isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(PAIR16(v0[h], x0, v1[h], x1), w16[h]));
 #endif
+                    KEEP(isum[h][i]);
                 }
             }
         }
     } else { /* 8 bits: vector j = columns 4j.. */
         for (int j = 0; j < 8; j++) {
             __m256i c[2], ca[2];
-            for (int h = 0; h < 2; h++) {
-                c[h] = load32(cg + 64 * j + 32 * h);
+            for (int h = 0; h < nh; h++) {
+                c[h] = load32(cg + 64 * j + 32 * (h0 + h));
 #ifndef QM_AVXVNNI
                 c[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80));
                 ca[h] = _mm256_abs_epi8(c[h]);
@@ -167,35 +184,39 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             }
             for (int i = 0; i < mb; i++) {
                 const __m256i xb = bcast4x(x + i * K + 4 * j);
-                for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < nh; h++) {
 #ifdef QM_AVXVNNI
-                    if (j & 1) DOT32(s2[h][i], c[h], xb);
+                    if (j & 1) DOT32B(isum[h][i], s2[h][i], c[h], xb);
                     else DOT32(isum[h][i], c[h], xb);
 #else
                     isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ca[h], _mm256_sign_epi8(xb, c[h])), w16[h]));
 #endif
+                    KEEP(isum[h][i]);
                 }
             }
             (void)ca;
         }
     }
 #ifdef QM_AVXVNNI
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < mb; i++) isum[h][i] = _mm256_add_epi32(isum[h][i], s2[h][i]);
+    if (c2)
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < mb; i++) isum[h][i] = _mm256_add_epi32(isum[h][i], s2[h][i]);
+#undef DOT32B
     (void)w16;
 #endif
 }
 
-/* The end of a super-block (groups g0..g1) in the super-block form: the mins' term in integers
- * (two groups' int8 mins against their int16 activation sums per vpmaddwd), then one float
- * scaling of both terms into acc; isb is cleared. at: the super-block's scales, dx: row 0's scale
- * of it (row i's at i * dxn). */
+/* The end of a super-block (groups g0..g1) in the super-block form, for the pass's halves: the
+ * mins' term in integers (two groups' int8 mins against their int16 activation sums per vpmaddwd),
+ * then one float scaling of both terms into acc; isb is cleared. at: the super-block's scales,
+ * dx: row 0's scale of it (row i's at i * dxn). */
 static inline __attribute__((always_inline)) void sb_end(const qw_t *w, int64_t t, int64_t ng, int64_t g0, int64_t g1,
                                                          int64_t at, const int8_t *mn8, const int16_t *bsr,
-                                                         const float *dx, int64_t dxn, const int mb, __m256 negoff,
-                                                         __m256i isb[2][MR], __m256 acc[2][MR]) {
+                                                         const float *dx, int64_t dxn, const int mb, const int h0,
+                                                         const int nh, __m256 negoff, __m256i isb[2][MR], __m256 acc[2][MR]) {
     static const int8_t zero[8] = {0};
-    for (int h = 0; h < 2; h++) {
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
         __m256i imin[MR];
         for (int i = 0; i < mb; i++) imin[i] = _mm256_setzero_si256();
         for (int64_t g2 = g0; g2 <= g1; g2 += 2) {
@@ -211,27 +232,27 @@ static inline __attribute__((always_inline)) void sb_end(const qw_t *w, int64_t 
         const __m256 msup = w->mins ? _mm256_loadu_ps(w->min_sup + at + 8 * h) : _mm256_mul_ps(ssup, negoff);
         for (int i = 0; i < mb; i++) {
             const __m256 d = _mm256_set1_ps(dx[i * dxn]);
-            acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isb[h][i]), _mm256_mul_ps(ssup, d)),
-                                                               _mm256_mul_ps(_mm256_cvtepi32_ps(imin[i]), _mm256_mul_ps(msup, d))));
-            isb[h][i] = _mm256_setzero_si256();
+            acc[hh][i] = _mm256_add_ps(acc[hh][i], _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isb[hh][i]), _mm256_mul_ps(ssup, d)),
+                                                                 _mm256_mul_ps(_mm256_cvtepi32_ps(imin[i]), _mm256_mul_ps(msup, d))));
+            isb[hh][i] = _mm256_setzero_si256();
         }
     }
 }
 
-/* Tile t against activation rows m0 .. m0 + mb - 1 (bits, mb and sbf compile-time constants): the
- * plain loop's float operations (its comment), then the bias and the output rounding. sbf: the
- * super-block form (int8 scales; dx per super-block), its sums in integers until the super-block
- * ends. */
+/* Halves h0 .. h0 + nh - 1 of tile t against activation rows m0 .. m0 + mb - 1 (bits, mb, nh and
+ * sbf compile-time constants): the plain loop's float operations (its comment), then the bias and
+ * the output rounding. sbf: the super-block form (int8 scales; dx per super-block), its sums in
+ * integers until the super-block ends. */
 static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
-                                                            const int mb, const int bits, const int sbf, void *y,
-                                                            int y_bf16, int64_t ldy) {
+                                                            const int mb, const int bits, const int sbf, const int h0,
+                                                            const int nh, void *y, int y_bf16, int64_t ldy) {
     const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
     const int8_t *sc8 = (const int8_t *)w->scales, *mn8 = w->mins ? (const int8_t *)w->mins : sc8;
     const __m256 negoff = _mm256_set1_ps(-(float)w->offset);
-    const int stream = a->M <= MR; /* the tile is read once: stream it from memory */
+    const int stream = a->M <= MR && h0 == 0; /* the first pass over a tile read once: stream it from memory */
     /* row i's activations, scales (one per QB = 32 or 256 columns: a shift, never a division in the
      * loop) and group sums, at a stride from row m0's */
     /* QB: 32, or a power-of-two super-block (the two that occur spelt out, constants the compiler
@@ -245,7 +266,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     int64_t sb = 0, gin = 0; /* the group's super-block, and its place in it (no division per group) */
     __m256 acc[2][MR];
     __m256i isb[2][MR]; /* the super-block form: sum_g sc_g isum_g so far */
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < nh; h++)
         for (int i = 0; i < mb; i++) {
             acc[h][i] = _mm256_setzero_ps();
             isb[h][i] = _mm256_setzero_si256();
@@ -258,14 +279,15 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
             for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, AVX2_PF_HINT);
         }
         __m256i isum[2][MR], w16[2];
-        for (int h = 0; h < 2; h++) w16[h] = sbf ? pairs16(sc8 + si + 8 * h, sc8 + si + 8 * h) : _mm256_set1_epi16(1);
-        group_sums(cg, bits, xq + g * G, K, mb, w16, isum);
+        for (int h = 0; h < nh; h++)
+            w16[h] = sbf ? pairs16(sc8 + si + 8 * (h0 + h), sc8 + si + 8 * (h0 + h)) : _mm256_set1_epi16(1);
+        group_sums(cg, bits, xq + g * G, K, mb, h0, nh, w16, isum);
         const int64_t at = (t * nsb + sb) * TILE; /* the group's super-block's float32 scales */
         if (!sbf) { /* (super-block scales here only where the activations are not: see qw_act_block) */
             const float *ssup = w->scale_sup ? w->scale_sup + at : NULL, *msup = w->min_sup ? w->min_sup + at : NULL;
-            for (int h = 0; h < 2; h++) {
-                const __m256 sc = vgroup8(w->scales, ssup, si, h);
-                const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h) : _mm256_mul_ps(negoff, sc);
+            for (int h = 0; h < nh; h++) {
+                const __m256 sc = vgroup8(w->scales, ssup, si, h0 + h);
+                const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h0 + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
                     if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
@@ -276,17 +298,17 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
                 }
             }
         } else {
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < nh; h++) {
 #ifdef QM_AVXVNNI /* vpdpbusd's sums are int32: times the scales here */
                 int64_t raw;
-                memcpy(&raw, sc8 + si + 8 * h, 8);
+                memcpy(&raw, sc8 + si + 8 * (h0 + h), 8);
                 const __m256i s32 = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw));
                 for (int i = 0; i < mb; i++) isum[h][i] = _mm256_mullo_epi32(isum[h][i], s32);
 #endif
                 for (int i = 0; i < mb; i++) isb[h][i] = _mm256_add_epi32(isb[h][i], isum[h][i]);
             }
             if (gin + 1 == gps)
-                sb_end(w, t, ng, g + 1 - gps, g, at, mn8, bsr, dxr + sb, dxn, mb, negoff, isb, acc);
+                sb_end(w, t, ng, g + 1 - gps, g, at, mn8, bsr, dxr + sb, dxn, mb, h0, nh, negoff, isb, acc);
         }
         if (++gin == gps) {
             gin = 0;
@@ -295,9 +317,8 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     }
     for (int i = 0; i < mb; i++) {
         float v[TILE];
-        _mm256_storeu_ps(v, acc[0][i]);
-        _mm256_storeu_ps(v + 8, acc[1][i]);
-        for (int64_t l = 0; l < TILE; l++) {
+        for (int h = 0; h < nh; h++) _mm256_storeu_ps(v + 8 * (h0 + h), acc[h][i]);
+        for (int64_t l = 8 * h0; l < 8 * (h0 + nh); l++) {
             float o = v[l];
             if (w->bias) o += w->bias[n0 + l];
             if (y_bf16) ((uint16_t *)y)[(m0 + i) * ldy + n0 + l] = f32_to_bf16(o);
@@ -306,18 +327,30 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     }
 }
 
-#define TILE_MB(BITS, SBF)                                                    \
-    switch (mb) {                                                             \
-    case 1: tile_rows(w, t, a, m0, 1, BITS, SBF, y, y_bf16, ldy); break;      \
-    case 2: tile_rows(w, t, a, m0, 2, BITS, SBF, y, y_bf16, ldy); break;      \
-    case 3: tile_rows(w, t, a, m0, 3, BITS, SBF, y, y_bf16, ldy); break;      \
-    default: tile_rows(w, t, a, m0, 4, BITS, SBF, y, y_bf16, ldy); break;     \
-    }
+#define TILE_MB(BITS, SBF)                                                                              \
+    if (nh == 2) {                                                                                      \
+        switch (mb) {                                                                                   \
+        case 1: tile_rows(w, t, a, m0, 1, BITS, SBF, 0, 2, y, y_bf16, ldy); break;                      \
+        case 2: tile_rows(w, t, a, m0, 2, BITS, SBF, 0, 2, y, y_bf16, ldy); break;                      \
+        case 3: tile_rows(w, t, a, m0, 3, BITS, SBF, 0, 2, y, y_bf16, ldy); break;                      \
+        default: tile_rows(w, t, a, m0, 4, BITS, SBF, 0, 2, y, y_bf16, ldy); break;                     \
+        }                                                                                               \
+    } else /* blocks of 4 to 8 rows (more than MR2 rows, split evenly) */                               \
+        for (int h0 = 0; h0 < 2; h0++) switch (mb) {                                                    \
+            case 4: tile_rows(w, t, a, m0, 4, BITS, SBF, h0, 1, y, y_bf16, ldy); break;                 \
+            case 5: tile_rows(w, t, a, m0, 5, BITS, SBF, h0, 1, y, y_bf16, ldy); break;                 \
+            case 6: tile_rows(w, t, a, m0, 6, BITS, SBF, h0, 1, y, y_bf16, ldy); break;                 \
+            case 7: tile_rows(w, t, a, m0, 7, BITS, SBF, h0, 1, y, y_bf16, ldy); break;                 \
+            default: tile_rows(w, t, a, m0, 8, BITS, SBF, h0, 1, y, y_bf16, ldy); break;                \
+            }
 
-/* every activation row against tile t, MR rows per pass */
+/* every activation row against tile t: up to MR2 rows in one pass over both halves, more in
+ * blocks of at most MR rows split evenly, one pass per half */
 static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_bf16, int64_t ldy) {
-    for (int64_t m0 = 0; m0 < a->M; m0 += MR) {
-        const int64_t mb = a->M - m0 < MR ? a->M - m0 : MR;
+    const int nh = a->M <= MR2 ? 2 : 1;
+    const int64_t blocks = (a->M + MR - 1) / MR;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        const int64_t mb = (a->M - m0) / (blocks - b); /* even split: the rest divided by the blocks left */
         if (qw_sb_form(w)) { /* Q4_K, Q6_K (and a 5-bit one, were it mapped) */
             switch (w->bits) {
             case 4: TILE_MB(4, 1) break;
@@ -332,5 +365,6 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             default: TILE_MB(8, 0) break;
             }
         }
+        m0 += mb;
     }
 }

@@ -46,7 +46,7 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
     ``/metrics``, the refusals while loading and the error shapes are the same for both. The
     routes find the state, the args, the metrics and the serving objects on ``app.state``."""
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServerMetrics(args.model_name, lambda: state.engine.engine.scheduler_stats() if state.engine is not None
+    metrics = ServerMetrics(args.model_name, lambda: state.engine.scheduler_stats() if state.engine is not None
                             else SchedulerStats())
     metrics.registry.register(embeddings.EmbeddingCollector(state))
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
@@ -64,7 +64,7 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
         _refuse_generation(app, args, apis)
     app.include_router(embeddings.router, include_in_schema=capabilities.embed)
     app.include_router(routers.ollama_embed, include_in_schema=capabilities.embed)
-    document_errors(app, lambda: None if state.engine is None else model_limits(state.engine.engine))
+    document_errors(app, lambda: None if state.engine is None else model_limits(state.engine))
     if state.engine is not None:
         attach_engine(app, state.engine)
     return app
@@ -100,4 +100,4 @@ def _refuse_generation(app: FastAPI, args: ServerArgs, apis) -> None:
 def attach_engine(app: FastAPI, engine) -> None:
     """Subscribe the app's metrics to the steps of `engine` (an `AsyncLLMEngine`): called when
     the model is loaded (`serve`), or at once when the state holds an engine already."""
-    engine.engine.subscribe(app.state.metrics.on_step)
+    engine.subscribe(app.state.metrics.on_step)

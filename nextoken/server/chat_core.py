@@ -16,13 +16,16 @@ still each API's own module; the typed events that module reads are `ToolCallPar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import prompts
 from nextoken.server import tools as tools_mod
 from nextoken.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nextoken.server.serving import ApiServing
 
 # the neutral names of the fields an API may call otherwise (`ChatSpec.fields`)
 FIELDS = ("max_tokens", "tool_choice", "constraint", "tools", "sampling")
@@ -72,12 +75,12 @@ class Prepared:
     names: frozenset[str] | None
 
 
-async def prepare(serving, spec: ChatSpec) -> Prepared:
-    """`spec` as a request ready for the engine of `serving` (an `ApiServing`). Raises
+async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
+    """`spec` as a request ready for the engine of `serving` (its `EngineClient`). Raises
     `InvalidRequest` naming the request's field: a tool_choice without tools or naming none of
     them, a forced call beside an output format, tools on a template that cannot render them,
     max_tokens that leaves no room for the prompt, an invalid sampling value or grammar."""
-    engine = serving.engine.engine
+    engine = serving.engine
     ids, tools, forced = render(engine.tokenizer, spec)
     for name, bound in {spec.name("max_tokens"): spec.max_tokens, **spec.other_bounds}.items():
         if bound is not None and bound >= engine.max_model_len:

@@ -19,12 +19,16 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Union
+from typing import TYPE_CHECKING, AsyncIterator, Union
 
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.tools import ToolCallOut, parse as parse_tools
+
+if TYPE_CHECKING:
+    from nextoken.server.chat_core import Prepared
+    from nextoken.server.serving import ApiServing
 
 log = logging.getLogger("nextoken.server")
 
@@ -161,9 +165,9 @@ def result(out: RequestOutput, names: frozenset[str] | None, style: str | None) 
     return ChatResult(out.request_id, choices, Usage.of([out]), out)
 
 
-async def run(serving, prepared, request, lora=None, stream: bool = False,
+async def run(serving: ApiServing, prepared: Prepared, request, lora=None, stream: bool = False,
               prefix: str = "chatcmpl-") -> ChatResult | EventStream:
-    """`prepared` into the engine of `serving` (an `ApiServing`) as request ``prefix + uuid``
+    """`prepared` into the engine of `serving` (its `EngineClient`) as request ``prefix + uuid``
     (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine

@@ -50,7 +50,7 @@ class RerankRequest(BaseModel):
 
 
 class EmbeddingService:
-    """An `embedding.EmbeddingModel` serving many requests (a `state.EngineClient`): each `embed`
+    """An `embedding.EmbeddingModel` serving many requests (an `engine.protocol.Service`): each `embed`
     call's inputs join a queue; one thread runs a pass over everything queued, then hands each
     caller its rows. `num_requests`, `num_tokens`, `num_passes`: totals since the start."""
 

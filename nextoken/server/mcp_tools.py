@@ -219,7 +219,7 @@ class PassLoop:
         with a 400 and no listing."""
         from nextoken.server.tools import require_tool_template
 
-        require_tool_template(serving.engine.engine.tokenizer.chat_template)
+        require_tool_template(serving.engine.tokenizer.chat_template)
 
     def _events(self, emit):
         raise NotImplementedError

@@ -54,5 +54,5 @@ def default_max_tokens(engine, num_prompt_tokens: int, cap: int | None = None) -
     """max_tokens for a request that gives none (chat, responses, Ollama): the rest of the
     context window, or of the KV cache if that is smaller, and at most `cap` (the server's
     ``--max-tokens-default``, 4096 unless set)."""
-    room = max(1, min(engine.max_model_len, engine.kv.pool.num_blocks * engine.kv.block_size) - num_prompt_tokens)
+    room = max(1, min(engine.max_model_len, engine.kv_capacity) - num_prompt_tokens)
     return min(room, cap) if cap else room

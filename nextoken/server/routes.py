@@ -28,13 +28,13 @@ tokens = APIRouter()
 
 
 def _engine(request: Request):
-    """The `LLMEngine` behind the server (the Gate answers 503 before this while loading).
+    """The `EngineClient` behind the server (the Gate answers 503 before this while loading).
     Raises `InvalidRequest` on a server without a generation model."""
     state = request.app.state.server
     if state.engine is None:
         raise InvalidRequest(f"model {request.app.state.args.model_name!r} is an embedding model: this route needs "
                              "a generation model", "model")
-    return state.engine.engine
+    return state.engine
 
 
 def _check_model(request: Request, name: str | None) -> None:
@@ -68,7 +68,7 @@ async def models(request: Request):
     base = {"object": "model", "created": int(state.started), "owned_by": "nextoken"}
     data = []
     if state.engine is not None:
-        gen = {**base, "max_model_len": state.engine.engine.max_model_len}
+        gen = {**base, "max_model_len": state.engine.max_model_len}
         data.append({"id": args.model_name, **gen, "root": args.model_name, "parent": None})
         data += [{"id": name, **gen, "root": lora.lora_path, "parent": args.model_name}  # vLLM's shape
                  for name, lora in state.loras.items()]

@@ -14,10 +14,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nextoken.beam import async_beam_search
+from nextoken.engine.protocol import EngineClient
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.args import ServerArgs
+from nextoken.server.state import ServerState
 
 log = logging.getLogger("nextoken.server")
 
@@ -39,15 +41,15 @@ def no_lora_beams(lora) -> None:
 
 
 class ApiServing:
-    """state: the server's (``engine``: an `AsyncLLMEngine`, None while loading); args: the
-    `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
+    """state: the server's `ServerState` (``engine``: an `EngineClient`, None while loading);
+    args: the `ServerArgs`; metrics: the `ServerMetrics` finished requests are recorded in."""
 
-    def __init__(self, state, args: ServerArgs, metrics):
+    def __init__(self, state: ServerState, args: ServerArgs, metrics):
         self.state, self.args, self.metrics = state, args, metrics
 
     @property
-    def engine(self):
-        """The `AsyncLLMEngine` (the Gate middleware answers 503 before any route while loading)."""
+    def engine(self) -> EngineClient:
+        """The `EngineClient` (the Gate middleware answers 503 before any route while loading)."""
         return self.state.engine
 
     def check_model(self, name: str | None):
@@ -69,7 +71,7 @@ class ApiServing:
         """Compile a request's grammar (cached) in a worker thread, off the event loop and before
         the request reaches the step loop. Raises `InvalidRequest` for an invalid one."""
         if structured is not None:
-            await asyncio.to_thread(self.engine.engine.grammars.compile, structured)
+            await asyncio.to_thread(self.engine.compile_grammar, structured)
 
     def record(self, outs) -> None:
         """A finished request's metrics and its log line."""
@@ -110,10 +112,10 @@ class ApiServing:
             raise InvalidRequest(f"n ({body.n}) must not exceed best_of ({width}) with use_beam_search", "n")
         eng = self.engine
         for ids in prompts:
-            eng.engine.encode_prompt(ids, SamplingParams(max_tokens=max_tokens))  # the context check
+            eng.encode_prompt(ids, SamplingParams(max_tokens=max_tokens))  # the context check
         start = time.perf_counter()
         results = await async_beam_search(eng, prompts, width, max_tokens, body.length_penalty, body.ignore_eos)
-        eog = eng.engine.tokenizer.eog_token_ids
+        eog = eng.tokenizer.eog_token_ids
         outs = []
         for ids, res in zip(prompts, results):
             comps = [CompletionOutput(i, text=b.text, token_ids=b.token_ids, cumulative_logprob=b.cumulative_logprob,

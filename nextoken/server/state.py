@@ -1,28 +1,15 @@
-"""What a running server holds (`ServerState`) and what it asks of each model it serves
-(`EngineClient`): the generation engine (`engine.async_engine.AsyncLLMEngine`) and the embedding
-service (`server.embeddings.EmbeddingService`) both are one, so `/health`, the refusals while
-loading and the shutdown treat them alike. One server may hold both (`serve --model A
---embedding-model B`)."""
+"""What a running server holds (`ServerState`): the generation engine (an
+`engine.protocol.EngineClient`, `AsyncLLMEngine` in a server) and the embedding service
+(`server.embeddings.EmbeddingService`), both a `engine.protocol.Service`, so `/health`, the
+refusals while loading and the shutdown treat them alike. One server may hold both (`serve --model
+A --embedding-model B`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
-
-@runtime_checkable
-class EngineClient(Protocol):
-    """A model the server serves: whether its loop runs, the exception that stopped it (None
-    while it runs), and `close` (stop it, free what it holds)."""
-
-    @property
-    def is_running(self) -> bool: ...
-
-    @property
-    def dead(self) -> BaseException | None: ...
-
-    def close(self) -> None: ...
+from nextoken.engine.protocol import EngineClient, Service
 
 
 @dataclass(frozen=True)
@@ -36,13 +23,13 @@ class Capabilities:
 
 @dataclass
 class ServerState:
-    """engine: the generation `AsyncLLMEngine` (None while loading, or on an embedding-only
+    """engine: the generation `EngineClient` (None while loading, or on an embedding-only
     server); embedder: the `EmbeddingService` (None without one); embedding_model_name: the name
     clients send for it; ready: every model is loaded (False while loading); draining: SIGTERM was
     received; started: a Unix time; exit_code; loras: the adapters served by name."""
 
     engine: EngineClient | None = None
-    embedder: EngineClient | None = None
+    embedder: Service | None = None
     embedding_model_name: str | None = None
     ready: bool = True
     draining: bool = False
@@ -50,5 +37,5 @@ class ServerState:
     exit_code: int = 0
     loras: dict = field(default_factory=dict)
 
-    def clients(self) -> list[EngineClient]:
+    def clients(self) -> list[Service]:
         return [c for c in (self.engine, self.embedder) if c is not None]

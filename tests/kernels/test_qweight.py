@@ -101,13 +101,14 @@ def test_simd_loops_equal_the_plain_loop_bit_for_bit(isa, type_name):
     """The AVX2 loop and the AVX-VNNI one (``kernels/qmatmul_avx2.c``, built for those instruction
     sets on any CPU that has them: `nextoken.kernels.ISAS`) give the plain C loop's outputs bit for
     bit: the same integer sums, the same float operations in the same order. Every pass shape: 1
-    to 9 rows (passes of 4 and the tails), 33 and 512; every format; a bias; bf16 and float32 in."""
+    to 9 rows (one pass over both halves of a tile, one per half, blocks of up to 8 split evenly),
+    17, 33 and 512; every format; a bias; bf16 and float32 in."""
     lib, plain = load("qmatmul", isa=isa), load("qmatmul", portable=True)
     assert lib.qmatmul_loop().decode() == {"avx2": "avx2", "avxvnni": "avx-vnni"}[isa]
     assert plain.qmatmul_loop() == b"plain"
     _, qw = weight(type_name, 48, 512, seed=26)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
-    for m in (*range(1, 10), 33, 512):
+    for m in (*range(1, 10), 17, 33, 512):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         for xin in (x, x.to(torch.bfloat16)):
             ours = qmatmul(xin, qw, bias, out_dtype=torch.float32, lib=lib)

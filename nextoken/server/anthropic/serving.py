@@ -115,7 +115,7 @@ class AnthropicServingMessages(ApiServing):
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         self.check_model(body.model)
-        return {"input_tokens": len(render(self.engine.engine.tokenizer, to_spec(body))[0])}
+        return {"input_tokens": len(render(self.engine.tokenizer, to_spec(body))[0])}
 
     async def create(self, body: MessagesRequest, request: Request):
         """The message answering `body` (JSON, or Anthropic's event stream with ``stream``)."""

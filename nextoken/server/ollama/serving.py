@@ -109,7 +109,7 @@ class OllamaServing(ApiServing):
     async def generate(self, body: GenerateRequest, request: Request):
         self.check_model(body.model)
         self.check_queue()
-        tok = self.engine.engine.tokenizer
+        tok = self.engine.tokenizer
         if not body.prompt and not body.system:  # Ollama's way to load a model: an empty prompt
             return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         if body.raw or not tok.chat_template:
@@ -172,7 +172,7 @@ class OllamaServing(ApiServing):
 
     def show(self, body: ShowRequest) -> dict:
         self.check_model(body.model)
-        eng = self.engine.engine
+        eng = self.engine
         cfg = eng.config
         return {"modelfile": f"FROM {eng.model_path}\n", "parameters": "",
                 "template": eng.tokenizer.chat_template or "",
@@ -186,7 +186,7 @@ class OllamaServing(ApiServing):
                                f"{cfg.architecture}.attention.head_count_kv": cfg.num_kv_heads}}
 
     def _details(self) -> dict:
-        eng = self.engine.engine
+        eng = self.engine
         path = str(eng.model_path)
         return {"parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors",
                 "family": eng.config.architecture, "families": [eng.config.architecture],
@@ -195,7 +195,7 @@ class OllamaServing(ApiServing):
     def _model_entry(self) -> dict:
         import os
 
-        eng = self.engine.engine if self.engine is not None else None
+        eng = self.engine
         path = str(eng.model_path) if eng is not None else ""
         size = os.path.getsize(path) if path and os.path.isfile(path) else 0
         return {"name": self.args.model_name, "model": self.args.model_name, "modified_at": _now(), "size": size,

@@ -23,7 +23,7 @@ class OpenAIServingChat(ApiServing):
         body.check_rules()
         self.check_queue()
         p = await prepare(self, to_spec(body))
-        created, tok, model = int(time.time()), self.engine.engine.tokenizer, self.args.model_name
+        created, tok, model = int(time.time()), self.engine.tokenizer, self.args.model_name
         if body.use_beam_search:
             no_lora_beams(lora)
             out = (await self.beam(body, [p.ids], p.params.max_tokens))[0]

@@ -23,13 +23,13 @@ class OpenAIServingCompletion(ApiServing):
         body.check_rules()
         self.check_queue()
         eng = self.engine
-        prompts = completion_prompts(eng.engine, body.prompt)
+        prompts = completion_prompts(eng, body.prompt)
         structured = body.structured()
         await self.compile(structured)
         if body.use_beam_search:
             no_lora_beams(lora)
             outs = await self.beam(body, [ids for ids, _ in prompts], body.generation_limit())
-            return R.completion_response(eng.engine, body, outs, prompts, int(time.time()), self.args.model_name)
+            return R.completion_response(eng, body, outs, prompts, int(time.time()), self.args.model_name)
         rids = []
         try:
             for ids, text in prompts:
@@ -47,4 +47,4 @@ class OpenAIServingCompletion(ApiServing):
                                                     self.record))
         outs = await self.collect(rids, request)
         self.record(outs)
-        return R.completion_response(eng.engine, body, outs, prompts, created, self.args.model_name)
+        return R.completion_response(eng, body, outs, prompts, created, self.args.model_name)

@@ -185,7 +185,7 @@ def _step_chunks(tok, body, ev: Tokens, deltas: list[dict], finish, tools: bool)
 async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, record):
     """text_completion chunks of requests `rids` as the engine makes them; `record([out])` takes each
     finished one (metrics and log line)."""
-    tok = eng.engine.tokenizer
+    tok = eng.tokenizer
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     queue: asyncio.Queue = asyncio.Queue()
 

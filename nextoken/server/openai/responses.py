@@ -314,7 +314,7 @@ class OpenAIServingResponses(ApiServing):
         if c.text or not c.calls:
             output.append(message_item(c.text))
             if body.wants_logprobs:
-                output[-1]["content"][0]["logprobs"] = text_logprobs(self.engine.engine.tokenizer, c.token_ids,
+                output[-1]["content"][0]["logprobs"] = text_logprobs(self.engine.tokenizer, c.token_ids,
                                                                      c.logprobs, body.top_logprobs or 0)
         output += [_call_item(call.id, call.name, call.arguments) for call in c.calls]
         return self.envelope(body, res.request_id, output, c.finish, res.usage, meta)
@@ -346,7 +346,7 @@ class OpenAIServingResponses(ApiServing):
         yield emit("response.created", {"response": start})
         yield emit("response.in_progress", {"response": start})
         state = {"items": [], "open": None}  # the output items so far; the open one's index
-        tok = self.engine.engine.tokenizer
+        tok = self.engine.tokenizer
         async for ev in events:
             if isinstance(ev, Failed):
                 yield emit("error", {"message": ev.message, "code": "server_error"})
