@@ -2,7 +2,8 @@
 
 Each step, every live beam of every prompt is one engine request (the beam's tokens as prompt,
 one new token, its top 2W log-probabilities); they run batched with whatever else the engine
-serves. Beams share the KV blocks of their common prefix through the prefix cache (ref-counted
+serves. The engine drives the searches itself (`engine.beam_groups`), so a search queues its next
+step before the next schedule and keeps its place under load. Beams share the KV blocks of their common prefix through the prefix cache (ref-counted
 full blocks, found by their chained hashes), so a beam costs only its own new blocks; the
 partial last block, which beams cannot share, is recomputed (at most block_size - 1 tokens per
 beam and step) instead of copied.
@@ -115,40 +116,24 @@ class BeamSearch:
             for ids, lp, score in s.finished]) for s in self.searches]
 
 
-def _top(out) -> list[tuple[int, float]]:
-    if out.error is not None:  # a model fault in this beam's pass: the search cannot go on
+def top_alternatives(out) -> list[tuple[int, float]]:
+    """The next-token alternatives of a one-token `RequestOutput`, best first. Raises
+    `RequestFailed` when the request failed (a model fault in its pass: the search cannot go on)."""
+    if out.error is not None:
         raise RequestFailed(out.error)
     lps = out.outputs[0].logprobs[0]
     return sorted(lps.items(), key=lambda kv: -kv[1])
 
 
 def beam_search(engine, prompts: list[list[int]], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
-                ignore_eos: bool = False, search: BeamSearch | None = None) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (token ids) on an `LLMEngine`, all prompts' beams batched each
-    step. Raises `InvalidRequest` for a width or length out of range. `search`: a `BeamSearch`
-    to drive instead of a new one (its `tree` then records the steps)."""
-    bs = search or BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos, engine.tokenizer.eog_token_ids)
-    while not bs.done:
-        outs = engine.run_until_finished([engine.add_request(p, bs.params) for p in bs.pending()])
-        bs.advance([_top(out)[: bs.params.logprobs] for out in outs])
-    return bs.outputs(engine.tokenizer)
-
-
-async def async_beam_search(eng, prompts: list[list[int]], beam_width: int, max_tokens: int,
-                            length_penalty: float = 1.0, ignore_eos: bool = False,
-                            search: BeamSearch | None = None) -> list[BeamSearchOutput]:
-    """The same on an `AsyncLLMEngine` (the server): each step's beams are concurrent requests."""
-    import asyncio
-
-    bs = search or BeamSearch(prompts, beam_width, max_tokens, length_penalty, ignore_eos,
-                              eng.tokenizer.eog_token_ids)
-
-    async def one(ids):
-        out = None
-        async for out in eng.generate(ids, bs.params):
-            pass
-        return _top(out)[: bs.params.logprobs]
-
-    while not bs.done:
-        bs.advance(list(await asyncio.gather(*(one(p) for p in bs.pending()))))
-    return bs.outputs(eng.tokenizer)
+                ignore_eos: bool = False) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (token ids) on an `LLMEngine`, the searches driven by the
+    engine (`LLMEngine.add_beam_search`), all their beams batched each step. Raises
+    `InvalidRequest` for a width or length out of range, `RequestFailed` when a beam's pass failed."""
+    searches = [BeamSearch([p], beam_width, max_tokens, length_penalty, ignore_eos, engine.tokenizer.eog_token_ids)
+                for p in prompts]
+    rids = [engine.add_beam_search(p, s) for p, s in zip(prompts, searches)]
+    for out in engine.run_until_finished(rids):
+        if out.error is not None:
+            raise RequestFailed(out.error)
+    return [s.outputs(engine.tokenizer)[0] for s in searches]

@@ -79,14 +79,21 @@ class CacheConfig:
     disk_bytes: int | None = None  # its size limit; None: `kv_cache.disk.DEFAULT_DISK_BYTES`
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # `engine.request_queue`
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits per step: running sequences and new tokens (prefill chunks + decodes)."""
+    """Limits per step: running sequences and new tokens (prefill chunks + decodes); the order of
+    the waiting requests (`engine.request_queue`: "fcfs", "priority" or "fair") and the priority
+    policy's starvation guard (seconds of waiting per priority level; 0: none)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's context
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from nextoken.catalog import DEFAULT_MODEL
 from nextoken.cli_args import CliArgs, opt, parse_size
-from nextoken.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig
+from nextoken.config import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig
 from nextoken.errors import InvalidRequest
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "bf16", "fp32")
@@ -96,6 +96,10 @@ class EngineArgs(CliArgs):
                                        type=int)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps", flag="--chunked-prefill",
                                         group="scheduler", cli="bool")
+    scheduling_policy: str = opt("fcfs", "the order waiting requests are admitted in: fcfs (arrival), priority (each "
+                                 "request's priority, lower first, as vLLM; a higher priority preempts a lower "
+                                 "one) or fair (clients share the tokens served: the Virtual Token Counter)",
+                                 group="scheduler", choices=SCHEDULING_POLICIES)
     # speculative decoding
     speculative_model: str | None = opt(None, "draft model (catalog name, .gguf or folder) with the target's "
                                          "vocabulary", group="speculative decoding", metavar="MODEL")
@@ -163,6 +167,9 @@ class EngineArgs(CliArgs):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise InvalidRequest(f"{name} must be a number {rule}, got {value!r}", name)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequest(f"scheduling_policy {self.scheduling_policy!r}: choose from "
+                                 f"{', '.join(SCHEDULING_POLICIES)}", "scheduling_policy")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"unknown speculative method {self.speculative_method!r}: use 'draft' or 'ngram'",
                                  "speculative_method")

@@ -51,6 +51,13 @@ class RequestMetrics:
     num_output_tokens: int = 0
     first_token_time: float | None = None  # when the first output token was sampled
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it
+    priority: int = 0  # its scheduling priority (`RequestOptions.priority`)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to its first admission by the scheduler: the time it waited in the queue."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft(self) -> float | None:

@@ -20,7 +20,11 @@ class RequestOptions:
     first_tokens: ``(tokens, draws)``, first tokens drawn before the engine ran (the quick
     start's), emitted in place of the first draws, and the numbers of the seeded stream they
     used; return_logits: outputs carry completion 0's raw logits (`RequestOutput.logits`);
-    lora_request: the `lora.LoRARequest` whose adapter the request runs with (None: the base)."""
+    lora_request: the `lora.LoRARequest` whose adapter the request runs with (None: the base);
+    priority: its scheduling priority, lower first (vLLM's; any integer other than 0 needs the
+    ``priority`` scheduling policy); client: who sent it (the ``fair`` policy shares service
+    between clients); continuation: it continues a request that already held a place (a beam
+    search's next step) and keeps that place in the waiting queue (`engine.request_queue`)."""
 
     prompt_text: str | None = None
     truncate_prompt: bool = False
@@ -29,6 +33,9 @@ class RequestOptions:
     first_tokens: tuple[tuple[int, ...], int] | None = None
     return_logits: bool = False
     lora_request: Any = None
+    priority: int = 0
+    client: str = ""
+    continuation: bool = False
 
 
 DEFAULT = RequestOptions()

@@ -103,6 +103,27 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
+    async def beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
+                          options: RequestOptions = DEFAULT) -> RequestOutput:
+        """Run `search` (a `beam.BeamSearch` over `prompt_ids`) in the engine's step loop
+        (`LLMEngine.add_beam_search`): its final output, the beams as completions, best first.
+        Cancelling the caller aborts it. Raises as `add_request` and `stream` do (`RequestFailed`
+        when a beam's pass failed)."""
+        if self.dead is not None:
+            raise EngineError(f"the engine loop has stopped: {self.dead!r}")
+        rid = request_id if request_id is not None else f"beam-{next(self._ids)}"
+        self._queues[rid] = asyncio.Queue()
+        try:
+            await self.between_steps(lambda: self._engine.add_beam_search(prompt_ids, search, rid, options))
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        self._ensure_loop()
+        out = None
+        async for out in self.stream(rid):
+            pass
+        return out
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, options: RequestOptions = DEFAULT) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""

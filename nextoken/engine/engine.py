@@ -22,12 +22,13 @@ from typing import Callable
 import torch
 
 from nextoken.config import SchedulerConfig
+from nextoken.engine.beam_groups import BeamGroups
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
 from nextoken.engine.request import Request, make_sequences
 from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
-from nextoken.engine.validation import check_request, encode_prompt, read_template, resolve_lora
+from nextoken.engine.validation import check_priority, check_request, encode_prompt, read_template, resolve_lora
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
 from nextoken.kv_cache.budget import allocate_kv_cache
@@ -86,7 +87,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens if args.enable_chunked_prefill
             else max(args.max_num_batched_tokens, self.max_model_len),  # without chunks a whole prompt fits a step
-            args.enable_chunked_prefill, args.max_model_len)
+            args.enable_chunked_prefill, args.max_model_len, args.scheduling_policy)
         lookahead = self.speculator.lookahead if self.speculator else 0
         self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs, self.max_model_len,
                                     lookahead, content_key(source.path) if args.disk_dir else None,
@@ -98,6 +99,7 @@ class LLMEngine:
         # structured output: llguidance over our vocabulary, built on the first request that asks
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release)
+        self.beams = BeamGroups()  # the beam searches the engine drives (`add_beam_search`)
         self._ids = itertools.count()
         self.num_steps = 0
         self.history = StepHistory(self.kv.blocks_for)  # what the inspector shows (`nextoken.inspect`)
@@ -130,10 +132,12 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         check_request(self.kv, len(ids), params, o.tracer is not None, self.runner.tp is not None)
         lora_id = resolve_lora(self.runner.loras, o.lora_request)
+        check_priority(o.priority, self.scheduler_config.scheduling_policy)
         text = o.prompt_text if o.prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
-        seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id)
+        seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id, o.priority,
+                              o.client, o.continuation)
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
                                    o.return_logits))
         for s in seqs:
@@ -143,7 +147,19 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:  # frees its blocks; a no-op for unknown or finished ids
+        self.beams.abort(self, request_id)
         self.outputs.abort(request_id)
+
+    def add_beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
+                        options: RequestOptions = DEFAULT) -> str:
+        """Queue `search` (a `beam.BeamSearch` over `prompt_ids` alone) as one request the engine
+        drives (`engine.beam_groups`); returns its id. Its one output, when it ends, holds the
+        beams as completions. Raises `InvalidRequest` for a prompt that does not fit."""
+        request_id = request_id if request_id is not None else f"beam-{next(self._ids)}"
+        if request_id in self.outputs.groups or request_id in self.beams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        self.beams.add(self, request_id, prompt_ids, search, options)
+        return request_id
 
     def _release(self, r: Request, uncache: bool = False) -> None:
         """Free an ending sequence's blocks (with `uncache`, out of the prefix cache first)."""
@@ -175,6 +191,8 @@ class LLMEngine:
             for r in traced:  # tracing costs only the traced request: a pass of its own
                 self._run({r: plan.scheduled[r]}, tracer=r.tracer)
         outputs, stats.finished = self.outputs.collect()
+        if self.beams.groups:
+            outputs = self.beams.on_outputs(self, outputs)
         stats.failed = [g.request_id for g, _ in stats.finished if g.error is not None]
         if plan.scheduled or plan.preempted:
             self.num_steps += 1

@@ -56,6 +56,7 @@ def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids:
     now = time.perf_counter()
     if group.metrics.first_token_time is None:
         group.metrics.first_token_time = now
+        group.metrics.first_scheduled_time = req.first_scheduled_time
     out.token_ids.append(token)
     out.delta_token_ids.append(token)
     if res.logprob is not None:
@@ -121,7 +122,7 @@ def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params
          for _ in seqs],
         [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
-        RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids)))
+        RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids), priority=seqs[0].priority))
     if return_logits:
         group.logits = []
     if params.prompt_logprobs is not None:

@@ -37,7 +37,7 @@ class EngineClient(Service, Protocol):
     """The generation engine as the server sees it. Requests: `add_request` (raises
     `InvalidRequest` for bad input, `EngineError` once the loop died), `stream` (the request's
     outputs, cumulative; aborts it if the consumer stops), `generate` (both), `abort`,
-    `num_waiting`. The model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`,
+    `beam_search` (a `beam.BeamSearch` the engine drives: its final output), `num_waiting`. The model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`,
     `watermark` (its `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds). Checks made before a request is queued: `compile_grammar`
     (blocking: call it in a worker thread; raises `InvalidRequest`) and `encode_prompt` (the
     prompt's ids; raises `InvalidRequest` when it does not fit). Observation: `scheduler_stats`,
@@ -75,6 +75,9 @@ class EngineClient(Service, Protocol):
                  request_id: str | None = None, options: RequestOptions = ...) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
+                          options: RequestOptions = ...) -> RequestOutput: ...
 
     def compile_grammar(self, structured) -> None: ...
 

@@ -58,6 +58,13 @@ class Request:
     tracer: object | None = None  # `nextoken.trace` recorder: this request runs in a pass of its own
     first_tokens: list[int] = field(default_factory=list)  # emitted in place of the next draws (the quick start's)
     lora_id: int = 0  # its LoRA adapter (`lora.LoRAManager`), 0 for the base model
+    priority: int = 0  # lower goes first under the priority policy (`engine.request_queue`)
+    client: str = ""  # who sent it: the fair policy's unit of service
+    continuation: bool = False  # continues a request that held a place (a beam step): keeps it
+    queue_seq: int = 0  # its place in the waiting queue (`WaitingQueue`)
+    queued_time: float = 0.0  # when it last joined the waiting queue (perf_counter)
+    first_scheduled_time: float | None = None  # when it was first admitted: its queue time ends
+    rank: int = 0  # its effective priority when last admitted (`Scheduler._run`)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_ids)
@@ -89,12 +96,14 @@ def completion_seed(seed: int | None, index: int) -> int | None:
 
 def make_sequences(request_id: str, prompt_ids: list[int], params: SamplingParams, grammars: list,
                    tracer=None, first_tokens: tuple[tuple[int, ...], int] | None = None,
-                   lora_id: int = 0) -> list[Request]:
+                   lora_id: int = 0, priority: int = 0, client: str = "",
+                   continuation: bool = False) -> list[Request]:
     """The `params.n` sequences of a request: ``<id>#<i>``, each with its own generator
     (`completion_seed`), grammar (`grammars[i]`, or None) and sampler row; the later ones fork
     from the first (`parent`), which computes the shared prompt. `first_tokens`: ``(tokens,
     draws)``, the first sequence's first tokens drawn already and the numbers of its seeded
-    stream they used. `lora_id`: their adapter."""
+    stream they used. `lora_id`: their adapter; `priority`, `client`, `continuation`: how the
+    scheduler orders them (`engine.request_queue`)."""
     seqs: list[Request] = []
     for i in range(params.n):
         s = Request(f"{request_id}#{i}", prompt_ids, params, make_generator(completion_seed(params.seed, i)),
@@ -104,5 +113,6 @@ def make_sequences(request_id: str, prompt_ids: list[int], params: SamplingParam
             s.generator.skip(first_tokens[1])
         s.sampler_row = SamplerRequest(params, s.prompt_ids, s.output_ids, s.generator, grammars[i])
         s.tracer, s.lora_id = tracer, lora_id
+        s.priority, s.client, s.continuation = priority, client, continuation
         seqs.append(s)
     return seqs

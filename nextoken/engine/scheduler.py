@@ -1,21 +1,27 @@
 """The scheduler: which requests run this step, and how many new tokens each.
 
 Continuous batching (Yu et al. 2022, "Orca"; vLLM's V1 scheduler): every step, running requests
-first (first come, first served), then waiting ones while the token budget, the limit on
-running sequences and the free blocks allow. A long prompt is split into chunks that fit the
-budget (chunked prefill) and mixes with other requests' decodes in the same step. When blocks
-run out, the newest running request is preempted: it gives its blocks back and waits to be
-recomputed.
+first, then waiting ones, in the order of the scheduling policy (`engine.request_queue`: first
+come first served, priority, or fair), while the token budget, the limit on running sequences and
+the free blocks allow. A long prompt is split into chunks that fit the budget (chunked prefill)
+and mixes with other requests' decodes in the same step. When blocks run out, the last running
+request is preempted: it gives its blocks back (its full blocks stay in the prefix cache) and
+waits, at the front, to be recomputed. Under ``priority`` the running requests are kept in
+priority order, so the last is the lowest priority's newest, and a waiting request of a strictly
+higher priority than it takes its place when no sequence or block is free (vLLM's priority
+preemption).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import time
 from dataclasses import dataclass, field
 
 from nextoken.config import SchedulerConfig
 from nextoken.kv_cache.manager import KVCacheManager
 from nextoken.engine.request import Request, RequestStatus
+from nextoken.engine.request_queue import WaitingQueue
 
 
 @dataclass
@@ -36,7 +42,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.num_lookahead = num_lookahead
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging_s)
         self.running: list[Request] = []
         self.forking: list[Request] = []  # completions waiting for their parent's prompt
         self.num_preemptions = 0  # since the start
@@ -45,7 +51,11 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        (self.forking if req.parent is not None else self.waiting).append(req)
+        self.waiting.arrived(req)
+        if req.parent is not None:
+            self.forking.append(req)
+        else:
+            self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.forking)
@@ -55,6 +65,8 @@ class Scheduler:
         for q in (self.running, self.waiting, self.forking):
             if req in q:
                 q.remove(req)
+        if req.status is not RequestStatus.FINISHED:
+            self.waiting.left(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 
@@ -66,6 +78,9 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        for req, n in out.scheduled.items():  # the fair policy's service counters
+            decode = req.num_computed_tokens + n > req.num_prompt_tokens
+            self.waiting.charge(req, 0 if decode else n, n if decode else 0)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -93,8 +108,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        now = time.perf_counter()
+        for req in self.waiting.ordered(now):
+            if budget <= 0:
+                return
+            rank = self.waiting.effective_priority(req, now)
+            if len(self.running) >= self.config.max_num_seqs:
+                budget, made_room = self._preempt_for(rank, out, budget)
+                if not made_room:
+                    return
             # a traced or scored request computes every token (its trace, its prompt logprobs)
             full = req.tracer is not None or req.params.prompt_logprobs is not None
             lookup = req.num_computed_tokens == 0 and not full and self.kv.enable_caching
@@ -105,9 +127,11 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     return
                 n = budget
-            if not self.kv.allocate_slots(req, n, computed):
-                return
-            self.waiting.popleft()
+            while not self.kv.allocate_slots(req, n, computed):
+                budget, made_room = self._preempt_for(rank, out, budget)
+                if not made_room:
+                    return
+            self.waiting.remove(req)
             if lookup:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_cached
@@ -115,10 +139,35 @@ class Scheduler:
             if not req.admitted:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.admitted = True
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status, req.rank = RequestStatus.RUNNING, rank
+            self._run(req)
             out.scheduled[req] = n
             budget -= n
+
+    def _run(self, req: Request) -> None:
+        """Add `req` to the running requests: last, or under ``priority`` in the order of their
+        effective priority when admitted (then arrival), so that the last is the one to preempt."""
+        if self.waiting.policy == "priority":
+            bisect.insort(self.running, req, key=lambda r: (r.rank, r.queue_seq))
+        else:
+            self.running.append(req)
+
+    def _preempt_for(self, rank: int, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Under ``priority``, preempt the last running request for a waiting one of effective
+        priority `rank` if that is strictly higher (lower) than the one it was admitted with; a
+        step's tokens already given to it go back to the budget. Returns (the budget, whether a
+        request made room). The preempted request waits again at its own priority, so it cannot
+        take the place back at once."""
+        if self.waiting.policy != "priority" or not self.running or self.running[-1].rank <= rank:
+            return budget, False
+        victim = self.running.pop()
+        budget += out.scheduled.pop(victim, 0)
+        out.lookahead.discard(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return budget, True
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -126,7 +175,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     def _release_forks(self) -> None:
         """Completions 1..n-1 join the waiting queue once completion 0 has computed the prompt,
@@ -138,4 +187,4 @@ class Scheduler:
                 if not parent.finished and parent.num_computed_tokens >= parent.num_prompt_tokens:
                     # share full blocks of the prompt but its last token: that one is recomputed
                     child.num_computed_tokens = self.kv.share_prefix(parent, child, child.num_prompt_tokens - 1)
-                self.waiting.append(child)
+                self.waiting.add(child)

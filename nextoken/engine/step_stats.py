@@ -62,5 +62,6 @@ class StepHistory:
                          "logprobs": c.logprobs} for c in group.completions],
             "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
             "finished_time": m.finished_time, "num_cached_tokens": group.seqs[0].num_cached_tokens,
+            "priority": m.priority, "queue_time": m.queue_time,
             "num_preemptions": sum(s.num_preemptions for s in group.seqs),
             "num_blocks": [self.blocks_for(s.num_tokens) for s in group.seqs]}

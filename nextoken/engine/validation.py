@@ -53,6 +53,16 @@ def check_request(kv, num_prompt: int, params: SamplingParams, traced: bool, ten
         raise InvalidRequest("tracing a request is not available with tensor parallelism", "trace")
 
 
+def check_priority(priority, policy: str) -> None:
+    """Raises `InvalidRequest` (field ``priority``) for a priority that is not an integer, or one
+    other than 0 when the scheduling policy is not ``priority`` (as vLLM refuses it)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequest(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and policy != "priority":
+        raise InvalidRequest(f"priority {priority} needs the priority scheduling policy (serve "
+                             f"--scheduling-policy priority); this server schedules {policy}", "priority")
+
+
 def resolve_lora(loras, lora_request) -> int:
     """The adapter id of `lora_request` (a `lora.LoRARequest`, loaded on first use into
     `loras`, the runner's `LoRAManager`), 0 for None. Raises `InvalidRequest` (field ``lora``)

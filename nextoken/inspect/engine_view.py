@@ -134,7 +134,7 @@ def _block_states(pool) -> str:
 
 
 def _seq(engine, r) -> dict:
-    return {"request_id": r.group_id, "sequence": r.request_id, "prompt_tokens": r.num_prompt_tokens,
+    return {"request_id": r.group_id, "sequence": r.request_id, "priority": r.priority, "prompt_tokens": r.num_prompt_tokens,
             "output_tokens": len(r.output_ids), "computed": r.num_computed_tokens,
             "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "traced": r.tracer is not None,
             "blocks": engine.block_ids(r.request_id)}
@@ -161,6 +161,7 @@ def _request(r: dict) -> dict:
     t0 = r["arrival_time"]
     out["ttft_ms"] = None if r["first_token_time"] is None else (r["first_token_time"] - t0) * 1000
     out["latency_ms"] = None if r["finished_time"] is None else (r["finished_time"] - t0) * 1000
+    out["queue_ms"] = None if r.get("queue_time") is None else max(0.0, r["queue_time"]) * 1000
     return out
 
 

@@ -303,15 +303,15 @@ async def journey_step(request: Request, body: JourneyBody):
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")
 async def beam(request: Request, body: BeamBody):
-    from nextoken.beam import BeamSearch, async_beam_search
+    from nextoken.beam import BeamSearch
 
     eng = context_of(request).core()
     ids = context_of(request).encode(body.prompt, False)
     eng.encode_prompt(ids, SamplingParams(max_tokens=body.max_tokens))  # the context check
     search = BeamSearch([ids], body.beam_width, body.max_tokens, body.length_penalty, False,
                         eng.tokenizer.eog_token_ids)
-    outs = await async_beam_search(context_of(request).get_engine(), [ids], body.beam_width, body.max_tokens, body.length_penalty,
-                                   search=search)
+    await context_of(request).get_engine().beam_search(ids, search)
+    outs = search.outputs(eng.tokenizer)
     greedy = None
     async for greedy in context_of(request).get_engine().generate(ids, SamplingParams(temperature=0, max_tokens=body.max_tokens,
                                                                   logprobs=0)):

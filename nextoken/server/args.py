@@ -40,6 +40,9 @@ class ServerArgs(CliArgs):
                                          "hold its slot to the end of the context)",
                                          group="server", type=positive_int, metavar="N")
     allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
+    timeout_keep_alive: float = opt(75.0, "seconds an idle keep-alive connection stays open (uvicorn's 5 s default "
+                                    "closes it as httpx and the openai SDK, whose pools keep one 5 s, reuse it: "
+                                    "a ReadError on the client)", group="server", type=float, metavar="S")
     shutdown_timeout: float = opt(30.0, "seconds in-flight requests get to finish after SIGTERM", group="server",
                                   type=float)
     responses_store: int = opt(100, "responses kept for previous_response_id and GET /v1/responses/{id} (least "

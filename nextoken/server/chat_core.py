@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from nextoken.server.serving import ApiServing
 
 # the neutral names of the fields an API may call otherwise (`ChatSpec.fields`)
-FIELDS = ("max_tokens", "tool_choice", "constraint", "tools", "sampling")
+FIELDS = ("max_tokens", "tool_choice", "constraint", "tools", "sampling", "priority")
 
 
 @dataclass
@@ -46,7 +46,9 @@ class ChatSpec:
     `FIELDS` where it differs, for errors; other_bounds: output bounds the request also names
     but does not use (field -> value: OpenAI chat's max_tokens beside max_completion_tokens),
     each checked against the context as max_tokens is; prompt_ids: the prompt's token ids as
-    they are (a raw prompt: no template, no tools; `messages` unused)."""
+    they are (a raw prompt: no template, no tools; `messages` unused); priority: its scheduling
+    priority (lower first; `RequestOptions.priority`); client: who sent it, for the fair policy
+    (the request's ``user``; empty: the caller's API key, `serving.client_of`)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -59,6 +61,8 @@ class ChatSpec:
     fields: dict[str, str] = field(default_factory=dict)
     other_bounds: dict[str, int] = field(default_factory=dict)
     prompt_ids: list[int] | None = None
+    priority: int = 0
+    client: str = ""
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -67,12 +71,15 @@ class ChatSpec:
 @dataclass
 class Prepared:
     """What the engine gets and what the answer is parsed with: the prompt's ids, the sampling
-    parameters, the template's tools (None without) and their names (the tool-call parser's)."""
+    parameters, the template's tools (None without) and their names (the tool-call parser's),
+    the scheduling priority and client (`ChatSpec`'s)."""
 
     ids: list[int]
     params: SamplingParams
     tools: list[dict] | None
     names: frozenset[str] | None
+    priority: int = 0
+    client: str = ""
 
 
 async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
@@ -97,7 +104,9 @@ async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
         raise _sampling_error(spec, exc) from None
     await serving.compile(params.structured_outputs)
     names = frozenset(t["function"]["name"] for t in tools) if tools else None
-    return Prepared(ids, params, tools, names)
+    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+        raise InvalidRequest(f"{spec.name('priority')} must be an integer, got {spec.priority!r}", spec.name("priority"))
+    return Prepared(ids, params, tools, names, spec.priority, spec.client)
 
 
 def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:

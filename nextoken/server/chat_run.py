@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from nextoken.server.chat_core import Prepared
     from nextoken.server.serving import ApiServing
 
+from nextoken.server.serving import client_of
+
 log = logging.getLogger("nextoken.server")
 
 
@@ -171,8 +173,9 @@ async def run(serving: ApiServing, prepared: Prepared, request, lora=None, strea
     (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine
-    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}",
-                                RequestOptions(lora_request=lora))
+    options = RequestOptions(lora_request=lora, priority=prepared.priority,
+                             client=prepared.client or client_of(request))
+    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}", options)
     style = serving.args.reasoning_parser
     if stream:
         return EventStream(rid, _events(serving, rid, prepared.names, style))

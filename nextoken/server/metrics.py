@@ -36,6 +36,9 @@ class ServerMetrics:
                               registry=r, buckets=TOKEN_BUCKETS)
         self.e2e = Histogram("nextoken_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
                              buckets=LATENCY_BUCKETS)
+        self.queue_time = Histogram("nextoken_request_queue_time_seconds", "Time a request waited before the "
+                                    "scheduler admitted it, by its priority", ["priority"], registry=r,
+                                    buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter("nextoken_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nextoken_generation_tokens", "Tokens generated", registry=r)
         self.failed = Counter("nextoken_request_failures", "Requests ended by a fault in their own row "
@@ -53,6 +56,8 @@ class ServerMetrics:
             self.tpot.observe(m.tpot)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue_time.labels(str(m.priority)).observe(max(0.0, m.queue_time))
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_output_tokens)
         self.vllm.observe(out)

@@ -99,6 +99,17 @@ CONSTRAINT_NAMES = ["guided_json", "guided_regex", "guided_choice", "guided_gram
                     "response_format"]
 
 
+# /v1/responses: a forcing tool_choice needs tools; log-probabilities are not returned beside MCP tools
+RESPONSES_RULES = [
+    Rule(all_of({"not": non_empty("tools")}, given("tool_choice"), {"not": one_of_values("tool_choice", ["none", "auto"])}),
+         "tool_choice needs tools", "tool_choice"),
+    Rule({"required": ["include", "tools"], "properties": {
+        "include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}},
+        "tools": {"type": "array", "contains": {"type": "object", "required": ["type"],
+                                                "properties": {"type": {"const": "mcp"}}}}}},
+         "message.output_text.logprobs is not supported with MCP tools", "include")]
+
+
 def sampling_rules(chat: bool) -> list[Rule]:
     """The refused combinations of /v1/completions (`chat` False) or /v1/chat/completions."""
     beam = true("use_beam_search")

@@ -17,6 +17,16 @@ from contextlib import asynccontextmanager
 log = logging.getLogger("nextoken.server")
 
 
+def uvicorn_config(app, config):
+    """How uvicorn serves `app` (a `uvicorn.Config`): the host, port, graceful shutdown and
+    keep-alive of `config` (the `ServerArgs`)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                          timeout_graceful_shutdown=config.shutdown_timeout,
+                          timeout_keep_alive=config.timeout_keep_alive)
+
+
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     """Load `engine_args`' model (in the background: /health answers 503 until it is warm), and
     ``--embedding-model`` beside it, and serve them as `server_args` (`ServerArgs`) say, until
@@ -124,8 +134,7 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
 
     app = build_app(state, config, lifespan, capabilities)
     server_ref["app"], server_ref["state"] = app, state
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                   timeout_graceful_shutdown=config.shutdown_timeout))
+    server = Server(uvicorn_config(app, config))
     server_ref["server"] = server
     log.info("nextoken serving %s on http://%s:%d", config.model_name, config.host, config.port)
     if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)

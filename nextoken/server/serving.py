@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from nextoken.beam import async_beam_search
+from nextoken.beam import BeamSearch
 from nextoken.engine.protocol import EngineClient
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nextoken.outputs import RequestOutput
+from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.args import ServerArgs
 from nextoken.server.state import ServerState
@@ -31,6 +31,15 @@ class QueueFull(Exception):
 class ClientGone(Exception):
     """The client hung up before its answer was ready: its requests are aborted, and nothing is
     sent (`server.app` answers 499, as nginx logs such a request, without a traceback)."""
+
+
+def client_of(request) -> str:
+    """Who sent `request` (a FastAPI `Request`), for the fair scheduling policy when the body
+    names no user: its API key (``Authorization: Bearer``, or Anthropic's ``x-api-key``), or ""."""
+    headers = getattr(request, "headers", None) or {}
+    auth = headers.get("authorization", "")
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+    return f"key:{key}" if key else ""
 
 
 def no_lora_beams(lora) -> None:
@@ -103,28 +112,26 @@ class ApiServing:
             _abandon(task, rids, eng)
             raise
 
-    async def beam(self, body, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+    async def beam(self, body, prompts: list[list[int]], max_tokens: int, request=None) -> list[RequestOutput]:
         """Beam search for a request with ``use_beam_search``: `best_of` beams (default `n`), the
         `n` best returned as its choices (best first; the rules table refuses what beam search
-        does not return)."""
+        does not return), each prompt's search driven by the engine with the request's priority
+        (`EngineClient.beam_search`)."""
         width = body.best_of or body.n
         if body.n > width:
             raise InvalidRequest(f"n ({body.n}) must not exceed best_of ({width}) with use_beam_search", "n")
         eng = self.engine
         for ids in prompts:
             eng.encode_prompt(ids, SamplingParams(max_tokens=max_tokens))  # the context check
-        start = time.perf_counter()
-        results = await async_beam_search(eng, prompts, width, max_tokens, body.length_penalty, body.ignore_eos)
         eog = eng.tokenizer.eog_token_ids
-        outs = []
-        for ids, res in zip(prompts, results):
-            comps = [CompletionOutput(i, text=b.text, token_ids=b.token_ids, cumulative_logprob=b.cumulative_logprob,
-                                      finish_reason="stop" if b.token_ids and b.token_ids[-1] in eog else "length")
-                     for i, b in enumerate(res.sequences[: body.n])]
-            metrics = RequestMetrics(start, len(ids), 0, sum(len(c.token_ids) for c in comps), None,
-                                     time.perf_counter())
-            outs.append(RequestOutput(f"beam-{uuid.uuid4().hex}", None, ids, comps, True, metrics))
-        return outs
+        options = RequestOptions(priority=body.priority, client=f"user:{body.user}" if body.user else client_of(request))
+        outs = await asyncio.gather(*(eng.beam_search(ids, BeamSearch([ids], width, max_tokens, body.length_penalty,
+                                                                      body.ignore_eos, eog),
+                                                      f"beam-{uuid.uuid4().hex}", options) for ids in prompts))
+        for out in outs:
+            out.outputs[:] = out.outputs[: body.n]
+            out.metrics.num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return list(outs)
 
 
 def _abandon(task: asyncio.Future, rids: list[str], eng) -> None:

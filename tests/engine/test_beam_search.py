@@ -55,3 +55,38 @@ def test_beams_share_blocks_and_batch_prompts(tiny):
 def test_bad_width_is_refused(tiny):
     with pytest.raises(InvalidRequest, match="beam_width"):
         tiny[1].beam_search([[3, 4]], 0, 4)
+
+
+def test_the_engine_queues_each_beam_step_before_the_next_schedule(tiny):
+    """The engine drives a search (`engine.beam_groups`): in the very step its beams get their
+    next token, it queues the next step's requests at the front of the waiting queue, ahead of
+    requests that arrived before them (continuations keep the search's place), and only the
+    search's own id comes out, once, with the beams equal to `LLM.beam_search`'s."""
+    from nextoken.beam import BeamSearch
+    from nextoken.sampling_params import SamplingParams
+
+    want = tiny[1].beam_search([[5, 17, 200, 33, 41, 270, 90, 12]], 3, 5, 1.0, True)[0].sequences
+    llm = LLM(str(tiny[1].engine.model_path), dtype="float32", block_size=4, max_num_seqs=4)  # 3 beams + 1
+    eng = llm.engine
+    prompt = [5, 17, 200, 33, 41, 270, 90, 12]
+    search = BeamSearch([prompt], 3, 5, 1.0, True, eng.tokenizer.eog_token_ids)
+    rid = eng.add_beam_search(prompt, search)
+    for i in range(5):  # arrive after the search: three run beside it, two wait; none passes its later steps
+        eng.add_request([7, 8, 9, 10 + i], SamplingParams(max_tokens=12, ignore_eos=True), f"bg{i}")
+    seen, final, waited = set(), None, 0
+    while eng.has_unfinished_requests():
+        before = search.step
+        for out in eng.step():
+            seen.add(out.request_id)
+            if out.request_id == rid:
+                final = out
+        if search.step > before and not search.done:
+            order = [r.group_id for r in eng.scheduler.waiting.ordered()]
+            n = len(search.pending())
+            assert n and all(g.startswith(f"{rid}/beam{search.step}.") for g in order[:n]), order
+            waited += any(g.startswith("bg") for g in order[n:])
+    assert waited  # requests that arrived earlier were waiting behind the search's next step
+    assert seen == {rid} | {f"bg{i}" for i in range(5)}
+    assert [c.token_ids for c in final.outputs] == [b.token_ids for b in want] and final.finished
+    assert_no_leak(llm)
+    llm.close()

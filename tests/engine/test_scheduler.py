@@ -132,3 +132,96 @@ def test_forked_completions_wait_for_the_prompt_then_share_it():
     plan = s.schedule()
     assert plan.scheduled == {parent: 1, child: 2}  # the child recomputes only past the shared blocks
     assert s.kv.block_ids("p#1")[:2] == s.kv.block_ids("p#0")[:2]
+
+
+def make_policy(policy, max_seqs=2, budget=64, blocks=64, bs=4, aging_s=0.0):
+    return Scheduler(SchedulerConfig(max_seqs, budget, True, None, policy, aging_s), KVCacheManager(blocks, bs, False))
+
+
+def preq(rid, priority=0, client="", n_prompt=4, max_tokens=8, first=0):
+    r = req(rid, n_prompt, max_tokens, first)
+    r.priority, r.client = priority, client
+    return r
+
+
+def test_priority_admits_lower_values_first_then_arrival():
+    """Under ``priority`` the waiting requests are admitted by priority (lower first) then by
+    arrival; under ``fcfs`` by arrival alone."""
+    for policy, want in (("priority", ["c", "a"]), ("fcfs", ["a", "b"])):
+        s = make_policy(policy, max_seqs=2)
+        reqs = [preq("a", 5), preq("b", 7), preq("c", 1), preq("d", 5)]
+        for r in reqs:
+            s.add(r)
+        plan = s.schedule()
+        assert [r.request_id for r in plan.scheduled] == want, policy
+
+
+def test_a_higher_priority_preempts_the_lowest_running_one():
+    """With every sequence slot taken, a waiting request of a strictly higher priority preempts
+    the running request of the lowest priority (the newest among equals), which goes back to wait
+    at the front of its own priority; one of equal priority waits."""
+    s = make_policy("priority", max_seqs=2)
+    low_old, low_new, mid = preq("low-old", 10), preq("low-new", 10, first=50), preq("mid", 5, first=90)
+    s.add(low_old), s.add(low_new)
+    fake_step(s)
+    s.add(mid)
+    plan = s.schedule()
+    assert plan.preempted == [low_new] and mid in plan.scheduled and low_old in plan.scheduled
+    assert low_new.status is RequestStatus.WAITING and low_new.num_computed_tokens == 0
+    assert [r.request_id for r in s.running] == ["mid", "low-old"]  # priority order: the last goes first
+    fake_step(s)
+    five = preq("five", 5, first=120)  # preempts low-old, the last running
+    s.add(five)
+    plan = fake_step(s)
+    assert plan.preempted == [low_old] and [r.request_id for r in s.running] == ["mid", "five"]
+    same = preq("same", 5, first=150)
+    s.add(same)
+    plan = s.schedule()
+    assert not plan.preempted and same not in plan.scheduled  # equal priority: no preemption
+    assert [r.request_id for r in s.waiting.ordered()] == ["same", "low-old", "low-new"]
+
+
+def test_preemption_for_blocks_takes_the_lowest_priority():
+    """When blocks run out for a running request, the lowest-priority running request gives its
+    blocks back, not the newest."""
+    s = make_policy("priority", max_seqs=4, blocks=4, bs=4)  # 16 token slots
+    hi, lo = preq("hi", 0, n_prompt=6), preq("lo", 9, n_prompt=6, first=100)
+    s.add(lo)
+    fake_step(s)
+    s.add(hi)
+    for _ in range(3):
+        plan = fake_step(s)
+    assert lo in plan.preempted or lo.num_preemptions == 1
+    assert hi.num_preemptions == 0
+
+
+def test_aging_lets_a_long_waiting_request_go_first():
+    """The starvation guard: a waiting request's priority improves by one level per `aging_s`
+    seconds it has waited, so a priority-10 request queued 10 s before a priority-0 one ties
+    with it and goes first by arrival."""
+    s = make_policy("priority", max_seqs=1, aging_s=1.0)
+    old, new = preq("old", 10), preq("new", 0)
+    s.add(old), s.add(new)
+    t0 = old.queued_time
+    assert [r.request_id for r in s.waiting.ordered(t0)] == ["new", "old"]
+    new.queued_time = t0 + 10.0  # as if it had come 10 s later
+    assert s.waiting.effective_priority(old, t0 + 10.5) == 0 == s.waiting.effective_priority(new, t0 + 10.5)
+    assert [r.request_id for r in s.waiting.ordered(t0 + 10.5)] == ["old", "new"]
+
+
+def test_fair_admits_the_client_served_least_first():
+    """Under ``fair`` (the Virtual Token Counter) a client's counter grows with its prompt
+    tokens (weight 1) and generated tokens (weight 2). A client joining while others wait starts
+    at the least counter waiting (no banked credit); while it waits the running client's counter
+    grows, so its request goes before the other client's earlier one."""
+    s = make_policy("fair", max_seqs=1)
+    a1, a2 = preq("a1", client="A", n_prompt=8, max_tokens=3), preq("a2", client="A", first=10)
+    s.add(a1), s.add(a2)
+    fake_step(s)  # a1's prompt: A = 8
+    b1 = preq("b1", client="B", first=20)
+    s.add(b1)
+    assert s.waiting.counters["B"] == 8  # lifted to A's
+    fake_step(s), fake_step(s)  # a1 decodes twice (weight 2 each) and finishes
+    assert a1.finished and s.waiting.counters["A"] == 12
+    plan = s.schedule()
+    assert list(plan.scheduled) == [b1]  # B (8) before A's earlier a2 (A: 12)

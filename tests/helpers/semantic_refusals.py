@@ -38,6 +38,11 @@ SEMANTIC = {
     "two tokens": re.compile(r"^the prompt needs at least 2 tokens"),
     # a Responses input of MCP approval items alone, with no previous response (a cross-reference)
     "nothing to answer": re.compile(r"^input holds nothing to answer: MCP approval items alone continue "),
+    # an MCP server URL outside the server's --allow-mcp-url patterns (its configuration, not the body)
+    "mcp url": re.compile(r"^MCP server URL .* is not allowed on this server; (none are allowed|allowed: )"),
+    # a priority other than 0 on a server started without --scheduling-policy priority (its state)
+    "priority off": re.compile(r"^priority -?\d+ needs the priority scheduling policy \(serve --scheduling-policy "
+                               r"priority\); this server schedules \w+$"),
     # the server's own speculation exists only when it was started with it (its state, not the body)
     "speculation off": re.compile(r"^this server runs without speculative decoding in its steps"),
 }

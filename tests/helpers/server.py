@@ -13,6 +13,7 @@ import uvicorn
 from nextoken.engine.async_engine import AsyncLLMEngine
 from nextoken.server.app import build_app
 from nextoken.server.args import ServerArgs
+from nextoken.server.serve import uvicorn_config
 from tests.ports import free_ports
 
 
@@ -36,9 +37,10 @@ class LiveServer:
             self.state.embedder, self.state.embedding_model_name = EmbeddingService(embedder.embedder), embedder_name
         self.llm = llm
         caps = Capabilities(generate=not embed_only, embed=embed_only or embedder is not None)
-        app = build_app(self.state, ServerArgs(model_name=name, **config), capabilities=caps)
         self.port = free_ports(1)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        args = ServerArgs(model_name=name, host="127.0.0.1", port=self.port, **config)
+        app = build_app(self.state, args, capabilities=caps)
+        self.server = uvicorn.Server(uvicorn_config(app, args))  # as `serve` configures it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -76,7 +76,8 @@ def page_run(srv):
             time.sleep(0.1)
         assert len(_finished_ids(srv) - before) >= sent, "the demo requests did not finish"
         # the live view has caught up once it lists the newest finished request
-        newest = max(_finished_ids(srv), key=lambda i: int(i.rsplit("-", 1)[1]))
+        newest = max((i for i in _finished_ids(srv) if re.search(r"-\d+$", i)),  # (a beam's steps: <id>/beam<k>.<i>)
+                     key=lambda i: int(i.rsplit("-", 1)[1]))
         page.wait_for_function("id => new RegExp('\\\\b' + id + '\\\\b').test(document.querySelector('#w-requests').innerText)",
                                arg=newest, timeout=30_000)
         seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}

@@ -54,6 +54,9 @@ class FakeEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
+    async def beam_search(self, prompt_ids, search, request_id=None, options=None):
+        raise NotImplementedError
+
     def compile_grammar(self, structured):
         self.compiled.append(structured)
 

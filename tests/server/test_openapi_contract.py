@@ -62,6 +62,11 @@ def test_semantic_reasons_are_narrow():
     assert semantic_reason("prompt has 7 tokens; traces take at most 512") is None
     assert semantic_reason("max_tokens must be an integer >= 1, got 0") is None
     assert semantic_reason("stream: Input should be a valid boolean (got 0)") is None
+    off = "priority -4 needs the priority scheduling policy (serve --scheduling-policy priority); this server schedules fcfs"
+    assert semantic_reason(off) == "priority off"
+    assert semantic_reason("priority must be an integer, got 1.5") is None
+    assert semantic_reason("MCP server URL 'x' is not allowed on this server; none are allowed (serve "
+                           "--allow-mcp-url PATTERN)") == "mcp url"
 
 
 def test_schema_states_the_models_limits(tiny_srv):

@@ -138,9 +138,9 @@ export function requestsLive(st) {
   if (!st.requests.length) {
     $("req-out").replaceChildren(h("div", { class: "note" }, "No finished request yet."));
   } else {
-    $("req-out").replaceChildren(table(["request", "prompt ids (after the template)", "output", "finish", "TTFT ms", "latency ms", "cached", "blocks", "preemptions"],
+    $("req-out").replaceChildren(table(["request", "prompt ids (after the template)", "output", "finish", "priority", "queue ms", "TTFT ms", "latency ms", "cached", "blocks", "preemptions"],
       st.requests.slice().reverse().map((r) => [r.request_id, r.prompt_ids.slice(0, 24).join(" ") + (r.prompt_ids.length > 24 ? ` … (${r.prompt_ids.length})` : ""),
-        r.outputs.map((o) => o.text).join(" | ").slice(0, 80), r.outputs.map((o) => o.finish_reason).join(","), r.ttft_ms?.toFixed(1) ?? "–", r.latency_ms?.toFixed(1) ?? "–", r.num_cached_tokens, r.num_blocks.join(","), r.num_preemptions])));
+        r.outputs.map((o) => o.text).join(" | ").slice(0, 80), r.outputs.map((o) => o.finish_reason).join(","), r.priority ?? 0, r.queue_ms?.toFixed(1) ?? "–", r.ttft_ms?.toFixed(1) ?? "–", r.latency_ms?.toFixed(1) ?? "–", r.num_cached_tokens, r.num_blocks.join(","), r.num_preemptions])));
   }
   ready("w-requests");
 }

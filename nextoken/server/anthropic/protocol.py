@@ -94,6 +94,7 @@ class MessagesRequest(Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     mcp_servers: list[MCPServer] | None = None  # the MCP connector (`anthropic.mcp`)
+    priority: int = 0  # not Anthropic's: the scheduling priority of vLLM's OpenAI bodies
 
     @model_validator(mode="before")
     @classmethod

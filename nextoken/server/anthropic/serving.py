@@ -77,9 +77,11 @@ def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] 
         sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                     "stop": body.stop_sequences}
     messages = conversation if conversation is not None else to_chat_messages(body.system, body.messages)
+    user = body.metadata.user_id if getattr(body, "metadata", None) is not None else None
     return ChatSpec(messages, tools or None, choice,
                     not (tc is not None and tc.disable_parallel_tool_use), None, sampling,
-                    getattr(body, "max_tokens", None))
+                    getattr(body, "max_tokens", None), priority=getattr(body, "priority", 0),
+                    client=f"user:{user}" if user else "")
 
 
 def stop_reason(choice) -> tuple[str, str | None]:

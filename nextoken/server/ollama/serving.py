@@ -67,7 +67,9 @@ def to_spec(body, messages: list[dict] | None = None) -> ChatSpec:
     return ChatSpec([_chat_message(m) for m in body.messages] if messages is None else messages,
                     [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                     None, True, constraint(body.format), sampling, max_tokens,
-                    fields={"max_tokens": "options.num_predict", "constraint": "format", "sampling": "options"})
+                    fields={"max_tokens": "options.num_predict", "constraint": "format", "sampling": "options",
+                            "priority": "options.priority"},
+                    priority=(body.options or {}).get("priority", 0))
 
 
 def _now() -> str:

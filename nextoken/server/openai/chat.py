@@ -26,7 +26,7 @@ class OpenAIServingChat(ApiServing):
         created, tok, model = int(time.time()), self.engine.tokenizer, self.args.model_name
         if body.use_beam_search:
             no_lora_beams(lora)
-            out = (await self.beam(body, [p.ids], p.params.max_tokens))[0]
+            out = (await self.beam(body, [p.ids], p.params.max_tokens, request))[0]
             return R.chat_response(tok, body, result(out, None, None), created, model)
         res = await run(self, p, request, lora, body.stream, "chatcmpl-")
         if body.stream:
@@ -46,4 +46,5 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     body.sampling_fields((body.top_logprobs or 0) if body.logprobs else None),
                     body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
                     {"max_tokens": used, "constraint": "response_format"},
-                    {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {})
+                    {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "")

@@ -12,7 +12,7 @@ from nextoken.request_options import RequestOptions
 from nextoken.server.openai import render as R
 from nextoken.server.openai.protocol import CompletionRequest
 from nextoken.server.prompts import completion_prompts
-from nextoken.server.serving import ApiServing, no_lora_beams, sse_response
+from nextoken.server.serving import ApiServing, client_of, no_lora_beams, sse_response
 
 
 class OpenAIServingCompletion(ApiServing):
@@ -28,15 +28,17 @@ class OpenAIServingCompletion(ApiServing):
         await self.compile(structured)
         if body.use_beam_search:
             no_lora_beams(lora)
-            outs = await self.beam(body, [ids for ids, _ in prompts], body.generation_limit())
+            outs = await self.beam(body, [ids for ids, _ in prompts], body.generation_limit(), request)
             return R.completion_response(eng, body, outs, prompts, int(time.time()), self.args.model_name)
         rids = []
+        client = f"user:{body.user}" if body.user else client_of(request)
         try:
             for ids, text in prompts:
                 params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
                                               body.scored_prompt())
                 rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}",
-                                                  RequestOptions(prompt_text=text, lora_request=lora)))
+                                                  RequestOptions(prompt_text=text, lora_request=lora,
+                                                                 priority=body.priority, client=client)))
         except BaseException:
             for rid in rids:
                 eng.abort(rid)

@@ -20,15 +20,16 @@ import threading
 import time
 import uuid
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from cachetools import LRUCache
 from fastapi import Request
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
+from nextoken.bodies import BODY, Body, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
+from nextoken.server.rules import RESPONSES_RULES, check, forbid
 from nextoken.server.chat_core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
 from nextoken.server.openai.render import chat_logprobs
@@ -131,6 +132,9 @@ class TextOptions(Body):
 
 
 class ResponsesRequest(Body):
+    RULES: ClassVar[list] = RESPONSES_RULES  # cross-field rules: the schema below, and `create`'s check
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RESPONSES_RULES))
+
     model: NonEmptyStr | None = None
     input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
@@ -146,6 +150,7 @@ class ResponsesRequest(Body):
     previous_response_id: NonEmptyStr | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    priority: int = 0  # as chat completions' (vLLM's)
     max_tool_calls: int | None = Field(None, ge=1)  # MCP calls the server may run for this response
     # "message.output_text.logprobs": each output_text part's tokens with their log-probabilities (and
     # top_logprobs alternatives); "reasoning.encrypted_content" adds nothing (reasoning is plain text here)
@@ -243,7 +248,8 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     body.parallel_tool_calls, _structured(body),
                     {"temperature": body.temperature, "top_p": body.top_p,
                      "logprobs": (body.top_logprobs or 0) if body.wants_logprobs else None}, body.max_output_tokens,
-                    fields={"max_tokens": "max_output_tokens", "constraint": "text.format"})
+                    fields={"max_tokens": "max_output_tokens", "constraint": "text.format"},
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "")
 
 
 def _event(kind: str, data: dict, seq: list[int]) -> str:
@@ -262,6 +268,7 @@ class OpenAIServingResponses(ApiServing):
 
     async def create(self, body: ResponsesRequest, request: Request):
         lora = self.check_model(body.model)
+        check(body.model_dump(exclude_none=True, by_alias=True), body.RULES)
         self.check_queue()
         if body.previous_response_id is not None and self.store.size <= 0:
             raise InvalidRequest("previous_response_id needs the response store, which is off on this server "
@@ -275,8 +282,6 @@ class OpenAIServingResponses(ApiServing):
         meta = {"created_at": int(time.time()), "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": _tool_choice_json(body.tool_choice)}
         if any(t.type == "mcp" for t in body.tools or []):
-            if body.wants_logprobs:
-                raise InvalidRequest("message.output_text.logprobs is not supported with MCP tools", "include")
             return await self._mcp(body, request, lora, meta, conversation, previous)
         p = await prepare(self, to_spec(body, conversation))
         res = await run(self, p, request, lora, body.stream, "resp_")
