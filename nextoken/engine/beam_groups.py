@@ -19,6 +19,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from nextoken.errors import InvalidRequest
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.request_options import RequestOptions
 
@@ -52,7 +53,11 @@ class BeamGroups:
         """Start `search` (a `beam.BeamSearch` over `prompt_ids` alone) as request `request_id`."""
         group = BeamGroup(request_id, search, options, list(prompt_ids))
         self.groups[request_id] = group
-        self._queue_step(engine, group)
+        try:
+            self._queue_step(engine, group)
+        except BaseException:
+            self.abort(engine, request_id)
+            raise
 
     def _queue_step(self, engine, group: BeamGroup) -> None:
         pending = group.search.pending()
@@ -88,8 +93,11 @@ class BeamGroups:
                 group.search.advance(group.tops)
                 if group.search.done:
                     kept.append(self._end(engine, group))
-                else:
+                    continue
+                try:  # (on the stepping thread: a refusal ends this search, never the step)
                     self._queue_step(engine, group)
+                except InvalidRequest as exc:
+                    kept.append(self._end(engine, group, error=str(exc)))
         return kept
 
     def abort(self, engine, request_id: str) -> None:

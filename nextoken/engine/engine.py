@@ -321,10 +321,11 @@ class LLMEngine:
         """Step until every request of `request_ids` has finished; their final outputs, in that
         order. Whatever is left unfinished (an exception, an interrupt) is aborted."""
         final: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
         try:
-            while len(final) < len(request_ids):
+            while len(final) < len(wanted):
                 for out in self.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:  # (others' requests run beside them)
                         final[out.request_id] = out
         finally:
             for rid in request_ids:

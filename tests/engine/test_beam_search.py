@@ -90,3 +90,18 @@ def test_the_engine_queues_each_beam_step_before_the_next_schedule(tiny):
     assert [c.token_ids for c in final.outputs] == [b.token_ids for b in want] and final.finished
     assert_no_leak(llm)
     llm.close()
+
+
+def test_a_search_that_outgrows_the_cache_fails_alone(tiny):
+    """A search whose beams outgrow the KV cache (each step's request is checked as it is queued,
+    on the stepping thread) ends with its error; the engine and the other requests go on."""
+    from nextoken.errors import RequestFailed
+    from nextoken.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny[1].engine.model_path), dtype="float32", block_size=4, num_kv_blocks=6)  # 24 token slots
+    llm.engine.add_request([9, 8, 7], SamplingParams(max_tokens=4, ignore_eos=True), "other")
+    with pytest.raises(RequestFailed, match="KV cache blocks"):
+        llm.beam_search([[5, 17, 200, 33, 41, 270, 90, 12]], 2, 30, 1.0, True)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    assert_no_leak(llm)
+    llm.close()
