@@ -156,7 +156,8 @@ class LLM:
                 engine.abort_request(rid)  # a no-op once finished; frees the blocks if abandoned
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 truncate_prompt: bool = False, lora_request=None) -> list[RequestOutput]:
+                 truncate_prompt: bool = False, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt (raw text, token ids, or vLLM's prompt dictionaries
         ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
         finished `RequestOutput` per prompt, in order. `params` is one `SamplingParams` for all
@@ -164,13 +165,16 @@ class LLM:
         base model) per prompt (with ``enable_lora=True``). Every prompt is checked before any
         runs; a dictionary of another form raises `InvalidRequest`. A prompt whose pass produced
         non-finite logits comes back with `RequestOutput.error` set and finish reason
-        ``"error"``; the others complete."""
+        ``"error"``; the others complete. `priority`: one per prompt, lower first (vLLM's; needs
+        ``scheduling_policy="priority"``)."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts", "lora_request")
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras)
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", "priority")
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
@@ -192,16 +196,16 @@ class LLM:
         prompts = [self._chat_prompt(m, system) for m in convs]
         return self._run_all(prompts, _per_prompt(params, len(prompts)), False)
 
-    def _run_all(self, prompts, params, truncate, loras=None) -> list[RequestOutput]:
+    def _run_all(self, prompts, params, truncate, loras=None, priority=None) -> list[RequestOutput]:
         engine = self._generation()
         encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
         loras = loras or [None] * len(prompts)
         ids = []
         try:
-            for e, p, sp, lora in zip(encoded, prompts, params, loras):
+            for e, p, sp, lora, prio in zip(encoded, prompts, params, loras, priority or [0] * len(prompts)):
                 ids.append(engine.add_request(e, sp, options=RequestOptions(
-                    prompt_text=p if isinstance(p, str) else None, lora_request=lora)))
+                    prompt_text=p if isinstance(p, str) else None, lora_request=lora, priority=prio)))
         except Exception:  # one bad adapter: none of the prompts run
             for rid in ids:
                 engine.abort_request(rid)

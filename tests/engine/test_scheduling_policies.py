@@ -105,3 +105,16 @@ def test_a_priority_needs_the_priority_policy(smollm2_llm):
     rid = eng.add_request("Hi", SamplingParams(max_tokens=1), "r", RequestOptions(priority=0))
     eng.abort_request(rid)
     eng.step()
+
+
+def test_llm_generate_takes_a_priority_per_prompt(llms):
+    """`LLM.generate(..., priority=[...])` as vLLM's: with two sequence slots, the two prompts of
+    priority 0 get their first tokens before the two of priority 5 queued ahead of them."""
+    llm = llms["priority"]
+    outs = llm.generate(["One", "Two", "Three", "Four"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        priority=[5, 5, 0, 0])
+    first = [o.metrics.first_token_time for o in outs]
+    assert max(first[2:]) < min(first[:2])
+    with pytest.raises(InvalidRequest) as e:
+        llm.generate(["One", "Two"], priority=[1])
+    assert e.value.field == "priority"
