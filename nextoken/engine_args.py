@@ -36,13 +36,14 @@ class EngineArgs(CliArgs):
 
     model: str = opt(DEFAULT_MODEL, "catalog name (see `nextoken models`), path to a .gguf file or a Hugging Face "
                       "model folder, or a hub id org/name from the huggingface_hub cache", flag="--model",
-                     short="-m", metavar="NAME|PATH")
+                     short="-m", metavar="NAME|PATH", quick_start=True)
     dtype: str = opt("auto", "weights and activations dtype: auto (bfloat16 for GGUF; a Hugging Face folder's "
-                      "config dtype), bfloat16, or float32 (the exact reference)", choices=DTYPE_CHOICES)
+                      "config dtype), bfloat16, or float32 (the exact reference)", choices=DTYPE_CHOICES,
+                      quick_start=("auto", "bfloat16", "bf16"))
     device: str = opt("auto", "where the model runs: auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda "
-                      "or cuda:N", metavar="DEVICE")
+                      "or cuda:N", metavar="DEVICE", quick_start=("auto", "cpu"))
     num_threads: int | None = opt(None, "compute threads (default: one per core this process may use, at "
-                                        "most OMP_NUM_THREADS)", flag="--threads", type=int)
+                                        "most OMP_NUM_THREADS)", flag="--threads", type=int, quick_start=True)
     enforce_eager: bool = opt(False, "on the CPU, PyTorch only, none of nextoken's C kernels (the reference path); on "
                                "a GPU, no CUDA graphs (every decode step launched op by op); fixed at load in the "
                                "execution plan", cli="true")
@@ -58,64 +59,66 @@ class EngineArgs(CliArgs):
                                      "columns and vocabulary; one all-reduce after attention and after the MLP). "
                                      "Alone, rank 0 starts the others on this machine, each on its own cores; across "
                                      "hosts, launch with torchrun --nproc-per-node N --nnodes ...", type=int)
-    auto_pull: bool = opt(True, "download a catalog model on first use", cli="none")
+    auto_pull: bool = opt(True, "download a catalog model on first use", cli="none", quick_start=True)
     quantization: str | None = opt(None, "quantize a Hugging Face folder's linear and embedding weights at load "
                                    "into GGUF blocks run by our kernels (the gguf package's quantizers: the bytes "
                                    "llama.cpp writes); kept in the prepared-weights cache, so only the first start "
-                                   "quantizes", choices=QUANTIZATIONS)
+                                   "quantizes", choices=QUANTIZATIONS, quick_start=True)
     prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
                                 "file's SHA-256) and memory-map them on later starts", cli="bool")
     # KV cache
     max_model_len: int | None = opt(None, "most tokens per sequence, prompt + output (default: the model's "
-                                     "context length); also sizes the default KV cache", group="KV cache", type=int)
+                                     "context length); also sizes the default KV cache", group="KV cache", type=int,
+                                     quick_start=True)
     kv_cache_memory: int | None = opt(None, "bytes for the KV cache, e.g. 512MiB or 2GB (default: max_num_seqs "
                                        "full contexts, at most a quarter of free memory and 1 GiB)",
-                                       group="KV cache", cli="size")
+                                       group="KV cache", cli="size", quick_start=True)
     gpu_memory_utilization: float = opt(0.9, "on a GPU, the share of its memory this engine may take: weights, "
                                          "activations and the KV cache, which gets what the weights and a profiling "
-                                         "pass leave (vLLM's)", group="KV cache", type=float)
+                                         "pass leave (vLLM's)", group="KV cache", type=float, quick_start=True)
     num_kv_blocks: int = opt(0, "KV cache blocks, overriding --kv-cache-memory (0: from the memory budget)",
-                              group="KV cache", type=int)
-    block_size: int = opt(16, "tokens per KV cache block", group="KV cache", type=int)
+                              group="KV cache", type=int, quick_start=True)
+    block_size: int = opt(16, "tokens per KV cache block", group="KV cache", type=int, quick_start=True)
     kv_cache_dtype: str = opt("auto", "KV cache storage: auto (the model's dtype) or int8 (each token's key and "
                                "value rows per head as int8 with a float32 scale: about half the bytes of bf16, "
                                "so twice the tokens fit and long-context decode reads half as much)",
                                group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes", flag="--prefix-caching",
-                                       group="KV cache", cli="bool")
+                                       group="KV cache", cli="bool", quick_start=True)
     kv_cache_dir: str | None = opt(None, "a directory for the prefix cache's disk tier: full KV blocks are written "
                                    "there in the background and read back instead of recomputed, after a restart "
                                    "and by every process that shares the directory (default: off; with "
                                    "--kv-cache-disk alone or serve --replicas, <cache>/kv; off: none)",
-                                   group="KV cache", metavar="DIR")
+                                   group="KV cache", metavar="DIR", quick_start=True)
     kv_cache_disk: int | None = opt(None, "most bytes the disk tier keeps, least recently used out first, e.g. "
-                                    "20GiB (default: 8 GiB)", group="KV cache", cli="size")
+                                    "20GiB (default: 8 GiB)", group="KV cache", cli="size", quick_start=True)
     # scheduler
-    max_num_seqs: int = opt(64, "sequences running at once", group="scheduler", type=int)
+    max_num_seqs: int = opt(64, "sequences running at once", group="scheduler", type=int, quick_start=True)
     max_num_batched_tokens: int = opt(2048, "new tokens per step (prefill chunks + decodes)", group="scheduler",
-                                       type=int)
+                                       type=int, quick_start=True)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps", flag="--chunked-prefill",
-                                        group="scheduler", cli="bool")
+                                        group="scheduler", cli="bool", quick_start=True)
     scheduling_policy: str = opt("fcfs", "the order waiting requests are admitted in: fcfs (arrival), priority (each "
                                  "request's priority, lower first, as vLLM; a higher priority preempts a lower "
                                  "one) or fair (clients share the tokens served: the Virtual Token Counter)",
-                                 group="scheduler", choices=SCHEDULING_POLICIES)
+                                 group="scheduler", choices=SCHEDULING_POLICIES, quick_start=True)
     # speculative decoding
     speculative_model: str | None = opt(None, "draft model (catalog name, .gguf or folder) with the target's "
                                          "vocabulary", group="speculative decoding", metavar="MODEL")
     speculative_method: str | None = opt(None, "draft (needs --speculative-model) or ngram (prompt lookup, no "
                                           "second model)", group="speculative decoding", choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = opt(4, "tokens proposed per step", group="speculative decoding", type=int)
+    num_speculative_tokens: int = opt(4, "tokens proposed per step", group="speculative decoding", type=int,
+                                      quick_start=True)
     # LoRA
     enable_lora: bool = opt(False, "let requests use LoRA adapters (PEFT folders): vLLM's LoRARequest in Python, "
-                             "--lora-modules and model: NAME on the server", group="LoRA", cli="true")
-    max_loras: int = opt(1, "adapters loaded at once", group="LoRA", type=int)
-    max_lora_rank: int = opt(16, "highest adapter rank accepted", group="LoRA", type=int)
+                             "--lora-modules and model: NAME on the server", group="LoRA", cli="true", quick_start=True)
+    max_loras: int = opt(1, "adapters loaded at once", group="LoRA", type=int, quick_start=True)
+    max_lora_rank: int = opt(16, "highest adapter rank accepted", group="LoRA", type=int, quick_start=True)
     # output
     watermark_gamma: float = opt(0.5, "share of the vocabulary on each green list of the watermark (requests "
-                                  "with watermark on)", group="output", type=float)
+                                  "with watermark on)", group="output", type=float, quick_start=True)
     watermark_delta: float = opt(2.0, "what the watermark adds to a green token's logit", group="output",
-                                  type=float)
+                                  type=float, quick_start=True)
     chat_template: str | None = opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
                                      "with tool support)", group="output", metavar="FILE")
 

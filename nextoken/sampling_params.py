@@ -13,20 +13,23 @@ from nextoken.errors import InvalidRequest
 from nextoken.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+# the mark of a field whose value does not change the first token's draw (`runner.quick_start`:
+# an unmarked field keeps ``run``'s quick start off unless it has its default)
+QUICK_START = {"quick_start": True}
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
     """Number of completions to return for the prompt (each with its own random stream)."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata=QUICK_START)
     """Divides the logits before softmax; 0 means greedy (always the most likely token). >= 0."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=QUICK_START)
     """Nucleus sampling: keep the smallest set of most likely tokens whose probabilities sum to at
     least top_p (Holtzman et al. 2019). In (0, 1]; 1 disables it."""
-    top_k: int = -1
+    top_k: int = field(default=-1, metadata=QUICK_START)
     """Keep only the k most likely tokens. -1 or 0 disables it."""
-    min_p: float = 0.0
+    min_p: float = field(default=0.0, metadata=QUICK_START)
     """Keep tokens whose probability is at least min_p times the most likely token's. In [0, 1]."""
     repetition_penalty: float = 1.0
     """Divide positive logits (multiply negative ones) of tokens already in the prompt or output by
@@ -37,9 +40,9 @@ class SamplingParams:
     """Subtract this times the count of each token in the output from its logit. In [-2, 2]."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit before sampling (values in [-100, 100])."""
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata=QUICK_START)
     """Seed of this request's random stream: the same seed gives the same text."""
-    max_tokens: int = 256
+    max_tokens: int = field(default=256, metadata=QUICK_START)
     """Most tokens to generate. >= 1, or 0 with `prompt_logprobs` (score the prompt only)."""
     min_tokens: int = 0
     """End-of-generation tokens are blocked until this many tokens were generated."""
@@ -48,8 +51,8 @@ class SamplingParams:
     include_stop_str_in_output)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end generation, besides the model's end-of-generation tokens."""
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    include_stop_str_in_output: bool = field(default=False, metadata=QUICK_START)
+    ignore_eos: bool = field(default=False, metadata=QUICK_START)
     """Keep generating past end-of-generation tokens (for benchmarks)."""
     logprobs: int | None = None
     """Return the log-probability of each chosen token and of the `logprobs` most likely
@@ -59,7 +62,7 @@ class SamplingParams:
     """Return the log-probability of every prompt token given the ones before it, and of the
     `prompt_logprobs` most likely tokens there (0 to 20; vLLM's name). The prompt is then
     computed in full (no prefix cache). `RequestOutput.prompt_logprobs`, first entry None."""
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = field(default=True, metadata=QUICK_START)
     """Leave special (control) tokens out of the returned text."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the same

@@ -24,13 +24,17 @@ S`` prints the text `LLM.generate` gives for seed S.
 It runs only where it is the engine's arithmetic: GGUF weights all cached as codes, layers
 ``decode.c`` implements (`decode_step.serves`), bf16 with a bf16 KV cache, one sequence, a prompt
 of at most `MAX_PROMPT_TOKENS`, and sampling settings whose first token needs no history (no
-penalties, bias, minimum length, stop strings, logprobs, grammar or watermark). Anything else,
-and any failure here, returns None: the command then runs the engine alone, which reports errors.
+penalties, bias, minimum length, stop strings, logprobs, grammar or watermark): each field of
+`SamplingParams` and `EngineArgs` says with which values it keeps the first token (its
+``quick_start`` mark, `keeps_first_token`); an unmarked field must have its default. Anything
+else, and any failure here, returns None: the command then runs the engine alone, which reports
+errors.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import logging
 import os
@@ -78,23 +82,27 @@ class PromptKV:
         self.v = np.zeros(shape, dtype=np.uint16)
 
 
-def _params_allow(p) -> bool:
-    """Whether the first token of these `SamplingParams` depends only on the logits."""
-    return (p.n == 1 and p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
-            and not p.stop and not p.stop_token_ids and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and p.structured_outputs is None
-            and not p.watermark)
+def keeps_first_token(args) -> bool:
+    """Whether every field of `args` (`SamplingParams` or `EngineArgs`) has a value with which
+    this path draws the engine's first token: its default, or one its ``quick_start`` mark allows
+    (True: any value; a tuple: those). A field without the mark must have its default, so a new
+    option keeps the quick start off until it is marked."""
+    for f in dataclasses.fields(args):
+        mark, value = f.metadata.get("quick_start", False), getattr(args, f.name)
+        if mark is True or (isinstance(mark, tuple) and value in mark):
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        empty = isinstance(value, (list, tuple, dict, str)) and not value and not default  # stop: [] for None
+        if value != default and not empty:
+            return False
+    return True
 
 
 def _engine_allows(e) -> bool:
-    """Whether these `EngineArgs` run the model as this path does (on the CPU: ``--device cpu``,
-    or ``auto`` on a machine that shows no NVIDIA device, read without importing PyTorch)."""
-    on_cpu = e.device == "cpu" or (e.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
-    return (on_cpu and e.attention_backend == "auto" and e.dtype in ("auto", "bfloat16", "bf16")
-            and not e.enforce_eager and not e.reference_attention
-            and not e.dense_weights and e.tensor_parallel_size == 1 and e.prepared_cache
-            and e.kv_cache_dtype == "auto" and e.speculative_model is None and e.speculative_method is None
-            and e.chat_template is None)
+    """Whether these `EngineArgs` run the model as this path does: each field as its mark allows,
+    and on the CPU (``--device cpu``, or ``auto`` on a machine that shows no NVIDIA device, read
+    without importing PyTorch)."""
+    return keeps_first_token(e) and (e.device == "cpu" or not glob.glob("/dev/nvidia[0-9]*"))
 
 
 def model_file(model: str) -> str | None:
@@ -120,7 +128,7 @@ def first_token(prompt: str, engine_args, params, chat: bool, system: str | None
 
     t0 = time.perf_counter()
     try:
-        if not (_params_allow(params) and _engine_allows(engine_args) and native_allowed()):
+        if not (keeps_first_token(params) and _engine_allows(engine_args) and native_allowed()):
             return None
         path = model_file(engine_args.model)
         if path is None:

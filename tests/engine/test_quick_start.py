@@ -272,3 +272,26 @@ def test_draw_is_the_samplers():
     counts = np.bincount([draw_one(lib, logits, params, DrawGenerator(s).uniform()) for s in range(n)], minlength=8)
     p = probs.numpy().astype(np.float64)
     assert np.all(np.abs(counts / n - p) <= 4 * np.sqrt(p * (1 - p) / n) + 1e-9), (counts / n, p)
+
+
+def test_a_new_option_keeps_the_quick_start_off_until_marked():
+    """Eligibility comes from the fields' ``quick_start`` marks (`keeps_first_token`): an option
+    added to `SamplingParams` or `EngineArgs` without a mark turns the quick start off as soon as
+    it leaves its default; marked ones take the values their mark allows."""
+    from nextoken.cli_args import opt
+
+    @dataclasses.dataclass
+    class NewParams(SamplingParams):
+        new_knob: int = 0
+
+    @dataclasses.dataclass
+    class NewArgs(EngineArgs):
+        new_flag: bool = opt(False, "a new engine option")
+        new_marked: int = opt(1, "a new option that does not change the first token", quick_start=True)
+
+    assert quick_start.keeps_first_token(NewParams(temperature=0.3, seed=5, max_tokens=9))
+    assert not quick_start.keeps_first_token(NewParams(new_knob=1))
+    assert quick_start.keeps_first_token(NewArgs(max_num_seqs=1, num_threads=2, new_marked=7, dtype="bf16"))
+    assert not quick_start.keeps_first_token(NewArgs(new_flag=True))
+    assert not quick_start.keeps_first_token(NewArgs(dtype="float32"))  # outside its mark's values
+    assert not quick_start.keeps_first_token(EngineArgs(device="cuda"))
