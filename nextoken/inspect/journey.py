@@ -17,7 +17,7 @@ import math
 import torch
 
 from nextoken.inspect.text import display
-from nextoken.inspect.trace import logit_lens
+from nextoken.inspect.trace import lens_probs, logit_lens
 
 TOP_LOGITS = 10  # candidates shown from the LM head
 ROPE_PAIRS = 8  # dimension pairs shown, fast to slow
@@ -65,6 +65,26 @@ def _layers(tracer, lens: list[dict], tokens: list[dict]) -> list[dict]:
     return out
 
 
+def commitment(probs: torch.Tensor, token: int) -> dict:
+    """When the logit lens committed to `token` (NDIF Workbench's commitment strip): `probs`
+    ``[layers + 1, vocab]``, the lens' distributions of the last position (the embeddings, then
+    after each layer). ``ranks[l]``: the token's rank after layer l (0: the lens' top-1);
+    ``top1``/``top3``: the first layer from which it stays the top-1 / among the top 3 to the last
+    layer (None: it never settles there, as a sampled token below the top may not); ``layers``."""
+    mine = probs[:, token : token + 1]
+    ranks = [int(r) for r in (probs > mine).sum(-1)[1:]]  # the layers' rows (not the embeddings')
+
+    def settles(k: int):
+        at = None
+        for layer in range(len(ranks) - 1, -1, -1):
+            if ranks[layer] >= k:
+                break
+            at = layer
+        return at
+
+    return {"ranks": ranks, "top1": settles(1), "top3": settles(3), "layers": len(ranks)}
+
+
 def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], prompt_len: int) -> dict:
     """The stages of one step. `ids`: prompt + generated (what the passes ran on); `logits`
     ``[vocab]``: the plain request's next-token row; `stages`: `engine_view.sampling_stages` on
@@ -77,6 +97,7 @@ def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], p
     probs = logits.float().softmax(-1)
     vals, top = logits.float().topk(TOP_LOGITS)
     chosen = stages["chosen"]["id"]
+    committed = commitment(lens_probs(model, tracer.residual[:, -1]), chosen)
     generated = ids[prompt_len:]
     before, after = tok.decode(generated), tok.decode(generated + [chosen])
     bs = eng.cache_config.block_size
@@ -92,6 +113,7 @@ def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], p
                            "prob": round(float(probs[i]), 5)} for v, i in zip(vals, top)]},
         "sampler": stages,
         "choice": {**stages["chosen"], "prob": round(float(probs[chosen]), 5), "is_eos": chosen in tok.eog_token_ids},
+        "commitment": committed,
         "detokenizer": {"before": before, "after": after,
                         "delta": after[len(before):] if after.startswith(before) else after},
         "kv": {"block_size": bs, "tokens": filled, "blocks": [min(bs, filled - b * bs) for b in range(-(-filled // bs))],

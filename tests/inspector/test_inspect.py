@@ -353,6 +353,12 @@ def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
         assert sum(v["kv"]["blocks"]) == n and v["embedding"]["id"] == (ids + generated)[-1]
         assert v["final"]["top"][0]["id"] == v["choice"]["id"]  # greedy: the largest logit
         assert v["layers"][-1]["lens"]["id"] == v["choice"]["id"]  # the last layer's lens is the output
+        c = v["commitment"]  # greedy: the lens ends at the chosen token; from `top1` on it stays there
+        assert c["layers"] == 30 and len(c["ranks"]) == 30 and c["ranks"][-1] == 0
+        assert c["top1"] is not None and c["top3"] is not None and c["top3"] <= c["top1"]
+        assert all(r == 0 for r in c["ranks"][c["top1"]:]) and (c["top1"] == 0 or c["ranks"][c["top1"] - 1] > 0)
+        for layer in v["layers"]:  # the layers' lens column agrees: top-1 exactly where the rank is 0
+            assert (layer["lens"]["id"] == v["choice"]["id"]) == (c["ranks"][layer["layer"]] == 0)
         generated.append(v["choice"]["id"])
     assert generated == want
     assert v["detokenizer"]["after"] == oracle.tokenizer.decode(want)  # the text after the fifth token

@@ -200,6 +200,10 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]",
                                                           "els => els.map(e => e.dataset.journeyTokenId)")]
         stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
+        commits = page.eval_on_selector_all('[data-stage="commitment"] [data-commit-layer]',
+                                            "els => els.map(e => e.dataset.commitLayer)")
+        provenance = page.eval_on_selector_all('[data-stage="commitment"] [data-provenance]',
+                                               "els => els.map(e => e.dataset.provenance)")
         page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
         page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
@@ -209,7 +213,9 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["tokens", "embedding", "positions", "layers", "final", "sampler", "choice",
-                                      "detokenizer", "kv"]
+                                      "commitment", "detokenizer", "kv"]
+    assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
+    assert provenance == ["measured"]
     assert all(ready == "true" for _, ready in stages), stages
     assert not errors and not outside, (errors, outside)
     text = smollm2_llm.tokenizer.decode(want)

@@ -11,11 +11,12 @@ const STAGES = [
   ["final", "5 · Final norm and LM head", "The last residual vector is normalised and multiplied by the LM head: one logit per vocabulary entry. Softmax turns logits into probabilities."],
   ["sampler", "6 · Sampler", "Temperature divides the logits; top-k, top-p and min-p cut the tail; the draw picks from what is left (greedy at temperature 0). Crossed-out candidates were cut."],
   ["choice", "7 · The chosen token", "The token the sampler picked, and its probability under the raw softmax."],
+  ["commitment", "7b · When the model committed", "For each generated token, the first layer from which the logit lens keeps it as its top-1 (the number under it; the bar's colour, dark early to bright late), measured on this run; hover for the top-3 layer and the rank at every layer. A token that settles only at the last layer (red outline) was decided at the very end."],
   ["detokenizer", "8 · Detokenizer and stream", "The new id is turned back into text. A piece can be part of a character, so the stream shows only the text that became complete."],
   ["kv", "9 · KV cache", "Keys and values of every token stay in the paged cache, block by block, so the next step computes only the new token. This request's blocks fill as it grows."],
 ];
 
-const state = { prompt: "", chat: false, generated: [], busy: false, playing: false, stream: "" };
+const state = { prompt: "", chat: false, generated: [], commits: [], busy: false, playing: false, stream: "" };
 
 function settings() {
   return { temperature: Number($("journey-temperature").value), seed: Number($("journey-seed").value) };
@@ -90,6 +91,19 @@ const draw = {
     const c = v.choice;
     return [h("div", { class: "tokens" }, tokenEl(c, false)), h("div", { class: "stat" }, `id ${c.id}, p = ${c.prob}${c.is_eos ? " (end of generation)" : ""}`)];
   },
+  commitment() {
+    const cells = state.commits.map((c) => {
+      const at = c.top1 ?? c.layers, late = c.top1 === null || c.top1 >= c.layers - 1;
+      const shade = color(at, 0, c.layers, false);
+      return h("span", { class: "tok commit" + (late ? " late" : ""), style: `border-bottom:4px solid ${shade}`, "data-commit-layer": c.top1 === null ? "none" : String(c.top1),
+        "data-commit-top3": c.top3 === null ? "none" : String(c.top3),
+        title: `top-1 from layer ${c.top1 ?? "– (never)"}, top-3 from layer ${c.top3 ?? "– (never)"} of ${c.layers}; ranks by layer: ${c.ranks.join(" ")}` },
+        c.token, h("small", {}, c.top1 === null ? "–" : `L${c.top1}`));
+    });
+    const late = state.commits.filter((c) => c.top1 === null || c.top1 >= c.layers - 1).length;
+    return [h("div", { class: "stat", "data-provenance": "measured" }, `${state.commits.length} tokens · ${late} settled only at the last layer (red)`),
+      h("div", { class: "tokens" }, cells)];
+  },
   detokenizer(v) {
     return [h("div", { class: "stat" }, `new text: ${JSON.stringify(v.detokenizer.delta)}`),
       h("pre", { class: "stream" }, state.prompt + v.detokenizer.after)];
@@ -116,6 +130,7 @@ async function step() {
   state.busy = true;
   try {
     const v = await api("journey/step", { prompt: state.prompt, chat: state.chat, generated: state.generated, ...settings() });
+    state.commits.push({ ...v.commitment, token: v.choice.token });
     render(v);
     state.generated.push(v.choice.id);
     $("journey-out").append(tokenEl(v.choice, true, true));
@@ -132,6 +147,7 @@ async function start() {
   state.prompt = $("journey-prompt").value;
   state.chat = $("journey-chat").checked;
   state.generated = [];
+  state.commits = [];
   $("journey-out").replaceChildren();
   document.querySelectorAll("#journey [data-stage]").forEach((e) => delete e.dataset.ready);
   await step();
