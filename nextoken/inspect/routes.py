@@ -94,6 +94,22 @@ class JourneyBody(SampleBody):
     temperature: float = Field(0.0, ge=0.0, le=5.0)
 
 
+class BranchBody(JourneyBody):
+    """A branch point of a journey: its tokens before the clicked one (`generated`), how many
+    alternatives to show and how long each one's greedy preview runs."""
+
+    alternatives: int = Field(5, ge=1, le=10)
+    preview: int = Field(10, ge=1, le=16)
+
+
+class TrajectoryBody(JourneyBody):
+    """An alternative trajectory: the journey's tokens before the branch point (`generated`), the
+    token chosen there instead (`token`), and how long to continue with the sampler's settings."""
+
+    token: TokenId
+    max_tokens: int = Field(16, ge=1, le=64)
+
+
 class BeamBody(Body):
     prompt: str = Field("The best thing about", min_length=1, max_length=text.MAX_TEXT_CHARS)
     beam_width: int = Field(3, ge=1, le=6)
@@ -299,6 +315,58 @@ async def journey_step(request: Request, body: JourneyBody):
     await ctx.run_traced(full, SamplingParams(temperature=0, max_tokens=1), tracer)
     view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
     return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
+
+
+@router.post("/inspect/api/journey/branch", summary="A journey's branch point: the sampler's top alternatives, "
+             "each with a greedy preview")
+async def journey_branch(request: Request, body: BranchBody):
+    """The token at position ``len(generated)`` of the journey taken apart: the candidates the
+    sampler's real chain (`engine_view.sampling_stages`, with the body's settings) leaves most
+    probable, then the most probable before it (under greedy only one is left), each with the
+    greedy continuation the engine generates after it, all batched."""
+    ctx = context_of(request)
+    eng = ctx.core()
+    ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+    _, stages = await _next_token(ctx, ids, body)
+    cands = sorted(stages["candidates"], key=lambda c: (-c["p_final"], -c["p_raw"]))[: body.alternatives]
+    prefix = ids + list(body.generated)
+
+    async def preview(token: int) -> list[int]:
+        out = None
+        async for out in ctx.get_engine().generate(prefix + [token], SamplingParams(temperature=0, max_tokens=body.preview)):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    previews = await asyncio.gather(*(preview(c["id"]) for c in cands))
+    alts = [{"id": c["id"], "token": c["token"], "prob": c["p_final"], "p_raw": c["p_raw"],
+             "chosen": c["id"] == stages["chosen"]["id"], "preview_ids": p,
+             "preview_text": eng.tokenizer.decode([c["id"]] + p)} for c, p in zip(cands, previews)]
+    return {"position": len(body.generated), "greedy": stages["greedy"], "seed": body.seed,
+            "temperature": body.temperature, "alternatives": alts}
+
+
+@router.post("/inspect/api/journey/trajectory", summary="The journey continued from a branch point with another token")
+async def journey_trajectory(request: Request, body: TrajectoryBody):
+    """The continuation the engine generates after the journey's tokens before the branch point
+    and `token` in place of the one chosen there, with the body's sampler settings (greedy at
+    temperature 0; else seeded): its ids (the chosen token first), its text, and how many of its
+    prompt tokens the engine found in the prefix cache (its own counter)."""
+    ctx = context_of(request)
+    eng = ctx.core()
+    ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+    if not 0 <= body.token < eng.config.vocab_size:
+        raise InvalidRequest(f"token id {body.token} is outside the vocabulary", "token")
+    prompt = ids + list(body.generated) + [body.token]
+    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=body.max_tokens)
+    out = None
+    async for out in ctx.get_engine().generate(prompt, params):
+        pass
+    token_ids = [body.token] + list(out.outputs[0].token_ids)
+    return {"position": len(body.generated), "token_ids": token_ids, "text": eng.tokenizer.decode(token_ids),
+            "prefix_reused": out.metrics.num_cached_tokens, "prompt_tokens": len(prompt),
+            "greedy": body.temperature == 0, "temperature": body.temperature, "seed": body.seed}
 
 
 @router.post("/inspect/api/beam", summary="Beam search as a tree next to the greedy path")

@@ -368,6 +368,39 @@ def test_journey_steps_equal_greedy_generate_and_show_each_stage(srv, oracle):
     assert seeded["choice"]["id"] == out.outputs[0].token_ids[0]
 
 
+def test_branch_alternatives_and_trajectories_equal_fresh_requests(srv, oracle):
+    """A branch point of a greedy journey: the chosen token first (probability 1 after greedy's
+    chain), the other alternatives by raw probability, each preview the greedy continuation a
+    fresh request forcing that token generates; a trajectory from an alternative equals a fresh
+    request forcing the same prefix, greedy and seeded alike, and reports the prompt tokens the
+    engine served from its prefix cache (whole blocks of the shared prefix)."""
+    prompt = "Here is a list of the largest cities in Europe, ordered by population, with a short note:"
+    ids = oracle.tokenizer.encode(prompt)
+    greedy = oracle.generate(ids, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    generated = list(greedy[:2])
+    r = post(srv, "journey/branch", {"prompt": prompt, "generated": generated, "alternatives": 4, "preview": 6})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    alts = b["alternatives"]
+    assert b["greedy"] and b["position"] == 2 and len(alts) == 4
+    assert alts[0]["id"] == greedy[2] and alts[0]["chosen"] and alts[0]["prob"] == 1.0
+    assert [a["p_raw"] for a in alts[1:]] == sorted((a["p_raw"] for a in alts[1:]), reverse=True)
+    prefix = ids + generated
+    for a in alts:
+        fresh = oracle.generate(prefix + [a["id"]], SamplingParams(temperature=0, max_tokens=6))[0]
+        assert a["preview_ids"] == list(fresh.outputs[0].token_ids), a
+    alt = alts[1]["id"]
+    for settings in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+        t = post(srv, "journey/trajectory", {"prompt": prompt, "generated": generated, "token": alt, "max_tokens": 12,
+                                              **settings}).json()
+        fresh = oracle.generate(prefix + [alt], SamplingParams(max_tokens=12, **settings))[0]
+        assert t["token_ids"] == [alt] + list(fresh.outputs[0].token_ids), settings
+        assert t["greedy"] == (settings["temperature"] == 0) and t["prompt_tokens"] == len(prefix) + 1
+        assert t["prefix_reused"] > 0 and t["prefix_reused"] % 16 == 0 and t["prefix_reused"] <= len(prefix)
+    bad = post(srv, "journey/trajectory", {"prompt": prompt, "token": 10 ** 6})
+    assert bad.status_code == 400
+
+
 def test_lens_grid_is_the_lens_at_every_position(srv):
     """The heatmap's cells are the per-position lens' top tokens, for every layer and position."""
     trace = post(srv, "trace", {"prompt": "The animal didn't cross the street"}).json()

@@ -204,6 +204,15 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
                                             "els => els.map(e => e.dataset.commitLayer)")
         provenance = page.eval_on_selector_all('[data-stage="commitment"] [data-provenance]',
                                                "els => els.map(e => e.dataset.provenance)")
+        page.click("[data-journey-token-id] >> nth=1")  # branch at the second generated token
+        page.wait_for_selector('[data-stage="branch"] [data-branch-alt]', timeout=60_000)
+        alts = page.eval_on_selector_all("[data-branch-alt]", "els => els.map(e => [+e.dataset.tokenId, +e.dataset.prob])")
+        page.click("[data-branch-alt] >> nth=1")
+        page.wait_for_function("document.querySelectorAll('[data-branch-trajectory]').length === 3", timeout=60_000)
+        trajectories = page.eval_on_selector_all("[data-branch-trajectory]", "els => els.map(e => "
+                                                 "[e.dataset.tokenIds.split(',').map(Number), +e.dataset.prefixReused])")
+        branch_ready = page.get_attribute('[data-stage="branch"]', "data-ready")
+        page.locator('[data-stage="branch"]').screenshot(path=str(OUT / "journey-branch.png"))
         page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
         page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
@@ -212,11 +221,16 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
         browser.close()
     assert got == want
-    assert [n for n, _ in stages] == ["tokens", "embedding", "positions", "layers", "final", "sampler", "choice",
-                                      "commitment", "detokenizer", "kv"]
+    assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
+                                      "choice", "commitment", "detokenizer", "kv"]
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
     assert provenance == ["measured"]
-    assert all(ready == "true" for _, ready in stages), stages
+    assert all(ready == "true" for n, ready in stages if n != "branch"), stages  # (the branch: once clicked)
+    assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first
+    ids = smollm2_llm.tokenizer.encode(prompt)
+    fresh = smollm2_llm.generate(ids + [want[0], alts[1][0]], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert trajectories[0][0] == [alts[1][0]] + list(fresh.outputs[0].token_ids)  # greedy first, as a fresh request
+    assert all(t[1] >= 0 for t in trajectories)
     assert not errors and not outside, (errors, outside)
     text = smollm2_llm.tokenizer.decode(want)
     assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]

@@ -25,11 +25,47 @@ function settings() {
 function stageBox(name) { return document.querySelector(`#journey [data-stage="${name}"] .body`); }
 
 // a token chip; `output`: one of the journey's generated tokens in #journey-out (the DOM contract's
-// data-journey-token-id; the stages' copies of them are only styled)
+// data-journey-token-id; the stages' copies of them are only styled); clicking one branches there
 function tokenEl(t, generated, output = false) {
-  const e = h("span", { class: "tok" + (t.special ? " special" : "") + (generated ? " gen" : ""), title: `id ${t.id}` }, t.token, h("small", {}, t.id));
-  if (output) e.dataset.journeyTokenId = String(t.id);
+  const e = h("span", { class: "tok" + (t.special ? " special" : "") + (generated ? " gen" : ""), title: output ? `id ${t.id} · click: the alternatives here` : `id ${t.id}` }, t.token, h("small", {}, t.id));
+  if (output) {
+    e.dataset.journeyTokenId = String(t.id);
+    const at = state.generated.length - 1;  // its position among the generated tokens (pushed just before)
+    e.addEventListener("click", () => branch(at));
+  }
   return e;
+}
+
+// -- branching: the alternatives at a generated token, and trajectories from them -------------------
+const TRAJECTORY_SETTINGS = [{ temperature: 0 }, { temperature: 0.8 }, { temperature: 1.2 }];
+
+function branchBox() { return document.querySelector('#journey [data-stage="branch"]'); }
+
+async function branch(at) {
+  const box = branchBox(), body = box.querySelector(".body");
+  const base = { prompt: state.prompt, chat: state.chat, generated: state.generated.slice(0, at), ...settings() };
+  body.replaceChildren(h("div", { class: "note" }, `the alternatives at generated token ${at + 1}…`));
+  try {
+    const r = await api("journey/branch", base);
+    const rows = r.alternatives.map((a) => h("div", { class: "row branch-alt", "data-branch-alt": "", "data-token-id": String(a.id), "data-prob": String(a.prob),
+      role: "button", tabindex: "0", title: "generate the trajectory from this token", onclick: () => trajectories(at, a, base, body) },
+      h("span", { class: "tok" + (a.chosen ? " gen" : "") }, a.token, h("small", {}, a.id)),
+      h("span", { class: "stat" }, `p ${a.prob} after the sampler (raw ${a.p_raw})${a.chosen ? " · the journey's token" : ""} → `),
+      h("span", { class: "stream" }, JSON.stringify(a.preview_text))));
+    body.replaceChildren(h("div", { class: "stat", "data-provenance": "measured" }, `${r.greedy ? "greedy (temperature 0): the chain keeps one token; the others by raw probability" : `temperature ${r.temperature}, seed ${r.seed}`} · each with the engine's greedy next ${r.alternatives[0]?.preview_ids.length ?? 0} tokens · click one for its trajectories`), ...rows);
+    box.dataset.ready = "true";
+  } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
+}
+
+async function trajectories(at, alt, base, body) {
+  const original = state.generated.slice(at);
+  const runs = await Promise.all(TRAJECTORY_SETTINGS.map((t) => api("journey/trajectory", { ...base, ...t, token: alt.id, max_tokens: Math.max(8, original.length) })));
+  const chips = (ids, other) => ids.map((id, i) => h("span", { class: "tok" + (other && other[i] !== id ? " diverge" : "") }, String(id)));
+  const rows = runs.map((r) => h("div", { class: "trajectory", "data-branch-trajectory": "", "data-token-ids": r.token_ids.join(","), "data-prefix-reused": String(r.prefix_reused) },
+    h("div", { class: "stat" }, `${r.greedy ? "greedy" : `temperature ${r.temperature}, seed ${r.seed}`} · ${r.prefix_reused} of ${r.prompt_tokens} prompt tokens from the prefix cache (the engine's counter)`),
+    h("pre", { class: "stream" }, r.text), h("div", { class: "tokens" }, chips(r.token_ids, original))));
+  body.append(h("div", { class: "trajectories" }, h("div", { class: "stat" }, `from "${alt.token}" at generated token ${at + 1}; the journey's own continuation, ids where a trajectory differs from it outlined:`),
+    h("div", { class: "tokens" }, chips(original, null)), ...rows));
 }
 
 // the merges that build one token, replayed with the model's own merge list (POST bpe)
@@ -166,6 +202,9 @@ export function journey() {
   const stages = STAGES.map(([name, title, note]) => h("div", { class: "stage", "data-stage": name },
     h("h3", {}, title), h("p", { class: "note" }, note), h("div", { class: "body" })));
   $("journey-stages").replaceChildren(...stages);
+  $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come"),
+    h("p", { class: "note" }, "Click a generated token: the sampler's most likely alternatives there, each with the engine's greedy preview; click one to generate its trajectory (greedy and sampled, side by side with the journey's own), the prefix served from the KV cache."),
+    h("div", { class: "body" }, h("div", { class: "note", "data-provenance": "measured" }, "No branch yet."))));
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
