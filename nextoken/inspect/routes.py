@@ -314,7 +314,16 @@ async def journey_step(request: Request, body: JourneyBody):
     tracer = TraceRecorder(eng.config, last_row_only=True)  # what happens inside, on the same tokens
     await ctx.run_traced(full, SamplingParams(temperature=0, max_tokens=1), tracer)
     view = await asyncio.to_thread(journey.step_view, eng, tracer, logits, stages, full, len(ids))
-    return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1)}
+    return {**view, "prompt_tokens": len(ids), "step_ms": round((time.perf_counter() - start) * 1000, 1),
+            "model": {"name": eng.config.name, "digest": await asyncio.to_thread(_digest, str(eng.model_path))}}
+
+
+@functools.lru_cache(maxsize=4)
+def _digest(path: str) -> str:
+    """The model's SHA-256 (`loader.prepared.content_key`), which names a journey's export."""
+    from nextoken.loader.prepared import content_key
+
+    return content_key(path)
 
 
 @router.post("/inspect/api/journey/branch", summary="A journey's branch point: the sampler's top alternatives, "

@@ -7,6 +7,8 @@ Without chromium or Playwright these tests skip with one line saying what to ins
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -219,6 +221,21 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         for name, _ in stages:
             page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
         page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
+        with page.expect_download() as dl:  # the journey as one file ...
+            page.click("#journey-export")
+        exported = OUT / "journey.json"
+        dl.value.save_as(exported)
+        fresh_page = browser.new_page(viewport={"width": 1280, "height": 900})  # ... shown again from it alone
+        fresh_page.goto(f"{srv.url}/inspect?key=secret")
+        fresh_page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+        asked = []
+        fresh_page.on("request", lambda r: asked.append(r.url) if "/journey" in r.url else None)
+        fresh_page.set_input_files("#journey-import", str(exported))
+        fresh_page.wait_for_function("document.querySelectorAll('#journey-out [data-journey-token-id]').length === 5",
+                                     timeout=30_000)
+        reopened = [int(x) for x in fresh_page.eval_on_selector_all("[data-journey-token-id]",
+                                                                     "els => els.map(e => e.dataset.journeyTokenId)")]
+        reopened_text = fresh_page.inner_text('#journey [data-stage="detokenizer"]')
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
@@ -231,6 +248,10 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     fresh = smollm2_llm.generate(ids + [want[0], alts[1][0]], SamplingParams(temperature=0, max_tokens=8))[0]
     assert trajectories[0][0] == [alts[1][0]] + list(fresh.outputs[0].token_ids)  # greedy first, as a fresh request
     assert all(t[1] >= 0 for t in trajectories)
+    doc = json.loads(exported.read_text())
+    assert doc["format"] == "nextoken-journey/1" and doc["generated"] == want and len(doc["steps"]) == 5
+    assert doc["model"]["digest"] == hashlib.sha256(Path(srv.llm.engine.model_path).read_bytes()).hexdigest()
+    assert reopened == want and not asked and texts["detokenizer"] == reopened_text
     assert not errors and not outside, (errors, outside)
     text = smollm2_llm.tokenizer.decode(want)
     assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]

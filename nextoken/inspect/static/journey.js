@@ -16,7 +16,8 @@ const STAGES = [
   ["kv", "9 · KV cache", "Keys and values of every token stay in the paged cache, block by block, so the next step computes only the new token. This request's blocks fill as it grows."],
 ];
 
-const state = { prompt: "", chat: false, generated: [], commits: [], busy: false, playing: false, stream: "" };
+const state = { prompt: "", chat: false, generated: [], commits: [], views: [], busy: false, playing: false, stream: "" };
+const FORMAT = "nextoken-journey/1";
 
 function settings() {
   return { temperature: Number($("journey-temperature").value), seed: Number($("journey-seed").value) };
@@ -167,6 +168,7 @@ async function step() {
   try {
     const v = await api("journey/step", { prompt: state.prompt, chat: state.chat, generated: state.generated, ...settings() });
     state.commits.push({ ...v.commitment, token: v.choice.token });
+    state.views.push(v);
     render(v);
     state.generated.push(v.choice.id);
     $("journey-out").append(tokenEl(v.choice, true, true));
@@ -184,6 +186,7 @@ async function start() {
   state.chat = $("journey-chat").checked;
   state.generated = [];
   state.commits = [];
+  state.views = [];
   $("journey-out").replaceChildren();
   document.querySelectorAll("#journey [data-stage]").forEach((e) => delete e.dataset.ready);
   await step();
@@ -198,6 +201,42 @@ async function play() {
   $("journey-play").textContent = "Play";
 }
 
+// -- a journey as one file: every step's data, the model's name and digest -------------------------
+function exportJourney() {
+  if (!state.views.length) return;
+  const last = state.views[state.views.length - 1];
+  const doc = { format: FORMAT, model: last.model, prompt: state.prompt, chat: state.chat, settings: settings(),
+    generated: state.generated, steps: state.views };
+  const url = URL.createObjectURL(new Blob([JSON.stringify(doc)], { type: "application/json" }));
+  const a = h("a", { href: url, download: `journey-${(last.model?.name || "model").replace(/\W+/g, "-")}.json` });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+// shows an exported journey again from its file alone: no request to the server
+async function importJourney(file) {
+  try {
+    const doc = JSON.parse(await file.text());
+    if (doc.format !== FORMAT || !Array.isArray(doc.steps) || !doc.steps.length) throw new Error(`not a ${FORMAT} file`);
+    state.playing = false;
+    Object.assign(state, { prompt: doc.prompt, chat: doc.chat, generated: [], commits: [], views: [] });
+    $("journey-prompt").value = doc.prompt;
+    $("journey-out").replaceChildren();
+    for (const v of doc.steps) {
+      state.commits.push({ ...v.commitment, token: v.choice.token });
+      state.views.push(v);
+      state.generated.push(v.choice.id);
+      $("journey-out").append(tokenEl(v.choice, true, false));
+    }
+    render(doc.steps[doc.steps.length - 1]);
+    $("journey-meta").textContent = `opened from a file: ${doc.model?.name ?? "?"} (sha256 ${String(doc.model?.digest ?? "?").slice(0, 12)}…), ${doc.steps.length} steps`;
+    $("journey").dataset.imported = doc.model?.digest ?? "";
+    $("journey-out").querySelectorAll(".tok").forEach((e, i) => { e.dataset.journeyTokenId = String(state.generated[i]); });
+  } catch (e) { showError("journey", e); }
+}
+
 export function journey() {
   const stages = STAGES.map(([name, title, note]) => h("div", { class: "stage", "data-stage": name },
     h("h3", {}, title), h("p", { class: "note" }, note), h("div", { class: "body" })));
@@ -208,5 +247,7 @@ export function journey() {
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
+  $("journey-export").addEventListener("click", exportJourney);
+  $("journey-import").addEventListener("change", (e) => e.target.files[0] && importJourney(e.target.files[0]));
   $("journey").dataset.ready = "1";  // the stages say data-ready="true" once a step has drawn them
 }
