@@ -204,8 +204,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
         commits = page.eval_on_selector_all('[data-stage="commitment"] [data-commit-layer]',
                                             "els => els.map(e => e.dataset.commitLayer)")
-        provenance = page.eval_on_selector_all('[data-stage="commitment"] [data-provenance]',
-                                               "els => els.map(e => e.dataset.provenance)")
+        provenance = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, "
+                                               "[...e.querySelectorAll('[data-provenance]')].map(p => p.dataset.provenance)])")
         page.click("[data-journey-token-id] >> nth=1")  # branch at the second generated token
         page.wait_for_selector('[data-stage="branch"] [data-branch-alt]', timeout=60_000)
         alts = page.eval_on_selector_all("[data-branch-alt]", "els => els.map(e => [+e.dataset.tokenId, +e.dataset.prob])")
@@ -241,7 +241,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
                                       "choice", "commitment", "detokenizer", "kv"]
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
-    assert provenance == ["measured"]
+    assert all(kinds and set(kinds) <= {"measured", "derived", "illustrative"} for _, kinds in provenance), provenance
+    assert dict(provenance)["positions"] == ["derived"] and dict(provenance)["commitment"] == ["measured"]
     assert all(ready == "true" for n, ready in stages if n != "branch"), stages  # (the branch: once clicked)
     assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first
     ids = smollm2_llm.tokenizer.encode(prompt)

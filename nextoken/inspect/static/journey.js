@@ -16,6 +16,17 @@ const STAGES = [
   ["kv", "9 · KV cache", "Keys and values of every token stay in the paged cache, block by block, so the next step computes only the new token. This request's blocks fill as it grows."],
 ];
 
+// where each stage's numbers come from (the issue's provenance badges): measured on this run,
+// derived from measured values or the model's constants, or illustrative
+const PROVENANCE = { tokens: "measured", embedding: "measured", positions: "derived", layers: "measured", final: "measured",
+  sampler: "measured", choice: "measured", commitment: "measured", detokenizer: "measured", kv: "measured" };
+const PROVENANCE_NOTE = { measured: "read from this run of the model", derived: "computed from the model's own constants and this run's numbers",
+  illustrative: "an illustration, not this run's numbers" };
+
+function badge(kind) {
+  return h("span", { class: `prov prov-${kind}`, "data-provenance": kind, title: PROVENANCE_NOTE[kind] }, kind);
+}
+
 const state = { prompt: "", chat: false, generated: [], commits: [], views: [], busy: false, playing: false, stream: "" };
 const FORMAT = "nextoken-journey/1";
 
@@ -53,7 +64,7 @@ async function branch(at) {
       h("span", { class: "tok" + (a.chosen ? " gen" : "") }, a.token, h("small", {}, a.id)),
       h("span", { class: "stat" }, `p ${a.prob} after the sampler (raw ${a.p_raw})${a.chosen ? " · the journey's token" : ""} → `),
       h("span", { class: "stream" }, JSON.stringify(a.preview_text))));
-    body.replaceChildren(h("div", { class: "stat", "data-provenance": "measured" }, `${r.greedy ? "greedy (temperature 0): the chain keeps one token; the others by raw probability" : `temperature ${r.temperature}, seed ${r.seed}`} · each with the engine's greedy next ${r.alternatives[0]?.preview_ids.length ?? 0} tokens · click one for its trajectories`), ...rows);
+    body.replaceChildren(h("div", { class: "stat" }, `${r.greedy ? "greedy (temperature 0): the chain keeps one token; the others by raw probability" : `temperature ${r.temperature}, seed ${r.seed}`} · each with the engine's greedy next ${r.alternatives[0]?.preview_ids.length ?? 0} tokens · click one for its trajectories`), ...rows);
     box.dataset.ready = "true";
   } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
 }
@@ -138,7 +149,7 @@ const draw = {
         c.token, h("small", {}, c.top1 === null ? "–" : `L${c.top1}`));
     });
     const late = state.commits.filter((c) => c.top1 === null || c.top1 >= c.layers - 1).length;
-    return [h("div", { class: "stat", "data-provenance": "measured" }, `${state.commits.length} tokens · ${late} settled only at the last layer (red)`),
+    return [h("div", { class: "stat" }, `${state.commits.length} tokens · ${late} settled only at the last layer (red)`),
       h("div", { class: "tokens" }, cells)];
   },
   detokenizer(v) {
@@ -239,11 +250,11 @@ async function importJourney(file) {
 
 export function journey() {
   const stages = STAGES.map(([name, title, note]) => h("div", { class: "stage", "data-stage": name },
-    h("h3", {}, title), h("p", { class: "note" }, note), h("div", { class: "body" })));
+    h("h3", {}, title, " ", badge(PROVENANCE[name])), h("p", { class: "note" }, note), h("div", { class: "body" })));
   $("journey-stages").replaceChildren(...stages);
-  $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come"),
+  $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come ", badge("measured")),
     h("p", { class: "note" }, "Click a generated token: the sampler's most likely alternatives there, each with the engine's greedy preview; click one to generate its trajectory (greedy and sampled, side by side with the journey's own), the prefix served from the KV cache."),
-    h("div", { class: "body" }, h("div", { class: "note", "data-provenance": "measured" }, "No branch yet."))));
+    h("div", { class: "body" }, h("div", { class: "note" }, "No branch yet."))));
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
