@@ -24,7 +24,7 @@ from pydantic import Field
 
 from nextoken.bodies import SEED_LIMIT, Body, TokenId, model_limit
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.inspect import engine_view, journey, measure_routes, model_view, text
+from nextoken.inspect import engine_view, interventions, journey, measure_routes, model_view, text
 from nextoken.inspect.context import InspectContext, context_of
 from nextoken.inspect.trace import (LABEL_RULE, MAX_TRACE_TOKENS, attention_payload, head_stats, lens_grid,
                                     logit_lens)
@@ -142,6 +142,7 @@ def install(app, get_engine) -> None:
     app.state.inspector = InspectContext(get_engine)
     app.include_router(router)
     app.include_router(measure_routes.router)
+    app.include_router(interventions.router)
 
 
 @router.get("/inspect", include_in_schema=False)

@@ -29,6 +29,35 @@ from nextoken.kv_cache.tensors import Int8Rows, dequantize_rows
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+class Ablation:
+    """Zero-ablation of one component in a traced pass (the inspector's interventions): `kind`
+    "head" (query head `head`'s attention output, before the output projection), "attention"
+    (every head's output, before the output projection: a projection's bias stays) or "mlp" (the
+    feed-forward's output: the layer adds nothing after its attention), in layer `layer`. A
+    traced request runs in a pass of its own, so no other request sees it; the tracer carries it
+    (``tracer.ablation``), the model's forward hands it to the metadata."""
+
+    KINDS = ("head", "attention", "mlp")
+
+    def __init__(self, layer: int, kind: str, head: int = 0):
+        if kind not in self.KINDS:
+            raise ValueError(f"ablation kind {kind!r}: expected one of {', '.join(self.KINDS)}")
+        self.layer, self.kind, self.head = layer, kind, head
+
+    def attention(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        """`layer`'s attention output ``[T, H, D]`` with the ablated part zeroed."""
+        if layer != self.layer or self.kind == "mlp":
+            return out
+        if self.kind == "attention":
+            return torch.zeros_like(out)
+        out = out.clone()
+        out[:, self.head] = 0
+        return out
+
+    def drops_mlp(self, layer: int) -> bool:
+        return self.kind == "mlp" and layer == self.layer
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """The layout of one batched forward pass.
@@ -60,6 +89,7 @@ class AttentionMetadata:
     first_block: list[int | None] | None = None  # per sequence: its first block if its blocks are consecutive
     sliding: object | None = None  # `sliding_attention.SlidingMetadata`, for models with sliding-window layers
     device: object | None = None  # with "triton": `gpu_attention.DeviceMetadata`, what the kernel reads
+    ablation: Ablation | None = None  # a traced pass's zero-ablation (the inspector's interventions)
 
     @property
     def num_seqs(self) -> int:
@@ -400,6 +430,12 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
     tracing, the probabilities go to the metadata's sink (`AttentionMetadata.probs`)."""
     from nextoken.layers.sliding_attention import sliding_window_attention
 
+    if meta.ablation is not None:  # (a traced pass: the plain attention, then the ablated part zeroed)
+        ablation, meta.ablation = meta.ablation, None
+        try:
+            return ablation.attention(attend(q, k, v, kv, layer, meta, scale, sliding), layer)
+        finally:
+            meta.ablation = ablation
     reference = meta.backend == "reference" or meta.probs is not None
     if meta.backend == "triton" and not reference:
         from nextoken.layers.gpu_attention import attend_triton

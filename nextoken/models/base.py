@@ -78,6 +78,7 @@ class DecoderModel(torch.nn.Module):
         rope = self.rope(positions)
         if tracer is not None:
             tracer.on_embedding(h, *(rope[False] if rope else (None, None)))
+            meta.ablation = getattr(tracer, "ablation", None)  # (a traced pass: its intervention, if any)
         for i, layer in enumerate(self.layers):
             if meta.probs:  # tracing: each layer's probabilities, one list per layer
                 meta.probs = []

@@ -59,6 +59,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
         h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps)
         if meta.mid is not None:
             meta.mid.append(h)
+        if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
+            return h
         ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps))
         h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps)
         return h

@@ -51,6 +51,8 @@ class GPT2Block(torch.nn.Module):
         h = h + self.attn_proj(out.reshape(t, -1))
         if meta.mid is not None:
             meta.mid.append(h)
+        if meta.ablation is not None and meta.ablation.drops_mlp(self.layer):
+            return h
         ffn = F.gelu(self.c_fc(layer_norm(h, self.ln_2_weight, self.ln_2_bias, self.eps)), approximate=self.gelu)
         return h + self.mlp_proj(ffn)
 

@@ -98,6 +98,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         h = h + attn
         if meta.mid is not None:
             meta.mid.append(h)
+        if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
+            return h
         h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.norm_kernel))
         return h
 

@@ -43,6 +43,7 @@ class TraceRecorder:
         self.passes: list[dict] = []
         self.steps: list[dict] = []
         self.first_logits: torch.Tensor | None = None
+        self.ablation = None  # a `layers.attention.Ablation` the traced pass applies (the inspector's interventions)
         self._at = 0  # prompt rows recorded so far
         self._q = 0  # prompt rows in this pass
         self._t = 0.0

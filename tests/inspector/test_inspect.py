@@ -401,6 +401,20 @@ def test_branch_alternatives_and_trajectories_equal_fresh_requests(srv, oracle):
     assert bad.status_code == 400
 
 
+def test_the_ablate_route_reports_the_change(srv, oracle):
+    """On SmolLM2: ablating layer 0's MLP changes the next token's distribution (KL > 0); the plain
+    side's continuation is the greedy one; a layer or head the model lacks is a 400 naming it."""
+    r = post(srv, "ablate", {"prompt": "The capital of France is", "layer": 0, "kind": "mlp", "continue_tokens": 3})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["kl"] > 0 and len(v["plain"]["continuation_ids"]) == 3 and v["plain"]["top"][0]["prob"] > 0
+    want = oracle.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert v["plain"]["continuation_ids"] == list(want.outputs[0].token_ids)
+    for body, field in (({"layer": 99}, "layer"), ({"kind": "head", "head": 200}, "head")):
+        bad = post(srv, "ablate", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+
+
 def test_lens_grid_is_the_lens_at_every_position(srv):
     """The heatmap's cells are the per-position lens' top tokens, for every layer and position."""
     trace = post(srv, "trace", {"prompt": "The animal didn't cross the street"}).json()

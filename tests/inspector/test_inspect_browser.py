@@ -215,6 +215,12 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
                                                  "[e.dataset.tokenIds.split(',').map(Number), +e.dataset.prefixReused])")
         branch_ready = page.get_attribute('[data-stage="branch"]', "data-ready")
         page.locator('[data-stage="branch"]').screenshot(path=str(OUT / "journey-branch.png"))
+        page.fill("#ablate-layer", "0")
+        page.select_option("#ablate-kind", "mlp")
+        page.click("#ablate-go")
+        page.wait_for_selector('[data-stage="ablation"][data-ready="true"]', state="attached", timeout=60_000)
+        ablation_text = page.inner_text('[data-stage="ablation"]')
+        page.locator('[data-stage="ablation"]').screenshot(path=str(OUT / "journey-ablation.png"))
         page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
         page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
@@ -239,11 +245,15 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
-                                      "choice", "commitment", "detokenizer", "kv"]
+                                      "choice", "commitment", "detokenizer", "kv", "ablation"]
+    ablated = httpx.post(f"{srv.url}/inspect/api/ablate", json={"prompt": prompt, "generated": want, "layer": 0,
+                                                               "kind": "mlp", "continue_tokens": 6},
+                         headers={"Authorization": "Bearer secret"}, timeout=120).json()
+    assert f"KL(plain ‖ ablated) = {ablated['kl']} nats" in ablation_text
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
     assert all(kinds and set(kinds) <= {"measured", "derived", "illustrative"} for _, kinds in provenance), provenance
     assert dict(provenance)["positions"] == ["derived"] and dict(provenance)["commitment"] == ["measured"]
-    assert all(ready == "true" for n, ready in stages if n != "branch"), stages  # (the branch: once clicked)
+    assert all(ready == "true" for n, ready in stages if n not in ("branch", "ablation")), stages  # (those: once used)
     assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first
     ids = smollm2_llm.tokenizer.encode(prompt)
     fresh = smollm2_llm.generate(ids + [want[0], alts[1][0]], SamplingParams(temperature=0, max_tokens=8))[0]

@@ -212,6 +212,32 @@ async function play() {
   $("journey-play").textContent = "Play";
 }
 
+// -- interventions: zero-ablate a head, an attention block or an MLP (POST ablate) ------------------
+function ablationStage() {
+  const layer = h("input", { id: "ablate-layer", type: "number", min: "0", value: "0", size: "3", "aria-label": "layer" });
+  const kind = h("select", { id: "ablate-kind", "aria-label": "what to ablate" }, ...["head", "attention", "mlp"].map((k) => h("option", { value: k }, k)));
+  const head = h("input", { id: "ablate-head", type: "number", min: "0", value: "0", size: "3", "aria-label": "head" });
+  const body = h("div", { class: "body" });
+  const box = h("div", { class: "stage", "data-stage": "ablation" }, h("h3", {}, "Intervene: zero-ablate a part ", badge("measured")),
+    h("p", { class: "note" }, "Zero one head's output, a whole attention block's or an MLP's in one layer, for the next token and the greedy continuation: the distribution before and after (KL divergence), and the text. Each side is a traced pass of the engine, in a pass of its own."),
+    h("div", { class: "row" }, h("label", {}, "layer ", layer), h("label", {}, "part ", kind), h("label", {}, "head ", head),
+      h("button", { id: "ablate-go", onclick: () => runAblation(body, box) }, "Ablate")), body);
+  return box;
+}
+
+async function runAblation(body, box) {
+  const prompt = state.prompt || $("journey-prompt").value;
+  body.replaceChildren(h("div", { class: "note" }, "running the plain and the ablated passes…"));
+  try {
+    const r = await api("ablate", { prompt, chat: state.chat, generated: state.generated, layer: Number($("ablate-layer").value),
+      kind: $("ablate-kind").value, head: Number($("ablate-head").value), continue_tokens: 6 });
+    const side = (name, s) => [name, s.top.map((c) => `${c.token} ${c.prob}`).join(" · "), JSON.stringify(s.continuation)];
+    body.replaceChildren(h("div", { class: "stat" }, `${r.kind}${r.head === null ? "" : ` ${r.head}`} of layer ${r.layer}: KL(plain ‖ ablated) = ${r.kl} nats${r.top_changed ? " · the top token changed" : ""}`),
+      table(["", "top 5 next tokens", "greedy continuation"], [side("plain", r.plain), side("ablated", r.ablated)]));
+    box.dataset.ready = "true";
+  } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
+}
+
 // -- a journey as one file: every step's data, the model's name and digest -------------------------
 function exportJourney() {
   if (!state.views.length) return;
@@ -255,6 +281,7 @@ export function journey() {
   $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come ", badge("measured")),
     h("p", { class: "note" }, "Click a generated token: the sampler's most likely alternatives there, each with the engine's greedy preview; click one to generate its trajectory (greedy and sampled, side by side with the journey's own), the prefix served from the KV cache."),
     h("div", { class: "body" }, h("div", { class: "note" }, "No branch yet."))));
+  $("journey-stages").after(ablationStage());
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
