@@ -89,3 +89,55 @@ async def ablate(request: Request, body: AblateBody):
                       "continuation": tok.decode(runs["plain"][1])},
             "ablated": {"top": _top(tok, la.exp()), "continuation_ids": runs["ablated"][1],
                         "continuation": tok.decode(runs["ablated"][1])}}
+
+
+class PatchBody(Body):
+    clean: str = Field("The Eiffel Tower is in the city of", min_length=1, max_length=text.MAX_TEXT_CHARS,
+                       description="prompt A, the run patched")
+    corrupt: str = Field("The Colosseum is in the city of", min_length=1, max_length=text.MAX_TEXT_CHARS,
+                         description="prompt B, whose residual stream is patched in (the same number of tokens)")
+    chat: bool = False
+
+
+async def patched_logits(ctx, ids: list[int], patch: tuple | None) -> tuple[torch.Tensor, TraceRecorder]:
+    """The next-token logits after `ids` from a traced pass with `patch` (`TraceRecorder.patch`),
+    and the recorder (its residual stream)."""
+    tracer = TraceRecorder(ctx.core().config, last_row_only=True)
+    tracer.patch = patch
+    await ctx.run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
+    return tracer.first_logits, tracer
+
+
+@router.post("/inspect/api/patch", summary="Activation patching: each layer's residual of prompt B patched into "
+             "prompt A's last position (the patch lens)")
+async def patch(request: Request, body: PatchBody):
+    """For each layer l: prompt A's traced pass with its residual stream after layer l at the last
+    position replaced by prompt B's, and how much of B's answer that restores: with a = A's top
+    token and b = B's, the logit difference d = logit(b) - logit(a), restored = (d_patched - d_A)
+    / (d_B - d_A) (1 at the last layer, whose residual is B's whole answer). Raises
+    `InvalidRequest` when the prompts' token counts differ or both answer alike."""
+    ctx = context_of(request)
+    tok = ctx.core().tokenizer
+    a_ids = ctx.encode(body.clean, body.chat, MAX_TRACE_TOKENS)
+    b_ids = ctx.encode(body.corrupt, body.chat, MAX_TRACE_TOKENS)
+    if len(a_ids) != len(b_ids):
+        raise InvalidRequest(f"the prompts must have as many tokens: {len(a_ids)} and {len(b_ids)}", "corrupt")
+    la, _ = await patched_logits(ctx, a_ids, None)
+    lb, rec_b = await patched_logits(ctx, b_ids, None)
+    a_tok, b_tok = int(la.argmax()), int(lb.argmax())
+    if a_tok == b_tok:
+        raise InvalidRequest(f"both prompts answer {text.display(tok.token_text(a_tok))!r}: nothing to restore",
+                             "corrupt")
+
+    def diff(logits):
+        return float(logits[b_tok] - logits[a_tok])
+
+    d_a, d_b, last = diff(la), diff(lb), len(a_ids) - 1
+    layers = []
+    for layer in range(ctx.core().config.num_layers):
+        logits, _ = await patched_logits(ctx, a_ids, (layer, last, rec_b.residual[layer + 1, last]))
+        d = diff(logits)
+        layers.append({"layer": layer, "logit_diff": round(d, 4), "restored": round((d - d_a) / (d_b - d_a), 4)})
+    show = lambda t: {"id": t, "token": text.display(tok.token_text(t))}  # noqa: E731
+    return {"tokens": len(a_ids), "answer_clean": show(a_tok), "answer_corrupt": show(b_tok),
+            "logit_diff_clean": round(d_a, 4), "logit_diff_corrupt": round(d_b, 4), "layers": layers}

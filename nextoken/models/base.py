@@ -86,6 +86,8 @@ class DecoderModel(torch.nn.Module):
                 meta.mid = []
             h = layer(h, rope, kv, meta)
             if tracer is not None:
+                if getattr(tracer, "patch", None) is not None:  # (activation patching: another prompt's residual)
+                    h = tracer.patched(i, h)
                 tracer.on_layer(i, h, meta.probs, meta.mid[0] if meta.mid else None)
         return self.final_norm(h)
 

@@ -44,6 +44,9 @@ class TraceRecorder:
         self.steps: list[dict] = []
         self.first_logits: torch.Tensor | None = None
         self.ablation = None  # a `layers.attention.Ablation` the traced pass applies (the inspector's interventions)
+        # activation patching: (layer, position, vector [hidden]): the residual stream after `layer`
+        # at prompt `position` is replaced by `vector` (another prompt's, `inspect.interventions`)
+        self.patch: tuple[int, int, torch.Tensor] | None = None
         self._at = 0  # prompt rows recorded so far
         self._q = 0  # prompt rows in this pass
         self._t = 0.0
@@ -108,6 +111,18 @@ class TraceRecorder:
                             "sample_prob": float(res.probs[t]) if res.probs is not None else None}
                            for v, t in zip(vals.tolist(), ids.tolist())],
             "kept_count": int(res.kept.sum()) if res.kept is not None else None})
+
+    def patched(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer `i`'s output rows ``[rows, hidden]`` of this pass with `patch` applied where it
+        falls in them (prefill chunks: the rows after the ones recorded so far)."""
+        if self.patch is None or self.patch[0] != i:
+            return h
+        row = self.patch[1] - self._at
+        if not 0 <= row < max(self._q, 0):
+            return h
+        h = h.clone()
+        h[row] = self.patch[2].to(h.dtype)
+        return h
 
     # -- what the renderers read ------------------------------------------------------------
     def last_row(self, layer: int) -> torch.Tensor:

@@ -415,6 +415,20 @@ def test_the_ablate_route_reports_the_change(srv, oracle):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
 
 
+def test_the_patch_lens_restores_all_at_the_last_layer(srv):
+    """Activation patching on SmolLM2: " Paris" against " Rome"; patching prompt B's last residual
+    after the last layer restores all of B's answer (1.0), after layer 0 next to none of it; prompts
+    of different token counts are a 400 naming the field."""
+    r = post(srv, "patch", {"clean": "The Eiffel Tower is in the city of", "corrupt": "The Colosseum is in the city of"})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["answer_clean"]["id"] != v["answer_corrupt"]["id"] and len(v["layers"]) == 30
+    assert v["layers"][-1]["restored"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(v["layers"][0]["restored"]) < 0.5 and v["logit_diff_corrupt"] > v["logit_diff_clean"]
+    bad = post(srv, "patch", {"clean": "Paris", "corrupt": "The Colosseum is in the city of"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "corrupt"
+
+
 def test_lens_grid_is_the_lens_at_every_position(srv):
     """The heatmap's cells are the per-position lens' top tokens, for every layer and position."""
     trace = post(srv, "trace", {"prompt": "The animal didn't cross the street"}).json()

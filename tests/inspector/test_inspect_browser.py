@@ -221,6 +221,10 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         page.wait_for_selector('[data-stage="ablation"][data-ready="true"]', state="attached", timeout=60_000)
         ablation_text = page.inner_text('[data-stage="ablation"]')
         page.locator('[data-stage="ablation"]').screenshot(path=str(OUT / "journey-ablation.png"))
+        page.click("#patch-go")
+        page.wait_for_selector('[data-stage="patching"][data-ready="true"]', state="attached", timeout=90_000)
+        restored = page.eval_on_selector_all('[data-stage="patching"] [data-restored]', "els => els.map(e => +e.dataset.restored)")
+        page.locator('[data-stage="patching"]').screenshot(path=str(OUT / "journey-patching.png"))
         page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
         page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
@@ -245,7 +249,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
-                                      "choice", "commitment", "detokenizer", "kv", "ablation"]
+                                      "choice", "commitment", "detokenizer", "kv", "ablation", "patching"]
+    assert len(restored) == 30 and restored[-1] == pytest.approx(1.0, abs=1e-3)
     ablated = httpx.post(f"{srv.url}/inspect/api/ablate", json={"prompt": prompt, "generated": want, "layer": 0,
                                                                "kind": "mlp", "continue_tokens": 6},
                          headers={"Authorization": "Bearer secret"}, timeout=120).json()
@@ -253,7 +258,7 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
     assert all(kinds and set(kinds) <= {"measured", "derived", "illustrative"} for _, kinds in provenance), provenance
     assert dict(provenance)["positions"] == ["derived"] and dict(provenance)["commitment"] == ["measured"]
-    assert all(ready == "true" for n, ready in stages if n not in ("branch", "ablation")), stages  # (those: once used)
+    assert all(ready == "true" for n, ready in stages if n not in ("branch", "ablation", "patching")), stages  # (once used)
     assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first
     ids = smollm2_llm.tokenizer.encode(prompt)
     fresh = smollm2_llm.generate(ids + [want[0], alts[1][0]], SamplingParams(temperature=0, max_tokens=8))[0]

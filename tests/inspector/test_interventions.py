@@ -69,3 +69,49 @@ def test_an_ablated_pass_equals_transformers_with_hooks(tiny, layer, kind, head)
     assert torch.allclose(plain, ref_plain, atol=1e-4, rtol=1e-4)
     assert torch.allclose(ablated, ref, atol=1e-4, rtol=1e-4)
     assert (ablated - plain).abs().max() > 1e-3  # the ablation changed something
+
+
+PROMPT_B = [5, 17, 201, 34, 41, 270, 91, 12, 8]
+
+
+def ours_patched(llm, patch) -> tuple[torch.Tensor, TraceRecorder]:
+    tracer = TraceRecorder(llm.engine.config, last_row_only=True)
+    tracer.patch = patch
+    ids = PROMPT if patch is not None else PROMPT_B
+    rid = llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1), options=RequestOptions(tracer=tracer))
+    llm.engine.run_until_finished([rid])
+    return tracer.first_logits, tracer
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_patched_pass_equals_transformers_with_hooks(tiny, layer):
+    """Activation patching: prompt A's pass with the last position's residual after `layer`
+    replaced by prompt B's gives the logits `transformers` gives with the same replacement made by
+    a forward hook on that decoder layer."""
+    hf, llm = tiny
+    _, rec_b = ours_patched(llm, None)
+    last = len(PROMPT) - 1
+    logits, _ = ours_patched(llm, (layer, last, rec_b.residual[layer + 1, last]))
+    seen = {}
+    def keep(mod, args, out):  # (returns None: the output stays)
+        seen["b"] = (out[0] if isinstance(out, tuple) else out)[0, last].clone()
+
+    grab = hf.model.layers[layer].register_forward_hook(keep)
+    with torch.no_grad():
+        hf(torch.tensor([PROMPT_B]))
+    grab.remove()
+
+    def put(mod, args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        h = h.clone()
+        h[0, last] = seen["b"]
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    handle = hf.model.layers[layer].register_forward_hook(put)
+    try:
+        with torch.no_grad():
+            ref = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    finally:
+        handle.remove()
+    assert torch.allclose(rec_b.residual[layer + 1, last], seen["b"], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(logits, ref, atol=1e-4, rtol=1e-4)

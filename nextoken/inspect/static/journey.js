@@ -238,6 +238,29 @@ async function runAblation(body, box) {
   } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
 }
 
+// -- activation patching: the patch lens (POST patch) --------------------------------------------------
+function patchingStage() {
+  const clean = h("input", { id: "patch-clean", class: "wide", style: "width:min(28em, 70vw)", value: "The Eiffel Tower is in the city of", "aria-label": "prompt A" });
+  const corrupt = h("input", { id: "patch-corrupt", class: "wide", style: "width:min(28em, 70vw)", value: "The Colosseum is in the city of", "aria-label": "prompt B" });
+  const body = h("div", { class: "body" });
+  const box = h("div", { class: "stage", "data-stage": "patching" }, h("h3", {}, "Patch: which layer carries the answer ", badge("measured")),
+    h("p", { class: "note" }, "Two prompts of the same length with different answers. For each layer, prompt A runs with its last position's residual stream after that layer replaced by prompt B's: the bar is how much of B's answer that restores (the logit difference between B's and A's top tokens, 0 = A's, 1 = B's)."),
+    h("div", { class: "row" }, h("label", {}, "A ", clean)), h("div", { class: "row" }, h("label", {}, "B ", corrupt),
+      h("button", { id: "patch-go", onclick: () => runPatch(body, box) }, "Patch")), body);
+  return box;
+}
+
+async function runPatch(body, box) {
+  body.replaceChildren(h("div", { class: "note" }, "one traced pass per layer…"));
+  try {
+    const r = await api("patch", { clean: $("patch-clean").value, corrupt: $("patch-corrupt").value, chat: false });
+    body.replaceChildren(h("div", { class: "stat" }, `A answers ${r.answer_clean.token}, B answers ${r.answer_corrupt.token}; logit difference ${r.logit_diff_clean} (A) → ${r.logit_diff_corrupt} (B)`),
+      table(["layer", "restored", ""], r.layers.map((l) => [l.layer, l.restored.toFixed(3),
+        h("span", { class: "bar", "data-restored": String(l.restored), style: `width:${Math.round(120 * Math.max(0, Math.min(1, l.restored)))}px` })])));
+    box.dataset.ready = "true";
+  } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
+}
+
 // -- a journey as one file: every step's data, the model's name and digest -------------------------
 function exportJourney() {
   if (!state.views.length) return;
@@ -281,7 +304,7 @@ export function journey() {
   $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come ", badge("measured")),
     h("p", { class: "note" }, "Click a generated token: the sampler's most likely alternatives there, each with the engine's greedy preview; click one to generate its trajectory (greedy and sampled, side by side with the journey's own), the prefix served from the KV cache."),
     h("div", { class: "body" }, h("div", { class: "note" }, "No branch yet."))));
-  $("journey-stages").after(ablationStage());
+  $("journey-stages").after(ablationStage(), patchingStage());
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
