@@ -97,6 +97,27 @@ async def quant_kl(request: Request, body: QualityBody):
                 "build_s": round(ctx.state.reference.build_s, 2), "dtype": "float32"}}
 
 
+@router.post("/inspect/api/quant/layers", summary="Per layer: how far the served residual stream is from a float32 "
+                                                "reference's, and the KL divergence at the head")
+async def quant_layers(request: Request, body: QualityBody):
+    """The same prompt traced on the served engine and on the float32 reference (`quality`):
+    per layer the residual streams' mean cosine similarity and relative difference, so a user
+    sees where the served weights and arithmetic drift, and KL(reference || served) of the next
+    token."""
+    from nextoken.trace.recorder import TraceRecorder
+
+    ctx = context_of(request)
+    eng = ctx.whole_model()
+    ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS)
+    t = time.perf_counter()
+    ref = await asyncio.to_thread(ctx.state.reference.traced, eng, ids)
+    served = TraceRecorder(eng.config, last_row_only=True)
+    await ctx.run_traced(ids, SamplingParams(temperature=0, max_tokens=1), served)
+    view = await asyncio.to_thread(quality.layer_diff, served, ref)
+    return {**view, "prompt_tokens": len(ids), "ms": round((time.perf_counter() - t) * 1000, 1),
+            "served": quality.describe(eng), "reference": {"dtype": "float32", "build_s": round(ctx.state.reference.build_s, 2)}}
+
+
 @router.post("/inspect/api/spec/run", summary="Speculative decoding for one request, on demand: each verification's "
                                               "drafts, acceptance and p_target / q_draft")
 async def spec_run(request: Request, body: SpeculateBody):

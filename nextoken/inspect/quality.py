@@ -55,6 +55,21 @@ class Reference:
             raise InvalidRequest(f"the reference failed: {group.error}", "prompt")
         return reference, group.prompt_hidden
 
+    def traced(self, served, ids: list[int]):
+        """The reference's `TraceRecorder` of prompt `ids` (its residual stream after every
+        layer, its next-token logits; blocking). Raises as `hidden` does."""
+        from nextoken.request_options import RequestOptions
+        from nextoken.trace.recorder import TraceRecorder
+
+        with self._lock:
+            reference = self._get(served)
+            rec = TraceRecorder(reference.config, last_row_only=True)
+            rid = reference.add_request(ids, SamplingParams(temperature=0, max_tokens=1), options=RequestOptions(tracer=rec))
+            out = reference.run_until_finished([rid])[0]
+        if out.error is not None:
+            raise InvalidRequest(f"the reference failed: {out.error}", "prompt")
+        return rec
+
     def _get(self, served):
         size = reference_bytes(served)
         if size > REFERENCE_MAX_BYTES:
@@ -92,6 +107,20 @@ def compare(served, reference, ids: list[int], served_hidden: torch.Tensor, ref_
             for p in range(len(ids) - 1)]
     return {"positions": rows, "kl_mean": round(float(kl.mean()), 6), "kl_max": round(float(kl.max()), 6),
             "top1_agreement": round(float(same.float().mean()), 4)}
+
+
+def layer_diff(served_rec, ref_rec) -> dict:
+    """Per layer, how far the served residual stream is from the reference's over the prompt's
+    positions (mean cosine similarity, mean relative norm of the difference), and KL(reference ||
+    served) of the next-token distributions after the prompt, in nats."""
+    rows = []
+    for layer in range(served_rec.residual.shape[0] - 1):
+        s, r = served_rec.residual[layer + 1], ref_rec.residual[layer + 1]  # [T, hidden]
+        cos = torch.nn.functional.cosine_similarity(s, r, dim=-1).mean()
+        rel = ((s - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)).mean()
+        rows.append({"layer": layer, "cos": round(float(cos), 6), "rel": round(float(rel), 6)})
+    ls, lr = served_rec.first_logits.log_softmax(-1), ref_rec.first_logits.log_softmax(-1)
+    return {"layers": rows, "kl_next": round(float((lr.exp() * (lr - ls)).sum()), 6)}
 
 
 def describe(engine) -> dict:

@@ -429,6 +429,18 @@ def test_the_patch_lens_restores_all_at_the_last_layer(srv):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "corrupt"
 
 
+def test_quantization_diff_per_layer(srv):
+    """The served SmolLM2 (Q4_1/Q8_0 codes, bf16) against its float32 reference, per layer: every
+    residual stream close (cosine > 0.9) but not identical, the drift growing from the first
+    layer to the last, and a small KL at the head; the route's numbers match a second call."""
+    body = {"prompt": "The quick brown fox jumps over the lazy dog."}
+    v = post(srv, "quant/layers", body).json()
+    layers = v["layers"]
+    assert len(layers) == 30 and all(0.9 < l["cos"] <= 1.0 + 1e-6 and l["rel"] > 0 for l in layers), layers
+    assert layers[-1]["rel"] > layers[0]["rel"] and 0 <= v["kl_next"] < 0.5
+    assert post(srv, "quant/layers", body).json()["layers"] == layers  # deterministic passes
+
+
 def test_lens_grid_is_the_lens_at_every_position(srv):
     """The heatmap's cells are the per-position lens' top tokens, for every layer and position."""
     trace = post(srv, "trace", {"prompt": "The animal didn't cross the street"}).json()

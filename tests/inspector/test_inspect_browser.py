@@ -225,6 +225,9 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         page.wait_for_selector('[data-stage="patching"][data-ready="true"]', state="attached", timeout=90_000)
         restored = page.eval_on_selector_all('[data-stage="patching"] [data-restored]', "els => els.map(e => +e.dataset.restored)")
         page.locator('[data-stage="patching"]').screenshot(path=str(OUT / "journey-patching.png"))
+        page.click("#quantdiff-go")
+        page.wait_for_selector('[data-stage="quantization-diff"][data-ready="true"]', state="attached", timeout=120_000)
+        rels = page.eval_on_selector_all('[data-stage="quantization-diff"] [data-rel]', "els => els.map(e => +e.dataset.rel)")
         page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
         page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
         texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
@@ -249,7 +252,9 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
-                                      "choice", "commitment", "detokenizer", "kv", "ablation", "patching"]
+                                      "choice", "commitment", "detokenizer", "kv", "ablation", "patching",
+                                      "quantization-diff"]
+    assert len(rels) == 30 and all(r > 0 for r in rels)
     assert len(restored) == 30 and restored[-1] == pytest.approx(1.0, abs=1e-3)
     ablated = httpx.post(f"{srv.url}/inspect/api/ablate", json={"prompt": prompt, "generated": want, "layer": 0,
                                                                "kind": "mlp", "continue_tokens": 6},
@@ -258,7 +263,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
     assert all(kinds and set(kinds) <= {"measured", "derived", "illustrative"} for _, kinds in provenance), provenance
     assert dict(provenance)["positions"] == ["derived"] and dict(provenance)["commitment"] == ["measured"]
-    assert all(ready == "true" for n, ready in stages if n not in ("branch", "ablation", "patching")), stages  # (once used)
+    used = ("branch", "ablation", "patching", "quantization-diff")  # these are drawn once used
+    assert all(ready == "true" for n, ready in stages if n not in used), stages
     assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first
     ids = smollm2_llm.tokenizer.encode(prompt)
     fresh = smollm2_llm.generate(ids + [want[0], alts[1][0]], SamplingParams(temperature=0, max_tokens=8))[0]

@@ -261,6 +261,27 @@ async function runPatch(body, box) {
   } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
 }
 
+// -- the served weights against a float32 reference, layer by layer (POST quant/layers) ------------
+function quantDiffStage() {
+  const body = h("div", { class: "body" });
+  const box = h("div", { class: "stage", "data-stage": "quantization-diff" }, h("h3", {}, "Quantization diff: where the served run drifts ", badge("measured")),
+    h("p", { class: "note" }, "The journey's prompt traced on the served model (its quantized codes, bf16) and on a float32 reference of the same file: per layer, the residual streams' cosine similarity and their relative difference, and the KL divergence of the next token at the head. The reference is built on first use."),
+    h("div", { class: "row" }, h("button", { id: "quantdiff-go", onclick: () => runQuantDiff(body, box) }, "Compare with float32")), body);
+  return box;
+}
+
+async function runQuantDiff(body, box) {
+  body.replaceChildren(h("div", { class: "note" }, "tracing both models…"));
+  try {
+    const r = await api("quant/layers", { prompt: state.prompt || $("journey-prompt").value, chat: state.chat });
+    const worst = Math.max(...r.layers.map((l) => l.rel), 1e-9);
+    body.replaceChildren(h("div", { class: "stat" }, `${r.prompt_tokens} tokens · served ${r.served.dtype}, ${r.served.weights.join(", ")} · KL(reference ‖ served) of the next token ${r.kl_next} nats`),
+      table(["layer", "cosine", "relative difference", ""], r.layers.map((l) => [l.layer, l.cos.toFixed(5), l.rel.toFixed(4),
+        h("span", { class: "bar", "data-rel": String(l.rel), style: `width:${Math.round(120 * l.rel / worst)}px` })])));
+    box.dataset.ready = "true";
+  } catch (e) { body.replaceChildren(h("div", { class: "note" }, String(e.message || e))); }
+}
+
 // -- a journey as one file: every step's data, the model's name and digest -------------------------
 function exportJourney() {
   if (!state.views.length) return;
@@ -304,7 +325,7 @@ export function journey() {
   $("journey-out").after(h("div", { class: "stage branch", "data-stage": "branch" }, h("h3", {}, "Branch: what else could have come ", badge("measured")),
     h("p", { class: "note" }, "Click a generated token: the sampler's most likely alternatives there, each with the engine's greedy preview; click one to generate its trajectory (greedy and sampled, side by side with the journey's own), the prefix served from the KV cache."),
     h("div", { class: "body" }, h("div", { class: "note" }, "No branch yet."))));
-  $("journey-stages").after(ablationStage(), patchingStage());
+  $("journey-stages").after(ablationStage(), patchingStage(), quantDiffStage());
   $("journey-start").addEventListener("click", start);
   $("journey-next").addEventListener("click", () => (state.prompt ? step() : start()));
   $("journey-play").addEventListener("click", play);
