@@ -36,7 +36,8 @@ class Body(BaseModel):
 
 def model_limit(name: str) -> dict:
     """JSON-schema extra for a bound known once the model is loaded: "token_id" (vocab - 1),
-    "layer" (layers - 1) or "context" (max_model_len - 1); see `nextoken.server.openapi`."""
+    "layer" (layers - 1), "head" (query heads - 1) or "context" (max_model_len - 1); see
+    `nextoken.server.openapi`."""
     return {"x-maximum": name}
 
 

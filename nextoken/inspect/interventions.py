@@ -36,7 +36,7 @@ class AblateBody(Body):
     generated: list[TokenId] = Field(default_factory=list, max_length=64)
     layer: int = Field(0, ge=0, json_schema_extra=model_limit("layer"))
     kind: Literal["head", "attention", "mlp"] = "head"
-    head: int = Field(0, ge=0, le=255, description="the query head, with kind head")
+    head: int = Field(0, ge=0, json_schema_extra=model_limit("head"), description="the query head, with kind head")
     continue_tokens: int = Field(6, ge=0, le=12, description="greedy tokens generated with the ablation")
 
 
@@ -65,11 +65,12 @@ async def ablate(request: Request, body: AblateBody):
     cfg, tok = eng.config, eng.tokenizer
     if body.layer >= cfg.num_layers:
         raise InvalidRequest(f"layer {body.layer}: the model has layers 0..{cfg.num_layers - 1}", "layer")
-    if body.kind == "head" and body.head >= cfg.num_heads:
+    if body.head >= cfg.num_heads:  # (the schema's bound, whatever the kind)
         raise InvalidRequest(f"head {body.head}: the model has heads 0..{cfg.num_heads - 1}", "head")
     ids = ctx.encode(body.prompt, body.chat, MAX_TRACE_TOKENS) + list(body.generated)
-    if len(ids) + body.continue_tokens > MAX_TRACE_TOKENS:
-        raise InvalidRequest(f"prompt has {len(ids)} tokens; traces take at most {MAX_TRACE_TOKENS}", "generated")
+    if len(ids) + body.continue_tokens > MAX_TRACE_TOKENS:  # (counted with the continuation)
+        raise InvalidRequest(f"prompt has {len(ids) + body.continue_tokens} tokens; traces take at most "
+                             f"{MAX_TRACE_TOKENS}", "generated")
     ablation = Ablation(body.layer, body.kind, body.head)
     runs = {}
     for name, abl in (("plain", None), ("ablated", ablation)):

@@ -44,9 +44,9 @@ def statuses(path: str, method: str, apis) -> list[int]:
 
 
 def model_limits(engine) -> dict[str, int]:
-    """The values of the ``x-maximum`` marks for `engine` (an `LLMEngine`)."""
+    """The values of the ``x-maximum`` marks for `engine` (an `EngineClient`)."""
     return {"token_id": engine.config.vocab_size - 1, "layer": engine.config.num_layers - 1,
-            "context": engine.max_model_len - 1}
+            "head": engine.config.num_heads - 1, "context": engine.max_model_len - 1}
 
 
 def apply_limits(node, limits: dict[str, int]) -> None:

@@ -38,6 +38,9 @@ SEMANTIC = {
     "two tokens": re.compile(r"^the prompt needs at least 2 tokens"),
     # a Responses input of MCP approval items alone, with no previous response (a cross-reference)
     "nothing to answer": re.compile(r"^input holds nothing to answer: MCP approval items alone continue "),
+    # activation patching needs two prompts of as many tokens, answering differently (tokenizing, a pass)
+    "patch prompts": re.compile(r"^(the prompts must have as many tokens: \d+ and \d+|both prompts answer .*: "
+                                r"nothing to restore)$"),
     # an MCP server URL outside the server's --allow-mcp-url patterns (its configuration, not the body)
     "mcp url": re.compile(r"^MCP server URL .* is not allowed on this server; (none are allowed|allowed: )"),
     # a priority other than 0 on a server started without --scheduling-policy priority (its state)

@@ -249,6 +249,12 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         reopened = [int(x) for x in fresh_page.eval_on_selector_all("[data-journey-token-id]",
                                                                      "els => els.map(e => e.dataset.journeyTokenId)")]
         reopened_text = fresh_page.inner_text('#journey [data-stage="detokenizer"]')
+        big = fresh_page.evaluate("""async () => {  // an answer over 1 MiB shows its bytes as they arrive
+            const { api } = await import('/inspect/static/lib.js');
+            const t = await api('trace', { prompt: 'word '.repeat(400) });
+            const a = await api(`trace/${t.trace_id}/attention?layer=0`);
+            return [JSON.stringify(a).length, Number(document.getElementById('progress').dataset.bytes || 0)];
+        }""")
         browser.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
@@ -274,6 +280,7 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert doc["format"] == "nextoken-journey/1" and doc["generated"] == want and len(doc["steps"]) == 5
     assert doc["model"]["digest"] == hashlib.sha256(Path(srv.llm.engine.model_path).read_bytes()).hexdigest()
     assert reopened == want and not asked and texts["detokenizer"] == reopened_text
+    assert big[0] > 2**20 and big[1] >= big[0] - 4096  # the whole answer went through the progress reader
     assert not errors and not outside, (errors, outside)
     text = smollm2_llm.tokenizer.decode(want)
     assert text[:8] in texts["detokenizer"] or text.strip()[:8] in texts["detokenizer"]

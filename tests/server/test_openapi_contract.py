@@ -48,7 +48,7 @@ def test_schemathesis_finds_no_failure(tiny_srv, tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-6000:]
-    assert "Tested: 48" in report and " passed" in report, report[-2000:]
+    assert "Tested: 53" in report and " passed" in report, report[-2000:]
     assert tiny_srv.idle(timeout=30)
 
 
@@ -65,6 +65,7 @@ def test_semantic_reasons_are_narrow():
     off = "priority -4 needs the priority scheduling policy (serve --scheduling-policy priority); this server schedules fcfs"
     assert semantic_reason(off) == "priority off"
     assert semantic_reason("priority must be an integer, got 1.5") is None
+    assert semantic_reason("the prompts must have as many tokens: 44 and 42") == "patch prompts"
     assert semantic_reason("MCP server URL 'x' is not allowed on this server; none are allowed (serve "
                            "--allow-mcp-url PATTERN)") == "mcp url"
 

@@ -10,9 +10,36 @@ export async function api(path, body) {
     opts.body = JSON.stringify(body);
   }
   const res = await fetch("/inspect/api/" + path, opts);
-  const data = await res.json();
+  const data = JSON.parse(await readBody(res, path));
   if (!res.ok) throw new Error(data.error ? data.error.message : res.statusText);
   return data;
+}
+
+export const PROGRESS_BYTES = 1 << 20;  // answers larger than this show their bytes as they arrive
+
+// the body's text; an answer over PROGRESS_BYTES (its Content-Length, or its size so far) shows
+// its progress in #progress, byte by byte, while it arrives
+async function readBody(res, what) {
+  const total = Number(res.headers.get("Content-Length")) || 0;
+  if (!res.body || (total && total <= PROGRESS_BYTES)) return res.text();
+  const reader = res.body.getReader(), parts = [], bar = document.getElementById("progress");
+  let got = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    parts.push(value);
+    got += value.length;
+    if (bar && got > PROGRESS_BYTES) {
+      bar.hidden = false;
+      bar.dataset.bytes = String(got);
+      bar.textContent = `${what}: ${(got / 2 ** 20).toFixed(1)}${total ? ` of ${(total / 2 ** 20).toFixed(1)}` : ""} MiB`;
+    }
+  }
+  if (bar && got > PROGRESS_BYTES) setTimeout(() => { bar.hidden = true; }, 1500);
+  const all = new Uint8Array(got);
+  let at = 0;
+  for (const p of parts) { all.set(p, at); at += p.length; }
+  return new TextDecoder().decode(all);
 }
 
 export function liveUrl() { return "/inspect/api/live" + (KEY ? "?key=" + encodeURIComponent(KEY) : ""); }
