@@ -192,6 +192,8 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
         page.goto(f"{srv.url}/inspect?key=secret")
         page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
         page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")  # the widgets' own runs done
+        widget_provenance = page.eval_on_selector_all("section.card[id^='w-']", "els => els.map(e => [e.id, "
+                                                      "[...e.querySelectorAll('h2 [data-provenance]')].map(p => p.dataset.provenance)])")
         page.fill("#journey-prompt", prompt)
         page.click("#journey-start")
         page.wait_for_selector("[data-journey-token-id]", timeout=60_000)
@@ -269,6 +271,7 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     assert len(commits) == len(want) and all(c.isdigit() and int(c) < 30 for c in commits)  # greedy: all settle
     assert all(kinds and set(kinds) <= {"measured", "derived", "illustrative"} for _, kinds in provenance), provenance
     assert dict(provenance)["positions"] == ["derived"] and dict(provenance)["commitment"] == ["measured"]
+    assert [w for w, _ in widget_provenance] == WIDGETS and all(kinds for _, kinds in widget_provenance), widget_provenance
     used = ("branch", "ablation", "patching", "quantization-diff")  # these are drawn once used
     assert all(ready == "true" for n, ready in stages if n not in used), stages
     assert branch_ready == "true" and alts[0] == [want[1], 1.0]  # greedy: the journey's own token first

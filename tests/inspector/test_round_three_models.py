@@ -53,3 +53,56 @@ def test_every_new_view_on_the_model(served):
         assert patch["layers"][-1]["restored"] == pytest.approx(1.0, abs=1e-3)
     quant = post(srv, "quant/layers", {"prompt": prompt})
     assert len(quant["layers"]) == llm.engine.config.num_layers and all(l["cos"] > 0.8 for l in quant["layers"])
+
+
+def test_the_page_runs_every_new_view_on_the_model(served):
+    """In the browser (playwright + chromium), on Qwen2.5-0.5B and Gemma 3 270M: a journey of three
+    tokens, its commitment strip, a branch and its trajectories, an ablation, the patch lens
+    (when the two prompts tokenize to as many tokens) and the quantization diff, each view drawn
+    (data-ready), with no console error and no request leaving the host."""
+    from urllib.parse import urlparse
+
+    from tests.inspector.test_inspect_browser import CHROMIUM, OUT, sync_playwright
+
+    if CHROMIUM is None or sync_playwright is None:
+        pytest.skip("needs Debian's chromium and playwright, as tests/inspector/test_inspect_browser.py")
+    srv, llm = served
+    prompt = "The capital of France is"
+    want = list(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids)
+    same_length = len(llm.tokenizer.encode("The Eiffel Tower is in the city of")) == \
+        len(llm.tokenizer.encode("The Colosseum is in the city of"))
+    errors, outside = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
+                   else (outside.append(route.request.url), route.abort()))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{srv.url}/inspect")
+        page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+        page.fill("#journey-prompt", prompt)
+        page.click("#journey-start")
+        for n in (1, 2, 3):
+            if n > 1:
+                page.click("#journey-next")
+            page.wait_for_function("n => document.querySelectorAll('[data-journey-token-id]').length >= n", arg=n,
+                                   timeout=120_000)
+        got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]", "els => els.map(e => e.dataset.journeyTokenId)")]
+        commits = page.eval_on_selector_all("[data-commit-layer]", "els => els.length")
+        page.click("[data-journey-token-id] >> nth=1")
+        page.wait_for_selector("[data-branch-alt]", timeout=120_000)
+        page.click("[data-branch-alt] >> nth=1")
+        page.wait_for_function("document.querySelectorAll('[data-branch-trajectory]').length === 3", timeout=120_000)
+        page.select_option("#ablate-kind", "attention")
+        page.click("#ablate-go")
+        views = ["ablation", "quantization-diff"] + (["patching"] if same_length else [])
+        if same_length:
+            page.click("#patch-go")
+        page.click("#quantdiff-go")
+        for view in views:
+            page.wait_for_selector(f'[data-stage="{view}"][data-ready="true"]', state="attached", timeout=300_000)
+        page.locator("#journey").screenshot(path=str(OUT / f"journey-{srv.llm.engine.config.architecture}.png"))
+        browser.close()
+    assert got == want and commits == 3
+    assert not errors and not outside, (errors, outside)

@@ -1,5 +1,5 @@
 // The inspector page: loads each widget from the server and feeds the live ones from one event stream.
-import { $, api, liveUrl, showError } from "./lib.js";
+import { $, api, liveUrl, showError, badge, WIDGET_PROVENANCE } from "./lib.js";
 import { tokenizer, embeddings, positions, architecture } from "./text_widgets.js";
 import { attention, timeline, sampling, beam } from "./run_widgets.js";
 import { kvStatic, kvLive, kvContrast, batchingLive, specLive, specDemand, requestsLive, quantization, quantKl } from "./engine_widgets.js";
@@ -16,6 +16,7 @@ async function main() {
   $("model-info").textContent = `${info.model} · ${info.name} (${info.architecture}) · vocabulary ${info.vocab_size}`;
   document.body.dataset.model = info.model;
   journey();
+  for (const [id, kinds] of Object.entries(WIDGET_PROVENANCE)) $(id)?.querySelector("h2")?.append(" ", ...kinds.map(badge));
   tokenizer();
   embeddings();
   const pending = [positions(), architecture(), kvStatic(), quantization(info.gguf)];

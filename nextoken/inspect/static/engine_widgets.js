@@ -156,7 +156,8 @@ export async function quantization(isGguf) {
     $("q-formats").replaceChildren(
       h("div", { class: "stat" }, `${(r.parameters / 1e6).toFixed(1)} M parameters in ${fmtBytes(r.bytes)} as stored · bf16 would take ${fmtBytes(r.bf16_bytes)}, fp32 ${fmtBytes(r.fp32_bytes)}`),
       table(["format", "tensors", "parameters", "bytes", "bits per weight"], Object.entries(r.formats).map(([k, v]) => [k, v.tensors, v.parameters, fmtBytes(v.bytes), (8 * v.bytes / v.parameters).toFixed(2)])));
-    $("q-tensor").replaceChildren(...r.tensors.filter((t) => t.shape.length === 2).map((t) => h("option", { value: t.name }, `${t.name} ${t.type} [${t.shape.join("×")}]`)));
+    const matrices = r.tensors.filter((t) => t.shape.length === 2);  // (Qwen's attn_q.bias, 1-D, is listed first)
+    $("q-tensor").replaceChildren(...matrices.map((t) => h("option", { value: t.name }, `${t.name} ${t.type} [${t.shape.join("×")}]`)));
     const go = async () => {
       try {
         const e = await api("quant/error?tensor=" + encodeURIComponent($("q-tensor").value));
@@ -166,7 +167,7 @@ export async function quantization(isGguf) {
       } catch (err) { showError("w-quant", err); }
     };
     $("q-go").addEventListener("click", go);
-    const q = r.tensors.find((t) => t.name.includes("attn_q")) || r.tensors[0];
+    const q = matrices.find((t) => t.name.includes("attn_q")) || matrices[0];
     $("q-tensor").value = q.name;
     await go();
   } catch (e) { showError("w-quant", e); }

@@ -1,7 +1,7 @@
 // The journey: one prompt through every stage, one decode step at a time (POST journey/step).
 // DOM contract: #journey, #journey-prompt, #journey-start, #journey-next; every generated token an
 // element with data-journey-token-id; each stage a [data-stage] element with data-ready="true" once drawn.
-import { $, api, h, table, color, showError } from "./lib.js";
+import { $, api, h, table, color, showError, badge } from "./lib.js";
 
 const STAGES = [
   ["tokens", "1 · Text → tokens", "The tokenizer cuts the text into pieces from its vocabulary (BPE: the most frequent pairs were merged during training). The model only ever sees the ids. Generated tokens are added to the end, one per step."],
@@ -20,12 +20,6 @@ const STAGES = [
 // derived from measured values or the model's constants, or illustrative
 const PROVENANCE = { tokens: "measured", embedding: "measured", positions: "derived", layers: "measured", final: "measured",
   sampler: "measured", choice: "measured", commitment: "measured", detokenizer: "measured", kv: "measured" };
-const PROVENANCE_NOTE = { measured: "read from this run of the model", derived: "computed from the model's own constants and this run's numbers",
-  illustrative: "an illustration, not this run's numbers" };
-
-function badge(kind) {
-  return h("span", { class: `prov prov-${kind}`, "data-provenance": kind, title: PROVENANCE_NOTE[kind] }, kind);
-}
 
 const state = { prompt: "", chat: false, generated: [], commits: [], views: [], busy: false, playing: false, stream: "" };
 const FORMAT = "nextoken-journey/1";

@@ -46,6 +46,21 @@ export function liveUrl() { return "/inspect/api/live" + (KEY ? "?key=" + encode
 
 export const $ = (id) => document.getElementById(id);
 
+// where a view's numbers come from: measured on this run, derived from measured values or the
+// model's constants, or illustrative (each view carries its badge: `data-provenance`)
+const PROVENANCE_NOTE = { measured: "read from this run of the model", derived: "computed from the model's own constants and this run's numbers",
+  illustrative: "an illustration, not this run's numbers" };
+
+export function badge(kind) {
+  return h("span", { class: `prov prov-${kind}`, "data-provenance": kind, title: PROVENANCE_NOTE[kind] }, kind);
+}
+
+// the widgets' provenance (the journey's stages carry their own)
+export const WIDGET_PROVENANCE = { "w-tokenizer": ["measured"], "w-embeddings": ["measured"], "w-positions": ["derived"],
+  "w-architecture": ["measured"], "w-attention": ["measured"], "w-lens": ["measured"], "w-timeline": ["measured"],
+  "w-sampling": ["measured"], "w-beam": ["measured"], "w-kv": ["measured", "derived"], "w-batching": ["measured"],
+  "w-spec": ["measured"], "w-quant": ["measured"], "w-requests": ["measured"] };
+
 // an element that reacts to a click is reachable and operable from the keyboard as well
 function operable(e, onclick) {
   if (["BUTTON", "INPUT", "SELECT", "A"].includes(e.tagName)) return;
