@@ -517,10 +517,23 @@ int decode_lora_amx(void) {
 #endif
 }
 
-int decode_layers(const layer_t *layers, int64_t L, uint16_t *h, int64_t T, int64_t hidden, int64_t H,
-                  int64_t Hkv, int64_t D, int64_t rope_dim, const float *inv_freq, const int64_t *positions,
-                  const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
-                  int64_t NB, int64_t BS, float eps, float scale, const arch_t *arch, const lora_t *lora) {
+/* decode_layers' rows and shapes (`kernels.structs.DecodeCall`) */
+typedef struct {
+    uint16_t *h;                                  /* [T, hidden] bf16: the rows' hidden states, updated in place */
+    int64_t T, hidden, H, Hkv, D, rope_dim;
+    const float *inv_freq;                        /* [rope_dim / 2] */
+    const int64_t *positions, *slots, *seq_lens;  /* [T] */
+    const int64_t *tables;                        /* [T, max_blocks] */
+    int64_t max_blocks, NB, BS;                   /* the cache's blocks and their size */
+    float eps, scale;                             /* the norms' epsilon, the attention's scale */
+} decode_call_t;
+
+int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, const arch_t *arch, const lora_t *lora) {
+    uint16_t *h = c->h;
+    const int64_t T = c->T, hidden = c->hidden, H = c->H, Hkv = c->Hkv, D = c->D, rope_dim = c->rope_dim;
+    const int64_t max_blocks = c->max_blocks, NB = c->NB, BS = c->BS;
+    const float *inv_freq = c->inv_freq, eps = c->eps, scale = c->scale;
+    const int64_t *positions = c->positions, *slots = c->slots, *tables = c->tables, *seq_lens = c->seq_lens;
     static const arch_t LLAMA = {0};
     const arch_t *ar = arch ? arch : &LLAMA;
     if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-from nextoken.kernels.structs import QW, DecodeArch, DecodeLayer, LoRAStep, LoRAWeights
+from nextoken.kernels.structs import QW, DecodeArch, DecodeCall, DecodeLayer, LoRAStep, LoRAWeights
 
 # what decode.c implements: the Llama layer (Qwen 2, Mistral), with QK-norm (Qwen 3), and
 # Gemma 3's (its norms, GeGLU, sliding-window layers with their own RoPE base)
@@ -58,11 +58,10 @@ def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, 
     or sliding-window model adds (None: Llama's layer); `lora`: the rows' LoRA adapters (None:
     none). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
     that out); raises `MemoryError` when it cannot allocate its buffers."""
-    rc = lib.decode_layers(table, _i64(cfg.num_layers), _ptr(h), _i64(t), _i64(cfg.hidden_size),
-                           _i64(cfg.num_heads), _i64(cfg.num_kv_heads), _i64(cfg.head_dim), _i64(cfg.rope_dim),
-                           _ptr(inv_freq), _ptr(positions), _ptr(slots), _ptr(block_tables), _i64(max_blocks),
-                           _ptr(seq_lens), _i64(num_blocks), _i64(block_size), ctypes.c_float(cfg.norm_eps),
-                           ctypes.c_float(cfg.head_dim ** -0.5 if scale is None else scale),
+    call = DecodeCall(h, t, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, inv_freq,
+                      positions, slots, seq_lens, block_tables, max_blocks, num_blocks, block_size, cfg.norm_eps,
+                      cfg.head_dim ** -0.5 if scale is None else scale)
+    rc = lib.decode_layers(table, _i64(cfg.num_layers), ctypes.byref(call),
                            ctypes.byref(arch) if arch is not None else None,
                            ctypes.byref(lora) if lora is not None else None)
     if rc == 1:
