@@ -14,17 +14,21 @@
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
  * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
- * one pass over both halves (each activation broadcast serves both); 5 to 8 rows (MR) run one pass
- * per half, so that a pass's sums and accumulators fit the 16 vector registers better, and each
- * unpacked code vector serves every row. More rows go in blocks of at most MR, split evenly (9
- * rows: 4 + 5). Every constant (format, rows, halves) is compiled in, and KEEP stops GCC from
- * spilling a group's products. Decode (up to MR rows: one stream, speculative verification, small
- * batches) reads each weight once per call, every line of a group prefetched AVX2_PF groups ahead
- * by the first pass; a second half's pass and more row blocks find the tile's codes in L1 or L2.
- * Measured (benchmarks/qmatmul.py --stream, AVX2 build on a 2-core Sapphire Rapids VM, 2 / 4 / 8
- * rows against 1): Q4_K 1.06 / 1.46 / 2.13, Q6_K 1.19 / 1.32 / 1.83, Q8_0 1.11 / 1.49 / 2.15,
- * where passes of at most 4 rows over both halves took 1.14 / 1.59 / 2.65, 1.20 / 1.28 / 2.33,
- * 1.04 / 1.42 / 2.65.
+ * one pass over both halves: 1-2 rows sweep each group once for both halves (each activation
+ * broadcast serves both); 3-4 rows sweep each chunk of groups (a super-block, or 8 groups) once
+ * per half, its codes then in L1, so a sweep's sums fit the 16 vector registers while the tile
+ * still streams in order. 5 to 8 rows (MR) run one pass per half. More rows go in blocks of at
+ * most MR, split evenly (9 rows: 4 + 5). Every constant (format, rows, halves) is compiled in, and
+ * KEEP stops GCC from spilling a group's products. Decode (up to MR rows: one stream, speculative
+ * verification, small batches) reads each weight once per call, every line of a group prefetched
+ * AVX2_PF groups ahead by the first sweep; a second half's pass and more row blocks find the
+ * tile's codes in L1 or L2.
+ * Measured (an A/B harness over 512 MiB of [1536, 1536] weights, AVX2 build on a 2-core Sapphire
+ * Rapids VM, time of 2 / 4 / 8 rows against 1): passes of at most 4 rows over both halves, no KEEP:
+ * Q4_K 1.14 / 1.59 / 2.65, Q6_K 1.20 / 1.28 / 2.33, Q8_0 1.04 / 1.42 / 2.65; with KEEP and per-half
+ * passes from 5 rows: Q4_K 1.06 / 1.46 / 2.13, Q6_K 1.19 / 1.32 / 1.83, Q8_0 1.11 / 1.49 / 2.15;
+ * with the chunked sweeps at 3-4 rows (4 rows, two alternated runs): Q4_K 1.41 and 1.39 against
+ * 1.37 and 1.50, Q6_K 1.12 and 1.19 against 1.38 and 1.36, Q4_0 1.58 and 1.57 against 1.82 and 1.82.
  */
 #include <immintrin.h>
 #define QM_AVX2 1
@@ -271,49 +275,63 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
             acc[h][i] = _mm256_setzero_ps();
             isb[h][i] = _mm256_setzero_si256();
         }
-    for (int64_t g = 0; g < ng; g++) {
+    /* 3 or 4 rows over both halves: the groups in chunks (a super-block, or 8 groups), each chunk
+     * swept once per half (its codes then in L1), so a sweep's sums fit the registers while the
+     * tile still streams in order; otherwise one sweep of every group over the pass's halves */
+    const int chunked = nh == 2 && mb >= 3, sweeps = chunked ? 2 : 1, hn = chunked ? 1 : nh;
+    const int64_t CH = chunked ? (sbf ? gps : 8) : ng;
+    for (int64_t c0 = 0; c0 < ng; c0 += CH) {
+    const int64_t c1 = c0 + CH < ng ? c0 + CH : ng;
+    for (int sw = 0; sw < sweeps; sw++) {
+    const int hs = chunked ? sw : h0; /* the sweep's first half */
+    __m256(*A)[MR] = acc + (chunked ? sw : 0);
+    __m256i(*B)[MR] = isb + (chunked ? sw : 0);
+    sb = c0 / gps, gin = c0 % gps;
+    for (int64_t g = c0; g < c1; g++) {
         const uint8_t *cg = codes + g * gbytes;
         const int64_t si = (t * ng + g) * TILE; /* the group's scales */
-        if (stream) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
+        if (stream && sw == 0) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
             const char *pc = (const char *)(cg + AVX2_PF * gbytes);
             for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, AVX2_PF_HINT);
         }
         __m256i isum[2][MR], w16[2];
-        for (int h = 0; h < nh; h++)
-            w16[h] = sbf ? pairs16(sc8 + si + 8 * (h0 + h), sc8 + si + 8 * (h0 + h)) : _mm256_set1_epi16(1);
-        group_sums(cg, bits, xq + g * G, K, mb, h0, nh, w16, isum);
+        for (int h = 0; h < hn; h++)
+            w16[h] = sbf ? pairs16(sc8 + si + 8 * (hs + h), sc8 + si + 8 * (hs + h)) : _mm256_set1_epi16(1);
+        group_sums(cg, bits, xq + g * G, K, mb, hs, hn, w16, isum);
         const int64_t at = (t * nsb + sb) * TILE; /* the group's super-block's float32 scales */
         if (!sbf) { /* (super-block scales here only where the activations are not: see qw_act_block) */
             const float *ssup = w->scale_sup ? w->scale_sup + at : NULL, *msup = w->min_sup ? w->min_sup + at : NULL;
-            for (int h = 0; h < nh; h++) {
-                const __m256 sc = vgroup8(w->scales, ssup, si, h0 + h);
-                const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, h0 + h) : _mm256_mul_ps(negoff, sc);
+            for (int h = 0; h < hn; h++) {
+                const __m256 sc = vgroup8(w->scales, ssup, si, hs + h);
+                const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, hs + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
                     if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
 #endif
                     const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
-                    acc[h][i] = _mm256_add_ps(acc[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
+                    A[h][i] = _mm256_add_ps(A[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
                                                                        _mm256_mul_ps(mn, xv)));
                 }
             }
         } else {
-            for (int h = 0; h < nh; h++) {
+            for (int h = 0; h < hn; h++) {
 #ifdef QM_AVXVNNI /* vpdpbusd's sums are int32: times the scales here */
                 int64_t raw;
-                memcpy(&raw, sc8 + si + 8 * (h0 + h), 8);
+                memcpy(&raw, sc8 + si + 8 * (hs + h), 8);
                 const __m256i s32 = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw));
                 for (int i = 0; i < mb; i++) isum[h][i] = _mm256_mullo_epi32(isum[h][i], s32);
 #endif
-                for (int i = 0; i < mb; i++) isb[h][i] = _mm256_add_epi32(isb[h][i], isum[h][i]);
+                for (int i = 0; i < mb; i++) B[h][i] = _mm256_add_epi32(B[h][i], isum[h][i]);
             }
             if (gin + 1 == gps)
-                sb_end(w, t, ng, g + 1 - gps, g, at, mn8, bsr, dxr + sb, dxn, mb, h0, nh, negoff, isb, acc);
+                sb_end(w, t, ng, g + 1 - gps, g, at, mn8, bsr, dxr + sb, dxn, mb, hs, hn, negoff, B, A);
         }
         if (++gin == gps) {
             gin = 0;
             sb++;
         }
+    }
+    }
     }
     for (int i = 0; i < mb; i++) {
         float v[TILE];
