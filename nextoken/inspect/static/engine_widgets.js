@@ -83,7 +83,7 @@ export function batchingLive(st) {
   });
   ctx.fillStyle = "#9aa5b1"; ctx.font = "11px sans-serif";
   ctx.fillText(`tokens per step (last ${history.length} steps, max ${maxTok}): yellow = prefill chunks, blue = decodes, red mark = preemption`, 4, 12);
-  const row = (q) => h("span", { class: "tok" }, `${q.request_id} ${q.computed}/${q.prompt_tokens + q.output_tokens}`);
+  const row = (q) => h("span", { class: "tok", title: `priority ${q.priority ?? 0}` }, `${q.request_id} ${q.computed}/${q.prompt_tokens + q.output_tokens}${q.priority ? ` · p${q.priority}` : ""}`);
   const none = h("span", { class: "note" }, "none now");
   $("bt-queue").replaceChildren(h("div", { class: "note" }, "running: "), ...(st.running.length ? st.running.map(row) : [none.cloneNode(true)]),
     h("div", { class: "note" }, "waiting: "), ...(st.waiting.length ? st.waiting.map(row) : [none.cloneNode(true)]));
