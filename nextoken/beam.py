@@ -3,10 +3,10 @@
 Each step, every live beam of every prompt is one engine request (the beam's tokens as prompt,
 one new token, its top 2W log-probabilities); they run batched with whatever else the engine
 serves. The engine drives the searches itself (`engine.beam_groups`), so a search queues its next
-step before the next schedule and keeps its place under load. Beams share the KV blocks of their common prefix through the prefix cache (ref-counted
-full blocks, found by their chained hashes), so a beam costs only its own new blocks; the
-partial last block, which beams cannot share, is recomputed (at most block_size - 1 tokens per
-beam and step) instead of copied.
+step before the next schedule and keeps its place under load. Beams share the KV blocks of their
+common prefix through the prefix cache (ref-counted full blocks, found by their chained hashes),
+so a beam costs only its own new blocks; the partial last block, which beams cannot share, is
+recomputed (at most block_size - 1 tokens per beam and step) instead of copied.
 
 Selection is `transformers`' beam search (``generate(num_beams=W, do_sample=False)``):
 

@@ -37,12 +37,14 @@ class EngineClient(Service, Protocol):
     """The generation engine as the server sees it. Requests: `add_request` (raises
     `InvalidRequest` for bad input, `EngineError` once the loop died), `stream` (the request's
     outputs, cumulative; aborts it if the consumer stops), `generate` (both), `abort`,
-    `beam_search` (a `beam.BeamSearch` the engine drives: its final output), `num_waiting`. The model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`,
-    `watermark` (its `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds). Checks made before a request is queued: `compile_grammar`
-    (blocking: call it in a worker thread; raises `InvalidRequest`) and `encode_prompt` (the
-    prompt's ids; raises `InvalidRequest` when it does not fit). Observation: `scheduler_stats`,
-    `subscribe` (a callable given each step's `StepStats` on the stepping thread), `view` (the
-    inspector's read-only `EngineView`), `between_steps` (run a function between two steps).
+    `beam_search` (a `beam.BeamSearch` the engine drives: its final output), `num_waiting`. The
+    model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`, `watermark` (its
+    `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds). Checks made
+    before a request is queued: `compile_grammar` (blocking: call it in a worker thread; raises
+    `InvalidRequest`) and `encode_prompt` (the prompt's ids; raises `InvalidRequest` when it does
+    not fit). Observation: `scheduler_stats`, `subscribe` (a callable given each step's
+    `StepStats` on the stepping thread), `view` (the inspector's read-only `EngineView`),
+    `between_steps` (run a function between two steps).
     Adapters: `load_lora`, `unload_lora`."""
 
     @property

@@ -113,10 +113,9 @@ class WaitingQueue:
             self._in_engine[req.client] = n
 
     def charge(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
-        """Count a step's service to `req`'s client."""
-        if self.policy == "fair":
-            self.counters[req.client] = self.counters.get(req.client, 0.0) + \
-                PREFILL_WEIGHT * prefill_tokens + DECODE_WEIGHT * decode_tokens
+        """Count a step's service to `req`'s client (the scheduler calls it under ``fair``)."""
+        self.counters[req.client] = self.counters.get(req.client, 0.0) + \
+            PREFILL_WEIGHT * prefill_tokens + DECODE_WEIGHT * decode_tokens
 
     def _lift(self, req: Request) -> None:
         """A client idle for `IDLE_S` (nothing queued or running) starts at the least counter of

@@ -78,9 +78,10 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        for req, n in out.scheduled.items():  # the fair policy's service counters
-            decode = req.num_computed_tokens + n > req.num_prompt_tokens
-            self.waiting.charge(req, 0 if decode else n, n if decode else 0)
+        if self.waiting.policy == "fair":  # its service counters
+            for req, n in out.scheduled.items():
+                decode = req.num_computed_tokens + n > req.num_prompt_tokens
+                self.waiting.charge(req, 0 if decode else n, n if decode else 0)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -108,6 +109,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or (len(self.running) >= self.config.max_num_seqs and self.waiting.policy != "priority"):
+            return  # (nothing can be admitted: no need to order the queue)
         now = time.perf_counter()
         for req in self.waiting.ordered(now):
             if budget <= 0:

@@ -40,13 +40,15 @@ class AblateBody(Body):
     continue_tokens: int = Field(6, ge=0, le=12, description="greedy tokens generated with the ablation")
 
 
-async def next_logits(ctx, ids: list[int], ablation: Ablation | None) -> torch.Tensor:
-    """The next-token logits float32 ``[vocab]`` after `ids`, from a traced pass of the engine
-    with `ablation` (None: none)."""
+async def traced_logits(ctx, ids: list[int], ablation: Ablation | None = None,
+                        patch: tuple | None = None) -> tuple[torch.Tensor, TraceRecorder]:
+    """The next-token logits float32 ``[vocab]`` after `ids` from a traced pass of the engine with
+    `ablation` and/or `patch` (`TraceRecorder.patch`; None: none), and its recorder (the residual
+    stream)."""
     tracer = TraceRecorder(ctx.core().config, last_row_only=True)
-    tracer.ablation = ablation
+    tracer.ablation, tracer.patch = ablation, patch
     await ctx.run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
-    return tracer.first_logits
+    return tracer.first_logits, tracer
 
 
 def _top(tok, probs: torch.Tensor) -> list[dict]:
@@ -74,13 +76,13 @@ async def ablate(request: Request, body: AblateBody):
     ablation = Ablation(body.layer, body.kind, body.head)
     runs = {}
     for name, abl in (("plain", None), ("ablated", ablation)):
-        logits, seq = await next_logits(ctx, ids, abl), []
+        (logits, _), seq = await traced_logits(ctx, ids, abl), []
         first = logits
         for _ in range(body.continue_tokens):  # greedy, the component ablated at every step
             seq.append(int(logits.argmax()))
             if seq[-1] in tok.eog_token_ids:
                 break
-            logits = await next_logits(ctx, ids + seq, abl)
+            logits, _ = await traced_logits(ctx, ids + seq, abl)
         runs[name] = (first, seq)
     lp, la = runs["plain"][0].log_softmax(-1), runs["ablated"][0].log_softmax(-1)
     kl = float((lp.exp() * (lp - la)).sum())
@@ -100,15 +102,6 @@ class PatchBody(Body):
     chat: bool = False
 
 
-async def patched_logits(ctx, ids: list[int], patch: tuple | None) -> tuple[torch.Tensor, TraceRecorder]:
-    """The next-token logits after `ids` from a traced pass with `patch` (`TraceRecorder.patch`),
-    and the recorder (its residual stream)."""
-    tracer = TraceRecorder(ctx.core().config, last_row_only=True)
-    tracer.patch = patch
-    await ctx.run_traced(ids, SamplingParams(temperature=0, max_tokens=1), tracer)
-    return tracer.first_logits, tracer
-
-
 @router.post("/inspect/api/patch", summary="Activation patching: each layer's residual of prompt B patched into "
              "prompt A's last position (the patch lens)")
 async def patch(request: Request, body: PatchBody):
@@ -123,8 +116,8 @@ async def patch(request: Request, body: PatchBody):
     b_ids = ctx.encode(body.corrupt, body.chat, MAX_TRACE_TOKENS)
     if len(a_ids) != len(b_ids):
         raise InvalidRequest(f"the prompts must have as many tokens: {len(a_ids)} and {len(b_ids)}", "corrupt")
-    la, _ = await patched_logits(ctx, a_ids, None)
-    lb, rec_b = await patched_logits(ctx, b_ids, None)
+    la, _ = await traced_logits(ctx, a_ids)
+    lb, rec_b = await traced_logits(ctx, b_ids)
     a_tok, b_tok = int(la.argmax()), int(lb.argmax())
     if a_tok == b_tok:
         raise InvalidRequest(f"both prompts answer {text.display(tok.token_text(a_tok))!r}: nothing to restore",
@@ -136,7 +129,7 @@ async def patch(request: Request, body: PatchBody):
     d_a, d_b, last = diff(la), diff(lb), len(a_ids) - 1
     layers = []
     for layer in range(ctx.core().config.num_layers):
-        logits, _ = await patched_logits(ctx, a_ids, (layer, last, rec_b.residual[layer + 1, last]))
+        logits, _ = await traced_logits(ctx, a_ids, patch=(layer, last, rec_b.residual[layer + 1, last]))
         d = diff(logits)
         layers.append({"layer": layer, "logit_diff": round(d, 4), "restored": round((d - d_a) / (d_b - d_a), 4)})
     show = lambda t: {"id": t, "token": text.display(tok.token_text(t))}  # noqa: E731

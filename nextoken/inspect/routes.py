@@ -257,10 +257,7 @@ async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
     bad = [t for t in body.generated if not 0 <= t < eng.config.vocab_size]
     if bad:
         raise InvalidRequest(f"generated token id {bad[0]} is outside the vocabulary", "generated")
-    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, seed=body.seed,
-                            max_tokens=1).validate(eng.config.vocab_size)
+    params = _sampling(body, 1).validate(eng.config.vocab_size)
     grammar = await _grammar(eng, body)
     out = None
     async for out in ctx.get_engine().generate(ids + list(body.generated), SamplingParams(temperature=0, max_tokens=1),
@@ -269,6 +266,13 @@ async def _next_token(ctx: InspectContext, ids: list[int], body: SampleBody):
     logits = out.logits[0]
     return logits, engine_view.sampling_stages(eng.tokenizer, eng.sampler, logits, params, ids, list(body.generated),
                                                grammar)
+
+
+def _sampling(body: SampleBody, max_tokens: int) -> SamplingParams:
+    """The sampler's settings a body gives (temperature, filters, penalties, seed)."""
+    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                          repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens)
 
 
 async def _grammar(eng, body: SampleBody):
@@ -367,11 +371,8 @@ async def journey_trajectory(request: Request, body: TrajectoryBody):
     if not 0 <= body.token < eng.config.vocab_size:
         raise InvalidRequest(f"token id {body.token} is outside the vocabulary", "token")
     prompt = ids + list(body.generated) + [body.token]
-    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=body.max_tokens)
     out = None
-    async for out in ctx.get_engine().generate(prompt, params):
+    async for out in ctx.get_engine().generate(prompt, _sampling(body, body.max_tokens)):
         pass
     token_ids = [body.token] + list(out.outputs[0].token_ids)
     return {"position": len(body.generated), "token_ids": token_ids, "text": eng.tokenizer.decode(token_ids),

@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, AsyncIterator, Union
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
+from nextoken.server.serving import client_of
 from nextoken.server.tools import ToolCallOut, parse as parse_tools
 
 if TYPE_CHECKING:
     from nextoken.server.chat_core import Prepared
     from nextoken.server.serving import ApiServing
-
-from nextoken.server.serving import client_of
 
 log = logging.getLogger("nextoken.server")
 

@@ -37,6 +37,17 @@ pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     reason="browser tests need Debian's chromium (apt-get install chromium) and playwright (pip install playwright)")]
 
 
+def watched_page(browser, errors: list, outside: list, width: int = 1280):
+    """A page that aborts any request leaving the host (recorded in `outside`) and records its
+    console errors and uncaught exceptions in `errors`."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
+               else (outside.append(route.request.url), route.abort()))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return page
+
+
 @pytest.fixture(scope="module")
 def srv(smollm2_path):
     s = LiveServer(LLM(str(smollm2_path)), "smollm2", api_key="secret")
@@ -184,11 +195,7 @@ def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
     outside, errors = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
-                   else (outside.append(route.request.url), route.abort()))
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page = watched_page(browser, errors, outside)
         page.goto(f"{srv.url}/inspect?key=secret")
         page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
         page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")  # the widgets' own runs done

@@ -60,9 +60,7 @@ def test_the_page_runs_every_new_view_on_the_model(served):
     tokens, its commitment strip, a branch and its trajectories, an ablation, the patch lens
     (when the two prompts tokenize to as many tokens) and the quantization diff, each view drawn
     (data-ready), with no console error and no request leaving the host."""
-    from urllib.parse import urlparse
-
-    from tests.inspector.test_inspect_browser import CHROMIUM, OUT, sync_playwright
+    from tests.inspector.test_inspect_browser import CHROMIUM, OUT, sync_playwright, watched_page
 
     if CHROMIUM is None or sync_playwright is None:
         pytest.skip("needs Debian's chromium and playwright, as tests/inspector/test_inspect_browser.py")
@@ -74,11 +72,7 @@ def test_the_page_runs_every_new_view_on_the_model(served):
     errors, outside = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.route("**/*", lambda route: route.continue_() if urlparse(route.request.url).hostname == "127.0.0.1"
-                   else (outside.append(route.request.url), route.abort()))
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page = watched_page(browser, errors, outside)
         page.goto(f"{srv.url}/inspect")
         page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
         page.fill("#journey-prompt", prompt)

@@ -303,12 +303,12 @@ async function importJourney(file) {
       state.commits.push({ ...v.commitment, token: v.choice.token });
       state.views.push(v);
       state.generated.push(v.choice.id);
-      $("journey-out").append(tokenEl(v.choice, true, false));
+      const chip = tokenEl(v.choice, true, false);  // (no branching: the file has no model behind it)
+      chip.dataset.journeyTokenId = String(v.choice.id);
+      $("journey-out").append(chip);
     }
     render(doc.steps[doc.steps.length - 1]);
     $("journey-meta").textContent = `opened from a file: ${doc.model?.name ?? "?"} (sha256 ${String(doc.model?.digest ?? "?").slice(0, 12)}…), ${doc.steps.length} steps`;
-    $("journey").dataset.imported = doc.model?.digest ?? "";
-    $("journey-out").querySelectorAll(".tok").forEach((e, i) => { e.dataset.journeyTokenId = String(state.generated[i]); });
   } catch (e) { showError("journey", e); }
 }
 
