@@ -18,53 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
 
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
+from nextoken.server.chat_events import (Choice, Event, Failed, Finish, Tokens, Usage)
 from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
 from nextoken.server.serving import client_of
-from nextoken.server.tools import ToolCallOut, parse as parse_tools
+from nextoken.server.tools import parse as parse_tools
 
 if TYPE_CHECKING:
     from nextoken.server.chat_core import Prepared
     from nextoken.server.serving import ApiServing
 
 log = logging.getLogger("nextoken.server")
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Tokens of a request: its prompt, its completions (all choices), the prompt's tokens found
-    in the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    @classmethod
-    def of(cls, outs: list[RequestOutput]) -> "Usage":
-        return cls(sum(len(o.prompt_token_ids) for o in outs),
-                   sum(len(c.token_ids) for o in outs for c in o.outputs),
-                   sum(o.metrics.num_cached_tokens for o in outs))
-
-
-@dataclass
-class Choice:
-    """One completion, split: `thought` (with a reasoning parser), `text` (the answer without
-    its tool calls), `calls` (complete calls only), `finish` ("stop", "length" or "tool_calls":
-    a stop with calls), `stop_reason` (the stop string or token that ended it), its tokens and
-    their log-probabilities (when asked)."""
-
-    index: int
-    thought: str = ""
-    text: str = ""
-    calls: list[ToolCallOut] = field(default_factory=list)
-    finish: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -75,66 +43,6 @@ class ChatResult:
     choices: list[Choice]
     usage: Usage
     output: RequestOutput
-
-
-@dataclass(frozen=True)
-class Thought:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Text:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    """Call number `call` of choice `index` begins: its id and function name."""
-    index: int
-    call: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    """A piece of the JSON text of call `call`'s arguments."""
-    index: int
-    call: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Finish:
-    """Choice `index` ended: `choice` holds it whole; `usage` is the request's so far (all its
-    choices when the last one ends); `output` the engine's output of that step."""
-    index: int
-    choice: Choice
-    usage: Usage
-    output: RequestOutput
-
-    @property
-    def reason(self) -> str:
-        return self.choice.finish
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The tokens of one step of choice `index` and their log-probabilities (None unless asked)."""
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict] | None
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The engine failed after the answer began (logged here; the API says so in its stream)."""
-    message: str
-
-
-Event = Union[Thought, Text, ToolCallStart, ToolCallArgs, Finish, Tokens, Failed]
 
 
 class EventStream:
@@ -194,8 +102,8 @@ async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
                     continue  # ended in an earlier step
                 if not c.delta and not c.delta_token_ids and not c.finished:
                     continue
-                sp = splitters.setdefault(c.index, StreamSplitter(style, names))
-                for event in _step(c, sp):
+                sp = splitters.setdefault(c.index, StreamSplitter(style, names, c.index))
+                for event in sp.feed(c.delta, c.finished, c.finish_reason == "length"):
                     yield event
                 if c.finished:
                     choices[c.index] = ch = _whole(c, sp)
@@ -210,22 +118,6 @@ async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
         return
     if out is not None and out.finished:
         serving.record([out])
-
-
-def _step(c, splitter: StreamSplitter):
-    """The events of one step of completion `c`."""
-    thought, events = splitter.feed(c.delta, c.finished, c.finish_reason == "length")
-    for piece in thought:
-        yield Thought(c.index, piece)
-    for ev in events:
-        if ev[0] == "content":
-            if ev[1]:
-                yield Text(c.index, ev[1])
-        elif ev[0] == "call":
-            call = splitter.parser.calls[ev[1]]
-            yield ToolCallStart(c.index, ev[1], call.id, call.name)
-        elif ev[2]:
-            yield ToolCallArgs(c.index, ev[1], ev[2])
 
 
 def _whole(c, splitter: StreamSplitter) -> Choice:

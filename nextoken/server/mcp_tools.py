@@ -1,10 +1,11 @@
-"""MCP tools the server runs for ``/v1/responses`` (OpenAI's ``{"type": "mcp"}`` tools): list a
-remote MCP server's tools, and call one, with the `mcp` package's client over streamable HTTP.
+"""MCP tools the server runs (OpenAI's Responses ``{"type": "mcp"}`` tools, Anthropic's
+``mcp_servers``; the loop that runs them is `tool_loop`): list a remote MCP server's tools, and
+call one, with the `mcp` package's client over streamable HTTP.
 
 A server URL is reached only when one of ``serve --allow-mcp-url PATTERN`` (globs, default none)
 matches it; each listing and each call has ``--mcp-timeout`` seconds, and an output larger than
 ``--mcp-max-output-bytes`` is an error, not a truncation. Failures of the MCP server (down,
-hanging, refusing, too large) come back as `MCPFailure`, which the Responses module turns into
+hanging, refusing, too large) come back as `MCPFailure`, which the tool loop turns into
 an ``error`` on the item (a call) or a 424 naming the server (a listing), never a 500.
 """
 
@@ -22,7 +23,6 @@ from pydantic import Field
 
 from nextoken.bodies import Body, NonEmptyStr
 from nextoken.errors import DependencyFailed, InvalidRequest
-from nextoken.server.chat_core import append_call
 
 
 class MCPToolFilter(Body):
@@ -163,32 +163,18 @@ async def listings(servers, limits: Limits, field: str = "tools") -> tuple[list[
     return items, owners, offered
 
 
-async def run_call(tool: MCPTool, name: str, arguments: str, conversation: list[dict], limits: Limits,
-               approval=None, call_id: str | None = None) -> dict:
-    """Run one call (or record a declined one), add it and its result to `conversation`, and
-    return its ``mcp_call`` item (whose id is `call_id`, or a new one)."""
-    item = {"type": "mcp_call", "id": call_id or item_id("mcp"), "server_label": tool.server_label, "name": name,
-            "arguments": arguments, "output": None, "error": None, "status": "completed"}
-    if approval is not None:
-        item["approval_request_id"] = approval.approval_request_id
-    if approval is not None and not approval.approve:
-        item["error"] = "the user declined this call" + (f": {approval.reason}" if approval.reason else "")
-    else:
-        try:
-            args = json.loads(arguments) if arguments.strip() else {}
-            if not isinstance(args, dict):
-                raise MCPFailure(f"the arguments of {name!r} are not a JSON object")
-            item["output"] = await call_tool(tool, name, args, limits)
-        except json.JSONDecodeError:
-            item["error"] = f"the arguments of {name!r} are not JSON: {arguments[:200]}"
-        except MCPFailure as exc:
-            item["error"] = str(exc)
-    if item["error"] is not None:
-        item["status"] = "failed"
-    append_call(conversation, item["id"], name, arguments)
-    conversation.append({"role": "tool", "tool_call_id": item["id"],
-                         "content": item["output"] if item["output"] is not None else f"error: {item['error']}"})
-    return item
+async def run_call(tool: MCPTool, name: str, arguments: str, limits: Limits) -> tuple[str | None, str | None]:
+    """Run one call: (its output, None), or (None, the error: arguments that are not a JSON object,
+    a failure of the server). Never raises for the server's faults."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+        if not isinstance(args, dict):
+            raise MCPFailure(f"the arguments of {name!r} are not a JSON object")
+        return await call_tool(tool, name, args, limits), None
+    except json.JSONDecodeError:
+        return None, f"the arguments of {name!r} are not JSON: {arguments[:200]}"
+    except MCPFailure as exc:
+        return None, str(exc)
 
 
 def _schema(t) -> dict:
@@ -203,37 +189,3 @@ def _annotations(t) -> dict | None:
 
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-class PassLoop:
-    """The passes of an answer during which the server runs MCP calls (`responses_mcp.MCPLoop`,
-    `anthropic.mcp.ConnectorLoop`): `_events(emit)` generates them, yielding what `emit(kind,
-    data)` formats, None when not streamed; `error` is what ended them early."""
-
-    error: Exception | None = None
-
-    @staticmethod
-    def check_template(serving) -> None:
-        """`InvalidRequest` (field "tools") when the model's chat template renders no tools: checked
-        before any MCP server is contacted, so a streamed request fails as an unstreamed one does,
-        with a 400 and no listing."""
-        from nextoken.server.tools import require_tool_template
-
-        require_tool_template(serving.engine.tokenizer.chat_template)
-
-    def _events(self, emit):
-        raise NotImplementedError
-
-    async def events(self, emit):
-        """The formatted events, as the passes run."""
-        async for text in self._events(emit):
-            if text is not None:
-                yield text
-
-    async def run(self) -> None:
-        """Run the passes unstreamed; raise what ended them early."""
-        async for _ in self.events(lambda kind, data: None):
-            pass
-        if self.error is not None:
-            raise self.error
-

@@ -2,8 +2,8 @@
 the DeepSeek-R1 distills write it), for every API: ``reasoning_content`` (and ``reasoning``) in
 chat, a ``reasoning`` item in Responses, ``thinking`` blocks in Messages, ``thinking`` in Ollama.
 
-`ReasoningParser` works on a stream: `feed` takes the next piece of text and returns events
-``("reasoning", text)`` and ``("content", text)``, holding back what might still be the start of
+`ReasoningParser` works on a stream: `feed` takes the next piece of text and returns the chat
+core's events `Thought` and `Text` (`chat_events`), holding back what might still be the start of
 a tag, so the events of any split of a text are the events of the whole text (`split`). The two
 styles (``--reasoning-parser``): ``qwen3`` (a thought only when the answer opens with
 ``<think>``) and ``deepseek_r1`` (the template opens the thought: everything up to ``</think>`` is
@@ -12,6 +12,7 @@ thought, a leading ``<think>`` dropped).
 
 from __future__ import annotations
 
+from nextoken.server.chat_events import Event, Text, Thought
 from nextoken.server.tools import ToolCallParser
 
 START, END = "<think>", "</think>"
@@ -29,7 +30,8 @@ def _partial(text: str, tag: str) -> int:
 class ReasoningParser:
     """One completion's stream of text split into thought and answer (see the module)."""
 
-    def __init__(self, style: str = "qwen3"):
+    def __init__(self, style: str = "qwen3", index: int = 0):
+        self.index = index  # the choice's
         if style not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {style!r}")
         self.state = "start"  # start: nothing decided yet; think: in the thought; answer: after it
@@ -38,9 +40,9 @@ class ReasoningParser:
         self.strip = False  # just after </think>: its newlines are dropped
         self.reasoning = self.content = ""
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
+    def feed(self, text: str) -> list[Event]:
         self.buf += text
-        events: list[tuple[str, str]] = []
+        events: list[Event] = []
         while True:
             if self.state == "start":
                 stripped = self.buf.lstrip()
@@ -71,9 +73,9 @@ class ReasoningParser:
                 self.buf = ""
                 return events
 
-    def finish(self) -> list[tuple[str, str]]:
+    def finish(self) -> list[Event]:
         """The events for what is held back at the end (an unclosed thought stays thought)."""
-        events: list[tuple[str, str]] = []
+        events: list[Event] = []
         if self.strip:
             self.buf = self.buf.lstrip("\n")
         if self.buf:
@@ -90,10 +92,11 @@ class ReasoningParser:
             self.reasoning += text
         else:
             self.content += text
-        if events and events[-1][0] == kind:
-            events[-1] = (kind, events[-1][1] + text)
+        kind_of = Thought if kind == "reasoning" else Text
+        if events and type(events[-1]) is kind_of:
+            events[-1] = kind_of(self.index, events[-1].text + text)
         else:
-            events.append((kind, text))
+            events.append(kind_of(self.index, text))
 
 
 def split(text: str, style: str) -> tuple[str, str]:
@@ -106,22 +109,23 @@ def split(text: str, style: str) -> tuple[str, str]:
 
 class StreamSplitter:
     """One completion's streamed text as every API's stream needs it: with a reasoning `style`,
-    the thought's pieces apart; the answer as `ToolCallParser` events with tool `names`, else as
-    plain ``("content", text)`` events. `feed(delta, finished)` -> (thought pieces, events);
+    the thought apart (`Thought`); the answer as `ToolCallParser` events with tool `names`, else
+    as `Text`. `feed(delta, finished)` -> the events of choice `index`, the thought's first;
     `parser` is the tool-call parser (its calls), `thinker` the reasoning parser, or None."""
 
-    def __init__(self, style: str | None = None, names: frozenset[str] | None = None):
-        self.thinker = ReasoningParser(style) if style else None
-        self.parser = ToolCallParser(names) if names else None
+    def __init__(self, style: str | None = None, names: frozenset[str] | None = None, index: int = 0):
+        self.index = index
+        self.thinker = ReasoningParser(style, index) if style else None
+        self.parser = ToolCallParser(names, index) if names else None
 
-    def feed(self, delta: str, finished: bool, cut: bool = False) -> tuple[list[str], list[tuple]]:
+    def feed(self, delta: str, finished: bool, cut: bool = False) -> list[Event]:
         """`cut`: the completion stopped at its token limit (a tool call it leaves open is
-        dropped, `ToolCallParser.finish`)."""
+        dropped from `parser.calls`, `ToolCallParser.finish`; its events went out already)."""
         text, thought = delta, []
         if self.thinker is not None:
             split = self.thinker.feed(delta) + (self.thinker.finish() if finished else [])
-            thought = [piece for kind, piece in split if kind == "reasoning"]
-            text = "".join(piece for kind, piece in split if kind == "content")
+            thought = [ev for ev in split if isinstance(ev, Thought)]
+            text = "".join(ev.text for ev in split if isinstance(ev, Text))
         if self.parser is None:
-            return thought, [("content", text)] if text else []
-        return thought, self.parser.feed(text) + (self.parser.finish(cut) if finished else [])
+            return thought + ([Text(self.index, text)] if text else [])
+        return thought + self.parser.feed(text) + (self.parser.finish(cut) if finished else [])

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
+from nextoken.server.chat_events import Event, Text, ToolCallArgs, ToolCallStart
 from nextoken.structured.params import JSON_DEFAULTS, StructuredOutputsParams, close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -103,9 +104,9 @@ class ToolCallOut:
 class ToolCallParser:
     """Splits model text into content and tool calls as it arrives.
 
-    `feed` takes the next piece of text and returns events: ``("content", text)``,
-    ``("call", index, name)`` once per call, then ``("arguments", index, text)`` pieces; `finish`
-    returns the last events. Text that might still turn into a call tag, and the end of a call's
+    `feed` takes the next piece of text and returns the chat core's events (`chat_events`):
+    `Text`, `ToolCallStart` once per call, then `ToolCallArgs` pieces, each of choice `index`;
+    `finish` returns the last events. Text that might still turn into a call tag, and the end of a call's
     arguments (which might be the closing brace of the call object), is held back until it is
     sure, so the events of any split of a text are the events of the whole text. Whitespace
     around calls is dropped.
@@ -114,8 +115,8 @@ class ToolCallParser:
     the tags (``{"name": ..., "arguments": ...}``, one or several, maybe in a ```json fence), which
     small models often write, is calls too; such an answer is held back until it ends."""
 
-    def __init__(self, names: set[str] | frozenset[str] = frozenset()):
-        self.names = frozenset(names)
+    def __init__(self, names: set[str] | frozenset[str] = frozenset(), index: int = 0):
+        self.names, self.index = frozenset(names), index
         self.calls: list[ToolCallOut] = []
         self.content = ""
         self._buf = ""  # content not yet emitted (a possible tag start, or held whitespace)
@@ -125,8 +126,8 @@ class ToolCallParser:
         self._gap = ""  # whitespace held before the open tag
         self.cut_call: ToolCallOut | None = None  # the call the token limit cut short (`finish`)
 
-    def feed(self, text: str) -> list[tuple]:
-        events: list[tuple] = []
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
         if self._body is None:
             self._buf += text
         else:
@@ -138,13 +139,13 @@ class ToolCallParser:
             elif not self._scan_call(events):
                 return events
 
-    def finish(self, cut: bool = False) -> list[tuple]:
+    def finish(self, cut: bool = False) -> list[Event]:
         """Events for the text held back at the end (an unclosed call is closed). `cut`: the
         text stopped at the token limit, so an open tag (or the start of one, or of an untagged
         call object) is a call cut short:
         its markup is dropped (never content), and a call whose arguments had begun stays out of `calls`
         (a stream has sent its pieces already; the finish reason says it was cut)."""
-        events: list[tuple] = []
+        events: list[Event] = []
         if self._body is None and self._bare_call(events, cut):
             return events
         if cut and self._body is None:  # the start of a tag, or of an untagged call, cut: no content either
@@ -215,9 +216,8 @@ class ToolCallParser:
             at = end
         if not objects:
             return False
-        for i, (obj, raw) in enumerate(objects):
-            self.calls.append(ToolCallOut(obj["name"]))
-            events.append(("call", i, obj["name"]))
+        for obj, raw in objects:
+            self._open_call(obj["name"], events)
             m = _HEAD.match(raw)
             self._args_at, self._sent = 0, 0
             self._send(_arguments_so_far(raw[m.end():]) if m else json.dumps(obj["arguments"]), events)
@@ -237,7 +237,13 @@ class ToolCallParser:
 
     def _emit_content(self, text: str, events) -> None:
         self.content += text
-        events.append(("content", text))
+        if text:
+            events.append(Text(self.index, text))
+
+    def _open_call(self, name: str, events) -> None:
+        call = ToolCallOut(name)
+        self.calls.append(call)
+        events.append(ToolCallStart(self.index, len(self.calls) - 1, call.id, name))
 
     # -- calls ---------------------------------------------------------------------------
     def _scan_call(self, events) -> bool:
@@ -252,8 +258,7 @@ class ToolCallParser:
                     self._buf = body[end + len(CLOSE):]
                     return True
                 return False
-            self.calls.append(ToolCallOut(m.group(1)))
-            events.append(("call", len(self.calls) - 1, m.group(1)))
+            self._open_call(m.group(1), events)
             self._args_at = m.end()
         end = body.find(CLOSE, self._args_at)
         if end >= 0:
@@ -269,7 +274,7 @@ class ToolCallParser:
             piece = args[self._sent:]
             self.calls[-1].arguments += piece
             self._sent = len(args)
-            events.append(("arguments", len(self.calls) - 1, piece))
+            events.append(ToolCallArgs(self.index, len(self.calls) - 1, piece))
 
     def _close(self, body: str, events) -> None:
         self._send(_arguments_so_far(body[self._args_at:]), events)

@@ -46,7 +46,7 @@ def test_priority_orders_first_tokens_and_preempts_the_lowest(llms):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = llms["priority"].generate(["Tell me a story about a dragon."], params)[0].outputs[0].text
     for i in range(2):
-        eng.add_request(f"Tell me a story about a dragon." if i == 0 else f"Count to ten, number {i}.", params,
+        eng.add_request("Tell me a story about a dragon." if i == 0 else f"Count to ten, number {i}.", params,
                         f"bg{i}", RequestOptions(priority=10))
     eng.step()
     for i in range(2, 5):

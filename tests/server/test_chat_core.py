@@ -16,7 +16,8 @@ from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.server.args import ServerArgs
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.chat_core import ChatSpec, Prepared, prepare
-from nextoken.server.chat_run import ChatResult, EventStream, Finish, Text, ToolCallArgs, ToolCallStart, run
+from nextoken.server.chat_events import Finish, Text, ToolCallArgs, ToolCallStart
+from nextoken.server.chat_run import ChatResult, EventStream, run
 from nextoken.server.serving import ApiServing
 from nextoken.server.state import ServerState
 
@@ -169,3 +170,24 @@ def test_run_parses_the_engines_answer_streamed_and_not(tok_config):
     (fin,) = [ev for ev in events if isinstance(ev, Finish)]
     assert fin.choice.finish == "tool_calls"
     assert len(seen) == 2  # one record per request: the unstreamed and the streamed one
+
+
+def test_a_call_begun_and_cut_in_the_last_step_streams_without_failing(tok_config):
+    """A step that both begins a call and ends at the token limit inside it (speculative
+    decoding, or a burst of tokens, brings several per step): the stream names the call it began,
+    then finishes with the length reason and no calls, as the unstreamed answer; it used to end in
+    `Failed` (the cut call was gone from the parser's calls before its start was sent)."""
+    from tests.server.test_tool_loop import ScriptedEngine
+    tok, cfg = tok_config
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+    prep = Prepared(tok.encode("q"), SamplingParams(max_tokens=64), None, frozenset({"get_weather"}))
+
+    async def go():
+        serving = serving_with(ScriptedEngine(tok, cfg, [(["Checking. ", cut], "length")]))
+        return [ev async for ev in await run(serving, prep, request=None, stream=True)]
+
+    events = asyncio.run(go())
+    assert not [e for e in events if type(e).__name__ == "Failed"]
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather"]
+    (fin,) = [e for e in events if isinstance(e, Finish)]
+    assert fin.choice.finish == "length" and fin.choice.calls == [] and fin.choice.text.strip() == "Checking."

@@ -10,6 +10,7 @@ import httpx
 
 import pytest
 
+from nextoken.server.chat_events import Text, Thought
 from nextoken.server.reasoning import ReasoningParser, split
 
 CASES = [  # (text, style, thought, answer)
@@ -30,8 +31,8 @@ def test_every_split_gives_the_events_of_the_whole(text, style, thought, answer)
     for a, b in itertools.combinations(range(len(text) + 1), 2):  # every split into three pieces
         p = ReasoningParser(style)
         events = p.feed(text[:a]) + p.feed(text[a:b]) + p.feed(text[b:]) + p.finish()
-        assert "".join(t for k, t in events if k == "reasoning") == thought, (a, b)
-        assert "".join(t for k, t in events if k == "content") == answer, (a, b)
+        assert "".join(e.text for e in events if isinstance(e, Thought)) == thought, (a, b)
+        assert "".join(e.text for e in events if isinstance(e, Text)) == answer, (a, b)
 
 
 def test_unknown_style_is_refused_and_the_flag_offers_every_style():

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from nextoken import LLM
+from nextoken.server.chat_events import Text, ToolCallArgs, ToolCallStart
 from nextoken.server.tools import ToolCallParser, messages_for_template, parse
 from tests.helpers.server import LiveServer
 
@@ -39,10 +40,11 @@ TEXTS = [
 
 
 def _events_to_result(events):
-    content = "".join(e[1] for e in events if e[0] == "content")
-    names = [e[2] for e in events if e[0] == "call"]
-    args = ["".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) for i in range(len(names))]
-    return content, names, args
+    content = "".join(e.text for e in events if isinstance(e, Text))
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [s.call for s in starts] == list(range(len(starts)))  # numbered in order, each once
+    args = ["".join(e.text for e in events if isinstance(e, ToolCallArgs) and e.call == i) for i in range(len(starts))]
+    return content, [s.name for s in starts], args
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -80,7 +82,7 @@ def test_a_call_cut_by_the_token_limit_leaves_no_markup(tail):
     for split in range(len(whole) + 1):
         p = ToolCallParser({"a", "b"})
         events = p.feed(whole[:split]) + p.feed(whole[split:]) + p.finish(cut=True)
-        assert "".join(e[1] for e in events if e[0] == "content") == "Sure.", split
+        assert "".join(e.text for e in events if isinstance(e, Text)) == "Sure.", split
         assert [c.name for c in p.calls] == ["a"]
     if tail == '<tool_call>\n{"':
         assert parse(whole, {"a", "b"}).content == 'Sure.\n<tool_call>\n{"'

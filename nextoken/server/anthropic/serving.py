@@ -14,9 +14,6 @@ The anthropic SDK (2.x) takes no sampling arguments: clients send ``temperature`
 
 from __future__ import annotations
 
-import json
-import uuid
-from types import SimpleNamespace
 
 from fastapi import Request
 
@@ -24,7 +21,9 @@ from nextoken.errors import InvalidRequest
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat_core import ChatSpec, prepare, render
-from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
+from nextoken.server.anthropic.render import MessageRenderer, blocks, event, stop_reason
+from nextoken.server.chat_events import Failed, Finish
+from nextoken.server.chat_run import run
 from nextoken.server.serving import ApiServing, sse_response
 
 
@@ -84,33 +83,6 @@ def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] 
                     client=f"user:{user}" if user else "")
 
 
-def stop_reason(choice) -> tuple[str, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for a finished `chat_run.Choice`."""
-    if choice.finish == "length":
-        return "max_tokens", None
-    if choice.finish == "tool_calls":
-        return "tool_use", None
-    if isinstance(choice.stop_reason, str):
-        return "stop_sequence", choice.stop_reason
-    return "end_turn", None
-
-
-def _tool_id() -> str:
-    return "toolu_" + uuid.uuid4().hex[:24]
-
-
-def tool_input(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"value": value}
-
-
-def _event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-
 # -- serving ------------------------------------------------------------------------------------
 class AnthropicServingMessages(ApiServing):
     """``POST /v1/messages`` and ``/v1/messages/count_tokens`` over the shared engine."""
@@ -132,12 +104,12 @@ class AnthropicServingMessages(ApiServing):
         return self.message(res)
 
     async def _connector(self, body, request, lora):
-        """A message with the MCP connector (`connector.ConnectorLoop`), streamed or not."""
-        loop = await connector.ConnectorLoop(self, body, request, lora, to_spec, RENDER).start()
+        """A message with the MCP connector (`connector.ConnectorMessage`), streamed or not."""
+        answer = await connector.ConnectorMessage(self, body, request, lora, to_spec,
+                                                  to_chat_messages(body.system, body.messages)).start()
         if body.stream:
-            return sse_response(loop.events(_event))
-        await loop.run()
-        return loop.message
+            return sse_response(event(kind, data) async for kind, data in answer.events())
+        return await answer.run()
 
     def message(self, res) -> dict:
         """The message of the core's `ChatResult`: thinking, text, then tool_use blocks."""
@@ -150,67 +122,20 @@ class AnthropicServingMessages(ApiServing):
     async def _stream(self, events, num_prompt: int):
         """Anthropic's event sequence for the core's events: content blocks (thinking, text,
         tool_use) opened and closed as the kind changes."""
-        yield _event("message_start", {"message": {
+        yield event("message_start", {"message": {
             "id": events.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
-        yield _event("ping", {})
-        block = {"index": -1, "kind": None}  # the open content block
+        yield event("ping", {})
+        r = MessageRenderer()
         async for ev in events:
             if isinstance(ev, Failed):
-                yield _event("error", {"error": {"type": "api_error", "message": ev.message}})
+                yield event("error", {"error": {"type": "api_error", "message": ev.message}})
                 return
-            for kind, data in block_events(ev, block):
-                yield _event(kind, data)
+            for kind, data in r.core(ev):
+                yield event(kind, data)
             if isinstance(ev, Finish):
                 stop, seq = stop_reason(ev.choice)
-                yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                yield event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
                                                "usage": {"output_tokens": ev.usage.completion_tokens}})
-                yield _event("message_stop", {})
-
-
-def blocks(c, skip: frozenset[str] | set[str] = frozenset()) -> list[dict]:
-    """The content blocks of a `chat_run.Choice`: thinking, text, tool_use (but calls of the
-    functions in `skip`)."""
-    content = [{"type": "thinking", "thinking": c.thought, "signature": ""}] if c.thought else []
-    if c.text:
-        content.append({"type": "text", "text": c.text})
-    return content + [{"type": "tool_use", "id": _tool_id(), "name": call.name, "input": tool_input(call.arguments)}
-                      for call in c.calls if call.name not in skip]
-
-
-def block_events(ev, block: dict):
-    """Anthropic's events (kind, data) for one core event, opening and closing content blocks
-    as the kind changes (`block`: the open one's index and kind); `Finish` closes the open one."""
-    if isinstance(ev, Thought):
-        if block["kind"] != "thinking":
-            yield from open_block(block, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        yield "content_block_delta", {"index": block["index"], "delta": {"type": "thinking_delta", "thinking": ev.text}}
-    elif isinstance(ev, Text):
-        if block["kind"] != "text":
-            yield from open_block(block, "text", {"type": "text", "text": ""})
-        yield "content_block_delta", {"index": block["index"], "delta": {"type": "text_delta", "text": ev.text}}
-    elif isinstance(ev, ToolCallStart):
-        yield from open_block(block, "tool", {"type": "tool_use", "id": _tool_id(), "name": ev.name, "input": {}})
-    elif isinstance(ev, ToolCallArgs):
-        yield "content_block_delta", {"index": block["index"],
-                                      "delta": {"type": "input_json_delta", "partial_json": ev.text}}
-    elif isinstance(ev, Finish):
-        yield from open_block(block, None, None)
-
-
-def open_block(block: dict, kind: str | None, start: dict | None) -> list[tuple[str, dict]]:
-    """Close the open block and (unless `kind` is None) open block `start`: its events."""
-    events = []
-    if block["kind"] is not None:
-        events.append(("content_block_stop", {"index": block["index"]}))
-        block["kind"] = None
-    if kind is not None:
-        block["index"] += 1
-        block["kind"] = kind
-        events.append(("content_block_start", {"index": block["index"], "content_block": start}))
-    return events
-
-
-RENDER = SimpleNamespace(block_events=block_events, blocks=blocks, stop_reason=stop_reason,
-                         open_block=open_block, tool_input=tool_input)  # (`anthropic.mcp`)
+                yield event("message_stop", {})

@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 from nextoken.errors import InvalidRequest
 from nextoken.server import tools as tools_mod
 from nextoken.server.chat_core import ChatSpec, Prepared, prepare
-from nextoken.server.chat_run import Failed, Finish, Text, Thought, run
+from nextoken.server.chat_events import Failed, Finish, Text, Thought
+from nextoken.server.chat_run import run
 from nextoken.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ShowRequest
 from nextoken.server.serving import ApiServing
 from nextoken.structured.params import StructuredOutputsParams

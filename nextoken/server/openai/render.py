@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 
-from nextoken.server.chat_run import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
+from nextoken.server.chat_events import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
 
 log = logging.getLogger("nextoken.server")
 

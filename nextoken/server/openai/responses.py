@@ -15,11 +15,9 @@ request is a 400 that says so.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
-from types import SimpleNamespace
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from cachetools import LRUCache
@@ -32,9 +30,11 @@ from nextoken.server import published
 from nextoken.server.rules import RESPONSES_RULES, check, forbid
 from nextoken.server.chat_core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
-from nextoken.server.openai.render import chat_logprobs
+from nextoken.server.openai.responses_render import ResponseRenderer, call_item, message_item, reasoning_item, \
+    text_logprobs
 from nextoken.server.mcp_tools import MCPTool
-from nextoken.server.chat_run import Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, run
+from nextoken.server.chat_events import Failed, Finish
+from nextoken.server.chat_run import run
 from nextoken.server.serving import ApiServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
@@ -252,12 +252,6 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     priority=body.priority, client=f"user:{body.user}" if body.user else "")
 
 
-def _event(kind: str, data: dict, seq: list[int]) -> str:
-    seq[0] += 1
-    payload = json.dumps({"type": kind, "sequence_number": seq[0], **data}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {payload}\n\n"
-
-
 # -- serving ------------------------------------------------------------------------------------
 class OpenAIServingResponses(ApiServing):
     """``/v1/responses`` over the shared engine; `store`: the `ResponseStore`."""
@@ -292,21 +286,23 @@ class OpenAIServingResponses(ApiServing):
         return response
 
     async def _mcp(self, body, request, lora, meta, conversation, previous):
-        """A response whose tools include MCP servers (`responses_mcp.MCPLoop`), streamed or not."""
-        loop = await responses_mcp.MCPLoop(self, body, request, lora, meta, to_spec, RENDER).start(conversation,
-                                                                                                 previous)
+        """A response whose tools include MCP servers (`responses_mcp.MCPResponse`), streamed or not."""
+        rid = f"resp_{uuid.uuid4().hex[:24]}"
+        envelope = lambda output, finish, usage, status=None: self.envelope(  # noqa: E731
+            body, rid, output, finish, usage, meta, status)
+        answer = await responses_mcp.MCPResponse(self, body, request, lora, envelope, to_spec,
+                                                 ResponseRenderer(body.stream)).start(conversation, previous)
         if body.stream:
-            seq = [-1]
-
             async def events():
-                async for text in loop.events(lambda kind, data: _event(kind, data, seq)):
-                    yield text
-                if loop.response is not None:
-                    self._keep(body, loop.response, loop.conversation)
+                async for text in answer.events():
+                    if text is not None:
+                        yield text
+                if answer.response is not None:
+                    self._keep(body, answer.response, answer.conversation)
             return sse_response(events())
-        await loop.run()
-        self._keep(body, loop.response, loop.conversation)
-        return loop.response
+        response = await answer.run()
+        self._keep(body, response, answer.conversation)
+        return response
 
     def _keep(self, body, response: dict, conversation: list[dict]) -> None:
         if body.store:
@@ -315,13 +311,13 @@ class OpenAIServingResponses(ApiServing):
     def response(self, body, res, meta) -> dict:
         """The response of the core's `ChatResult`: reasoning, message, function_call items."""
         c = res.choices[0]
-        output = [_reasoning_item(c.thought)] if c.thought else []
+        output = [reasoning_item(c.thought)] if c.thought else []
         if c.text or not c.calls:
             output.append(message_item(c.text))
             if body.wants_logprobs:
                 output[-1]["content"][0]["logprobs"] = text_logprobs(self.engine.tokenizer, c.token_ids,
                                                                      c.logprobs, body.top_logprobs or 0)
-        output += [_call_item(call.id, call.name, call.arguments) for call in c.calls]
+        output += [call_item(call.id, call.name, call.arguments) for call in c.calls]
         return self.envelope(body, res.request_id, output, c.finish, res.usage, meta)
 
     def envelope(self, body, rid, output, finish: str | None, usage, meta, status: str | None = None) -> dict:
@@ -345,55 +341,29 @@ class OpenAIServingResponses(ApiServing):
 
     async def _stream(self, body, events, meta, conversation):
         """The Responses event sequence of the core's events."""
-        seq = [-1]
-        emit = lambda kind, data: _event(kind, data, seq)  # noqa: E731
+        r = ResponseRenderer(streamed=True)
         start = self.envelope(body, events.request_id, [], None, None, meta, status="in_progress")
-        yield emit("response.created", {"response": start})
-        yield emit("response.in_progress", {"response": start})
-        state = {"items": [], "open": None}  # the output items so far; the open one's index
+        yield r.emit("response.created", {"response": start})
+        yield r.emit("response.in_progress", {"response": start})
         tok = self.engine.tokenizer
         async for ev in events:
             if isinstance(ev, Failed):
-                yield emit("error", {"message": ev.message, "code": "server_error"})
+                yield r.emit("error", {"message": ev.message, "code": "server_error"})
                 return
             if isinstance(ev, Finish) and body.wants_logprobs:  # the message's, before it closes (as unstreamed)
-                for item in state["items"]:
+                for item in r.items:
                     if item["type"] == "message":
                         item["content"][0]["logprobs"] = text_logprobs(tok, ev.choice.token_ids, ev.choice.logprobs,
                                                                        body.top_logprobs or 0)
                         break
-            for text in item_events(ev, state, emit):
+            for text in r.core(ev):
                 yield text
             if isinstance(ev, Finish):
-                if not state["items"]:
-                    state["items"].append(message_item(""))
-                kept = {call.id for call in ev.choice.calls}  # a call cut by the token limit is not one
-                output = [it for it in state["items"] if it["type"] != "function_call" or it["call_id"] in kept]
+                output = r.output({call.id for call in ev.choice.calls})  # a call cut by the token limit is not one
                 final = self.envelope(body, events.request_id, output, ev.reason, ev.usage, meta)
-                yield emit("response.completed" if final["status"] == "completed" else "response.incomplete",
-                           {"response": final})
+                yield r.emit("response.completed" if final["status"] == "completed" else "response.incomplete",
+                             {"response": final})
                 self._keep(body, final, conversation)
-
-
-def _reasoning_item(text: str) -> dict:
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [], "status": "completed",
-            "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def text_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int) -> list[dict]:
-    """An output_text part's ``logprobs``: each generated token with its log-probability and its
-    `n` most likely alternatives, the entries of the chat route's ``logprobs.content``."""
-    return (chat_logprobs(tok, token_ids, logprobs, n) or {"content": []})["content"]
-
-
-def message_item(text: str) -> dict:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-
-def _call_item(call_id: str, name: str, arguments: str) -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": "completed"}
 
 
 def _tool_choice_json(choice):
@@ -408,69 +378,3 @@ def _as_messages(output: list[dict]) -> list[dict]:
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in output if i["type"] == "function_call"]
     return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
-
-
-def item_events(ev, state: dict, emit):
-    """Responses events for one core event: an output item opened when the kind changes
-    (reasoning, message, function_call), the deltas into it; `Finish` closes the open one.
-    `state`: the output items so far and the open one's index; `emit(kind, data)` formats."""
-    items = state["items"]
-    if isinstance(ev, Thought):
-        if state["open"] is None or items[state["open"]]["type"] != "reasoning":
-            yield from close_item(state, emit)
-            yield from _open(state, _reasoning_item(""), emit)
-        item = items[state["open"]]
-        item["content"][0]["text"] += ev.text
-        yield emit("response.reasoning_text.delta", {"item_id": item["id"], "output_index": state["open"],
-                                                     "content_index": 0, "delta": ev.text})
-    elif isinstance(ev, Text):
-        if state["open"] is None or items[state["open"]]["type"] != "message":
-            yield from close_item(state, emit)
-            yield from _open(state, message_item(""), emit)
-            yield emit("response.content_part.added", {"item_id": items[-1]["id"], "output_index": state["open"],
-                                                       "content_index": 0,
-                                                       "part": {"type": "output_text", "text": "", "annotations": []}})
-        item = items[state["open"]]
-        item["content"][0]["text"] += ev.text
-        yield emit("response.output_text.delta", {"item_id": item["id"], "output_index": state["open"],
-                                                  "content_index": 0, "delta": ev.text})
-    elif isinstance(ev, ToolCallStart):
-        yield from close_item(state, emit)
-        yield from _open(state, _call_item(ev.id, ev.name, ""), emit)
-    elif isinstance(ev, ToolCallArgs):
-        item = items[state["open"]]
-        item["arguments"] += ev.text
-        yield emit("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": state["open"],
-                                                              "delta": ev.text})
-    elif isinstance(ev, Finish):
-        yield from close_item(state, emit)
-
-
-def _open(state: dict, item: dict, emit):
-    state["items"].append(item)
-    state["open"] = len(state["items"]) - 1
-    shown = {**item, "status": "in_progress"}
-    yield emit("response.output_item.added", {"output_index": state["open"], "item": shown})
-
-
-def close_item(state: dict, emit):
-    if state["open"] is None:
-        return
-    i, item = state["open"], state["items"][state["open"]]
-    if item["type"] == "reasoning":
-        yield emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                      "text": item["content"][0]["text"]})
-    elif item["type"] == "message":
-        part = item["content"][0]
-        yield emit("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                   "text": part["text"]})
-        yield emit("response.content_part.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                    "part": part})
-    else:
-        yield emit("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
-                                                               "arguments": item["arguments"]})
-    yield emit("response.output_item.done", {"output_index": i, "item": item})
-    state["open"] = None
-
-
-RENDER = SimpleNamespace(item_events=item_events, close=close_item, message_item=message_item)  # (`responses_mcp`)
