@@ -7,9 +7,9 @@ its OpenAPI schema allows, and the marks for limits known only once a model is l
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 BODY = ConfigDict(extra="forbid", strict=True)
@@ -34,6 +34,31 @@ class Body(BaseModel):
         return data
 
 
+class Answer(BaseModel):
+    """An answer's body (a 200, or one event of a stream), declared so that the published schema
+    states it and a route's ``response_model`` checks what the server sends: a field the model
+    does not declare is an error, not dropped. Optional fields have defaults; a route answers with
+    the fields its renderer set (``response_model_exclude_unset``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+UNION_TAG = "union:"  # prefix of the member tags in validation errors' locations (dropped from messages)
+
+
+def by_field(field: str, members: dict[str, type]) -> Any:
+    """A body that is one of `members`, chosen by the value of its `field` (a message by its
+    role): the schema is their ``oneOf``; a value of no member is one error naming the field and
+    the values it takes, and the member's tag stays out of error paths (`UNION_TAG`)."""
+    def pick(v):
+        value = v.get(field) if isinstance(v, dict) else getattr(v, field, None)
+        return UNION_TAG + value if isinstance(value, str) and value in members else None
+    allowed = ", ".join(repr(k) for k in members)
+    return Annotated[Union[tuple(Annotated[m, Tag(UNION_TAG + k)] for k, m in members.items())],
+                     Discriminator(pick, custom_error_type="union_member",
+                                   custom_error_message=f"{field} must be one of {allowed}")]
+
+
 def model_limit(name: str) -> dict:
     """JSON-schema extra for a bound known once the model is loaded: "token_id" (vocab - 1),
     "layer" (layers - 1), "head" (query heads - 1) or "context" (max_model_len - 1); see
@@ -42,6 +67,7 @@ def model_limit(name: str) -> dict:
 
 
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=model_limit("token_id"))]
+MaxTokens = Annotated[int, Field(json_schema_extra=model_limit("context"))]  # an output bound: under the context
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 

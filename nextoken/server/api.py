@@ -59,6 +59,13 @@ class ApiRouter(APIRouter):
         self.prefix_of_paths = prefix_of_paths  # every path under it is this API's (errors in its shape)
         self.generation: set[str] = set()
 
+    def add_api_route(self, path: str, endpoint, **kwargs):
+        """Every route with a declared answer (``response_model``, a `bodies.Answer`) answers the
+        fields its renderer set: one left out stays out rather than becoming a null."""
+        if kwargs.get("response_model") is not None:
+            kwargs["response_model_exclude_unset"] = True
+        super().add_api_route(path, endpoint, **kwargs)
+
     def generation_route(self, path: str, **kwargs):
         """``@router.post(path)`` for a route that generates (streams, queues, needs the model)."""
         self.generation.add(path)

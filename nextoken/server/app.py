@@ -19,7 +19,9 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
-from nextoken.server import embeddings, routers, routes
+from nextoken.server import routers, routes
+from nextoken.server.pooling import router as pooling
+from nextoken.server.pooling.serving import EmbeddingCollector
 from nextoken.server.anthropic.serving import AnthropicServingMessages
 from nextoken.errors import InvalidRequest
 from nextoken.server.args import ServerArgs
@@ -48,7 +50,7 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServerMetrics(args.model_name, lambda: state.engine.scheduler_stats() if state.engine is not None
                             else SchedulerStats())
-    metrics.registry.register(embeddings.EmbeddingCollector(state))
+    metrics.registry.register(EmbeddingCollector(state))
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.apis = apis = routers.apis()
     if args.allowed_origins:
@@ -62,7 +64,7 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
         _generation(app, state, args, metrics)
     else:
         _refuse_generation(app, args, apis)
-    app.include_router(embeddings.router, include_in_schema=capabilities.embed)
+    app.include_router(pooling.router, include_in_schema=capabilities.embed)
     app.include_router(routers.ollama_embed, include_in_schema=capabilities.embed)
     document_errors(app, lambda: None if state.engine is None else model_limits(state.engine))
     if state.engine is not None:
@@ -87,7 +89,7 @@ def _generation(app: FastAPI, state, args: ServerArgs, metrics) -> None:
 
 def _refuse_generation(app: FastAPI, args: ServerArgs, apis) -> None:
     """An embedding-only server: its tokenizer's /tokenize, and a 400 on every generating route."""
-    app.include_router(embeddings.tokens)
+    app.include_router(pooling.tokens)
 
     async def refuse(request: Request):
         raise InvalidRequest(f"model {args.model_name!r} is an embedding model: it does not generate text; use "

@@ -148,7 +148,8 @@ def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutpu
         return spec.tools, None
     name = None if choice == "required" else choice
     if name is not None and name not in {t["function"]["name"] for t in spec.tools}:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", spec.name("tool_choice"))
+        raise InvalidRequest(f"tool_choice names function {name!r}, which is not among the tools",
+                             spec.name("tool_choice"))
     return spec.tools, tools_mod.forced_grammar(tok, spec.tools, name, spec.parallel_tool_calls)
 
 

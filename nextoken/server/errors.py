@@ -20,12 +20,17 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict)\[.*\]|(function|constrained)-.*|union:.*)$")
 
 
+def _path(err: dict) -> list[str]:
+    """An error's location without "body" and pydantic's union-member tags ("str", "list[int]",
+    our "union:...")."""
+    return [str(p) for p in err.get("loc", ()) if p != "body" and not UNION_MEMBER.match(str(p))]
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable sentence (and the field) for pydantic's first complaint; never the raw dump."""
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # drop pydantic's union-member tags ("str", "list[int]", our "union:...") from the path
-    loc = [p for p in loc if not UNION_MEMBER.match(p)]
+    """One readable sentence (and the field) for pydantic's complaint; never the raw dump. Of
+    several (a value that fits no member of a union), the deepest: the member the value's shape
+    chose (a list of blocks with a bad block, not "should be a valid string")."""
+    err, loc = max(((e, _path(e)) for e in exc.errors()), key=lambda el: len(el[1]))  # (max: the first of equals)
     if loc and loc[-1] == "[key]":  # a dict key (logit_bias): the field is the dict, the key is the value
         loc = loc[:-2]
     field = ".".join(loc) or None

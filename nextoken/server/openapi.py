@@ -7,7 +7,7 @@ adds them to every operation with its API's error body (each API's router declar
 type and each generating route its API's stream.
 
 Bounds that depend on the loaded model (token ids below the vocabulary size, layers, the context
-length) are marked ``x-maximum`` by the request models (`nextoken.server.openai.protocol.model_limit`);
+length) are marked ``x-maximum`` by the request models (`nextoken.bodies.model_limit`);
 once the model is loaded they become ``maximum``. The schema is kept from then on; while the model
 loads it is served with the marks and rebuilt on the next request.
 """

@@ -9,23 +9,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response
 
 from nextoken.sample.watermark import detect
 from nextoken.server import prompts
 from nextoken.server import tools as tools_mod
 from nextoken.server.errors import error_response
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.server.openai.protocol import (DetokenizeRequest, LoadLoRARequest,
-                                      TokenizeChatRequest, TokenizeRequest, UnloadLoRARequest, WatermarkDetectRequest,
-                                      WatermarkText)
+from nextoken.server.api import OPENAI, ApiRouter
+from nextoken.server.openai.protocol import (DetokenizeAnswer, DetokenizeRequest, HealthAnswer, LoadLoRARequest,
+                                             LoadReport, ModelCardList, ServerVersion, TokenizeAnswer,
+                                             TokenizeChatRequest, TokenizeRequest, TokenizerInfo, UnloadLoRARequest,
+                                             WatermarkDetectRequest, WatermarkDetection, WatermarkText)
 from nextoken.server.serving import check_token_ids
 
-info = APIRouter()
-tokens = APIRouter()
-
-
+info = ApiRouter(OPENAI)
+tokens = ApiRouter(OPENAI)
 
 def _engine(request: Request):
     """The `EngineClient` behind the server (the Gate answers 503 before this while loading).
@@ -42,7 +42,7 @@ def _check_model(request: Request, name: str | None) -> None:
 
 
 # -- info -------------------------------------------------------------------------------------
-@info.get("/health")
+@info.get("/health", response_model=HealthAnswer)
 async def health(request: Request):
     state = request.app.state.server
     if state.draining:
@@ -55,14 +55,14 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-@info.get("/version")
+@info.get("/version", response_model=ServerVersion)
 async def version():
     from nextoken import __version__
 
     return {"version": __version__}
 
 
-@info.get("/v1/models")
+@info.get("/v1/models", response_model=ModelCardList)
 async def models(request: Request):
     state, args = request.app.state.server, request.app.state.args
     base = {"object": "model", "created": int(state.started), "owned_by": "nextoken"}
@@ -79,7 +79,7 @@ async def models(request: Request):
     return {"object": "list", "data": data}
 
 
-@info.post("/v1/load_lora_adapter")
+@info.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRARequest, request: Request):
     """vLLM's: load a PEFT adapter at runtime and serve it as model ``lora_name``."""
     from nextoken.lora import LoRARequest
@@ -91,10 +91,10 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request):
     lora = LoRARequest(body.lora_name, max((x.lora_int_id for x in loras.values()), default=0) + 1, body.lora_path)
     await state.engine.load_lora(lora)
     loras[body.lora_name] = lora
-    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
-@info.post("/v1/unload_lora_adapter")
+@info.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
     """vLLM's: stop serving adapter ``lora_name`` (refused while a request still uses it)."""
     loras = getattr(request.app.state.server, "loras", {})
@@ -103,7 +103,7 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
         raise NotFound(f"no LoRA adapter named {body.lora_name!r} is loaded", "lora_name")
     await request.app.state.server.engine.unload_lora(lora.lora_int_id)
     del loras[body.lora_name]
-    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
 @info.get("/metrics")
@@ -111,7 +111,7 @@ async def prom(request: Request):
     return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@info.get("/get_load")
+@info.get("/get_load", response_model=LoadReport)
 async def get_load(request: Request):
     """SGLang's load report, read by the routers derived from SGLang's (vllm-router's
     ``/get_loads``, its ``power_of_two`` policy): the requests running plus waiting."""
@@ -119,7 +119,7 @@ async def get_load(request: Request):
     return {"load": stats.running + stats.waiting, "num_reqs": stats.running, "num_waiting_reqs": stats.waiting}
 
 
-@info.get("/tokenizer_info")
+@info.get("/tokenizer_info", response_model=TokenizerInfo)
 async def tokenizer_info(request: Request):
     """vLLM's tokenizer description (lm-evaluation-harness's ``tokenizer_backend=remote`` reads
     it, then tokenizes through /tokenize)."""
@@ -135,7 +135,7 @@ async def tokenizer_info(request: Request):
 
 
 # -- tokens -----------------------------------------------------------------------------------
-@tokens.post("/tokenize")
+@tokens.post("/tokenize", response_model=TokenizeAnswer)
 async def tokenize(body: TokenizeRequest, request: Request):
     _check_model(request, body.model)
     eng = _engine(request)
@@ -147,7 +147,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
 
 
-@tokens.post("/detokenize")
+@tokens.post("/detokenize", response_model=DetokenizeAnswer)
 async def detokenize(body: DetokenizeRequest, request: Request):
     _check_model(request, body.model)
     eng = _engine(request)
@@ -155,7 +155,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     return {"prompt": eng.tokenizer.decode(body.tokens)}
 
 
-@tokens.post("/v1/watermark/detect")
+@tokens.post("/v1/watermark/detect", response_model=WatermarkDetection)
 async def watermark_detect(body: WatermarkDetectRequest, request: Request):
     _check_model(request, body.model)
     eng = _engine(request)

@@ -41,7 +41,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.errors import InvalidRequest
     from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine
-    from nextoken.server.embeddings import EmbeddingService
+    from nextoken.server.pooling.serving import EmbeddingService
     from nextoken.server.state import Capabilities
 
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server

@@ -1,6 +1,6 @@
 """What a running server holds (`ServerState`): the generation engine (an
 `engine.protocol.EngineClient`, `AsyncLLMEngine` in a server) and the embedding service
-(`server.embeddings.EmbeddingService`), both a `engine.protocol.Service`, so `/health`, the
+(`server.pooling.serving.EmbeddingService`), both a `engine.protocol.Service`, so `/health`, the
 refusals while loading and the shutdown treat them alike. One server may hold both (`serve --model
 A --embedding-model B`)."""
 

@@ -24,7 +24,7 @@ class LiveServer:
     ``serve --embedding-model``), under the name `embedder_name`."""
 
     def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, **config):
-        from nextoken.server.embeddings import EmbeddingService
+        from nextoken.server.pooling.serving import EmbeddingService
         from nextoken.server.state import Capabilities, ServerState
 
         embed_only = llm is not None and llm.embedder is not None

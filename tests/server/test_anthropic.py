@@ -112,6 +112,24 @@ def test_errors_have_anthropics_shape(srv, body, status, kind):
     assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
 
 
+@pytest.mark.parametrize("message,where,says", [
+    ({"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+     "messages.0.content.0", "'tool_use'"),
+    ({"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}, "messages.0.content.0",
+     "'tool_result'"),
+    ({"role": "system", "content": "x"}, "messages.0", "role must be one of 'user', 'assistant'"),
+])
+def test_each_role_takes_its_own_blocks_and_the_error_names_the_block(srv, message, where, says):
+    """A user's turn holds text and tool_result blocks, an assistant's text and tool_use (the
+    published schema says so per role): another block is a 400 naming it, not a "should be a
+    valid string" from the other member of the content's union."""
+    r = httpx.post(f"{srv.url}/v1/messages", headers={"x-api-key": "k3y"},
+                   json={"model": "smollm2", "max_tokens": 5, "messages": [message]})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert msg.startswith(where + ":") and says in msg and "valid string" not in msg, msg
+
+
 def test_x_api_key_is_the_servers_key(srv):
     import anthropic
 

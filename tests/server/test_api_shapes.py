@@ -33,9 +33,9 @@ def test_a_path_finds_its_api_by_the_routers_own_routes():
 
 
 def test_no_module_outside_an_api_package_names_an_apis_paths():
-    """The shared modules (errors, middleware, the published schema, the embedding server) hold no
+    """The shared modules (errors, middleware, the published schema, the embedding service) hold no
     API path: the routers do."""
-    for name in ("errors.py", "middleware.py", "openapi.py", "embeddings.py", "app.py", "api.py"):
+    for name in ("errors.py", "middleware.py", "openapi.py", "pooling/serving.py", "app.py", "api.py"):
         strings = [n.value for n in ast.walk(ast.parse((SERVER / name).read_text()))
                    if isinstance(n, ast.Constant) and isinstance(n.value, str)]
         named = [s for s in strings if s.startswith(("/v1/messages", "/api/", "/v1/chat", "/v1/responses"))]

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, FiniteFloat, NonEmptyStr, accept_published
+from nextoken.bodies import Answer, Body, MaxTokens, by_field, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.server import published
 
 
@@ -55,12 +55,23 @@ class ToolResultBlock(_Block):
     is_error: bool = False
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+UserBlock = Annotated[Union[TextBlock, ToolResultBlock], Field(discriminator="type")]
+AssistantBlock = Annotated[Union[TextBlock, ToolUseBlock], Field(discriminator="type")]
 
 
-class Message(Body):
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[Block], Field(min_length=1)]
+class UserMessage(Body):
+    """A user's turn: text, and the results of the calls the assistant made before it."""
+    role: Literal["user"]
+    content: str | Annotated[list[UserBlock], Field(min_length=1)]
+
+
+class AssistantMessage(Body):
+    """An assistant's turn: text, and the calls it made (tool_use)."""
+    role: Literal["assistant"]
+    content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
+
+
+Message = by_field("role", {"user": UserMessage, "assistant": AssistantMessage})
 
 
 class Tool(Body):
@@ -82,7 +93,7 @@ class Metadata(Body):
 
 class MessagesRequest(Body):
     model: NonEmptyStr
-    max_tokens: int = Field(ge=1)
+    max_tokens: Annotated[MaxTokens, Field(ge=1)]
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=1.0)
@@ -108,3 +119,138 @@ class CountTokensRequest(Body):
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
+
+
+# -- answers (`render` builds them; the anthropic SDK's shapes) ----------------------------------
+class ThinkingOut(Answer):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class TextOut(Answer):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseOut(Answer):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MCPToolUseOut(Answer):
+    type: Literal["mcp_tool_use"]
+    id: str
+    name: str
+    server_name: str
+    input: dict[str, Any]
+
+
+class MCPToolResultOut(Answer):
+    type: Literal["mcp_tool_result"]
+    tool_use_id: str
+    is_error: bool
+    content: list[TextOut]
+
+
+ContentBlock = Annotated[Union[ThinkingOut, TextOut, ToolUseOut, MCPToolUseOut, MCPToolResultOut],
+                         Field(discriminator="type")]
+
+
+class MessageUsage(Answer):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageAnswer(Answer):
+    """A message (``POST /v1/messages``; streamed, ``message_start`` carries it empty)."""
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(Answer):
+    input_tokens: int
+
+
+# -- the stream's events (`render.MessageRenderer`) ----------------------------------------------
+class MessageStart(Answer):
+    type: Literal["message_start"]
+    message: MessageAnswer
+
+
+class Ping(Answer):
+    type: Literal["ping"]
+
+
+class BlockStart(Answer):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(Answer):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(Answer):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class InputJSONDelta(Answer):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class BlockDelta(Answer):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: Annotated[Union[TextDelta, ThinkingDelta, InputJSONDelta], Field(discriminator="type")]
+
+
+class BlockStop(Answer):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class StopDelta(Answer):
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+
+
+class OutputUsage(Answer):
+    output_tokens: int
+
+
+class MessageDelta(Answer):
+    type: Literal["message_delta"]
+    delta: StopDelta
+    usage: OutputUsage
+
+
+class MessageStop(Answer):
+    type: Literal["message_stop"]
+
+
+class ErrorDetail(Answer):
+    type: str
+    message: str
+
+
+class StreamError(Answer):
+    """The event that ends a stream that could not go on after the 200."""
+    type: Literal["error"]
+    error: ErrorDetail
+
+
+StreamEvent = Annotated[Union[MessageStart, Ping, BlockStart, BlockDelta, BlockStop, MessageDelta, MessageStop,
+                              StreamError], Field(discriminator="type")]

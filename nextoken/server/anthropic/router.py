@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from nextoken.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from nextoken.server.anthropic.protocol import CountTokensRequest, MessageAnswer, MessagesRequest, TokenCount
 from nextoken.server.api import ApiRouter, ApiShape, with_field
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -27,11 +27,11 @@ SHAPE = ApiShape("AnthropicError", error_body, {
 router = ApiRouter(SHAPE)
 
 
-@router.generation_route("/v1/messages")
+@router.generation_route("/v1/messages", response_model=MessageAnswer)
 async def messages(body: MessagesRequest, request: Request):
     return await request.app.state.serving_messages.create(body, request)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", response_model=TokenCount)
 async def count_tokens(body: CountTokensRequest, request: Request):
     return await request.app.state.serving_messages.count_tokens(body)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from nextoken.errors import InvalidRequest
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat_core import ChatSpec, prepare, render
@@ -47,9 +46,7 @@ def to_chat_messages(system, messages: list[Message]) -> list[dict]:
                      for b in m.content if b.type == "tool_use"]
             out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
             continue
-        for b in m.content:
-            if b.type == "tool_use":
-                raise InvalidRequest("tool_use blocks belong to assistant messages", "messages")
+        for b in m.content:  # (a user's blocks: text and tool_result, `protocol.UserMessage`)
             if b.type == "tool_result":
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
         if text or not any(b.type == "tool_result" for b in m.content):

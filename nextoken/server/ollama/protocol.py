@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from nextoken.bodies import Body, NonEmptyStr, accept_published
+from nextoken.bodies import Answer, Body, NonEmptyStr, accept_published
 from nextoken.server import published
 from nextoken.server.openai.protocol import FunctionDefinition
 
@@ -110,3 +110,95 @@ class EmbeddingsRequest(Body):
     prompt: str
     options: dict[str, Any] | None = None
     keep_alive: str | int | None = None
+
+
+# -- answers (`serving` builds them; one per line when streamed, the last with done and the counts) -
+class _Timed(Answer):
+    """The counts and durations (nanoseconds) of a finished answer (Ollama's names)."""
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class CallFunctionOut(Answer):
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolCallOut(Answer):
+    function: CallFunctionOut
+
+
+class MessageOut(Answer):
+    role: Literal["assistant"]
+    content: str
+    thinking: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatAnswer(_Timed):
+    model: str
+    created_at: str
+    message: MessageOut
+    done: bool
+
+
+class GenerateAnswer(_Timed):
+    model: str
+    created_at: str
+    response: str
+    thinking: str | None = None
+    done: bool
+
+
+class ModelDetails(Answer):
+    parent_model: str | None = None
+    format: str | None = None
+    family: str | None = None
+    families: list[str] | None = None
+    parameter_size: str | None = None
+    quantization_level: str | None = None
+
+
+class ModelEntry(Answer):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str | None = None  # (/api/ps)
+    size_vram: int | None = None
+
+
+class ModelList(Answer):
+    models: list[ModelEntry]
+
+
+class ShowAnswer(Answer):
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    capabilities: list[str]
+    model_info: dict[str, Any]
+
+
+class VersionAnswer(Answer):
+    version: str
+
+
+class EmbedAnswer(Answer):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class EmbeddingAnswer(Answer):
+    embedding: list[float]

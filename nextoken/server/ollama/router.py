@@ -9,10 +9,11 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 
 from nextoken.errors import InvalidRequest
-from nextoken.server import embeddings as emb
+from nextoken.server.pooling import serving as emb
 from nextoken.server.api import ApiRouter, ApiShape, with_field
 from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
-from nextoken.server.ollama.protocol import EmbeddingsRequest, EmbedRequest, ShowRequest as OllamaShow
+from nextoken.server.ollama.protocol import ChatAnswer, EmbedAnswer, EmbeddingAnswer, EmbeddingsRequest, EmbedRequest, \
+    GenerateAnswer, ModelList, ShowAnswer, VersionAnswer, ShowRequest as OllamaShow
 
 SHAPE = ApiShape("OllamaError", lambda status, message, param: {"error": with_field(message, param)},
                  {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
@@ -42,39 +43,39 @@ router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
 embed_router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
 
 
-@router.generation_route("/api/chat")
+@router.generation_route("/api/chat", response_model=ChatAnswer)
 async def ollama_chat(body: OllamaChat, request: Request):
     return await request.app.state.serving_ollama.chat(body, request)
 
 
-@router.generation_route("/api/generate")
+@router.generation_route("/api/generate", response_model=GenerateAnswer)
 async def ollama_generate(body: OllamaGenerate, request: Request):
     return await request.app.state.serving_ollama.generate(body, request)
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", response_model=ModelList)
 async def ollama_tags(request: Request):
     return request.app.state.serving_ollama.tags()
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", response_model=ModelList)
 async def ollama_ps(request: Request):
     return request.app.state.serving_ollama.ps()
 
 
-@router.post("/api/show")
+@router.post("/api/show", response_model=ShowAnswer)
 async def ollama_show(body: OllamaShow, request: Request):
     return request.app.state.serving_ollama.show(body)
 
 
-@router.get("/api/version")
+@router.get("/api/version", response_model=VersionAnswer)
 async def ollama_version():
     return {"version": VERSION}
 
 
-@embed_router.post("/api/embed")
+@embed_router.post("/api/embed", response_model=EmbedAnswer)
 async def ollama_embed(body: EmbedRequest, request: Request):
-    """Vectors for `input` from the server's embedding model (`server.embeddings`), in Ollama's
+    """Vectors for `input` from the server's embedding model (`server.pooling`), in Ollama's
     answer: ``embeddings``, ``prompt_eval_count`` and durations in nanoseconds."""
     start = time.perf_counter_ns()
     service = emb.embedding_service(request)
@@ -91,7 +92,7 @@ async def ollama_embed(body: EmbedRequest, request: Request):
             "load_duration": 0, "prompt_eval_count": sum(out.num_tokens)}
 
 
-@embed_router.post("/api/embeddings")
+@embed_router.post("/api/embeddings", response_model=EmbeddingAnswer)
 async def ollama_embeddings(body: EmbeddingsRequest, request: Request):
     """Ollama's older route: one `prompt`, ``{"embedding": [...]}``."""
     service = emb.embedding_service(request)

@@ -18,16 +18,13 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from nextoken.bodies import BODY, SEED_LIMIT, Body, FiniteFloat, NonEmptyStr, TokenId, accept_published, model_limit, \
-    only
+from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, TokenId, \
+    accept_published, only
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server import published
 from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
 from nextoken.structured.params import StructuredOutputsParams
-
-UNION_TAG = "union:"  # prefix of the member tags in validation errors' locations (dropped from messages)
-
 
 def union_of(*members: tuple[str, type, str]) -> Any:
     """A body that is one of several models, chosen by which of their keys it has: each member
@@ -176,7 +173,6 @@ class _Sampling(Body):
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-MaxTokens = Annotated[int, Field(json_schema_extra=model_limit("context"))]
 
 
 class CompletionRequest(_Sampling):
@@ -366,3 +362,405 @@ class UnloadLoRARequest(Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body."""
 
     lora_name: str = Field(min_length=1)
+
+
+# -- answers (the 200 bodies and stream chunks that `render` builds; the SDKs' shapes) -----------
+class TopLogprob(Answer):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Answer):
+    content: list[TokenLogprob] | None
+
+
+class CompletionLogprobs(Answer):
+    """The legacy completions' log-probabilities: per token its text, log-probability (None: a
+    prompt's first token), top alternatives (text -> log-probability) and character offset."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptTokensDetails(Answer):
+    cached_tokens: int
+
+
+class UsageInfo(Answer):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(Answer):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    prompt_logprobs: list[dict[str, dict[str, float]] | None] | None = None  # vLLM's, when asked
+
+
+class Completion(Answer):
+    """A ``text_completion``, and each chunk of its stream (a chunk's usage: the last, when asked)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class FunctionCallAnswer(Answer):
+    name: str
+    arguments: str
+
+
+class ToolCallAnswer(Answer):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallAnswer
+
+
+class AssistantMessage(Answer):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None  # with a reasoning parser (vLLM's name; ``reasoning`` too)
+    reasoning: str | None = None
+    tool_calls: list[ToolCallAnswer] | None = None
+
+
+class ChatChoice(Answer):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(Answer):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChunkFunction(Answer):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(Answer):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChunkFunction
+
+
+class ChatDelta(Answer):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
+
+
+class ChunkChoice(Answer):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Answer):
+    """One ``data:`` chunk of a streamed chat completion (usage: the last, with include_usage)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class StreamErrorBody(Answer):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class StreamError(Answer):
+    """The chunk that ends a stream the engine could not finish (after the 200)."""
+    error: StreamErrorBody
+
+
+class TokenizeAnswer(Answer):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeAnswer(Answer):
+    prompt: str
+
+
+# -- the Responses API's answers (`responses_render` builds the items) ---------------------------
+class OutputText(Answer):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[TokenLogprob] | None = None  # with include ["message.output_text.logprobs"]
+
+
+class MessageOutput(Answer):
+    type: Literal["message"]
+    id: str
+    status: str
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningText(Answer):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningOutput(Answer):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    status: str
+    content: list[ReasoningText]
+
+
+class FunctionCallOutput(Answer):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class MCPListedTool(Answer):
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    annotations: dict[str, Any] | None = None
+
+
+class MCPListToolsOutput(Answer):
+    type: Literal["mcp_list_tools"]
+    id: str
+    server_label: str
+    tools: list[MCPListedTool]
+    error: str | None = None
+
+
+class MCPCallOutput(Answer):
+    type: Literal["mcp_call"]
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None
+    error: str | None
+    status: str
+    approval_request_id: str | None = None
+
+
+class MCPApprovalRequestOutput(Answer):
+    type: Literal["mcp_approval_request"]
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+
+
+OutputItem = Annotated[Union[MessageOutput, ReasoningOutput, FunctionCallOutput, MCPListToolsOutput, MCPCallOutput,
+                             MCPApprovalRequestOutput], Field(discriminator="type")]
+
+
+class InputTokensDetails(Answer):
+    cached_tokens: int
+
+
+class OutputTokensDetails(Answer):
+    reasoning_tokens: int
+
+
+class ResponseUsage(Answer):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails
+
+
+class IncompleteDetails(Answer):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(Answer):
+    """A response (``POST /v1/responses``, ``GET /v1/responses/{id}``), and the ``response`` of
+    the stream's created, in_progress, completed and incomplete events."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[OutputItem]
+    output_text: str
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    metadata: dict[str, Any]
+    error: Any = None
+    usage: ResponseUsage
+
+
+class ResponseDeleted(Answer):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+# -- the server's own routes' answers (`server.routes`: vLLM's and SGLang's shapes) ---------------
+class HealthAnswer(Answer):
+    status: Literal["ok"]
+
+
+class ServerVersion(Answer):
+    version: str
+
+
+class ModelCard(Answer):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    root: str
+    parent: str | None
+
+
+class ModelCardList(Answer):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class LoadReport(Answer):
+    load: int
+    num_reqs: int
+    num_waiting_reqs: int
+
+
+class TokenizerInfo(Answer):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
+class WatermarkDetection(Answer):
+    num_tokens_scored: int
+    num_green_tokens: int
+    green_fraction: float
+    z_score: float
+    watermarked: bool
+    gamma: float
+
+
+# -- the Responses API's stream: one model per family of events (`responses_render.emit`) --------
+class _Event(Answer):
+    sequence_number: int
+
+
+class ResponseLifecycleEvent(_Event):
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: ResponseObject
+
+
+class OutputItemEvent(_Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(_Event):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class TextDeltaEvent(_Event):
+    type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class TextDoneEvent(_Event):
+    type: Literal["response.output_text.done", "response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ArgumentsDeltaEvent(_Event):
+    type: Literal["response.function_call_arguments.delta", "response.mcp_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(_Event):
+    type: Literal["response.function_call_arguments.done", "response.mcp_call_arguments.done"]
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+class ItemStatusEvent(_Event):
+    type: Literal["response.mcp_call.in_progress", "response.mcp_call.completed", "response.mcp_call.failed",
+                  "response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed",
+                  "response.mcp_list_tools.failed"]
+    item_id: str
+    output_index: int
+
+
+class ErrorEvent(_Event):
+    """The event that ends a stream that could not go on after the 200."""
+    type: Literal["error"]
+    message: str
+    code: str
+    param: str | None = None
+
+
+ResponseStreamEvent = Annotated[Union[ResponseLifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent,
+                                      TextDoneEvent, ArgumentsDeltaEvent, ArgumentsDoneEvent, ItemStatusEvent,
+                                      ErrorEvent], Field(discriminator="type")]

@@ -24,7 +24,7 @@ from cachetools import LRUCache
 from fastapi import Request
 from pydantic import ConfigDict, Field, model_validator
 
-from nextoken.bodies import BODY, Body, FiniteFloat, NonEmptyStr, accept_published
+from nextoken.bodies import BODY, Body, MaxTokens, FiniteFloat, NonEmptyStr, accept_published
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server import published
 from nextoken.server.rules import RESPONSES_RULES, check, forbid
@@ -138,7 +138,7 @@ class ResponsesRequest(Body):
     model: NonEmptyStr | None = None
     input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     tools: list[Annotated[Union[FunctionTool, MCPTool], Field(discriminator="type")]] | None = None

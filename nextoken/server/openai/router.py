@@ -3,31 +3,35 @@ responses), in OpenAI's error shape, streaming server-sent events."""
 
 from __future__ import annotations
 
+from typing import Union
+
 from fastapi import Request
 
 from nextoken.server.api import OPENAI, ApiRouter
-from nextoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from nextoken.server.openai.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
+    ResponseDeleted, ResponseObject
 from nextoken.server.openai.responses import ResponsesRequest
 
 router = ApiRouter(OPENAI)
 
 
-@router.generation_route("/v1/completions")
+@router.generation_route("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request):
     return await request.app.state.serving_completion.create(body, request)
 
 
-@router.generation_route("/v1/chat/completions")
+@router.generation_route("/v1/chat/completions", response_model=ChatCompletion)
 async def chat(body: ChatCompletionRequest, request: Request):
     return await request.app.state.serving_chat.create(body, request)
 
 
-@router.generation_route("/v1/responses")
+@router.generation_route("/v1/responses", response_model=ResponseObject)
 async def create_response(body: ResponsesRequest, request: Request):
     return await request.app.state.serving_responses.create(body, request)
 
 
-@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
+                  response_model=Union[ResponseObject, ResponseDeleted])
 async def stored_response(response_id: str, request: Request):
     """GET: a stored response; DELETE: forget it. (One route for both, so a 405 lists both.)"""
     store = request.app.state.serving_responses.store
