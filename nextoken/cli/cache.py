@@ -57,8 +57,9 @@ def _known_models(root: Path) -> dict[str, str]:
 def _current_kernels() -> set[str]:
     """File names of the kernel builds this installation would load (native and portable)."""
     from nextoken import kernels
+    from nextoken.kernels import toolchain
 
-    compiler = kernels._compiler()
+    compiler = toolchain.compiler()
     if compiler is None:
         return set()
     names = {kernels.host(p.stem) for p in Path(kernels.__file__).parent.glob("*.c")}

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from nextoken import kernels
+from nextoken.kernels import abi, cpu, toolchain
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc on this machine")
 
@@ -53,7 +54,7 @@ def test_unwritable_cache_folder_is_one_warning(fresh, monkeypatch, caplog):
 
 @needs_gcc
 def test_a_damaged_cached_library_is_rebuilt(fresh, caplog):
-    path = kernels.library_path("sampling", kernels.FLAGS, kernels._compiler())
+    path = kernels.library_path("sampling", kernels.FLAGS, toolchain.compiler())
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     with caplog.at_level(logging.WARNING):
@@ -76,7 +77,7 @@ def test_dlopen_failure_falls_back(fresh, monkeypatch, caplog):
 @needs_gcc
 def test_a_cpu_without_vnni_is_told_so(fresh, monkeypatch, caplog):
     """The portable build (what a CPU without AVX-512 gets) reports plain loops: one info line."""
-    monkeypatch.setattr(kernels, "FLAGS", kernels.PORTABLE_FLAGS)
+    monkeypatch.setattr(cpu, "FLAGS", kernels.PORTABLE_FLAGS)
     with caplog.at_level(logging.INFO):
         lib = kernels.load("qmatmul")
     assert lib is not None and lib.qmatmul_vectorized() == 0
@@ -90,7 +91,7 @@ def test_functions_have_declared_types():
     loads; the build from an empty cache is the tests above.)"""
     lib = kernels.load("decode")  # includes qmatmul.c and paged_attention.c
     libs = [lib, kernels.load("prefill_scores"), kernels.load("activation"), kernels.load("sampling")]
-    for fn, (restype, argtypes) in kernels.SIGNATURES.items():
+    for fn, (restype, argtypes) in abi.SIGNATURES.items():
         f = next(getattr(x, fn) for x in libs if hasattr(x, fn))
         assert f.argtypes == argtypes and f.restype == restype, fn
     with pytest.raises(ctypes.ArgumentError):  # a wrong argument is caught before C sees it
@@ -110,7 +111,7 @@ def test_concurrent_builds_compile_once(fresh, monkeypatch):
     cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(cc))
     with ThreadPoolExecutor(2) as pool:
-        paths = list(pool.map(lambda _: kernels._build("sampling", kernels.FLAGS), range(2)))
+        paths = list(pool.map(lambda _: toolchain.build("sampling", kernels.FLAGS), range(2)))
     assert paths[0] == paths[1] and paths[0].exists()
     assert calls.read_text().split() == ["compile"]
 
@@ -127,7 +128,7 @@ def test_an_included_kernel_is_served_by_the_library_that_includes_it():
         assert kernels.load(name) is kernels.load("decode")
     assert kernels.host("sampling") == "sampling" and kernels.host("prefill_scores") == "prefill_scores"
     lib = kernels.load("decode")
-    for fn in kernels.SIGNATURES:
+    for fn in abi.SIGNATURES:
         if fn.startswith(("qmatmul", "qdequant", "qlookup", "dense_bf16", "paged_decode", "silu", "gelu", "rms_norm")):
             assert hasattr(lib, fn), fn
 
@@ -175,3 +176,41 @@ def test_kernel_isa_names_are_checked(monkeypatch):
     monkeypatch.setenv("NEXTOKEN_KERNEL_ISA", "portable")
     assert kernels.default_isa() == "portable"
     assert "-march=x86-64-v3" in kernels.isa_flags("avx2") and "-march=native" not in kernels.isa_flags("avx2")
+
+
+def c_signatures(name: str) -> list[tuple[str, list[str]]]:
+    """(result type, argument types) of each definition of C function `name` in the kernels'
+    sources (``int f(const int64_t *rows, int64_t B, ...) {``; one per build variant), whitespace
+    normalised."""
+    import re
+    from pathlib import Path
+
+    src = Path(kernels.__file__).parent
+    pattern = re.compile(r"^((?:const\s+)?[A-Za-z_][\w ]*?\s*\**)\s*\b" + name + r"\s*\(([^)]*)\)\s*\{", re.M)
+    found = [m for f in sorted(src.glob("*.c")) for m in pattern.finditer(f.read_text())]
+    assert found, name
+
+    def args(params: str) -> list[str]:
+        return [] if params.strip() in ("", "void") else [" ".join(p.split()[:-1]) + "*" * p.split()[-1].count("*")
+                                                         for p in params.split(",")]
+    return [(" ".join(m.group(1).split()), args(m.group(2))) for m in found]
+
+
+def ctype_of(c: str):
+    """The ctypes type a C type is declared as (`abi.SIGNATURES`): any pointer is void *, but a
+    returned string."""
+    c = c.replace("const ", "").strip()
+    if c.endswith("*"):
+        return ctypes.c_char_p if c == "char *" else ctypes.c_void_p
+    return {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}[c]
+
+
+def test_the_abi_table_matches_the_c_sources():
+    """Each C function's one declaration on the Python side (`kernels.abi.SIGNATURES`) has the
+    argument count and types of its definition in the ``.c`` files: a parameter added, dropped or
+    retyped in C without the table fails here, not as a crash at run time (the decode step once
+    lost its lora argument in the table)."""
+    for fn, (restype, argtypes) in abi.SIGNATURES.items():
+        for result, params in c_signatures(fn):
+            assert ctype_of(result) is restype, (fn, result)
+            assert [ctype_of(p) for p in params] == list(argtypes), (fn, params)

@@ -164,12 +164,12 @@ def test_fast_encoders_keep_cosine_and_nearest_neighbours(minilm, dtype, quantiz
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
-    import nextoken.kernels as kernels
+    import nextoken.kernels.cpu as cpu
     from nextoken.embedding import encoder_dtype
 
-    monkeypatch.setattr(kernels, "_BF16_NATIVE", False)
+    monkeypatch.setattr(cpu, "_BF16_NATIVE", False)
     assert encoder_dtype("auto") == torch.float32 and encoder_dtype("bfloat16") == torch.bfloat16
-    monkeypatch.setattr(kernels, "_BF16_NATIVE", True)
+    monkeypatch.setattr(cpu, "_BF16_NATIVE", True)
     assert encoder_dtype("auto") == torch.bfloat16 and encoder_dtype("float32") == torch.float32
     with pytest.raises(InvalidRequest, match="dtype"):
         encoder_dtype("float16")

@@ -1,0 +1,83 @@
+"""What this CPU can run: the instruction sets a kernel build can target (`ISAS`, the
+compiler flags of each), the CPU's flags (read once from /proc/cpuinfo), and the switches
+``NEXTOKEN_KERNEL_ISA`` (build for an older instruction set) and ``NEXTOKEN_NATIVE_KERNELS``
+(none of our kernels)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# instruction sets a build can target instead of the CPU's own (-march=native): the flags that
+# replace -march=native, and the /proc/cpuinfo flags the CPU needs to run that build
+ISAS = {
+    "portable": (["-march=x86-64-v2"], ()),  # SSE4.2: every kernel's plain C loops
+    "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),  # AVX2/FMA/F16C, no AVX-512 (Zen 1-3, Haswell..)
+    "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),  # + 256-bit vpdpbusd
+}
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of a build for `isa` ("native" or a key of `ISAS`). Raises ValueError
+    naming the choices for any other name."""
+    if isa == "native":
+        return list(FLAGS)
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel instruction set {isa!r}: choose native or one of {', '.join(ISAS)}")
+    out = []
+    for f in FLAGS:
+        out.extend(ISAS[isa][0] if f == "-march=native" else [f])
+    return out
+
+
+PORTABLE_FLAGS = isa_flags("portable")  # no AVX-512, no AVX2: the plain C loops
+
+
+def cpu_runs(isa: str) -> bool:
+    """Whether this CPU can run a build for `isa` (its /proc/cpuinfo flags)."""
+    if isa in ("native", "portable"):
+        return True
+    flags = set(cpu_flags().split())
+    return all(f in flags for f in ISAS[isa][1])
+
+
+def default_isa() -> str:
+    """The instruction set the engine's kernels are built for: ``NEXTOKEN_KERNEL_ISA`` (one of
+    `ISAS`, for measuring an older CPU's loops on this one), else native. Raises ValueError for a
+    name it does not know, or one this CPU cannot run."""
+    isa = os.environ.get("NEXTOKEN_KERNEL_ISA", "").strip() or "native"
+    isa_flags(isa)  # validates the name
+    if not cpu_runs(isa):
+        raise ValueError(f"NEXTOKEN_KERNEL_ISA={isa}: this CPU lacks {', '.join(ISAS[isa][1])}")
+    return isa
+
+
+def native_allowed() -> bool:
+    """Whether our kernels may be built and run at all (``NEXTOKEN_NATIVE_KERNELS=0`` says no).
+    Which of them a model uses is decided once, at load, by the execution plan
+    (`nextoken.runner.plan`), which ``enforce_eager`` turns to PyTorch alone."""
+    return os.environ.get("NEXTOKEN_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """The ``flags`` line of /proc/cpuinfo (empty when it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def bf16_matmul_native() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16). Without
+    it PyTorch's bf16 ``bmm`` widens element by element: 60x slower than float32 on an AVX2 Zen 4
+    guest (`benchmarks/profile_prefill.py`), so the PyTorch attention paths compute in float32
+    there. A fact of the CPU, read once."""
+    global _BF16_NATIVE
+    if _BF16_NATIVE is None:
+        flags = set(cpu_flags().split())
+        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return _BF16_NATIVE
+
+
+_BF16_NATIVE: bool | None = None
