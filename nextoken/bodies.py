@@ -62,7 +62,7 @@ def by_field(field: str, members: dict[str, type]) -> Any:
 def model_limit(name: str) -> dict:
     """JSON-schema extra for a bound known once the model is loaded: "token_id" (vocab - 1),
     "layer" (layers - 1), "head" (query heads - 1) or "context" (max_model_len - 1); see
-    `nextoken.server.openapi`."""
+    `nextoken.server.app.openapi`."""
     return {"x-maximum": name}
 
 

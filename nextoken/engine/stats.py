@@ -1,7 +1,7 @@
 """The engine's counts as typed values (vLLM's ``SchedulerStats``): `SchedulerStats.now(engine)`
 snapshots the queues and the totals since the start, with the disk tier's
 (`kv_cache.manager.DiskStats`) and speculative decoding's (`spec_decode.speculator.SpecStats`). The server's metrics read them at scrape time
-(`server.metrics`: counters are these totals, gauges these values; nothing is kept between
+(`server.app.metrics`: counters are these totals, gauges these values; nothing is kept between
 scrapes); `as_dict` is the flat JSON the inspector and ``nextoken run --verbose`` show."""
 
 from __future__ import annotations

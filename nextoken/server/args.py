@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from nextoken.cli_args import CliArgs, opt, positive_int
 
-PARSERS = ("qwen3", "deepseek_r1")  # `server.reasoning`'s styles (restated: this module imports no server code)
+PARSERS = ("qwen3", "deepseek_r1")  # `server.chat.reasoning`'s styles (restated: this module imports no server code)
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
 

@@ -42,7 +42,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine
     from nextoken.server.pooling.serving import EmbeddingService
-    from nextoken.server.state import Capabilities
+    from nextoken.server.api.state import Capabilities
 
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     embed_only = is_embedding_model(path)
@@ -100,7 +100,7 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
     import uvicorn
 
     from nextoken.server.app import build_app
-    from nextoken.server.state import ServerState
+    from nextoken.server.api.state import ServerState
 
     state = ServerState(ready=False)
     config = server_args.for_model(engine_args.model)

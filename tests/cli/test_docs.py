@@ -34,8 +34,8 @@ def test_readme_is_short():
 
 
 def test_guide_lists_the_published_fields_that_change_nothing():
-    """Regenerate with ``python -m nextoken.server.published`` when `server.published` changes."""
-    from nextoken.server.published import guide_table
+    """Regenerate with ``python -m nextoken.server.api.published`` when `server.api.published` changes."""
+    from nextoken.server.app.openapi import guide_table
 
     guide = README.parent / "docs" / "guide.md"
     assert between(guide.read_text(), "published-fields") == guide_table()
@@ -49,7 +49,7 @@ def test_layout_maps_are_generated_from_the_docstrings():
     design = README.parent / "docs" / "design.md"
     assert between(design.read_text(), "layout") == full_map()
     assert set(MAPS) == {README, design}
-    assert "server/" in short_map() and "lora/" in short_map() and "chat_run.py" in full_map()
+    assert "server/" in short_map() and "lora/" in short_map() and "run.py" in full_map() and "chat/" in full_map()
 
 
 def test_docstrings_name_code_that_exists():

@@ -145,3 +145,33 @@ def _private_reaches() -> list[str]:
 
 def test_no_private_name_crosses_a_part():
     assert not _private_reaches(), _private_reaches()
+
+
+# The server's packages, lowest first: what every API builds on, the chat core, the APIs, the
+# app over them, and the launch (the same rule as `LAYERS`, one level down).
+SERVER_LAYERS = [{"api", "args"}, {"chat"}, {"openai", "anthropic", "ollama", "pooling"}, {"app"},
+                 {"serve", "replicas"}]
+
+
+def test_the_servers_packages_import_downward():
+    """`server/`'s packages show its architecture: nothing in `api/` knows the chat core or an
+    API, the chat core knows no API, no API knows the app that serves it (within a layer, one
+    way only: Ollama's embedding routes use the pooling package's service)."""
+    level = {part: i for i, layer in enumerate(SERVER_LAYERS) for part in layer}
+    edges: dict[str, dict[str, str]] = {}
+    for path in (PACKAGE / "server").rglob("*.py"):
+        rel = path.relative_to(PACKAGE / "server").with_suffix("")
+        if rel.parts == ("__init__",):
+            continue
+        src = rel.parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.startswith("nextoken.server.") and name.split(".")[2] != src:
+                    edges.setdefault(src, {})[name.split(".")[2]] = f"{'/'.join(rel.parts)} imports {name}"
+    parts = set(edges) | {p for deps in edges.values() for p in deps}
+    assert not parts - set(level), f"place these in SERVER_LAYERS: {sorted(parts - set(level))}"
+    upward = [why for src, deps in edges.items() for dst, why in deps.items() if level[dst] > level[src]]
+    assert not upward, upward
+    assert find_cycle(edges) is None, find_cycle(edges)

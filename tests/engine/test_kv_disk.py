@@ -239,7 +239,7 @@ def run_engine(path, **kwargs):
 
 def scrape(stats) -> dict[str, float]:
     """The server's /metrics text for these engine stats (a `SchedulerStats`), as name{labels} -> value."""
-    from nextoken.server.metrics import ServerMetrics
+    from nextoken.server.app.metrics import ServerMetrics
 
     text = ServerMetrics("m", lambda: stats).render().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -25,7 +25,7 @@ class LiveServer:
 
     def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, **config):
         from nextoken.server.pooling.serving import EmbeddingService
-        from nextoken.server.state import Capabilities, ServerState
+        from nextoken.server.api.state import Capabilities, ServerState
 
         embed_only = llm is not None and llm.embedder is not None
         self.state = ServerState(ready=llm is not None)

@@ -1,12 +1,12 @@
 """Each API's router declares its error shape, stream media type and generating routes
-(`server.api`); nothing else picks an API by a path prefix."""
+(`server.api.routing`); nothing else picks an API by a path prefix."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from nextoken.server import routers
+from nextoken.server.app import routers
 
 SERVER = Path(__file__).resolve().parents[2] / "nextoken" / "server"
 
@@ -35,7 +35,8 @@ def test_a_path_finds_its_api_by_the_routers_own_routes():
 def test_no_module_outside_an_api_package_names_an_apis_paths():
     """The shared modules (errors, middleware, the published schema, the embedding service) hold no
     API path: the routers do."""
-    for name in ("errors.py", "middleware.py", "openapi.py", "pooling/serving.py", "app.py", "api.py"):
+    for name in ("app/errors.py", "app/middleware.py", "app/openapi.py", "pooling/serving.py", "app/__init__.py",
+                 "api/routing.py"):
         strings = [n.value for n in ast.walk(ast.parse((SERVER / name).read_text()))
                    if isinstance(n, ast.Constant) and isinstance(n.value, str)]
         named = [s for s in strings if s.startswith(("/v1/messages", "/api/", "/v1/chat", "/v1/responses"))]

@@ -1,4 +1,4 @@
-"""The chat core (`server.chat_core.prepare`, `server.chat_run.run`) driven directly with a fake
+"""The chat core (`server.chat.core.prepare`, `server.chat.run.run`) driven directly with a fake
 `engine.protocol.EngineClient`: the core needs nothing of an engine but the declared members,
 and what it hands the engine and makes of the engine's outputs follows from the request alone."""
 
@@ -15,11 +15,11 @@ from nextoken.errors import InvalidRequest
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.server.args import ServerArgs
 from nextoken.sampling_params import SamplingParams
-from nextoken.server.chat_core import ChatSpec, Prepared, prepare
-from nextoken.server.chat_events import Finish, Text, ToolCallArgs, ToolCallStart
-from nextoken.server.chat_run import ChatResult, EventStream, run
-from nextoken.server.serving import ApiServing
-from nextoken.server.state import ServerState
+from nextoken.server.chat.core import ChatSpec, Prepared, prepare
+from nextoken.server.chat.events import Finish, Text, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.run import ChatResult, EventStream, run
+from nextoken.server.api.serving import ApiServing
+from nextoken.server.api.state import ServerState
 
 
 class FakeEngine:

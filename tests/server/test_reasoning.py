@@ -1,4 +1,4 @@
-"""The reasoning parser (`nextoken.server.reasoning`): scripted texts split at every point give
+"""The reasoning parser (`nextoken.server.chat.reasoning`): scripted texts split at every point give
 the events of the whole, for both styles; and through a live server, a tiny model whose output a
 grammar holds to ``<think>...</think>answer`` comes back split on every API."""
 
@@ -10,8 +10,8 @@ import httpx
 
 import pytest
 
-from nextoken.server.chat_events import Text, Thought
-from nextoken.server.reasoning import ReasoningParser, split
+from nextoken.server.chat.events import Text, Thought
+from nextoken.server.chat.reasoning import ReasoningParser, split
 
 CASES = [  # (text, style, thought, answer)
     ("<think>Let me see. 2+2=4.</think>\n\nThe answer is 4.", "qwen3", "Let me see. 2+2=4.", "The answer is 4."),
@@ -36,7 +36,8 @@ def test_every_split_gives_the_events_of_the_whole(text, style, thought, answer)
 
 
 def test_unknown_style_is_refused_and_the_flag_offers_every_style():
-    from nextoken.server import args, reasoning
+    from nextoken.server import args
+    from nextoken.server.chat import reasoning
 
     with pytest.raises(ValueError, match="qwen3"):
         ReasoningParser("other")

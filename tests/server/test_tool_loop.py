@@ -1,5 +1,5 @@
 """The one tool loop under the Responses API's MCP tools and Anthropic's connector
-(`server.tool_loop.ToolLoop`), driven with a scripted fake engine (one answer per pass) and a
+(`server.chat.tool_loop.ToolLoop`), driven with a scripted fake engine (one answer per pass) and a
 fake MCP call: what it runs, in which order, within which budget, what the next pass sees, and
 what ends it. The API-level behaviour (items, blocks, a real MCP server) is `test_mcp.py`'s."""
 
@@ -12,11 +12,11 @@ import pytest
 
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import tool_loop
-from nextoken.server.chat_core import Prepared
-from nextoken.server.chat_events import Finish, Text
-from nextoken.server.mcp_tools import Limits, MCPTool
-from nextoken.server.tool_loop import CallArgs, CallClosed, CallOpened, CallRan, CallsCut, LoopFailed, PassStarted, \
+from nextoken.server.chat import tool_loop
+from nextoken.server.chat.core import Prepared
+from nextoken.server.chat.events import Finish, Text
+from nextoken.server.chat.mcp_tools import Limits, MCPTool
+from nextoken.server.chat.tool_loop import CallArgs, CallClosed, CallOpened, CallRan, CallsCut, LoopFailed, PassStarted, \
     Servers, ToolLoop
 from tests.server.test_chat_core import FakeEngine, serving_with
 

@@ -13,8 +13,8 @@ import pytest
 from pydantic import BaseModel
 
 from nextoken import LLM
-from nextoken.server.chat_events import Text, ToolCallArgs, ToolCallStart
-from nextoken.server.tools import ToolCallParser, messages_for_template, parse
+from nextoken.server.chat.events import Text, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.tools import ToolCallParser, messages_for_template, parse
 from tests.helpers.server import LiveServer
 
 TEMPLATE = Path(__file__).parents[1] / "data" / "chatml_tools.jinja"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 
 from nextoken.server.anthropic.render import MessageRenderer, stop_reason
-from nextoken.server.chat_events import Finish
-from nextoken.server.mcp_tools import MCPTool
-from nextoken.server.tool_loop import ToolLoop, open_servers
+from nextoken.server.chat.events import Finish
+from nextoken.server.chat.mcp_tools import MCPTool
+from nextoken.server.chat.tool_loop import ToolLoop, open_servers
 
 MAX_CALLS = 8
 

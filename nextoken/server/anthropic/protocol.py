@@ -1,5 +1,5 @@
 """Anthropic's Messages API request bodies (``/v1/messages``, ``/v1/messages/count_tokens``),
-with the fields the published schema holds that change nothing here (`published.MESSAGES`) and
+with the fields the published schema holds that change nothing here (`PUBLISHED`) and
 the MCP connector's ``mcp_servers`` (run by `server.anthropic.mcp`)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from nextoken.bodies import Answer, Body, MaxTokens, by_field, FiniteFloat, NonEmptyStr, accept_published
-from nextoken.server import published
+from nextoken.bodies import Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, by_field, \
+    unset_or
+from nextoken.server.api import published
 
 
 class ToolConfiguration(Body):
@@ -91,6 +92,20 @@ class Metadata(Body):
     user_id: str | None = None
 
 
+# POST /v1/messages (the `anthropic` SDK's MessageCreateParams)
+PUBLISHED = {
+    "cache_control": published.CACHE,
+    "service_tier": published.TIER, "inference_geo": published.TIER, "speed": published.TIER,
+    "workspace_id": published.ACCOUNT, "user_profile_id": published.ACCOUNT,
+    "diagnostics": Published("request diagnostics a provider collects"),
+    "thinking": Published("a thinking budget: a reasoning model here thinks as its chat template has it (the "
+                          "server's --reasoning-parser returns the thought as thinking blocks)"),
+    "container": Published("code execution containers", unset_or(), "code execution is not available"),
+    "output_config": Published("effort and output format settings", published.empty_or_unset,
+                               "output_config is not supported: use tools for structured output"),
+}
+
+
 class MessagesRequest(Body):
     model: NonEmptyStr
     max_tokens: Annotated[MaxTokens, Field(ge=1)]
@@ -110,8 +125,8 @@ class MessagesRequest(Body):
     @model_validator(mode="before")
     @classmethod
     def _published(cls, data):
-        """Anthropic's published fields that change nothing here (`published.MESSAGES`)."""
-        return accept_published(data, published.MESSAGES)
+        """Anthropic's published fields that change nothing here (`PUBLISHED`)."""
+        return accept_published(data, PUBLISHED)
 
 
 class CountTokensRequest(Body):

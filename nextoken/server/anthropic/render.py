@@ -13,8 +13,8 @@ import json
 import uuid
 from typing import Iterator
 
-from nextoken.server.chat_events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
-from nextoken.server.tool_loop import CallRan, LoopFailed
+from nextoken.server.chat.events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.tool_loop import CallRan, LoopFailed
 
 Event = tuple[str, dict]  # (kind, data) of one event
 
@@ -33,7 +33,7 @@ def tool_input(arguments: str) -> dict:
 
 
 def stop_reason(choice) -> tuple[str, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for a finished `chat_run.Choice`."""
+    """Anthropic's (stop_reason, stop_sequence) for a finished `chat.run.Choice`."""
     if choice.finish == "length":
         return "max_tokens", None
     if choice.finish == "tool_calls":
@@ -44,7 +44,7 @@ def stop_reason(choice) -> tuple[str, str | None]:
 
 
 def blocks(c, skip: frozenset[str] | set[str] = frozenset()) -> list[dict]:
-    """The content blocks of a `chat_run.Choice`: thinking, text, tool_use (but calls of the
+    """The content blocks of a `chat.run.Choice`: thinking, text, tool_use (but calls of the
     functions in `skip`)."""
     content = [{"type": "thinking", "thinking": c.thought, "signature": ""}] if c.thought else []
     if c.text:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from nextoken.server.anthropic.protocol import CountTokensRequest, MessageAnswer, MessagesRequest, TokenCount
-from nextoken.server.api import ApiRouter, ApiShape, with_field
+from nextoken.server.anthropic.protocol import PUBLISHED, CountTokensRequest, MessageAnswer, MessagesRequest, TokenCount
+from nextoken.server.anthropic.serving import AnthropicServingMessages
+from nextoken.server.api.routing import ApiRouter, ApiShape, with_field
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -25,9 +26,10 @@ SHAPE = ApiShape("AnthropicError", error_body, {
         "type": "object", "required": ["type", "message"],
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}})
 router = ApiRouter(SHAPE)
+router.servings["serving_messages"] = AnthropicServingMessages
 
 
-@router.generation_route("/v1/messages", response_model=MessageAnswer)
+@router.generation_route("/v1/messages", PUBLISHED, response_model=MessageAnswer)
 async def messages(body: MessagesRequest, request: Request):
     return await request.app.state.serving_messages.create(body, request)
 

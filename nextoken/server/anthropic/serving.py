@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) as a thin
 translation onto the chat path: the same template, engine, sampler, grammar-forced tool calls,
-tool-call parser, limits and errors (in Anthropic's shape, `server.errors`).
+tool-call parser, limits and errors (in Anthropic's shape, `server.app.errors`).
 
     request (system, messages of text / tool_use / tool_result blocks, tools, tool_choice)
       -> chat messages for the template (`to_chat_messages`) -> ids, SamplingParams
@@ -19,11 +19,11 @@ from fastapi import Request
 
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
-from nextoken.server.chat_core import ChatSpec, prepare, render
+from nextoken.server.chat.core import ChatSpec, prepare, render
 from nextoken.server.anthropic.render import MessageRenderer, blocks, event, stop_reason
-from nextoken.server.chat_events import Failed, Finish
-from nextoken.server.chat_run import run
-from nextoken.server.serving import ApiServing, sse_response
+from nextoken.server.chat.events import Failed, Finish
+from nextoken.server.chat.run import run
+from nextoken.server.api.serving import ApiServing, sse_response
 
 
 # -- translation --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Ollama's request bodies (``/api/chat``, ``/api/generate``, ``/api/show``), with the message
-and option fields its clients send (`published.OLLAMA_CHAT`, `published.GENERATE`)."""
+and option fields its clients send (`PUBLISHED_CHAT`, `PUBLISHED_GENERATE`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from nextoken.bodies import Answer, Body, NonEmptyStr, accept_published
-from nextoken.server import published
+from nextoken.bodies import Answer, Body, NonEmptyStr, Published, accept_published, unset_or
+from nextoken.server.api import published
 from nextoken.server.openai.protocol import FunctionDefinition
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
@@ -41,6 +41,23 @@ class Message(Body):
     thinking: str | None = None
 
 
+# POST /api/chat (Ollama's ChatRequest, as the `ollama` package types it)
+PUBLISHED_CHAT = {"logprobs": published.LOGPROBS, "top_logprobs": published.TOP_LOGPROBS}
+
+# POST /api/generate (Ollama's GenerateRequest)
+PUBLISHED_GENERATE = {
+    "logprobs": published.LOGPROBS, "top_logprobs": published.TOP_LOGPROBS,
+    "width": Published("image generation", unset_or(), "image generation is not available"),
+    "height": Published("image generation", unset_or(), "image generation is not available"),
+    "steps": Published("image generation", unset_or(), "image generation is not available"),
+    "suffix": Published("fill-in-the-middle text after the answer", unset_or(""),
+                        "fill-in-the-middle is not supported"),
+    "template": Published("a prompt template replacing the model's", unset_or(""), "the model's template is used"),
+    "context": Published("the deprecated token context of an earlier answer", published.empty_or_unset,
+                         "send the conversation to /api/chat"),
+}
+
+
 class ChatRequest(Body):
     model: NonEmptyStr
     messages: list[Message] = Field(default_factory=list)
@@ -54,8 +71,8 @@ class ChatRequest(Body):
     @model_validator(mode="before")
     @classmethod
     def _published(cls, data):
-        """Ollama's published fields that change nothing here (`published.OLLAMA_CHAT`)."""
-        return accept_published(data, published.OLLAMA_CHAT)
+        """Ollama's published fields that change nothing here (`PUBLISHED_CHAT`)."""
+        return accept_published(data, PUBLISHED_CHAT)
 
 
 class GenerateRequest(Body):
@@ -73,8 +90,8 @@ class GenerateRequest(Body):
     @model_validator(mode="before")
     @classmethod
     def _published(cls, data):
-        """Ollama's published fields that change nothing here (`published.GENERATE`)."""
-        return accept_published(data, published.GENERATE)
+        """Ollama's published fields that change nothing here (`PUBLISHED_GENERATE`)."""
+        return accept_published(data, PUBLISHED_GENERATE)
 
 
 class ShowRequest(Body):

@@ -10,8 +10,10 @@ from fastapi.routing import APIRoute
 
 from nextoken.errors import InvalidRequest
 from nextoken.server.pooling import serving as emb
-from nextoken.server.api import ApiRouter, ApiShape, with_field
-from nextoken.server.ollama.protocol import VERSION, ChatRequest as OllamaChat, GenerateRequest as OllamaGenerate
+from nextoken.server.api.routing import ApiRouter, ApiShape, with_field
+from nextoken.server.ollama.protocol import PUBLISHED_CHAT, PUBLISHED_GENERATE, VERSION, ChatRequest as OllamaChat, \
+    GenerateRequest as OllamaGenerate
+from nextoken.server.ollama.serving import OllamaServing
 from nextoken.server.ollama.protocol import ChatAnswer, EmbedAnswer, EmbeddingAnswer, EmbeddingsRequest, EmbedRequest, \
     GenerateAnswer, ModelList, ShowAnswer, VersionAnswer, ShowRequest as OllamaShow
 
@@ -39,16 +41,18 @@ class AnyBodyAsJSON(APIRoute):
 
 
 router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
+router.servings["serving_ollama"] = OllamaServing
 # the embedding routes, served beside the embedding model whether or not the server generates
 embed_router = ApiRouter(SHAPE, "/api/", route_class=AnyBodyAsJSON)
+router.servings["serving_ollama"] = OllamaServing
 
 
-@router.generation_route("/api/chat", response_model=ChatAnswer)
+@router.generation_route("/api/chat", PUBLISHED_CHAT, response_model=ChatAnswer)
 async def ollama_chat(body: OllamaChat, request: Request):
     return await request.app.state.serving_ollama.chat(body, request)
 
 
-@router.generation_route("/api/generate", response_model=GenerateAnswer)
+@router.generation_route("/api/generate", PUBLISHED_GENERATE, response_model=GenerateAnswer)
 async def ollama_generate(body: OllamaGenerate, request: Request):
     return await request.app.state.serving_ollama.generate(body, request)
 

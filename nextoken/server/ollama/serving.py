@@ -2,7 +2,7 @@
 ``/api/version``) as a translation onto the engine: chat through the chat template and the
 tool-call parser, generate as a plain completion; streamed as newline-delimited JSON, as Ollama
 does; ``options`` mapped onto `SamplingParams`; ``format`` (``"json"`` or a JSON schema) through
-structured output; errors in Ollama's shape (``{"error": message}``, `server.errors`).
+structured output; errors in Ollama's shape (``{"error": message}``, `server.app.errors`).
 
 The final object of every answer carries Ollama's counts and durations, in nanoseconds:
 ``total_duration`` (arrival to the last token), ``load_duration`` (0: the model is loaded),
@@ -22,12 +22,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nextoken.errors import InvalidRequest
-from nextoken.server import tools as tools_mod
-from nextoken.server.chat_core import ChatSpec, Prepared, prepare
-from nextoken.server.chat_events import Failed, Finish, Text, Thought
-from nextoken.server.chat_run import run
+from nextoken.server.chat import tools as tools_mod
+from nextoken.server.chat.core import ChatSpec, Prepared, prepare
+from nextoken.server.chat.events import Failed, Finish, Text, Thought
+from nextoken.server.chat.run import run
 from nextoken.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ShowRequest
-from nextoken.server.serving import ApiServing
+from nextoken.server.api.serving import ApiServing
 from nextoken.structured.params import StructuredOutputsParams
 
 # options -> SamplingParams fields (Ollama's other options, runner settings, are accepted and unused)

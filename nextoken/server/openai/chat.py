@@ -9,10 +9,10 @@ import time
 from fastapi import Request
 
 from nextoken.server.openai import render as R
-from nextoken.server.chat_core import ChatSpec, prepare
-from nextoken.server.chat_run import result, run
+from nextoken.server.chat.core import ChatSpec, prepare
+from nextoken.server.chat.run import result, run
 from nextoken.server.openai.protocol import ChatCompletionRequest, NamedToolChoice
-from nextoken.server.serving import ApiServing, no_lora_beams, sse_response
+from nextoken.server.api.serving import ApiServing, no_lora_beams, sse_response
 
 
 class OpenAIServingChat(ApiServing):

@@ -11,8 +11,8 @@ from fastapi import Request
 from nextoken.request_options import RequestOptions
 from nextoken.server.openai import render as R
 from nextoken.server.openai.protocol import CompletionRequest
-from nextoken.server.prompts import completion_prompts
-from nextoken.server.serving import ApiServing, client_of, no_lora_beams, sse_response
+from nextoken.server.chat.prompts import completion_prompts
+from nextoken.server.api.serving import ApiServing, client_of, no_lora_beams, sse_response
 
 
 class OpenAIServingCompletion(ApiServing):

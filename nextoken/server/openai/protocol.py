@@ -7,7 +7,7 @@ allows. Ranges follow the OpenAI API reference; vLLM's extensions (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens) are accepted too.
 
 Limits that depend on the loaded model are marked ``x-maximum`` in the JSON schema
-(`nextoken.bodies.model_limit`); `nextoken.server.openapi` turns each into a ``maximum`` once
+(`nextoken.bodies.model_limit`); `nextoken.server.app.openapi` turns each into a ``maximum`` once
 the model is loaded.
 """
 
@@ -19,11 +19,11 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, TokenId, \
-    accept_published, only
+    Published, accept_published, only, unset_or
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import published
-from nextoken.server.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
+from nextoken.server.api import published
+from nextoken.server.api.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
 from nextoken.structured.params import StructuredOutputsParams
 
 def union_of(*members: tuple[str, type, str]) -> Any:
@@ -113,7 +113,7 @@ class _Sampling(Body):
     RULES: ClassVar[list] = []
 
     def check_rules(self) -> None:
-        """Raise `InvalidRequest` for the first cross-field rule (`server.rules`) this body breaks."""
+        """Raise `InvalidRequest` for the first cross-field rule (`server.api.rules`) this body breaks."""
         check(self.model_dump(exclude_none=True, by_alias=True), self.RULES)
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -281,6 +281,24 @@ class NamedToolChoice(Body):
 # What vllm-router (0.1.17) adds to every chat request, at these values. The reasoning switches
 # (vLLM's include_reasoning, SGLang's separate_reasoning and stream_reasoning) change nothing
 # at their defaults: nextoken has no reasoning parser, so there is no separate reasoning text.
+# POST /v1/chat/completions (the `openai` SDK's CompletionCreateParams)
+PUBLISHED_CHAT = {
+    "store": Published("stored completions are OpenAI's distillation store: nothing is stored here"),
+    "metadata": Published("labels for stored completions (nothing is stored)"),
+    "prompt_cache_key": published.CACHE, "prompt_cache_retention": published.CACHE,
+    "prompt_cache_options": published.CACHE,
+    "safety_identifier": published.ACCOUNT, "moderation": published.ACCOUNT,
+    "service_tier": published.TIER,
+    "reasoning_effort": published.HINT, "verbosity": published.HINT,
+    "prediction": Published("predicted outputs only speed a provider up; the output is the same"),
+    "modalities": Published("text is the only output", unset_or(["text"]), "only [\"text\"] output is produced"),
+    "audio": Published("audio output", published.empty_or_unset, "audio output is not produced"),
+    "web_search_options": Published("web search", published.empty_or_unset, "web search is not available here"),
+    "functions": Published("the deprecated form of tools", published.empty_or_unset, "send them as tools"),
+    "function_call": Published("the deprecated form of tool_choice", unset_or("none", "auto"),
+                               "send tool_choice instead"),
+}
+
 ROUTER_CHAT_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
                       "continue_final_message": False, "include_reasoning": True, "separate_reasoning": True,
                       "stream_reasoning": True}
@@ -305,11 +323,11 @@ class ChatCompletionRequest(_Sampling):
     def _router_fields(cls, data):
         """Drop the fields vllm-router adds to every chat request when they hold the values it
         sends (`ROUTER_CHAT_FIELDS`); any other value stays, and is refused as an unsupported
-        parameter. Then OpenAI's published fields that change nothing here (`published.CHAT`). They are not in the published schema: one more property puts this body's
+        parameter. Then OpenAI's published fields that change nothing here (`PUBLISHED_CHAT`). They are not in the published schema: one more property puts this body's
         cross-field rules past what schemathesis's generator can build cases for."""
         if isinstance(data, dict) and any(k in data for k in ROUTER_CHAT_FIELDS):
             data = {k: v for k, v in data.items() if not (k in ROUTER_CHAT_FIELDS and v is ROUTER_CHAT_FIELDS[k])}
-        return accept_published(data, published.CHAT)
+        return accept_published(data, PUBLISHED_CHAT)
 
 
 class TokenizePromptRequest(Body):
@@ -641,7 +659,7 @@ class ResponseDeleted(Answer):
     deleted: Literal[True]
 
 
-# -- the server's own routes' answers (`server.routes`: vLLM's and SGLang's shapes) ---------------
+# -- the server's own routes' answers (`server.app.routes`: vLLM's and SGLang's shapes) ---------------
 class HealthAnswer(Answer):
     status: Literal["ok"]
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 
-from nextoken.server.chat_events import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
+from nextoken.server.chat.events import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
 
 log = logging.getLogger("nextoken.server")
 
@@ -110,7 +110,7 @@ def chat_response(tok, body, res, created: int, model: str, reasoning: bool = Fa
 
 
 def usage_json(u) -> dict:
-    """OpenAI's usage object of a `chat_run.Usage`."""
+    """OpenAI's usage object of a `chat.run.Usage`."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

@@ -24,18 +24,18 @@ from cachetools import LRUCache
 from fastapi import Request
 from pydantic import ConfigDict, Field, model_validator
 
-from nextoken.bodies import BODY, Body, MaxTokens, FiniteFloat, NonEmptyStr, accept_published
+from nextoken.bodies import BODY, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.server import published
-from nextoken.server.rules import RESPONSES_RULES, check, forbid
-from nextoken.server.chat_core import ChatSpec, append_call, prepare
+from nextoken.server.api import published
+from nextoken.server.api.rules import RESPONSES_RULES, check, forbid
+from nextoken.server.chat.core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
 from nextoken.server.openai.responses_render import ResponseRenderer, call_item, message_item, reasoning_item, \
     text_logprobs
-from nextoken.server.mcp_tools import MCPTool
-from nextoken.server.chat_events import Failed, Finish
-from nextoken.server.chat_run import run
-from nextoken.server.serving import ApiServing, sse_response
+from nextoken.server.chat.mcp_tools import MCPTool
+from nextoken.server.chat.events import Failed, Finish
+from nextoken.server.chat.run import run
+from nextoken.server.api.serving import ApiServing, sse_response
 from nextoken.structured.params import StructuredOutputsParams
 
 
@@ -131,6 +131,27 @@ class TextOptions(Body):
     verbosity: Literal["low", "medium", "high"] | None = None  # a style hint; changes nothing here
 
 
+# POST /v1/responses (the `openai` SDK's ResponseCreateParams)
+PUBLISHED = {
+    "prompt_cache_key": published.CACHE, "prompt_cache_retention": published.CACHE,
+    "prompt_cache_options": published.CACHE,
+    "safety_identifier": published.ACCOUNT, "moderation": published.ACCOUNT, "access_programs": published.ACCOUNT,
+    "service_tier": published.TIER,
+    "reasoning": published.HINT,
+    "stream_options": Published("include_obfuscation pads events against side channels; a local server has none"),
+    "background_options": Published("options of background mode", published.empty_or_unset,
+                                    "background mode is not available"),
+    "image": Published("image generation options", published.empty_or_unset, "image generation is not available"),
+    "background": Published("background mode", unset_or(False), "a response runs while its request is open"),
+    "conversation": Published("OpenAI's Conversations API", unset_or(), "use previous_response_id"),
+    "prompt": Published("a stored prompt template", unset_or(), "send the instructions and input"),
+    "context_management": Published("server-side compaction", published.empty_or_unset,
+                                    "context compaction is not available"),
+    "truncation": Published("'auto' drops old input to fit the context", unset_or("disabled"),
+                            "a prompt past the context is refused, never truncated"),
+}
+
+
 class ResponsesRequest(Body):
     RULES: ClassVar[list] = RESPONSES_RULES  # cross-field rules: the schema below, and `create`'s check
     model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RESPONSES_RULES))
@@ -164,8 +185,8 @@ class ResponsesRequest(Body):
     @model_validator(mode="before")
     @classmethod
     def _published(cls, data):
-        """OpenAI's published fields that change nothing here (`published.RESPONSES`)."""
-        return accept_published(data, published.RESPONSES)
+        """OpenAI's published fields that change nothing here (`PUBLISHED`)."""
+        return accept_published(data, PUBLISHED)
 
 
 # -- the store ----------------------------------------------------------------------------------
@@ -322,7 +343,7 @@ class OpenAIServingResponses(ApiServing):
 
     def envelope(self, body, rid, output, finish: str | None, usage, meta, status: str | None = None) -> dict:
         """The response object around `output`; `finish`: the core's finish reason (None: not
-        finished), `usage`: a `chat_run.Usage` or None."""
+        finished), `usage`: a `chat.run.Usage` or None."""
         incomplete = finish == "length"
         n_in, n_out = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
         return {"id": rid, "object": "response", "created_at": meta["created_at"],

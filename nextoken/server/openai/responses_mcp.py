@@ -19,9 +19,9 @@ or not (`MCPResponse.events`): text token by token, an MCP call's arguments as
 from __future__ import annotations
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.mcp_tools import MCPTool, item_id
+from nextoken.server.chat.mcp_tools import MCPTool, item_id
 from nextoken.server.openai.responses_render import ResponseRenderer, message_item
-from nextoken.server.tool_loop import ServerCall, ToolLoop, open_servers
+from nextoken.server.chat.tool_loop import ServerCall, ToolLoop, open_servers
 
 DEFAULT_MAX_CALLS = 8  # MCP calls one response may run when the request sets no max_tool_calls
 

@@ -13,9 +13,9 @@ import json
 import uuid
 from typing import Iterator
 
-from nextoken.server.chat_events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
 from nextoken.server.openai.render import chat_logprobs
-from nextoken.server.tool_loop import CallArgs, CallClosed, CallOpened, CallRan, CallsCut, LoopFailed, PassStarted, \
+from nextoken.server.chat.tool_loop import CallArgs, CallClosed, CallOpened, CallRan, CallsCut, LoopFailed, PassStarted, \
     ServerCall
 
 

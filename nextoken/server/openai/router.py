@@ -7,12 +7,17 @@ from typing import Union
 
 from fastapi import Request
 
-from nextoken.server.api import OPENAI, ApiRouter
-from nextoken.server.openai.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
-    ResponseDeleted, ResponseObject
-from nextoken.server.openai.responses import ResponsesRequest
+from nextoken.server.api.routing import OPENAI, ApiRouter
+from nextoken.server.openai.chat import OpenAIServingChat
+from nextoken.server.openai.completions import OpenAIServingCompletion
+from nextoken.server.openai.protocol import PUBLISHED_CHAT, ChatCompletion, ChatCompletionRequest, Completion, \
+    CompletionRequest, ResponseDeleted, ResponseObject
+from nextoken.server.openai.responses import PUBLISHED as PUBLISHED_RESPONSES, OpenAIServingResponses, \
+    ResponsesRequest
 
 router = ApiRouter(OPENAI)
+router.servings.update(serving_completion=OpenAIServingCompletion, serving_chat=OpenAIServingChat,
+                       serving_responses=OpenAIServingResponses)
 
 
 @router.generation_route("/v1/completions", response_model=Completion)
@@ -20,12 +25,12 @@ async def completions(body: CompletionRequest, request: Request):
     return await request.app.state.serving_completion.create(body, request)
 
 
-@router.generation_route("/v1/chat/completions", response_model=ChatCompletion)
+@router.generation_route("/v1/chat/completions", PUBLISHED_CHAT, response_model=ChatCompletion)
 async def chat(body: ChatCompletionRequest, request: Request):
     return await request.app.state.serving_chat.create(body, request)
 
 
-@router.generation_route("/v1/responses", response_model=ResponseObject)
+@router.generation_route("/v1/responses", PUBLISHED_RESPONSES, response_model=ResponseObject)
 async def create_response(body: ResponsesRequest, request: Request):
     return await request.app.state.serving_responses.create(body, request)
 

@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.api import OPENAI, ApiRouter
+from nextoken.server.api.routing import OPENAI, ApiRouter
 from nextoken.server.openai.protocol import TokenizeAnswer
 from nextoken.server.pooling.protocol import EmbeddingList, EmbeddingRequest, RerankAnswer, RerankRequest, \
     ScoreList, ScoreRequest

@@ -1,4 +1,4 @@
-"""Running a prepared chat request (`chat_core.Prepared`) on the engine, once for every API:
+"""Running a prepared chat request (`chat.core.Prepared`) on the engine, once for every API:
 `run` adds it, waits for it or streams it, splits each completion into thought, answer text and
 tool calls, records its metrics and log line, and logs a stream that fails. Each API renders
 what comes back: a `ChatResult` (not streamed) or an async stream of typed events.
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
-from nextoken.server.chat_events import (Choice, Event, Failed, Finish, Tokens, Usage)
-from nextoken.server.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.serving import client_of
-from nextoken.server.tools import parse as parse_tools
+from nextoken.server.chat.events import (Choice, Event, Failed, Finish, Tokens, Usage)
+from nextoken.server.chat.reasoning import StreamSplitter, split as split_reasoning
+from nextoken.server.api.serving import client_of
+from nextoken.server.chat.tools import parse as parse_tools
 
 if TYPE_CHECKING:
-    from nextoken.server.chat_core import Prepared
-    from nextoken.server.serving import ApiServing
+    from nextoken.server.chat.core import Prepared
+    from nextoken.server.api.serving import ApiServing
 
 log = logging.getLogger("nextoken.server")
 

@@ -10,7 +10,7 @@ steps they share, once, in one order:
 Errors name the request's own field (`ChatSpec.fields`: ``max_output_tokens`` on Responses,
 ``options.num_predict`` on Ollama, ...). What comes back out (the answer's shape, its stream) is
 still each API's own module; the typed events that module reads are `ToolCallParser`'s and
-`StreamSplitter`'s (`server.tools`, `server.reasoning`).
+`StreamSplitter`'s (`server.chat.tools`, `server.chat.reasoning`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
-from nextoken.server import prompts
-from nextoken.server import tools as tools_mod
+from nextoken.server.chat import prompts
+from nextoken.server.chat import tools as tools_mod
 from nextoken.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from nextoken.server.serving import ApiServing
+    from nextoken.server.api.serving import ApiServing
 
 # the neutral names of the fields an API may call otherwise (`ChatSpec.fields`)
 FIELDS = ("max_tokens", "tool_choice", "constraint", "tools", "sampling", "priority")

@@ -13,10 +13,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
-from nextoken.server.api import Apis
+from nextoken.server.api.routing import Apis
 from nextoken.server.args import ServerArgs
-from nextoken.server.errors import error_response, validation_message
-from nextoken.server.serving import ClientGone, QueueFull
+from nextoken.server.app.errors import error_response, validation_message
+from nextoken.server.api.serving import ClientGone, QueueFull
 
 log = logging.getLogger("nextoken.server")
 

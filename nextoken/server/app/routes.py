@@ -13,16 +13,16 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 
 from nextoken.sample.watermark import detect
-from nextoken.server import prompts
-from nextoken.server import tools as tools_mod
-from nextoken.server.errors import error_response
+from nextoken.server.chat import prompts
+from nextoken.server.chat import tools as tools_mod
+from nextoken.server.app.errors import error_response
 from nextoken.errors import InvalidRequest, NotFound
-from nextoken.server.api import OPENAI, ApiRouter
+from nextoken.server.api.routing import OPENAI, ApiRouter
 from nextoken.server.openai.protocol import (DetokenizeAnswer, DetokenizeRequest, HealthAnswer, LoadLoRARequest,
                                              LoadReport, ModelCardList, ServerVersion, TokenizeAnswer,
                                              TokenizeChatRequest, TokenizeRequest, TokenizerInfo, UnloadLoRARequest,
                                              WatermarkDetectRequest, WatermarkDetection, WatermarkText)
-from nextoken.server.serving import check_token_ids
+from nextoken.server.api.serving import check_token_ids
 
 info = ApiRouter(OPENAI)
 tokens = ApiRouter(OPENAI)

@@ -1,5 +1,5 @@
 """The chat core's typed events and results, shared by the parsers that make them
-(`tools.ToolCallParser`, `reasoning.ReasoningParser`), the run that streams them (`chat_run`)
+(`tools.ToolCallParser`, `reasoning.ReasoningParser`), the run that streams them (`chat.run`)
 and every API's renderer.
 
 Per engine step and per choice, in order::
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from nextoken.outputs import RequestOutput
-    from nextoken.server.tools import ToolCallOut
+    from nextoken.server.chat.tools import ToolCallOut
 
 
 @dataclass(frozen=True)

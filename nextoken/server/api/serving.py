@@ -19,7 +19,7 @@ from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.args import ServerArgs
-from nextoken.server.state import ServerState
+from nextoken.server.api.state import ServerState
 
 log = logging.getLogger("nextoken.server")
 

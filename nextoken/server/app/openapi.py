@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import warnings
 
-from nextoken.server.api import OPENAI
+from nextoken.server.api.routing import OPENAI
 
 REASONS = {400: "Invalid request (the message and param name the field)", 401: "Missing or wrong API key",
            404: "Unknown model or resource", 413: "Request body too large", 429: "Too many requests waiting",
@@ -109,3 +109,28 @@ def document_errors(app, limits=lambda: None) -> None:
         return schema
 
     app.openapi = openapi
+
+
+def guide_table() -> str:
+    """The guide's table of the request fields each API publishes and that change nothing here
+    (each router's `published`; docs/guide.md, between its ``published-fields`` markers;
+    ``python -m nextoken.server.app.openapi`` prints it)."""
+    import json
+
+    from nextoken.server.app.routers import published_tables
+
+    rows = ["| route | field | why it changes nothing | values accepted |", "|---|---|---|---|"]
+    for route, table in published_tables().items():
+        for field, e in table.items():
+            if all(e.allows(v) for v in (True, 1, "x", ["x"], {"k": "x"})):
+                accepted = "any"
+            else:
+                accepted = ", ".join(["unset"] + [f"`{json.dumps(v)}`" for v in (False, 0, "", [], {}, ["text"],
+                                                                                   "disabled", "none", "auto")
+                                                  if e.allows(v)])
+            rows.append(f"| `{route}` | `{field}` | {e.note} | {accepted} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(guide_table(), end="")

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.chat_events import Event, Text, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.events import Event, Text, ToolCallArgs, ToolCallStart
 from nextoken.structured.params import JSON_DEFAULTS, StructuredOutputsParams, close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -102,7 +102,7 @@ class ToolCallOut:
 class ToolCallParser:
     """Splits model text into content and tool calls as it arrives.
 
-    `feed` takes the next piece of text and returns the chat core's events (`chat_events`):
+    `feed` takes the next piece of text and returns the chat core's events (`chat.events`):
     `Text`, `ToolCallStart` once per call, then `ToolCallArgs` pieces, each of choice `index`;
     `finish` returns the last events. Text that might still turn into a call tag, and the end of a call's
     arguments (which might be the closing brace of the call object), is held back until it is

@@ -1,15 +1,16 @@
 """The FastAPI app, one for every model: the generation APIs (OpenAI's, Anthropic's, Ollama's) over
-the shared `AsyncLLMEngine`, and/or the embedding routes over the `EmbeddingService`.
+the shared `AsyncLLMEngine`, and/or the pooling routes over the `EmbeddingService`.
 
-    build_app(state, ServerArgs) -> middleware (`server.middleware`: API key and draining gate, body limit; CORS)
-                                  + error handlers + routers (`server.routes`: info, tokens;
-                                    each API's package: `server.openai`, `server.anthropic`,
-                                    `server.ollama`, listed in `server.routers`)
-                                  + the inspector's routes (`inspect.routes`)
+    build_app(state, ServerArgs) -> middleware (`middleware`: API key and draining gate, body
+                                      limit; CORS)
+                                  + error handlers (`errors`) + the routes of no one API
+                                    (`routes`: info, tokens) + each API's router and serving
+                                    classes (`routers`) + the inspector's routes
+                                  + the published schema (`openapi`), /metrics (`metrics`)
 
 Every request streams from the one shared engine. A client's mistake is a 4xx in its API's error
-shape (`server.api.ApiShape`) naming the field, never a 500; a client that disconnects has its request aborted (its KV
-blocks freed) within a step.
+shape (`server.api.routing.ApiShape`) naming the field, never a 500; a client that disconnects
+has its request aborted (its KV blocks freed) within a step.
 """
 
 from __future__ import annotations
@@ -19,21 +20,16 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
-from nextoken.server import routers, routes
+from nextoken.server.app import routers, routes
 from nextoken.server.pooling import router as pooling
 from nextoken.server.pooling.serving import EmbeddingCollector
-from nextoken.server.anthropic.serving import AnthropicServingMessages
 from nextoken.errors import InvalidRequest
 from nextoken.server.args import ServerArgs
 from nextoken.engine.stats import SchedulerStats
-from nextoken.server.metrics import ServerMetrics
-from nextoken.server.ollama.serving import OllamaServing
-from nextoken.server.openai.chat import OpenAIServingChat
-from nextoken.server.openai.completions import OpenAIServingCompletion
-from nextoken.server.openai.responses import OpenAIServingResponses
-from nextoken.server.openapi import document_errors, model_limits
-from nextoken.server.state import Capabilities, ServerState
-from nextoken.server.middleware import BodyLimit, Gate, exception_handlers
+from nextoken.server.app.metrics import ServerMetrics
+from nextoken.server.app.openapi import document_errors, model_limits
+from nextoken.server.api.state import Capabilities, ServerState
+from nextoken.server.app.middleware import BodyLimit, Gate, exception_handlers
 
 log = logging.getLogger("nextoken.server")
 
@@ -74,11 +70,9 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
 
 def _generation(app: FastAPI, state, args: ServerArgs, metrics) -> None:
     """The generation APIs' serving objects and routers, the token routes and the inspector."""
-    app.state.serving_completion = OpenAIServingCompletion(state, args, metrics)
-    app.state.serving_chat = OpenAIServingChat(state, args, metrics)
-    app.state.serving_messages = AnthropicServingMessages(state, args, metrics)
-    app.state.serving_responses = OpenAIServingResponses(state, args, metrics)
-    app.state.serving_ollama = OllamaServing(state, args, metrics)
+    for router in routers.API_ROUTERS:  # each API's serving objects, as its router names them
+        for name, serving in router.servings.items():
+            setattr(app.state, name, serving(state, args, metrics))
     for router in (routes.tokens, *routers.API_ROUTERS):
         app.include_router(router)
     if args.inspect:

@@ -8,7 +8,7 @@ import re
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from nextoken.server.api import OPENAI, ApiShape
+from nextoken.server.api.routing import OPENAI, ApiShape
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
                    shape: ApiShape = OPENAI) -> JSONResponse:

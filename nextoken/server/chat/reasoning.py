@@ -3,7 +3,7 @@ the DeepSeek-R1 distills write it), for every API: ``reasoning_content`` (and ``
 chat, a ``reasoning`` item in Responses, ``thinking`` blocks in Messages, ``thinking`` in Ollama.
 
 `ReasoningParser` works on a stream: `feed` takes the next piece of text and returns the chat
-core's events `Thought` and `Text` (`chat_events`), holding back what might still be the start of
+core's events `Thought` and `Text` (`chat.events`), holding back what might still be the start of
 a tag, so the events of any split of a text are the events of the whole text (`split`). The two
 styles (``--reasoning-parser``): ``qwen3`` (a thought only when the answer opens with
 ``<think>``) and ``deepseek_r1`` (the template opens the thought: everything up to ``</think>`` is
@@ -12,8 +12,8 @@ thought, a leading ``<think>`` dropped).
 
 from __future__ import annotations
 
-from nextoken.server.chat_events import Event, Text, Thought
-from nextoken.server.tools import ToolCallParser
+from nextoken.server.chat.events import Event, Text, Thought
+from nextoken.server.chat.tools import ToolCallParser
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")  # (server.args restates them: it imports no server code)

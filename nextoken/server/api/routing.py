@@ -51,13 +51,17 @@ def with_field(message: str, param: str | None) -> str:
 
 
 class ApiRouter(APIRouter):
-    """One API's routes and its `shape`; `generation` holds the paths of its generating routes."""
+    """One API's routes and its `shape`; `generation` holds the paths of its generating routes,
+    `published` their inert request fields, `servings` the serving classes the app makes for it
+    (``app.state`` name -> class: `server.app.build_app` iterates the routers)."""
 
     def __init__(self, shape: ApiShape = OPENAI, prefix_of_paths: str = "", **kwargs):
         super().__init__(**kwargs)
         self.shape = shape
         self.prefix_of_paths = prefix_of_paths  # every path under it is this API's (errors in its shape)
         self.generation: set[str] = set()
+        self.published: dict[str, dict] = {}  # "POST /path" -> its fields published but inert (`bodies.Published`)
+        self.servings: dict[str, type] = {}  # ``app.state`` name -> the serving class its routes call
 
     def add_api_route(self, path: str, endpoint, **kwargs):
         """Every route with a declared answer (``response_model``, a `bodies.Answer`) answers the
@@ -66,9 +70,12 @@ class ApiRouter(APIRouter):
             kwargs["response_model_exclude_unset"] = True
         super().add_api_route(path, endpoint, **kwargs)
 
-    def generation_route(self, path: str, **kwargs):
-        """``@router.post(path)`` for a route that generates (streams, queues, needs the model)."""
+    def generation_route(self, path: str, published: dict | None = None, **kwargs):
+        """``@router.post(path)`` for a route that generates (streams, queues, needs the model);
+        `published`: its request's fields that change nothing here (the guide lists them)."""
         self.generation.add(path)
+        if published:
+            self.published[f"POST {path}"] = published
         return self.post(path, **kwargs)
 
 

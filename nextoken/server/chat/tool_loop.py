@@ -6,7 +6,7 @@ call budget, approvals, timeouts, usage and the errors after the 200 are decided
     open_servers: the template renders tools, each server's URL is allowed, its tools listed
       (a 424 naming the tool when a listing fails) -- before any answer goes out
     ToolLoop.start: approved calls run, the first pass prepared (its errors a 400, no 200 yet)
-    ToolLoop.events: per pass, the chat core's events (`chat_run`) with the servers' calls as
+    ToolLoop.events: per pass, the chat core's events (`chat.run`) with the servers' calls as
       CallOpened / CallArgs / CallClosed; then CallsCut (calls the token limit cut), each complete
       call run (CallRan); the next pass sees the results. It ends when a pass calls none of the
       servers' tools, a call needs approval, or `budget` calls ran; a failure after the 200 is
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.chat_core import ChatSpec, append_call, prepare
-from nextoken.server.chat_events import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, Usage
-from nextoken.server.chat_run import run
-from nextoken.server.mcp_tools import Limits, MCPTool, check_allowed, item_id, listings, run_call, server_limits
+from nextoken.server.chat.core import ChatSpec, append_call, prepare
+from nextoken.server.chat.events import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, Usage
+from nextoken.server.chat.run import run
+from nextoken.server.chat.mcp_tools import Limits, MCPTool, check_allowed, item_id, listings, run_call, server_limits
 
 
 @dataclass
@@ -115,7 +115,7 @@ async def open_servers(serving, servers: list[tuple[int, MCPTool]], field_name: 
     `field_name`, whose entries' URL field is `url_field`). Raises `InvalidRequest` (a template
     without tools: checked before any server is contacted; a URL not allowed; no mcp package) or
     `DependencyFailed` (a server that cannot list its tools)."""
-    from nextoken.server.tools import require_tool_template
+    from nextoken.server.chat.tools import require_tool_template
 
     require_tool_template(serving.engine.tokenizer.chat_template)
     limits = server_limits(serving.args, field_name)
@@ -143,7 +143,7 @@ class ToolLoop:
 
     async def start(self, approved: list[ServerCall] = ()) -> "ToolLoop":
         """Run the calls the client approved (their results join the conversation) and prepare
-        the first pass. Raises `InvalidRequest` as `chat_core.prepare` does, before the 200."""
+        the first pass. Raises `InvalidRequest` as `chat.core.prepare` does, before the 200."""
         for call in approved:
             await self._run(call)
         self.approved = list(approved)
