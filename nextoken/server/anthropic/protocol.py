@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from nextoken.bodies import Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, by_field, \
+from nextoken.bodies import BODY, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, by_field, \
     unset_or
 from nextoken.server.api import published
+from nextoken.server.api.rules import forbid
+from nextoken.server.chat import rules as chat_rules
 
 
 class ToolConfiguration(Body):
@@ -106,7 +108,14 @@ PUBLISHED = {
 }
 
 
+# the chat rules in the Messages API's names: {"type": "any"} and {"type": "tool"} force a call
+CHAT_FIELDS = chat_rules.ChatFields({"type": "object", "required": ["type"],
+                                     "properties": {"type": {"enum": ["any", "tool"]}}})
+
+
 class MessagesRequest(Body):
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*chat_rules.published(CHAT_FIELDS)))
+
     model: NonEmptyStr
     max_tokens: Annotated[MaxTokens, Field(ge=1)]
     messages: Annotated[list[Message], Field(min_length=1)]

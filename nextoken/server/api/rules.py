@@ -91,18 +91,16 @@ JSON_FORMAT = {"required": ["response_format"],
 CONSTRAINTS = [given("guided_json"), given("guided_regex"), given("guided_choice"), given("guided_grammar"),
                given("structured_outputs"), JSON_FORMAT]
 CONSTRAINED = any_of(*CONSTRAINTS)
-FORCED_TOOL = all_of(non_empty("tools"), {"required": ["tool_choice"], "properties": {
-    "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}})
+FORCING_CHOICE = {"anyOf": [{"const": "required"}, {"type": "object"}]}  # OpenAI's tool_choice that forces a call
 
 
 CONSTRAINT_NAMES = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                     "response_format"]
 
 
-# /v1/responses: a forcing tool_choice needs tools; log-probabilities are not returned beside MCP tools
+# /v1/responses: log-probabilities are not returned beside MCP tools (the tool rules every chat API
+# shares: `server.chat.rules`)
 RESPONSES_RULES = [
-    Rule(all_of({"not": non_empty("tools")}, given("tool_choice"), {"not": one_of_values("tool_choice", ["none", "auto"])}),
-         "tool_choice needs tools", "tool_choice"),
     Rule({"required": ["include", "tools"], "properties": {
         "include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}},
         "tools": {"type": "array", "contains": {"type": "object", "required": ["type"],
@@ -111,7 +109,8 @@ RESPONSES_RULES = [
 
 
 def sampling_rules(chat: bool) -> list[Rule]:
-    """The refused combinations of /v1/completions (`chat` False) or /v1/chat/completions."""
+    """The refused combinations of /v1/completions (`chat` False) or /v1/chat/completions (but
+    the tool rules every chat API shares: `server.chat.rules`)."""
     beam = true("use_beam_search")
     named = list(zip(CONSTRAINT_NAMES, CONSTRAINTS))
     rules = [Rule(all_of(a, b), f"give one output constraint, not {x} and {y}", y)
@@ -124,12 +123,7 @@ def sampling_rules(chat: bool) -> list[Rule]:
         rules += [Rule(all_of(given("top_logprobs"), {"not": true("logprobs")}), "top_logprobs needs logprobs to be "
                        "true", "top_logprobs"),
                   Rule(all_of(beam, true("logprobs")), "use_beam_search does not return logprobs", "use_beam_search"),
-                  Rule(all_of(beam, non_empty("tools")), "tools cannot be combined with use_beam_search", "tools"),
-                  Rule(all_of(FORCED_TOOL, CONSTRAINED), "tool_choice 'required' or a named function cannot be "
-                       "combined with another output constraint", "tool_choice"),
-                  Rule(all_of({"not": non_empty("tools")}, given("tool_choice"),
-                              {"not": one_of_values("tool_choice", ["none"])}), "tool_choice needs tools",
-                       "tool_choice")]
+                  Rule(all_of(beam, non_empty("tools")), "tools cannot be combined with use_beam_search", "tools")]
     else:
         score_only = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
         rules += [Rule(all_of(beam, any_of(given("logprobs"), true("echo"), given("prompt_logprobs"))),

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.chat import prompts
-from nextoken.server.chat import tools as tools_mod
+from nextoken.server.chat import rules as chat_rules, tools as tools_mod
 from nextoken.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -125,23 +125,17 @@ def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:
 def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, StructuredOutputsParams | None]:
     """(the prompt's token ids, the template's tools or None, the grammar forcing a call or
     None) of `spec` with tokenizer `tok`; raises `InvalidRequest` as `prepare` does."""
+    chat_rules.check(spec)
     if spec.prompt_ids is not None:
         return spec.prompt_ids, None, None
     tools, forced = _tool_setup(spec, tok)
-    if forced is not None and spec.constraint is not None:
-        raise InvalidRequest(f"a forced tool call cannot be combined with {spec.name('constraint')}",
-                             spec.name("tool_choice"))
     return prompts.encode_chat(tok, tools_mod.messages_for_template(spec.messages), tools, spec.template_kwargs), tools, forced
 
 
 def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:
     """(tools for the template or None, the grammar forcing calls or None)."""
     choice = spec.tool_choice or "auto"
-    if not spec.tools:
-        if choice not in ("auto", "none"):
-            raise InvalidRequest(f"tool_choice {choice!r} needs tools", spec.name("tool_choice"))
-        return None, None
-    if choice == "none":
+    if not spec.tools or choice == "none":  # (a forcing choice without tools: `chat.rules`)
         return None, None
     tools_mod.require_tool_template(tok.chat_template)
     if choice == "auto":

@@ -23,7 +23,10 @@ from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFlo
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.api import published
-from nextoken.server.api.rules import JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, forbid, sampling_rules
+from nextoken.server.api.rules import CONSTRAINTS, FORCING_CHOICE, JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, \
+    forbid, sampling_rules
+from nextoken.server.chat import rules as chat_rules
+from nextoken.server.chat.rules import ChatFields
 from nextoken.structured.params import StructuredOutputsParams
 
 def union_of(*members: tuple[str, type, str]) -> Any:
@@ -304,9 +307,12 @@ ROUTER_CHAT_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "retur
                       "stream_reasoning": True}
 
 
+CHAT_FIELDS = ChatFields(FORCING_CHOICE, constraints=tuple(CONSTRAINTS))  # the chat rules in chat's names
+
+
 class ChatCompletionRequest(_Sampling):
     RULES: ClassVar[list] = sampling_rules(chat=True)  # the table's cross-field rules: the schema below, and `check_rules`
-    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RULES))
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RULES, *chat_rules.published(CHAT_FIELDS)))
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None

@@ -27,7 +27,8 @@ from pydantic import ConfigDict, Field, model_validator
 from nextoken.bodies import BODY, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server.api import published
-from nextoken.server.api.rules import RESPONSES_RULES, check, forbid
+from nextoken.server.api.rules import FORCING_CHOICE, RESPONSES_RULES, check, forbid
+from nextoken.server.chat import rules as chat_rules
 from nextoken.server.chat.core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
 from nextoken.server.openai.responses_render import ResponseRenderer, call_item, message_item, reasoning_item, \
@@ -152,9 +153,16 @@ PUBLISHED = {
 }
 
 
+# the chat rules in the Responses API's names: its output constraint is a JSON text.format
+JSON_TEXT_FORMAT = {"required": ["text"], "properties": {"text": {
+    "type": "object", "required": ["format"], "properties": {"format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}}}
+CHAT_FIELDS = chat_rules.ChatFields(FORCING_CHOICE, constraints=(JSON_TEXT_FORMAT,))
+
+
 class ResponsesRequest(Body):
     RULES: ClassVar[list] = RESPONSES_RULES  # cross-field rules: the schema below, and `create`'s check
-    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RESPONSES_RULES))
+    model_config = ConfigDict(**BODY, json_schema_extra=forbid(*RESPONSES_RULES, *chat_rules.published(CHAT_FIELDS)))
 
     model: NonEmptyStr | None = None
     input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
