@@ -13,6 +13,7 @@ the model is loaded.
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
@@ -23,11 +24,58 @@ from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFlo
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.api import published
-from nextoken.server.api.rules import CONSTRAINTS, FORCING_CHOICE, JSON_SCHEMA_NEEDS_SCHEMA, STRUCTURED_ONE, check, \
-    forbid, sampling_rules
+from nextoken.server.api.rules import Rule, all_of, any_of, check, forbid, given, non_empty, one_of_values, true
 from nextoken.server.chat import rules as chat_rules
 from nextoken.server.chat.rules import ChatFields
 from nextoken.structured.params import StructuredOutputsParams
+
+# -- the cross-field rules of completions and chat (`api.rules`; the chat rules: `chat.rules`) ------
+# one output constraint at most (`_Sampling.structured`); response_format counts when it asks for JSON
+JSON_FORMAT = {"required": ["response_format"],
+               "properties": {"response_format": {"type": "object", "required": ["type"],
+                                                  "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
+CONSTRAINTS = [given("guided_json"), given("guided_regex"), given("guided_choice"), given("guided_grammar"),
+               given("structured_outputs"), JSON_FORMAT]
+CONSTRAINED = any_of(*CONSTRAINTS)
+FORCING_CHOICE = {"anyOf": [{"const": "required"}, {"type": "object"}]}  # OpenAI's tool_choice that forces a call
+
+
+CONSTRAINT_NAMES = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                    "response_format"]
+
+
+def sampling_rules(chat: bool) -> list[Rule]:
+    """The refused combinations of /v1/completions (`chat` False) or /v1/chat/completions (but
+    the tool rules every chat API shares: `server.chat.rules`)."""
+    beam = true("use_beam_search")
+    named = list(zip(CONSTRAINT_NAMES, CONSTRAINTS))
+    rules = [Rule(all_of(a, b), f"give one output constraint, not {x} and {y}", y)
+             for (x, a), (y, b) in combinations(named, 2)]
+    rules += [Rule(all_of(cond, beam), f"{name} cannot be combined with use_beam_search", name) for name, cond in named]
+    rules += [Rule(all_of(CONSTRAINED, true("ignore_eos")), "structured output cannot be combined with ignore_eos "
+                   "(the grammar ends the output with an end-of-generation token)", "ignore_eos"),
+              Rule(all_of(beam, true("stream")), "use_beam_search cannot stream", "stream")]
+    if chat:
+        rules += [Rule(all_of(given("top_logprobs"), {"not": true("logprobs")}), "top_logprobs needs logprobs to be "
+                       "true", "top_logprobs"),
+                  Rule(all_of(beam, true("logprobs")), "use_beam_search does not return logprobs", "use_beam_search"),
+                  Rule(all_of(beam, non_empty("tools")), "tools cannot be combined with use_beam_search", "tools")]
+    else:
+        score_only = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
+        rules += [Rule(all_of(beam, any_of(given("logprobs"), true("echo"), given("prompt_logprobs"))),
+                       "use_beam_search does not return logprobs or echo the prompt", "use_beam_search"),
+                  Rule(all_of(score_only, {"not": true("echo")}), "max_tokens 0 scores the prompt without "
+                       "generating and needs echo (with logprobs for the scores)", "max_tokens"),
+                  Rule(all_of(score_only, {"required": ["n"], "properties": {"n": {"not": {"const": 1}}}}),
+                       "max_tokens 0 scores the prompt once: n must be 1", "n")]
+    return rules
+
+
+# structured_outputs: exactly one kind (`StructuredOutputsParams.kind`)
+STRUCTURED_ONE = {"oneOf": [given("json"), given("regex"), given("choice"), given("grammar"), true("json_object")]}
+# response_format of type json_schema carries its schema
+JSON_SCHEMA_NEEDS_SCHEMA = {"if": one_of_values("type", ["json_schema"]), "then": given("json_schema")}
+
 
 def union_of(*members: tuple[str, type, str]) -> Any:
     """A body that is one of several models, chosen by which of their keys it has: each member

@@ -27,10 +27,11 @@ from pydantic import ConfigDict, Field, model_validator
 from nextoken.bodies import BODY, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server.api import published
-from nextoken.server.api.rules import FORCING_CHOICE, RESPONSES_RULES, check, forbid
+from nextoken.server.api.rules import Rule, check, forbid
 from nextoken.server.chat import rules as chat_rules
 from nextoken.server.chat.core import ChatSpec, append_call, prepare
 from nextoken.server.openai import responses_mcp
+from nextoken.server.openai.protocol import FORCING_CHOICE
 from nextoken.server.openai.responses_render import ResponseRenderer, call_item, message_item, reasoning_item, \
     text_logprobs
 from nextoken.server.chat.mcp_tools import MCPTool
@@ -153,6 +154,14 @@ PUBLISHED = {
 }
 
 
+# /v1/responses: log-probabilities are not returned beside MCP tools (the tool rules every chat API
+# shares: `server.chat.rules`)
+RESPONSES_RULES = [
+    Rule({"required": ["include", "tools"], "properties": {
+        "include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}},
+        "tools": {"type": "array", "contains": {"type": "object", "required": ["type"],
+                                                "properties": {"type": {"const": "mcp"}}}}}},
+         "message.output_text.logprobs is not supported with MCP tools", "include")]
 # the chat rules in the Responses API's names: its output constraint is a JSON text.format
 JSON_TEXT_FORMAT = {"required": ["text"], "properties": {"text": {
     "type": "object", "required": ["format"], "properties": {"format": {
