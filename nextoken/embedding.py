@@ -21,12 +21,17 @@ Raises `InvalidRequest` naming the input for an empty one, one too long, or a to
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from nextoken.errors import InvalidRequest, ModelLoadError
+from nextoken.runner.device import CPU, Device
+from nextoken.runner.plan import ExecutionPlan
+
+log = logging.getLogger("nextoken.embedding")
 
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -62,11 +67,14 @@ class EmbeddingModel:
     """An encoder, its tokenizer and its pooling, from a sentence-transformers folder `path`;
     `dtype`: its weights' and activations' (pooling and normalisation run in float32);
     `quantization`: a GGUF block format its linears are quantized to at load (``"q8_0"``, ...);
-    `device`: where the encoder runs (a GPU too; the vectors come back to the CPU).
-    Raises `ModelLoadError` when a file is missing or names something not supported."""
+    `device`: where the encoder runs (a GPU too; the vectors come back to the CPU). What runs
+    where is the execution plan's choice, as for a generation model (`runner.plan`: the kernels
+    resolved once, `enforce_eager` PyTorch alone), logged in one line (`describe`).
+    Raises `ModelLoadError` when a file is missing or names something not supported, and
+    `InvalidRequest` for a choice the device cannot run (a quantized encoder on a GPU)."""
 
     def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 8192,
-                 quantization: str | None = None, device: torch.device | None = None):
+                 quantization: str | None = None, device: torch.device | None = None, enforce_eager: bool = False):
         from tokenizers import Tokenizer
 
         from nextoken.loader.hf import HFModelDir
@@ -77,13 +85,13 @@ class EmbeddingModel:
         if folder.hf_config.get("model_type") != "bert":
             raise ModelLoadError(f"{self.path}: an embedding model must be BERT-family (model_type 'bert'), got "
                                  f"{folder.hf_config.get('model_type')!r}")
+        self.plan = ExecutionPlan.choose(dtype, enforce_eager=enforce_eager, keep_quantized=False,
+                                         quantization=quantization, device=_plan_device(device))
         self.encoder = BertModel.from_dir(folder, dtype)
         if quantization is not None:  # ``--quantization q8_0``: the encoder's linears on our int8 kernel
-            from nextoken.kernels import load
-
-            self.encoder.quantize(quantization.upper(), load("qmatmul"))
-        if device is not None and device.type != "cpu":
-            self.encoder.to(device)
+            self.encoder.quantize(quantization.upper(), self.plan.kernels.qmatmul)
+        if self.plan.device.is_cuda:
+            self.encoder.to(self.plan.device.torch)
         tok_path = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise ModelLoadError(f"{self.path}: tokenizer.json is missing")
@@ -95,6 +103,19 @@ class EmbeddingModel:
         self.max_seq_length = min(int(st.get("max_seq_length", 512)), self.encoder.config.max_positions)
         self.matryoshka = folder.hf_config.get("matryoshka_dimensions") or []
         self.max_batch_tokens = max_batch_tokens
+        log.info(self.describe())
+
+    def describe(self) -> str:
+        """The encoder's plan in one line: dtype, its linears (GGUF codes on our kernel, or
+        PyTorch's matmul), attention, pooling; and why a fast path is off."""
+        n = sum(1 for name in self.encoder.w if name.endswith(".weight") and name.startswith("encoder.")
+                and "LayerNorm" not in name) + len(self.encoder.codes)
+        linears = f"{n} codes ({self.plan.quantization.upper()}, our kernel)" if self.encoder.codes \
+            else f"{n} dense (PyTorch)"
+        off = "; ".join(f"{k} off: {v}" for k, v in self.plan.reasons.items())
+        return (f"encoder plan: {str(self.plan.dtype).removeprefix('torch.')} on {self.plan.device.describe()}; "
+                f"linears: {linears}; attention: PyTorch (packed, no padding); pooling: {self.pooling}"
+                f"{', normalized' if self.normalize else ''}" + (f"; {off}" if off else ""))
 
     @property
     def dimension(self) -> int:
@@ -175,6 +196,10 @@ class EmbeddingModel:
             pooled = hidden[ends - 1]
         out = torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
         return out.cpu()
+
+
+def _plan_device(device: torch.device | None) -> Device:
+    return CPU if device is None or device.type == "cpu" else Device(device, str(device), "asked for")
 
 
 def _read_json(path: str) -> dict:

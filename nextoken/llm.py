@@ -69,7 +69,7 @@ class LLM:
 
                 device = resolve_device(args.device).torch
                 self.embedder = EmbeddingModel(path, encoder_dtype(args.dtype, device), quantization=args.quantization,
-                                               device=device)
+                                               device=device, enforce_eager=args.enforce_eager)
                 self.engine, self.tokenizer, self.runner, self.config = None, None, None, None
                 self.model_path = str(path)
                 return

@@ -138,8 +138,8 @@ class BertModel:
         from nextoken.loader.quantize import quantize_rows
 
         if lib is None:
-            raise ModelLoadError("a quantized encoder needs our qmatmul kernel (NEXTOKEN_NATIVE_KERNELS=0 or no "
-                                 "C compiler)")
+            raise ModelLoadError("a quantized encoder needs our qmatmul kernel (the plan has none: enforce_eager, "
+                                 "NEXTOKEN_NATIVE_KERNELS=0 or no C compiler)")
         self.lib = lib
         for name in [n for n in self.w if n.startswith("encoder.") and n.endswith(".weight") and "LayerNorm" not in n]:
             w, linear = self.w.pop(name).float(), name.removesuffix(".weight")

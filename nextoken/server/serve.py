@@ -68,7 +68,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             dtype = encoder_dtype(engine_args.dtype if embed_only else "auto", device)
             quantization = engine_args.quantization if embed_only else None
             state.embedder = EmbeddingService(EmbeddingModel(embedding_path, dtype, quantization=quantization,
-                                                             device=device))
+                                                             device=device, enforce_eager=engine_args.enforce_eager))
             state.embedding_model_name = extra
         if embed_only:
             return
