@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 
-from nextoken.server.anthropic.render import MessageRenderer, stop_reason
+from nextoken.server.anthropic.render import MessageRenderer, message, stop_reason
 from nextoken.server.chat.events import Finish
 from nextoken.server.chat.mcp_tools import MCPTool
 from nextoken.server.chat.tool_loop import ToolLoop, open_servers
@@ -56,10 +56,8 @@ class ConnectorMessage:
 
     async def events(self):
         r, loop = self.render, self.loop
-        yield "message_start", {"message": {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.serving.args.model_name,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(loop.first.ids), "output_tokens": 0}}}
+        model = self.serving.args.model_name
+        yield "message_start", {"message": message(self.id, model, [], (None, None), (len(loop.first.ids), 0))}
         choice = None
         async for ev in loop.events():
             if isinstance(ev, Finish):
@@ -72,9 +70,7 @@ class ConnectorMessage:
         if stop == "tool_use" and not any(b["type"] == "tool_use" for b in r.content):
             stop = "end_turn"  # the calls were the connector's, and they ran
         usage = loop.usage
-        self.message = {"id": self.id, "type": "message", "role": "assistant", "model": self.serving.args.model_name,
-                        "content": r.content, "stop_reason": stop, "stop_sequence": seq,
-                        "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
+        self.message = message(self.id, model, r.content, (stop, seq), (usage.prompt_tokens, usage.completion_tokens))
         yield "message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
                                 "usage": {"output_tokens": usage.completion_tokens}}
         yield "message_stop", {}

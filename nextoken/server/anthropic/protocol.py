@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, model_validator
 
-from nextoken.bodies import BODY, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, by_field, \
-    unset_or
+from nextoken.bodies import BODY, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, \
+    by_field, unset_or
 from nextoken.server.api import published
 from nextoken.server.api.rules import forbid
 from nextoken.server.chat import rules as chat_rules

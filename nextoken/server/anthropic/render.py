@@ -53,6 +53,16 @@ def blocks(c, skip: frozenset[str] | set[str] = frozenset()) -> list[dict]:
                       for call in c.calls if call.name not in skip]
 
 
+def message(rid: str, model: str, content: list[dict], stop: tuple[str | None, str | None],
+            usage: tuple[int, int]) -> dict:
+    """The message object (`protocol.MessageAnswer`): unstreamed, the connector's, and (empty,
+    unfinished) the stream's ``message_start``; `stop`: (stop_reason, stop_sequence), `usage`:
+    (input tokens, output tokens)."""
+    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop[0], "stop_sequence": stop[1],
+            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+
+
 def event(kind: str, data: dict) -> str:
     """One server-sent event of Anthropic's stream."""
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"

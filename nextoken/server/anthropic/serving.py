@@ -20,7 +20,7 @@ from fastapi import Request
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat.core import ChatSpec, prepare, render
-from nextoken.server.anthropic.render import MessageRenderer, blocks, event, stop_reason
+from nextoken.server.anthropic.render import MessageRenderer, blocks, event, message, stop_reason
 from nextoken.server.chat.events import Failed, Finish
 from nextoken.server.chat.run import run
 from nextoken.server.api.serving import ApiServing, sse_response
@@ -111,18 +111,14 @@ class AnthropicServingMessages(ApiServing):
     def message(self, res) -> dict:
         """The message of the core's `ChatResult`: thinking, text, then tool_use blocks."""
         c = res.choices[0]
-        stop, seq = stop_reason(c)
-        return {"id": res.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
-                "content": blocks(c), "stop_reason": stop, "stop_sequence": seq,
-                "usage": {"input_tokens": res.usage.prompt_tokens, "output_tokens": res.usage.completion_tokens}}
+        return message(res.request_id, self.args.model_name, blocks(c), stop_reason(c),
+                       (res.usage.prompt_tokens, res.usage.completion_tokens))
 
     async def _stream(self, events, num_prompt: int):
         """Anthropic's event sequence for the core's events: content blocks (thinking, text,
         tool_use) opened and closed as the kind changes."""
-        yield event("message_start", {"message": {
-            "id": events.request_id, "type": "message", "role": "assistant", "model": self.args.model_name,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": num_prompt, "output_tokens": 0}}})
+        yield event("message_start", {"message": message(events.request_id, self.args.model_name, [], (None, None),
+                                                         (num_prompt, 0))})
         yield event("ping", {})
         r = MessageRenderer()
         async for ev in events:

@@ -51,7 +51,8 @@ def _forcing(spec: "ChatSpec") -> bool:
 
 
 CHAT_RULES = (
-    ChatRule(lambda s: _forcing(s) and not s.tools, lambda s: f"{s.name('tool_choice')} needs tools: {s.tool_choice!r} forces a call",
+    ChatRule(lambda s: _forcing(s) and not s.tools,
+             lambda s: f"{s.name('tool_choice')} needs tools: {s.tool_choice!r} forces a call",
              "tool_choice", lambda f: all_of({"not": non_empty(f.tools)}, f.forced())),
     ChatRule(lambda s: _forcing(s) and bool(s.tools) and s.constraint is not None and s.prompt_ids is None,
              lambda s: f"a forced tool call cannot be combined with {s.name('constraint')}", "tool_choice",
