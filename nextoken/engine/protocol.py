@@ -1,7 +1,8 @@
 """What the server and the inspector may ask of a model they serve, declared in one place (as
 vLLM's ``engine/protocol.py``): `Service`, what every served model is (a generation engine, the
-embedding service), and `EngineClient`, all that the API routes, the chat core and the inspector
-use of the generation engine. `AsyncLLMEngine` implements it; the server holds an `EngineClient`
+embedding service), `EngineClient`, all that the API routes, the chat core and the inspector
+use of the generation engine, and `PoolingClient`, what the pooling routes use of the embedding
+service. `AsyncLLMEngine` implements it; the server holds an `EngineClient`
 and never reaches past it into the `LLMEngine` it wraps (kept private: tests/cli/test_layout.py
 refuses a private name read across parts), so a test drives the chat core with a fake client
 (tests/server/test_chat_core.py), and another engine (a remote one, a GPU worker) needs only these
@@ -96,3 +97,19 @@ class EngineClient(Service, Protocol):
     async def load_lora(self, lora_request) -> int: ...
 
     async def unload_lora(self, lora_id: int) -> None: ...
+
+
+@runtime_checkable
+class PoolingClient(Service, Protocol):
+    """The embedding model as the pooling routes see it (vLLM's ``encode`` side of its engine
+    client): `embed` (the inputs' vectors, `embedding.Embeddings`; raises `InvalidRequest` naming
+    a bad input), `model` (its `embedding.EmbeddingModel`: tokenizer, limits, dimensions), and the
+    totals /metrics reads (`num_requests`, `num_tokens`, `num_passes`). The server's
+    `EmbeddingService` implements it."""
+
+    model: object
+    num_requests: int
+    num_tokens: int
+    num_passes: int
+
+    async def embed(self, inputs: list, truncate: bool = False): ...

@@ -116,6 +116,14 @@ def test_the_engines_implement_the_declared_protocols(smollm2_llm):
     assert isinstance(AsyncLLMEngine(smollm2_llm.engine), EngineClient)
     assert isinstance(FakeEngine(None, None, []), EngineClient)
     assert not isinstance(object(), Service) and not isinstance(object(), EngineClient)
+    from nextoken.engine.protocol import PoolingClient
+    from nextoken.server.pooling.serving import EmbeddingService
+
+    service = EmbeddingService(model=None)  # (the pass loop waits for work; closed below)
+    try:
+        assert isinstance(service, PoolingClient) and not isinstance(AsyncLLMEngine(smollm2_llm.engine), PoolingClient)
+    finally:
+        service.close()
 
 
 def test_prepare_renders_the_template_and_bounds_max_tokens(tok_config):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from nextoken.engine.protocol import EngineClient, Service
+from nextoken.engine.protocol import EngineClient, PoolingClient, Service
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class ServerState:
     received; started: a Unix time; exit_code; loras: the adapters served by name."""
 
     engine: EngineClient | None = None
-    embedder: Service | None = None
+    embedder: PoolingClient | None = None
     embedding_model_name: str | None = None
     ready: bool = True
     draining: bool = False

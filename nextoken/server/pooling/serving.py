@@ -12,6 +12,7 @@ import threading
 from fastapi import Request
 from prometheus_client.core import CounterMetricFamily
 
+from nextoken.engine.protocol import PoolingClient
 from nextoken.errors import InvalidRequest, NotFound
 
 
@@ -92,7 +93,7 @@ def _resolve(fut: asyncio.Future, result, error) -> None:
         fut.set_result(result)
 
 
-def embedding_service(request: Request) -> EmbeddingService:
+def embedding_service(request: Request) -> PoolingClient:
     """The server's embedding service; `InvalidRequest` naming how to start one when it has none."""
     state, args = request.app.state.server, request.app.state.args
     if state.embedder is None:
