@@ -25,6 +25,7 @@ from nextoken.errors import InvalidRequest
 from nextoken.server.chat.core import ChatSpec, append_call, prepare
 from nextoken.server.chat.events import Failed, Finish, Tokens, ToolCallArgs, ToolCallStart, Usage
 from nextoken.server.chat.run import run
+from nextoken.server.chat.tools import require_tool_template
 from nextoken.server.chat.mcp_tools import Limits, MCPTool, check_allowed, item_id, listings, run_call, server_limits
 
 
@@ -115,8 +116,6 @@ async def open_servers(serving, servers: list[tuple[int, MCPTool]], field_name: 
     `field_name`, whose entries' URL field is `url_field`). Raises `InvalidRequest` (a template
     without tools: checked before any server is contacted; a URL not allowed; no mcp package) or
     `DependencyFailed` (a server that cannot list its tools)."""
-    from nextoken.server.chat.tools import require_tool_template
-
     require_tool_template(serving.engine.tokenizer.chat_template)
     limits = server_limits(serving.args, field_name)
     for i, t in servers:
