@@ -92,6 +92,8 @@ class EmbeddingModel:
             self.encoder.quantize(quantization.upper(), self.plan.kernels.qmatmul)
         if self.plan.device.is_cuda:
             self.encoder.to(self.plan.device.torch)
+        else:  # attention and add + LayerNorm in C (kernels/encoder.c), where the plan has it
+            self.encoder.kernel = self.plan.kernels.encoder
         tok_path = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise ModelLoadError(f"{self.path}: tokenizer.json is missing")
@@ -113,8 +115,10 @@ class EmbeddingModel:
         linears = f"{n} codes ({self.plan.quantization.upper()}, our kernel)" if self.encoder.codes \
             else f"{n} dense (PyTorch)"
         off = "; ".join(f"{k} off: {v}" for k, v in self.plan.reasons.items())
+        rest = "attention (per sequence, no padding), add + LayerNorm: C" if self.encoder.kernel is not None \
+            else "attention (padded groups), add + LayerNorm: PyTorch"
         return (f"encoder plan: {str(self.plan.dtype).removeprefix('torch.')} on {self.plan.device.describe()}; "
-                f"linears: {linears}; attention: PyTorch (packed, no padding); pooling: {self.pooling}"
+                f"linears: {linears}; {rest}; pooling: {self.pooling}"
                 f"{', normalized' if self.normalize else ''}" + (f"; {off}" if off else ""))
 
     @property

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nextoken.errors import ModelLoadError
+from nextoken.kernels import count_fallback
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class BertModel:
         self.w = tensors  # name -> tensor, without the ``bert.`` prefix
         self.codes: dict = {}  # linear name -> its `QuantWeight` and float32 bias, once quantized (`quantize`)
         self.lib = None
+        self.kernel = None  # the plan's ``encoder`` library (kernels/encoder.c): attention and add + norm in C
 
     @classmethod
     def from_dir(cls, d, dtype: torch.dtype = torch.float32) -> BertModel:
@@ -118,14 +120,21 @@ class BertModel:
         x = w["embeddings.word_embeddings.weight"][input_ids] + w["embeddings.position_embeddings.weight"][positions]
         x = x + w["embeddings.token_type_embeddings.weight"][0]
         x = self._norm(x, "embeddings.LayerNorm")
-        groups = attention_groups(seq_lens, device=dev)
+        c = self._c_kernel(x)
+        seqs = (torch.tensor([0, *seq_lens[:-1]], device="cpu").cumsum(0), torch.tensor(seq_lens, device="cpu")) if c else \
+            attention_groups(seq_lens, device=dev)
         for n in range(cfg.num_layers):
             p = f"encoder.layer.{n}."
-            a = self._attention(x, p + "attention.", groups)
-            x = self._norm(x + self._linear(a, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+            a = self._attention(x, p + "attention.", seqs)
+            x = self._add_norm(x, self._linear(a, p + "attention.output.dense", x), p + "attention.output.LayerNorm")
             m = F.gelu(self._linear(x, p + "intermediate.dense"))
-            x = self._norm(x + self._linear(m, p + "output.dense"), p + "output.LayerNorm")
+            x = self._add_norm(x, self._linear(m, p + "output.dense", x), p + "output.LayerNorm")
         return x
+
+    def _c_kernel(self, x: torch.Tensor):
+        """The C library when it runs this pass (on the CPU, in float32 or bf16), else None."""
+        ok = self.kernel is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        return self.kernel if ok else None
 
     __call__ = forward
 
@@ -146,29 +155,59 @@ class BertModel:
             self.codes[linear] = (from_gguf(quantize_rows(w, type_name), type_name, *w.shape),
                                   self.w[linear + ".bias"].float())
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + b. A quantized linear whose output joins the `residual` in the C add + norm
+        gives it in float32 (rounded once, after the sum)."""
         quantized = self.codes.get(name)
         if quantized is None:
             return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
         from nextoken.layers.quantization.qweight import qmatmul
 
         codes, bias = quantized
-        return qmatmul(x.contiguous(), codes, bias, out_dtype=x.dtype, lib=self.lib)
+        out = torch.float32 if residual is not None and self._c_kernel(residual) is not None else x.dtype
+        return qmatmul(x.contiguous(), codes, bias, out_dtype=out, lib=self.lib)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
                             self.config.layer_norm_eps)
 
-    def _attention(self, x: torch.Tensor, p: str, groups: list[Group]) -> torch.Tensor:
+    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, name: str) -> torch.Tensor:
+        """LayerNorm(x + r) with the weights of `name`: one pass in C (`encoder_add_norm`), or
+        PyTorch's add then layer_norm (the reference)."""
+        c = self._c_kernel(x)
+        if c is not None and r.dtype in (x.dtype, torch.float32):
+            out = torch.empty_like(x)
+            x, r = x.contiguous(), r.contiguous()
+            if not c.encoder_add_norm(x.data_ptr(), r.data_ptr(), int(r.dtype != x.dtype),
+                                      self.w[name + ".weight"].data_ptr(),
+                                      self.w[name + ".bias"].data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+                                      x.shape[1], self.config.layer_norm_eps, out.data_ptr()):
+                return out
+            count_fallback("encoder_add_norm")
+        return self._norm(x + r.to(x.dtype), name)
+
+    def _attention(self, x: torch.Tensor, p: str, seqs) -> torch.Tensor:
         """Bidirectional attention within each packed sequence: x ``[T, hidden]`` -> ``[T, hidden]``.
-        Each `Group` of sequences of similar length is laid out padded, ``[B, H, L, D]``, for one
-        batched call; the mask hides each sequence's padding keys, and the padding rows are
-        dropped again."""
+        In C (`seqs`: the sequences' starts and lengths, int64): per sequence and head, no
+        padding. Else (`seqs`: `Group`s) each group of sequences of similar length is laid out
+        padded, ``[B, H, L, D]``, for one batched call of PyTorch's attention; the mask hides each
+        sequence's padding keys, and the padding rows are dropped again (the reference)."""
         t, h = x.shape
         heads = self.config.num_heads
-        q, k, v = self._linear(x, p + "self.qkv").split(h, dim=-1)
+        qkv = self._linear(x, p + "self.qkv")
+        c = self._c_kernel(qkv)
+        if c is not None and isinstance(seqs, tuple):
+            starts, lens = seqs
+            out = torch.empty(t, h, dtype=qkv.dtype, device=qkv.device)
+            qkv = qkv.contiguous()
+            if not c.encoder_attention(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), t, h, heads, starts.data_ptr(),
+                                       lens.data_ptr(), len(lens), out.data_ptr()):
+                return out
+            count_fallback("encoder_attention")
+            seqs = attention_groups(lens.tolist())
+        q, k, v = qkv.split(h, dim=-1)
         out = torch.empty_like(q)
-        for g in groups:
+        for g in seqs:
             b = g.keep.shape[0]
             qkv = []
             for z in (q, k, v):

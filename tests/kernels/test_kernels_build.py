@@ -90,7 +90,8 @@ def test_functions_have_declared_types():
     """(The libraries the suite built already: the declarations are checked on what the engine
     loads; the build from an empty cache is the tests above.)"""
     lib = kernels.load("decode")  # includes qmatmul.c and paged_attention.c
-    libs = [lib, kernels.load("prefill_scores"), kernels.load("activation"), kernels.load("sampling")]
+    libs = [lib, kernels.load("prefill_scores"), kernels.load("activation"), kernels.load("sampling"),
+            kernels.load("encoder")]
     for fn, (restype, argtypes) in abi.SIGNATURES.items():
         f = next(getattr(x, fn) for x in libs if hasattr(x, fn))
         assert f.argtypes == argtypes and f.restype == restype, fn
@@ -147,7 +148,7 @@ def test_avx512_bf16_loops_compile():
     from pathlib import Path
 
     src = Path(kernels.__file__).parent
-    for name in ("decode", "prefill_scores", "sampling"):
+    for name in ("decode", "prefill_scores", "sampling", "encoder"):
         proc = subprocess.run(["gcc", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-std=c11", "-Wall",
                                "-Werror", str(src / f"{name}.c")], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -163,7 +164,7 @@ def test_older_instruction_set_builds_compile(isa):
 
     src = Path(kernels.__file__).parent
     march = [f for f in kernels.isa_flags(isa) if f.startswith("-m")]
-    for name in ("decode", "prefill_scores", "sampling"):
+    for name in ("decode", "prefill_scores", "sampling", "encoder"):
         proc = subprocess.run(["gcc", "-fsyntax-only", *march, "-fopenmp", "-std=c11", "-Wall", "-Werror",
                                str(src / f"{name}.c")], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -61,14 +61,20 @@ def tiny_bert(tmp_path_factory):
     return d, model
 
 
-def test_the_encoder_equals_transformers_on_packed_sequences(tiny_bert):
+@pytest.mark.parametrize("c_kernels", [False, True])
+def test_the_encoder_equals_transformers_on_packed_sequences(tiny_bert, c_kernels):
     """Three sequences packed into one pass equal `transformers`' BertModel run on each alone
-    (float32, 1e-5): bidirectional attention within each sequence, positions from 0 in each."""
+    (float32, 1e-5): bidirectional attention within each sequence, positions from 0 in each; the
+    same through PyTorch (the reference path) and through the C attention and add + norm
+    (kernels/encoder.c, what the execution plan binds)."""
+    from nextoken.kernels import load
     from nextoken.loader.hf import HFModelDir
     from nextoken.models.bert import BertModel
 
     d, ref = tiny_bert
     ours = BertModel.from_dir(HFModelDir(d))
+    ours.kernel = load("encoder") if c_kernels else None
+    assert (ours.kernel is not None) == c_kernels
     seqs = [[2, 5, 9, 3], [2, 40, 41, 42, 43, 44, 45, 3], [2, 7, 3]]
     packed = ours(torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
     at = 0
