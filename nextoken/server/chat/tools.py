@@ -80,7 +80,7 @@ def forced_grammar(tokenizer, tools: list[dict], name: str | None, parallel: boo
     """A grammar that admits only calls (of function `name`, or of any of `tools`), one or
     (with `parallel`) several, each ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
     with arguments following the function's parameter schema."""
-    chosen = [t for t in tools if name is None or t["function"]["name"] == name]  # (`name` is one: chat_core)
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]  # (`name` is one: `chat.core`)
     variants = [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
         "arguments": close_objects(t["function"].get("parameters") or {"type": "object", "properties": {}})},
