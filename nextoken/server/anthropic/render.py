@@ -13,6 +13,7 @@ import json
 import uuid
 from typing import Iterator
 
+from nextoken.server.chat.tools import arguments_object
 from nextoken.server.chat.events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
 from nextoken.server.chat.tool_loop import CallRan, LoopFailed
 
@@ -21,15 +22,6 @@ Event = tuple[str, dict]  # (kind, data) of one event
 
 def tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
-
-
-def tool_input(arguments: str) -> dict:
-    """A call's JSON arguments as a tool_use block's ``input`` (an object; other JSON wrapped)."""
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"value": value}
 
 
 def stop_reason(choice) -> tuple[str, str | None]:
@@ -49,7 +41,7 @@ def blocks(c, skip: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     content = [{"type": "thinking", "thinking": c.thought, "signature": ""}] if c.thought else []
     if c.text:
         content.append({"type": "text", "text": c.text})
-    return content + [{"type": "tool_use", "id": tool_id(), "name": call.name, "input": tool_input(call.arguments)}
+    return content + [{"type": "tool_use", "id": tool_id(), "name": call.name, "input": arguments_object(call.arguments)}
                       for call in c.calls if call.name not in skip]
 
 
@@ -113,7 +105,7 @@ class MessageRenderer:
         if isinstance(ev, CallRan):
             call = ev.call
             ran = [{"type": "mcp_tool_use", "id": call.id, "name": call.name, "server_name": call.tool.server_label,
-                    "input": tool_input(call.arguments)},
+                    "input": arguments_object(call.arguments)},
                    {"type": "mcp_tool_result", "tool_use_id": call.id, "is_error": call.error is not None,
                     "content": [{"type": "text", "text": call.output if call.error is None else call.error}]}]
             self.content += ran

@@ -306,3 +306,14 @@ def parse(text: str, names: set[str] | frozenset[str] = frozenset(), cut: bool =
     p.feed(text)
     p.finish(cut)
     return p
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's JSON arguments as the object APIs that take parsed arguments send (Anthropic's
+    ``input``, Ollama's ``arguments``): other JSON wrapped as ``{"value": ...}``, text that is not
+    JSON as ``{"_raw": ...}``."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"value": value}

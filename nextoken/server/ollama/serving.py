@@ -141,7 +141,7 @@ class OllamaServing(ApiServing):
             return {**head, "response": text, **extra, "done": True, **_stats(out)}
         message = {"role": "assistant", "content": text, **extra}
         if c.calls:
-            message["tool_calls"] = [{"function": {"name": call.name, "arguments": _arguments(call.arguments)}}
+            message["tool_calls"] = [{"function": {"name": call.name, "arguments": tools_mod.arguments_object(call.arguments)}}
                                      for call in c.calls]
         return {**head, "message": message, "done": True, **_stats(out)}
 
@@ -213,11 +213,3 @@ def _chat_message(m: Message) -> dict:
                               "function": {"name": c.function.name, "arguments": c.function.arguments}}
                              for c in m.tool_calls]
     return out
-
-
-def _arguments(text: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {"_raw": text}
-    return value if isinstance(value, dict) else {"value": value}
