@@ -10,9 +10,12 @@ embeddings, and each sublayer's LayerNorm comes after its residual add (post-nor
         h = LN(a + W2 gelu(W1 a + b1) + b2)          gelu: the exact (erf) form
 
 A batch is the sequences' tokens packed one after another (``[T]``, no padding) through the
-linears and norms; attention takes runs of sequences of similar length padded to their longest
-(``[B, H, L, D]``, padding keys masked), one call per run (`attention_groups`). The tensor names are those of `transformers`' ``BertModel`` (with or without a
-``bert.`` prefix); the reference test compares against it on a tiny random config.
+linears and norms. Attention and each residual add + LayerNorm run in C where the execution plan
+binds the ``encoder`` kernel (`kernel`: per sequence and head, no padding); else (the reference)
+attention takes runs of sequences of similar length padded to their longest (``[B, H, L, D]``,
+padding keys masked), one call per run (`attention_groups`). The tensor names are those of
+`transformers`' ``BertModel`` (with or without a ``bert.`` prefix); the reference test compares
+against it on a tiny random config, on both paths.
 """
 
 from __future__ import annotations
@@ -120,9 +123,10 @@ class BertModel:
         x = w["embeddings.word_embeddings.weight"][input_ids] + w["embeddings.position_embeddings.weight"][positions]
         x = x + w["embeddings.token_type_embeddings.weight"][0]
         x = self._norm(x, "embeddings.LayerNorm")
-        c = self._c_kernel(x)
-        seqs = (torch.tensor([0, *seq_lens[:-1]], device="cpu").cumsum(0), torch.tensor(seq_lens, device="cpu")) if c else \
-            attention_groups(seq_lens, device=dev)
+        if self._c_kernel(x) is not None:  # the sequences' starts and lengths, for the C attention
+            seqs = (torch.tensor([0, *seq_lens[:-1]], device="cpu").cumsum(0), torch.tensor(seq_lens, device="cpu"))
+        else:
+            seqs = attention_groups(seq_lens, device=dev)
         for n in range(cfg.num_layers):
             p = f"encoder.layer.{n}."
             a = self._attention(x, p + "attention.", seqs)
@@ -131,12 +135,12 @@ class BertModel:
             x = self._add_norm(x, self._linear(m, p + "output.dense", x), p + "output.LayerNorm")
         return x
 
+    __call__ = forward
+
     def _c_kernel(self, x: torch.Tensor):
         """The C library when it runs this pass (on the CPU, in float32 or bf16), else None."""
         ok = self.kernel is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         return self.kernel if ok else None
-
-    __call__ = forward
 
     def quantize(self, type_name: str, lib) -> None:
         """Every linear's weight as GGUF blocks of `type_name` (``"Q8_0"``, ...: the `gguf`
@@ -195,9 +199,8 @@ class BertModel:
         t, h = x.shape
         heads = self.config.num_heads
         qkv = self._linear(x, p + "self.qkv")
-        c = self._c_kernel(qkv)
-        if c is not None and isinstance(seqs, tuple):
-            starts, lens = seqs
+        if isinstance(seqs, tuple):  # (`forward` chose the C kernel for this pass)
+            c, (starts, lens) = self.kernel, seqs
             out = torch.empty(t, h, dtype=qkv.dtype, device=qkv.device)
             qkv = qkv.contiguous()
             if not c.encoder_attention(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), t, h, heads, starts.data_ptr(),

@@ -11,12 +11,23 @@ Per engine step and per choice, in order::
 
 from __future__ import annotations
 
+import uuid
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from nextoken.outputs import RequestOutput
-    from nextoken.server.chat.tools import ToolCallOut
+
+
+@dataclass
+class ToolCallOut:
+    """One tool call of an answer (`tools.ToolCallParser` makes them): the function's name, its
+    arguments as JSON text, its id."""
+
+    name: str
+    arguments: str = ""
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
 @dataclass(frozen=True)

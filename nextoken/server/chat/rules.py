@@ -10,13 +10,12 @@ Rules of one API alone stay in its protocol (`server.api.rules`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from nextoken.errors import InvalidRequest
 from nextoken.server.api.rules import Rule, all_of, any_of, non_empty
 
-if TYPE_CHECKING:
-    from nextoken.server.chat.core import ChatSpec
+Spec = Any  # a `chat.core.ChatSpec` (core imports this module, so not imported here)
 
 
 @dataclass(frozen=True)
@@ -40,13 +39,13 @@ class ChatRule:
     `field` it names (the spec's neutral name), and `when`, its condition as JSON Schema in an
     API's names (None where the API cannot break it)."""
 
-    breaks: Callable[["ChatSpec"], bool]
-    message: Callable[["ChatSpec"], str]
+    breaks: Callable[[Spec], bool]
+    message: Callable[[Spec], str]
     field: str
     when: Callable[[ChatFields], dict | None]
 
 
-def _forcing(spec: "ChatSpec") -> bool:
+def _forcing(spec: Spec) -> bool:
     return spec.tool_choice not in (None, "auto", "none")
 
 
@@ -60,7 +59,7 @@ CHAT_RULES = (
 )
 
 
-def check(spec: "ChatSpec") -> None:
+def check(spec: Spec) -> None:
     """Raise `InvalidRequest` for the first chat rule `spec` breaks, naming the request's field."""
     for rule in CHAT_RULES:
         if rule.breaks(spec):

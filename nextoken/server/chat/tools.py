@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
-from nextoken.server.chat.events import Event, Text, ToolCallArgs, ToolCallStart
+from nextoken.server.chat.events import Event, Text, ToolCallArgs, ToolCallOut, ToolCallStart
 from nextoken.structured.params import JSON_DEFAULTS, StructuredOutputsParams, close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -90,13 +88,6 @@ def forced_grammar(tokenizer, tools: list[dict], name: str | None, parallel: boo
     call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {_tag(tokenizer, CLOSE)}'
     start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
     return StructuredOutputsParams(grammar=f"{start}\ncall: {call}\n")
-
-
-@dataclass
-class ToolCallOut:
-    name: str
-    arguments: str = ""
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
 class ToolCallParser:
