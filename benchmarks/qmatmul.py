@@ -17,12 +17,22 @@ for Qwen's down projection); activations random bf16. For each row count it prin
 `--repeat` times in ms for the kernel, for expansion + bf16 matmul, and the kernel's integer
 throughput (2 M N K / time); on a CPU with AMX-INT8, also the VNNI loop alone (calls of 32 rows
 or more run on AMX tiles there) and the tiles' speedup over it. Timings on a shared VM drift: compare within one run.
+
+`--peak` first measures this CPU's int8 multiply-add ceiling on every instruction kind it has
+(`benchmarks/int8_peak.c`, built for the kernel's instruction set, on the same threads) and adds
+a column: the share of that ceiling each call reaches, against the instruction the call runs on
+(vpmaddubsw on the AVX2 build, 256-bit vpdpbusd with AVX-VNNI, 512-bit on AVX-512 VNNI, AMX
+tiles from 32 rows where the CPU has them).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +72,31 @@ def random_weight(rows: int, cols: int, fmt: str, g: torch.Generator) -> QuantWe
     ng = cols // 16  # Q6_K
     return QuantWeight.pack(PlainCodes(ints(64, (rows, cols)), ints(128, (rows, ng)).float() - 64,
                                        f16((rows, ng // 16)), None, None, 32.0, 6, 16, 16))
+
+
+def int8_peaks(threads: int) -> dict[str, float]:
+    """This CPU's int8 multiply-add rates in GOP/s (2 per multiply-add) on `threads` threads, by
+    instruction kind (`benchmarks/int8_peak.c`'s lines), built with the kernel build's flags."""
+    from nextoken.kernels.cpu import default_isa, isa_flags
+    from nextoken.kernels.toolchain import compiler
+
+    flags = [f for f in isa_flags(default_isa()) if f not in ("-shared", "-fPIC", "-O3")]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "int8_peak"
+        subprocess.run([*compiler(), "-O2", *flags, str(Path(__file__).with_name("int8_peak.c")), "-o", str(exe)],
+                       check=True)
+        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+    return {kind: 2 * float(gmacs) for kind, gmacs in (line.split() for line in out.splitlines())}
+
+
+def peak_kind(peaks: dict[str, float], rows: int, amx: bool) -> str:
+    """The instruction kind a call of `rows` rows runs on (see the module's notes)."""
+    if amx and rows >= 32 and "amx" in peaks:
+        return "amx"
+    isa = os.environ.get("NEXTOKEN_KERNEL_ISA", "").strip() or "native"
+    if isa == "native" and "avx512vnni" in peaks:
+        return "avx512vnni"
+    return "avxvnni" if isa != "avx2" and "avxvnni" in peaks else "avx2"
 
 
 def best(fn, repeat: int) -> float:
@@ -122,6 +157,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--stream", action="store_true", help="decode from memory (see above)")
+    ap.add_argument("--peak", action="store_true", help="measure the int8 ceiling and print each call's share")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,8 +169,13 @@ def main() -> None:
 
     lib = load("qmatmul")
     amx = bool(lib.qmatmul_amx(-1))  # then each row count runs twice: AMX tiles, and the VNNI loop alone
+    peaks = int8_peaks(args.threads or torch.get_num_threads()) if args.peak else {}
+    if peaks:
+        print("int8 ceiling, GOP/s on " + str(args.threads or torch.get_num_threads()) + " threads: "
+              + ", ".join(f"{kind} {rate:.0f}" for kind, rate in peaks.items()))
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<18} {'rows':>5} {'kernel ms':>10} {'expand+bf16 ms':>15} {'kernel GOP/s':>13}"
+          + (f" {'of ceiling':>16}" if peaks else "")
           + (f" {'VNNI-only ms':>13} {'AMX speedup':>12}" if amx else ""))
     for name, n, k, fmt in SHAPES:
         w = random_weight(n, k, fmt, g)
@@ -143,11 +184,14 @@ def main() -> None:
             t_kernel = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
             t_dense = best(lambda: F.linear(x, dequantize_bf16(w, scratch=True, lib=lib)), args.repeat)
             extra = ""
+            if peaks:
+                kind = peak_kind(peaks, m, amx)
+                extra += f" {2 * m * n * k / t_kernel / 1e9 / peaks[kind]:>5.0%} {kind:>10}"
             if amx:
                 lib.qmatmul_amx(0)
                 t_vnni = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
                 lib.qmatmul_amx(1)
-                extra = f" {t_vnni * 1e3:>13.3f} {t_vnni / t_kernel:>11.2f}x"
+                extra += f" {t_vnni * 1e3:>13.3f} {t_vnni / t_kernel:>11.2f}x"
             print(f"{name + ' ' + fmt:<18} {m:>5} {t_kernel * 1e3:>10.3f} {t_dense * 1e3:>15.3f} "
                   f"{2 * m * n * k / t_kernel / 1e9:>13.0f}" + extra)
 
