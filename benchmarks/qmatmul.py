@@ -137,7 +137,7 @@ def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1
         for m in rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
 
-            def sweep():
+            def sweep(structs=structs):
                 for c in structs:
                     kernel_matmul(x, c, n, lib=lib)
             t = best(sweep, repeat)
