@@ -21,8 +21,8 @@
  * most MR, split evenly (9 rows: 4 + 5). Every constant (format, rows, halves) is compiled in, and
  * KEEP stops GCC from spilling a group's products. Decode (up to MR rows: one stream, speculative
  * verification, small batches) reads each weight once per call, every line of a group prefetched
- * AVX2_PF groups ahead by the first sweep; a second half's pass and more row blocks find the
- * tile's codes in L1 or L2.
+ * AVX2_PF groups ahead (AVX2_PF_SB for the K-quants) by the first sweep; a second half's pass and
+ * more row blocks find the tile's codes in L1 or L2.
  * Measured (an A/B harness over 512 MiB of [1536, 1536] weights, AVX2 build on a 2-core Sapphire
  * Rapids VM, time of 2 / 4 / 8 rows against 1): passes of at most 4 rows over both halves, no KEEP:
  * Q4_K 1.14 / 1.59 / 2.65, Q6_K 1.20 / 1.28 / 2.33, Q8_0 1.04 / 1.42 / 2.65; with KEEP and per-half
@@ -292,8 +292,8 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
     for (int64_t g = c0; g < c1; g++) {
         const uint8_t *cg = codes + g * gbytes;
         const int64_t si = (t * ng + g) * TILE; /* the group's scales */
-        if (stream && sw == 0) { /* every line of the group AVX2_PF ahead (past the tile's end: a harmless hint) */
-            const char *pc = (const char *)(cg + AVX2_PF * gbytes);
+        if (stream && sw == 0) { /* every line of the group AVX2_PF (AVX2_PF_SB) ahead (past the tile's end: a harmless hint) */
+            const char *pc = (const char *)(cg + (sbf ? AVX2_PF_SB : AVX2_PF) * gbytes);
             for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, AVX2_PF_HINT);
         }
         __m256i isum[2][MR], w16[2];
