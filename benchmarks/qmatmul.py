@@ -28,7 +28,6 @@ tiles from 32 rows where the CPU has them).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import tempfile
 import time
@@ -89,14 +88,16 @@ def int8_peaks(threads: int) -> dict[str, float]:
     return {kind: 2 * float(gmacs) for kind, gmacs in (line.split() for line in out.splitlines())}
 
 
-def peak_kind(peaks: dict[str, float], rows: int, amx: bool) -> str:
-    """The instruction kind a call of `rows` rows runs on (see the module's notes)."""
+LOOP_KIND = {"avx2": "avx2", "avx-vnni": "avxvnni", "avx512-vnni": "avx512vnni"}  # qmatmul_loop() -> int8_peak
+
+
+def peak_kind(peaks: dict[str, float], rows: int, amx: bool, loop: str) -> str | None:
+    """The instruction kind a call of `rows` rows runs on: AMX tiles from 32 rows where the kernel
+    uses them, else the loop the kernel reports (`loop`, from ``qmatmul_loop()``); None for the
+    plain C loop."""
     if amx and rows >= 32 and "amx" in peaks:
         return "amx"
-    isa = os.environ.get("NEXTOKEN_KERNEL_ISA", "").strip() or "native"
-    if isa == "native" and "avx512vnni" in peaks:
-        return "avx512vnni"
-    return "avxvnni" if isa != "avx2" and "avxvnni" in peaks else "avx2"
+    return LOOP_KIND.get(loop)
 
 
 def best(fn, repeat: int) -> float:
@@ -184,8 +185,8 @@ def main() -> None:
             t_kernel = best(lambda: qmatmul(x, w, lib=lib), args.repeat)
             t_dense = best(lambda: F.linear(x, dequantize_bf16(w, scratch=True, lib=lib)), args.repeat)
             extra = ""
-            if peaks:
-                kind = peak_kind(peaks, m, amx)
+            kind = peak_kind(peaks, m, amx, lib.qmatmul_loop().decode()) if peaks else None
+            if kind:
                 extra += f" {2 * m * n * k / t_kernel / 1e9 / peaks[kind]:>5.0%} {kind:>10}"
             if amx:
                 lib.qmatmul_amx(0)

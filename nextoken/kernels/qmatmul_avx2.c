@@ -113,6 +113,8 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
         for (int h = 0; h < nh; h++)
             for (int i = 0; i < mb; i++) s16[h][i] = _mm256_setzero_si256();
 #endif
+        /* unrolled: GCC kept it a loop, reloading the mask per load (64 rows, one thread: Q5_0
+         * 111-112 -> 156-157 GOP/s, Q4_0 and Q4_1 +10%, Q4_K +5%) */
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             __m256i lo[2], hi[2];
