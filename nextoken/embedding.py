@@ -89,7 +89,7 @@ class EmbeddingModel:
                                          quantization=quantization, device=_plan_device(device))
         self.encoder = BertModel.from_dir(folder, dtype)
         if quantization is not None:  # ``--quantization q8_0``: the encoder's linears on our int8 kernel
-            self.encoder.quantize(quantization.upper(), self.plan.kernels.qmatmul)
+            self.encoder.quantize(quantization.upper(), self.plan.kernels)
         if self.plan.device.is_cuda:
             self.encoder.to(self.plan.device.torch)
         else:  # attention and add + LayerNorm in C (kernels/encoder.c), where the plan has it

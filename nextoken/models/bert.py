@@ -142,22 +142,26 @@ class BertModel:
         ok = self.kernel is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         return self.kernel if ok else None
 
-    def quantize(self, type_name: str, lib) -> None:
+    def quantize(self, type_name: str, kernels) -> None:
         """Every linear's weight as GGUF blocks of `type_name` (``"Q8_0"``, ...: the `gguf`
-        package's quantizers, `loader.quantize`) on our kernel, the ``qmatmul`` library `lib`:
-        int8 products of its codes and each row's activations quantized per block of 32. The
-        embedding tables, norms and biases stay as they are."""
+        package's quantizers, `loader.quantize`) on our kernels (`kernels`: the plan's
+        `KernelSet`). Q8_0 runs the encoder's int8 GEMM (`PackedS8`, ``encoder_linear_s8``:
+        activations quantized per block of 32 to 7-bit codes with a minimum); another format
+        the ``qmatmul`` library (activations per block of 32 as Q8_0/Q8_1). The embedding tables,
+        norms and biases stay as they are. Raises `ModelLoadError` when the kernel is missing."""
         from nextoken.layers.quantization.qweight import from_gguf
         from nextoken.loader.quantize import quantize_rows
 
-        if lib is None:
-            raise ModelLoadError("a quantized encoder needs our qmatmul kernel (the plan has none: enforce_eager, "
-                                 "NEXTOKEN_NATIVE_KERNELS=0 or no C compiler)")
-        self.lib = lib
+        gemm = type_name == "Q8_0"
+        self.lib = kernels.encoder if gemm else kernels.qmatmul
+        if self.lib is None:
+            raise ModelLoadError(f"a quantized encoder needs our {'encoder' if gemm else 'qmatmul'} kernel (the plan "
+                                 "has none: enforce_eager, NEXTOKEN_NATIVE_KERNELS=0 or no C compiler)")
         for name in [n for n in self.w if n.startswith("encoder.") and n.endswith(".weight") and "LayerNorm" not in n]:
             w, linear = self.w.pop(name).float(), name.removesuffix(".weight")
-            self.codes[linear] = (from_gguf(quantize_rows(w, type_name), type_name, *w.shape),
-                                  self.w[linear + ".bias"].float())
+            bias = self.w[linear + ".bias"].float()
+            self.codes[linear] = PackedS8.quantize(w, bias) if gemm else \
+                (from_gguf(quantize_rows(w, type_name), type_name, *w.shape), bias)
 
     def _linear(self, x: torch.Tensor, name: str, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + b. A quantized linear whose output joins the `residual` in the C add + norm
@@ -165,10 +169,12 @@ class BertModel:
         quantized = self.codes.get(name)
         if quantized is None:
             return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+        out = torch.float32 if residual is not None and self._c_kernel(residual) is not None else x.dtype
+        if isinstance(quantized, PackedS8):
+            return quantized(x, self.lib, out)
         from nextoken.layers.quantization.qweight import qmatmul
 
         codes, bias = quantized
-        out = torch.float32 if residual is not None and self._c_kernel(residual) is not None else x.dtype
         return qmatmul(x.contiguous(), codes, bias, out_dtype=out, lib=self.lib)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -256,3 +262,69 @@ def attention_groups(seq_lens: list[int], max_padding: float = 0.25, device: tor
         groups.append(Group(at, at + total, rows.to(device), keep.to(device), longest, all(n == longest for n in lens)))
         at, i = at + total, j
     return groups
+
+
+@dataclass(frozen=True)
+class PackedS8:
+    """A linear's weight ``[N, K]`` as GGUF Q8_0 (`loader.quantize.quantize_rows`: per block of
+    32 weights of a row, int8 codes and one scale) packed for ``encoder_linear_s8``
+    (kernels/encoder.c): panels of 16 output columns, codes ``[P, K/4, 16, 4]`` int8, the blocks'
+    scales `dw` and scaled code sums `ws` (``dw * sum(codes)``) ``[P, K/32, 16]`` float32, with
+    ``P = ceil(N / 16)`` (the last panel padded with zeros); the bias float32 ``[N]``."""
+
+    codes: torch.Tensor
+    dw: torch.Tensor
+    ws: torch.Tensor
+    bias: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: torch.Tensor) -> PackedS8:
+        """From a float weight ``[N, K]`` (K a multiple of 32, else `ModelLoadError`)."""
+        from nextoken.loader.quantize import quantize_rows
+
+        n, k = w.shape
+        if k % 32:
+            raise ModelLoadError(f"an int8 encoder needs linears of a multiple of 32 inputs, not {k}")
+        blocks = quantize_rows(w.float(), "Q8_0").view(n, k // 32, 34)  # per block: fp16 scale, 32 int8
+        scale = blocks[:, :, :2].contiguous().view(torch.float16).float().view(n, k // 32)
+        codes = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
+        pad = -n % 16
+        codes = F.pad(codes, (0, 0, 0, pad))
+        scale = F.pad(scale, (0, 0, 0, pad))
+        sums = codes.view(-1, k // 32, 32).sum(-1, dtype=torch.int32).float() * scale
+        p = (n + pad) // 16
+        return cls(codes.view(p, 16, k // 4, 4).transpose(1, 2).contiguous(),
+                   scale.view(p, 16, k // 32).transpose(1, 2).contiguous(),
+                   sums.view(p, 16, k // 32).transpose(1, 2).contiguous(), bias.float().contiguous(), n, k)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the codes stand for, float32 ``[N, K]`` (the reference's)."""
+        p, k = self.codes.shape[0], self.in_features
+        codes = self.codes.transpose(1, 2).reshape(p * 16, k).float()
+        scale = self.dw.transpose(1, 2).reshape(p * 16, k // 32)
+        return (codes.view(-1, k // 32, 32) * scale[..., None]).view(-1, k)[: self.out_features]
+
+    def __call__(self, x: torch.Tensor, lib, out_dtype: torch.dtype) -> torch.Tensor:
+        """x ``[T, K]`` float32 or bf16 -> ``[T, N]`` of `out_dtype` (float32 or bf16) on `lib`."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        if lib.encoder_linear_s8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], self.in_features,
+                                 self.codes.data_ptr(), self.dw.data_ptr(), self.ws.data_ptr(), self.bias.data_ptr(),
+                                 self.out_features, int(out_dtype == torch.bfloat16), out.data_ptr()):
+            raise MemoryError(f"encoder_linear_s8: no memory for the int8 codes of {x.shape[0]} rows")
+        return out
+
+
+def quantize_u7(x: torch.Tensor) -> torch.Tensor:
+    """The reference of the kernel's activation quantization: x ``[T, K]`` -> the values its
+    7-bit codes stand for (per row and block of 32: ``d * round((x - min) / d) + min``, ``d =
+    (max - min) / 127``), float32, computed as the C code computes them."""
+    t, k = x.shape
+    v = x.float().view(t, k // 32, 32)
+    lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    step = (hi - lo) / 127.0
+    inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    q = torch.round((v - lo) * inv).clamp(max=127)
+    return q, step, lo

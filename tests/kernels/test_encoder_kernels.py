@@ -96,3 +96,67 @@ def test_add_norm_equals_pytorchs(lib, dtype):
         exact = torch.nn.functional.layer_norm(x.double() + r32.double(), (n,), w.double(), b.double(), 1e-12)
         rounded = torch.nn.functional.layer_norm(x + r32.bfloat16(), (n,), w, b, 1e-12)
         assert (out.double() - exact).abs().mean() < (rounded.double() - exact).abs().mean()
+
+
+def int8_reference(x: torch.Tensor, packed) -> torch.Tensor:
+    """float64 out = x_q W_q^T + b of the codes both sides stand for: x's 7-bit codes with a
+    minimum per block of 32 (`quantize_u7`, as the kernel computes them) and the Q8_0 weight."""
+    from nextoken.models.bert import quantize_u7
+
+    q, step, lo = quantize_u7(x)
+    xq = (q.double() * step.double() + lo.double()).view(x.shape)
+    return xq @ packed.dequantized().double().T + packed.bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 33, 512])
+def test_int8_gemm_equals_the_plain_loop_and_its_reference(lib, rows):
+    """``encoder_linear_s8`` (the encoder's Q8_0 linears): every build's loop (AVX-512 VNNI,
+    AVX-VNNI, AVX2) equals the plain C loop bit for bit, at row counts around each loop's tile of
+    4 or 8 rows and a panel of 16 columns cut short (N = 40); and each equals the float64 sum of
+    the quantized operands within float32 rounding. Inputs: float32 and bf16 rows with an outlier
+    column, a constant row (its blocks' range is 0) and a zero row; float32 and bf16 outputs."""
+    from nextoken.kernels import load
+    from nextoken.models.bert import PackedS8
+
+    torch.manual_seed(rows)
+    k, n = 96, 40
+    packed = PackedS8.quantize(torch.randn(n, k) * 0.1, torch.randn(n))
+    x = torch.randn(rows, k)
+    x[:, 3] *= 30
+    x[rows // 2] = 0.7
+    x[-1] = 0.0
+    plain = load("encoder", portable=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for out in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            got, want = packed(xs, lib, out), packed(xs, plain, out)
+            assert torch.equal(got, want)
+            ref = int8_reference(xs.float(), packed)
+            tol = 2 ** -22 * (xs.float().abs().double() @ packed.dequantized().abs().double().T + 1) * 8
+            if out == torch.bfloat16:
+                tol = tol + ref.abs() * 2 ** -8
+            assert ((got.double() - ref).abs() <= tol).all()
+
+
+def test_int8_gemm_is_near_the_float_linear(lib):
+    """Gaussian weights and activations: the int8 linear's relative error is what rounding to
+    the two grids predicts (a block of 32 normal values spans about 4.8 sigma: 7-bit steps of
+    0.038 sigma, error sigma / 91; Q8_0's steps amax / 127, error sigma / 170: about 1.25% in
+    all) and not more."""
+    from nextoken.models.bert import PackedS8
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(384, 384) * 0.05, torch.randn(384) * 0.1, torch.randn(300, 384)
+    want = torch.nn.functional.linear(x, w, b)
+    got = PackedS8.quantize(w, b)(x, lib, torch.float32)
+    assert 0.008 < (got - want).norm() / want.norm() < 0.016
+
+
+def test_int8_gemm_refuses_inputs_not_in_blocks_of_32(lib):
+    from nextoken.errors import ModelLoadError
+    from nextoken.models.bert import PackedS8
+
+    with pytest.raises(ModelLoadError, match="multiple of 32"):
+        PackedS8.quantize(torch.randn(16, 40), torch.zeros(16))
+    x, out = torch.randn(2, 40), torch.empty(2, 16)
+    assert lib.encoder_linear_s8(x.data_ptr(), 0, 2, 40, 0, 0, 0, 0, 16, 0, out.data_ptr()) == 1

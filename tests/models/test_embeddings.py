@@ -106,16 +106,19 @@ def test_the_encoder_on_the_gpu_path_names_every_device(tiny_bert):
 
 def test_the_encoder_runs_the_execution_plans_kernels(minilm):
     """The encoder loads through the execution plan as a generation model does: its quantized
-    linears hold the plan's qmatmul library (resolved once, `KernelSet`), its plan line says what
-    runs, and enforce_eager (the plan without kernels) refuses a quantized encoder by name."""
+    linears hold the plan's encoder library for Q8_0 (the int8 GEMM) and its qmatmul library for
+    another format (resolved once, `KernelSet`), its plan line says what runs, and enforce_eager
+    (the plan without kernels) refuses a quantized encoder by name."""
     from nextoken.embedding import EmbeddingModel
     from nextoken.errors import ModelLoadError
     from nextoken.kernels import KernelSet
 
     d = minilm.model_path
     q = EmbeddingModel(d, dtype=torch.bfloat16, quantization="q8_0")
-    assert q.plan.kernels == KernelSet.resolve() and q.encoder.lib is q.plan.kernels.qmatmul
+    assert q.plan.kernels == KernelSet.resolve() and q.encoder.lib is q.plan.kernels.encoder
     assert "24 codes (Q8_0, our kernel)" in q.describe()  # 6 layers x (fused qkv, o, up, down)
+    q4 = EmbeddingModel(d, quantization="q4_0")
+    assert q4.encoder.lib is q4.plan.kernels.qmatmul and "24 codes (Q4_0, our kernel)" in q4.describe()
     plain = EmbeddingModel(d)
     assert "dense (PyTorch)" in plain.describe() and "pooling: mean" in plain.describe()
     with pytest.raises(ModelLoadError, match="enforce_eager"):
