@@ -78,7 +78,7 @@ class EmbeddingModel:
         from tokenizers import Tokenizer
 
         from nextoken.loader.hf import HFModelDir
-        from nextoken.models.bert import BertModel
+        from nextoken.models.bert import BertModel, calibration_ids
 
         self.path = str(path)
         folder = HFModelDir(self.path)
@@ -88,18 +88,20 @@ class EmbeddingModel:
         self.plan = ExecutionPlan.choose(dtype, enforce_eager=enforce_eager, keep_quantized=False,
                                          quantization=quantization, device=_plan_device(device))
         self.encoder = BertModel.from_dir(folder, dtype)
-        if quantization is not None:  # ``--quantization q8_0``: the encoder's linears on our int8 kernel
-            self.encoder.quantize(quantization.upper(), self.plan.kernels)
-        if self.plan.device.is_cuda:
-            self.encoder.to(self.plan.device.torch)
-        else:  # attention and add + LayerNorm in C (kernels/encoder.c), where the plan has it
-            self.encoder.kernel = self.plan.kernels.encoder
         tok_path = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise ModelLoadError(f"{self.path}: tokenizer.json is missing")
         self.tokenizer = Tokenizer.from_file(tok_path)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        if quantization is not None:  # ``--quantization q8_0``: the encoder's linears on our int8 kernel
+            cfg = self.encoder.config
+            calibration = calibration_ids(self.tokenizer.encode("").ids, cfg.vocab_size, cfg.max_positions)
+            self.encoder.quantize(quantization.upper(), self.plan.kernels, calibration)
+        if self.plan.device.is_cuda:
+            self.encoder.to(self.plan.device.torch)
+        else:  # attention and add + LayerNorm in C (kernels/encoder.c), where the plan has it
+            self.encoder.kernel = self.plan.kernels.encoder
         self.pooling, self.normalize = _pooling(self.path)
         st = _read_json(os.path.join(self.path, "sentence_bert_config.json"))
         self.max_seq_length = min(int(st.get("max_seq_length", 512)), self.encoder.config.max_positions)

@@ -286,17 +286,18 @@ int encoder_add_norm(const void *x, const void *r, int r_f32, const void *w, con
  * one scale d_w) packed by models/bert.py (`pack_s8`) into panels of 16 output columns: codes
  * [P][K/4][16][4] (four consecutive k of one column in 4 bytes: one 32-bit lane), scales d_w and
  * sums s_w = d_w * sum(q_w) as [P][K/32][16] float32, P = ceil(N/16) (the last panel padded with
- * zero codes). Each row of x is quantized per block of 32 to 7-bit unsigned codes with a
- * minimum (asymmetric: x ~ d_x q_x + m_x, q_x = round((x - m_x) / d_x) in 0..127, d_x = (max -
- * min) / 127), then
+ * zero codes). Each row of x, multiplied column by column by `smooth` [K] where given (the
+ * SmoothQuant factors whose inverses the packed weight carries: Xiao et al. 2023), is quantized
+ * per block of 32 to 7-bit unsigned codes with a minimum (asymmetric: x ~ d_x q_x + m_x, q_x =
+ * round((x - m_x) / d_x) in 0..127, d_x = (max - min) / 127), then
  *     out[t, n] = bias[n] + sum over blocks of ( (d_w * sum_32 q_w q_x) * d_x  +  s_w * m_x )
  * each block's int32 dot exact, the float32 steps in this order with fused multiply-adds, so the
  * plain C loop and every vector loop give the same bits. 7 bits because AVX2's vpmaddubsw sums
  * two u8 x s8 products in int16: 2 * 127 * 127 fits, 2 * 255 * 127 does not (PyTorch's x86
  * int8 path reduces activations to 7 bits for the same reason); the asymmetric range keeps the
- * precision of 8 symmetric bits (measured on all-MiniLM-L6-v2: min cosine 0.99915 against
- * float32, 8-bit symmetric 0.99927, 7-bit symmetric 0.99861; blocks of 64 on either side or a
- * scale per whole row lose more). Loops: AVX-512 VNNI (one vpdpbusd per 16 columns x 4 k, 8 rows
+ * precision of 8 symmetric bits (simulated on all-MiniLM-L6-v2, 200 texts: min cosine 0.99915
+ * against float32, 8-bit symmetric 0.99927, 7-bit symmetric 0.99861; blocks of 64 on either side
+ * or a scale per whole row lose more; with the smoothing 0.99953). Loops: AVX-512 VNNI (one vpdpbusd per 16 columns x 4 k, 8 rows
  * a tile), AVX-VNNI (the same on 256 bits), AVX2 (vpmaddubsw, vpmaddwd with ones, vpaddd; 4 rows
  * a tile), plain C; threads over (64-row chunk, panel) pairs, each thread's chunk of x codes
  * read from L2 for every panel. 0: done; 1: K not a multiple of 32 or no memory (the caller
@@ -323,10 +324,13 @@ const char *encoder_linear_s8_loop(void) { return S8_LOOP; }
 
 /* row t of x [T, K] (float32 or bf16) -> its codes [K] and per-block d, m [K/32]; the AVX2 loop
  * rounds as nearbyintf does (to nearest even), so both give the same codes */
-static void quantize_u7(const void *x, int bf16, int64_t t, int64_t K, uint8_t *q, float *d, float *m) {
+static void quantize_u7(const void *x, int bf16, int64_t t, int64_t K, const float *smooth, uint8_t *q, float *d,
+                        float *m) {
     float v[32];
     for (int64_t b = 0; b < K / 32; b++) {
         load_row(x, bf16, t, K, b * 32, 32, v);
+        if (smooth)
+            for (int j = 0; j < 32; j++) v[j] *= smooth[b * 32 + j];
         uint8_t *out = q + t * K + b * 32;
 #if defined(__AVX2__)
         __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
@@ -478,8 +482,8 @@ static void tile_rows(const uint8_t *qx, const float *dx, const float *mx, int64
     else tile_s8(qx, dx, mx, K, w, dw, ws, rows, acc);
 }
 
-int encoder_linear_s8(const void *x, int bf16, int64_t T, int64_t K, const int8_t *w, const float *dw, const float *ws,
-                      const float *bias, int64_t N, int out_bf16, void *out) {
+int encoder_linear_s8(const void *x, int bf16, int64_t T, int64_t K, const float *smooth, const int8_t *w,
+                      const float *dw, const float *ws, const float *bias, int64_t N, int out_bf16, void *out) {
     if (K % 32 || K <= 0) return 1;
     const int64_t nb = K / 32, P = (N + 15) / 16, chunks = (T + S8_CHUNK - 1) / S8_CHUNK;
     uint8_t *qx = malloc((size_t)(T * K));
@@ -491,7 +495,7 @@ int encoder_linear_s8(const void *x, int bf16, int64_t T, int64_t K, const int8_
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) quantize_u7(x, bf16, t, K, qx, dx, mx);
+        for (int64_t t = 0; t < T; t++) quantize_u7(x, bf16, t, K, smooth, qx, dx, mx);
         float acc[S8_MR * 16];
         #pragma omp for collapse(2) schedule(static)
         for (int64_t c = 0; c < chunks; c++)
