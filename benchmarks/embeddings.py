@@ -14,6 +14,12 @@ mix in a retrieval workload. Both sides take the texts in requests of `--batch` 
 `embed` call each, packed without padding; sentence-transformers: ``encode(batch_size=--batch)``,
 which sorts by length and pads each batch), or with ``--one-call`` all in one call. Reported: input tokens/s (the tokens both count the
 same way: with [CLS] and [SEP]), best of `--rounds`.
+
+    python benchmarks/embeddings.py --gemm             # the int8 GEMM alone against PyTorch's linear
+
+``--gemm`` times the encoder's int8 linear (``encoder_linear_s8``, what ``--quantization q8_0``
+runs: activation quantization included) against ``F.linear`` in float32 on MiniLM's four shapes
+at 2048 rows (a request of 32 texts), alternated, best of 15: GOP/s (2 per multiply-add).
 """
 
 from __future__ import annotations
@@ -52,6 +58,28 @@ class OnnxPeer:
         return json.loads(self.proc.stdout.readline())
 
 
+def gemm_rates(threads: int, rows: int = 2048) -> None:
+    """The int8 GEMM against PyTorch's float32 linear on MiniLM's shapes (qkv, o, up, down)."""
+    from nextoken.kernels import load
+    from nextoken.models.bert import PackedS8
+
+    lib = load("encoder")
+    print(f"encoder_linear_s8 ({lib.encoder_linear_s8_loop().decode()} loop) against F.linear float32, "
+          f"{rows} rows, {threads} threads, GOP/s")
+    for k, n in [(384, 1152), (384, 384), (384, 1536), (1536, 384)]:
+        w, b, x = torch.randn(n, k) * 0.05, torch.randn(n), torch.randn(rows, k)
+        packed = PackedS8.quantize(w, b, x.abs().amax(0))
+        best = [1e9, 1e9]
+        for _ in range(15):
+            for i, fn in enumerate((lambda: packed(x, lib, torch.float32), lambda: torch.nn.functional.linear(x, w, b))):
+                t = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t)
+        ops = 2 * rows * k * n / 1e9
+        print(f"  K {k:5d} N {n:5d}: int8 {ops / best[0]:6.0f}  float32 {ops / best[1]:6.0f}  "
+              f"ratio {best[1] / best[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="all-minilm-l6-v2")
@@ -63,8 +91,11 @@ def main() -> None:
     ap.add_argument("--one-call", action="store_true",
                     help="every text in one call, as a script embeds a corpus (sentence-transformers then sorts "
                          "them all by length before batching); default: requests of --batch, as a server gets them")
+    ap.add_argument("--gemm", action="store_true", help="time the int8 GEMM alone against PyTorch's linear")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gemm:
+        return gemm_rates(args.threads)
     from sentence_transformers import SentenceTransformer
 
     from nextoken import LLM

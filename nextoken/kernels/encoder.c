@@ -283,7 +283,7 @@ int encoder_add_norm(const void *x, const void *r, int r_f32, const void *w, con
 
 /* encoder_linear_s8: out[T, N] = x[T, K] W^T + bias, the encoder's linears on int8 products
  * (--quantization q8_0). W is GGUF Q8_0 (each row's blocks of 32: int8 codes q_w in -127..127,
- * one scale d_w) packed by models/bert.py (`pack_s8`) into panels of 16 output columns: codes
+ * one scale d_w) packed by models/bert.py (`PackedS8.quantize`) into panels of 16 output columns: codes
  * [P][K/4][16][4] (four consecutive k of one column in 4 bytes: one 32-bit lane), scales d_w and
  * sums s_w = d_w * sum(q_w) as [P][K/32][16] float32, P = ceil(N/16) (the last panel padded with
  * zero codes). Each row of x, multiplied column by column by `smooth` [K] where given (the
@@ -297,11 +297,15 @@ int encoder_add_norm(const void *x, const void *r, int r_f32, const void *w, con
  * int8 path reduces activations to 7 bits for the same reason); the asymmetric range keeps the
  * precision of 8 symmetric bits (simulated on all-MiniLM-L6-v2, 200 texts: min cosine 0.99915
  * against float32, 8-bit symmetric 0.99927, 7-bit symmetric 0.99861; blocks of 64 on either side
- * or a scale per whole row lose more; with the smoothing 0.99953). Loops: AVX-512 VNNI (one vpdpbusd per 16 columns x 4 k, 8 rows
- * a tile), AVX-VNNI (the same on 256 bits), AVX2 (vpmaddubsw, vpmaddwd with ones, vpaddd; 4 rows
- * a tile), plain C; threads over (64-row chunk, panel) pairs, each thread's chunk of x codes
- * read from L2 for every panel. 0: done; 1: K not a multiple of 32 or no memory (the caller
- * then raises: the model's loader checked K). */
+ * or a scale per whole row lose more; with the smoothing 0.99953). Loops: AVX-512 VNNI (one
+ * vpdpbusd per 16 columns x 4 k, 8 rows a tile), AVX-VNNI (the same on 256 bits), AVX2
+ * (vpmaddubsw, vpmaddwd with ones, vpaddd; 4 rows a tile: 3 rows measured slower), plain C;
+ * threads over (16-tile chunk of rows, panel) pairs, each thread's chunk of x codes read from
+ * L2 for every panel. Measured (`python benchmarks/embeddings.py --gemm`, 2 threads, GOP/s on
+ * MiniLM's shapes at 2048 rows): the AVX2 loop 220-290 against MKL's AVX2 sgemm at 190-230 (the products cost two
+ * multiply uops per 32 where sgemm's FMA costs one per 8, and each block's float epilogue four
+ * more per 16; so at most about 1.6x sgemm), AVX-VNNI 360-440 (2x). 0: done; 1: K not a
+ * multiple of 32 or no memory (the caller raises: the model's loader checked K). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define S8_MR 8
@@ -318,7 +322,7 @@ int encoder_add_norm(const void *x, const void *r, int r_f32, const void *w, con
 #define S8_MR 4
 #define S8_LOOP "c"
 #endif
-#define S8_CHUNK 64 /* rows of x per task: a multiple of every S8_MR */
+#define S8_CHUNK (16 * S8_MR) /* rows of x per task */
 
 const char *encoder_linear_s8_loop(void) { return S8_LOOP; }
 
@@ -426,15 +430,15 @@ static inline __attribute__((always_inline)) void tile_s8(const uint8_t *qx, con
                                                           int64_t K, const int8_t *w, const float *dw,
                                                           const float *ws, const int rows, float *acc) {
     const int64_t nb = K / 32;
-    __m256 f[4][2];
-    for (int r = 0; r < 4; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    __m256 f[S8_MR][2];
+    for (int r = 0; r < S8_MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i s[4][2];
-        for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        __m256i s[S8_MR][2];
+        for (int r = 0; r < S8_MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
         for (int k = 0; k < 8; k++) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + k) * 64));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + k) * 64 + 32));
-            for (int r = 0; r < 4; r++)
+            for (int r = 0; r < S8_MR; r++)
                 if (r < rows) {
                     int32_t a;
                     memcpy(&a, qx + r * K + b * 32 + k * 4, 4);
@@ -445,7 +449,7 @@ static inline __attribute__((always_inline)) void tile_s8(const uint8_t *qx, con
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_loadu_ps(dw + b * 16 + 8 * h), sw = _mm256_loadu_ps(ws + b * 16 + 8 * h);
-            for (int r = 0; r < 4; r++)
+            for (int r = 0; r < S8_MR; r++)
                 if (r < rows) {
                     f[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), d), _mm256_set1_ps(dx[r * nb + b]), f[r][h]);
                     f[r][h] = _mm256_fmadd_ps(sw, _mm256_set1_ps(mx[r * nb + b]), f[r][h]);
