@@ -109,6 +109,10 @@ class EngineArgs(CliArgs):
                                           "second model)", group="speculative decoding", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = opt(4, "tokens proposed per step", group="speculative decoding", type=int,
                                       quick_start=True)
+    speculative_draft_vocab: int = opt(32768, "the draft's head scores the first N token ids and the special tokens "
+                                       "only, where the vocabulary has 2N or more (FR-Spec: a cheaper draft step; the "
+                                       "target's output is unchanged); 0: the whole vocabulary",
+                                       group="speculative decoding", type=int, metavar="N")
     # LoRA
     enable_lora: bool = opt(False, "let requests use LoRA adapters (PEFT folders): vLLM's LoRARequest in Python, "
                              "--lora-modules and model: NAME on the server", group="LoRA", cli="true", quick_start=True)
@@ -155,7 +159,7 @@ class EngineArgs(CliArgs):
                           ("kv_cache_disk", 1), ("num_kv_blocks", 0),
                           ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1),
                           ("max_lora_rank", 1),
-                          ("num_speculative_tokens", 1)):
+                          ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0)):
             value = getattr(self, name)
             if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk"):
                 continue

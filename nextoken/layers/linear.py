@@ -62,6 +62,24 @@ class Linear(torch.nn.Module):
         self.weight = None
         self.method = method
 
+    def row_subset(self, ranges: list[tuple[int, int]]) -> Linear | None:
+        """A layer of this one's output rows in `ranges` (``[start, stop)`` pairs, multiples of 16
+        for codes), stacked in that order, on the same method; None for a weight held as int4
+        parts. A single range of codes shares this layer's memory; more are copied."""
+        if self.int4 is not None:
+            return None
+        out = Linear(self.in_features, sum(b - a for a, b in ranges), self.bias is not None, self.dtype)
+        out.method, out.few_rows = self.method, self.few_rows
+        if self.bias is not None:
+            out.bias = torch.nn.Parameter(torch.cat([self.bias[a:b] for a, b in ranges]), requires_grad=False)
+        if self.qweight is not None:
+            parts = [self.qweight.row_range(a, b) for a, b in ranges]
+            out.set_qweight(parts[0] if len(parts) == 1 else QuantWeight.cat(parts), self.method)
+        else:
+            out.weight = torch.nn.Parameter(torch.cat([self.weight[a:b] for a, b in ranges]).contiguous(),
+                                            requires_grad=False)
+        return out
+
     def qweight_c(self):
         """The kernel's view of the weight (its codes, or the dense bf16 weight the dense kernel
         multiplies: `DenseKernelMethod`) with this layer's bias (float32), built once."""

@@ -154,7 +154,7 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
     from nextoken.loader.source import load_tokenizer
     from nextoken.runner.device import resolve_device
     from nextoken.runner.model_runner import ModelRunner
-    from nextoken.spec_decode.draft import check_same_vocabulary
+    from nextoken.spec_decode.draft import check_same_vocabulary, hot_ranges
 
     if args.speculative is None:
         return None, None
@@ -173,5 +173,6 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
                           config.model or "draft")
     if runner.config.sliding_layers:
         raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
-    proposer = DraftProposer(runner, Sampler(tokenizer.eog_token_ids, watermark, runner.plan.kernels.sampling))
+    hot = hot_ranges(runner.config.vocab_size, tokenizer.special_ids, args.speculative_draft_vocab)
+    proposer = DraftProposer(runner, Sampler(tokenizer.eog_token_ids, watermark, runner.plan.kernels.sampling), hot)
     return Speculator(config, proposer, max_model_len), runner

@@ -217,3 +217,58 @@ def test_step_log_records_each_verification(tiny_pair):
         assert len(v["q_draft"]) == len(v["drafted"]) and all(0 <= q <= 1 for q in v["q_draft"])
     toks = out.outputs[0].token_ids
     assert all(any(toks[i : i + len(v["emitted"])] == v["emitted"] for i in range(len(toks))) for v in records)
+
+
+def test_hot_ranges_keep_the_first_ids_and_the_specials_after_them():
+    from nextoken.spec_decode.draft import hot_ranges
+
+    assert hot_ranges(151936, {151643, 151645, 151644}, 32768) == [(0, 32768), (151632, 151936)]
+    assert hot_ranges(151936, {0, 1, 2}, 32768) == [(0, 32768)]  # specials among the first ids
+    assert hot_ranges(49152, {0, 1, 2}, 32768) is None  # under twice the hot set: the whole head
+    assert hot_ranges(151936, {151643}, 0) is None
+    assert hot_ranges(275, {0, 1}, 100) == [(0, 96)]  # whole tiles of 16 rows
+
+
+@pytest.mark.parametrize("quant", ["codes", "dense"])
+def test_row_subset_equals_those_rows_of_the_full_layer(quant):
+    """`Linear.row_subset`: the rows kept give the very numbers the full layer gives for them
+    (each output row is its own dot product, on the same kernel), for codes and for a dense
+    weight, from one range (a view) or two (a copy)."""
+    from nextoken.kernels import KernelSet
+    from nextoken.layers.linear import Linear
+    from nextoken.layers.quantization.methods import CodesMethod
+    from nextoken.layers.quantization.qweight import QuantWeight, gguf_codes
+    from nextoken.loader.quantize import quantize_rows
+
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(3, 64).bfloat16()
+    layer = Linear(64, 96, False, torch.bfloat16)
+    if quant == "codes":
+        lib = KernelSet.resolve().qmatmul
+        layer.set_qweight(QuantWeight.pack(gguf_codes(quantize_rows(w, "Q8_0"), "Q8_0", 96, 64)), CodesMethod(lib))
+    else:
+        layer.weight = torch.nn.Parameter(w.bfloat16(), requires_grad=False)
+    full = layer(x)
+    for ranges in ([(0, 32)], [(0, 32), (64, 96)]):
+        sub = layer.row_subset(ranges)
+        assert sub.out_features == sum(b - a for a, b in ranges)
+        assert torch.equal(sub(x), torch.cat([full[:, a:b] for a, b in ranges], dim=1))
+
+
+def test_a_draft_head_of_the_hot_tokens_keeps_the_output(tiny_pair):
+    """With `speculative_draft_vocab` the draft's head keeps the first ids only: its logits
+    elsewhere are -inf (it never proposes those tokens), it still drafts and is accepted, and the
+    target's greedy output is the one it gives alone."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, dense_weights=False).generate(PROMPTS, params)
+    llm = LLM(target, dense_weights=False, speculative_model=draft, num_speculative_tokens=3,
+              speculative_draft_vocab=128)
+    proposer = llm.engine.speculator.draft
+    assert proposer.head_ranges == [(0, 128)] and proposer.runner.model.lm_head.out_features == 128
+    full = proposer._full_logits(torch.zeros(2, 128))
+    assert full.shape == (2, proposer.vocab_size) and torch.isinf(full[:, 128:]).all()
+    spec = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_leak(llm)

@@ -207,6 +207,14 @@ class QuantWeight:
         """The weight in float32 ``[rows, cols]`` (PyTorch; the reference for the kernel)."""
         return self.lookup(torch.arange(self.shape[0]))
 
+    def row_range(self, start: int, stop: int) -> QuantWeight:
+        """Rows ``[start, stop)`` (multiples of 16): views of this weight's tiles, no copy."""
+        if start % TILE or stop % TILE:
+            raise ValueError(f"row range [{start}, {stop}) is not in whole tiles of {TILE} rows")
+        cut = lambda t: None if t is None else t[start // TILE : stop // TILE]  # noqa: E731
+        return QuantWeight(cut(self.codes), cut(self.scales), cut(self.mins), cut(self.scale_sup), cut(self.min_sup),
+                           self.offset, self.bits, self.group, self.gps)
+
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Row ranges of one weight (each a multiple of 16 rows), stacked."""
