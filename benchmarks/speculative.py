@@ -107,11 +107,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kinds", default="code,chat")
     ap.add_argument("--variants", default="draft,ngram", help="which of draft,ngram to run after the target alone")
+    ap.add_argument("--draft-vocab", type=int, action="append",
+                    help="the draft's head size (--speculative-draft-vocab; repeat to compare, 0: the whole head); "
+                         "default: the engine's")
     a = ap.parse_args()
     batches = a.batch or [1, 8]
     chosen = a.variants.split(",")
     variants = [("target alone", {})] + \
-        ([(f"+ draft {a.draft}", {"speculative_model": a.draft})] if "draft" in chosen else []) + \
+        ([(f"+ draft {a.draft}" + (f" (head {v or 'whole'})" if v is not None else ""),
+           {"speculative_model": a.draft, **({} if v is None else {"speculative_draft_vocab": v})})
+          for v in (a.draft_vocab or [None])] if "draft" in chosen else []) + \
         ([("+ n-gram", {"speculative_method": "ngram"})] if "ngram" in chosen else [])
     print(f"target {a.target}, k={a.num_speculative_tokens}, greedy, max_tokens {a.max_tokens}")
     print("| prompts | batch | variant | decode tok/s | speed-up | acceptance | tokens per step | same tokens |")
