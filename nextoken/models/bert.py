@@ -61,7 +61,7 @@ class BertModel:
     def __init__(self, cfg: BertConfig, tensors: dict[str, torch.Tensor]):
         self.config = cfg
         self.w = tensors  # name -> tensor, without the ``bert.`` prefix
-        self.codes: dict = {}  # linear name -> its `QuantWeight` and float32 bias, once quantized (`quantize`)
+        self.codes: dict = {}  # linear name -> its `PackedS8` (Q8_0), or `QuantWeight` and float32 bias (`quantize`)
         self.lib = None
         self.kernel = None  # the plan's ``encoder`` library (kernels/encoder.c): attention and add + norm in C
         self._observed: dict | None = None  # linear name -> its inputs' column maxima, during `_calibrate`
@@ -294,8 +294,7 @@ class PackedS8:
     weight's column by ``s_j`` before it is, ``s_j = max|x_j|^a / max|W_j|^(1 - a)`` (a = 0.5):
     the product is unchanged, and an outlier column's range moves into the weight, where every
     block has its own scale. On all-MiniLM-L6-v2 (the maxima from `calibration_ids`' random
-    tokens) the minimum cosine against float32 on 200 texts goes from 0.99915 to 0.99953
-    (simulated)."""
+    tokens) the minimum cosine against float32 on 200 texts goes from 0.99900 to 0.99954."""
 
     codes: torch.Tensor
     dw: torch.Tensor
