@@ -164,6 +164,8 @@ class ExecutionPlan:
                 m.act_kernel = act if m.act in (silu_and_mul, gelu_tanh_and_mul) else None
             if hasattr(m, "norm_kernel"):
                 m.norm_kernel = act
+            if hasattr(m, "lookup_kernel"):
+                m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         cfg = model.config
         if self.attention == "native" and not native_decode_supports(self.dtype, cfg.head_dim, cfg.num_queries_per_kv):
             self.attention = "torch"

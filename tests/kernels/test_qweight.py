@@ -178,6 +178,26 @@ def test_kernel_lookup_equals_reference(type_name, portable):
                             ctypes.c_void_p(out.data_ptr())) == 2
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K"])
+def test_embedding_lookup_on_the_kernel_equals_the_pytorch_one(type_name):
+    """A codes embedding with the plan's lookup kernel (what a bf16 model on our kernels gets)
+    returns the PyTorch lookup's rows bit for bit; an id outside the table still raises, as the
+    PyTorch path does; a float32 table keeps the PyTorch path."""
+    from nextoken.layers.embedding import Embedding
+
+    _, qw = weight(type_name, 48, 512, seed=22)
+    emb = Embedding(48, 512, torch.bfloat16)
+    emb.set_qweight(qw)
+    ids = torch.tensor([3, 47, 0, 3])
+    want = emb(ids)
+    emb.lookup_kernel = load("qmatmul")
+    assert emb._lookup_c(ids) is not None and torch.equal(emb(ids), want)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([48]))
+    emb.dtype = torch.float32
+    assert emb._lookup_c(ids) is None
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("portable", [False, True])
 def test_dense_expansion_equals_reference(type_name, portable):
