@@ -489,6 +489,7 @@ static void tile_rows(const uint8_t *qx, const float *dx, const float *mx, int64
 int encoder_linear_s8(const void *x, int bf16, int64_t T, int64_t K, const float *smooth, const int8_t *w,
                       const float *dw, const float *ws, const float *bias, int64_t N, int out_bf16, void *out) {
     if (K % 32 || K <= 0) return 1;
+    if (T <= 0 || N <= 0) return 0;
     const int64_t nb = K / 32, P = (N + 15) / 16, chunks = (T + S8_CHUNK - 1) / S8_CHUNK;
     uint8_t *qx = malloc((size_t)(T * K));
     float *dx = malloc((size_t)(T * nb) * sizeof(float)), *mx = malloc((size_t)(T * nb) * sizeof(float));

@@ -180,3 +180,5 @@ def test_int8_gemm_refuses_inputs_not_in_blocks_of_32(lib):
         PackedS8.quantize(torch.randn(16, 40), torch.zeros(16))
     x, out = torch.randn(2, 40), torch.empty(2, 16)
     assert lib.encoder_linear_s8(x.data_ptr(), 0, 2, 40, None, 0, 0, 0, 0, 16, 0, out.data_ptr()) == 1
+    packed = PackedS8.quantize(torch.randn(16, 64), torch.zeros(16))
+    assert packed(torch.empty(0, 64), lib, torch.float32).shape == (0, 16)  # no rows: nothing to do, no error
