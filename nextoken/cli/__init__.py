@@ -15,6 +15,7 @@ import sys
 
 from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args
 from nextoken.cli_args import positive_int
+from nextoken.config import QUANTIZATIONS
 from nextoken.errors import NextokenError
 
 
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dimensions", type=positive_int, default=None, help="cut the vectors (Matryoshka models only)")
     p.add_argument("--truncate", action="store_true", help="cut texts longer than the model takes")
     p.add_argument("--json", action="store_true", help="print the vectors as JSON (OpenAI's shape)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the encoder's dtype (auto: bfloat16 where the CPU multiplies it in hardware, else float32)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="quantize the encoder's linears at load (q8_0: its int8 GEMM)")
 
     from nextoken.cli.cache import add_parser as add_cache_parser
 

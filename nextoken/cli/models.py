@@ -37,7 +37,7 @@ def cmd_embed(a) -> int:
 
     from nextoken import LLM
 
-    llm = LLM(a.model)
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
     outs = llm.embed(a.texts, truncate=a.truncate, dimensions=a.dimensions)
     if a.json:
         print(json.dumps({"object": "list", "model": a.model,

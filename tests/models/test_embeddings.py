@@ -362,3 +362,21 @@ def test_one_server_serves_a_generation_and_an_embedding_model(smollm2_path, min
         assert httpx.get(srv.url + "/health").status_code == 503
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "float32"], ["--quantization", "q8_0"]])
+def test_the_embed_command_takes_the_encoders_options(minilm, capsys, flags):
+    """``nextoken embed --json`` prints OpenAI's shape; ``--dtype float32`` gives the float32
+    encoder's vectors exactly, ``--quantization q8_0`` (the int8 GEMM) within cosine 0.999."""
+    from nextoken.cli import main
+
+    texts = ["a cat sits on the mat", "the stock market fell sharply"]
+    assert main(["embed", *texts, "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    got = torch.tensor([d["embedding"] for d in out["data"]])
+    want = torch.tensor([o.outputs.embedding for o in minilm.embed(texts)])
+    assert out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1]
+    if flags[0] == "--dtype":
+        assert torch.equal(got, want)
+    else:
+        assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.999 and not torch.equal(got, want)
