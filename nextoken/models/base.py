@@ -42,6 +42,7 @@ class DecoderModel(torch.nn.Module):
         self.norm = weight_param(cfg.hidden_size, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.lm_head.few_rows = True  # one row per sequence
+        self.norm_kernel = None  # set by the execution plan at load: the final RMSNorm on our C kernel
         if cfg.tie_word_embeddings:  # one table serves both, until the loader says otherwise
             self.lm_head.weight = self.embed_tokens.weight
         if cfg.rope_dim:
@@ -64,7 +65,7 @@ class DecoderModel(torch.nn.Module):
         return {False: table, True: table}
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.config.norm_eps)
+        return rms_norm(h, self.norm, self.config.norm_eps, self.norm_kernel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata, tracer=None) -> torch.Tensor:

@@ -37,7 +37,7 @@ def test_default_bf16_plan_uses_our_kernels(quantized):
     assert runner.native_decoder is not None
     lib = runner.plan.kernels.activation
     assert runner.plan.native_activations and all(layer.mlp.act_kernel is lib for layer in runner.model.layers)
-    assert all(layer.norm_kernel is lib for layer in runner.model.layers)
+    assert all(layer.norm_kernel is lib for layer in runner.model.layers) and runner.model.norm_kernel is lib
     assert runner.model.embed_tokens.lookup_kernel is runner.plan.kernels.qmatmul  # (used where it holds codes)
 
 
@@ -48,7 +48,8 @@ def test_enforce_eager_plan_is_pytorch_alone(quantized, monkeypatch):
     assert TorchInt4Method in methods(runner) and CodesMethod not in methods(runner)  # (small k: dense)
     assert runner.native_decoder is None
     assert not runner.plan.native_activations and not any(layer.mlp.act_kernel for layer in runner.model.layers)
-    assert not any(layer.norm_kernel for layer in runner.model.layers) and runner.model.embed_tokens.lookup_kernel is None
+    assert not any(layer.norm_kernel for layer in runner.model.layers) and runner.model.norm_kernel is None
+    assert runner.model.embed_tokens.lookup_kernel is None
     forbid_kernel_lookups(monkeypatch)
     seq = OneSequence(runner)
     logits = seq.forward(PROMPT)
