@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-
 from nextoken.errors import ModelLoadError
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import Sampler, draw, uniform
@@ -67,7 +66,9 @@ class DraftProposer:
         self.vocab_size = runner.config.vocab_size
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The head's rows back at their token ids, -inf elsewhere: ``[rows, vocab]``."""
+        """The head's rows back at their token ids, -inf elsewhere: ``[rows, vocab]``. A row
+        whose grammar allows only tokens outside the head proposes nothing real (greedy: token 0;
+        sampled: a NaN distribution): the verification rejects it and the target draws alone."""
         if self.head_ranges is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
