@@ -388,20 +388,20 @@ static void store_tile(const float *acc, int rows, const float *bias, int64_t n0
     }
 }
 
-#if S8_MR == 8 && defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* rows (1..8) rows of codes qx (row stride K) x one panel -> acc [rows][16] */
 static inline __attribute__((always_inline)) void tile_s8(const uint8_t *qx, const float *dx, const float *mx,
                                                           int64_t K, const int8_t *w, const float *dw,
                                                           const float *ws, const int rows, float *acc) {
     const int64_t nb = K / 32;
-    __m512 f[8];
-    for (int r = 0; r < 8; r++) f[r] = _mm512_setzero_ps();
+    __m512 f[S8_MR];
+    for (int r = 0; r < S8_MR; r++) f[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i s[8];
-        for (int r = 0; r < 8; r++) s[r] = _mm512_setzero_si512();
+        __m512i s[S8_MR];
+        for (int r = 0; r < S8_MR; r++) s[r] = _mm512_setzero_si512();
         for (int k = 0; k < 8; k++) {
             const __m512i wv = _mm512_loadu_si512(w + (b * 8 + k) * 64);
-            for (int r = 0; r < 8; r++)
+            for (int r = 0; r < S8_MR; r++)
                 if (r < rows) {
                     int32_t a;
                     memcpy(&a, qx + r * K + b * 32 + k * 4, 4);
@@ -409,7 +409,7 @@ static inline __attribute__((always_inline)) void tile_s8(const uint8_t *qx, con
                 }
         }
         const __m512 d = _mm512_loadu_ps(dw + b * 16), sw = _mm512_loadu_ps(ws + b * 16);
-        for (int r = 0; r < 8; r++)
+        for (int r = 0; r < S8_MR; r++)
             if (r < rows) {
                 f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), d), _mm512_set1_ps(dx[r * nb + b]), f[r]);
                 f[r] = _mm512_fmadd_ps(sw, _mm512_set1_ps(mx[r * nb + b]), f[r]);
