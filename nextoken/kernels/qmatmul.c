@@ -61,9 +61,6 @@
 #define TILE 16
 #define MB 6 /* activation rows per pass over the tiles */
 #define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
-#ifndef PF_FAR
-#define PF_FAR 48
-#endif
 #ifndef AVX2_PF
 #define AVX2_PF 4 /* the AVX2 loop's decode prefetch, in groups ahead: Qwen2.5-0.5B decode +5%, its Q8_0 +7% */
 #endif
@@ -71,7 +68,10 @@
 #define AVX2_PF_SB 8 /* the same for the super-block formats: Q6_K one row 14.0-14.2 -> 16.7-17.3 GB/s, Q4_K +2-5% */
 #endif
 #ifndef PF_GROUPS
-#define PF_GROUPS 8
+#define PF_GROUPS 8 /* prefill's prefetch distance, in groups (into L1) */
+#endif
+#ifndef PF_DECODE_BYTES
+#define PF_DECODE_BYTES 8192 /* decode's, in bytes of codes (into L2): see group_sums */
 #endif
 
 
@@ -327,10 +327,14 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
 
 /* The integer sums of group g: s[nt * i + u] = sum over the group's columns of the codes of the 16
  * rows of tile t + u times activation row m0 + i. The weight vectors are unpacked two at a time and
- * each used mb times; each activation broadcast serves nt tiles. The codes PF_GROUPS groups ahead
- * are prefetched (a tile's codes are one stream; the hardware alone kept the loads waiting): into
- * L1 when the group is used for many rows, into L2 for decode (mb <= 2), where L2, which keeps more
- * misses in flight, let the weight stream run 12-14% faster. Decode prefetches on past the tile's
+ * each used mb times; each activation broadcast serves nt tiles. The codes ahead are prefetched (a
+ * tile's codes are one stream; the hardware alone kept the loads waiting): PF_GROUPS groups ahead
+ * into L1 when the group is used for many rows; for decode (mb <= 2) PF_DECODE_BYTES of codes ahead
+ * into L2, where L2, which keeps more misses in flight, let the weight stream run 12-14% faster.
+ * The decode distance is in bytes, not groups: at 8 groups Q6_K (192 bytes a group) looked 1.5 KiB
+ * ahead and streamed at 18 GB/s, Q4_K (256) 21, Q8_0 (512) 23.5; at 6-12 KiB ahead all three
+ * stream at 22-24 (2 threads, Sapphire Rapids VM, bare read 25): decode +9% on Qwen2.5-0.5B and
+ * SmolLM2, +13% on Qwen2.5-1.5B; 3 KiB was slower, 16 KiB no better. Decode prefetches on past the tile's
  * last group into the next tile's first (the tiles lie one after another; past the weight's end a
  * harmless hint): where it stopped at the tile's end, the last PF_GROUPS groups of every tile and
  * the next tile's first came in unprefetched (a third of Qwen2.5-0.5B's 28 groups a tile): decode
@@ -346,9 +350,10 @@ static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int6
     for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
     if (split)
         for (int64_t i = 0; i < nt * mb; i++) s2[i] = _mm512_setzero_si512();
-    if (g + PF_GROUPS < ng || mb <= 2) /* decode: on past the tile's end, into the next tile (a hint) */
+    const int64_t pf = mb <= 2 ? PF_DECODE_BYTES / gbytes : PF_GROUPS; /* groups ahead */
+    if (g + pf < ng || mb <= 2) /* decode: on past the tile's end, into the next tile (a hint) */
         for (int64_t u = 0; u < nt; u++) {
-            const char *pc = (const char *)(w->codes + ((t + u) * ng + g + PF_GROUPS) * gbytes);
+            const char *pc = (const char *)(w->codes + ((t + u) * ng + g + pf) * gbytes);
             for (int64_t b = 0; b < gbytes; b += 64) {
                 if (mb <= 2) _mm_prefetch(pc + b, _MM_HINT_T1);
                 else _mm_prefetch(pc + b, _MM_HINT_T0);
