@@ -264,7 +264,8 @@ class LLMEngine:
         if not reqs:
             return
         idx = [rows[r][0] for r in reqs]
-        results = self.sampler(logits[idx], [r.sampler_row for r in reqs], keep_details=tracer is not None)
+        picked = logits if idx == list(range(logits.shape[0])) else logits[idx]  # (every row in order: no copy)
+        results = self.sampler(picked, [r.sampler_row for r in reqs], keep_details=tracer is not None)
         for i, (r, res) in enumerate(zip(reqs, results)):
             if res.error is not None:
                 self.outputs.fail(r, f"sampling failed ({res.error})")
@@ -291,11 +292,10 @@ class LLMEngine:
     def _fail_nonfinite(self, logits: torch.Tensor, rows: dict[Request, tuple[int, int]]) -> None:
         """Fail every request whose logits rows (``rows``: request -> [a, b) rows of `logits`)
         hold a NaN or an infinity (a model fault: overflowing activations, a broken weight): it
-        finishes with reason ``"error"``, the batch's other requests go on. One float32 sum per
-        row: NaN and inf both survive it."""
+        finishes with reason ``"error"``, the batch's other requests go on (`Sampler.finite_rows`)."""
         if not rows:
             return
-        finite = torch.isfinite(logits.float().sum(dim=-1)).tolist()
+        finite = self.sampler.finite_rows(logits)
         for r, (a, b) in rows.items():
             if not all(finite[a:b]):
                 self.outputs.fail(r, f"the model produced non-finite logits (NaN or inf) predicting position "

@@ -166,10 +166,19 @@ def torch_draw(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
 
 
 class _Kernel:
-    """``kernels/sampling.c``'s ``sample_rows`` over row addresses."""
+    """``kernels/sampling.c``'s ``sample_rows`` (and ``rows_finite``) over row addresses."""
 
     def __init__(self, lib):
         self.lib = lib
+
+    def finite(self, logits: torch.Tensor) -> list[bool]:
+        """`finite_rows` of float32 CPU logits ``[b, vocab]`` with unit stride along the vocabulary."""
+        b, V = logits.shape
+        base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
+        rows = np.arange(b, dtype=np.int64) * stride + base
+        out = np.empty(b, dtype=np.uint8)
+        self.lib.rows_finite(rows.ctypes.data, b, V, out.ctypes.data)
+        return out.astype(bool).tolist()
 
     def __call__(self, addresses: list[int], V: int, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -254,6 +263,15 @@ class Sampler:
         self.watermark = watermark
         self.kernel = _Kernel(kernel) if kernel is not None else None
         self._meta: SamplingMetadata | None = None
+
+    def finite_rows(self, logits: torch.Tensor) -> list[bool]:
+        """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity: ``sampling.c``'s
+        ``rows_finite`` on float32 CPU rows when the kernel is there, else one float32 sum per row
+        (NaN and inf both survive it), the plain path."""
+        if self.kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+                and logits.dim() == 2 and logits.stride(1) == 1:
+            return self.kernel.finite(logits)
+        return torch.isfinite(logits.float().sum(dim=-1)).tolist()
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],

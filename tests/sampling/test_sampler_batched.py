@@ -159,6 +159,29 @@ def test_kernel_equals_the_pytorch_draw(vocab):
         assert torch.equal(got, want), trial
 
 
+def test_finite_rows_kernel_equals_the_plain_check():
+    """``rows_finite`` (the engine's check before sampling) against the plain path and the
+    definition (no NaN, no +-inf in the row): each kind of bad value at the first place, in the
+    middle, in the vector loop's tail, and in a strided view's rows."""
+    with_kernel, plain = Sampler(kernel=kernels.load("sampling")), Sampler()
+    assert with_kernel.kernel is not None and plain.kernel is None
+    vocab = 1003
+    logits = torch.randn(12, vocab) * 1e36  # (huge but finite: the plain path's sum would overflow)
+    logits[0] = float("-inf")
+    logits[0, 7] = 0.0
+    for row, (at, bad) in enumerate([(0, "nan"), (500, "inf"), (vocab - 1, "-inf"), (vocab - 3, "nan")], start=1):
+        logits[row, at] = float(bad)
+    logits[6] = 3.0  # constant rows
+    want = [bool(torch.isfinite(r).all()) for r in logits]
+    assert want[:5] == [False] * 5 and all(want[5:])
+    assert with_kernel.finite_rows(logits) == want
+    view = logits.T.contiguous().T[::2]  # rows of a transposed copy: not unit-stride along the vocabulary
+    assert with_kernel.finite_rows(view) == want[::2]
+    small = torch.randn(3, vocab)
+    small[1, 11] = float("nan")
+    assert with_kernel.finite_rows(small) == plain.finite_rows(small) == [True, False, True]
+
+
 def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
     sampler = Sampler(EOG)
     p = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1).validate(V)
