@@ -138,6 +138,52 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_
     if (QB == 32) quantize_row_qb(x, x_bf16, K, 32, q, dx, xs16, xs32, bs16, bs32);
     else quantize_row_qb(x, x_bf16, K, QB, q, dx, xs16, xs32, bs16, bs32);
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline __m256 load8(const void *x, int x_bf16, int64_t k) {
+    if (x_bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + k))), 16));
+    return _mm256_loadu_ps((const float *)x + k);
+}
+
+/* the plain loop's arithmetic (below), 8 lanes at a time: the same max, d and 1 / d, and the
+ * conversion's default rounding (to nearest even) is rintf's; codes packed with saturation (never
+ * reached: |x / d| <= 127). The plain loop (fmaxf calls, one rintf a column) took 7% of Qwen2.5-1.5B's
+ * AVX2 prefill. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
+                         float *xs32, int16_t *bs16, int16_t *bs32) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b0 = 0; b0 < K; b0 += QB) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t k = b0; k < b0 + QB; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(x, x_bf16, k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.f;
+        const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+        dx[b0 / QB] = d;
+        for (int64_t b = b0 / 32; b < (b0 + QB) / 32; b++) {
+            int s[2];
+            for (int h = 0; h < 2; h++) { /* columns 16h .. 16h + 15 of the block */
+                const int64_t k = 32 * b + 16 * h;
+                const __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, x_bf16, k), id));
+                const __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, x_bf16, k + 8), id));
+                const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8); /* 16 int16 in order */
+                _mm_storeu_si128((__m128i *)(q + k), _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(v0, v1)),
+                                          _mm256_extracti128_si256(_mm256_add_epi32(v0, v1), 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                s[h] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+            }
+            xs32[b] = d * (float)(s[0] + s[1]);
+            xs16[2 * b] = d * (float)s[0];
+            xs16[2 * b + 1] = d * (float)s[1];
+            bs32[b] = (int16_t)(s[0] + s[1]);
+            bs16[2 * b] = (int16_t)s[0];
+            bs16[2 * b + 1] = (int16_t)s[1];
+        }
+    }
+}
 #else
 static void quantize_row(const void *x, int x_bf16, int64_t K, int64_t QB, int8_t *q, float *dx, float *xs16,
                          float *xs32, int16_t *bs16, int16_t *bs32) {

@@ -48,12 +48,15 @@ def test_activation_quantization():
 
 
 @pytest.mark.parametrize("block", [32, 256])
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("build", ["native", "portable", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_activation_quantization_equals_reference(portable, dtype, block):
-    """The kernel's quantization (16 lanes at a time, or plain C) gives the reference's codes
-    and scales exactly, per 32 columns and per 256 (the k-quants' activations), ties to even
-    included (a block whose max is 127 puts x.5 at ties)."""
+def test_kernel_activation_quantization_equals_reference(build, dtype, block):
+    """The kernel's quantization (16 lanes at a time with AVX-512, 8 with AVX2, or plain C) gives
+    the reference's codes and scales exactly, per 32 columns and per 256 (the k-quants'
+    activations), ties to even included (a block whose max is 127 puts x.5 at ties)."""
+    if build == "avx2" and not cpu_runs("avx2"):
+        pytest.skip("no AVX2 on this CPU")
+    lib = load("qmatmul", isa="avx2") if build == "avx2" else load("qmatmul", build == "portable")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 512, generator=g) * torch.logspace(-3, 3, 9)[:, None]
     x[1, :32] = torch.arange(32) - 15.5  # max 15.5: ties scaled by 127 / 15.5
@@ -61,7 +64,7 @@ def test_kernel_activation_quantization_equals_reference(portable, dtype, block)
     x[3, 32:64] = 0.0  # an all-zero block
     x[4, 256:] = 0.0  # an all-zero block of 256
     x = x.to(dtype)
-    native = quantize_activations_native(x, block, lib=load("qmatmul", portable))
+    native = quantize_activations_native(x, block, lib=lib)
     assert native is not None, "the C kernel did not build (is gcc installed?)"
     xq, dx = quantize_activations(x, block)
     assert dx.shape == (9, 512 // block)
