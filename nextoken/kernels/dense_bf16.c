@@ -33,8 +33,7 @@
 /* the bias and the rounding of one output */
 static inline void db_store(void *y, int y_bf16, int64_t idx, float v, const float *bias, int64_t n) {
     if (bias) v += bias[n];
-    if (y_bf16) ((uint16_t *)y)[idx] = f32_to_bf16(v);
-    else ((float *)y)[idx] = v;
+    store1(y, y_bf16, idx, v);
 }
 
 #ifdef DB_AVX2

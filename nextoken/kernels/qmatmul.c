@@ -53,6 +53,16 @@
 #include <string.h>
 
 #include "bf16.h"
+
+/* what y holds (the y_bf16 argument of the calls below): float32, bf16, or float32 values rounded to
+ * bf16 (the LM head's logits: a bf16 model's numbers, without a second pass to widen them) */
+#define Y_F32 0
+#define Y_BF16 1
+#define Y_F32_RB 2
+static inline void store1(void *y, int y_mode, int64_t idx, float v) {
+    if (y_mode == Y_BF16) ((uint16_t *)y)[idx] = f32_to_bf16(v);
+    else ((float *)y)[idx] = y_mode == Y_F32_RB ? rb(v) : v;
+}
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QM_VNNI 1
@@ -317,7 +327,10 @@ static inline void store16(void *y, int y_bf16, int64_t idx, __m512 v) {
         __m512i u = _mm512_castps_si512(v);
         const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)y + idx), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        if (y_bf16 == Y_F32_RB)
+            _mm512_storeu_ps((float *)y + idx, _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u))));
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + idx), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
     } else {
         _mm512_storeu_ps((float *)y + idx, v);
     }
@@ -690,8 +703,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             for (int64_t l = 0; l < TILE; l++) {
                 float v = acc[mm][l];
                 if (w->bias) v += w->bias[n0 + l];
-                if (y_bf16) ((uint16_t *)y)[(m0 + mm) * ldy + n0 + l] = f32_to_bf16(v);
-                else ((float *)y)[(m0 + mm) * ldy + n0 + l] = v;
+                store1(y, y_bf16, (m0 + mm) * ldy + n0 + l, v);
             }
     }
 }

@@ -343,8 +343,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
         for (int64_t l = 8 * h0; l < 8 * (h0 + nh); l++) {
             float o = v[l];
             if (w->bias) o += w->bias[n0 + l];
-            if (y_bf16) ((uint16_t *)y)[(m0 + i) * ldy + n0 + l] = f32_to_bf16(o);
-            else ((float *)y)[(m0 + i) * ldy + n0 + l] = o;
+            store1(y, y_bf16, (m0 + i) * ldy + n0 + l, o);
         }
     }
 }

@@ -40,6 +40,7 @@ class Linear(torch.nn.Module):
         self.bias_f32: torch.Tensor | None = None
         self._qweight_c = None
         self.few_rows = False  # its calls have few rows (the LM head): int4 never expands the weight
+        self.float_out = False  # codes: float32 out, rounded as a bf16 output (the LM head's logits, widened anyway)
         self.combine = None  # tensor parallel: [T, out] of this rank -> the joined output
         self.lora = None  # its LoRA adapters (`lora.LoRASlots`), once one targets it
 
@@ -69,7 +70,7 @@ class Linear(torch.nn.Module):
         if self.int4 is not None:
             return None
         out = Linear(self.in_features, sum(b - a for a, b in ranges), self.bias is not None, self.dtype)
-        out.method, out.few_rows = self.method, self.few_rows
+        out.method, out.few_rows, out.float_out = self.method, self.few_rows, self.float_out
         if self.bias is not None:
             out.bias = torch.nn.Parameter(torch.cat([self.bias[a:b] for a, b in ranges]), requires_grad=False)
         if self.qweight is not None:

@@ -42,6 +42,7 @@ class DecoderModel(torch.nn.Module):
         self.norm = weight_param(cfg.hidden_size, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.lm_head.few_rows = True  # one row per sequence
+        self.lm_head.float_out = True  # (compute_logits widens them: on codes the kernel writes float32)
         self.norm_kernel = None  # set by the execution plan at load: the final RMSNorm on our C kernel
         if cfg.tie_word_embeddings:  # one table serves both, until the loader says otherwise
             self.lm_head.weight = self.embed_tokens.weight

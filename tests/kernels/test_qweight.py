@@ -10,8 +10,8 @@ import torch
 from nextoken.kernels import cpu_runs, default_isa, load
 from nextoken.layers.quantization.methods import CodesMethod
 from nextoken.layers.linear import Linear
-from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dequantize_bf16, from_gguf, qmatmul, qmatmul_reference, \
-    quantize_activations, quantize_activations_native
+from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dense_c_struct, dequantize_bf16, from_gguf, \
+    kernel_matmul, qmatmul, qmatmul_reference, quantize_activations, quantize_activations_native
 from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
 from tests.helpers.blocks import random_blocks
 from tests.helpers.cpu import cpu_has
@@ -116,6 +116,29 @@ def test_simd_loops_equal_the_plain_loop_bit_for_bit(isa, type_name):
         for xin in (x, x.to(torch.bfloat16)):
             ours = qmatmul(xin, qw, bias, out_dtype=torch.float32, lib=lib)
             assert torch.equal(ours, qmatmul(xin, qw, bias, out_dtype=torch.float32, lib=plain)), (m, xin.dtype)
+
+
+@pytest.mark.parametrize("build", ["native", "portable", "avx2"])
+def test_rounded_float_output_equals_the_bf16_output_widened(build):
+    """``rounded`` (the LM head's logits: float32 out, rounded as a bf16 output) gives the bf16
+    output's values exactly, on every store of the kernel: one row, a few, 40 (AMX blocks where
+    the CPU has them), a super-block format, a legacy one with a bias, and dense bf16 weights."""
+    if build == "avx2" and not cpu_runs("avx2"):
+        pytest.skip("no AVX2 on this CPU")
+    lib = load("qmatmul", isa="avx2") if build == "avx2" else load("qmatmul", build == "portable")
+    for type_name in ("Q6_K", "Q8_0"):
+        _, qw = weight(type_name, 48, 512, seed=28)
+        bias = torch.randn(48, generator=torch.Generator().manual_seed(4)) if type_name == "Q8_0" else None
+        for m in (1, 3, 40):
+            x = (torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 2).to(torch.bfloat16)
+            want = qmatmul(x, qw, bias, lib=lib).float()
+            got = qmatmul(x, qw, bias, out_dtype=torch.float32, lib=lib, rounded=True)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (type_name, m)
+    dense = torch.randn(48, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    c = dense_c_struct(dense)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    want = kernel_matmul(x, c, 48, lib=lib).float()
+    assert torch.equal(kernel_matmul(x, c, 48, torch.float32, lib=lib, rounded=True), want)
 
 
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)

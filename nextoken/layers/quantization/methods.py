@@ -106,7 +106,9 @@ class CodesMethod(LinearMethod):
         self.lib = _required(lib, self.name)
 
     def apply(self, layer, x):
-        y = qmatmul(x, layer.qweight, c=layer.qweight_c(), lib=self.lib)
+        wide = layer.float_out and x.dtype == torch.bfloat16  # float32 out, rounded as bf16 (the LM head)
+        y = qmatmul(x, layer.qweight, c=layer.qweight_c(), lib=self.lib, out_dtype=torch.float32 if wide else None,
+                    rounded=wide)
         if y is not None:
             return y
         count_fallback(f"codes matmul on {x.dtype}")

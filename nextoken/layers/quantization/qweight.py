@@ -330,20 +330,23 @@ def dense_c_struct(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QW
 
 
 def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | None = None, *,
-                  lib) -> torch.Tensor | None:
+                  lib, rounded: bool = False) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) times the weight `c` describes (codes, or dense bf16:
     `dense_c_struct`) -> ``[M, rows]`` in `out_dtype` (x's dtype by default), on the C kernel
-    (``qmatmul``); None when the kernel is unavailable or x's dtype has no path. `lib`: the
-    library the plan resolved, else loaded here (`portable`: its plain C loops). Raises
-    `MemoryError` when it cannot allocate, `ValueError` for a weight it does not take."""
+    (``qmatmul``); None when the kernel is unavailable or x's dtype has no path. `rounded` with a
+    float32 `out_dtype`: the outputs rounded to bf16 as a bf16 output would be, stored as float32
+    (the LM head's logits: ``y.float()`` of the bf16 output without its pass). `lib`: the library
+    the plan resolved, else loaded here (`portable`: its plain C loops). Raises `MemoryError`
+    when it cannot allocate, `ValueError` for a weight it does not take."""
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     x = x.contiguous()
     out_dtype = out_dtype or x.dtype
     y = torch.empty(x.shape[0], rows, dtype=out_dtype)
+    mode = 1 if out_dtype == torch.bfloat16 else 2 if rounded else 0  # qmatmul.c's Y_F32, Y_BF16, Y_F32_RB
     rc = lib.qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.dtype == torch.bfloat16),
                      ctypes.c_int64(x.shape[0]), ctypes.byref(c), ctypes.c_void_p(y.data_ptr()),
-                     ctypes.c_int(out_dtype == torch.bfloat16), ctypes.c_int64(rows))
+                     ctypes.c_int(mode), ctypes.c_int64(rows))
     if rc == 1:
         raise MemoryError("qmatmul: out of memory for its buffers")
     if rc != 0:
@@ -352,14 +355,15 @@ def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | No
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, c: QW | None = None, *, lib) -> torch.Tensor | None:
+            out_dtype: torch.dtype | None = None, c: QW | None = None, *, lib,
+            rounded: bool = False) -> torch.Tensor | None:
     """``x [M, K]`` (float32 or bf16) -> ``[M, N]`` in `out_dtype` (x's dtype by default), on
     the C kernel; None when the kernel is unavailable (the caller takes the PyTorch path).
     bias: float32 ``[N]`` or None (or `c`, a prepared `QuantWeight.c_struct`). `portable`: the
     kernel's plain C loops (tests). `lib`: the library the execution plan resolved (the model's
     layers pass it; without it the kernel is loaded here). Raises `ValueError` for a shape the
-    kernel does not take."""
-    return kernel_matmul(x, c if c is not None else w.c_struct(bias), w.shape[0], out_dtype, lib=lib)
+    kernel does not take. `rounded`: `kernel_matmul`'s."""
+    return kernel_matmul(x, c if c is not None else w.c_struct(bias), w.shape[0], out_dtype, lib=lib, rounded=rounded)
 
 
 _scratch = threading.local()
