@@ -403,17 +403,14 @@ class Sampler:
             else:
                 results[i] = SampleResult(int(draw(probs, uniform(rows[i].generator))), kept=kept, probs=probs)
 
-    @staticmethod
-    def _final(logits: torch.Tensor, rows: list[SamplerRequest], source: dict[int, torch.Tensor]) -> list[tuple]:
+    def _final(self, logits: torch.Tensor, rows: list[SamplerRequest], source: dict[int, torch.Tensor]) -> list[tuple]:
         """Each row's ``(kept, probs)`` (or ``(argmax, None)`` when greedy) from its processed and
         masked logits (`source`, else the raw row); the sampled rows in one `kept_weights` call."""
         out: list[tuple] = [None] * len(rows)
-        sampled = []
-        for i, r in enumerate(rows):
-            if r.params.greedy:
-                out[i] = (int(source.get(i, logits[i]).argmax()), None)
-            else:
-                sampled.append(i)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        for i, t in zip(greedy, self._argmax([source.get(i, logits[i]) for i in greedy])):
+            out[i] = (t, None)
         if sampled:
             meta = SamplingMetadata.build([rows[i] for i in sampled], logits.shape[1], logits.device)
             stack = torch.stack([source.get(i, logits[i]).float() for i in sampled])
@@ -422,6 +419,18 @@ class Sampler:
             for j, i in enumerate(sampled):
                 out[i] = (kept[j], probs[j])
         return out
+
+    def _argmax(self, rows: list[torch.Tensor]) -> list[int]:
+        """The first argmax of each row ``[vocab]``: the draw's C kernel (its greedy rule) for
+        float32 CPU rows when it is there (a draft model's proposals: PyTorch's argmax took 0.3 ms
+        a row of 151936), else PyTorch's."""
+        if self.kernel is not None and rows and all(r.device.type == "cpu" and r.dtype == torch.float32
+                                                    and r.stride(-1) == 1 for r in rows):
+            b, V = len(rows), rows[0].shape[-1]
+            zero, one = torch.zeros(b), torch.ones(b)
+            return self.kernel([r.data_ptr() for r in rows], V, zero, torch.zeros(b, dtype=torch.int32), one, zero,
+                               zero).tolist()
+        return [int(r.argmax()) for r in rows]
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:

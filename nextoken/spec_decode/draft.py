@@ -64,14 +64,20 @@ class DraftProposer:
         if head is not None:
             model.lm_head, self.head_ranges = head, head_ranges
         self.vocab_size = runner.config.vocab_size
+        self._full: torch.Tensor | None = None  # `_full_logits`'s rows: -inf outside the head, kept between steps
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's rows back at their token ids, -inf elsewhere: ``[rows, vocab]``. A row
         whose grammar allows only tokens outside the head proposes nothing real (greedy: token 0;
-        sampled: a NaN distribution): the verification rejects it and the target draws alone."""
+        sampled: a NaN distribution): the verification rejects it and the target draws alone.
+        The rows are a buffer kept from step to step (the sampler never writes its logits): only the
+        head's columns are copied in, where a fresh -inf row of the whole vocabulary cost its fill."""
         if self.head_ranges is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        n = logits.shape[0]
+        if self._full is None or self._full.shape[0] < n or self._full.dtype != logits.dtype:
+            self._full = logits.new_full((max(n, 8), self.vocab_size), float("-inf"))
+        full = self._full[:n]
         at = 0
         for a, b in self.head_ranges:
             full[:, a:b] = logits[:, at : at + b - a]
