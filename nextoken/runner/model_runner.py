@@ -354,7 +354,8 @@ class ModelRunner:
             self.kept_hidden = [hidden[last[i] + 1 - len(s.token_ids) : last[i] + 1]
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
-        return self.model.compute_logits(hidden[rows])
+        run = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))  # (a decode batch: a slice, no copy)
+        return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)] if run else hidden[rows])
 
     def _one_call(self, s: SequenceInput, tracer) -> bool:
         """Whether `s`'s rows go to the one-call C step (`NativeDecoder.takes`)."""
