@@ -93,7 +93,7 @@ class KernelSet:
     activation: ctypes.CDLL | None = None
     decode: ctypes.CDLL | None = None
     sampling: ctypes.CDLL | None = None
-    encoder: ctypes.CDLL | None = None  # the BERT encoder's attention and add + LayerNorm
+    encoder: ctypes.CDLL | None = None  # the BERT encoder's attention, add + LayerNorm and GELU
     fallbacks: "FallbackCounts" = field(default_factory=lambda: FallbackCounts(), compare=False, repr=False)
 
     @classmethod

@@ -39,6 +39,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "decode_layers": (_INT, [P, _I64, P, P, P]),  # (layer_t *, L, decode_call_t *, arch_t *, lora_t *)
     "encoder_attention": (_INT, [P, _INT, _I64, _I64, _I64, P, P, _I64, P]),
     "encoder_add_norm": (_INT, [P, P, _INT, P, P, _INT, _I64, _I64, _F32, P]),
+    "encoder_gelu": (None, [P, _INT, _I64, P]),
     "encoder_linear_s8": (_INT, [P, _INT, _I64, _I64, P, P, P, P, P, _I64, _INT, P]),
     "encoder_linear_s8_loop": (ctypes.c_char_p, []),
 }

@@ -63,7 +63,7 @@ class BertModel:
         self.w = tensors  # name -> tensor, without the ``bert.`` prefix
         self.codes: dict = {}  # linear name -> its `PackedS8` (Q8_0), or `QuantWeight` and float32 bias (`quantize`)
         self.lib = None
-        self.kernel = None  # the plan's ``encoder`` library (kernels/encoder.c): attention and add + norm in C
+        self.kernel = None  # the plan's ``encoder`` library (kernels/encoder.c): attention, add + norm, GELU in C
         self._observed: dict | None = None  # linear name -> its inputs' column maxima, during `_calibrate`
 
     @classmethod
@@ -132,7 +132,7 @@ class BertModel:
             p = f"encoder.layer.{n}."
             a = self._attention(x, p + "attention.", seqs)
             x = self._add_norm(x, self._linear(a, p + "attention.output.dense", x), p + "attention.output.LayerNorm")
-            m = F.gelu(self._linear(x, p + "intermediate.dense"))
+            m = self._gelu(self._linear(x, p + "intermediate.dense"))
             x = self._add_norm(x, self._linear(m, p + "output.dense", x), p + "output.LayerNorm")
         return x
 
@@ -194,6 +194,15 @@ class BertModel:
 
         codes, bias = quantized
         return qmatmul(x.contiguous(), codes, bias, out_dtype=out, lib=self.lib)
+
+    def _gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """GELU (erf form) in C (`encoder_gelu`, in place on the fresh intermediate), or PyTorch's
+        F.gelu (the reference)."""
+        c = self._c_kernel(x)
+        if c is None or self._observed is not None or not x.is_contiguous():
+            return F.gelu(x)
+        c.encoder_gelu(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), x.data_ptr())
+        return x
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],

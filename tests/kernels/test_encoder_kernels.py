@@ -2,7 +2,8 @@
 packed sequences of every length a vector loop can trip on (1 key, 7, 8, 9, 31, 33, more than
 128), for heads of 32 and 64 columns (compiled apart) and of 16 (the general path), in float32
 and bf16; LayerNorm of a residual sum against PyTorch's, bf16 and float32, and with a float32
-branch (one rounding less). Each for the native, AVX2 and portable builds."""
+branch (one rounding less); GELU against its exact form. Each for the native, AVX2 and portable
+builds."""
 
 from __future__ import annotations
 
@@ -182,3 +183,25 @@ def test_int8_gemm_refuses_inputs_not_in_blocks_of_32(lib):
     assert lib.encoder_linear_s8(x.data_ptr(), 0, 2, 40, None, 0, 0, 0, 0, 16, 0, out.data_ptr()) == 1
     packed = PackedS8.quantize(torch.randn(16, 64), torch.zeros(16))
     assert packed(torch.empty(0, 64), lib, torch.float32).shape == (0, 16)  # no rows: nothing to do, no error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_equals_the_exact_form(lib, dtype):
+    """``encoder_gelu`` against float64 x / 2 (1 + erf(x / sqrt 2)), in place, over the range a BERT
+    intermediate takes and past it (e^(-z^2) underflows, erf saturates), signed zeros, and a length
+    with a tail for every vector width. The formula's 1 + erf cancels for negative x (as PyTorch's
+    F.gelu does), so the bound is absolute: float32 within 3e-7 |x|, bf16 within that plus its own
+    rounding (2^-8 of the value), both beside the float32 rounding of the value itself."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randn(4099, generator=g) * 3, torch.linspace(-12, 12, 1001),
+                   torch.tensor([0.0, -0.0, 40.0, -40.0])])
+    y = x.to(dtype).contiguous()
+    xd = y.double()
+    want = xd / 2 * (1 + torch.erf(xd / 2 ** 0.5))
+    lib.encoder_gelu(y.data_ptr(), int(dtype == torch.bfloat16), y.numel(), y.data_ptr())
+    err = (y.double() - want).abs() - 3e-7 * xd.abs() - want.abs() * 2 ** -21  # (and 4 float32 ulps)
+    if dtype == torch.bfloat16:
+        err -= want.abs() * 2 ** -8
+    assert float(err.max()) <= 1e-30
+    if dtype == torch.bfloat16:  # and mostly the very bits of PyTorch's
+        assert float((y != torch.nn.functional.gelu(x.to(dtype))).float().mean()) < 0.05
