@@ -266,12 +266,12 @@ class Sampler:
 
     def finite_rows(self, logits: torch.Tensor) -> list[bool]:
         """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity: ``sampling.c``'s
-        ``rows_finite`` on float32 CPU rows when the kernel is there, else one float32 sum per row
-        (NaN and inf both survive it), the plain path."""
+        ``rows_finite`` on float32 CPU rows when the kernel is there, else PyTorch's isfinite (the
+        plain path; a sum per row would also flag huge finite rows whose sum overflows)."""
         if self.kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
                 and logits.dim() == 2 and logits.stride(1) == 1:
             return self.kernel.finite(logits)
-        return torch.isfinite(logits.float().sum(dim=-1)).tolist()
+        return torch.isfinite(logits).all(dim=-1).tolist()
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
