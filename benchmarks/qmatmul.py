@@ -56,14 +56,15 @@ def random_weight(rows: int, cols: int, fmt: str, g: torch.Generator) -> QuantWe
     def f16(shape):
         return (torch.rand(shape, generator=g) * 0.01).half().float()
 
-    if fmt == "Q4_1":
-        ng = cols // 32
-        return QuantWeight.pack(PlainCodes(ints(16, (rows, cols)), f16((rows, ng)), None, -f16((rows, ng)), None,
-                                           0.0, 4, 32))
-    if fmt == "Q4_K":
-        ng = cols // 32
-        return QuantWeight.pack(PlainCodes(ints(16, (rows, cols)), ints(64, (rows, ng)).float(), f16((rows, ng // 8)),
-                                           ints(64, (rows, ng)).float(), -f16((rows, ng // 8)), 0.0, 4, 32, 8))
+    if fmt in ("Q4_1", "Q5_1"):  # f16 scale and min per 32 columns
+        ng, bits = cols // 32, int(fmt[1])
+        return QuantWeight.pack(PlainCodes(ints(1 << bits, (rows, cols)), f16((rows, ng)), None, -f16((rows, ng)), None,
+                                           0.0, bits, 32))
+    if fmt in ("Q4_K", "Q5_K"):  # 6-bit scales and mins per 32 columns, f16 per 256
+        ng, bits = cols // 32, int(fmt[1])
+        return QuantWeight.pack(PlainCodes(ints(1 << bits, (rows, cols)), ints(64, (rows, ng)).float(),
+                                           f16((rows, ng // 8)), ints(64, (rows, ng)).float(), -f16((rows, ng // 8)),
+                                           0.0, bits, 32, 8))
     if fmt in ("Q4_0", "Q5_0", "Q8_0"):  # one f16 scale per 32 columns, min = -offset * scale
         bits, offset = {"Q4_0": (4, 8.0), "Q5_0": (5, 16.0), "Q8_0": (8, 128.0)}[fmt]
         return QuantWeight.pack(PlainCodes(ints(1 << bits, (rows, cols)), f16((rows, cols // 32)), None, None, None,
@@ -110,7 +111,7 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-STREAM_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+STREAM_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # the multi-row shape other engines published (issue 62's anchors): time of 2 / 4 / 8 rows over 1
 PEER_RATIOS = {"llama.cpp (mainline)": (1.26, 2.28, 4.34), "ik_llama.cpp": (1.04, 1.24, 2.32),
                "ik_llama.cpp interleaved": (1.00, 1.04, 1.82)}

@@ -127,7 +127,7 @@ class GGUFFile:
 
     def tensor(self, name: str, dtype: torch.dtype | None = None, chunk_rows: int = 4096) -> torch.Tensor:
         """Tensor `name` de-quantized to `dtype` (float32 by default), PyTorch-order shape
-        ``[rows, cols]``.
+        ``[rows, cols]``. Raises `ModelLoadError` naming the tensor for a format nothing here reads.
 
         Rows are de-quantized `chunk_rows` at a time straight into the result, so no float32 copy
         of a large tensor is ever held at once.
@@ -138,13 +138,16 @@ class GGUFFile:
 
         dtype = torch.float32 if dtype is None else dtype
         t = self._get(name)
-        if len(t.shape) < 2 or t.shape[0] <= chunk_rows:
-            return dequantize(self.raw(name), t.type_name, t.shape).to(dtype)
-        out = torch.empty(t.shape, dtype=dtype)
-        for start in range(0, t.shape[0], chunk_rows):
-            part = self.raw(name, start, min(start + chunk_rows, t.shape[0]))
-            out[start : start + part.shape[0]] = dequantize(part, t.type_name, (part.shape[0], *t.shape[1:]))
-        return out
+        try:
+            if len(t.shape) < 2 or t.shape[0] <= chunk_rows:
+                return dequantize(self.raw(name), t.type_name, t.shape).to(dtype)
+            out = torch.empty(t.shape, dtype=dtype)
+            for start in range(0, t.shape[0], chunk_rows):
+                part = self.raw(name, start, min(start + chunk_rows, t.shape[0]))
+                out[start : start + part.shape[0]] = dequantize(part, t.type_name, (part.shape[0], *t.shape[1:]))
+            return out
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Stored bytes of rows ``[start, stop)`` of tensor `name` (quantized blocks), uint8

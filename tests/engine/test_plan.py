@@ -14,7 +14,7 @@ from nextoken.runner.model_runner import ModelRunner
 from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
 
 QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q8_0", "attn_output.weight": "Q5_0",
-         "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q4_0"}
+         "ffn_gate.weight": "Q5_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q4_0"}
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12]
 
 

@@ -16,6 +16,8 @@ from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
 from tests.helpers.blocks import random_blocks
 from tests.helpers.cpu import cpu_has
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-column super-blocks: one activation scale per 256 columns
+
 
 def weight(type_name: str, rows: int, cols: int, seed: int):
     """Random blocks of `type_name`: the float32 de-quantized weight and our codes."""
@@ -151,7 +153,7 @@ def test_amx_loop_equals_the_vnni_loop_bit_for_bit(type_name):
     assert lib is not None, "the C kernel did not build (is gcc installed?)"
     if not lib.qmatmul_amx(-1):
         pytest.skip("this CPU has no AMX-INT8 (or its kernel refuses the tile data)")
-    cols = [512] + ([544] if type_name not in ("Q4_K", "Q6_K") else [])
+    cols = [512] + ([544] if type_name not in K_QUANTS else [])
     try:
         for k in cols:
             _, qw = weight(type_name, 48, k, seed=27)
@@ -183,7 +185,7 @@ def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     assert torch.equal(qmatmul(x[6:8], qw, out_dtype=torch.float32, lib=lib), many[6:8])
     x40 = torch.cat([x, x, x, x[:1]])  # 40 rows: two blocks of 16 on AMX where the CPU has it, 8 on VNNI
     assert torch.equal(qmatmul(x40, qw, out_dtype=torch.float32, lib=lib)[26:39], many)
-    assert qw.act_block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
+    assert qw.act_block == (256 if type_name in K_QUANTS else 32)
 
 
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
@@ -224,7 +226,7 @@ def test_embedding_lookup_on_the_kernel_equals_the_pytorch_one(type_name):
     assert emb._lookup_c(ids) is None
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", K_QUANTS + ("Q5_1",))
 @pytest.mark.parametrize("portable", [False, True])
 def test_dense_expansion_equals_reference(type_name, portable):
     w, qw = weight(type_name, 32, 512, seed=23)

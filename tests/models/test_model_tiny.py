@@ -45,16 +45,18 @@ def test_chunked_prefill_equals_whole_prefill(tiny_gguf):
 
 
 def test_quantized_tensors_load_like_gguf_dequantize(tmp_path):
-    """A GGUF whose linears are stored Q8_0 / Q4_0: our model equals transformers run on the same
-    weights after `gguf.quants` round-trips them."""
+    """A GGUF whose linears are stored Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, and one in a format only
+    gguf de-quantizes (MXFP4): our model equals transformers run on the same weights after
+    `gguf.quants` round-trips them."""
     import gguf
 
     hf = tiny_hf_model("qwen2", seed=1)
     quant = {"ffn_up.weight": "Q8_0", "ffn_gate.weight": "Q4_0", "attn_output.weight": "Q4_1",
-             "ffn_down.weight": "Q5_0"}
+             "ffn_down.weight": "Q5_0", "attn_q.weight": "Q5_1", "attn_k.weight": "MXFP4"}
     path = tmp_path / "q.gguf"
     write_gguf(hf, path, "qwen2", quant=quant)
-    qmap = {"up_proj": "Q8_0", "gate_proj": "Q4_0", "o_proj": "Q4_1", "down_proj": "Q5_0"}
+    qmap = {"up_proj": "Q8_0", "gate_proj": "Q4_0", "o_proj": "Q4_1", "down_proj": "Q5_0", "q_proj": "Q5_1",
+            "k_proj": "MXFP4"}
     with torch.no_grad():
         for name, p in hf.named_parameters():
             for mod, q in qmap.items():

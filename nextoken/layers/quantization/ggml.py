@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-QK = 32  # elements per block of the "legacy" formats (Q4_0, Q4_1, Q5_0, Q8_0)
-QK_K = 256  # elements per super-block of the k-quants (Q4_K, Q6_K)
+QK = 32  # elements per block of the "legacy" formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+QK_K = 256  # elements per super-block of the k-quants (Q4_K, Q5_K, Q6_K)
 
 
 def f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -48,6 +48,20 @@ def codes_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, 32]
     low = _nibbles(blocks[:, 6:]).reshape(-1, QK).to(torch.int32)
     return low | (bits << 4), d
+
+
+def codes_q5_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_1 -> (q int32 ``[n, 32]`` in 0..31, d, m float32 ``[n, 1]``): Q5_0's codes after a second
+    float16, the minimum."""
+    d, m = f16_field(blocks, 0), f16_field(blocks, 2)
+    q, _ = codes_q5_0(torch.cat((blocks[:, :2], blocks[:, 4:]), dim=1))
+    return q, d, m
+
+
+def dequant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_1: ``d: f16, m: f16, qh: u32 (5th bits), qs: u8[16]``; x = d * q + m."""
+    q, d, m = codes_q5_1(blocks)
+    return d * q.float() + m
 
 
 def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -87,6 +101,25 @@ def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return x.reshape(n, QK_K)
 
 
+def codes_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K's codes, uint8 ``[n, 256]`` in 0..31: Q4_K's nibbles (``qs`` at byte 48) and a fifth
+    bit from ``qh: u8[32]`` (byte 16): bit j of ``qh[l]`` is that of element l of sub-block j."""
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, 48:].reshape(n * 4, 32)).reshape(n, 8, 32)
+    fifth = (blocks[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    return (low | (fifth << 4)).reshape(n, QK_K)
+
+
+def dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K: ``d: f16, dmin: f16, scales: u8[12], qh: u8[32], qs: u8[128]``; 8 sub-blocks of 32,
+    x = d * sc[j] * q - dmin * m[j] as Q4_K, with 5-bit q (`codes_q5_k`)."""
+    n = blocks.shape[0]
+    d, dmin = f16_field(blocks, 0), f16_field(blocks, 2)
+    sc, mn = _q4_k_scales(blocks[:, 4:16])
+    q = codes_q5_k(blocks).reshape(n, 8, 32).float()
+    return ((d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).reshape(n, QK_K)
+
+
 def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K: ``ql: u8[128], qh: u8[64], scales: i8[16], d: f16``; 16 sub-blocks of 16.
 
@@ -118,8 +151,10 @@ BLOCK_FORMATS = {
     "Q4_0": (QK, 18, dequant_q4_0),
     "Q4_1": (QK, 20, dequant_q4_1),
     "Q5_0": (QK, 22, dequant_q5_0),
+    "Q5_1": (QK, 24, dequant_q5_1),
     "Q8_0": (QK, 34, dequant_q8_0),
     "Q4_K": (QK_K, 144, dequant_q4_k),
+    "Q5_K": (QK_K, 176, dequant_q5_k),
     "Q6_K": (QK_K, 210, dequant_q6_k),
 }
 
@@ -128,7 +163,9 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
     """De-quantize one tensor's raw data to float32 of `shape` (PyTorch order, rows first).
 
     `raw` is the tensor's bytes as ``uint8`` (any shape), or for F32/F16/BF16 also data already
-    of that type. Raises `NotImplementedError` naming the type for formats we do not read.
+    of that type. The formats of `BLOCK_FORMATS` are ours; any other the `gguf` package reads
+    (Q2_K, Q3_K, the IQ formats, TQ1_0 ...) goes through its NumPy de-quantization
+    (`gguf_dequantize`). Raises `NotImplementedError` naming the type for a format neither reads.
     """
     if type_name in ("F32", "F16", "BF16"):
         typed = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
@@ -136,10 +173,28 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
             raw = raw.contiguous().view(typed)
         return raw.reshape(shape).float()
     if type_name not in BLOCK_FORMATS:
-        raise NotImplementedError(
-            f"GGML tensor type {type_name} is not supported; supported: "
-            f"F32, F16, BF16, {', '.join(BLOCK_FORMATS)}"
-        )
+        return gguf_dequantize(raw, type_name, shape)
     block_size, type_size, fn = BLOCK_FORMATS[type_name]
     blocks = raw.reshape(-1, type_size)
     return fn(blocks).reshape(shape)
+
+
+def gguf_dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A format without a de-quantization of ours, through `gguf.quants.dequantize` (the gguf
+    package's NumPy port of ggml's): ``raw`` uint8 bytes -> float32 of `shape`. Raises
+    `NotImplementedError` naming the type when gguf does not read it either."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name, None)
+    try:
+        if qtype is None or qtype not in gguf.GGML_QUANT_SIZES:
+            raise NotImplementedError(type_name)
+        rows = 1
+        for n in shape[:-1]:
+            rows *= n
+        values = gguf.quants.dequantize(raw.contiguous().view(torch.uint8).reshape(rows, -1).numpy(), qtype)
+    except NotImplementedError:
+        raise NotImplementedError(f"GGML tensor type {type_name} is not supported: neither nextoken nor the gguf "
+                                  f"package de-quantizes it") from None
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

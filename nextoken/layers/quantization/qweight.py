@@ -8,6 +8,8 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q4_1: ``x = d q + m``                -> 4-bit u = q, group 32, scale d, min m
 - Q4_K: ``x = d sc_j q - dmin m_j``    -> 4-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q5_0: ``x = d (q - 16)``             -> 5-bit u = q, group 32, scale d, min -16 d
+- Q5_1: ``x = d q + m``                -> 5-bit u = q, group 32, scale d, min m
+- Q5_K: ``x = d sc_j q - dmin m_j``    -> 5-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
 
@@ -34,9 +36,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_q5_0, codes_q6_k
+from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_q5_0, codes_q5_1, codes_q5_k, \
+    codes_q6_k
 
-QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
+QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
 TILE = 16  # rows per tile of the kernel's layout
 
 
@@ -249,9 +252,16 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         sc, mn = _q4_k_scales(b[:, 4:16])  # [n, 8] each, 0..63
         q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK)
         scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
+    elif type_name == "Q5_K":  # Q4_K's scales and mins, 5-bit codes
+        b = raw.reshape(-1, 176)
+        sc, mn = _q4_k_scales(b[:, 4:16])
+        q = codes_q5_k(b)
+        scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
     elif type_name == "Q5_0":
         q, scale = codes_q5_0(raw.reshape(-1, 22))
         offset = 16.0
+    elif type_name == "Q5_1":
+        q, scale, mins = codes_q5_1(raw.reshape(-1, 24))
     elif type_name == "Q8_0":
         b = raw.reshape(-1, 34)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
@@ -265,7 +275,7 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
                       shaped(mins, ng), shaped(min_sup, ng // gps), offset,
-                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q6_K": 6}.get(type_name, 8), group, gps)
+                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(type_name, 8), group, gps)
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
