@@ -11,7 +11,12 @@ weights quantized must match it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("nextoken.loader")
+_told: set[str] = set()  # the formats `gguf_dequantize` has warned about
 
 QK = 32  # elements per block of the "legacy" formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 QK_K = 256  # elements per super-block of the k-quants (Q4_K, Q5_K, Q6_K)
@@ -197,4 +202,8 @@ def gguf_dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -
     except NotImplementedError:
         raise NotImplementedError(f"GGML tensor type {type_name} is not supported: neither nextoken nor the gguf "
                                   f"package de-quantizes it") from None
+    if type_name not in _told:
+        _told.add(type_name)
+        log.warning("%s tensors have no nextoken kernel: de-quantized at load by the gguf package (dense weights: "
+                    "more memory than the file, dense speed)", type_name)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
