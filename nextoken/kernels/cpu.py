@@ -69,15 +69,19 @@ def cpu_flags() -> str:
 
 
 def bf16_matmul_native() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16). Without
-    it PyTorch's bf16 ``bmm`` widens element by element: 60x slower than float32 on an AVX2 Zen 4
-    guest (`benchmarks/profile_prefill.py`), so the PyTorch attention paths compute in float32
-    there. A fact of the CPU, read once."""
+    """Whether PyTorch multiplies bf16 matrices in hardware here: the CPU has AVX512-BF16 or
+    AMX-BF16, and oneDNN is not held below them (``ONEDNN_MAX_CPU_ISA``/``DNNL_MAX_CPU_ISA``, as
+    when a CPU without them is emulated). Without it PyTorch's bf16 ``bmm`` widens element by
+    element: 60x slower than float32 on an AVX2 Zen 4 guest (`benchmarks/profile_prefill.py`), so
+    the PyTorch attention paths compute in float32 there. Read once."""
     global _BF16_NATIVE
     if _BF16_NATIVE is None:
         flags = set(cpu_flags().split())
-        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"})
+        cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"}) and cap not in ONEDNN_WITHOUT_BF16
     return _BF16_NATIVE
 
 
+# oneDNN's ISA caps below its bf16 instructions (its documented values)
+ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 _BF16_NATIVE: bool | None = None

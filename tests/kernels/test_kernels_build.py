@@ -215,3 +215,18 @@ def test_the_abi_table_matches_the_c_sources():
         for result, params in c_signatures(fn):
             assert ctype_of(result) is restype, (fn, result)
             assert [ctype_of(p) for p in params] == list(argtypes), (fn, params)
+
+
+@pytest.mark.parametrize("cap,native", [("", True), ("avx2", False), ("AVX512_CORE_VNNI", False),
+                                        ("AVX512_CORE_BF16", True), ("AVX512_CORE_AMX", True)])
+def test_bf16_matmul_is_native_only_with_the_instructions_and_onednn_allowed_them(monkeypatch, cap, native):
+    """A CPU with AVX512-BF16 whose oneDNN is held to AVX2 (as when an AVX2 CPU is emulated)
+    computes bf16 matmuls as one without: the float32 paths apply."""
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")
+    monkeypatch.setattr(cpu, "_BF16_NATIVE", None)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert cpu.bf16_matmul_native() is native
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: "flags : fpu avx2 fma")
+    monkeypatch.setattr(cpu, "_BF16_NATIVE", None)
+    assert cpu.bf16_matmul_native() is False
