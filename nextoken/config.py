@@ -63,7 +63,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype (`kv_cache.tensors`)
-QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0")  # --quantization: formats a folder is quantized to at load
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # --quantization: formats a folder is quantized to at load
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ like a GGUF file's.
 
 The blocks are the `gguf` package's quantizers (`gguf.quants.quantize`: the bytes llama.cpp's
 ``convert_hf_to_gguf.py --outtype q8_0`` writes), from the float32 values of each tensor. Only
-the formats that package can quantize and our kernel maps are offered: Q8_0, Q4_0, Q4_1 and Q5_0
+the formats that package can quantize and our kernel maps are offered: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
 (the K-quants need llama.cpp's importance-weighted search, which `gguf` does not implement).
 The codes go to the prepared-weights cache (`loader.prepared`) under the folder's content key
 and the format, so only the first start quantizes (with a progress bar); later starts map them.

@@ -34,18 +34,20 @@ def qwen2(tmp_path_factory):
     return str(d / "folder"), str(d / "q8.gguf"), hf
 
 
-def test_blocks_are_the_gguf_packages(qwen2, monkeypatch, tmp_path):
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_1"])
+def test_blocks_are_the_gguf_packages(qwen2, monkeypatch, tmp_path, fmt):
     monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path / "cache"))
     folder, _, hf = qwen2
-    runner = ModelRunner(HFModelDir(folder), torch.bfloat16, quantization="q8_0")
-    assert "quantized at load to q8_0" in runner.plan.describe(runner.model)
+    runner = ModelRunner(HFModelDir(folder), torch.bfloat16, quantization=fmt)
+    assert f"quantized at load to {fmt}" in runner.plan.describe(runner.model)
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize as gguf_quantize
 
+    qtype = GGMLQuantizationType[fmt.upper()]
     for ours, theirs in ((runner.model.layers[1].mlp.down_proj, hf.model.layers[1].mlp.down_proj),
                          (runner.model.lm_head, hf.lm_head)):
         w = theirs.weight.detach().float().numpy()
-        want = dequantize(gguf_quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        want = dequantize(gguf_quantize(w, qtype), qtype)
         assert np.array_equal(ours.qweight.dequantize().float().numpy(), want)
 
 
