@@ -66,6 +66,9 @@ class EngineArgs(CliArgs):
                                    "quantizes", choices=QUANTIZATIONS, quick_start=True)
     prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
                                 "file's SHA-256) and memory-map them on later starts", cli="bool")
+    huge_pages: bool = opt(True, "on the CPU, move the linear weights after loading into one arena of 2 MiB pages "
+                            "(Linux transparent huge pages): decode reads them faster (Qwen2.5-0.5B 46 -> 57 tok/s on a VM)",
+                            cli="bool")
     # KV cache
     max_model_len: int | None = opt(None, "most tokens per sequence, prompt + output (default: the model's "
                                      "context length); also sizes the default KV cache", group="KV cache", type=int,

@@ -26,6 +26,7 @@ from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
 from nextoken.runner.device import CPU, Device, move_model, resolve_device
+from nextoken.runner.huge_pages import place_weights
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 
@@ -119,7 +120,8 @@ class ModelRunner:
     well; enforce_eager: PyTorch alone, none of our C kernels; prepared_cache: keep GGUF codes in
     the prepared-weights cache (`loader.prepared`); device: where the model runs
     (`runner.device.Device`: on a GPU the weights, the KV cache and every pass live in its
-    memory); attention_backend: `EngineArgs.attention_backend`. The `plan`
+    memory); attention_backend: `EngineArgs.attention_backend`; huge_pages: on the CPU, the linear
+    weights move into one arena of 2 MiB pages after loading (`runner.huge_pages`). The `plan`
     (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
 
     tp: this process's place in a tensor-parallel group (`distributed.group.TensorParallel`), or
@@ -135,7 +137,7 @@ class ModelRunner:
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
                  prepared_cache: bool = False, tp=None, quantization: str | None = None, device: Device = CPU,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", huge_pages: bool = True):
         self.config: ModelConfig = read_config(source)
         self.dtype, self.tp, self.device = dtype, tp, device
         check_quantization(quantization, source, dtype)
@@ -155,9 +157,14 @@ class ModelRunner:
                 shards = parallelize(self.model, self.config, part, tp)
                 prepared_cache = False  # the cache holds whole tensors
             load_weights(self.model, source, self.plan, prepared_cache, shards)
+            self.weights_arena = None if device.is_cuda or not huge_pages else place_weights(self.model)
         finally:
             loading_allocations(False)
         release_free_memory()
+        if self.weights_arena is not None:
+            self.plan.weights = self.weights_arena.describe()
+        elif not huge_pages and not device.is_cuda:
+            self.plan.reasons["huge pages"] = "huge_pages=False"
         if device.is_cuda:
             move_model(self.model, device.torch)
         self.load_time = time.perf_counter() - t0
@@ -185,7 +192,7 @@ class ModelRunner:
         runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
                      dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
                      prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization, device=device,
-                     attention_backend=args.attention_backend)
+                     attention_backend=args.attention_backend, huge_pages=args.huge_pages)
         if args.enable_lora:
             runner.enable_lora(args.max_loras, args.max_lora_rank)
         return runner

@@ -76,6 +76,7 @@ class ExecutionPlan:
     quantization: str | None = None  # a folder's weights quantized at load to this format (`loader.quantize`)
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
     kernels: KernelSet = field(default_factory=KernelSet)  # the libraries resolved once; None where PyTorch runs
+    weights: str = ""  # where the weights live (`runner.huge_pages`), once placed
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -225,7 +226,7 @@ class ExecutionPlan:
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
                 f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}{graphs}"
-                + (f" ({off})" if off else ""))
+                + (f"; {self.weights}" if self.weights else "") + (f" ({off})" if off else ""))
 
 
 def _cpu_attention(reference: bool, backend: str, ks: KernelSet) -> str:

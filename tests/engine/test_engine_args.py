@@ -32,7 +32,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--block-size", "8", "--max-num-seqs", "5", "--max-num-batched-tokens", "300", "--no-chunked-prefill",
             "--scheduling-policy", "fair",
             "--num-speculative-tokens", "3", "--speculative-draft-vocab", "0", "--watermark-gamma", "0.25", "--watermark-delta", "3.5",
-            "--chat-template", "t.jinja", "--no-prepared-cache", "--kv-cache-dtype", "int8", "--tensor-parallel-size", "2",
+            "--chat-template", "t.jinja", "--no-prepared-cache", "--no-huge-pages", "--kv-cache-dtype", "int8", "--tensor-parallel-size", "2",
             "--kv-cache-dir", "kv", "--kv-cache-disk", "5MiB", "--enable-lora", "--max-loras", "3",
             "--max-lora-rank", "8", "--quantization", "q4_0", "--device", "cuda:1", "--attention-backend", "torch",
             "--gpu-memory-utilization", "0.5"]
@@ -41,7 +41,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
             "scheduling_policy": "fair",
             "num_speculative_tokens": 3, "speculative_draft_vocab": 0, "watermark_gamma": 0.25, "watermark_delta": 3.5,
-            "chat_template": "t.jinja", "prepared_cache": False, "kv_cache_dtype": "int8",
+            "chat_template": "t.jinja", "prepared_cache": False, "huge_pages": False, "kv_cache_dtype": "int8",
             "tensor_parallel_size": 2, "kv_cache_dir": "kv", "kv_cache_disk": 5 * MiB,
             "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "quantization": "q4_0", "device": "cuda:1",
             "attention_backend": "torch", "gpu_memory_utilization": 0.5}

@@ -127,16 +127,19 @@ def test_bf16_folder_decodes_in_one_call_like_pytorch_layers(tmp_path, arch):
 
 @needs_kernel
 def test_bf16_folder_weights_are_the_files_pages(tmp_path):
-    """A bf16 folder served in bf16 keeps its weights as views of the mapped file, not copies;
-    the float32 model of the same folder copies (a conversion)."""
+    """A bf16 folder served in bf16 keeps its weights as views of the mapped file, not copies
+    (with huge_pages the linears then move into the arena of 2 MiB pages, and the untied
+    embedding table stays mapped); the float32 model of the same folder copies (a conversion)."""
     path = bf16_folder(tmp_path, "qwen2")
-    source = HFModelDir(path)
-    runner = ModelRunner(source, torch.bfloat16)
-    (buf, _, _), = source._maps.values()
-    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    mapped = lambda t: start <= t.data_ptr() < start + len(buf)  # noqa: E731
-    m = runner.model
-    assert mapped(m.layers[0].mlp.gate_proj.weight) and mapped(m.lm_head.weight) and mapped(m.embed_tokens.weight)
+    for huge in (False, True):
+        source = HFModelDir(path)
+        runner = ModelRunner(source, torch.bfloat16, huge_pages=huge)
+        (buf, _, _), = source._maps.values()
+        start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        mapped = lambda t: start <= t.data_ptr() < start + len(buf)  # noqa: E731
+        m = runner.model
+        assert mapped(m.embed_tokens.weight)
+        assert mapped(m.layers[0].mlp.gate_proj.weight) is not huge and mapped(m.lm_head.weight) is not huge
     f32 = ModelRunner(HFModelDir(path), torch.float32)
     assert f32.model.layers[0].mlp.gate_proj.weight.dtype == torch.float32
 

@@ -1,0 +1,165 @@
+"""The weights in 2 MiB pages: one arena per model, advised for Linux transparent huge pages.
+
+A decode step reads every weight once, from memory, as a stream. On 4 KiB pages each 4 KiB of
+that stream needs its own TLB entry; in a virtual machine a miss walks two page tables (the
+guest's and the host's), and the stream waits on the walks. In 2 MiB pages one entry covers 512
+times as much. Measured on a 2-core Sapphire Rapids VM (kernel 6.18, transparent huge pages
+``madvise``, the default of most distributions): a bare two-thread read 22-24 -> 29-31 GB/s, our
+kernels' one-row stream 15-18 -> 18-22 GB/s by format, Qwen2.5-Coder-0.5B greedy decode 45.8-46.8
+-> 56.4-59.2 tok/s (`docs/benchmarks.md`, 2026-11-29).
+
+`place_weights` copies each linear layer's weight (its GGUF codes, scales and mins, or its dense
+weight) into one anonymous mapping advised ``MADV_HUGEPAGE`` and aligned to 2 MiB, and points the
+layer at the copy; the tensors loaded before are then released, so the resident memory stays
+that of the weights: the loader's own buffers are freed, and the pages of a mapped file (the
+prepared-weights cache) that the copies read are dropped from this process (``MADV_DONTNEED``;
+unwritten pages of a private file mapping: read again from the file if ever touched). An
+untied embedding table stays in that mapping: a lookup reads a few of its rows, never the table.
+Where the kernel gives no huge pages (``never``, another OS) the arena still works, in 4 KiB
+pages, and `WeightsArena.describe` says so. The copies hold the same bytes: every output is
+unchanged (tests/engine/test_huge_pages.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
+ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
+QWEIGHT_FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")
+
+
+@dataclass
+class WeightsArena:
+    """The mapping that holds a model's linear weights: `nbytes` of them from `address`."""
+
+    buffer: mmap.mmap
+    address: int
+    nbytes: int
+
+    def huge_bytes(self) -> int:
+        """Bytes of the arena the kernel backs with huge pages now (``AnonHugePages`` of its
+        mapping in /proc/self/smaps), or 0 when that cannot be read."""
+        try:
+            with open("/proc/self/smaps") as f:
+                inside = False
+                for line in f:
+                    head = line.split(" ", 1)[0]
+                    if "-" in head and ":" not in head:
+                        lo, hi = (int(v, 16) for v in head.split("-"))
+                        inside = lo <= self.address < hi
+                    elif inside and line.startswith("AnonHugePages:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            return 0
+        return 0
+
+    def describe(self) -> str:
+        """For the execution plan's line: how much of the weights sit in 2 MiB pages."""
+        huge = self.huge_bytes()
+        if huge == 0:
+            return f"weights {self.nbytes / 2**20:.0f} MiB in 4 KiB pages (no transparent huge pages here)"
+        return f"weights {self.nbytes / 2**20:.0f} MiB, {huge / 2**20:.0f} MiB of them in 2 MiB pages"
+
+
+def _weights(model) -> list[tuple[object, str, torch.Tensor]]:
+    """(holder, attribute, tensor) of every linear weight the decode step streams: each
+    `QuantWeight`'s fields, or a dense weight; each tensor once (a tied head shares its table)."""
+    from nextoken.layers.linear import Linear
+
+    out, seen = [], set()
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        if m.qweight is not None:
+            holders = [(m.qweight, f) for f in QWEIGHT_FIELDS]
+        elif m.weight is not None:
+            holders = [(m.weight, "data")]
+        else:  # int4 parts (PyTorch's kernel): left as they are
+            continue
+        for holder, name in holders:
+            t = getattr(holder, name)
+            if t is not None and id(t) not in seen and t.device.type == "cpu":
+                seen.add(id(t))
+                out.append((holder, name, t))
+    return out
+
+
+def place_weights(model) -> WeightsArena | None:
+    """Move `model`'s linear weights into one 2 MiB-aligned arena advised for huge pages (the
+    module's comment). Returns the arena (kept by the caller for the model's life), or None when
+    there is nothing to place or this platform has no ``MADV_HUGEPAGE``. Raises `OSError` when
+    the mapping cannot be made."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    weights = _weights(model)
+    if not weights:
+        return None
+    sizes = [t.numel() * t.element_size() for _, _, t in weights]
+    total = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copies fault in huge pages
+    arena = torch.frombuffer(buf, dtype=torch.uint8)
+    start = (-arena.data_ptr()) % HUGE_PAGE
+    off = start
+    files = _file_mappings()
+    for (holder, name, t), n in zip(weights, sizes):
+        dst = arena[off : off + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        setattr(holder, name, dst)  # (a Parameter's .data: the parameter itself stays)
+        _drop_file_pages(t.data_ptr(), n, files)
+        off += -(-n // ALIGN) * ALIGN
+    _forget_pointers(model)
+    return WeightsArena(buf, arena.data_ptr() + start, total)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's private mappings of files (/proc/self/maps: an
+    inode, a ``p`` mode), or [] when that cannot be read."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[3] != "00:00" and parts[4] != "0" and parts[1].endswith("p"):
+                    lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                    out.append((lo, hi))
+    except (OSError, ValueError):
+        return []
+    return out
+
+
+def _drop_file_pages(address: int, nbytes: int, files: list[tuple[int, int]]) -> None:
+    """Drop from this process the whole pages of [address, address + nbytes) when they lie in a
+    private file mapping (`_file_mappings`): a weight just copied out of the mapped cache file."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-address // page) * page, (address + nbytes) // page * page
+    if hi <= lo or not any(a <= address and address + nbytes <= b for a, b in files):
+        return
+    libc = _libc()
+    if libc is not None:
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _forget_pointers(model) -> None:
+    """Drop the kernel views built on the old memory (built again on first use)."""
+    from nextoken.layers.linear import Linear
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m._qweight_c = None
+            if m.qweight is not None:
+                m.qweight._c = None

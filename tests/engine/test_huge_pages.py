@@ -1,0 +1,69 @@
+"""The weights' arena of 2 MiB pages (`nextoken.runner.huge_pages`): the same outputs bit for bit,
+every linear weight inside it, a tied table shared, an untied embedding left where it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextoken.layers.quantization.qweight import QuantWeight
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFModelDir
+from nextoken.runner.huge_pages import QWEIGHT_FIELDS
+from nextoken.runner.model_runner import ModelRunner
+from tests.tiny_models import OneSequence, tiny_hf_model, write_gguf
+
+QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q8_0", "attn_output.weight": "Q5_0",
+         "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q8_0", "ffn_down.weight": "Q5_1", "token_embd.weight": "Q8_0"}
+PROMPT = [5, 17, 200, 33, 41, 270, 90, 12]
+
+
+def inside(t: torch.Tensor, arena) -> bool:
+    return arena.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= arena.address + arena.nbytes
+
+
+def steps(runner) -> list[torch.Tensor]:
+    seq = OneSequence(runner, 64, block_size=4)
+    out = [seq.forward(PROMPT, all_logits=True)]
+    for t in (3, 99, 240, 18, 7):
+        out.append(seq.forward([t]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied table (llama), untied embedding and head (qwen2)
+def test_arena_holds_every_linear_and_changes_no_output(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(tiny_hf_model(arch, seed=5, vocab_size=320), path, arch, quant=QUANT)
+    placed = ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)
+    plain = ModelRunner(GGUFFile(path), torch.bfloat16, huge_pages=False)
+    arena = placed.weights_arena
+    assert arena is not None and plain.weights_arena is None
+    assert placed.native_decoder is not None  # the C decode step reads the arena too
+    assert "weights " in placed.plan.describe(placed.model)
+    assert "huge pages off" in plain.plan.describe(plain.model)
+    linears = [m for m in placed.model.modules() if getattr(m, "qweight", None) is not None and hasattr(m, "float_out")]
+    assert len(linears) >= 7
+    for lin in linears:
+        assert all(inside(getattr(lin.qweight, f), arena) for f in QWEIGHT_FIELDS if getattr(lin.qweight, f) is not None)
+    emb, head = placed.model.embed_tokens.qweight, placed.model.lm_head
+    assert isinstance(emb, QuantWeight)
+    if arch == "llama":  # the table is the head's weight: in the arena once, shared
+        assert head.qweight is emb and inside(emb.codes, arena)
+    else:  # a lookup table alone stays in the mapped file; the (dense) head moves
+        assert not inside(emb.codes, arena) and inside(head.weight, arena)
+    for a, b in zip(steps(placed), steps(plain)):
+        assert torch.equal(a, b)
+
+
+def test_dense_weights_move_too(tmp_path):
+    """A Hugging Face folder's bf16 linears (our dense kernel) go into the arena as well."""
+    hf = tiny_hf_model("qwen2", seed=6, vocab_size=320)
+    hf.save_pretrained(tmp_path / "folder", safe_serialization=True)
+    placed = ModelRunner(HFModelDir(str(tmp_path / "folder")), torch.bfloat16)
+    plain = ModelRunner(HFModelDir(str(tmp_path / "folder")), torch.bfloat16, huge_pages=False)
+    arena = placed.weights_arena
+    layer = placed.model.layers[0]
+    assert inside(layer.mlp.down_proj.weight, arena) and inside(placed.model.lm_head.weight, arena)
+    assert isinstance(layer.mlp.down_proj.weight, torch.nn.Parameter)
+    for a, b in zip(steps(placed), steps(plain)):
+        assert torch.equal(a, b)
