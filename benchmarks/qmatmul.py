@@ -6,7 +6,8 @@ PyTorch matmul, on the linear shapes of SmolLM2-135M and Qwen2.5-1.5B.
     python benchmarks/qmatmul.py --stream          # decode from memory: GB/s and the cost of 1-8 rows
 
 `--stream` multiplies 1 to 8 activation rows by copies of one weight per format, 1 GiB of them
-in turn (far past any cache, as a decode step reads a model's layers), and prints the weights'
+in turn (far past any cache, as a decode step reads a model's layers; in 2 MiB pages, as the
+engine keeps them), and prints the weights'
 read rate in GB/s beside this machine's bare read rate, and each row count's time over one
 row's (the issue 48 bar: 5 rows at most 1.3x one), then the ratios ik_llama.cpp and mainline
 llama.cpp published for 2 / 4 / 8 rows. NEXTOKEN_KERNEL_ISA=avx2 runs the AVX2 loops
@@ -117,6 +118,26 @@ PEER_RATIOS = {"llama.cpp (mainline)": (1.26, 2.28, 4.34), "ik_llama.cpp": (1.04
                "ik_llama.cpp interleaved": (1.00, 1.04, 1.82)}
 
 
+def huge_page_arena(nbytes: int):
+    """An anonymous mapping of `nbytes` advised for 2 MiB pages (where the engine keeps its
+    weights: `runner.huge_pages`) and a function placing a copy of a tensor in it."""
+    import mmap
+
+    buf = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    mem = torch.frombuffer(buf, dtype=torch.uint8)
+    off = [(-mem.data_ptr()) % (2 << 20)]
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        size = t.numel() * t.element_size()
+        out = mem[off[0] : off[0] + size].view(t.dtype).view(t.shape)
+        out.copy_(t)
+        off[0] += -(-size // 64) * 64
+        return out
+    return buf, place
+
+
 def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1536, total: int = 1 << 30) -> None:
     """Decode from memory: each format's weight [n, k] copied until the copies hold `total`
     bytes, multiplied in turn (best of `repeat` sweeps)."""
@@ -131,8 +152,10 @@ def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1
           " ".join(f"{m:>4}" for m in rows))
     for fmt in STREAM_FORMATS:
         w0 = random_weight(n, k, fmt, g)
-        copies = [w0] + [QuantWeight(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                       for f, v in vars(w0).items()}) for _ in range(max(1, total // w0.nbytes) - 1)]
+        ncopies = max(1, total // w0.nbytes)
+        arena, place = huge_page_arena(ncopies * (w0.nbytes + 5 * 64))  # as the engine keeps weights
+        copies = [QuantWeight(**{f: (place(v) if isinstance(v, torch.Tensor) else v) for f, v in vars(w0).items()})
+                  for _ in range(ncopies)]
         structs = [w.c_struct() for w in copies]
         nbytes = sum(w.nbytes for w in copies)
         rates, times = [], []
@@ -147,7 +170,8 @@ def stream(rows: list[int], repeat: int, threads: int, n: int = 1536, k: int = 1
             times.append(t)
         print(f"{fmt:<6} " + " ".join(f"{r:>12.1f}" for r in rates) + "                  " +
               " ".join(f"{t / times[0]:>4.2f}" for t in times))
-        del copies, structs
+        del copies, structs, place
+        arena.close()
     print("published step cost of 2 / 4 / 8 rows against 1 (ik_llama.cpp discussion #164, an AVX2 Xeon):")
     for name, ratios in PEER_RATIOS.items():
         print(f"  {name:<26} " + " / ".join(f"{r:.2f}" for r in ratios))
