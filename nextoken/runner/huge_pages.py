@@ -62,7 +62,7 @@ class WeightsArena:
 
     def describe(self) -> str:
         """For the execution plan's line: how much of the weights sit in 2 MiB pages."""
-        huge = self.huge_bytes()
+        huge = min(self.huge_bytes(), self.nbytes)  # (the mapping's alignment slack is huge too)
         if huge == 0:
             return f"weights {self.nbytes / 2**20:.0f} MiB in 4 KiB pages (no transparent huge pages here)"
         return f"weights {self.nbytes / 2**20:.0f} MiB, {huge / 2**20:.0f} MiB of them in 2 MiB pages"
