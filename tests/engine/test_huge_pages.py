@@ -34,7 +34,8 @@ def steps(runner) -> list[torch.Tensor]:
 def test_arena_holds_every_linear_and_changes_no_output(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     write_gguf(tiny_hf_model(arch, seed=5, vocab_size=320), path, arch, quant=QUANT)
-    placed = ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)
+    ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)  # writes the prepared-weights cache
+    placed = ModelRunner(GGUFFile(path), torch.bfloat16, prepared_cache=True)  # copies out of its mapping
     plain = ModelRunner(GGUFFile(path), torch.bfloat16, huge_pages=False)
     arena = placed.weights_arena
     assert arena is not None and plain.weights_arena is None
