@@ -15,8 +15,9 @@ that of the weights: the loader's own buffers are freed, and the pages of a mapp
 prepared-weights cache) that the copies read are dropped from this process (``MADV_DONTNEED``;
 unwritten pages of a private file mapping: read again from the file if ever touched). An
 untied embedding table stays in that mapping: a lookup reads a few of its rows, never the table.
-Where the kernel gives no huge pages (``never``, another OS) the arena still works, in 4 KiB
-pages, and `WeightsArena.describe` says so. The copies hold the same bytes: every output is
+Where the system's transparent huge pages are ``never`` (or the OS has none) the weights stay
+where they were loaded; where the kernel gives fewer than asked, `WeightsArena.describe` says how
+many it gave. The copies hold the same bytes: every output is
 unchanged (tests/engine/test_huge_pages.py).
 """
 
@@ -68,6 +69,17 @@ class WeightsArena:
         return f"weights {self.nbytes / 2**20:.0f} MiB, {huge / 2**20:.0f} MiB of them in 2 MiB pages"
 
 
+def thp_mode() -> str:
+    """The system's transparent huge page setting (``always``, ``madvise`` or ``never``), or ""
+    where it cannot be read: with ``never`` the arena would only cost its copy."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+
+
 def _weights(model) -> list[tuple[object, str, torch.Tensor]]:
     """(holder, attribute, tensor) of every linear weight the decode step streams: each
     `QuantWeight`'s fields, or a dense weight; each tensor once (a tied head shares its table)."""
@@ -94,9 +106,9 @@ def _weights(model) -> list[tuple[object, str, torch.Tensor]]:
 def place_weights(model) -> WeightsArena | None:
     """Move `model`'s linear weights into one 2 MiB-aligned arena advised for huge pages (the
     module's comment). Returns the arena (kept by the caller for the model's life), or None when
-    there is nothing to place or this platform has no ``MADV_HUGEPAGE``. Raises `OSError` when
-    the mapping cannot be made."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    there is nothing to place, this platform has no ``MADV_HUGEPAGE`` or the system's transparent
+    huge pages are ``never``. Raises `OSError` when the mapping cannot be made."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() == "never":
         return None
     weights = _weights(model)
     if not weights:

@@ -26,7 +26,7 @@ from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
 from nextoken.runner.device import CPU, Device, move_model, resolve_device
-from nextoken.runner.huge_pages import place_weights
+from nextoken.runner.huge_pages import place_weights, thp_mode
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 
@@ -163,8 +163,9 @@ class ModelRunner:
         release_free_memory()
         if self.weights_arena is not None:
             self.plan.weights = self.weights_arena.describe()
-        elif not huge_pages and not device.is_cuda:
-            self.plan.reasons["huge pages"] = "huge_pages=False"
+        elif not device.is_cuda:
+            self.plan.reasons["huge pages"] = "huge_pages=False" if not huge_pages else \
+                f"transparent huge pages are {thp_mode() or 'not available'} here"
         if device.is_cuda:
             move_model(self.model, device.torch)
         self.load_time = time.perf_counter() - t0

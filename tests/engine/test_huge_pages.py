@@ -68,3 +68,18 @@ def test_dense_weights_move_too(tmp_path):
     assert isinstance(layer.mlp.down_proj.weight, torch.nn.Parameter)
     for a, b in zip(steps(placed), steps(plain)):
         assert torch.equal(a, b)
+
+
+def test_no_arena_where_the_system_has_transparent_huge_pages_off(tmp_path, monkeypatch):
+    """`never`: the copy would buy nothing; the weights stay where they were loaded and the plan says why."""
+    import nextoken.runner.huge_pages as huge_pages
+
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
+    import nextoken.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "thp_mode", lambda: "never")
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_hf_model("llama", seed=5, vocab_size=320), path, "llama", quant=QUANT)
+    runner = ModelRunner(GGUFFile(path), torch.bfloat16)
+    assert runner.weights_arena is None
+    assert "huge pages off: transparent huge pages are never here" in runner.plan.describe(runner.model)
