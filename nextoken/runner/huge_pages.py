@@ -123,12 +123,17 @@ def place_weights(model) -> WeightsArena | None:
     off = start
     files = _file_mappings()
     for (holder, name, t), n in zip(weights, sizes):
-        if any(a <= t.data_ptr() and t.data_ptr() + n <= b for a, b in files):
+        mapped = any(a <= t.data_ptr() and t.data_ptr() + n <= b for a, b in files)  # of the cache file
+        if mapped:
             _madvise(t.data_ptr(), n, MADV_POPULATE_READ)
         dst = arena[off : off + n].view(t.dtype).view(t.shape)
         dst.copy_(t)
         setattr(holder, name, dst)  # (a Parameter's .data: the parameter itself stays)
-        _drop_file_pages(t.data_ptr(), n, files)
+        if mapped:  # its whole pages out of this process (unwritten: the file still has them)
+            page = mmap.PAGESIZE
+            lo, hi = -(-t.data_ptr() // page) * page, (t.data_ptr() + n) // page * page
+            if hi > lo:
+                _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
         off += -(-n // ALIGN) * ALIGN
     _forget_pointers(model)
     return WeightsArena(buf, arena.data_ptr() + start, total)
@@ -136,7 +141,7 @@ def place_weights(model) -> WeightsArena | None:
 
 def _file_mappings() -> list[tuple[int, int]]:
     """The address ranges of this process's private mappings of files (/proc/self/maps: an
-    inode, a ``p`` mode), or [] when that cannot be read."""
+    inode, a ``p`` mode), or [] when that cannot be read: the weights a copy may drop the pages of."""
     out = []
     try:
         with open("/proc/self/maps") as f:
@@ -150,27 +155,18 @@ def _file_mappings() -> list[tuple[int, int]]:
     return out
 
 
-def _drop_file_pages(address: int, nbytes: int, files: list[tuple[int, int]]) -> None:
-    """Drop from this process the whole pages of [address, address + nbytes) when they lie in a
-    private file mapping (`_file_mappings`): a weight just copied out of the mapped cache file."""
-    page = mmap.PAGESIZE
-    lo, hi = -(-address // page) * page, (address + nbytes) // page * page
-    if hi <= lo or not any(a <= address and address + nbytes <= b for a, b in files):
-        return
-    _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
-
-
 def _madvise(address: int, nbytes: int, advice: int) -> None:
     """madvise(2) on the whole pages of the range; an advice the kernel does not know is ignored."""
     page = mmap.PAGESIZE
     lo = address // page * page
-    libc = _libc()
-    if libc is not None:
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(address + nbytes - lo), advice)
+    c = libc()
+    if c is not None:
+        c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(address + nbytes - lo), advice)
 
 
 @functools.cache
-def _libc():
+def libc():
+    """glibc (madvise here; mallopt and malloc_trim in `runner.model_runner`), or None elsewhere."""
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:

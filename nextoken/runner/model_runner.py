@@ -26,20 +26,11 @@ from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
 from nextoken.runner.device import CPU, Device, move_model, resolve_device
-from nextoken.runner.huge_pages import place_weights, thp_mode
+from nextoken.runner.huge_pages import libc, place_weights, thp_mode
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 
 log = logging.getLogger("nextoken.runner")
-
-def _libc():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: the tuning below does not apply
-        return None
-
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 RUN_MMAP_THRESHOLD = 64 << 20
@@ -57,21 +48,21 @@ def loading_allocations(loading: bool) -> None:
     on every free, so each step's activations and logits went back to the OS and were faulted
     in, zeroed, again the next step (docs/benchmarks.md has the page faults and their cost;
     tests/engine/test_plan.py holds a freed 32 MiB buffer reused)."""
-    libc = _libc()
-    if libc is None:
+    c = libc()
+    if c is None:  # not glibc: the tuning does not apply
         return
     settings = [(M_MMAP_THRESHOLD, 128 << 10)] if loading else \
         [(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD), (M_TOP_PAD, RUN_TOP_PAD)]
     for param, value in settings:
-        if libc.mallopt(param, value) != 1:
+        if c.mallopt(param, value) != 1:
             log.debug("mallopt(%d, %d) was refused", param, value)
 
 
 def release_free_memory() -> None:
     """Hand the heap's freed pages (loading temporaries) back to the OS (glibc ``malloc_trim``)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    c = libc()
+    if c is not None:
+        c.malloc_trim(0)
 
 
 @dataclass(slots=True)
@@ -163,9 +154,10 @@ class ModelRunner:
         release_free_memory()
         if self.weights_arena is not None:
             self.plan.weights = self.weights_arena.describe()
-        elif not device.is_cuda:
-            self.plan.reasons["huge pages"] = "huge_pages=False" if not huge_pages else \
-                f"transparent huge pages are {thp_mode() or 'not available'} here"
+        elif not huge_pages and not device.is_cuda:
+            self.plan.reasons["huge pages"] = "huge_pages=False"
+        elif thp_mode() == "never" and not device.is_cuda:
+            self.plan.reasons["huge pages"] = "transparent huge pages are never here"
         if device.is_cuda:
             move_model(self.model, device.torch)
         self.load_time = time.perf_counter() - t0

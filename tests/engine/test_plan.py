@@ -160,9 +160,9 @@ def test_run_time_malloc_settings_are_taken(caplog):
     import logging
     import resource
 
-    from nextoken.runner.model_runner import _libc, loading_allocations
+    from nextoken.runner.model_runner import libc, loading_allocations
 
-    if _libc() is None:
+    if libc() is None:
         pytest.skip("not glibc: nextoken does not tune malloc here")
     with caplog.at_level(logging.DEBUG, logger="nextoken.runner"):
         loading_allocations(True)

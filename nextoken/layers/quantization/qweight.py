@@ -246,16 +246,11 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "Q4_1":
         b = raw.reshape(-1, 20)
         q, scale, mins = _nibbles(b[:, 4:]).reshape(-1, QK), f16_field(b, 0), f16_field(b, 2)
-    elif type_name == "Q4_K":
-        b = raw.reshape(-1, 144)
+    elif type_name in ("Q4_K", "Q5_K"):  # the same scales and mins; Q5_K's codes have a fifth bit
+        b = raw.reshape(-1, 144 if type_name == "Q4_K" else 176)
         n = b.shape[0]
         sc, mn = _q4_k_scales(b[:, 4:16])  # [n, 8] each, 0..63
-        q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK)
-        scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
-    elif type_name == "Q5_K":  # Q4_K's scales and mins, 5-bit codes
-        b = raw.reshape(-1, 176)
-        sc, mn = _q4_k_scales(b[:, 4:16])
-        q = codes_q5_k(b)
+        q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK) if type_name == "Q4_K" else codes_q5_k(b)
         scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
     elif type_name == "Q5_0":
         q, scale = codes_q5_0(raw.reshape(-1, 22))
