@@ -15,15 +15,21 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = [  # (dtype, query heads per KV head, head dim, decode, splits): the catalog's shapes
-    ("bf16", 3, 64, True, 4), ("bf16", 3, 64, False, 1),  # SmolLM2
-    ("bf16", 6, 128, True, 4), ("bf16", 6, 128, False, 1),  # Qwen2.5-1.5B
-    ("bf16", 4, 256, True, 16), ("bf16", 4, 256, False, 1),  # Gemma 3 270M
-    ("fp32", 6, 128, True, 4), ("fp32", 6, 128, False, 1),  # the float32 reference
+VARIANTS = [  # (dtype, query heads per KV head, head dim, decode, splits, flags): the catalog's shapes
+    ("bf16", 3, 64, True, 4, ""), ("bf16", 3, 64, False, 1, ""),  # SmolLM2
+    ("bf16", 6, 128, True, 4, ""), ("bf16", 6, 128, False, 1, ""),  # Qwen2.5-1.5B
+    ("bf16", 4, 256, True, 16, "window"), ("bf16", 4, 256, False, 1, ""),  # Gemma 3 270M: global layers,
+    ("bf16", 4, 256, False, 1, "window fresh"),  # and a sliding layer's prefill (its ring and the pass's rows)
+    ("bf16", 3, 64, True, 1, "int8"), ("bf16", 6, 128, False, 1, "int8"),  # --kv-cache-dtype int8
+    ("fp32", 3, 64, False, 1, ""), ("fp32", 6, 128, True, 4, ""), ("fp32", 6, 128, False, 1, ""),  # the float32
+    ("fp32", 4, 256, False, 1, "window fresh"),  # reference
 ]
 
 
-def report(dtype: str, group: int, d: int, decode: bool, splits: int) -> dict:
+def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str = "") -> dict:
+    """Registers, stack bytes, spill stores and tensor-core instructions of one compiled variant;
+    `flags`: any of ``int8`` (an int8 cache), ``window`` (a sliding window), ``fresh`` (the pass's
+    own keys, `paged_attention`'s k_new)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,11 +38,14 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int) -> dict:
 
     t = A.tiling(decode, group, d, dtype == "fp32")
     p = f"*{dtype}"
-    types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "q_ptr": p, "k_ptr": p, "v_ptr": p,
-             "ks_ptr": p, "vs_ptr": p, "kn_ptr": p, "vn_ptr": p, "tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "q_start_ptr": "*i32", "qb_seq_ptr": "*i32", "qb_first_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
+    kv = "*i8" if "int8" in flags else p
+    types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "q_ptr": p, "k_ptr": kv, "v_ptr": kv,
+             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kn_ptr": p, "vn_ptr": p, "tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "qb_seq_ptr": "*i32", "qb_first_ptr": "*i32",
+             "scale": "fp32", "softcap": "fp32"}
     consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
-                  DECODE=decode, SPLITS=splits, INT8=False, FRESH=False, SOFTCAP=False, WINDOW=False, WIDEN=False)
+                  DECODE=decode, SPLITS=splits, INT8="int8" in flags, FRESH="fresh" in flags, SOFTCAP=False,
+                  WINDOW="window" in flags, WIDEN=False)
     fn = A._attention_kernel
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -49,7 +58,7 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int) -> dict:
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(x.split(":") for x in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in x and x.split(":")[1].isdigit())
-    return {"variant": [dtype, group, d, decode, splits], "registers": int(fields["REG"]),
+    return {"variant": [dtype, group, d, decode, splits, flags], "registers": int(fields["REG"]),
             "stack": int(fields["STACK"]), "spill_stores": sass.count("STL"),
             "tensor_core": sass.count("HMMA") + sass.count("HGMMA")}
 

@@ -176,14 +176,17 @@ def test_sliding_window_and_softcap(device):
     close(run(dec, decode=True, splits=2, window=5), reference(dec, dec["d"] ** -0.5, 5), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_int8_cache(device):
-    """An int8 cache (codes and a float32 scale per row, read in place) equals attention over the
-    dequantized rows, in prefill and decode."""
-    pre = make_case((6, 2), (9, 17), int8=True, device=device)
-    close(run(pre, decode=False), reference(pre, pre["d"] ** -0.5), torch.float32)
-    dec = make_case((1, 1), (9, 17), int8=True, device=device)
-    close(run(dec, decode=True, splits=2), reference(dec, dec["d"] ** -0.5), torch.float32)
+def test_int8_cache(device, dtype):
+    """An int8 cache (codes and a float32 scale per row, read in place; the scales applied to the
+    scores and probabilities) equals attention over the dequantized rows, in prefill and decode."""
+    pre = make_case((6, 2), (9, 17), int8=True, dtype=dtype, device=device)
+    close(run(pre, decode=False), reference(pre, pre["d"] ** -0.5), dtype)
+    dec = make_case((1, 1), (9, 17), int8=True, dtype=dtype, device=device)
+    close(run(dec, decode=True, splits=2), reference(dec, dec["d"] ** -0.5), dtype)
+    win = make_case((5, 1), (30, 40), int8=True, dtype=dtype, device=device, seed=4)
+    close(run(win, decode=False, window=7), reference(win, win["d"] ** -0.5, 7), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -206,4 +209,4 @@ def test_query_tiles_and_splits():
     assert decode_splits(1, 2, 132) == 16 and decode_splits(64, 2, 132) == 4 and decode_splits(256, 8, 132) == 1
     assert decode_splits(16, 2, 132) == 16 and decode_splits(1, 1, 1) == 4
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
-    assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 5
+    assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 2

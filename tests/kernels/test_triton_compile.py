@@ -1,7 +1,8 @@
 """Our Triton attention compiled for Hopper (sm_90) without a GPU: every variant the catalog's
 models run compiles, spills nothing to local memory, and (bf16) multiplies on the tensor cores.
-The tiles (`kernels.gpu.attention.tiling`) were chosen from this report; a change that makes a
-variant spill or fail to compile fails here, before any GPU time is spent."""
+The tiles (`kernels.gpu.attention.tiling`) were chosen from this report, under the Triton of the
+tests (3.9) and of the GPU machine (3.6, whose register allocation differs); a change that makes
+a variant spill or fail to compile fails here, before any GPU time is spent."""
 
 from __future__ import annotations
 

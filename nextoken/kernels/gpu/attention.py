@@ -17,10 +17,13 @@ which `_combine_kernel` joins exactly; a long sequence of a small batch then fil
 Masks: causal (key position <= the query's), a sliding window (key position > query position -
 `window`, `transformers`' rule), and soft-capping of the scores (``softcap tanh(s /
 softcap)``, Gemma 2) where a model has it. The cache may hold int8 rows with a float32 scale
-each (``--kv-cache-dtype int8``: dequantized to the queries' dtype as read, as
-`kv_cache.tensors.dequantize_rows` does). With `k_new`/`v_new` (`fresh`), the keys from the
-chunk's first new token on come from this pass's keys instead of the cache: a sliding-window
-layer's ring is read before the chunk's own keys overwrite it.
+each (``--kv-cache-dtype int8``): the codes are read as the queries' dtype (exactly) and the
+scales act on the scores and on the probabilities, ``q (c s)^T = (q c^T) s`` and ``p (c s) =
+(p s) c``, so the tile takes the registers of a bf16 one. With `k_new`/`v_new` (`fresh`), the
+keys from the chunk's first new token on come from this pass's keys instead of the cache (a
+sliding-window layer's ring is read before the chunk's own keys overwrite it): the key loop
+runs twice, over the cache up to the first new token, then over the pass's rows, so each tile
+has one source.
 
 Arithmetic: bf16 queries, keys and probabilities multiply on the tensor cores with float32
 sums; float32 inputs multiply in IEEE float32 (never TF32), so the float32 path is the
@@ -45,30 +48,87 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(ptr, kv_head, stride_h, stride_b, scales_ptr, stride_sh, stride_sb, tables_ptr, seq, stride_tab,
-               kpos, ok, d, new_ptr, stride_nt, stride_nh, q_start, new_start, like,
-               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr, FRESH: tl.constexpr):
+def _load_tile(ptr, kv_head, stride_h, stride_b, tables_ptr, seq, stride_tab, kpos, ok, d, new_ptr, stride_nt,
+               stride_nh, q_start, new_start, like, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               INT8: tl.constexpr, NEW: tl.constexpr):
     """Keys (or values) at positions `kpos` ``[BLOCK_N]`` of sequence `seq`, ``[BLOCK_N, D]`` in
-    the dtype of `like` (the queries): from the paged cache through the block table, or
-    (`FRESH`) from this pass's rows for positions from `new_start` on. Rows with `ok` false are
-    zero."""
-    cached = ok
-    if FRESH:
-        cached = ok & (kpos < new_start)
-    block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
-    slot = kpos % BLOCK_SIZE
-    x = tl.load(ptr + kv_head * stride_h + block[:, None] * stride_b + slot[:, None] * HEAD_DIM + d[None, :],
-                mask=cached[:, None], other=0.0)
-    if INT8:
-        s = tl.load(scales_ptr + kv_head * stride_sh + block * stride_sb + slot, mask=cached, other=0.0)
-        x = x.to(tl.float32) * s[:, None]
-    x = x.to(like.dtype)
-    if FRESH:
+    the dtype of `like` (the queries): from the paged cache through the block table (`INT8`
+    codes are converted exactly, through float32, which Triton's interpreter needs; their scales
+    are `_load_scales`'), or (`NEW`) from this pass's rows,
+    the sequence's new tokens from position `new_start` on. Rows with `ok` false are zero."""
+    if NEW:
         row = (q_start + kpos - new_start).to(tl.int64)
-        y = tl.load(new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :],
-                    mask=(ok & (kpos >= new_start))[:, None], other=0.0)
-        x = tl.where(cached[:, None], x, y.to(like.dtype))
-    return x
+        x = tl.load(new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :], mask=ok[:, None],
+                    other=0.0)
+    else:
+        block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        x = tl.load(ptr + kv_head * stride_h + block[:, None] * stride_b + slot[:, None] * HEAD_DIM + d[None, :],
+                    mask=ok[:, None], other=0)
+        if INT8:
+            x = x.to(tl.float32)
+    return x.to(like.dtype)
+
+
+@triton.jit
+def _load_scales(scales_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, ok,
+                 BLOCK_SIZE: tl.constexpr):
+    """An int8 cache's float32 scales of the rows at `kpos` ``[BLOCK_N]`` (0 where not `ok`)."""
+    block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return tl.load(scales_ptr + kv_head * stride_sh + block * stride_sb + kpos % BLOCK_SIZE, mask=ok, other=0.0)
+
+
+@triton.jit
+def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr, vn_ptr,
+               tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
+               stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr,
+               NEW: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WIDEN: tl.constexpr):
+    """The online softmax over keys ``start .. end - 1`` (read from the cache, or `NEW`: from this
+    pass's rows), a tile of `BLOCK_N` at a time: returns the updated (acc ``[BLOCK_M, D]``,
+    running maximum m_i and denominator l_i ``[BLOCK_M]``), scores in base 2."""
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 is the hardware's
+    for first in range(start, end, BLOCK_N):
+        kpos = first + n
+        key_ok = kpos < end
+        k = _load_tile(k_ptr, kv_head, stride_kh, stride_kb, tables_ptr, seq, stride_tab, kpos, key_ok, d, kn_ptr,
+                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW)
+        if WIDEN:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if INT8 and not NEW:  # q . (codes x scale) = (q . codes) x scale: the scales act on the scores
+            s = s * _load_scales(ks_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, key_ok,
+                                 BLOCK_SIZE)[None, :]
+        if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh written with exp
+            t = tl.exp(-2.0 * tl.abs(s * scale / softcap))
+            s = softcap * tl.where(s >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        seen = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            seen = seen & (kpos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr, kv_head, stride_kh, stride_kb, tables_ptr, seq, stride_tab, kpos, key_ok, d, vn_ptr,
+                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW)
+        if INT8 and not NEW:  # and on the probabilities for the values: p (codes x scale) = (p x scale) codes
+            p = p * _load_scales(vs_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, key_ok,
+                                 BLOCK_SIZE)[None, :]
+        p = p.to(q.dtype)  # probabilities rounded to the values' dtype for the product (as FlashAttention)
+        if WIDEN:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -119,42 +179,18 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 is the hardware's
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + n
-        key_ok = kpos < hi
-        k = _load_tile(k_ptr, kv_head, stride_kh, stride_kb, ks_ptr, stride_sh, stride_sb, tables_ptr, seq,
-                       stride_tab, kpos, key_ok, d, kn_ptr, stride_nt, stride_nh, q_start, new_start, q,
-                       HEAD_DIM, BLOCK_SIZE, INT8, FRESH)
-        if WIDEN:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh written with exp
-            t = tl.exp(-2.0 * tl.abs(s * scale / softcap))
-            s = softcap * tl.where(s >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        seen = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-        if WINDOW:
-            seen = seen & (kpos[None, :] > q_pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptr, kv_head, stride_kh, stride_kb, vs_ptr, stride_sh, stride_sb, tables_ptr, seq,
-                       stride_tab, kpos, key_ok, d, vn_ptr, stride_nt, stride_nh, q_start, new_start, q,
-                       HEAD_DIM, BLOCK_SIZE, INT8, FRESH)
-        p = p.to(q.dtype)  # probabilities rounded to the values' dtype for the product (as FlashAttention)
-        if WIDEN:
-            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p, v, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    mid = hi
+    if FRESH:  # the cache's keys up to the first new token, then this pass's own rows
+        mid = tl.minimum(tl.maximum(new_start, lo), hi)
+    acc, m_i, l_i = _key_range(acc, m_i, l_i, q, q_pos, row_ok, lo, mid, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr,
+                               vn_ptr, tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
+                               stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
+                               BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, False, SOFTCAP, WINDOW, WIDEN)
+    if FRESH:
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, q_pos, row_ok, mid, hi, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr,
+                                   vn_ptr, tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
+                                   stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
+                                   BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, True, SOFTCAP, WINDOW, WIDEN)
 
     if SPLITS > 1:  # this split's share: running max, denominator and unnormalised output
         at = ((seq * num_heads + head) * SPLITS + split).to(tl.int64) * (HEAD_DIM + 2)
@@ -205,19 +241,20 @@ def tiling(decode: bool, group: int, head_dim: int, f32: bool = False) -> Tiling
     """The tiles for decodes (one query per program) or prefill chunks, for `group` query heads
     per KV head, heads of `head_dim` and bf16 (or, `f32`, float32) operands. Chosen from the
     compiler's report for Hopper (sm_90: registers and spills, `tests/kernels/test_triton_compile.py`)
-    so that no tile spills: each key tile's addresses are 64-bit per element, so wider heads take
-    fewer keys per step (64 keys at 64 dims, 32 at 128 and 256), and float32 (the reference) takes
-    small tiles throughout. bf16 prefill holds 128 query rows up to 128 dims (32 at 256)."""
+    under Triton 3.6 (the GPU machine's) and 3.9 (the tests'), so that no tile spills: each key
+    tile's addresses are 64-bit per element, so wider heads take fewer keys per step (64 keys at
+    64 dims, 32 at 128 and 256), and float32 (the reference) takes small tiles throughout. bf16
+    prefill holds 128 query rows up to 128 dims (32 at 256, over 8 warps)."""
     rows = max(16, triton.next_power_of_2(group))
     if decode:
         block_n = 16 if f32 else 64 if head_dim <= 64 else 32
         return Tiling(1, rows, block_n, 4, 2)
     if f32:
-        block_m, block_n, warps = (32, 32, 4) if head_dim <= 128 else (16, 16, 4)
+        block_m, block_n, warps = (32, 16, 4) if head_dim <= 64 else (16, 32, 4) if head_dim <= 128 else (16, 16, 4)
     elif head_dim <= 128:
         block_m, block_n, warps = 128, 64 if head_dim <= 64 else 32, 8
     else:
-        block_m, block_n, warps = 32, 32, 4
+        block_m, block_n, warps = 32, 32, 8  # (4 warps spill under Triton 3.6)
     block_m = max(block_m, rows)
     return Tiling(block_m // group, block_m, block_n, warps, 2)
 
