@@ -3,7 +3,7 @@
 Each function takes the raw blocks of one tensor as ``uint8`` ``[num_blocks, type_size]`` and
 returns float32 ``[num_blocks, block_size]``. The block layouts are those of ggml's
 ``ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); the tests hold every function equal to
-``gguf.quants.dequantize`` on random blocks.
+``gguf.quants.dequantize`` on random blocks (and IQ4_NL, IQ4_XS: ``iq4nl``/``iq4_xs``).
 
 This is the float32 correctness reference for quantized weights; faster paths that keep the
 weights quantized must match it.
@@ -151,6 +151,45 @@ def codes_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, QK_K), d * scales
 
 
+# the 16 values IQ4_NL's and IQ4_XS's 4-bit indices select (ggml-common.h: kvalues_iq4nl)
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int32)
+
+
+def codes_iq4_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL -> (q int32 ``[n, 32]``: the values `IQ4_VALUES` the indices pick, d float32
+    ``[n, 1]``). The indices lie as Q4_0's codes (low nibbles are elements 0-15)."""
+    return IQ4_VALUES[_nibbles(blocks[:, 2:]).reshape(-1, QK).long()], f16_field(blocks, 0)
+
+
+def dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL: ``d: f16, qs: u8[16]``; x = d * kvalues[q], a non-uniform 4-bit grid."""
+    q, d = codes_iq4_nl(blocks)
+    return d * q.float()
+
+
+def codes_iq4_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ4_XS -> (q int32 ``[n, 256]``: the values `IQ4_VALUES` the indices pick, the 8
+    sub-blocks' scales ``ls - 32`` float32 ``[n, 8]`` in -32..31, d float32 ``[n, 1]``). Sub-block
+    j's 6-bit ``ls``: low 4 bits from ``scales_l[j // 2]`` (nibble j % 2), high 2 from bits 2j of
+    ``scales_h``; its 32 indices lie as Q4_0's."""
+    n = blocks.shape[0]
+    d = f16_field(blocks, 0)
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1] scales_h
+    j = torch.arange(8)
+    low = (blocks[:, 4:8].to(torch.int32)[:, j // 2] >> (4 * (j % 2))) & 0x0F
+    ls = low | (((high >> (2 * j)) & 3) << 4)
+    q = IQ4_VALUES[_nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, QK_K).long()]
+    return q, (ls - 32).float(), d
+
+
+def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: ``d: f16, scales_h: u16, scales_l: u8[4], qs: u8[128]``; 8 sub-blocks of 32,
+    x = d * (ls_j - 32) * kvalues[q] (`codes_iq4_xs`)."""
+    n = blocks.shape[0]
+    q, ls, d = codes_iq4_xs(blocks)
+    return ((d * ls).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
+
+
 # type name -> (elements per block, bytes per block, function)
 BLOCK_FORMATS = {
     "Q4_0": (QK, 18, dequant_q4_0),
@@ -161,6 +200,8 @@ BLOCK_FORMATS = {
     "Q4_K": (QK_K, 144, dequant_q4_k),
     "Q5_K": (QK_K, 176, dequant_q5_k),
     "Q6_K": (QK_K, 210, dequant_q6_k),
+    "IQ4_NL": (QK, 18, dequant_iq4_nl),
+    "IQ4_XS": (QK_K, 136, dequant_iq4_xs),
 }
 
 

@@ -12,6 +12,11 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q5_K: ``x = d sc_j q - dmin m_j``    -> 5-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
+- IQ4_NL: ``x = d v[q]``               -> 8-bit u = v[q] + 128, group 32, scale d, min -128 d
+- IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> 8-bit u = v[q] + 128, group 32, scale (ls_j - 32) * d, min -128 scale
+
+(v: the 16 values of IQ4's non-uniform grid, -127..113, so IQ4 runs as Q8_0's codes: twice its
+file's bytes, against four times for bf16.)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -36,10 +41,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_q5_0, codes_q5_1, codes_q5_k, \
-    codes_q6_k
+from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, codes_iq4_xs, \
+    codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
-QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
+QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "IQ4_NL", "IQ4_XS")
 TILE = 16  # rows per tile of the kernel's layout
 
 
@@ -261,6 +266,12 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         b = raw.reshape(-1, 34)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
         scale, offset = f16_field(b, 0), 128.0
+    elif type_name == "IQ4_NL":
+        q, scale = codes_iq4_nl(raw.reshape(-1, 18))
+        q, offset = q + 128, 128.0
+    elif type_name == "IQ4_XS":
+        q, scale, scale_sup = codes_iq4_xs(raw.reshape(-1, 136))
+        q, offset, gps = q + 128, 128.0, 8
     else:  # Q6_K
         b = raw.reshape(-1, 210)
         q, _ = codes_q6_k(b)
