@@ -6,7 +6,8 @@ import numpy as np
 
 from nextoken.layers.quantization.ggml import BLOCK_FORMATS
 
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}  # where each format keeps its float16 scales
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108],
+              "Q2_K": [80, 82]}  # where each format keeps its float16 scales
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:

@@ -151,6 +151,54 @@ def codes_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, QK_K), d * scales
 
 
+_SHIFTS2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+
+
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K's and Q3_K's 2-bit planes: ``[n, 64]`` bytes -> ``[n, 256]`` in 0..3; each 32 bytes hold
+    128 elements, bits 2j..2j+1 of byte l element 32 j + l."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 2, 1, 32) >> _SHIFTS2) & 3).reshape(n, QK_K)
+
+
+def codes_q3_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q3_K -> (q uint8 ``[n, 256]`` in 0..7, the 16 sub-blocks' scales ``sc - 32`` float32 ``[n,
+    16]``, d float32 ``[n, 1]``). ``hmask: u8[32]`` (bit j of byte l: the high bit of element 32 j
+    + l), ``qs: u8[64]`` (`_crumbs`), ``scales: u8[12]`` (6 bits each: low nibbles in bytes 0-7,
+    sub-blocks 0-7 then 8-15; high 2 bits in bytes 8-11), ``d: f16``."""
+    n = blocks.shape[0]
+    sc = blocks[:, 96:108]
+    low = (sc[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)).reshape(n, 16) & 0x0F
+    high = (sc[:, 8:].reshape(n, 1, 4) >> _SHIFTS2.view(1, 4, 1)).reshape(n, 16) & 3
+    high_bit = (blocks[:, :32].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = _crumbs(blocks[:, 32:96]) | (high_bit.reshape(n, QK_K) << 2)
+    return q, (low | (high << 4)).float() - 32.0, f16_field(blocks, 108)
+
+
+def dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K: 16 sub-blocks of 16, x = d * (sc_j - 32) * (q - 4) with 3-bit q (`codes_q3_k`; ggml
+    stores q - 4 as 2 low bits and a high bit that, set, means "no -4")."""
+    n = blocks.shape[0]
+    q, sc, d = codes_q3_k(blocks)
+    return ((d * sc).unsqueeze(-1) * (q.reshape(n, 16, 16).float() - 4.0)).reshape(n, QK_K)
+
+
+def codes_q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q2_K -> (q uint8 ``[n, 256]`` in 0..3, scales and mins float32 ``[n, 16]`` in 0..15, d and
+    dmin float32 ``[n, 1]``): ``scales: u8[16]`` (low nibble the scale, high the min),
+    ``qs: u8[64]`` (`_crumbs`), ``d: f16, dmin: f16``."""
+    sc = blocks[:, :16]
+    return _crumbs(blocks[:, 16:80]), (sc & 0x0F).float(), (sc >> 4).float(), f16_field(blocks, 80), \
+        f16_field(blocks, 82)
+
+
+def dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K: 16 sub-blocks of 16, x = d * sc_j * q - dmin * m_j with 2-bit q (`codes_q2_k`)."""
+    n = blocks.shape[0]
+    q, sc, mn, d, dmin = codes_q2_k(blocks)
+    return ((d * sc).unsqueeze(-1) * q.reshape(n, 16, 16).float() - (dmin * mn).unsqueeze(-1)).reshape(n, QK_K)
+
+
 # the 16 values IQ4_NL's and IQ4_XS's 4-bit indices select (ggml-common.h: kvalues_iq4nl)
 IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int32)
 
@@ -200,6 +248,8 @@ BLOCK_FORMATS = {
     "Q4_K": (QK_K, 144, dequant_q4_k),
     "Q5_K": (QK_K, 176, dequant_q5_k),
     "Q6_K": (QK_K, 210, dequant_q6_k),
+    "Q2_K": (QK_K, 84, dequant_q2_k),
+    "Q3_K": (QK_K, 110, dequant_q3_k),
     "IQ4_NL": (QK, 18, dequant_iq4_nl),
     "IQ4_XS": (QK_K, 136, dequant_iq4_xs),
 }

@@ -12,6 +12,8 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q5_K: ``x = d sc_j q - dmin m_j``    -> 5-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
+- Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 6-bit layout, group 16, scale (sc_j - 32) * d, min -4 scale
+- Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 6-bit layout, group 16, scale sc_j * d, min m_j * (-dmin)
 - IQ4_NL: ``x = d v[q]``               -> 8-bit u = v[q] + 128, group 32, scale d, min -128 d
 - IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> 8-bit u = v[q] + 128, group 32, scale (ls_j - 32) * d, min -128 scale
 
@@ -42,9 +44,9 @@ import torch
 
 from nextoken.kernels.structs import QW
 from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, codes_iq4_xs, \
-    codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
+    codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
-QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "IQ4_NL", "IQ4_XS")
+QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 TILE = 16  # rows per tile of the kernel's layout
 
 
@@ -266,6 +268,12 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         b = raw.reshape(-1, 34)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
         scale, offset = f16_field(b, 0), 128.0
+    elif type_name == "Q3_K":  # Q6_K's layout (group 16), 3-bit codes
+        q, scale, scale_sup = codes_q3_k(raw.reshape(-1, 110))
+        group, gps, offset = 16, 16, 4.0
+    elif type_name == "Q2_K":  # Q6_K's layout with Q4_K's mins
+        q, scale, mins, scale_sup, min_sup = codes_q2_k(raw.reshape(-1, 84))
+        min_sup, group, gps = -min_sup, 16, 16
     elif type_name == "IQ4_NL":
         q, scale = codes_iq4_nl(raw.reshape(-1, 18))
         q, offset = q + 128, 128.0
@@ -281,7 +289,8 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
                       shaped(mins, ng), shaped(min_sup, ng // gps), offset,
-                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(type_name, 8), group, gps)
+                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 6,
+                       "Q2_K": 6}.get(type_name, 8), group, gps)
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
