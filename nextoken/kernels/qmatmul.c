@@ -265,7 +265,16 @@ typedef struct {
     const float *bias;                 /* f32 [N] or NULL */
     double offset;
     int64_t bits, group, gps, N, K;
+    int64_t lut; /* 1: 4-bit codes are indices into IQ4's grid, standing for the 8-bit codes IQ4_U8 */
 } qw_t;
+
+/* IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl) + 128: the unsigned codes a lut weight's
+ * 4-bit indices stand for (offset 128, as Q8_0's codes). The loops run a lut weight with the
+ * compile-time bits BITS_IQ4: the 4-bit layout, unpacked, then looked up (one byte shuffle). */
+static const uint8_t IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const int8_t IQ4_I8[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#define BITS_IQ4 12 /* (qmatmul_avx2.c's PASSES and TILE_MB spell it out) */
+#define LAYOUT_BITS(b) ((b) == BITS_IQ4 ? 4 : (b)) /* the bits of the layout the codes lie in */
 
 static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
 
@@ -281,7 +290,7 @@ static inline int64_t qw_act_block(const qw_t *w) {
 /* Whether the loops without AVX-512 VNNI run w in the super-block form (integer sums across a
  * super-block: the plain loop's comment): a super-block activation block and codes of at most 6
  * bits (8-bit codes take the sign trick's correction per group on AVX2). */
-static inline int qw_sb_form(const qw_t *w) { return qw_act_block(w) != 32 && w->bits <= 6; }
+static inline int qw_sb_form(const qw_t *w) { return qw_act_block(w) != 32 && w->bits <= 6 && !w->lut; }
 
 /* scale and min of row 16t + l in group g */
 static inline float group_scale(const qw_t *w, int64_t t, int64_t g, int64_t l) {
@@ -313,6 +322,12 @@ static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t 
         return lo | (((hb >> ((kk / 16) * 4 + (kk % 16) / 4)) & 1) << 4);
     }
     return cg[(kk / 4) * 64 + l * 4 + kk % 4];
+}
+
+/* the code of row l, column kk of a group (code_in_group, looked up for a lut weight) */
+static inline int qw_code(const qw_t *w, const uint8_t *cg, int64_t l, int64_t kk) {
+    const int c = code_in_group(cg, (int)w->bits, l, kk);
+    return w->lut ? IQ4_U8[c] : c;
 }
 
 #ifdef QM_VNNI
@@ -347,15 +362,20 @@ static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_
 }
 
 /* Two vectors of codes of tile t, group g (cg: the group's bytes), and the columns they cover:
- * pair p of nv / 2. 4 and 5 bits: vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
+ * pair p of nv / 2. 4 and 5 bits (and BITS_IQ4): vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
  * 6 bits (G = 16): vectors p and 2 + p (columns 4p.., 8 + 4p..); 8 bits: vectors 2p and 2p + 1. */
 static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, const int64_t bits, const int p,
                                                             __m512i *v0, __m512i *v1, int *c0, int *c1) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    if (bits == 4 || bits == 5) {
+    if (bits == 4 || bits == 5 || bits == BITS_IQ4) {
         const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
         *v0 = _mm512_and_si512(q, nib);
         *v1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
+        if (bits == BITS_IQ4) { /* the indices looked up: IQ4_U8 in each 16-byte lane */
+            const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_U8));
+            *v0 = _mm512_shuffle_epi8(lut, *v0);
+            *v1 = _mm512_shuffle_epi8(lut, *v1);
+        }
         if (bits == 5) { /* fifth bits: bit p of each byte for the low half, bit 4 + p for the high */
             const __m512i hb = _mm512_loadu_si512((const void *)(cg + 256)), m10 = _mm512_set1_epi8(0x10);
             const __m512i hl = p == 0 ? _mm512_slli_epi16(hb, 4) : p == 1 ? _mm512_slli_epi16(hb, 3)
@@ -403,7 +423,7 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
 static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int64_t t, const int64_t nt,
                                                              const int64_t bits, const qact_t *a, int64_t m0,
                                                              const int64_t mb, int64_t g, __m512i *s) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, npairs = G / 8;
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, npairs = G / 8;
     const int split = nt * mb <= 2; /* two accumulators per sum: s and s2 */
     __m512i s2[2];
     for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
@@ -551,7 +571,8 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
 #define TILES_BITS(NT)                                               \
-    switch (w->bits) {                                               \
+    switch (w->lut ? BITS_IQ4 : w->bits) {                           \
+    case BITS_IQ4: TILES_MB(NT, BITS_IQ4) break;                     \
     case 4: TILES_MB(NT, 4) break;                                   \
     case 5: TILES_MB(NT, 5) break;                                   \
     case 6: TILES_MB(NT, 6) break;                                   \
@@ -670,6 +691,9 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
         memset(imin, 0, sizeof(imin));
         for (int64_t g = 0; g < ng; g++) {
             unpack_group(codes + g * gbytes, (int)w->bits, G, u);
+            if (w->lut)
+                for (int64_t l = 0; l < TILE; l++)
+                    for (int64_t kk = 0; kk < G; kk++) u[l][kk] = IQ4_U8[u[l][kk]];
             if (!sbf)
                 for (int64_t l = 0; l < TILE; l++) {
                     sc[l] = group_scale(w, t, g, l);
@@ -778,6 +802,14 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
         for (int64_t g = 0; g < ng; g++) {
             const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
 #ifdef QM_VNNI
+            if (w->lut) { /* (the lookup, one value at a time) */
+                for (int64_t l = 0; l < TILE; l++) {
+                    const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
+                    for (int64_t kk = 0; kk < G; kk++)
+                        out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)qw_code(w, cg, l, kk) + m);
+                }
+                continue;
+            }
             const __m512 scv = vgroup(w->scales, w->scale_sup, w->gps, t, ng, g);
             const __m512 mnv = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g)
                                        : _mm512_mul_ps(scv, _mm512_set1_ps(-(float)w->offset));
@@ -811,7 +843,7 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
             for (int64_t l = 0; l < TILE; l++) {
                 const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
                 for (int64_t kk = 0; kk < G; kk++)
-                    out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)code_in_group(cg, (int)w->bits, l, kk) + m);
+                    out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)qw_code(w, cg, l, kk) + m);
             }
 #endif
         }
@@ -831,7 +863,7 @@ int qlookup_bf16(const qw_t *w, const int64_t *ids, int64_t T, uint16_t *out) {
             const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
             const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
             for (int64_t kk = 0; kk < G; kk++)
-                out[r * w->K + g * G + kk] = f32_to_bf16(s * (float)code_in_group(cg, (int)w->bits, l, kk) + m);
+                out[r * w->K + g * G + kk] = f32_to_bf16(s * (float)qw_code(w, cg, l, kk) + m);
         }
     }
     return 0;

@@ -42,7 +42,7 @@ static void amx_config(int64_t G) {
 /* Tile t's codes as B tiles, group after group (G * 16 bytes each), into ub: code_pair's vectors
  * at their columns' rows. */
 static inline __attribute__((always_inline)) void amx_unpack(const qw_t *w, int64_t t, const int64_t bits, uint8_t *ub) {
-    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * bits / 8;
+    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
         uint8_t *o = ub + g * G * TILE;
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void amx_tile_mb(const qw_t *w, int
  * mins' pass, then each super-block's sum times scale_sup dx. */
 static inline __attribute__((always_inline)) void amx_unpack_sb(const qw_t *w, int64_t t, const int64_t bits,
                                                                 uint8_t *lo, uint8_t *hi) {
-    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * bits / 8;
+    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
     /* int16 lane j of half h of a code vector is byte 32h + j: row (32h + j) / 4 */
     const __m512i rows0 = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4,
                                            3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -270,7 +270,8 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const qw_t *w, i
 }
 
 #define AMX_BITS(SUP)                                                                                  \
-    switch (w->bits) {                                                                                 \
+    switch (w->lut ? BITS_IQ4 : w->bits) {                                                             \
+    case BITS_IQ4: amx_tile_rows(w, t, BITS_IQ4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;        \
     case 4: amx_tile_rows(w, t, 4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 5: amx_tile_rows(w, t, 5, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 6: amx_tile_rows(w, t, 6, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
@@ -289,7 +290,7 @@ static __attribute__((noinline)) void amx_tile_mb_any(const qw_t *w, int64_t t, 
 
 /* Whether qmatmul_q runs a call of M rows against w here */
 static int amx_takes(const qact_t *a, const qw_t *w) {
-    return amx_enabled && a->M >= AMX_MIN_ROWS && w->bits != 16 && w->bits <= 6 + 2 * (qw_act_block(w) == 32) &&
+    return amx_enabled && a->M >= AMX_MIN_ROWS && w->bits != 16 && (w->lut ? 8 : w->bits) <= 6 + 2 * (qw_act_block(w) == 32) &&
            (qw_act_block(w) == 32 || (qw_act_block(w) % 64 == 0 && w->gps % 2 == 0)) && amx_ready();
 }
 

@@ -10,7 +10,8 @@
  * int32. Where the codes are small the int16 pair sums of several vectors are added before one
  * widening (ik_llama.cpp's trick): a pair sum is at most 2 * c_max * 127, so 8 of them fit int16 for
  * 4-bit codes (30480), 4 for 5-bit (31496), 2 for 6-bit (32004); 8-bit codes go through the sign
- * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening.
+ * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening;
+ * IQ4's indices are looked up (vpshufb) as u - 128 and summed so too.
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
  * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
@@ -155,6 +156,38 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             for (int h = 0; h < nh; h++)
                 for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
+    } else if (bits == BITS_IQ4) { /* IQ4's 4-bit indices, looked up, then summed as 8-bit codes */
+#ifdef QM_AVXVNNI
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_U8));
+#else
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_I8)); /* u - 128 */
+#endif
+        for (int j = 0; j < 4; j++) {
+            __m256i lo[2], hi[2], la[2], ha[2];
+            for (int h = 0; h < nh; h++) {
+                const __m256i q = load32(cg + 64 * j + 32 * (h0 + h));
+                lo[h] = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, nib));
+                hi[h] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nib));
+#ifndef QM_AVXVNNI
+                la[h] = _mm256_abs_epi8(lo[h]);
+                ha[h] = _mm256_abs_epi8(hi[h]);
+#endif
+            }
+            for (int i = 0; i < mb; i++) {
+                const __m256i xl = bcast4x(x + i * K + 4 * j), xh = bcast4x(x + i * K + 16 + 4 * j);
+                for (int h = 0; h < nh; h++) {
+#ifdef QM_AVXVNNI
+                    DOT32(isum[h][i], lo[h], xl);
+                    DOT32B(isum[h][i], s2[h][i], hi[h], xh);
+#else /* the sign trick, one widening per vector (a pair sum reaches 2 * 127 * 127) */
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(la[h], _mm256_sign_epi8(xl, lo[h])), w16[h]));
+                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ha[h], _mm256_sign_epi8(xh, hi[h])), w16[h]));
+#endif
+                    KEEP(isum[h][i]);
+                }
+            }
+            (void)la, (void)ha;
+        }
     } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int a = 0; a < 2; a++) {
@@ -254,7 +287,7 @@ static inline __attribute__((always_inline)) void sb_end(const qw_t *w, int64_t 
 static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
                                                             const int mb, const int bits, const int sbf, const int h0,
                                                             const int nh, void *y, int y_bf16, int64_t ldy) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * bits / 8, n0 = t * TILE;
+    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
@@ -310,7 +343,8 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
                 const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, hs + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
-                    if (bits == 8) isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
+                    if (bits == 8 || bits == BITS_IQ4)
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
 #endif
                     const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
                     A[h][i] = _mm256_add_ps(A[h][i], _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][i]), d), sc),
@@ -369,6 +403,7 @@ PASSES(4, 0)
 PASSES(5, 0)
 PASSES(6, 0)
 PASSES(8, 0)
+PASSES(12, 0) /* BITS_IQ4 */
 
 #define TILE_MB(BITS, SBF)                                                                              \
     if (nh == 2) {                                                                                      \
@@ -400,6 +435,8 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             case 5: TILE_MB(5, 1) break;
             default: TILE_MB(6, 1) break;
             }
+        } else if (w->lut) {
+            TILE_MB(12, 0) /* BITS_IQ4 */
         } else {
             switch (w->bits) {
             case 4: TILE_MB(4, 0) break;

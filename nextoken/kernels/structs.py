@@ -8,12 +8,13 @@ import ctypes
 
 class QW(ctypes.Structure):
     """``qw_t`` of ``kernels/qmatmul.c``: a weight's codes in the tiled layout (pointers), its
-    bias (float32 ``[N]`` or NULL), the format's integers and the shape ``[N, K]``."""
+    bias (float32 ``[N]`` or NULL), the format's integers, the shape ``[N, K]`` and `lut` (1: the
+    4-bit codes index IQ4's grid)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                 ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("offset", ctypes.c_double), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("lut", ctypes.c_int64)]
 
 
 class DecodeLayer(ctypes.Structure):

@@ -41,11 +41,11 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 2  # 2: the dense norms and biases, and RoPE's frequencies, too
+LAYOUT_VERSION = 3  # 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut)
 PREPARED_INV_FREQ = "rope.inv_freq"  # float32 [rope_dim / 2], as the model computed them
 HASH_CHUNK = 16 << 20
 _FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)
-_INTS = ("bits", "group", "gps")
+_INTS = ("bits", "group", "gps", "lut")
 _keys: dict[tuple[str, tuple[int, ...]], Future] = {}
 _keys_lock = threading.Lock()
 
@@ -144,7 +144,7 @@ _ST_DTYPES = {"U8": "uint8", "I8": "int8", "U16": "uint16", "F16": "float16", "F
 
 class PreparedFile:
     """A prepared-weights cache file mapped as NumPy arrays (copy-on-write: writable views, pages
-    shared until written), torch-free. `params`: weight name -> ``[offset, bits, group, gps]``;
+    shared until written), torch-free. `params`: weight name -> ``[offset, bits, group, gps, lut]``;
     `array(key)` the stored array (``<name>/<field>`` or a dense ``<name>``; bf16 as uint16
     bits), `dtype(key)` its safetensors dtype. Raises `ValueError` when the file's key or layout
     is not `key` / `LAYOUT_VERSION`, `OSError` when it cannot be read."""

@@ -228,14 +228,14 @@ class _Weights:
 
         if name not in self.file.params:
             raise KeyError(f"{name} is not in the prepared-weights cache")
-        offset, bits, group, gps = self.file.params[name]
+        offset, bits, group, gps, lut = self.file.params[name]
         arrays = [self.file.array(f"{name}/{f}") for f in ("codes", "scales", "mins", "scale_sup", "min_sup")]
         rows, cols = arrays[1].shape[0] * 16, arrays[1].shape[1] * int(group)
         if arrays[0].nbytes * 8 != rows * cols * int(bits):
             raise ValueError(f"{name}: its codes do not match its shape")
         self.keep.append(arrays)
         ptrs = [a.ctypes.data if a is not None else None for a in (*arrays, bias)]
-        return QW(*ptrs, float(offset), int(bits), int(group), int(gps), rows, cols)
+        return QW(*ptrs, float(offset), int(bits), int(group), int(gps), rows, cols, int(lut))
 
 
 def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndarray | None:

@@ -36,6 +36,8 @@ def test_codes_are_the_dequantized_weight_exactly(type_name):
     ids = torch.tensor([0, 47, 16, 5, 5, 31])
     assert torch.equal(qw.lookup(ids), w[ids])  # an embedding lookup expands just those rows
     assert qw.nbytes < w.nbytes / 2.5
+    if type_name.startswith("IQ4"):  # the file's 4-bit indices, looked up by the kernel
+        assert qw.lut == 1 and qw.codes.nbytes == w.numel() // 2
 
 
 def test_activation_quantization():

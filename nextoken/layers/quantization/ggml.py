@@ -204,19 +204,19 @@ IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 
 
 
 def codes_iq4_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ4_NL -> (q int32 ``[n, 32]``: the values `IQ4_VALUES` the indices pick, d float32
-    ``[n, 1]``). The indices lie as Q4_0's codes (low nibbles are elements 0-15)."""
-    return IQ4_VALUES[_nibbles(blocks[:, 2:]).reshape(-1, QK).long()], f16_field(blocks, 0)
+    """IQ4_NL -> (indices uint8 ``[n, 32]`` into `IQ4_VALUES`, d float32 ``[n, 1]``). The indices
+    lie as Q4_0's codes (low nibbles are elements 0-15)."""
+    return _nibbles(blocks[:, 2:]).reshape(-1, QK), f16_field(blocks, 0)
 
 
 def dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     """IQ4_NL: ``d: f16, qs: u8[16]``; x = d * kvalues[q], a non-uniform 4-bit grid."""
     q, d = codes_iq4_nl(blocks)
-    return d * q.float()
+    return d * IQ4_VALUES[q.long()].float()
 
 
 def codes_iq4_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IQ4_XS -> (q int32 ``[n, 256]``: the values `IQ4_VALUES` the indices pick, the 8
+    """IQ4_XS -> (indices uint8 ``[n, 256]`` into `IQ4_VALUES`, the 8
     sub-blocks' scales ``ls - 32`` float32 ``[n, 8]`` in -32..31, d float32 ``[n, 1]``). Sub-block
     j's 6-bit ``ls``: low 4 bits from ``scales_l[j // 2]`` (nibble j % 2), high 2 from bits 2j of
     ``scales_h``; its 32 indices lie as Q4_0's."""
@@ -226,8 +226,7 @@ def codes_iq4_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     j = torch.arange(8)
     low = (blocks[:, 4:8].to(torch.int32)[:, j // 2] >> (4 * (j % 2))) & 0x0F
     ls = low | (((high >> (2 * j)) & 3) << 4)
-    q = IQ4_VALUES[_nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, QK_K).long()]
-    return q, (ls - 32).float(), d
+    return _nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, QK_K), (ls - 32).float(), d
 
 
 def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
@@ -235,7 +234,7 @@ def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     x = d * (ls_j - 32) * kvalues[q] (`codes_iq4_xs`)."""
     n = blocks.shape[0]
     q, ls, d = codes_iq4_xs(blocks)
-    return ((d * ls).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
+    return ((d * ls).unsqueeze(-1) * IQ4_VALUES[q.long()].reshape(n, 8, 32).float()).reshape(n, QK_K)
 
 
 # type name -> (elements per block, bytes per block, function)

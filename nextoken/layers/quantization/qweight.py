@@ -14,11 +14,12 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
 - Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 6-bit layout, group 16, scale (sc_j - 32) * d, min -4 scale
 - Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 6-bit layout, group 16, scale sc_j * d, min m_j * (-dmin)
-- IQ4_NL: ``x = d v[q]``               -> 8-bit u = v[q] + 128, group 32, scale d, min -128 d
-- IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> 8-bit u = v[q] + 128, group 32, scale (ls_j - 32) * d, min -128 scale
+- IQ4_NL: ``x = d v[q]``               -> 4-bit u = q, looked up: v[u] + 128, group 32, scale d, min -128 d
+- IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> the same, scale (ls_j - 32) * d, min -128 scale
 
-(v: the 16 values of IQ4's non-uniform grid, -127..113, so IQ4 runs as Q8_0's codes: twice its
-file's bytes, against four times for bf16.)
+(v: the 16 values of IQ4's non-uniform grid, -127..113, `ggml.IQ4_VALUES`. ``lut``: the kernel
+keeps the 4-bit indices, as the file, and looks them up as it unpacks them; the arithmetic is then
+Q8_0's, on 8-bit codes ``v + 128``.)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -43,8 +44,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, codes_iq4_xs, \
-    codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
+from nextoken.layers.quantization.ggml import IQ4_VALUES, QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, \
+    codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
 QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 TILE = 16  # rows per tile of the kernel's layout
@@ -56,7 +57,8 @@ class PlainCodes:
 
     u: ``[rows, cols]`` (0..15 for 4 bits, 0..31 for 5, 0..63 for 6, 0..255 for 8); scale, mins: ``[rows, cols // group]``
     float32, each either an exact float16 value (``*_sup`` None) or an int8 value to multiply by
-    ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``.
+    ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``; lut 1: u holds
+    4-bit indices whose codes are ``IQ4_VALUES[u] + 128``.
     """
 
     u: torch.Tensor
@@ -68,6 +70,7 @@ class PlainCodes:
     bits: int
     group: int
     gps: int = 1  # groups per super-block
+    lut: int = 0  # 1: u is a 4-bit index into IQ4's grid, the code is IQ4_VALUES[u] + 128
 
     def map_rows(self, fn) -> PlainCodes:
         """Apply `fn` (a row permutation, say) to every tensor indexed by row."""
@@ -108,6 +111,7 @@ class QuantWeight:
     bits: int
     group: int
     gps: int
+    lut: int = 0  # 1: 4-bit indices into IQ4's grid (`PlainCodes.lut`)
     _c: QW | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
@@ -137,7 +141,7 @@ class QuantWeight:
         mdt = torch.float16 if p.min_sup is None else torch.int8
         return QuantWeight(c.reshape(rows // TILE, ng, -1).contiguous(), _tiled(p.scale, sdt), _tiled(p.mins, mdt),
                            _tiled(p.scale_sup, torch.float32), _tiled(p.min_sup, torch.float32), p.offset, p.bits,
-                           p.group, p.gps)
+                           p.group, p.gps, p.lut)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -163,7 +167,7 @@ class QuantWeight:
             return self._c
         rows, cols = self.shape
         c = QW(_ptr(self.codes), _ptr(self.scales), _ptr(self.mins), _ptr(self.scale_sup), _ptr(self.min_sup),
-                _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols)
+                _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols, self.lut)
         if bias is None:
             self._c = c
         return c
@@ -198,7 +202,8 @@ class QuantWeight:
             c = lo | (hi << 4)
         else:
             c = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4)[tile, :, :, lane]
-        return c.reshape(-1, ng, self.group).float()
+        c = c.reshape(-1, ng, self.group)
+        return (IQ4_VALUES[c.long()] + 128).float() if self.lut else c.float()
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (int64 ``[T]``) de-quantized to float32 ``[T, cols]`` (an embedding
@@ -223,7 +228,7 @@ class QuantWeight:
             raise ValueError(f"row range [{start}, {stop}) is not in whole tiles of {TILE} rows")
         cut = lambda t: None if t is None else t[start // TILE : stop // TILE]  # noqa: E731
         return QuantWeight(cut(self.codes), cut(self.scales), cut(self.mins), cut(self.scale_sup), cut(self.min_sup),
-                           self.offset, self.bits, self.group, self.gps)
+                           self.offset, self.bits, self.group, self.gps, self.lut)
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
@@ -232,7 +237,8 @@ class QuantWeight:
         cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
         return QuantWeight(cat([p.codes for p in parts]), cat([p.scales for p in parts]),
                            cat([p.mins for p in parts]), cat([p.scale_sup for p in parts]),
-                           cat([p.min_sup for p in parts]), first.offset, first.bits, first.group, first.gps)
+                           cat([p.min_sup for p in parts]), first.offset, first.bits, first.group, first.gps,
+                           first.lut)
 
 
 def qweight_supported(type_name: str, rows: int, cols: int) -> bool:
@@ -274,12 +280,12 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "Q2_K":  # Q6_K's layout with Q4_K's mins
         q, scale, mins, scale_sup, min_sup = codes_q2_k(raw.reshape(-1, 84))
         min_sup, group, gps = -min_sup, 16, 16
-    elif type_name == "IQ4_NL":
+    elif type_name == "IQ4_NL":  # 4-bit indices, looked up (lut)
         q, scale = codes_iq4_nl(raw.reshape(-1, 18))
-        q, offset = q + 128, 128.0
+        offset = 128.0
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(raw.reshape(-1, 136))
-        q, offset, gps = q + 128, 128.0, 8
+        offset, gps = 128.0, 8
     else:  # Q6_K
         b = raw.reshape(-1, 210)
         q, _ = codes_q6_k(b)
@@ -290,7 +296,8 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
                       shaped(mins, ng), shaped(min_sup, ng // gps), offset,
                       {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 6,
-                       "Q2_K": 6}.get(type_name, 8), group, gps)
+                       "Q2_K": 6, "IQ4_NL": 4, "IQ4_XS": 4}.get(type_name, 8), group, gps,
+                      int(type_name.startswith("IQ4")))
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
