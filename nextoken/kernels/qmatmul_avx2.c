@@ -107,8 +107,13 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
         for (int i = 0; i < mb; i++) s2[h][i] = _mm256_setzero_si256();
 #define DOT32B(s, t, c, x) (c2 ? DOT32((t), (c), (x)) : DOT32((s), (c), (x)))
 #endif
-    if (bits == 4 || bits == 5) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
+    if (bits == 4 || bits == 5 || bits == BITS_IQ4) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
         const __m256i m10 = _mm256_set1_epi8(0x10);
+#ifdef QM_AVXVNNI /* IQ4's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_U8));
+#else
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_I8));
+#endif
 #ifndef QM_AVXVNNI
         __m256i s16[2][MR];
         for (int h = 0; h < nh; h++)
@@ -132,6 +137,10 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(lo5, m10));
                     hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(hi5, m10));
                 }
+                if (bits == BITS_IQ4) {
+                    lo[h] = _mm256_shuffle_epi8(lut, lo[h]);
+                    hi[h] = _mm256_shuffle_epi8(lut, hi[h]);
+                }
             }
             for (int i = 0; i < mb; i++) {
                 const __m256i xl = bcast4x(x + i * K + 4 * j), xh = bcast4x(x + i * K + 16 + 4 * j);
@@ -141,6 +150,12 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32B(isum[h][i], s2[h][i], hi[h], xh);
                     KEEP(isum[h][i]);
 #else
+                    if (bits == BITS_IQ4) { /* the sign trick, one widening per vector (a pair sum reaches 2 * 127^2) */
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(lo[h]), _mm256_sign_epi8(xl, lo[h])), w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(hi[h]), _mm256_sign_epi8(xh, hi[h])), w16[h]));
+                        KEEP(isum[h][i]);
+                        continue;
+                    }
                     s16[h][i] = _mm256_add_epi16(s16[h][i], PAIR16(lo[h], xl, hi[h], xh));
                     KEEP(s16[h][i]);
                     if (bits == 5 && (j & 1)) { /* 4 pair sums of 5-bit codes fill int16 */
@@ -156,38 +171,6 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             for (int h = 0; h < nh; h++)
                 for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
-    } else if (bits == BITS_IQ4) { /* IQ4's 4-bit indices, looked up, then summed as 8-bit codes */
-#ifdef QM_AVXVNNI
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_U8));
-#else
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_I8)); /* u - 128 */
-#endif
-        for (int j = 0; j < 4; j++) {
-            __m256i lo[2], hi[2], la[2], ha[2];
-            for (int h = 0; h < nh; h++) {
-                const __m256i q = load32(cg + 64 * j + 32 * (h0 + h));
-                lo[h] = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, nib));
-                hi[h] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nib));
-#ifndef QM_AVXVNNI
-                la[h] = _mm256_abs_epi8(lo[h]);
-                ha[h] = _mm256_abs_epi8(hi[h]);
-#endif
-            }
-            for (int i = 0; i < mb; i++) {
-                const __m256i xl = bcast4x(x + i * K + 4 * j), xh = bcast4x(x + i * K + 16 + 4 * j);
-                for (int h = 0; h < nh; h++) {
-#ifdef QM_AVXVNNI
-                    DOT32(isum[h][i], lo[h], xl);
-                    DOT32B(isum[h][i], s2[h][i], hi[h], xh);
-#else /* the sign trick, one widening per vector (a pair sum reaches 2 * 127 * 127) */
-                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(la[h], _mm256_sign_epi8(xl, lo[h])), w16[h]));
-                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(ha[h], _mm256_sign_epi8(xh, hi[h])), w16[h]));
-#endif
-                    KEEP(isum[h][i]);
-                }
-            }
-            (void)la, (void)ha;
-        }
     } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int a = 0; a < 2; a++) {
