@@ -148,9 +148,9 @@ static inline __attribute__((always_inline)) void amx_tile_mb(const qw_t *w, int
 
 /* The super-block formats (tiles_sb's arithmetic, nt = 1). Their int8 group scales go into the
  * weights: at unpacking, each code times its group's scale, v = u sc (|v| < 2^14: Q4_K 15 * 63,
- * Q6_K 63 * 128), is split into a low byte (unsigned) and a high one (signed, v >> 8), two B
- * tiles, so that one pass of tdpbsud (low) and tdpbssd (high) over a super-block's 256 columns,
- * four 64-column steps with no scaling between them, gives
+ * Q6_K 63 * 128, IQ4_XS's looked-up codes 241 * 32), is split into a low byte (unsigned) and a
+ * high one (signed, v >> 8), two B tiles, so that one pass of tdpbsud (low) and tdpbssd (high)
+ * over a super-block's 256 columns, four 64-column steps with no scaling between them, gives
  *   lo + 256 hi = sum_k xq_k u_k sc_g(k) = sum_g sc_g s_g,
  * the integer tiles_sb adds group by group (|.| < 2^31). Then tiles_sb's float operations: its
  * mins' pass, then each super-block's sum times scale_sup dx. */
@@ -290,7 +290,7 @@ static __attribute__((noinline)) void amx_tile_mb_any(const qw_t *w, int64_t t, 
 
 /* Whether qmatmul_q runs a call of M rows against w here */
 static int amx_takes(const qact_t *a, const qw_t *w) {
-    return amx_enabled && a->M >= AMX_MIN_ROWS && w->bits != 16 && (w->lut ? 8 : w->bits) <= 6 + 2 * (qw_act_block(w) == 32) &&
+    return amx_enabled && a->M >= AMX_MIN_ROWS && w->bits != 16 && w->bits <= 6 + 2 * (qw_act_block(w) == 32) &&
            (qw_act_block(w) == 32 || (qw_act_block(w) % 64 == 0 && w->gps % 2 == 0)) && amx_ready();
 }
 
