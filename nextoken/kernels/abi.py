@@ -18,6 +18,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "qmatmul_vectorized": (_INT, []),
     "qmatmul_loop": (ctypes.c_char_p, []),
     "qmatmul_amx": (_INT, [_INT]),
+    "qmatmul_amx_takes": (_INT, [P, _I64]),
     "dense_bf16_vectorized": (_INT, []),
     "paged_decode_bf16": _PAGED,
     "paged_decode_f32": _PAGED,

@@ -875,6 +875,11 @@ int qmatmul_amx(int enable) {
     (void)enable;
     return 0;
 }
+
+int qmatmul_amx_takes(const qw_t *w, int64_t M) {
+    (void)w, (void)M;
+    return 0;
+}
 #endif
 
 /* 1 when built with the AVX-512 VNNI loops, 0 for the plain C ones */

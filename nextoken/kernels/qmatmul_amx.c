@@ -329,6 +329,14 @@ static int qmatmul_amx_q(const qact_t *a, const qw_t *w, void *y, int y_bf16, in
     return failed != 0;
 }
 
+/* 1 when a call of M rows against w would run on AMX tiles (the tests hold every format to it) */
+int qmatmul_amx_takes(const qw_t *w, int64_t M) {
+    qact_t a;
+    memset(&a, 0, sizeof(a));
+    a.M = M;
+    return amx_takes(&a, w);
+}
+
 /* 1 when calls of 32 rows or more run on AMX tiles; enable: 0 or 1 sets it, -1 only asks */
 int qmatmul_amx(int enable) {
     if (enable >= 0) amx_enabled = enable;

@@ -4,6 +4,8 @@ against the float32 de-quantization (`nextoken.layers.quantization.ggml`, itself
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -159,6 +161,8 @@ def test_amx_loop_equals_the_vnni_loop_bit_for_bit(type_name):
     try:
         for k in cols:
             _, qw = weight(type_name, 48, k, seed=27)
+            lib.qmatmul_amx(1)
+            assert lib.qmatmul_amx_takes(ctypes.byref(qw.c_struct()), 32) == 1  # (else this compares VNNI with itself)
             bias = torch.randn(48, generator=torch.Generator().manual_seed(3))
             for m in (31, 32, 33, 47, 64, 130):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
