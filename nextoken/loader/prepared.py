@@ -12,7 +12,8 @@ same reader serves the first token of ``nextoken run`` (`runner.quick_start`), b
 imported: everything that token needs is in this file.
 
 Trust: the file name and its header both carry the model file's SHA-256 and `LAYOUT_VERSION`
-(bump it whenever `QuantWeight`'s layout or packing changes); a cache whose key does not match,
+(bump it whenever `QuantWeight`'s layout or packing changes; writing a layout removes the same
+model's files of other layouts); a cache whose key does not match,
 that cannot be read (truncated, damaged), or that lacks a weight or holds one of another shape is
 not used: the weights are packed again and the cache rewritten. The hash of a large file takes
 most of a second, so `prefetch_file_key` starts it on a second thread while the process imports
@@ -260,6 +261,9 @@ class PreparedWeights:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             save_file(tensors, str(tmp), metadata=meta)
             os.replace(tmp, self.path)
+            for old in self.path.parent.glob(f"{self.key}-v*.safetensors"):  # the same model's older layouts:
+                if old != self.path:  # dead weight now (a process still mapping one keeps its pages)
+                    old.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("cannot write the prepared-weights cache %s (%s)", self.path, exc)
 

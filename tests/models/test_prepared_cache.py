@@ -99,6 +99,16 @@ def test_a_changed_model_file_gets_its_own_cache(model_file, tmp_path):
     assert cache_file(other) != cache_file(model_file) and cache_file(other).is_file()
 
 
+def test_a_new_layout_replaces_the_older_ones_file(model_file):
+    """A cache of an earlier `LAYOUT_VERSION` is not read (its name carries the version) and, once
+    the current one is written, removed: an upgrade leaves no dead copy of the model behind."""
+    old = cache_file(model_file).with_name(f"{file_key(model_file)}-v{LAYOUT_VERSION - 1}.safetensors")
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_bytes(b"an earlier layout")
+    ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
+    assert cache_file(model_file).is_file() and not old.exists()
+
+
 def test_off_writes_nothing(model_file):
     ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=False)
     assert not cache_file(model_file).exists()
