@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from nextoken.layers.quantization.ggml import BLOCK_FORMATS
+import gguf
 
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108],
-              "Q2_K": [80, 82]}  # where each format keeps its float16 scales
+              "Q2_K": [80, 82], "IQ3_S": [0]}  # where each format keeps its float16 scales
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
-    _, type_size, _ = BLOCK_FORMATS[type_name]
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off in F16_FIELDS[type_name]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
+import gguf
 import pytest
 import torch
 
@@ -14,16 +15,17 @@ from nextoken.layers.quantization.methods import CodesMethod
 from nextoken.layers.linear import Linear
 from nextoken.layers.quantization.qweight import QWEIGHT_TYPES, dense_c_struct, dequantize_bf16, from_gguf, \
     kernel_matmul, qmatmul, qmatmul_reference, quantize_activations, quantize_activations_native
-from nextoken.layers.quantization.ggml import BLOCK_FORMATS, dequantize
+from nextoken.layers.quantization.ggml import dequantize
 from tests.helpers.blocks import random_blocks
 from tests.helpers.cpu import cpu_has
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # 256-column super-blocks: one activation scale per 256 columns
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S")  # 256-column super-blocks: one activation scale per 256 columns
 
 
 def weight(type_name: str, rows: int, cols: int, seed: int):
     """Random blocks of `type_name`: the float32 de-quantized weight and our codes."""
-    raw = torch.from_numpy(random_blocks(type_name, rows * cols // BLOCK_FORMATS[type_name][0], seed=seed))
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    raw = torch.from_numpy(random_blocks(type_name, rows * cols // block, seed=seed))
     return dequantize(raw, type_name, (rows, cols)), from_gguf(raw, type_name, rows, cols)
 
 

@@ -237,6 +237,30 @@ def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * ls).unsqueeze(-1) * IQ4_VALUES[q.long()].reshape(n, 8, 32).float()).reshape(n, QK_K)
 
 
+def codes_iq3_s(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ3_S -> (q int32 ``[n, 256]``: odd integers in -15..15, the 8 sub-blocks' scales ``1 + 2
+    s_j`` float32 ``[n, 8]``, d float32 ``[n, 1]``), with x = d (1 + 2 s_j) q. ``d: f16, qs: u8[64],
+    qh: u8[8], signs: u8[32], scales: u8[4]`` (s_j: nibble j % 2 of byte j // 2). The values q
+    come from a 512-entry grid of four and the sign bits: the `gguf` package's de-quantization
+    gives x, and x / (d (1 + 2 s_j)) is q exactly (d's 11 bits times 5 times 4 fit float32's 24)."""
+    n = blocks.shape[0]
+    d = f16_field(blocks, 0)
+    sc = blocks[:, 106:110]
+    mult = (1 + 2 * torch.stack((sc & 0x0F, sc >> 4), dim=-1).reshape(n, 8)).float()
+    x = _gguf_values(blocks, "IQ3_S", (n, QK_K)).view(n, 8, 32)
+    dl = (d * mult).unsqueeze(-1)
+    q = torch.where(dl != 0, x / torch.where(dl != 0, dl, 1.0), 0.0).round().to(torch.int32)
+    return q.reshape(n, QK_K), mult, d
+
+
+def dequant_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ3_S from its codes (`codes_iq3_s`): x = d (1 + 2 s_j) q (equal to the gguf package's x, as
+    the tests hold, which makes the codes exact)."""
+    n = blocks.shape[0]
+    q, mult, d = codes_iq3_s(blocks)
+    return ((d * mult).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
+
+
 # type name -> (elements per block, bytes per block, function)
 BLOCK_FORMATS = {
     "Q4_0": (QK, 18, dequant_q4_0),
@@ -249,6 +273,7 @@ BLOCK_FORMATS = {
     "Q6_K": (QK_K, 210, dequant_q6_k),
     "Q2_K": (QK_K, 84, dequant_q2_k),
     "Q3_K": (QK_K, 110, dequant_q3_k),
+    "IQ3_S": (QK_K, 110, dequant_iq3_s),
     "IQ4_NL": (QK, 18, dequant_iq4_nl),
     "IQ4_XS": (QK_K, 136, dequant_iq4_xs),
 }
@@ -278,6 +303,16 @@ def gguf_dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -
     """A format without a de-quantization of ours, through `gguf.quants.dequantize` (the gguf
     package's NumPy port of ggml's): ``raw`` uint8 bytes -> float32 of `shape`. Raises
     `NotImplementedError` naming the type when gguf does not read it either."""
+    values = _gguf_values(raw, type_name, shape)
+    if type_name not in _told:
+        _told.add(type_name)
+        log.warning("%s tensors have no nextoken kernel: de-quantized at load by the gguf package (dense weights: "
+                    "more memory than the file, dense speed)", type_name)
+    return values
+
+
+def _gguf_values(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """`gguf.quants.dequantize` of `raw` as float32 of `shape`, or `NotImplementedError`."""
     import gguf
     import numpy as np
 
@@ -292,8 +327,4 @@ def gguf_dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -
     except NotImplementedError:
         raise NotImplementedError(f"GGML tensor type {type_name} is not supported: neither nextoken nor the gguf "
                                   f"package de-quantizes it") from None
-    if type_name not in _told:
-        _told.add(type_name)
-        log.warning("%s tensors have no nextoken kernel: de-quantized at load by the gguf package (dense weights: "
-                    "more memory than the file, dense speed)", type_name)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

@@ -14,6 +14,7 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
 - Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 6-bit layout, group 16, scale (sc_j - 32) * d, min -4 scale
 - Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 6-bit layout, group 16, scale sc_j * d, min m_j * (-dmin)
+- IQ3_S: ``x = d (1 + 2 s_j) q``        -> 5-bit u = q + 16 (q odd, -15..15), group 32, scale (1 + 2 s_j) * d, min -16 scale
 - IQ4_NL: ``x = d v[q]``               -> 4-bit u = q, looked up: v[u] + 128, group 32, scale d, min -128 d
 - IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> the same, scale (ls_j - 32) * d, min -128 scale
 
@@ -45,9 +46,10 @@ import torch
 
 from nextoken.kernels.structs import QW
 from nextoken.layers.quantization.ggml import IQ4_VALUES, QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, \
-    codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
+    codes_iq3_s, codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
-QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS",
+                 "IQ3_S")
 TILE = 16  # rows per tile of the kernel's layout
 
 
@@ -280,6 +282,9 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "Q2_K":  # Q6_K's layout with Q4_K's mins
         q, scale, mins, scale_sup, min_sup = codes_q2_k(raw.reshape(-1, 84))
         min_sup, group, gps = -min_sup, 16, 16
+    elif type_name == "IQ3_S":  # Q5_0's codes with the K-quants' int8 x super-block scales
+        q, scale, scale_sup = codes_iq3_s(raw.reshape(-1, 110))
+        q, offset, gps = q + 16, 16.0, 8
     elif type_name == "IQ4_NL":  # 4-bit indices, looked up (lut)
         q, scale = codes_iq4_nl(raw.reshape(-1, 18))
         offset = 128.0
@@ -296,7 +301,7 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
                       shaped(mins, ng), shaped(min_sup, ng // gps), offset,
                       {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 6,
-                       "Q2_K": 6, "IQ4_NL": 4, "IQ4_XS": 4}.get(type_name, 8), group, gps,
+                       "Q2_K": 6, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_S": 5}.get(type_name, 8), group, gps,
                       int(type_name.startswith("IQ4")))
 
 
