@@ -238,24 +238,42 @@ def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def codes_iq3_s(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IQ3_S -> (q int32 ``[n, 256]``: odd integers in -15..15, the 8 sub-blocks' scales ``1 + 2
+    """IQ3_S -> (q int8 ``[n, 256]``: odd integers in -15..15, the 8 sub-blocks' scales ``1 + 2
     s_j`` float32 ``[n, 8]``, d float32 ``[n, 1]``), with x = d (1 + 2 s_j) q. ``d: f16, qs: u8[64],
-    qh: u8[8], signs: u8[32], scales: u8[4]`` (s_j: nibble j % 2 of byte j // 2). The values q
-    come from a 512-entry grid of four and the sign bits: the `gguf` package's de-quantization
-    gives x, and x / (d (1 + 2 s_j)) is q exactly (d's 11 bits times 5 times 4 fit float32's 24)."""
+    qh: u8[8], signs: u8[32], scales: u8[4]`` (s_j: nibble j % 2 of byte j // 2): element 4k + i is
+    value i of entry ``qs[k] | bit k of qh << 8`` of ggml's 512-entry grid (the `gguf` package's
+    table), negated where bit k of the signs is set. Tables do the bit work: one gather brings an
+    entry's four values, one a sign byte's eight signs (a 1.5B model's codes in seconds)."""
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
     sc = blocks[:, 106:110]
     mult = (1 + 2 * torch.stack((sc & 0x0F, sc >> 4), dim=-1).reshape(n, 8)).float()
-    x = _gguf_values(blocks, "IQ3_S", (n, QK_K)).view(n, 8, 32)
-    dl = (d * mult).unsqueeze(-1)
-    q = torch.where(dl != 0, x / torch.where(dl != 0, dl, 1.0), 0.0).round().to(torch.int32)
-    return q.reshape(n, QK_K), mult, d
+    grid, high, signs = _iq3_s_tables()
+    idx = blocks[:, 2:66].to(torch.int64) | high[blocks[:, 66:74].to(torch.int64)].reshape(n, 64)
+    q = grid[idx].view(torch.int8).reshape(n, QK_K)
+    return q * signs[blocks[:, 74:106].to(torch.int64)].view(torch.int8).reshape(n, QK_K), mult, d
+
+
+def _iq3_s_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's IQ3_S grid, its four int8 values per entry packed in an int32 ``[512]`` (from the `gguf`
+    package, decoded once); for each byte, its 8 bits as 9th index bits (int64 ``[256, 8]``, 0 or
+    256) and as signs (8 int8 ``+-1`` packed in an int64 ``[256]``)."""
+    global _IQ3_S
+    if _IQ3_S is None:
+        import gguf
+
+        gguf.quants.IQ3_S.init_grid()
+        grid = torch.from_numpy(gguf.quants.IQ3_S.grid.reshape(512, 4).copy()).to(torch.int8).view(torch.int32)
+        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1  # [256, 8]
+        _IQ3_S = grid.reshape(512), bits << 8, (1 - 2 * bits).to(torch.int8).view(torch.int64).reshape(256)
+    return _IQ3_S
+
+
+_IQ3_S: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def dequant_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
-    """IQ3_S from its codes (`codes_iq3_s`): x = d (1 + 2 s_j) q (equal to the gguf package's x, as
-    the tests hold, which makes the codes exact)."""
+    """IQ3_S: x = d (1 + 2 s_j) q (`codes_iq3_s`)."""
     n = blocks.shape[0]
     q, mult, d = codes_iq3_s(blocks)
     return ((d * mult).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
@@ -303,16 +321,6 @@ def gguf_dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -
     """A format without a de-quantization of ours, through `gguf.quants.dequantize` (the gguf
     package's NumPy port of ggml's): ``raw`` uint8 bytes -> float32 of `shape`. Raises
     `NotImplementedError` naming the type when gguf does not read it either."""
-    values = _gguf_values(raw, type_name, shape)
-    if type_name not in _told:
-        _told.add(type_name)
-        log.warning("%s tensors have no nextoken kernel: de-quantized at load by the gguf package (dense weights: "
-                    "more memory than the file, dense speed)", type_name)
-    return values
-
-
-def _gguf_values(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """`gguf.quants.dequantize` of `raw` as float32 of `shape`, or `NotImplementedError`."""
     import gguf
     import numpy as np
 
@@ -327,4 +335,8 @@ def _gguf_values(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> t
     except NotImplementedError:
         raise NotImplementedError(f"GGML tensor type {type_name} is not supported: neither nextoken nor the gguf "
                                   f"package de-quantizes it") from None
+    if type_name not in _told:
+        _told.add(type_name)
+        log.warning("%s tensors have no nextoken kernel: de-quantized at load by the gguf package (dense weights: "
+                    "more memory than the file, dense speed)", type_name)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
