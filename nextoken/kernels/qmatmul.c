@@ -802,14 +802,6 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
         for (int64_t g = 0; g < ng; g++) {
             const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
 #ifdef QM_VNNI
-            if (w->lut) { /* (the lookup, one value at a time) */
-                for (int64_t l = 0; l < TILE; l++) {
-                    const float s = group_scale(w, t, g, l), m = group_min(w, t, g, l);
-                    for (int64_t kk = 0; kk < G; kk++)
-                        out_t[(g * G + kk) * N + t * TILE + l] = f32_to_bf16(s * (float)qw_code(w, cg, l, kk) + m);
-                }
-                continue;
-            }
             const __m512 scv = vgroup(w->scales, w->scale_sup, w->gps, t, ng, g);
             const __m512 mnv = w->mins ? vgroup(w->mins, w->min_sup, w->gps, t, ng, g)
                                        : _mm512_mul_ps(scv, _mm512_set1_ps(-(float)w->offset));
@@ -836,6 +828,7 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
                     u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
                     if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
                     u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
+                    if (w->lut) u = _mm512_permutexvar_epi32(u, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)IQ4_U8)));
                 }
                 store16(out_t, 1, (g * G + kk) * N + t * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv));
             }

@@ -19,7 +19,8 @@ from nextoken.layers.quantization.ggml import dequantize
 from tests.helpers.blocks import random_blocks
 from tests.helpers.cpu import cpu_has
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S")  # 256-column super-blocks: one activation scale per 256 columns
+# 256-column super-blocks: one activation scale per 256 columns
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S")
 
 
 def weight(type_name: str, rows: int, cols: int, seed: int):

@@ -55,7 +55,10 @@ def _load_tile(ptr, kv_head, stride_h, stride_b, tables_ptr, seq, stride_tab, kp
     the dtype of `like` (the queries): from the paged cache through the block table (`INT8`
     codes are converted exactly, through float32, which Triton's interpreter needs; their scales
     are `_load_scales`'), or (`NEW`) from this pass's rows,
-    the sequence's new tokens from position `new_start` on. Rows with `ok` false are zero."""
+    the sequence's new tokens from position `new_start` on. Rows with `ok` false are zero. Each
+    load reads its keys' blocks from the table again (an L1 hit): one set of row offsets kept for
+    the keys, values and scales of a step stays live across its products, and made the int8 and
+    64-dim prefill tiles spill under Triton 3.6 (16-80 bytes a thread)."""
     if NEW:
         row = (q_start + kpos - new_start).to(tl.int64)
         x = tl.load(new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :], mask=ok[:, None],

@@ -2,8 +2,8 @@
 
 Each function takes the raw blocks of one tensor as ``uint8`` ``[num_blocks, type_size]`` and
 returns float32 ``[num_blocks, block_size]``. The block layouts are those of ggml's
-``ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); the tests hold every function equal to
-``gguf.quants.dequantize`` on random blocks (and IQ4_NL, IQ4_XS: ``iq4nl``/``iq4_xs``).
+``ggml-common.h`` (``block_q4_0`` ... ``block_iq4_xs``); the tests hold every function equal to
+``gguf.quants.dequantize`` on random blocks.
 
 This is the float32 correctness reference for quantized weights; faster paths that keep the
 weights quantized must match it.
@@ -302,7 +302,7 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
 
     `raw` is the tensor's bytes as ``uint8`` (any shape), or for F32/F16/BF16 also data already
     of that type. The formats of `BLOCK_FORMATS` are ours; any other the `gguf` package reads
-    (Q2_K, Q3_K, the IQ formats, TQ1_0 ...) goes through its NumPy de-quantization
+    (IQ1, IQ2, IQ3_XXS, TQ1_0, MXFP4 ...) goes through its NumPy de-quantization
     (`gguf_dequantize`). Raises `NotImplementedError` naming the type for a format neither reads.
     """
     if type_name in ("F32", "F16", "BF16"):

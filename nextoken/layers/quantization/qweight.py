@@ -45,11 +45,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import IQ4_VALUES, QK, f16_field, _nibbles, _q4_k_scales, codes_iq4_nl, \
-    codes_iq3_s, codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS, IQ4_VALUES, QK, f16_field, _nibbles, _q4_k_scales, \
+    codes_iq3_s, codes_iq4_nl, codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
-QWEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS",
-                 "IQ3_S")
+# each format kept as codes -> the bits of the kernel layout its codes take
+CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 6,
+             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4}
+QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
 
 
@@ -253,56 +255,49 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     `ValueError` for a format not in `QWEIGHT_TYPES`."""
     if type_name not in QWEIGHT_TYPES:
         raise ValueError(f"{type_name} cannot be kept as codes; supported: {', '.join(QWEIGHT_TYPES)}")
+    b = raw.reshape(-1, BLOCK_FORMATS[type_name][1])
     scale_sup = mins = min_sup = None
-    offset, group, gps = 0.0, QK, 1
+    offset, group, gps, lut = 0.0, QK, 1, 0
     if type_name == "Q4_0":
-        b = raw.reshape(-1, 18)
         q, scale, offset = _nibbles(b[:, 2:]).reshape(-1, QK), f16_field(b, 0), 8.0
     elif type_name == "Q4_1":
-        b = raw.reshape(-1, 20)
         q, scale, mins = _nibbles(b[:, 4:]).reshape(-1, QK), f16_field(b, 0), f16_field(b, 2)
     elif type_name in ("Q4_K", "Q5_K"):  # the same scales and mins; Q5_K's codes have a fifth bit
-        b = raw.reshape(-1, 144 if type_name == "Q4_K" else 176)
         n = b.shape[0]
         sc, mn = _q4_k_scales(b[:, 4:16])  # [n, 8] each, 0..63
         q = _nibbles(b[:, 16:].reshape(n * 4, 32)).reshape(n * 8, QK) if type_name == "Q4_K" else codes_q5_k(b)
         scale, scale_sup, mins, min_sup, gps = sc, f16_field(b, 0), mn, -f16_field(b, 2), 8
     elif type_name == "Q5_0":
-        q, scale = codes_q5_0(raw.reshape(-1, 22))
+        q, scale = codes_q5_0(b)
         offset = 16.0
     elif type_name == "Q5_1":
-        q, scale, mins = codes_q5_1(raw.reshape(-1, 24))
+        q, scale, mins = codes_q5_1(b)
     elif type_name == "Q8_0":
-        b = raw.reshape(-1, 34)
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
         scale, offset = f16_field(b, 0), 128.0
     elif type_name == "Q3_K":  # Q6_K's layout (group 16), 3-bit codes
-        q, scale, scale_sup = codes_q3_k(raw.reshape(-1, 110))
+        q, scale, scale_sup = codes_q3_k(b)
         group, gps, offset = 16, 16, 4.0
     elif type_name == "Q2_K":  # Q6_K's layout with Q4_K's mins
-        q, scale, mins, scale_sup, min_sup = codes_q2_k(raw.reshape(-1, 84))
+        q, scale, mins, scale_sup, min_sup = codes_q2_k(b)
         min_sup, group, gps = -min_sup, 16, 16
     elif type_name == "IQ3_S":  # Q5_0's codes with the K-quants' int8 x super-block scales
-        q, scale, scale_sup = codes_iq3_s(raw.reshape(-1, 110))
+        q, scale, scale_sup = codes_iq3_s(b)
         q, offset, gps = q + 16, 16.0, 8
-    elif type_name == "IQ4_NL":  # 4-bit indices, looked up (lut)
-        q, scale = codes_iq4_nl(raw.reshape(-1, 18))
-        offset = 128.0
+    elif type_name == "IQ4_NL":  # 4-bit indices, looked up
+        q, scale = codes_iq4_nl(b)
+        offset, lut = 128.0, 1
     elif type_name == "IQ4_XS":
-        q, scale, scale_sup = codes_iq4_xs(raw.reshape(-1, 136))
-        offset, gps = 128.0, 8
+        q, scale, scale_sup = codes_iq4_xs(b)
+        offset, gps, lut = 128.0, 8, 1
     else:  # Q6_K
-        b = raw.reshape(-1, 210)
         q, _ = codes_q6_k(b)
         scale = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
         scale_sup, group, gps, offset = f16_field(b, 208), 16, 16, 32.0
     ng = cols // group
     shaped = lambda t, n: None if t is None else t.reshape(rows, n).float()  # noqa: E731
     return PlainCodes(q.reshape(rows, cols).to(torch.uint8), shaped(scale, ng), shaped(scale_sup, ng // gps),
-                      shaped(mins, ng), shaped(min_sup, ng // gps), offset,
-                      {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 6,
-                       "Q2_K": 6, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_S": 5}.get(type_name, 8), group, gps,
-                      int(type_name.startswith("IQ4")))
+                      shaped(mins, ng), shaped(min_sup, ng // gps), offset, CODE_BITS[type_name], group, gps, lut)
 
 
 def from_gguf(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantWeight:
