@@ -86,7 +86,7 @@ def _part(name: str) -> str:
 def _format(module) -> str:
     if getattr(module, "qweight", None) is not None:
         q = module.qweight
-        return f"{q.bits}-bit {'IQ4 grid indices' if q.lut else 'codes'} (group {q.group})"
+        return f"{q.bits}-bit {'grid indices' if q.lut else 'codes'} (group {q.group})"
     if getattr(module, "int4", None) is not None:
         return "int4 (PyTorch)"
     if getattr(module, "q8", None) is not None:

@@ -265,16 +265,16 @@ typedef struct {
     const float *bias;                 /* f32 [N] or NULL */
     double offset;
     int64_t bits, group, gps, N, K;
-    int64_t lut; /* 1: 4-bit codes are indices into IQ4's grid, standing for the 8-bit codes IQ4_U8 */
+    const uint8_t *lut; /* NULL, or the 16 8-bit codes a lut weight's 4-bit indices stand for */
 } qw_t;
 
-/* IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl) + 128: the unsigned codes a lut weight's
- * 4-bit indices stand for (offset 128, as Q8_0's codes). The loops run a lut weight with the
- * compile-time bits BITS_IQ4: the 4-bit layout, unpacked, then looked up (one byte shuffle). */
-static const uint8_t IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-static const int8_t IQ4_I8[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-#define BITS_IQ4 12 /* (qmatmul_avx2.c's PASSES and TILE_MB spell it out) */
-#define LAYOUT_BITS(b) ((b) == BITS_IQ4 ? 4 : (b)) /* the bits of the layout the codes lie in */
+/* A lut weight's 4-bit codes are indices into a table of 16 8-bit codes v + 128 (offset 128, as
+ * Q8_0's), v the signed values of its format's grid (IQ4_NL and IQ4_XS's non-uniform grid, the
+ * values of IQ3_XXS's, IQ2_XXS's and IQ1_S's lattices with their signs: layers/quantization/ggml.py,
+ * LUT_VALUES, which owns the tables). The loops run a lut weight with the compile-time bits
+ * BITS_LUT: the 4-bit layout, unpacked, then looked up (one byte shuffle). */
+#define BITS_LUT 12 /* (qmatmul_avx2.c's PASSES and TILE_MB spell it out) */
+#define LAYOUT_BITS(b) ((b) == BITS_LUT ? 4 : (b)) /* the bits of the layout the codes lie in */
 
 static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
 
@@ -327,7 +327,7 @@ static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t 
 /* the code of row l, column kk of a group (code_in_group, looked up for a lut weight) */
 static inline int qw_code(const qw_t *w, const uint8_t *cg, int64_t l, int64_t kk) {
     const int c = code_in_group(cg, (int)w->bits, l, kk);
-    return w->lut ? IQ4_U8[c] : c;
+    return w->lut ? w->lut[c] : c;
 }
 
 #ifdef QM_VNNI
@@ -362,19 +362,20 @@ static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_
 }
 
 /* Two vectors of codes of tile t, group g (cg: the group's bytes), and the columns they cover:
- * pair p of nv / 2. 4 and 5 bits (and BITS_IQ4): vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
+ * pair p of nv / 2. 4 and 5 bits (and BITS_LUT): vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
  * 6 bits (G = 16): vectors p and 2 + p (columns 4p.., 8 + 4p..); 8 bits: vectors 2p and 2p + 1. */
 static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, const int64_t bits, const int p,
-                                                            __m512i *v0, __m512i *v1, int *c0, int *c1) {
+                                                            const uint8_t *lut, __m512i *v0, __m512i *v1, int *c0,
+                                                            int *c1) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    if (bits == 4 || bits == 5 || bits == BITS_IQ4) {
+    if (bits == 4 || bits == 5 || bits == BITS_LUT) {
         const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
         *v0 = _mm512_and_si512(q, nib);
         *v1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
-        if (bits == BITS_IQ4) { /* the indices looked up: IQ4_U8 in each 16-byte lane */
-            const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_U8));
-            *v0 = _mm512_shuffle_epi8(lut, *v0);
-            *v1 = _mm512_shuffle_epi8(lut, *v1);
+        if (bits == BITS_LUT) { /* the indices looked up: the table in each 16-byte lane */
+            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+            *v0 = _mm512_shuffle_epi8(tab, *v0);
+            *v1 = _mm512_shuffle_epi8(tab, *v1);
         }
         if (bits == 5) { /* fifth bits: bit p of each byte for the low half, bit 4 + p for the high */
             const __m512i hb = _mm512_loadu_si512((const void *)(cg + 256)), m10 = _mm512_set1_epi8(0x10);
@@ -442,7 +443,7 @@ static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int6
         __m512i v[2][2];
         int c0 = 0, c1 = 0;
         for (int64_t u = 0; u < nt; u++)
-            code_pair(w->codes + ((t + u) * ng + g) * gbytes, bits, p, &v[u][0], &v[u][1], &c0, &c1);
+            code_pair(w->codes + ((t + u) * ng + g) * gbytes, bits, p, w->lut, &v[u][0], &v[u][1], &c0, &c1);
         for (int64_t i = 0; i < mb; i++) {
             const int8_t *xr = a->q + (m0 + i) * K + g * G;
             const __m512i x0 = bcast4(xr + c0), x1 = bcast4(xr + c1);
@@ -571,8 +572,8 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
 #define TILES_BITS(NT)                                               \
-    switch (w->lut ? BITS_IQ4 : w->bits) {                           \
-    case BITS_IQ4: TILES_MB(NT, BITS_IQ4) break;                     \
+    switch (w->lut ? BITS_LUT : w->bits) {                           \
+    case BITS_LUT: TILES_MB(NT, BITS_LUT) break;                     \
     case 4: TILES_MB(NT, 4) break;                                   \
     case 5: TILES_MB(NT, 5) break;                                   \
     case 6: TILES_MB(NT, 6) break;                                   \
@@ -693,7 +694,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             unpack_group(codes + g * gbytes, (int)w->bits, G, u);
             if (w->lut)
                 for (int64_t l = 0; l < TILE; l++)
-                    for (int64_t kk = 0; kk < G; kk++) u[l][kk] = IQ4_U8[u[l][kk]];
+                    for (int64_t kk = 0; kk < G; kk++) u[l][kk] = w->lut[u[l][kk]];
             if (!sbf)
                 for (int64_t l = 0; l < TILE; l++) {
                     sc[l] = group_scale(w, t, g, l);
@@ -828,7 +829,7 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
                     u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
                     if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
                     u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
-                    if (w->lut) u = _mm512_permutexvar_epi32(u, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)IQ4_U8)));
+                    if (w->lut) u = _mm512_permutexvar_epi32(u, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w->lut)));
                 }
                 store16(out_t, 1, (g * G + kk) * N + t * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv));
             }

@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void amx_unpack(const qw_t *w, int6
         for (int p = 0; p < G / 8; p++) {
             __m512i v0, v1;
             int c0, c1;
-            code_pair(cg, bits, p, &v0, &v1, &c0, &c1);
+            code_pair(cg, bits, p, w->lut, &v0, &v1, &c0, &c1);
             _mm512_storeu_si512((void *)(o + 16 * c0), v0);
             _mm512_storeu_si512((void *)(o + 16 * c1), v1);
         }
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void amx_tile_mb(const qw_t *w, int
 
 /* The super-block formats (tiles_sb's arithmetic, nt = 1). Their int8 group scales go into the
  * weights: at unpacking, each code times its group's scale, v = u sc (|v| < 2^14: Q4_K 15 * 63,
- * Q6_K 63 * 128, IQ4_XS's looked-up codes 241 * 32), is split into a low byte (unsigned) and a
+ * Q6_K 63 * 128, IQ4_XS's looked-up codes 241 * 32, the other lut formats' less), is split into a low byte (unsigned) and a
  * high one (signed, v >> 8), two B tiles, so that one pass of tdpbsud (low) and tdpbssd (high)
  * over a super-block's 256 columns, four 64-column steps with no scaling between them, gives
  *   lo + 256 hi = sum_k xq_k u_k sc_g(k) = sum_g sc_g s_g,
@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void amx_unpack_sb(const qw_t *w, i
         for (int p = 0; p < G / 8; p++) {
             __m512i v[2];
             int c[2];
-            code_pair(cg, bits, p, &v[0], &v[1], &c[0], &c[1]);
+            code_pair(cg, bits, p, w->lut, &v[0], &v[1], &c[0], &c[1]);
             for (int j = 0; j < 2; j++) {
                 const int64_t at = g * G * TILE + 16 * c[j];
                 const __m512i p0 = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(v[j])), sc0);
@@ -270,8 +270,8 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const qw_t *w, i
 }
 
 #define AMX_BITS(SUP)                                                                                  \
-    switch (w->lut ? BITS_IQ4 : w->bits) {                                                             \
-    case BITS_IQ4: amx_tile_rows(w, t, BITS_IQ4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;        \
+    switch (w->lut ? BITS_LUT : w->bits) {                                                             \
+    case BITS_LUT: amx_tile_rows(w, t, BITS_LUT, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;        \
     case 4: amx_tile_rows(w, t, 4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 5: amx_tile_rows(w, t, 5, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 6: amx_tile_rows(w, t, 6, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \

@@ -11,7 +11,7 @@
  * widening (ik_llama.cpp's trick): a pair sum is at most 2 * c_max * 127, so 8 of them fit int16 for
  * 4-bit codes (30480), 4 for 5-bit (31496), 2 for 6-bit (32004); 8-bit codes go through the sign
  * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening;
- * IQ4's indices are looked up (vpshufb) as u - 128 and summed so too.
+ * A lut weight's indices (IQ4, IQ3_XXS, IQ2_XXS, IQ1_S) are looked up (vpshufb) as u - 128 and summed so too.
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
  * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
@@ -92,7 +92,7 @@ static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((cons
  * codes without VNNI: sum (u - 128) x; the caller adds 128 sum x). Without VNNI the int16 pair
  * sums are widened by vpmaddwd against w16[h]: ones, or the group's int8 scales as int16 pairs
  * (the super-block form: the sums come out times their scale, at no extra instruction). */
-static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, const int bits, const int8_t *x,
+static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, const int bits, const uint8_t *lut, const int8_t *x,
                                                              const int64_t K, const int mb, const int h0, const int nh,
                                                              const __m256i w16[2], __m256i isum[2][MR]) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -107,13 +107,16 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
         for (int i = 0; i < mb; i++) s2[h][i] = _mm256_setzero_si256();
 #define DOT32B(s, t, c, x) (c2 ? DOT32((t), (c), (x)) : DOT32((s), (c), (x)))
 #endif
-    if (bits == 4 || bits == 5 || bits == BITS_IQ4) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
+    if (bits == 4 || bits == 5 || bits == BITS_LUT) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
         const __m256i m10 = _mm256_set1_epi8(0x10);
-#ifdef QM_AVXVNNI /* IQ4's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_U8));
-#else
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_I8));
+        /* a lut weight's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
+        __m256i tab = _mm256_setzero_si256();
+        if (bits == BITS_LUT) {
+            tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+#ifndef QM_AVXVNNI
+            tab = _mm256_xor_si256(tab, _mm256_set1_epi8((char)0x80));
 #endif
+        }
 #ifndef QM_AVXVNNI
         __m256i s16[2][MR];
         for (int h = 0; h < nh; h++)
@@ -137,9 +140,9 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(lo5, m10));
                     hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(hi5, m10));
                 }
-                if (bits == BITS_IQ4) {
-                    lo[h] = _mm256_shuffle_epi8(lut, lo[h]);
-                    hi[h] = _mm256_shuffle_epi8(lut, hi[h]);
+                if (bits == BITS_LUT) {
+                    lo[h] = _mm256_shuffle_epi8(tab, lo[h]);
+                    hi[h] = _mm256_shuffle_epi8(tab, hi[h]);
                 }
             }
             for (int i = 0; i < mb; i++) {
@@ -150,7 +153,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32B(isum[h][i], s2[h][i], hi[h], xh);
                     KEEP(isum[h][i]);
 #else
-                    if (bits == BITS_IQ4) { /* the sign trick, one widening per vector (a pair sum reaches 2 * 127^2) */
+                    if (bits == BITS_LUT) { /* the sign trick, one widening per vector (a pair sum reaches 2 * 127^2) */
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(lo[h]), _mm256_sign_epi8(xl, lo[h])), w16[h]));
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(hi[h]), _mm256_sign_epi8(xh, hi[h])), w16[h]));
                         KEEP(isum[h][i]);
@@ -317,7 +320,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
         __m256i isum[2][MR], w16[2];
         for (int h = 0; h < hn; h++)
             w16[h] = sbf ? pairs16(sc8 + si + 8 * (hs + h), sc8 + si + 8 * (hs + h)) : _mm256_set1_epi16(1);
-        group_sums(cg, bits, xq + g * G, K, mb, hs, hn, w16, isum);
+        group_sums(cg, bits, w->lut, xq + g * G, K, mb, hs, hn, w16, isum);
         const int64_t at = (t * nsb + sb) * TILE; /* the group's super-block's float32 scales */
         if (!sbf) { /* (super-block scales here only where the activations are not: see qw_act_block) */
             const float *ssup = w->scale_sup ? w->scale_sup + at : NULL, *msup = w->min_sup ? w->min_sup + at : NULL;
@@ -326,7 +329,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
                 const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, hs + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
-                    if (bits == 8 || bits == BITS_IQ4)
+                    if (bits == 8 || bits == BITS_LUT)
                         isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
 #endif
                     const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
@@ -386,7 +389,7 @@ PASSES(4, 0)
 PASSES(5, 0)
 PASSES(6, 0)
 PASSES(8, 0)
-PASSES(12, 0) /* BITS_IQ4 */
+PASSES(12, 0) /* BITS_LUT */
 
 #define TILE_MB(BITS, SBF)                                                                              \
     if (nh == 2) {                                                                                      \
@@ -419,7 +422,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             default: TILE_MB(6, 1) break;
             }
         } else if (w->lut) {
-            TILE_MB(12, 0) /* BITS_IQ4 */
+            TILE_MB(12, 0) /* BITS_LUT */
         } else {
             switch (w->bits) {
             case 4: TILE_MB(4, 0) break;

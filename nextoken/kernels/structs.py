@@ -6,15 +6,35 @@ from __future__ import annotations
 import ctypes
 
 
+# The signed values the 4-bit indices of a lut weight select, by its `lut` id (ggml-common.h's grids):
+# 1: IQ4_NL and IQ4_XS (kvalues_iq4nl); 2: IQ2_XXS (iq2xxs_grid's 0x08, 0x19, 0x2b, signed);
+# 3: IQ3_XXS (iq3xxs_grid's eight values, signed); 4: IQ1_S, 8 (g + delta) for iq1s_grid's g in
+# -1..1 and delta +-1/8. The kernel reads the codes v + 128 (`lut_codes`); unused entries are 0.
+LUT_VALUES = {
+    1: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+    2: (-43, -25, -8, 8, 25, 43),
+    3: (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62),
+    4: (-9, -7, -1, 1, 7, 9),
+}
+_LUT_CODES = {k: (ctypes.c_uint8 * 16)(*[v + 128 for v in vals], *[128] * (16 - len(vals)))
+              for k, vals in LUT_VALUES.items()}
+
+
+def lut_codes(lut: int) -> int | None:
+    """The address of lut id `lut`'s 16 unsigned codes (`LUT_VALUES` + 128, uint8), for `QW.lut`;
+    None for 0 (no lut). Raises `KeyError` for an unknown id."""
+    return ctypes.addressof(_LUT_CODES[lut]) if lut else None
+
+
 class QW(ctypes.Structure):
     """``qw_t`` of ``kernels/qmatmul.c``: a weight's codes in the tiled layout (pointers), its
-    bias (float32 ``[N]`` or NULL), the format's integers, the shape ``[N, K]`` and `lut` (1: the
-    4-bit codes index IQ4's grid)."""
+    bias (float32 ``[N]`` or NULL), the format's integers, the shape ``[N, K]`` and `lut` (NULL, or
+    the 16 codes a lut weight's 4-bit indices stand for: `lut_codes`)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                 ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("offset", ctypes.c_double), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("lut", ctypes.c_int64)]
+                ("gps", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("lut", ctypes.c_void_p)]
 
 
 class DecodeLayer(ctypes.Structure):

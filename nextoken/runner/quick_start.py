@@ -224,7 +224,7 @@ class _Weights:
         return b
 
     def codes(self, name: str, bias: np.ndarray | None = None):
-        from nextoken.kernels.structs import QW
+        from nextoken.kernels.structs import QW, lut_codes
 
         if name not in self.file.params:
             raise KeyError(f"{name} is not in the prepared-weights cache")
@@ -235,7 +235,7 @@ class _Weights:
             raise ValueError(f"{name}: its codes do not match its shape")
         self.keep.append(arrays)
         ptrs = [a.ctypes.data if a is not None else None for a in (*arrays, bias)]
-        return QW(*ptrs, float(offset), int(bits), int(group), int(gps), rows, cols, int(lut))
+        return QW(*ptrs, float(offset), int(bits), int(group), int(gps), rows, cols, lut_codes(int(lut)))
 
 
 def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndarray | None:

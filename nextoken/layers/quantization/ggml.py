@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from nextoken.kernels.structs import LUT_VALUES
+
 log = logging.getLogger("nextoken.loader")
 _told: set[str] = set()  # the formats `gguf_dequantize` has warned about
 
@@ -200,7 +202,7 @@ def dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 # the 16 values IQ4_NL's and IQ4_XS's 4-bit indices select (ggml-common.h: kvalues_iq4nl)
-IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int32)
+IQ4_VALUES = torch.tensor(LUT_VALUES[1], dtype=torch.int32)
 
 
 def codes_iq4_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,6 +281,114 @@ def dequant_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * mult).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
 
 
+# ---- the lattice formats: IQ1_S, IQ1_M, IQ2_XXS, IQ3_XXS -------------------------------------------
+# Each entry of ggml's grid holds 4 or 8 small values; the block picks entries, signs and per-group
+# scales ls: x = d f (1 + 2 ls) v, v the entry's value with its sign (IQ1: 8 (g + delta)), f a
+# power of two per format. The `codes_*` functions give (v int8 ``[n, 256]``, the groups'
+# multipliers ``1 + 2 ls`` float32 ``[n, groups]``, d f float32 ``[n, 1]``): every product of the
+# three is exact in float32, as gguf's own de-quantization (the tests compare).
+
+_GRIDS: dict[str, torch.Tensor] = {}
+_SIGNS: dict[bool, torch.Tensor] = {}
+_SHIFTS7 = torch.tensor([0, 7, 14, 21])
+
+
+def _grid(type_name: str) -> torch.Tensor:
+    """ggml's grid of `type_name` (the `gguf` package's table, decoded once): int8 ``[entries, width]``."""
+    if type_name not in _GRIDS:
+        import gguf
+
+        cls = getattr(gguf.quants, type_name)
+        cls.init_grid()
+        _GRIDS[type_name] = torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy()).to(torch.int8)
+    return _GRIDS[type_name]
+
+
+def _signs(parity: bool) -> torch.Tensor:
+    """Each byte's 8 bits as signs, int8 ``+-1`` ``[256, 8]`` (bit i set: element i negative); with
+    `parity`, ggml's ksigns_iq2xs ``[128, 8]``: index i's 7 bits and an 8th that makes the number of
+    negative signs even."""
+    if parity not in _SIGNS:
+        b = torch.arange(128 if parity else 256)
+        bits = (b[:, None] >> torch.arange(8)) & 1
+        if parity:
+            bits[:, 7] = bits[:, :7].sum(-1) & 1
+        _SIGNS[parity] = (1 - 2 * bits).to(torch.int8)
+    return _SIGNS[parity]
+
+
+def _u32(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint32 fields of ``raw`` bytes ``[n, 4 m]`` as int64 ``[n, m]``."""
+    return raw.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _u16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint16 fields of ``raw`` bytes ``[n, 2 m]`` as int64 ``[n, m]``."""
+    return raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def codes_iq2_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ2_XXS (``d: f16, qs: u16[32]``): sub-block j's 8 bytes are 4 indices into iq2xxs_grid (8
+    values in 8, 25, 43 each) and a uint32 of four 7-bit sign indices (ksigns_iq2xs) under ls (its
+    top 4 bits); x = d / 8 (1 + 2 ls) v. 8 groups of 32."""
+    n = blocks.shape[0]
+    q = blocks[:, 2:].reshape(n, 8, 8)
+    aux = _u32(q[:, :, 4:].reshape(n, 32))  # [n, 8]
+    v = _grid("IQ2_XXS")[q[:, :, :4].long()] * _signs(True)[(aux[..., None] >> _SHIFTS7) & 0x7F]
+    return v.reshape(n, QK_K), (1 + 2 * (aux >> 28)).float(), f16_field(blocks, 0) * 0.125
+
+
+def codes_iq3_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ3_XXS (``d: f16, qs: u8[64], scales_and_signs: u32[8]``): 64 indices into iq3xxs_grid (4
+    values in 4..62 each); sub-block j's uint32 holds four 7-bit sign indices under ls (its top 4
+    bits); x = d / 4 (1 + 2 ls) v. 8 groups of 32."""
+    n = blocks.shape[0]
+    aux = _u32(blocks[:, 66:98])  # [n, 8]
+    v = _grid("IQ3_XXS")[blocks[:, 2:66].long()].reshape(n, 8, 4, 8)
+    v = v * _signs(True)[(aux[..., None] >> _SHIFTS7) & 0x7F]
+    return v.reshape(n, QK_K), (1 + 2 * (aux >> 28)).float(), f16_field(blocks, 0) * 0.25
+
+
+def codes_iq1_s(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ1_S (``d: f16, qs: u8[32], qh: u16[8]``): 11-bit indices into iq1s_grid (8 values in -1..1;
+    low 8 bits in qs, 3 high ones per index in qh), per 32 values a 3-bit ls and the sign of delta
+    (1/8) in qh's top bits; x = d (1 + 2 ls) (g + delta) = d / 8 (1 + 2 ls) v, v = 8 g +- 1. 8 groups of 32."""
+    n = blocks.shape[0]
+    qh = _u16(blocks[:, 34:50])  # [n, 8]
+    idx = blocks[:, 2:34].long().reshape(n, 8, 4) | (((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8)
+    delta = (1 - 2 * (qh >> 15)).to(torch.int8)[..., None, None]
+    v = 8 * _grid("IQ1_S")[idx] + delta
+    return v.reshape(n, QK_K), (1 + 2 * ((qh >> 12) & 7)).float(), f16_field(blocks, 0) * 0.125
+
+
+def codes_iq1_m(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ1_M (``qs: u8[32], qh: u8[16], scales: u16[4]``): 11-bit indices into iq1s_grid (3 high bits
+    and the sign of delta in each nibble of qh: delta per 8 values), 3-bit ls per 16 values in
+    scales, d's 16 bits in the top nibbles of the four scales; x = d / 8 (1 + 2 ls) (8 g +- 1). 16 groups of 16."""
+    n = blocks.shape[0]
+    sc = _u16(blocks[:, 48:56])  # [n, 4]
+    bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000)
+    d = (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.float16).float()[:, None]
+    mult = (1 + 2 * ((sc[..., None] >> torch.tensor([0, 3, 6, 9])) & 7)).reshape(n, 16).float()
+    qh = blocks[:, 32:48].long()
+    nib = torch.stack((qh & 0x0F, qh >> 4), dim=-1).reshape(n, 32)
+    g = _grid("IQ1_M")[blocks[:, :32].long() | ((nib & 7) << 8)]  # [n, 32, 8]
+    v = 8 * g + (1 - 2 * (nib >> 3)).to(torch.int8)[..., None]
+    return v.reshape(n, QK_K), mult, d * 0.125
+
+
+def _lattice(codes):
+    """The de-quantization of a lattice format from its `codes_*` function: x = d f mult v."""
+
+    def dequant(blocks: torch.Tensor) -> torch.Tensor:
+        v, mult, d = codes(blocks)
+        n, ng = mult.shape
+        return ((d * mult).unsqueeze(-1) * v.reshape(n, ng, -1).float()).reshape(n, QK_K)
+
+    dequant.__doc__ = f"{codes.__name__.removeprefix('codes_').upper()}: x = d f (1 + 2 ls) v (`{codes.__name__}`)."
+    return dequant
+
+
 # type name -> (elements per block, bytes per block, function)
 BLOCK_FORMATS = {
     "Q4_0": (QK, 18, dequant_q4_0),
@@ -294,6 +404,10 @@ BLOCK_FORMATS = {
     "IQ3_S": (QK_K, 110, dequant_iq3_s),
     "IQ4_NL": (QK, 18, dequant_iq4_nl),
     "IQ4_XS": (QK_K, 136, dequant_iq4_xs),
+    "IQ1_S": (QK_K, 50, _lattice(codes_iq1_s)),
+    "IQ1_M": (QK_K, 56, _lattice(codes_iq1_m)),
+    "IQ2_XXS": (QK_K, 66, _lattice(codes_iq2_xxs)),
+    "IQ3_XXS": (QK_K, 98, _lattice(codes_iq3_xxs)),
 }
 
 
@@ -302,7 +416,7 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
 
     `raw` is the tensor's bytes as ``uint8`` (any shape), or for F32/F16/BF16 also data already
     of that type. The formats of `BLOCK_FORMATS` are ours; any other the `gguf` package reads
-    (IQ1, IQ2, IQ3_XXS, TQ1_0, MXFP4 ...) goes through its NumPy de-quantization
+    (IQ2_XS, IQ2_S, TQ1_0, MXFP4 ...) goes through its NumPy de-quantization
     (`gguf_dequantize`). Raises `NotImplementedError` naming the type for a format neither reads.
     """
     if type_name in ("F32", "F16", "BF16"):

@@ -17,10 +17,18 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - IQ3_S: ``x = d (1 + 2 s_j) q``        -> 5-bit u = q + 16 (q odd, -15..15), group 32, scale (1 + 2 s_j) * d, min -16 scale
 - IQ4_NL: ``x = d v[q]``               -> 4-bit u = q, looked up: v[u] + 128, group 32, scale d, min -128 d
 - IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> the same, scale (ls_j - 32) * d, min -128 scale
+- IQ3_XXS, IQ2_XXS, IQ1_S: ``x = d f (1 + 2 ls_j) v`` (v: a grid entry's value with its sign; f 1/4
+  or 1/8) -> 4-bit u = v's index in the format's table, looked up: v + 128, group 32,
+  scale (1 + 2 ls_j) * d f, min -128 scale
+- IQ1_M: ``x = d / 8 (1 + 2 ls_j) v`` (v = 8 g +- 1 in -9..9) -> 6-bit u = v + 9 in Q6_K's layout, group 16,
+  scale (1 + 2 ls_j) * d / 8, min -9 scale
 
-(v: the 16 values of IQ4's non-uniform grid, -127..113, `ggml.IQ4_VALUES`. ``lut``: the kernel
-keeps the 4-bit indices, as the file, and looks them up as it unpacks them; the arithmetic is then
-Q8_0's, on 8-bit codes ``v + 128``.)
+(v for IQ4: the 16 values of its non-uniform grid, -127..113, `ggml.IQ4_VALUES`; for the lattice
+formats `ggml.codes_iq2_xxs` and its neighbours. ``lut``: the kernel keeps 4-bit indices into a
+table of 16 values (`nextoken.kernels.structs.LUT_VALUES`), for IQ4 as the file, and looks them up
+as it unpacks them; the arithmetic is then Q8_0's, on 8-bit codes ``v + 128``. The lattice
+formats' files are smaller than their codes here: 1.56-3.06 bits a weight against 4.5 with a lut,
+6.6 for IQ1_M.)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -44,15 +52,30 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from nextoken.kernels.structs import QW
-from nextoken.layers.quantization.ggml import BLOCK_FORMATS, IQ4_VALUES, QK, f16_field, _nibbles, _q4_k_scales, \
-    codes_iq3_s, codes_iq4_nl, codes_iq4_xs, codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
+from nextoken.kernels.structs import LUT_VALUES, QW, lut_codes
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS, QK, QK_K, f16_field, _nibbles, _q4_k_scales, codes_iq1_m, \
+    codes_iq1_s, codes_iq2_xxs, codes_iq3_s, codes_iq3_xxs, codes_iq4_nl, codes_iq4_xs, \
+    codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
 # each format kept as codes -> the bits of the kernel layout its codes take
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 6,
-             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4}
+             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ1_M": 6}
 QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
+# the lattice formats: their codes function and the table their values' indices take (0: IQ1_M's codes v + 9)
+LATTICE = {"IQ3_XXS": (codes_iq3_xxs, 3), "IQ2_XXS": (codes_iq2_xxs, 2), "IQ1_S": (codes_iq1_s, 4),
+           "IQ1_M": (codes_iq1_m, 0)}
+# lut id -> the 8-bit codes its indices stand for (int32 [16]); and signed value + 128 -> its index
+LUT_CODES = {k: torch.tensor(list(v) + [0] * (16 - len(v)), dtype=torch.int32) + 128 for k, v in LUT_VALUES.items()}
+
+
+def _index_table(values: tuple[int, ...]) -> torch.Tensor:
+    t = torch.zeros(256, dtype=torch.uint8)
+    t[torch.tensor(values) + 128] = torch.arange(len(values), dtype=torch.uint8)
+    return t
+
+
+_LUT_INDEX = {k: _index_table(v) for k, v in LUT_VALUES.items()}
 
 
 @dataclass
@@ -61,8 +84,8 @@ class PlainCodes:
 
     u: ``[rows, cols]`` (0..15 for 4 bits, 0..31 for 5, 0..63 for 6, 0..255 for 8); scale, mins: ``[rows, cols // group]``
     float32, each either an exact float16 value (``*_sup`` None) or an int8 value to multiply by
-    ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``; lut 1: u holds
-    4-bit indices whose codes are ``IQ4_VALUES[u] + 128``.
+    ``*_sup [rows, cols // group // gps]``; mins None means ``-offset * scale``; lut k > 0: u holds
+    4-bit indices whose codes are ``LUT_CODES[k][u]``.
     """
 
     u: torch.Tensor
@@ -74,7 +97,7 @@ class PlainCodes:
     bits: int
     group: int
     gps: int = 1  # groups per super-block
-    lut: int = 0  # 1: u is a 4-bit index into IQ4's grid, the code is IQ4_VALUES[u] + 128
+    lut: int = 0  # k > 0: u is a 4-bit index into table k (`LUT_VALUES`), the code is LUT_CODES[k][u]
 
     def map_rows(self, fn) -> PlainCodes:
         """Apply `fn` (a row permutation, say) to every tensor indexed by row."""
@@ -115,7 +138,7 @@ class QuantWeight:
     bits: int
     group: int
     gps: int
-    lut: int = 0  # 1: 4-bit indices into IQ4's grid (`PlainCodes.lut`)
+    lut: int = 0  # k > 0: 4-bit indices into table k (`PlainCodes.lut`)
     _c: QW | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
@@ -171,7 +194,7 @@ class QuantWeight:
             return self._c
         rows, cols = self.shape
         c = QW(_ptr(self.codes), _ptr(self.scales), _ptr(self.mins), _ptr(self.scale_sup), _ptr(self.min_sup),
-                _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols, self.lut)
+                _ptr(bias), self.offset, self.bits, self.group, self.gps, rows, cols, lut_codes(self.lut))
         if bias is None:
             self._c = c
         return c
@@ -207,7 +230,7 @@ class QuantWeight:
         else:
             c = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4)[tile, :, :, lane]
         c = c.reshape(-1, ng, self.group)
-        return (IQ4_VALUES[c.long()] + 128).float() if self.lut else c.float()
+        return LUT_CODES[self.lut][c.long()].float() if self.lut else c.float()
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (int64 ``[T]``) de-quantized to float32 ``[T, cols]`` (an embedding
@@ -290,6 +313,13 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(b)
         offset, gps, lut = 128.0, 8, 1
+    elif type_name in LATTICE:  # x = d f mult v: v's index in a table (groups of 32) or v + 9 (IQ1_M, groups of 16)
+        codes, lut = LATTICE[type_name]
+        v, scale, scale_sup = codes(b)
+        v = v.to(torch.int32)
+        q, offset = (_LUT_INDEX[lut][(v + 128).long()], 128.0) if lut else (v + 9, 9.0)
+        group = QK_K // scale.shape[1]
+        gps = QK_K // group
     else:  # Q6_K
         q, _ = codes_q6_k(b)
         scale = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
