@@ -270,11 +270,15 @@ typedef struct {
 
 /* A lut weight's 4-bit codes are indices into a table of 16 8-bit codes v + 128 (offset 128, as
  * Q8_0's), v the signed values of its format's grid (IQ4_NL and IQ4_XS's non-uniform grid, the
- * values of IQ3_XXS's, IQ2_XXS's and IQ1_S's lattices with their signs: layers/quantization/ggml.py,
+ * values of the IQ3_XXS, IQ2 and IQ1_S lattices with their signs: kernels/structs.py,
  * LUT_VALUES, which owns the tables). The loops run a lut weight with the compile-time bits
- * BITS_LUT: the 4-bit layout, unpacked, then looked up (one byte shuffle). */
+ * BITS_LUT: the 4-bit layout, unpacked, then looked up (one byte shuffle); groups of 16 (IQ2_XS,
+ * IQ2_S) keep their indices in the 6-bit layout (BITS_LUT6). */
 #define BITS_LUT 12 /* (qmatmul_avx2.c's PASSES and TILE_MB spell it out) */
-#define LAYOUT_BITS(b) ((b) == BITS_LUT ? 4 : (b)) /* the bits of the layout the codes lie in */
+#define BITS_LUT6 14 /* the same in the 6-bit layout (groups of 16: IQ2_XS, IQ2_S; the indices' high bits 0) */
+#define LAYOUT_BITS(b) ((b) == BITS_LUT ? 4 : (b) == BITS_LUT6 ? 6 : (b)) /* the bits of the layout the codes lie in */
+#define GROUP_OF(b) ((b) == 6 || (b) == BITS_LUT6 ? 16 : 32) /* a layout's columns per group */
+#define LOOP_BITS(w) ((w)->lut ? ((w)->bits == 6 ? BITS_LUT6 : BITS_LUT) : (w)->bits) /* the loops' compile-time bits */
 
 static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
 
@@ -388,13 +392,18 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
         }
         *c0 = 4 * p;
         *c1 = 16 + 4 * p;
-    } else if (bits == 6) { /* low nibbles of vectors p, 2 + p in one 64-byte plane; high 2 bits in the third */
+    } else if (bits == 6 || bits == BITS_LUT6) { /* low nibbles of vectors p, 2 + p in one 64-byte plane; high 2 bits in the third */
         const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
         const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
         const __m512i h0 = p == 0 ? _mm512_slli_epi16(hp, 4) : _mm512_slli_epi16(hp, 2);
         const __m512i h1 = p == 0 ? hp : _mm512_srli_epi16(hp, 2);
         *v0 = _mm512_or_si512(_mm512_and_si512(q, nib), _mm512_and_si512(h0, m30));
         *v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), nib), _mm512_and_si512(h1, m30));
+        if (bits == BITS_LUT6) {
+            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+            *v0 = _mm512_shuffle_epi8(tab, *v0);
+            *v1 = _mm512_shuffle_epi8(tab, *v1);
+        }
         *c0 = 4 * p;
         *c1 = 8 + 4 * p;
     } else {
@@ -424,7 +433,7 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
 static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int64_t t, const int64_t nt,
                                                              const int64_t bits, const qact_t *a, int64_t m0,
                                                              const int64_t mb, int64_t g, __m512i *s) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, npairs = G / 8;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, npairs = G / 8;
     const int split = nt * mb <= 2; /* two accumulators per sum: s and s2 */
     __m512i s2[2];
     for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
@@ -465,7 +474,7 @@ static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int6
 static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_t t, const int64_t nt,
                                                            const int64_t bits, const qact_t *a, int64_t m0,
                                                            const int64_t mb, __m512 *acc) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
@@ -507,7 +516,7 @@ static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_
 static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_t t, const int64_t nt,
                                                            const int64_t bits, const qact_t *a, int64_t m0,
                                                            const int64_t mb, __m512 *acc) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gps = w->gps, nsb = ng / gps;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gps = w->gps, nsb = ng / gps;
     const int8_t *mins = w->mins ? (const int8_t *)w->mins : (const int8_t *)w->scales;
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
     /* the mins' term, in integers: vpdpwssd multiplies two groups' int16 mins (interleaved per
@@ -572,8 +581,9 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
 #define TILES_BITS(NT)                                               \
-    switch (w->lut ? BITS_LUT : w->bits) {                           \
+    switch (LOOP_BITS(w)) {                                          \
     case BITS_LUT: TILES_MB(NT, BITS_LUT) break;                     \
+    case BITS_LUT6: TILES_MB(NT, BITS_LUT6) break;                   \
     case 4: TILES_MB(NT, 4) break;                                   \
     case 5: TILES_MB(NT, 5) break;                                   \
     case 6: TILES_MB(NT, 6) break;                                   \
@@ -829,8 +839,8 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
                     u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));
                     if (w->bits == 4 && kk >= 16) u = _mm512_srli_epi32(u, 4);
                     u = _mm512_and_si512(u, _mm512_set1_epi32(w->bits == 4 ? 0x0F : 0xFF));
-                    if (w->lut) u = _mm512_permutexvar_epi32(u, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w->lut)));
                 }
+                if (w->lut) u = _mm512_permutexvar_epi32(u, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w->lut)));
                 store16(out_t, 1, (g * G + kk) * N + t * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scv, mnv));
             }
 #else

@@ -42,7 +42,7 @@ static void amx_config(int64_t G) {
 /* Tile t's codes as B tiles, group after group (G * 16 bytes each), into ub: code_pair's vectors
  * at their columns' rows. */
 static inline __attribute__((always_inline)) void amx_unpack(const qw_t *w, int64_t t, const int64_t bits, uint8_t *ub) {
-    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
+    const int64_t G = GROUP_OF(bits), ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *cg = w->codes + (t * ng + g) * gbytes;
         uint8_t *o = ub + g * G * TILE;
@@ -120,7 +120,7 @@ static int amx_rows(const qact_t *a, const qw_t *w, int64_t m16, amx_rows_t *tr)
 static inline __attribute__((always_inline)) void amx_tile_mb(const qw_t *w, int64_t t, const int64_t bits,
                                                               const qact_t *a, const amx_rows_t *tr, int64_t m0,
                                                               const uint8_t *bsrc, int32_t *cbuf, __m512 *acc) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, bstep = (int64_t)G * TILE, np = (ng + 1) / 2;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, bstep = (int64_t)G * TILE, np = (ng + 1) / 2;
     const int8_t *xq = a->q + m0 * K;
     const float *dxb = tr->dx + (m0 / 16) * (K / 32) * 16, *xsb = tr->xs + (m0 / 16) * ng * 16;
     const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void amx_tile_mb(const qw_t *w, int
  * mins' pass, then each super-block's sum times scale_sup dx. */
 static inline __attribute__((always_inline)) void amx_unpack_sb(const qw_t *w, int64_t t, const int64_t bits,
                                                                 uint8_t *lo, uint8_t *hi) {
-    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
+    const int64_t G = GROUP_OF(bits), ng = w->K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8;
     /* int16 lane j of half h of a code vector is byte 32h + j: row (32h + j) / 4 */
     const __m512i rows0 = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4,
                                            3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -203,7 +203,7 @@ static inline __attribute__((always_inline)) void amx_tile_sb(const qw_t *w, int
                                                               const qact_t *a, const amx_rows_t *tr, int64_t m0,
                                                               const uint8_t *lo, const uint8_t *hi, int32_t *cbuf,
                                                               __m512 *acc) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gps = w->gps, nsb = ng / gps, QB = G * gps;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gps = w->gps, nsb = ng / gps, QB = G * gps;
     const int8_t *xq = a->q + m0 * K;
     const int8_t *mins = w->mins ? (const int8_t *)w->mins : (const int8_t *)w->scales;
     const float *dxb = tr->dx + (m0 / 16) * nsb * 16;
@@ -254,7 +254,7 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const qw_t *w, i
                                                                 const int sup, const qact_t *a, const amx_rows_t *tr, int64_t m16,
                                                                 uint8_t *ub, int32_t *cbuf, void *y, int y_bf16,
                                                                 int64_t ldy) {
-    const int64_t G = bits == 6 ? 16 : 32, ng = w->K / G, n0 = t * TILE;
+    const int64_t G = GROUP_OF(bits), ng = w->K / G, n0 = t * TILE;
     const uint8_t *bsrc = ub;
     if (sup) amx_unpack_sb(w, t, bits, ub, ub + w->K * TILE); /* low bytes, then high ones */
     else if (bits == 8) bsrc = w->codes + t * ng * (TILE * G); /* already B tiles */
@@ -270,8 +270,9 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const qw_t *w, i
 }
 
 #define AMX_BITS(SUP)                                                                                  \
-    switch (w->lut ? BITS_LUT : w->bits) {                                                             \
+    switch (LOOP_BITS(w)) {                                                                            \
     case BITS_LUT: amx_tile_rows(w, t, BITS_LUT, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;        \
+    case BITS_LUT6: amx_tile_rows(w, t, BITS_LUT6, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;      \
     case 4: amx_tile_rows(w, t, 4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 5: amx_tile_rows(w, t, 5, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 6: amx_tile_rows(w, t, 6, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \

@@ -11,7 +11,7 @@
  * widening (ik_llama.cpp's trick): a pair sum is at most 2 * c_max * 127, so 8 of them fit int16 for
  * 4-bit codes (30480), 4 for 5-bit (31496), 2 for 6-bit (32004); 8-bit codes go through the sign
  * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening;
- * A lut weight's indices (IQ4, IQ3_XXS, IQ2_XXS, IQ1_S) are looked up (vpshufb) as u - 128 and summed so too.
+ * A lut weight's indices (IQ4, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S) are looked up (vpshufb) as u - 128 and summed so too.
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
  * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
@@ -107,16 +107,16 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
         for (int i = 0; i < mb; i++) s2[h][i] = _mm256_setzero_si256();
 #define DOT32B(s, t, c, x) (c2 ? DOT32((t), (c), (x)) : DOT32((s), (c), (x)))
 #endif
+    /* a lut weight's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
+    __m256i tab = _mm256_setzero_si256();
+    if (bits == BITS_LUT || bits == BITS_LUT6) {
+        tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+#ifndef QM_AVXVNNI
+        tab = _mm256_xor_si256(tab, _mm256_set1_epi8((char)0x80));
+#endif
+    }
     if (bits == 4 || bits == 5 || bits == BITS_LUT) { /* load j: low nibbles = columns 4j.., high nibbles = 16 + 4j.. */
         const __m256i m10 = _mm256_set1_epi8(0x10);
-        /* a lut weight's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
-        __m256i tab = _mm256_setzero_si256();
-        if (bits == BITS_LUT) {
-            tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
-#ifndef QM_AVXVNNI
-            tab = _mm256_xor_si256(tab, _mm256_set1_epi8((char)0x80));
-#endif
-        }
 #ifndef QM_AVXVNNI
         __m256i s16[2][MR];
         for (int h = 0; h < nh; h++)
@@ -174,7 +174,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             for (int h = 0; h < nh; h++)
                 for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
-    } else if (bits == 6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
+    } else if (bits == 6 || bits == BITS_LUT6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int a = 0; a < 2; a++) {
             __m256i v0[2], v1[2];
@@ -184,6 +184,10 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                 const __m256i h1 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);
                 v0[h] = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(h0, m30));
                 v1[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), _mm256_and_si256(h1, m30));
+                if (bits == BITS_LUT6) {
+                    v0[h] = _mm256_shuffle_epi8(tab, v0[h]);
+                    v1[h] = _mm256_shuffle_epi8(tab, v1[h]);
+                }
             }
             for (int i = 0; i < mb; i++) {
                 const __m256i x0 = bcast4x(x + i * K + 4 * a), x1 = bcast4x(x + i * K + 8 + 4 * a);
@@ -192,7 +196,12 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32(isum[h][i], v0[h], x0);
                     DOT32B(isum[h][i], s2[h][i], v1[h], x1);
 #else
-                    isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(PAIR16(v0[h], x0, v1[h], x1), w16[h]));
+                    if (bits == BITS_LUT6) { /* the sign trick, as BITS_LUT's */
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v0[h]), _mm256_sign_epi8(x0, v0[h])), w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v1[h]), _mm256_sign_epi8(x1, v1[h])), w16[h]));
+                    } else {
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(PAIR16(v0[h], x0, v1[h], x1), w16[h]));
+                    }
 #endif
                     KEEP(isum[h][i]);
                 }
@@ -273,7 +282,7 @@ static inline __attribute__((always_inline)) void sb_end(const qw_t *w, int64_t 
 static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64_t t, const qact_t *a, int64_t m0,
                                                             const int mb, const int bits, const int sbf, const int h0,
                                                             const int nh, void *y, int y_bf16, int64_t ldy) {
-    const int64_t K = w->K, G = bits == 6 ? 16 : 32, ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, n0 = t * TILE;
+    const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, n0 = t * TILE;
     const uint8_t *codes = w->codes + t * ng * gbytes;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const int16_t *bs = G == 16 ? a->bs16 : a->bs32;
@@ -329,7 +338,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
                 const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, hs + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
-                    if (bits == 8 || bits == BITS_LUT)
+                    if (bits == 8 || bits == BITS_LUT || bits == BITS_LUT6)
                         isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
 #endif
                     const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
@@ -390,6 +399,7 @@ PASSES(5, 0)
 PASSES(6, 0)
 PASSES(8, 0)
 PASSES(12, 0) /* BITS_LUT */
+PASSES(14, 0) /* BITS_LUT6 */
 
 #define TILE_MB(BITS, SBF)                                                                              \
     if (nh == 2) {                                                                                      \
@@ -421,6 +431,8 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             case 5: TILE_MB(5, 1) break;
             default: TILE_MB(6, 1) break;
             }
+        } else if (w->lut && w->bits == 6) {
+            TILE_MB(14, 0) /* BITS_LUT6 */
         } else if (w->lut) {
             TILE_MB(12, 0) /* BITS_LUT */
         } else {

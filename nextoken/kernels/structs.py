@@ -7,17 +7,27 @@ import ctypes
 
 
 # The signed values the 4-bit indices of a lut weight select, by its `lut` id (ggml-common.h's grids):
-# 1: IQ4_NL and IQ4_XS (kvalues_iq4nl); 2: IQ2_XXS (iq2xxs_grid's 0x08, 0x19, 0x2b, signed);
+# 1: IQ4_NL and IQ4_XS (kvalues_iq4nl); 2: IQ2_XXS, IQ2_XS, IQ2_S (their grids' 0x08, 0x19, 0x2b, signed);
 # 3: IQ3_XXS (iq3xxs_grid's eight values, signed); 4: IQ1_S, 8 (g + delta) for iq1s_grid's g in
-# -1..1 and delta +-1/8. The kernel reads the codes v + 128 (`lut_codes`); unused entries are 0.
+# -1..1 and delta +-1/8. A table of n values lies at entries 8 - n / 2 .. 7 + n / 2 of the 16 (so
+# that in the symmetric ones the place of -v is that of v xor 15); the kernel reads the codes v + 128
+# (`lut_codes`), and the entries no value takes are 0 (code 128).
 LUT_VALUES = {
     1: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
     2: (-43, -25, -8, 8, 25, 43),
     3: (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62),
     4: (-9, -7, -1, 1, 7, 9),
 }
-_LUT_CODES = {k: (ctypes.c_uint8 * 16)(*[v + 128 for v in vals], *[128] * (16 - len(vals)))
-              for k, vals in LUT_VALUES.items()}
+
+
+def lut_table(lut: int) -> list[int]:
+    """Lut id `lut`'s 16 entries: its `LUT_VALUES` centred, 0 where no value lies."""
+    vals = LUT_VALUES[lut]
+    start = 8 - len(vals) // 2
+    return [0] * start + list(vals) + [0] * (16 - start - len(vals))
+
+
+_LUT_CODES = {k: (ctypes.c_uint8 * 16)(*[v + 128 for v in lut_table(k)]) for k in LUT_VALUES}
 
 
 def lut_codes(lut: int) -> int | None:

@@ -7,8 +7,8 @@ import numpy as np
 import gguf
 
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108],
-              "Q2_K": [80, 82], "IQ3_S": [0], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ1_S": [0],
-              "IQ1_M": []}  # where each format keeps its float16 scales (IQ1_M: below)
+              "Q2_K": [80, 82], "IQ3_S": [0], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ2_XS": [0],
+              "IQ2_S": [0], "IQ1_S": [0], "IQ1_M": []}  # where each format keeps its float16 scales (IQ1_M: below)
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:

@@ -20,9 +20,10 @@ from tests.helpers.blocks import random_blocks
 from tests.helpers.cpu import cpu_has
 
 # 256-column super-blocks: one activation scale per 256 columns
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ1_M")
-# 4-bit indices looked up by the kernel (the lut id each format's table has)
-LUT_FORMATS = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ3_XXS": 3, "IQ1_S": 4}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
+            "IQ1_M")
+# indices looked up by the kernel (the lut id of each format's table): 4-bit, or in the 6-bit layout for groups of 16
+LUT_FORMATS = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ3_XXS": 3, "IQ1_S": 4, "IQ2_XS": 2, "IQ2_S": 2}
 
 
 def weight(type_name: str, rows: int, cols: int, seed: int):
@@ -44,7 +45,7 @@ def test_codes_are_the_dequantized_weight_exactly(type_name):
     assert torch.equal(qw.lookup(ids), w[ids])  # an embedding lookup expands just those rows
     assert qw.nbytes < w.nbytes / 2.5
     if type_name in LUT_FORMATS:  # 4-bit indices, looked up by the kernel
-        assert qw.lut == LUT_FORMATS[type_name] and qw.codes.nbytes == w.numel() // 2
+        assert qw.lut == LUT_FORMATS[type_name] and qw.codes.nbytes == w.numel() * qw.bits // 8
 
 
 def test_activation_quantization():

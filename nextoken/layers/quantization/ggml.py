@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from nextoken.kernels.structs import LUT_VALUES
+from nextoken.kernels.structs import LUT_VALUES, lut_table
 
 log = logging.getLogger("nextoken.loader")
 _told: set[str] = set()  # the formats `gguf_dequantize` has warned about
@@ -281,12 +281,13 @@ def dequant_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * mult).unsqueeze(-1) * q.reshape(n, 8, 32).float()).reshape(n, QK_K)
 
 
-# ---- the lattice formats: IQ1_S, IQ1_M, IQ2_XXS, IQ3_XXS -------------------------------------------
+# ---- the lattice formats: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS ----------------------------
 # Each entry of ggml's grid holds 4 or 8 small values; the block picks entries, signs and per-group
 # scales ls: x = d f (1 + 2 ls) v, v the entry's value with its sign (IQ1: 8 (g + delta)), f a
 # power of two per format. The `codes_*` functions give (v int8 ``[n, 256]``, the groups'
 # multipliers ``1 + 2 ls`` float32 ``[n, groups]``, d f float32 ``[n, 1]``): every product of the
-# three is exact in float32, as gguf's own de-quantization (the tests compare).
+# three is exact in float32, as gguf's own de-quantization (the tests compare). With ``index``
+# (the formats the kernel looks up) v comes as its place in the format's lut table instead.
 
 _GRIDS: dict[str, torch.Tensor] = {}
 _SIGNS: dict[bool, torch.Tensor] = {}
@@ -317,6 +318,30 @@ def _signs(parity: bool) -> torch.Tensor:
     return _SIGNS[parity]
 
 
+
+def _signed(type_name: str, entries: torch.Tensor, sign_index: torch.Tensor, parity: bool, index: bool) -> torch.Tensor:
+    """Entries `entries` (int64) of `type_name`'s grid with the signs of `sign_index` (int64, into
+    `_signs`' table): their signed values v, int8; or with `index`, each v's place in the
+    format's lut table (`nextoken.kernels.structs.lut_table`: symmetric and centred, so -v lies at
+    v's place xor 15), looked up once for the grid and once for the signs, as the values are."""
+    signs = _signs(parity)[sign_index]  # one sign per value; shaped as the entries' values below
+    if not index:
+        g = _grid(type_name)[entries]
+        return g * signs.reshape(g.shape)
+    if type_name not in _PLACES:
+        table = lut_table(_LUT_OF[type_name])
+        place = torch.zeros(128, dtype=torch.int8)  # grid values are 1..127
+        for i, v in enumerate(table):
+            if v > 0:
+                place[v] = i
+        _PLACES[type_name] = place[_grid(type_name).long()]
+    places = _PLACES[type_name][entries]
+    return places ^ ((signs.reshape(places.shape) >> 1) & 15)
+
+
+_PLACES: dict[str, torch.Tensor] = {}
+_LUT_OF = {"IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3}  # (`nextoken.kernels.structs.LUT_VALUES`)
+
 def _u32(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian uint32 fields of ``raw`` bytes ``[n, 4 m]`` as int64 ``[n, m]``."""
     return raw.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -327,37 +352,66 @@ def _u16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
 
 
-def codes_iq2_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def codes_iq2_xxs(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IQ2_XXS (``d: f16, qs: u16[32]``): sub-block j's 8 bytes are 4 indices into iq2xxs_grid (8
     values in 8, 25, 43 each) and a uint32 of four 7-bit sign indices (ksigns_iq2xs) under ls (its
     top 4 bits); x = d / 8 (1 + 2 ls) v. 8 groups of 32."""
     n = blocks.shape[0]
     q = blocks[:, 2:].reshape(n, 8, 8)
     aux = _u32(q[:, :, 4:].reshape(n, 32))  # [n, 8]
-    v = _grid("IQ2_XXS")[q[:, :, :4].long()] * _signs(True)[(aux[..., None] >> _SHIFTS7) & 0x7F]
+    v = _signed("IQ2_XXS", q[:, :, :4].long(), (aux[..., None] >> _SHIFTS7) & 0x7F, True, index)
     return v.reshape(n, QK_K), (1 + 2 * (aux >> 28)).float(), f16_field(blocks, 0) * 0.125
 
 
-def codes_iq3_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nibble_mults(sc: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[n, m]`` of two 4-bit ls each (low first) -> ``1 + 2 ls`` float32 ``[n, 2 m]``."""
+    return (1 + 2 * torch.stack((sc & 0x0F, sc >> 4), dim=-1).reshape(sc.shape[0], -1)).float()
+
+
+def codes_iq2_xs(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ2_XS (``d: f16, qs: u16[32], scales: u8[8]``): each uint16 is a 9-bit index into
+    iq2xs_grid (8 values in 8, 25, 43) under a 7-bit sign index (ksigns_iq2xs); two 4-bit ls per
+    byte, one per 16 values; x = d / 8 (1 + 2 ls) v. 16 groups of 16."""
+    n = blocks.shape[0]
+    qs = _u16(blocks[:, 2:66])  # [n, 32]
+    v = _signed("IQ2_XS", qs & 511, qs >> 9, True, index)
+    return v.reshape(n, QK_K), _nibble_mults(blocks[:, 66:74]), f16_field(blocks, 0) * 0.125
+
+
+def codes_iq2_s(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ2_S (``d: f16, qs: u8[32], signs: u8[32], qh: u8[8], scales: u8[8]``): 10-bit indices into
+    iq2s_grid (low 8 bits in qs, 2 high ones per index in qh), a sign byte per 8 values, two 4-bit ls
+    per byte; x = d / 8 (1 + 2 ls) v. 16 groups of 16."""
+    n = blocks.shape[0]
+    qh = blocks[:, 66:74].long()
+    idx = blocks[:, 2:34].long().reshape(n, 8, 4) | (((qh[..., None] >> torch.tensor([0, 2, 4, 6])) & 3) << 8)
+    v = _signed("IQ2_S", idx.reshape(n, 32), blocks[:, 34:66].long(), False, index)
+    return v.reshape(n, QK_K), _nibble_mults(blocks[:, 74:82]), f16_field(blocks, 0) * 0.125
+
+
+def codes_iq3_xxs(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IQ3_XXS (``d: f16, qs: u8[64], scales_and_signs: u32[8]``): 64 indices into iq3xxs_grid (4
     values in 4..62 each); sub-block j's uint32 holds four 7-bit sign indices under ls (its top 4
     bits); x = d / 4 (1 + 2 ls) v. 8 groups of 32."""
     n = blocks.shape[0]
     aux = _u32(blocks[:, 66:98])  # [n, 8]
-    v = _grid("IQ3_XXS")[blocks[:, 2:66].long()].reshape(n, 8, 4, 8)
-    v = v * _signs(True)[(aux[..., None] >> _SHIFTS7) & 0x7F]
+    v = _signed("IQ3_XXS", blocks[:, 2:66].long().reshape(n, 8, 4, 2), (aux[..., None] >> _SHIFTS7) & 0x7F, True,
+                index)  # [n, 8, 4, 2 entries, 4 values] against [n, 8, 4, 8 signs]
     return v.reshape(n, QK_K), (1 + 2 * (aux >> 28)).float(), f16_field(blocks, 0) * 0.25
 
 
-def codes_iq1_s(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def codes_iq1_s(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IQ1_S (``d: f16, qs: u8[32], qh: u16[8]``): 11-bit indices into iq1s_grid (8 values in -1..1;
     low 8 bits in qs, 3 high ones per index in qh), per 32 values a 3-bit ls and the sign of delta
     (1/8) in qh's top bits; x = d (1 + 2 ls) (g + delta) = d / 8 (1 + 2 ls) v, v = 8 g +- 1. 8 groups of 32."""
     n = blocks.shape[0]
     qh = _u16(blocks[:, 34:50])  # [n, 8]
     idx = blocks[:, 2:34].long().reshape(n, 8, 4) | (((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8)
-    delta = (1 - 2 * (qh >> 15)).to(torch.int8)[..., None, None]
-    v = 8 * _grid("IQ1_S")[idx] + delta
+    g = _grid("IQ1_S")[idx]
+    if index:  # the place of 8 g + delta in lut_table(4): 5 + 2 (g + 1) + (delta > 0)
+        v = 7 + 2 * g + (1 - (qh >> 15)).to(torch.int8)[..., None, None]
+    else:
+        v = 8 * g + (1 - 2 * (qh >> 15)).to(torch.int8)[..., None, None]
     return v.reshape(n, QK_K), (1 + 2 * ((qh >> 12) & 7)).float(), f16_field(blocks, 0) * 0.125
 
 
@@ -407,6 +461,8 @@ BLOCK_FORMATS = {
     "IQ1_S": (QK_K, 50, _lattice(codes_iq1_s)),
     "IQ1_M": (QK_K, 56, _lattice(codes_iq1_m)),
     "IQ2_XXS": (QK_K, 66, _lattice(codes_iq2_xxs)),
+    "IQ2_XS": (QK_K, 74, _lattice(codes_iq2_xs)),
+    "IQ2_S": (QK_K, 82, _lattice(codes_iq2_s)),
     "IQ3_XXS": (QK_K, 98, _lattice(codes_iq3_xxs)),
 }
 
@@ -416,7 +472,7 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
 
     `raw` is the tensor's bytes as ``uint8`` (any shape), or for F32/F16/BF16 also data already
     of that type. The formats of `BLOCK_FORMATS` are ours; any other the `gguf` package reads
-    (IQ2_XS, IQ2_S, TQ1_0, MXFP4 ...) goes through its NumPy de-quantization
+    (TQ1_0, TQ2_0, MXFP4 ...) goes through its NumPy de-quantization
     (`gguf_dequantize`). Raises `NotImplementedError` naming the type for a format neither reads.
     """
     if type_name in ("F32", "F16", "BF16"):

@@ -20,6 +20,7 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - IQ3_XXS, IQ2_XXS, IQ1_S: ``x = d f (1 + 2 ls_j) v`` (v: a grid entry's value with its sign; f 1/4
   or 1/8) -> 4-bit u = v's index in the format's table, looked up: v + 128, group 32,
   scale (1 + 2 ls_j) * d f, min -128 scale
+- IQ2_XS, IQ2_S: the same with groups of 16 -> the indices in Q6_K's 6-bit layout (high bits 0), group 16
 - IQ1_M: ``x = d / 8 (1 + 2 ls_j) v`` (v = 8 g +- 1 in -9..9) -> 6-bit u = v + 9 in Q6_K's layout, group 16,
   scale (1 + 2 ls_j) * d / 8, min -9 scale
 
@@ -27,8 +28,8 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 formats `ggml.codes_iq2_xxs` and its neighbours. ``lut``: the kernel keeps 4-bit indices into a
 table of 16 values (`nextoken.kernels.structs.LUT_VALUES`), for IQ4 as the file, and looks them up
 as it unpacks them; the arithmetic is then Q8_0's, on 8-bit codes ``v + 128``. The lattice
-formats' files are smaller than their codes here: 1.56-3.06 bits a weight against 4.5 with a lut,
-6.6 for IQ1_M.)
+formats' files are smaller than their codes here: 1.56-3.06 bits a weight against 4.5 with a lut
+in groups of 32, 6.6 in groups of 16.)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -52,30 +53,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from nextoken.kernels.structs import LUT_VALUES, QW, lut_codes
+from nextoken.kernels.structs import LUT_VALUES, QW, lut_codes, lut_table
 from nextoken.layers.quantization.ggml import BLOCK_FORMATS, QK, QK_K, f16_field, _nibbles, _q4_k_scales, codes_iq1_m, \
-    codes_iq1_s, codes_iq2_xxs, codes_iq3_s, codes_iq3_xxs, codes_iq4_nl, codes_iq4_xs, \
+    codes_iq1_s, codes_iq2_s, codes_iq2_xs, codes_iq2_xxs, codes_iq3_s, codes_iq3_xxs, codes_iq4_nl, codes_iq4_xs, \
     codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
 # each format kept as codes -> the bits of the kernel layout its codes take
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 6,
-             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ1_M": 6}
+             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ2_XS": 6,
+             "IQ2_S": 6, "IQ1_M": 6}
 QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
 # the lattice formats: their codes function and the table their values' indices take (0: IQ1_M's codes v + 9)
 LATTICE = {"IQ3_XXS": (codes_iq3_xxs, 3), "IQ2_XXS": (codes_iq2_xxs, 2), "IQ1_S": (codes_iq1_s, 4),
-           "IQ1_M": (codes_iq1_m, 0)}
-# lut id -> the 8-bit codes its indices stand for (int32 [16]); and signed value + 128 -> its index
-LUT_CODES = {k: torch.tensor(list(v) + [0] * (16 - len(v)), dtype=torch.int32) + 128 for k, v in LUT_VALUES.items()}
-
-
-def _index_table(values: tuple[int, ...]) -> torch.Tensor:
-    t = torch.zeros(256, dtype=torch.uint8)
-    t[torch.tensor(values) + 128] = torch.arange(len(values), dtype=torch.uint8)
-    return t
-
-
-_LUT_INDEX = {k: _index_table(v) for k, v in LUT_VALUES.items()}
+           "IQ2_XS": (codes_iq2_xs, 2), "IQ2_S": (codes_iq2_s, 2), "IQ1_M": (codes_iq1_m, 0)}
+# lut id -> the 8-bit codes its indices stand for (int32 [16])
+LUT_CODES = {k: torch.tensor(lut_table(k), dtype=torch.int32) + 128 for k in LUT_VALUES}
 
 
 @dataclass
@@ -313,11 +306,14 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(b)
         offset, gps, lut = 128.0, 8, 1
-    elif type_name in LATTICE:  # x = d f mult v: v's index in a table (groups of 32) or v + 9 (IQ1_M, groups of 16)
+    elif type_name in LATTICE:  # x = d f mult v: v's index in a table, or v + 9 (IQ1_M)
         codes, lut = LATTICE[type_name]
-        v, scale, scale_sup = codes(b)
-        v = v.to(torch.int32)
-        q, offset = (_LUT_INDEX[lut][(v + 128).long()], 128.0) if lut else (v + 9, 9.0)
+        if lut:  # each value's place in its table
+            q, scale, scale_sup = codes(b, index=True)
+            offset = 128.0
+        else:
+            v, scale, scale_sup = codes(b)
+            q, offset = v + 9, 9.0
         group = QK_K // scale.shape[1]
         gps = QK_K // group
     else:  # Q6_K
