@@ -14,6 +14,7 @@
  *             6 bits (G = 16, Q6_K): 128 bytes of low 4 bits, then 64 bytes of high 2 bits:
  *                              vector a < 2: low nibble = column 4a + i, high nibble = 8 + 4a + i;
  *                              vector 2, byte (l, i): bits 2j..2j+1 = high bits of column 4j + i
+ *             4 bits with G = 16 (Q3_K, Q2_K, IQ2_XS, IQ2_S): the 6-bit layout's 128 bytes of low bits
  *   scales  [N/16, K/G, 16] (lane l: row 16t + l), as GGUF stores them, so as few bytes as GGUF:
  *             float16, when scale_sup is NULL (Q4_0, Q4_1, Q5_0, Q8_0: one f16 per block);
  *             int8 times scale_sup [N/16, K/G/gps, 16] float32, one per super-block of gps groups
@@ -273,12 +274,15 @@ typedef struct {
  * values of the IQ3_XXS, IQ2 and IQ1_S lattices with their signs: kernels/structs.py,
  * LUT_VALUES, which owns the tables). The loops run a lut weight with the compile-time bits
  * BITS_LUT: the 4-bit layout, unpacked, then looked up (one byte shuffle); groups of 16 (IQ2_XS,
- * IQ2_S) keep their indices in the 6-bit layout (BITS_LUT6). */
+ * IQ2_S) in the 4-bit layout of groups of 16 (BITS_LUT16). */
 #define BITS_LUT 12 /* (qmatmul_avx2.c's PASSES and TILE_MB spell it out) */
-#define BITS_LUT6 14 /* the same in the 6-bit layout (groups of 16: IQ2_XS, IQ2_S; the indices' high bits 0) */
-#define LAYOUT_BITS(b) ((b) == BITS_LUT ? 4 : (b) == BITS_LUT6 ? 6 : (b)) /* the bits of the layout the codes lie in */
-#define GROUP_OF(b) ((b) == 6 || (b) == BITS_LUT6 ? 16 : 32) /* a layout's columns per group */
-#define LOOP_BITS(w) ((w)->lut ? ((w)->bits == 6 ? BITS_LUT6 : BITS_LUT) : (w)->bits) /* the loops' compile-time bits */
+#define BITS_4G16 20 /* 4-bit codes in groups of 16: the 6-bit layout's low plane (Q3_K, Q2_K) */
+#define BITS_LUT16 22 /* BITS_LUT in groups of 16 (IQ2_XS, IQ2_S): BITS_4G16's layout, looked up */
+#define G16(b) ((b) == 6 || (b) == BITS_4G16 || (b) == BITS_LUT16) /* the layouts of groups of 16 */
+#define LAYOUT_BITS(b) ((b) == BITS_LUT || (b) == BITS_4G16 || (b) == BITS_LUT16 ? 4 : (b)) /* the bits of the layout the codes lie in */
+#define GROUP_OF(b) (G16(b) ? 16 : 32) /* a layout's columns per group */
+#define LOOP_BITS(w) ((w)->lut ? ((w)->group == 16 ? BITS_LUT16 : BITS_LUT) \
+                               : (w)->bits == 4 && (w)->group == 16 ? BITS_4G16 : (w)->bits) /* the loops' compile-time bits */
 
 static inline int64_t qw_groups(const qw_t *w) { return w->K / w->group; }
 
@@ -312,11 +316,12 @@ static inline float group_min(const qw_t *w, int64_t t, int64_t g, int64_t l) {
     return f16_to_f32(((const uint16_t *)w->mins)[i]);
 }
 
-static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t kk) {
-    if (bits == 6) {
+static inline int code_in_group(const uint8_t *cg, int bits, int64_t G, int64_t l, int64_t kk) {
+    if (G == 16) { /* 6 bits, or 4 (the low plane alone) */
         const int64_t j = kk / 4, i = kk % 4;
-        const uint8_t b = cg[(j % 2) * 64 + l * 4 + i], hb = cg[128 + l * 4 + i];
-        return (j < 2 ? (b & 0x0F) : (b >> 4)) | (((hb >> (2 * j)) & 3) << 4);
+        const uint8_t b = cg[(j % 2) * 64 + l * 4 + i];
+        const int lo = j < 2 ? (b & 0x0F) : (b >> 4);
+        return bits == 6 ? lo | (((cg[128 + l * 4 + i] >> (2 * j)) & 3) << 4) : lo;
     }
     if (bits == 4 || bits == 5) {
         const uint8_t b = cg[((kk % 16) / 4) * 64 + l * 4 + kk % 4];
@@ -330,7 +335,7 @@ static inline int code_in_group(const uint8_t *cg, int bits, int64_t l, int64_t 
 
 /* the code of row l, column kk of a group (code_in_group, looked up for a lut weight) */
 static inline int qw_code(const qw_t *w, const uint8_t *cg, int64_t l, int64_t kk) {
-    const int c = code_in_group(cg, (int)w->bits, l, kk);
+    const int c = code_in_group(cg, (int)w->bits, w->group, l, kk);
     return w->lut ? w->lut[c] : c;
 }
 
@@ -392,14 +397,18 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
         }
         *c0 = 4 * p;
         *c1 = 16 + 4 * p;
-    } else if (bits == 6 || bits == BITS_LUT6) { /* low nibbles of vectors p, 2 + p in one 64-byte plane; high 2 bits in the third */
+    } else if (G16(bits)) { /* low nibbles of vectors p, 2 + p in one 64-byte plane; 6 bits: high 2 bits in the third */
         const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
-        const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
-        const __m512i h0 = p == 0 ? _mm512_slli_epi16(hp, 4) : _mm512_slli_epi16(hp, 2);
-        const __m512i h1 = p == 0 ? hp : _mm512_srli_epi16(hp, 2);
-        *v0 = _mm512_or_si512(_mm512_and_si512(q, nib), _mm512_and_si512(h0, m30));
-        *v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), nib), _mm512_and_si512(h1, m30));
-        if (bits == BITS_LUT6) {
+        *v0 = _mm512_and_si512(q, nib);
+        *v1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
+        if (bits == 6) {
+            const __m512i hp = _mm512_loadu_si512((const void *)(cg + 128)), m30 = _mm512_set1_epi8(0x30);
+            const __m512i h0 = p == 0 ? _mm512_slli_epi16(hp, 4) : _mm512_slli_epi16(hp, 2);
+            const __m512i h1 = p == 0 ? hp : _mm512_srli_epi16(hp, 2);
+            *v0 = _mm512_or_si512(*v0, _mm512_and_si512(h0, m30));
+            *v1 = _mm512_or_si512(*v1, _mm512_and_si512(h1, m30));
+        }
+        if (bits == BITS_LUT16) {
             const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
             *v0 = _mm512_shuffle_epi8(tab, *v0);
             *v1 = _mm512_shuffle_epi8(tab, *v1);
@@ -583,7 +592,8 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
 #define TILES_BITS(NT)                                               \
     switch (LOOP_BITS(w)) {                                          \
     case BITS_LUT: TILES_MB(NT, BITS_LUT) break;                     \
-    case BITS_LUT6: TILES_MB(NT, BITS_LUT6) break;                   \
+    case BITS_LUT16: TILES_MB(NT, BITS_LUT16) break;                 \
+    case BITS_4G16: TILES_MB(NT, BITS_4G16) break;                   \
     case 4: TILES_MB(NT, 4) break;                                   \
     case 5: TILES_MB(NT, 5) break;                                   \
     case 6: TILES_MB(NT, 6) break;                                   \
@@ -654,13 +664,14 @@ static void unpack_group(const uint8_t *cg, int bits, int64_t G, uint8_t u[TILE]
         for (int64_t j = 0; j < G / 4; j++)
             for (int64_t l = 0; l < TILE; l++)
                 for (int64_t i = 0; i < 4; i++) u[l][4 * j + i] = cg[j * 64 + l * 4 + i];
-    } else if (bits == 6) { /* G = 16: nibbles of two vectors, then 2 high bits each */
+    } else if (G == 16) { /* nibbles of two vectors, then (6 bits) 2 high bits each */
         split_nibbles(cg, 2, 8, u);
-        for (int64_t l = 0; l < TILE; l++)
-            for (int64_t i = 0; i < 4; i++) {
-                const uint8_t hb = cg[128 + l * 4 + i];
-                for (int64_t j = 0; j < 4; j++) u[l][4 * j + i] |= (uint8_t)(((hb >> (2 * j)) & 3) << 4);
-            }
+        if (bits == 6)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t i = 0; i < 4; i++) {
+                    const uint8_t hb = cg[128 + l * 4 + i];
+                    for (int64_t j = 0; j < 4; j++) u[l][4 * j + i] |= (uint8_t)(((hb >> (2 * j)) & 3) << 4);
+                }
     } else { /* 4 or 5 bits, G = 32: low nibble column 4j + i, high nibble 16 + 4j + i */
         split_nibbles(cg, 4, 16, u);
         if (bits == 5)
@@ -751,7 +762,8 @@ static int qw_ok(const qw_t *w) {
     const int64_t G = w->group;
     if (w->bits == 16) return w->N > 0 && w->K > 0 && w->codes && !w->scales;
     return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
-           (w->bits >= 4 && w->bits <= 8 && w->bits != 7) && !(w->bits <= 5 && G != 32) && !(w->bits == 6 && G != 16) &&
+           (w->bits >= 4 && w->bits <= 8 && w->bits != 7) && !(w->bits == 5 && G != 32) && !(w->bits == 6 && G != 16) &&
+           !(w->lut && w->bits != 4) &&
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 
@@ -826,14 +838,16 @@ void qdequant_bf16_t(const qw_t *w, uint16_t *out_t) {
                                                          (unsigned)(8 * i + (kk / 16) * 4 + j));
                     u = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0x0F)),
                                         _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), 4));
-                } else if (w->bits == 6) {
+                } else if (G == 16) { /* 6 bits, or 4 (the low plane alone) */
                     const int64_t j = kk / 4, i = kk % 4;
                     const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * (j % 2))),
                                                          (unsigned)(8 * i + (j < 2 ? 0 : 4)));
-                    const __m512i hi = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 128)),
-                                                         (unsigned)(8 * i + 2 * j));
-                    u = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0x0F)),
-                                        _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+                    u = _mm512_and_si512(lo, _mm512_set1_epi32(0x0F));
+                    if (w->bits == 6) {
+                        const __m512i hi = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 128)),
+                                                             (unsigned)(8 * i + 2 * j));
+                        u = _mm512_or_si512(u, _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+                    }
                 } else {
                     const int64_t j = w->bits == 4 ? (kk % 16) / 4 : kk / 4, i = kk % 4;
                     u = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(cg + 64 * j)), (unsigned)(8 * i));

@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
 #endif
     /* a lut weight's indices looked up: the unsigned codes, or without VNNI the signed values u - 128 */
     __m256i tab = _mm256_setzero_si256();
-    if (bits == BITS_LUT || bits == BITS_LUT6) {
+    if (bits == BITS_LUT || bits == BITS_LUT16) {
         tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
 #ifndef QM_AVXVNNI
         tab = _mm256_xor_si256(tab, _mm256_set1_epi8((char)0x80));
@@ -174,17 +174,22 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
             for (int h = 0; h < nh; h++)
                 for (int i = 0; i < mb; i++) isum[h][i] = WIDEN(s16[h][i], w16[h]);
 #endif
-    } else if (bits == 6 || bits == BITS_LUT6) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 2 high bits each */
+    } else if (G16(bits)) { /* G = 16; load a: columns 4a.. (low nibbles), 8 + 4a.. (high); 6 bits: 2 high bits each */
         const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int a = 0; a < 2; a++) {
             __m256i v0[2], v1[2];
             for (int h = 0; h < nh; h++) {
-                const __m256i q = load32(cg + 64 * a + 32 * (h0 + h)), hb = load32(cg + 128 + 32 * (h0 + h));
-                const __m256i h0 = a == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
-                const __m256i h1 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);
-                v0[h] = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(h0, m30));
-                v1[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), _mm256_and_si256(h1, m30));
-                if (bits == BITS_LUT6) {
+                const __m256i q = load32(cg + 64 * a + 32 * (h0 + h));
+                v0[h] = _mm256_and_si256(q, nib);
+                v1[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+                if (bits == 6) {
+                    const __m256i hb = load32(cg + 128 + 32 * (h0 + h));
+                    const __m256i h0 = a == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2);
+                    const __m256i h1 = a == 0 ? hb : _mm256_srli_epi16(hb, 2);
+                    v0[h] = _mm256_or_si256(v0[h], _mm256_and_si256(h0, m30));
+                    v1[h] = _mm256_or_si256(v1[h], _mm256_and_si256(h1, m30));
+                }
+                if (bits == BITS_LUT16) {
                     v0[h] = _mm256_shuffle_epi8(tab, v0[h]);
                     v1[h] = _mm256_shuffle_epi8(tab, v1[h]);
                 }
@@ -196,7 +201,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32(isum[h][i], v0[h], x0);
                     DOT32B(isum[h][i], s2[h][i], v1[h], x1);
 #else
-                    if (bits == BITS_LUT6) { /* the sign trick, as BITS_LUT's */
+                    if (bits == BITS_LUT16) { /* the sign trick, as BITS_LUT's */
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v0[h]), _mm256_sign_epi8(x0, v0[h])), w16[h]));
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v1[h]), _mm256_sign_epi8(x1, v1[h])), w16[h]));
                     } else {
@@ -338,7 +343,7 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
                 const __m256 mn = w->mins ? vgroup8(w->mins, msup, si, hs + h) : _mm256_mul_ps(negoff, sc);
                 for (int i = 0; i < mb; i++) {
 #ifndef QM_AVXVNNI
-                    if (bits == 8 || bits == BITS_LUT || bits == BITS_LUT6)
+                    if (bits == 8 || bits == BITS_LUT || bits == BITS_LUT16)
                         isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_set1_epi32(128 * (int32_t)bsr[i * ng + g]));
 #endif
                     const __m256 d = _mm256_set1_ps(dxr[i * dxn + ((g * G) >> qsh)]), xv = _mm256_set1_ps(xsr[i * ng + g]);
@@ -399,7 +404,9 @@ PASSES(5, 0)
 PASSES(6, 0)
 PASSES(8, 0)
 PASSES(12, 0) /* BITS_LUT */
-PASSES(14, 0) /* BITS_LUT6 */
+PASSES(20, 1) /* BITS_4G16 */
+PASSES(20, 0)
+PASSES(22, 0) /* BITS_LUT16 */
 
 #define TILE_MB(BITS, SBF)                                                                              \
     if (nh == 2) {                                                                                      \
@@ -425,18 +432,18 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
     const int64_t blocks = (a->M + MR - 1) / MR;
     for (int64_t b = 0, m0 = 0; b < blocks; b++) {
         const int64_t mb = (a->M - m0) / (blocks - b); /* even split: the rest divided by the blocks left */
-        if (qw_sb_form(w)) { /* Q4_K, Q6_K (and a 5-bit one, were it mapped) */
-            switch (w->bits) {
+        if (qw_sb_form(w)) { /* Q4_K, Q6_K, Q3_K, Q2_K (and a 5-bit one, were it mapped) */
+            switch (LOOP_BITS(w)) {
             case 4: TILE_MB(4, 1) break;
             case 5: TILE_MB(5, 1) break;
+            case BITS_4G16: TILE_MB(20, 1) break;
             default: TILE_MB(6, 1) break;
             }
-        } else if (w->lut && w->bits == 6) {
-            TILE_MB(14, 0) /* BITS_LUT6 */
-        } else if (w->lut) {
-            TILE_MB(12, 0) /* BITS_LUT */
         } else {
-            switch (w->bits) {
+            switch (LOOP_BITS(w)) {
+            case BITS_LUT: TILE_MB(12, 0) break;
+            case BITS_LUT16: TILE_MB(22, 0) break;
+            case BITS_4G16: TILE_MB(20, 0) break;
             case 4: TILE_MB(4, 0) break;
             case 5: TILE_MB(5, 0) break;
             case 6: TILE_MB(6, 0) break;

@@ -42,8 +42,9 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 4  # 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut);
-# 4: lut ids 2-4 (the IQ3_XXS, IQ2 and IQ1_S tables, centred: `nextoken.kernels.structs.lut_table`)
+LAYOUT_VERSION = 5  # 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut);
+# 4: lut ids 2-4 (the IQ3_XXS, IQ2 and IQ1_S tables, centred: `nextoken.kernels.structs.lut_table`); 5: Q3_K,
+# Q2_K, IQ2_XS and IQ2_S in the 4-bit layout of groups of 16
 PREPARED_INV_FREQ = "rope.inv_freq"  # float32 [rope_dim / 2], as the model computed them
 HASH_CHUNK = 16 << 20
 _FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)

@@ -12,15 +12,15 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q5_K: ``x = d sc_j q - dmin m_j``    -> 5-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
-- Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 6-bit layout, group 16, scale (sc_j - 32) * d, min -4 scale
-- Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 6-bit layout, group 16, scale sc_j * d, min m_j * (-dmin)
+- Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 4-bit layout of groups of 16, scale (sc_j - 32) * d, min -4 scale
+- Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 4-bit layout of groups of 16, scale sc_j * d, min m_j * (-dmin)
 - IQ3_S: ``x = d (1 + 2 s_j) q``        -> 5-bit u = q + 16 (q odd, -15..15), group 32, scale (1 + 2 s_j) * d, min -16 scale
 - IQ4_NL: ``x = d v[q]``               -> 4-bit u = q, looked up: v[u] + 128, group 32, scale d, min -128 d
 - IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> the same, scale (ls_j - 32) * d, min -128 scale
 - IQ3_XXS, IQ2_XXS, IQ1_S: ``x = d f (1 + 2 ls_j) v`` (v: a grid entry's value with its sign; f 1/4
   or 1/8) -> 4-bit u = v's index in the format's table, looked up: v + 128, group 32,
   scale (1 + 2 ls_j) * d f, min -128 scale
-- IQ2_XS, IQ2_S: the same with groups of 16 -> the indices in Q6_K's 6-bit layout (high bits 0), group 16
+- IQ2_XS, IQ2_S: the same with groups of 16 -> the indices in the 4-bit layout of groups of 16 (Q6_K's low plane)
 - IQ1_M: ``x = d / 8 (1 + 2 ls_j) v`` (v = 8 g +- 1 in -9..9) -> 6-bit u = v + 9 in Q6_K's layout, group 16,
   scale (1 + 2 ls_j) * d / 8, min -9 scale
 
@@ -29,7 +29,7 @@ formats `ggml.codes_iq2_xxs` and its neighbours. ``lut``: the kernel keeps 4-bit
 table of 16 values (`nextoken.kernels.structs.LUT_VALUES`), for IQ4 as the file, and looks them up
 as it unpacks them; the arithmetic is then Q8_0's, on 8-bit codes ``v + 128``. The lattice
 formats' files are smaller than their codes here: 1.56-3.06 bits a weight against 4.5 with a lut
-in groups of 32, 6.6 in groups of 16.)
+(4.6 in groups of 16), 6.6 for IQ1_M.)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -59,9 +59,9 @@ from nextoken.layers.quantization.ggml import BLOCK_FORMATS, QK, QK_K, f16_field
     codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
 # each format kept as codes -> the bits of the kernel layout its codes take
-CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 6,
-             "Q2_K": 6, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ2_XS": 6,
-             "IQ2_S": 6, "IQ1_M": 6}
+CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 4,
+             "Q2_K": 4, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ2_XS": 4,
+             "IQ2_S": 4, "IQ1_M": 6}
 QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
 # the lattice formats: their codes function and the table their values' indices take (0: IQ1_M's codes v + 9)
@@ -140,7 +140,7 @@ class QuantWeight:
         rows, cols = p.u.shape
         ng = cols // p.group
         u = p.u.to(torch.uint8)
-        if p.bits in (4, 5):  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
+        if p.bits in (4, 5) and p.group == 32:  # byte (j, l, i): column 4j+i low, 16+4j+i high, of row l
             c = u.view(rows // TILE, TILE, ng, 2, 4, 4)  # [tiles, l, ng, half, j, i]
             lo = c & 0x0F
             c = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
@@ -149,12 +149,13 @@ class QuantWeight:
                 shift = torch.arange(8, dtype=torch.uint8).view(2, 4)
                 fifth = (hi << shift).sum(dim=(-2, -1), dtype=torch.uint8)  # [tiles, ng, l, i]
                 c = torch.cat((c.reshape(rows // TILE, ng, -1), fifth.reshape(rows // TILE, ng, -1)), dim=-1)
-        elif p.bits == 6:  # 4-bit plane (a, l, i): columns 4a+i, 8+4a+i; 2-bit plane (l, i)
+        elif p.group == 16:  # 4-bit plane (a, l, i): columns 4a+i, 8+4a+i; 6 bits: then a 2-bit plane (l, i)
             c = u.view(rows // TILE, TILE, ng, 4, 4).permute(0, 2, 3, 1, 4)  # [tiles, ng, j, l, i]
             lo, hi = c & 0x0F, c >> 4
-            low = lo[:, :, :2] | (lo[:, :, 2:] << 4)
-            high = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-            c = torch.cat((low.reshape(rows // TILE, ng, -1), high.reshape(rows // TILE, ng, -1)), dim=-1)
+            c = (lo[:, :, :2] | (lo[:, :, 2:] << 4)).reshape(rows // TILE, ng, -1)
+            if p.bits == 6:
+                high = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+                c = torch.cat((c, high.reshape(rows // TILE, ng, -1)), dim=-1)
         else:  # byte (j, l, i): column 4j+i of row l
             c = u.view(rows // TILE, TILE, ng, p.group // 4, 4).permute(0, 2, 3, 1, 4)
         sdt = torch.float16 if p.scale_sup is None else torch.int8
@@ -206,7 +207,7 @@ class QuantWeight:
         """Codes of the rows ``16 tile + lane`` as float32 ``[T, cols // group, group]``."""
         rows, cols = self.shape
         ng = cols // self.group
-        if self.bits in (4, 5):
+        if self.bits in (4, 5) and self.group == 32:
             low = self.codes[:, :, :256] if self.bits == 5 else self.codes
             c = low.reshape(rows // TILE, ng, 4, TILE, 4)[tile, :, :, lane]  # [T, ng, j, i]
             c = torch.stack((c & 0x0F, c >> 4), dim=2)  # [T, ng, half, j, i]
@@ -214,12 +215,12 @@ class QuantWeight:
                 fifth = self.codes[:, :, 256:].reshape(rows // TILE, ng, TILE, 4)[tile, :, lane]  # [T, ng, i]
                 bits = torch.stack([(fifth >> b) & 1 for b in range(8)], dim=2).view(-1, ng, 2, 4, 4)  # half, j, i
                 c = c | (bits << 4)
-        elif self.bits == 6:
+        elif self.group == 16 and self.bits in (4, 6):  # a plane of low 4 bits; 6 bits: then the high 2
             low = self.codes[:, :, :128].view(rows // TILE, ng, 2, TILE, 4)[tile, :, :, lane]  # [T, ng, a, i]
-            high = self.codes[:, :, 128:].view(rows // TILE, ng, TILE, 4)[tile, :, lane]  # [T, ng, i]
-            lo = torch.cat((low & 0x0F, low >> 4), dim=2)  # [T, ng, j, i]
-            hi = torch.stack([(high >> (2 * j)) & 3 for j in range(4)], dim=2)
-            c = lo | (hi << 4)
+            c = torch.cat((low & 0x0F, low >> 4), dim=2)  # [T, ng, j, i]
+            if self.bits == 6:
+                high = self.codes[:, :, 128:].view(rows // TILE, ng, TILE, 4)[tile, :, lane]  # [T, ng, i]
+                c = c | (torch.stack([(high >> (2 * j)) & 3 for j in range(4)], dim=2) << 4)
         else:
             c = self.codes.view(rows // TILE, ng, self.group // 4, TILE, 4)[tile, :, :, lane]
         c = c.reshape(-1, ng, self.group)
@@ -291,10 +292,10 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "Q8_0":
         q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32) + 128
         scale, offset = f16_field(b, 0), 128.0
-    elif type_name == "Q3_K":  # Q6_K's layout (group 16), 3-bit codes
+    elif type_name == "Q3_K":  # Q6_K's form (group 16), 3-bit codes in the 4-bit layout
         q, scale, scale_sup = codes_q3_k(b)
         group, gps, offset = 16, 16, 4.0
-    elif type_name == "Q2_K":  # Q6_K's layout with Q4_K's mins
+    elif type_name == "Q2_K":  # the same with Q4_K's mins
         q, scale, mins, scale_sup, min_sup = codes_q2_k(b)
         min_sup, group, gps = -min_sup, 16, 16
     elif type_name == "IQ3_S":  # Q5_0's codes with the K-quants' int8 x super-block scales
