@@ -579,7 +579,7 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
 
 #define TILES_ROWS(NT, BITS, MBC)                                    \
     if (sup) tiles_sb(w, t, NT, BITS, a, m0, MBC, acc);              \
-    else tiles_mb(w, t, NT, BITS, a, m0, MBC, acc);
+    else if (!G16(BITS) || BITS == 6) tiles_mb(w, t, NT, BITS, a, m0, MBC, acc); /* (qw_ok: the others are sb) */
 #define TILES_MB(NT, BITS)                                           \
     switch (mb) {                                                    \
     case 1: TILES_ROWS(NT, BITS, 1) break;                           \
@@ -763,7 +763,7 @@ static int qw_ok(const qw_t *w) {
     if (w->bits == 16) return w->N > 0 && w->K > 0 && w->codes && !w->scales;
     return w->N % TILE == 0 && w->K % G == 0 && w->K % 32 == 0 && (G == 16 || G == 32) &&
            (w->bits >= 4 && w->bits <= 8 && w->bits != 7) && !(w->bits == 5 && G != 32) && !(w->bits == 6 && G != 16) &&
-           !(w->lut && w->bits != 4) &&
+           !(w->lut && w->bits != 4) && !(w->bits == 4 && G == 16 && qw_act_block(w) == 32) && /* (the loops' 4-bit groups of 16 run super-blocks only) */
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 

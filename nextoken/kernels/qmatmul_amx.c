@@ -272,8 +272,8 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const qw_t *w, i
 #define AMX_BITS(SUP)                                                                                  \
     switch (LOOP_BITS(w)) {                                                                            \
     case BITS_LUT: amx_tile_rows(w, t, BITS_LUT, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;        \
-    case BITS_LUT16: amx_tile_rows(w, t, BITS_LUT16, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;    \
-    case BITS_4G16: amx_tile_rows(w, t, BITS_4G16, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;      \
+    case BITS_LUT16: if (SUP) amx_tile_rows(w, t, BITS_LUT16, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break; \
+    case BITS_4G16: if (SUP) amx_tile_rows(w, t, BITS_4G16, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break; \
     case 4: amx_tile_rows(w, t, 4, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 5: amx_tile_rows(w, t, 5, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \
     case 6: amx_tile_rows(w, t, 6, SUP, a, tr, m16, ub, cbuf, y, y_bf16, ldy); break;                      \

@@ -404,8 +404,7 @@ PASSES(5, 0)
 PASSES(6, 0)
 PASSES(8, 0)
 PASSES(12, 0) /* BITS_LUT */
-PASSES(20, 1) /* BITS_4G16 */
-PASSES(20, 0)
+PASSES(20, 1) /* BITS_4G16 (super-blocks only: qw_ok) */
 PASSES(22, 0) /* BITS_LUT16 */
 
 #define TILE_MB(BITS, SBF)                                                                              \
@@ -443,7 +442,6 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
             switch (LOOP_BITS(w)) {
             case BITS_LUT: TILE_MB(12, 0) break;
             case BITS_LUT16: TILE_MB(22, 0) break;
-            case BITS_4G16: TILE_MB(20, 0) break;
             case 4: TILE_MB(4, 0) break;
             case 5: TILE_MB(5, 0) break;
             case 6: TILE_MB(6, 0) break;
