@@ -22,7 +22,7 @@ from tests.helpers.cpu import cpu_has
 # 256-column super-blocks: one activation scale per 256 columns
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
             "IQ1_M")
-# indices looked up by the kernel (the lut id of each format's table): 4-bit, or in the 6-bit layout for groups of 16
+# indices looked up by the kernel, and the values of their tables (`nextoken.kernels.structs.LUT_VALUES`)
 LUT_FORMATS = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ3_XXS": 3, "IQ1_S": 4, "IQ2_XS": 2, "IQ2_S": 2}
 
 

@@ -329,7 +329,7 @@ def _signed(type_name: str, entries: torch.Tensor, sign_index: torch.Tensor, par
         g = _grid(type_name)[entries]
         return g * signs.reshape(g.shape)
     if type_name not in _PLACES:
-        table = lut_table(_LUT_OF[type_name])
+        table = lut_table(LUT_OF[type_name])
         place = torch.zeros(128, dtype=torch.int8)  # grid values are 1..127
         for i, v in enumerate(table):
             if v > 0:
@@ -340,7 +340,8 @@ def _signed(type_name: str, entries: torch.Tensor, sign_index: torch.Tensor, par
 
 
 _PLACES: dict[str, torch.Tensor] = {}
-_LUT_OF = {"IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3}  # (`nextoken.kernels.structs.LUT_VALUES`)
+# the formats the kernel looks up -> their table's lut id (`nextoken.kernels.structs.LUT_VALUES`)
+LUT_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ1_S": 4}
 
 def _u32(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian uint32 fields of ``raw`` bytes ``[n, 4 m]`` as int64 ``[n, m]``."""
@@ -408,8 +409,8 @@ def codes_iq1_s(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor
     qh = _u16(blocks[:, 34:50])  # [n, 8]
     idx = blocks[:, 2:34].long().reshape(n, 8, 4) | (((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8)
     g = _grid("IQ1_S")[idx]
-    if index:  # the place of 8 g + delta in lut_table(4): 5 + 2 (g + 1) + (delta > 0)
-        v = 7 + 2 * g + (1 - (qh >> 15)).to(torch.int8)[..., None, None]
+    if index:  # the place of 8 g + delta in lut_table(4), (-9, -7, -1, 1, 7, 9) from entry 5: 5 + 2 (g + 1) + (delta > 0)
+        v = 5 + 2 * (g + 1) + (1 - (qh >> 15)).to(torch.int8)[..., None, None]
     else:
         v = 8 * g + (1 - 2 * (qh >> 15)).to(torch.int8)[..., None, None]
     return v.reshape(n, QK_K), (1 + 2 * ((qh >> 12) & 7)).float(), f16_field(blocks, 0) * 0.125

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextoken.kernels.structs import LUT_VALUES, QW, lut_codes, lut_table
-from nextoken.layers.quantization.ggml import BLOCK_FORMATS, QK, QK_K, f16_field, _nibbles, _q4_k_scales, codes_iq1_m, \
+from nextoken.layers.quantization.ggml import BLOCK_FORMATS, LUT_OF, QK, QK_K, f16_field, _nibbles, _q4_k_scales, codes_iq1_m, \
     codes_iq1_s, codes_iq2_s, codes_iq2_xs, codes_iq2_xxs, codes_iq3_s, codes_iq3_xxs, codes_iq4_nl, codes_iq4_xs, \
     codes_q2_k, codes_q3_k, codes_q5_0, codes_q5_1, codes_q5_k, codes_q6_k
 
@@ -64,9 +64,9 @@ CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "
              "IQ2_S": 4, "IQ1_M": 6}
 QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
-# the lattice formats: their codes function and the table their values' indices take (0: IQ1_M's codes v + 9)
-LATTICE = {"IQ3_XXS": (codes_iq3_xxs, 3), "IQ2_XXS": (codes_iq2_xxs, 2), "IQ1_S": (codes_iq1_s, 4),
-           "IQ2_XS": (codes_iq2_xs, 2), "IQ2_S": (codes_iq2_s, 2), "IQ1_M": (codes_iq1_m, 0)}
+# the lattice formats' codes functions (those in `LUT_OF` give their values' places in their table)
+LATTICE = {"IQ3_XXS": codes_iq3_xxs, "IQ2_XXS": codes_iq2_xxs, "IQ1_S": codes_iq1_s, "IQ2_XS": codes_iq2_xs,
+           "IQ2_S": codes_iq2_s, "IQ1_M": codes_iq1_m}
 # lut id -> the 8-bit codes its indices stand for (int32 [16])
 LUT_CODES = {k: torch.tensor(lut_table(k), dtype=torch.int32) + 128 for k in LUT_VALUES}
 
@@ -303,12 +303,12 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         q, offset, gps = q + 16, 16.0, 8
     elif type_name == "IQ4_NL":  # 4-bit indices, looked up
         q, scale = codes_iq4_nl(b)
-        offset, lut = 128.0, 1
+        offset, lut = 128.0, LUT_OF[type_name]
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(b)
-        offset, gps, lut = 128.0, 8, 1
+        offset, gps, lut = 128.0, 8, LUT_OF[type_name]
     elif type_name in LATTICE:  # x = d f mult v: v's index in a table, or v + 9 (IQ1_M)
-        codes, lut = LATTICE[type_name]
+        codes, lut = LATTICE[type_name], LUT_OF.get(type_name, 0)
         if lut:  # each value's place in its table
             q, scale, scale_sup = codes(b, index=True)
             offset = 128.0
