@@ -343,6 +343,7 @@ _PLACES: dict[str, torch.Tensor] = {}
 # the formats the kernel looks up -> their table's lut id (`nextoken.kernels.structs.LUT_VALUES`)
 LUT_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ1_S": 4}
 
+
 def _u32(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian uint32 fields of ``raw`` bytes ``[n, 4 m]`` as int64 ``[n, m]``."""
     return raw.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -409,7 +410,7 @@ def codes_iq1_s(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor
     qh = _u16(blocks[:, 34:50])  # [n, 8]
     idx = blocks[:, 2:34].long().reshape(n, 8, 4) | (((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8)
     g = _grid("IQ1_S")[idx]
-    if index:  # the place of 8 g + delta in lut_table(4), (-9, -7, -1, 1, 7, 9) from entry 5: 5 + 2 (g + 1) + (delta > 0)
+    if index:  # the place of 8 g + delta in lut_table(4): 5 + 2 (g + 1) + (delta > 0)
         v = 5 + 2 * (g + 1) + (1 - (qh >> 15)).to(torch.int8)[..., None, None]
     else:
         v = 8 * g + (1 - 2 * (qh >> 15)).to(torch.int8)[..., None, None]

@@ -12,8 +12,8 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
 - Q5_K: ``x = d sc_j q - dmin m_j``    -> 5-bit u = q, group 32, scale sc_j * d, min m_j * (-dmin)
 - Q8_0: ``x = d q`` (q signed)         -> 8-bit u = q + 128, group 32, scale d, min -128 d
 - Q6_K: ``x = d sc_j (q - 32)``        -> 6-bit u = q, group 16, scale sc_j * d, min -32 scale
-- Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q in the 4-bit layout of groups of 16, scale (sc_j - 32) * d, min -4 scale
-- Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q in the 4-bit layout of groups of 16, scale sc_j * d, min m_j * (-dmin)
+- Q3_K: ``x = d (sc_j - 32) (q - 4)``  -> 3-bit u = q, 4-bit layout, group 16, scale (sc_j - 32) * d, min -4 scale
+- Q2_K: ``x = d sc_j q - dmin m_j``    -> 2-bit u = q, 4-bit layout, group 16, scale sc_j * d, min m_j * (-dmin)
 - IQ3_S: ``x = d (1 + 2 s_j) q``        -> 5-bit u = q + 16 (q odd, -15..15), group 32, scale (1 + 2 s_j) * d, min -16 scale
 - IQ4_NL: ``x = d v[q]``               -> 4-bit u = q, looked up: v[u] + 128, group 32, scale d, min -128 d
 - IQ4_XS: ``x = d (ls_j - 32) v[q]``   -> the same, scale (ls_j - 32) * d, min -128 scale
