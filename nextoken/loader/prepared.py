@@ -40,11 +40,16 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
+from nextoken.kernels.structs import LUT_VALUES, lut_table
+
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 5  # 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut);
 # 4: lut ids 2-4 (the IQ3_XXS, IQ2 and IQ1_S tables, centred: `nextoken.kernels.structs.lut_table`); 5: Q3_K,
 # Q2_K, IQ2_XS and IQ2_S in the 4-bit layout of groups of 16
+# the lut tables the codes' indices were packed for (`nextoken.kernels.structs.lut_table`), kept in
+# every file and compared at load: a file packed for other tables is re-packed, whatever its layout
+_LUTS = json.dumps({k: lut_table(k) for k in LUT_VALUES})
 PREPARED_INV_FREQ = "rope.inv_freq"  # float32 [rope_dim / 2], as the model computed them
 HASH_CHUNK = 16 << 20
 _FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)
@@ -160,6 +165,8 @@ class PreparedFile:
         meta = header.pop("__metadata__", {}) or {}
         if meta.get("key") != key or meta.get("layout") != str(LAYOUT_VERSION):
             raise ValueError("its key does not match the model file")
+        if meta.get("luts") != _LUTS:
+            raise ValueError("its lookup tables are not this version's")
         self.params = json.loads(meta["params"])
         self._entries, self._base = header, 8 + n
 
@@ -257,7 +264,7 @@ class PreparedWeights:
                    if w.get(k) is not None}
         tensors.update({name: t.detach().contiguous() for name, t in self.dense.items()})
         params = {name: [w["offset"], *(w[k] for k in _INTS)] for name, w in weights.items()}
-        meta = {"key": self.key, "layout": str(LAYOUT_VERSION), "params": json.dumps(params)}
+        meta = {"key": self.key, "layout": str(LAYOUT_VERSION), "luts": _LUTS, "params": json.dumps(params)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")

@@ -61,7 +61,7 @@ def test_second_load_maps_the_packed_codes(model_file):
     assert same_codes(codes_of(plain), codes_of(packed))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "other key", "wrong shape"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "other key", "other lut tables", "wrong shape"])
 def test_unusable_cache_is_rebuilt(model_file, damage, caplog):
     first = ModelRunner(GGUFFile(model_file), torch.bfloat16, prepared_cache=True)
     f = cache_file(model_file)
@@ -78,6 +78,8 @@ def test_unusable_cache_is_rebuilt(model_file, damage, caplog):
             meta, tensors = sf.metadata(), {k: sf.get_tensor(k).clone() for k in sf.keys()}
         if damage == "other key":  # a cache written for other bytes, renamed to this file's key
             meta["key"] = "0" * 64
+        elif damage == "other lut tables":  # packed by a version whose tables put the values elsewhere
+            meta["luts"] = meta["luts"].replace("-43", "-44")
         else:  # a weight of other sizes under the right key
             name = next(k for k in tensors if k.endswith("/scales"))
             tensors[name] = tensors[name][:1].contiguous()
