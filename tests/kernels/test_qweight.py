@@ -23,7 +23,7 @@ from tests.helpers.cpu import cpu_has
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
             "IQ1_M")
 # indices looked up by the kernel, and the values of their tables (`nextoken.kernels.structs.LUT_VALUES`)
-LUT_FORMATS = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ3_XXS": 3, "IQ1_S": 4, "IQ2_XS": 2, "IQ2_S": 2}
+LUT_FORMATS = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ3_XXS": 3, "IQ1_S": 4, "IQ2_XS": 2, "IQ2_S": 2, "IQ1_M": 4}
 
 
 def weight(type_name: str, rows: int, cols: int, seed: int):

@@ -341,7 +341,7 @@ def _signed(type_name: str, entries: torch.Tensor, sign_index: torch.Tensor, par
 
 _PLACES: dict[str, torch.Tensor] = {}
 # the formats the kernel looks up -> their table's lut id (`nextoken.kernels.structs.LUT_VALUES`)
-LUT_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ1_S": 4}
+LUT_OF = {"IQ4_NL": 1, "IQ4_XS": 1, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ1_S": 4, "IQ1_M": 4}
 
 
 def _u32(raw: torch.Tensor) -> torch.Tensor:
@@ -417,7 +417,7 @@ def codes_iq1_s(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor
     return v.reshape(n, QK_K), (1 + 2 * ((qh >> 12) & 7)).float(), f16_field(blocks, 0) * 0.125
 
 
-def codes_iq1_m(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def codes_iq1_m(blocks: torch.Tensor, index: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IQ1_M (``qs: u8[32], qh: u8[16], scales: u16[4]``): 11-bit indices into iq1s_grid (3 high bits
     and the sign of delta in each nibble of qh: delta per 8 values), 3-bit ls per 16 values in
     scales, d's 16 bits in the top nibbles of the four scales; x = d / 8 (1 + 2 ls) (8 g +- 1). 16 groups of 16."""
@@ -429,7 +429,10 @@ def codes_iq1_m(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     qh = blocks[:, 32:48].long()
     nib = torch.stack((qh & 0x0F, qh >> 4), dim=-1).reshape(n, 32)
     g = _grid("IQ1_M")[blocks[:, :32].long() | ((nib & 7) << 8)]  # [n, 32, 8]
-    v = 8 * g + (1 - 2 * (nib >> 3)).to(torch.int8)[..., None]
+    if index:  # IQ1_S's values, so its table: 5 + 2 (g + 1) + (delta > 0)
+        v = 5 + 2 * (g + 1) + (1 - (nib >> 3)).to(torch.int8)[..., None]
+    else:
+        v = 8 * g + (1 - 2 * (nib >> 3)).to(torch.int8)[..., None]
     return v.reshape(n, QK_K), mult, d * 0.125
 
 

@@ -21,15 +21,14 @@ Every block format we read maps exactly onto one form (ggml-common.h block layou
   or 1/8) -> 4-bit u = v's index in the format's table, looked up: v + 128, group 32,
   scale (1 + 2 ls_j) * d f, min -128 scale
 - IQ2_XS, IQ2_S: the same with groups of 16 -> the indices in the 4-bit layout of groups of 16 (Q6_K's low plane)
-- IQ1_M: ``x = d / 8 (1 + 2 ls_j) v`` (v = 8 g +- 1 in -9..9) -> 6-bit u = v + 9 in Q6_K's layout, group 16,
-  scale (1 + 2 ls_j) * d / 8, min -9 scale
+- IQ1_M: ``x = d / 8 (1 + 2 ls_j) v`` (v = 8 g +- 1, IQ1_S's values) -> as IQ2_XS, with IQ1_S's table
 
 (v for IQ4: the 16 values of its non-uniform grid, -127..113, `ggml.IQ4_VALUES`; for the lattice
 formats `ggml.codes_iq2_xxs` and its neighbours. ``lut``: the kernel keeps 4-bit indices into a
 table of 16 values (`nextoken.kernels.structs.LUT_VALUES`), for IQ4 as the file, and looks them up
 as it unpacks them; the arithmetic is then Q8_0's, on 8-bit codes ``v + 128``. The lattice
 formats' files are smaller than their codes here: 1.56-3.06 bits a weight against 4.5 with a lut
-(4.6 in groups of 16), 6.6 for IQ1_M.)
+(4.6 in groups of 16).)
 
 Scales and mins are kept as GGUF has them, so the weight takes no more bytes than in the file
 (decode reads every weight once per step: bytes are time): one float16 per block for the
@@ -61,10 +60,10 @@ from nextoken.layers.quantization.ggml import BLOCK_FORMATS, LUT_OF, QK, QK_K, f
 # each format kept as codes -> the bits of the kernel layout its codes take
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8, "Q6_K": 6, "Q3_K": 4,
              "Q2_K": 4, "IQ3_S": 5, "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ2_XXS": 4, "IQ1_S": 4, "IQ2_XS": 4,
-             "IQ2_S": 4, "IQ1_M": 6}
+             "IQ2_S": 4, "IQ1_M": 4}
 QWEIGHT_TYPES = tuple(CODE_BITS)
 TILE = 16  # rows per tile of the kernel's layout
-# the lattice formats' codes functions (those in `LUT_OF` give their values' places in their table)
+# the lattice formats' codes functions (with index=True: their values' places in their `LUT_OF` table)
 LATTICE = {"IQ3_XXS": codes_iq3_xxs, "IQ2_XXS": codes_iq2_xxs, "IQ1_S": codes_iq1_s, "IQ2_XS": codes_iq2_xs,
            "IQ2_S": codes_iq2_s, "IQ1_M": codes_iq1_m}
 # lut id -> the 8-bit codes its indices stand for (int32 [16])
@@ -307,14 +306,9 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(b)
         offset, gps, lut = 128.0, 8, LUT_OF[type_name]
-    elif type_name in LATTICE:  # x = d f mult v: v's index in a table, or v + 9 (IQ1_M)
-        codes, lut = LATTICE[type_name], LUT_OF.get(type_name, 0)
-        if lut:  # each value's place in its table
-            q, scale, scale_sup = codes(b, index=True)
-            offset = 128.0
-        else:
-            v, scale, scale_sup = codes(b)
-            q, offset = v + 9, 9.0
+    elif type_name in LATTICE:  # x = d f mult v: v's place in its table
+        q, scale, scale_sup = LATTICE[type_name](b, index=True)  # each value's place in its table
+        offset, lut = 128.0, LUT_OF[type_name]
         group = QK_K // scale.shape[1]
         gps = QK_K // group
     else:  # Q6_K
