@@ -372,7 +372,8 @@ static inline __m512 vgroup(const void *v, const float *sup, int64_t gps, int64_
 
 /* Two vectors of codes of tile t, group g (cg: the group's bytes), and the columns they cover:
  * pair p of nv / 2. 4 and 5 bits (and BITS_LUT): vectors p and 4 + p (columns 4p.., 16 + 4p..) from one load;
- * 6 bits (G = 16): vectors p and 2 + p (columns 4p.., 8 + 4p..); 8 bits: vectors 2p and 2p + 1. */
+ * groups of 16: vectors p and 2 + p (columns 4p.., 8 + 4p..); 8 bits: vectors 2p and 2p + 1. A lut
+ * weight's indices come out looked up. */
 static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, const int64_t bits, const int p,
                                                             const uint8_t *lut, __m512i *v0, __m512i *v1, int *c0,
                                                             int *c1) {
@@ -381,11 +382,6 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
         const __m512i q = _mm512_loadu_si512((const void *)(cg + 64 * p));
         *v0 = _mm512_and_si512(q, nib);
         *v1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
-        if (bits == BITS_LUT) { /* the indices looked up: the table in each 16-byte lane */
-            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
-            *v0 = _mm512_shuffle_epi8(tab, *v0);
-            *v1 = _mm512_shuffle_epi8(tab, *v1);
-        }
         if (bits == 5) { /* fifth bits: bit p of each byte for the low half, bit 4 + p for the high */
             const __m512i hb = _mm512_loadu_si512((const void *)(cg + 256)), m10 = _mm512_set1_epi8(0x10);
             const __m512i hl = p == 0 ? _mm512_slli_epi16(hb, 4) : p == 1 ? _mm512_slli_epi16(hb, 3)
@@ -408,11 +404,6 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
             *v0 = _mm512_or_si512(*v0, _mm512_and_si512(h0, m30));
             *v1 = _mm512_or_si512(*v1, _mm512_and_si512(h1, m30));
         }
-        if (bits == BITS_LUT16) {
-            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
-            *v0 = _mm512_shuffle_epi8(tab, *v0);
-            *v1 = _mm512_shuffle_epi8(tab, *v1);
-        }
         *c0 = 4 * p;
         *c1 = 8 + 4 * p;
     } else {
@@ -420,6 +411,11 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
         *v1 = _mm512_loadu_si512((const void *)(cg + 128 * p + 64));
         *c0 = 8 * p;
         *c1 = 8 * p + 4;
+    }
+    if (bits == BITS_LUT || bits == BITS_LUT16) { /* the indices looked up: the table in each 16-byte lane */
+        const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+        *v0 = _mm512_shuffle_epi8(tab, *v0);
+        *v1 = _mm512_shuffle_epi8(tab, *v1);
     }
 }
 

@@ -10,8 +10,8 @@
  * int32. Where the codes are small the int16 pair sums of several vectors are added before one
  * widening (ik_llama.cpp's trick): a pair sum is at most 2 * c_max * 127, so 8 of them fit int16 for
  * 4-bit codes (30480), 4 for 5-bit (31496), 2 for 6-bit (32004); 8-bit codes go through the sign
- * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening;
- * A lut weight's indices (IQ4, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S) are looked up (vpshufb) as u - 128 and summed so too.
+ * trick (|u - 128| times x signed as u - 128, then 128 * sum(x) added), one vector per widening; a
+ * lut weight's indices (the IQ formats) are looked up (vpshufb) as u - 128 and summed so too.
  * AVX-VNNI's vpdpbusd does the product, the pair sums and the int32 add in one instruction.
  *
  * Blocking: a tile is 16 weight rows, two halves of 8 lanes. Up to MR2 = 4 activation rows run in
@@ -83,6 +83,8 @@ static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((cons
 #endif
 #define DOT16(c, x) _mm256_maddubs_epi16((c), (x))
 #define WIDEN(s16, w) _mm256_madd_epi16((s16), (w)) /* int16 pairs times w's int16 pairs, added: int32 */
+/* the int32 sums of signed codes c (u - 128) times x, widened against w: the sign trick (AVX2) */
+#define SIGNED_DOT(c, x, w) WIDEN(DOT16(_mm256_abs_epi8(c), _mm256_sign_epi8((x), (c))), (w))
 /* the int16 pair sums of two products (AVX2) */
 #define PAIR16(c0, x0, c1, x1) _mm256_add_epi16(DOT16((c0), (x0)), DOT16((c1), (x1)))
 
@@ -154,8 +156,8 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     KEEP(isum[h][i]);
 #else
                     if (bits == BITS_LUT) { /* the sign trick, one widening per vector (a pair sum reaches 2 * 127^2) */
-                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(lo[h]), _mm256_sign_epi8(xl, lo[h])), w16[h]));
-                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(hi[h]), _mm256_sign_epi8(xh, hi[h])), w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], SIGNED_DOT(lo[h], xl, w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], SIGNED_DOT(hi[h], xh, w16[h]));
                         KEEP(isum[h][i]);
                         continue;
                     }
@@ -202,8 +204,8 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *cg, 
                     DOT32B(isum[h][i], s2[h][i], v1[h], x1);
 #else
                     if (bits == BITS_LUT16) { /* the sign trick, as BITS_LUT's */
-                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v0[h]), _mm256_sign_epi8(x0, v0[h])), w16[h]));
-                        isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(DOT16(_mm256_abs_epi8(v1[h]), _mm256_sign_epi8(x1, v1[h])), w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], SIGNED_DOT(v0[h], x0, w16[h]));
+                        isum[h][i] = _mm256_add_epi32(isum[h][i], SIGNED_DOT(v1[h], x1, w16[h]));
                     } else {
                         isum[h][i] = _mm256_add_epi32(isum[h][i], WIDEN(PAIR16(v0[h], x0, v1[h], x1), w16[h]));
                     }

@@ -13,7 +13,8 @@ imported: everything that token needs is in this file.
 
 Trust: the file name and its header both carry the model file's SHA-256 and `LAYOUT_VERSION`
 (bump it whenever `QuantWeight`'s layout or packing changes; writing a layout removes the same
-model's files of other layouts); a cache whose key does not match,
+model's files of other layouts), and the header the lut tables the codes index; a cache whose key
+or tables do not match,
 that cannot be read (truncated, damaged), or that lacks a weight or holds one of another shape is
 not used: the weights are packed again and the cache rewritten. The hash of a large file takes
 most of a second, so `prefetch_file_key` starts it on a second thread while the process imports
@@ -154,8 +155,8 @@ class PreparedFile:
     """A prepared-weights cache file mapped as NumPy arrays (copy-on-write: writable views, pages
     shared until written), torch-free. `params`: weight name -> ``[offset, bits, group, gps, lut]``;
     `array(key)` the stored array (``<name>/<field>`` or a dense ``<name>``; bf16 as uint16
-    bits), `dtype(key)` its safetensors dtype. Raises `ValueError` when the file's key or layout
-    is not `key` / `LAYOUT_VERSION`, `OSError` when it cannot be read."""
+    bits), `dtype(key)` its safetensors dtype. Raises `ValueError` when the file's key, layout or
+    lut tables are not `key` / `LAYOUT_VERSION` / this version's, `OSError` when it cannot be read."""
 
     def __init__(self, path: str, key: str):
         with open(path, "rb") as fh:

@@ -273,7 +273,7 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         raise ValueError(f"{type_name} cannot be kept as codes; supported: {', '.join(QWEIGHT_TYPES)}")
     b = raw.reshape(-1, BLOCK_FORMATS[type_name][1])
     scale_sup = mins = min_sup = None
-    offset, group, gps, lut = 0.0, QK, 1, 0
+    offset, group, gps, lut = 0.0, QK, 1, LUT_OF.get(type_name, 0)  # (a lut's codes: v + 128)
     if type_name == "Q4_0":
         q, scale, offset = _nibbles(b[:, 2:]).reshape(-1, QK), f16_field(b, 0), 8.0
     elif type_name == "Q4_1":
@@ -302,14 +302,13 @@ def gguf_codes(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> Plain
         q, offset, gps = q + 16, 16.0, 8
     elif type_name == "IQ4_NL":  # 4-bit indices, looked up
         q, scale = codes_iq4_nl(b)
-        offset, lut = 128.0, LUT_OF[type_name]
+        offset = 128.0
     elif type_name == "IQ4_XS":
         q, scale, scale_sup = codes_iq4_xs(b)
-        offset, gps, lut = 128.0, 8, LUT_OF[type_name]
-    elif type_name in LATTICE:  # x = d f mult v: v's place in its table
-        q, scale, scale_sup = LATTICE[type_name](b, index=True)  # each value's place in its table
-        offset, lut = 128.0, LUT_OF[type_name]
-        group = QK_K // scale.shape[1]
+        offset, gps = 128.0, 8
+    elif type_name in LATTICE:  # x = d f mult v, q: v's place in its table
+        q, scale, scale_sup = LATTICE[type_name](b, index=True)
+        offset, group = 128.0, QK_K // scale.shape[1]
         gps = QK_K // group
     else:  # Q6_K
         q, _ = codes_q6_k(b)
