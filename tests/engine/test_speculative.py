@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from nextoken.errors import ModelLoadError
 from nextoken.llm import LLM
@@ -69,6 +68,7 @@ def test_speculative_sampling_draws_from_the_target(proposer):
         counts[out[0].token] += 1
         accepted += a
     n = counts.sum()
+    from scipy.stats import chisquare  # where used: scipy.stats takes a second to import
     assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
     assert chisquare(counts.numpy(), (q * n).numpy()).pvalue < 1e-6  # it is not the draft's
     expected = float(torch.minimum(p, q).sum()) if proposer == "draft" else 0.05  # acceptance rate

@@ -10,7 +10,6 @@ import jsonschema
 import llguidance
 import pytest
 import torch
-from scipy import stats
 
 from nextoken import LLM, SamplingParams
 from nextoken.errors import InvalidRequest
@@ -166,6 +165,7 @@ def test_speculative_verification_with_masked_drafts_samples_the_masked_target()
     p0 = target[0].masked_fill(~masks[0], float("-inf")).softmax(-1)
     assert counts[~masks[0]].sum() == 0
     ok = masks[0]
+    from scipy import stats  # where used: it takes a second to import
     _, pvalue = stats.chisquare(counts[ok].numpy(), (p0[ok] * trials).numpy())
     assert pvalue > 1e-3, (counts, p0 * trials)
 
@@ -291,6 +291,7 @@ def test_sampler_fast_path_equals_the_masked_reference(compiler, tok):
     logits[firsts] = logits.max() + torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])  # allowed mass about 1/2:
     logits[1000:1005] = logits.max()  # both paths are taken
     spec = StructuredOutputsParams(choice=choices)
+    from scipy import stats  # where used: it takes a second to import
     for temperature, trials in ((0.0, 1), (1.0, 2000)):
         counts_fast, counts_ref = {}, {}
         gen = make_generator(1)

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from scipy import stats
 
 from nextoken.sample.logits_processors import apply_presence_frequency, apply_repetition_penalty, process_logits
 from nextoken.sample.sampler import Sampler, SamplerRequest, filter_mask, make_generator
@@ -72,6 +71,7 @@ def test_temperature_sampling_follows_softmax_chi_square():
     tokens = [r.token for _ in range(n // len(rows)) for r in s(batch, rows)]
     observed = torch.bincount(torch.tensor(tokens), minlength=8).double()
     expected = (logits.double() / t).softmax(-1) * n
+    from scipy import stats  # where used: it takes a second to import
     _, p = stats.chisquare(observed.numpy(), expected.numpy())
     assert p > 1e-3
     # and a wrong temperature is rejected by the same test: it has the power to fail

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -29,6 +28,8 @@ def priority_server(smollm2_path):
 def ask_every_api(srv, priority: int, model: str = "smol") -> list:
     """The same short question with `priority`, through the openai and anthropic SDKs and
     Ollama's chat route; returns what each answered (an exception for a refusal)."""
+    import anthropic  # where used: the SDK takes seconds to import, and every worker collects this module
+
     got = []
     try:
         got.append(srv.client().chat.completions.create(
@@ -62,6 +63,8 @@ def test_priority_is_taken_by_every_api_under_the_priority_policy(priority_serve
 def test_priority_is_refused_without_the_priority_policy(smollm2_server):
     """A server scheduling first come, first served refuses a priority other than 0 on every API,
     naming the field (its Ollama name for Ollama), as vLLM does; 0 is fine."""
+    import anthropic
+
     oa_chat, oa_cmpl, an, ol = ask_every_api(smollm2_server, 5, "smollm2")
     for exc in (oa_chat, oa_cmpl):
         assert isinstance(exc, openai.BadRequestError) and exc.body["param"] == "priority"
