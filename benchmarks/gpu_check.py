@@ -168,8 +168,8 @@ def card() -> dict:
 def gpu_tests(timeout: float) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
-           "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
-           "-k", "triton or gpu"]
+           "tests/kernels/test_batch_invariant.py", "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py",
+           "tests/models/test_embeddings.py", "-k", "triton or gpu or invariant"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
@@ -231,10 +231,12 @@ def exact_float32(folder: str, vocab: int) -> dict:
     return {"f32_prefill_rel": errs[0], "f32_decode_rel": max(errs[1:])}
 
 
-def exact_bf16(folder: str, vocab: int) -> dict:
+def exact_bf16(folder: str, vocab: int, invariant: bool = False) -> dict:
     """Greedy bf16: our first 16 tokens against transformers' bf16 greedy ones; each of our 32 in
     transformers' top 5 at its step (teacher-forced on ours); and batch invariance (one request
-    alone and among 23 others) in bf16 and float32."""
+    alone and among 23 others) in bf16 and float32, and (`invariant`: the first model's, for the
+    time budget) in bf16 with ``batch_invariant``: its batch's time against the default path's,
+    and how many of its tokens the default path's share."""
     import torch
 
     from nextoken import LLM, SamplingParams
@@ -246,10 +248,14 @@ def exact_bf16(folder: str, vocab: int) -> dict:
     out: dict = {}
     llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
     ours = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+    t0 = time.perf_counter()
     batch = llm.generate([prompt] + others, greedy)
+    default_s = time.perf_counter() - t0
     out["bf16_batch_invariant"] = list(batch[0].outputs[0].token_ids) == ours
     del llm, batch
     free()
+    if invariant:
+        out.update(invariant_mode(folder, prompt, others, greedy, ours, default_s))
     hf = hf_model(folder, torch.bfloat16)
     with torch.no_grad():
         ids = torch.tensor([prompt], device=DEV)
@@ -267,6 +273,33 @@ def exact_bf16(folder: str, vocab: int) -> dict:
     batch = llm.generate([prompt] + others, greedy)
     out["f32_batch_invariant"] = list(batch[0].outputs[0].token_ids) == alone
     del llm, batch
+    return out
+
+
+def invariant_mode(folder: str, prompt: list[int], others: list[list[int]], greedy, ours: list[int],
+                   default_s: float) -> dict:
+    """bf16 with ``batch_invariant``: the request alone and in the batch, the batch's time over
+    the default path's, and the leading tokens it shares with the default path's `ours`."""
+    from nextoken import LLM
+    from nextoken.errors import InvalidRequest
+
+    try:
+        llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512,
+                  gpu_memory_utilization=0.3, batch_invariant=True)
+    except InvalidRequest as exc:
+        log(f"   batch-invariant mode: {exc}")
+        return {"bf16_invariant_mode": None}
+    alone = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+    t0 = time.perf_counter()
+    batch = llm.generate([prompt] + others, greedy)
+    out = {"bf16_invariant_mode": list(batch[0].outputs[0].token_ids) == alone,
+           "bf16_invariant_time": (time.perf_counter() - t0) / default_s,
+           "bf16_invariant_agree": next((i for i, (a, b) in enumerate(zip(alone, ours)) if a != b), len(ours))}
+    log(f"   bf16 --batch-invariant: alone = in the batch {out['bf16_invariant_mode']}, the batch in "
+        f"{out['bf16_invariant_time']:.2f}x the default path's time, first {out['bf16_invariant_agree']} tokens "
+        "as the default path's")
+    del llm, batch
+    free()
     return out
 
 
@@ -503,7 +536,7 @@ def table(limits: dict) -> str:
              "", "| model | batch-1 decode tok/s greedy / sampled (roofline, share) | 64x(512+256) decode step ms "
              "greedy / sampled (roofline, ratio) | prefill 4096 ms (share of bf16 rate) | serving out tok/s "
              "(transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
-             "batch-invariant f32 / bf16 |", "|---|---|---|---|---|---|---|---|"]
+             "batch-invariant f32 / bf16 / bf16 --batch-invariant (its time) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in RESULTS["models"].items():
         ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") \
             else None
@@ -518,7 +551,8 @@ def table(limits: dict) -> str:
             f"{fmt(r.get('serve_out_tok_s'))} ({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
             f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
-            f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} |")
+            f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} / "
+            f"{fmt(r.get('bf16_invariant_mode'))} ({fmt(r.get('bf16_invariant_time'), '.2f', 'x')}) |")
     lines.append("")
     lines += [f"{k}: {v}" for k, v in RESULTS["sections"].items()]
     return "\n".join(lines)
@@ -577,7 +611,7 @@ def main() -> int:
                         f"{r['f32_decode_rel']:.1e}")
             with section(f"{name}: bf16 exactness and batch invariance", args.budget, 30) as go:
                 if go:
-                    r.update(exact_bf16(folder, vocab))
+                    r.update(exact_bf16(folder, vocab, invariant=name == models[0]))
                     log(f"   bf16: first 16 equal {r['bf16_first16_equal']} (agree for {r['bf16_agree_prefix']}), "
                         f"{r['bf16_in_top5']}/32 in the top 5; batch-invariant f32 {r['f32_batch_invariant']}, bf16 "
                         f"{r['bf16_batch_invariant']}")

@@ -53,6 +53,11 @@ class EngineArgs(CliArgs):
                                  "Triton on a GPU), native (C), torch (PyTorch), or triton (on the CPU only under "
                                  "Triton's interpreter, TRITON_INTERPRET=1: a slow check of the GPU path)",
                                  choices=ATTENTION_BACKENDS)
+    batch_invariant: bool = opt(False, "a request's logits do not depend on the other requests in its batch: every "
+                                 "linear and RMSNorm on batch-invariant Triton kernels (one tile shape for every "
+                                 "batch size, no split-K) and one key split per decode (He et al. 2025, "
+                                 "\"Defeating Nondeterminism in LLM Inference\"). The GPU path's, at some decode "
+                                 "speed; not with LoRA adapters", cli="true")
     dense_weights: bool = opt(False, "with --enforce-eager (PyTorch's int4 kernel), also keep bf16 copies of "
                                "int4-packed weights for calls of many rows (about 4x the weight memory)", cli="bool")
     tensor_parallel_size: int = opt(1, "processes the model is split across (Megatron-style: heads, feed-forward "

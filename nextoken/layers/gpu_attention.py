@@ -35,7 +35,9 @@ class DeviceMetadata:
     of the prefill chunks (None without any); splits: key splits per decode (a power of two).
     For a model with sliding-window layers: ring_tables int32 ``[S, logical blocks]`` (logical
     block -> ring block), and ring_rows / ring_slots int64 ``[W]``: rows of the pass whose keys
-    go into the rings, and where."""
+    go into the rings, and where; aligned: a sliding-window prefill chunk switches from the ring's
+    keys to the pass's at a key tile's boundary (`kernels.gpu.attention.paged_attention`'s, a
+    batch-invariant plan's)."""
 
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -47,6 +49,7 @@ class DeviceMetadata:
     ring_tables: torch.Tensor | None = None
     ring_rows: torch.Tensor | None = None
     ring_slots: torch.Tensor | None = None
+    aligned: bool = False
 
 
 def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool) -> torch.Tensor:
@@ -60,7 +63,8 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool) ->
         k_ring, v_ring = kv.sliding.k[i], kv.sliding.v[i]
         window = kv.sliding.window
         if dm.tiles is not None:
-            _prefill(q, k_ring, v_ring, dm, dm.ring_tables, scale, out, window=window, k_new=k, v_new=v)
+            _prefill(q, k_ring, v_ring, dm, dm.ring_tables, scale, out, window=window, k_new=k, v_new=v,
+                     aligned=dm.aligned)
         heads, nb, bs, d = k_ring.shape
         k_ring.view(heads, nb * bs, d).index_copy_(1, dm.ring_slots, k[dm.ring_rows].transpose(0, 1))
         v_ring.view(heads, nb * bs, d).index_copy_(1, dm.ring_slots, v[dm.ring_rows].transpose(0, 1))

@@ -16,9 +16,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> 
     2-D bf16 x and bf16 weight, our C kernel (``kernels/activation.c``: one pass per row, rows over threads; the squares summed in
     float64, so the mean can differ from PyTorch's in its last bit, and then an output by one
     bf16 step); otherwise this PyTorch expression, the reference (with a `kernel` given, a
-    counted fallback).
+    counted fallback). A batch-invariant plan's kernel (`kernels.gpu.batch_invariant.InvariantNorms`)
+    takes every call: Triton, a fixed number of rows per program for the width.
     """
     if kernel is not None:
+        if hasattr(kernel, "rms_norm"):
+            return kernel.rms_norm(x, weight, eps)
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() \
                 and weight.is_contiguous() and weight.shape == x.shape[1:]:
             out = torch.empty_like(x)
@@ -31,9 +34,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> 
     return weight * h.to(dtype)
 
 
-def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> torch.Tensor:
     """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight`` with the product taken in
     float32 before the cast back (`transformers`' Gemma3RMSNorm; its parameter is ``weight - 1``,
-    GGUF stores ``weight`` itself). x: ``[..., dim]``; weight: ``[dim]``."""
+    GGUF stores ``weight`` itself). x: ``[..., dim]``; weight: ``[dim]``. `kernel`: the plan's
+    norm kernel; only a batch-invariant plan's (`kernels.gpu.batch_invariant.InvariantNorms`)
+    has this norm (the C library has not: PyTorch runs it)."""
+    if hasattr(kernel, "rms_norm"):
+        return kernel.rms_norm(x, weight, eps, gemma=True)
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

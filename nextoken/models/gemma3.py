@@ -52,17 +52,19 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
         self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
+        self.norm_kernel = None  # set by the execution plan at load (a batch-invariant plan's Triton norms)
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps), cos, sin, kv, meta)
-        h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps)
+        nk = self.norm_kernel
+        attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps, nk), cos, sin, kv, meta)
+        h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps, nk)
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
             return h
-        ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps))
-        h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps)
+        ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps, nk))
+        h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps, nk)
         return h
 
 
@@ -95,7 +97,7 @@ class Gemma3ForCausalLM(DecoderModel):
         return tables
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_gemma(h, self.norm, self.config.norm_eps)
+        return rms_norm_gemma(h, self.norm, self.config.norm_eps, self.norm_kernel)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -122,11 +122,12 @@ class Staging:
 
 
 def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tiling_q: int = 0,
-                 splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                 splits: int = 1, aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids ``[T]``, positions ``[T]`` (int64, on the device) and the `AttentionMetadata`
     of `batch` for attention `backend` (the plan's; `kernels`: the attention libraries it
     resolved). For ``triton``: `tiling_q` queries per prefill tile and `splits` key splits per
-    decode (`kernels.gpu.attention`), and the `DeviceMetadata` with them."""
+    decode (`kernels.gpu.attention`), `aligned` (a batch-invariant plan) for sliding-window prefill
+    chunks, and the `DeviceMetadata` with them."""
     sm = batch.sliding
     ring = [] if sm is None or staging.device.type == "cpu" else \
         [sm.write_rows.numpy(), sm.write_slots.numpy(), *[k.numpy() for k in sm.key_slots]]
@@ -141,6 +142,7 @@ def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tili
             if ring else sm
     if backend == "triton":
         meta.device = device_metadata(batch, staging, tiling_q, splits, meta.sliding)
+        meta.device.aligned = aligned
     return ids, positions, meta
 
 

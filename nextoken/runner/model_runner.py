@@ -111,7 +111,7 @@ class ModelRunner:
     well; enforce_eager: PyTorch alone, none of our C kernels; prepared_cache: keep GGUF codes in
     the prepared-weights cache (`loader.prepared`); device: where the model runs
     (`runner.device.Device`: on a GPU the weights, the KV cache and every pass live in its
-    memory); attention_backend: `EngineArgs.attention_backend`; huge_pages: on the CPU, the linear
+    memory); attention_backend, batch_invariant: `EngineArgs`'s; huge_pages: on the CPU, the linear
     weights move into one arena of 2 MiB pages after loading (`runner.huge_pages`). The `plan`
     (`runner.plan.ExecutionPlan`) is chosen from these here, once, and logged.
 
@@ -128,14 +128,14 @@ class ModelRunner:
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
                  prepared_cache: bool = False, tp=None, quantization: str | None = None, device: Device = CPU,
-                 attention_backend: str = "auto", huge_pages: bool = True):
+                 attention_backend: str = "auto", huge_pages: bool = True, batch_invariant: bool = False):
         self.config: ModelConfig = read_config(source)
         self.dtype, self.tp, self.device = dtype, tp, device
         check_quantization(quantization, source, dtype)
         if device.is_cuda and tp is not None:
             raise InvalidRequest("tensor parallelism runs on the CPU (gloo); on a GPU run one process", "device")
         self.plan = ExecutionPlan.choose(dtype, enforce_eager, reference, keep_quantized, dense_weights, quantization,
-                                         device, attention_backend)
+                                         device, attention_backend, batch_invariant)
         t0 = time.perf_counter()
         loading_allocations(True)
         try:
@@ -185,7 +185,8 @@ class ModelRunner:
         runner = cls(source, model_dtype(source, args.dtype), reference=args.reference_attention,
                      dense_weights=args.dense_weights, enforce_eager=args.enforce_eager,
                      prepared_cache=args.prepared_cache, tp=tp, quantization=args.quantization, device=device,
-                     attention_backend=args.attention_backend, huge_pages=args.huge_pages)
+                     attention_backend=args.attention_backend, huge_pages=args.huge_pages,
+                     batch_invariant=args.batch_invariant)
         if args.enable_lora:
             runner.enable_lora(args.max_loras, args.max_lora_rank)
         return runner
@@ -260,13 +261,16 @@ class ModelRunner:
         if self.plan.attention == "triton" and batch.num_decodes:
             splits = self._decode_splits(batch.num_decodes)
         return model_inputs(batch, self.staging, self.plan.attention, self.attention_kernels, self.tile_queries,
-                            splits)
+                            splits, self.plan.batch_invariant)
 
     def _decode_splits(self, num_decodes: int) -> int:
         """Key splits per decode of the Triton attention for a step of `num_decodes` decodes
-        (`kernels.gpu.attention.decode_splits`; on the CPU, as for a GPU of one multiprocessor)."""
+        (`kernels.gpu.attention.decode_splits`; on the CPU, as for a GPU of one multiprocessor); one
+        in a batch-invariant plan (the split of a decode's keys would follow the batch's size)."""
         from nextoken.kernels.gpu.attention import decode_splits
 
+        if self.plan.batch_invariant:
+            return 1
         return decode_splits(num_decodes, self.model.config.num_kv_heads, max(1, self.device.num_sms))
 
     SAMPLER_BYTES = 48  # per logits element: the sampler's float32, float64 and index temporaries at their peak
@@ -386,8 +390,14 @@ class ModelRunner:
         return hidden, last
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
-        """Let requests use LoRA adapters (`lora.manager.LoRAManager`, at ``self.loras``)."""
+        """Let requests use LoRA adapters (`lora.manager.LoRAManager`, at ``self.loras``). Raises
+        `InvalidRequest` under a batch-invariant plan (the adapters' products run on PyTorch's
+        batched matmuls)."""
         from nextoken.lora.manager import LoRAManager
+
+        if self.plan.batch_invariant:
+            raise InvalidRequest("--batch-invariant does not cover LoRA adapters (their products run on PyTorch's "
+                                 "batched matmuls): drop --enable-lora or --batch-invariant", "batch_invariant")
 
         self.loras = LoRAManager(self.model, max_loras, max_lora_rank, self.device.torch)
 

@@ -23,7 +23,13 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   it implements, every projection on our kernel (codes or dense bf16);
 - **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
   C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; the library handed to each
-  SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load.
+  SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load;
+- **batch invariance** (``--batch-invariant``, the Triton attention's path: a GPU, or the CPU
+  under Triton's interpreter with ``enforce_eager``): every linear on the batch-invariant Triton
+  matmul and every RMSNorm on its row kernel (`kernels.gpu.batch_invariant`), the decode
+  attention in one key split, sliding-window prefill chunks switching from the ring's keys to
+  the pass's at a key tile's boundary, weights dense: a request's logits do not depend on what
+  else is in its batch.
 
 The plan binds: it resolves the kernel libraries once (`kernels.KernelSet`) and hands each
 layer the handle it runs (a `CodesMethod` holds the ``qmatmul`` library, the MLP and norms the
@@ -49,8 +55,8 @@ import torch
 from nextoken.errors import InvalidRequest
 from nextoken.kernels import KernelSet
 from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
-from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
-                                                  TorchInt4Method)
+from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, InvariantMethod,
+                                                  LinearMethod, TorchInt4Method)
 from nextoken.layers.quantization.qweight import qweight_supported
 from nextoken.layers.quantization.torch_int4 import int4_supported
 from nextoken.runner.device import CPU, Device
@@ -77,20 +83,25 @@ class ExecutionPlan:
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
     kernels: KernelSet = field(default_factory=KernelSet)  # the libraries resolved once; None where PyTorch runs
     weights: str = ""  # where the weights live (`runner.huge_pages`), once placed
+    batch_invariant: bool = False  # linears and norms on `kernels.gpu.batch_invariant`, one key split per decode
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
                keep_quantized: bool = True, dense_weights: bool = False,
                quantization: str | None = None, device: Device = CPU,
-               attention_backend: str = "auto") -> ExecutionPlan:
+               attention_backend: str = "auto", batch_invariant: bool = False) -> ExecutionPlan:
         """The plan for a model in `dtype` on `device`. `keep_quantized`: block-quantized
         weights stay quantized (bf16 on the CPU only; float32 and a GPU de-quantize everything).
         `quantization`: a Hugging Face folder's weights are quantized at load to this format (the
         CPU's kernels). `attention_backend`: ``auto`` or one of ``native``, ``torch``,
-        ``triton`` (`EngineArgs.attention_backend`). Raises `InvalidRequest` for a choice the
-        device cannot run."""
+        ``triton`` (`EngineArgs.attention_backend`). `batch_invariant`: see the module docstring.
+        Raises `InvalidRequest` for a choice the device cannot run."""
+        if batch_invariant:
+            _check_batch_invariant(device, enforce_eager, reference_attention, attention_backend, quantization)
         if device.is_cuda:
-            return cls._on_gpu(dtype, enforce_eager, reference_attention, quantization, device, attention_backend)
+            plan = cls._on_gpu(dtype, enforce_eager, reference_attention, quantization, device, attention_backend)
+            plan.batch_invariant = batch_invariant
+            return plan
         reasons = {}
         ks = KernelSet.resolve(not enforce_eager)
         native = ks != KernelSet()
@@ -98,7 +109,7 @@ class ExecutionPlan:
             reasons["kernels"] = "enforce_eager"
         elif not native:
             reasons["kernels"] = "NEXTOKEN_NATIVE_KERNELS=0 or no C compiler"
-        quantized = keep_quantized and dtype == torch.bfloat16
+        quantized = keep_quantized and dtype == torch.bfloat16 and not batch_invariant
         codes = quantized and ks.qmatmul is not None
         if quantized and native and not codes:
             reasons["codes"] = "the qmatmul kernel did not build"
@@ -108,7 +119,8 @@ class ExecutionPlan:
         attention = _cpu_attention(reference_attention, attention_backend, ks)
         activations = dtype == torch.bfloat16 and ks.activation is not None
         return cls(dtype, codes, quantized and not codes, dense_weights, attention, device,
-                   native_activations=activations, quantization=quantization, reasons=reasons, kernels=ks)
+                   native_activations=activations, quantization=quantization, reasons=reasons, kernels=ks,
+                   batch_invariant=batch_invariant)
 
     @classmethod
     def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
@@ -128,6 +140,8 @@ class ExecutionPlan:
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
         """The method for a linear weight of GGML type `type_name` and shape ``[rows, cols]``."""
+        if self.batch_invariant:
+            return InvariantMethod()
         if self.codes and qweight_supported(type_name, rows, cols):
             return CodesMethod(self.kernels.qmatmul)
         if self.torch_int4 and int4_supported(type_name, rows, cols, self.dtype):
@@ -160,11 +174,16 @@ class ExecutionPlan:
         from nextoken.layers.native_decode import NativeDecoder
 
         act = self.kernels.activation if self.native_activations else None
+        invariant = None
+        if self.batch_invariant:
+            from nextoken.kernels.gpu.batch_invariant import InvariantNorms as invariant
         for m in model.modules():
             if hasattr(m, "act_kernel"):
                 m.act_kernel = act if m.act in (silu_and_mul, gelu_tanh_and_mul) else None
             if hasattr(m, "norm_kernel"):
-                m.norm_kernel = act
+                m.norm_kernel = invariant or act
+            if hasattr(m, "qk_norm_kernel"):
+                m.qk_norm_kernel = invariant
             if hasattr(m, "lookup_kernel"):
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         cfg = model.config
@@ -219,6 +238,8 @@ class ExecutionPlan:
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "PyTorch"
+        if self.batch_invariant:
+            act = f"{act} activations, Triton norms (batch-invariant: one key split per decode)"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""
         graphs = "; CUDA graphs for decode steps" if self.cuda_graphs else ""
@@ -227,6 +248,23 @@ class ExecutionPlan:
                 f"embedding: {emb_form}; "
                 f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}{graphs}"
                 + (f"; {self.weights}" if self.weights else "") + (f" ({off})" if off else ""))
+
+
+def _check_batch_invariant(device: Device, enforce_eager: bool, reference: bool, backend: str,
+                           quantization: str | None) -> None:
+    """Raises `InvalidRequest` unless a batch-invariant plan can run here: the Triton attention
+    (a GPU's; on the CPU only under Triton's interpreter, with `enforce_eager`, as a check of the
+    GPU path), no quantization at load (its weights run dense)."""
+    why = None
+    if reference:
+        why = "the reference attention is not part of it (drop --reference-attention)"
+    elif quantization is not None:
+        why = f"its linears run dense weights, not --quantization {quantization}"
+    elif not device.is_cuda and (backend != "triton" or not enforce_eager):
+        why = ("it is the GPU path's (Triton kernels); on the CPU it runs only as a slow check of that path, "
+               "with --enforce-eager --attention-backend triton under TRITON_INTERPRET=1")
+    if why:
+        raise InvalidRequest(f"--batch-invariant: {why}", "batch_invariant")
 
 
 def _cpu_attention(reference: bool, backend: str, ks: KernelSet) -> str:

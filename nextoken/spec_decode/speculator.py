@@ -168,7 +168,8 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
     draft_tok = load_tokenizer(draft_source)
     draft_source.release_metadata()
     runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager,
-                         device=resolve_device(args.device), attention_backend=args.attention_backend)
+                         device=resolve_device(args.device), attention_backend=args.attention_backend,
+                         batch_invariant=args.batch_invariant)
     check_same_vocabulary(tokenizer, draft_tok, target_config.vocab_size, runner.config.vocab_size,
                           config.model or "draft")
     if runner.config.sliding_layers:

@@ -161,6 +161,59 @@ def test_bf16_on_the_gpu_path_stays_in_the_float32_top5(tiny_gguf):
             assert t in alt, (i, t, alt)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from tests.tiny_models import tiny_hf_model, write_gguf
+
+    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf"
+    write_gguf(tiny_hf_model("qwen3"), path, "qwen3")
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(tiny_gguf, tiny_qwen3, graphs_on_cpu, arch):
+    """``batch_invariant`` in bf16 on the GPU path (Triton matmul, RMSNorm and attention; Qwen 3:
+    QK-norm and an untied head; Gemma 3: its norms and sliding-window rings, whose prefill chunks
+    read the ring and the pass's own keys): a request alone, and in a batch whose prompts are cut
+    into other chunks (16 tokens a step) with decode batches padded through the graphs' buffers,
+    gets the same tokens and log-probabilities to the last bit; the plan line says what runs."""
+    path = tiny_qwen3 if arch == "qwen3" else str(tiny_gguf[arch][0])
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
+    llm = LLM(path, **GPU_PATH, **{**SMALL, "dtype": "bfloat16"}, max_num_batched_tokens=16, batch_invariant=True)
+    plan = llm.engine.runner.plan.describe(llm.engine.runner.model)
+    assert "batch-invariant triton" in plan and "Triton norms (batch-invariant" in plan, plan
+    prompts = [PROMPTS[1], PROMPTS[2]]  # 3 tokens, then 40: chunks of 16, 16, 8 alone, of 13, 16, 11 in the batch
+    batch = [o.outputs[0] for o in llm.generate(prompts, params)]
+    alone = llm.generate([prompts[1]], params)[0].outputs[0]  # (its decodes: alone, in a padded batch of 2)
+    assert alone.token_ids == batch[1].token_ids and alone.logprobs == batch[1].logprobs
+    assert_no_leak(llm)
+
+
+def test_batch_invariant_float32_equals_the_reference_path(tiny_gguf):
+    """In float32 the batch-invariant path computes the reference's function: the CPU's
+    PyTorch path's tokens and log-probabilities (to 1e-4)."""
+    path = str(tiny_gguf["llama"][0])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want = LLM(path, **REFERENCE, **SMALL).generate(PROMPTS[:3], params)
+    got = LLM(path, **GPU_PATH, **SMALL, batch_invariant=True).generate(PROMPTS[:3], params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_batch_invariant_refusals(tiny_gguf):
+    """What the batch-invariant mode does not cover is refused at load, naming the option."""
+    llama = str(tiny_gguf["llama"][0])
+    with pytest.raises(InvalidRequest, match="--batch-invariant: it is the GPU path's") as e:
+        LLM(llama, batch_invariant=True)
+    assert e.value.field == "batch_invariant"
+    with pytest.raises(InvalidRequest, match="reference attention"):
+        LLM(llama, **GPU_PATH, batch_invariant=True, reference_attention=True)
+    with pytest.raises(InvalidRequest, match="LoRA"):
+        LLM(llama, **GPU_PATH, batch_invariant=True, enable_lora=True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU answers")
 def test_device_and_backend_errors(tiny_gguf, monkeypatch):
     """A GPU PyTorch does not see, and Triton attention outside its interpreter on the CPU, are

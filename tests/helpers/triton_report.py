@@ -1,4 +1,4 @@
-"""The compiler's report on our Triton attention for a Hopper GPU (sm_90), made on a machine
+"""The compiler's report on our Triton kernels (attention, and the batch-invariant matmul and RMSNorm) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -19,21 +19,19 @@ VARIANTS = [  # (dtype, query heads per KV head, head dim, decode, splits, flags
     ("bf16", 3, 64, True, 4, ""), ("bf16", 3, 64, False, 1, ""),  # SmolLM2
     ("bf16", 6, 128, True, 4, ""), ("bf16", 6, 128, False, 1, ""),  # Qwen2.5-1.5B
     ("bf16", 4, 256, True, 16, "window"), ("bf16", 4, 256, False, 1, ""),  # Gemma 3 270M: global layers,
-    ("bf16", 4, 256, False, 1, "window fresh"),  # and a sliding layer's prefill (its ring and the pass's rows)
+    ("bf16", 4, 256, False, 1, "window fresh"),  # and a sliding layer's prefill (its ring and the pass's rows),
+    ("bf16", 4, 256, False, 1, "window fresh aligned"),  # (batch-invariant: the first new token's tile reads both)
     ("bf16", 3, 64, True, 1, "int8"), ("bf16", 6, 128, False, 1, "int8"),  # --kv-cache-dtype int8
     ("fp32", 3, 64, False, 1, ""), ("fp32", 6, 128, True, 4, ""), ("fp32", 6, 128, False, 1, ""),  # the float32
-    ("fp32", 4, 256, False, 1, "window fresh"),  # reference
+    ("fp32", 4, 256, False, 1, "window fresh"), ("fp32", 4, 256, False, 1, "window fresh aligned"),  # reference
 ]
 
 
 def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str = "") -> dict:
-    """Registers, stack bytes, spill stores and tensor-core instructions of one compiled variant;
-    `flags`: any of ``int8`` (an int8 cache), ``window`` (a sliding window), ``fresh`` (the pass's
-    own keys, `paged_attention`'s k_new)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Registers, stack bytes, spill stores and tensor-core instructions of one compiled variant
+    of the attention kernel; `flags`: any of ``int8`` (an int8 cache), ``window`` (a sliding
+    window), ``fresh`` (the pass's own keys, `paged_attention`'s k_new), ``aligned`` (its
+    `aligned`)."""
     from nextoken.kernels.gpu import attention as A
 
     t = A.tiling(decode, group, d, dtype == "fp32")
@@ -45,11 +43,42 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str
              "scale": "fp32", "softcap": "fp32"}
     consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
                   DECODE=decode, SPLITS=splits, INT8="int8" in flags, FRESH="fresh" in flags, SOFTCAP=False,
-                  WINDOW="window" in flags, WIDEN=False)
-    fn = A._attention_kernel
+                  WINDOW="window" in flags, WIDEN=False, ALIGNED="aligned" in flags)
+    usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages)
+    return {"variant": [dtype, group, d, decode, splits, flags], **usage}
+
+
+INVARIANT = [("linear", "bf16"), ("linear", "fp32"), ("rms_norm", "bf16", 2048), ("rms_norm", "fp32", 2048),
+             ("rms_norm", "bf16", 128)]  # (hidden sizes up to 2048; Qwen 3's heads)
+
+
+def report_invariant(kernel: str, dtype: str, width: int = 0) -> dict:
+    """The same report for a batch-invariant kernel (`kernels.gpu.batch_invariant`): its linear
+    (the one tile shape every call takes), or its RMSNorm over rows of `width`."""
+    from nextoken.kernels.gpu import batch_invariant as B
+
+    p = f"*{dtype}"
+    if kernel == "linear":
+        types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
+        consts = dict(BLOCK_M=B.BLOCK_M, BLOCK_N=B.BLOCK_N, BLOCK_K=B.BLOCK_K, HAS_BIAS=True, WIDEN=False, ROUND=False)
+        usage = compiled(B._linear_kernel, types, consts, B.NUM_WARPS, B.NUM_STAGES)
+    else:
+        types = {"x_ptr": p, "w_ptr": p, "out_ptr": p, "eps": "fp32"}
+        consts = dict(ROWS=B.norm_rows(width), BLOCK=width, GEMMA=False, ROUND=False)
+        usage = compiled(B._rms_norm_kernel, types, consts, 4, 3)
+    return {"variant": [kernel, dtype, width], **usage}
+
+
+def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
+    i32; `consts`: its constexprs) and read its resource usage off the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -58,8 +87,7 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(x.split(":") for x in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in x and x.split(":")[1].isdigit())
-    return {"variant": [dtype, group, d, decode, splits, flags], "registers": int(fields["REG"]),
-            "stack": int(fields["STACK"]), "spill_stores": sass.count("STL"),
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "spill_stores": sass.count("STL"),
             "tensor_core": sass.count("HMMA") + sass.count("HGMMA")}
 
 
@@ -69,3 +97,5 @@ if __name__ == "__main__":
         sys.exit("run without TRITON_INTERPRET=1")
     for v in VARIANTS:
         print(json.dumps(report(*v)), flush=True)
+    for v in INVARIANT:
+        print(json.dumps(report_invariant(*v)), flush=True)

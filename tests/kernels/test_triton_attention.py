@@ -202,6 +202,42 @@ def test_fresh_keys_replace_the_cache_from_the_first_new_token(device):
     close(out, reference(case, d ** -0.5, 6, fresh=fresh), torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aligned_fresh_keys_do_not_depend_on_where_the_chunk_starts(device, dtype):
+    """``aligned`` (the batch-invariant plan's): a sliding-window prompt of 40 tokens, as one chunk
+    or as a chunk from position 21 after a cached prefix, gives its last 19 queries the same bits
+    (each query's key tiles start at multiples of the tile, the tile holding the first new token
+    read from both sources); without it the two differ in their last bits."""
+    g = torch.Generator().manual_seed(4)
+    hkv, group, d, bs, n, cut, window = 2, 2, 32, 4, 40, 21, 24
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype).to(device)
+    k_all, v_all = (torch.randn(n, hkv, d, generator=g).to(dtype).to(device) for _ in range(2))
+    k_cache = k_all.view(n // bs, bs, hkv, d).permute(2, 0, 1, 3).contiguous()  # [Hkv, blocks, bs, D], in order
+    v_cache = v_all.view(n // bs, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
+    table = torch.arange(n // bs, dtype=torch.int32, device=device)[None]
+    seq_len = torch.tensor([n], dtype=torch.int32, device=device)
+    t = tiling(False, group, d, dtype == torch.float32)
+
+    def chunk(first: int, aligned: bool) -> torch.Tensor:
+        rows = n - first
+        qsl = torch.tensor([0, rows], dtype=torch.int32, device=device)
+        seqs, firsts = query_tiles([0, rows], t.block_q)
+        tiles = (torch.tensor(seqs, dtype=torch.int32, device=device), torch.tensor(firsts, dtype=torch.int32,
+                                                                                   device=device))
+        out = torch.full_like(q[first:], float("nan"))
+        paged_attention(q[first:], k_cache, v_cache, table, seq_len, qsl, d ** -0.5, out=out, decode=False,
+                        num_seqs=1, tiles=tiles, window=window, k_new=k_all[first:], v_new=v_all[first:],
+                        aligned=aligned)
+        return out
+
+    whole, late = chunk(0, True), chunk(cut, True)
+    assert torch.equal(whole[cut:], late)
+    close(late, reference(dict(q=q, k=k_cache, v=v_cache, ks=None, vs=None, tables=table.cpu(), seq_lens=[n],
+                               qsl=[0, n], bs=bs, d=d), d ** -0.5, window)[cut:], dtype)
+    assert not torch.equal(chunk(0, False)[cut:], chunk(cut, False))
+
+
 def test_query_tiles_and_splits():
     """Tiles cover every query once; splits fill two programs per multiprocessor, a power of two."""
     seqs, firsts = query_tiles([0, 1, 1, 40, 45], 16, first=1)

@@ -50,19 +50,24 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _load_tile(ptr, kv_head, stride_h, stride_b, tables_ptr, seq, stride_tab, kpos, ok, d, new_ptr, stride_nt,
                stride_nh, q_start, new_start, like, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               INT8: tl.constexpr, NEW: tl.constexpr):
+               INT8: tl.constexpr, NEW: tl.constexpr, MIXED: tl.constexpr):
     """Keys (or values) at positions `kpos` ``[BLOCK_N]`` of sequence `seq`, ``[BLOCK_N, D]`` in
     the dtype of `like` (the queries): from the paged cache through the block table (`INT8`
     codes are converted exactly, through float32, which Triton's interpreter needs; their scales
     are `_load_scales`'), or (`NEW`) from this pass's rows,
-    the sequence's new tokens from position `new_start` on. Rows with `ok` false are zero. Each
+    the sequence's new tokens from position `new_start` on, and (`MIXED`, not with `INT8`) the
+    positions before `new_start` from the cache. Rows with `ok` false are zero. Each
     load reads its keys' blocks from the table again (an L1 hit): one set of row offsets kept for
     the keys, values and scales of a step stays live across its products, and made the int8 and
     64-dim prefill tiles spill under Triton 3.6 (16-80 bytes a thread)."""
     if NEW:
         row = (q_start + kpos - new_start).to(tl.int64)
-        x = tl.load(new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :], mask=ok[:, None],
-                    other=0.0)
+        src = new_ptr + row * stride_nt + kv_head * stride_nh  # each key's row: one pointer per key
+        if MIXED:
+            old = kpos < new_start
+            block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=ok & old, other=0).to(tl.int64)
+            src = tl.where(old, ptr + kv_head * stride_h + block * stride_b + (kpos % BLOCK_SIZE) * HEAD_DIM, src)
+        x = tl.load(src[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     else:
         block = tl.load(tables_ptr + seq * stride_tab + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = kpos % BLOCK_SIZE
@@ -86,10 +91,12 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
                tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
                stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr,
-               NEW: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WIDEN: tl.constexpr):
+               NEW: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WIDEN: tl.constexpr,
+               MIXED: tl.constexpr):
     """The online softmax over keys ``start .. end - 1`` (read from the cache, or `NEW`: from this
-    pass's rows), a tile of `BLOCK_N` at a time: returns the updated (acc ``[BLOCK_M, D]``,
-    running maximum m_i and denominator l_i ``[BLOCK_M]``), scores in base 2."""
+    pass's rows, `MIXED`: those before the first new token from the cache), a tile of `BLOCK_N` at
+    a time: returns the updated (acc ``[BLOCK_M, D]``, running maximum m_i and denominator l_i
+    ``[BLOCK_M]``), scores in base 2."""
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 is the hardware's
@@ -97,7 +104,7 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
         kpos = first + n
         key_ok = kpos < end
         k = _load_tile(k_ptr, kv_head, stride_kh, stride_kb, tables_ptr, seq, stride_tab, kpos, key_ok, d, kn_ptr,
-                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW)
+                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW, MIXED)
         if WIDEN:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -120,7 +127,7 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr, kv_head, stride_kh, stride_kb, tables_ptr, seq, stride_tab, kpos, key_ok, d, vn_ptr,
-                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW)
+                       stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW, MIXED)
         if INT8 and not NEW:  # and on the probabilities for the values: p (codes x scale) = (p x scale) codes
             p = p * _load_scales(vs_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, key_ok,
                                  BLOCK_SIZE)[None, :]
@@ -144,7 +151,7 @@ def _attention_kernel(
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, SPLITS: tl.constexpr,
         INT8: tl.constexpr, FRESH: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        WIDEN: tl.constexpr):
+        WIDEN: tl.constexpr, ALIGNED: tl.constexpr):
     """One tile of query rows against one KV head's keys; see the module docstring. Grid:
     (query tiles, KV heads, SPLITS)."""
     pid = tl.program_id(0)
@@ -183,17 +190,20 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     mid = hi
-    if FRESH:  # the cache's keys up to the first new token, then this pass's own rows
-        mid = tl.minimum(tl.maximum(new_start, lo), hi)
+    if FRESH:  # the cache's keys up to the first new token, then this pass's own rows; `ALIGNED`
+        if ALIGNED:  # (batch invariance): the switch at a tile boundary, its tile read from both
+            mid = tl.minimum(tl.maximum(new_start // BLOCK_N * BLOCK_N, lo), hi)
+        else:
+            mid = tl.minimum(tl.maximum(new_start, lo), hi)
     acc, m_i, l_i = _key_range(acc, m_i, l_i, q, q_pos, row_ok, lo, mid, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr,
                                vn_ptr, tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
                                stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
-                               BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, False, SOFTCAP, WINDOW, WIDEN)
+                               BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, False, SOFTCAP, WINDOW, WIDEN, False)
     if FRESH:
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, q_pos, row_ok, mid, hi, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr,
                                    vn_ptr, tables_ptr, seq, kv_head, q_start, new_start, scale, softcap, window,
                                    stride_kh, stride_kb, stride_sh, stride_sb, stride_nt, stride_nh, stride_tab,
-                                   BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, True, SOFTCAP, WINDOW, WIDEN)
+                                   BLOCK_N, HEAD_DIM, BLOCK_SIZE, INT8, True, SOFTCAP, WINDOW, WIDEN, ALIGNED)
 
     if SPLITS > 1:  # this split's share: running max, denominator and unnormalised output
         at = ((seq * num_heads + head) * SPLITS + split).to(tl.int64) * (HEAD_DIM + 2)
@@ -290,7 +300,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     decode: bool, num_seqs: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
                     splits: int = 1, partials: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    aligned: bool = False) -> torch.Tensor:
     """Attention of the queries of `num_seqs` sequences over their paged keys; writes `out`.
 
     q ``[T, H, D]`` (bf16 or float32; D a power of two >= 16); k_cache, v_cache ``[Hkv,
@@ -306,15 +317,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (`query_tiles` with the prefill `tiling`'s block_q). window: a sliding window (0: none);
     softcap: soft-capping of the scores (0: none); k_new, v_new ``[T, Hkv, D]``: keys from each
     sequence's first new token on come from these rows (a sliding-window ring read before
-    this pass writes it). Shapes are the caller's to get right: the kernel does not check
+    this pass writes it); aligned (with k_new, not with an int8 cache): the switch from the
+    cache's keys to the pass's falls on a key tile's boundary, the tile that holds the first new
+    token reading both, so a query's key tiles do not depend on where its chunk starts (the
+    batch-invariant plan's). Shapes are the caller's to get right: the kernel does not check
     them. Returns `out`."""
     hkv, _, block_size, d = k_cache.shape
     h = q.shape[1]
     group = h // hkv
     f32 = q.dtype == torch.float32
-    t = tiling(decode, group, d, f32)
     int8 = k_scales is not None
     fresh = k_new is not None
+    aligned = aligned and fresh and not int8 and not decode
+    t = tiling(decode, group, d, f32)
     if not decode:
         splits = 1
     grid = (num_seqs if decode else tiles[0].shape[0], hkv, splits)
@@ -332,7 +347,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kn.stride(0) if fresh else 0, kn.stride(1) if fresh else 0, block_tables.stride(0), h,
         GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=block_size,
         DECODE=decode, SPLITS=splits, INT8=int8, FRESH=fresh, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        WIDEN=INTERPRET and not f32, num_warps=t.num_warps, num_stages=t.num_stages)
+        WIDEN=INTERPRET and not f32, ALIGNED=aligned, num_warps=t.num_warps, num_stages=t.num_stages)
     if splits > 1:
         _combine_kernel[(num_seqs, h)](out, partials, query_start_loc, out.stride(0), out.stride(1), h,
                                        SPLITS=splits, HEAD_DIM=d, num_warps=4)

@@ -53,6 +53,18 @@ class DenseMethod(LinearMethod):
         layer.method = self
 
 
+class InvariantMethod(DenseMethod):
+    """Dense weights through the batch-invariant Triton matmul (`kernels.gpu.batch_invariant.linear`:
+    one tile shape for every number of rows, no split-K), a batch-invariant plan's linears."""
+
+    name = "batch-invariant triton"
+
+    def apply(self, layer, x):
+        from nextoken.kernels.gpu.batch_invariant import linear
+
+        return linear(x, layer.weight, layer.bias)
+
+
 def store_dense(param: torch.nn.Parameter | None, t, dtype: torch.dtype) -> torch.nn.Parameter:
     """Checkpoint tensor `t` as a dense parameter in `dtype`: the file's own pages when it stores
     it so (`CheckpointTensor.stored`: no copy), else `param` (or a fresh one) filled with a copy."""
