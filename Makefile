@@ -32,7 +32,7 @@ run: install
 
 test: install-test
 	$(BIN)/nextoken pull smollm2-135m-instruct
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

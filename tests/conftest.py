@@ -33,6 +33,22 @@ def pytest_configure(config):
     _one_ssl_context_for_httpx()
 
 
+# The modules that take longest (``--durations``, 2026-11-29), first: pytest-xdist hands whole
+# files to its two workers in collection order (``--dist loadfile --no-loadscope-reorder``, the
+# Makefile's), so the long ones start early and the many short ones even the two out at the end.
+SLOWEST_FIRST = ("tests/engine/test_gpu_path.py", "tests/server/test_openapi_contract.py",
+                 "tests/inspector/test_inspect_browser.py", "tests/models/test_real_model.py",
+                 "tests/engine/test_tensor_parallel.py", "tests/cli/test_cli.py", "tests/inspector/test_inspect.py",
+                 "tests/engine/test_structured.py", "tests/server/test_server.py", "tests/models/test_lora.py",
+                 "tests/engine/test_engine.py", "tests/server/test_router.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run `SLOWEST_FIRST`'s modules first (a stable sort: each module's own order is kept)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def _one_ssl_context_for_httpx():
     """httpx builds a new SSL context for every client, loading certifi's CA bundle: 38 ms of CPU
     here for each `httpx.get`/`httpx.post` and each SDK client (openai, anthropic), paid even for

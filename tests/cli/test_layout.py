@@ -175,3 +175,12 @@ def test_the_servers_packages_import_downward():
     upward = [why for src, deps in edges.items() for dst, why in deps.items() if level[dst] > level[src]]
     assert not upward, upward
     assert find_cycle(edges) is None, find_cycle(edges)
+
+
+def test_the_slowest_first_list_names_test_modules_that_exist():
+    """tests/conftest.py's `SLOWEST_FIRST` (the order pytest-xdist hands files out in) names test
+    modules that exist: a renamed one would silently fall back to the end."""
+    from tests.conftest import SLOWEST_FIRST
+
+    root = PACKAGE.parent
+    assert all((root / name).is_file() for name in SLOWEST_FIRST), SLOWEST_FIRST

@@ -65,10 +65,11 @@ def test_watermarked_smollm2_text_is_detected_and_plain_text_is_not(smollm2_path
     llm = LLM(str(smollm2_path), max_num_seqs=12)
     prompt = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
     vocab = llm.engine.config.vocab_size
-    # unmarked text's z is about standard normal (repeated tokens make it only about): within 3
+    # unmarked text's z is about standard normal (repeated tokens make it only about): within 3;
+    # marked text's grows as sqrt(tokens): 120 give about 7 (measured: 5.3-6.7 at 100, 8.7-9.7 at 200)
     checks = ((True, lambda z: z > 4), (False, lambda z: abs(z) < 3))
-    params = [SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=False, seed=5, n=6, watermark=mark,
-                             min_tokens=200) for mark, _ in checks]
+    params = [SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=False, seed=5, n=6, watermark=mark,
+                             min_tokens=120) for mark, _ in checks]
     outs = llm.generate([prompt, prompt], params)  # marked and plain in one batch
     for (mark, check), out in zip(checks, outs):
         zs = [detect(list(c.token_ids), vocab, 0.5).z_score for c in out.outputs]
