@@ -13,10 +13,11 @@ flips (He et al. 2025, "Defeating Nondeterminism in LLM Inference", Thinking Mac
 - `rms_norm`: a fixed number of rows per program for a given width (`norm_rows`), each row's
   squares summed by one `tl.sum` over the same tile whatever the number of rows.
 
-The attention kernel is batch-invariant by construction once a decode's key splits do not depend
-on the batch (the plan then runs one split; `kernels.gpu.attention`); a prefill's key tiles
-start at key 0 whatever the chunk. Elementwise work (RoPE, activations, residual adds) and
-PyTorch's row-wise softmax are invariant already.
+The attention kernel (`kernels.gpu.attention`) is batch-invariant once a decode's key splits do
+not depend on the batch (the plan runs one split) and a sliding-window prefill chunk switches from
+the ring's keys to the pass's at a key tile's boundary (its ``aligned``): a query's key tiles then
+start at multiples of the tile wherever its chunk starts. Elementwise work (RoPE, activations,
+residual adds) and PyTorch's row-wise softmax are invariant already.
 
 Cost: no split-K and one tile shape mean fewer programs for a decode's few rows than cuBLAS
 launches (`benchmarks/gpu_check.py` measures it). Arithmetic: bf16 (or float32, in IEEE float32,
