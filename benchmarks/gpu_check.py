@@ -231,31 +231,35 @@ def exact_float32(folder: str, vocab: int) -> dict:
     return {"f32_prefill_rel": errs[0], "f32_decode_rel": max(errs[1:])}
 
 
-def exact_bf16(folder: str, vocab: int, invariant: bool = False) -> dict:
-    """Greedy bf16: our first 16 tokens against transformers' bf16 greedy ones; each of our 32 in
-    transformers' top 5 at its step (teacher-forced on ours); and batch invariance (one request
-    alone and among 23 others) in bf16 and float32, and (`invariant`: the first model's, for the
-    time budget) in bf16 with ``batch_invariant``: its batch's time against the default path's,
-    and how many of its tokens the default path's share."""
-    import torch
-
-    from nextoken import LLM, SamplingParams
+def invariance_workload(vocab: int):
+    """One request's prompt (40 ids), the 23 others of its batch, greedy parameters of 32 tokens."""
+    from nextoken import SamplingParams
 
     rng = random.Random(2)
     prompt = rand_ids(rng, 40, vocab)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    others = [rand_ids(rng, rng.randint(8, 200), vocab) for _ in range(DRY["others"])]
+    return prompt, [rand_ids(rng, rng.randint(8, 200), vocab) for _ in range(DRY["others"])], greedy
+
+
+def exact_bf16(folder: str, vocab: int) -> dict:
+    """Greedy bf16: our first 16 tokens against transformers' bf16 greedy ones; each of our 32 in
+    transformers' top 5 at its step (teacher-forced on ours); and batch invariance (one request
+    alone and among 23 others) in bf16 and float32; the bf16 tokens and the batch's time, for
+    `invariant_mode`."""
+    import torch
+
+    from nextoken import LLM
+
+    prompt, others, greedy = invariance_workload(vocab)
     out: dict = {}
     llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
     ours = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
     t0 = time.perf_counter()
     batch = llm.generate([prompt] + others, greedy)
-    default_s = time.perf_counter() - t0
+    out["bf16_batch_s"], out["bf16_tokens"] = time.perf_counter() - t0, ours
     out["bf16_batch_invariant"] = list(batch[0].outputs[0].token_ids) == ours
     del llm, batch
     free()
-    if invariant:
-        out.update(invariant_mode(folder, prompt, others, greedy, ours, default_s))
     hf = hf_model(folder, torch.bfloat16)
     with torch.no_grad():
         ids = torch.tensor([prompt], device=DEV)
@@ -276,13 +280,15 @@ def exact_bf16(folder: str, vocab: int, invariant: bool = False) -> dict:
     return out
 
 
-def invariant_mode(folder: str, prompt: list[int], others: list[list[int]], greedy, ours: list[int],
-                   default_s: float) -> dict:
-    """bf16 with ``batch_invariant``: the request alone and in the batch, the batch's time over
-    the default path's, and the leading tokens it shares with the default path's `ours`."""
+def invariant_mode(folder: str, vocab: int, default: dict) -> dict:
+    """bf16 with ``batch_invariant`` on `exact_bf16`'s workload: the request alone and in the
+    batch, the batch's time over the default path's, and the leading tokens it shares with the
+    default path's (`default`: `exact_bf16`'s results)."""
     from nextoken import LLM
     from nextoken.errors import InvalidRequest
 
+    prompt, others, greedy = invariance_workload(vocab)
+    ours, default_s = default["bf16_tokens"], default["bf16_batch_s"]
     try:
         llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512,
                   gpu_memory_utilization=0.3, batch_invariant=True)
@@ -611,7 +617,7 @@ def main() -> int:
                         f"{r['f32_decode_rel']:.1e}")
             with section(f"{name}: bf16 exactness and batch invariance", args.budget, 30) as go:
                 if go:
-                    r.update(exact_bf16(folder, vocab, invariant=name == models[0]))
+                    r.update(exact_bf16(folder, vocab))
                     log(f"   bf16: first 16 equal {r['bf16_first16_equal']} (agree for {r['bf16_agree_prefix']}), "
                         f"{r['bf16_in_top5']}/32 in the top 5; batch-invariant f32 {r['f32_batch_invariant']}, bf16 "
                         f"{r['bf16_batch_invariant']}")
@@ -629,6 +635,12 @@ def main() -> int:
         if out_dir:
             with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1, default=str)
+    first = RESULTS["models"].get(models[0], {}) if models else {}
+    if "bf16_tokens" in first:  # last, with the time left: the first model's bf16 under --batch-invariant
+        with section(f"{models[0]}: bf16 --batch-invariant", args.budget, 30) as go:
+            if go:
+                vocab = {**MODELS, **TINY}[models[0]][1]["vocab_size"]
+                first.update(invariant_mode(os.path.join(args.folders, models[0]), vocab, first))
     print("\n" + table(limits), flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
