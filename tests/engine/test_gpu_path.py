@@ -175,15 +175,18 @@ def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(tiny_gg
     """``batch_invariant`` in bf16 on the GPU path (Triton matmul, RMSNorm and attention; Qwen 3:
     QK-norm and an untied head; Gemma 3: its norms and sliding-window rings, whose prefill chunks
     read the ring and the pass's own keys): a request alone, and in a batch whose prompts are cut
-    into other chunks (16 tokens a step) with decode batches padded through the graphs' buffers,
-    gets the same tokens and log-probabilities to the last bit; the plan line says what runs."""
+    into other chunks (16 tokens a step), with decode batches padded through the graphs' buffers
+    and a cache too small for both (one is preempted and recomputed), gets the same tokens and
+    log-probabilities to the last bit; the plan line says what runs."""
     path = tiny_qwen3 if arch == "qwen3" else str(tiny_gguf[arch][0])
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
-    llm = LLM(path, **GPU_PATH, **{**SMALL, "dtype": "bfloat16"}, max_num_batched_tokens=16, batch_invariant=True)
+    llm = LLM(path, **GPU_PATH, **{**SMALL, "dtype": "bfloat16", "num_kv_blocks": 11}, max_num_batched_tokens=16,
+              batch_invariant=True)
     plan = llm.engine.runner.plan.describe(llm.engine.runner.model)
     assert "batch-invariant triton" in plan and "Triton norms (batch-invariant" in plan, plan
     prompts = [PROMPTS[1], PROMPTS[2]]  # 3 tokens, then 40: chunks of 16, 16, 8 alone, of 13, 16, 11 in the batch
     batch = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler_stats().num_preemptions > 0
     alone = llm.generate([prompts[1]], params)[0].outputs[0]  # (its decodes: alone, in a padded batch of 2)
     assert alone.token_ids == batch[1].token_ids and alone.logprobs == batch[1].logprobs
     assert_no_leak(llm)
