@@ -209,7 +209,7 @@ def test_batch_invariant_refusals(tiny_gguf):
     """What the batch-invariant mode does not cover is refused at load, naming the option."""
     llama = str(tiny_gguf["llama"][0])
     with pytest.raises(InvalidRequest, match="--batch-invariant: it is the GPU path's") as e:
-        LLM(llama, batch_invariant=True)
+        LLM(llama, device="cpu", batch_invariant=True)  # (the CPU's own path, also on a machine with a GPU)
     assert e.value.field == "batch_invariant"
     with pytest.raises(InvalidRequest, match="reference attention"):
         LLM(llama, **GPU_PATH, batch_invariant=True, reference_attention=True)
