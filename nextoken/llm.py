@@ -205,7 +205,7 @@ class LLM:
         try:
             for e, p, sp, lora, prio in zip(encoded, prompts, params, loras, priority or [0] * len(prompts)):
                 ids.append(engine.add_request(e, sp, options=RequestOptions(
-                    prompt_text=p if isinstance(p, str) else None, lora_request=lora, priority=prio)))
+                    prompt_text=p if isinstance(p, str) else None, lora_request=lora, priority=prio, final_only=True)))
         except Exception:  # one bad adapter: none of the prompts run
             for rid in ids:
                 engine.abort_request(rid)

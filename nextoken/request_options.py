@@ -24,7 +24,10 @@ class RequestOptions:
     priority: its scheduling priority, lower first (vLLM's; any integer other than 0 needs the
     ``priority`` scheduling policy); client: who sent it (the ``fair`` policy shares service
     between clients); continuation: it continues a request that already held a place (a beam
-    search's next step) and keeps that place in the waiting queue (`engine.request_queue`)."""
+    search's next step) and keeps that place in the waiting queue (`engine.request_queue`);
+    final_only: the engine makes no output for it until it finishes (vLLM's
+    ``RequestOutputKind.FINAL_ONLY``; `LLM.generate`'s requests, whose caller reads only the
+    final outputs: a snapshot per request per step is a cost of every step)."""
 
     prompt_text: str | None = None
     truncate_prompt: bool = False
@@ -36,6 +39,7 @@ class RequestOptions:
     priority: int = 0
     client: str = ""
     continuation: bool = False
+    final_only: bool = False
 
 
 DEFAULT = RequestOptions()

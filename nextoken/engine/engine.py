@@ -139,7 +139,7 @@ class LLMEngine:
         seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id, o.priority,
                               o.client, o.continuation)
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
-                                   o.return_logits))
+                                   o.return_logits, o.final_only))
         for s in seqs:
             self.scheduler.add(s)
         if o.tracer is not None:

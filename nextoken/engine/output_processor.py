@@ -8,7 +8,6 @@ A user's request is a `RequestGroup` of `n` sequences (`Request`s); each sequenc
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ class RequestGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     prompt_hidden: object | None = None  # with keep_prompt_hidden: ``[n_prompt - 1, hidden]``, row p scores token p + 1
     logits: list | None = None  # with return_logits: completion 0's raw logits per sampled token
+    final_only: bool = False  # no output until it finishes (`RequestOptions.final_only`)
 
     @property
     def finished(self) -> bool:
@@ -102,14 +102,15 @@ def make_output(group: RequestGroup) -> RequestOutput:
         c.delta = ""
         c.delta_token_ids = []
     group.changed = False
-    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, copy.copy(m),
+    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, RequestMetrics(**vars(m)),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
                          None if group.logits is None else list(group.logits),
                          group.prompt_hidden if group.finished else None)
 
 
 def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],
-              tokenizer, keep_prompt_hidden: bool = False, return_logits: bool = False) -> RequestGroup:
+              tokenizer, keep_prompt_hidden: bool = False, return_logits: bool = False,
+              final_only: bool = False) -> RequestGroup:
     """The output state of a new request: one detokenizer and one empty `CompletionOutput` per
     sequence (logprob lists when `params.logprobs` asks), its arrival time, and with
     `params.prompt_logprobs` a slot per prompt position (and the prompt's hidden states when
@@ -122,7 +123,8 @@ def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params
          for _ in seqs],
         [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
-        RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids), priority=seqs[0].priority))
+        RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids), priority=seqs[0].priority),
+        final_only=final_only)
     if return_logits:
         group.logits = []
     if params.prompt_logprobs is not None:
@@ -216,14 +218,15 @@ class OutputProcessor:
             self._by_seq.pop(s, None)
 
     def collect(self) -> tuple[list[RequestOutput], list[tuple[RequestGroup, RequestOutput]]]:
-        """The outputs of the requests that changed, and the finished requests (group, final
-        output), which leave."""
+        """The outputs of the requests that changed (a `final_only` one's when it finishes), and
+        the finished requests (group, final output), which leave."""
         outputs, finished = [], []
         for rid, group in list(self.groups.items()):
-            out = make_output(group) if group.changed else None
+            done = group.finished
+            out = make_output(group) if group.changed and (done or not group.final_only) else None
             if out is not None:
                 outputs.append(out)
-            if group.finished:
+            if done:
                 del self.groups[rid]
                 finished.append((group, out or make_output(group)))
                 for s in group.seqs:

@@ -346,8 +346,10 @@ int sample_rows(const int64_t *rows, int64_t B, int64_t V, const float *temperat
  * finite[r] = 1 or 0. One pass over the exponent bits (all ones: inf or NaN), in integers, so that
  * the compiler vectorizes it without reassociating floats; the engine's check before sampling
  * (`Sampler.finite_rows`), where PyTorch's sum, isfinite and copy back took 3-4 times as long on
- * a 151936-token row just written by the head. */
+ * a 151936-token row just written by the head. Rows over the threads: a batch of 64 Gemma 3 rows
+ * (262144 tokens) is 64 MiB of logits, 9 ms a step on one core of a 2-core VM. */
 void rows_finite(const int64_t *rows, int64_t B, int64_t V, uint8_t *finite) {
+    #pragma omp parallel for schedule(static) if (B > 1)
     for (int64_t r = 0; r < B; r++) {
         const uint32_t *bits = (const uint32_t *)(intptr_t)rows[r];
         uint32_t bad = 0;

@@ -109,6 +109,30 @@ def test_abort_frees_blocks_and_spares_the_others(tiny_gguf, alone):
     assert_no_leak(llm)
 
 
+def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(tiny_gguf):
+    """``RequestOptions.final_only`` (what `LLM.generate` asks): no output until the request
+    finishes, then one with the same text, tokens and log-probabilities as a streamed request's
+    last, beside a streamed request that still reports every step."""
+    from nextoken.request_options import RequestOptions
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = llm.engine
+    prompt = tiny_prompts()[4]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2, stop=["zz"])
+    quiet = engine.add_request(prompt, params, options=RequestOptions(final_only=True))
+    loud = engine.add_request(prompt, params)
+    seen = {quiet: [], loud: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[quiet]) == 1 and seen[quiet][0].finished and len(seen[loud]) == 9
+    a, b = seen[quiet][0].outputs[0], seen[loud][-1].outputs[0]
+    assert (a.text, a.token_ids, a.logprobs, a.finish_reason) == (b.text, b.token_ids, b.logprobs, b.finish_reason)
+    assert a.text == "".join(o.outputs[0].delta for o in seen[loud])
+    assert seen[quiet][0].metrics.num_output_tokens == 9
+    assert_no_leak(llm)
+
+
 def test_a_request_that_can_never_fit_is_refused(tiny_gguf):
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", num_kv_blocks=4, block_size=4)
     with pytest.raises(InvalidRequest, match="needs 5 KV cache blocks.*holds 4"):

@@ -63,3 +63,52 @@ def test_unfinished_character_is_flushed_at_the_end(tok):
     ids = tok.encode("🤖")
     _, deltas = stream(tok, ids[:-1])
     assert "".join(deltas).endswith("\ufffd")
+
+
+def sentencepiece_tok():
+    """A small SentencePiece-style tokenizer (``▁`` spaces, a space prefix stripped by the
+    decoder, byte fallback for what the vocabulary lacks, two control tokens)."""
+    from nextoken.tokenizer.tokenizer import SPACE, sentencepiece_bpe
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), SPACE, *"abcdefghijklmnopqrstuvwxyz.,",
+              f"{SPACE}t", "th", f"{SPACE}th", "he", f"{SPACE}the", "in", "ing", f"{SPACE}a", "an", "er", "é"]
+    types = [2, 3, 3, *[6] * 256, *[1] * (len(pieces) - 259)]
+    hf = sentencepiece_bpe(pieces, list(range(len(pieces))), types, add_space_prefix=True)
+    return Tokenizer(hf, pieces, special_ids=[1, 2], bos_token_id=1, eos_token_id=2, add_bos=True, chat_template=None)
+
+
+TEXTS = ["the thing in the garden é café 日本語 🤖🚀 ok", "  two  spaces, then\ttabs\nand lines 👍🏽 end",
+         "naïve — déjà vu ☃️ 東京"]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_decode_stream_equals_the_window_decode(tok, kind, skip):
+    """The Rust decode stream (the fast path) hands out the same deltas, token by token, as the
+    Python window decode (the reference), with control tokens among the text, split characters
+    and stop strings; both join to the whole decode."""
+    t = tok if kind == "byte-level" else sentencepiece_tok()
+    special = sorted(t.special_ids)[:2]
+    for text in TEXTS:
+        ids = t.encode(text, parse_special=False)
+        ids = ids[:5] + special + ids[5:]
+        for stop in ([], ["in the", "🚀"]):
+            fast, want = stream(t, ids, skip_special_tokens=skip, stop=stop), \
+                stream(t, ids, skip_special_tokens=skip, stop=stop, fast=False)
+            assert fast[0]._stream is not None and want[0]._stream is None
+            assert fast[1] == want[1], (text, stop)
+            if not stop:
+                assert "".join(fast[1]) == t.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
+def test_the_decode_stream_equals_the_window_decode_on_catalog_vocabularies(name):
+    from nextoken.catalog import pull
+
+    t = Tokenizer.from_gguf(GGUFFile(pull(name, progress=False)))
+    for text in TEXTS:
+        ids = t.encode(text, parse_special=False)
+        ids = ids[:5] + sorted(t.special_ids)[:3] + ids[5:]
+        for skip in (True, False):
+            assert stream(t, ids, skip_special_tokens=skip)[1] == stream(t, ids, skip_special_tokens=skip, fast=False)[1]
