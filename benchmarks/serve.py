@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-token-id", type=int, default=40000,
+                    help="prompts are random token ids in [100, this) (a tiny test model: its vocabulary's size)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request's temperature (0: greedy; the API's default is 1.0)")
     ap.add_argument("--port", type=int, default=8123)
@@ -152,7 +154,7 @@ def main():
     try:
         for k, rate in enumerate(args.rate or [1.0]):
             rng = random.Random(args.seed + k)
-            reqs = [([rng.randrange(100, 40000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+            reqs = [([rng.randrange(min(100, args.max_token_id - 1), args.max_token_id) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
                      rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
             results, wall = asyncio.run(run_rate(url, model, rate, reqs, args.seed + k, args.temperature))
             summarize(rate, results, wall, args.temperature)

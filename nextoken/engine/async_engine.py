@@ -8,7 +8,10 @@ teams' threads spin for a while after their last step, taking the cores from the
 against 5.3-5.7 with 1; on one thread, 6.4 with 2: `benchmarks/serve.py --rate 8`). Requests to add or
 abort are queued and applied by the loop between steps, so the engine is only ever touched from
 one thread at a time. A consumer that stops iterating (a client that disconnects) aborts its
-request, which frees its KV blocks at the next step.
+request, which frees its KV blocks at the next step. A consumer that falls behind the steps gets
+the outputs waiting for it as one (`merge_outputs`: the deltas joined, the rest the newest's), as
+vLLM's output collector does, so a loaded server sends fewer, larger chunks instead of falling
+further behind.
 """
 
 from __future__ import annotations
@@ -24,6 +27,19 @@ from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` carrying `older`'s deltas too: each completion's ``delta`` and ``delta_token_ids``
+    joined (older first); every cumulative field (text, token ids, log-probabilities, finish,
+    metrics) is the newer snapshot's already. Changes and returns `newer`."""
+    before = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        o = before.get(c.index)
+        if o is not None:
+            c.delta = o.delta + c.delta
+            c.delta_token_ids = o.delta_token_ids + c.delta_token_ids
+    return newer
 
 
 class AsyncLLMEngine:
@@ -88,10 +104,16 @@ class AsyncLLMEngine:
         the request. Raises `RequestFailed` when the request failed in the engine (its output then
         carries `RequestOutput.error`), `EngineError` when the engine loop has stopped."""
         queue = self._queues[rid]
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                item = await queue.get()
+                item, held = (held if held is not None else await queue.get()), None
+                while not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    newer = queue.get_nowait()  # (outputs that waited: one chunk)
+                    if isinstance(newer, BaseException):
+                        held = newer
+                        break
+                    item = merge_outputs(item, newer)
                 if isinstance(item, BaseException):
                     raise EngineError(f"the engine loop has stopped: {item!r}")
                 finished = item.finished

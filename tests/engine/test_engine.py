@@ -169,6 +169,34 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_gguf, alone):
     assert_no_leak(llm)
 
 
+def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_as_one(tiny_gguf):
+    """`AsyncLLMEngine.stream` joins the outputs that waited for a slow consumer (vLLM's output
+    collector): a consumer that reads nothing until the request ends gets one output whose
+    deltas are the whole text and ids (log-probabilities: the cumulative list); one that keeps
+    up gets an output per step, whose deltas join to the same."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = AsyncLLMEngine(llm.engine)
+    prompt = tiny_prompts()[4]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    async def read(late: bool):
+        rid = await engine.add_request(prompt, params)
+        if late:
+            while llm.engine.has_unfinished_requests():
+                await asyncio.sleep(0.005)  # (the step loop runs meanwhile)
+        return [out async for out in engine.stream(rid)]
+
+    late = asyncio.run(read(True))
+    steady = asyncio.run(read(False))
+    assert len(late) == 1 and len(steady) == 10
+    final = steady[-1].outputs[0]
+    assert late[0].outputs[0].delta == "".join(o.outputs[0].delta for o in steady) == final.text
+    assert late[0].outputs[0].delta_token_ids == [t for o in steady for t in o.outputs[0].delta_token_ids] \
+        == final.token_ids
+    assert late[0].outputs[0].logprobs == final.logprobs and late[0].finished
+    assert_no_leak(llm)
+
+
 def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
     """32 requests at once on the real model: the reference prompts still give the reference
     greedy ids (prefix caching on, and under preemption), the rest match their solo runs."""
