@@ -84,6 +84,16 @@ def test_streamed_text_equals_non_streamed(fast):
     kw = dict(model="smollm2", prompt="Once upon a time", temperature=0, max_tokens=30)
     full = c.completions.create(**kw).choices[0].text
     assert "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices) == full
+    # several prompts (and n) in one streamed completion: each choice's chunks join to its whole text
+    kw = dict(model="smollm2", prompt=["Once upon a time", "The capital of France is"], max_tokens=12, n=2,
+              temperature=0.8, seed=5)
+    whole = {ch.index: ch.text for ch in c.completions.create(**kw).choices}
+    joined, reasons = {}, {}
+    for chunk in c.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            joined[ch.index] = joined.get(ch.index, "") + ch.text
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+    assert joined == whole and sorted(whole) == [0, 1, 2, 3] and set(reasons.values()) == {"length"}
 
 
 def test_n_seed_stop_logprobs(smol):

@@ -182,11 +182,15 @@ def _step_chunks(tok, body, ev: Tokens, deltas: list[dict], finish, tools: bool)
              "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
 
 
-async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, record):
-    """text_completion chunks of requests `rids` as the engine makes them; `record([out])` takes each
-    finished one (metrics and log line)."""
-    tok = eng.tokenizer
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+async def _outputs(eng, rids: list[str], tasks: list):
+    """``(k, output)`` of requests `rids` as the engine makes them (k: the prompt's place). One
+    request is read straight from its stream (so outputs that wait for a slow writer arrive
+    joined: `AsyncLLMEngine.stream`); several are pumped into one queue by a task each (in
+    `tasks`, for the caller to cancel). Raises what a stream raises."""
+    if len(rids) == 1:
+        async for out in eng.stream(rids[0]):
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k, rid):
@@ -198,17 +202,27 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
         finally:
             await queue.put((k, None))
 
-    tasks = [asyncio.create_task(pump(k, rid)) for k, rid in enumerate(rids)]
-    finals, live = {}, len(rids)
-    echoed = set()
+    tasks.extend(asyncio.create_task(pump(k, rid)) for k, rid in enumerate(rids))
+    live = len(rids)
+    while live:
+        k, out = await queue.get()
+        if out is None:
+            live -= 1
+            continue
+        if isinstance(out, Exception):
+            raise out
+        yield k, out
+
+
+async def stream_completion(eng, body, rids: list[str], prompts, created: int, model: str, record):
+    """text_completion chunks of requests `rids` as the engine makes them; `record([out])` takes each
+    finished one (metrics and log line)."""
+    tok = eng.tokenizer
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    tasks: list[asyncio.Task] = []
+    finals, echoed = {}, set()
     try:
-        while live:
-            k, out = await queue.get()
-            if out is None:
-                live -= 1
-                continue
-            if isinstance(out, Exception):
-                raise out
+        async for k, out in _outputs(eng, rids, tasks):
             for c in out.outputs:
                 idx = k * body.n + c.index
                 text, echo_lp = c.delta, None
