@@ -159,6 +159,29 @@ def test_kernel_equals_the_pytorch_draw(vocab):
         assert torch.equal(got, want), trial
 
 
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_greedy_rows_take_the_first_maximum(build):
+    """The greedy draw (`row_max`, then the first index holding it: 16 lanes at a time where AVX2
+    is there, else the plain loop) against PyTorch's argmax, which returns the first maximum:
+    ties within one block of 16, across blocks, in the vector loop's tail, at the last place, a
+    constant row, an all -inf row, and masked (-inf) tokens. (NaN rows never reach the draw: the
+    engine fails them first, `Sampler.finite_rows`.)"""
+    sampler = Sampler(kernel=kernels.load("sampling", portable=build == "portable"))
+    vocab = 1003  # 62 blocks of 16 and a tail of 11
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(3))
+    for row, places in enumerate([(5, 9), (17, 900), (995, 1000), (29, vocab - 1), (40, 41, 42), (993, 999)]):
+        logits[row, list(places)] = 9.0
+    logits[6] = 1.5
+    logits[7] = float("-inf")
+    logits[8, ::2] = float("-inf")
+    logits[8, 300] = 9.0
+    logits[9, 16] = logits[9, 15] = 9.0
+    want = logits.argmax(-1)
+    zero, ones = torch.zeros(10), torch.ones(10)
+    got = sampler.kernel([logits[i].data_ptr() for i in range(10)], vocab, zero, zero.int(), ones, zero, zero)
+    assert got.tolist() == want.tolist() == [5, 17, 995, 29, 40, 993, 0, 0, 300, 15]
+
+
 def test_finite_rows_kernel_equals_the_plain_check():
     """``rows_finite`` (the engine's check before sampling) against the plain path and the
     definition (no NaN, no +-inf in the row): each kind of bad value at the first place, in the
