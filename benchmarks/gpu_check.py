@@ -29,7 +29,9 @@ and says so:
    sampled, against the bandwidth roofline; 64 sequences of 512 + 256 tokens, the decode step
    against the roofline step; one 4096-token prefill against the bf16 matrix rate);
 4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client, 256
-   requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s; and
+   requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
+   the server's /metrics the share of the wall its engine spent stepping and its mean step (a
+   share well below 1: the HTTP layer or the client sets the pace, not the GPU); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -426,17 +428,25 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         top = 1024 if DEV == "cuda" else 24
         reqs = [(rand_ids(rng, rng.randint(top // 10, top), vocab), rng.randint(top // 10, top))
                 for _ in range(num_requests)]
+        before = engine_metrics(url)
         results, wall = asyncio.run(serve_bench.run_rate(url, model, math.inf, reqs, 4, 0.0))
+        engine = {k: v - before.get(k, 0.0) for k, v in engine_metrics(url).items()}
         ok = [r for r in results if "error" not in r]
         errors = sorted({r["error"] for r in results if "error" in r})
         tokens = sum(r["out"] for r in ok)
         ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+        steps, busy = engine.get("nextoken_step_duration_seconds_count", 0), engine.get("nextoken_step_duration_seconds_sum", 0)
         out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
                "serve_wall_s": wall,
-               "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+               "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+               # the server's side (its /metrics): how much of the wall its engine thread stepped, and
+               # its mean step; a busy share well below 1 puts the limit in the HTTP layer or the client
+               "serve_engine_steps": steps, "serve_engine_busy": busy / wall if wall else None,
+               "serve_mean_step_ms": 1e3 * busy / steps if steps else None}
         log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} "
             f"tokens in "
-            f"{wall:.1f} s = {tokens / wall:.0f} output tok/s")
+            f"{wall:.1f} s = {tokens / wall:.0f} output tok/s; the engine stepped {out['serve_engine_busy'] or 0:.0%} "
+            f"of the wall ({steps:.0f} steps, {out['serve_mean_step_ms'] or 0:.2f} ms each)")
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -445,6 +455,25 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    """The server's step-time histogram's sum and count and its generated-token counter, from
+    its Prometheus text (``/metrics``); {} when it cannot be read."""
+    import httpx
+
+    wanted = ("nextoken_step_duration_seconds_sum", "nextoken_step_duration_seconds_count",
+              "nextoken_generation_tokens_total")
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[name] = float(value)
+    return out
 
 
 def server_smoke(url: str, model: str, vocab: int) -> dict:
