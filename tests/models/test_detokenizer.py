@@ -112,3 +112,32 @@ def test_the_decode_stream_equals_the_window_decode_on_catalog_vocabularies(name
         ids = ids[:5] + sorted(t.special_ids)[:3] + ids[5:]
         for skip in (True, False):
             assert stream(t, ids, skip_special_tokens=skip)[1] == stream(t, ids, skip_special_tokens=skip, fast=False)[1]
+
+
+def test_a_token_the_stream_refuses_falls_back_to_the_window_decode(tok):
+    """Where the Rust stream raises (its "invalid prefix": the window's decode does not extend the
+    previous text), the detokenizer goes on with the window decode from the same place: the text
+    is still the whole decode."""
+    from tokenizers.decoders import DecodeStream
+
+    class Refusing:  # a real stream that refuses its fifth token
+        def __init__(self):
+            self.inner, self.calls = DecodeStream(skip_special_tokens=True), 0
+
+        def step(self, hf, token):
+            self.calls += 1
+            if self.calls == 5:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(hf, token)
+
+    ids = tok.encode(TEXTS[0], parse_special=False)
+    d = IncrementalDetokenizer(tok)
+    d._stream = Refusing()
+    deltas = []
+    for t in ids:
+        d.add_token(t)
+        deltas.append(d.emit())
+    d.flush()
+    deltas.append(d.emit(finished=True))
+    assert d._stream is None and "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert deltas == stream(tok, ids, fast=False)[1]
