@@ -42,7 +42,9 @@ SEMANTIC = {
     "patch prompts": re.compile(r"^(the prompts must have as many tokens: \d+ and \d+|both prompts answer .*: "
                                 r"nothing to restore)$"),
     # an MCP server URL outside the server's --allow-mcp-url patterns (its configuration, not the body)
-    "mcp url": re.compile(r"^MCP server URL .* is not allowed on this server; (none are allowed|allowed: )"),
+    # (Anthropic's errors carry no param: the field leads its message)
+    "mcp url": re.compile(r"^(mcp_servers\[\d+\]\.url: )?MCP server URL .* is not allowed on this server; "
+                          r"(none are allowed|allowed: )"),
     # a priority other than 0 on a server started without --scheduling-policy priority (its state)
     "priority off": re.compile(r"^priority -?\d+ needs the priority scheduling policy \(serve --scheduling-policy "
                                r"priority\); this server schedules \w+$"),

@@ -249,13 +249,14 @@ def test_qwen_calls_an_mcp_tool_and_answers_with_its_output(mcp_url, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_mcp_connector_runs_the_same_calls(srv, mcp_url, stream):
     """Anthropic's ``mcp_servers`` (its SDK's beta Messages API, as users send them): the call and
-    its result as mcp_tool_use and mcp_tool_result blocks before the answer, streamed and not."""
+    its result as mcp_tool_use and mcp_tool_result blocks before the answer, streamed and not. The
+    server's name is Anthropic's (any string; not OpenAI's server_label pattern, once a 500)."""
     import anthropic
 
     c = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
     kw = dict(model="tiny", max_tokens=120, messages=[{"role": "user", "content": "Weather in Paris?"}],
               betas=["mcp-client-2025-04-04"], tool_choice={"type": "any"}, extra_body={"temperature": 0},
-              mcp_servers=[{"type": "url", "url": mcp_url, "name": "weather",
+              mcp_servers=[{"type": "url", "url": mcp_url, "name": "Météo · Paris",
                             "tool_configuration": {"allowed_tools": ["get_weather"]}}])
     if stream:
         with c.beta.messages.stream(**kw) as s:
@@ -263,7 +264,7 @@ def test_anthropic_mcp_connector_runs_the_same_calls(srv, mcp_url, stream):
     else:
         msg = c.beta.messages.create(**kw).model_dump()
     use, result = msg["content"][:2]
-    assert use["type"] == "mcp_tool_use" and use["name"] == "get_weather" and use["server_name"] == "weather"
+    assert use["type"] == "mcp_tool_use" and use["name"] == "get_weather" and use["server_name"] == "Météo · Paris"
     assert result["type"] == "mcp_tool_result" and result["tool_use_id"] == use["id"] and not result["is_error"]
     assert result["content"][0]["text"] == expected_output("get_weather", use["input"])
     r = httpx.post(f"{srv.url}/v1/messages", timeout=60, json={

@@ -68,6 +68,10 @@ def test_semantic_reasons_are_narrow():
     assert semantic_reason("the prompts must have as many tokens: 44 and 42") == "patch prompts"
     assert semantic_reason("MCP server URL 'x' is not allowed on this server; none are allowed (serve "
                            "--allow-mcp-url PATTERN)") == "mcp url"
+    assert semantic_reason("mcp_servers[0].url: MCP server URL 'x' is not allowed on this server; none are "
+                           "allowed (serve --allow-mcp-url PATTERN)") == "mcp url"
+    assert semantic_reason("tools[0].server_url: MCP server URL 'x' is not allowed on this server; none are "
+                           "allowed (serve --allow-mcp-url PATTERN)") is None
 
 
 def test_schema_states_the_models_limits(tiny_srv):

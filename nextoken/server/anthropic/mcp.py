@@ -19,13 +19,17 @@ MAX_CALLS = 8
 
 
 def as_tool(server) -> MCPTool:
-    """One ``mcp_servers`` entry (`protocol.MCPServer`) as the Responses API's MCP tool."""
+    """One ``mcp_servers`` entry (`protocol.MCPServer`, validated as Anthropic's) as the Responses
+    API's MCP tool. Built without the Responses API's own checks: Anthropic's server ``name`` is
+    any non-empty string, where OpenAI's ``server_label`` takes ``[A-Za-z0-9_-]{1,64}`` (a name
+    outside it was a 500, found by the schema fuzzer), and it is shown back as the blocks'
+    ``server_name``."""
     cfg = server.tool_configuration
     enabled, allowed = (cfg.enabled, cfg.allowed_tools) if cfg is not None else (True, None)
-    return MCPTool(type="mcp", server_label=server.name, server_url=server.url, require_approval="never",
-                   allowed_tools=allowed if enabled else [],
-                   headers={"Authorization": f"Bearer {server.authorization_token}"}
-                   if server.authorization_token else None)
+    return MCPTool.model_construct(type="mcp", server_label=server.name, server_url=server.url,
+                                   require_approval="never", allowed_tools=allowed if enabled else [],
+                                   headers={"Authorization": f"Bearer {server.authorization_token}"}
+                                   if server.authorization_token else None)
 
 
 class ConnectorMessage:
