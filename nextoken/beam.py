@@ -21,6 +21,7 @@ Selection is `transformers`' beam search (``generate(num_beams=W, do_sample=Fals
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest, RequestFailed
@@ -51,6 +52,19 @@ class _Search:
     beams: list[tuple[list[int], float]]  # (generated ids, cumulative logprob)
     finished: list[tuple[list[int], float, float]] = field(default_factory=list)  # (ids, logprob, score)
     done: bool = False
+
+
+def length_score(logprob: float, length: int, penalty: float) -> float:
+    """A hypothesis' score, ``logprob / length ** penalty`` (`transformers`' beam scorer; `length`
+    generated tokens, >= 1). An extreme `penalty` (1e16 or -1e16: any finite float is accepted)
+    scores as the formula's limit instead of raising: the power overflows (OverflowError) or
+    underflows to 0 (ZeroDivisionError), and either once stopped the engine's step loop."""
+    try:
+        return logprob / (length ** penalty)
+    except (OverflowError, ZeroDivisionError):
+        if penalty > 0 or logprob == 0:  # a huge divisor
+            return 0.0 * logprob
+        return -math.inf  # a vanishing divisor under a negative log-probability
 
 
 class BeamSearch:
@@ -94,7 +108,7 @@ class BeamSearch:
             for rank, (lp, ids) in enumerate(cands[: 2 * w]):
                 if last or ids[-1] in self.eog:
                     if rank < w:
-                        s.finished.append((ids, lp, lp / (len(ids) ** self.length_penalty)))
+                        s.finished.append((ids, lp, length_score(lp, len(ids), self.length_penalty)))
                         fate[rank] = "finished"
                 elif len(running) < w:
                     running.append((ids, lp))
@@ -107,7 +121,7 @@ class BeamSearch:
             if not running or last:
                 s.done = True
             elif len(s.finished) == w:  # can the best live beam still beat the worst kept?
-                s.done = running[0][1] / (len(running[0][0]) ** self.length_penalty) <= s.finished[-1][2]
+                s.done = length_score(running[0][1], len(running[0][0]), self.length_penalty) <= s.finished[-1][2]
         self.step += 1
 
     def outputs(self, tokenizer) -> list[BeamSearchOutput]:

@@ -22,7 +22,8 @@ def accepted_unless_semantic(ctx, response, case):
     if meta is None or not meta.generation.mode.is_positive or response.status_code not in (400, 413, 422):
         return None
     try:
-        message = response.json()["error"]["message"]
+        error = response.json()["error"]
+        message = error if isinstance(error, str) else error["message"]  # (Ollama's: {"error": "..."})
     except Exception:  # noqa: BLE001 - any other body is a failure too
         message = response.text
     if response.status_code == 400 and semantic_reason(message) is not None:

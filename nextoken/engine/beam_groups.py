@@ -16,12 +16,15 @@ error (`RequestOutput.error`) when a beam's pass failed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
 from nextoken.errors import InvalidRequest
 from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nextoken.request_options import RequestOptions
+
+log = logging.getLogger("nextoken.engine")
 
 
 @dataclass
@@ -90,7 +93,12 @@ class BeamGroups:
             if group.first_token_time is None:
                 group.first_token_time = time.perf_counter()
             if not group.step_requests:
-                group.search.advance(group.tops)
+                try:  # (on the stepping thread: a fault of this search ends it alone, never the loop)
+                    group.search.advance(group.tops)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("beam search %s failed", group.request_id)
+                    kept.append(self._end(engine, group, error=f"beam search failed ({type(exc).__name__}: {exc})"))
+                    continue
                 if group.search.done:
                     kept.append(self._end(engine, group))
                     continue

@@ -105,3 +105,24 @@ def test_a_search_that_outgrows_the_cache_fails_alone(tiny):
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
     assert_no_leak(llm)
     llm.close()
+
+
+def test_a_search_whose_step_raises_fails_alone(tiny, monkeypatch):
+    """A fault inside a search's selection (once an OverflowError of an extreme length penalty)
+    runs on the stepping thread: it ends that search with its error, and the engine steps on."""
+    from nextoken import beam
+    from nextoken.errors import RequestFailed
+    from nextoken.sampling_params import SamplingParams
+
+    llm = tiny[1]
+
+    def broken(self, top):
+        raise OverflowError("Numerical result out of range")
+
+    monkeypatch.setattr(beam.BeamSearch, "advance", broken)
+    with pytest.raises(RequestFailed, match="beam search failed \\(OverflowError"):
+        llm.beam_search([[5, 17, 200]], 2, 4, 1.0, True)
+    monkeypatch.undo()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    assert llm.beam_search([[5, 17, 200]], 2, 4, 1.0, True)[0].sequences
+    assert_no_leak(llm)

@@ -189,6 +189,27 @@ def test_tiny_repetition_penalty_keeps_the_engine_alive(tiny_srv):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_an_extreme_length_penalty_keeps_the_engine_alive(tiny_srv):
+    """Beam search with length_penalty 2.8e16 (the fuzzer's, seed 4) raised OverflowError in the
+    hypotheses' score, ``logprob / length ** penalty``, inside the step: the engine loop stopped
+    for every request. Such penalties score as the formula's limit; any other fault of a search
+    ends that search alone."""
+    from nextoken.beam import length_score
+
+    assert length_score(-2.0, 4, 1.0) == -0.5 and length_score(-2.0, 1, 1e300) == -2.0
+    assert length_score(-2.0, 3, 2.775615471358809e16) == 0.0 and length_score(-2.0, 3, -1e16) == float("-inf")
+    assert length_score(0.0, 3, -1e16) == 0.0
+    with httpx.Client(base_url=tiny_srv.url, timeout=60) as h:
+        for penalty in (2.775615471358809e16, -1e16):
+            r = h.post("/v1/completions", json={"prompt": ["the cat", "a"], "max_tokens": 4, "temperature": 1.9,
+                                                 "use_beam_search": True, "n": 2, "best_of": 2,
+                                                 "length_penalty": penalty})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 4, (penalty, r.text)
+        assert h.get("/health").status_code == 200
+        assert h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert tiny_srv.idle(timeout=10)
+
+
 # -- every field of each API's published request schema ---------------------------------------
 def _sample(tp, depth: int = 0):
     """A value of type `tp` (a `typing` annotation of the SDKs' request types): the first
