@@ -72,6 +72,10 @@ def test_semantic_reasons_are_narrow():
                            "allowed (serve --allow-mcp-url PATTERN)") == "mcp url"
     assert semantic_reason("tools[0].server_url: MCP server URL 'x' is not allowed on this server; none are "
                            "allowed (serve --allow-mcp-url PATTERN)") is None
+    # an adapter path with whitespace in it (the fuzzer's, seed 11, on a server with LoRA on)
+    missing = "is missing (a PEFT adapter folder has adapter_config.json and adapter_model.safetensors)"
+    assert semantic_reason(f"adapter 'a': \x84\x0cF/adapter_config.json {missing}") == "adapter folder"
+    assert semantic_reason(f"adapter 'a': {missing}") is None
 
 
 def test_schema_states_the_models_limits(tiny_srv):
