@@ -28,7 +28,8 @@ SEMANTIC = {
     # LoRA routes on a server started without --enable-lora (the server's state, not the body)
     "lora off": re.compile(r"^this engine serves no LoRA adapters; start it with enable_lora=True"),
     # an adapter folder that does not exist on the server (a path the schema cannot check)
-    "adapter folder": re.compile(r"^adapter '.*': .+ is missing \(a PEFT adapter folder has "),  # (any path)
+    # (any path; the name as Python's repr quotes it)
+    "adapter folder": re.compile(r"^adapter ('.*'|\".*\"): .+ is missing \(a PEFT adapter folder has "),
     # n <= best_of (a comparison of two fields)
     "n <= best_of": re.compile(r"^n \(\d+\) must not exceed best_of \(\d+\) with use_beam_search$"),
     # the inspector's sampling view takes one constraint, and its generated tokens must follow it

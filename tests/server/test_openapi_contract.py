@@ -76,6 +76,7 @@ def test_semantic_reasons_are_narrow():
     missing = "is missing (a PEFT adapter folder has adapter_config.json and adapter_model.safetensors)"
     assert semantic_reason(f"adapter 'a': \x84\x0cF/adapter_config.json {missing}") == "adapter folder"
     assert semantic_reason(f"adapter 'a': {missing}") is None
+    assert semantic_reason(f"adapter \"it's\": x/adapter_config.json {missing}") == "adapter folder"
 
 
 def test_schema_states_the_models_limits(tiny_srv):
