@@ -31,7 +31,8 @@ and says so:
 4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client, 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
    the server's /metrics the share of the wall its engine spent stepping and its mean step (a
-   share well below 1: the HTTP layer or the client sets the pace, not the GPU); and
+   share well below 1: the HTTP layer or the client sets the pace, not the GPU; `--stream-interval
+   N` serves with fewer, larger chunks, default 1 as users run it); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -392,7 +393,7 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
 
 
 # -- 4. serving ---------------------------------------------------------------------------------------
-def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256) -> dict:
+def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1) -> dict:
     import asyncio
 
     import httpx
@@ -405,7 +406,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                                                          "triton"]
     cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
            "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
-           "--gpu-memory-utilization", "0.85", "--log-level", "info"]
+           "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval)]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}"
@@ -437,6 +438,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
         steps, busy = engine.get("nextoken_step_duration_seconds_count", 0), engine.get("nextoken_step_duration_seconds_sum", 0)
         out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
+               "serve_stream_interval": stream_interval,
                "serve_wall_s": wall,
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
@@ -600,6 +602,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=460, help="seconds; later sections are skipped past it")
     ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny models on the CPU, to check this script")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval in the serving section")
     args = ap.parse_args()
     import torch
 
@@ -657,7 +660,7 @@ def main() -> int:
         if "serve" not in skip and name == models[0]:
             with section(f"{name}: serving", args.budget, 60) as go:
                 if go:
-                    r.update(serving(folder, vocab, out_dir, DRY["requests"]))
+                    r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval))
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go:
                     r.update(transformers_generate(folder, vocab))

@@ -133,6 +133,9 @@ class EngineArgs(CliArgs):
                                   type=float, quick_start=True)
     chat_template: str | None = opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
                                      "with tool support)", group="output", metavar="FILE")
+    stream_interval: int = opt(1, "a streamed request's outputs: its first token at once, then one output per N "
+                               "new tokens (and its last): fewer, larger chunks cost the server less per token "
+                               "under load (vLLM's)", group="output", type=int, quick_start=True)
 
     def __post_init__(self):
         for name in ("kv_cache_memory", "kv_cache_disk"):  # Python callers may write sizes as on the command line
@@ -167,7 +170,7 @@ class EngineArgs(CliArgs):
                           ("kv_cache_disk", 1), ("num_kv_blocks", 0),
                           ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1),
                           ("max_lora_rank", 1),
-                          ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0)):
+                          ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0), ("stream_interval", 1)):
             value = getattr(self, name)
             if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk"):
                 continue

@@ -98,7 +98,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
         # structured output: llguidance over our vocabulary, built on the first request that asks
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release, args.stream_interval)
         self.beams = BeamGroups()  # the beam searches the engine drives (`add_beam_search`)
         self._ids = itertools.count()
         self.num_steps = 0

@@ -38,6 +38,7 @@ class RequestGroup:
     prompt_hidden: object | None = None  # with keep_prompt_hidden: ``[n_prompt - 1, hidden]``, row p scores token p + 1
     logits: list | None = None  # with return_logits: completion 0's raw logits per sampled token
     final_only: bool = False  # no output until it finishes (`RequestOptions.final_only`)
+    output_tokens: int = -1  # its output tokens at its last output (-1: no output yet)
 
     @property
     def finished(self) -> bool:
@@ -93,7 +94,7 @@ def finish_sequence(group: RequestGroup, req: Request, reason: str | None = None
 def make_output(group: RequestGroup) -> RequestOutput:
     """A snapshot of the group for the caller; resets the per-step deltas."""
     m = group.metrics
-    m.num_output_tokens = sum(len(c.token_ids) for c in group.completions)
+    m.num_output_tokens = group.output_tokens = sum(len(c.token_ids) for c in group.completions)
     m.num_cached_tokens = group.seqs[0].num_cached_tokens
     outs = [CompletionOutput(c.index, c.text, c.delta, list(c.token_ids), c.delta_token_ids, c.finish_reason,
                              c.stop_reason, None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
@@ -151,10 +152,14 @@ class OutputProcessor:
     by sequence, the sampled tokens appended and detokenized (`emit`), the outputs of a step
     (`collect`), aborts and failures. tokenizer: for the detokenizers and the end-of-generation
     ids; max_model_len: tokens per sequence; release(seq, uncache): the engine frees an ending
-    sequence's blocks (with `uncache`, out of the prefix cache too)."""
+    sequence's blocks (with `uncache`, out of the prefix cache too); stream_interval: a request's
+    first token makes an output at once, later ones each `stream_interval` new tokens (of all its
+    sequences) and at its end (vLLM's ``--stream-interval``; the deltas in between are joined)."""
 
-    def __init__(self, tokenizer, max_model_len: int, release: Callable[[Request, bool], None]):
+    def __init__(self, tokenizer, max_model_len: int, release: Callable[[Request, bool], None],
+                 stream_interval: int = 1):
         self.tokenizer, self.max_model_len, self.release = tokenizer, max_model_len, release
+        self.stream_interval = stream_interval
         self.groups: dict[str, RequestGroup] = {}
         self._by_seq: dict[Request, RequestGroup] = {}
         self.num_aborted = 0  # requests aborted before they finished
@@ -218,12 +223,13 @@ class OutputProcessor:
             self._by_seq.pop(s, None)
 
     def collect(self) -> tuple[list[RequestOutput], list[tuple[RequestGroup, RequestOutput]]]:
-        """The outputs of the requests that changed (a `final_only` one's when it finishes), and
-        the finished requests (group, final output), which leave."""
+        """The outputs of the requests that changed (a `final_only` one's when it finishes; the
+        others' as `stream_interval` says), and the finished requests (group, final output),
+        which leave."""
         outputs, finished = [], []
         for rid, group in list(self.groups.items()):
             done = group.finished
-            out = make_output(group) if group.changed and (done or not group.final_only) else None
+            out = make_output(group) if group.changed and (done or self._due(group)) else None
             if out is not None:
                 outputs.append(out)
             if done:
@@ -232,3 +238,12 @@ class OutputProcessor:
                 for s in group.seqs:
                     self._by_seq.pop(s, None)
         return outputs, finished
+
+    def _due(self, group: RequestGroup) -> bool:
+        """Whether an unfinished request that changed makes an output now: never when
+        `final_only`; its first tokens at once; then once `stream_interval` tokens wait."""
+        if group.final_only:
+            return False
+        if self.stream_interval == 1 or group.output_tokens < 0:
+            return True
+        return sum(len(c.token_ids) for c in group.completions) - group.output_tokens >= self.stream_interval

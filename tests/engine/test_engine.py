@@ -133,6 +133,40 @@ def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(tin
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_interval_sends_the_first_token_then_every_nth_and_the_last(tiny_gguf, n):
+    """``--stream-interval 4``: a streamed request's first token comes alone (the time to first
+    token is unchanged), then an output each 4 new tokens of all its sequences, then its last;
+    the deltas join to the text, and the final output equals the same request's at interval 1."""
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=1, n=n)
+    prompt = tiny_prompts()[5]
+    runs = {}
+    for interval in (1, 4):
+        llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", stream_interval=interval)
+        rid = llm.engine.add_request(prompt, params)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs.extend(o for o in llm.engine.step() if o.request_id == rid)
+        runs[interval] = outs
+        assert_no_leak(llm)
+    def counts(outs):
+        return [sum(len(c.token_ids) for c in o.outputs) for o in outs]
+
+    expected = counts(runs[1])[:1]  # interval 1: an output every step; the tokens at each
+    for c in counts(runs[1])[1:-1]:
+        if c - expected[-1] >= 4:
+            expected.append(c)
+    expected.append(11 * n)
+    assert counts(runs[4]) == expected and len(expected) < len(runs[1]), (counts(runs[4]), counts(runs[1]))
+    for k in range(n):
+        fast = [c for o in runs[4] for c in o.outputs if c.index == k]
+        slow = [c for o in runs[1] for c in o.outputs if c.index == k]
+        assert "".join(c.delta for c in fast) == fast[-1].text == slow[-1].text
+        assert sum((c.delta_token_ids for c in fast), []) == fast[-1].token_ids == slow[-1].token_ids
+        assert fast[-1].logprobs == slow[-1].logprobs and fast[-1].finish_reason == slow[-1].finish_reason == "length"
+    assert runs[4][-1].finished and runs[4][-1].metrics.num_output_tokens == 11 * n
+
+
 def test_a_request_that_can_never_fit_is_refused(tiny_gguf):
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", num_kv_blocks=4, block_size=4)
     with pytest.raises(InvalidRequest, match="needs 5 KV cache blocks.*holds 4"):

@@ -96,6 +96,28 @@ def test_streamed_text_equals_non_streamed(fast):
     assert joined == whole and sorted(whole) == [0, 1, 2, 3] and set(reasons.values()) == {"length"}
 
 
+def test_stream_interval_sends_fewer_larger_chunks_with_the_same_text(smollm2_path):
+    """``serve --stream-interval 4``: a streamed chat's first chunk carries one token (the time to
+    first token is unchanged), the later ones up to four and the last the rest: fewer chunks than
+    tokens, with the text and tokens of the answer not streamed."""
+    import math
+
+    srv = LiveServer(LLM(str(smollm2_path), stream_interval=4), "smollm2")
+    try:
+        c = srv.client()
+        kw = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me about the sea."}], temperature=0,
+                  max_tokens=24)
+        whole = c.chat.completions.create(**kw)
+        n = whole.usage.completion_tokens
+        chunks = [ch for ch in c.chat.completions.create(stream=True, logprobs=True, **kw) if ch.choices]
+        tokens = [len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices[0].logprobs]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole.choices[0].message.content
+        assert tokens[0] == 1 and sum(tokens) == n and max(tokens) <= 4, tokens
+        assert n > 8 and len(tokens) <= 2 + math.ceil((n - 1) / 4), tokens
+    finally:
+        srv.stop()
+
+
 def test_n_seed_stop_logprobs(smol):
     c = smol.client()
     kw = dict(model="smollm2", prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=7, n=2)
