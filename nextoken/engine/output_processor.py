@@ -42,7 +42,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].finished if len(seqs) == 1 else all(s.finished for s in seqs)
 
 
 def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids: frozenset[int],
@@ -91,22 +92,27 @@ def finish_sequence(group: RequestGroup, req: Request, reason: str | None = None
     group.changed = True
 
 
-def make_output(group: RequestGroup) -> RequestOutput:
-    """A snapshot of the group for the caller; resets the per-step deltas."""
+def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOutput:
+    """A snapshot of the group for the caller; resets the per-step deltas. `finished`: the
+    group's `finished`, when the caller has it already."""
+    if finished is None:
+        finished = group.finished
     m = group.metrics
-    m.num_output_tokens = group.output_tokens = sum(len(c.token_ids) for c in group.completions)
+    comps = group.completions
+    m.num_output_tokens = group.output_tokens = (len(comps[0].token_ids) if len(comps) == 1
+                                                 else sum(len(c.token_ids) for c in comps))
     m.num_cached_tokens = group.seqs[0].num_cached_tokens
     outs = [CompletionOutput(c.index, c.text, c.delta, list(c.token_ids), c.delta_token_ids, c.finish_reason,
                              c.stop_reason, None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
-            for c in group.completions]  # (the constructor: dataclasses.replace took 15 us a call)
-    for c in group.completions:
+            for c in comps]  # (the constructor: dataclasses.replace took 15 us a call)
+    for c in comps:
         c.delta = ""
         c.delta_token_ids = []
     group.changed = False
-    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, group.finished, RequestMetrics(**vars(m)),
+    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished, RequestMetrics(**vars(m)),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
                          None if group.logits is None else list(group.logits),
-                         group.prompt_hidden if group.finished else None)
+                         group.prompt_hidden if finished else None)
 
 
 def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],
@@ -229,12 +235,12 @@ class OutputProcessor:
         outputs, finished = [], []
         for rid, group in list(self.groups.items()):
             done = group.finished
-            out = make_output(group) if group.changed and (done or self._due(group)) else None
+            out = make_output(group, done) if group.changed and (done or self._due(group)) else None
             if out is not None:
                 outputs.append(out)
             if done:
                 del self.groups[rid]
-                finished.append((group, out or make_output(group)))
+                finished.append((group, out or make_output(group, done)))
                 for s in group.seqs:
                     self._by_seq.pop(s, None)
         return outputs, finished
