@@ -6,7 +6,7 @@ Shapes follow vLLM's outputs. Times are seconds from `time.perf_counter()`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -39,6 +39,66 @@ class CompletionOutput:
         """Whether every log-probability recorded (chosen tokens and alternatives) is finite: a
         model whose logits went NaN or inf fails this."""
         return all(math.isfinite(v) for step in self.logprobs or () for v in step.values())
+
+    @property
+    def delta_logprobs(self) -> list[dict[int, float]] | None:
+        """The log-probabilities of `delta_token_ids` (None without logprobs or new tokens)."""
+        k = len(self.delta_token_ids)
+        return None if self.logprobs is None or not k else self.logprobs[-k:]
+
+
+class Prefix:
+    """The first `n` items of an append-only list: what a snapshot of a growing completion holds
+    instead of a copy (`CompletionSnapshot`)."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list, n: int):
+        self.items, self.n = items, n
+
+
+class _PrefixField:
+    """A `CompletionSnapshot` field given as a `Prefix`: copied out of its list on first read, so
+    a snapshot costs no copy of the completion so far unless its reader reads it."""
+
+    def __set_name__(self, owner, name):
+        self.key = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        v = obj.__dict__[self.key]
+        if type(v) is Prefix:
+            v = obj.__dict__[self.key] = v.items[: v.n]
+        return v
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.key] = value
+
+
+class CompletionSnapshot(CompletionOutput):
+    """A `CompletionOutput` the engine made of a completion still growing: `token_ids` and
+    `logprobs` are given as `Prefix` views of the engine's own lists (which it only appends to)
+    and copied on first read. A streamed output per request per step then costs no copy of its
+    tokens so far (at 256 requests of up to 1024 tokens that copy was most of the snapshots'
+    time, and with logprobs 7 ms a step); a consumer that reads only the deltas never pays it."""
+
+    token_ids = _PrefixField()
+    logprobs = _PrefixField()
+
+    def __eq__(self, other):  # equal to any CompletionOutput of the same values (dataclasses ask the same class)
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(CompletionOutput))
+
+    __hash__ = None
+
+    @property
+    def delta_logprobs(self) -> list[dict[int, float]] | None:
+        v, k = self.__dict__["_logprobs"], len(self.delta_token_ids)
+        if v is None or not k:
+            return None
+        return v.items[v.n - k : v.n] if type(v) is Prefix else v[-k:]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nextoken.engine.request import Request
-from nextoken.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
 from nextoken.sample.sampler import SampleResult
 from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -102,8 +102,10 @@ def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOut
     m.num_output_tokens = group.output_tokens = (len(comps[0].token_ids) if len(comps) == 1
                                                  else sum(len(c.token_ids) for c in comps))
     m.num_cached_tokens = group.seqs[0].num_cached_tokens
-    outs = [CompletionOutput(c.index, c.text, c.delta, list(c.token_ids), c.delta_token_ids, c.finish_reason,
-                             c.stop_reason, None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
+    outs = [CompletionSnapshot(c.index, c.text, c.delta, Prefix(c.token_ids, len(c.token_ids)), c.delta_token_ids,
+                               c.finish_reason, c.stop_reason,
+                               None if c.logprobs is None else Prefix(c.logprobs, len(c.logprobs)),
+                               c.cumulative_logprob)
             for c in comps]  # (the constructor: dataclasses.replace took 15 us a call)
     for c in comps:
         c.delta = ""

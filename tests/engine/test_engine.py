@@ -133,6 +133,35 @@ def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(tin
     assert_no_leak(llm)
 
 
+def test_outputs_are_snapshots_that_copy_nothing_until_read(tiny_gguf):
+    """A step's output holds views of the engine's growing lists (`outputs.CompletionSnapshot`),
+    copied on first read: read only after the request has finished, each still gives the tokens
+    and log-probabilities it had when made (the deltas so far), its delta's log-probabilities are
+    its last ones, and it equals a plain `CompletionOutput` of the same values."""
+    import dataclasses
+
+    from nextoken.outputs import CompletionOutput, Prefix
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = llm.engine
+    engine.add_request(tiny_prompts()[6], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert len(outs) == 9 and all(type(o.outputs[0].__dict__["_token_ids"]) is Prefix for o in outs)
+    final = outs[-1].outputs[0]
+    ids = []
+    for o in outs:
+        c = o.outputs[0]
+        k = len(c.delta_token_ids)
+        lps = c.delta_logprobs  # (read before the whole list: from the view)
+        ids += c.delta_token_ids
+        assert c.token_ids == ids == final.token_ids[: len(ids)]
+        assert c.logprobs == final.logprobs[: len(ids)] and lps == c.logprobs[-k:] and len(lps) == k
+        assert c == CompletionOutput(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_stream_interval_sends_the_first_token_then_every_nth_and_the_last(tiny_gguf, n):
     """``--stream-interval 4``: a streamed request's first token comes alone (the time to first

@@ -108,8 +108,7 @@ async def _events(serving, rid: str, names, style) -> AsyncIterator[Event]:
                 if c.finished:
                     choices[c.index] = ch = _whole(c, sp)
                     yield Finish(c.index, ch, Usage.of([out]), out)
-                lps = c.logprobs[-len(c.delta_token_ids):] if c.logprobs is not None and c.delta_token_ids else None
-                yield Tokens(c.index, c.delta_token_ids, lps)
+                yield Tokens(c.index, c.delta_token_ids, c.delta_logprobs)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - after the 200 went out: the API ends its stream with an error

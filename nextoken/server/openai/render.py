@@ -234,9 +234,7 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
                         echo_lp = echo_logprobs(tok, ids, out.prompt_logprobs, body.logprobs)
                 if not text and not (c.finished and out.finished):
                     continue
-                lp = completion_logprobs(tok, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]
-                                         if c.logprobs is not None and c.delta_token_ids else None,
-                                         body.logprobs or 0)
+                lp = completion_logprobs(tok, c.delta_token_ids, c.delta_logprobs, body.logprobs or 0)
                 if echo_lp is not None:
                     lp = _join_logprobs(echo_lp, lp if lp is not None and lp["tokens"] else None)
                 yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
