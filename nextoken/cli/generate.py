@@ -47,8 +47,8 @@ def cmd_run(a) -> int:
         printed = max(0, printed - len(c.delta))
         sys.stdout.write(delta)
         sys.stdout.flush()
-        if a.logprobs is not None and c.logprobs:
-            top = ", ".join(f"{llm.tokenizer.token_text(t)!r}:{lp:.3f}" for t, lp in c.logprobs[-1].items())
+        for pos in (c.delta_logprobs or []) if a.logprobs is not None else []:  # each new token's
+            top = ", ".join(f"{llm.tokenizer.token_text(t)!r}:{lp:.3f}" for t, lp in pos.items())
             sys.stderr.write(f"  [{top}]\n")
     sys.stdout.write("\n")
     if a.stats:

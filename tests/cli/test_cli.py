@@ -45,6 +45,20 @@ def test_run_raw_with_sampling_options(tiny_gguf):
     assert a.stdout == LLM(str(path)).generate("the cat", params)[0].outputs[0].text + "\n"
 
 
+def test_run_prints_each_tokens_logprobs(tiny_gguf):
+    """``run --logprobs 2`` prints, per generated token on stderr, the token and its two
+    alternatives with the log-probabilities `LLM.generate` gives (float32: the same numbers),
+    every token's also when an output carries several (``--stream-interval 2``)."""
+    path = tiny_gguf["llama"][0]
+    r = nextoken("run", "the cat", "--model", path, "--raw", "--max-tokens", "5", "--temperature", "0",
+                 "--ignore-eos", "--logprobs", "2", "--dtype", "float32", "--stream-interval", "2")
+    assert r.returncode == 0, r.stderr
+    llm = LLM(str(path), dtype="float32")
+    c = llm.generate("the cat", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))[0].outputs[0]
+    want = ["  [" + ", ".join(f"{llm.tokenizer.token_text(t)!r}:{lp:.3f}" for t, lp in pos.items()) + "]"
+            for pos in c.logprobs]
+    assert [line for line in r.stderr.splitlines() if line.startswith("  [")] == want
+
 def test_explain_json(tiny_gguf):
     r = nextoken("explain", "the cat sat", "--model", tiny_gguf["llama"][0], "--json", "--max-tokens", "3",
                  "--temperature", "0.7", "--top-k", "5", "--seed", "1", "--dtype", "float32")
