@@ -80,8 +80,10 @@ class CompletionSnapshot(CompletionOutput):
     """A `CompletionOutput` the engine made of a completion still growing: `token_ids` and
     `logprobs` are given as `Prefix` views of the engine's own lists (which it only appends to)
     and copied on first read. A streamed output per request per step then costs no copy of its
-    tokens so far (at 256 requests of up to 1024 tokens that copy was most of the snapshots'
-    time, and with logprobs 7 ms a step); a consumer that reads only the deltas never pays it."""
+    tokens so far (on the tiny model, 256 requests of 1024 tokens: the snapshots took 4.5 ms a
+    step, 10.5 with two logprobs, and 1.2-1.6 without the copies); a consumer that reads only
+    the deltas (`delta_token_ids`, `delta_logprobs`) never pays it. The engine's lists are read
+    on another thread while it appends: a slice under the GIL sees whole appends only."""
 
     token_ids = _PrefixField()
     logprobs = _PrefixField()
