@@ -236,21 +236,24 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_as_one(tiny_gguf)
     """`AsyncLLMEngine.stream` joins the outputs that waited for a slow consumer (vLLM's output
     collector): a consumer that reads nothing until the request ends gets one output whose
     deltas are the whole text and ids (log-probabilities: the cumulative list); one that keeps
-    up gets an output per step, whose deltas join to the same."""
-    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    up gets an output per step, whose deltas join to the same. (No prefix cache: the second run
+    would read the first's blocks, and on two threads a cached prefix moves the last bits.)"""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", enable_prefix_caching=False)
     engine = AsyncLLMEngine(llm.engine)
     prompt = tiny_prompts()[4]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
 
     async def read(late: bool):
         rid = await engine.add_request(prompt, params)
-        if late:
-            while llm.engine.has_unfinished_requests():
+        if late:  # between steps, so the last step's outputs are queued when it sees the request done
+            while await engine.between_steps(llm.engine.has_unfinished_requests):
                 await asyncio.sleep(0.005)  # (the step loop runs meanwhile)
         return [out async for out in engine.stream(rid)]
 
-    late = asyncio.run(read(True))
-    steady = asyncio.run(read(False))
+    async def both():  # (one event loop: the engine's lock and event belong to it)
+        return await read(True), await read(False)
+
+    late, steady = asyncio.run(both())
     assert len(late) == 1 and len(steady) == 10
     final = steady[-1].outputs[0]
     assert late[0].outputs[0].delta == "".join(o.outputs[0].delta for o in steady) == final.text

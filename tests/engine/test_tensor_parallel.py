@@ -174,9 +174,14 @@ def _children(pid: int) -> list[int]:
 
 def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
     """SIGKILL of rank 1 under ``nextoken serve --tensor-parallel-size 2``: the next request
-    fails, and rank 0 exits with status 1 and a message naming the failure (no hang)."""
+    fails, and rank 0 exits with status 1 and a message naming the failure (no hang). Gloo
+    usually sees the dead peer's closed connection at once; under load it has waited for the
+    collective timeout instead (once in four full runs), which is the bound the server promises."""
+    from nextoken.distributed.group import COLLECTIVE_TIMEOUT_S
     from tests.ports import free_ports
     from tests.helpers.server import wait_healthy
+
+    bound = COLLECTIVE_TIMEOUT_S + 30
 
     path, _ = tiny_gguf["llama"]
     port = free_ports(1)
@@ -193,9 +198,9 @@ def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
                                      {"Content-Type": "application/json"})
         t0 = time.monotonic()
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # a 503, or the connection dropped
-            urllib.request.urlopen(req, timeout=60).read()
-        assert srv.wait(timeout=60) == 1
-        assert time.monotonic() - t0 < 60
+            urllib.request.urlopen(req, timeout=bound).read()
+        assert srv.wait(timeout=bound) == 1
+        assert time.monotonic() - t0 < bound
         err = srv.stderr.read()
         assert "tensor parallel rank 0: the step broadcast failed (" in err, err[-2000:]
         assert "the server exits" in err
