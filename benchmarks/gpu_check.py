@@ -460,12 +460,11 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
 
 
 def engine_metrics(url: str) -> dict[str, float]:
-    """The server's step-time histogram's sum and count and its generated-token counter, from
-    its Prometheus text (``/metrics``); {} when it cannot be read."""
+    """The server's step-time histogram's sum and count, from its Prometheus text
+    (``/metrics``); {} when it cannot be read."""
     import httpx
 
-    wanted = ("nextoken_step_duration_seconds_sum", "nextoken_step_duration_seconds_count",
-              "nextoken_generation_tokens_total")
+    wanted = ("nextoken_step_duration_seconds_sum", "nextoken_step_duration_seconds_count")
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:

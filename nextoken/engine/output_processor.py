@@ -92,6 +92,12 @@ def finish_sequence(group: RequestGroup, req: Request, reason: str | None = None
     group.changed = True
 
 
+def num_output_tokens(group: RequestGroup) -> int:
+    """The tokens the group's sequences have generated, together."""
+    comps = group.completions
+    return len(comps[0].token_ids) if len(comps) == 1 else sum(len(c.token_ids) for c in comps)
+
+
 def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOutput:
     """A snapshot of the group for the caller; resets the per-step deltas. `finished`: the
     group's `finished`, when the caller has it already."""
@@ -99,8 +105,7 @@ def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOut
         finished = group.finished
     m = group.metrics
     comps = group.completions
-    m.num_output_tokens = group.output_tokens = (len(comps[0].token_ids) if len(comps) == 1
-                                                 else sum(len(c.token_ids) for c in comps))
+    m.num_output_tokens = group.output_tokens = num_output_tokens(group)
     m.num_cached_tokens = group.seqs[0].num_cached_tokens
     outs = [CompletionSnapshot(c.index, c.text, c.delta, Prefix(c.token_ids, len(c.token_ids)), c.delta_token_ids,
                                c.finish_reason, c.stop_reason,
@@ -254,4 +259,4 @@ class OutputProcessor:
             return False
         if self.stream_interval == 1 or group.output_tokens < 0:
             return True
-        return sum(len(c.token_ids) for c in group.completions) - group.output_tokens >= self.stream_interval
+        return num_output_tokens(group) - group.output_tokens >= self.stream_interval
