@@ -132,6 +132,8 @@ class Scheduler:
                 n = budget
             while not self.kv.allocate_slots(req, n, computed):
                 budget, made_room = self._preempt_for(rank, out, budget)
+                if not made_room and not self.running and self._release_waiting(req):
+                    continue
                 if not made_room:
                     return
             self.waiting.remove(req)
@@ -171,6 +173,17 @@ class Scheduler:
         self._preempt(victim)
         out.preempted.append(victim)
         return budget, True
+
+    def _release_waiting(self, head: Request) -> bool:
+        """Nothing runs and `head` does not fit: free the blocks other waiting requests hold (a
+        completion of ``n > 1`` holds its parent's prompt blocks from its fork on), or no request
+        would ever free them and the queue would stall for good. They compute those tokens again
+        when admitted (or find them in the prefix cache). Returns whether any block was freed."""
+        holders = [r for r in self.waiting if r is not head and self.kv.block_tables.get(r.request_id)]
+        for r in holders:
+            self.kv.free(r)
+            r.num_computed_tokens = 0
+        return bool(holders)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

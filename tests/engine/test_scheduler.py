@@ -134,6 +134,26 @@ def test_forked_completions_wait_for_the_prompt_then_share_it():
     assert s.kv.block_ids("p#1")[:2] == s.kv.block_ids("p#0")[:2]
 
 
+def test_a_waiting_completion_holding_shared_blocks_cannot_stall_the_queue():
+    """A forked completion waits, holding its parent's prompt blocks, behind a request that needs
+    them: once nothing runs, the waiting holders give their blocks back (and recompute), so the
+    queue moves on instead of stalling for good (it did: the engine stepped forever)."""
+    s = make(budget=64, bs=4, blocks=10, caching=False)
+    parent = req("a#0", 16, max_tokens=8)
+    child = Request("a#1", parent.prompt_ids, parent.params, DrawGenerator(), parent=parent, index=1)
+    big = req("b", 30, max_tokens=2, first=100)
+    s.add(parent), s.add(child), s.add(big)
+    finished = set()
+    for _ in range(60):
+        plan = fake_step(s)
+        finished |= {r.request_id for r in (parent, child, big) if r.finished}
+        if not s.has_unfinished():
+            break
+        assert plan.scheduled or plan.preempted, "no request runs and none is admitted: the queue stalls"
+    assert finished == {"a#0", "a#1", "b"}
+    assert s.kv.pool.num_free_blocks == 10
+
+
 def make_policy(policy, max_seqs=2, budget=64, blocks=64, bs=4, aging_s=0.0):
     return Scheduler(SchedulerConfig(max_seqs, budget, True, None, policy, aging_s), KVCacheManager(blocks, bs, False))
 
