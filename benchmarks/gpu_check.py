@@ -27,12 +27,15 @@ and says so:
    greedy tokens equal `transformers`' bf16 greedy ones, every one of 32 in its top 5; one
    request alone and in a batch of 24, float32 and bf16), then speed (batch-1 decode, greedy and
    sampled, against the bandwidth roofline; 64 sequences of 512 + 256 tokens, the decode step
-   against the roofline step; one 4096-token prefill against the bf16 matrix rate);
+   against the roofline step; the same batch-1 and 64-sequence runs again with async scheduling,
+   and whether their tokens are the in-order run's; one 4096-token prefill against the bf16
+   matrix rate);
 4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client, 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
    the server's /metrics the share of the wall its engine spent stepping and its mean step (a
    share well below 1: the HTTP layer or the client sets the pace, not the GPU; `--stream-interval
-   N` serves with fewer, larger chunks, default 1 as users run it); and
+   N` serves with fewer, larger chunks, default 1 as users run it; ``--serve-async auto``, the
+   default, serves with ``--async-scheduling`` when the speed section's async runs went through); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -347,9 +350,9 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     log("   " + runner.plan.describe(runner.model))
     rng = random.Random(3)
     prompt = rand_ids(rng, 128, vocab)
-    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
-                         ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=n_tok,
-                                                    ignore_eos=True))):
+    b1 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
+          ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=n_tok, ignore_eos=True)))
+    for name, params in b1:
         llm.generate([prompt], params)  # warm
         tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
         out[f"b1_{name}_tok_s"] = 1 / statistics.median(tpots)
@@ -360,18 +363,11 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
         f"{out['b1_roofline_tok_s']:.0f} ({100 * out['b1_share']:.0f}%)")
 
     prompts = [rand_ids(rng, plen, vocab) for _ in range(batch)]
-    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
-                         ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=2, max_tokens=n_tok,
-                                                    ignore_eos=True))):
-        steps: list[tuple[int, float]] = []
-        llm.engine.subscribe(lambda st: steps.append((len(st.decode), st.ms)) if not st.prefill else None)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        llm.engine.subscribers.pop()
-        full = [ms for n, ms in steps if n == batch]
-        out[f"b64_{name}_step_ms"] = statistics.median(full) if full else float("nan")
-        out[f"b64_{name}_out_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    b64 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
+           ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=2, max_tokens=n_tok, ignore_eos=True)))
+    tokens = {}
+    for name, params in b64:
+        out[f"b64_{name}_step_ms"], out[f"b64_{name}_out_tok_s"], tokens[name] = decode_steps(llm, prompts, params)
     ctx = plen + n_tok // 2  # the mean context over the decode
     step_bytes = facts["decode_weight_bytes"] + batch * ctx * facts["kv_bytes_per_token"]
     step_flops = 2 * facts["matmul_params"] * batch + attention_flops(facts, batch, ctx)
@@ -379,6 +375,29 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     out["b64_ratio"] = out["b64_greedy_step_ms"] / out["b64_roofline_ms"]
     log(f"   64 x (512 + 256): decode step {out['b64_greedy_step_ms']:.2f} ms greedy, {out['b64_sampled_step_ms']:.2f} "
         f"sampled; roofline {out['b64_roofline_ms']:.2f} ms ({out['b64_ratio']:.1f}x)")
+    # the same engine with async scheduling (the host's work for a step while the GPU runs the next)
+    llm.engine.async_scheduling = True
+    try:  # (a fault here keeps the in-order figures above, and the serving section runs in order)
+        for name, params in b1:
+            tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
+            out[f"b1_async_{name}_tok_s"] = 1 / statistics.median(tpots)
+        for name, params in b64:
+            out[f"b64_async_{name}_step_ms"], out[f"b64_async_{name}_out_tok_s"], got = \
+                decode_steps(llm, prompts, params)
+            out[f"b64_async_{name}_same_tokens"] = sum(a == b for a, b in zip(got, tokens[name])) / len(got)
+    except Exception as exc:  # noqa: BLE001
+        out["async_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log("   async scheduling FAILED:", out["async_error"])
+        traceback.print_exc()
+    finally:
+        llm.engine.async_scheduling = False
+    if "async_error" not in out:
+            log(f"   async scheduling: batch 1 {out['b1_async_greedy_tok_s']:.0f} tok/s greedy, "
+            f"{out['b1_async_sampled_tok_s']:.0f} sampled; 64 x (512 + 256) {out['b64_async_greedy_out_tok_s']:.0f} "
+            f"output tok/s greedy (in order {out['b64_greedy_out_tok_s']:.0f}), "
+            f"{out['b64_async_sampled_out_tok_s']:.0f} sampled (in order {out['b64_sampled_out_tok_s']:.0f}); the "
+            f"in-order run's tokens in {100 * out['b64_async_greedy_same_tokens']:.0f}% / "
+            f"{100 * out['b64_async_sampled_same_tokens']:.0f}% of the requests")
 
     n = n_pre
     blocks = list(range(-(-n // runner.kv.block_size)))
@@ -392,8 +411,26 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     return out
 
 
+def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, list[list[int]]]:
+    """`prompts` through `llm` at once: the median milliseconds of a step whose decodes are the
+    whole batch (the step's wall: under async scheduling the period between steps), output tokens
+    a second over the whole run, and each request's tokens."""
+    steps: list[tuple[int, float]] = []
+    llm.engine.subscribe(lambda st: steps.append((len(st.decode), st.ms)) if not st.prefill else None)
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.subscribers.pop()
+    wall = time.perf_counter() - t0
+    full = [ms for n, ms in steps if n == len(prompts)]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return statistics.median(full) if full else float("nan"), sum(map(len, tokens)) / wall, tokens
+
+
 # -- 4. serving ---------------------------------------------------------------------------------------
-def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1) -> dict:
+def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1,
+            async_scheduling: bool = False) -> dict:
     import asyncio
 
     import httpx
@@ -406,7 +443,8 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                                                          "triton"]
     cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
            "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
-           "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval)]
+           "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval),
+           *(["--async-scheduling"] if async_scheduling else [])]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}"
@@ -438,7 +476,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
         steps, busy = engine.get("nextoken_step_duration_seconds_count", 0), engine.get("nextoken_step_duration_seconds_sum", 0)
         out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
-               "serve_stream_interval": stream_interval,
+               "serve_stream_interval": stream_interval, "serve_async_scheduling": async_scheduling,
                "serve_wall_s": wall,
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
@@ -570,9 +608,9 @@ def table(limits: dict) -> str:
              f"{limits.get('bandwidth', 0) / 1e12:.2f} TB/s, bf16 {limits.get('bf16_rate', 0) / 1e12:.0f} TFLOP/s; "
              f"torch {limits.get('torch')}, triton {limits.get('triton')}",
              "", "| model | batch-1 decode tok/s greedy / sampled (roofline, share) | 64x(512+256) decode step ms "
-             "greedy / sampled (roofline, ratio) | prefill 4096 ms (share of bf16 rate) | serving out tok/s "
-             "(transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
-             "batch-invariant f32 / bf16 / bf16 --batch-invariant (its time) |", "|---|---|---|---|---|---|---|---|"]
+             "greedy / sampled (roofline, ratio) | async scheduling: batch-1 tok/s, 64x step ms greedy | prefill 4096 "
+             "ms (share of bf16 rate) | serving out tok/s (transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
+             "batch-invariant f32 / bf16 / bf16 --batch-invariant (its time) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in RESULTS["models"].items():
         ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") \
             else None
@@ -583,8 +621,10 @@ def table(limits: dict) -> str:
             f"({fmt(r.get('b1_roofline_tok_s'))}, {fmt(b1, '.0f', '%')}) | "
             f"{fmt(r.get('b64_greedy_step_ms'), '.2f')} / {fmt(r.get('b64_sampled_step_ms'), '.2f')} "
             f"({fmt(r.get('b64_roofline_ms'), '.2f')}, {fmt(r.get('b64_ratio'), '.1f', 'x')}) | "
+            f"{fmt(r.get('b1_async_greedy_tok_s'))}, {fmt(r.get('b64_async_greedy_step_ms'), '.2f')} | "
             f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(pre, '.0f', '%')}) | "
-            f"{fmt(r.get('serve_out_tok_s'))} ({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
+            f"{fmt(r.get('serve_out_tok_s'))}{' async' if r.get('serve_async_scheduling') else ''} "
+            f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
             f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
             f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} / "
@@ -602,6 +642,8 @@ def main() -> int:
     ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny models on the CPU, to check this script")
     ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval in the serving section")
+    ap.add_argument("--serve-async", choices=("auto", "on", "off"), default="auto",
+                    help="the server's --async-scheduling: auto, on when the speed section's async runs went through")
     args = ap.parse_args()
     import torch
 
@@ -659,7 +701,9 @@ def main() -> int:
         if "serve" not in skip and name == models[0]:
             with section(f"{name}: serving", args.budget, 60) as go:
                 if go:
-                    r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval))
+                    overlap = args.serve_async == "on" or (args.serve_async == "auto"
+                                                           and "b64_async_greedy_out_tok_s" in r)
+                    r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap))
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go:
                     r.update(transformers_generate(folder, vocab))

@@ -106,6 +106,12 @@ class EngineArgs(CliArgs):
                                        type=int, quick_start=True)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps", flag="--chunked-prefill",
                                         group="scheduler", cli="bool", quick_start=True)
+    async_scheduling: bool = opt(False, "overlap each step's host work (scheduling, the next pass's inputs, "
+                                 "detokenizing and stop checks) with the device's pass: a step is launched before "
+                                 "the last one's tokens are read back, its decodes taking them on the device (vLLM's). "
+                                 "Pays on a GPU; a request with a grammar, logit processors, tracing or prompt "
+                                 "logprobs, beam search or speculative decoding runs the steps in order",
+                                 group="scheduler", cli="true", quick_start=True)
     scheduling_policy: str = opt("fcfs", "the order waiting requests are admitted in: fcfs (arrival), priority (each "
                                  "request's priority, lower first, as vLLM; a higher priority preempts a lower "
                                  "one) or fair (clients share the tokens served: the Virtual Token Counter)",

@@ -9,6 +9,16 @@ something, and hands a `StepStats` to every subscriber (`subscribe`: the inspect
 `StepHistory`, the server's metrics). The offline `LLM` and the async wrapper
 (`async_engine.py`) drive it. A fault of one request's row (non-finite logits, a processor or
 grammar that raises) ends that request with ``finish_reason="error"``; the step goes on.
+
+With ``async_scheduling`` (vLLM's), a step is launched before the previous one is read back:
+
+    step k:  schedule k -> launch k (inputs, pass, draw; decodes take step k-1's tokens on the
+             device) -> read back step k-1 (its tokens, detokenized, stop checks) -> outputs
+
+so on a GPU the host's work for one step runs while the device computes the next. A request that
+stops in step k-1 has run in step k too: that row is dropped. A request whose tokens need the
+host between steps (a grammar, logit processors, a tracer, prompt logprobs, first tokens, kept
+logits), a beam search or speculative decoding makes the steps run in order while it is there.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,7 +35,7 @@ import torch
 from nextoken.config import SchedulerConfig
 from nextoken.engine.beam_groups import BeamGroups
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
-from nextoken.engine.request import Request, make_sequences
+from nextoken.engine.request import Request, RequestStatus, make_sequences
 from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
@@ -39,7 +50,8 @@ from nextoken.loader.prepared import content_key
 from nextoken.loader.source import load_tokenizer, model_dtype
 from nextoken.outputs import RequestOutput
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
-from nextoken.sample.sampler import SampleResult, Sampler
+from nextoken.sample.sampler import SampleLaunch, SampleResult, Sampler
+from nextoken.sample.logits_processors import has_processors
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
@@ -87,7 +99,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens if args.enable_chunked_prefill
             else max(args.max_num_batched_tokens, self.max_model_len),  # without chunks a whole prompt fits a step
-            args.enable_chunked_prefill, args.max_model_len, args.scheduling_policy)
+            args.enable_chunked_prefill, self.max_model_len, args.scheduling_policy)
         lookahead = self.speculator.lookahead if self.speculator else 0
         self.kv = allocate_kv_cache(self.runner, draft_runner, self.cache_config, args.max_num_seqs, self.max_model_len,
                                     lookahead, content_key(source.path) if args.disk_dir else None,
@@ -101,6 +113,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release, args.stream_interval)
         self.beams = BeamGroups()  # the beam searches the engine drives (`add_beam_search`)
         self._ids = itertools.count()
+        # async scheduling: the step launched and not read back yet, and the sequences that need
+        # the steps in order (`_needs_order`)
+        self.async_scheduling = args.async_scheduling and self.speculator is None and tp is None
+        self._in_flight: InFlight | None = None
+        self._ordered: set[Request] = set()
         self.num_steps = 0
         self.history = StepHistory(self.kv.blocks_for)  # what the inspector shows (`nextoken.inspect`)
         self.subscribers: list[Callable[[StepStats], None]] = [self.history]
@@ -140,6 +157,8 @@ class LLMEngine:
                               o.client, o.continuation)
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
                                    o.return_logits, o.final_only))
+        if self.async_scheduling and _needs_order(params, o):
+            self._ordered.update(seqs)
         for s in seqs:
             self.scheduler.add(s)
         if o.tracer is not None:
@@ -165,31 +184,41 @@ class LLMEngine:
         """Free an ending sequence's blocks (with `uncache`, out of the prefix cache first)."""
         if uncache:
             self.kv.uncache(r)
+        self._ordered.discard(r)
         self.scheduler.finish(r)
         if self.speculator is not None:
             self.speculator.forget(r)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample (or verify drafts), and return the outputs that
         changed; every subscriber gets this step's `StepStats`."""
         start = time.perf_counter()
+        overlap = self.async_scheduling and not self._ordered and not self.beams.groups
+        if not overlap:
+            self._read_back()  # a step in order: the one in flight first
         plan = self.scheduler.schedule()
         stats = StepStats(self.num_steps, start,
                           prefill=[[r.group_id, n] for r, n in plan.scheduled.items()
                                    if r.num_computed_tokens < r.num_prompt_tokens],
                           decode=[r.group_id for r in plan.scheduled if r.num_computed_tokens >= r.num_prompt_tokens],
                           preempted=[r.group_id for r in plan.preempted])
-        if plan.scheduled:
+        launched = None
+        if plan.scheduled and overlap:
+            launched = self._launch(plan.scheduled)
+        elif plan.scheduled:
             traced = [r for r in plan.scheduled if r.tracer is not None]
             plain = {r: n for r, n in plan.scheduled.items() if r.tracer is None} if traced else plan.scheduled
             if plain:
                 self._run(plain, plan.lookahead, spec_log=stats.spec)
             for r in traced:  # tracing costs only the traced request: a pass of its own
                 self._run({r: plan.scheduled[r]}, tracer=r.tracer)
+        if overlap:
+            self._read_back()
+            self._in_flight = launched
         outputs, stats.finished = self.outputs.collect()
         if self.beams.groups:
             outputs = self.beams.on_outputs(self, outputs)
@@ -242,11 +271,56 @@ class LLMEngine:
             if not r.finished:
                 self._verify(r, logits[rows[r][0] : rows[r][1]], toks, qs, spec_log)
 
+    def _launch(self, scheduled: dict[Request, int]) -> InFlight | None:
+        """Async scheduling: one forward pass over `scheduled` and the draw of its sampled rows,
+        left in flight on the device (`Sampler.launch`); a decode whose last token is still in
+        flight takes it from the last step's draw there. Returns what `_read_back` reads, or
+        None when nothing was sampled."""
+        last = self._in_flight
+        seqs = [self._sequence_input(r, n, None) for r, n in scheduled.items()]
+        logits = self.runner.execute(seqs, fed=last.draw.tokens if last is not None else None)
+        for r, n in scheduled.items():
+            r.num_computed_tokens += n
+            if not r.num_pending:  # (else its blocks are cached when its token is read back)
+                self.kv.cache_full_blocks(r)
+        sampled = [r for r, s in zip(scheduled, seqs) if s.needs_logits]
+        if not sampled:
+            return None
+        draw = self.sampler.launch(logits, [r.sampler_row for r in sampled])
+        for j, r in enumerate(sampled):
+            r.num_pending += 1
+            r.fed_row = j
+        return InFlight(sampled, draw)
+
+    def _read_back(self) -> None:
+        """Read the step in flight back (waiting for its copies) and emit its tokens, as a step in
+        order would: a request with non-finite logits fails, one that has finished since
+        (stopped, aborted) drops its row."""
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            return
+        results, finite = done.draw.results()
+        for r, res, ok in zip(done.reqs, results, finite):
+            if r.finished:
+                continue
+            r.num_pending -= 1
+            if not ok:
+                self.outputs.fail(r, f"the model produced non-finite logits (NaN or inf) predicting position "
+                                      f"{r.num_tokens}")
+                continue
+            self.outputs.emit(r, [res])
+            if not r.finished and r.status is RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(r)
+
     def _sequence_input(self, r: Request, n: int, drafted: tuple | None) -> SequenceInput:
         """The runner's input for `n` new tokens of `r` (with `drafted`: its last token and the
-        drafts, each as a decode row, for verification)."""
-        toks = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+        drafts, each as a decode row, for verification; with a token in flight, `n` is 1 and the
+        token is fed from the last step's draw)."""
         block_ids, ring_ids = self.kv.block_ids(r.request_id), self.kv.ring_ids(r.request_id)
+        if r.num_pending:
+            return SequenceInput([0], r.num_computed_tokens, block_ids, True, ring_ids=ring_ids, lora_id=r.lora_id,
+                                 fed_from=r.fed_row)
+        toks = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
         if drafted is not None:
             return SequenceInput(toks + drafted[0], r.num_computed_tokens, block_ids, True, as_decodes=True,
                                  ring_ids=ring_ids, lora_id=r.lora_id)
@@ -351,6 +425,23 @@ class LLMEngine:
     def spec_stats(self) -> SpecStats:
         """Speculative decoding's counts (`Speculator.stats`; zeros without it)."""
         return self.speculator.stats() if self.speculator is not None else SpecStats()
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step launched and not read back (async scheduling): its sampled sequences, in the rows
+    of its draw."""
+
+    reqs: list[Request]
+    draw: SampleLaunch
+
+
+def _needs_order(params: SamplingParams, o: RequestOptions) -> bool:
+    """Whether a request needs the host between its steps, so the steps run in order while it is
+    there: its grammar or logit processors read its tokens, its tracer, prompt scores, first
+    tokens or kept logits are host work around the pass (`Sampler.plain`)."""
+    return bool(params.structured_outputs is not None or has_processors(params) or o.tracer is not None
+                or params.prompt_logprobs is not None or o.first_tokens or o.return_logits or params.max_tokens == 0)
 
 
 def _scores_prompt(r: Request) -> bool:

@@ -65,6 +65,8 @@ class Request:
     queued_time: float = 0.0  # when it last joined the waiting queue (perf_counter)
     first_scheduled_time: float | None = None  # when it was first admitted: its queue time ends
     rank: int = 0  # its effective priority when last admitted (`Scheduler._run`)
+    num_pending: int = 0  # async scheduling: tokens sampled on the device, not yet appended (0-2)
+    fed_row: int = -1  # ... the last one's row in the draw of the step in flight (`LLMEngine._launch`)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_ids)
@@ -75,8 +77,15 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output tokens so far."""
+        """Prompt plus output tokens so far (those in flight not counted: `num_pending`)."""
         return len(self.all_token_ids)
+
+    def ends_in_flight(self, max_model_len: int | None) -> bool:
+        """Whether a token in flight (async scheduling) is its last by length (`max_tokens`, or
+        `max_model_len` tokens in all, when given): nothing more to schedule for it."""
+        return self.num_pending > 0 and (
+            len(self.output_ids) + self.num_pending >= self.params.max_tokens
+            or (max_model_len is not None and self.num_tokens + self.num_pending >= max_model_len))
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,10 @@ waits, at the front, to be recomputed. Under ``priority`` the running requests a
 priority order, so the last is the lowest priority's newest, and a waiting request of a strictly
 higher priority than it takes its place when no sequence or block is free (vLLM's priority
 preemption).
+
+Under async scheduling (`LLMEngine`'s ``async_scheduling``) a running request's last token may
+still be in flight (`Request.num_pending`): it counts as a token to compute (its decode takes the
+token on the device), and a request whose token in flight ends it by length is not scheduled.
 """
 
 from __future__ import annotations
@@ -88,8 +92,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            extra = self.num_lookahead if n == 1 and req.num_tokens - req.num_computed_tokens == 1 else 0
+            if req.num_pending and req.ends_in_flight(self.config.max_model_len):
+                i += 1
+                continue
+            left = req.num_tokens + req.num_pending - req.num_computed_tokens
+            n = min(left, budget)
+            extra = self.num_lookahead if n == 1 and left == 1 else 0
             extra = min(extra, budget - n)
             if extra > 0 and self.kv.allocate_slots(req, n + extra):
                 out.scheduled[req] = n

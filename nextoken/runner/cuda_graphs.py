@@ -25,7 +25,7 @@ import torch
 
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.gpu_attention import DeviceMetadata
-from nextoken.runner.inputs import HostBatch
+from nextoken.runner.inputs import HostBatch, take_fed
 
 log = logging.getLogger("nextoken.runner")
 
@@ -50,8 +50,8 @@ class DecodeGraphs:
         self.max_blocks, self.splits, self.capture = max_blocks, splits, capture
         b = self.sizes[-1]
         sliding = self.kv.sliding is not None
-        # int64: ids | positions | slots | ring slots;  int32: seq lens | tables | ring tables
-        self.n64 = 4 * b
+        # int64: ids | positions | slots | ring slots | fed rows;  int32: seq lens | tables | ring tables
+        self.n64 = 5 * b
         self.n32 = b + (2 if sliding else 1) * b * max_blocks
         self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=self.device)
@@ -76,7 +76,7 @@ class DecodeGraphs:
         b, m = self.sizes[-1], self.max_blocks
         if wide:
             return {"ids": buf[:b], "positions": buf[b : 2 * b], "slots": buf[2 * b : 3 * b],
-                    "ring_slots": buf[3 * b : 4 * b]}
+                    "ring_slots": buf[3 * b : 4 * b], "fed_rows": buf[4 * b : 5 * b]}
         out = {"seq_lens": buf[:b], "tables": buf[b : b + b * m].view(b, m)}
         if self.sliding:
             out["ring_tables"] = buf[b + b * m : b + 2 * b * m].view(b, m)
@@ -141,9 +141,11 @@ class DecodeGraphs:
                 and batch.block_tables.shape[1] <= self.max_blocks
                 and (batch.sliding is None or batch.sliding.ring_tables.shape[1] <= self.max_blocks))
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
+    def run(self, batch: HostBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states ``[S, hidden]`` of `batch`'s decodes (a view of the graph's
-        output, valid until the next step)."""
+        output, valid until the next step). `fed`: the previous step's drawn tokens on the device,
+        which the decodes with `batch.fed_rows` take (written into the static ids before the
+        replay, outside the graph)."""
         n = batch.num_seqs
         size = next(s for s in self.sizes if s >= n)
         if self.copied is not None:
@@ -159,8 +161,15 @@ class DecodeGraphs:
             sm = batch.sliding
             h64["ring_slots"][:n] = sm.write_slots
             h32["ring_tables"][:n, : sm.ring_tables.shape[1]] = sm.ring_tables.to(torch.int32)
+        feeding = fed is not None and batch.fed_rows is not None
+        if feeding:
+            h64["fed_rows"][:n] = torch.from_numpy(batch.fed_rows)
+            h64["fed_rows"][n:size] = -1
         self._fill_padding(n, size)
         self._copy()
+        if feeding:
+            v64 = self._views(self.dev64, True)
+            v64["ids"][:size].copy_(take_fed(v64["ids"][:size], v64["fed_rows"][:size], fed))
         graph, out = self.graphs[size]
         if graph is None:
             out = self._step(size)

@@ -33,7 +33,10 @@ class HostBatch:
     query_start_loc: ``[S + 1]`` offsets of each sequence's tokens; seq_lens ``[S]``: its
     tokens once this pass is written; num_decodes: the leading single-token sequences;
     first_block: each sequence's first block when its blocks are consecutive, else None;
-    sliding: the rings' metadata (CPU tensors), for a model with sliding-window layers."""
+    sliding: the rings' metadata (CPU tensors), for a model with sliding-window layers;
+    fed_rows: int64 ``[num_decodes]``, for each decode the row of the previous step's draw its
+    token comes from, -1 where the token is in `input_ids` (None: every token is; async
+    scheduling, `runner.model_runner.SequenceInput.fed_from`)."""
 
     order: list[int]
     block_size: int
@@ -46,6 +49,7 @@ class HostBatch:
     num_decodes: int
     first_block: list[int | None]
     sliding: SlidingMetadata | None = None
+    fed_rows: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +78,8 @@ def layout(seqs, block_size: int, sliding=None) -> HostBatch:
     ids = np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1]))
     batch = HostBatch(order, block_size, ids, positions, slots, tables, qsl.tolist(), (starts + lens).tolist(),
                       int(np.sum(lens == 1)), [_first_block(s.block_ids) for s in ss])
+    if any(s.fed_from >= 0 for s in ss):  # (an input fed from the device is a decode: among the first)
+        batch.fed_rows = np.fromiter((s.fed_from for s in ss[: batch.num_decodes]), np.int64, batch.num_decodes)
     if sliding is not None:
         batch.sliding = build_sliding_metadata(sliding.window, block_size, sliding.ring_blocks,
                                                [(s.start, len(s.token_ids), s.ring_ids) for s in ss])
@@ -122,18 +128,23 @@ class Staging:
 
 
 def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tiling_q: int = 0,
-                 splits: int = 1, aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                 splits: int = 1, aligned: bool = False,
+                 fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids ``[T]``, positions ``[T]`` (int64, on the device) and the `AttentionMetadata`
     of `batch` for attention `backend` (the plan's; `kernels`: the attention libraries it
     resolved). For ``triton``: `tiling_q` queries per prefill tile and `splits` key splits per
     decode (`kernels.gpu.attention`), `aligned` (a batch-invariant plan) for sliding-window prefill
-    chunks, and the `DeviceMetadata` with them."""
+    chunks, and the `DeviceMetadata` with them. `fed`: the previous step's drawn tokens on the
+    device, which the decodes with `batch.fed_rows` take (`take_fed`)."""
     sm = batch.sliding
     ring = [] if sm is None or staging.device.type == "cpu" else \
         [sm.write_rows.numpy(), sm.write_slots.numpy(), *[k.numpy() for k in sm.key_slots]]
-    sent = staging.send([batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, *ring],
-                        torch.int64)
+    feeding = fed is not None and batch.fed_rows is not None
+    sent = staging.send([batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, *ring]
+                        + ([batch.fed_rows] if feeding else []), torch.int64)
     ids, positions, slots, tables = sent[:4]
+    if feeding:
+        ids = take_fed(ids, sent.pop(), fed)
     meta = AttentionMetadata(slot_mapping=slots, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
                              block_tables=tables, num_decodes=batch.num_decodes, block_size=batch.block_size,
                              backend=backend, kernels=kernels, first_block=batch.first_block)
@@ -144,6 +155,14 @@ def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tili
         meta.device = device_metadata(batch, staging, tiling_q, splits, meta.sliding)
         meta.device.aligned = aligned
     return ids, positions, meta
+
+
+def take_fed(ids: torch.Tensor, rows: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """`ids` ``[T]`` with each of its first ``len(rows)`` entries whose row is >= 0 replaced by
+    ``fed[row]`` (a new tensor; device work only, no copy to the host)."""
+    n = rows.shape[0]
+    head = torch.where(rows >= 0, fed[rows.clamp(min=0)], ids[:n])
+    return head if n == ids.shape[0] else torch.cat([head, ids[n:]])
 
 
 def device_metadata(batch: HostBatch, staging: Staging, tiling_q: int, splits: int,

@@ -29,6 +29,7 @@ from nextoken.runner.device import CPU, Device, move_model, resolve_device
 from nextoken.runner.huge_pages import libc, place_weights, thp_mode
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
+from nextoken.sample.sampler import to_device
 
 log = logging.getLogger("nextoken.runner")
 
@@ -74,6 +75,10 @@ class SequenceInput:
     keys up to its own position, all written in the same pass) and return the logits of every
     one of them: how speculative decoding verifies drafted tokens, with the very arithmetic of a
     plain decode step (so greedy output does not change with speculation).
+
+    `fed_from` (async scheduling): the one new token is not on the host yet; it is row
+    `fed_from` of the previous step's sampled tokens, which `ModelRunner.execute` takes as `fed`
+    (``token_ids`` holds a placeholder).
     """
 
     token_ids: list[int]
@@ -85,6 +90,7 @@ class SequenceInput:
     keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
     lora_id: int = 0  # its LoRA adapter (`ModelRunner.loras`), 0 for the base model
     prefill_len: int = 0  # tokens its whole prefill covers (the prompt), this chunk or not; 0: to this chunk's end
+    fed_from: int = -1  # its one token is ``fed[fed_from]`` on the device (`ModelRunner.execute`); -1: token_ids
 
     @property
     def extent(self) -> int:
@@ -256,12 +262,13 @@ class ModelRunner:
         batch = layout(seqs, self.kv.block_size, self.kv.sliding)
         return (*self._model_inputs(batch), batch.order)
 
-    def _model_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _model_inputs(self, batch: HostBatch,
+                      fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         splits = 1
         if self.plan.attention == "triton" and batch.num_decodes:
             splits = self._decode_splits(batch.num_decodes)
         return model_inputs(batch, self.staging, self.plan.attention, self.attention_kernels, self.tile_queries,
-                            splits, self.plan.batch_invariant)
+                            splits, self.plan.batch_invariant, fed)
 
     def _decode_splits(self, num_decodes: int) -> int:
         """Key splits per decode of the Triton attention for a step of `num_decodes` decodes
@@ -323,33 +330,36 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_batch, max_blocks, self._decode_splits, self.device.is_cuda)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SequenceInput], tracer=None, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, seqs: list[SequenceInput], tracer=None, all_logits: bool = False,
+                fed: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward pass over `seqs`. Returns float32 logits ``[num_wanted, vocab]`` for
         the last new token of each sequence with `needs_logits`, in the order of `seqs` (with
         `all_logits`: ``[num_tokens, vocab]`` for every new token, in batch order). An input
         with `as_decodes` contributes one row per new token. The final hidden states of the new
         tokens of each input with `keep_hidden` are left in `kept_hidden` (``[n, hidden]`` each,
-        in the order of those inputs), for `score_kept`. Raises `EngineError` for a `tracer`
-        under tensor parallelism, `TensorParallelError` when a collective fails."""
-        if tracer is not None and self.tp is not None:
-            raise EngineError("tracing a request is not available with tensor parallelism")
+        in the order of those inputs), for `score_kept`. `fed`: int64 ``[n]`` on the device, the
+        previous step's sampled tokens, from which each input with `fed_from` takes its token
+        (async scheduling: the host has not read them yet). Raises `EngineError` for a `tracer`
+        or `fed` under tensor parallelism, `TensorParallelError` when a collective fails."""
+        if (tracer is not None or fed is not None) and self.tp is not None:
+            raise EngineError("tracing a request and async scheduling are not available with tensor parallelism")
         with counting(self.plan.kernels.fallbacks):  # this engine's kernel fallbacks
-            return self._execute(seqs, tracer, all_logits)
+            return self._execute(seqs, tracer, all_logits, fed)
 
-    def _execute(self, seqs: list[SequenceInput], tracer, all_logits: bool) -> torch.Tensor:
+    def _execute(self, seqs: list[SequenceInput], tracer, all_logits: bool, fed: torch.Tensor | None) -> torch.Tensor:
         self._lead("execute", seqs, None, all_logits)
         seqs = [row for s in seqs for row in s.rows()]
         self.kept_hidden = []
         one_call = [self._one_call(s, tracer) for s in seqs]
         if all_logits or all(one_call) or not any(one_call):  # one pass
-            hidden, last = self._forward(seqs, tracer, all(one_call))
+            hidden, last = self._forward(seqs, tracer, all(one_call), fed)
             if all_logits:
                 return self.model.compute_logits(hidden)
         else:  # the rows the C step takes, then the rest on the PyTorch layers
             parts = [[i for i, c in enumerate(one_call) if c == want] for want in (True, False)]
             hidden, last, at = [], {}, 0
             for part, want in zip(parts, (True, False)):
-                h, part_last = self._forward([seqs[i] for i in part], tracer, want)
+                h, part_last = self._forward([seqs[i] for i in part], tracer, want, fed)
                 last.update({part[j]: at + row for j, row in part_last.items()})
                 hidden.append(h)
                 at += h.shape[0]
@@ -359,23 +369,27 @@ class ModelRunner:
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         run = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))  # (a decode batch: a slice, no copy)
-        return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)] if run else hidden[rows])
+        return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)] if run
+                                         else hidden[to_device(rows, torch.long, hidden.device)])
 
     def _one_call(self, s: SequenceInput, tracer) -> bool:
         """Whether `s`'s rows go to the one-call C step (`NativeDecoder.takes`)."""
         return (self.native_decoder is not None and tracer is None and self.plan.attention != "reference"
                 and NativeDecoder.takes(len(s.token_ids), s.extent, self.kv.sliding is not None))
 
-    def _forward(self, seqs: list[SequenceInput], tracer, one_call: bool) -> tuple[torch.Tensor, dict[int, int]]:
+    def _forward(self, seqs: list[SequenceInput], tracer, one_call: bool,
+                 fed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, int]]:
         """One forward pass over `seqs` (in the C step with `one_call`, unless the kernel
         refuses): the final hidden states ``[T, hidden]`` in batch order, and each sequence's
-        last row in them (by index into `seqs`)."""
+        last row in them (by index into `seqs`); `fed`: `execute`'s."""
         batch = layout(seqs, self.kv.block_size, self.kv.sliding)
         last = {i: batch.query_start_loc[row + 1] - 1 for row, i in enumerate(batch.order)}
         plain = tracer is None and not any(s.lora_id for s in seqs)  # (a graph holds no tracer or adapter)
+        if batch.fed_rows is not None and fed is None:
+            raise EngineError("an input takes its token from the previous step's draw, but no draw was given")
         if self.graphs is not None and plain and self.graphs.takes(batch):
-            return self.graphs.run(batch), last
-        input_ids, positions, meta = self._model_inputs(batch)
+            return self.graphs.run(batch, fed), last
+        input_ids, positions, meta = self._model_inputs(batch, fed)
         order = batch.order
         adapters = self._set_lora_batch(seqs, order, meta.query_start_loc) if self.loras is not None else False
         if tracer is not None and getattr(tracer, "wants_probs", True):

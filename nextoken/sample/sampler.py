@@ -72,6 +72,71 @@ class SampleResult:
     error: str | None = None  # this row's processors or grammar raised: no token (-1), the others go on
 
 
+@dataclass(slots=True)
+class SampleLaunch:
+    """A batch's draw in flight (`Sampler.launch`): the chosen ids and the asked log-probabilities
+    as tensors on the logits' device, their copies to the host started (non-blocking on a GPU,
+    an event marking their end), so the host can go on (launch the next step, which may take
+    `tokens` as its input on the device) before it reads them with `results`.
+
+    tokens: int64 ``[b]``; finite: bool ``[b]`` (each row free of NaN and infinity), or a list
+    (the C kernel's), ``[]`` when not asked; chosen: float32 ``[len(meta.logprob_rows)]``,
+    top_vals / top_ids ``[len(meta.logprob_rows), n]`` (None when no row asks)."""
+
+    FIELDS = ("tokens", "finite", "chosen", "top_vals", "top_ids")
+
+    meta: "SamplingMetadata"
+    tokens: torch.Tensor
+    finite: torch.Tensor | list[bool]
+    chosen: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    host: dict | None = None  # the fields' host copies (a GPU's), once started
+    event: object | None = None  # a CUDA event recorded after those copies
+
+    def to_host(self) -> SampleLaunch:
+        """Start the copies to the host (into pinned memory, non-blocking) and record their
+        event; nothing to do for CPU tensors."""
+        if self.tokens.device.type == "cpu":
+            return self
+        self.host = {name: getattr(self, name).to("cpu", non_blocking=True) for name in self.FIELDS
+                     if isinstance(getattr(self, name), torch.Tensor)}
+        self.event = torch.cuda.Event()
+        self.event.record()
+        return self
+
+    def results(self) -> tuple[list[SampleResult], list[bool]]:
+        """Wait for the copies; each row's `SampleResult` and whether its logits were finite."""
+        if self.event is not None:
+            self.event.synchronize()
+        get = (lambda name: self.host.get(name, getattr(self, name))) if self.host else \
+            (lambda name: getattr(self, name))
+        results = [SampleResult(t) for t in get("tokens").tolist()]
+        m = self.meta
+        if m.logprob_rows:
+            chosen = get("chosen").tolist()
+            top_vals = top_ids = None
+            if m.max_logprobs:
+                top_vals, top_ids = get("top_vals").tolist(), get("top_ids").tolist()
+            for j, i in enumerate(m.logprob_rows):
+                res = results[i]
+                res.logprob = chosen[j]
+                n = m.num_logprobs[j]
+                res.top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+        finite = get("finite")
+        return results, finite if isinstance(finite, list) else finite.tolist()
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor of `dtype` on `device`. On a GPU the copy goes from pinned memory
+    without waiting: ``torch.tensor(values, device="cuda")`` copies from pageable memory, and
+    PyTorch's blocking copy synchronizes the whole stream, which would hold the host until the
+    pass in flight ends (async scheduling launches the next step's sampler while it runs)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, device="cpu").pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int | None) -> DrawGenerator:
     """A request's stream of draws (`sample.rng.DrawGenerator`) seeded with `seed` (a fresh
     random seed when None)."""
@@ -159,7 +224,7 @@ def torch_draw(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     if sampled is None:
         sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
-        s = torch.tensor(sampled, device=rows.device) if len(sampled) < rows.shape[0] else slice(None)
+        s = to_device(sampled, torch.long, rows.device) if len(sampled) < rows.shape[0] else slice(None)
         _, w = kept_weights(rows[s], temperature[s], top_k[s], top_p[s], min_p[s], active)
         tokens[s] = draw(w, u[s])
     return tokens
@@ -206,6 +271,7 @@ class SamplingMetadata:
     max_logprobs: int
     rows: list = field(default_factory=list, repr=False)  # the rows it was built for (held: see `Sampler.metadata`)
     filtered: list[bool] = field(default_factory=list)  # per row: a sampled row with top-k, top-p or min-p on
+    plain: bool = True  # every row `Sampler.plain`: no grammar, no processor
 
     @classmethod
     def build(cls, rows: list[SamplerRequest], V: int, device: torch.device | None = None) -> SamplingMetadata:
@@ -213,15 +279,16 @@ class SamplingMetadata:
         device = device or torch.device("cpu")
         ps = [r.params for r in rows]
         settings = list(zip(*(row_settings(p, V) for p in ps))) or [(), (), (), ()]
-        temperature = torch.tensor(settings[0], dtype=torch.float32, device=device)
-        top_k = torch.tensor(settings[1], dtype=torch.int32, device=device)
-        top_p = torch.tensor(settings[2], dtype=torch.float32, device=device)
-        min_p = torch.tensor(settings[3], dtype=torch.float32, device=device)
+        temperature = to_device(list(settings[0]), torch.float32, device)
+        top_k = to_device(list(settings[1]), torch.int32, device)
+        top_p = to_device(list(settings[2]), torch.float32, device)
+        min_p = to_device(list(settings[3]), torch.float32, device)
         lp = [i for i, p in enumerate(ps) if p.logprobs is not None]
         processed = [i for i, p in enumerate(ps) if has_processors(p)]
         filtered = [t > 0 and (k > 0 or tp < 1.0 or mp > 0) for t, k, tp, mp in zip(*settings)]
         return cls(temperature, top_k, top_p, min_p, processed, lp, [ps[i].logprobs for i in lp],
-                   max((ps[i].logprobs for i in lp), default=0), list(rows), filtered)
+                   max((ps[i].logprobs for i in lp), default=0), list(rows), filtered,
+                   not processed and all(r.grammar is None for r in rows))
 
 
 def draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
@@ -265,13 +332,39 @@ class Sampler:
         self._meta: SamplingMetadata | None = None
 
     def finite_rows(self, logits: torch.Tensor) -> list[bool]:
-        """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity: ``sampling.c``'s
-        ``rows_finite`` on float32 CPU rows when the kernel is there, else PyTorch's isfinite (the
-        plain path; a sum per row would also flag huge finite rows whose sum overflows)."""
+        """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity (`finite_flags`)."""
+        flags = self.finite_flags(logits)
+        return flags if isinstance(flags, list) else flags.tolist()
+
+    def finite_flags(self, logits: torch.Tensor) -> torch.Tensor | list[bool]:
+        """`finite_rows` as a list from ``sampling.c``'s ``rows_finite`` on float32 CPU rows when
+        the kernel is there, else PyTorch's isfinite as a bool tensor ``[b]`` on the logits' device
+        (the plain path; a sum per row would also flag huge finite rows whose sum overflows)."""
         if self.kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
                 and logits.dim() == 2 and logits.stride(1) == 1:
             return self.kernel.finite(logits)
-        return torch.isfinite(logits).all(dim=-1).tolist()
+        return torch.isfinite(logits).all(dim=-1)
+
+    @staticmethod
+    def plain(row: SamplerRequest) -> bool:
+        """Whether `row`'s token follows from its logits with nothing from the host between (no
+        grammar, no processor that reads its history): what `launch` takes."""
+        return row.grammar is None and not has_processors(row.params)
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplerRequest], check_finite: bool = True) -> SampleLaunch:
+        """The draw of `rows` (each `plain`) from logits ``[b, vocab]``, left in flight: the tokens,
+        the asked log-probabilities and (with `check_finite`) each row's finiteness as tensors on
+        the logits' device, their copies to the host started (`SampleLaunch.to_host`). No copy
+        back waits here, so a GPU's next step can be launched before `SampleLaunch.results`.
+        The same draw as `__call__` (which runs it for such rows), one uniform number per
+        sampled row."""
+        B, V = logits.shape
+        meta = self.metadata(rows, V, logits.device)
+        tokens = self._draw(logits, rows, list(range(B)), {}, meta)
+        if check_finite:  # (a row of NaN may draw anything: keep it a token id, for the next step's input)
+            tokens = tokens.clamp_(0, V - 1)
+        out = SampleLaunch(meta, tokens, self.finite_flags(logits) if check_finite else [])
+        return self._logprob_tensors(logits, out).to_host()
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
@@ -282,6 +375,8 @@ class Sampler:
         no token (-1) and `SampleResult.error`; the other rows are drawn as without it."""
         B, V = logits.shape
         meta = self.metadata(rows, V, logits.device)
+        if not keep_details and meta.plain:
+            return self.launch(logits, rows, check_finite=False).results()[0]
         results = [SampleResult(-1) for _ in rows]
         edited = [i for i in meta.processed if needs_edits(rows[i].params, len(rows[i].output_ids))]
         source = self._process_isolated(logits, rows, edited, results)
@@ -300,7 +395,7 @@ class Sampler:
         if keep_details:
             self._draw_with_details(logits, rows, source, results)
         elif ok:
-            for i, t in zip(ok, self._draw(logits, rows, ok, source, meta)):
+            for i, t in zip(ok, self._draw(logits, rows, ok, source, meta).tolist()):
                 results[i].token = t
             again = []
             for i in retry:
@@ -311,7 +406,7 @@ class Sampler:
                 except Exception as exc:  # noqa: BLE001
                     _fail(results[i], exc)
             if again:
-                for i, t in zip(again, self._draw(logits, rows, again, source, meta)):
+                for i, t in zip(again, self._draw(logits, rows, again, source, meta).tolist()):
                     results[i].token = t
         self._logprobs(logits, meta, results)
         return results
@@ -366,28 +461,28 @@ class Sampler:
         return _mask(raw if processed is None else processed, refused, raw, len(history) < row.params.min_tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
-              source: dict[int, torch.Tensor], meta: SamplingMetadata) -> list[int]:
-        """Tokens of rows `which`: each from its processed logits (`source`) or the raw row; one
-        uniform number from each sampled row's generator. On a GPU: one copy of the uniform
-        numbers over, one of the tokens back."""
+              source: dict[int, torch.Tensor], meta: SamplingMetadata) -> torch.Tensor:
+        """Tokens of rows `which` (int64 ``[len(which)]``, on the logits' device): each from its
+        processed logits (`source`) or the raw row; one uniform number from each sampled row's
+        generator. On a GPU: one copy of the uniform numbers over."""
         dev = logits.device
-        u = torch.tensor([uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which],
-                         dtype=torch.float32, device=dev)
+        u = to_device([uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which],
+                      torch.float32, dev)
         whole = len(which) == logits.shape[0]  # (every row, in order: `which` is sorted)
-        sel = slice(None) if whole else torch.tensor(which, dtype=torch.long, device=dev)
+        sel = slice(None) if whole else to_device(which, torch.long, dev)
         settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
         if self.kernel is not None and dev.type == "cpu":
             base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
             addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
             if logits.dtype == torch.float32 and logits.stride(1) == 1:
-                return self.kernel(addresses, logits.shape[1], *settings).tolist()
+                return self.kernel(addresses, logits.shape[1], *settings)
         if whole and not source and logits.dtype == torch.float32:
             stack = logits
         else:
             stack = torch.stack([source[i] if i in source else logits[i].float() for i in which])
         sampled = [j for j, i in enumerate(which) if not rows[i].params.greedy]
         active = any(meta.filtered[i] for i in which)
-        return torch_draw(stack, *settings, sampled=sampled, active=active).tolist()
+        return torch_draw(stack, *settings, sampled=sampled, active=active)
 
     def _draw_with_details(self, logits, rows, source, results) -> None:
         """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
@@ -432,24 +527,29 @@ class Sampler:
                                zero).tolist()
         return [int(r.argmax()) for r in rows]
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:
-        """Log-probabilities of the raw logits for the rows that ask: one log_softmax, one topk."""
-        lr = meta.logprob_rows
-        if not lr:
+    def _logprobs(self, logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:
+        """Fill the log-probabilities of `results` (the rows drawn already) that ask."""
+        if not meta.logprob_rows:
             return
-        lp = (logits if len(lr) == logits.shape[0] else logits[lr]).float().log_softmax(-1)
-        tokens = torch.tensor([max(results[i].token, 0) for i in lr], device=lp.device)  # (a failed row's -1: ignored)
-        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-        top_vals = top_ids = None
-        if meta.max_logprobs:
-            top_vals, top_ids = lp.topk(meta.max_logprobs, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(lr):
-            res = results[i]
-            res.logprob = chosen[j]
-            n = meta.num_logprobs[j]
-            res.top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+        tokens = torch.tensor([max(r.token, 0) for r in results], device=logits.device)  # (a failed row's -1: ignored)
+        filled, _ = self._logprob_tensors(logits, SampleLaunch(meta, tokens, [])).results()
+        for i in meta.logprob_rows:
+            results[i].logprob, results[i].top_logprobs = filled[i].logprob, filled[i].top_logprobs
+
+    @staticmethod
+    def _logprob_tensors(logits: torch.Tensor, out: SampleLaunch) -> SampleLaunch:
+        """Log-probabilities of the raw logits for the rows that ask, of `out`'s tokens and the
+        top n: one log_softmax, one gather, one topk, as tensors in `out`."""
+        lr = out.meta.logprob_rows
+        if not lr:
+            return out
+        whole = len(lr) == logits.shape[0]
+        sel = slice(None) if whole else to_device(lr, torch.long, logits.device)
+        lp = logits[sel].float().log_softmax(-1)
+        out.chosen = lp.gather(1, out.tokens[sel].clamp(min=0)[:, None])[:, 0]
+        if out.meta.max_logprobs:
+            out.top_vals, out.top_ids = lp.topk(out.meta.max_logprobs, dim=-1)
+        return out
 
     # -- whole distributions ------------------------------------------------------------------
     def distributions(self, logits: torch.Tensor, rows: list[SamplerRequest],

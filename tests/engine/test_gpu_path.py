@@ -107,6 +107,26 @@ def test_preemption_and_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
     assert draft.engine.spec_stats().num_accepted_tokens > 0
 
 
+def test_async_scheduling_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
+    """Async scheduling on the GPU's path: decode batches through the graphs' static buffers take
+    the last step's tokens on the device (written into the static ids before the replay), mixed
+    steps eagerly, the draw's copies read back a step later. The reference path's tokens and
+    log-probabilities (requests without processors: those would run the steps in order)."""
+    path = str(tiny_gguf["llama"][0])
+    params = [PARAMS[0], PARAMS[1], PARAMS[3], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)]
+    want = [o.outputs[0] for o in LLM(path, **REFERENCE, **SMALL).generate(PROMPTS[:4], params)]
+    llm = LLM(path, **GPU_PATH, **SMALL, async_scheduling=True)
+    runner, fed = llm.engine.runner, []
+    run = runner.graphs.run
+    runner.graphs.run = lambda batch, feed=None: fed.append(feed is not None) or run(batch, feed)
+    got = generate_on_meta(llm, PROMPTS[:4], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got[3].logprobs, want[3].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert sum(fed) > 3  # (graph replays fed on the device)
+    assert_no_leak(llm)
+
+
 def test_lora_adapters_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path):
     """A PEFT adapter's requests beside the base model's in one batch (adapter rows run eagerly,
     base-only decode steps through the graphs): the CPU reference path's tokens."""

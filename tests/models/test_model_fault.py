@@ -39,10 +39,13 @@ def poisoned(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=[("float32", False), ("bfloat16", False), ("float32", True)],
+                ids=["float32", "bfloat16", "float32-async"])
 def llm(poisoned, request):
-    """float32 (PyTorch layers) and bf16 (our kernels: the C prefill and decode paths)."""
-    return LLM(str(poisoned), dtype=request.param, block_size=4)
+    """float32 (PyTorch layers), bf16 (our kernels: the C prefill and decode paths), and float32
+    with async scheduling (the fault is read back a step after its pass)."""
+    dtype, async_scheduling = request.param
+    return LLM(str(poisoned), dtype=dtype, block_size=4, async_scheduling=async_scheduling)
 
 
 def test_faulty_request_fails_and_the_batch_goes_on(llm):
