@@ -81,4 +81,3 @@ def move_model(model: torch.nn.Module, device: torch.device) -> None:
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
                     and value.device != device:
                 setattr(module, key, value.to(device))
-
