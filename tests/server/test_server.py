@@ -32,9 +32,11 @@ def fast(smollm2_path):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_gguf):
-    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny")
+@pytest.fixture(scope="module", params=[False, True], ids=["in-order", "async"])
+def tiny(tiny_gguf, request):
+    """The tiny model, its steps in order and with async scheduling (each step launched before the
+    last is read back: disconnects, concurrent streams and beam search over it)."""
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32", async_scheduling=request.param), "tiny")
     yield srv
     srv.stop()
 
