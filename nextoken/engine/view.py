@@ -100,8 +100,7 @@ class EngineView:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The blocks of sequence `request_id` in order ([] when it holds none)."""
-        kv = self._engine.kv
-        return kv.block_ids(request_id) if request_id in kv.block_tables else []
+        return list(self._engine.kv.block_ids(request_id))
 
     # -- requests and steps ------------------------------------------------------------------
     @property

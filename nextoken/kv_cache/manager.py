@@ -45,6 +45,7 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching and not sliding_blocks
         self.pool = BlockPool(num_blocks, self.enable_caching)
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # each table's block ids, kept beside it (read every step)
         self._num_cached: dict[str, int] = {}  # blocks of each request registered in the cache
         self.ring_blocks = ring_blocks
         self.sliding_pool = BlockPool(sliding_blocks, False) if sliding_blocks else None
@@ -57,7 +58,9 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+        """The request's block ids in order: the manager's own list, grown as blocks are added
+        (read it within the step; copy it to keep it)."""
+        return self._block_ids.get(request_id, [])
 
     def ring_ids(self, request_id: str) -> list[int] | None:
         """The request's sliding-window ring blocks (None for a model without such layers)."""
@@ -145,9 +148,9 @@ class KVCacheManager:
                 del self.block_tables[req.request_id]
             return False
         self.pool.touch(computed)
-        table.extend(computed)
-        if need > 0:
-            table.extend(self.pool.get_new_blocks(need))
+        new = [*computed, *self.pool.get_new_blocks(need)] if need > 0 else list(computed)
+        table.extend(new)
+        self._block_ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
         if ring_need > 0:
             self.rings[req.request_id] = ring + self.sliding_pool.get_new_blocks(ring_need)
         return True
@@ -162,6 +165,7 @@ class KVCacheManager:
         shared = self.block_tables[parent.request_id][:n]
         self.pool.touch(shared)
         self.block_tables[child.request_id] = list(shared)
+        self._block_ids[child.request_id] = [b.block_id for b in shared]
         child.block_hashes[:] = parent.block_hashes[:n]
         return n * self.block_size
 
@@ -197,6 +201,7 @@ class KVCacheManager:
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])
+        self._block_ids.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(table))
         if self.sliding_pool is not None:
