@@ -375,6 +375,12 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     out["b64_ratio"] = out["b64_greedy_step_ms"] / out["b64_roofline_ms"]
     log(f"   64 x (512 + 256): decode step {out['b64_greedy_step_ms']:.2f} ms greedy, {out['b64_sampled_step_ms']:.2f} "
         f"sampled; roofline {out['b64_roofline_ms']:.2f} ms ({out['b64_ratio']:.1f}x)")
+    graphs = runner.graphs
+    if graphs is not None and graphs.graphs.get(batch, (None,))[0] is not None:
+        # the pass alone on the GPU (the captured 64-decode graph over its last inputs): the step
+        # less this is the host's part (inputs, LM head, draw, detokenizing, scheduling)
+        out["b64_graph_ms"] = 1000 * cuda_time(graphs.graphs[batch][0].replay, 20, 3)
+        log(f"   the 64-decode graph alone: {out['b64_graph_ms']:.2f} ms on the GPU")
     # the same engine with async scheduling (the host's work for a step while the GPU runs the next)
     llm.engine.async_scheduling = True
     try:  # (a fault here keeps the in-order figures above, and the serving section runs in order)
