@@ -113,7 +113,8 @@ def test_async_scheduling_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
     steps eagerly, the draw's copies read back a step later. The reference path's tokens and
     log-probabilities (requests without processors: those would run the steps in order)."""
     path = str(tiny_gguf["llama"][0])
-    params = [PARAMS[0], PARAMS[1], PARAMS[3], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)]
+    params = [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in (PARAMS[0], PARAMS[1], PARAMS[3])]
+    params.append(SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))
     want = [o.outputs[0] for o in LLM(path, **REFERENCE, **SMALL).generate(PROMPTS[:4], params)]
     llm = LLM(path, **GPU_PATH, **SMALL, async_scheduling=True)
     runner, fed = llm.engine.runner, []
