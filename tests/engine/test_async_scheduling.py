@@ -134,3 +134,20 @@ def test_abort_and_new_requests_between_overlapped_steps(tiny_gguf):
         assert not engine.has_unfinished_requests()
         assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
     assert runs[1] == runs[0] and ids[1] not in runs[0] and len(runs[0]) == 5
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_async_scheduling_under_the_other_policies(tiny_gguf, policy):
+    """Priority preemption (a higher priority takes a running request's place, which may have a
+    token in flight) and the fair policy on a tight cache: the in-order engine's tokens."""
+    path = str(tiny_gguf["llama"][0])
+    prompts, params = workload(count=12)
+    priority = [i % 3 for i in range(12)] if policy == "priority" else None
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(path, **{**SMALL, "max_num_seqs": 4}, num_kv_blocks=30, scheduling_policy=policy,
+                  async_scheduling=async_scheduling)
+        runs.append(completions(llm.generate(prompts, params, priority=priority)))
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_no_leak(llm)
+    assert runs[1] == runs[0]
