@@ -367,7 +367,7 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
            ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=2, max_tokens=n_tok, ignore_eos=True)))
     tokens = {}
     for name, params in b64:
-        out[f"b64_{name}_step_ms"], out[f"b64_{name}_out_tok_s"], tokens[name] = decode_steps(llm, prompts, params)
+        out[f"b64_{name}_step_ms"], out[f"b64_{name}_out_tok_s"], tokens[name], _ = decode_steps(llm, prompts, params)
     ctx = plen + n_tok // 2  # the mean context over the decode
     step_bytes = facts["decode_weight_bytes"] + batch * ctx * facts["kv_bytes_per_token"]
     step_flops = 2 * facts["matmul_params"] * batch + attention_flops(facts, batch, ctx)
@@ -388,8 +388,8 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
             tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
             out[f"b1_async_{name}_tok_s"] = 1 / statistics.median(tpots)
         for name, params in b64:
-            out[f"b64_async_{name}_step_ms"], out[f"b64_async_{name}_out_tok_s"], got = \
-                decode_steps(llm, prompts, params)
+            out[f"b64_async_{name}_step_ms"], out[f"b64_async_{name}_out_tok_s"], got, \
+                out[f"b64_async_{name}_wait_ms"] = decode_steps(llm, prompts, params)
             out[f"b64_async_{name}_same_tokens"] = sum(a == b for a, b in zip(got, tokens[name])) / len(got)
     except Exception as exc:  # noqa: BLE001
         out["async_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -403,7 +403,8 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
             f"output tok/s greedy (in order {out['b64_greedy_out_tok_s']:.0f}), "
             f"{out['b64_async_sampled_out_tok_s']:.0f} sampled (in order {out['b64_sampled_out_tok_s']:.0f}); the "
             f"in-order run's tokens in {100 * out['b64_async_greedy_same_tokens']:.0f}% / "
-            f"{100 * out['b64_async_sampled_same_tokens']:.0f}% of the requests")
+            f"{100 * out['b64_async_sampled_same_tokens']:.0f}% of the requests; a greedy step waited "
+            f"{out['b64_async_greedy_wait_ms']:.2f} ms of its {out['b64_async_greedy_step_ms']:.2f} for the device")
 
     n = n_pre
     blocks = list(range(-(-n // runner.kv.block_size)))
@@ -417,21 +418,25 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     return out
 
 
-def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, list[list[int]]]:
+def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, list[list[int]], float]:
     """`prompts` through `llm` at once: the median milliseconds of a step whose decodes are the
     whole batch (the step's wall: under async scheduling the period between steps), output tokens
-    a second over the whole run, and each request's tokens."""
-    steps: list[tuple[int, float]] = []
-    llm.engine.subscribe(lambda st: steps.append((len(st.decode), st.ms)) if not st.prefill else None)
+    a second over the whole run, each request's tokens, and the median milliseconds such a step
+    waited for the device's tokens (async scheduling; 0 in order)."""
+    steps: list[tuple[int, float, float]] = []
+    llm.engine.subscribe(lambda st: steps.append((len(st.decode), st.ms, st.wait_ms)) if not st.prefill else None)
     t0 = time.perf_counter()
     try:
         outs = llm.generate(prompts, params)
     finally:
         llm.engine.subscribers.pop()
     wall = time.perf_counter() - t0
-    full = [ms for n, ms in steps if n == len(prompts)]
+    full = [(ms, wait) for n, ms, wait in steps if n == len(prompts)]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return statistics.median(full) if full else float("nan"), sum(map(len, tokens)) / wall, tokens
+    if not full:
+        return float("nan"), sum(map(len, tokens)) / wall, tokens, float("nan")
+    return (statistics.median(ms for ms, _ in full), sum(map(len, tokens)) / wall, tokens,
+            statistics.median(wait for _, wait in full))
 
 
 # -- 4. serving ---------------------------------------------------------------------------------------
@@ -488,11 +493,15 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
                # its mean step; a busy share well below 1 puts the limit in the HTTP layer or the client
                "serve_engine_steps": steps, "serve_engine_busy": busy / wall if wall else None,
-               "serve_mean_step_ms": 1e3 * busy / steps if steps else None}
+               "serve_mean_step_ms": 1e3 * busy / steps if steps else None,
+               # async scheduling: the share of the wall the engine waited for the device's tokens
+               # (near the busy share: the GPU sets the pace; near 0: the host does)
+               "serve_device_wait": engine.get("nextoken_device_wait_seconds_total", 0) / wall if wall else None}
         log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} "
             f"tokens in "
             f"{wall:.1f} s = {tokens / wall:.0f} output tok/s; the engine stepped {out['serve_engine_busy'] or 0:.0%} "
-            f"of the wall ({steps:.0f} steps, {out['serve_mean_step_ms'] or 0:.2f} ms each)")
+            f"of the wall ({steps:.0f} steps, {out['serve_mean_step_ms'] or 0:.2f} ms each), waited for the device "
+            f"{out['serve_device_wait'] or 0:.0%} of it")
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -504,11 +513,12 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
 
 
 def engine_metrics(url: str) -> dict[str, float]:
-    """The server's step-time histogram's sum and count, from its Prometheus text
-    (``/metrics``); {} when it cannot be read."""
+    """The server's step-time histogram's sum and count and, under async scheduling, its wait for
+    the device, from its Prometheus text (``/metrics``); {} when it cannot be read."""
     import httpx
 
-    wanted = ("nextoken_step_duration_seconds_sum", "nextoken_step_duration_seconds_count")
+    wanted = ("nextoken_step_duration_seconds_sum", "nextoken_step_duration_seconds_count",
+              "nextoken_device_wait_seconds_total")
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:

@@ -217,7 +217,8 @@ class LLMEngine:
             for r in traced:  # tracing costs only the traced request: a pass of its own
                 self._run({r: plan.scheduled[r]}, tracer=r.tracer)
         if overlap:
-            self._read_back()
+            stats.overlapped = True
+            stats.wait_ms = self._read_back()
             self._in_flight = launched
         outputs, stats.finished = self.outputs.collect()
         if self.beams.groups:
@@ -292,13 +293,16 @@ class LLMEngine:
             r.fed_row = j
         return InFlight(sampled, draw)
 
-    def _read_back(self) -> None:
+    def _read_back(self) -> float:
         """Read the step in flight back (waiting for its copies) and emit its tokens, as a step in
         order would: a request with non-finite logits fails, one that has finished since
-        (stopped, aborted) drops its row."""
+        (stopped, aborted) drops its row. Returns the milliseconds spent waiting for the copies."""
         done, self._in_flight = self._in_flight, None
         if done is None:
-            return
+            return 0.0
+        start = time.perf_counter()
+        done.draw.wait()
+        waited = (time.perf_counter() - start) * 1000
         results, finite = done.draw.results()
         for r, res, ok in zip(done.reqs, results, finite):
             if r.finished:
@@ -311,6 +315,7 @@ class LLMEngine:
             self.outputs.emit(r, [res])
             if not r.finished and r.status is RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(r)
+        return waited
 
     def _sequence_input(self, r: Request, n: int, drafted: tuple | None) -> SequenceInput:
         """The runner's input for `n` new tokens of `r` (with `drafted`: its last token and the

@@ -21,7 +21,10 @@ class StepStats:
     """One step: its number, start (``time.perf_counter``) and duration (ms); the prefill chunks
     (``[request id, tokens]``), decoding and preempted request ids; the speculative
     verifications (`spec.speculator.verification_record`); the requests that finished (their
-    `RequestGroup`s and final `RequestOutput`s) and the ids of those that failed."""
+    `RequestGroup`s and final `RequestOutput`s) and the ids of those that failed. Under async
+    scheduling (`overlapped`), `wait_ms` is how long the host waited for the last step's tokens
+    to come back: near 0 when the device keeps ahead of the host (the host sets the pace), near a
+    pass's time when the host keeps ahead (the device does)."""
 
     step: int
     time: float
@@ -32,11 +35,14 @@ class StepStats:
     ms: float = 0.0
     finished: list = field(default_factory=list)  # (RequestGroup, RequestOutput)
     failed: list = field(default_factory=list)
+    overlapped: bool = False
+    wait_ms: float = 0.0
 
     def record(self) -> dict:
         """The step as the inspector's JSON shows it."""
         return {"step": self.step, "time": self.time, "prefill": self.prefill, "decode": self.decode,
-                "preempted": self.preempted, "spec": self.spec, "ms": self.ms}
+                "preempted": self.preempted, "spec": self.spec, "ms": self.ms, "overlapped": self.overlapped,
+                "wait_ms": self.wait_ms}
 
 
 class StepHistory:

@@ -105,10 +105,16 @@ class SampleLaunch:
         self.event.record()
         return self
 
-    def results(self) -> tuple[list[SampleResult], list[bool]]:
-        """Wait for the copies; each row's `SampleResult` and whether its logits were finite."""
+    def wait(self) -> None:
+        """Wait until the copies to the host are done (the device has drawn): the event, not the
+        stream, so the steps launched after it run on."""
         if self.event is not None:
             self.event.synchronize()
+            self.event = None
+
+    def results(self) -> tuple[list[SampleResult], list[bool]]:
+        """Wait for the copies; each row's `SampleResult` and whether its logits were finite."""
+        self.wait()
         get = (lambda name: self.host.get(name, getattr(self, name))) if self.host else \
             (lambda name: getattr(self, name))
         results = [SampleResult(t) for t in get("tokens").tolist()]

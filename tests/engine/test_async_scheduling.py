@@ -74,10 +74,13 @@ def test_async_scheduling_gives_the_tokens_of_steps_in_order(tiny_gguf, arch, pl
     llm = LLM(path, **SMALL, **plan, num_kv_blocks=blocks, async_scheduling=True)
     assert llm.engine.async_scheduling
     fed = count_fed(llm)
+    steps = []
+    llm.engine.subscribe(steps.append)
     got = llm.generate(prompts, params)
     assert completions(got) == completions(want)
     assert_logprobs_close(got, want)
     assert fed[0] > 10  # (it overlapped: decodes took their tokens on the device)
+    assert all(s.overlapped and s.wait_ms >= 0 for s in steps) and all(s.record()["overlapped"] for s in steps)
     if blocks == 28:
         assert llm.engine.scheduler.num_preemptions > 0
     stops = [c.stop_reason for o in got for c in o.outputs if c.finish_reason == "stop"]

@@ -298,6 +298,9 @@ def test_32_concurrent_streams_equal_sequential_runs(tiny):
 
     assert asyncio.run(main()) == sequential
     assert tiny.idle()
+    waited = [line for line in httpx.get(tiny.url + "/metrics").text.splitlines()
+              if line.startswith("nextoken_device_wait_seconds_total ")]
+    assert len(waited) == 1 and (float(waited[0].split()[1]) > 0) == tiny.llm.engine.async_scheduling
 
 
 @pytest.mark.subprocess

@@ -45,6 +45,9 @@ class ServerMetrics:
                               "(non-finite logits, a sampler or grammar error)", registry=r)
         self.step_seconds = Histogram("nextoken_step_duration_seconds", "Engine steps (schedule, forward pass, "
                                       "sampling, outputs)", registry=r, buckets=TOKEN_BUCKETS)
+        self.device_wait = Counter("nextoken_device_wait_seconds", "Under async scheduling, time the engine "
+                                   "waited for a step's tokens to come back from the device: near the steps' "
+                                   "time when the device sets the pace, near 0 when the host does", registry=r)
         r.register(EngineCollector(stats, model_name))
 
     def observe(self, out) -> None:
@@ -66,6 +69,8 @@ class ServerMetrics:
         """The engine's subscriber (`LLMEngine.subscribe`; on the stepping thread): each step's
         duration and the requests that failed in it (`engine.step_stats.StepStats`)."""
         self.step_seconds.observe(step.ms / 1000)
+        if step.wait_ms:
+            self.device_wait.inc(step.wait_ms / 1000)
         if step.failed:
             self.failed.inc(len(step.failed))
 
