@@ -444,7 +444,7 @@ class InFlight:
 def _needs_order(params: SamplingParams, o: RequestOptions) -> bool:
     """Whether a request needs the host between its steps, so the steps run in order while it is
     there: its grammar or logit processors read its tokens, its tracer, prompt scores, first
-    tokens or kept logits are host work around the pass (`Sampler.plain`)."""
+    tokens or kept logits are host work around the pass (`sampler.plain_row`)."""
     return bool(params.structured_outputs is not None or has_processors(params) or o.tracer is not None
                 or params.prompt_logprobs is not None or o.first_tokens or o.return_logits or params.max_tokens == 0)
 

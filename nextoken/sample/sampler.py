@@ -133,6 +133,12 @@ class SampleLaunch:
         return results, finite if isinstance(finite, list) else finite.tolist()
 
 
+def plain_row(row: SamplerRequest) -> bool:
+    """Whether `row`'s token follows from its logits with nothing from the host between (no
+    grammar, no processor): what `Sampler.launch` takes."""
+    return row.grammar is None and not has_processors(row.params)
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` as a tensor of `dtype` on `device`. On a GPU the copy goes from pinned memory
     without waiting: ``torch.tensor(values, device="cuda")`` copies from pageable memory, and
@@ -277,7 +283,7 @@ class SamplingMetadata:
     max_logprobs: int
     rows: list = field(default_factory=list, repr=False)  # the rows it was built for (held: see `Sampler.metadata`)
     filtered: list[bool] = field(default_factory=list)  # per row: a sampled row with top-k, top-p or min-p on
-    plain: bool = True  # every row `Sampler.plain`: no grammar, no processor
+    plain: bool = True  # every row `plain_row`: no grammar, no processor
 
     @classmethod
     def build(cls, rows: list[SamplerRequest], V: int, device: torch.device | None = None) -> SamplingMetadata:
@@ -293,8 +299,7 @@ class SamplingMetadata:
         processed = [i for i, p in enumerate(ps) if has_processors(p)]
         filtered = [t > 0 and (k > 0 or tp < 1.0 or mp > 0) for t, k, tp, mp in zip(*settings)]
         return cls(temperature, top_k, top_p, min_p, processed, lp, [ps[i].logprobs for i in lp],
-                   max((ps[i].logprobs for i in lp), default=0), list(rows), filtered,
-                   not processed and all(r.grammar is None for r in rows))
+                   max((ps[i].logprobs for i in lp), default=0), list(rows), filtered, all(map(plain_row, rows)))
 
 
 def draw_unmasked_is_exact(row: SamplerRequest, history: list[int]) -> bool:
@@ -351,14 +356,8 @@ class Sampler:
             return self.kernel.finite(logits)
         return torch.isfinite(logits).all(dim=-1)
 
-    @staticmethod
-    def plain(row: SamplerRequest) -> bool:
-        """Whether `row`'s token follows from its logits with nothing from the host between (no
-        grammar, no processor that reads its history): what `launch` takes."""
-        return row.grammar is None and not has_processors(row.params)
-
     def launch(self, logits: torch.Tensor, rows: list[SamplerRequest], check_finite: bool = True) -> SampleLaunch:
-        """The draw of `rows` (each `plain`) from logits ``[b, vocab]``, left in flight: the tokens,
+        """The draw of `rows` (each `plain_row`) from logits ``[b, vocab]``, left in flight: the tokens,
         the asked log-probabilities and (with `check_finite`) each row's finiteness as tensors on
         the logits' device, their copies to the host started (`SampleLaunch.to_host`). No copy
         back waits here, so a GPU's next step can be launched before `SampleLaunch.results`.
