@@ -309,8 +309,7 @@ class LLMEngine:
                 continue
             r.num_pending -= 1
             if not ok:
-                self.outputs.fail(r, f"the model produced non-finite logits (NaN or inf) predicting position "
-                                      f"{r.num_tokens}")
+                self.outputs.fail(r, _nonfinite(r.num_tokens))
                 continue
             self.outputs.emit(r, [res])
             if not r.finished and r.status is RequestStatus.RUNNING:
@@ -377,8 +376,7 @@ class LLMEngine:
         finite = self.sampler.finite_rows(logits)
         for r, (a, b) in rows.items():
             if not all(finite[a:b]):
-                self.outputs.fail(r, f"the model produced non-finite logits (NaN or inf) predicting position "
-                                      f"{r.num_computed_tokens}")
+                self.outputs.fail(r, _nonfinite(r.num_computed_tokens))
 
     def _score_prompts(self, scored: list[tuple[Request, int]]) -> None:
         """Prompt log-probabilities from this pass's kept hidden states (`scored`: each request
@@ -439,6 +437,10 @@ class InFlight:
 
     reqs: list[Request]
     draw: SampleLaunch
+
+
+def _nonfinite(position: int) -> str:
+    return f"the model produced non-finite logits (NaN or inf) predicting position {position}"
 
 
 def _needs_order(params: SamplingParams, o: RequestOptions) -> bool:

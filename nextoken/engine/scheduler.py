@@ -123,8 +123,6 @@ class Scheduler:
         for req in self.waiting.ordered(now):
             if budget <= 0:
                 return
-            if req.num_pending:  # (preempted with a token in flight: admitted once it is read back)
-                continue
             rank = self.waiting.effective_priority(req, now)
             if len(self.running) >= self.config.max_num_seqs:
                 budget, made_room = self._preempt_for(rank, out, budget)

@@ -56,10 +56,11 @@ class HostBatch:
         return len(self.seq_lens)
 
 
-def layout(seqs, block_size: int, sliding=None) -> HostBatch:
+def layout(seqs, block_size: int, sliding=None, fed: bool = False) -> HostBatch:
     """The `HostBatch` of `seqs` (`runner.model_runner.SequenceInput`, one row each) for a cache
-    of `block_size`-token blocks (and `sliding`, its `SlidingKVCache`, or None). Raises
-    `EngineError` when a sequence's blocks cannot hold its tokens (a scheduler fault)."""
+    of `block_size`-token blocks (and `sliding`, its `SlidingKVCache`, or None); with `fed` (a
+    draw on the device to take tokens from) its `fed_rows`. Raises `EngineError` when a
+    sequence's blocks cannot hold its tokens (a scheduler fault)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
     ss = [seqs[i] for i in order]
     lens = np.array([len(s.token_ids) for s in ss], dtype=np.int64)
@@ -78,7 +79,7 @@ def layout(seqs, block_size: int, sliding=None) -> HostBatch:
     ids = np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1]))
     batch = HostBatch(order, block_size, ids, positions, slots, tables, qsl.tolist(), (starts + lens).tolist(),
                       int(np.sum(lens == 1)), [_first_block(s.block_ids) for s in ss])
-    if any(s.fed_from >= 0 for s in ss):  # (an input fed from the device is a decode: among the first)
+    if fed and any(s.fed_from >= 0 for s in ss):  # (an input fed from the device is a decode: among the first)
         batch.fed_rows = np.fromiter((s.fed_from for s in ss[: batch.num_decodes]), np.int64, batch.num_decodes)
     if sliding is not None:
         batch.sliding = build_sliding_metadata(sliding.window, block_size, sliding.ring_blocks,

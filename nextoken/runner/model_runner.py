@@ -382,11 +382,9 @@ class ModelRunner:
         """One forward pass over `seqs` (in the C step with `one_call`, unless the kernel
         refuses): the final hidden states ``[T, hidden]`` in batch order, and each sequence's
         last row in them (by index into `seqs`); `fed`: `execute`'s."""
-        batch = layout(seqs, self.kv.block_size, self.kv.sliding)
+        batch = layout(seqs, self.kv.block_size, self.kv.sliding, fed is not None)
         last = {i: batch.query_start_loc[row + 1] - 1 for row, i in enumerate(batch.order)}
         plain = tracer is None and not any(s.lora_id for s in seqs)  # (a graph holds no tracer or adapter)
-        if batch.fed_rows is not None and fed is None:
-            raise EngineError("an input takes its token from the previous step's draw, but no draw was given")
         if self.graphs is not None and plain and self.graphs.takes(batch):
             return self.graphs.run(batch, fed), last
         input_ids, positions, meta = self._model_inputs(batch, fed)

@@ -115,8 +115,8 @@ class SampleLaunch:
     def results(self) -> tuple[list[SampleResult], list[bool]]:
         """Wait for the copies; each row's `SampleResult` and whether its logits were finite."""
         self.wait()
-        get = (lambda name: self.host.get(name, getattr(self, name))) if self.host else \
-            (lambda name: getattr(self, name))
+        host = self.host or {}
+        get = lambda name: host.get(name, getattr(self, name))  # noqa: E731
         results = [SampleResult(t) for t in get("tokens").tolist()]
         m = self.meta
         if m.logprob_rows:
