@@ -35,7 +35,9 @@ and says so:
    the server's /metrics the share of the wall its engine spent stepping and its mean step (a
    share well below 1: the HTTP layer or the client sets the pace, not the GPU; `--stream-interval
    N` serves with fewer, larger chunks, default 1 as users run it; ``--serve-async auto``, the
-   default, serves with ``--async-scheduling`` when the speed section's async runs went through); and
+   default, serves with ``--async-scheduling`` when the speed section's async runs went through;
+   ``--serve-process both``, the default, serves with ``--engine-process`` first, then in one process
+   as time allows, its figures as ``serve_oneproc_*``); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -441,7 +443,7 @@ def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, l
 
 # -- 4. serving ---------------------------------------------------------------------------------------
 def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1,
-            async_scheduling: bool = False) -> dict:
+            async_scheduling: bool = False, engine_process: bool = False) -> dict:
     import asyncio
 
     import httpx
@@ -449,13 +451,14 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
     import serve as serve_bench
 
     port = 8123
-    logf = open(os.path.join(out_dir, "serve.log") if out_dir else os.devnull, "w")
+    logf = open(os.path.join(out_dir, f"serve{'-engine-process' if engine_process else ''}.log") if out_dir
+                else os.devnull, "w")
     where = ["--device", "cuda"] if DEV == "cuda" else ["--device", "cpu", "--enforce-eager", "--attention-backend",
                                                          "triton"]
     cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
            "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
            "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval),
-           *(["--async-scheduling"] if async_scheduling else [])]
+           *(["--async-scheduling"] if async_scheduling else []), *(["--engine-process"] if engine_process else [])]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}"
@@ -472,7 +475,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
             raise RuntimeError("the server did not become healthy in 240 s")
         started = time.perf_counter() - t0
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        smoke = server_smoke(url, model, vocab)
+        smoke = server_smoke(url, model, vocab, inspector=not engine_process)
         log(f"   the server on the GPU: {smoke}")
         rng = random.Random(4)
         top = 1024 if DEV == "cuda" else 24
@@ -488,6 +491,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         steps, busy = engine.get("nextoken_step_duration_seconds_count", 0), engine.get("nextoken_step_duration_seconds_sum", 0)
         out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
                "serve_stream_interval": stream_interval, "serve_async_scheduling": async_scheduling,
+               "serve_engine_process": engine_process,
                "serve_wall_s": wall,
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
@@ -531,11 +535,11 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def server_smoke(url: str, model: str, vocab: int) -> dict:
+def server_smoke(url: str, model: str, vocab: int, inspector: bool = True) -> dict:
     """The APIs on the GPU engine, each call's status (and what it must hold): a chat completion,
     JSON held to a schema (the grammar's mask on device logits), completions with log-probabilities
-    from token ids, Anthropic's Messages, and the inspector's journey (a traced request: the
-    reference attention and the per-layer views)."""
+    from token ids, a beam search, Anthropic's Messages, and with `inspector` its journey (a traced
+    request: the reference attention and the per-layer views) and views."""
     import httpx
 
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
@@ -550,6 +554,8 @@ def server_smoke(url: str, model: str, vocab: int) -> dict:
                                                      "logprobs": 2, "temperature": 0.7, "seed": 1}),
         "messages": ("/v1/messages", {"model": model, "max_tokens": 8,
                                       "messages": [{"role": "user", "content": "Hi"}]}),
+        "beam_search": ("/v1/completions", {"model": model, "prompt": "The best", "max_tokens": 4,
+                                            "use_beam_search": True, "best_of": 3, "n": 2}),
         "journey": ("/inspect/api/journey/step", {"prompt": "The capital of France is", "generated": []}),
         "sample": ("/inspect/api/sample", {"prompt": "Hello", "seed": 3, "temperature": 0.8, "top_p": 0.9}),
         "sample_regex": ("/inspect/api/sample", {"prompt": "Hello", "regex": "[a-c]+"}),
@@ -565,6 +571,8 @@ def server_smoke(url: str, model: str, vocab: int) -> dict:
     }
     out = {}
     for name, (path, body) in calls.items():
+        if not inspector and path.startswith("/inspect"):
+            continue
         try:
             r = httpx.post(url + path, json=body, timeout=120) if body is not None else httpx.get(url + path, timeout=60)
             if name == "trace" and r.status_code == 200:  # its views too: attention, the logit lens
@@ -639,8 +647,10 @@ def table(limits: dict) -> str:
             f"({fmt(r.get('b64_roofline_ms'), '.2f')}, {fmt(r.get('b64_ratio'), '.1f', 'x')}) | "
             f"{fmt(r.get('b1_async_greedy_tok_s'))}, {fmt(r.get('b64_async_greedy_step_ms'), '.2f')} | "
             f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(pre, '.0f', '%')}) | "
-            f"{fmt(r.get('serve_out_tok_s'))}{' async' if r.get('serve_async_scheduling') else ''} "
-            f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}) | "
+            f"{fmt(r.get('serve_out_tok_s'))}{' async' if r.get('serve_async_scheduling') else ''}"
+            f"{' proc' if r.get('serve_engine_process') else ''} "
+            f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')})"
+            f"{'; one process ' + fmt(r['serve_oneproc_out_tok_s']) if 'serve_oneproc_out_tok_s' in r else ''} | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
             f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
             f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} / "
@@ -660,6 +670,8 @@ def main() -> int:
     ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval in the serving section")
     ap.add_argument("--serve-async", choices=("auto", "on", "off"), default="auto",
                     help="the server's --async-scheduling: auto, on when the speed section's async runs went through")
+    ap.add_argument("--serve-process", choices=("both", "on", "off"), default="both",
+                    help="the server's --engine-process: on, off, or both (on first, then off as time allows)")
     args = ap.parse_args()
     import torch
 
@@ -719,7 +731,13 @@ def main() -> int:
                 if go:
                     overlap = args.serve_async == "on" or (args.serve_async == "auto"
                                                            and "b64_async_greedy_out_tok_s" in r)
-                    r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap))
+                    r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
+                                     args.serve_process != "off"))
+            if args.serve_process == "both" and "serve_out_tok_s" in r:  # the other way, as time allows
+                with section(f"{name}: serving in one process", args.budget, 60) as go:
+                    if go:
+                        one = serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap, False)
+                        r.update({k.replace("serve_", "serve_oneproc_", 1): v for k, v in one.items()})
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go:
                     r.update(transformers_generate(folder, vocab))

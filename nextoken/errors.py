@@ -20,6 +20,9 @@ class InvalidRequest(NextokenError, ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled with its field (the engine process sends it to the server's)
+        return type(self), (str(self), self.field)
+
 
 class NotFound(InvalidRequest):
     """What the request names does not exist: an unknown model, a trace that is gone, a position

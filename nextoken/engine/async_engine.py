@@ -42,62 +42,55 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return newer
 
 
-class AsyncLLMEngine:
-    """An `LLMEngine` stepped in the background: the server's `engine.protocol.EngineClient`."""
+class OutputStreams:
+    """One queue of outputs per request, and what reads them: `stream` (merging the outputs that
+    waited, aborting the request when the consumer stops), `generate`, `beam_search`. The engine
+    clients (`AsyncLLMEngine` here, `engine.core_client.EngineProcessClient` over a process)
+    differ only in how a request reaches the engine (`_add`, `_add_beam`), how it is aborted
+    (`abort`), and where the outputs come from (they call `_deliver` with each step's, `_stop`
+    once the engine is gone)."""
 
-    def __init__(self, engine: LLMEngine, stepper: ThreadPoolExecutor | None = None):
-        """`stepper`: the one-thread executor the steps run in (default: a new one); the server
-        passes the one that loaded and warmed the model, so a single OpenMP team ever works."""
-        self._engine = engine
+    def __init__(self):
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending_aborts: list[str] = []
-        self._lock = asyncio.Lock()  # held while the engine is touched (a step, an add, an abort)
-        self._wakeup = asyncio.Event()  # set when there is work for the loop
-        self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
-        self.dead: BaseException | None = None  # set if the step loop crashed
-        self.on_dead = None  # called with the exception when the step loop crashes (the server's exit)
-        self._stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")
+        self.dead: BaseException | None = None  # set once the engine has stopped
+        self.on_dead = None  # called with the exception when the engine stops (the server's exit)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, options: RequestOptions = DEFAULT) -> str:
         """Queue a request and return its id (`options`: see `LLMEngine.add_request`; kept hidden
         states come in the final output's ``prompt_hidden``). Raises `InvalidRequest` at once for
-        bad input, `EngineError` if the engine loop has died."""
+        bad input, `EngineError` if the engine has stopped."""
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        return await self._open(rid, lambda: self._add(prompt, params, rid, options))
+
+    async def beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
+                          options: RequestOptions = DEFAULT) -> RequestOutput:
+        """Run `search` (a `beam.BeamSearch` over `prompt_ids`) in the engine's step loop
+        (`LLMEngine.add_beam_search`): its final output, the beams as completions, best first.
+        Cancelling the caller aborts it. Raises as `add_request` and `stream` do (`RequestFailed`
+        when a beam's pass failed)."""
+        rid = request_id if request_id is not None else f"beam-{next(self._ids)}"
+        await self._open(rid, lambda: self._add_beam(prompt_ids, search, rid, options))
+        out = None
+        async for out in self.stream(rid):
+            pass
+        return out
+
+    async def _open(self, rid: str, add) -> str:
+        """A queue for request `rid`, then ``await add()``; the queue goes again if that raises.
+        Raises `InvalidRequest` when a request of that id is still streamed (its queue is kept)."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if rid in self._queues:
+            raise InvalidRequest(f"request id {rid!r} is already in use", "request_id")
         self._queues[rid] = asyncio.Queue()
         try:
-            await self.between_steps(
-                lambda: self._engine.add_request(prompt, params, rid, options))
+            await add()
         except BaseException:
             self._queues.pop(rid, None)
             raise
-        self._ensure_loop()
         return rid
-
-    async def load_lora(self, lora_request) -> int:
-        """Load an adapter between steps (`lora.manager.LoRAManager.add`); its id. Raises `InvalidRequest`
-        when LoRA is off or the adapter is refused."""
-        from nextoken.engine.validation import resolve_lora
-
-        return await self.between_steps(lambda: resolve_lora(self._engine.runner.loras, lora_request))
-
-    async def unload_lora(self, lora_id: int) -> None:
-        """Unload an adapter between steps. Raises `InvalidRequest` while a request still uses it
-        (its tokens would silently go to the base model), or when it is not loaded."""
-        def unload():
-            sched = self._engine.scheduler
-            users = [r for q in (sched.running, sched.waiting, sched.forking) for r in q if r.lora_id == lora_id]
-            if users:
-                raise InvalidRequest(f"{len(users)} requests still use this adapter; unload it when they finish",
-                                     "lora_name")
-            loras = self._engine.runner.loras
-            if loras is None or not loras.remove(lora_id):
-                raise InvalidRequest("this adapter is not loaded", "lora_name")
-
-        await self.between_steps(unload)
 
     async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
         """The outputs of request `rid` (from `add_request`) as they come; stopping early aborts
@@ -125,33 +118,62 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
-    async def beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
-                          options: RequestOptions = DEFAULT) -> RequestOutput:
-        """Run `search` (a `beam.BeamSearch` over `prompt_ids`) in the engine's step loop
-        (`LLMEngine.add_beam_search`): its final output, the beams as completions, best first.
-        Cancelling the caller aborts it. Raises as `add_request` and `stream` do (`RequestFailed`
-        when a beam's pass failed)."""
-        if self.dead is not None:
-            raise EngineError(f"the engine loop has stopped: {self.dead!r}")
-        rid = request_id if request_id is not None else f"beam-{next(self._ids)}"
-        self._queues[rid] = asyncio.Queue()
-        try:
-            await self.between_steps(lambda: self._engine.add_beam_search(prompt_ids, search, rid, options))
-        except BaseException:
-            self._queues.pop(rid, None)
-            raise
-        self._ensure_loop()
-        out = None
-        async for out in self.stream(rid):
-            pass
-        return out
-
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, options: RequestOptions = DEFAULT) -> AsyncIterator[RequestOutput]:
         """`add_request` then `stream`."""
         rid = await self.add_request(prompt, params, request_id, options)
         async for out in self.stream(rid):
             yield out
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their requests' queues (a request nobody streams any more: dropped)."""
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _stop(self, exc: BaseException) -> None:
+        """The engine is gone: every waiting stream raises, `on_dead` is told."""
+        self.dead = exc
+        for q in self._queues.values():
+            q.put_nowait(exc)
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None
+
+
+class AsyncLLMEngine(OutputStreams):
+    """An `LLMEngine` stepped in the background: the server's `engine.protocol.EngineClient`."""
+
+    def __init__(self, engine: LLMEngine, stepper: ThreadPoolExecutor | None = None):
+        """`stepper`: the one-thread executor the steps run in (default: a new one); the server
+        passes the one that loaded and warmed the model, so a single OpenMP team ever works."""
+        super().__init__()
+        self._engine = engine
+        self._pending_aborts: list[str] = []
+        self._lock = asyncio.Lock()  # held while the engine is touched (a step, an add, an abort)
+        self._wakeup = asyncio.Event()  # set when there is work for the loop
+        self._loop_task: asyncio.Task | None = None
+        self._stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")
+
+    async def _add(self, prompt, params, rid: str, options: RequestOptions) -> None:
+        await self.between_steps(lambda: self._engine.add_request(prompt, params, rid, options))
+        self._ensure_loop()
+
+    async def _add_beam(self, prompt_ids: list[int], search, rid: str, options: RequestOptions) -> None:
+        await self.between_steps(lambda: self._engine.add_beam_search(prompt_ids, search, rid, options))
+        self._ensure_loop()
+
+    async def load_lora(self, lora_request) -> int:
+        """`LLMEngine.load_lora` between steps: the adapter's id."""
+        return await self.between_steps(lambda: self._engine.load_lora(lora_request))
+
+    async def unload_lora(self, lora_id: int) -> None:
+        """`LLMEngine.unload_lora` between steps."""
+        await self.between_steps(lambda: self._engine.unload_lora(lora_id))
 
     @property
     def num_waiting(self) -> int:
@@ -235,21 +257,10 @@ class AsyncLLMEngine:
                 if outputs is None:
                     await self._wakeup.wait()
                     continue
-                for out in outputs:
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
+                self._deliver(outputs)
                 await asyncio.sleep(0)  # let consumers run between steps
         except Exception as exc:  # the engine is broken: tell every waiting request
-            self.dead = exc
-            for q in self._queues.values():
-                q.put_nowait(exc)
-            if self.on_dead is not None:
-                self.on_dead(exc)
-
-    @property
-    def is_running(self) -> bool:
-        return self.dead is None
+            self._stop(exc)
 
     def close(self) -> None:
         """Free the engine (`LLMEngine.close`: the disk tier's writes, the tensor-parallel group)."""

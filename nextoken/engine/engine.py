@@ -180,6 +180,22 @@ class LLMEngine:
         self.beams.add(self, request_id, prompt_ids, search, options)
         return request_id
 
+    def load_lora(self, lora_request) -> int:
+        """Load an adapter (`lora.manager.LoRAManager.add`); its id. Raises `InvalidRequest` when
+        LoRA is off or the adapter is refused."""
+        return resolve_lora(self.runner.loras, lora_request)
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Unload an adapter. Raises `InvalidRequest` while a request still uses it (its tokens
+        would silently go to the base model), or when it is not loaded."""
+        sched = self.scheduler
+        users = [r for q in (sched.running, sched.waiting, sched.forking) for r in q if r.lora_id == lora_id]
+        if users:
+            raise InvalidRequest(f"{len(users)} requests still use this adapter; unload it when they finish",
+                                 "lora_name")
+        if self.runner.loras is None or not self.runner.loras.remove(lora_id):
+            raise InvalidRequest("this adapter is not loaded", "lora_name")
+
     def _release(self, r: Request, uncache: bool = False) -> None:
         """Free an ending sequence's blocks (with `uncache`, out of the prefix cache first)."""
         if uncache:

@@ -61,6 +61,9 @@ class ServerArgs(CliArgs):
     mcp_max_output_bytes: int = opt(1 << 20, "largest MCP tool output kept (a larger one is an error item)",
                                     group="MCP tools", type=int, metavar="N")
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
+    engine_process: bool = opt(False, "step the engine in a process of its own (vLLM's EngineCore): the HTTP "
+                               "work and the engine's host work per step run at once instead of sharing one "
+                               "GIL; the inspector is off", group="server", cli="bool")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",
                                group="replicas", type=positive_int, metavar="N")

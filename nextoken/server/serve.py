@@ -13,6 +13,7 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 log = logging.getLogger("nextoken.server")
 
@@ -36,7 +37,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.distributed.group import TensorParallelError, is_follower
     from nextoken.engine.async_engine import AsyncLLMEngine
     from nextoken.engine.engine import LLMEngine
-    from nextoken.engine.launch import warm_up
+    from nextoken.engine.launch import freeze_heap, warm_up
     from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
     from nextoken.errors import InvalidRequest
     from nextoken.lora import parse_lora_modules
@@ -59,8 +60,19 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
     if adapters and not engine_args.enable_lora:
         raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+    if server_args.engine_process and not embed_only:
+        if announce_inspector:
+            raise InvalidRequest("the inspector reads the engine in the server's process: run `nextoken inspect` "
+                                 "without --engine-process", "engine_process")
+        if server_args.inspect:
+            log.info("the inspector is off: the engine steps in a process of its own (--engine-process)")
+            server_args = replace(server_args, inspect=False)
 
     def load(state):  # /health answers 200 once every model is loaded and warm
+        load_models(state)
+        freeze_heap()  # (what is loaded lives as long as the server: no full collection scans it again)
+
+    def load_models(state):
         if embedding_path is not None:
             from nextoken.runner.device import resolve_device
 
@@ -72,6 +84,16 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             state.embedding_model_name = extra
         if embed_only:
             return
+        if server_args.engine_process:
+            from nextoken.engine.core_client import EngineProcessClient
+
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+            client = EngineProcessClient(engine_args, adapters, level)
+            client.on_dead = on_dead
+            state.loras = {lora.lora_name: lora for lora in adapters}
+            attach_engine(server_ref["app"], client)
+            state.engine = client
+            return
         engine = LLMEngine.from_engine_args(engine_args)
         for lora in adapters:  # a bad adapter stops the start, naming it
             engine.runner.loras.add(lora)
@@ -82,8 +104,8 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
         async_engine.on_dead = on_dead
         state.engine = async_engine
 
-    def on_dead(exc):  # a tensor-parallel rank failed: nothing can be served any more, exit with an error
-        if isinstance(exc, TensorParallelError):
+    def on_dead(exc):  # a tensor-parallel rank or the engine process failed: nothing can be served, exit 1
+        if isinstance(exc, TensorParallelError) or server_args.engine_process:
             log.error("%s; the server exits", exc)
             server_ref["state"].exit_code = 1
             server_ref["server"].should_exit = True

@@ -196,6 +196,13 @@ class Tokenizer:
         # tokenizer.json): never sampled under structured output
         self.unused_ids = frozenset(unused_ids) | frozenset(i for i, t in enumerate(tokens) if not t)
 
+    def __getstate__(self) -> dict:  # pickled without its lock (the engine process sends its tokenizer)
+        return {k: v for k, v in self.__dict__.items() if k != "_encode_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._encode_lock = threading.Lock()
+
     @classmethod
     def from_gguf(cls, f) -> "Tokenizer":
         """Build the tokenizer from a `GGUFFile`'s ``tokenizer.ggml.*`` metadata.

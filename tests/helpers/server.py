@@ -21,15 +21,18 @@ class LiveServer:
     """uvicorn in a background thread around the one app (`server.app.build_app`) serving `llm`
     (still loading, if None): a generation model, or an embedding model's `LLM` (embeddings
     alone); `embedder`: an embedding model's `LLM` served beside a generation `llm` (as
-    ``serve --embedding-model``), under the name `embedder_name`."""
+    ``serve --embedding-model``), under the name `embedder_name`; `engine`: an engine client built
+    already (an `EngineProcessClient`) served in place of `llm`'s."""
 
-    def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, **config):
+    def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, engine=None, **config):
         from nextoken.server.pooling.serving import EmbeddingService
         from nextoken.server.api.state import Capabilities, ServerState
 
         embed_only = llm is not None and llm.embedder is not None
-        self.state = ServerState(ready=llm is not None)
-        if embed_only:
+        self.state = ServerState(ready=llm is not None or engine is not None)
+        if engine is not None:  # an engine client built already (`EngineProcessClient`)
+            self.state.engine = engine
+        elif embed_only:
             self.state.embedder = EmbeddingService(llm.embedder)
         elif llm is not None:
             self.state.engine = AsyncLLMEngine(llm.engine)
@@ -37,6 +40,8 @@ class LiveServer:
             self.state.embedder, self.state.embedding_model_name = EmbeddingService(embedder.embedder), embedder_name
         self.llm = llm
         caps = Capabilities(generate=not embed_only, embed=embed_only or embedder is not None)
+        if engine is not None:
+            config.setdefault("inspect", False)
         self.port = free_ports(1)
         args = ServerArgs(model_name=name, host="127.0.0.1", port=self.port, **config)
         app = build_app(self.state, args, capabilities=caps)
@@ -51,12 +56,26 @@ class LiveServer:
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
+    def stats(self) -> dict:
+        """The served engine's `SchedulerStats` as a dictionary (an engine process's: as of its
+        last message)."""
+        return self.state.engine.scheduler_stats().as_dict()
+
+    def busy(self) -> bool:
+        """Whether the served engine holds a request."""
+        s = self.stats()
+        return s["running"] + s["waiting"] > 0
+
     def idle(self, timeout=5.0) -> bool:
-        """True once the engine has no request left and every block is free."""
+        """True once the engine has no request left and every block is free (an engine process:
+        as its last message says)."""
         end = time.time() + timeout
         while time.time() < end:
-            eng = self.llm.engine
-            if not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks):
+            if isinstance(self.state.engine, AsyncLLMEngine):
+                eng = self.llm.engine
+                if not eng.has_unfinished_requests() and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks):
+                    return True
+            elif not self.busy() and self.stats()["free_blocks"] == self.stats()["num_blocks"]:
                 return True
             time.sleep(0.05)
         return False

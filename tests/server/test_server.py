@@ -32,13 +32,24 @@ def fast(smollm2_path):
     srv.stop()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["in-order", "async"])
+@pytest.fixture(scope="module", params=["in-order", "async", "engine-process"])
 def tiny(tiny_gguf, request):
-    """The tiny model, its steps in order and with async scheduling (each step launched before the
-    last is read back: disconnects, concurrent streams and beam search over it)."""
-    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32", async_scheduling=request.param), "tiny")
+    """The tiny model, its steps in order, with async scheduling (each step launched before the
+    last is read back), and stepped in a process of its own (``serve --engine-process``):
+    disconnects, concurrent streams and beam search over each. ``tiny.llm`` is an `LLM` of the
+    same model in this process, the oracle."""
+    path = str(tiny_gguf["llama"][0])
+    client = None
+    if request.param == "engine-process":
+        from nextoken.engine.core_client import EngineProcessClient
+        from nextoken.engine_args import EngineArgs
+
+        client = EngineProcessClient(EngineArgs(model=path, dtype="float32"))
+    srv = LiveServer(LLM(path, dtype="float32", async_scheduling=request.param == "async"), "tiny", engine=client)
     yield srv
     srv.stop()
+    if client is not None:
+        client.close()
 
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -223,24 +234,23 @@ def test_disconnects_abort_and_free_blocks(tiny, caplog):
     import logging
 
     logging.getLogger("uvicorn").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
-    engine = tiny.llm.engine
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    aborted = engine.stats()["num_aborted"]
+    aborted = tiny.stats()["num_aborted"]
     with httpx.Client(base_url=tiny.url, timeout=30) as h:  # streaming: read a little, hang up
         with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for _ in r.iter_lines():
                 break
-    assert tiny.idle() and engine.stats()["num_aborted"] == aborted + 1
+    assert tiny.idle() and tiny.stats()["num_aborted"] == aborted + 1
     # non-streaming: hang up as soon as the engine holds the request (long before 240 tokens)
     raw = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", tiny.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
         for _ in range(500):
-            if engine.has_unfinished_requests():
+            if tiny.busy():
                 break
             time.sleep(0.002)
-    assert tiny.idle() and engine.stats()["num_aborted"] == aborted + 2
+    assert tiny.idle() and tiny.stats()["num_aborted"] == aborted + 2
     gc.collect()  # a future whose exception nobody retrieved says so when it is collected
     logging.getLogger("uvicorn").removeHandler(caplog.handler)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -300,11 +310,22 @@ def test_32_concurrent_streams_equal_sequential_runs(tiny):
     assert tiny.idle()
     waited = [line for line in httpx.get(tiny.url + "/metrics").text.splitlines()
               if line.startswith("nextoken_device_wait_seconds_total ")]
-    assert len(waited) == 1 and (float(waited[0].split()[1]) > 0) == tiny.llm.engine.async_scheduling
+    assert len(waited) == 1 and (float(waited[0].split()[1]) > 0) == tiny.llm.engine.async_scheduling  # (the
+    # engine process's is in order, as the oracle's)
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
 
 
 @pytest.mark.subprocess
-def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
+@pytest.mark.parametrize("flags", [[], ["--engine-process"]], ids=["one-process", "engine-process"])
+def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf, flags):
+    """SIGTERM mid-stream: the stream ends normally, new requests are refused, the server exits 0.
+    With ``--engine-process``, a SIGINT to the engine process (a terminal's Ctrl-C reaches the
+    whole group) does not stop it, and it is gone when the server has exited."""
     import os
     import signal
     import subprocess
@@ -312,7 +333,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
 
     port = free_ports(1)
     proc = subprocess.Popen([sys.executable, "-m", "nextoken.cli", "serve", "--model", str(tiny_gguf["llama"][0]),
-                             "--port", str(port), "--dtype", "float32", "--shutdown-timeout", "20"],
+                             "--port", str(port), "--dtype", "float32", "--shutdown-timeout", "20", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -323,11 +344,15 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        engines = [c for c in _children(proc.pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(engines) == (1 if flags else 0)
         body = {"prompt": "the cat", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line and not lines:
+                    for pid in engines:
+                        os.kill(pid, signal.SIGINT)
                     os.kill(proc.pid, signal.SIGTERM)  # mid-stream
                     time.sleep(0.2)
                     try:  # a new request is refused: 503, or no connection at all
@@ -340,6 +365,8 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf):
         chunks = [json.loads(x[6:]) for x in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
+        for pid in engines:
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
     finally:
         if proc.poll() is None:
             proc.kill()

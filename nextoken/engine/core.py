@@ -1,0 +1,234 @@
+"""The engine in a process of its own (vLLM's EngineCore), and what passes between it and the
+server's process (`core_client.EngineProcessClient`).
+
+    server process                                   engine process (`run_engine_core`)
+    add_request / abort / load_lora ... --pipe-->    reader thread -> inbox
+                                                     loop: messages between steps, `LLMEngine.step`
+    event loop reads step messages     <--pipe--     ("step", output records, StepStats, SchedulerStats)
+
+In one process the server's work (rendering and writing each streamed chunk, about 30-60 us of
+Python a chunk) and the engine's host work per step (scheduling, inputs, detokenizing, stop checks)
+share one GIL; in two they run at once, on two cores. Messages are pickled tuples on two one-way
+pipes. A step's outputs travel as deltas (`OutputWire.encode`): a completion's new text, token ids
+and log-probabilities, never what was sent before; the server's side keeps each request's lists
+and rebuilds the `RequestOutput` the engine made (`OutputMirror.decode`), with `Prefix` views of
+its lists as the engine's snapshots have.
+
+The engine process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a service manager reach
+every process of the group): the server drains its requests and then closes it (``("close",)``).
+It exits when its pipe from the server closes (the server died).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+
+from nextoken.engine_args import EngineArgs
+from nextoken.errors import EngineError
+from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
+
+log = logging.getLogger("nextoken.engine")
+
+# the engine methods the server's process may call, by name (`("call", id, name, args)`)
+CALLS = ("add_request", "add_beam_search", "load_lora", "unload_lora")
+
+
+@dataclass
+class CoreInfo:
+    """What the server's process needs of the engine, sent once when it is ready: the tokenizer
+    (pickled whole, chat template included), the model's `ModelConfig`, `max_model_len`, the
+    `WatermarkConfig`, the model's path and the tokens the KV cache holds."""
+
+    tokenizer: object
+    config: object
+    max_model_len: int
+    watermark: object
+    model_path: str
+    kv_capacity: int
+
+
+class OutputWire:
+    """The engine's side of the output deltas: `encode` turns a `RequestOutput` into a record
+    holding what is new since the request's last record."""
+
+    def __init__(self):
+        self._sent: set[str] = set()  # requests whose prompt went out already
+
+    def encode(self, out: RequestOutput) -> tuple:
+        """``(request_id, head, finished, error, metrics, completions, extra)``: `head` is
+        ``(prompt, prompt_token_ids)`` on a request's first record, else None; `metrics` the
+        `RequestMetrics` fields in order; each completion is ``(index, delta, delta_token_ids,
+        delta_logprobs, cumulative_logprob, finish_reason, stop_reason)`` for a snapshot (its
+        lists grow by the deltas) or the `CompletionOutput` itself (a beam search's final beams);
+        `extra` is None or ``(prompt_logprobs, logits, prompt_hidden)`` when the request has them."""
+        rid = out.request_id
+        head = None
+        if rid not in self._sent:
+            head = (out.prompt, out.prompt_token_ids)
+            self._sent.add(rid)
+        if out.finished:
+            self._sent.discard(rid)
+        comps = [(c.index, c.delta, c.delta_token_ids, c.delta_logprobs, c.cumulative_logprob, c.finish_reason,
+                  c.stop_reason) if type(c) is CompletionSnapshot else c for c in out.outputs]
+        extra = None
+        if out.prompt_logprobs is not None or out.logits is not None or out.prompt_hidden is not None:
+            extra = (out.prompt_logprobs, out.logits, out.prompt_hidden)
+        m = out.metrics
+        return (rid, head, out.finished, out.error, None if m is None else tuple(vars(m).values()), comps, extra)
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` was aborted: a later request of that id starts afresh."""
+        self._sent.discard(request_id)
+
+
+class OutputMirror:
+    """The server's side of the output deltas: each request's prompt and its completions' text,
+    token ids and log-probabilities so far; `decode` rebuilds the engine's `RequestOutput`."""
+
+    def __init__(self):
+        self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs]})
+
+    def decode(self, record: tuple) -> RequestOutput:
+        """The `RequestOutput` a record (`OutputWire.encode`) stands for."""
+        rid, head, finished, error, metrics, comps, extra = record
+        if head is not None:
+            self._requests[rid] = (head[0], head[1], {})
+        prompt, prompt_ids, kept = self._requests[rid]
+        outs = []
+        for c in comps:
+            if isinstance(c, CompletionOutput):
+                outs.append(c)
+                continue
+            index, delta, delta_ids, delta_logprobs, cumulative, finish, stop = c
+            state = kept.get(index)
+            if state is None:
+                state = kept[index] = ["", [], None if delta_logprobs is None and cumulative is None else []]
+            state[0] += delta
+            state[1].extend(delta_ids)
+            if delta_logprobs:
+                state[2].extend(delta_logprobs)
+            ids, lps = state[1], state[2]
+            outs.append(CompletionSnapshot(index, state[0], delta, Prefix(ids, len(ids)), delta_ids, finish, stop,
+                                           None if lps is None else Prefix(lps, len(lps)), cumulative))
+        if finished:
+            del self._requests[rid]
+        prompt_logprobs, logits, hidden = extra if extra is not None else (None, None, None)
+        return RequestOutput(rid, prompt, prompt_ids, outs, finished,
+                             None if metrics is None else RequestMetrics(*metrics), error, prompt_logprobs, logits,
+                             hidden)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+
+def picklable(exc: BaseException) -> BaseException:
+    """`exc` if it pickles (and unpickles), else an `EngineError` naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception at all must reach the server as something
+        return EngineError(f"{type(exc).__name__}: {exc}")
+
+
+def run_engine_core(args: EngineArgs, adapters: list, log_level: str, inbox_conn, outbox_conn) -> None:
+    """The engine process's main: build and warm the engine (`adapters`: `lora.LoRARequest`s to
+    load first), say ``("ready", CoreInfo)`` (or ``("failed", exception)``), then serve the
+    server's messages between steps until ``("close",)`` or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nextoken.engine.engine import LLMEngine
+    from nextoken.engine.launch import freeze_heap, warm_up
+
+    try:
+        engine = LLMEngine.from_engine_args(args)
+        for lora in adapters:
+            engine.runner.loras.add(lora)
+        warm_up(engine)
+        freeze_heap()
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the start, the server says it
+        outbox_conn.send(("failed", picklable(exc)))
+        return
+    kv = engine.kv
+    outbox_conn.send(("ready", CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark,
+                                        str(engine.model_path), kv.pool.num_blocks * kv.block_size)))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(inbox_conn, inbox), name="nextoken-core-inbox", daemon=True).start()
+    try:
+        EngineCore(engine, outbox_conn).run(inbox)
+    finally:
+        engine.close()
+
+
+def _read(conn, inbox: queue.SimpleQueue) -> None:
+    """The server's messages into `inbox` as they come (so its writes never wait for a step);
+    None when the pipe closes."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(None)
+
+
+class EngineCore:
+    """The engine process's loop: the server's messages between steps, a step while any request
+    is unfinished, each step's outputs, `StepStats` and `SchedulerStats` sent back."""
+
+    def __init__(self, engine, outbox_conn):
+        self.engine, self.out = engine, outbox_conn
+        self.wire = OutputWire()
+        self.steps: list = []
+        engine.subscribe(self.steps.append)
+
+    def run(self, inbox: queue.SimpleQueue) -> None:
+        from nextoken.engine.stats import SchedulerStats
+
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            messages = [] if busy else [inbox.get()]  # idle: wait for the next message
+            while True:
+                try:
+                    messages.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for m in messages:
+                if m is None or m[0] == "close":
+                    return
+                self.handle(m)
+            if not engine.has_unfinished_requests():
+                if messages:  # (aborts and adds that changed the counts without a step)
+                    self.out.send(("stats", SchedulerStats.now(engine)))
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # the engine is broken: the server's requests fail, it exits
+                log.exception("the engine's step failed")
+                self.out.send(("dead", picklable(exc)))
+                return
+            steps = [dataclasses.replace(s, finished=[]) for s in self.steps]  # (engine objects stay here)
+            self.steps.clear()
+            self.out.send(("step", [self.wire.encode(o) for o in outputs], steps, SchedulerStats.now(engine)))
+
+    def handle(self, m: tuple) -> None:
+        """One message: ``("abort", request_id)`` or ``("call", call id, method, args)`` (one of
+        `CALLS`), answered ``("reply", call id, value, exception)``."""
+        if m[0] == "abort":
+            self.engine.abort_request(m[1])
+            self.wire.forget(m[1])
+            return
+        _, call_id, name, args = m
+        value, error = None, None
+        try:
+            if name not in CALLS:
+                raise EngineError(f"the engine process has no call {name!r}")
+            value = getattr(self.engine, name)(*args)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it, as in one process
+            error = picklable(exc)
+        self.out.send(("reply", call_id, value, error))

@@ -1,0 +1,249 @@
+"""`EngineProcessClient`: the server's `EngineClient` over an engine in a process of its own
+(`engine.core`; ``nextoken serve --engine-process``), as vLLM's ``AsyncLLM`` talks to its
+``EngineCore``.
+
+The engine process is started with ``spawn`` and builds, warms and steps the engine there; this
+side keeps the tokenizer (sent once, for chat templates, prompt checks and grammars), one queue
+per request (`async_engine.OutputStreams`: the same `stream` as in one process), and reads the
+step messages in the event loop itself (``add_reader`` on the pipe: no thread hop per step).
+Messages to the engine go through a sender thread, so a long prompt never holds the event loop
+while the engine is in a step. Calls that answer (adding a request, loading an adapter) wait for
+the engine's reply, which it makes between two steps, as `AsyncLLMEngine.between_steps` does.
+
+Not over a process: the inspector (its views read the engine's state in place: `view` and
+`between_steps` raise), tracing a request (`RequestOptions.tracer`) and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+
+from nextoken.engine.async_engine import OutputStreams
+from nextoken.engine.core import CoreInfo, OutputMirror, run_engine_core
+from nextoken.engine.stats import SchedulerStats
+from nextoken.engine_args import EngineArgs
+from nextoken.errors import EngineError, InvalidRequest
+from nextoken.request_options import RequestOptions
+
+log = logging.getLogger("nextoken.engine")
+
+NOT_HERE = "the inspector reads the engine's state in the server's process: serve without --engine-process"
+
+
+class EngineProcessClient(OutputStreams):
+    """The engine of `args` in a process of its own. Blocks until it is loaded and warm; raises
+    what stopped it (`ModelLoadError`, `InvalidRequest`, ...) or `EngineError` when the process
+    exits before it is ready. `adapters`: `lora.LoRARequest`s it loads first; `log_level`: its
+    logging level."""
+
+    def __init__(self, args: EngineArgs, adapters: list = (), log_level: str = "warning"):
+        super().__init__()
+        if args.tensor_parallel_size > 1:
+            raise InvalidRequest("--engine-process does not run tensor parallelism yet; serve without it",
+                                 "engine_process")
+        ctx = multiprocessing.get_context("spawn")  # (a fork would copy the server's threads and PyTorch state)
+        inbox_read, self._to_core = ctx.Pipe(duplex=False)
+        self._from_core, outbox_write = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_engine_core, name="nextoken-engine", daemon=True,
+                                   args=(args, list(adapters), log_level, inbox_read, outbox_write))
+        self.process.start()
+        inbox_read.close()
+        outbox_write.close()
+        try:
+            kind, value = self._from_core.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise EngineError(f"the engine process exited while loading (exit code {self.process.exitcode})") from None
+        if kind == "failed":
+            self.process.join(5)
+            raise value
+        self.info: CoreInfo = value
+        self._mirror = OutputMirror()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._stats = SchedulerStats()
+        self._subscribers: list = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._grammars = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True).start()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def _add(self, prompt, params, rid: str, options: RequestOptions) -> None:
+        if options.tracer is not None:
+            raise InvalidRequest(f"tracing a request needs the engine in the server's process: {NOT_HERE}", "trace")
+        await self._call("add_request", prompt, params, rid, options)
+
+    async def _add_beam(self, prompt_ids: list[int], search, rid: str, options: RequestOptions) -> None:
+        await self._call("add_beam_search", prompt_ids, search, rid, options)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the engine's next step boundary (frees its blocks)."""
+        self._mirror.forget(request_id)
+        self._send(("abort", request_id))
+
+    async def load_lora(self, lora_request) -> int:
+        """`LLMEngine.load_lora` in the engine process: the adapter's id."""
+        return await self._call("load_lora", lora_request)
+
+    async def unload_lora(self, lora_id: int) -> None:
+        """`LLMEngine.unload_lora` in the engine process."""
+        await self._call("unload_lora", lora_id)
+
+    async def _call(self, name: str, *args):
+        """`LLMEngine.<name>(*args)` in the engine process, between two of its steps: its value, or
+        the exception it raised. Cancelled while an add waits: the request is aborted."""
+        if self.dead is not None:
+            raise EngineError(f"the engine loop has stopped: {self.dead!r}")
+        self._attach()
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = self._loop.create_future()
+        self._send(("call", call_id, name, args))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if name in ("add_request", "add_beam_search"):
+                self.abort(args[2])
+            raise
+        finally:
+            self._calls.pop(call_id, None)
+
+    # -- the model, checks before a request is queued, observation --------------------------
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def config(self):
+        """The model's `ModelConfig`."""
+        return self.info.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def watermark(self):
+        return self.info.watermark
+
+    @property
+    def model_path(self):
+        return self.info.model_path
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.info.kv_capacity
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting sequences at the engine's last step."""
+        return self._stats.waiting
+
+    def compile_grammar(self, structured) -> None:
+        """Compile a request's grammar here (the check; the engine process compiles and caches its
+        own); blocking. Raises `InvalidRequest`."""
+        from nextoken.structured.backend import GrammarCompiler
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+        self._grammars.compile(structured)
+
+    def encode_prompt(self, prompt, params, truncate: bool = False) -> list[int]:
+        """`engine.validation.encode_prompt` with the engine's tokenizer and limits."""
+        from nextoken.engine.validation import encode_prompt
+
+        return encode_prompt(self.tokenizer, self.config.vocab_size, self.max_model_len, prompt, params, truncate)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The engine's `SchedulerStats` as of its last step (or its last message between steps)."""
+        return self._stats
+
+    def subscribe(self, subscriber) -> None:
+        """`subscriber(StepStats)` for each of the engine's steps, on the event loop (its
+        `finished` is empty: the requests' engine objects stay in the engine process)."""
+        self._subscribers.append(subscriber)
+
+    def view(self):
+        raise EngineError(NOT_HERE)
+
+    async def between_steps(self, fn):
+        raise EngineError(NOT_HERE)
+
+    # -- the pipes --------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            try:
+                self._to_core.send(message)
+            except (OSError, ValueError):  # the engine process is gone: the reader says so
+                return
+
+    def _attach(self) -> None:
+        """Read the engine's messages in the running event loop (on the first call)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._from_core.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:  # one message a call: the streams its outputs woke run before the next step's
+            self._dispatch(self._from_core.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._from_core.fileno())
+            if not self._closing:
+                self.process.join(1)
+                self._gone(EngineError(f"the engine process exited (exit code {self.process.exitcode})"))
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, records, steps, self._stats = message
+            mirror, queues = self._mirror, self._queues
+            outputs = []
+            for record in records:
+                if record[0] in queues:  # (a request nobody streams any more was aborted: dropped)
+                    outputs.append(mirror.decode(record))
+            self._deliver(outputs)
+            for stats in steps:
+                for subscriber in self._subscribers:
+                    subscriber(stats)
+        elif kind == "reply":
+            _, call_id, value, error = message
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
+        elif kind == "stats":
+            self._stats = message[1]
+        elif kind == "dead":
+            self._gone(message[1])
+
+    def _gone(self, exc: BaseException) -> None:
+        """The engine process stopped: waiting calls and streams raise, `on_dead` is told."""
+        if self.dead is not None:
+            return
+        log.error("the engine process stopped: %s", exc)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineError(f"the engine loop has stopped: {exc!r}"))
+        self._stop(exc)
+
+    def close(self) -> None:
+        """Stop the engine process (it writes the disk tier's queued blocks first) and wait for it."""
+        self._closing = True
+        self._send(("close",))
+        self._outbox.put(None)
+        self.process.join(60)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop within 60 s; killing it")
+            self.process.kill()
+            self.process.join(5)

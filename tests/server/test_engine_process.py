@@ -1,0 +1,136 @@
+"""The engine in a process of its own (``serve --engine-process``, `engine.core` and
+`engine.core_client`): the outputs' deltas rebuild what the engine made, errors cross the process
+with their field, a dead engine process fails its streams. The server's own tests over it are
+the ``engine-process`` case of tests/server/test_server.py's ``tiny`` fixture."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+
+import pytest
+
+from nextoken import LLM, SamplingParams
+from nextoken.engine.core import OutputMirror, OutputWire
+from nextoken.engine.core_client import EngineProcessClient
+from nextoken.engine.protocol import EngineClient
+from nextoken.engine_args import EngineArgs
+from nextoken.errors import EngineError, InvalidRequest, ModelLoadError
+from nextoken.request_options import RequestOptions
+
+
+def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf):
+    """Every `RequestOutput` of a mixed workload (n=2 sampled with logprobs, a stop string,
+    prompt logprobs, greedy; one aborted midway and its id used again), sent as deltas and
+    pickled, is rebuilt equal to the engine's own: text, deltas, token ids, log-probabilities,
+    finish, metrics."""
+    engine = LLM(str(tiny_gguf["llama"][0]), dtype="float32").engine
+    wire, mirror = OutputWire(), OutputMirror()
+    engine.add_request("the cat sat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "greedy")
+    engine.add_request("a b c", SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=9, logprobs=2,
+                                               ignore_eos=True), "sampled")
+    engine.add_request([5, 17, 200, 33], SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1,
+                                                        ignore_eos=True), "scored")
+    engine.add_request("x y", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "aborted")
+    rebuilt = 0
+    for step in range(200):
+        if step == 3:
+            engine.abort_request("aborted")
+            wire.forget("aborted")
+            mirror.forget("aborted")
+            engine.add_request("x y z", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "aborted")
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            got = mirror.decode(pickle.loads(pickle.dumps(wire.encode(out))))
+            assert got == out, out.request_id
+            assert [c.delta for c in got.outputs] == [c.delta for c in out.outputs]
+            assert [c.delta_logprobs for c in got.outputs] == [c.delta_logprobs for c in out.outputs]
+            rebuilt += 1
+    assert not engine.has_unfinished_requests() and rebuilt > 30
+    assert not mirror._requests and not wire._sent  # (finished requests leave both sides)
+
+
+@pytest.fixture(scope="module")
+def process_client(tiny_gguf):
+    client = EngineProcessClient(EngineArgs(model=str(tiny_gguf["llama"][0]), dtype="float32"))
+    yield client
+    client.close()
+
+
+def test_the_engine_process_answers_as_the_engine_in_process(process_client, tiny_gguf):
+    """Greedy and seeded sampled streams equal `LLM.generate`'s; the engine's refusals arrive as
+    the same `InvalidRequest`, with their field; tracing is refused naming the flag; the client
+    has every member the server uses (`EngineClient`)."""
+    client = process_client
+    assert isinstance(client, EngineClient)
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, n=2, max_tokens=12, logprobs=1, ignore_eos=True)]
+    want = [llm.generate("the cat sat on", p)[0] for p in params]
+
+    async def main():
+        got = []
+        for p in params:
+            last = None
+            async for out in client.generate("the cat sat on", p):
+                last = out
+            got.append(last)
+        with pytest.raises(InvalidRequest) as e:  # refused in the engine process, raised here
+            await client.unload_lora(7)
+        assert e.value.field == "lora_name"
+        long = SamplingParams(max_tokens=250, ignore_eos=True)  # (still running when the second add arrives)
+        rid = await client.add_request("hi", long, request_id="taken")
+        with pytest.raises(InvalidRequest) as e:
+            await client.add_request("hi", long, request_id="taken")
+        assert e.value.field == "request_id" and "already in use" in str(e.value)
+        async for _ in client.stream(rid):
+            break  # (aborts it)
+        with pytest.raises(InvalidRequest, match="--engine-process"):
+            await client.add_request("hi", SamplingParams(max_tokens=2), options=RequestOptions(tracer=object()))
+        for _ in range(200):  # the abort reaches the engine process, its counts come back
+            stats = client.scheduler_stats()
+            if stats.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.num_blocks
+        assert stats.num_aborted == 1
+        return got
+
+    got = asyncio.run(main())
+    for g, w in zip(got, want):
+        assert [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in g.outputs] == \
+               [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in w.outputs]
+    with pytest.raises(EngineError, match="--engine-process"):
+        client.view()
+
+
+def test_an_engine_process_that_dies_fails_its_streams_and_says_so(tiny_gguf):
+    """The engine process killed mid-stream: the stream raises `EngineError`, `on_dead` is told
+    (the server then exits 1), and a new request is refused at once."""
+    client = EngineProcessClient(EngineArgs(model=str(tiny_gguf["llama"][0]), dtype="float32"))
+    told = []
+    client.on_dead = told.append
+
+    async def main():
+        with pytest.raises(EngineError, match="engine"):
+            async for _ in client.generate("the cat", SamplingParams(temperature=0, max_tokens=250,
+                                                                     ignore_eos=True)):
+                os.kill(client.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineError):
+            await client.add_request("the cat", SamplingParams(max_tokens=2))
+
+    try:
+        asyncio.run(main())
+        assert len(told) == 1 and "exit code -9" in str(told[0])
+    finally:
+        client.close()
+
+
+def test_a_model_that_cannot_load_stops_the_start_with_its_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelLoadError):
+        EngineProcessClient(EngineArgs(model=str(bad)))
