@@ -232,6 +232,23 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_gguf, alone):
     assert_no_leak(llm)
 
 
+def test_a_request_id_in_use_is_refused_and_the_running_request_goes_on(tiny_gguf, alone):
+    """A second request with the id of one still streamed: `InvalidRequest` naming the field, and
+    the first request's stream is untouched (its queue was once replaced, then dropped)."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def main():
+        rid = await engine.add_request(tiny_prompts()[0], GREEDY, request_id="mine")
+        with pytest.raises(InvalidRequest) as e:
+            await engine.add_request("other", GREEDY, request_id="mine")
+        assert e.value.field == "request_id"
+        return [out async for out in engine.stream(rid)][-1].outputs[0].token_ids
+
+    assert asyncio.run(main()) == alone[0]
+    assert_no_leak(llm)
+
+
 def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_as_one(tiny_gguf):
     """`AsyncLLMEngine.stream` joins the outputs that waited for a slow consumer (vLLM's output
     collector): a consumer that reads nothing until the request ends gets one output whose
