@@ -97,6 +97,7 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
             await asyncio.sleep(0.01)
         assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.num_blocks
         assert stats.num_aborted == 1
+        assert not client._mirror._requests  # (finished and aborted requests leave the server's side)
         return got
 
     got = asyncio.run(main())
