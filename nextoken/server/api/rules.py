@@ -60,6 +60,12 @@ class Rule:
     message: str
     field: str
 
+    @functools.cached_property
+    def validator(self) -> Draft202012Validator:
+        """`when`'s validator, made once (serializing the schema to find it cost 150 us a
+        request over the 26 rules of /v1/completions)."""
+        return _validator(json.dumps(self.when, sort_keys=True))
+
 
 def forbid(*rules: Rule) -> dict:
     """Schema extra refusing every one of `rules`."""
@@ -70,7 +76,7 @@ def check(body: dict, rules: list[Rule]) -> None:
     """Raise `InvalidRequest` for the first of `rules` that `body` (a request's JSON, without
     null fields) breaks."""
     for rule in rules:
-        if matches(rule.when, body):
+        if rule.validator.is_valid(body):
             raise InvalidRequest(rule.message, rule.field)
 
 
