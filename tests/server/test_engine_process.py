@@ -55,15 +55,17 @@ def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf):
 
 @pytest.fixture(scope="module")
 def process_client(tiny_gguf):
-    client = EngineProcessClient(EngineArgs(model=str(tiny_gguf["llama"][0]), dtype="float32"))
+    """The tiny model in an engine process, with async scheduling (as the GPU check serves it)."""
+    client = EngineProcessClient(EngineArgs(model=str(tiny_gguf["llama"][0]), dtype="float32",
+                                            async_scheduling=True))
     yield client
     client.close()
 
 
 def test_the_engine_process_answers_as_the_engine_in_process(process_client, tiny_gguf):
-    """Greedy and seeded sampled streams equal `LLM.generate`'s; the engine's refusals arrive as
-    the same `InvalidRequest`, with their field; tracing is refused naming the flag; the client
-    has every member the server uses (`EngineClient`)."""
+    """Greedy and seeded sampled streams equal `LLM.generate`'s (in order, in this process); the
+    engine's refusals arrive as the same `InvalidRequest`, with their field; tracing is refused
+    naming the flag; the client has every member the server uses (`EngineClient`)."""
     client = process_client
     assert isinstance(client, EngineClient)
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
