@@ -727,13 +727,12 @@ def main() -> int:
                 if go:
                     r.update(speed(folder, vocab, limits))
         if "serve" not in skip and name == models[0]:
+            overlap = args.serve_async == "on" or (args.serve_async == "auto" and "b64_async_greedy_out_tok_s" in r)
             with section(f"{name}: serving", args.budget, 60) as go:
                 if go:
-                    overlap = args.serve_async == "on" or (args.serve_async == "auto"
-                                                           and "b64_async_greedy_out_tok_s" in r)
                     r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
                                      args.serve_process != "off"))
-            if args.serve_process == "both" and "serve_out_tok_s" in r:  # the other way, as time allows
+            if args.serve_process == "both":  # the other way, as time allows (also when the first failed)
                 with section(f"{name}: serving in one process", args.budget, 60) as go:
                     if go:
                         one = serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap, False)
