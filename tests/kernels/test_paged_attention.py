@@ -89,6 +89,26 @@ def test_lone_decode_over_consecutive_blocks_reads_a_view(decode_kernel):
     assert torch.allclose(paged_attention(q, kc, vc, meta, 0.25), ref, atol=1e-5)
 
 
+def test_layout_marks_exactly_the_sequences_whose_blocks_are_consecutive():
+    """`runner.inputs.layout`'s `first_block` (one pass over the block tables) against the rule
+    stated per sequence: consecutive ascending ids give the first; a permutation of a run, a gap,
+    a repeat or a run under a longer row's padding give None."""
+    import random
+
+    from nextoken.runner.inputs import layout
+    from nextoken.runner.model_runner import SequenceInput
+
+    rng = random.Random(3)
+    tables = [[7], [4, 5, 6, 7], [9, 8, 10], [3, 5, 6], [2, 2, 3], [11, 12], list(range(40, 90)), [0, 1, 2]]
+    tables += [rng.sample(range(500), rng.randint(1, 30)) for _ in range(20)]
+    tables += [list(range(s, s + rng.randint(1, 30))) for s in rng.sample(range(500), 20)]
+    seqs = [SequenceInput([1], len(b) * BS - 1, b, True) for b in tables]
+    batch = layout(seqs, BS)
+    want = [b[0] if all(y == b[0] + i for i, y in enumerate(b)) else None for b in tables]
+    assert [batch.first_block[batch.order.index(i)] for i in range(len(tables))] == want
+    assert sum(w is not None for w in want) >= 24
+
+
 @pytest.mark.parametrize("specs", SPECS)
 def test_reference_equals_attention_over_contiguous_keys(specs):
     q, kc, vc, meta, contiguous = build_batch(specs, seed=1)
