@@ -36,8 +36,8 @@ and says so:
    share well below 1: the HTTP layer or the client sets the pace, not the GPU; `--stream-interval
    N` serves with fewer, larger chunks, default 1 as users run it; ``--serve-async auto``, the
    default, serves with ``--async-scheduling`` when the speed section's async runs went through;
-   ``--serve-process both``, the default, serves with ``--engine-process`` first, then in one process
-   as time allows, its figures as ``serve_oneproc_*``); and
+   ``--serve-process both``, the default, serves with ``--engine-process`` here, and in one process
+   after every model's sections, as time allows, its figures as ``serve_oneproc_*``); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -732,11 +732,6 @@ def main() -> int:
                 if go:
                     r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
                                      args.serve_process != "off"))
-            if args.serve_process == "both":  # the other way, as time allows (also when the first failed)
-                with section(f"{name}: serving in one process", args.budget, 60) as go:
-                    if go:
-                        one = serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap, False)
-                        r.update({k.replace("serve_", "serve_oneproc_", 1): v for k, v in one.items()})
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go:
                     r.update(transformers_generate(folder, vocab))
@@ -744,6 +739,15 @@ def main() -> int:
             with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1, default=str)
     first = RESULTS["models"].get(models[0], {}) if models else {}
+    if "serve" not in skip and args.serve_process == "both" and models:  # the other way, with the time left
+        with section(f"{models[0]}: serving in one process", args.budget, 60) as go:
+            if go:
+                vocab = {**MODELS, **TINY}[models[0]][1]["vocab_size"]
+                overlap = args.serve_async == "on" or (args.serve_async == "auto"
+                                                       and "b64_async_greedy_out_tok_s" in first)
+                one = serving(os.path.join(args.folders, models[0]), vocab, out_dir, DRY["requests"],
+                              args.stream_interval, overlap, False)
+                first.update({k.replace("serve_", "serve_oneproc_", 1): v for k, v in one.items()})
     if "bf16_tokens" in first:  # last, with the time left: the first model's bf16 under --batch-invariant
         with section(f"{models[0]}: bf16 --batch-invariant", args.budget, 30) as go:
             if go:

@@ -17,6 +17,7 @@ Not over a process: the inspector (its views read the engine's state in place: `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -174,6 +175,16 @@ class EngineProcessClient(OutputStreams):
 
     async def between_steps(self, fn):
         raise EngineError(NOT_HERE)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine process runs: False once it has exited, even before its pipe says
+        so. Asked on the event loop (``/health``), it starts reading the pipe there, so an engine
+        process that dies before any request is noticed (the server then exits)."""
+        with contextlib.suppress(RuntimeError):  # (no running loop: only the liveness is checked)
+            asyncio.get_running_loop()
+            self._attach()
+        return self.dead is None and self.process.is_alive()
 
     # -- the pipes --------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:

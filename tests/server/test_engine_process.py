@@ -124,6 +124,7 @@ def test_an_engine_process_that_dies_fails_its_streams_and_says_so(tiny_gguf):
                 os.kill(client.process.pid, signal.SIGKILL)
         with pytest.raises(EngineError):
             await client.add_request("the cat", SamplingParams(max_tokens=2))
+        assert not client.is_running  # (what /health asks)
 
     try:
         asyncio.run(main())

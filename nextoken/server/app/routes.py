@@ -51,7 +51,8 @@ async def health(request: Request):
         return error_response(503, "the model is still loading")
     for client in state.clients():  # the generation engine and the embedding service alike
         if not client.is_running:
-            return error_response(503, f"the engine loop has stopped: {client.dead!r}")
+            why = repr(client.dead) if client.dead is not None else "its process exited"
+            return error_response(503, f"the engine loop has stopped: {why}")
     return {"status": "ok"}
 
 
