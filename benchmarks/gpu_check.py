@@ -37,7 +37,8 @@ and says so:
    N` serves with fewer, larger chunks, default 1 as users run it; ``--serve-async auto``, the
    default, serves with ``--async-scheduling`` when the speed section's async runs went through;
    ``--serve-process both``, the default, serves with ``--engine-process`` here, and in one process
-   after every model's sections, as time allows, its figures as ``serve_oneproc_*``); and
+   after every model's sections, as time allows, its figures as ``serve_oneproc_*``; the CPU each
+   process spent over the wall says which side holds the pace); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -481,9 +482,10 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         top = 1024 if DEV == "cuda" else 24
         reqs = [(rand_ids(rng, rng.randint(top // 10, top), vocab), rng.randint(top // 10, top))
                 for _ in range(num_requests)]
-        before = engine_metrics(url)
+        before, cpu_before = engine_metrics(url), process_cpu(proc.pid)
         results, wall = asyncio.run(serve_bench.run_rate(url, model, math.inf, reqs, 4, 0.0))
         engine = {k: v - before.get(k, 0.0) for k, v in engine_metrics(url).items()}
+        cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu(proc.pid).items()}
         ok = [r for r in results if "error" not in r]
         errors = sorted({r["error"] for r in results if "error" in r})
         tokens = sum(r["out"] for r in ok)
@@ -500,12 +502,16 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                "serve_mean_step_ms": 1e3 * busy / steps if steps else None,
                # async scheduling: the share of the wall the engine waited for the device's tokens
                # (near the busy share: the GPU sets the pace; near 0: the host does)
-               "serve_device_wait": engine.get("nextoken_device_wait_seconds_total", 0) / wall if wall else None}
+               "serve_device_wait": engine.get("nextoken_device_wait_seconds_total", 0) / wall if wall else None,
+               # the CPU each process spent during the run, as a share of the wall: the server's near 1
+               # (one core's worth of Python) bounds the serving; with --engine-process, so can the engine's
+               "serve_cpu_share": {k: v / wall for k, v in cpu.items()} if wall else None}
         log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} "
             f"tokens in "
             f"{wall:.1f} s = {tokens / wall:.0f} output tok/s; the engine stepped {out['serve_engine_busy'] or 0:.0%} "
             f"of the wall ({steps:.0f} steps, {out['serve_mean_step_ms'] or 0:.2f} ms each), waited for the device "
-            f"{out['serve_device_wait'] or 0:.0%} of it")
+            f"{out['serve_device_wait'] or 0:.0%} of it; CPU per process over the wall "
+            f"{ {k: round(v, 2) for k, v in (out['serve_cpu_share'] or {}).items()} }")
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -514,6 +520,30 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
+
+
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user and system, all threads) of process `pid` ("server") and of each child
+    it started (an engine process: "engine"; others by pid), from /proc; {} where /proc is not
+    readable."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    try:
+        out = {"server": seconds(pid)}
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        name = "engine" if b"spawn_main" in c.read() else child
+                    out[name] = seconds(int(child))
+        return out
+    except OSError:
+        return {}
 
 
 def engine_metrics(url: str) -> dict[str, float]:
