@@ -17,6 +17,7 @@ Not over a process: the inspector (its views read the engine's state in place: `
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -74,11 +75,15 @@ class EngineProcessClient(OutputStreams):
         self._grammars = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True).start()
+        # at exit without `close` (a forced exit): the engine process ignores SIGTERM, and
+        # multiprocessing would wait for it forever; the pipe closed, it sees the end and exits
+        atexit.register(self._to_core.close)
 
     # -- requests ---------------------------------------------------------------------------
     async def _add(self, prompt, params, rid: str, options: RequestOptions) -> None:
         if options.tracer is not None:
-            raise InvalidRequest(f"tracing a request needs the engine in the server's process: {NOT_HERE}", "trace")
+            raise InvalidRequest("tracing a request needs the engine in the server's process: serve without "
+                                 "--engine-process", "trace")
         await self._call("add_request", prompt, params, rid, options)
 
     async def _add_beam(self, prompt_ids: list[int], search, rid: str, options: RequestOptions) -> None:

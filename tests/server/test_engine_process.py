@@ -138,3 +138,21 @@ def test_a_model_that_cannot_load_stops_the_start_with_its_error(tmp_path):
     bad.write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError):
         EngineProcessClient(EngineArgs(model=str(bad)))
+
+
+@pytest.mark.subprocess
+def test_a_program_that_exits_without_closing_the_client_does_not_hang(tiny_gguf, tmp_path):
+    """The engine process ignores SIGTERM (the server drains first), so at exit multiprocessing
+    would wait for it forever; the client closes its pipe at exit and the engine process ends."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text("from nextoken.engine.core_client import EngineProcessClient\n"
+                      "from nextoken.engine_args import EngineArgs\n"
+                      "if __name__ == '__main__':\n"
+                      f"    c = EngineProcessClient(EngineArgs(model={str(tiny_gguf['llama'][0])!r}, dtype='float32'))\n"
+                      "    print(c.process.pid, flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not os.path.exists(f"/proc/{int(out.stdout)}")
