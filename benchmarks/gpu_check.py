@@ -38,7 +38,8 @@ and says so:
    default, serves with ``--async-scheduling`` when the speed section's async runs went through;
    ``--serve-process both``, the default, serves with ``--engine-process`` here, and in one process
    after every model's sections, as time allows, its figures as ``serve_oneproc_*``; the CPU each
-   process spent over the wall says which side holds the pace); and
+   process spent over the wall says which side holds the pace, and py-spy's samples of each, when
+   it came along, where its Python's time went); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
@@ -55,6 +56,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -483,9 +485,11 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         reqs = [(rand_ids(rng, rng.randint(top // 10, top), vocab), rng.randint(top // 10, top))
                 for _ in range(num_requests)]
         before, cpu_before = engine_metrics(url), process_cpu(proc.pid)
+        spies = spy_on(serving_pids(proc.pid), 8, out_dir, "-engine-process" if engine_process else "")
         results, wall = asyncio.run(serve_bench.run_rate(url, model, math.inf, reqs, 4, 0.0))
         engine = {k: v - before.get(k, 0.0) for k, v in engine_metrics(url).items()}
         cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu(proc.pid).items()}
+        spied = spy_results(spies)
         ok = [r for r in results if "error" not in r]
         errors = sorted({r["error"] for r in results if "error" in r})
         tokens = sum(r["out"] for r in ok)
@@ -505,13 +509,19 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                "serve_device_wait": engine.get("nextoken_device_wait_seconds_total", 0) / wall if wall else None,
                # the CPU each process spent during the run, as a share of the wall: the server's near 1
                # (one core's worth of Python) bounds the serving; with --engine-process, so can the engine's
-               "serve_cpu_share": {k: v / wall for k, v in cpu.items()} if wall else None}
+               "serve_cpu_share": {k: v / wall for k, v in cpu.items()} if wall else None,
+               # where each process's Python spent its samples (py-spy, when it came along): the
+               # leaf frames' shares, the top ones
+               "serve_spy": spied}
         log(f"   serving: healthy after {started:.0f} s; {len(ok)}/{num_requests} ok {errors or ''}, {tokens} "
             f"tokens in "
             f"{wall:.1f} s = {tokens / wall:.0f} output tok/s; the engine stepped {out['serve_engine_busy'] or 0:.0%} "
             f"of the wall ({steps:.0f} steps, {out['serve_mean_step_ms'] or 0:.2f} ms each), waited for the device "
             f"{out['serve_device_wait'] or 0:.0%} of it; CPU per process over the wall "
             f"{ {k: round(v, 2) for k, v in (out['serve_cpu_share'] or {}).items()} }")
+        for name, tops in spied.items():
+            for kind, top in tops.items():
+                log(f"   py-spy, {name}, {kind}: " + "; ".join(f"{share:.0%} {place}" for place, share in top[:8]))
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -520,6 +530,69 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
+
+
+def serving_pids(pid: int) -> dict[str, int]:
+    """The server's process ("server") and, with --engine-process, its engine process ("engine")."""
+    out = {"server": pid}
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        if b"spawn_main" in c.read():
+                            out["engine"] = int(child)
+    return out
+
+
+def spy_on(pids: dict[str, int], seconds: int, out_dir: str | None, tag: str) -> list:
+    """py-spy recording each of `pids` for `seconds` (raw stacks into `out_dir`), when py-spy is
+    here (`gpu_wheels.sh` brings it: /tmp/site/bin) and may attach; [] otherwise."""
+    here = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "/tmp/site/bin/py-spy"]
+    exe = shutil.which("py-spy") or next((p for p in here if os.path.exists(p)), None)
+    if exe is None or out_dir is None:
+        return []
+    spies = []
+    for name, pid in pids.items():
+        path = os.path.join(out_dir, f"spy{tag}-{name}.txt")
+        cmd = [exe, "record", "-p", str(pid), "-d", str(seconds), "-r", "200", "-f", "raw", "-o", path, "--nonblocking",
+               "--gil"]
+        spies.append((name, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    return spies
+
+
+def spy_results(spies: list, top: int = 12) -> dict[str, dict[str, list[tuple[str, float]]]]:
+    """Each recording's samples (taken while the process held the GIL: its Python's work) as two
+    top-`top` lists of (place, share): ``files``, the file of each sample's innermost frame (where
+    the time went: ours or a library's), and ``ours``, nextoken's functions counted for every
+    sample they are on the stack of (inclusive), less those on nearly all (the loops around)."""
+    out = {}
+    for name, path, p in spies:
+        files: dict[str, int] = {}
+        ours: dict[str, int] = {}
+        total = 0
+        try:
+            p.wait(timeout=30)
+            with open(path) as f:
+                for line in f:
+                    stack, _, n = line.rstrip().rpartition(" ")
+                    if not stack:
+                        continue
+                    frames, n = stack.split(";"), int(n)
+                    total += n
+                    leaf = frames[-1].rsplit("(", 1)[-1].rsplit(":", 1)[0]
+                    files[leaf] = files.get(leaf, 0) + n
+                    for fn in {fr.rsplit(":", 1)[0] + ")" for fr in frames if "nextoken/" in fr}:
+                        ours[fn] = ours.get(fn, 0) + n
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            p.kill()
+            continue
+        if not total:
+            continue
+        rank = lambda d, cut=1.0: [(k, v / total) for k, v in sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
+                                   if v / total <= cut][:top]
+        out[name] = {"files": rank(files), "ours": rank(ours, 0.9)}
+    return out
 
 
 def process_cpu(pid: int) -> dict[str, float]:

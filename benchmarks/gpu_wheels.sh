@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels benchmarks/gpu_check.py needs on the GPU machine beyond its image (which has PyTorch,
 # Triton, transformers, tokenizers, safetensors, numpy, httpx, pytest; no network there): nextoken's
-# server and loader dependencies, for that machine's Python 3.12. Run here, in the repository root;
+# server and loader dependencies (and py-spy, which the serving section records the processes with),
+# for that machine's Python 3.12. Run here, in the repository root;
 # they land in .whl/ (ignored by git), and the device call carries .whl and installs them with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 set -euo pipefail
@@ -12,7 +13,7 @@ PY="${PYTHON:-python3}"
 for req in fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
            typing-inspection==0.4.5 annotated-doc==0.0.7 uvicorn==0.54.0 jsonschema==4.26.0 \
            jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 cachetools==8.0.2 \
-           gguf==0.19.0 llguidance==1.9.1 python-multipart==0.0.34 sniffio==1.3.1; do
+           gguf==0.19.0 llguidance==1.9.1 python-multipart==0.0.34 sniffio==1.3.1 py-spy==0.4.3; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
