@@ -11,7 +11,8 @@ one thread at a time. A consumer that stops iterating (a client that disconnects
 request, which frees its KV blocks at the next step. A consumer that falls behind the steps gets
 the outputs waiting for it as one (`merge_outputs`: the deltas joined, the rest the newest's), as
 vLLM's output collector does, so a loaded server sends fewer, larger chunks instead of falling
-further behind.
+further behind. Those streams (`OutputStreams`) are shared with `core_client.EngineProcessClient`,
+the client of an engine in a process of its own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 vLLM's ``engine/protocol.py``): `Service`, what every served model is (a generation engine, the
 embedding service), `EngineClient`, all that the API routes, the chat core and the inspector
 use of the generation engine, and `PoolingClient`, what the pooling routes use of the embedding
-service. `AsyncLLMEngine` implements it; the server holds an `EngineClient`
+service. `AsyncLLMEngine` implements it, and `core_client.EngineProcessClient` over an engine in
+a process of its own (whose `view` and `between_steps` raise: the inspector needs the engine in
+the server's process); the server holds an `EngineClient`
 and never reaches past it into the `LLMEngine` it wraps (kept private: tests/cli/test_layout.py
 refuses a private name read across parts), so a test drives the chat core with a fake client
 (tests/server/test_chat_core.py), and another engine (a remote one, a GPU worker) needs only these
