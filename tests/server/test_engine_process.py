@@ -156,3 +156,35 @@ def test_a_program_that_exits_without_closing_the_client_does_not_hang(tiny_gguf
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert not os.path.exists(f"/proc/{int(out.stdout)}")
+
+
+def test_an_adapter_loads_and_serves_in_the_engine_process(tiny_gguf):
+    """`load_lora` over the pipe: the adapter (llama.cpp's GGUF of the tiny model's adapter "a")
+    loads in the engine process, a request with it gives the tokens it gives in this process,
+    unloading works once, and a second unload is refused with the field."""
+    from pathlib import Path
+
+    from nextoken import LoRARequest
+
+    path, lora = str(tiny_gguf["llama"][0]), str(Path(__file__).parents[1] / "data" / "lora-tiny-llama.gguf")
+    req = LoRARequest("a-gguf", 1, lora)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8).generate(
+        "the cat sat", params, lora_request=req)[0].outputs[0].token_ids
+    base = LLM(path, dtype="float32").generate("the cat sat", params)[0].outputs[0].token_ids
+    assert want != base  # (the adapter changes the answer: the comparison below means something)
+    client = EngineProcessClient(EngineArgs(model=path, dtype="float32", enable_lora=True, max_lora_rank=8))
+
+    async def main():
+        lora_id = await client.load_lora(req)
+        got = [out async for out in client.generate("the cat sat", params, options=RequestOptions(lora_request=req))]
+        await client.unload_lora(lora_id)
+        with pytest.raises(InvalidRequest) as e:
+            await client.unload_lora(lora_id)
+        assert e.value.field == "lora_name"
+        return got[-1].outputs[0].token_ids
+
+    try:
+        assert asyncio.run(main()) == want
+    finally:
+        client.close()
