@@ -212,6 +212,10 @@ class EngineCore:
                 log.exception("the engine's step failed")
                 self.out.send(("dead", picklable(exc)))
                 return
+            if not outputs and not self.steps:  # a step that did nothing: only the counts, once idle
+                if not engine.has_unfinished_requests():
+                    self.out.send(("stats", SchedulerStats.now(engine)))
+                continue
             steps = [dataclasses.replace(s, finished=[]) for s in self.steps]  # (engine objects stay here)
             self.steps.clear()
             self.out.send(("step", [self.wire.encode(o) for o in outputs], steps, SchedulerStats.now(engine)))
