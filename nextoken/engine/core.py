@@ -8,10 +8,11 @@ server's process (`core_client.EngineProcessClient`).
 
 In one process the server's work (rendering and writing each streamed chunk, about 30-60 us of
 Python a chunk) and the engine's host work per step (scheduling, inputs, detokenizing, stop checks)
-share one GIL; in two they run at once, on two cores. Messages are pickled tuples on two one-way
-pipes. A step's outputs travel as deltas (`OutputWire.encode`): a completion's new text, token ids
-and log-probabilities, never what was sent before; the server's side keeps each request's lists
-and rebuilds the `RequestOutput` the engine made (`OutputMirror.decode`), with `Prefix` views of
+share one GIL; in two they run at once, on two cores. Messages are tuples on two one-way
+`multiprocessing` pipes (pickled by it) that the server creates for the process it starts: no
+one else writes to them. A step's outputs travel as deltas (`OutputWire.encode`): a
+completion's new text, token ids and log-probabilities, never what was sent before; the
+server's side keeps each request's lists and rebuilds the `RequestOutput` the engine made (`OutputMirror.decode`), with `Prefix` views of
 its lists as the engine's snapshots have.
 
 The engine process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a service manager reach
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 import queue
 import signal
 import threading
 from dataclasses import dataclass
 
 from nextoken.engine_args import EngineArgs
-from nextoken.errors import EngineError
+from nextoken.errors import EngineError, NextokenError
 from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
 
 log = logging.getLogger("nextoken.engine")
@@ -127,13 +127,11 @@ class OutputMirror:
         self._requests.pop(request_id, None)
 
 
-def picklable(exc: BaseException) -> BaseException:
-    """`exc` if it pickles (and unpickles), else an `EngineError` naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any exception at all must reach the server as something
-        return EngineError(f"{type(exc).__name__}: {exc}")
+def sendable(exc: BaseException) -> BaseException:
+    """`exc` as the server's process receives it: one of our errors as it is (each is rebuilt
+    from its message, `InvalidRequest` with its field too), anything else as an `EngineError`
+    naming its type and message."""
+    return exc if isinstance(exc, NextokenError) else EngineError(f"{type(exc).__name__}: {exc}")
 
 
 def run_engine_core(args: EngineArgs, adapters: list, log_level: str, inbox_conn, outbox_conn) -> None:
@@ -153,7 +151,7 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, inbox_conn
         warm_up(engine)
         freeze_heap()
     except BaseException as exc:  # noqa: BLE001 - whatever stops the start, the server says it
-        outbox_conn.send(("failed", picklable(exc)))
+        outbox_conn.send(("failed", sendable(exc)))
         return
     kv = engine.kv
     outbox_conn.send(("ready", CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark,
@@ -210,7 +208,7 @@ class EngineCore:
                 outputs = engine.step()
             except Exception as exc:  # the engine is broken: the server's requests fail, it exits
                 log.exception("the engine's step failed")
-                self.out.send(("dead", picklable(exc)))
+                self.out.send(("dead", sendable(exc)))
                 return
             if not outputs and not self.steps:  # a step that did nothing: only the counts, once idle
                 if not engine.has_unfinished_requests():
@@ -234,5 +232,5 @@ class EngineCore:
                 raise EngineError(f"the engine process has no call {name!r}")
             value = getattr(self.engine, name)(*args)
         except Exception as exc:  # noqa: BLE001 - the caller gets it, as in one process
-            error = picklable(exc)
+            error = sendable(exc)
         self.out.send(("reply", call_id, value, error))

@@ -536,7 +536,7 @@ class Sampler:
         """Fill the log-probabilities of `results` (the rows drawn already) that ask."""
         if not meta.logprob_rows:
             return
-        tokens = torch.tensor([max(r.token, 0) for r in results], device=logits.device)  # (a failed row's -1: ignored)
+        tokens = torch.tensor([r.token for r in results], device=logits.device)  # (a failed row's -1: clamped, ignored)
         filled, _ = self._logprob_tensors(logits, SampleLaunch(meta, tokens, [])).results()
         for i in meta.logprob_rows:
             results[i].logprob, results[i].top_logprobs = filled[i].logprob, filled[i].top_logprobs
