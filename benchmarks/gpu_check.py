@@ -30,7 +30,8 @@ and says so:
    against the roofline step; the same batch-1 and 64-sequence runs again with async scheduling,
    and whether their tokens are the in-order run's; one 4096-token prefill against the bf16
    matrix rate);
-4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client, 256
+4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client (in
+   several processes, `serve.run_load`: one httpx process spends about 70 us a streamed chunk), 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
    the server's /metrics the share of the wall its engine spent stepping and its mean step (a
    share well below 1: the HTTP layer or the client sets the pace, not the GPU; `--stream-interval
@@ -447,8 +448,6 @@ def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, l
 # -- 4. serving ---------------------------------------------------------------------------------------
 def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1,
             async_scheduling: bool = False, engine_process: bool = False) -> dict:
-    import asyncio
-
     import httpx
 
     import serve as serve_bench
@@ -486,7 +485,9 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                 for _ in range(num_requests)]
         before, cpu_before = engine_metrics(url), process_cpu(proc.pid)
         spies = spy_on(serving_pids(proc.pid), 8, out_dir, "-engine-process" if engine_process else "")
-        results, wall = asyncio.run(serve_bench.run_rate(url, model, math.inf, reqs, 4, 0.0))
+        procs = serve_bench.default_client_procs() if DEV == "cuda" else 2  # (two here: the dry run tries the path)
+        results, wall, client_cpu = serve_bench.run_load(url, model, math.inf, reqs, 4, 0.0, procs)
+        cpu_client = {f"client x{procs}": client_cpu / procs}
         engine = {k: v - before.get(k, 0.0) for k, v in engine_metrics(url).items()}
         cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu(proc.pid).items()}
         spied = spy_results(spies)
@@ -509,7 +510,8 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                "serve_device_wait": engine.get("nextoken_device_wait_seconds_total", 0) / wall if wall else None,
                # the CPU each process spent during the run, as a share of the wall: the server's near 1
                # (one core's worth of Python) bounds the serving; with --engine-process, so can the engine's
-               "serve_cpu_share": {k: v / wall for k, v in cpu.items()} if wall else None,
+               # (the load client's: per client process, near 1 when the client sets the pace)
+               "serve_cpu_share": {k: v / wall for k, v in {**cpu, **cpu_client}.items()} if wall else None,
                # where each process's Python spent its samples (py-spy, when it came along): the
                # leaf frames' shares, the top ones
                "serve_spy": spied}

@@ -63,20 +63,99 @@ async def one(client, model, prompt, out_len, temperature):
     return {"ttft": ttft, "itl": itl, "e2e": e2e, "tpot": tpot, "out": n_out, "in": len(prompt)}
 
 
-async def run_rate(base_url, model, rate, reqs, seed, temperature):
+async def run_rate(base_url, model, rate, reqs, seed, temperature, start=None, offsets=None):
+    """Send `reqs` ((prompt ids, output length) each) at `rate` requests/s (Poisson arrivals from
+    `seed`; or at `offsets`, seconds after `start`, a `time.perf_counter()` value) and return
+    (results, wall). The requests are spread over one `httpx.AsyncClient` per 16 of them: one
+    pool of hundreds of connections spends most of the client's time matching requests to
+    connections (its per-request scan is over every connection)."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000)) as c:
-        t0 = time.perf_counter()
-        tasks = []
-        for prompt, out_len in reqs:
-            tasks.append(asyncio.create_task(one(c, model, prompt, out_len, temperature)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+    if offsets is None:
+        offsets, at = [], 0.0
+        for _ in reqs:
+            offsets.append(at)
+            at += rng.expovariate(rate)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) for _ in range(max(1, -(-len(reqs) // 16)))]
+    try:
+        t0 = time.perf_counter() if start is None else start
+
+        async def at(k, prompt, out_len):
+            delay = t0 + offsets[k] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await one(clients[k % len(clients)], model, prompt, out_len, temperature)
+
+        results = await asyncio.gather(*(at(k, p, n) for k, (p, n) in enumerate(reqs)))
         return results, time.perf_counter() - t0
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
 
 
-def summarize(rate, results, wall, temperature):
+def default_client_procs() -> int:
+    """Client processes for a load: the cores left after the server, its engine process and this
+    one, two per process, at most 8 (one process on a small machine)."""
+    return max(1, min(8, ((os.cpu_count() or 1) - 4) // 2))
+
+
+def _load_worker(conn, base_url, model, reqs, offsets, temperature):
+    """One client process of `run_load`: says it is ready, waits for the start time, sends its
+    requests at their offsets, and returns (results, its CPU seconds)."""
+    conn.send("ready")
+    start = conn.recv()
+    cpu = time.process_time()
+    results, _ = asyncio.run(run_rate(base_url, model, None, reqs, 0, temperature, start=start, offsets=offsets))
+    conn.send((results, time.process_time() - cpu))
+
+
+def run_load(base_url, model, rate, reqs, seed, temperature, procs=1):
+    """`run_rate` spread over `procs` client processes (request k goes to process k % procs, at
+    the arrival time one process would give it), so that the client's Python (about 70 us a
+    streamed chunk with httpx) does not set the pace of a fast server. Returns (results in the
+    order of `reqs`, wall seconds from the first arrival to the last answer, the client's CPU
+    seconds in all)."""
+    if procs <= 1 or len(reqs) < 2:
+        cpu = time.process_time()
+        results, wall = asyncio.run(run_rate(base_url, model, rate, reqs, seed, temperature))
+        return results, wall, time.process_time() - cpu
+    import multiprocessing as mp
+
+    rng, offsets, at = random.Random(seed), [], 0.0
+    for _ in reqs:
+        offsets.append(at)
+        at += rng.expovariate(rate)
+    ctx = mp.get_context("spawn")  # (the caller may hold a CUDA context: no fork)
+    parts = [list(range(k, len(reqs), procs)) for k in range(procs)]
+    pipes, workers = [], []
+    for part in parts:
+        here, there = ctx.Pipe()
+        w = ctx.Process(target=_load_worker, daemon=True,
+                        args=(there, base_url, model, [reqs[i] for i in part], [offsets[i] for i in part], temperature))
+        w.start()
+        pipes.append(here)
+        workers.append(w)
+    try:
+        for c in pipes:
+            if c.recv() != "ready":
+                raise RuntimeError("a client process did not start")
+        start = time.perf_counter() + 0.1  # (the monotonic clock is the same in every process)
+        for c in pipes:
+            c.send(start)
+        results, cpu = [None] * len(reqs), 0.0
+        for part, c in zip(parts, pipes):
+            got, spent = c.recv()
+            cpu += spent
+            for i, r in zip(part, got):
+                results[i] = r
+        return results, time.perf_counter() - start, cpu
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+
+
+def summarize(rate, results, wall, temperature, client_cpu=None, procs=1):
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     line = lambda name, xs, unit=1000: (f"  {name:<5} mean {statistics.fmean(xs) * unit:8.1f}  p50 {pct(xs, 50) * unit:8.1f}"
@@ -84,6 +163,9 @@ def summarize(rate, results, wall, temperature):
     print(f"rate {rate} req/s, temperature {temperature}: {len(ok)} ok, {len(errors)} errors {sorted(set(errors)) or ''}, wall {wall:.1f} s")
     print(f"  throughput {len(ok) / wall:.2f} req/s, output {sum(r['out'] for r in ok) / wall:.1f} tok/s, "
           f"total {sum(r['out'] + r['in'] for r in ok) / wall:.1f} tok/s")
+    if client_cpu is not None:
+        print(f"  client: {client_cpu:.1f} CPU s in {procs} process(es), {client_cpu / wall / procs:.2f} of each one's wall"
+              " (near 1: the client sets the pace)")
     print(line("TTFT", [r["ttft"] for r in ok if r["ttft"] is not None]))
     print(line("TPOT", [r["tpot"] for r in ok if r["tpot"] is not None]))
     print(line("ITL", [x for r in ok for x in r["itl"]]))
@@ -140,6 +222,9 @@ def main():
                     help="prompts are random token ids in [100, this) (a tiny test model: its vocabulary's size)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request's temperature (0: greedy; the API's default is 1.0)")
+    ap.add_argument("--client-procs", type=int, default=default_client_procs(),
+                    help="client processes sending the load (default: the cores left after the server, two each, "
+                         "at most 8)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-args", default="", help="extra arguments for `nextoken serve`")
     ap.add_argument("--live-views", type=int, default=0,
@@ -156,8 +241,8 @@ def main():
             rng = random.Random(args.seed + k)
             reqs = [([rng.randrange(min(100, args.max_token_id - 1), args.max_token_id) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
                      rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
-            results, wall = asyncio.run(run_rate(url, model, rate, reqs, args.seed + k, args.temperature))
-            summarize(rate, results, wall, args.temperature)
+            results, wall, cpu = run_load(url, model, rate, reqs, args.seed + k, args.temperature, args.client_procs)
+            summarize(rate, results, wall, args.temperature, cpu, args.client_procs)
     finally:
         for v in views:
             print(f"  live view: {v.stop()} events received")
