@@ -51,9 +51,10 @@ class OutputStreams:
     (`abort`), and where the outputs come from (they call `_deliver` with each step's, `_stop`
     once the engine is gone)."""
 
-    def __init__(self):
+    def __init__(self, id_prefix: str = ""):
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
+        self._id_prefix = id_prefix  # before the number of a request given no id (one front end of several: its own)
         self.dead: BaseException | None = None  # set once the engine has stopped
         self.on_dead = None  # called with the exception when the engine stops (the server's exit)
 
@@ -62,7 +63,7 @@ class OutputStreams:
         """Queue a request and return its id (`options`: see `LLMEngine.add_request`; kept hidden
         states come in the final output's ``prompt_hidden``). Raises `InvalidRequest` at once for
         bad input, `EngineError` if the engine has stopped."""
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"async-{self._id_prefix}{next(self._ids)}"
         return await self._open(rid, lambda: self._add(prompt, params, rid, options))
 
     async def beam_search(self, prompt_ids: list[int], search, request_id: str | None = None,
@@ -71,7 +72,7 @@ class OutputStreams:
         (`LLMEngine.add_beam_search`): its final output, the beams as completions, best first.
         Cancelling the caller aborts it. Raises as `add_request` and `stream` do (`RequestFailed`
         when a beam's pass failed)."""
-        rid = request_id if request_id is not None else f"beam-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"beam-{self._id_prefix}{next(self._ids)}"
         await self._open(rid, lambda: self._add_beam(prompt_ids, search, rid, options))
         out = None
         async for out in self.stream(rid):

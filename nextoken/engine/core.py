@@ -1,10 +1,13 @@
 """The engine in a process of its own (vLLM's EngineCore), and what passes between it and the
 server's process (`core_client.EngineProcessClient`).
 
-    server process                                   engine process (`run_engine_core`)
-    add_request / abort / load_lora ... --pipe-->    reader thread -> inbox
+    server process(es)                               engine process (`run_engine_core`)
+    add_request / abort / load_lora ... --pipe-->    a reader thread per front end -> inbox
                                                      loop: messages between steps, `LLMEngine.step`
     event loop reads step messages     <--pipe--     ("step", output records, StepStats, SchedulerStats)
+
+With ``serve --api-server-count N`` the engine process has N front ends, a pair of pipes each:
+a request's outputs go to the one that added it.
 
 In one process the server's work (rendering and writing each streamed chunk, about 30-60 us of
 Python a chunk) and the engine's host work per step (scheduling, inputs, detokenizing, stop checks)
@@ -134,16 +137,19 @@ def sendable(exc: BaseException) -> BaseException:
     return exc if isinstance(exc, NextokenError) else EngineError(f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_core(args: EngineArgs, adapters: list, log_level: str, inbox_conn, outbox_conn) -> None:
+def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: list) -> None:
     """The engine process's main: build and warm the engine (`adapters`: `lora.LoRARequest`s to
-    load first), say ``("ready", CoreInfo)`` (or ``("failed", exception)``), then serve the
-    server's messages between steps until ``("close",)`` or the pipe closes."""
+    load first), say ``("ready", CoreInfo)`` (or ``("failed", exception)``) to every front end,
+    then serve their messages between steps until each has said ``("close",)`` or closed its
+    pipe. `channels`: one ``(inbox, outbox)`` pair of pipe ends per front end (``serve
+    --api-server-count N``: N)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nextoken.engine.engine import LLMEngine
     from nextoken.engine.launch import freeze_heap, warm_up
 
+    outboxes = [out for _, out in channels]
     try:
         engine = LLMEngine.from_engine_args(args)
         for lora in adapters:
@@ -151,44 +157,61 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, inbox_conn
         warm_up(engine)
         freeze_heap()
     except BaseException as exc:  # noqa: BLE001 - whatever stops the start, the server says it
-        outbox_conn.send(("failed", sendable(exc)))
+        for out in outboxes:
+            _send_quietly(out, ("failed", sendable(exc)))
         return
     kv = engine.kv
-    outbox_conn.send(("ready", CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark,
-                                        str(engine.model_path), kv.pool.num_blocks * kv.block_size)))
+    info = CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark, str(engine.model_path),
+                    kv.pool.num_blocks * kv.block_size)
+    for out in outboxes:
+        _send_quietly(out, ("ready", info))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read, args=(inbox_conn, inbox), name="nextoken-core-inbox", daemon=True).start()
+    for k, (conn, _) in enumerate(channels):
+        threading.Thread(target=_read, args=(conn, inbox, k), name=f"nextoken-core-inbox-{k}", daemon=True).start()
     try:
-        EngineCore(engine, outbox_conn).run(inbox)
+        EngineCore(engine, outboxes).run(inbox)
     finally:
         engine.close()
 
 
-def _read(conn, inbox: queue.SimpleQueue) -> None:
-    """The server's messages into `inbox` as they come (so its writes never wait for a step);
-    None when the pipe closes."""
+def _send_quietly(conn, message) -> bool:
+    """Send `message` on `conn`; False when that front end is gone (its pipe closed)."""
+    try:
+        conn.send(message)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _read(conn, inbox: queue.SimpleQueue, k: int) -> None:
+    """Front end `k`'s messages into `inbox` as ``(k, message)`` (so its writes never wait for a
+    step); ``(k, None)`` when its pipe closes."""
     try:
         while True:
-            inbox.put(conn.recv())
+            inbox.put((k, conn.recv()))
     except (EOFError, OSError):
-        inbox.put(None)
+        inbox.put((k, None))
 
 
 class EngineCore:
-    """The engine process's loop: the server's messages between steps, a step while any request
-    is unfinished, each step's outputs, `StepStats` and `SchedulerStats` sent back."""
+    """The engine process's loop: the front ends' messages between steps, a step while any
+    request is unfinished, each step's outputs, `StepStats` and `SchedulerStats` sent back.
 
-    def __init__(self, engine, outbox_conn):
-        self.engine, self.out = engine, outbox_conn
+    Each request's outputs go to the front end that added it (`owner`); the `SchedulerStats` go
+    to every front end, each step's `StepStats` to one (the first still open: with several, the
+    server's metrics, summed over its processes, count each step once)."""
+
+    def __init__(self, engine, outboxes: list):
+        self.engine, self.outs = engine, list(outboxes)
+        self.open = set(range(len(self.outs)))
+        self.owner: dict[str, int] = {}  # request id -> the front end that added it
         self.wire = OutputWire()
         self.steps: list = []
         engine.subscribe(self.steps.append)
 
     def run(self, inbox: queue.SimpleQueue) -> None:
-        from nextoken.engine.stats import SchedulerStats
-
         engine = self.engine
-        while True:
+        while self.open:
             busy = engine.has_unfinished_requests()
             messages = [] if busy else [inbox.get()]  # idle: wait for the next message
             while True:
@@ -196,34 +219,77 @@ class EngineCore:
                     messages.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-            for m in messages:
+            for k, m in messages:
                 if m is None or m[0] == "close":
-                    return
-                self.handle(m)
+                    self.close(k)
+                else:
+                    self.handle(k, m)
+            if not self.open:
+                return
             if not engine.has_unfinished_requests():
                 if messages:  # (aborts and adds that changed the counts without a step)
-                    self.out.send(("stats", SchedulerStats.now(engine)))
+                    self.stats()
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:  # the engine is broken: the server's requests fail, it exits
+            except Exception as exc:  # the engine is broken: the servers' requests fail, it exits
                 log.exception("the engine's step failed")
-                self.out.send(("dead", sendable(exc)))
+                for k in sorted(self.open):
+                    _send_quietly(self.outs[k], ("dead", sendable(exc)))
                 return
             if not outputs and not self.steps:  # a step that did nothing: only the counts, once idle
                 if not engine.has_unfinished_requests():
-                    self.out.send(("stats", SchedulerStats.now(engine)))
+                    self.stats()
                 continue
-            steps = [dataclasses.replace(s, finished=[]) for s in self.steps]  # (engine objects stay here)
-            self.steps.clear()
-            self.out.send(("step", [self.wire.encode(o) for o in outputs], steps, SchedulerStats.now(engine)))
+            self.send_step(outputs)
 
-    def handle(self, m: tuple) -> None:
-        """One message: ``("abort", request_id)`` or ``("call", call id, method, args)`` (one of
-        `CALLS`), answered ``("reply", call id, value, exception)``."""
+    def send_step(self, outputs: list) -> None:
+        """A step's outputs, each to its front end, with the step's stats."""
+        from nextoken.engine.stats import SchedulerStats
+
+        stats = SchedulerStats.now(self.engine)
+        steps = [dataclasses.replace(s, finished=[]) for s in self.steps]  # (engine objects stay here)
+        self.steps.clear()
+        if len(self.outs) == 1:
+            self._send(0, ("step", [self.wire.encode(o) for o in outputs], steps, stats))
+            return
+        records: dict[int, list] = {k: [] for k in self.open}
+        for o in outputs:
+            k = self.owner.pop(o.request_id, 0) if o.finished else self.owner.get(o.request_id, 0)
+            if k in records:
+                records[k].append(self.wire.encode(o))
+        first = min(self.open)
+        for k, rs in records.items():
+            self._send(k, ("step", rs, steps if k == first else [], stats))
+
+    def stats(self) -> None:
+        from nextoken.engine.stats import SchedulerStats
+
+        stats = SchedulerStats.now(self.engine)
+        for k in sorted(self.open):
+            self._send(k, ("stats", stats))
+
+    def _send(self, k: int, message: tuple) -> None:
+        if not _send_quietly(self.outs[k], message):
+            self.close(k)
+
+    def close(self, k: int) -> None:
+        """Front end `k` is done (it said so, or its pipe closed): its requests are aborted."""
+        if k not in self.open:
+            return
+        self.open.discard(k)
+        for rid in [rid for rid, owner in self.owner.items() if owner == k]:
+            self.engine.abort_request(rid)
+            self.wire.forget(rid)
+            del self.owner[rid]
+
+    def handle(self, k: int, m: tuple) -> None:
+        """Front end `k`'s message: ``("abort", request_id)`` or ``("call", call id, method,
+        args)`` (one of `CALLS`), answered ``("reply", call id, value, exception)``."""
         if m[0] == "abort":
             self.engine.abort_request(m[1])
             self.wire.forget(m[1])
+            self.owner.pop(m[1], None)
             return
         _, call_id, name, args = m
         value, error = None, None
@@ -231,6 +297,8 @@ class EngineCore:
             if name not in CALLS:
                 raise EngineError(f"the engine process has no call {name!r}")
             value = getattr(self.engine, name)(*args)
+            if name in ("add_request", "add_beam_search") and len(self.outs) > 1:
+                self.owner[value] = k
         except Exception as exc:  # noqa: BLE001 - the caller gets it, as in one process
             error = sendable(exc)
-        self.out.send(("reply", call_id, value, error))
+        self._send(k, ("reply", call_id, value, error))

@@ -22,8 +22,10 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
+import uuid
 
 from nextoken.engine.async_engine import OutputStreams
 from nextoken.engine.core import CoreInfo, OutputMirror, run_engine_core
@@ -37,32 +39,51 @@ log = logging.getLogger("nextoken.engine")
 NOT_HERE = "the inspector reads the engine's state in the server's process: serve without --engine-process"
 
 
+def start_engine_core(args: EngineArgs, adapters: list = (), log_level: str = "warning", front_ends: int = 1):
+    """Start the engine of `args` in a process of its own (``spawn``; `engine.core.run_engine_core`)
+    with `front_ends` pairs of pipes. Returns the `multiprocessing.Process` and, per front end,
+    ``(to_core, from_core)``: the ends this side (or the process it is handed to) keeps."""
+    ctx = multiprocessing.get_context("spawn")  # (a fork would copy the server's threads and PyTorch state)
+    ours, theirs = [], []
+    for _ in range(front_ends):
+        inbox_read, to_core = ctx.Pipe(duplex=False)
+        from_core, outbox_write = ctx.Pipe(duplex=False)
+        ours.append((to_core, from_core))
+        theirs.append((inbox_read, outbox_write))
+    process = ctx.Process(target=run_engine_core, name="nextoken-engine", daemon=True,
+                          args=(args, list(adapters), log_level, theirs))
+    process.start()
+    for inbox_read, outbox_write in theirs:
+        inbox_read.close()
+        outbox_write.close()
+    return process, ours
+
+
 class EngineProcessClient(OutputStreams):
     """The engine of `args` in a process of its own. Blocks until it is loaded and warm; raises
     what stopped it (`ModelLoadError`, `InvalidRequest`, ...) or `EngineError` when the process
     exits before it is ready. `adapters`: `lora.LoRARequest`s it loads first; `log_level`: its
-    logging level."""
+    logging level. `channel`: ``(to_core, from_core, pid)`` of an engine process another process
+    started (`start_engine_core`; ``serve --api-server-count``): this client is one of its front
+    ends, and `args` and `adapters` are not used."""
 
-    def __init__(self, args: EngineArgs, adapters: list = (), log_level: str = "warning"):
-        super().__init__()
-        if args.tensor_parallel_size > 1:
-            raise InvalidRequest("--engine-process does not run tensor parallelism yet; serve without it",
-                                 "engine_process")
-        ctx = multiprocessing.get_context("spawn")  # (a fork would copy the server's threads and PyTorch state)
-        inbox_read, self._to_core = ctx.Pipe(duplex=False)
-        self._from_core, outbox_write = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_engine_core, name="nextoken-engine", daemon=True,
-                                   args=(args, list(adapters), log_level, inbox_read, outbox_write))
-        self.process.start()
-        inbox_read.close()
-        outbox_write.close()
+    def __init__(self, args: EngineArgs | None, adapters: list = (), log_level: str = "warning", channel=None):
+        super().__init__("" if channel is None else f"{uuid.uuid4().hex[:8]}-")  # (ids unique over the front ends)
+        if channel is None:
+            if args.tensor_parallel_size > 1:
+                raise InvalidRequest("--engine-process does not run tensor parallelism yet; serve without it",
+                                     "engine_process")
+            self.process, [(self._to_core, self._from_core)] = start_engine_core(args, adapters, log_level)
+            self.pid = self.process.pid
+        else:
+            self.process = None
+            self._to_core, self._from_core, self.pid = channel
         try:
             kind, value = self._from_core.recv()
         except (EOFError, OSError):
-            self.process.join(5)
-            raise EngineError(f"the engine process exited while loading (exit code {self.process.exitcode})") from None
+            raise EngineError(f"the engine process exited while loading{self._exit_code()}") from None
         if kind == "failed":
-            self.process.join(5)
+            self._exit_code()
             raise value
         self.info: CoreInfo = value
         self._mirror = OutputMirror()
@@ -74,10 +95,19 @@ class EngineProcessClient(OutputStreams):
         self._closing = False
         self._grammars = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True).start()
+        self._sender = threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True)
+        self._sender.start()
         # at exit without `close` (a forced exit): the engine process ignores SIGTERM, and
         # multiprocessing would wait for it forever; the pipe closed, it sees the end and exits
         atexit.register(self._to_core.close)
+
+    def _exit_code(self) -> str:
+        """Wait a moment for an engine process this client started to end: " (exit code N)", or
+        "" for one it did not start."""
+        if self.process is None:
+            return ""
+        self.process.join(5)
+        return f" (exit code {self.process.exitcode})"
 
     # -- requests ---------------------------------------------------------------------------
     async def _add(self, prompt, params, rid: str, options: RequestOptions) -> None:
@@ -189,7 +219,16 @@ class EngineProcessClient(OutputStreams):
         with contextlib.suppress(RuntimeError):  # (no running loop: only the liveness is checked)
             asyncio.get_running_loop()
             self._attach()
-        return self.dead is None and self.process.is_alive()
+        return self.dead is None and self._alive()
+
+    def _alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     # -- the pipes --------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -217,8 +256,7 @@ class EngineProcessClient(OutputStreams):
         except (EOFError, OSError):
             self._loop.remove_reader(self._from_core.fileno())
             if not self._closing:
-                self.process.join(1)
-                self._gone(EngineError(f"the engine process exited (exit code {self.process.exitcode})"))
+                self._gone(EngineError(f"the engine process exited{self._exit_code()}"))
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -254,10 +292,14 @@ class EngineProcessClient(OutputStreams):
         self._stop(exc)
 
     def close(self) -> None:
-        """Stop the engine process (it writes the disk tier's queued blocks first) and wait for it."""
+        """Stop the engine process (it writes the disk tier's queued blocks first) and wait for it;
+        for a front end of an engine process another process started, say this one is done."""
         self._closing = True
         self._send(("close",))
         self._outbox.put(None)
+        if self.process is None:
+            self._sender.join(5)
+            return
         self.process.join(60)
         if self.process.is_alive():
             log.warning("the engine process did not stop within 60 s; killing it")

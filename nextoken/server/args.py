@@ -64,6 +64,10 @@ class ServerArgs(CliArgs):
     engine_process: bool = opt(False, "step the engine in a process of its own (vLLM's EngineCore): the HTTP "
                                "work and the engine's host work per step run at once instead of sharing one "
                                "GIL; the inspector is off", group="server", cli="bool")
+    api_server_count: int = opt(1, "HTTP server processes in front of one engine process (vLLM's "
+                                "--api-server-count; more than 1 implies --engine-process): each streams its own "
+                                "requests, so the HTTP work of many streams spreads over N cores",
+                                group="server", type=positive_int, metavar="N")
     replicas: int | None = opt(None, "start N servers (ports PORT+1..PORT+N, each pinned to its own cores) behind "
                                "vllm-router on --host:--port (needs pip install 'nextoken[router]')",
                                group="replicas", type=positive_int, metavar="N")

@@ -45,6 +45,13 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.server.pooling.serving import EmbeddingService
     from nextoken.server.api.state import Capabilities
 
+    if server_args.api_server_count > 1:
+        if announce_inspector:
+            raise InvalidRequest("the inspector reads the engine in the server's process: run `nextoken inspect` "
+                                 "without --api-server-count", "api_server_count")
+        from nextoken.server.api_servers import serve_api_servers
+
+        return serve_api_servers(engine_args, server_args)
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     embed_only = is_embedding_model(path)
     extra = server_args.embedding_model
@@ -114,11 +121,45 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref)
 
 
+def serve_front_end(engine_args, server_args, channel, sock) -> int:
+    """One of ``--api-server-count``'s HTTP server processes: the app over its own
+    `EngineProcessClient` on `channel` (``(to_core, from_core, engine pid)``), accepting on the
+    listening socket `sock` it shares with the others, until the launcher's SIGTERM (a SIGINT is
+    the launcher's to forward: `server.api_servers`); the exit status (1 when the engine process
+    stopped)."""
+    from nextoken.engine.core_client import EngineProcessClient
+    from nextoken.engine.launch import freeze_heap
+    from nextoken.lora import parse_lora_modules
+    from nextoken.server.app import attach_engine
+    from nextoken.server.api.state import Capabilities
+
+    adapters = parse_lora_modules(server_args.lora_modules)
+    server_ref: dict = {}
+
+    def load(state):
+        client = EngineProcessClient(None, channel=channel)
+        client.on_dead = on_dead
+        state.loras = {lora.lora_name: lora for lora in adapters}
+        attach_engine(server_ref["app"], client)
+        state.engine = client
+        freeze_heap()
+
+    def on_dead(exc):
+        log.error("%s; the server exits", exc)
+        server_ref["state"].exit_code = 1
+        server_ref["server"].should_exit = True
+
+    return _serve(engine_args, replace(server_args, inspect=False), load, Capabilities(generate=True, embed=False),
+                  server_ref=server_ref, sockets=[sock])
+
+
 def _serve(engine_args, server_args, load, capabilities, announce_inspector: bool = False, stepper=None,
-           server_ref: dict | None = None) -> int:
+           server_ref: dict | None = None, sockets: list | None = None) -> int:
     """Build the one app (`build_app` with `capabilities`), load the models with `load(state)`
     (which sets ``state.engine`` and/or ``state.embedder``) on `stepper` in the background, and
-    run uvicorn until a signal; the exit status."""
+    run uvicorn until a signal; the exit status. `sockets`: listening sockets another process
+    bound (``--api-server-count``: this is one of its front ends: it loads first, then serves,
+    and leaves SIGINT to the launcher)."""
     import uvicorn
 
     from nextoken.server.app import build_app
@@ -141,14 +182,17 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
                 state.exit_code = 1
                 server_ref["server"].should_exit = True
 
-        task = asyncio.create_task(load_in_background())
+        task = asyncio.create_task(load_in_background()) if not state.ready else None
         yield
-        task.cancel()
+        if task is not None:
+            task.cancel()
         for client in state.clients():  # in-flight requests are done: free each model (disk writes flushed)
             await asyncio.get_running_loop().run_in_executor(stepper, client.close)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if sockets is not None and sig == signal.SIGINT:  # (a terminal's Ctrl-C: the launcher sends SIGTERM)
+                return
             state.draining = True  # new requests get 503 while in-flight ones finish
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM:  # a requested, graceful stop: exit 0 afterwards, not by the signal
@@ -158,9 +202,17 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
     server_ref["app"], server_ref["state"] = app, state
     server = Server(uvicorn_config(app, config))
     server_ref["server"] = server
-    log.info("nextoken serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    if sockets is None:
+        log.info("nextoken serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    else:  # one server process of several: it accepts once loaded (none answers 503 while another answers 200)
+        try:
+            load(state)
+        except Exception as exc:  # noqa: BLE001 - nothing to serve: say why and stop
+            log.error("could not load the model: %s", exc)
+            return 1
+        state.ready = True
     if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
         key = f"?key={config.api_key}" if config.api_key else ""
         print(f"inspector: http://{config.host}:{config.port}/inspect{key}", flush=True)
-    server.run()
+    server.run(sockets=sockets)
     return state.exit_code

@@ -188,3 +188,44 @@ def test_an_adapter_loads_and_serves_in_the_engine_process(tiny_gguf):
         assert asyncio.run(main()) == want
     finally:
         client.close()
+
+
+def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
+    """One engine process with two front ends (``serve --api-server-count 2``): each front end's
+    streams are its own requests', equal to `LLM.generate`'s while both run at once; each step's
+    stats reach one front end only (the servers' metrics sum them), and the other once the first
+    has closed; the engine process keeps serving the second, and exits when both have closed."""
+    from nextoken.engine.core_client import start_engine_core
+
+    path = str(tiny_gguf["llama"][0])
+    prompts = ["the cat sat on", "a b c d", "hello there", "x y z"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    process, channels = start_engine_core(EngineArgs(model=path, dtype="float32"), front_ends=2)
+    a, b = (EngineProcessClient(None, channel=(to, frm, process.pid)) for to, frm in channels)
+    steps = {"a": 0, "b": 0}
+    a.subscribe(lambda s: steps.__setitem__("a", steps["a"] + 1))
+    b.subscribe(lambda s: steps.__setitem__("b", steps["b"] + 1))
+
+    async def last(client, prompt):
+        out = None
+        async for out in client.generate(prompt, params):
+            pass
+        return out.outputs[0].token_ids
+
+    async def main():
+        got = await asyncio.gather(*(last(c, p) for c, p in zip([a, b, a, b], prompts)))  # (in the same steps)
+        assert got == want
+        assert steps["a"] > 0 and steps["b"] == 0
+        a.close()
+        assert await last(b, prompts[1]) == want[1]
+        assert steps["b"] > 0 and process.is_alive()
+
+    try:
+        asyncio.run(main())
+        b.close()
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()

@@ -45,8 +45,8 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
     routes find the state, the args, the metrics and the serving objects on ``app.state``."""
     app = FastAPI(title="nextoken", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServerMetrics(args.model_name, lambda: state.engine.scheduler_stats() if state.engine is not None
-                            else SchedulerStats())
-    metrics.registry.register(EmbeddingCollector(state))
+                            else SchedulerStats(), multiprocess=args.api_server_count > 1)
+    metrics.add_collector(EmbeddingCollector(state))
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.apis = apis = routers.apis()
     if args.allowed_origins:

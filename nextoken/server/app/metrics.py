@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server (one registry per app, so tests can run several).
+"""Prometheus metrics of the server (one registry per app, so tests can run several; with
+``--api-server-count`` above 1, prometheus_client's multiprocess mode sums the server processes').
 
 Each request's and each step's observations advance histograms and counters as they happen; the
 engine's queues and totals are read at scrape time (`EngineCollector` over the engine's typed
@@ -27,8 +28,10 @@ class ServerMetrics:
     counters, advanced as they happen), and the engine's queues and totals, read at scrape time
     from `stats()` (an `engine.stats.SchedulerStats`: `EngineCollector`)."""
 
-    def __init__(self, model_name: str = "nextoken", stats=lambda: SchedulerStats()):
+    def __init__(self, model_name: str = "nextoken", stats=lambda: SchedulerStats(), multiprocess: bool = False):
         r = self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
+        self.collectors = []  # read at each scrape (`add_collector`)
         self.vllm = VllmMetrics(r, model_name)
         self.ttft = Histogram("nextoken_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -48,7 +51,12 @@ class ServerMetrics:
         self.device_wait = Counter("nextoken_device_wait_seconds", "Under async scheduling, time the engine "
                                    "waited for a step's tokens to come back from the device: near the steps' "
                                    "time when the device sets the pace, near 0 when the host does", registry=r)
-        r.register(EngineCollector(stats, model_name))
+        self.add_collector(EngineCollector(stats, model_name))
+
+    def add_collector(self, collector) -> None:
+        """A collector whose values are read at each scrape (the engine's, the embedder's)."""
+        self.collectors.append(collector)
+        self.registry.register(collector)
 
     def observe(self, out) -> None:
         """Record a finished `RequestOutput`."""
@@ -75,7 +83,20 @@ class ServerMetrics:
             self.failed.inc(len(step.failed))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text. `multiprocess` (``--api-server-count`` above 1, each server
+        process writing its values under ``PROMETHEUS_MULTIPROC_DIR``): the histograms and
+        counters summed over every process (prometheus_client's `MultiProcessCollector`), the
+        engine's values from this one's `stats()` (every process receives them) and the other
+        collectors'."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        r = CollectorRegistry()
+        multiprocess.MultiProcessCollector(r)
+        for c in self.collectors:
+            r.register(c)
+        return generate_latest(r)
 
 
 # (name, SchedulerStats path, help): the engine's values and totals as gauges and counters

@@ -80,12 +80,22 @@ async def models(request: Request):
     return {"object": "list", "data": data}
 
 
+def _one_front_end(request: Request) -> None:
+    """Adapters loaded at runtime are served only by one HTTP server process: refused with
+    ``--api-server-count`` above 1 (each process keeps its own list of served models)."""
+    if request.app.state.args.api_server_count > 1:
+        raise InvalidRequest("loading or unloading a LoRA adapter at runtime needs --api-server-count 1 (each HTTP "
+                             "server process keeps its own list of models); serve adapters with --lora-modules",
+                             "lora_name")
+
+
 @info.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRARequest, request: Request):
     """vLLM's: load a PEFT adapter at runtime and serve it as model ``lora_name``."""
     from nextoken.lora import LoRARequest
 
     state = request.app.state.server
+    _one_front_end(request)
     loras = state.__dict__.setdefault("loras", {})
     if body.lora_name in loras or body.lora_name == request.app.state.args.model_name:
         raise InvalidRequest(f"a model named {body.lora_name!r} is served already", "lora_name")
@@ -98,6 +108,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request):
 @info.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
     """vLLM's: stop serving adapter ``lora_name`` (refused while a request still uses it)."""
+    _one_front_end(request)
     loras = getattr(request.app.state.server, "loras", {})
     lora = loras.get(body.lora_name)
     if lora is None:

@@ -1,0 +1,160 @@
+"""``nextoken serve --api-server-count N`` (`server.api_servers`): N HTTP server processes over
+one engine process, as a user starts it. The routing of outputs to the front end that added the
+request is `tests/server/test_engine_process.py`'s two-front-ends test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from nextoken import LLM, SamplingParams
+from tests.ports import free_ports
+
+pytestmark = pytest.mark.subprocess
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+
+
+def _spawned(pid: int) -> list[int]:
+    """The launcher's `multiprocessing` children (the engine process and the server processes)."""
+    return [c for c in _children(pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+def _start(model: str, *flags: str):
+    port = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "nextoken.cli", "serve", "--model", model, "--port", str(port),
+                             "--dtype", "float32", "--shutdown-timeout", "20", "--api-server-count", "2", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not become healthy")
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
+    """Concurrent streams (on connections the two server processes share out) equal
+    `LLM.generate`'s greedy tokens; /metrics, whichever process answers, counts every request and
+    token once; loading an adapter at runtime is refused naming the flag; SIGTERM mid-stream lets
+    the stream end, the launcher exits 0, and no process is left."""
+    path = str(tiny_gguf["llama"][0])
+    prompts = [f"the cat {w} on the" for w in ("sat", "ran", "slept", "jumped", "hid", "sang", "ate", "fell")]
+    want = [o.outputs[0].text for o in LLM(path, dtype="float32").generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    proc, url = _start(path)
+    try:
+        spawned = _spawned(proc.pid)
+        assert len(spawned) == 3  # the engine process and two server processes
+        got = [None] * len(prompts)
+
+        def stream(k):
+            body = {"prompt": prompts[k], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+            text = ""
+            with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            got[k] = text
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == want
+        for _ in range(4):  # (a new connection each: either process may answer)
+            text = httpx.get(url + "/metrics").text
+            assert _metric(text, "vllm:request_success_total") == len(prompts)
+            assert _metric(text, "nextoken_generation_tokens_total") == 24 * len(prompts)
+            assert _metric(text, "vllm:num_requests_running") == 0
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"})
+        assert r.status_code == 400 and "--api-server-count" in r.json()["error"]["message"]
+
+        body = {"prompt": "the cat", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    os.kill(proc.pid, signal.SIGTERM)  # mid-stream
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        assert all(_gone(pid) for pid in spawned)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("victim", ["server", "engine"])
+def test_a_process_that_dies_stops_the_service_with_status_1(tiny_gguf, victim):
+    """A server process killed: the launcher stops the other and exits 1. The engine process
+    killed: each server process exits 1 (its streams fail), and so does the launcher. No process
+    is left either way."""
+    proc, url = _start(str(tiny_gguf["llama"][0]))
+    try:
+        spawned = _spawned(proc.pid)
+        engine = [pid for pid in spawned if not _is_front_end(pid)]
+        assert len(engine) == 1
+        target = engine[0] if victim == "engine" else next(pid for pid in spawned if pid != engine[0])
+        os.kill(target, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert all(_gone(pid) for pid in spawned)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _is_front_end(pid: int) -> bool:
+    """Whether `pid` runs a server process (it holds the listening socket: a TCP socket among
+    its descriptors; the engine process holds none)."""
+    fds = f"/proc/{pid}/fd"
+    inodes = set()
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(f"{fds}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    tcp = open("/proc/net/tcp").read() + open("/proc/net/tcp6").read()
+    return any(f" {i} " in tcp for i in inodes)
+
+
+def test_what_several_server_processes_do_not_serve_is_refused_in_one_line(tiny_gguf):
+    """`nextoken inspect` and tensor parallelism with ``--api-server-count 2``: a one-line error
+    naming the flag, exit status 1, no server."""
+    path = str(tiny_gguf["llama"][0])
+    for cmd in (["inspect", "--model", path], ["serve", "--model", path, "--tensor-parallel-size", "2"]):
+        out = subprocess.run([sys.executable, "-m", "nextoken.cli", *cmd, "--api-server-count", "2",
+                              "--port", str(free_ports(1))], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1
+        lines = out.stderr.strip().splitlines()
+        assert lines[-1].startswith("error:") and "--api-server-count" in lines[-1]
