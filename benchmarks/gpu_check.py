@@ -38,7 +38,8 @@ and says so:
    N` serves with fewer, larger chunks, default 1 as users run it; ``--serve-async auto``, the
    default, serves with ``--async-scheduling`` when the speed section's async runs went through;
    ``--serve-process both``, the default, serves with ``--engine-process`` here, and in one process
-   after every model's sections, as time allows, its figures as ``serve_oneproc_*``; the CPU each
+   after every model's sections, as time allows, its figures as ``serve_oneproc_*``; with the
+   engine process, ``--api-servers N`` HTTP server processes, 4 by default; the CPU each
    process spent over the wall says which side holds the pace, and py-spy's samples of each, when
    it came along, where its Python's time went); and
    `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
@@ -447,7 +448,7 @@ def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, l
 
 # -- 4. serving ---------------------------------------------------------------------------------------
 def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1,
-            async_scheduling: bool = False, engine_process: bool = False) -> dict:
+            async_scheduling: bool = False, engine_process: bool = False, api_servers: int = 1) -> dict:
     import httpx
 
     import serve as serve_bench
@@ -460,7 +461,8 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
     cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
            "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
            "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval),
-           *(["--async-scheduling"] if async_scheduling else []), *(["--engine-process"] if engine_process else [])]
+           *(["--async-scheduling"] if async_scheduling else []), *(["--engine-process"] if engine_process else []),
+           *(["--api-server-count", str(api_servers)] if engine_process and api_servers > 1 else [])]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}"
@@ -499,6 +501,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         out = {"serve_smoke": smoke, "serve_start_s": started, "serve_ok": len(ok), "serve_errors": errors,
                "serve_stream_interval": stream_interval, "serve_async_scheduling": async_scheduling,
                "serve_engine_process": engine_process,
+               "serve_api_servers": api_servers if engine_process else 1,
                "serve_wall_s": wall,
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
@@ -534,16 +537,43 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         logf.close()
 
 
-def serving_pids(pid: int) -> dict[str, int]:
-    """The server's process ("server") and, with --engine-process, its engine process ("engine")."""
-    out = {"server": pid}
+def spawned(pid: int) -> dict[str, int]:
+    """The processes the server `pid` started with `multiprocessing`, by role: "engine" (its
+    engine process) and, with --api-server-count, "api0", "api1", ... (the server processes,
+    which hold the listening socket)."""
+    def holds_tcp(p: int) -> bool:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{p}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        with open("/proc/net/tcp") as a, open("/proc/net/tcp6") as b:
+            tcp = a.read() + b.read()
+        return any(f" {i} " in tcp for i in inodes)
+
+    out, k = {}, 0
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                for child in f.read().split():
+                for child in sorted(map(int, f.read().split())):
                     with open(f"/proc/{child}/cmdline", "rb") as c:
-                        if b"spawn_main" in c.read():
-                            out["engine"] = int(child)
+                        if b"spawn_main" not in c.read():
+                            continue
+                    if holds_tcp(child):
+                        out[f"api{k}"], k = child, k + 1
+                    else:
+                        out["engine"] = child
+    return out
+
+
+def serving_pids(pid: int) -> dict[str, int]:
+    """The processes to sample: the server's ("server"; with --api-server-count, its first server
+    process "api0" instead of the launcher) and, with --engine-process, its engine process."""
+    kids = spawned(pid)
+    out = {"server": kids["api0"]} if "api0" in kids else {"server": pid}
+    if "engine" in kids:
+        out["engine"] = kids["engine"]
     return out
 
 
@@ -598,9 +628,9 @@ def spy_results(spies: list, top: int = 12) -> dict[str, dict[str, list[tuple[st
 
 
 def process_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user and system, all threads) of process `pid` ("server") and of each child
-    it started (an engine process: "engine"; others by pid), from /proc; {} where /proc is not
-    readable."""
+    """CPU seconds (user and system, all threads) of process `pid` ("server") and of each process
+    it started with `multiprocessing` (`spawned`: "engine", "api0", ...), from /proc; {} where
+    /proc is not readable."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def seconds(p: int) -> float:
@@ -609,14 +639,7 @@ def process_cpu(pid: int) -> dict[str, float]:
         return (int(fields[11]) + int(fields[12])) / tick
 
     try:
-        out = {"server": seconds(pid)}
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                for child in f.read().split():
-                    with open(f"/proc/{child}/cmdline", "rb") as c:
-                        name = "engine" if b"spawn_main" in c.read() else child
-                    out[name] = seconds(int(child))
-        return out
+        return {"server": seconds(pid), **{name: seconds(p) for name, p in spawned(pid).items()}}
     except OSError:
         return {}
 
@@ -753,7 +776,8 @@ def table(limits: dict) -> str:
             f"{fmt(r.get('b1_async_greedy_tok_s'))}, {fmt(r.get('b64_async_greedy_step_ms'), '.2f')} | "
             f"{fmt(r.get('prefill4096_ms'), '.1f')} ({fmt(pre, '.0f', '%')}) | "
             f"{fmt(r.get('serve_out_tok_s'))}{' async' if r.get('serve_async_scheduling') else ''}"
-            f"{' proc' if r.get('serve_engine_process') else ''} "
+            f"{' proc' if r.get('serve_engine_process') else ''}"
+            f"{' x' + str(r['serve_api_servers']) if (r.get('serve_api_servers') or 1) > 1 else ''} "
             f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')})"
             f"{'; one process ' + fmt(r['serve_oneproc_out_tok_s']) if 'serve_oneproc_out_tok_s' in r else ''} | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
@@ -777,6 +801,8 @@ def main() -> int:
                     help="the server's --async-scheduling: auto, on when the speed section's async runs went through")
     ap.add_argument("--serve-process", choices=("both", "on", "off"), default="both",
                     help="the server's --engine-process: on, off, or both (on first, then off as time allows)")
+    ap.add_argument("--api-servers", type=int, default=0,
+                    help="the server's --api-server-count with --engine-process (0: 4 on a GPU machine, 2 in a dry run)")
     args = ap.parse_args()
     import torch
 
@@ -836,7 +862,7 @@ def main() -> int:
             with section(f"{name}: serving", args.budget, 60) as go:
                 if go:
                     r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
-                                     args.serve_process != "off"))
+                                     args.serve_process != "off", args.api_servers or (2 if args.dry_run else 4)))
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go:
                     r.update(transformers_generate(folder, vocab))
