@@ -32,7 +32,8 @@ its requests (``--shutdown-timeout``) and says so to the engine process; the eng
 when every front end has closed. The server processes ignore a SIGINT (a terminal's Ctrl-C
 reaches the whole process group: the launcher forwards it once). A server process that exits on
 its own (a crash) stops the others, and the launcher exits 1; an engine process that dies makes
-every server process exit 1.
+every server process exit 1; a launcher that is killed (SIGKILL) is noticed by each server
+process, which stops as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 
 from nextoken.errors import InvalidRequest
 
@@ -81,10 +83,19 @@ def listen(host: str, port: int) -> socket.socket:
 def run_front_end(engine_args, server_args, channel, sock, log_level: str) -> None:
     """A server process's main (`serve.serve_front_end`); exits with its status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C: the launcher sends SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # asked to stop while loading: nothing to drain yet
+    threading.Thread(target=_stop_with_launcher, name="nextoken-launcher-watch", daemon=True).start()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nextoken.server.serve import serve_front_end
 
     sys.exit(serve_front_end(engine_args, server_args, channel, sock))
+
+
+def _stop_with_launcher() -> None:
+    """Wait for the launcher to end; if it ends first (killed: it had no time to stop this
+    process), stop as if it had sent SIGTERM, so no server process outlives it."""
+    multiprocessing.parent_process().join()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve_api_servers(engine_args, server_args) -> int:
@@ -144,6 +155,7 @@ def _supervise(servers: list, engine) -> int:
             for p in [p for p in live if not p.is_alive()]:
                 live.remove(p)
                 p.join()
+                log.debug("%s exited with status %s", p.name, p.exitcode)
                 if p.exitcode != 0:
                     status = 1
                     if not stopping["asked"]:

@@ -113,19 +113,23 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
             proc.kill()
 
 
-@pytest.mark.parametrize("victim", ["server", "engine"])
+@pytest.mark.parametrize("victim", ["server", "engine", "launcher"])
 def test_a_process_that_dies_stops_the_service_with_status_1(tiny_gguf, victim):
     """A server process killed: the launcher stops the other and exits 1. The engine process
-    killed: each server process exits 1 (its streams fail), and so does the launcher. No process
-    is left either way."""
+    killed: each server process exits 1 (its streams fail), and so does the launcher. The
+    launcher killed: the server processes stop, then the engine process. No process is left."""
     proc, url = _start(str(tiny_gguf["llama"][0]))
     try:
         spawned = _spawned(proc.pid)
         engine = [pid for pid in spawned if not _is_front_end(pid)]
         assert len(engine) == 1
-        target = engine[0] if victim == "engine" else next(pid for pid in spawned if pid != engine[0])
+        target = {"engine": engine[0], "launcher": proc.pid}.get(victim) or next(p for p in spawned if p != engine[0])
         os.kill(target, signal.SIGKILL)
-        assert proc.wait(timeout=60) == 1
+        assert proc.wait(timeout=60) == (-signal.SIGKILL if victim == "launcher" else 1)
+        for _ in range(300):
+            if all(_gone(pid) for pid in spawned):
+                break
+            time.sleep(0.1)
         assert all(_gone(pid) for pid in spawned)
     finally:
         if proc.poll() is None:
@@ -148,13 +152,22 @@ def _is_front_end(pid: int) -> bool:
     return any(f" {i} " in tcp for i in inodes)
 
 
-def test_what_several_server_processes_do_not_serve_is_refused_in_one_line(tiny_gguf):
-    """`nextoken inspect` and tensor parallelism with ``--api-server-count 2``: a one-line error
-    naming the flag, exit status 1, no server."""
+def test_what_several_server_processes_do_not_serve_is_refused(tiny_gguf):
+    """`nextoken inspect`, tensor parallelism and an embedding model beside the model with
+    ``--api-server-count 2``: `InvalidRequest` naming the flag (the command line's one-line error),
+    before any process starts."""
+    from nextoken.engine_args import EngineArgs
+    from nextoken.errors import InvalidRequest
+    from nextoken.server.api_servers import check
+    from nextoken.server.args import ServerArgs
+    from nextoken.server.serve import serve
+
     path = str(tiny_gguf["llama"][0])
-    for cmd in (["inspect", "--model", path], ["serve", "--model", path, "--tensor-parallel-size", "2"]):
-        out = subprocess.run([sys.executable, "-m", "nextoken.cli", *cmd, "--api-server-count", "2",
-                              "--port", str(free_ports(1))], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 1
-        lines = out.stderr.strip().splitlines()
-        assert lines[-1].startswith("error:") and "--api-server-count" in lines[-1]
+    two = ServerArgs(api_server_count=2, port=free_ports(1))
+    with pytest.raises(InvalidRequest, match="without --api-server-count"):
+        serve(EngineArgs(model=path), two, announce_inspector=True)
+    with pytest.raises(InvalidRequest, match="--api-server-count") as e:
+        check(EngineArgs(model=path, tensor_parallel_size=2), two)
+    assert e.value.field == "api_server_count"
+    with pytest.raises(InvalidRequest, match="--api-server-count 1"):
+        check(EngineArgs(model=path), ServerArgs(api_server_count=2, embedding_model=path))
