@@ -222,7 +222,7 @@ class EngineCore:
             for k, m in messages:
                 if m is None or m[0] == "close":
                     self.close(k)
-                else:
+                elif k in self.open:  # (nothing is taken from a front end after its close)
                     self.handle(k, m)
             if not self.open:
                 return

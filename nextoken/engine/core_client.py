@@ -227,7 +227,7 @@ class EngineProcessClient(OutputStreams):
         try:
             os.kill(self.pid, 0)
             return True
-        except ProcessLookupError:
+        except OSError:  # (gone, or its id taken by a process not ours)
             return False
 
     # -- the pipes --------------------------------------------------------------------------

@@ -138,13 +138,14 @@ def _supervise(servers: list, engine) -> int:
     """Wait for the server processes; on SIGINT or SIGTERM send each SIGTERM (a second one kills
     them); when one exits on its own, stop the others. Then wait for the engine process. The exit
     status: 0 when every server process exited 0."""
-    stopping = {"asked": 0}
+    stopping = {"asked": False, "signals": 0}
 
     def stop(sig=None, frame=None):
-        stopping["asked"] += 1
+        stopping["asked"] = True
+        stopping["signals"] += sig is not None
         for p in servers:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL if stopping["asked"] > 1 and sig is not None else signal.SIGTERM)
+                os.kill(p.pid, signal.SIGKILL if stopping["signals"] > 1 else signal.SIGTERM)
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
