@@ -72,6 +72,11 @@ class BeamGroups:
             group.step_requests[rid] = i
             self._owner[rid] = group
 
+    @property
+    def step_requests(self):
+        """The ids of the searches' own requests (a container: `in` asks it)."""
+        return self._owner
+
     def on_outputs(self, engine, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` of a step without the searches' own requests, plus the final output of each
         search that ended; every search whose step is complete queues its next step."""

@@ -209,9 +209,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, make=None) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample (or verify drafts), and return the outputs that
-        changed; every subscriber gets this step's `StepStats`."""
+        changed; every subscriber gets this step's `StepStats`. `make(group, finished)`: builds
+        each output in place of `output_processor.make_output` (the engine process's wire
+        records, `core.OutputWire.encode_group`); a beam search's own requests, and its final
+        output, stay `RequestOutput`s."""
         start = time.perf_counter()
         overlap = self.async_scheduling and not self._ordered and not self.beams.groups
         if not overlap:
@@ -236,7 +239,7 @@ class LLMEngine:
             stats.overlapped = True
             stats.wait_ms = self._read_back()
             self._in_flight = launched
-        outputs, stats.finished = self.outputs.collect()
+        outputs, stats.finished = self.outputs.collect(make, self.beams.step_requests)
         if self.beams.groups:
             outputs = self.beams.on_outputs(self, outputs)
         stats.failed = [g.request_id for g, _ in stats.finished if g.error is not None]

@@ -98,24 +98,35 @@ def num_output_tokens(group: RequestGroup) -> int:
     return len(comps[0].token_ids) if len(comps) == 1 else sum(len(c.token_ids) for c in comps)
 
 
+def count_output(group: RequestGroup) -> RequestMetrics:
+    """The group's metrics brought up to date for an output (its tokens so far, its cached
+    prompt tokens); its output-token count kept for `stream_interval`."""
+    m = group.metrics
+    m.num_output_tokens = group.output_tokens = num_output_tokens(group)
+    m.num_cached_tokens = group.seqs[0].num_cached_tokens
+    return m
+
+
+def output_made(group: RequestGroup) -> None:
+    """An output of the group went out: its per-output deltas start again."""
+    for c in group.completions:
+        c.delta = ""
+        c.delta_token_ids = []
+    group.changed = False
+
+
 def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOutput:
     """A snapshot of the group for the caller; resets the per-step deltas. `finished`: the
     group's `finished`, when the caller has it already."""
     if finished is None:
         finished = group.finished
-    m = group.metrics
-    comps = group.completions
-    m.num_output_tokens = group.output_tokens = num_output_tokens(group)
-    m.num_cached_tokens = group.seqs[0].num_cached_tokens
+    m = count_output(group)
     outs = [CompletionSnapshot(c.index, c.text, c.delta, Prefix(c.token_ids, len(c.token_ids)), c.delta_token_ids,
                                c.finish_reason, c.stop_reason,
                                None if c.logprobs is None else Prefix(c.logprobs, len(c.logprobs)),
                                c.cumulative_logprob)
-            for c in comps]  # (the constructor: dataclasses.replace took 15 us a call)
-    for c in comps:
-        c.delta = ""
-        c.delta_token_ids = []
-    group.changed = False
+            for c in group.completions]  # (the constructor: dataclasses.replace took 15 us a call)
+    output_made(group)
     return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished, RequestMetrics(**vars(m)),
                          group.error, None if group.prompt_logprobs is None else list(group.prompt_logprobs),
                          None if group.logits is None else list(group.logits),
@@ -235,14 +246,17 @@ class OutputProcessor:
                 finish_sequence(group, s, "abort")
             self._by_seq.pop(s, None)
 
-    def collect(self) -> tuple[list[RequestOutput], list[tuple[RequestGroup, RequestOutput]]]:
+    def collect(self, make=None, plain=()) -> tuple[list, list[tuple[RequestGroup, object]]]:
         """The outputs of the requests that changed (a `final_only` one's when it finishes; the
         others' as `stream_interval` says), and the finished requests (group, final output),
-        which leave."""
+        which leave. `make(group, finished)`: what an output is, for the requests not in `plain`
+        (default `make_output`: a `RequestOutput`; the engine process's wire records instead)."""
         outputs, finished = [], []
         for rid, group in list(self.groups.items()):
             done = group.finished
-            out = make_output(group, done) if group.changed and (done or self._due(group)) else None
+            out = None
+            if group.changed and (done or self._due(group)):
+                out = (make_output if make is None or rid in plain else make)(group, done)
             if out is not None:
                 outputs.append(out)
             if done:

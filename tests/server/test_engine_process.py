@@ -6,6 +6,7 @@ the ``engine-process`` case of tests/server/test_server.py's ``tiny`` fixture.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pickle
 import signal
@@ -21,36 +22,59 @@ from nextoken.errors import EngineError, InvalidRequest, ModelLoadError
 from nextoken.request_options import RequestOptions
 
 
-def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf):
+@pytest.mark.parametrize("direct", [False, True], ids=["from-outputs", "from-groups"])
+def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
     """Every `RequestOutput` of a mixed workload (n=2 sampled with logprobs, a stop string,
     prompt logprobs, greedy; one aborted midway and its id used again), sent as deltas and
     pickled, is rebuilt equal to the engine's own: text, deltas, token ids, log-probabilities,
-    finish, metrics."""
-    engine = LLM(str(tiny_gguf["llama"][0]), dtype="float32").engine
+    finish, metrics. `direct`: the engine makes the records from its requests' state
+    (`OutputWire.encode_group`, as the engine process does), and a twin engine given the same
+    requests makes the outputs they must equal (all but the times)."""
+    path = str(tiny_gguf["llama"][0])
+    engine = LLM(path, dtype="float32").engine
+    twin = LLM(path, dtype="float32").engine if direct else None
     wire, mirror = OutputWire(), OutputMirror()
-    engine.add_request("the cat sat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "greedy")
-    engine.add_request("a b c", SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=9, logprobs=2,
-                                               ignore_eos=True), "sampled")
-    engine.add_request([5, 17, 200, 33], SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1,
-                                                        ignore_eos=True), "scored")
-    engine.add_request("x y", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "aborted")
+
+    def add(*args):
+        for e in filter(None, (engine, twin)):
+            e.add_request(*args)
+
+    add("the cat sat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "greedy")
+    add("a b c", SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=9, logprobs=2, ignore_eos=True), "sampled")
+    add([5, 17, 200, 33], SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1, ignore_eos=True), "scored")
+    add("the cat", SamplingParams(temperature=0.7, seed=5, max_tokens=40, stop=["a"], ignore_eos=True), "stopped")
+    add("x y", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "aborted")
     rebuilt = 0
     for step in range(200):
         if step == 3:
-            engine.abort_request("aborted")
+            for e in filter(None, (engine, twin)):
+                e.abort_request("aborted")
             wire.forget("aborted")
             mirror.forget("aborted")
-            engine.add_request("x y z", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "aborted")
+            add("x y z", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "aborted")
         if not engine.has_unfinished_requests():
             break
-        for out in engine.step():
-            got = mirror.decode(pickle.loads(pickle.dumps(wire.encode(out))))
+        if direct:
+            want, records = twin.step(), engine.step(make=wire.encode_group)
+        else:
+            want = engine.step()
+            records = [wire.encode(out) for out in want]
+        assert [r[0] for r in records] == [out.request_id for out in want]
+        for record, out in zip(records, want):
+            got = mirror.decode(pickle.loads(pickle.dumps(record)))
+            if direct:
+                times = ("arrival_time", "first_token_time", "finished_time", "first_scheduled_time")
+                assert dataclasses.replace(got.metrics, **dict.fromkeys(times, 0.0)) == \
+                       dataclasses.replace(out.metrics, **dict.fromkeys(times, 0.0))
+                assert [getattr(got.metrics, t) is None for t in times] == [getattr(out.metrics, t) is None for t in times]
+                got.metrics = out.metrics
             assert got == out, out.request_id
             assert [c.delta for c in got.outputs] == [c.delta for c in out.outputs]
             assert [c.delta_logprobs for c in got.outputs] == [c.delta_logprobs for c in out.outputs]
             rebuilt += 1
     assert not engine.has_unfinished_requests() and rebuilt > 30
     assert not mirror._requests and not wire._sent  # (finished requests leave both sides)
+    assert not direct or not twin.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
