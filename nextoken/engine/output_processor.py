@@ -54,11 +54,12 @@ def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids:
     out = group.completions[req.index]
     detok = group.detoks[req.index]
     token = res.token
-    req.append_output(token)
-    now = time.perf_counter()
-    if group.metrics.first_token_time is None:
-        group.metrics.first_token_time = now
-        group.metrics.first_scheduled_time = req.first_scheduled_time
+    req.output_ids.append(token)  # (`Request.append_output`, inlined: once per token of every row)
+    req.all_token_ids.append(token)
+    metrics = group.metrics
+    if metrics.first_token_time is None:
+        metrics.first_token_time = time.perf_counter()
+        metrics.first_scheduled_time = req.first_scheduled_time
     out.token_ids.append(token)
     out.delta_token_ids.append(token)
     if res.logprob is not None:
@@ -71,15 +72,17 @@ def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids:
         out.finish_reason, out.stop_reason = "stop", token
     elif detok.add_token(token):
         out.finish_reason, out.stop_reason = "stop", detok.stop_reason
-    elif len(out.token_ids) >= p.max_tokens or req.num_tokens >= context_length:
+    elif len(out.token_ids) >= p.max_tokens or len(req.all_token_ids) >= context_length:
         out.finish_reason = "length"
-    if out.finished:
+    finished = out.finish_reason is not None
+    if finished:
         detok.flush()
-    delta = detok.emit(finished=out.finished)
-    out.delta += delta
-    out.text += delta
+    delta = detok.emit(finished)
+    if delta:
+        out.delta += delta
+        out.text += delta
     group.changed = True
-    return out.finished
+    return finished
 
 
 def finish_sequence(group: RequestGroup, req: Request, reason: str | None = None) -> None:
