@@ -43,6 +43,7 @@ log = logging.getLogger("nextoken.engine")
 
 # the engine methods the server's process may call, by name (`("call", id, name, args)`)
 CALLS = ("add_request", "add_beam_search", "load_lora", "unload_lora")
+BETWEEN_STEPS = "between_steps"  # the local front end's: run its function between two steps
 
 
 @dataclass
@@ -166,12 +167,13 @@ def sendable(exc: BaseException) -> BaseException:
     return exc if isinstance(exc, NextokenError) else EngineError(f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: list) -> None:
+def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: list, inspector=None) -> None:
     """The engine process's main: build and warm the engine (`adapters`: `lora.LoRARequest`s to
     load first), say ``("ready", CoreInfo)`` (or ``("failed", exception)``) to every front end,
     then serve their messages between steps until each has said ``("close",)`` or closed its
     pipe. `channels`: one ``(inbox, outbox)`` pair of pipe ends per front end (``serve
-    --api-server-count N``: N)."""
+    --api-server-count N``: N). `inspector`: ``(ServerArgs, path)``: serve the inspector here too,
+    on the Unix socket `path`, over a front end in this process (`inspect.host`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -192,13 +194,18 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: 
     kv = engine.kv
     info = CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark, str(engine.model_path),
                     kv.pool.num_blocks * kv.block_size)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    local = None
+    if inspector is not None:  # (listening before the servers hear "ready")
+        from nextoken.inspect.host import serve_inspector
+
+        local = serve_inspector(engine, info, inbox, len(channels), *inspector)
     for out in outboxes:
         _send_quietly(out, ("ready", info))
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
     for k, (conn, _) in enumerate(channels):
         threading.Thread(target=_read, args=(conn, inbox, k), name=f"nextoken-core-inbox-{k}", daemon=True).start()
     try:
-        EngineCore(engine, outboxes).run(inbox)
+        EngineCore(engine, outboxes, local).run(inbox)
     finally:
         engine.close()
 
@@ -208,7 +215,7 @@ def _send_quietly(conn, message) -> bool:
     try:
         conn.send(message)
         return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # (RuntimeError: the inspector's event loop has closed)
         return False
 
 
@@ -228,11 +235,18 @@ class EngineCore:
 
     Each request's outputs go to the front end that added it (`owner`); the `SchedulerStats` go
     to every front end, each step's `StepStats` to one (the first still open: with several, the
-    server's metrics, summed over its processes, count each step once)."""
+    server's metrics, summed over its processes, count each step once). `local`: a front end in
+    this process (the inspector's, `core_client.LocalFrontEnd`), after the pipes' ones: it may
+    run a function between two steps (``between_steps``), and the loop ends when the pipes' front
+    ends have all closed, whatever it does."""
 
-    def __init__(self, engine, outboxes: list):
+    def __init__(self, engine, outboxes: list, local=None):
         self.engine, self.outs = engine, list(outboxes)
-        self.open = set(range(len(self.outs)))
+        self.open = set(range(len(self.outs)))  # the pipes' front ends still open
+        self.local = None
+        if local is not None:
+            self.local = len(self.outs)
+            self.outs.append(local.outbox)
         self.owner: dict[str, int] = {}  # request id -> the front end that added it
         self.wire = OutputWire()
         self.steps: list = []
@@ -251,7 +265,7 @@ class EngineCore:
             for k, m in messages:
                 if m is None or m[0] == "close":
                     self.close(k)
-                elif k in self.open:  # (nothing is taken from a front end after its close)
+                elif k in self.open or k == self.local:  # (nothing is taken from a front end after its close)
                     self.handle(k, m)
             if not self.open:
                 return
@@ -263,7 +277,7 @@ class EngineCore:
                 outputs = engine.step(make=self.wire.encode_group)
             except Exception as exc:  # the engine is broken: the servers' requests fail, it exits
                 log.exception("the engine's step failed")
-                for k in sorted(self.open):
+                for k in self.targets():
                     _send_quietly(self.outs[k], ("dead", sendable(exc)))
                 return
             if not outputs and not self.steps:  # a step that did nothing: only the counts, once idle
@@ -281,15 +295,15 @@ class EngineCore:
         steps = [dataclasses.replace(s, finished=[]) for s in self.steps]  # (engine objects stay here)
         self.steps.clear()
         outputs = [o if type(o) is tuple else self.wire.encode(o) for o in outputs]
-        if len(self.outs) == 1:
+        if len(self.outs) == 1:  # (one front end, whose requests they all are)
             self._send(0, ("step", outputs, steps, stats))
             return
-        records: dict[int, list] = {k: [] for k in self.open}
+        records: dict[int, list] = {k: [] for k in self.targets()}
         for o in outputs:
             k = self.owner.pop(o[0], 0) if o[2] else self.owner.get(o[0], 0)
             if k in records:
                 records[k].append(o)
-        first = min(self.open)
+        first = min(self.open, default=None)
         for k, rs in records.items():
             self._send(k, ("step", rs, steps if k == first else [], stats))
 
@@ -297,8 +311,12 @@ class EngineCore:
         from nextoken.engine.stats import SchedulerStats
 
         stats = SchedulerStats.now(self.engine)
-        for k in sorted(self.open):
+        for k in self.targets():
             self._send(k, ("stats", stats))
+
+    def targets(self) -> list[int]:
+        """The front ends that get messages: the open ones and the local one."""
+        return sorted(self.open) + ([] if self.local is None else [self.local])
 
     def _send(self, k: int, message: tuple) -> None:
         if not _send_quietly(self.outs[k], message):
@@ -325,9 +343,12 @@ class EngineCore:
         _, call_id, name, args = m
         value, error = None, None
         try:
-            if name not in CALLS:
+            if name == BETWEEN_STEPS and k == self.local:  # (a function of this process: the inspector's)
+                value = args[0]()
+            elif name not in CALLS:
                 raise EngineError(f"the engine process has no call {name!r}")
-            value = getattr(self.engine, name)(*args)
+            else:
+                value = getattr(self.engine, name)(*args)
             if name in ("add_request", "add_beam_search") and len(self.outs) > 1:
                 self.owner[value] = k
         except Exception as exc:  # noqa: BLE001 - the caller gets it, as in one process

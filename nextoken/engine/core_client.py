@@ -10,8 +10,9 @@ Messages to the engine go through a sender thread, so a long prompt never holds 
 while the engine is in a step. Calls that answer (adding a request, loading an adapter) wait for
 the engine's reply, which it makes between two steps, as `AsyncLLMEngine.between_steps` does.
 
-Not over a process: the inspector (its views read the engine's state in place: `view` and
-`between_steps` raise), tracing a request (`RequestOptions.tracer`) and tensor parallelism.
+Not over a process: reading the engine's state in place (`view` and `between_steps` raise),
+tracing a request (`RequestOptions.tracer`) and tensor parallelism. The inspector, which needs
+the first two, runs in the engine process over a `LocalFrontEnd` (`inspect.host`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ from nextoken.request_options import RequestOptions
 
 log = logging.getLogger("nextoken.engine")
 
-NOT_HERE = "the inspector reads the engine's state in the server's process: serve without --engine-process"
+NOT_HERE = ("the engine's state is read in its own process (the inspector is served there, `inspect.host`), not "
+            "through a server's client")
 
 
-def start_engine_core(args: EngineArgs, adapters: list = (), log_level: str = "warning", front_ends: int = 1):
+def start_engine_core(args: EngineArgs, adapters: list = (), log_level: str = "warning", front_ends: int = 1,
+                      inspector=None):
     """Start the engine of `args` in a process of its own (``spawn``; `engine.core.run_engine_core`)
-    with `front_ends` pairs of pipes. Returns the `multiprocessing.Process` and, per front end,
+    with `front_ends` pairs of pipes (and `inspector`, ``(ServerArgs, socket path)``: the inspector
+    served there, `inspect.host`). Returns the `multiprocessing.Process` and, per front end,
     ``(to_core, from_core)``: the ends this side (or the process it is handed to) keeps."""
     ctx = multiprocessing.get_context("spawn")  # (a fork would copy the server's threads and PyTorch state)
     ours, theirs = [], []
@@ -51,7 +55,7 @@ def start_engine_core(args: EngineArgs, adapters: list = (), log_level: str = "w
         ours.append((to_core, from_core))
         theirs.append((inbox_read, outbox_write))
     process = ctx.Process(target=run_engine_core, name="nextoken-engine", daemon=True,
-                          args=(args, list(adapters), log_level, theirs))
+                          args=(args, list(adapters), log_level, theirs, inspector))
     process.start()
     for inbox_read, outbox_write in theirs:
         inbox_read.close()
@@ -67,13 +71,15 @@ class EngineProcessClient(OutputStreams):
     started (`start_engine_core`; ``serve --api-server-count``): this client is one of its front
     ends, and `args` and `adapters` are not used."""
 
-    def __init__(self, args: EngineArgs | None, adapters: list = (), log_level: str = "warning", channel=None):
+    def __init__(self, args: EngineArgs | None, adapters: list = (), log_level: str = "warning", channel=None,
+                 inspector=None):
         super().__init__("" if channel is None else f"{uuid.uuid4().hex[:8]}-")  # (ids unique over the front ends)
         if channel is None:
             if args.tensor_parallel_size > 1:
                 raise InvalidRequest("--engine-process does not run tensor parallelism yet; serve without it",
                                      "engine_process")
-            self.process, [(self._to_core, self._from_core)] = start_engine_core(args, adapters, log_level)
+            self.process, [(self._to_core, self._from_core)] = start_engine_core(args, adapters, log_level,
+                                                                                 inspector=inspector)
             self.pid = self.process.pid
         else:
             self.process = None
@@ -85,7 +91,16 @@ class EngineProcessClient(OutputStreams):
         if kind == "failed":
             self._exit_code()
             raise value
-        self.info: CoreInfo = value
+        self._setup(value)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True)
+        self._sender.start()
+        # at exit without `close` (a forced exit): the engine process ignores SIGTERM, and
+        # multiprocessing would wait for it forever; the pipe closed, it sees the end and exits
+        atexit.register(self._to_core.close)
+
+    def _setup(self, info: CoreInfo) -> None:
+        self.info = info
         self._mirror = OutputMirror()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -94,12 +109,6 @@ class EngineProcessClient(OutputStreams):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._grammars = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name="nextoken-core-outbox", daemon=True)
-        self._sender.start()
-        # at exit without `close` (a forced exit): the engine process ignores SIGTERM, and
-        # multiprocessing would wait for it forever; the pipe closed, it sees the end and exits
-        atexit.register(self._to_core.close)
 
     def _exit_code(self) -> str:
         """Wait a moment for an engine process this client started to end: " (exit code N)", or
@@ -305,3 +314,62 @@ class EngineProcessClient(OutputStreams):
             log.warning("the engine process did not stop within 60 s; killing it")
             self.process.kill()
             self.process.join(5)
+
+
+class LocalFrontEnd(EngineProcessClient):
+    """A front end inside the engine process itself: the inspector's (`inspect.host`), whose views
+    read the engine and the model in place. Its messages go straight into the core's inbox as
+    front end `k` (`engine.core.EngineCore`'s local one), the core's messages come back as calls
+    on its event loop (`outbox`), nothing pickled; `view` reads the engine, `between_steps` runs a
+    function between two steps, and a traced request runs (its recorder in this process)."""
+
+    def __init__(self, engine, info: CoreInfo, inbox: queue.SimpleQueue, k: int):
+        OutputStreams.__init__(self, "inspector-")
+        self.engine, self._inbox, self._k = engine, inbox, k
+        self.process, self.pid = None, os.getpid()
+        self._setup(info)
+        self.outbox = _LocalOutbox(self)
+
+    async def _add(self, prompt, params, rid: str, options: RequestOptions) -> None:
+        await self._call("add_request", prompt, params, rid, options)
+
+    def _send(self, message: tuple) -> None:
+        self._inbox.put((self._k, message))
+
+    def _attach(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    def view(self):
+        from nextoken.engine.view import EngineView
+
+        return EngineView(self.engine)
+
+    async def between_steps(self, fn):
+        """`fn()` run by the engine's loop between two steps: its value (or what it raised)."""
+        from nextoken.engine.core import BETWEEN_STEPS
+
+        return await self._call(BETWEEN_STEPS, fn)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None
+
+    def close(self) -> None:
+        self._closing = True
+
+
+class _LocalOutbox:
+    """What the core sends to a `LocalFrontEnd`: each message handed to its event loop (before
+    its first request, only the counts are kept)."""
+
+    def __init__(self, client: LocalFrontEnd):
+        self.client = client
+
+    def send(self, message: tuple) -> None:
+        loop = self.client._loop
+        if loop is None:
+            if message[0] in ("stats", "step"):
+                self.client._stats = message[-1]
+            return
+        loop.call_soon_threadsafe(self.client._dispatch, message)

@@ -24,8 +24,10 @@ What differs from one server process:
   process receives, and each engine step is counted by one process.
 - Adapters: ``--lora-modules`` serve in every process; loading one at runtime
   (``/v1/load_lora_adapter``) is refused, as each process keeps its own list of models.
-- Not here: the inspector, an ``--embedding-model`` beside the model or as it, and tensor
-  parallelism (refused with a one-line error).
+- The inspector runs in the engine process (`inspect.host`); each server process forwards
+  ``/inspect`` to it.
+- Not here: an ``--embedding-model`` beside the model or as it, and tensor parallelism (refused
+  with a one-line error).
 
 Stopping: SIGTERM or Ctrl-C to the launcher sends SIGTERM to each server process, which drains
 its requests (``--shutdown-timeout``) and says so to the engine process; the engine process exits
@@ -80,7 +82,7 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def run_front_end(engine_args, server_args, channel, sock, log_level: str) -> None:
+def run_front_end(engine_args, server_args, channel, sock, log_level: str, inspector_socket: str | None) -> None:
     """A server process's main (`serve.serve_front_end`); exits with its status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C: the launcher sends SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # asked to stop while loading: nothing to drain yet
@@ -88,7 +90,7 @@ def run_front_end(engine_args, server_args, channel, sock, log_level: str) -> No
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nextoken.server.serve import serve_front_end
 
-    sys.exit(serve_front_end(engine_args, server_args, channel, sock))
+    sys.exit(serve_front_end(engine_args, server_args, channel, sock, inspector_socket))
 
 
 def _stop_with_launcher() -> None:
@@ -98,11 +100,14 @@ def _stop_with_launcher() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve_api_servers(engine_args, server_args) -> int:
+def serve_api_servers(engine_args, server_args, announce_inspector: bool = False) -> int:
     """Serve `engine_args`' model with ``server_args.api_server_count`` server processes over one
-    engine process until SIGTERM or Ctrl-C; the exit status (0 after a requested stop, 1 when a
-    process failed). Raises `InvalidRequest` for what this mode refuses."""
+    engine process (which serves the inspector, unless ``--no-inspect``) until SIGTERM or Ctrl-C;
+    the exit status (0 after a requested stop, 1 when a process failed). `announce_inspector`
+    (`nextoken inspect`): print the inspector's URL. Raises `InvalidRequest` for what this mode
+    refuses."""
     from nextoken.engine.core_client import start_engine_core
+    from nextoken.server.serve import inspector_socket
 
     n = server_args.api_server_count
     adapters = check(engine_args, server_args)
@@ -116,11 +121,13 @@ def serve_api_servers(engine_args, server_args) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="nextoken-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (the server processes inherit it)
     ctx = multiprocessing.get_context("spawn")
-    engine, channels = start_engine_core(engine_args, adapters, level, front_ends=n)
+    inspector = (config, inspector_socket()) if config.inspect else None
+    engine, channels = start_engine_core(engine_args, adapters, level, front_ends=n, inspector=inspector)
     servers = []
     for k, (to_core, from_core) in enumerate(channels):
         p = ctx.Process(target=run_front_end, name=f"nextoken-api-{k}",
-                        args=(engine_args, server_args, (to_core, from_core, engine.pid), sock, level))
+                        args=(engine_args, server_args, (to_core, from_core, engine.pid), sock, level,
+                              inspector[1] if inspector else None))
         p.start()
         servers.append(p)
         to_core.close()
@@ -128,6 +135,9 @@ def serve_api_servers(engine_args, server_args) -> int:
     sock.close()
     log.info("nextoken serving %s on http://%s:%d: %d server processes over one engine process",
              config.model_name, config.host, config.port, n)
+    if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
+        print(f"inspector: http://{config.host}:{config.port}/inspect"
+              f"{f'?key={config.api_key}' if config.api_key else ''}", flush=True)
     try:
         return _supervise(servers, engine)
     finally:

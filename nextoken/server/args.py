@@ -63,7 +63,7 @@ class ServerArgs(CliArgs):
     inspect: bool = opt(True, "serve the inspector page and its /inspect/api routes", group="server", cli="bool")
     engine_process: bool = opt(False, "step the engine in a process of its own (vLLM's EngineCore): the HTTP "
                                "work and the engine's host work per step run at once instead of sharing one "
-                               "GIL; the inspector is off", group="server", cli="bool")
+                               "GIL; the inspector is served by the engine process", group="server", cli="bool")
     api_server_count: int = opt(1, "HTTP server processes in front of one engine process (vLLM's "
                                 "--api-server-count; more than 1 implies --engine-process): each streams its own "
                                 "requests, so the HTTP work of many streams spreads over N cores",

@@ -46,12 +46,9 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.server.api.state import Capabilities
 
     if server_args.api_server_count > 1:
-        if announce_inspector:
-            raise InvalidRequest("the inspector reads the engine in the server's process: run `nextoken inspect` "
-                                 "without --api-server-count", "api_server_count")
         from nextoken.server.api_servers import serve_api_servers
 
-        return serve_api_servers(engine_args, server_args)
+        return serve_api_servers(engine_args, server_args, announce_inspector)
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     embed_only = is_embedding_model(path)
     extra = server_args.embedding_model
@@ -67,13 +64,9 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
     if adapters and not engine_args.enable_lora:
         raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
-    if server_args.engine_process and not embed_only:
-        if announce_inspector:
-            raise InvalidRequest("the inspector reads the engine in the server's process: run `nextoken inspect` "
-                                 "without --engine-process", "engine_process")
-        if server_args.inspect:
-            log.info("the inspector is off: the engine steps in a process of its own (--engine-process)")
-            server_args = replace(server_args, inspect=False)
+    inspector = None  # with the engine in a process of its own: (its ServerArgs, the socket it serves on)
+    if server_args.engine_process and not embed_only and server_args.inspect:
+        inspector = (server_args.for_model(engine_args.model), inspector_socket())
 
     def load(state):  # /health answers 200 once every model is loaded and warm
         load_models(state)
@@ -95,7 +88,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             from nextoken.engine.core_client import EngineProcessClient
 
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-            client = EngineProcessClient(engine_args, adapters, level)
+            client = EngineProcessClient(engine_args, adapters, level, inspector=inspector)
             client.on_dead = on_dead
             state.loras = {lora.lora_name: lora for lora in adapters}
             attach_engine(server_ref["app"], client)
@@ -118,15 +111,30 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             server_ref["server"].should_exit = True
 
     caps = Capabilities(generate=not embed_only, embed=embedding_path is not None)
-    return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref)
+    return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref,
+                  inspector_socket=inspector[1] if inspector else None)
 
 
-def serve_front_end(engine_args, server_args, channel, sock) -> int:
+def inspector_socket() -> str:
+    """A path for the engine process's inspector to listen on (`inspect.host`): a Unix socket in a
+    new directory only this user may enter, removed at exit."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="nextoken-inspect-")
+    atexit.register(shutil.rmtree, folder, True)
+    return os.path.join(folder, "inspector.sock")
+
+
+def serve_front_end(engine_args, server_args, channel, sock, inspector_socket: str | None = None) -> int:
     """One of ``--api-server-count``'s HTTP server processes: the app over its own
     `EngineProcessClient` on `channel` (``(to_core, from_core, engine pid)``), accepting on the
     listening socket `sock` it shares with the others, until the launcher's SIGTERM (a SIGINT is
-    the launcher's to forward: `server.api_servers`); the exit status (1 when the engine process
-    stopped)."""
+    the launcher's to forward: `server.api_servers`); ``/inspect`` forwarded to the engine
+    process's inspector on `inspector_socket` (None: no inspector); the exit status (1 when the
+    engine process stopped)."""
     from nextoken.engine.core_client import EngineProcessClient
     from nextoken.engine.launch import freeze_heap
     from nextoken.lora import parse_lora_modules
@@ -149,23 +157,25 @@ def serve_front_end(engine_args, server_args, channel, sock) -> int:
         server_ref["state"].exit_code = 1
         server_ref["server"].should_exit = True
 
-    return _serve(engine_args, replace(server_args, inspect=False), load, Capabilities(generate=True, embed=False),
-                  server_ref=server_ref, sockets=[sock])
+    return _serve(engine_args, replace(server_args, inspect=inspector_socket is not None), load,
+                  Capabilities(generate=True, embed=False), server_ref=server_ref, sockets=[sock],
+                  inspector_socket=inspector_socket)
 
 
 def _serve(engine_args, server_args, load, capabilities, announce_inspector: bool = False, stepper=None,
-           server_ref: dict | None = None, sockets: list | None = None) -> int:
+           server_ref: dict | None = None, sockets: list | None = None, inspector_socket: str | None = None) -> int:
     """Build the one app (`build_app` with `capabilities`), load the models with `load(state)`
     (which sets ``state.engine`` and/or ``state.embedder``) on `stepper` in the background, and
     run uvicorn until a signal; the exit status. `sockets`: listening sockets another process
     bound (``--api-server-count``: this is one of its front ends: it loads first, then serves,
-    and leaves SIGINT to the launcher)."""
+    and leaves SIGINT to the launcher); `inspector_socket`: ``/inspect`` is forwarded there (the
+    engine process serves the inspector)."""
     import uvicorn
 
     from nextoken.server.app import build_app
     from nextoken.server.api.state import ServerState
 
-    state = ServerState(ready=False)
+    state = ServerState(ready=False, inspector_socket=inspector_socket)
     config = server_args.for_model(engine_args.model)
     server_ref = {} if server_ref is None else server_ref
     stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-load")

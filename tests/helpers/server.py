@@ -22,14 +22,16 @@ class LiveServer:
     (still loading, if None): a generation model, or an embedding model's `LLM` (embeddings
     alone); `embedder`: an embedding model's `LLM` served beside a generation `llm` (as
     ``serve --embedding-model``), under the name `embedder_name`; `engine`: an engine client built
-    already (an `EngineProcessClient`) served in place of `llm`'s."""
+    already (an `EngineProcessClient`) served in place of `llm`'s, and `inspector_socket` the
+    socket its engine process serves the inspector on (``/inspect`` forwarded there)."""
 
-    def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, engine=None, **config):
+    def __init__(self, llm, name: str, embedder=None, embedder_name: str | None = None, engine=None,
+                 inspector_socket: str | None = None, **config):
         from nextoken.server.pooling.serving import EmbeddingService
         from nextoken.server.api.state import Capabilities, ServerState
 
         embed_only = llm is not None and llm.embedder is not None
-        self.state = ServerState(ready=llm is not None or engine is not None)
+        self.state = ServerState(ready=llm is not None or engine is not None, inspector_socket=inspector_socket)
         if engine is not None:  # an engine client built already (`EngineProcessClient`)
             self.state.engine = engine
         elif embed_only:
@@ -41,7 +43,7 @@ class LiveServer:
         self.llm = llm
         caps = Capabilities(generate=not embed_only, embed=embed_only or embedder is not None)
         if engine is not None:
-            config.setdefault("inspect", False)
+            config.setdefault("inspect", inspector_socket is not None)
         self.port = free_ports(1)
         args = ServerArgs(model_name=name, host="127.0.0.1", port=self.port, **config)
         app = build_app(self.state, args, capabilities=caps)

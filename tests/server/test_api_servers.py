@@ -60,12 +60,15 @@ def _metric(text: str, name: str) -> float:
 def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
     """Concurrent streams (on connections the two server processes share out) equal
     `LLM.generate`'s greedy tokens; /metrics, whichever process answers, counts every request and
-    token once; loading an adapter at runtime is refused naming the flag; SIGTERM mid-stream lets
-    the stream end, the launcher exits 0, and no process is left."""
+    token once; the inspector answers through either process (its logit lens picks the greedy
+    token); loading an adapter at runtime is refused naming the flag; SIGTERM mid-stream lets the
+    stream end, the launcher exits 0, and no process is left."""
     path = str(tiny_gguf["llama"][0])
     prompts = [f"the cat {w} on the" for w in ("sat", "ran", "slept", "jumped", "hid", "sang", "ate", "fell")]
-    want = [o.outputs[0].text for o in LLM(path, dtype="float32").generate(
-        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    llm = LLM(path, dtype="float32")
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                            ignore_eos=True))]
+    nxt = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
     proc, url = _start(path)
     try:
         spawned = _spawned(proc.pid)
@@ -93,6 +96,11 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
             assert _metric(text, "vllm:request_success_total") == len(prompts)
             assert _metric(text, "nextoken_generation_tokens_total") == 24 * len(prompts)
             assert _metric(text, "vllm:num_requests_running") == 0
+        for _ in range(4):  # the inspector, served by the engine process, through either server process
+            trace = httpx.post(url + "/inspect/api/trace", json={"prompt": prompts[0], "chat": False}).json()
+            n = len(trace["tokens"])
+            lens = httpx.get(url + f"/inspect/api/trace/{trace['trace_id']}/lens", params={"position": n - 1}).json()
+            assert lens["layers"][-1]["top"][0]["id"] == nxt
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"})
         assert r.status_code == 400 and "--api-server-count" in r.json()["error"]["message"]
 
@@ -153,21 +161,17 @@ def _is_front_end(pid: int) -> bool:
 
 
 def test_what_several_server_processes_do_not_serve_is_refused(tiny_gguf):
-    """`nextoken inspect`, tensor parallelism and an embedding model beside the model with
-    ``--api-server-count 2``: `InvalidRequest` naming the flag (the command line's one-line error),
-    before any process starts."""
+    """Tensor parallelism and an embedding model beside the model with ``--api-server-count 2``:
+    `InvalidRequest` naming the flag (the command line's one-line error), before any process
+    starts."""
     from nextoken.engine_args import EngineArgs
     from nextoken.errors import InvalidRequest
     from nextoken.server.api_servers import check
     from nextoken.server.args import ServerArgs
-    from nextoken.server.serve import serve
 
     path = str(tiny_gguf["llama"][0])
-    two = ServerArgs(api_server_count=2, port=free_ports(1))
-    with pytest.raises(InvalidRequest, match="without --api-server-count"):
-        serve(EngineArgs(model=path), two, announce_inspector=True)
     with pytest.raises(InvalidRequest, match="--api-server-count") as e:
-        check(EngineArgs(model=path, tensor_parallel_size=2), two)
+        check(EngineArgs(model=path, tensor_parallel_size=2), ServerArgs(api_server_count=2))
     assert e.value.field == "api_server_count"
     with pytest.raises(InvalidRequest, match="--api-server-count 1"):
         check(EngineArgs(model=path), ServerArgs(api_server_count=2, embedding_model=path))

@@ -39,13 +39,18 @@ def tiny(tiny_gguf, request):
     disconnects, concurrent streams and beam search over each. ``tiny.llm`` is an `LLM` of the
     same model in this process, the oracle."""
     path = str(tiny_gguf["llama"][0])
-    client = None
-    if request.param == "engine-process":
+    client = socket = None
+    if request.param == "engine-process":  # (its inspector served there, /inspect forwarded to it)
         from nextoken.engine.core_client import EngineProcessClient
         from nextoken.engine_args import EngineArgs
+        from nextoken.server.args import ServerArgs
+        from nextoken.server.serve import inspector_socket
 
-        client = EngineProcessClient(EngineArgs(model=path, dtype="float32"))
-    srv = LiveServer(LLM(path, dtype="float32", async_scheduling=request.param == "async"), "tiny", engine=client)
+        socket = inspector_socket()
+        client = EngineProcessClient(EngineArgs(model=path, dtype="float32"),
+                                     inspector=(ServerArgs(model_name="tiny"), socket))
+    srv = LiveServer(LLM(path, dtype="float32", async_scheduling=request.param == "async"), "tiny", engine=client,
+                     inspector_socket=socket)
     yield srv
     srv.stop()
     if client is not None:
@@ -370,6 +375,27 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf, flags):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_inspector_answers_over_each_engine(tiny):
+    """The inspector over each way of stepping (with the engine in a process of its own, served
+    there and reached through the server): a trace's tokens are the tokenizer's, the logit lens
+    after the last layer at the last position picks the token `LLM.generate` picks greedily,
+    the trace's attention is there for every layer, and the live view streams the engine's state."""
+    prompt = "the cat sat on"
+    ids = tiny.llm.engine.tokenizer.encode(prompt)
+    nxt = tiny.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    with httpx.Client(base_url=tiny.url, timeout=60) as h:
+        assert h.get("/inspect/api/info").json()["vocab_size"] == tiny.llm.engine.config.vocab_size
+        trace = h.post("/inspect/api/trace", json={"prompt": prompt, "chat": False}).json()
+        assert [t["id"] for t in trace["tokens"]] == ids
+        lens = h.get(f"/inspect/api/trace/{trace['trace_id']}/lens", params={"position": len(ids) - 1}).json()
+        assert lens["layers"][-1]["top"][0]["id"] == nxt
+        for layer in range(trace["layers"]):
+            assert h.get(f"/inspect/api/trace/{trace['trace_id']}/attention", params={"layer": layer}).status_code == 200
+        with h.stream("GET", "/inspect/api/live") as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["stats"]["num_blocks"] == tiny.llm.engine.kv.pool.num_blocks
 
 
 def test_cors_closed_unless_origins_are_given(tiny, tiny_gguf):

@@ -26,7 +26,8 @@ class ServerState:
     """engine: the generation `EngineClient` (None while loading, or on an embedding-only
     server); embedder: the `EmbeddingService` (None without one); embedding_model_name: the name
     clients send for it; ready: every model is loaded (False while loading); draining: SIGTERM was
-    received; started: a Unix time; exit_code; loras: the adapters served by name."""
+    received; started: a Unix time; exit_code; loras: the adapters served by name; inspector_socket:
+    the Unix socket of the inspector the engine process serves (None: it runs here)."""
 
     engine: EngineClient | None = None
     embedder: PoolingClient | None = None
@@ -36,6 +37,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     exit_code: int = 0
     loras: dict = field(default_factory=dict)
+    inspector_socket: str | None = None  # the engine process's inspector (`inspect.host`), which /inspect forwards to
 
     def clients(self) -> list[Service]:
         return [c for c in (self.engine, self.embedder) if c is not None]

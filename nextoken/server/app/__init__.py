@@ -75,7 +75,11 @@ def _generation(app: FastAPI, state, args: ServerArgs, metrics) -> None:
             setattr(app.state, name, serving(state, args, metrics))
     for router in (routes.tokens, *routers.API_ROUTERS):
         app.include_router(router)
-    if args.inspect:
+    if args.inspect and state.inspector_socket is not None:  # the engine in a process of its own
+        from nextoken.server.app.inspector_proxy import install_proxy
+
+        install_proxy(app, state.inspector_socket)
+    elif args.inspect:
         from nextoken.inspect.routes import install
 
         install(app, lambda: state.engine)
