@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from nextoken import LLM, SamplingParams
+from nextoken.beam import BeamSearch
 from nextoken.engine.core import OutputMirror, OutputWire
 from nextoken.engine.core_client import EngineProcessClient
 from nextoken.engine.protocol import EngineClient
@@ -25,7 +26,7 @@ from nextoken.request_options import RequestOptions
 @pytest.mark.parametrize("direct", [False, True], ids=["from-outputs", "from-groups"])
 def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
     """Every `RequestOutput` of a mixed workload (n=2 sampled with logprobs, a stop string,
-    prompt logprobs, greedy; one aborted midway and its id used again), sent as deltas and
+    prompt logprobs, greedy, a beam search; one aborted midway and its id used again), sent as deltas and
     pickled, is rebuilt equal to the engine's own: text, deltas, token ids, log-probabilities,
     finish, metrics. `direct`: the engine makes the records from its requests' state
     (`OutputWire.encode_group`, as the engine process does), and a twin engine given the same
@@ -44,6 +45,9 @@ def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
     add([5, 17, 200, 33], SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1, ignore_eos=True), "scored")
     add("the cat", SamplingParams(temperature=0.7, seed=5, max_tokens=40, stop=["a"], ignore_eos=True), "stopped")
     add("x y", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "aborted")
+    for e in filter(None, (engine, twin)):  # (a search's own requests' outputs stay `RequestOutput`s, and its final one)
+        ids = e.tokenizer.encode("a cat")
+        e.add_beam_search(ids, BeamSearch([ids], 2, 6, 1.0, True, e.tokenizer.eog_token_ids), "beam")
     rebuilt = 0
     for step in range(200):
         if step == 3:
@@ -56,6 +60,7 @@ def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
             break
         if direct:
             want, records = twin.step(), engine.step(make=wire.encode_group)
+            records = [r if type(r) is tuple else wire.encode(r) for r in records]  # (as `EngineCore` sends them)
         else:
             want = engine.step()
             records = [wire.encode(out) for out in want]

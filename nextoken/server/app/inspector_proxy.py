@@ -23,6 +23,16 @@ class _QuietForwards(logging.Filter):
         return "http://inspector/" not in record.getMessage()
 
 
+async def _body(answer: httpx.Response):
+    """The answer's bytes as they come; the end of the stream if the engine process goes away
+    mid-answer (the server then exits, its engine gone)."""
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    except httpx.TransportError:
+        return
+
+
 def install_proxy(app, path: str) -> None:
     """Forward ``/inspect`` and ``/inspect/...`` of `app` to the inspector on the Unix socket `path`."""
     logging.getLogger("httpx").addFilter(_QuietForwards())
@@ -41,7 +51,7 @@ def install_proxy(app, path: str) -> None:
             return JSONResponse({"error": {"message": f"the inspector in the engine process did not answer ({exc})",
                                            "type": "server_error", "param": None, "code": 502}}, status_code=502)
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in DROP}
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, headers=kept,
+        return StreamingResponse(_body(answer), status_code=answer.status_code, headers=kept,
                                  background=BackgroundTask(answer.aclose))
 
     for route in ("/inspect", "/inspect/{rest:path}"):
