@@ -479,7 +479,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
             raise RuntimeError("the server did not become healthy in 240 s")
         started = time.perf_counter() - t0
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        smoke = server_smoke(url, model, vocab, inspector=not engine_process)
+        smoke = server_smoke(url, model, vocab)
         log(f"   the server on the GPU: {smoke}")
         rng = random.Random(4)
         top = 1024 if DEV == "cuda" else 24
@@ -663,11 +663,12 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def server_smoke(url: str, model: str, vocab: int, inspector: bool = True) -> dict:
+def server_smoke(url: str, model: str, vocab: int) -> dict:
     """The APIs on the GPU engine, each call's status (and what it must hold): a chat completion,
     JSON held to a schema (the grammar's mask on device logits), completions with log-probabilities
-    from token ids, a beam search, Anthropic's Messages, and with `inspector` its journey (a traced
-    request: the reference attention and the per-layer views) and views."""
+    from token ids, a beam search, Anthropic's Messages, and the inspector's journey (a traced
+    request: the reference attention and the per-layer views) and views (with the engine in a
+    process of its own, the inspector it serves there, through the server)."""
     import httpx
 
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
@@ -699,8 +700,6 @@ def server_smoke(url: str, model: str, vocab: int, inspector: bool = True) -> di
     }
     out = {}
     for name, (path, body) in calls.items():
-        if not inspector and path.startswith("/inspect"):
-            continue
         try:
             r = httpx.post(url + path, json=body, timeout=120) if body is not None else httpx.get(url + path, timeout=60)
             if name == "trace" and r.status_code == 200:  # its views too: attention, the logit lens
