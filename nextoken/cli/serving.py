@@ -16,12 +16,20 @@ def cmd_serve(a) -> int:
         from nextoken.server.replicas import serve_replicas
 
         return serve_replicas(a, a.argv[a.argv.index("serve") + 1:])
-    from nextoken.server.serve import serve
-
-    return serve(engine_args(a), _server_args(a))
+    return _serve(a)
 
 
 def cmd_inspect(a) -> int:
+    return _serve(a, announce_inspector=True)
+
+
+def _serve(a, announce_inspector: bool = False) -> int:
+    """One server process, or several over one engine process (``--api-server-count``)."""
+    server_args = _server_args(a)
+    if server_args.api_server_count > 1:
+        from nextoken.server.api_servers import serve_api_servers
+
+        return serve_api_servers(engine_args(a), server_args, announce_inspector)
     from nextoken.server.serve import serve
 
-    return serve(engine_args(a), _server_args(a), announce_inspector=True)
+    return serve(engine_args(a), server_args, announce_inspector)

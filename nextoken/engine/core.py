@@ -172,8 +172,9 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: 
     load first), say ``("ready", CoreInfo)`` (or ``("failed", exception)``) to every front end,
     then serve their messages between steps until each has said ``("close",)`` or closed its
     pipe. `channels`: one ``(inbox, outbox)`` pair of pipe ends per front end (``serve
-    --api-server-count N``: N). `inspector`: ``(ServerArgs, path)``: serve the inspector here too,
-    on the Unix socket `path`, over a front end in this process (`inspect.host`)."""
+    --api-server-count N``: N). `inspector`: ``(start, ServerArgs, path)``: serve the inspector here
+    too, on the Unix socket `path`, over a front end of this process that ``start(engine, info,
+    inbox, k, ServerArgs, path)`` returns (`server.app.inspector_host.serve_inspector`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -197,9 +198,8 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     local = None
     if inspector is not None:  # (listening before the servers hear "ready")
-        from nextoken.inspect.host import serve_inspector
-
-        local = serve_inspector(engine, info, inbox, len(channels), *inspector)
+        start, server_args, path = inspector
+        local = start(engine, info, inbox, len(channels), server_args, path)
     for out in outboxes:
         _send_quietly(out, ("ready", info))
     for k, (conn, _) in enumerate(channels):

@@ -12,7 +12,7 @@ the engine's reply, which it makes between two steps, as `AsyncLLMEngine.between
 
 Not over a process: reading the engine's state in place (`view` and `between_steps` raise),
 tracing a request (`RequestOptions.tracer`) and tensor parallelism. The inspector, which needs
-the first two, runs in the engine process over a `LocalFrontEnd` (`inspect.host`).
+the first two, runs in the engine process over a `LocalFrontEnd` (`server.app.inspector_host`).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from nextoken.request_options import RequestOptions
 
 log = logging.getLogger("nextoken.engine")
 
-NOT_HERE = ("the engine's state is read in its own process (the inspector is served there, `inspect.host`), not "
-            "through a server's client")
+NOT_HERE = ("with --engine-process the engine's state is read in its own process (the inspector is served "
+            "there), not through a server's client")
 
 
 def start_engine_core(args: EngineArgs, adapters: list = (), log_level: str = "warning", front_ends: int = 1,
                       inspector=None):
     """Start the engine of `args` in a process of its own (``spawn``; `engine.core.run_engine_core`)
-    with `front_ends` pairs of pipes (and `inspector`, ``(ServerArgs, socket path)``: the inspector
-    served there, `inspect.host`). Returns the `multiprocessing.Process` and, per front end,
+    with `front_ends` pairs of pipes (and `inspector`: the inspector served there, `run_engine_core`'s
+    argument). Returns the `multiprocessing.Process` and, per front end,
     ``(to_core, from_core)``: the ends this side (or the process it is handed to) keeps."""
     ctx = multiprocessing.get_context("spawn")  # (a fork would copy the server's threads and PyTorch state)
     ours, theirs = [], []
@@ -317,7 +317,7 @@ class EngineProcessClient(OutputStreams):
 
 
 class LocalFrontEnd(EngineProcessClient):
-    """A front end inside the engine process itself: the inspector's (`inspect.host`), whose views
+    """A front end inside the engine process itself: the inspector's (`server.app.inspector_host`), whose views
     read the engine and the model in place. Its messages go straight into the core's inbox as
     front end `k` (`engine.core.EngineCore`'s local one), the core's messages come back as calls
     on its event loop (`outbox`), nothing pickled; `view` reads the engine, `between_steps` runs a

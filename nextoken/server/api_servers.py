@@ -24,7 +24,7 @@ What differs from one server process:
   process receives, and each engine step is counted by one process.
 - Adapters: ``--lora-modules`` serve in every process; loading one at runtime
   (``/v1/load_lora_adapter``) is refused, as each process keeps its own list of models.
-- The inspector runs in the engine process (`inspect.host`); each server process forwards
+- The inspector runs in the engine process (`server.app.inspector_host`); each server process forwards
   ``/inspect`` to it.
 - Not here: an ``--embedding-model`` beside the model or as it, and tensor parallelism (refused
   with a one-line error).
@@ -107,7 +107,7 @@ def serve_api_servers(engine_args, server_args, announce_inspector: bool = False
     (`nextoken inspect`): print the inspector's URL. Raises `InvalidRequest` for what this mode
     refuses."""
     from nextoken.engine.core_client import start_engine_core
-    from nextoken.server.serve import inspector_socket
+    from nextoken.server.serve import inspector_in_engine_process
 
     n = server_args.api_server_count
     adapters = check(engine_args, server_args)
@@ -121,13 +121,13 @@ def serve_api_servers(engine_args, server_args, announce_inspector: bool = False
     metrics_dir = tempfile.mkdtemp(prefix="nextoken-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (the server processes inherit it)
     ctx = multiprocessing.get_context("spawn")
-    inspector = (config, inspector_socket()) if config.inspect else None
+    inspector = inspector_in_engine_process(config) if config.inspect else None
     engine, channels = start_engine_core(engine_args, adapters, level, front_ends=n, inspector=inspector)
     servers = []
     for k, (to_core, from_core) in enumerate(channels):
         p = ctx.Process(target=run_front_end, name=f"nextoken-api-{k}",
                         args=(engine_args, server_args, (to_core, from_core, engine.pid), sock, level,
-                              inspector[1] if inspector else None))
+                              inspector[2] if inspector else None))
         p.start()
         servers.append(p)
         to_core.close()

@@ -29,7 +29,8 @@ def uvicorn_config(app, config):
 
 
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
-    """Load `engine_args`' model (in the background: /health answers 503 until it is warm), and
+    """One server process (several over one engine process: `server.api_servers`). Load
+    `engine_args`' model (in the background: /health answers 503 until it is warm), and
     ``--embedding-model`` beside it, and serve them as `server_args` (`ServerArgs`) say, until
     SIGTERM or Ctrl-C; the exit status. An embedding model (`embedding.is_embedding_model`) as
     `--model` serves embeddings alone (the one app, `server.app.build_app`, without generation)."""
@@ -45,10 +46,6 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.server.pooling.serving import EmbeddingService
     from nextoken.server.api.state import Capabilities
 
-    if server_args.api_server_count > 1:
-        from nextoken.server.api_servers import serve_api_servers
-
-        return serve_api_servers(engine_args, server_args, announce_inspector)
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line, no server
     embed_only = is_embedding_model(path)
     extra = server_args.embedding_model
@@ -64,9 +61,9 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
     if adapters and not engine_args.enable_lora:
         raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
-    inspector = None  # with the engine in a process of its own: (its ServerArgs, the socket it serves on)
+    inspector = None  # with the engine in a process of its own, the inspector it serves
     if server_args.engine_process and not embed_only and server_args.inspect:
-        inspector = (server_args.for_model(engine_args.model), inspector_socket())
+        inspector = inspector_in_engine_process(server_args.for_model(engine_args.model))
 
     def load(state):  # /health answers 200 once every model is loaded and warm
         load_models(state)
@@ -112,11 +109,20 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
 
     caps = Capabilities(generate=not embed_only, embed=embedding_path is not None)
     return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref,
-                  inspector_socket=inspector[1] if inspector else None)
+                  inspector_socket=inspector[2] if inspector else None)
+
+
+def inspector_in_engine_process(config) -> tuple:
+    """What an engine process needs to serve the inspector (`engine.core.run_engine_core`'s
+    `inspector`): the function that starts it there (`server.app.inspector_host.serve_inspector`),
+    the server's `ServerArgs` `config` (its model name and key) and a new socket's path."""
+    from nextoken.server.app.inspector_host import serve_inspector
+
+    return serve_inspector, config, inspector_socket()
 
 
 def inspector_socket() -> str:
-    """A path for the engine process's inspector to listen on (`inspect.host`): a Unix socket in a
+    """A path for the engine process's inspector to listen on (`server.app.inspector_host`): a Unix socket in a
     new directory only this user may enter, removed at exit."""
     import atexit
     import os

@@ -44,11 +44,11 @@ def tiny(tiny_gguf, request):
         from nextoken.engine.core_client import EngineProcessClient
         from nextoken.engine_args import EngineArgs
         from nextoken.server.args import ServerArgs
-        from nextoken.server.serve import inspector_socket
+        from nextoken.server.serve import inspector_in_engine_process
 
-        socket = inspector_socket()
-        client = EngineProcessClient(EngineArgs(model=path, dtype="float32"),
-                                     inspector=(ServerArgs(model_name="tiny"), socket))
+        inspector = inspector_in_engine_process(ServerArgs(model_name="tiny"))
+        socket = inspector[2]
+        client = EngineProcessClient(EngineArgs(model=path, dtype="float32"), inspector=inspector)
     srv = LiveServer(LLM(path, dtype="float32", async_scheduling=request.param == "async"), "tiny", engine=client,
                      inspector_socket=socket)
     yield srv

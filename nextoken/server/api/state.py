@@ -37,7 +37,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     exit_code: int = 0
     loras: dict = field(default_factory=dict)
-    inspector_socket: str | None = None  # the engine process's inspector (`inspect.host`), which /inspect forwards to
+    inspector_socket: str | None = None  # the engine process's inspector (`server.app.inspector_host`), which /inspect forwards to
 
     def clients(self) -> list[Service]:
         return [c for c in (self.engine, self.embedder) if c is not None]

@@ -1,5 +1,5 @@
 """``/inspect`` on a server whose engine runs in a process of its own: every request under it is
-forwarded to the inspector that process serves on a Unix socket (`inspect.host`), and its answer
+forwarded to the inspector that process serves on a Unix socket (`server.app.inspector_host`), and its answer
 streamed back as it comes (the live views are event streams). The server's own checks (the API
 key, loading) run first, as for any route; the inspector's app checks the key again."""
 
