@@ -39,8 +39,9 @@ def pytest_configure(config):
 SLOWEST_FIRST = ("tests/engine/test_gpu_path.py", "tests/server/test_openapi_contract.py",
                  "tests/inspector/test_inspect_browser.py", "tests/models/test_real_model.py",
                  "tests/engine/test_tensor_parallel.py", "tests/cli/test_cli.py", "tests/inspector/test_inspect.py",
-                 "tests/engine/test_structured.py", "tests/server/test_server.py", "tests/models/test_lora.py",
-                 "tests/engine/test_engine.py", "tests/server/test_router.py")
+                 "tests/engine/test_structured.py", "tests/server/test_server.py", "tests/server/test_api_servers.py",
+                 "tests/models/test_lora.py", "tests/engine/test_engine.py", "tests/server/test_router.py",
+                 "tests/server/test_engine_process.py")
 
 
 def pytest_collection_modifyitems(config, items):
