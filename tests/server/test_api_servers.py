@@ -121,19 +121,16 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
             proc.kill()
 
 
-@pytest.mark.parametrize("victim", ["server", "engine", "launcher"])
-def test_a_process_that_dies_stops_the_service_with_status_1(tiny_gguf, victim):
-    """A server process killed: the launcher stops the other and exits 1. The engine process
-    killed: each server process exits 1 (its streams fail), and so does the launcher. The
-    launcher killed: the server processes stop, then the engine process. No process is left."""
+def test_an_engine_process_that_dies_stops_the_service_with_status_1(tiny_gguf):
+    """The engine process killed: each server process exits 1 (its streams fail), and so does the
+    launcher; no process is left."""
     proc, url = _start(str(tiny_gguf["llama"][0]))
     try:
         spawned = _spawned(proc.pid)
         engine = [pid for pid in spawned if not _is_front_end(pid)]
         assert len(engine) == 1
-        target = {"engine": engine[0], "launcher": proc.pid}.get(victim) or next(p for p in spawned if p != engine[0])
-        os.kill(target, signal.SIGKILL)
-        assert proc.wait(timeout=60) == (-signal.SIGKILL if victim == "launcher" else 1)
+        os.kill(engine[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
         for _ in range(300):
             if all(_gone(pid) for pid in spawned):
                 break
@@ -142,6 +139,68 @@ def test_a_process_that_dies_stops_the_service_with_status_1(tiny_gguf, victim):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _exit_on_sigterm(code):
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if code is not None:
+        os._exit(code)
+    time.sleep(60)
+
+
+def test_a_server_process_that_exits_stops_the_others():
+    """The launcher's supervision (`_supervise`, over stand-in processes): one server process
+    exits with status 3, the other is sent SIGTERM and the launcher's status is 1, after the
+    engine process has ended."""
+    import multiprocessing
+
+    from nextoken.server.api_servers import _supervise
+
+    ctx = multiprocessing.get_context("fork")
+    servers = [ctx.Process(target=_exit_on_sigterm, args=(code,), name=f"nextoken-api-{k}")
+               for k, code in enumerate([None, 3])]
+    engine = ctx.Process(target=time.sleep, args=(0.5,))
+    for p in [*servers, engine]:
+        p.start()
+    assert _supervise(servers, engine) == 1
+    assert [p.exitcode for p in servers] == [0, 3] and engine.exitcode == 0
+
+
+def _launcher(ready):
+    """A stand-in launcher: starts a server process that watches it, says its pid, waits."""
+    import multiprocessing
+
+    from nextoken.server.api_servers import _stop_with_launcher
+
+    def server():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        threading.Thread(target=_stop_with_launcher, daemon=True).start()
+        time.sleep(60)
+        os._exit(5)
+
+    child = multiprocessing.get_context("fork").Process(target=server)
+    child.start()
+    ready.put(child.pid)
+    time.sleep(60)
+
+
+def test_a_server_process_stops_when_its_launcher_is_killed():
+    """`_stop_with_launcher`: the launcher killed (SIGKILL: it stops nothing), its server process
+    sees it gone and stops as on SIGTERM, instead of living on with the port."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    launcher = ctx.Process(target=_launcher, args=(ready,))
+    launcher.start()
+    server = ready.get(timeout=30)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.join(10)
+    for _ in range(100):
+        if _gone(server):
+            break
+        time.sleep(0.05)
+    assert _gone(server)
 
 
 def _is_front_end(pid: int) -> bool:
