@@ -20,14 +20,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from nextoken.engine.engine import LLMEngine
-from nextoken.engine.view import EngineView
 from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.outputs import RequestOutput
 from nextoken.request_options import DEFAULT, RequestOptions
 from nextoken.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (PyTorch comes with the engine: a server over an engine process imports neither)
+    from nextoken.engine.engine import LLMEngine
+    from nextoken.engine.view import EngineView
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -226,6 +228,8 @@ class AsyncLLMEngine(OutputStreams):
 
     def view(self) -> EngineView:
         """The inspector's read-only `EngineView` of the engine."""
+        from nextoken.engine.view import EngineView
+
         return EngineView(self._engine)
 
     def abort(self, request_id: str) -> None:

@@ -4,9 +4,12 @@ warming it up before a server answers."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nextoken.engine_args import EngineArgs
-from nextoken.loader.opened import OpenedModel
-from nextoken.loader.source import open_model
+
+if TYPE_CHECKING:  # (a server process over an engine process uses `freeze_heap` alone: no PyTorch)
+    from nextoken.loader.opened import OpenedModel
 
 
 def launch_engine(cls, args: EngineArgs, opened: OpenedModel | None = None):
@@ -22,6 +25,7 @@ def launch_engine(cls, args: EngineArgs, opened: OpenedModel | None = None):
     from nextoken.catalog import resolve_model
     from nextoken.distributed.group import init_tensor_parallel, rank_threads
     from nextoken.distributed.sharding import partition
+    from nextoken.loader.source import open_model
     from nextoken.runner.follower import follow
     from nextoken.runner.model_runner import read_config
     from nextoken.runner.threads import configure_threads

@@ -1,6 +1,6 @@
 """The engine's counts as typed values (vLLM's ``SchedulerStats``): `SchedulerStats.now(engine)`
 snapshots the queues and the totals since the start, with the disk tier's
-(`kv_cache.manager.DiskStats`) and speculative decoding's (`spec_decode.speculator.SpecStats`). The server's metrics read them at scrape time
+(`kv_cache.manager.DiskStats`) and speculative decoding's (`spec_decode.stats.SpecStats`). The server's metrics read them at scrape time
 (`server.app.metrics`: counters are these totals, gauges these values; nothing is kept between
 scrapes); `as_dict` is the flat JSON the inspector and ``nextoken run --verbose`` show."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from nextoken.kv_cache.manager import DiskStats
-from nextoken.spec_decode.speculator import SpecStats
+from nextoken.spec_decode.stats import SpecStats
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (`WatermarkConfig` travels to server processes that have no PyTorch loaded)
+    import torch
 
 HASH_KEY = 15485863  # the paper's and TGI's key: a large prime
 
@@ -40,6 +42,8 @@ class WatermarkConfig:
 
 def green_mask(prev_token: int, vocab_size: int, gamma: float) -> torch.Tensor:
     """bool ``[vocab_size]``: the green list that follows `prev_token`."""
+    import torch
+
     g = torch.Generator(device="cpu")
     g.manual_seed(HASH_KEY * int(prev_token))
     perm = torch.randperm(vocab_size, generator=g, device="cpu")

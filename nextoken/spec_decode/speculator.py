@@ -10,8 +10,6 @@ more than were accepted, and after a verification that accepted nothing, no draf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from typing import Callable
 
 import torch
@@ -20,21 +18,9 @@ from nextoken.config import SpeculativeConfig
 from nextoken.sample.sampler import SampleResult, Sampler
 from nextoken.spec_decode.draft import DraftProposer
 from nextoken.spec_decode.ngram import propose_ngram
+from nextoken.spec_decode.stats import SpecStats
 from nextoken.spec_decode.verify import verify
 
-
-
-@dataclass(frozen=True)
-class SpecStats:
-    """Speculative decoding since the start (zeros without it): drafted and accepted tokens,
-    verifications (one per request and step), accepted / drafted, and tokens emitted per
-    verification (accepted drafts plus one)."""
-
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0
-    acceptance_rate: float = 0.0
-    mean_accepted_length: float = 0.0
 
 
 class Speculator:

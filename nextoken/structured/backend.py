@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from cachetools import LRUCache
 
 from nextoken.errors import InvalidRequest
 from nextoken.structured.params import StructuredOutputsParams, grammar_source
+
+if TYPE_CHECKING:  # (compiling a grammar to check a request needs no PyTorch: a server over an engine process)
+    import torch
 
 log = logging.getLogger("nextoken.structured")
 CACHE_SIZE = 64  # compiled grammars kept
@@ -134,9 +138,13 @@ class SequenceGrammar:
         if refused.all():
             log.warning("grammar allows no token (%s); ending the sequence", _first_line(m.get_error()) or "stopped")
             return ~self._only_eog()
+        import torch
+
         return torch.from_numpy(refused.view(np.bool_))
 
     def _only_eog(self) -> torch.Tensor:
+        import torch
+
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         allowed[self.eog_ids] = True
         return allowed
@@ -170,5 +178,7 @@ class SequenceGrammar:
 def reference_allowed(matcher, vocab_size: int) -> torch.Tensor:
     """The plain path `SequenceGrammar.allowed` must equal: llguidance's byte-per-token logit
     bias (0 or 200), read one entry per token. For tests."""
+    import torch
+
     bias = matcher.compute_logit_bias()
     return torch.tensor([bias[i] > 0 if i < len(bias) else False for i in range(vocab_size)])

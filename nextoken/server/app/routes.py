@@ -12,7 +12,6 @@ import dataclasses
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 
-from nextoken.sample.watermark import detect
 from nextoken.server.chat import prompts
 from nextoken.server.chat import tools as tools_mod
 from nextoken.server.app.errors import error_response
@@ -175,5 +174,7 @@ async def watermark_detect(body: WatermarkDetectRequest, request: Request):
         ids = eng.tokenizer.encode(body.text, add_bos=False, parse_special=False)
     else:
         ids = check_token_ids(eng, body.tokens)
+    from nextoken.sample.watermark import detect  # (imports PyTorch: a server process over an engine process need not)
+
     res = await asyncio.to_thread(detect, ids, eng.config.vocab_size, eng.watermark.gamma, body.z_threshold)
     return {**dataclasses.asdict(res), "gamma": eng.watermark.gamma}
