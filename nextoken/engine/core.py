@@ -127,11 +127,14 @@ class OutputMirror:
     def __init__(self):
         self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs]})
 
-    def decode(self, record: tuple) -> RequestOutput:
-        """The `RequestOutput` a record (`OutputWire.encode`) stands for."""
+    def decode(self, record: tuple) -> RequestOutput | None:
+        """The `RequestOutput` a record (`OutputWire.encode`) stands for; None for a request this
+        side has forgotten (aborted here while the engine's record was on its way)."""
         rid, head, finished, error, metrics, comps, extra = record
         if head is not None:
             self._requests[rid] = (head[0], head[1], {})
+        elif rid not in self._requests:
+            return None
         prompt, prompt_ids, kept = self._requests[rid]
         outs = []
         for c in comps:

@@ -275,7 +275,9 @@ class EngineProcessClient(OutputStreams):
             outputs = []
             for record in records:
                 if record[0] in queues:  # (a request nobody streams any more was aborted: dropped)
-                    outputs.append(mirror.decode(record))
+                    out = mirror.decode(record)
+                    if out is not None:
+                        outputs.append(out)
             self._deliver(outputs)
             for stats in steps:
                 for subscriber in self._subscribers:

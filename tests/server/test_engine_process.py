@@ -82,6 +82,18 @@ def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
     assert not direct or not twin.has_unfinished_requests()
 
 
+def test_a_record_for_a_request_aborted_here_is_dropped():
+    """The server aborts a request (its side forgets it) while the engine's next record for it is
+    on its way: that record rebuilds nothing (it used to raise KeyError in the event loop's
+    reader, found by a disconnect test); a new request of that id starts afresh with its head."""
+    mirror = OutputMirror()
+    head = ("r", ("hi", [1, 2]), False, None, None, [(0, "a", [5], None, None, None, None)], None)
+    assert mirror.decode(head).outputs[0].text == "a"
+    mirror.forget("r")
+    assert mirror.decode(("r", None, False, None, None, [(0, "b", [6], None, None, None, None)], None)) is None
+    assert mirror.decode(head).outputs[0].token_ids == [5]
+
+
 @pytest.fixture(scope="module")
 def process_client(tiny_gguf):
     """The tiny model in an engine process, with async scheduling (as the GPU check serves it)."""
