@@ -63,18 +63,24 @@ async def one(client, model, prompt, out_len, temperature):
     return {"ttft": ttft, "itl": itl, "e2e": e2e, "tpot": tpot, "out": n_out, "in": len(prompt)}
 
 
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which `n` requests arrive: a Poisson process at `rate`
+    requests/s (all at once for an infinite rate) from `seed`."""
+    rng, out, at = random.Random(seed), [], 0.0
+    for _ in range(n):
+        out.append(at)
+        at += rng.expovariate(rate)
+    return out
+
+
 async def run_rate(base_url, model, rate, reqs, seed, temperature, start=None, offsets=None):
     """Send `reqs` ((prompt ids, output length) each) at `rate` requests/s (Poisson arrivals from
     `seed`; or at `offsets`, seconds after `start`, a `time.perf_counter()` value) and return
     (results, wall). The requests are spread over one `httpx.AsyncClient` per 16 of them: one
     pool of hundreds of connections spends most of the client's time matching requests to
     connections (its per-request scan is over every connection)."""
-    rng = random.Random(seed)
     if offsets is None:
-        offsets, at = [], 0.0
-        for _ in reqs:
-            offsets.append(at)
-            at += rng.expovariate(rate)
+        offsets = arrival_offsets(len(reqs), rate, seed)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     clients = [httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) for _ in range(max(1, -(-len(reqs) // 16)))]
     try:
@@ -120,10 +126,7 @@ def run_load(base_url, model, rate, reqs, seed, temperature, procs=1):
         return results, wall, time.process_time() - cpu
     import multiprocessing as mp
 
-    rng, offsets, at = random.Random(seed), [], 0.0
-    for _ in reqs:
-        offsets.append(at)
-        at += rng.expovariate(rate)
+    offsets = arrival_offsets(len(reqs), rate, seed)
     ctx = mp.get_context("spawn")  # (the caller may hold a CUDA context: no fork)
     parts = [list(range(k, len(reqs), procs)) for k in range(procs)]
     pipes, workers = [], []

@@ -77,14 +77,16 @@ class BeamGroups:
         """The ids of the searches' own requests (a container: `in` asks it)."""
         return self._owner
 
-    def on_outputs(self, engine, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def on_outputs(self, engine, outputs: list) -> list:
         """`outputs` of a step without the searches' own requests, plus the final output of each
-        search that ended; every search whose step is complete queues its next step."""
+        search that ended; every search whose step is complete queues its next step. The
+        searches' requests' outputs are `RequestOutput`s (`OutputProcessor.collect`'s `plain`);
+        any other output (the engine process's wire records) passes through."""
         from nextoken.beam import top_alternatives
 
         kept = []
         for out in outputs:
-            group = self._owner.get(out.request_id)
+            group = self._owner.get(out.request_id) if type(out) is RequestOutput else None
             if group is None:
                 kept.append(out)
                 continue

@@ -240,11 +240,8 @@ class LLMEngine:
             stats.wait_ms = self._read_back()
             self._in_flight = launched
         outputs, stats.finished = self.outputs.collect(make, self.beams.step_requests)
-        if self.beams.groups:  # (the searches' requests' outputs are theirs: `RequestOutput`s, whatever `make`)
-            steps = self.beams.step_requests
-            theirs = [o for o in outputs if type(o) is RequestOutput and o.request_id in steps]
-            outputs = [o for o in outputs if not (type(o) is RequestOutput and o.request_id in steps)]
-            outputs += self.beams.on_outputs(self, theirs)
+        if self.beams.groups:
+            outputs = self.beams.on_outputs(self, outputs)
         stats.failed = [g.request_id for g, _ in stats.finished if g.error is not None]
         if plan.scheduled or plan.preempted:
             self.num_steps += 1

@@ -61,7 +61,7 @@ def check(engine_args, server_args) -> list:
     ``--lora-modules``."""
     from nextoken.catalog import resolve_model
     from nextoken.embedding import is_embedding_model
-    from nextoken.lora import parse_lora_modules
+    from nextoken.server.serve import served_adapters
 
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line
     if is_embedding_model(path) or server_args.embedding_model:
@@ -70,10 +70,7 @@ def check(engine_args, server_args) -> list:
     if engine_args.tensor_parallel_size > 1:
         raise InvalidRequest("--api-server-count does not run tensor parallelism yet; serve without it",
                              "api_server_count")
-    adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
-    if adapters and not engine_args.enable_lora:
-        raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
-    return adapters
+    return served_adapters(engine_args, server_args)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -41,7 +41,6 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     from nextoken.engine.launch import freeze_heap, warm_up
     from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
     from nextoken.errors import InvalidRequest
-    from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine
     from nextoken.server.pooling.serving import EmbeddingService
     from nextoken.server.api.state import Capabilities
@@ -58,9 +57,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
     server_ref = {}
 
-    adapters = parse_lora_modules(server_args.lora_modules)  # a malformed item: one line, no server
-    if adapters and not engine_args.enable_lora:
-        raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+    adapters = served_adapters(engine_args, server_args)
     inspector = None  # with the engine in a process of its own, the inspector it serves
     if server_args.engine_process and not embed_only and server_args.inspect:
         inspector = inspector_in_engine_process(server_args.for_model(engine_args.model))
@@ -112,6 +109,18 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
                   inspector_socket=inspector[2] if inspector else None)
 
 
+def served_adapters(engine_args, server_args) -> list:
+    """The adapters of ``--lora-modules`` (`lora.LoRARequest`s). Raises `InvalidRequest` for a
+    malformed item, or for adapters without ``--enable-lora`` (one line, no server)."""
+    from nextoken.errors import InvalidRequest
+    from nextoken.lora import parse_lora_modules
+
+    adapters = parse_lora_modules(server_args.lora_modules)
+    if adapters and not engine_args.enable_lora:
+        raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+    return adapters
+
+
 def inspector_in_engine_process(config) -> tuple:
     """What an engine process needs to serve the inspector (`engine.core.run_engine_core`'s
     `inspector`): the function that starts it there (`server.app.inspector_host.serve_inspector`),
@@ -143,11 +152,10 @@ def serve_front_end(engine_args, server_args, channel, sock, inspector_socket: s
     engine process stopped)."""
     from nextoken.engine.core_client import EngineProcessClient
     from nextoken.engine.launch import freeze_heap
-    from nextoken.lora import parse_lora_modules
     from nextoken.server.app import attach_engine
     from nextoken.server.api.state import Capabilities
 
-    adapters = parse_lora_modules(server_args.lora_modules)
+    adapters = served_adapters(engine_args, server_args)
     server_ref: dict = {}
 
     def load(state):
