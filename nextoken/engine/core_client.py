@@ -146,7 +146,7 @@ class EngineProcessClient(OutputStreams):
         the exception it raised. Cancelled while an add waits: the request is aborted."""
         if self.dead is not None:
             raise EngineError(f"the engine loop has stopped: {self.dead!r}")
-        self._attach()
+        self.attach()
         call_id = next(self._call_ids)
         future = self._calls[call_id] = self._loop.create_future()
         self._send(("call", call_id, name, args))
@@ -227,7 +227,7 @@ class EngineProcessClient(OutputStreams):
         process that dies before any request is noticed (the server then exits)."""
         with contextlib.suppress(RuntimeError):  # (no running loop: only the liveness is checked)
             asyncio.get_running_loop()
-            self._attach()
+            self.attach()
         return self.dead is None and self._alive()
 
     def _alive(self) -> bool:
@@ -253,8 +253,12 @@ class EngineProcessClient(OutputStreams):
             except (OSError, ValueError):  # the engine process is gone: the reader says so
                 return
 
-    def _attach(self) -> None:
-        """Read the engine's messages in the running event loop (on the first call)."""
+    def attach(self) -> None:
+        """Read the engine's messages in the running event loop from now on (the first call; later
+        ones do nothing). A server calls it as its loop starts (`server.serve`): with several server
+        processes the engine process sends each one every step's counts, requests or not, and a
+        pipe nobody reads fills until the engine process waits on it, stopping every request.
+        Sending a request attaches too."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._from_core.fileno(), self._on_readable)
@@ -338,7 +342,7 @@ class LocalFrontEnd(EngineProcessClient):
     def _send(self, message: tuple) -> None:
         self._inbox.put((self._k, message))
 
-    def _attach(self) -> None:
+    def attach(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
 

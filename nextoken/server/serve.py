@@ -176,6 +176,16 @@ def serve_front_end(engine_args, server_args, channel, sock, inspector_socket: s
                   inspector_socket=inspector_socket)
 
 
+def _read_engine_messages(state) -> None:
+    """An engine in a process of its own: read its pipe on this event loop from now on, not from
+    the first request (`EngineProcessClient.attach`: a server process that no request has reached
+    yet still receives every step's counts)."""
+    from nextoken.engine.core_client import EngineProcessClient
+
+    if isinstance(state.engine, EngineProcessClient):
+        state.engine.attach()
+
+
 def _serve(engine_args, server_args, load, capabilities, announce_inspector: bool = False, stepper=None,
            server_ref: dict | None = None, sockets: list | None = None, inspector_socket: str | None = None) -> int:
     """Build the one app (`build_app` with `capabilities`), load the models with `load(state)`
@@ -199,6 +209,7 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
         async def load_in_background():
             try:
                 await asyncio.get_running_loop().run_in_executor(stepper, load, state)
+                _read_engine_messages(state)
                 state.ready = True
                 log.info("model %s loaded; serving", config.model_name)
             except Exception as exc:  # nothing to serve: say why and stop
@@ -206,6 +217,8 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
                 state.exit_code = 1
                 server_ref["server"].should_exit = True
 
+        if state.ready:  # (loaded before the loop ran: one of --api-server-count's server processes)
+            _read_engine_messages(state)
         task = asyncio.create_task(load_in_background()) if not state.ready else None
         yield
         if task is not None:

@@ -35,7 +35,9 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
 
-def _start(model: str, *flags: str):
+def _start(model: str, *flags: str, client: httpx.Client | None = None):
+    """The launcher and its URL once ``/health`` answers 200 (asked on `client`'s connection,
+    else on a new connection each time)."""
     port = free_ports(1)
     proc = subprocess.Popen([sys.executable, "-m", "nextoken.cli", "serve", "--model", model, "--port", str(port),
                              "--dtype", "float32", "--shutdown-timeout", "20", "--api-server-count", "2", *flags],
@@ -44,7 +46,7 @@ def _start(model: str, *flags: str):
     for _ in range(600):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         try:
-            if httpx.get(url + "/health").status_code == 200:
+            if (client or httpx).get(url + "/health").status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
@@ -62,15 +64,28 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
     `LLM.generate`'s greedy tokens; /metrics, whichever process answers, counts every request and
     token once; the inspector answers through either process (its logit lens picks the greedy
     token); loading an adapter at runtime is refused naming the flag; SIGTERM mid-stream lets the
-    stream end, the launcher exits 0, and no process is left."""
+    stream end, the launcher exits 0, and no process is left.
+
+    First, every request over one kept-alive connection (so one server process gets them all):
+    the engine process sends every server process each step's counts (about 700 bytes), requests
+    or not, and the other one reads them all the same: 4 x 200 steps, more counts than its pipe
+    holds unread (64 KiB), all finish. (It read its pipe only from its first request on: the
+    engine process then waited on that full pipe after about 100 steps, and every request with it.)"""
     path = str(tiny_gguf["llama"][0])
     prompts = [f"the cat {w} on the" for w in ("sat", "ran", "slept", "jumped", "hid", "sang", "ate", "fell")]
     llm = LLM(path, dtype="float32")
     want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
                                                                             ignore_eos=True))]
     nxt = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
-    proc, url = _start(path)
+    long = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
+    one = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=1))
+    proc, url = _start(path, client=one)
     try:
+        body = {"prompt": "the cat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        for _ in range(4):
+            r = one.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == long
+        one.close()
         spawned = _spawned(proc.pid)
         assert len(spawned) == 3  # the engine process and two server processes
         got = [None] * len(prompts)
@@ -93,8 +108,8 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
         assert got == want
         for _ in range(4):  # (a new connection each: either process may answer)
             text = httpx.get(url + "/metrics").text
-            assert _metric(text, "vllm:request_success_total") == len(prompts)
-            assert _metric(text, "nextoken_generation_tokens_total") == 24 * len(prompts)
+            assert _metric(text, "vllm:request_success_total") == 4 + len(prompts)
+            assert _metric(text, "nextoken_generation_tokens_total") == 4 * 200 + 24 * len(prompts)
             assert _metric(text, "vllm:num_requests_running") == 0
         for _ in range(4):  # the inspector, served by the engine process, through either server process
             trace = httpx.post(url + "/inspect/api/trace", json={"prompt": prompts[0], "chat": False}).json()
