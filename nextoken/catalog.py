@@ -10,6 +10,7 @@ equal the catalog's; an archive is then unpacked into a folder.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -284,3 +285,14 @@ def list_models() -> list[dict]:
          "cached": is_cached(e.name), "path": str(model_path(e.name)), "description": e.description}
         for e in CATALOG.values()
     ]
+
+
+def is_embedding_model(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder of an embedding model nextoken serves (BERT-family: its
+    config.json's ``model_type`` is ``bert``); False for a file or a folder without a readable
+    config.json. (Here, not in `embedding`: the server decides what to start without PyTorch.)"""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") == "bert"
+    except (OSError, ValueError, AttributeError):
+        return False

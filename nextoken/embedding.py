@@ -233,11 +233,3 @@ def _pooling(path: str) -> tuple[str, bool]:
         modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
         raise ModelLoadError(f"{path}: pooling {modes} is not supported; supported: {', '.join(POOLING_MODES)}")
     return "mean", normalize
-
-
-def is_embedding_model(path: str | os.PathLike) -> bool:
-    """Whether `path` is a folder of an embedding model this module serves (BERT-family)."""
-    try:
-        return os.path.isdir(path) and _read_json(os.path.join(path, "config.json")).get("model_type") == "bert"
-    except ModelLoadError:
-        return False

@@ -56,8 +56,8 @@ class LLM:
         return llm
 
     def _setup(self, args: EngineArgs, opened: OpenedModel | None = None) -> None:
-        from nextoken.catalog import resolve_model
-        from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
+        from nextoken.catalog import is_embedding_model, resolve_model
+        from nextoken.embedding import EmbeddingModel, encoder_dtype
 
         self.engine_args = args
         self.model_name = args.model

@@ -59,8 +59,7 @@ log = logging.getLogger("nextoken.server")
 def check(engine_args, server_args) -> list:
     """Refuse what N server processes do not serve (one-line errors); the adapters of
     ``--lora-modules``."""
-    from nextoken.catalog import resolve_model
-    from nextoken.embedding import is_embedding_model
+    from nextoken.catalog import is_embedding_model, resolve_model
     from nextoken.server.serve import served_adapters
 
     path = resolve_model(engine_args.model, auto_pull=engine_args.auto_pull)  # an unknown model: one line

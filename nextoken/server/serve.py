@@ -32,14 +32,10 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     """One server process (several over one engine process: `server.api_servers`). Load
     `engine_args`' model (in the background: /health answers 503 until it is warm), and
     ``--embedding-model`` beside it, and serve them as `server_args` (`ServerArgs`) say, until
-    SIGTERM or Ctrl-C; the exit status. An embedding model (`embedding.is_embedding_model`) as
+    SIGTERM or Ctrl-C; the exit status. An embedding model (`catalog.is_embedding_model`) as
     `--model` serves embeddings alone (the one app, `server.app.build_app`, without generation)."""
-    from nextoken.catalog import resolve_model
-    from nextoken.distributed.group import TensorParallelError, is_follower
-    from nextoken.engine.async_engine import AsyncLLMEngine
-    from nextoken.engine.engine import LLMEngine
-    from nextoken.engine.launch import freeze_heap, warm_up
-    from nextoken.embedding import EmbeddingModel, encoder_dtype, is_embedding_model
+    from nextoken.catalog import is_embedding_model, resolve_model
+    from nextoken.engine.launch import freeze_heap
     from nextoken.errors import InvalidRequest
     from nextoken.server.app import attach_engine
     from nextoken.server.pooling.serving import EmbeddingService
@@ -52,8 +48,12 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     if extra and (embed_only or not is_embedding_model(embedding_path)):
         raise InvalidRequest("--embedding-model names an embedding model served beside a generation --model",
                              "embedding_model")
-    if not embed_only and is_follower():  # a torchrun rank other than 0: no HTTP server, it follows rank 0's steps
-        LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
+    if not embed_only and not server_args.engine_process:  # (with the engine in a process of its own the
+        from nextoken.distributed.group import is_follower  # server process needs no PyTorch)
+        from nextoken.engine.engine import LLMEngine
+
+        if is_follower():  # a torchrun rank other than 0: no HTTP server, it follows rank 0's steps
+            LLMEngine.from_engine_args(engine_args)  # exits when rank 0 stops
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-step")  # loads, warms, then steps
     server_ref = {}
 
@@ -68,6 +68,7 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
 
     def load_models(state):
         if embedding_path is not None:
+            from nextoken.embedding import EmbeddingModel, encoder_dtype
             from nextoken.runner.device import resolve_device
 
             device = resolve_device(engine_args.device).torch
@@ -88,6 +89,10 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
             attach_engine(server_ref["app"], client)
             state.engine = client
             return
+        from nextoken.engine.async_engine import AsyncLLMEngine
+        from nextoken.engine.engine import LLMEngine
+        from nextoken.engine.launch import warm_up
+
         engine = LLMEngine.from_engine_args(engine_args)
         for lora in adapters:  # a bad adapter stops the start, naming it
             engine.runner.loras.add(lora)
@@ -99,10 +104,14 @@ def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
         state.engine = async_engine
 
     def on_dead(exc):  # a tensor-parallel rank or the engine process failed: nothing can be served, exit 1
-        if isinstance(exc, TensorParallelError) or server_args.engine_process:
-            log.error("%s; the server exits", exc)
-            server_ref["state"].exit_code = 1
-            server_ref["server"].should_exit = True
+        if not server_args.engine_process:
+            from nextoken.distributed.group import TensorParallelError
+
+            if not isinstance(exc, TensorParallelError):
+                return
+        log.error("%s; the server exits", exc)
+        server_ref["state"].exit_code = 1
+        server_ref["server"].should_exit = True
 
     caps = Capabilities(generate=not embed_only, embed=embedding_path is not None)
     return _serve(engine_args, server_args, load, caps, announce_inspector, stepper, server_ref,

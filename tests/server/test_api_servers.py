@@ -88,6 +88,8 @@ def test_two_server_processes_serve_one_engine_and_stop_on_sigterm(tiny_gguf):
         one.close()
         spawned = _spawned(proc.pid)
         assert len(spawned) == 3  # the engine process and two server processes
+        for pid in spawned:  # only the engine process loads PyTorch
+            assert ("libtorch" in open(f"/proc/{pid}/maps").read()) == (not _is_front_end(pid))
         got = [None] * len(prompts)
 
         def stream(k):

@@ -351,6 +351,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_gguf, flags):
             time.sleep(0.1)
         engines = [c for c in _children(proc.pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(engines) == (1 if flags else 0)
+        if flags:  # the server process never loads PyTorch (2 s and 180 MiB): the engine process does
+            assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
+            assert "libtorch" in open(f"/proc/{engines[0]}/maps").read()
         body = {"prompt": "the cat", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
