@@ -213,6 +213,42 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: 
         engine.close()
 
 
+class Sender:
+    """The core's messages to its front ends, each front end's sent in order by a thread of its
+    own (vLLM's engine core sends from a thread too): a step never waits on a pipe, so a server
+    process whose event loop is busy or stalled holds up only its own streams, not the other
+    processes' (with the step waiting on its full pipe, it held them all), and the pickling
+    overlaps the next step. Each front end's messages keep the order the core sent them in (a
+    call's reply before the step records of the request it added). A front end whose pipe has
+    gone is reported to the core as its close, ``(k, None)`` in the `inbox`, and sent nothing
+    more."""
+
+    def __init__(self, outs: list, inbox: queue.SimpleQueue):
+        self.inbox = inbox
+        self.queues = [queue.SimpleQueue() for _ in outs]
+        self.threads = [threading.Thread(target=self._run, args=(k, out, q), name=f"nextoken-core-outbox-{k}",
+                                         daemon=True) for k, (out, q) in enumerate(zip(outs, self.queues))]
+        for t in self.threads:
+            t.start()
+
+    def send(self, k: int, message: tuple) -> None:
+        self.queues[k].put(message)
+
+    def _run(self, k: int, out, q: queue.SimpleQueue) -> None:
+        while (message := q.get()) is not None:
+            if not _send_quietly(out, message):
+                self.inbox.put((k, None))
+                return
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Return once every message queued before has been sent, or its front end is gone (at
+        most `timeout` seconds a front end: one that stopped reading is not waited on forever)."""
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join(timeout)
+
+
 def _send_quietly(conn, message) -> bool:
     """Send `message` on `conn`; False when that front end is gone (its pipe closed)."""
     try:
@@ -234,7 +270,8 @@ def _read(conn, inbox: queue.SimpleQueue, k: int) -> None:
 
 class EngineCore:
     """The engine process's loop: the front ends' messages between steps, a step while any
-    request is unfinished, each step's outputs, `StepStats` and `SchedulerStats` sent back.
+    request is unfinished, each step's outputs, `StepStats` and `SchedulerStats` sent back (by
+    its `Sender`'s thread).
 
     Each request's outputs go to the front end that added it (`owner`); the `SchedulerStats` go
     to every front end, each step's `StepStats` to one (the first still open: with several, the
@@ -253,9 +290,20 @@ class EngineCore:
         self.owner: dict[str, int] = {}  # request id -> the front end that added it
         self.wire = OutputWire()
         self.steps: list = []
+        self.sender: Sender | None = None
         engine.subscribe(self.steps.append)
 
     def run(self, inbox: queue.SimpleQueue) -> None:
+        """Serve the front ends' messages in `inbox` (``(k, message)``; ``(k, None)``: its pipe
+        closed) and step, until every pipe front end has closed; every message sent before it
+        returns."""
+        self.sender = Sender(self.outs, inbox)
+        try:
+            self._loop(inbox)
+        finally:
+            self.sender.close()
+
+    def _loop(self, inbox: queue.SimpleQueue) -> None:
         engine = self.engine
         while self.open:
             busy = engine.has_unfinished_requests()
@@ -281,7 +329,7 @@ class EngineCore:
             except Exception as exc:  # the engine is broken: the servers' requests fail, it exits
                 log.exception("the engine's step failed")
                 for k in self.targets():
-                    _send_quietly(self.outs[k], ("dead", sendable(exc)))
+                    self.sender.send(k, ("dead", sendable(exc)))
                 return
             if not outputs and not self.steps:  # a step that did nothing: only the counts, once idle
                 if not engine.has_unfinished_requests():
@@ -322,8 +370,7 @@ class EngineCore:
         return sorted(self.open) + ([] if self.local is None else [self.local])
 
     def _send(self, k: int, message: tuple) -> None:
-        if not _send_quietly(self.outs[k], message):
-            self.close(k)
+        self.sender.send(k, message)
 
     def close(self, k: int) -> None:
         """Front end `k` is done (it said so, or its pipe closed): its requests are aborted."""

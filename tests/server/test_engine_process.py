@@ -231,6 +231,43 @@ def test_an_adapter_loads_and_serves_in_the_engine_process(tiny_gguf):
         client.close()
 
 
+def test_a_front_end_that_stops_reading_holds_up_only_itself(tiny_gguf):
+    """A server process whose event loop stops reading its pipe (busy, or stalled) while the
+    engine process has two front ends: the other's requests still finish, equal to
+    `LLM.generate`'s, though 4 x 200 steps' counts (about 700 bytes each) are more than the
+    stalled pipe holds (64 KiB): the engine process sends each front end's messages from a thread
+    of its own (`engine.core.Sender`). (With the step writing to the pipes itself, it waited on
+    the full one after about 100 steps, and every request with it.) Once the stalled front end's
+    pipes close, the engine process exits."""
+    from nextoken.engine.core_client import start_engine_core
+
+    path = str(tiny_gguf["llama"][0])
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    want = LLM(path, dtype="float32").generate("the cat", params)[0].outputs[0].token_ids
+    process, channels = start_engine_core(EngineArgs(model=path, dtype="float32"), front_ends=2)
+    (to_a, from_a), (to_b, from_b) = channels
+    a = EngineProcessClient(None, channel=(to_a, from_a, process.pid))
+    assert from_b.recv()[0] == "ready"  # the stalled front end: read once, then never again
+
+    async def main():
+        for _ in range(4):
+            out = None
+            async for out in a.generate("the cat", params):
+                pass
+            assert out.outputs[0].token_ids == want
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+        a.close()
+        to_b.close()
+        from_b.close()
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
 def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
     """One engine process with two front ends (``serve --api-server-count 2``): each front end's
     streams are its own requests', equal to `LLM.generate`'s while both run at once; each step's
