@@ -231,6 +231,14 @@ def test_an_adapter_loads_and_serves_in_the_engine_process(tiny_gguf):
         client.close()
 
 
+async def _last_ids(client, prompt, params) -> list[int]:
+    """The token ids of `client`'s generation of `prompt`, streamed to its end."""
+    out = None
+    async for out in client.generate(prompt, params):
+        pass
+    return out.outputs[0].token_ids
+
+
 def test_a_front_end_that_stops_reading_holds_up_only_itself(tiny_gguf):
     """A server process whose event loop stops reading its pipe (busy, or stalled) while the
     engine process has two front ends: the other's requests still finish, equal to
@@ -251,10 +259,7 @@ def test_a_front_end_that_stops_reading_holds_up_only_itself(tiny_gguf):
 
     async def main():
         for _ in range(4):
-            out = None
-            async for out in a.generate("the cat", params):
-                pass
-            assert out.outputs[0].token_ids == want
+            assert await _last_ids(a, "the cat", params) == want
 
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
@@ -285,18 +290,12 @@ def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
     a.subscribe(lambda s: steps.__setitem__("a", steps["a"] + 1))
     b.subscribe(lambda s: steps.__setitem__("b", steps["b"] + 1))
 
-    async def last(client, prompt):
-        out = None
-        async for out in client.generate(prompt, params):
-            pass
-        return out.outputs[0].token_ids
-
     async def main():
-        got = await asyncio.gather(*(last(c, p) for c, p in zip([a, b, a, b], prompts)))  # (in the same steps)
+        got = await asyncio.gather(*(_last_ids(c, p, params) for c, p in zip([a, b, a, b], prompts)))  # (same steps)
         assert got == want
         assert steps["a"] > 0 and steps["b"] == 0
         a.close()
-        assert await last(b, prompts[1]) == want[1]
+        assert await _last_ids(b, prompts[1], params) == want[1]
         assert steps["b"] > 0 and process.is_alive()
 
     try:
