@@ -11,7 +11,7 @@ As one device call (carry ``.whl``; its 6.6 MB and the repository's 3 MB travel)
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L &&
-    timeout 560 python3 benchmarks/gpu_check.py --budget 460 2>&1 | tee $OUT/log.txt
+    timeout 585 python3 benchmarks/gpu_check.py --budget 490 2>&1 | tee $OUT/log.txt
 
 Sections, in order, each timed and each allowed to fail alone (its error is printed and the
 rest go on); a section that would start past the time budget (``--budget`` seconds) is skipped
@@ -19,9 +19,7 @@ and says so:
 
 1. the card: name, memory, the HBM copy bandwidth (bytes read + written) and the bf16 matrix
    rate of an 8192^3 product (METHOD.md: measured, not the datasheet's);
-2. the GPU tests: the Triton kernel's tests compiled, the engine's GPU-path tests on the GPU,
-   every tiny architecture's float32 logits against `transformers` (pytest, TRITON_INTERPRET=0);
-3. per model (the catalog's four at their real sizes, random weights: `benchmarks/gpu_models.py`):
+2. per model (the catalog's four at their real sizes, random weights: `benchmarks/gpu_models.py`):
    exactness (float32, TF32 off: the logits of a prefill and 32 decode steps against
    `transformers` float32 on the same card, relative to the largest logit; bf16: the first 16
    greedy tokens equal `transformers`' bf16 greedy ones, every one of 32 in its top 5; one
@@ -30,7 +28,7 @@ and says so:
    against the roofline step; the same batch-1 and 64-sequence runs again with async scheduling,
    and whether their tokens are the in-order run's; one 4096-token prefill against the bf16
    matrix rate);
-4. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client (in
+3. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client (in
    several processes, `serve.run_load`: one httpx process spends about 70 us a streamed chunk), 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
    the server's /metrics the share of the wall its engine spent stepping and its mean step (a
@@ -42,7 +40,10 @@ and says so:
    engine process, ``--api-servers N`` HTTP server processes, 4 by default; the CPU each
    process spent over the wall says which side holds the pace, and py-spy's samples of each, when
    it came along, where its Python's time went); and
-   `transformers`' `generate` on the same card at batch 32 and 128 (its best kept).
+   `transformers`' `generate` on the same card at batch 32 and 128 (its best kept);
+4. after the first model's sections (the rows that matter most): the GPU tests, the Triton
+   kernel's tests compiled, the engine's GPU-path tests on the GPU, every tiny architecture's
+   float32 logits against `transformers` (pytest, TRITON_INTERPRET=0); then the other models.
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
 ``OUT`` is set. ``--dry-run`` runs the same sections on a machine without a GPU, on two tiny
@@ -75,6 +76,7 @@ ORDER = ["qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "gemma-3-270m"]
 RESULTS: dict = {"sections": {}, "models": {}}
 START = time.perf_counter()
 DEV = "cuda"  # "cpu" in a dry run
+SPY_DIR = "/tmp/nextoken-gpu-check-spy"
 DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill": 4096, "requests": 256,
        "hf_batches": (32, 128)}  # the workload's sizes (smaller in a dry run)
 
@@ -185,6 +187,9 @@ def gpu_tests(timeout: float) -> dict:
            "tests/models/test_embeddings.py", "-k", "triton or gpu or invariant"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "tests.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     for line in tail[-40:]:
         print("   |", line)
@@ -283,9 +288,23 @@ def exact_bf16(folder: str, vocab: int) -> dict:
     out["bf16_first16_equal"] = ours[:16] == theirs[:16]
     out["bf16_agree_prefix"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 32)
     out["bf16_in_top5"] = sum(t in top for t, top in zip(ours, top5))
+    i = out["bf16_agree_prefix"]
+    if i < 32:  # where the two bf16 paths part: how far apart their tokens were in transformers' logits
+        row = logits[i].float()
+        out["bf16_split_gap_hf"] = float((row[theirs[i]] - row[ours[i]]) / row.abs().max())
     del hf
     free()
     llm = LLM(folder, dtype="float32", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
+    if i < 32:  # and which of the two the float32 model picks there, by what margin (its log-probabilities)
+        from nextoken import SamplingParams
+
+        top = llm.generate([prompt + ours[:i]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+        lp = top.outputs[0].logprobs[0]
+        out["bf16_split_f32"] = {"f32_token": top.outputs[0].token_ids[0], "ours": ours[i], "theirs": theirs[i],
+                                 "f32_logprob_ours": lp.get(ours[i]), "f32_logprob_theirs": lp.get(theirs[i])}
+        log(f"   bf16 paths part at step {i}: ours {ours[i]}, transformers' {theirs[i]} (their logits: "
+            f"{out['bf16_split_gap_hf']:.1e} of the largest apart); float32 picks {out['bf16_split_f32']['f32_token']}"
+            f", log-probabilities ours {lp.get(ours[i])}, theirs {lp.get(theirs[i])}")
     alone = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
     batch = llm.generate([prompt] + others, greedy)
     out["f32_batch_invariant"] = list(batch[0].outputs[0].token_ids) == alone
@@ -342,7 +361,9 @@ def attention_flops(facts: dict, queries: int, keys: float) -> float:
     return per_layer * (full + sliding)
 
 
-def speed(folder: str, vocab: int, limits: dict) -> dict:
+def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) -> dict:
+    """The speed rows of one model (see the module docstring); with `profile_to` (the first
+    model), also where a decode step's time goes (`profile`), its full tables into that file."""
 
     from nextoken import LLM, SamplingParams
 
@@ -373,6 +394,7 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     b64 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
            ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=2, max_tokens=n_tok, ignore_eos=True)))
     tokens = {}
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # (compiles its shapes)
     for name, params in b64:
         out[f"b64_{name}_step_ms"], out[f"b64_{name}_out_tok_s"], tokens[name], _ = decode_steps(llm, prompts, params)
     ctx = plen + n_tok // 2  # the mean context over the decode
@@ -422,6 +444,79 @@ def speed(folder: str, vocab: int, limits: dict) -> dict:
     out["prefill4096_share"] = flops / t / rate
     log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
         "the bf16 rate")
+    if profile_to is not None:
+        try:
+            out.update(profile(llm, vocab, profile_to))
+        except Exception as exc:  # noqa: BLE001 - the speed rows above stand
+            out["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log("   profile FAILED:", out["profile_error"])
+            traceback.print_exc()
+    return out
+
+
+def profile(llm, vocab: int, path: str) -> dict:
+    """Where a decode step's time goes, for the speed goals' causes: the batch-1 graph alone on
+    the GPU (the step's device part), the host's Python over batch-1 greedy decodes (cProfile,
+    by own time), and PyTorch's profiler (CPU and CUDA) over batch-1 greedy decodes and over 64
+    short sampled requests: each kernel's device time a step, and the host's own time per
+    operator (synchronizations included). Full tables into `path`; the heads into the log."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from nextoken import SamplingParams
+
+    out: dict = {}
+    runner, rng = llm.engine.runner, random.Random(5)
+    graphs = runner.graphs
+    if graphs is not None and graphs.graphs.get(1, (None,))[0] is not None:
+        out["b1_graph_ms"] = 1000 * cuda_time(graphs.graphs[1][0].replay, 50, 5)
+        log(f"   profile: the 1-decode graph alone: {out['b1_graph_ms']:.3f} ms on the GPU")
+    n = max(8, DRY["speed_tokens"] // 4)
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    prompt = rand_ids(rng, 128, vocab)
+    llm.generate([prompt], greedy)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate([prompt], greedy)
+    prof.disable()
+    out["b1_host_ms_per_token"] = 1000 * (time.perf_counter() - t0) / n
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    rows = sorted(((st[2], f"{os.path.basename(fn)}:{ln} {name}") for (fn, ln, name), st in stats.stats.items()),
+                  reverse=True)[:12]
+    out["b1_host_top"] = [(where, 1000 * tt / n) for tt, where in rows]
+    log(f"   profile: batch-1 greedy under cProfile {out['b1_host_ms_per_token']:.2f} ms a token; own time a token: "
+        + "; ".join(f"{ms:.3f} ms {where}" for where, ms in out["b1_host_top"]))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    tables = [text.getvalue()]
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=n, ignore_eos=True)
+    for tag, prompts, params in (("b1_greedy", [prompt], greedy),
+                                 ("b64_sampled", [rand_ids(rng, 16, vocab) for _ in range(DRY["batch"])], sampled)):
+        with torch_profile(activities=acts) as tp:
+            llm.generate(prompts, params)
+        sync()
+        events = tp.key_averages()
+        dev = [(getattr(e, "self_device_time_total", 0) or 0, e.key, e.count) for e in events]
+        dev = sorted((d for d in dev if d[0] > 0), reverse=True)
+        host = sorted(((e.self_cpu_time_total, e.key, e.count) for e in events), reverse=True)
+        out[f"{tag}_device_ms_per_step"] = sum(d[0] for d in dev) / 1000 / n
+        out[f"{tag}_kernels"] = [(k, us / 1000 / n, c / n) for us, k, c in dev[:12]]
+        out[f"{tag}_host_ops"] = [(k, us / 1000 / n, c / n) for us, k, c in host[:12]]
+        log(f"   profile {tag}: device {out[f'{tag}_device_ms_per_step']:.3f} ms a step; kernels a step: "
+            + "; ".join(f"{ms:.3f} ms x{c:.0f} {k[:60]}" for k, ms, c in out[f"{tag}_kernels"][:10]))
+        log(f"   profile {tag}: host ops' own time a step: "
+            + "; ".join(f"{ms:.3f} ms x{c:.0f} {k[:50]}" for k, ms, c in out[f"{tag}_host_ops"][:10]))
+        sort = "self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total"
+        tables.append(f"== {tag}\n" + events.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+    with open(path, "w") as f:
+        f.write("\n\n".join(tables))
     return out
 
 
@@ -446,7 +541,7 @@ def decode_steps(llm, prompts: list[list[int]], params) -> tuple[float, float, l
             statistics.median(wait for _, wait in full))
 
 
-# -- 4. serving ---------------------------------------------------------------------------------------
+# -- 3. serving ---------------------------------------------------------------------------------------
 def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 256, stream_interval: int = 1,
             async_scheduling: bool = False, engine_process: bool = False, api_servers: int = 1) -> dict:
     import httpx
@@ -582,8 +677,10 @@ def spy_on(pids: dict[str, int], seconds: int, out_dir: str | None, tag: str) ->
     here (`gpu_wheels.sh` brings it: /tmp/site/bin) and may attach; [] otherwise."""
     here = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "/tmp/site/bin/py-spy"]
     exe = shutil.which("py-spy") or next((p for p in here if os.path.exists(p)), None)
-    if exe is None or out_dir is None:
+    if exe is None:
         return []
+    out_dir = SPY_DIR  # (not $OUT: at most 8 files come back from it; the log holds their summary)
+    os.makedirs(out_dir, exist_ok=True)
     spies = []
     for name, pid in pids.items():
         path = os.path.join(out_dir, f"spy{tag}-{name}.txt")
@@ -791,7 +888,7 @@ def table(limits: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: tests, exact, speed, serve")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: tests, exact, speed, serve, hf (transformers' generate)")
     ap.add_argument("--budget", type=float, default=460, help="seconds; later sections are skipped past it")
     ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny models on the CPU, to check this script")
@@ -824,11 +921,6 @@ def main() -> int:
             if go:
                 limits = card()
                 RESULTS["card"] = limits
-    if "tests" not in skip:
-        with section("tests", args.budget, 60) as go:
-            if go:
-                RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(200.0, args.budget / 3)))
-                log("   tests:", RESULTS["tests"]["summary"])
     from gpu_models import MODELS, TINY, build_folder
 
     models = [m for m in args.models.split(",") if m]
@@ -855,7 +947,8 @@ def main() -> int:
         if "speed" not in skip and limits:
             with section(f"{name}: speed", args.budget, 45) as go:
                 if go:
-                    r.update(speed(folder, vocab, limits))
+                    r.update(speed(folder, vocab, limits, profile_to=os.path.join(out_dir or "/tmp", "profile.txt")
+                                   if name == models[0] else None))
         if "serve" not in skip and name == models[0]:
             overlap = args.serve_async == "on" or (args.serve_async == "auto" and "b64_async_greedy_out_tok_s" in r)
             with section(f"{name}: serving", args.budget, 60) as go:
@@ -863,8 +956,13 @@ def main() -> int:
                     r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
                                      args.serve_process != "off", args.api_servers or (2 if args.dry_run else 4)))
             with section(f"{name}: transformers generate", args.budget, 25) as go:
-                if go:
+                if go and "hf" not in skip:
                     r.update(transformers_generate(folder, vocab))
+        if "tests" not in skip and name == models[0]:  # after the first model's table rows, which matter most
+            with section("tests", args.budget, 60) as go:
+                if go:
+                    RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(130.0, args.budget / 4)))
+                    log("   tests:", RESULTS["tests"]["summary"])
         if out_dir:
             with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1, default=str)

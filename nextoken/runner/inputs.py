@@ -117,7 +117,7 @@ class Staging:
             self.done[dtype].synchronize()
         buf = self.host.get(dtype)
         if buf is None or buf.numel() < total:
-            buf = self.host[dtype] = torch.empty(max(total, 4096) * 2, dtype=dtype, pin_memory=True)
+            buf = self.host[dtype] = torch.empty(max(total, 4096) * 2, dtype=dtype, device="cpu", pin_memory=True)
         flat = buf.numpy()
         at = 0
         for a, n in zip(arrays, sizes):

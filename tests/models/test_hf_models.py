@@ -17,6 +17,7 @@ import torch
 from nextoken import LLM, SamplingParams
 from nextoken.errors import ModelLoadError
 from nextoken.loader.hf import HFModelDir
+from nextoken.runner.device import resolve_device
 from nextoken.runner.model_runner import ModelRunner
 from tests.tiny_models import CHATML, VOCAB_SIZE, OneSequence, tiny_hf_model, tiny_vocab
 
@@ -99,17 +100,19 @@ def test_folder_logits_equal_transformers(folders, arch, attention):
     """Every architecture, on each attention path: the CPU's, the float32 reference, and the
     GPU's Triton kernel (here under Triton's interpreter, PyTorch for the rest, as on a GPU)."""
     path, hf = folders[arch]
+    triton = attention == "triton"
+    on_gpu = triton and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"  # (gpu_check.py)
     runner = ModelRunner(HFModelDir(path), torch.float32, reference=attention == "reference",
-                         enforce_eager=attention == "triton", attention_backend="triton" if attention == "triton"
-                         else "auto")
+                         enforce_eager=triton and not on_gpu, attention_backend="triton" if triton else "auto",
+                         device=resolve_device("cuda" if on_gpu else "cpu"))
     assert runner.plan.attention == {"fast": "native", "reference": "reference", "triton": "triton"}[attention]
     assert runner.config.architecture == arch
     full, steps = hf_stepwise(hf, PROMPT, CONTINUATION)
     seq = OneSequence(runner, 64, block_size=4)
-    got = seq.forward(PROMPT, all_logits=True)
+    got = seq.forward(PROMPT, all_logits=True).cpu()
     assert (got - full).abs().max() < 1e-4
     for i, t in enumerate(CONTINUATION):
-        assert (seq.forward([t]) - steps[i]).abs().max() < 1e-4, f"decode step {i}"
+        assert (seq.forward([t]).cpu() - steps[i]).abs().max() < 1e-4, f"decode step {i}"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gpt2"])
