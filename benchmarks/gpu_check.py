@@ -961,7 +961,7 @@ def main() -> int:
         if "tests" not in skip and name == models[0]:  # after the first model's table rows, which matter most
             with section("tests", args.budget, 60) as go:
                 if go:
-                    RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(130.0, args.budget / 4)))
+                    RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(130.0, args.budget / 3)))
                     log("   tests:", RESULTS["tests"]["summary"])
         if out_dir:
             with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
