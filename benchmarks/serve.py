@@ -34,6 +34,19 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+async def event_lines(response):
+    """The lines of a server-sent event stream, split at its line ends alone (LF, CR LF): httpx's
+    ``aiter_lines`` also splits at U+2028, U+0085 and U+2029 (``str.splitlines``), which a
+    server may send unescaped inside an event's JSON (SSE allows it; vLLM does), cutting it."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
+
+
 async def one(client, model, prompt, out_len, temperature):
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -43,10 +56,13 @@ async def one(client, model, prompt, out_len, temperature):
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}"}
-            async for line in r.aiter_lines():
+            async for line in event_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                try:
+                    chunk = json.loads(line[6:])
+                except ValueError:
+                    return {"error": f"an event that is not JSON: {line[:60]!r}"}
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     n_out = chunk["usage"]["completion_tokens"]
@@ -110,7 +126,10 @@ def _load_worker(conn, base_url, model, reqs, offsets, temperature):
     conn.send("ready")
     start = conn.recv()
     cpu = time.process_time()
-    results, _ = asyncio.run(run_rate(base_url, model, None, reqs, 0, temperature, start=start, offsets=offsets))
+    try:
+        results, _ = asyncio.run(run_rate(base_url, model, None, reqs, 0, temperature, start=start, offsets=offsets))
+    except Exception as exc:  # noqa: BLE001 - every request of this process gets the error, the load goes on
+        results = [{"error": f"client process: {type(exc).__name__}: {exc}"}] * len(reqs)
     conn.send((results, time.process_time() - cpu))
 
 
@@ -135,6 +154,7 @@ def run_load(base_url, model, rate, reqs, seed, temperature, procs=1):
         w = ctx.Process(target=_load_worker, daemon=True,
                         args=(there, base_url, model, [reqs[i] for i in part], [offsets[i] for i in part], temperature))
         w.start()
+        there.close()  # (the worker's end only in the worker: its exit is then EOF here, not a wait forever)
         pipes.append(here)
         workers.append(w)
     try:
@@ -146,7 +166,10 @@ def run_load(base_url, model, rate, reqs, seed, temperature, procs=1):
             c.send(start)
         results, cpu = [None] * len(reqs), 0.0
         for part, c in zip(parts, pipes):
-            got, spent = c.recv()
+            try:
+                got, spent = c.recv()
+            except EOFError:  # the process died (killed, out of memory): its requests are errors
+                got, spent = [{"error": "client process died"}] * len(part), 0.0
             cpu += spent
             for i, r in zip(part, got):
                 results[i] = r

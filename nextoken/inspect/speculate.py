@@ -104,7 +104,7 @@ async def _target_logits(ctx, tokens: list[int], drafts: list[int]) -> torch.Ten
         return last
     hidden = out.prompt_hidden[len(tokens) - 1:]
     inner = await asyncio.to_thread(eng.compute_logits, hidden)
-    return torch.cat([inner, last])
+    return torch.cat([inner.cpu(), last.cpu()])  # (on a GPU the head's rows come from the device)
 
 
 def _tok(eng, t: int) -> dict:

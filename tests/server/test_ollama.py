@@ -55,6 +55,16 @@ def test_streamed_lines_join_to_the_whole(srv):
                                                  options=GREEDY, stream=True)) == gen.response
 
 
+def test_a_token_text_with_a_line_separator_stays_in_its_line(srv):
+    """U+2028, U+0085 and U+2029 are not line ends of newline-delimited JSON, but the Ollama
+    client reads the stream with httpx's ``iter_lines``, which splits at them: they are written as
+    ``\\u`` escapes, and the streamed text is whole (the JSON schema's one value forces them)."""
+    text = "a\u2028b\u0085c\u2029d"
+    parts = list(ollama.Client(host=srv.url).chat(model="smollm2", messages=ASK, stream=True, options=GREEDY,
+                                                   format={"type": "string", "enum": [text]}))
+    assert json.loads("".join(p.message.content for p in parts)) == text
+
+
 def test_options_and_format(srv):
     c = ollama.Client(host=srv.url)
     r = c.chat(model="smollm2", messages=ASK, options={"num_predict": 3, "temperature": 0})

@@ -229,6 +229,36 @@ def test_response_format_and_guided_fields(smol):
     assert r.choices[0].text.startswith("(") and r.choices[0].text.endswith(")")
 
 
+def test_streamed_events_read_whole_by_a_line_splitting_client(smol):
+    """A client that reads the event stream with httpx's ``iter_lines`` (hand-written clients,
+    the serving benchmark's) gets each event whole when the text holds U+2028, U+0085 or U+2029,
+    at which that reader splits lines though server-sent events do not (the regex forces them)."""
+    text = "a\u2028b\u0085c\u2029d"
+    body = {"model": "smollm2", "messages": ASK, "stream": True, "max_tokens": 20, "temperature": 0,
+            "structured_outputs": {"regex": text}}
+    with httpx.stream("POST", smol.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    got = "".join(c["delta"].get("content") or "" for e in events for c in json.loads(e)["choices"])
+    assert got == text
+
+
+@pytest.mark.parametrize("write", ["openai", "responses", "anthropic", "ollama"])
+def test_every_stream_escapes_the_line_splitting_characters(write):
+    """Each API's streamed writer: the three characters as JSON escapes, the event's JSON the same."""
+    from nextoken.server.anthropic.render import event
+    from nextoken.server.ollama.serving import _line
+    from nextoken.server.openai.render import sse
+    from nextoken.server.openai.responses_render import ResponseRenderer
+
+    data = {"delta": "x\u2028y\u0085z\u2029\u00e9"}
+    out = {"openai": lambda: sse(data), "anthropic": lambda: event("content_block_delta", data),
+           "ollama": lambda: _line(data), "responses": lambda: ResponseRenderer(True).emit("delta", data)}[write]()
+    assert len(out.strip("\n").splitlines()) == out.strip("\n").count("\n") + 1  # no line breaks but the format's
+    assert "\u00e9" in out and "\\u2028" in out  # (other text stays as written)
+    payload = out.strip("\n").split("data: ")[-1]
+    assert json.loads(payload)["delta"] == data["delta"]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"guided_json": {"type": "objekt"}}, "json_schema"),
     ({"guided_regex": "(open"}, "guided_regex"),

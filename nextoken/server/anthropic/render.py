@@ -9,13 +9,13 @@ kind, the content so far.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Iterator
 
 from nextoken.server.chat.tools import arguments_object
 from nextoken.server.chat.events import Finish, Text, Thought, ToolCallArgs, ToolCallStart
 from nextoken.server.chat.tool_loop import CallRan, LoopFailed
+from nextoken.server.api.stream_json import stream_json
 
 Event = tuple[str, dict]  # (kind, data) of one event
 
@@ -57,7 +57,7 @@ def message(rid: str, model: str, content: list[dict], stop: tuple[str | None, s
 
 def event(kind: str, data: dict) -> str:
     """One server-sent event of Anthropic's stream."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {stream_json({'type': kind, **data})}\n\n"
 
 
 class MessageRenderer:

@@ -12,7 +12,6 @@ The final object of every answer carries Ollama's counts and durations, in nanos
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from datetime import datetime, timezone
@@ -29,6 +28,7 @@ from nextoken.server.chat.run import run
 from nextoken.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ShowRequest
 from nextoken.server.api.serving import ApiServing
 from nextoken.structured.params import StructuredOutputsParams
+from nextoken.server.api.stream_json import stream_json
 
 # options -> SamplingParams fields (Ollama's other options, runner settings, are accepted and unused)
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
@@ -90,7 +90,7 @@ def _stats(out) -> dict:
 
 
 def _line(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False) + "\n"
+    return stream_json(obj) + "\n"
 
 
 class OllamaServing(ApiServing):

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from nextoken.server.chat.events import Usage, Failed, Finish, Text, Thought, ToolCallArgs, ToolCallStart, Tokens
+from nextoken.server.api.stream_json import stream_json
 
 log = logging.getLogger("nextoken.server")
 
@@ -118,7 +118,7 @@ def usage_json(u) -> dict:
 
 # -- streaming ----------------------------------------------------------------------------------
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {stream_json(obj)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"

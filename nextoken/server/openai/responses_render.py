@@ -9,7 +9,6 @@ sequence number.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Iterator
 
@@ -17,6 +16,7 @@ from nextoken.server.chat.events import Finish, Text, Thought, ToolCallArgs, Too
 from nextoken.server.openai.render import chat_logprobs
 from nextoken.server.chat.tool_loop import CallArgs, CallClosed, CallOpened, CallRan, CallsCut, LoopFailed, PassStarted, \
     ServerCall
+from nextoken.server.api.stream_json import stream_json
 
 
 def reasoning_item(text: str) -> dict:
@@ -69,7 +69,7 @@ class ResponseRenderer:
         if not self.streamed:
             return None
         self.seq += 1
-        payload = json.dumps({"type": kind, "sequence_number": self.seq, **data}, ensure_ascii=False)
+        payload = stream_json({"type": kind, "sequence_number": self.seq, **data})
         return f"event: {kind}\ndata: {payload}\n\n"
 
     # -- the chat core's events ----------------------------------------------------------------
