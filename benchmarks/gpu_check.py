@@ -445,12 +445,44 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
         "the bf16 rate")
     if profile_to is not None:
-        try:
-            out.update(profile(llm, vocab, profile_to))
-        except Exception as exc:  # noqa: BLE001 - the speed rows above stand
-            out["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            log("   profile FAILED:", out["profile_error"])
-            traceback.print_exc()
+        for name, fn in (("profile", lambda: profile(llm, vocab, profile_to)),
+                         ("rowwise", lambda: rowwise_ab(llm, prompt, prompts, b1[0][1], b64[0][1], out))):
+            try:
+                out.update(fn())
+            except Exception as exc:  # noqa: BLE001 - the speed rows above stand
+                out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log(f"   {name} FAILED:", out[f"{name}_error"])
+                traceback.print_exc()
+    return out
+
+
+KERNEL_SLOTS = ("act_kernel", "norm_kernel", "qk_norm_kernel", "rope_kernel")
+
+
+def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> dict:
+    """The plan's Triton row-wise kernels (`kernels.gpu.rowwise`) against PyTorch's expressions
+    on the same engine: the layers' kernels unset and the decode graphs captured again, then
+    batch-1 greedy decode and the 64-sequence greedy step measured as above (the kernels' figures
+    are `measured`'s)."""
+    runner = llm.engine.runner
+    if not runner.plan.rowwise:
+        return {}
+    for m in runner.model.modules():
+        for slot in KERNEL_SLOTS:
+            if hasattr(m, slot):
+                setattr(m, slot, None)
+    if runner.graphs is not None:
+        sizes, length = runner.graphs.sizes[-1], (runner.graphs.max_blocks - 1) * runner.kv.block_size
+        runner.graphs = None
+        free()
+        runner.capture_decode_graphs(sizes, length)
+    llm.generate([prompt], b1_params)  # warm
+    tpots = [llm.generate([prompt], b1_params)[0].metrics.tpot for _ in range(3)]
+    out = {"b1_torch_rows_greedy_tok_s": 1 / statistics.median(tpots)}
+    out["b64_torch_rows_greedy_step_ms"] = decode_steps(llm, prompts, b64_params)[0]
+    log(f"   row-wise kernels: Triton against PyTorch's: batch 1 {measured['b1_greedy_tok_s']:.0f} against "
+        f"{out['b1_torch_rows_greedy_tok_s']:.0f} tok/s greedy; 64 x (512 + 256) step {measured['b64_greedy_step_ms']:.2f}"
+        f" against {out['b64_torch_rows_greedy_step_ms']:.2f} ms")
     return out
 
 
@@ -909,6 +941,11 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
+        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, as on a GPU
+
+        choose = plan_module.ExecutionPlan.choose.__func__
+        plan_module.ExecutionPlan.choose = classmethod(
+            lambda cls, *a, **k: plan_module.replace(p := choose(cls, *a, **k), rowwise=p.attention == "triton"))
         DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
         args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models
         limits = {"name": "CPU (dry run)", "bandwidth": 1e10, "bf16_rate": 1e11}

@@ -31,10 +31,16 @@ def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor, kernel=None) -> torc
 
 
 def _on_kernel(kernel, fn: str, name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """`fn` of the ``activation`` library on contiguous bf16 gate and up of one shape; None (a
-    fallback counted under `name` when `kernel` was given) otherwise."""
+    """`fn` of the ``activation`` library on contiguous bf16 gate and up of one shape, or a GPU
+    plan's `act_and_mul` (`kernels.gpu.rowwise`: bf16 or float32); None (a fallback counted under
+    `name` when `kernel` was given) otherwise."""
     if kernel is None:
         return None
+    if hasattr(kernel, "act_and_mul"):  # a GPU plan's Triton kernels (`kernels.gpu.rowwise`)
+        out = kernel.act_and_mul(gate, up, gelu=fn.startswith("gelu"))
+        if out is None:
+            count_fallback(name)
+        return out
     if gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape and gate.is_contiguous() \
             and up.is_contiguous():
         out = torch.empty_like(gate)

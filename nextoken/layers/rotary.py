@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from nextoken.kernels import count_fallback
+
 
 def inv_frequencies(rope_dim: int, base: float) -> torch.Tensor:
     """``base^(-2i/d)`` for ``i in [0, d/2)``, float32 ``[rope_dim // 2]``."""
@@ -27,11 +29,18 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=None) -> torch.Tensor:
     """Rotate the first ``rope_dim`` dims of every head of x.
 
-    x: ``[num_tokens, num_heads, head_dim]``; cos, sin: ``[num_tokens, rope_dim]``.
+    x: ``[num_tokens, num_heads, head_dim]``; cos, sin: ``[num_tokens, rope_dim]``. `kernel`: a
+    GPU plan's row-wise kernels (`kernels.gpu.rowwise`: this function in one launch, the same
+    roundings; a counted fallback to this expression for inputs it does not take).
     """
+    if kernel is not None:
+        out = kernel.apply_rope(x, cos, sin)
+        if out is not None:
+            return out
+        count_fallback("apply_rope")
     d = cos.shape[-1]
     rot, rest = x[..., :d], x[..., d:]
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)

@@ -49,7 +49,8 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype)
         self.scale = cfg.head_dim ** -0.5
         self.q_norm = self.k_norm = None
-        self.qk_norm_kernel = None  # set by the execution plan at load (a batch-invariant plan's Triton norms)
+        self.qk_norm_kernel = None  # set by the execution plan at load (a GPU plan's Triton norms)
+        self.rope_kernel = None  # likewise (a GPU plan's Triton RoPE)
         if qk_norm:
             self.q_norm, self.k_norm = weight_param(cfg.head_dim, dtype=dtype), weight_param(cfg.head_dim, dtype=dtype)
 
@@ -62,7 +63,7 @@ class LlamaAttention(torch.nn.Module):
         if self.q_norm is not None:
             nk = self.qk_norm_kernel
             q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.rope_kernel), apply_rope(k, cos, sin, self.rope_kernel)
         out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
         return self.o_proj(out.reshape(t, -1))
 

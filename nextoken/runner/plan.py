@@ -22,8 +22,10 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   layer in one C call (`layers.native_decode`), LoRA adapters included: bf16, an architecture
   it implements, every projection on our kernel (codes or dense bf16);
 - **activations and norms**: the gated feed-forward's activation and the layers' RMSNorm on our
-  C kernels (``kernels/activation.c``; bf16, kernels on) or PyTorch; the library handed to each
-  SwiGLU MLP's ``act_kernel`` and each Llama-style layer's ``norm_kernel`` at load;
+  C kernels (``kernels/activation.c``; bf16, kernels on), on a GPU with RoPE too on Triton
+  (`kernels.gpu.rowwise`: one launch each instead of PyTorch's several small kernels), or
+  PyTorch; the library handed to each SwiGLU MLP's ``act_kernel``, each Llama-style layer's
+  ``norm_kernel`` (and ``qk_norm_kernel``, ``rope_kernel``) at load;
 - **batch invariance** (``--batch-invariant``, the Triton attention's path: a GPU, or the CPU
   under Triton's interpreter with ``enforce_eager``): every linear on the batch-invariant Triton
   matmul and every RMSNorm on its row kernel (`kernels.gpu.batch_invariant`), the decode
@@ -84,6 +86,7 @@ class ExecutionPlan:
     kernels: KernelSet = field(default_factory=KernelSet)  # the libraries resolved once; None where PyTorch runs
     weights: str = ""  # where the weights live (`runner.huge_pages`), once placed
     batch_invariant: bool = False  # linears and norms on `kernels.gpu.batch_invariant`, one key split per decode
+    rowwise: bool = False  # norms, activations and RoPE on `kernels.gpu.rowwise` (a GPU, kernels on)
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -125,8 +128,9 @@ class ExecutionPlan:
     @classmethod
     def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
         """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS), Triton attention (or the
-        float32 reference), PyTorch's norms, activations and sampler, CUDA graphs for decode
-        steps unless `enforce_eager`."""
+        float32 reference), Triton's norms, activations and RoPE (PyTorch's with the reference
+        or `enforce_eager`), PyTorch's sampler, CUDA graphs for decode steps unless
+        `enforce_eager`."""
         if quantization is not None:
             raise InvalidRequest(f"--quantization {quantization} packs weights for the CPU's kernels; on a GPU the "
                                  "weights run dense (bf16)", "quantization")
@@ -135,7 +139,8 @@ class ExecutionPlan:
                                  "--reference-attention)", "attention_backend")
         attention = "reference" if reference_attention else "triton"
         reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
-        return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons)
+        return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons,
+                   rowwise=not enforce_eager and not reference_attention)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -174,16 +179,20 @@ class ExecutionPlan:
         from nextoken.layers.native_decode import NativeDecoder
 
         act = self.kernels.activation if self.native_activations else None
-        invariant = None
+        invariant = rowwise = None
         if self.batch_invariant:
             from nextoken.kernels.gpu.batch_invariant import InvariantNorms as invariant
+        if self.rowwise:
+            from nextoken.kernels.gpu.rowwise import Rowwise as rowwise
         for m in model.modules():
             if hasattr(m, "act_kernel"):
-                m.act_kernel = act if m.act in (silu_and_mul, gelu_tanh_and_mul) else None
+                m.act_kernel = (rowwise or act) if m.act in (silu_and_mul, gelu_tanh_and_mul) else None
             if hasattr(m, "norm_kernel"):
-                m.norm_kernel = invariant or act
+                m.norm_kernel = invariant or rowwise or act
             if hasattr(m, "qk_norm_kernel"):
-                m.qk_norm_kernel = invariant
+                m.qk_norm_kernel = invariant or rowwise
+            if hasattr(m, "rope_kernel"):
+                m.rope_kernel = rowwise
             if hasattr(m, "lookup_kernel"):
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         cfg = model.config
@@ -237,7 +246,7 @@ class ExecutionPlan:
         linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
-        act = "C" if self.native_activations else "PyTorch"
+        act = "C" if self.native_activations else "Triton (with RoPE)" if self.rowwise else "PyTorch"
         if self.batch_invariant:
             act = f"{act} activations, Triton norms (batch-invariant: one key split per decode)"
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())

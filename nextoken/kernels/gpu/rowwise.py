@@ -1,0 +1,143 @@
+"""The GPU path's row-wise layers in Triton: RMSNorm, the gated activations and RoPE, one launch
+each where PyTorch's expressions launch several small kernels.
+
+Why: on the H200 (`benchmarks/gpu_check.py`'s profile, 2026-11-30) a batch-1 decode step of a
+Qwen2.5-1.5B-shaped model ran 3.4 ms on the GPU against 0.76 ms of weight reads: besides its
+seven matmuls, each layer launched about 34 small kernels (RMSNorm's float32 conversion, square,
+mean, epsilon, reciprocal root, products and cast back, twice; RoPE's products, concatenations
+and sums for the queries and the keys; SiLU and its product), about 1.5 us each even inside a
+CUDA graph: 1.4 ms of the step. Here a norm is one kernel, an activation and its product one,
+and the rotation of a query or key tensor one.
+
+Each computes its PyTorch reference's function with the same roundings: `rms_norm` is
+`kernels.gpu.batch_invariant.rms_norm` (its fixed rows per program also suit a decode's few
+rows); `act_and_mul` rounds the activation to the inputs' dtype before the product, as
+``F.silu(gate) * up`` in bf16 does; `apply_rope` rounds cos and sin to the inputs' dtype and each
+product and the sum, as `layers.rotary.apply_rope` in bf16 does. float32 inputs stay in float32
+throughout. The exponential is the GPU's, so a bf16 result can differ from PyTorch's by one
+rounding where the last bits of e^x move it. Under Triton's interpreter (``TRITON_INTERPRET=1``,
+the CPU tests) the roundings to bf16 are written out (`batch_invariant._round_bf16`): its
+conversion truncates. The references these are tested against are `layers.norm`,
+`layers.activation` and `layers.rotary` (tests/kernels/test_rowwise.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nextoken.kernels.gpu.batch_invariant import _round_bf16, rms_norm
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ACT_BLOCK = 1024  # elements per program of `act_and_mul`
+
+
+@triton.jit
+def _rounded(x, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """float32 `x` rounded to the inputs' dtype (bf16: `BF16`; float32: itself), still float32:
+    written out under the interpreter (`ROUND`), the hardware's conversion when compiled."""
+    if BF16:
+        if ROUND:
+            x = _round_bf16(x, True)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, GELU: tl.constexpr, BF16: tl.constexpr,
+                    ROUND: tl.constexpr):
+    """``act(gate) * up`` over `BLOCK` elements: SiLU ``g / (1 + e^-g)`` or (`GELU`) GELU's
+    tanh form ``g / (1 + e^(-2a))``, ``a = sqrt(2/pi) (g + 0.044715 g^3)`` (the same function:
+    ``0.5 (1 + tanh a) = 1 / (1 + e^-2a)``), in float32, rounded to the dtype, times up, rounded."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    if GELU:
+        a = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * a))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    y = _rounded(_rounded(act, BF16, ROUND) * u, BF16, ROUND)
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> torch.Tensor | None:
+    """``silu(gate) * up`` (or, `gelu`, ``gelu_tanh(gate) * up``) for contiguous gate and up of
+    one shape and dtype (bf16 or float32), in that dtype; None for other inputs (the caller's
+    PyTorch expression runs)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in (torch.bfloat16, torch.float32) \
+            or not (gate.is_contiguous() and up.is_contiguous()):
+        return None
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        bf16 = gate.dtype == torch.bfloat16
+        _act_mul_kernel[(triton.cdiv(n, ACT_BLOCK),)](gate, up, out, n, BLOCK=ACT_BLOCK, GELU=gelu, BF16=bf16,
+                                                      ROUND=INTERPRET and bf16, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+                 HALF: tl.constexpr, HALF_P2: tl.constexpr, REST: tl.constexpr, REST_P2: tl.constexpr,
+                 BF16: tl.constexpr, ROUND: tl.constexpr):
+    """One head of one token: its first ``2 HALF`` dims rotated in halves (``x1 cos - x2 sin``,
+    ``x2 cos + x1 sin``, each product and the sum rounded to the dtype, cos and sin first), the
+    `REST` dims after them copied. Grid: (tokens, heads)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, HALF_P2)
+    ok = i < HALF
+    src = x_ptr + t * stride_xt + h * stride_xh
+    dst = out_ptr + t * stride_ot + h * stride_oh
+    x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    c1 = _rounded(tl.load(cos_ptr + t * stride_c + i, mask=ok, other=0.0), BF16, ROUND)
+    c2 = _rounded(tl.load(cos_ptr + t * stride_c + HALF + i, mask=ok, other=0.0), BF16, ROUND)
+    s1 = _rounded(tl.load(sin_ptr + t * stride_c + i, mask=ok, other=0.0), BF16, ROUND)
+    s2 = _rounded(tl.load(sin_ptr + t * stride_c + HALF + i, mask=ok, other=0.0), BF16, ROUND)
+    y1 = _rounded(_rounded(x1 * c1, BF16, ROUND) - _rounded(x2 * s1, BF16, ROUND), BF16, ROUND)
+    y2 = _rounded(_rounded(x2 * c2, BF16, ROUND) + _rounded(x1 * s2, BF16, ROUND), BF16, ROUND)
+    tl.store(dst + i, y1.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF + i, y2.to(out_ptr.dtype.element_ty), mask=ok)
+    if REST > 0:
+        j = tl.arange(0, REST_P2)
+        keep = tl.load(src + 2 * HALF + j, mask=j < REST, other=0.0)
+        tl.store(dst + 2 * HALF + j, keep, mask=j < REST)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """`layers.rotary.apply_rope` in one launch: x ``[T, heads, head_dim]`` (bf16 or float32, its
+    last dim contiguous), cos and sin float32 ``[T, rope_dim]`` (contiguous rows; rope_dim even,
+    at most head_dim). Returns a new tensor like x; None for other inputs (the caller's PyTorch
+    expression runs)."""
+    if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(-1) != 1 \
+            or cos.dtype != torch.float32 or cos.shape != sin.shape or cos.stride() != sin.stride() \
+            or cos.stride(-1) != 1 or cos.shape[0] != x.shape[0] or cos.shape[1] % 2 or cos.shape[1] > x.shape[2]:
+        return None
+    t, h, d = x.shape
+    half = cos.shape[1] // 2
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t and h:
+        bf16 = x.dtype == torch.bfloat16
+        rest = d - 2 * half
+        _rope_kernel[(t, h)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+                             HALF=half, HALF_P2=triton.next_power_of_2(half), REST=rest,
+                             REST_P2=triton.next_power_of_2(max(rest, 1)), BF16=bf16, ROUND=INTERPRET and bf16,
+                             num_warps=1)
+    return out
+
+
+class Rowwise:
+    """What a GPU plan hands the layers as their row-wise kernels (`runner.plan.ExecutionPlan.settle`):
+    `layers.norm` calls `rms_norm`, `layers.activation` `act_and_mul`, `layers.rotary`
+    `apply_rope` on it."""
+
+    rms_norm = staticmethod(rms_norm)
+    act_and_mul = staticmethod(act_and_mul)
+    apply_rope = staticmethod(apply_rope)

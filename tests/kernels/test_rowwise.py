@@ -1,0 +1,114 @@
+"""The GPU path's row-wise Triton kernels (`kernels.gpu.rowwise`) against their PyTorch references
+(`layers.activation`, `layers.rotary`): the same roundings, so the same values but where the
+exponential's last bits move a bf16 rounding; and a model on the GPU plan's kernels against the
+same model on PyTorch's.
+
+Without a GPU the kernels' own source runs under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by tests/conftest.py); with one (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs
+the tests) compiled, on CUDA tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
+
+from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, apply_rope  # noqa: E402
+from nextoken.layers.rotary import apply_rope as torch_rope, inv_frequencies, rope_cos_sin  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+STEP = {torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -22}  # about one unit in the last place, relative
+
+
+def randn(*shape, dtype, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
+
+
+def off_by_at_most_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Each value within a few units in the last place of the reference's (float32: e^x and the
+    formula's order move the last bits; bf16: one rounding), or within 1e-6 of the largest
+    (GELU's far tail: PyTorch's tanh form gives 0 where the logistic form gives 1e-11)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    gap, ref = (got.double() - want.double()).abs(), want.double().abs()
+    assert (gap <= ref * 4 * STEP[want.dtype] + 1e-6 * ref.max()).all(), gap.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_act_and_mul_is_pytorchs_expression(dtype, gelu):
+    """3 x 700 values (not a multiple of the block), scaled to reach SiLU's and GELU's tails: within
+    a few units in the last place of the activation and product taken in float64 and rounded as
+    the kernel rounds (in bf16, equal to it for almost every value), and within one bf16 rounding
+    of ``F.silu(g) * u`` / ``F.gelu(g, approximate="tanh") * u``. (PyTorch writes GELU as ``0.5 g
+    (1 + tanh a)``, which cancels for negative g: near g = -3 it loses about 1e-5 of its float32
+    value, so its bf16 roundings differ there; the kernel's logistic form does not cancel.)"""
+    g, u = randn(3, 700, dtype=dtype, seed=1, scale=4), randn(3, 700, dtype=dtype, seed=2)
+    got = act_and_mul(g, u, gelu=gelu)
+    x = g.double()
+    exact = x / (1 + torch.exp(-2 * 0.7978845608028654 * (x + 0.044715 * x ** 3))) if gelu else x * torch.sigmoid(x)
+    want = (exact.to(dtype).double() * u.double()).to(dtype)
+    off_by_at_most_a_rounding(got, want)
+    if dtype == torch.bfloat16:
+        assert (got == want).float().mean() > 0.99
+        off_by_at_most_a_rounding(got, (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u)
+    assert act_and_mul(g[:, ::2], u[:, ::2]) is None  # (not contiguous: the caller's PyTorch runs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,rope_dim", [(64, 64), (80, 32)])
+def test_rope_is_the_rotary_reference(dtype, head_dim, rope_dim):
+    """Queries of 5 tokens x 3 heads at scattered positions, full and partial rotation (the dims
+    after `rope_dim` copied): `layers.rotary.apply_rope`'s values within one rounding (its
+    roundings are the kernel's, so bf16 agrees but where a product's float32 rounding differs),
+    on a strided view as the attention layer passes it."""
+    proj = randn(5, 3 * head_dim + 16, dtype=dtype, seed=3, scale=2)
+    x = proj[:, : 3 * head_dim].view(5, 3, head_dim)  # rows strided, as a view of a wider projection
+    cos, sin = rope_cos_sin(torch.tensor([0, 7, 100, 2048, 31999], device=DEV), inv_frequencies(rope_dim, 1e4).to(DEV))
+    got, want = apply_rope(x, cos, sin), torch_rope(x, cos, sin)
+    off_by_at_most_a_rounding(got, want)
+    assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
+
+
+def test_layers_take_the_kernels_and_fall_back_counted():
+    """`layers.rotary.apply_rope` and `layers.activation.silu_and_mul` given the kernels use them;
+    an input they refuse runs PyTorch and is counted as a fallback."""
+    from nextoken.kernels import FallbackCounts, counting
+    from nextoken.layers.activation import silu_and_mul
+
+    g, u = randn(4, 64, dtype=torch.bfloat16, seed=4), randn(4, 64, dtype=torch.bfloat16, seed=5)
+    counts = FallbackCounts()
+    with counting(counts):
+        off_by_at_most_a_rounding(silu_and_mul(g, u, kernel=Rowwise), F.silu(g) * u)
+        assert torch.equal(silu_and_mul(g.T, u.T, kernel=Rowwise), F.silu(g.T) * u.T)
+    assert counts.snapshot() == {"silu_and_mul": 1}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arch, monkeypatch):
+    """A whole model on the GPU path with the plan's row-wise kernels (Qwen 2: RMSNorm, SwiGLU,
+    RoPE; Gemma 3: its norms with the float32 product, QK-norm, GeGLU, two RoPE tables) against
+    the same path on PyTorch's: float32 logits of a prompt and two decodes within 1e-5."""
+    import dataclasses
+
+    from nextoken.loader.source import open_model
+    from nextoken.runner import plan as plan_module
+    from nextoken.runner.device import resolve_device
+    from nextoken.runner.model_runner import ModelRunner
+    from tests.tiny_models import OneSequence
+
+    path = str(tiny_gguf[arch][0])
+    kw = dict(enforce_eager=True, attention_backend="triton", device=resolve_device(DEV))  # (eager: PyTorch's)
+    plain = ModelRunner(open_model(path), torch.float32, **kw)
+    choose = plan_module.ExecutionPlan.choose.__func__
+    monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
+        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True)))
+    fused = ModelRunner(open_model(path), torch.float32, **kw)
+    assert "Triton (with RoPE)" in fused.plan.describe(fused.model) and not plain.plan.rowwise
+    a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
+    for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
+        want, got = a.forward(ids, all_logits=True), b.forward(ids, all_logits=True)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
