@@ -1,4 +1,5 @@
-"""The compiler's report on our Triton kernels (attention, and the batch-invariant matmul and RMSNorm) for a Hopper GPU (sm_90), made on a machine
+"""The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
+the GPU plan's row-wise activation and RoPE) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -69,6 +70,27 @@ def report_invariant(kernel: str, dtype: str, width: int = 0) -> dict:
     return {"variant": [kernel, dtype, width], **usage}
 
 
+ROWWISE = [("act", "bf16", 0), ("act", "bf16", 1), ("act", "fp32", 0), ("rope", "bf16", 32), ("rope", "bf16", 64),
+           ("rope", "bf16", 128), ("rope", "fp32", 64)]  # (act: SiLU 0, GELU 1; rope: half the rotated dims)
+
+
+def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
+    """The same report for a row-wise kernel of the GPU plan (`kernels.gpu.rowwise`): the gated
+    activation (`n` 1: GELU), or RoPE over heads of ``2 n`` rotated dims."""
+    from nextoken.kernels.gpu import rowwise as R
+
+    p = f"*{dtype}"
+    if kernel == "act":
+        types = {"g_ptr": p, "u_ptr": p, "out_ptr": p}
+        consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
+        usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
+    else:
+        types = {"x_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": p}
+        consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, BF16=dtype == "bf16", ROUND=False)
+        usage = compiled(R._rope_kernel, types, consts, 1, 3)
+    return {"variant": [kernel, dtype, n], **usage}
+
+
 def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
     """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
     i32; `consts`: its constexprs) and read its resource usage off the cubin."""
@@ -99,3 +121,5 @@ if __name__ == "__main__":
         print(json.dumps(report(*v)), flush=True)
     for v in INVARIANT:
         print(json.dumps(report_invariant(*v)), flush=True)
+    for v in ROWWISE:
+        print(json.dumps(report_rowwise(*v)), flush=True)
