@@ -456,12 +456,13 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     return out
 
 
-KERNEL_SLOTS = ("act_kernel", "norm_kernel", "qk_norm_kernel", "rope_kernel")
+KERNEL_SLOTS = ("act_kernel", "norm_kernel", "qk_norm_kernel", "rope_kernel", "qkv", "gate_up")
 
 
 def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> dict:
-    """The plan's Triton row-wise kernels (`kernels.gpu.rowwise`) against PyTorch's expressions
-    on the same engine: the layers' kernels unset and the decode graphs captured again, then
+    """The plan's Triton row-wise kernels (`kernels.gpu.rowwise`) and fused projections
+    (`layers.linear.FusedLinear`) against PyTorch's expressions and separate matmuls on the same
+    engine: the layers' kernels and fused matmuls unset and the decode graphs captured again, then
     batch-1 greedy decode and the 64-sequence greedy step measured as above (the kernels' figures
     are `measured`'s)."""
     runner = llm.engine.runner
@@ -480,7 +481,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
     tpots = [llm.generate([prompt], b1_params)[0].metrics.tpot for _ in range(3)]
     out = {"b1_torch_rows_greedy_tok_s": 1 / statistics.median(tpots)}
     out["b64_torch_rows_greedy_step_ms"] = decode_steps(llm, prompts, b64_params)[0]
-    log(f"   row-wise kernels: Triton against PyTorch's: batch 1 {measured['b1_greedy_tok_s']:.0f} against "
+    log(f"   row-wise kernels and fused projections against PyTorch's and separate matmuls: batch 1 {measured['b1_greedy_tok_s']:.0f} against "
         f"{out['b1_torch_rows_greedy_tok_s']:.0f} tok/s greedy; 64 x (512 + 256) step {measured['b64_greedy_step_ms']:.2f}"
         f" against {out['b64_torch_rows_greedy_step_ms']:.2f} ms")
     return out

@@ -119,3 +119,44 @@ class Linear(torch.nn.Module):
         packed = sum(t.nbytes for part in self.int4 for t in part) if self.int4 is not None else 0
         packed += self.qweight.nbytes if self.qweight is not None else 0
         return dense + packed + (self.bias.nbytes if self.bias is not None else 0)
+
+
+class FusedLinear:
+    """Dense linears over one input run as one matmul (vLLM's ``QKVParallelLinear`` and
+    ``MergedColumnParallelLinear``): their weights (and biases) concatenated in one tensor, each
+    linear's own weight re-pointed to its rows of it, so no memory is added and each still runs
+    alone (a pass whose rows carry LoRA adapters on one of them: `usable`). A GPU plan's
+    (`runner.plan.ExecutionPlan.settle`): a decode step's q, k and v (or gate and up) in one
+    launch that streams their weights together, instead of three small latency-bound ones.
+
+    ``fused(x)``: x ``[T, in]`` -> one ``[T, out_i]`` column view per linear, of one
+    ``[T, sum out_i]`` product."""
+
+    def __init__(self, linears: list[Linear]):
+        self.linears, self.sizes = linears, [lin.out_features for lin in linears]
+        self.weight = torch.cat([lin.weight.data for lin in linears])
+        for lin, part in zip(linears, self.weight.split(self.sizes)):
+            lin.weight.data = part
+        self.bias = None
+        if linears[0].bias is not None:
+            self.bias = torch.cat([lin.bias.data for lin in linears])
+            for lin, part in zip(linears, self.bias.split(self.sizes)):
+                lin.bias.data = part
+
+    @classmethod
+    def of(cls, linears: list[Linear]) -> FusedLinear | None:
+        """The fused form of `linears`, or None unless every one is dense (`DenseMethod`, not a
+        subclass) on one input size, dtype and device, unsplit (no tensor parallelism), with a
+        bias on all or none."""
+        first = linears[0]
+        ok = all(type(lin.method) is DenseMethod and lin.combine is None and lin.in_features == first.in_features
+                 and lin.weight.dtype == first.weight.dtype and lin.weight.device == first.weight.device
+                 and (lin.bias is None) == (first.bias is None) for lin in linears)
+        return cls(linears) if ok else None
+
+    def usable(self) -> bool:
+        """Whether this pass can take the fused matmul: no adapter of this pass on any part."""
+        return not any(lin.lora is not None and lin.lora.batch.ids for lin in self.linears)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)

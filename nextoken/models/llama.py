@@ -51,15 +51,17 @@ class LlamaAttention(torch.nn.Module):
         self.q_norm = self.k_norm = None
         self.qk_norm_kernel = None  # set by the execution plan at load (a GPU plan's Triton norms)
         self.rope_kernel = None  # likewise (a GPU plan's Triton RoPE)
+        self.qkv = None  # likewise: q, k and v as one matmul (a GPU plan's `layers.linear.FusedLinear`)
         if qk_norm:
             self.q_norm, self.k_norm = weight_param(cfg.head_dim, dtype=dtype), weight_param(cfg.head_dim, dtype=dtype)
 
     def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata):
         """x: ``[T, hidden]`` -> (``[T, hidden]``, per-sequence probabilities or None)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None and self.qkv.usable() else \
+            (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                   v.view(t, self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             nk = self.qk_norm_kernel
             q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
@@ -77,12 +79,15 @@ class LlamaMLP(torch.nn.Module):
         super().__init__()
         self.act = act
         self.act_kernel = None
+        self.gate_up = None  # set by the execution plan at load: gate and up as one matmul (a GPU plan's)
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), kernel=self.act_kernel))
+        gate, up = self.gate_up(x) if self.gate_up is not None and self.gate_up.usable() else \
+            (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate, up, kernel=self.act_kernel))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

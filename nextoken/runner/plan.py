@@ -87,6 +87,7 @@ class ExecutionPlan:
     weights: str = ""  # where the weights live (`runner.huge_pages`), once placed
     batch_invariant: bool = False  # linears and norms on `kernels.gpu.batch_invariant`, one key split per decode
     rowwise: bool = False  # norms, activations and RoPE on `kernels.gpu.rowwise` (a GPU, kernels on)
+    fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -140,7 +141,7 @@ class ExecutionPlan:
         attention = "reference" if reference_attention else "triton"
         reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
         return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons,
-                   rowwise=not enforce_eager and not reference_attention)
+                   rowwise=not enforce_eager and not reference_attention, fused=not enforce_eager)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -176,6 +177,7 @@ class ExecutionPlan:
         builds, and no tensor parallelism: the ranks all-reduce between layers)."""
         from nextoken.layers.activation import gelu_tanh_and_mul, silu_and_mul
         from nextoken.layers.attention import native_decode_supports
+        from nextoken.layers.linear import FusedLinear
         from nextoken.layers.native_decode import NativeDecoder
 
         act = self.kernels.activation if self.native_activations else None
@@ -193,6 +195,10 @@ class ExecutionPlan:
                 m.qk_norm_kernel = invariant or rowwise
             if hasattr(m, "rope_kernel"):
                 m.rope_kernel = rowwise
+            if self.fused and hasattr(m, "qkv"):
+                m.qkv = FusedLinear.of([m.q_proj, m.k_proj, m.v_proj])
+            if self.fused and hasattr(m, "gate_up"):
+                m.gate_up = FusedLinear.of([m.gate_proj, m.up_proj])
             if hasattr(m, "lookup_kernel"):
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         cfg = model.config
@@ -244,6 +250,9 @@ class ExecutionPlan:
         emb = model.embed_tokens
         emb_form = "codes" if emb.qweight is not None else "q8_0" if emb.q8 is not None else "dense"
         linears = ", ".join(f"{n} {k}" for k, n in sorted(by_method.items()))
+        fused = sum(1 for m in model.modules() for f in (getattr(m, "qkv", None), getattr(m, "gate_up", None)) if f)
+        if fused:
+            linears += f" (q/k/v and gate/up as {fused} fused matmuls)"
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "Triton (with RoPE)" if self.rowwise else "PyTorch"

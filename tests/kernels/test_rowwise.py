@@ -1,7 +1,8 @@
 """The GPU path's row-wise Triton kernels (`kernels.gpu.rowwise`) against their PyTorch references
 (`layers.activation`, `layers.rotary`): the same roundings, so the same values but where the
-exponential's last bits move a bf16 rounding; and a model on the GPU plan's kernels against the
-same model on PyTorch's.
+exponential's last bits move a bf16 rounding; the fused projections (`layers.linear.FusedLinear`)
+against the separate ones; and a model on the GPU plan's kernels and fused projections against
+the same model on PyTorch's.
 
 Without a GPU the kernels' own source runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 set by tests/conftest.py); with one (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs
@@ -55,7 +56,9 @@ def test_act_and_mul_is_pytorchs_expression(dtype, gelu):
     if dtype == torch.bfloat16:
         assert (got == want).float().mean() > 0.99
         off_by_at_most_a_rounding(got, (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u)
-    assert act_and_mul(g[:, ::2], u[:, ::2]) is None  # (not contiguous: the caller's PyTorch runs)
+    gu = torch.cat([g, u], dim=1)  # the halves of a fused gate/up product: rows strided
+    assert torch.equal(act_and_mul(gu[:, :700], gu[:, 700:], gelu=gelu), got)
+    assert act_and_mul(g[:, ::2], u[:, ::2]) is None  # (columns strided: the caller's PyTorch runs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -87,11 +90,40 @@ def test_layers_take_the_kernels_and_fall_back_counted():
     assert counts.snapshot() == {"silu_and_mul": 1}
 
 
+def test_fused_linears_equal_the_separate_ones_and_share_their_memory():
+    """q/k/v-like linears with biases as one matmul: the separate outputs (float32), each linear's
+    weight now rows of the fused one (no memory added; each still runs alone), unused while a
+    pass's adapters sit on one of them; refused for a linear that is not plainly dense."""
+    from types import SimpleNamespace
+
+    from nextoken.layers.linear import FusedLinear, Linear
+    from nextoken.layers.quantization.methods import InvariantMethod
+
+    parts = [Linear(16, n, True, torch.float32) for n in (12, 4, 4)]
+    for i, lin in enumerate(parts):
+        lin.weight.data = randn(lin.out_features, 16, dtype=torch.float32, seed=10 + i)
+        lin.bias.data = randn(lin.out_features, dtype=torch.float32, seed=20 + i)
+    x = randn(5, 16, dtype=torch.float32, seed=9)
+    want = [lin(x) for lin in parts]
+    fused = FusedLinear.of(parts)
+    got = fused(x)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+    assert parts[1].weight.data_ptr() == fused.weight[12:].data_ptr() and torch.equal(parts[2](x), want[2])
+    assert fused.usable()
+    parts[0].lora = SimpleNamespace(batch=SimpleNamespace(ids=[1]))
+    assert not fused.usable()
+    odd = [Linear(16, 4, False, torch.float32), Linear(16, 4, False, torch.float32)]
+    odd[1].method = InvariantMethod()
+    assert FusedLinear.of(odd) is None
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arch, monkeypatch):
-    """A whole model on the GPU path with the plan's row-wise kernels (Qwen 2: RMSNorm, SwiGLU,
-    RoPE; Gemma 3: its norms with the float32 product, QK-norm, GeGLU, two RoPE tables) against
-    the same path on PyTorch's: float32 logits of a prompt and two decodes within 1e-5."""
+    """A whole model on the GPU path with the plan's row-wise kernels and fused projections (Qwen
+    2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32 product,
+    QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits of a
+    prompt and two decodes within 1e-5."""
     import dataclasses
 
     from nextoken.loader.source import open_model
@@ -105,9 +137,10 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     plain = ModelRunner(open_model(path), torch.float32, **kw)
     choose = plan_module.ExecutionPlan.choose.__func__
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
-        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True)))
+        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True)))
     fused = ModelRunner(open_model(path), torch.float32, **kw)
-    assert "Triton (with RoPE)" in fused.plan.describe(fused.model) and not plain.plan.rowwise
+    line = fused.plan.describe(fused.model)
+    assert "Triton (with RoPE)" in line and "fused matmuls" in line and not plain.plan.rowwise, line
     a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
     for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
         want, got = a.forward(ids, all_logits=True), b.forward(ids, all_logits=True)

@@ -48,37 +48,44 @@ def _rounded(x, BF16: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, GELU: tl.constexpr, BF16: tl.constexpr,
-                    ROUND: tl.constexpr):
-    """``act(gate) * up`` over `BLOCK` elements: SiLU ``g / (1 + e^-g)`` or (`GELU`) GELU's
-    tanh form ``g / (1 + e^(-2a))``, ``a = sqrt(2/pi) (g + 0.044715 g^3)`` (the same function:
-    ``0.5 (1 + tanh a) = 1 / (1 + e^-2a)``), in float32, rounded to the dtype, times up, rounded."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _act_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                    GELU: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """``act(gate) * up`` over `BLOCK` columns of one row: SiLU ``g / (1 + e^-g)`` or (`GELU`)
+    GELU's tanh form ``g / (1 + e^(-2a))``, ``a = sqrt(2/pi) (g + 0.044715 g^3)`` (the same
+    function: ``0.5 (1 + tanh a) = 1 / (1 + e^-2a)``), in float32, rounded to the dtype, times up,
+    rounded. Grid: (rows, column blocks); rows strided (a fused gate/up product's halves)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + i, mask=ok, other=0.0).to(tl.float32)
     if GELU:
         a = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         act = g / (1.0 + tl.exp(-2.0 * a))
     else:
         act = g / (1.0 + tl.exp(-g))
     y = _rounded(_rounded(act, BF16, ROUND) * u, BF16, ROUND)
-    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + i, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> torch.Tensor | None:
-    """``silu(gate) * up`` (or, `gelu`, ``gelu_tanh(gate) * up``) for contiguous gate and up of
-    one shape and dtype (bf16 or float32), in that dtype; None for other inputs (the caller's
-    PyTorch expression runs)."""
+    """``silu(gate) * up`` (or, `gelu`, ``gelu_tanh(gate) * up``) for gate and up of one shape and
+    dtype (bf16 or float32) whose rows are contiguous (the halves of a fused gate/up product are),
+    in that dtype, contiguous; None for other inputs (the caller's PyTorch expression runs)."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in (torch.bfloat16, torch.float32) \
-            or not (gate.is_contiguous() and up.is_contiguous()):
+            or gate.dim() == 0:
         return None
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
+    cols = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, cols), up.reshape(-1, cols)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        return None
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = g2.shape[0]
+    if rows and cols:
         bf16 = gate.dtype == torch.bfloat16
-        _act_mul_kernel[(triton.cdiv(n, ACT_BLOCK),)](gate, up, out, n, BLOCK=ACT_BLOCK, GELU=gelu, BF16=bf16,
-                                                      ROUND=INTERPRET and bf16, num_warps=4)
+        _act_mul_kernel[(rows, triton.cdiv(cols, ACT_BLOCK))](
+            g2, u2, out, cols, g2.stride(0), u2.stride(0), cols, BLOCK=ACT_BLOCK, GELU=gelu, BF16=bf16,
+            ROUND=INTERPRET and bf16, num_warps=4)
     return out
 
 
