@@ -942,11 +942,12 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
-        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, as on a GPU
+        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels and fused matmuls
 
         choose = plan_module.ExecutionPlan.choose.__func__
         plan_module.ExecutionPlan.choose = classmethod(
-            lambda cls, *a, **k: plan_module.replace(p := choose(cls, *a, **k), rowwise=p.attention == "triton"))
+            lambda cls, *a, **k: plan_module.replace(p := choose(cls, *a, **k), rowwise=p.attention == "triton",
+                                                     fused=p.attention == "triton"))
         DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
         args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models
         limits = {"name": "CPU (dry run)", "bandwidth": 1e10, "bf16_rate": 1e11}
