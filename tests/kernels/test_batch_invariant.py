@@ -8,21 +8,15 @@ the tests) compiled, on CUDA tensors."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
 from nextoken.kernels.gpu.batch_invariant import linear, rms_norm  # noqa: E402
+from tests.helpers.triton_device import randn  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -23}  # half a unit in the last place, relative
-
-
-def randn(*shape, dtype, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -10,8 +10,6 @@ the tests) compiled, on CUDA tensors."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,13 +18,9 @@ pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's t
 
 from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, apply_rope  # noqa: E402
 from nextoken.layers.rotary import apply_rope as torch_rope, inv_frequencies, rope_cos_sin  # noqa: E402
+from tests.helpers.triton_device import DEV, randn  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 STEP = {torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -22}  # about one unit in the last place, relative
-
-
-def randn(*shape, dtype, seed, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
 
 
 def off_by_at_most_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
