@@ -82,10 +82,11 @@ DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill":
 
 
 def on_device() -> dict:
-    """`LLM` keywords of the GPU path: the GPU, or in a dry run the CPU with Triton attention."""
+    """`LLM` keywords of the GPU path: the GPU, or in a dry run the CPU with Triton attention; the
+    steps in order (a GPU's default is async scheduling: the check turns it on where it measures it)."""
     if DEV == "cuda":
-        return {"device": "cuda"}
-    return {"device": "cpu", "enforce_eager": True, "attention_backend": "triton"}
+        return {"device": "cuda", "async_scheduling": False}
+    return {"device": "cpu", "enforce_eager": True, "attention_backend": "triton", "async_scheduling": False}
 
 
 def sync() -> None:
@@ -589,7 +590,8 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
     cmd = [sys.executable, "-m", "nextoken.cli", "serve", "--model", folder, *where, "--port", str(port),
            "--max-num-seqs", "256", "--max-model-len", "2048", "--max-num-batched-tokens", "8192",
            "--gpu-memory-utilization", "0.85", "--log-level", "info", "--stream-interval", str(stream_interval),
-           *(["--async-scheduling"] if async_scheduling else []), *(["--engine-process"] if engine_process else []),
+           "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+           *(["--engine-process"] if engine_process else []),
            *(["--api-server-count", str(api_servers)] if engine_process and api_servers > 1 else [])]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})

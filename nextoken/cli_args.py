@@ -109,7 +109,8 @@ class CliArgs:
             if kind == "true":
                 out += [flag] if value else []
             elif kind == "bool":
-                out.append(flag if value else "--no-" + flag[2:])
+                if value is not None:  # (None: the field's default, decided where it is used)
+                    out.append(flag if value else "--no-" + flag[2:])
             elif isinstance(value, list):
                 out += [flag, *map(str, value)] if value else []
             elif value is not None:

@@ -115,7 +115,11 @@ class LLMEngine:
         self._ids = itertools.count()
         # async scheduling: the step launched and not read back yet, and the sequences that need
         # the steps in order (`_needs_order`)
-        self.async_scheduling = args.async_scheduling and self.speculator is None and tp is None
+        wanted = args.async_scheduling if args.async_scheduling is not None else self.runner.device.is_cuda
+        self.async_scheduling = wanted and self.speculator is None and tp is None
+        if wanted:
+            log.info("async scheduling: %s", ("on" if args.async_scheduling else "on (a GPU's default)")
+                     if self.async_scheduling else "off (speculative decoding or tensor parallelism runs in order)")
         self._in_flight: InFlight | None = None
         self._ordered: set[Request] = set()
         self.num_steps = 0
