@@ -50,6 +50,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=Non
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of the queries ``[T, heads, head_dim]`` and the keys ``[T, kv heads,
+    head_dim]``; with `kernel` (a GPU plan's row-wise kernels) both in one launch, else (or for
+    inputs it does not take, a counted fallback) one `apply_rope` each."""
+    if kernel is not None:
+        both = kernel.apply_rope_qk(q, k, cos, sin)
+        if both is not None:
+            return both
+        count_fallback("apply_rope")
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's permutation of a Q or K projection (weight ``[out, in]`` or bias ``[out]``).
 

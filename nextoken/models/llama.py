@@ -19,7 +19,7 @@ from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.attention import AttentionMetadata, attend
 from nextoken.layers.linear import Linear
 from nextoken.layers.norm import rms_norm
-from nextoken.layers.rotary import apply_rope
+from nextoken.layers.rotary import apply_rope_qk
 from nextoken.kv_cache.tensors import PagedKVCache
 from nextoken.models.base import DecoderModel
 
@@ -65,7 +65,7 @@ class LlamaAttention(torch.nn.Module):
         if self.q_norm is not None:
             nk = self.qk_norm_kernel
             q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
-        q, k = apply_rope(q, cos, sin, self.rope_kernel), apply_rope(k, cos, sin, self.rope_kernel)
+        q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel)
         out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
         return self.o_proj(out.reshape(t, -1))
 

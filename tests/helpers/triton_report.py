@@ -85,7 +85,7 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
         consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
         usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
     else:
-        types = {"x_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": p}
+        types = {"q_ptr": p, "k_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qo_ptr": p, "ko_ptr": p}
         consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, BF16=dtype == "bf16", ROUND=False)
         usage = compiled(R._rope_kernel, types, consts, 1, 3)
     return {"variant": [kernel, dtype, n], **usage}

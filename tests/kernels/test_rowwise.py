@@ -70,6 +70,20 @@ def test_rope_is_the_rotary_reference(dtype, head_dim, rope_dim):
     assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_queries_and_keys_rotate_in_one_launch_as_apart(dtype):
+    """`apply_rope_qk` on 6 query heads and 2 key heads taken as views of one fused q/k/v product
+    (strided rows): exactly what `apply_rope` gives each of them alone."""
+    from nextoken.kernels.gpu.rowwise import apply_rope_qk
+
+    qkv = randn(4, (6 + 2 + 2) * 32, dtype=dtype, seed=8, scale=2)
+    q, k = qkv[:, : 6 * 32].view(4, 6, 32), qkv[:, 6 * 32 : 8 * 32].view(4, 2, 32)
+    cos, sin = rope_cos_sin(torch.tensor([3, 9, 40, 41], device=DEV), inv_frequencies(32, 1e4).to(DEV))
+    got_q, got_k = apply_rope_qk(q, k, cos, sin)
+    assert torch.equal(got_q, apply_rope(q, cos, sin)) and torch.equal(got_k, apply_rope(k, cos, sin))
+    off_by_at_most_a_rounding(got_k, torch_rope(k, cos, sin))
+
+
 def test_layers_take_the_kernels_and_fall_back_counted():
     """`layers.rotary.apply_rope` and `layers.activation.silu_and_mul` given the kernels use them;
     an input they refuse runs PyTorch and is counted as a fallback."""

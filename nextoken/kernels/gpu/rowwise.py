@@ -1,5 +1,6 @@
 """The GPU path's row-wise layers in Triton: RMSNorm, the gated activations and RoPE, one launch
-each where PyTorch's expressions launch several small kernels.
+each (RoPE: the queries and the keys together) where PyTorch's expressions launch several
+small kernels.
 
 Why: on the H200 (`benchmarks/gpu_check.py`'s profile, 2026-11-30) a batch-1 decode step of a
 Qwen2.5-1.5B-shaped model ran 3.4 ms on the GPU against 0.76 ms of weight reads: besides its
@@ -90,18 +91,24 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> tor
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_qot, stride_qoh, stride_kot, stride_koh, stride_c, heads_q,
                  HALF: tl.constexpr, HALF_P2: tl.constexpr, REST: tl.constexpr, REST_P2: tl.constexpr,
                  BF16: tl.constexpr, ROUND: tl.constexpr):
-    """One head of one token: its first ``2 HALF`` dims rotated in halves (``x1 cos - x2 sin``,
-    ``x2 cos + x1 sin``, each product and the sum rounded to the dtype, cos and sin first), the
-    `REST` dims after them copied. Grid: (tokens, heads)."""
+    """One head of one token, of the queries (the first `heads_q` heads of the grid) or the keys:
+    its first ``2 HALF`` dims rotated in halves (``x1 cos - x2 sin``, ``x2 cos + x1 sin``, each
+    product and the sum rounded to the dtype, cos and sin first), the `REST` dims after them
+    copied. Grid: (tokens, query heads + key heads)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if h < heads_q:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = qo_ptr + t * stride_qot + h * stride_qoh
+    else:
+        src = k_ptr + t * stride_kt + (h - heads_q) * stride_kh
+        dst = ko_ptr + t * stride_kot + (h - heads_q) * stride_koh
     i = tl.arange(0, HALF_P2)
     ok = i < HALF
-    src = x_ptr + t * stride_xt + h * stride_xh
-    dst = out_ptr + t * stride_ot + h * stride_oh
     x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
     c1 = _rounded(tl.load(cos_ptr + t * stride_c + i, mask=ok, other=0.0), BF16, ROUND)
@@ -110,41 +117,60 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
     s2 = _rounded(tl.load(sin_ptr + t * stride_c + HALF + i, mask=ok, other=0.0), BF16, ROUND)
     y1 = _rounded(_rounded(x1 * c1, BF16, ROUND) - _rounded(x2 * s1, BF16, ROUND), BF16, ROUND)
     y2 = _rounded(_rounded(x2 * c2, BF16, ROUND) + _rounded(x1 * s2, BF16, ROUND), BF16, ROUND)
-    tl.store(dst + i, y1.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF + i, y2.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + i, y1.to(qo_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF + i, y2.to(qo_ptr.dtype.element_ty), mask=ok)
     if REST > 0:
         j = tl.arange(0, REST_P2)
         keep = tl.load(src + 2 * HALF + j, mask=j < REST, other=0.0)
         tl.store(dst + 2 * HALF + j, keep, mask=j < REST)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """`layers.rotary.apply_rope` in one launch: x ``[T, heads, head_dim]`` (bf16 or float32, its
-    last dim contiguous), cos and sin float32 ``[T, rope_dim]`` (contiguous rows; rope_dim even,
-    at most head_dim). Returns a new tensor like x; None for other inputs (the caller's PyTorch
-    expression runs)."""
-    if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(-1) != 1 \
-            or cos.dtype != torch.float32 or cos.shape != sin.shape or cos.stride() != sin.stride() \
-            or cos.stride(-1) != 1 or cos.shape[0] != x.shape[0] or cos.shape[1] % 2 or cos.shape[1] > x.shape[2]:
+def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (x.dim() == 3 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1
+            and cos.dtype == torch.float32 and cos.shape == sin.shape and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and cos.shape[0] == x.shape[0] and cos.shape[1] % 2 == 0
+            and cos.shape[1] <= x.shape[2])
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`layers.rotary.apply_rope` of the queries and the keys in one launch: q ``[T, heads,
+    head_dim]`` and k ``[T, kv heads, head_dim]`` (one dtype, bf16 or float32, the last dim
+    contiguous; strided rows taken, as views of a fused q/k/v product), cos and sin float32 ``[T,
+    rope_dim]`` (contiguous rows; rope_dim even, at most head_dim). Returns new tensors like q
+    and k; None for other inputs (the caller's PyTorch expression runs)."""
+    if not (_rope_takes(q, cos, sin) and _rope_takes(k, cos, sin)) or k.dtype != q.dtype \
+            or k.shape[::2] != q.shape[::2]:
         return None
-    t, h, d = x.shape
+    t, hq, d = q.shape
+    hk = k.shape[1]
     half = cos.shape[1] // 2
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t and h:
-        bf16 = x.dtype == torch.bfloat16
+    qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    if t and hq + hk:
+        bf16 = q.dtype == torch.bfloat16
         rest = d - 2 * half
-        _rope_kernel[(t, h)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-                             HALF=half, HALF_P2=triton.next_power_of_2(half), REST=rest,
-                             REST_P2=triton.next_power_of_2(max(rest, 1)), BF16=bf16, ROUND=INTERPRET and bf16,
-                             num_warps=1)
-    return out
+        _rope_kernel[(t, hq + hk)](q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                   qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), hq,
+                                   HALF=half, HALF_P2=triton.next_power_of_2(half), REST=rest,
+                                   REST_P2=triton.next_power_of_2(max(rest, 1)), BF16=bf16,
+                                   ROUND=INTERPRET and bf16, num_warps=1)
+    return qo, ko
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """`apply_rope_qk` of one tensor (its heads as the queries, no keys): x ``[T, heads,
+    head_dim]``; None for inputs it does not take."""
+    both = apply_rope_qk(x, x[:, :0], cos, sin)
+    return None if both is None else both[0]
 
 
 class Rowwise:
     """What a GPU plan hands the layers as their row-wise kernels (`runner.plan.ExecutionPlan.settle`):
     `layers.norm` calls `rms_norm`, `layers.activation` `act_and_mul`, `layers.rotary`
-    `apply_rope` on it."""
+    `apply_rope` and `apply_rope_qk` on it."""
 
     rms_norm = staticmethod(rms_norm)
     act_and_mul = staticmethod(act_and_mul)
     apply_rope = staticmethod(apply_rope)
+    apply_rope_qk = staticmethod(apply_rope_qk)
