@@ -29,18 +29,11 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=None) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``rope_dim`` dims of every head of x.
 
-    x: ``[num_tokens, num_heads, head_dim]``; cos, sin: ``[num_tokens, rope_dim]``. `kernel`: a
-    GPU plan's row-wise kernels (`kernels.gpu.rowwise`: this function in one launch, the same
-    roundings; a counted fallback to this expression for inputs it does not take).
+    x: ``[num_tokens, num_heads, head_dim]``; cos, sin: ``[num_tokens, rope_dim]``.
     """
-    if kernel is not None:
-        out = kernel.apply_rope(x, cos, sin)
-        if out is not None:
-            return out
-        count_fallback("apply_rope")
     d = cos.shape[-1]
     rot, rest = x[..., :d], x[..., d:]
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
@@ -53,8 +46,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=Non
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope` of the queries ``[T, heads, head_dim]`` and the keys ``[T, kv heads,
-    head_dim]``; with `kernel` (a GPU plan's row-wise kernels) both in one launch, else (or for
-    inputs it does not take, a counted fallback) one `apply_rope` each."""
+    head_dim]``; with `kernel` (a GPU plan's row-wise kernels, `kernels.gpu.rowwise`: the same
+    roundings) both in one launch, else (or for inputs it does not take, a counted fallback) one
+    `apply_rope` each."""
     if kernel is not None:
         both = kernel.apply_rope_qk(q, k, cos, sin)
         if both is not None:

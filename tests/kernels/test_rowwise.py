@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
-from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, apply_rope  # noqa: E402
+from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, apply_rope_qk  # noqa: E402
 from nextoken.layers.rotary import apply_rope as torch_rope, inv_frequencies, rope_cos_sin  # noqa: E402
 from tests.helpers.triton_device import DEV, randn  # noqa: E402
 
@@ -57,45 +57,38 @@ def test_act_and_mul_is_pytorchs_expression(dtype, gelu):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim,rope_dim", [(64, 64), (80, 32)])
-def test_rope_is_the_rotary_reference(dtype, head_dim, rope_dim):
-    """Queries of 5 tokens x 3 heads at scattered positions, full and partial rotation (the dims
-    after `rope_dim` copied): `layers.rotary.apply_rope`'s values within one rounding (its
-    roundings are the kernel's, so bf16 agrees but where a product's float32 rounding differs),
-    on a strided view as the attention layer passes it."""
-    proj = randn(5, 3 * head_dim + 16, dtype=dtype, seed=3, scale=2)
-    x = proj[:, : 3 * head_dim].view(5, 3, head_dim)  # rows strided, as a view of a wider projection
+def test_rope_of_queries_and_keys_is_the_rotary_reference(dtype, head_dim, rope_dim):
+    """3 query heads and 1 key head of 5 tokens at scattered positions, taken as views of one fused
+    q/k/v product (strided rows), full and partial rotation (the dims after `rope_dim` copied):
+    `layers.rotary.apply_rope`'s values for each within one rounding (its roundings are the
+    kernel's, so bf16 agrees but where a product's float32 rounding differs)."""
+    qkv = randn(5, (3 + 1 + 1) * head_dim, dtype=dtype, seed=3, scale=2)
+    q, k = qkv[:, : 3 * head_dim].view(5, 3, head_dim), qkv[:, 3 * head_dim : 4 * head_dim].view(5, 1, head_dim)
     cos, sin = rope_cos_sin(torch.tensor([0, 7, 100, 2048, 31999], device=DEV), inv_frequencies(rope_dim, 1e4).to(DEV))
-    got, want = apply_rope(x, cos, sin), torch_rope(x, cos, sin)
-    off_by_at_most_a_rounding(got, want)
-    assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_queries_and_keys_rotate_in_one_launch_as_apart(dtype):
-    """`apply_rope_qk` on 6 query heads and 2 key heads taken as views of one fused q/k/v product
-    (strided rows): exactly what `apply_rope` gives each of them alone."""
-    from nextoken.kernels.gpu.rowwise import apply_rope_qk
-
-    qkv = randn(4, (6 + 2 + 2) * 32, dtype=dtype, seed=8, scale=2)
-    q, k = qkv[:, : 6 * 32].view(4, 6, 32), qkv[:, 6 * 32 : 8 * 32].view(4, 2, 32)
-    cos, sin = rope_cos_sin(torch.tensor([3, 9, 40, 41], device=DEV), inv_frequencies(32, 1e4).to(DEV))
-    got_q, got_k = apply_rope_qk(q, k, cos, sin)
-    assert torch.equal(got_q, apply_rope(q, cos, sin)) and torch.equal(got_k, apply_rope(k, cos, sin))
-    off_by_at_most_a_rounding(got_k, torch_rope(k, cos, sin))
+    for got, x in zip(apply_rope_qk(q, k, cos, sin), (q, k)):
+        off_by_at_most_a_rounding(got, torch_rope(x, cos, sin))
+        assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
 
 
 def test_layers_take_the_kernels_and_fall_back_counted():
-    """`layers.rotary.apply_rope` and `layers.activation.silu_and_mul` given the kernels use them;
-    an input they refuse runs PyTorch and is counted as a fallback."""
+    """`layers.rotary.apply_rope_qk` and `layers.activation.silu_and_mul` given the kernels use
+    them; an input they refuse runs PyTorch and is counted as a fallback."""
     from nextoken.kernels import FallbackCounts, counting
     from nextoken.layers.activation import silu_and_mul
+    from nextoken.layers.rotary import apply_rope_qk as layer_rope
 
     g, u = randn(4, 64, dtype=torch.bfloat16, seed=4), randn(4, 64, dtype=torch.bfloat16, seed=5)
     counts = FallbackCounts()
     with counting(counts):
         off_by_at_most_a_rounding(silu_and_mul(g, u, kernel=Rowwise), F.silu(g) * u)
         assert torch.equal(silu_and_mul(g.T, u.T, kernel=Rowwise), F.silu(g.T) * u.T)
-    assert counts.snapshot() == {"silu_and_mul": 1}
+        q, k = g.view(4, 2, 32), u[:, :32].reshape(4, 1, 32)
+        cos, sin = rope_cos_sin(torch.arange(4, device=DEV), inv_frequencies(32, 1e4).to(DEV))
+        got = layer_rope(q, k, cos, sin, kernel=Rowwise)
+        assert all(torch.equal(a, b) for a, b in zip(got, apply_rope_qk(q, k, cos, sin)))
+        assert all(torch.equal(a, torch_rope(x, cos, sin))  # (float64 angles: not taken)
+                   for a, x in zip(layer_rope(q, k, cos.double(), sin.double(), kernel=Rowwise), (q, k)))
+    assert counts.snapshot() == {"silu_and_mul": 1, "apply_rope": 1}
 
 
 def test_fused_linears_equal_the_separate_ones_and_share_their_memory():

@@ -193,13 +193,15 @@ def test_int8_cache(device, dtype):
 def test_fresh_keys_replace_the_cache_from_the_first_new_token(device):
     """`k_new`/`v_new`: a sliding-window ring is read before the pass writes it, so the chunk's own
     keys come from the pass's rows, the earlier ones from the cache (whose slots for the new
-    positions hold stale keys here, which must not be read)."""
+    positions hold stale keys here, which must not be read). The values as a strided view of a
+    wider row (a fused q/k/v product's), the keys contiguous: each read with its own strides."""
     case = make_case((7, 3), (11, 4), device=device, seed=3)
     g = torch.Generator().manual_seed(9)
     t, hkv, d = case["q"].shape[0], case["k"].shape[0], case["d"]
-    fresh = tuple(torch.randn(t, hkv, d, generator=g).to(device) for _ in range(2))
-    out = run(case, decode=False, window=6, fresh=fresh)
-    close(out, reference(case, d ** -0.5, 6, fresh=fresh), torch.float32)
+    k_new = torch.randn(t, hkv, d, generator=g).to(device)
+    v_new = torch.randn(t, 3 * hkv * d, generator=g).to(device)[:, hkv * d : 2 * hkv * d].view(t, hkv, d)
+    out = run(case, decode=False, window=6, fresh=(k_new, v_new))
+    close(out, reference(case, d ** -0.5, 6, fresh=(k_new, v_new)), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -239,6 +239,20 @@ async def _last_ids(client, prompt, params) -> list[int]:
     return out.outputs[0].token_ids
 
 
+def _run_then_exit(process, main, *ends) -> None:
+    """Run coroutine `main` against the engine process, close its front ends' `ends`, and see the
+    process exit cleanly (killed if it outlives the test)."""
+    try:
+        asyncio.run(main)
+        for end in ends:
+            end.close()
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
 def test_a_front_end_that_stops_reading_holds_up_only_itself(tiny_gguf):
     """A server process whose event loop stops reading its pipe (busy, or stalled) while the
     engine process has two front ends: the other's requests still finish, equal to
@@ -261,16 +275,7 @@ def test_a_front_end_that_stops_reading_holds_up_only_itself(tiny_gguf):
         for _ in range(4):
             assert await _last_ids(a, "the cat", params) == want
 
-    try:
-        asyncio.run(asyncio.wait_for(main(), 60))
-        a.close()
-        to_b.close()
-        from_b.close()
-        process.join(30)
-        assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
+    _run_then_exit(process, asyncio.wait_for(main(), 60), a, to_b, from_b)
 
 
 def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
@@ -298,11 +303,4 @@ def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
         assert await _last_ids(b, prompts[1], params) == want[1]
         assert steps["b"] > 0 and process.is_alive()
 
-    try:
-        asyncio.run(main())
-        b.close()
-        process.join(30)
-        assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
+    _run_then_exit(process, main(), b)

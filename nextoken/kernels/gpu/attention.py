@@ -336,8 +336,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if grid[0] == 0:
         return out
     ks, vs = (k_scales, v_scales) if int8 else (q, q)  # (unused pointers when the cache is not int8)
-    if fresh and k_new.stride() != v_new.stride():  # (the kernel steps both by k_new's strides; a fused
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()  # q/k/v product leaves v a strided view)
+    if fresh and k_new.stride() != v_new.stride():  # the kernel steps both by k_new's strides (a second pair
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()  # spills the 256-dim fresh tiles); a fused q/k/v
+        # product leaves v a strided view: a copy of a sliding-window prefill chunk's values
     kn, vn = (k_new, v_new) if fresh else (q, q)
     qb_seq, qb_first = tiles if tiles is not None else (seq_lens, seq_lens)
     part = partials if splits > 1 else out

@@ -8,12 +8,12 @@ seven matmuls, each layer launched about 34 small kernels (RMSNorm's float32 con
 mean, epsilon, reciprocal root, products and cast back, twice; RoPE's products, concatenations
 and sums for the queries and the keys; SiLU and its product), about 1.5 us each even inside a
 CUDA graph: 1.4 ms of the step. Here a norm is one kernel, an activation and its product one,
-and the rotation of a query or key tensor one.
+and the rotation of the queries and keys one.
 
 Each computes its PyTorch reference's function with the same roundings: `rms_norm` is
 `kernels.gpu.batch_invariant.rms_norm` (its fixed rows per program also suit a decode's few
 rows); `act_and_mul` rounds the activation to the inputs' dtype before the product, as
-``F.silu(gate) * up`` in bf16 does; `apply_rope` rounds cos and sin to the inputs' dtype and each
+``F.silu(gate) * up`` in bf16 does; `apply_rope_qk` rounds cos and sin to the inputs' dtype and each
 product and the sum, as `layers.rotary.apply_rope` in bf16 does. float32 inputs stay in float32
 throughout. The exponential is the GPU's, so a bf16 result can differ from PyTorch's by one
 rounding where the last bits of e^x move it. Under Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -158,19 +158,11 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return qo, ko
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """`apply_rope_qk` of one tensor (its heads as the queries, no keys): x ``[T, heads,
-    head_dim]``; None for inputs it does not take."""
-    both = apply_rope_qk(x, x[:, :0], cos, sin)
-    return None if both is None else both[0]
-
-
 class Rowwise:
     """What a GPU plan hands the layers as their row-wise kernels (`runner.plan.ExecutionPlan.settle`):
     `layers.norm` calls `rms_norm`, `layers.activation` `act_and_mul`, `layers.rotary`
-    `apply_rope` and `apply_rope_qk` on it."""
+    `apply_rope_qk` on it."""
 
     rms_norm = staticmethod(rms_norm)
     act_and_mul = staticmethod(act_and_mul)
-    apply_rope = staticmethod(apply_rope)
     apply_rope_qk = staticmethod(apply_rope_qk)
