@@ -96,6 +96,30 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
+@dataclass(slots=True)
+class KVStore:
+    """Where a layer's RoPE kernel writes the pass's keys and values itself (a GPU plan's
+    `kernels.gpu.rowwise.apply_rope_qk`, one launch fewer than `attend`'s own write): the
+    layer's paged cache k_cache, v_cache ``[Hkv, num_blocks, block_size, D]``, the pass's
+    slot_mapping int64 ``[T]`` and the values v ``[T, Hkv, D]``; the kernel sets `written`."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    v: torch.Tensor
+    written: bool = False
+
+
+def kv_store(kv, layer: int, meta: AttentionMetadata, sliding: bool, v: torch.Tensor) -> KVStore | None:
+    """This layer's `KVStore` when its RoPE kernel may write the cache: a pass on the Triton
+    attention, untraced, on a full-attention layer of an unquantized cache (`attend_triton` would
+    write it first thing, as ``kv.write``); None otherwise."""
+    if meta.backend != "triton" or meta.probs is not None or meta.ablation is not None or sliding or kv.quantized:
+        return None
+    i = kv.layer_index[layer]
+    return KVStore(kv.k[i], kv.v[i], meta.slot_mapping, v)
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """One sequence's keys (or values) ``[kv_heads, seq_len, head_dim]`` from its blocks.
     cache: ``[kv_heads, num_blocks, block_size, head_dim]`` (one layer)."""
@@ -420,12 +444,13 @@ def _decode_chunk(q, k_cache, v_cache, tables, seq_lens, block_size: int, scale:
     return out.transpose(0, 1).reshape(nd, num_heads, head_dim)
 
 
-def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, sliding: bool = False) -> torch.Tensor:
+def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, sliding: bool = False,
+           stored: bool = False) -> torch.Tensor:
     """One layer's attention step, whatever its kind: q ``[T, H, D]``, k, v ``[T, Hkv, D]`` ->
     output ``[T, H, D]``.
 
-    A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`)
-    and attends over each sequence's blocks; a `sliding` layer does both over the sequence's ring
+    A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`;
+    not when `stored`: the RoPE kernel wrote them, `KVStore`) and attends over each sequence's blocks; a `sliding` layer does both over the sequence's ring
     (`sliding_attention`). The reference path (and tracing) use plain float32 attention; while
     tracing, the probabilities go to the metadata's sink (`AttentionMetadata.probs`)."""
     from nextoken.layers.sliding_attention import sliding_window_attention
@@ -440,7 +465,7 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
     if meta.backend == "triton" and not reference:
         from nextoken.layers.gpu_attention import attend_triton
 
-        return attend_triton(q, k, v, kv, layer, meta, scale, sliding)
+        return attend_triton(q, k, v, kv, layer, meta, scale, sliding, stored)
     if sliding:
         i = kv.sliding.layer_index[layer]
         return sliding_window_attention(q, k, v, kv.sliding.k[i], kv.sliding.v[i], meta, scale, reference,

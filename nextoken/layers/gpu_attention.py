@@ -52,10 +52,11 @@ class DeviceMetadata:
     aligned: bool = False
 
 
-def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool) -> torch.Tensor:
+def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, stored: bool = False) -> torch.Tensor:
     """One layer's attention on the Triton kernel: q ``[T, H, D]``, k, v ``[T, Hkv, D]`` ->
     ``[T, H, D]``; writes k, v into `kv` (`kv_cache.tensors.PagedKVCache`: the paged cache, or
-    the layer's ring when `sliding`). `meta`: the pass's `AttentionMetadata`, its `device` set."""
+    the layer's ring when `sliding`), unless `stored` (the RoPE kernel wrote the paged cache:
+    `layers.attention.KVStore`). `meta`: the pass's `AttentionMetadata`, its `device` set."""
     dm: DeviceMetadata = meta.device
     out = torch.empty_like(q)
     if sliding:
@@ -72,7 +73,8 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool) ->
             _decode(q, k_ring, v_ring, dm, dm.ring_tables, scale, out, window=window)
         return out
     i = kv.layer_index[layer]
-    kv.write(i, meta.slot_mapping, k, v)
+    if not stored:
+        kv.write(i, meta.slot_mapping, k, v)
     k_cache, v_cache = kv.layer(i)
     scales = {}
     if kv.quantized:  # int8 rows: codes and their scales (`kv_cache.tensors.Int8Rows`)

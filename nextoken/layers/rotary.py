@@ -44,13 +44,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kernel=None, store=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope` of the queries ``[T, heads, head_dim]`` and the keys ``[T, kv heads,
     head_dim]``; with `kernel` (a GPU plan's row-wise kernels, `kernels.gpu.rowwise`: the same
     roundings) both in one launch, else (or for inputs it does not take, a counted fallback) one
-    `apply_rope` each."""
+    `apply_rope` each. `store` (`layers.attention.KVStore`): the kernel may also write the keys
+    and values into the paged cache, and then sets ``store.written``."""
     if kernel is not None:
-        both = kernel.apply_rope_qk(q, k, cos, sin)
+        both = kernel.apply_rope_qk(q, k, cos, sin, store)
         if both is not None:
             return both
         count_fallback("apply_rope")

@@ -26,7 +26,7 @@ import torch
 from nextoken.config import ModelConfig
 from nextoken.layers import weight_param
 from nextoken.layers.activation import gelu_tanh_and_mul
-from nextoken.layers.norm import rms_norm_gemma
+from nextoken.layers.norm import add_rms_norm, rms_norm_gemma
 from nextoken.layers.rotary import inv_frequencies, rope_cos_sin
 from nextoken.models.base import DecoderModel
 from nextoken.models.llama import TP_PLAN, LlamaAttention, LlamaMLP
@@ -58,13 +58,13 @@ class Gemma3DecoderLayer(torch.nn.Module):
         cos, sin = rope[self.self_attn.sliding]
         nk = self.norm_kernel
         attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps, nk), cos, sin, kv, meta)
-        h = h + rms_norm_gemma(attn, self.post_attention_layernorm, self.eps, nk)
+        h, x = add_rms_norm(h, attn, self.pre_feedforward_layernorm, self.eps, nk, gemma=True,
+                            a_weight=self.post_attention_layernorm)
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
             return h
-        ffn = self.mlp(rms_norm_gemma(h, self.pre_feedforward_layernorm, self.eps, nk))
-        h = h + rms_norm_gemma(ffn, self.post_feedforward_layernorm, self.eps, nk)
+        h, _ = add_rms_norm(h, self.mlp(x), None, self.eps, nk, gemma=True, a_weight=self.post_feedforward_layernorm)
         return h
 
 

@@ -16,9 +16,9 @@ import torch
 from nextoken.config import ModelConfig
 from nextoken.layers import weight_param
 from nextoken.layers.activation import silu_and_mul
-from nextoken.layers.attention import AttentionMetadata, attend
+from nextoken.layers.attention import AttentionMetadata, attend, kv_store
 from nextoken.layers.linear import Linear
-from nextoken.layers.norm import rms_norm
+from nextoken.layers.norm import add_rms_norm, rms_norm
 from nextoken.layers.rotary import apply_rope_qk
 from nextoken.kv_cache.tensors import PagedKVCache
 from nextoken.models.base import DecoderModel
@@ -65,8 +65,9 @@ class LlamaAttention(torch.nn.Module):
         if self.q_norm is not None:
             nk = self.qk_norm_kernel
             q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
-        q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel)
-        out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding)
+        store = kv_store(kv, self.layer, meta, self.sliding, v) if self.rope_kernel is not None else None
+        q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel, store)
+        out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding, store is not None and store.written)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -102,14 +103,14 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def forward(self, h, rope, kv, meta):
         cos, sin = rope[self.self_attn.sliding]
-        attn = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, self.norm_kernel), cos, sin, kv, meta)
-        h = h + attn
+        nk = self.norm_kernel
+        attn = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, nk), cos, sin, kv, meta)
+        h, x = add_rms_norm(h, attn, self.post_attention_layernorm, self.eps, nk)
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
             return h
-        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, self.norm_kernel))
-        return h
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(DecoderModel):

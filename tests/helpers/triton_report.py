@@ -1,5 +1,5 @@
 """The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
-the GPU plan's row-wise activation and RoPE) for a Hopper GPU (sm_90), made on a machine
+the GPU plan's row-wise activation, RoPE and residual add with RMSNorm) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -71,23 +71,36 @@ def report_invariant(kernel: str, dtype: str, width: int = 0) -> dict:
 
 
 ROWWISE = [("act", "bf16", 0), ("act", "bf16", 1), ("act", "fp32", 0), ("rope", "bf16", 32), ("rope", "bf16", 64),
-           ("rope", "bf16", 128), ("rope", "fp32", 64)]  # (act: SiLU 0, GELU 1; rope: half the rotated dims)
+           ("rope", "bf16", 128), ("rope", "fp32", 64), ("rope store", "bf16", 64), ("rope store", "bf16", 128),
+           ("rope store", "fp32", 64), ("add_norm", "bf16", 2048), ("add_norm", "fp32", 2048),
+           ("add_norm gemma", "bf16", 1024)]  # (act: SiLU 0, GELU 1; rope: half the rotated dims; add_norm: width)
 
 
 def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
     """The same report for a row-wise kernel of the GPU plan (`kernels.gpu.rowwise`): the gated
-    activation (`n` 1: GELU), or RoPE over heads of ``2 n`` rotated dims."""
+    activation (`n` 1: GELU), RoPE over heads of ``2 n`` rotated dims (``store``: writing the
+    paged cache too), or the residual add and RMSNorm over rows of `n` (``gemma``: Gemma 3's
+    post-norm of the addend first)."""
     from nextoken.kernels.gpu import rowwise as R
+    from nextoken.kernels.gpu.batch_invariant import norm_rows
 
     p = f"*{dtype}"
     if kernel == "act":
         types = {"g_ptr": p, "u_ptr": p, "out_ptr": p}
         consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
         usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
-    else:
-        types = {"q_ptr": p, "k_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qo_ptr": p, "ko_ptr": p}
-        consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, BF16=dtype == "bf16", ROUND=False)
+    elif kernel.startswith("rope"):
+        types = {"q_ptr": p, "k_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qo_ptr": p, "ko_ptr": p,
+                 "v_ptr": p, "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
+        consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, D_P2=2 * n, STORE="store" in kernel,
+                      BF16=dtype == "bf16", ROUND=False)
         usage = compiled(R._rope_kernel, types, consts, 1, 3)
+    else:
+        types = {"h_ptr": p, "a_ptr": p, "wa_ptr": p, "w_ptr": p, "s_ptr": p, "y_ptr": p, "eps": "fp32"}
+        gemma = "gemma" in kernel
+        consts = dict(ROWS=norm_rows(n), BLOCK=n, NORM_A=gemma, NORM_OUT=True, GEMMA=gemma, BF16=dtype == "bf16",
+                      ROUND=False)
+        usage = compiled(R._add_norm_kernel, types, consts, 4, 3)
     return {"variant": [kernel, dtype, n], **usage}
 
 

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
-from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, apply_rope_qk  # noqa: E402
+from nextoken.kernels.gpu.batch_invariant import rms_norm as kernel_norm  # noqa: E402
+from nextoken.kernels.gpu.rowwise import Rowwise, act_and_mul, add_rms_norm, apply_rope_qk  # noqa: E402
+from nextoken.layers import norm as torch_norm  # noqa: E402
 from nextoken.layers.rotary import apply_rope as torch_rope, inv_frequencies, rope_cos_sin  # noqa: E402
 from tests.helpers.triton_device import DEV, randn  # noqa: E402
 
@@ -70,6 +72,65 @@ def test_rope_of_queries_and_keys_is_the_rotary_reference(dtype, head_dim, rope_
         assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
 
 
+@pytest.mark.parametrize("head_dim,rope_dim", [(64, 64), (80, 32)])
+def test_rope_writes_the_keys_and_values_into_the_paged_cache(head_dim, rope_dim):
+    """With a `KVStore` the same launch writes the rotated keys and the values of 5 tokens (views
+    of a fused q/k/v product) at their slots of a 2-head paged cache: the cache equals
+    `PagedKVCache.write`'s of the returned keys, every other slot untouched; a store in another
+    dtype is left unwritten (the caller's write runs)."""
+    from nextoken.layers.attention import KVStore
+
+    hq, hk, t = 4, 2, 5
+    qkv = randn(t, (hq + 2 * hk) * head_dim, dtype=torch.bfloat16, seed=40, scale=2)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(t, hk, head_dim)
+    v = qkv[:, (hq + hk) * head_dim :].view(t, hk, head_dim)
+    cos, sin = rope_cos_sin(torch.tensor([3, 4, 9, 10, 11], device=DEV), inv_frequencies(rope_dim, 1e4).to(DEV))
+    kc, vc = (randn(hk, 6, 4, head_dim, dtype=torch.bfloat16, seed=41 + i) for i in range(2))
+    slots = torch.tensor([21, 2, 7, 8, 0], device=DEV)
+    store = KVStore(kc.clone(), vc.clone(), slots, v)
+    qo, ko = apply_rope_qk(q, k, cos, sin, store)
+    assert store.written and all(torch.equal(a, b) for a, b in zip((qo, ko), apply_rope_qk(q, k, cos, sin)))
+    for cache, want_rows, got in ((kc, ko, store.k_cache), (vc, v, store.v_cache)):
+        want = cache.clone()
+        want.view(hk, -1, head_dim).index_copy_(1, slots, want_rows.transpose(0, 1))
+        assert torch.equal(got, want)
+    other = KVStore(kc.float(), vc.float(), slots, v)
+    apply_rope_qk(q, k, cos, sin, other)
+    assert not other.written and torch.equal(other.k_cache, kc.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["llama", "gemma-post-norm", "gemma-add-alone"])
+def test_residual_add_and_norm_in_one_launch_is_the_reference(dtype, form):
+    """9 rows of 700 (several programs, a width not a power of two): the residual sum s equals
+    PyTorch's ``h + a`` (Gemma's post-norm: ``h + rms_norm_gemma(a)`` within a rounding), and its
+    norm y equals the standalone norm kernel of that s bit for bit (tested against PyTorch's
+    norms in test_batch_invariant.py) and PyTorch's within a rounding; each row's values are
+    the same computed alone (the rows per program do not depend on the batch)."""
+    gemma, a_norm, out_norm = form != "llama", form != "llama", form != "gemma-add-alone"
+    h, a = randn(9, 700, dtype=dtype, seed=30, scale=3), randn(9, 700, dtype=dtype, seed=31)
+    w, wa = randn(700, dtype=dtype, seed=32), randn(700, dtype=dtype, seed=33)
+    weight, a_weight = (w if out_norm else None), (wa if a_norm else None)
+    s, y = add_rms_norm(h, a, weight, 1e-6, gemma=gemma, a_weight=a_weight)
+    ref_s, ref_y = torch_norm.add_rms_norm(h, a, weight, 1e-6, gemma=gemma, a_weight=a_weight)
+    if a_norm:
+        off_by_at_most_a_rounding(s - h, ref_s - h)  # (the post-norm's mean: one float32 tree sum, as the kernel's)
+        assert torch.equal(s, h + kernel_norm(a, wa, 1e-6, gemma=True))
+    else:
+        assert torch.equal(s, ref_s)
+    if out_norm:
+        assert torch.equal(y, kernel_norm(s, w, 1e-6, gemma=gemma))
+        off_by_at_most_a_rounding(y, (torch_norm.rms_norm_gemma if gemma else torch_norm.rms_norm)(s, w, 1e-6))
+        if not a_norm:
+            off_by_at_most_a_rounding(y, ref_y)
+    else:
+        assert y is None and ref_y is None
+    s3, y3 = add_rms_norm(h[3:4], a[3:4], weight, 1e-6, gemma=gemma, a_weight=a_weight)
+    assert torch.equal(s3, s[3:4]) and (y is None or torch.equal(y3, y[3:4]))
+    assert add_rms_norm(h, a.T.contiguous().T, weight, 1e-6) is None  # (strided columns: refused)
+
+
 def test_layers_take_the_kernels_and_fall_back_counted():
     """`layers.rotary.apply_rope_qk` and `layers.activation.silu_and_mul` given the kernels use
     them; an input they refuse runs PyTorch and is counted as a fallback."""
@@ -88,7 +149,12 @@ def test_layers_take_the_kernels_and_fall_back_counted():
         assert all(torch.equal(a, b) for a, b in zip(got, apply_rope_qk(q, k, cos, sin)))
         assert all(torch.equal(a, torch_rope(x, cos, sin))  # (float64 angles: not taken)
                    for a, x in zip(layer_rope(q, k, cos.double(), sin.double(), kernel=Rowwise), (q, k)))
-    assert counts.snapshot() == {"silu_and_mul": 1, "apply_rope": 1}
+        h = g.view(2, 128)
+        s, y = torch_norm.add_rms_norm(h, u.view(2, 128), u[0, :32].repeat(4), 1e-6, kernel=Rowwise)
+        assert s.is_contiguous() and torch.equal(s, h + u.view(2, 128))
+        assert torch.equal(torch_norm.add_rms_norm(h.T, u.view(2, 128).T, u[:, 0].repeat(32)[:2], 1e-6,
+                                                   kernel=Rowwise)[0], (h + u.view(2, 128)).T)
+    assert counts.snapshot() == {"silu_and_mul": 1, "apply_rope": 1, "add_rms_norm": 1}
 
 
 def test_fused_linears_equal_the_separate_ones_and_share_their_memory():

@@ -107,22 +107,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, n, stride_x, stride_o, eps, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, GEMMA: tl.constexpr, ROUND: tl.constexpr):
-    """`ROWS` rows: ``x / sqrt(mean(x^2) + eps)`` in float32, then (Llama) rounded to x's dtype
-    and times the weight, or (`GEMMA`) times the weight in float32 and rounded once. Grid:
-    (row tiles,)."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _normed_rows(x, w_ptr, n, eps, BLOCK: tl.constexpr, GEMMA: tl.constexpr, ROUND: tl.constexpr):
+    """RMSNorm of float32 rows x ``[rows, BLOCK]`` (columns from `n` on zero): ``x / sqrt(mean(x^2)
+    + eps)`` in float32, then (Llama) rounded to the weight's dtype and times the weight, or
+    (`GEMMA`) times the weight in float32; float32, to be rounded to the output's dtype once."""
     i = tl.arange(0, BLOCK)
-    ok = (r[:, None] < rows) & (i[None, :] < n)
-    x = tl.load(x_ptr + r[:, None] * stride_x + i[None, :], mask=ok, other=0.0).to(tl.float32)
     h = x * (1.0 / tl.sqrt(tl.sum(x * x, 1) / n + eps))[:, None]
     w = tl.load(w_ptr + i, mask=i < n, other=0.0)[None, :]
     if GEMMA:
         y = h * w.to(tl.float32)
     else:  # rounded to x's dtype, then times the weight: a product of two bf16 values is exact in float32,
         y = _round_bf16(h, ROUND).to(w.dtype).to(tl.float32) * w.to(tl.float32)  # so this rounds once, as a
-    y = _round_bf16(y, ROUND)  # bf16 multiply would
+    return _round_bf16(y, ROUND)  # bf16 multiply would
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, n, stride_x, stride_o, eps, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr, GEMMA: tl.constexpr, ROUND: tl.constexpr):
+    """`ROWS` rows of `_normed_rows`, stored in the output's dtype. Grid: (row tiles,)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, BLOCK)
+    ok = (r[:, None] < rows) & (i[None, :] < n)
+    x = tl.load(x_ptr + r[:, None] * stride_x + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = _normed_rows(x, w_ptr, n, eps, BLOCK, GEMMA, ROUND)
     tl.store(out_ptr + r[:, None] * stride_o + i[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

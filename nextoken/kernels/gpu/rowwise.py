@@ -1,14 +1,16 @@
-"""The GPU path's row-wise layers in Triton: RMSNorm, the gated activations and RoPE, one launch
-each (RoPE: the queries and the keys together) where PyTorch's expressions launch several
-small kernels.
+"""The GPU path's row-wise layers in Triton: RMSNorm, the residual add with the RMSNorm after it,
+the gated activations and RoPE, one launch each (RoPE: the queries and the keys together, and
+the keys and values written into the paged cache in the same launch) where PyTorch's
+expressions launch several small kernels.
 
 Why: on the H200 (`benchmarks/gpu_check.py`'s profile, 2026-11-30) a batch-1 decode step of a
 Qwen2.5-1.5B-shaped model ran 3.4 ms on the GPU against 0.76 ms of weight reads: besides its
 seven matmuls, each layer launched about 34 small kernels (RMSNorm's float32 conversion, square,
 mean, epsilon, reciprocal root, products and cast back, twice; RoPE's products, concatenations
 and sums for the queries and the keys; SiLU and its product), about 1.5 us each even inside a
-CUDA graph: 1.4 ms of the step. Here a norm is one kernel, an activation and its product one,
-and the rotation of the queries and keys one.
+CUDA graph: 1.4 ms of the step. Here a norm is one kernel (with the residual add before it, where
+the layer has one), an activation and its product one, and the rotation of the queries and keys
+with the cache's write one.
 
 Each computes its PyTorch reference's function with the same roundings: `rms_norm` is
 `kernels.gpu.batch_invariant.rms_norm` (its fixed rows per program also suit a decode's few
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nextoken.kernels.gpu.batch_invariant import _round_bf16, rms_norm
+from nextoken.kernels.gpu.batch_invariant import _normed_rows, _round_bf16, norm_rows, rms_norm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_BLOCK = 1024  # elements per program of `act_and_mul`
@@ -93,20 +95,25 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> tor
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_qot, stride_qoh, stride_kot, stride_koh, stride_c, heads_q,
+                 v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_ch,
                  HALF: tl.constexpr, HALF_P2: tl.constexpr, REST: tl.constexpr, REST_P2: tl.constexpr,
-                 BF16: tl.constexpr, ROUND: tl.constexpr):
+                 D_P2: tl.constexpr, STORE: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
     """One head of one token, of the queries (the first `heads_q` heads of the grid) or the keys:
     its first ``2 HALF`` dims rotated in halves (``x1 cos - x2 sin``, ``x2 cos + x1 sin``, each
     product and the sum rounded to the dtype, cos and sin first), the `REST` dims after them
-    copied. Grid: (tokens, query heads + key heads)."""
+    copied. `STORE`: a key head's program also writes the rotated key and the value of its head
+    at the token's slot of the paged cache (``[heads, slots, head_dim]``, head stride
+    `stride_ch`). Grid: (tokens, query heads + key heads)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    if h < heads_q:
+    hk = h - heads_q
+    key = hk >= 0
+    if key:
+        src = k_ptr + t * stride_kt + hk * stride_kh
+        dst = ko_ptr + t * stride_kot + hk * stride_koh
+    else:
         src = q_ptr + t * stride_qt + h * stride_qh
         dst = qo_ptr + t * stride_qot + h * stride_qoh
-    else:
-        src = k_ptr + t * stride_kt + (h - heads_q) * stride_kh
-        dst = ko_ptr + t * stride_kot + (h - heads_q) * stride_koh
     i = tl.arange(0, HALF_P2)
     ok = i < HALF
     x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
@@ -123,6 +130,18 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stri
         j = tl.arange(0, REST_P2)
         keep = tl.load(src + 2 * HALF + j, mask=j < REST, other=0.0)
         tl.store(dst + 2 * HALF + j, keep, mask=j < REST)
+    if STORE:
+        if key:
+            row = hk * stride_ch + tl.load(slot_ptr + t) * (2 * HALF + REST)
+            tl.store(kc_ptr + row + i, y1.to(kc_ptr.dtype.element_ty), mask=ok)
+            tl.store(kc_ptr + row + HALF + i, y2.to(kc_ptr.dtype.element_ty), mask=ok)
+            if REST > 0:
+                r = tl.arange(0, REST_P2)
+                tl.store(kc_ptr + row + 2 * HALF + r, tl.load(src + 2 * HALF + r, mask=r < REST, other=0.0),
+                         mask=r < REST)
+            d = tl.arange(0, D_P2)
+            vals = tl.load(v_ptr + t * stride_vt + hk * stride_vh + d, mask=d < 2 * HALF + REST, other=0.0)
+            tl.store(vc_ptr + row + d, vals, mask=d < 2 * HALF + REST)
 
 
 def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -132,13 +151,29 @@ def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and cos.shape[1] <= x.shape[2])
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _store_takes(store, k: torch.Tensor) -> bool:
+    """Whether the kernel can write k and `store.v` into `store`'s paged cache: the cache in k's
+    dtype, ``[kv heads, blocks, block_size, head_dim]`` contiguous, v like k with contiguous
+    rows, one int64 slot per token."""
+    kc, vc, slots, v = store.k_cache, store.v_cache, store.slot_mapping, store.v
+    return (kc.dtype == vc.dtype == v.dtype == k.dtype and kc.shape == vc.shape and kc.dim() == 4
+            and kc.shape[0] == k.shape[1] and kc.shape[3] == k.shape[2] and kc.is_contiguous() and vc.is_contiguous()
+            and v.shape == k.shape and v.stride(-1) == 1 and slots.dtype == torch.int64 and slots.shape == k.shape[:1]
+            and slots.is_contiguous())
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  store=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`layers.rotary.apply_rope` of the queries and the keys in one launch: q ``[T, heads,
     head_dim]`` and k ``[T, kv heads, head_dim]`` (one dtype, bf16 or float32, the last dim
     contiguous; strided rows taken, as views of a fused q/k/v product), cos and sin float32 ``[T,
     rope_dim]`` (contiguous rows; rope_dim even, at most head_dim). Returns new tensors like q
-    and k; None for other inputs (the caller's PyTorch expression runs)."""
+    and k; None for other inputs (the caller's PyTorch expression runs).
+
+    `store` (`layers.attention.KVStore`, or None): the same launch also writes the rotated keys
+    and ``store.v`` into the layer's paged cache at ``store.slot_mapping``, as
+    `kv_cache.tensors.PagedKVCache.write` would, and sets ``store.written``; a store it cannot
+    take (another dtype or layout) is left unwritten."""
     if not (_rope_takes(q, cos, sin) and _rope_takes(k, cos, sin)) or k.dtype != q.dtype \
             or k.shape[::2] != q.shape[::2]:
         return None
@@ -147,22 +182,75 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     half = cos.shape[1] // 2
     qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    take = store is not None and _store_takes(store, k)
+    kc, vc, slots, v = (store.k_cache, store.v_cache, store.slot_mapping, store.v) if take else (k, k, cos, k)
     if t and hq + hk:
         bf16 = q.dtype == torch.bfloat16
         rest = d - 2 * half
         _rope_kernel[(t, hq + hk)](q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), hq,
+                                   v, kc, vc, slots, v.stride(0), v.stride(1), kc.stride(0) if take else 0,
                                    HALF=half, HALF_P2=triton.next_power_of_2(half), REST=rest,
-                                   REST_P2=triton.next_power_of_2(max(rest, 1)), BF16=bf16,
-                                   ROUND=INTERPRET and bf16, num_warps=1)
+                                   REST_P2=triton.next_power_of_2(max(rest, 1)), D_P2=triton.next_power_of_2(d),
+                                   STORE=take, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=1)
+    if take:
+        store.written = True
     return qo, ko
+
+
+@triton.jit
+def _add_norm_kernel(h_ptr, a_ptr, wa_ptr, w_ptr, s_ptr, y_ptr, rows, n, stride_h, stride_a, stride_s, stride_y, eps,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM_A: tl.constexpr, NORM_OUT: tl.constexpr,
+                     GEMMA: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """`ROWS` rows of the residual stream: ``s = h + a`` (`NORM_A`: a first normed by its weight
+    and rounded, Gemma 3's post-norms), rounded to the dtype and stored, then (`NORM_OUT`) the
+    RMSNorm of s stored (`batch_invariant._normed_rows`). Grid: (row tiles,)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, BLOCK)
+    ok = (r[:, None] < rows) & (i[None, :] < n)
+    a = tl.load(a_ptr + r[:, None] * stride_a + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORM_A:
+        a = _rounded(_normed_rows(a, wa_ptr, n, eps, BLOCK, GEMMA, ROUND), BF16, ROUND)
+    h = tl.load(h_ptr + r[:, None] * stride_h + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = _rounded(h + a, BF16, ROUND)
+    tl.store(s_ptr + r[:, None] * stride_s + i[None, :], s.to(s_ptr.dtype.element_ty), mask=ok)
+    if NORM_OUT:
+        y = _normed_rows(s, w_ptr, n, eps, BLOCK, GEMMA, ROUND)
+        tl.store(y_ptr + r[:, None] * stride_y + i[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: bool = False,
+                 a_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`layers.norm.add_rms_norm` in one launch: the residual add ``s = h + a`` (with `a_weight`,
+    ``h + rms_norm(a, a_weight)``) and the RMSNorm of s by `weight` (None: s alone), for h and a
+    ``[T, n]`` of one dtype (bf16 or float32, contiguous rows) and weights ``[n]`` of it. `gemma`:
+    Gemma's norm (the weight's product in float32). Returns (s, y or None), new contiguous
+    tensors; None for other inputs (the caller's PyTorch expressions run). Rows per program as
+    `batch_invariant.rms_norm`'s, so a row's values do not depend on the batch."""
+    n = h.shape[-1]
+    if h.shape != a.shape or h.dim() != 2 or h.dtype != a.dtype or h.dtype not in (torch.bfloat16, torch.float32) \
+            or h.stride(-1) != 1 or a.stride(-1) != 1 \
+            or any(w is not None and (w.shape != (n,) or w.dtype != h.dtype or w.stride(0) != 1) for w in (weight, a_weight)):
+        return None
+    s = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    y = torch.empty_like(s) if weight is not None else None
+    rows = h.shape[0]
+    if rows and n:
+        per, bf16 = norm_rows(n), h.dtype == torch.bfloat16
+        _add_norm_kernel[(triton.cdiv(rows, per),)](
+            h, a, a_weight if a_weight is not None else h, weight if weight is not None else h, s,
+            y if y is not None else s, rows, n, h.stride(0), a.stride(0), n, n, eps, ROWS=per,
+            BLOCK=triton.next_power_of_2(n), NORM_A=a_weight is not None, NORM_OUT=weight is not None,
+            GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=4)
+    return s, y
 
 
 class Rowwise:
     """What a GPU plan hands the layers as their row-wise kernels (`runner.plan.ExecutionPlan.settle`):
-    `layers.norm` calls `rms_norm`, `layers.activation` `act_and_mul`, `layers.rotary`
-    `apply_rope_qk` on it."""
+    `layers.norm` calls `rms_norm` and `add_rms_norm`, `layers.activation` `act_and_mul`,
+    `layers.rotary` `apply_rope_qk` on it."""
 
     rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
     act_and_mul = staticmethod(act_and_mul)
     apply_rope_qk = staticmethod(apply_rope_qk)
