@@ -281,10 +281,10 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_as_one(tiny_gguf)
 
 
 def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
-    """32 requests at once on the real model: the reference prompts still give the reference
+    """16 requests at once on the real model: the reference prompts still give the reference
     greedy ids (prefix caching on, and under preemption), the rest match their solo runs."""
     gens = load_reference("smollm2-135m-instruct")["generations"]
-    extra = [f"Write one sentence about the number {i}." for i in range(26)]
+    extra = [f"Write one sentence about the number {i}." for i in range(10)]
     prompts = [g["prompt_ids"] for g in gens] + extra
     p = SamplingParams(temperature=0, max_tokens=16)
     llm = smollm2_f32
@@ -293,7 +293,7 @@ def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
         assert got == g["greedy_ids"][:16]
     assert [token_ids(llm.generate([q], p))[0] for q in extra[:3]] == outs[len(gens):len(gens) + 3]
     assert_no_leak(llm)
-    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=40, enable_prefix_caching=False)
+    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=24, enable_prefix_caching=False)
     assert token_ids(tight.generate(prompts, p)) == outs
     assert tight.engine.stats()["num_preemptions"] > 0
     assert_no_leak(tight)
