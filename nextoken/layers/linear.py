@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nextoken.layers.quantization.methods import (CodesMethod, DenseKernelMethod, DenseMethod, LinearMethod,
-                                                  TorchInt4Method, expand_int4)
+                                                  TorchInt4Method, dense_matmul, expand_int4)
 from nextoken.layers.quantization.qweight import QuantWeight, dense_c_struct, dequantize_bf16
 
 
@@ -43,6 +43,7 @@ class Linear(torch.nn.Module):
         self.float_out = False  # codes: float32 out, rounded as a bf16 output (the LM head's logits, widened anyway)
         self.combine = None  # tensor parallel: [T, out] of this rank -> the joined output
         self.lora = None  # its LoRA adapters (`lora.LoRASlots`), once one targets it
+        self.gemv_rows = 0  # a GPU plan's: calls of at most this many rows run our GEMV (`kernels.gpu.gemv`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -138,6 +139,7 @@ class FusedLinear:
         for lin, part in zip(linears, self.weight.split(self.sizes)):
             lin.weight.data = part
         self.bias = None
+        self.gemv_rows = 0  # as `Linear.gemv_rows`
         if linears[0].bias is not None:
             self.bias = torch.cat([lin.bias.data for lin in linears])
             for lin, part in zip(linears, self.bias.split(self.sizes)):
@@ -159,4 +161,14 @@ class FusedLinear:
         return not any(lin.lora is not None and lin.lora.batch.ids for lin in self.linears)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return dense_matmul(x, self.weight, self.bias, self.gemv_rows).split(self.sizes, dim=-1)
+
+
+def gemv_targets(model) -> list:
+    """The matmuls a GPU plan's GEMV may take (`kernels.gpu.gemv`): every fused projection and
+    every dense linear outside one (o, down, the LM head), each with ``weight``, ``bias`` and
+    ``gemv_rows``."""
+    fused = [f for m in model.modules() for f in (getattr(m, "qkv", None), getattr(m, "gate_up", None)) if f]
+    inside = {id(lin) for f in fused for lin in f.linears}
+    return fused + [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is DenseMethod
+                    and m.weight is not None and m.combine is None and id(m) not in inside]

@@ -88,6 +88,8 @@ class ExecutionPlan:
     batch_invariant: bool = False  # linears and norms on `kernels.gpu.batch_invariant`, one key split per decode
     rowwise: bool = False  # norms, activations and RoPE on `kernels.gpu.rowwise` (a GPU, kernels on)
     fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
+    gemv: bool = False  # decode matmuls of few rows on `kernels.gpu.gemv` where it measures faster (a GPU, kernels on)
+    gemv_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took, shapes timed), once settled
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -141,7 +143,8 @@ class ExecutionPlan:
         attention = "reference" if reference_attention else "triton"
         reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
         return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons,
-                   rowwise=not enforce_eager and not reference_attention, fused=not enforce_eager)
+                   rowwise=not enforce_eager and not reference_attention, fused=not enforce_eager,
+                   gemv=not enforce_eager)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -201,6 +204,8 @@ class ExecutionPlan:
                 m.gate_up = FusedLinear.of([m.gate_proj, m.up_proj])
             if hasattr(m, "lookup_kernel"):
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
+        if self.gemv and not self.batch_invariant:
+            self.gemv_shapes = self._choose_gemv(model)
         cfg = model.config
         if self.attention == "native" and not native_decode_supports(self.dtype, cfg.head_dim, cfg.num_queries_per_kv):
             self.attention = "torch"
@@ -213,6 +218,26 @@ class ExecutionPlan:
             self.reasons["native decode"] = "tensor parallel (all-reduces between the layers)"
         elif not self.native_decode and (self.codes or self.dense_kernel):
             self.reasons["native decode"] = NativeDecoder.why_not(model) or "the decode kernel did not build"
+
+    def _choose_gemv(self, model) -> tuple[int, int]:
+        """Give each dense matmul (`layers.linear.gemv_targets`) the row counts up to which our GEMV
+        measured faster than PyTorch's on its weight shape (`kernels.gpu.gemv.choose_rows`, timed
+        on this GPU over the model's own weights); on the CPU (the GPU path's tests, under Triton's
+        interpreter) every one takes it up to `gemv.MAX_ROWS`. Returns (shapes taken, shapes)."""
+        from nextoken.kernels.gpu import gemv
+        from nextoken.layers.linear import gemv_targets
+
+        groups: dict = {}
+        for t in gemv_targets(model):
+            groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
+        if self.device.is_cuda:
+            rows = gemv.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+        else:
+            rows = dict.fromkeys(groups, gemv.MAX_ROWS)
+        for key, targets in groups.items():
+            for t in targets:
+                t.gemv_rows = rows[key]
+        return sum(1 for r in rows.values() if r), len(rows)
 
     def settle_cache(self, int8_cache: bool) -> None:
         """When the KV cache is made: an int8 cache needs bf16 queries in the C decode attention."""
@@ -253,6 +278,10 @@ class ExecutionPlan:
         fused = sum(1 for m in model.modules() for f in (getattr(m, "qkv", None), getattr(m, "gate_up", None)) if f)
         if fused:
             linears += f" (q/k/v and gate/up as {fused} fused matmuls)"
+        if self.gemv and not self.batch_invariant:
+            taken, shapes = self.gemv_shapes
+            how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
+            linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "Triton (with RoPE)" if self.rowwise else "PyTorch"

@@ -1,5 +1,5 @@
 """The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
-the GPU plan's row-wise activation, RoPE and residual add with RMSNorm) for a Hopper GPU (sm_90), made on a machine
+the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, and its GEMV) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -104,15 +104,37 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
     return {"variant": [kernel, dtype, n], **usage}
 
 
-def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
+GEMV = [("gemv", "bf16", 1, 4), ("gemv", "bf16", 2, 4), ("gemv", "bf16", 4, 4), ("gemv", "bf16", 1, 2),
+        ("gemv", "bf16", 4, 2), ("gemv", "bf16", 1, 1), ("gemv", "bf16", 4, 1), ("gemv", "fp32", 1, 4),
+        ("gemv", "fp32", 4, 1)]  # (input rows, padded to a power of two; output features per program)
+
+
+def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int) -> dict:
+    """The same report for the GPU plan's GEMV (`kernels.gpu.gemv`) at `m_pad` input rows and
+    `rows` output features per program (its K chunk as `gemv.gemv` sets it), with a bias; its
+    pointers, K and strides taken as multiples of 16, as Triton specializes them at a launch with
+    the catalog's shapes, so that the 16-byte loads show."""
+    from nextoken.kernels.gpu import gemv as G
+
+    p = f"*{dtype}"
+    types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
+    consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=G.TILE // rows, HAS_BIAS=True, ROUND=False)
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    usage = compiled(G._gemv_kernel, types, consts, G.NUM_WARPS, G.NUM_STAGES, aligned)
+    return {"variant": [kernel, dtype, m_pad, rows], **usage}
+
+
+def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = ()) -> dict:
     """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
-    i32; `consts`: its constexprs) and read its resource usage off the cubin."""
+    i32; `consts`: its constexprs; `aligned`: arguments known to be multiples of 16) and read its
+    resource usage off the cubin (``wide_loads``: its 16-byte global loads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -123,7 +145,7 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int) -> 
     fields = dict(x.split(":") for x in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in x and x.split(":")[1].isdigit())
     return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "spill_stores": sass.count("STL"),
-            "tensor_core": sass.count("HMMA") + sass.count("HGMMA")}
+            "tensor_core": sass.count("HMMA") + sass.count("HGMMA"), "wide_loads": sass.count("LDG.E.128")}
 
 
 if __name__ == "__main__":
@@ -136,3 +158,5 @@ if __name__ == "__main__":
         print(json.dumps(report_invariant(*v)), flush=True)
     for v in ROWWISE:
         print(json.dumps(report_rowwise(*v)), flush=True)
+    for v in GEMV:
+        print(json.dumps(report_gemv(*v)), flush=True)

@@ -187,12 +187,14 @@ def test_fused_linears_equal_the_separate_ones_and_share_their_memory():
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arch, monkeypatch):
-    """A whole model on the GPU path with the plan's row-wise kernels and fused projections (Qwen
-    2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32 product,
-    QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits of a
-    prompt and two decodes within 1e-5."""
+    """A whole model on the GPU path with the plan's row-wise kernels, fused projections and GEMV
+    (Qwen 2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32
+    product, QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits
+    of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5."""
     import dataclasses
 
+    from nextoken.kernels.gpu.gemv import MAX_ROWS
+    from nextoken.layers.linear import gemv_targets
     from nextoken.loader.source import open_model
     from nextoken.runner import plan as plan_module
     from nextoken.runner.device import resolve_device
@@ -204,10 +206,13 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     plain = ModelRunner(open_model(path), torch.float32, **kw)
     choose = plan_module.ExecutionPlan.choose.__func__
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
-        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True)))
+        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True, gemv=True)))
     fused = ModelRunner(open_model(path), torch.float32, **kw)
     line = fused.plan.describe(fused.model)
     assert "Triton (with RoPE)" in line and "fused matmuls" in line and not plain.plan.rowwise, line
+    shapes = {(tuple(t.weight.shape), t.bias is not None) for t in gemv_targets(fused.model)}
+    assert f"GEMV for decodes of few rows on {len(shapes)} of {len(shapes)} weight shapes, untimed" in line, line
+    assert len(shapes) >= 3 and all(t.gemv_rows == MAX_ROWS for t in gemv_targets(fused.model))
     a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
     for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
         want, got = a.forward(ids, all_logits=True), b.forward(ids, all_logits=True)

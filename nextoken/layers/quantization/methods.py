@@ -42,11 +42,22 @@ class LinearMethod:
         raise NotImplementedError
 
 
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0) -> torch.Tensor:
+    """``x W^T + b`` on PyTorch's matmul, or for a call of at most `gemv_rows` rows (a GPU plan's
+    choice per weight shape, `kernels.gpu.gemv.choose_rows`; 0: never) on our Triton GEMV."""
+    if 0 < x.shape[0] <= gemv_rows and x.dim() == 2:
+        from nextoken.kernels.gpu.gemv import gemv, takes
+
+        if takes(x, weight, bias):
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class DenseMethod(LinearMethod):
     name = "dense"
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight, layer.bias)
+        return dense_matmul(x, layer.weight, layer.bias, layer.gemv_rows)
 
     def load(self, layer, t) -> None:
         layer.weight = store_dense(layer.weight, t, layer.dtype)

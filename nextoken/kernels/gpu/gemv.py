@@ -1,0 +1,162 @@
+"""The GPU path's matmul for a decode step's few rows (GEMV): ``y = x W^T + b`` for x of at most
+`MAX_ROWS` rows, a program per `ROWS` output features streaming their weight rows whole.
+
+Why: on the H200 (`benchmarks/gpu_check.py`'s profile, 2026-11-30) a batch-1 decode step of a
+Qwen2.5-1.5B-shaped model spent 1.55 ms in cuBLAS against 0.76 ms of weight reads: its kernels
+for one row read the large projections at about 2.8 TB/s of the card's 4.2 (gate and up 9.7 us
+each, down 10.1 us plus a split-K reduction) and the small ones at under 1 TB/s (q, k, v and o
+4.9-6.6 us, latency-bound). Here a program reads `ROWS` contiguous weight rows of K values in
+`BLOCK_K` chunks (each chunk one coalesced load per row) and multiplies them by the few input
+rows, which stay in L2; every output's sum is one program's, so there is no split-K. A small N
+takes fewer rows and longer K chunks per program (`rows_per_program`: 768 programs of 2 rows for
+N = 1536 on 132 multiprocessors), so every multiprocessor keeps several programs' loads in
+flight.
+
+Which is faster per weight shape is measured, not assumed: `choose_rows` times this kernel
+against PyTorch's matmul on the model's own weights at load (`runner.plan.ExecutionPlan.settle`)
+and keeps it only for the row counts where it wins; `benchmarks/gpu_check.py` measures the step
+with and without it.
+
+Arithmetic: float32 products and sums (bf16 inputs widened; float32 in IEEE float32), the bias
+added, rounded once to the output's dtype, as cuBLAS's bf16 GEMM with float32 accumulation; the
+order of the sums differs from cuBLAS's, so a bf16 output can differ from PyTorch's by one
+rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the rounding to bf16
+is written out (`batch_invariant._round_bf16`). The reference is ``torch.nn.functional.linear``
+(tests/kernels/test_gemv.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nextoken.kernels.gpu.batch_invariant import _round_bf16
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
+ROWS, BLOCK_K, NUM_WARPS, NUM_STAGES = 4, 512, 4, 3  # the most rows per program, and the K chunk at that
+TILE = ROWS * BLOCK_K  # weight values a program loads per step of its loop, whatever its rows
+INTERPRET_ROWS = 32  # under the interpreter (the CPU tests): fewer programs, each a numpy pass of its own
+_SMS: dict = {}
+
+
+def rows_per_program(n: int, device: torch.device) -> int:
+    """Output features per program for N = `n`: `ROWS`, halved (down to 1) while that leaves
+    fewer than 4 programs per multiprocessor, so that a small N (1536: o and down of
+    Qwen2.5-1.5B) still keeps several programs' loads in flight on every one; the K chunk grows
+    as the rows shrink (`TILE`). Under the interpreter `INTERPRET_ROWS`."""
+    if INTERPRET or device.type != "cuda":
+        return INTERPRET_ROWS
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = ROWS
+    while rows > 1 and triton.cdiv(n, rows) < 4 * _SMS[device]:
+        rows //= 2
+    return rows
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ROUND: tl.constexpr):
+    """`ROWS` output features for every input row: ``out[m, n] = sum_k x[m, k] W[n, k] (+ b[n])``,
+    float32 products summed per lane over the K chunks, then across the lanes. Grid: (N /
+    `ROWS`,)."""
+    rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = tl.arange(0, M_PAD)
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([M_PAD, ROWS, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, 2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y = _round_bf16(y, ROUND)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `gemv` computes this call: x ``[M, K]`` with 1 <= M <= `MAX_ROWS` and contiguous
+    rows, weight ``[N, K]`` with contiguous rows in x's dtype (bf16 or float32), bias ``[N]`` or
+    None."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+    """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``
+    or None -> ``[M, N]`` in x's dtype (contiguous). `rows`: output features per program (a
+    power of two; default `rows_per_program`'s), each program's K chunk ``TILE / rows``. Raises
+    ValueError for another call."""
+    if not takes(x, weight, bias):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
+                         f"(bias {None if bias is None else tuple(bias.shape)}): it takes 1-{MAX_ROWS} rows of one "
+                         "dtype (bf16 or float32) with contiguous rows")
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    rows = rows or rows_per_program(n, x.device)
+    _gemv_kernel[(triton.cdiv(n, rows),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, TILE // rows), HAS_BIAS=bias is not None,
+        ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def choose_rows(groups: dict, timer=None) -> dict:
+    """For each group of weights of one shape (``{key: [(weight, bias), ...]}``, e.g. every
+    layer's down projection), the most rows (0, 1, 2 or 4) up to which `gemv` beats
+    ``torch.nn.functional.linear``: both timed over the group's weights in turn (as a decode step
+    reads them, from memory rather than L2) at 1, 2 and 4 rows, stopping at the first row count
+    where PyTorch's is as fast. `timer(fn) -> seconds` (default: `_cuda_timer`, a CUDA graph's
+    replay). Returns ``{key: rows}``."""
+    timer = timer or _cuda_timer
+    out = {}
+    for key, pairs in groups.items():
+        w0 = pairs[0][0]
+        rows = 0
+        for m in (1, 2, 4):
+            x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+            ours = timer(lambda: [gemv(x, w, b) for w, b in pairs])
+            theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
+            if ours >= theirs:
+                break
+            rows = m
+        out[key] = rows
+    return out
+
+
+def _cuda_timer(fn, reps: int = 5) -> float:
+    """Median seconds of one replay of `fn` captured as a CUDA graph (as a decode step runs its
+    kernels: without the host's launch costs, which are Triton's larger in Python than cuBLAS's),
+    after a warm-up call (compilation) on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del graph
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,90 @@
+"""The GPU path's GEMV (`kernels.gpu.gemv`) against ``torch.nn.functional.linear`` and float64, the
+dense matmul's switch to it (`layers.quantization.methods.dense_matmul`), and the plan's choice
+per weight shape (`kernels.gpu.gemv.choose_rows`).
+
+Without a GPU the kernel's own source runs under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by tests/conftest.py); with one (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs the
+tests) compiled, on CUDA tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
+
+from nextoken.kernels.gpu.gemv import INTERPRET_ROWS, MAX_ROWS, ROWS, choose_rows, gemv, takes  # noqa: E402
+from tests.helpers.triton_device import DEV, randn  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_is_the_linear_in_float32_sums(dtype, m, bias):
+    """m rows times a weight of 37 x 1100 (neither a multiple of the program's rows nor of its K
+    chunk), with and without a bias, at the GPU's rows per program: within float32's rounding of
+    the float64 product (float32), or that product rounded to bf16 but where one rounding differs
+    (bf16, against which PyTorch's own bf16 linear is held too); the interpreter's rows per
+    program give the same values."""
+    x = randn(m, 1100, dtype=dtype, seed=1)
+    w = randn(37, 1100, dtype=dtype, seed=2, scale=0.1)
+    b = randn(37, dtype=dtype, seed=3) if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    for rows in (ROWS, INTERPRET_ROWS):
+        got = gemv(x, w, b, rows=rows)
+        assert got.shape == (m, 37) and got.dtype == dtype and got.is_contiguous()
+        if dtype == torch.float32:
+            assert ((got.double() - exact).abs() <= 1e-5 * exact.abs().max()).all()
+        else:
+            step = exact.abs() * 2.0 ** -7 + 1e-6 * exact.abs().max()  # one bf16 rounding of the float32 sum
+            for y in (got, F.linear(x, w, b)):
+                assert ((y.double() - exact).abs() <= step).all()
+            assert (got == exact.to(dtype)).float().mean() > 0.9
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    """More rows than `MAX_ROWS`, a weight in another dtype, strided rows: `takes` says no and
+    `gemv` raises a ValueError naming the call."""
+    x, w = randn(MAX_ROWS + 1, 64, dtype=torch.float32, seed=4), randn(8, 64, dtype=torch.float32, seed=5)
+    assert not takes(x, w, None) and takes(x[:MAX_ROWS], w, None)
+    assert not takes(x[:2], w.to(torch.bfloat16), None) and not takes(x[:2, ::2], w[:, ::2], None)
+    with pytest.raises(ValueError, match="it takes 1-4 rows"):
+        gemv(x, w)
+
+
+def test_dense_matmul_switches_by_rows():
+    """`dense_matmul` runs the GEMV for calls of at most `gemv_rows` rows that it takes, and
+    PyTorch's matmul otherwise (more rows, `gemv_rows` 0, a call it does not take)."""
+    from nextoken.layers.quantization.methods import dense_matmul
+
+    x, w = randn(6, 96, dtype=torch.bfloat16, seed=6), randn(40, 96, dtype=torch.bfloat16, seed=7)
+    assert torch.equal(dense_matmul(x[:2], w, None, 4), gemv(x[:2], w))
+    for rows, got in ((x[:3], dense_matmul(x[:3], w, None, 2)), (x, dense_matmul(x, w, None, 4)),
+                      (x[:1], dense_matmul(x[:1], w, None, 0))):
+        assert torch.equal(got, F.linear(rows, w))
+
+
+def test_choose_rows_keeps_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
+    """With a timer under which the GEMV is faster at 1 and 2 rows and slower at 4 on one shape,
+    and slower at once on another, the choice is 2 and 0; each timing runs over all the group's
+    weights."""
+    import nextoken.kernels.gpu.gemv as G
+
+    calls = []
+    monkeypatch.setattr(G, "gemv", lambda x, weight, bias: calls.append(("ours", x.shape[0], weight.shape[0])))
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, weight, bias: calls.append(("theirs", x.shape[0], weight.shape[0])))
+    speed = {(16, 1): (1, 2), (16, 2): (1, 2), (16, 4): (3, 2), (8, 1): (2, 2)}  # (n, rows): (ours, theirs)
+
+    def timer(fn):
+        before = len(calls)
+        fn()
+        ran = calls[before:]
+        assert len(ran) == 3 and len(set(ran)) == 1  # every weight of the group, one kind, one row count
+        ours, theirs = speed[(ran[0][2], ran[0][1])]
+        return ours if ran[0][0] == "ours" else theirs
+
+    groups = {"a": [(randn(16, 32, dtype=torch.float32, seed=8 + i), None) for i in range(3)],
+              "b": [(randn(8, 32, dtype=torch.float32, seed=20 + i), None) for i in range(3)]}
+    assert choose_rows(groups, timer=timer) == {"a": 2, "b": 0}
