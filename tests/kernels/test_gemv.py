@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
 from nextoken.kernels.gpu.gemv import INTERPRET_ROWS, MAX_ROWS, ROWS, choose_rows, gemv, takes  # noqa: E402
-from tests.helpers.triton_device import DEV, randn  # noqa: E402
+from tests.helpers.triton_device import randn  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
