@@ -30,9 +30,11 @@ run: install
 	$(BIN)/nextoken pull $(MODEL)
 	$(BIN)/nextoken run "$(PROMPT)" --model $(MODEL) $(ARGS)
 
+# PYTHONDONTWRITEBYTECODE emptied: the tests start dozens of Python processes (the CLI, servers, ranks,
+# bench workers), and with bytecode caching off (this VM's default) each compiled nextoken's source again
 test: install-test
 	$(BIN)/nextoken pull smollm2-135m-instruct
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
