@@ -231,7 +231,11 @@ class ExecutionPlan:
         for t in gemv_targets(model):
             groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
         if self.device.is_cuda:
-            rows = gemv.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+            try:
+                rows = gemv.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: cuBLAS takes every call
+                self.reasons["GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows = dict.fromkeys(groups, 0)
         else:
             rows = dict.fromkeys(groups, gemv.MAX_ROWS)
         for key, targets in groups.items():

@@ -88,3 +88,44 @@ def test_choose_rows_keeps_the_gemv_up_to_the_first_row_count_it_loses(monkeypat
     groups = {"a": [(randn(16, 32, dtype=torch.float32, seed=8 + i), None) for i in range(3)],
               "b": [(randn(8, 32, dtype=torch.float32, seed=20 + i), None) for i in range(3)]}
     assert choose_rows(groups, timer=timer) == {"a": 2, "b": 0}
+
+
+def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny_gguf, monkeypatch):
+    """On a GPU the plan times every weight shape (`choose_rows`, here a stand-in: its timing
+    needs CUDA) and gives each matmul its group's rows; should the timing raise (a kernel that does
+    not build there), every matmul stays on PyTorch's and the plan line says why. The fused
+    projections and the linears outside them are the groups; a fused group's parts are not."""
+    import dataclasses
+
+    import nextoken.kernels.gpu.gemv as G
+    from nextoken.layers.linear import FusedLinear, gemv_targets
+    from nextoken.loader.source import open_model
+    from nextoken.runner.device import Device
+    from nextoken.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.float32, enforce_eager=True,
+                         attention_backend="triton")
+    model = runner.model
+    for m in model.modules():
+        if hasattr(m, "qkv"):
+            m.qkv = FusedLinear.of([m.q_proj, m.k_proj, m.v_proj])
+    gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), gemv=True)
+    seen = {}
+
+    def timed(groups):
+        seen.update(groups)
+        return {key: (2 if key[1] else 1) for key in groups}  # (with a bias, the fused q/k/v: 2 rows)
+
+    monkeypatch.setattr(G, "choose_rows", timed)
+    assert gpu._choose_gemv(model) == (len(seen), len(seen))
+    targets = gemv_targets(model)
+    parts = {id(lin) for m in model.modules() if getattr(m, "qkv", None) for lin in m.qkv.linears}
+    assert sum(len(v) for v in seen.values()) == len(targets) and not parts & {id(t) for t in targets}
+    assert {t.gemv_rows for t in targets if t.bias is not None} == {2} and {t.gemv_rows for t in targets if t.bias is None} == {1}
+
+    def broken(groups):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(G, "choose_rows", broken)
+    assert gpu._choose_gemv(model) == (0, len(seen))
+    assert all(t.gemv_rows == 0 for t in targets) and "GEMV off: RuntimeError: ptxas failed" in gpu.describe(model)
