@@ -186,7 +186,7 @@ def gpu_tests(timeout: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
            "tests/kernels/test_batch_invariant.py", "tests/kernels/test_rowwise.py", "tests/kernels/test_gemv.py",
            "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
-           "-k", "triton or gpu or invariant or rowwise or gemv"]
+           "-k", "triton or gpu or invariant or rowwise or gemv", "-m", "slow or not slow"]  # (the interpreter's slow ones too)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
