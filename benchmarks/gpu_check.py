@@ -509,7 +509,7 @@ def profile(llm, vocab: int, path: str) -> dict:
     """Where a decode step's time goes, for the speed goals' causes: the batch-1 graph alone on
     the GPU (the step's device part), the host's Python over batch-1 greedy decodes (cProfile,
     by own time), and PyTorch's profiler (CPU and CUDA) over batch-1 greedy decodes and over 64
-    short sampled requests: each kernel's device time a step, and the host's own time per
+    short requests, greedy and sampled: each kernel's device time a step, and the host's own time per
     operator (synchronizations included). Full tables into `path`; the heads into the log."""
     import cProfile
     import io
@@ -548,8 +548,9 @@ def profile(llm, vocab: int, path: str) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
     tables = [text.getvalue()]
     sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=n, ignore_eos=True)
-    for tag, prompts, params in (("b1_greedy", [prompt], greedy),
-                                 ("b64_sampled", [rand_ids(rng, 16, vocab) for _ in range(DRY["batch"])], sampled)):
+    short = [rand_ids(rng, 16, vocab) for _ in range(DRY["batch"])]
+    for tag, prompts, params in (("b1_greedy", [prompt], greedy), ("b64_greedy", short, greedy),
+                                 ("b64_sampled", short, sampled)):
         with torch_profile(activities=acts) as tp:
             llm.generate(prompts, params)
         sync()
