@@ -46,22 +46,25 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=Non
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, eps: float, kernel=None,
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor | None, eps: float, kernel=None,
                  gemma: bool = False, a_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A residual add and the RMSNorm after it: ``s = h + a`` (with `a_weight`, Gemma 3's
-    post-norm first: ``s = h + rms_norm(a, a_weight)``), then ``y = rms_norm(s, weight)`` (None
-    when `weight` is None). h, a: ``[num_tokens, hidden]`` of one dtype; weights ``[hidden]``.
-    `gemma`: `rms_norm_gemma` for every norm. Returns (s, y) in h's dtype.
+    post-norm first: ``s = h + rms_norm(a, a_weight)``; `a` None: s = h, nothing to add), then
+    ``y = rms_norm(s, weight)`` (None when `weight` is None). h, a: ``[num_tokens, hidden]`` of
+    one dtype; weights ``[hidden]``. `gemma`: `rms_norm_gemma` for every norm. Returns (s, y)
+    in h's dtype.
 
     A GPU plan's kernel (`kernels.gpu.rowwise.Rowwise`) does it in one launch with the same
     roundings (s rounded to the dtype before its norm); otherwise these expressions, the
     reference, each norm on `kernel` as `rms_norm` takes it."""
+    norm = rms_norm_gemma if gemma else rms_norm
+    if a is None:
+        return h, norm(h, weight, eps, kernel) if weight is not None else None
     if hasattr(kernel, "add_rms_norm"):
         out = kernel.add_rms_norm(h, a, weight, eps, gemma=gemma, a_weight=a_weight)
         if out is not None:
             return out
         count_fallback("add_rms_norm")
-    norm = rms_norm_gemma if gemma else rms_norm
     if a_weight is not None:
         a = norm(a, a_weight, eps, kernel)
     s = h + a

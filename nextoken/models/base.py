@@ -2,9 +2,13 @@
 
     tokens -> embed (token table, scaled or plus learned positions)
            -> rope tables (one per attention kind, or none)
-           -> L x layer(h, rope, kv cache, attention metadata)
-           -> final norm                         (`forward`: hidden states)
+           -> L x layer(h, delta, rope, kv cache, attention metadata) -> (h, delta)
+           -> final norm of h + delta            (`forward`: hidden states)
            -> LM head, float32                   (`compute_logits`)
+
+h is the residual stream; a layer may leave its last sublayer's output `delta` for the next
+layer to add (None: added already), so that on a GPU plan the add runs inside the next norm's
+launch (`layers.norm.add_rms_norm`); a tracer always sees h with delta added.
 
 An architecture file subclasses it and says what differs: `make_layer` (the decoder layer),
 and where needed `embed`, `rope`, `final_norm`, `compute_logits`. Model files describe the
@@ -21,7 +25,7 @@ from nextoken.layers import weight_param
 from nextoken.layers.attention import AttentionMetadata
 from nextoken.layers.embedding import Embedding
 from nextoken.layers.linear import Linear
-from nextoken.layers.norm import rms_norm
+from nextoken.layers.norm import add_rms_norm
 from nextoken.layers.rotary import inv_frequencies, rope_cos_sin
 from nextoken.kv_cache.tensors import PagedKVCache
 
@@ -65,8 +69,10 @@ class DecoderModel(torch.nn.Module):
         table = (cos.to(self.dtype), sin.to(self.dtype))
         return {False: table, True: table}
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.config.norm_eps, self.norm_kernel)
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm of the residual stream h ``[T, hidden]`` plus the last layer's `delta`
+        not yet added to it (None: nothing pending), in one launch on a GPU plan's kernels."""
+        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel)[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata, tracer=None) -> torch.Tensor:
@@ -76,7 +82,7 @@ class DecoderModel(torch.nn.Module):
         Writes this pass's keys and values into `kv` at ``meta.slot_mapping``. `tracer`, when
         given, is called with what each stage produced (see `nextoken.trace`).
         """
-        h = self.embed(input_ids, positions)
+        h, delta = self.embed(input_ids, positions), None
         rope = self.rope(positions)
         if tracer is not None:
             tracer.on_embedding(h, *(rope[False] if rope else (None, None)))
@@ -86,12 +92,13 @@ class DecoderModel(torch.nn.Module):
                 meta.probs = []
             if tracer is not None:
                 meta.mid = []
-            h = layer(h, rope, kv, meta)
-            if tracer is not None:
+            h, delta = layer(h, delta, rope, kv, meta)
+            if tracer is not None:  # (the whole residual stream: its pending sublayer output added)
+                h, delta = (h if delta is None else h + delta), None
                 if getattr(tracer, "patch", None) is not None:  # (activation patching: another prompt's residual)
                     h = tracer.patched(i, h)
                 tracer.on_layer(i, h, meta.probs, meta.mid[0] if meta.mid else None)
-        return self.final_norm(h)
+        return self.final_norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden]`` -> float32 logits ``[T, vocab]``."""

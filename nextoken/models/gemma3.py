@@ -54,7 +54,9 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
         self.norm_kernel = None  # set by the execution plan at load (a batch-invariant plan's Triton norms)
 
-    def forward(self, h, rope, kv, meta):
+    def forward(self, h, delta, rope, kv, meta):
+        """h: the residual stream ``[T, hidden]`` (`delta` is always None: each add here comes
+        with the post-norm of what it adds, `models.base`) -> (h, None)."""
         cos, sin = rope[self.self_attn.sliding]
         nk = self.norm_kernel
         attn = self.self_attn(rms_norm_gemma(h, self.input_layernorm, self.eps, nk), cos, sin, kv, meta)
@@ -63,9 +65,9 @@ class Gemma3DecoderLayer(torch.nn.Module):
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
-            return h
+            return h, None
         h, _ = add_rms_norm(h, self.mlp(x), None, self.eps, nk, gemma=True, a_weight=self.post_feedforward_layernorm)
-        return h
+        return h, None
 
 
 class Gemma3ForCausalLM(DecoderModel):
@@ -96,8 +98,8 @@ class Gemma3ForCausalLM(DecoderModel):
             tables[sliding] = (cos.to(self.dtype), sin.to(self.dtype))
         return tables
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_gemma(h, self.norm, self.config.norm_eps, self.norm_kernel)
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel, gemma=True)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -42,7 +42,9 @@ class GPT2Block(torch.nn.Module):
         self.scale = cfg.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
         self.gelu = cfg.extra.get("activation", "tanh")
 
-    def forward(self, h, rope, kv: PagedKVCache, meta: AttentionMetadata):
+    def forward(self, h, delta, rope, kv: PagedKVCache, meta: AttentionMetadata):
+        """h: the residual stream ``[T, hidden]`` (`delta` is always None: the block adds its
+        own, `models.base`) -> (h, None)."""
         t = h.shape[0]
         q, k, v = self.c_attn(layer_norm(h, self.ln_1_weight, self.ln_1_bias, self.eps)).split(
             self.num_heads * self.head_dim, dim=-1)
@@ -52,9 +54,9 @@ class GPT2Block(torch.nn.Module):
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.layer):
-            return h
+            return h, None
         ffn = F.gelu(self.c_fc(layer_norm(h, self.ln_2_weight, self.ln_2_bias, self.eps)), approximate=self.gelu)
-        return h + self.mlp_proj(ffn)
+        return h + self.mlp_proj(ffn), None
 
 
 class GPT2LMHeadModel(DecoderModel):
@@ -76,5 +78,5 @@ class GPT2LMHeadModel(DecoderModel):
     def rope(self, positions: torch.Tensor):
         return None  # learned absolute positions instead
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return layer_norm(h, self.norm, self.norm_bias, self.config.norm_eps)
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        return layer_norm(h, self.norm, self.norm_bias, self.config.norm_eps)  # (delta: always None here)

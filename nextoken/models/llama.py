@@ -101,16 +101,19 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.mlp = LlamaMLP(cfg, dtype)
         self.norm_kernel = None  # set by the execution plan at load: RMSNorm on our C kernel
 
-    def forward(self, h, rope, kv, meta):
+    def forward(self, h, delta, rope, kv, meta):
+        """h: the residual stream ``[T, hidden]``, delta: the last layer's feed-forward output not
+        yet added to it (or None) -> (h, this layer's feed-forward output, not added), each add
+        inside the next norm's launch (`models.base`)."""
         cos, sin = rope[self.self_attn.sliding]
         nk = self.norm_kernel
-        attn = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, nk), cos, sin, kv, meta)
-        h, x = add_rms_norm(h, attn, self.post_attention_layernorm, self.eps, nk)
+        h, x = add_rms_norm(h, delta, self.input_layernorm, self.eps, nk)
+        h, x = add_rms_norm(h, self.self_attn(x, cos, sin, kv, meta), self.post_attention_layernorm, self.eps, nk)
         if meta.mid is not None:
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
-            return h
-        return h + self.mlp(x)
+            return h, None
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(DecoderModel):

@@ -214,6 +214,12 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     assert f"GEMV for decodes of few rows on {len(shapes)} of {len(shapes)} weight shapes, untimed" in line, line
     assert len(shapes) >= 3 and all(t.gemv_rows == MAX_ROWS for t in gemv_targets(fused.model))
     a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
+    launches = []
+    monkeypatch.setattr(Rowwise, "add_rms_norm", staticmethod(
+        lambda *args, _f=Rowwise.add_rms_norm, **kw: launches.append(kw.get("a_weight") is not None) or _f(*args, **kw)))
     for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
         want, got = a.forward(ids, all_logits=True), b.forward(ids, all_logits=True)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    layers = fused.model.config.num_layers  # every residual add inside a norm's launch: a pass's adds, one each
+    assert len(launches) == 3 * 2 * layers, (len(launches), layers)  # (Qwen 2: after attention, and the
+    # feed-forward's in the next layer's input norm or the final norm; Gemma 3: both with their post-norms)
