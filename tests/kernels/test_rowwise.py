@@ -211,8 +211,11 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     line = fused.plan.describe(fused.model)
     assert "Triton (with RoPE)" in line and "fused matmuls" in line and not plain.plan.rowwise, line
     shapes = {(tuple(t.weight.shape), t.bias is not None) for t in gemv_targets(fused.model)}
-    assert f"GEMV for decodes of few rows on {len(shapes)} of {len(shapes)} weight shapes, untimed" in line, line
-    assert len(shapes) >= 3 and all(t.gemv_rows == MAX_ROWS for t in gemv_targets(fused.model))
+    if DEV == "cpu":  # (every shape takes it, untimed; on a GPU each as its timing says)
+        assert f"GEMV for decodes of few rows on {len(shapes)} of {len(shapes)} weight shapes, untimed" in line, line
+        assert len(shapes) >= 3 and all(t.gemv_rows == MAX_ROWS for t in gemv_targets(fused.model))
+    else:
+        assert f" of {len(shapes)} weight shapes, as timed on this GPU" in line, line
     a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
     launches = []
     monkeypatch.setattr(Rowwise, "add_rms_norm", staticmethod(
