@@ -90,7 +90,7 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
         consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
         usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
     elif kernel.startswith("rope"):
-        types = {"q_ptr": p, "k_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qo_ptr": p, "ko_ptr": p,
+        types = {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p, "qo_ptr": p, "ko_ptr": p,  # (the model's tables)
                  "v_ptr": p, "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
         consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, D_P2=2 * n, STORE="store" in kernel,
                       BF16=dtype == "bf16", ROUND=False)

@@ -63,13 +63,17 @@ def test_rope_of_queries_and_keys_is_the_rotary_reference(dtype, head_dim, rope_
     """3 query heads and 1 key head of 5 tokens at scattered positions, taken as views of one fused
     q/k/v product (strided rows), full and partial rotation (the dims after `rope_dim` copied):
     `layers.rotary.apply_rope`'s values for each within one rounding (its roundings are the
-    kernel's, so bf16 agrees but where a product's float32 rounding differs)."""
+    kernel's, so bf16 agrees but where a product's float32 rounding differs); and so from tables
+    in the inputs' dtype, as the model gives them."""
     qkv = randn(5, (3 + 1 + 1) * head_dim, dtype=dtype, seed=3, scale=2)
     q, k = qkv[:, : 3 * head_dim].view(5, 3, head_dim), qkv[:, 3 * head_dim : 4 * head_dim].view(5, 1, head_dim)
     cos, sin = rope_cos_sin(torch.tensor([0, 7, 100, 2048, 31999], device=DEV), inv_frequencies(rope_dim, 1e4).to(DEV))
     for got, x in zip(apply_rope_qk(q, k, cos, sin), (q, k)):
         off_by_at_most_a_rounding(got, torch_rope(x, cos, sin))
         assert torch.equal(got[..., rope_dim:], x[..., rope_dim:])
+    # the model's own tables come in its dtype (`DecoderModel.rope`): taken, the same values
+    model_tables = apply_rope_qk(q, k, cos.to(dtype), sin.to(dtype))
+    assert model_tables is not None and all(torch.equal(a, b) for a, b in zip(model_tables, apply_rope_qk(q, k, cos, sin)))
 
 
 @pytest.mark.parametrize("head_dim,rope_dim", [(64, 64), (80, 32)])
@@ -190,7 +194,9 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     """A whole model on the GPU path with the plan's row-wise kernels, fused projections and GEMV
     (Qwen 2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32
     product, QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits
-    of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5."""
+    of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5; in bf16 (the
+    model's RoPE tables in bf16, as a GPU runs it) no kernel refuses its inputs and the logits
+    are PyTorch's bf16 path's."""
     import dataclasses
 
     from nextoken.kernels.gpu.gemv import MAX_ROWS
@@ -204,6 +210,7 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     path = str(tiny_gguf[arch][0])
     kw = dict(enforce_eager=True, attention_backend="triton", device=resolve_device(DEV))  # (eager: PyTorch's)
     plain = ModelRunner(open_model(path), torch.float32, **kw)
+    plain_half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
     choose = plan_module.ExecutionPlan.choose.__func__
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
         lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True, gemv=True)))
@@ -226,3 +233,11 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     layers = fused.model.config.num_layers  # every residual add inside a norm's launch: a pass's adds, one each
     assert len(launches) == 3 * 2 * layers, (len(launches), layers)  # (Qwen 2: after attention, and the
     # feed-forward's in the next layer's input norm or the final norm; Gemma 3: both with their post-norms)
+    # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
+    # included: the runner's own count of fallbacks stays empty), near PyTorch's bf16 expressions
+    half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
+    for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44]):
+        got, want = half.forward(ids, all_logits=True).float(), plain_half.forward(ids, all_logits=True).float()
+        # (here equal: the same roundings; a GPU's exponentials and sums move last bits, which grow)
+        assert (got - want).abs().max() <= (2 ** -6 if DEV == "cpu" else 0.1) * want.abs().max()
+    assert half.runner.plan.kernels.fallbacks.snapshot() == {}, half.runner.plan.kernels.fallbacks.snapshot()

@@ -118,10 +118,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stri
     ok = i < HALF
     x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
-    c1 = _rounded(tl.load(cos_ptr + t * stride_c + i, mask=ok, other=0.0), BF16, ROUND)
-    c2 = _rounded(tl.load(cos_ptr + t * stride_c + HALF + i, mask=ok, other=0.0), BF16, ROUND)
-    s1 = _rounded(tl.load(sin_ptr + t * stride_c + i, mask=ok, other=0.0), BF16, ROUND)
-    s2 = _rounded(tl.load(sin_ptr + t * stride_c + HALF + i, mask=ok, other=0.0), BF16, ROUND)
+    c1 = _rounded(tl.load(cos_ptr + t * stride_c + i, mask=ok, other=0.0).to(tl.float32), BF16, ROUND)
+    c2 = _rounded(tl.load(cos_ptr + t * stride_c + HALF + i, mask=ok, other=0.0).to(tl.float32), BF16, ROUND)
+    s1 = _rounded(tl.load(sin_ptr + t * stride_c + i, mask=ok, other=0.0).to(tl.float32), BF16, ROUND)
+    s2 = _rounded(tl.load(sin_ptr + t * stride_c + HALF + i, mask=ok, other=0.0).to(tl.float32), BF16, ROUND)
     y1 = _rounded(_rounded(x1 * c1, BF16, ROUND) - _rounded(x2 * s1, BF16, ROUND), BF16, ROUND)
     y2 = _rounded(_rounded(x2 * c2, BF16, ROUND) + _rounded(x1 * s2, BF16, ROUND), BF16, ROUND)
     tl.store(dst + i, y1.to(qo_ptr.dtype.element_ty), mask=ok)
@@ -146,7 +146,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stri
 
 def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (x.dim() == 3 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1
-            and cos.dtype == torch.float32 and cos.shape == sin.shape and cos.stride() == sin.stride()
+            and cos.dtype in (torch.float32, x.dtype) and cos.dtype == sin.dtype and cos.shape == sin.shape
+            and cos.stride() == sin.stride()
             and cos.stride(-1) == 1 and cos.shape[0] == x.shape[0] and cos.shape[1] % 2 == 0
             and cos.shape[1] <= x.shape[2])
 
@@ -166,9 +167,10 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
                   store=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`layers.rotary.apply_rope` of the queries and the keys in one launch: q ``[T, heads,
     head_dim]`` and k ``[T, kv heads, head_dim]`` (one dtype, bf16 or float32, the last dim
-    contiguous; strided rows taken, as views of a fused q/k/v product), cos and sin float32 ``[T,
-    rope_dim]`` (contiguous rows; rope_dim even, at most head_dim). Returns new tensors like q
-    and k; None for other inputs (the caller's PyTorch expression runs).
+    contiguous; strided rows taken, as views of a fused q/k/v product), cos and sin ``[T,
+    rope_dim]`` in float32 or q's dtype (the model's tables: `models.base.DecoderModel.rope`;
+    contiguous rows; rope_dim even, at most head_dim). Returns new tensors like q and k; None
+    for other inputs (the caller's PyTorch expression runs).
 
     `store` (`layers.attention.KVStore`, or None): the same launch also writes the rotated keys
     and ``store.v`` into the layer's paged cache at ``store.slot_mapping``, as
