@@ -451,6 +451,8 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     out["prefill4096_share"] = flops / t / rate
     log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
         "the bf16 rate")
+    out["kernel_fallbacks"] = runner.plan.kernels.fallbacks.snapshot()  # (calls a plan's kernel refused: PyTorch ran)
+    log(f"   kernel fallbacks over the speed runs: {out['kernel_fallbacks'] or 'none'}")
     if profile_to is not None:
         for name, fn in (("profile", lambda: profile(llm, vocab, profile_to)),
                          ("rowwise", lambda: rowwise_ab(llm, prompt, prompts, b1[0][1], b64[0][1], out))):
