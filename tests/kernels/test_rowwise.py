@@ -224,14 +224,23 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     else:
         assert f" of {len(shapes)} weight shapes, as timed on this GPU" in line, line
     a, b = OneSequence(plain, 32, block_size=4), OneSequence(fused, 32, block_size=4)
-    launches = []
+    launches, stored = [], []
     monkeypatch.setattr(Rowwise, "add_rms_norm", staticmethod(
         lambda *args, _f=Rowwise.add_rms_norm, **kw: launches.append(kw.get("a_weight") is not None) or _f(*args, **kw)))
-    for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
-        want, got = a.forward(ids, all_logits=True), b.forward(ids, all_logits=True)
+    import nextoken.layers.gpu_attention as gpu_attention
+
+    attend = gpu_attention.attend_triton
+    monkeypatch.setattr(gpu_attention, "attend_triton", lambda *args: stored.append(args[-2:]) or attend(*args))
+    prompts = ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61])
+    wants = [a.forward(ids, all_logits=True) for ids in prompts]
+    stored.clear()
+    for ids, want in zip(prompts, wants):
+        got = b.forward(ids, all_logits=True)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # (each full-attention layer's keys and values written by the RoPE launch; a sliding layer's ring by attend)
+    assert stored and all(done != sliding for sliding, done in stored), stored
     layers = fused.model.config.num_layers  # every residual add inside a norm's launch: a pass's adds, one each
-    assert len(launches) == 3 * 2 * layers, (len(launches), layers)  # (Qwen 2: after attention, and the
+    assert len(launches) == 3 * 2 * layers and len(stored) == 3 * layers, (len(launches), len(stored), layers)  # (Qwen 2: after attention, and the
     # feed-forward's in the next layer's input norm or the final norm; Gemma 3: both with their post-norms)
     # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
     # included: the runner's own count of fallbacks stays empty), near PyTorch's bf16 expressions
