@@ -194,9 +194,9 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     """A whole model on the GPU path with the plan's row-wise kernels, fused projections and GEMV
     (Qwen 2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32
     product, QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits
-    of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5; in bf16 (the
-    model's RoPE tables in bf16, as a GPU runs it) no kernel refuses its inputs and the logits
-    are PyTorch's bf16 path's."""
+    of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5; Qwen 2 in
+    bf16 too (the model's RoPE tables in bf16, as a GPU runs it): no kernel refuses its inputs
+    and the logits are PyTorch's bf16 path's."""
     import dataclasses
 
     from nextoken.kernels.gpu.gemv import MAX_ROWS
@@ -210,7 +210,8 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     path = str(tiny_gguf[arch][0])
     kw = dict(enforce_eager=True, attention_backend="triton", device=resolve_device(DEV))  # (eager: PyTorch's)
     plain = ModelRunner(open_model(path), torch.float32, **kw)
-    plain_half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
+    plain_half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4) \
+        if arch == "qwen2" else None
     choose = plan_module.ExecutionPlan.choose.__func__
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
         lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True, gemv=True)))
@@ -242,6 +243,8 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     layers = fused.model.config.num_layers  # every residual add inside a norm's launch: a pass's adds, one each
     assert len(launches) == 3 * 2 * layers and len(stored) == 3 * layers, (len(launches), len(stored), layers)  # (Qwen 2: after attention, and the
     # feed-forward's in the next layer's input norm or the final norm; Gemma 3: both with their post-norms)
+    if arch != "qwen2":  # (Gemma 3's six layers under the interpreter: gpu_check logs a GPU run's fallbacks)
+        return
     # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
     # included: the runner's own count of fallbacks stays empty), near PyTorch's bf16 expressions
     half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
