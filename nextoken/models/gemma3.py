@@ -52,7 +52,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
         self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
-        self.norm_kernel = None  # set by the execution plan at load (a batch-invariant plan's Triton norms)
+        self.norm_kernel = None  # set by the execution plan at load (a GPU plan's Triton norms)
 
     def forward(self, h, delta, rope, kv, meta):
         """h: the residual stream ``[T, hidden]`` (`delta` is always None: each add here comes

@@ -55,7 +55,8 @@ def test_gemv_refuses_what_it_does_not_take():
 
 def test_dense_matmul_switches_by_rows():
     """`dense_matmul` runs the GEMV for calls of at most `gemv_rows` rows that it takes, and
-    PyTorch's matmul otherwise (more rows, `gemv_rows` 0, a call it does not take)."""
+    PyTorch's matmul otherwise (more rows, `gemv_rows` 0, a call it does not take: counted)."""
+    from nextoken.kernels import FallbackCounts, counting
     from nextoken.layers.quantization.methods import dense_matmul
 
     x, w = randn(6, 96, dtype=torch.bfloat16, seed=6), randn(40, 96, dtype=torch.bfloat16, seed=7)
@@ -63,6 +64,10 @@ def test_dense_matmul_switches_by_rows():
     for rows, got in ((x[:3], dense_matmul(x[:3], w, None, 2)), (x, dense_matmul(x, w, None, 4)),
                       (x[:1], dense_matmul(x[:1], w, None, 0))):
         assert torch.equal(got, F.linear(rows, w))
+    counts, strided = FallbackCounts(), x[:2].T.contiguous().T  # (columns strided)
+    with counting(counts):
+        assert torch.equal(dense_matmul(strided, w, None, 4), F.linear(strided, w))
+    assert counts.snapshot() == {"gemv": 1}
 
 
 def test_choose_rows_keeps_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
@@ -121,7 +126,8 @@ def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny
     targets = gemv_targets(model)
     parts = {id(lin) for m in model.modules() if getattr(m, "qkv", None) for lin in m.qkv.linears}
     assert sum(len(v) for v in seen.values()) == len(targets) and not parts & {id(t) for t in targets}
-    assert {t.gemv_rows for t in targets if t.bias is not None} == {2} and {t.gemv_rows for t in targets if t.bias is None} == {1}
+    assert {t.gemv_rows for t in targets if t.bias is not None} == {2}
+    assert {t.gemv_rows for t in targets if t.bias is None} == {1}
 
     def broken(groups):
         raise RuntimeError("ptxas failed")

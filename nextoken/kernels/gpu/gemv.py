@@ -94,7 +94,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         rows: int | None = None) -> torch.Tensor:
     """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``
     or None -> ``[M, N]`` in x's dtype (contiguous). `rows`: output features per program (a
     power of two; default `rows_per_program`'s), each program's K chunk ``TILE / rows``. Raises

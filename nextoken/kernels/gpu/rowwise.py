@@ -232,7 +232,8 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
     n = h.shape[-1]
     if h.shape != a.shape or h.dim() != 2 or h.dtype != a.dtype or h.dtype not in (torch.bfloat16, torch.float32) \
             or h.stride(-1) != 1 or a.stride(-1) != 1 \
-            or any(w is not None and (w.shape != (n,) or w.dtype != h.dtype or w.stride(0) != 1) for w in (weight, a_weight)):
+            or any(w is not None and (w.shape != (n,) or w.dtype != h.dtype or w.stride(0) != 1)
+                   for w in (weight, a_weight)):
         return None
     s = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     y = torch.empty_like(s) if weight is not None else None

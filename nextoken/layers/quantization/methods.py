@@ -44,12 +44,14 @@ class LinearMethod:
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0) -> torch.Tensor:
     """``x W^T + b`` on PyTorch's matmul, or for a call of at most `gemv_rows` rows (a GPU plan's
-    choice per weight shape, `kernels.gpu.gemv.choose_rows`; 0: never) on our Triton GEMV."""
+    choice per weight shape, `kernels.gpu.gemv.choose_rows`; 0: never) on our Triton GEMV; such a
+    call the GEMV does not take (`gemv.takes`) runs PyTorch's, a counted fallback."""
     if 0 < x.shape[0] <= gemv_rows and x.dim() == 2:
         from nextoken.kernels.gpu.gemv import gemv, takes
 
         if takes(x, weight, bias):
             return gemv(x, weight, bias)
+        count_fallback("gemv")
     return F.linear(x, weight, bias)
 
 
