@@ -26,8 +26,9 @@ and says so:
    request alone and in a batch of 24, float32 and bf16), then speed (batch-1 decode, greedy and
    sampled, against the bandwidth roofline; 64 sequences of 512 + 256 tokens, the decode step
    against the roofline step; the same batch-1 and 64-sequence runs again with async scheduling,
-   and whether their tokens are the in-order run's; one 4096-token prefill against the bf16
-   matrix rate);
+   and whether their tokens are the in-order run's; the sampled 64-sequence step again on
+   PyTorch's draw, and the Triton draw's tokens and time against PyTorch's on 64 rows of the
+   model's vocabulary; one 4096-token prefill against the bf16 matrix rate);
 3. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client (in
    several processes, `serve.run_load`: one httpx process spends about 70 us a streamed chunk), 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
@@ -185,8 +186,9 @@ def gpu_tests(timeout: float) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
            "tests/kernels/test_batch_invariant.py", "tests/kernels/test_rowwise.py", "tests/kernels/test_gemv.py",
-           "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
-           "-k", "triton or gpu or invariant or rowwise or gemv", "-m", "slow or not slow"]  # (the interpreter's slow ones too)
+           "tests/kernels/test_gpu_sampling.py", "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py",
+           "tests/models/test_embeddings.py", "-k", "triton or gpu or invariant or rowwise or gemv or draw or sampler",
+           "-m", "slow or not slow"]  # (the interpreter's slow ones too)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -383,6 +385,10 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     facts = model_facts(runner)
     out.update(facts)
     log("   " + runner.plan.describe(runner.model))
+    if runner.plan.sampling_times:  # (the plan's timing of the Triton draw against PyTorch's, at load)
+        out["draw_timed"] = {b: [1000 * t for t in ts] for b, ts in runner.plan.sampling_times.items()}
+        log("   the draw timed at load (rows: Triton / PyTorch ms, top-p 0.95): " + ", ".join(
+            f"{b}: {ours:.3f} / {theirs:.3f}" for b, (ours, theirs) in out["draw_timed"].items()))
     rng = random.Random(3)
     prompt = rand_ids(rng, 128, vocab)
     b1 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
@@ -404,6 +410,16 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # (compiles its shapes)
     for name, params in b64:
         out[f"b64_{name}_step_ms"], out[f"b64_{name}_out_tok_s"], tokens[name], _ = decode_steps(llm, prompts, params)
+    sampler = llm.engine.sampler
+    if sampler.triton_draw is not None:  # the same sampled run on PyTorch's draw
+        draw, sampler.triton_draw = sampler.triton_draw, None
+        try:
+            out["b64_torch_draw_sampled_step_ms"] = decode_steps(llm, prompts, b64[1][1])[0]
+        finally:
+            sampler.triton_draw = draw
+        log(f"   64 x (512 + 256) sampled step on the Triton draw {out['b64_sampled_step_ms']:.2f} ms, on PyTorch's "
+            f"{out['b64_torch_draw_sampled_step_ms']:.2f} ms")
+    out.update(draw_agreement(vocab))
     ctx = plen + n_tok // 2  # the mean context over the decode
     step_bytes = facts["decode_weight_bytes"] + batch * ctx * facts["kv_bytes_per_token"]
     step_flops = 2 * facts["matmul_params"] * batch + attention_flops(facts, batch, ctx)
@@ -462,6 +478,39 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
                 out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 log(f"   {name} FAILED:", out[f"{name}_error"])
                 traceback.print_exc()
+    return out
+
+
+def draw_agreement(vocab: int) -> dict:
+    """The Triton draw's tokens against the PyTorch draw's (`sample.sampler.torch_draw`) on 64 rows
+    (4 in a dry run) of the model's vocabulary, flat (random logits of spread 2, as a random-weight model's) and
+    peaked (spread 8), under top-p 0.95, top-k 50 with top-p 0.9, and min-p 0.05, over 8 draws
+    (1 in a dry run) of random uniform numbers each: the share that agree (1 unless a uniform number or top-p falls
+    within float64's rounding of a boundary), and each draw's GPU time."""
+    import torch
+
+    from nextoken.kernels.gpu.sampling import draw_rows
+    from nextoken.sample.sampler import torch_draw
+
+    g = torch.Generator().manual_seed(7)
+    b, draws = (64, 8) if DEV == "cuda" else (4, 1)  # (a dry run: Triton's interpreter)
+    agree, n, times = 0, 0, {"triton": [], "torch": []}
+    for spread in (2.0, 8.0):
+        rows = (torch.randn(b, vocab, generator=g) * spread).to(DEV)
+        for k, p, mp in ((0, 0.95, 0.0), (50, 0.9, 0.0), (0, 1.0, 0.05)):
+            T = torch.full((b,), 0.8, device=DEV)
+            K = torch.full((b,), k, dtype=torch.int32, device=DEV)
+            P, M = torch.full((b,), p, device=DEV), torch.full((b,), mp, device=DEV)
+            for _ in range(draws):
+                u = torch.rand(b, generator=g).to(DEV)
+                times["triton"].append(cuda_time(lambda: draw_rows(rows, T, K, P, M, u), 1, 1))
+                times["torch"].append(cuda_time(lambda: torch_draw(rows, T, K, P, M, u, list(range(b)), True), 1, 1))
+                agree += int((draw_rows(rows, T, K, P, M, u) == torch_draw(rows, T, K, P, M, u)).sum())
+                n += b
+    out = {"draw_agree": agree / n, "draw_triton_ms": 1000 * statistics.median(times["triton"]),
+           "draw_torch_ms": 1000 * statistics.median(times["torch"])}
+    log(f"   the Triton draw against PyTorch's on {b} rows of {vocab}: {agree} of {n} tokens the same; median "
+        f"{out['draw_triton_ms']:.3f} against {out['draw_torch_ms']:.3f} ms a draw")
     return out
 
 
@@ -965,12 +1014,13 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
-        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, fused matmuls and GEMV
+        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, fused matmuls, GEMV, draw
 
         choose = plan_module.ExecutionPlan.choose.__func__
         plan_module.ExecutionPlan.choose = classmethod(
             lambda cls, *a, **k: plan_module.replace(p := choose(cls, *a, **k), rowwise=p.attention == "triton",
-                                                     fused=p.attention == "triton", gemv=p.attention == "triton"))
+                                                     fused=p.attention == "triton", gemv=p.attention == "triton",
+                                                     triton_sampling=p.attention == "triton"))
         DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
         args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models
         limits = {"name": "CPU (dry run)", "bandwidth": 1e10, "bf16_rate": 1e11}

@@ -107,7 +107,7 @@ class LLMEngine:
         if self.runner.plan.cuda_graphs:
             self.runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len + lookahead)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, lookahead)
-        self.sampler = Sampler(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan.kernels.sampling)
+        self.sampler = Sampler.for_plan(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan)
         # structured output: llguidance over our vocabulary, built on the first request that asks
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release, args.stream_interval)

@@ -11,8 +11,9 @@ layers' weight-loader hooks) and logs it in one line (``--log-level info``):
   reference);
 - **embedding**: codes (sharing them with a tied head), Q8_0 rows (PyTorch path), or dense;
 - **device**: the CPU, or a GPU (``--device``, `runner.device`): on a GPU every weight is dense
-  (GGUF blocks de-quantized at load), attention runs our Triton kernel, the rest PyTorch, and
-  decode steps replay CUDA graphs (`runner.cuda_graphs`) unless ``enforce_eager``;
+  (GGUF blocks de-quantized at load), attention runs our Triton kernel, the sampler's draw our
+  Triton one (`kernels.gpu.sampling`), and decode steps replay CUDA graphs
+  (`runner.cuda_graphs`) unless ``enforce_eager``;
 - **attention**: ``reference`` (plain float32 attention, the oracle), ``native`` (our C decode
   kernel reading the paged cache in place, blocked matmuls for prefill), ``torch`` (the same
   without the C kernel) or ``triton`` (`kernels.gpu.attention`: the GPU's; on the CPU only
@@ -90,6 +91,9 @@ class ExecutionPlan:
     fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
     gemv: bool = False  # decode matmuls of few rows on `kernels.gpu.gemv` where it measures faster (a GPU, kernels on)
     gemv_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took, shapes timed), once settled
+    triton_sampling: bool = False  # the sampler's draw on `kernels.gpu.sampling` (a GPU, kernels on)
+    sampling_rows: int = 1  # from how many rows it takes a draw (0: none), once settled
+    sampling_times: dict = field(default_factory=dict)  # {rows: (Triton's, PyTorch's) seconds} as timed at load
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -130,9 +134,10 @@ class ExecutionPlan:
 
     @classmethod
     def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
-        """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS), Triton attention (or the
-        float32 reference), Triton's norms, activations and RoPE (PyTorch's with the reference
-        or `enforce_eager`), PyTorch's sampler, CUDA graphs for decode steps unless
+        """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS; our GEMV for few rows where
+        it times faster), Triton attention (or the float32 reference), Triton's norms,
+        activations and RoPE (PyTorch's with the reference or `enforce_eager`), the sampler's draw
+        on Triton (PyTorch's with `enforce_eager`), CUDA graphs for decode steps unless
         `enforce_eager`."""
         if quantization is not None:
             raise InvalidRequest(f"--quantization {quantization} packs weights for the CPU's kernels; on a GPU the "
@@ -144,7 +149,7 @@ class ExecutionPlan:
         reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
         return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons,
                    rowwise=not enforce_eager and not reference_attention, fused=not enforce_eager,
-                   gemv=not enforce_eager)
+                   gemv=not enforce_eager, triton_sampling=not enforce_eager)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -206,6 +211,8 @@ class ExecutionPlan:
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         if self.gemv and not self.batch_invariant:
             self.gemv_shapes = self._choose_gemv(model)
+        if self.triton_sampling:
+            self._choose_sampling(model.config.vocab_size)
         cfg = model.config
         if self.attention == "native" and not native_decode_supports(self.dtype, cfg.head_dim, cfg.num_queries_per_kv):
             self.attention = "torch"
@@ -242,6 +249,21 @@ class ExecutionPlan:
             for t in targets:
                 t.gemv_rows = rows[key]
         return sum(1 for r in rows.values() if r), len(rows)
+
+    def _choose_sampling(self, vocab: int) -> None:
+        """From how many rows the sampler draws on Triton (`kernels.gpu.sampling.choose_min_rows`:
+        timed against PyTorch's draw on this GPU at load; on the CPU, the GPU path's tests under
+        Triton's interpreter, from one). A timing that raises leaves PyTorch's draw, and says why."""
+        if not self.device.is_cuda:
+            return
+        from nextoken.kernels.gpu import sampling
+        from nextoken.sample.sampler import torch_draw
+
+        try:
+            self.sampling_rows, self.sampling_times = sampling.choose_min_rows(vocab, self.device.torch, torch_draw)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: PyTorch draws
+            self.reasons["Triton draw"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            self.sampling_rows = 0
 
     def settle_cache(self, int8_cache: bool) -> None:
         """When the KV cache is made: an int8 cache needs bf16 queries in the C decode attention."""
@@ -294,6 +316,10 @@ class ExecutionPlan:
         off = "; ".join(f"{k} off: {v}" for k, v in self.reasons.items())
         quantized = f" (quantized at load to {self.quantization})" if self.quantization else ""
         graphs = "; CUDA graphs for decode steps" if self.cuda_graphs else ""
+        if self.device.is_cuda and self.triton_sampling and self.sampling_rows:
+            graphs += f"; sampler: Triton draw from {self.sampling_rows} rows (as timed on this GPU)"
+        elif self.device.is_cuda:
+            graphs += "; sampler: PyTorch" + (" (the Triton draw timed slower)" if self.triton_sampling else "")
         return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}"
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "

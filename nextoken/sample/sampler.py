@@ -14,7 +14,9 @@ Per step, for the batch as a whole (in the manner of vLLM v1's ``Sampler`` and
    uniform number u from the request's own ``torch.Generator`` and the inverse CDF of the kept
    tokens in id order. The rule is written once in PyTorch (`torch_draw`, the plain path, with
    sorts over the whole vocabulary) and run by our C kernel (``kernels/sampling.c``: no sort of
-   the vocabulary, rows in parallel) when the engine runs its kernels. Each row consumes exactly
+   the vocabulary, rows in parallel) when the engine runs its kernels, or on a GPU by our Triton
+   kernel (`kernels.gpu.sampling`: one program a row, bisections on the floats' order keys
+   instead of sorts). Each row consumes exactly
    one u per draw whatever else is in the batch, so a seeded request gives the same tokens alone
    and in any batch.
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nextoken.kernels import count_fallback
 from nextoken.sample.draw import row_settings, sample_rows
 from nextoken.sample.rng import DrawGenerator
 from nextoken.sample.logits_processors import RowEdits, TokenHistory, has_processors, needs_edits, process_rows
@@ -333,14 +336,29 @@ def _fail(result: SampleResult, exc: Exception) -> None:
 class Sampler:
     """Samples one token per row; see the module docstring for the order of operations.
     `kernel`: the ``sampling`` library the execution plan resolved (`kernels.KernelSet`), the
-    draw's C kernel; None (``enforce_eager``, no compiler): the plain PyTorch path."""
+    draw's C kernel; None (``enforce_eager``, no compiler): the plain PyTorch path.
+    `triton_draw`: the draw of float32 rows on `kernels.gpu.sampling` (a GPU plan's; on the CPU
+    only under Triton's interpreter), the same rule without sorting the vocabulary, for draws of
+    at least `triton_min_rows` rows (fewer leave most of a GPU idle: PyTorch's draw)."""
 
     def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None,
-                 kernel=None):
+                 kernel=None, triton_draw: bool = False, triton_min_rows: int = 1):
         self.eog_ids = eog_ids
         self.watermark = watermark
         self.kernel = _Kernel(kernel) if kernel is not None else None
+        self.triton_draw = None
+        if triton_draw:
+            from nextoken.kernels.gpu.sampling import draw_rows
+
+            self.triton_draw = draw_rows
+        self.triton_min_rows = triton_min_rows
         self._meta: SamplingMetadata | None = None
+
+    @classmethod
+    def for_plan(cls, eog_ids: frozenset[int], watermark: WatermarkConfig | None, plan) -> Sampler:
+        """The sampler a `runner.plan.ExecutionPlan` chose (its C or Triton draw, or PyTorch's)."""
+        return cls(eog_ids, watermark, plan.kernels.sampling, plan.triton_sampling and plan.sampling_rows > 0,
+                   plan.sampling_rows)
 
     def finite_rows(self, logits: torch.Tensor) -> list[bool]:
         """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity (`finite_flags`)."""
@@ -485,6 +503,11 @@ class Sampler:
             stack = logits
         else:
             stack = torch.stack([source[i] if i in source else logits[i].float() for i in which])
+        if self.triton_draw is not None and len(which) >= self.triton_min_rows:
+            tokens = self.triton_draw(stack, *settings)
+            if tokens is not None:
+                return tokens
+            count_fallback("sampling")
         sampled = [j for j, i in enumerate(which) if not rows[i].params.greedy]
         active = any(meta.filtered[i] for i in which)
         return torch_draw(stack, *settings, sampled=sampled, active=active)

@@ -161,5 +161,5 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
     if runner.config.sliding_layers:
         raise InvalidRequest("a draft model with sliding-window layers is not supported", "speculative_model")
     hot = hot_ranges(runner.config.vocab_size, tokenizer.special_ids, args.speculative_draft_vocab)
-    proposer = DraftProposer(runner, Sampler(tokenizer.eog_token_ids, watermark, runner.plan.kernels.sampling), hot)
+    proposer = DraftProposer(runner, Sampler.for_plan(tokenizer.eog_token_ids, watermark, runner.plan), hot)
     return Speculator(config, proposer, max_model_len), runner

@@ -45,8 +45,9 @@ REFERENCE = dict(device="cpu", enforce_eager=True)  # the CPU's PyTorch path
 
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
-    """Plans that ask for CUDA graphs: on the CPU the engine then runs every decode batch through
-    the graphs' static buffers (padded to 1, 2 or 4 rows) without capturing. (A GPU's plan asks
+    """Plans that ask for CUDA graphs and the Triton draw: on the CPU the engine then runs every
+    decode batch through the graphs' static buffers (padded to 1, 2 or 4 rows) without capturing,
+    and its sampler's draws on `kernels.gpu.sampling` under the interpreter. (A GPU's plan asks
     for them itself.)"""
     if ON_GPU:
         return
@@ -54,7 +55,7 @@ def graphs_on_cpu(monkeypatch):
 
     def with_graphs(cls, *args, **kwargs):
         plan = choose(cls, *args, **kwargs)
-        plan.cuda_graphs = plan.attention == "triton"
+        plan.cuda_graphs = plan.triton_sampling = plan.attention == "triton"
         return plan
 
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(with_graphs))

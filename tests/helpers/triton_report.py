@@ -1,5 +1,6 @@
 """The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
-the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, and its GEMV) for a Hopper GPU (sm_90), made on a machine
+the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, its GEMV and the sampler's
+draw) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -124,6 +125,22 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int) -> dict:
     return {"variant": [kernel, dtype, m_pad, rows], **usage}
 
 
+SAMPLING = [("draw", "fp32")]  # the sampler's draw over float32 logits
+
+
+def report_sampling(kernel: str, dtype: str) -> dict:
+    """The same report for the GPU sampler's draw (`kernels.gpu.sampling`), compiled as it
+    launches (its tile, CUDA's expf), the logits' pointer, row stride and vocabulary taken as
+    multiples of 16 as the catalog's are (151,936, 49,152, 262,144), so that 16-byte loads show."""
+    from nextoken.kernels.gpu import sampling as S
+
+    types = {"l_ptr": f"*{dtype}", "t_ptr": "*fp32", "k_ptr": "*i32", "p_ptr": "*fp32", "mp_ptr": "*fp32",
+             "u_ptr": "*fp32", "out_ptr": "*i64"}
+    usage = compiled(S._draw_kernel, types, dict(TILE=S.TILE, INTERPRET=False), S.NUM_WARPS, 3,
+                     ("l_ptr", "stride_l", "V"))
+    return {"variant": [kernel, dtype], **usage}
+
+
 def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = ()) -> dict:
     """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
     i32; `consts`: its constexprs; `aligned`: arguments known to be multiples of 16) and read its
@@ -160,3 +177,5 @@ if __name__ == "__main__":
         print(json.dumps(report_rowwise(*v)), flush=True)
     for v in GEMV:
         print(json.dumps(report_gemv(*v)), flush=True)
+    for v in SAMPLING:
+        print(json.dumps(report_sampling(*v)), flush=True)
