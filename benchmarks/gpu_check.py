@@ -520,21 +520,22 @@ KERNEL_SLOTS = ("act_kernel", "norm_kernel", "qk_norm_kernel", "rope_kernel", "q
 def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> dict:
     """The plan's own kernels against PyTorch's on the same engine, in two stages, the decode
     graphs captured again for each and batch-1 greedy decode and the 64-sequence greedy step
-    measured as above (the plan's figures are `measured`'s): first the GEMV off (every matmul on
-    cuBLAS; `kernels.gpu.gemv`), then also the row-wise kernels (`kernels.gpu.rowwise`) and fused
+    measured as above (the plan's figures are `measured`'s): first the GEMV and the split-K GEMM
+    off (every matmul on cuBLAS; `kernels.gpu.gemv`, `kernels.gpu.skinny`), then also the row-wise kernels (`kernels.gpu.rowwise`) and fused
     projections (`layers.linear.FusedLinear`) off (PyTorch's expressions and separate matmuls)."""
     from nextoken.layers.linear import gemv_targets
 
     runner = llm.engine.runner
     if not runner.plan.rowwise:
         return {}
-    out = {"gemv_shapes": list(runner.plan.gemv_shapes),
-           "gemv_rows": sorted({(t.weight.shape[0], t.weight.shape[1], t.gemv_rows) for t in gemv_targets(runner.model)})}
-    log(f"   GEMV chosen per weight shape (out, in, up to rows): {out['gemv_rows']}")
+    out = {"gemv_shapes": list(runner.plan.gemv_shapes), "skinny_shapes": list(runner.plan.skinny_shapes),
+           "gemv_rows": sorted({(t.weight.shape[0], t.weight.shape[1], t.gemv_rows, t.skinny_rows)
+                                for t in gemv_targets(runner.model)})}
+    log(f"   GEMV and split-K GEMM chosen per weight shape (out, in, GEMV up to rows, GEMM at rows): {out['gemv_rows']}")
     for stage in ("no_gemv", "torch_rows"):
         if stage == "no_gemv":
             for t in gemv_targets(runner.model):
-                t.gemv_rows = 0
+                t.gemv_rows, t.skinny_rows = 0, ()
         else:
             for m in runner.model.modules():
                 for slot in KERNEL_SLOTS:
@@ -549,7 +550,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
         tpots = [llm.generate([prompt], b1_params)[0].metrics.tpot for _ in range(3)]
         out[f"b1_{stage}_greedy_tok_s"] = 1 / statistics.median(tpots)
         out[f"b64_{stage}_greedy_step_ms"] = decode_steps(llm, prompts, b64_params)[0]
-    log(f"   the plan's kernels against cuBLAS alone (GEMV off) and PyTorch's rows and separate matmuls too: batch 1 "
+    log(f"   the plan's kernels against cuBLAS alone (GEMV and GEMM off) and PyTorch's rows and separate matmuls too: batch 1 "
         f"{measured['b1_greedy_tok_s']:.0f} / {out['b1_no_gemv_greedy_tok_s']:.0f} / {out['b1_torch_rows_greedy_tok_s']:.0f}"
         f" tok/s greedy; 64 x (512 + 256) step {measured['b64_greedy_step_ms']:.2f} / {out['b64_no_gemv_greedy_step_ms']:.2f}"
         f" / {out['b64_torch_rows_greedy_step_ms']:.2f} ms")
@@ -1014,12 +1015,13 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
-        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, fused matmuls, GEMV, draw
+        from nextoken.runner import plan as plan_module  # the GPU plan's row-wise kernels, fused matmuls, GEMMs, draw
 
         choose = plan_module.ExecutionPlan.choose.__func__
         plan_module.ExecutionPlan.choose = classmethod(
             lambda cls, *a, **k: plan_module.replace(p := choose(cls, *a, **k), rowwise=p.attention == "triton",
                                                      fused=p.attention == "triton", gemv=p.attention == "triton",
+                                                     skinny=p.attention == "triton",
                                                      triton_sampling=p.attention == "triton"))
         DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
         args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models

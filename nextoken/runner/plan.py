@@ -91,6 +91,8 @@ class ExecutionPlan:
     fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
     gemv: bool = False  # decode matmuls of few rows on `kernels.gpu.gemv` where it measures faster (a GPU, kernels on)
     gemv_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took, shapes timed), once settled
+    skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
+    skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
     triton_sampling: bool = False  # the sampler's draw on `kernels.gpu.sampling` (a GPU, kernels on)
     sampling_rows: int = 1  # from how many rows it takes a draw (0: none), once settled
     sampling_times: dict = field(default_factory=dict)  # {rows: (Triton's, PyTorch's) seconds} as timed at load
@@ -134,8 +136,8 @@ class ExecutionPlan:
 
     @classmethod
     def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
-        """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS; our GEMV for few rows where
-        it times faster), Triton attention (or the float32 reference), Triton's norms,
+        """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS; our GEMV for 1-4 rows and
+        split-K GEMM for 5-64 where they time faster), Triton attention (or the float32 reference), Triton's norms,
         activations and RoPE (PyTorch's with the reference or `enforce_eager`), the sampler's draw
         on Triton (PyTorch's with `enforce_eager`), CUDA graphs for decode steps unless
         `enforce_eager`."""
@@ -149,7 +151,7 @@ class ExecutionPlan:
         reasons = {"CUDA graphs": "enforce_eager"} if enforce_eager else {}
         return cls(dtype, False, False, False, attention, device, cuda_graphs=not enforce_eager, reasons=reasons,
                    rowwise=not enforce_eager and not reference_attention, fused=not enforce_eager,
-                   gemv=not enforce_eager, triton_sampling=not enforce_eager)
+                   gemv=not enforce_eager, skinny=not enforce_eager, triton_sampling=not enforce_eager)
 
     # -- per layer ------------------------------------------------------------------------
     def linear_method(self, type_name: str, rows: int, cols: int) -> LinearMethod:
@@ -211,6 +213,8 @@ class ExecutionPlan:
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         if self.gemv and not self.batch_invariant:
             self.gemv_shapes = self._choose_gemv(model)
+        if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
+            self.skinny_shapes = self._choose_skinny(model)
         if self.triton_sampling:
             self._choose_sampling(model.config.vocab_size)
         cfg = model.config
@@ -248,6 +252,31 @@ class ExecutionPlan:
         for key, targets in groups.items():
             for t in targets:
                 t.gemv_rows = rows[key]
+        return sum(1 for r in rows.values() if r), len(rows)
+
+    def _choose_skinny(self, model) -> tuple[int, int]:
+        """Give each dense matmul (`layers.linear.gemv_targets`) the row counts (8, 16, 32, 64) at
+        which our split-K GEMM measured faster than PyTorch's on its weight shape
+        (`kernels.gpu.skinny.choose_rows`, timed on this GPU over the model's own weights); on the
+        CPU (the GPU path's tests, under Triton's interpreter) every one takes all four. Returns
+        (shapes taken at some row count, shapes)."""
+        from nextoken.kernels.gpu import skinny
+        from nextoken.layers.linear import gemv_targets
+
+        groups: dict = {}
+        for t in gemv_targets(model):
+            groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
+        if self.device.is_cuda:
+            try:
+                rows = skinny.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: cuBLAS takes every call
+                self.reasons["split-K GEMM"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows = dict.fromkeys(groups, ())
+        else:
+            rows = dict.fromkeys(groups, skinny.BUCKETS)
+        for key, targets in groups.items():
+            for t in targets:
+                t.skinny_rows = rows[key]
         return sum(1 for r in rows.values() if r), len(rows)
 
     def _choose_sampling(self, vocab: int) -> None:
@@ -308,6 +337,10 @@ class ExecutionPlan:
             taken, shapes = self.gemv_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
             linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
+        if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
+            taken, shapes = self.skinny_shapes
+            how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
+            linears += f" (Triton split-K GEMM for 5-64 rows on {taken} of {shapes} weight shapes, {how})"
         decode = (f"one C call per step (prompts up to {MAX_PREFILL_TOKENS} tokens too; LoRA adapters included)"
                   if self.native_decode else "PyTorch layers")
         act = "C" if self.native_activations else "Triton (with RoPE)" if self.rowwise else "PyTorch"

@@ -1,6 +1,6 @@
 """The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
-the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, its GEMV and the sampler's
-draw) for a Hopper GPU (sm_90), made on a machine
+the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, its GEMV and split-K GEMM,
+and the sampler's draw) for a Hopper GPU (sm_90), made on a machine
 without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
 spills and the matrix instructions off it (METHOD.md: what costs no device time).
 
@@ -125,6 +125,31 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int) -> dict:
     return {"variant": [kernel, dtype, m_pad, rows], **usage}
 
 
+SKINNY = [("skinny", "bf16", 16, 0), ("skinny", "bf16", 32, 0), ("skinny", "bf16", 64, 0), ("skinny", "bf16", 16, 1),
+          ("skinny", "bf16", 64, 1), ("skinny_sum", "bf16", 0, 1)]  # (rows padded, split-K)
+
+
+def report_skinny(kernel: str, dtype: str, m_pad: int, split: int) -> dict:
+    """The same report for the GPU plan's split-K GEMM of 5-64 rows (`kernels.gpu.skinny`) at
+    `m_pad` rows, writing the output or (`split`) the float32 partial sums, with a bias; or the
+    sum of the splits (``skinny_sum``); pointers, K, N and strides taken as multiples of 16."""
+    from nextoken.kernels.gpu import skinny as S
+
+    p = f"*{dtype}"
+    if kernel == "skinny_sum":
+        types = {"part_ptr": "*fp32", "b_ptr": p, "out_ptr": p}
+        usage = compiled(S._reduce_kernel, types, dict(BLOCK=S.REDUCE_BLOCK, HAS_BIAS=True, ROUND=False), 4, 3,
+                         ("part_ptr", "b_ptr", "out_ptr", "N", "stride_om"))
+    else:
+        types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "part_ptr": "*fp32"}
+        consts = dict(BLOCK_M=m_pad, BLOCK_N=S.BLOCK_N, BLOCK_K=S.BLOCK_K, SPLIT=bool(split), HAS_BIAS=True,
+                      WIDEN=False, ROUND=False)
+        aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om",
+                   "k_split")
+        usage = compiled(S._skinny_kernel, types, consts, S.NUM_WARPS, S.NUM_STAGES, aligned)
+    return {"variant": [kernel, dtype, m_pad, split], **usage}
+
+
 SAMPLING = [("draw", "fp32")]  # the sampler's draw over float32 logits
 
 
@@ -177,5 +202,7 @@ if __name__ == "__main__":
         print(json.dumps(report_rowwise(*v)), flush=True)
     for v in GEMV:
         print(json.dumps(report_gemv(*v)), flush=True)
+    for v in SKINNY:
+        print(json.dumps(report_skinny(*v)), flush=True)
     for v in SAMPLING:
         print(json.dumps(report_sampling(*v)), flush=True)

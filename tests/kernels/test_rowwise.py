@@ -196,8 +196,8 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     (Qwen 2: RMSNorm, SwiGLU, RoPE, q/k/v with biases; Gemma 3: its norms with the float32
     product, QK-norm, GeGLU, two RoPE tables) against the same path on PyTorch's: float32 logits
     of a prompt (PyTorch's matmuls: 9 rows) and two decodes (the GEMV) within 1e-5; Qwen 2 in
-    bf16 too (the model's RoPE tables in bf16, as a GPU runs it): no kernel refuses its inputs
-    and the logits are PyTorch's bf16 path's."""
+    bf16 too (the model's RoPE tables in bf16, as a GPU runs it; the prompt's 9 rows on the
+    split-K GEMM): no kernel refuses its inputs and the logits are PyTorch's bf16 path's."""
     import dataclasses
 
     from nextoken.kernels.gpu.gemv import MAX_ROWS
@@ -215,7 +215,8 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
         if arch == "qwen2" else None
     choose = plan_module.ExecutionPlan.choose.__func__
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(
-        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True, gemv=True)))
+        lambda cls, *a, **k: dataclasses.replace(choose(cls, *a, **k), rowwise=True, fused=True, gemv=True,
+                                                 skinny=True)))
     fused = ModelRunner(open_model(path), torch.float32, **kw)
     line = fused.plan.describe(fused.model)
     assert "Triton (with RoPE)" in line and "fused matmuls" in line and not plain.plan.rowwise, line
@@ -250,6 +251,7 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
     # included: the runner's own count of fallbacks stays empty), near PyTorch's bf16 expressions
     half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
+    assert "split-K GEMM for 5-64 rows" in half.runner.plan.describe(half.runner.model)
     for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44]):
         got, want = half.forward(ids, all_logits=True).float(), plain_half.forward(ids, all_logits=True).float()
         # (here equal: the same roundings; a GPU's exponentials and sums move last bits, which grow)

@@ -260,9 +260,10 @@ TIMED_ROWS = (1, 4, 16, 64, 256)  # the batch sizes `choose_min_rows` times
 def choose_min_rows(vocab: int, device: torch.device, reference, timer=None, sizes: tuple[int, ...] = TIMED_ROWS
                     ) -> tuple[int, dict[int, tuple[float, float]]]:
     """The fewest rows from which `draw_rows` beats the PyTorch draw (`reference`:
-    `sample.sampler.torch_draw`) at every batch size timed (`sizes`), both on random rows ``[b, vocab]`` (logits of spread 2,
-    temperature 0.8, top-p 0.95: a draw's usual settings; the kernel's passes do not depend on the
-    values), each as the engine runs it (eagerly, launches included). `timer(fn) -> seconds`
+    `sample.sampler.torch_draw`) at every batch size timed (`sizes`), both on random rows
+    ``[b, vocab]`` (logits of spread 2, temperature 0.8, top-p 0.95: a draw's usual settings; the
+    kernel's passes do not depend on the values), each as the engine runs it (eagerly, launches
+    included). `timer(fn) -> seconds`
     (default `_event_timer`). Returns (that row count, 0 when no size has it faster at that size
     and every larger one; ``{rows: (ours, PyTorch's) seconds}``)."""
     timer = timer or _event_timer

@@ -42,16 +42,27 @@ class LinearMethod:
         raise NotImplementedError
 
 
-def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0) -> torch.Tensor:
-    """``x W^T + b`` on PyTorch's matmul, or for a call of at most `gemv_rows` rows (a GPU plan's
-    choice per weight shape, `kernels.gpu.gemv.choose_rows`; 0: never) on our Triton GEMV; such a
-    call the GEMV does not take (`gemv.takes`) runs PyTorch's, a counted fallback."""
-    if 0 < x.shape[0] <= gemv_rows and x.dim() == 2:
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0,
+                 skinny_rows: tuple[int, ...] = ()) -> torch.Tensor:
+    """``x W^T + b`` on PyTorch's matmul, or (a GPU plan's choices per weight shape, timed at load)
+    for a call of at most `gemv_rows` rows (`kernels.gpu.gemv.choose_rows`; 0: never) on our
+    Triton GEMV, and for one of 5-64 rows whose count rounds up to one of `skinny_rows`
+    (`kernels.gpu.skinny.choose_rows`) on our split-K GEMM; such a call the kernel does not take
+    (`takes`) runs PyTorch's, a counted fallback."""
+    m = x.shape[0]
+    if x.dim() == 2 and 0 < m <= gemv_rows:
         from nextoken.kernels.gpu.gemv import gemv, takes
 
         if takes(x, weight, bias):
             return gemv(x, weight, bias)
         count_fallback("gemv")
+    elif x.dim() == 2 and skinny_rows and 4 < m <= 64:
+        from nextoken.kernels.gpu import skinny
+
+        if skinny.bucket(m) in skinny_rows:
+            if skinny.takes(x, weight, bias):
+                return skinny.skinny(x, weight, bias)
+            count_fallback("skinny")
     return F.linear(x, weight, bias)
 
 
@@ -59,7 +70,7 @@ class DenseMethod(LinearMethod):
     name = "dense"
 
     def apply(self, layer, x):
-        return dense_matmul(x, layer.weight, layer.bias, layer.gemv_rows)
+        return dense_matmul(x, layer.weight, layer.bias, layer.gemv_rows, layer.skinny_rows)
 
     def load(self, layer, t) -> None:
         layer.weight = store_dense(layer.weight, t, layer.dtype)
