@@ -503,12 +503,12 @@ class Sampler:
             stack = logits
         else:
             stack = torch.stack([source[i] if i in source else logits[i].float() for i in which])
-        if self.triton_draw is not None and len(which) >= self.triton_min_rows:
+        sampled = [j for j, i in enumerate(which) if not rows[i].params.greedy]
+        if self.triton_draw is not None and sampled and len(which) >= self.triton_min_rows:  # (all greedy: argmax)
             tokens = self.triton_draw(stack, *settings)
             if tokens is not None:
                 return tokens
             count_fallback("sampling")
-        sampled = [j for j, i in enumerate(which) if not rows[i].params.greedy]
         active = any(meta.filtered[i] for i in which)
         return torch_draw(stack, *settings, sampled=sampled, active=active)
 

@@ -133,7 +133,8 @@ def test_the_row_count_from_which_the_kernel_is_faster():
 
 def test_the_plan_and_the_sampler_take_the_timed_rows_or_pytorch(tiny_gguf, monkeypatch):
     """On a GPU the plan times the draw at load (here a stand-in) and the sampler takes the kernel
-    for batches of at least that many rows, PyTorch's below; a timing that raises leaves
+    for batches of at least that many rows with a sampled one, PyTorch's below (and argmax for a
+    greedy batch); a timing that raises leaves
     PyTorch's draw, and the plan line says why."""
     import dataclasses
 
@@ -158,7 +159,8 @@ def test_the_plan_and_the_sampler_take_the_timed_rows_or_pytorch(tiny_gguf, monk
     logits = torch.randn(4, 64).to(DEVICE)
     for b in (2, 4):
         sampler.launch(logits[:b], [SamplerRequest(SamplingParams(temperature=0.7), [], [], None)] * b).results()
-    assert calls == [4]
+    greedy = sampler.launch(logits, [SamplerRequest(SamplingParams(temperature=0), [], [], None)] * 4).results()[0]
+    assert calls == [4] and [r.token for r in greedy] == logits.argmax(-1).tolist()  # (all greedy: PyTorch's argmax)
 
     def broken(vocab, device, reference):
         raise RuntimeError("ptxas failed")
