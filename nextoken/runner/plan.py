@@ -137,10 +137,10 @@ class ExecutionPlan:
     @classmethod
     def _on_gpu(cls, dtype, enforce_eager, reference_attention, quantization, device, attention_backend):
         """A GPU's plan: dense weights on PyTorch's matmuls (cuBLAS; our GEMV for 1-4 rows and
-        split-K GEMM for 5-64 where they time faster), Triton attention (or the float32 reference), Triton's norms,
-        activations and RoPE (PyTorch's with the reference or `enforce_eager`), the sampler's draw
-        on Triton (PyTorch's with `enforce_eager`), CUDA graphs for decode steps unless
-        `enforce_eager`."""
+        split-K GEMM for 5-64 where they time faster), Triton attention (or the float32
+        reference), Triton's norms, activations and RoPE (PyTorch's with the reference or
+        `enforce_eager`), the sampler's draw on Triton (PyTorch's with `enforce_eager`), CUDA
+        graphs for decode steps unless `enforce_eager`."""
         if quantization is not None:
             raise InvalidRequest(f"--quantization {quantization} packs weights for the CPU's kernels; on a GPU the "
                                  "weights run dense (bf16)", "quantization")
@@ -236,31 +236,24 @@ class ExecutionPlan:
         on this GPU over the model's own weights); on the CPU (the GPU path's tests, under Triton's
         interpreter) every one takes it up to `gemv.MAX_ROWS`. Returns (shapes taken, shapes)."""
         from nextoken.kernels.gpu import gemv
-        from nextoken.layers.linear import gemv_targets
 
-        groups: dict = {}
-        for t in gemv_targets(model):
-            groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
-        if self.device.is_cuda:
-            try:
-                rows = gemv.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
-            except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: cuBLAS takes every call
-                self.reasons["GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows = dict.fromkeys(groups, 0)
-        else:
-            rows = dict.fromkeys(groups, gemv.MAX_ROWS)
-        for key, targets in groups.items():
-            for t in targets:
-                t.gemv_rows = rows[key]
-        return sum(1 for r in rows.values() if r), len(rows)
+        return self._per_shape(model, "gemv_rows", gemv.choose_rows, gemv.MAX_ROWS, 0, "GEMV")
 
     def _choose_skinny(self, model) -> tuple[int, int]:
-        """Give each dense matmul (`layers.linear.gemv_targets`) the row counts (8, 16, 32, 64) at
-        which our split-K GEMM measured faster than PyTorch's on its weight shape
-        (`kernels.gpu.skinny.choose_rows`, timed on this GPU over the model's own weights); on the
-        CPU (the GPU path's tests, under Triton's interpreter) every one takes all four. Returns
-        (shapes taken at some row count, shapes)."""
+        """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured
+        faster than PyTorch's on its weight shape (`kernels.gpu.skinny.choose_rows`, as
+        `_choose_gemv`); on the CPU every one takes all four. Returns (shapes taken at some row
+        count, shapes)."""
         from nextoken.kernels.gpu import skinny
+
+        return self._per_shape(model, "skinny_rows", skinny.choose_rows, skinny.BUCKETS, (), "split-K GEMM")
+
+    def _per_shape(self, model, attr: str, choose, untimed, none, what: str) -> tuple[int, int]:
+        """Set `attr` of every dense matmul (`layers.linear.gemv_targets`) to its weight shape's
+        entry of ``choose({(shape, has bias): [(weight, bias), ...]})`` (timed on this GPU), or to
+        `untimed` off a GPU; should the timing raise (a kernel that does not build here), to
+        `none` (PyTorch's matmul), with the reason under `what`. Returns (shapes given a truthy
+        entry, shapes)."""
         from nextoken.layers.linear import gemv_targets
 
         groups: dict = {}
@@ -268,15 +261,15 @@ class ExecutionPlan:
             groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
         if self.device.is_cuda:
             try:
-                rows = skinny.choose_rows({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+                rows = choose({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: cuBLAS takes every call
-                self.reasons["split-K GEMM"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows = dict.fromkeys(groups, ())
+                self.reasons[what] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows = dict.fromkeys(groups, none)
         else:
-            rows = dict.fromkeys(groups, skinny.BUCKETS)
+            rows = dict.fromkeys(groups, untimed)
         for key, targets in groups.items():
             for t in targets:
-                t.skinny_rows = rows[key]
+                setattr(t, attr, rows[key])
         return sum(1 for r in rows.values() if r), len(rows)
 
     def _choose_sampling(self, vocab: int) -> None:
