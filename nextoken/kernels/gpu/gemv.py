@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
+from nextoken.kernels.gpu.timing import graph_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
@@ -84,14 +85,26 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `gemv` computes this call: x ``[M, K]`` with 1 <= M <= `MAX_ROWS` and contiguous
-    rows, weight ``[N, K]`` with contiguous rows in x's dtype (bf16 or float32), bias ``[N]`` or
-    None."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, int],
+         dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether x is ``[M, K]`` with ``rows[0] <= M <= rows[1]`` in one of `dtypes`, weight
+    ``[N, K]`` in x's dtype, both with contiguous rows, bias ``[N]`` contiguous or None: the calls
+    a few-row matmul kernel of this package takes."""
+    return (x.dim() == 2 and rows[0] <= x.shape[0] <= rows[1] and x.dtype in dtypes
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
             and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
+
+
+def refuse(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, takes: str) -> ValueError:
+    """The error of kernel `name` for a call it does not take (`takes`: what it takes)."""
+    return ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} (bias "
+                      f"{None if bias is None else tuple(bias.shape)}): it takes {takes} with contiguous rows")
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `gemv` computes this call (`fits`): 1 to `MAX_ROWS` rows, bf16 or float32."""
+    return fits(x, weight, bias, (1, MAX_ROWS), (torch.bfloat16, torch.float32))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -101,9 +114,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     power of two; default `rows_per_program`'s), each program's K chunk ``TILE / rows``. Raises
     ValueError for another call."""
     if not takes(x, weight, bias):
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
-                         f"(bias {None if bias is None else tuple(bias.shape)}): it takes 1-{MAX_ROWS} rows of one "
-                         "dtype (bf16 or float32) with contiguous rows")
+        raise refuse("gemv", x, weight, bias, f"1-{MAX_ROWS} rows of one dtype (bf16 or float32)")
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -120,9 +131,9 @@ def choose_rows(groups: dict, timer=None) -> dict:
     layer's down projection), the most rows (0, 1, 2 or 4) up to which `gemv` beats
     ``torch.nn.functional.linear``: both timed over the group's weights in turn (as a decode step
     reads them, from memory rather than L2) at 1, 2 and 4 rows, stopping at the first row count
-    where PyTorch's is as fast. `timer(fn) -> seconds` (default: `_cuda_timer`, a CUDA graph's
-    replay). Returns ``{key: rows}``."""
-    timer = timer or _cuda_timer
+    where PyTorch's is as fast. `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA
+    graph's replay). Returns ``{key: rows}``."""
+    timer = timer or graph_seconds
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]
@@ -136,28 +147,3 @@ def choose_rows(groups: dict, timer=None) -> dict:
             rows = m
         out[key] = rows
     return out
-
-
-def _cuda_timer(fn, reps: int = 5) -> float:
-    """Median seconds of one replay of `fn` captured as a CUDA graph (as a decode step runs its
-    kernels: without the host's launch costs, which are Triton's larger in Python than cuBLAS's),
-    after a warm-up call (compilation) on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    del graph
-    return sorted(times)[len(times) // 2]

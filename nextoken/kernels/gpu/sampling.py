@@ -45,6 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nextoken.kernels.gpu.timing import eager_seconds
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 1024  # logits a program reads per step of a pass (compiled)
 INTERPRET_TILE = 4096  # under the interpreter, where each step costs NumPy calls
@@ -264,9 +266,9 @@ def choose_min_rows(vocab: int, device: torch.device, reference, timer=None, siz
     ``[b, vocab]`` (logits of spread 2, temperature 0.8, top-p 0.95: a draw's usual settings; the
     kernel's passes do not depend on the values), each as the engine runs it (eagerly, launches
     included). `timer(fn) -> seconds`
-    (default `_event_timer`). Returns (that row count, 0 when no size has it faster at that size
+    (default `timing.eager_seconds`). Returns (that row count, 0 when no size has it faster at that size
     and every larger one; ``{rows: (ours, PyTorch's) seconds}``)."""
-    timer = timer or _event_timer
+    timer = timer or eager_seconds
     times = {}
     for b in sizes:
         g = torch.Generator(device="cpu").manual_seed(b)
@@ -278,18 +280,3 @@ def choose_min_rows(vocab: int, device: torch.device, reference, timer=None, siz
         times[b] = (timer(lambda: draw_rows(rows, T, K, P, M, u)),
                     timer(lambda: reference(rows, T, K, P, M, u, sampled=sampled, active=True)))
     return next((b for b in sizes if all(times[c][0] < times[c][1] for c in sizes if c >= b)), 0), times
-
-
-def _event_timer(fn, reps: int = 5) -> float:
-    """Median seconds of `fn` on the GPU's clock, launched eagerly (its host launches included
-    where they hold the GPU up), after a warm-up call (compilation)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]

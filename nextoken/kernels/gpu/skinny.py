@@ -36,7 +36,8 @@ import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
-from nextoken.kernels.gpu.gemv import _cuda_timer
+from nextoken.kernels.gpu.gemv import fits, refuse
+from nextoken.kernels.gpu.timing import graph_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_ROWS, MAX_ROWS = GEMV_ROWS + 1, 64  # the rows a call takes (fewer: the GEMV's)
@@ -118,13 +119,9 @@ def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, BLOCK: tl.const
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `skinny` computes this call: x ``[M, K]`` bf16 with `MIN_ROWS` <= M <= `MAX_ROWS`
-    and contiguous rows, weight ``[N, K]`` bf16 with contiguous rows, bias ``[N]`` or None. (Not
-    float32, the reference's dtype: without tensor cores its 64-row tile spills.)"""
-    return (x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-            and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
+    """Whether `skinny` computes this call (`gemv.fits`): `MIN_ROWS` to `MAX_ROWS` rows, bf16 (not
+    float32, the reference's dtype: without tensor cores its 64-row tile spills)."""
+    return fits(x, weight, bias, (MIN_ROWS, MAX_ROWS), (torch.bfloat16,))
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -133,9 +130,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     None -> ``[M, N]`` in x's dtype (contiguous). `split`: programs per output tile's K range
     (default `splits`'). Raises ValueError for another call."""
     if not takes(x, weight, bias):
-        raise ValueError(f"skinny: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
-                         f"(bias {None if bias is None else tuple(bias.shape)}): it takes {MIN_ROWS}-{MAX_ROWS} bf16 "
-                         "rows with contiguous rows")
+        raise refuse("skinny", x, weight, bias, f"{MIN_ROWS}-{MAX_ROWS} bf16 rows")
     m, k = x.shape
     n = weight.shape[0]
     split = split or splits(n, k, x.device)
@@ -160,9 +155,9 @@ def choose_rows(groups: dict, timer=None) -> dict:
     """For each group of weights of one shape (``{key: [(weight, bias), ...]}``), the timed row
     counts (`BUCKETS`) at which `skinny` beats ``torch.nn.functional.linear``: both timed over the
     group's weights in turn (as a decode step reads them, from memory rather than L2). `timer(fn)
-    -> seconds` (default: `gemv._cuda_timer`, a CUDA graph's replay). Returns ``{key: (rows,
+    -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay). Returns ``{key: (rows,
     ...)}``."""
-    timer = timer or _cuda_timer
+    timer = timer or graph_seconds
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]

@@ -1,0 +1,50 @@
+"""How the GPU plan times its kernels against PyTorch's at load (`gemv.choose_rows`,
+`skinny.choose_rows`, `sampling.choose_min_rows`): the median of a few runs on the GPU's clock
+(CUDA events), after a warm-up run that compiles.
+
+- `graph_seconds`: `fn` captured as a CUDA graph and replayed, as a decode step runs its matmuls
+  (without the host's launch costs, which are larger for Triton's Python launcher than for
+  cuBLAS's);
+- `eager_seconds`: `fn` launched op by op, as the engine runs its sampler (the launches included
+  where they hold the GPU up).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def median_seconds(run, reps: int) -> float:
+    """The median seconds of `reps` calls of `run` between two CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of one replay of `fn` captured as a CUDA graph, after a warm-up call on a
+    side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    seconds = median_seconds(graph.replay, reps)
+    del graph
+    return seconds
+
+
+def eager_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of `fn` launched eagerly, after a warm-up call."""
+    fn()
+    return median_seconds(fn, reps)
