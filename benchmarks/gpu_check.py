@@ -180,8 +180,9 @@ def gpu_tests(timeout: float) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
            "tests/kernels/test_batch_invariant.py", "tests/kernels/test_rowwise.py", "tests/kernels/test_gemv.py",
-           "tests/kernels/test_gpu_sampling.py", "tests/engine/test_gpu_path.py", "tests/models/test_hf_models.py",
-           "tests/models/test_embeddings.py", "-k", "triton or gpu or invariant or rowwise or gemv or draw or sampler",
+           "tests/kernels/test_skinny.py", "tests/kernels/test_gpu_sampling.py", "tests/engine/test_gpu_path.py",
+           "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
+           "-k", "triton or gpu or invariant or rowwise or gemv or skinny or draw or sampler",
            "-m", "slow or not slow"]  # (the interpreter's slow ones too)
     t0 = time.perf_counter()
     try:
