@@ -44,7 +44,7 @@ def test_the_draw_is_the_plain_rule_on_tied_and_masked_rows():
     rows and peaked ones, under random settings and uniform numbers: the same token as the plain
     rule's every time."""
     g = torch.Generator().manual_seed(1)
-    b, V = 36, 300
+    b, V = 27, 300
     rows = torch.randint(0, 6, (b, V), generator=g).float() * 0.5
     rows[::5] = torch.randn(rows[::5].shape, generator=g) * 4
     rows[1::7, ::2] = float("-inf")
@@ -70,12 +70,12 @@ def test_the_draw_at_the_ends_of_u_and_of_the_settings():
 def test_a_row_draws_the_same_alone_and_in_a_batch():
     """One program a row: a row's token does not depend on the rows beside it."""
     g = torch.Generator().manual_seed(3)
-    rows = torch.randn(5, 300, generator=g) * 3
-    T, K, P, M = (torch.tensor([0.8] * 5), torch.tensor([0, 30, 0, 0, 5], dtype=torch.int32),
-                  torch.tensor([0.9, 1.0, 0.7, 1.0, 0.8]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0]))
-    u = torch.rand(5, generator=g)
+    rows = torch.randn(3, 300, generator=g) * 3
+    T, K, P, M = (torch.tensor([0.8] * 3), torch.tensor([0, 30, 5], dtype=torch.int32),
+                  torch.tensor([0.9, 1.0, 0.8]), torch.tensor([0.0, 0.1, 0.0]))
+    u = torch.rand(3, generator=g)
     batch = draw_rows(*(t.to(DEVICE) for t in (rows, T, K, P, M, u))).cpu()
-    for i in range(5):
+    for i in range(3):
         alone = draw_rows(*(t[i : i + 1].to(DEVICE) for t in (rows, T, K, P, M, u))).cpu()
         assert alone.item() == batch[i].item()
 
