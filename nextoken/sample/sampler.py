@@ -16,9 +16,8 @@ Per step, for the batch as a whole (in the manner of vLLM v1's ``Sampler`` and
    sorts over the whole vocabulary) and run by our C kernel (``kernels/sampling.c``: no sort of
    the vocabulary, rows in parallel) when the engine runs its kernels, or on a GPU by our Triton
    kernel (`kernels.gpu.sampling`: one program a row, bisections on the floats' order keys
-   instead of sorts). Each row consumes exactly
-   one u per draw whatever else is in the batch, so a seeded request gives the same tokens alone
-   and in any batch.
+   instead of sorts). Each row consumes exactly one u per draw whatever else is in the batch, so
+   a seeded request gives the same tokens alone and in any batch.
 
 The settings of the batch's rows (temperature, top-k, top-p, min-p, which rows need processing
 or log-probabilities) are tensors built once and reused while the batch is the same
@@ -337,17 +336,17 @@ class Sampler:
     """Samples one token per row; see the module docstring for the order of operations.
     `kernel`: the ``sampling`` library the execution plan resolved (`kernels.KernelSet`), the
     draw's C kernel; None (``enforce_eager``, no compiler): the plain PyTorch path.
-    `triton_draw`: the draw of float32 rows on `kernels.gpu.sampling` (a GPU plan's; on the CPU
-    only under Triton's interpreter), the same rule without sorting the vocabulary, for draws of
-    at least `triton_min_rows` rows (fewer leave most of a GPU idle: PyTorch's draw)."""
+    `triton_min_rows`: draws of at least this many rows (0: none) with a sampled row run on
+    `kernels.gpu.sampling` (a GPU plan's; on the CPU only under Triton's interpreter), the same
+    rule without sorting the vocabulary (fewer rows leave most of a GPU idle: PyTorch's draw)."""
 
     def __init__(self, eog_ids: frozenset[int] = frozenset(), watermark: WatermarkConfig | None = None,
-                 kernel=None, triton_draw: bool = False, triton_min_rows: int = 1):
+                 kernel=None, triton_min_rows: int = 0):
         self.eog_ids = eog_ids
         self.watermark = watermark
         self.kernel = _Kernel(kernel) if kernel is not None else None
         self.triton_draw = None
-        if triton_draw:
+        if triton_min_rows:
             from nextoken.kernels.gpu.sampling import draw_rows
 
             self.triton_draw = draw_rows
@@ -357,8 +356,7 @@ class Sampler:
     @classmethod
     def for_plan(cls, eog_ids: frozenset[int], watermark: WatermarkConfig | None, plan) -> Sampler:
         """The sampler a `runner.plan.ExecutionPlan` chose (its C or Triton draw, or PyTorch's)."""
-        return cls(eog_ids, watermark, plan.kernels.sampling, plan.triton_sampling and plan.sampling_rows > 0,
-                   plan.sampling_rows)
+        return cls(eog_ids, watermark, plan.kernels.sampling, plan.sampling_rows if plan.triton_sampling else 0)
 
     def finite_rows(self, logits: torch.Tensor) -> list[bool]:
         """Whether each row of logits ``[b, vocab]`` is free of NaN and infinity (`finite_flags`)."""

@@ -91,7 +91,7 @@ def test_rows_it_does_not_take():
 
 
 def test_the_sampler_draws_on_the_kernel_as_on_its_plain_path():
-    """`Sampler(triton_draw=True)` on seeded rows (greedy, top-p, top-k with min-p) gives the
+    """`Sampler(triton_min_rows=1)` on seeded rows (greedy, top-p, top-k with min-p) gives the
     tokens of the plain sampler's `launch` with the same seeds, and counts no fallback."""
     from nextoken.kernels import FallbackCounts, counting
     from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator
@@ -108,7 +108,7 @@ def test_the_sampler_draws_on_the_kernel_as_on_its_plain_path():
 
     counts = FallbackCounts()
     with counting(counts):
-        got = draws(Sampler(triton_draw=True))
+        got = draws(Sampler(triton_min_rows=1))
     assert [[r.token for r in step] for step in got] == [[r.token for r in step] for step in draws(Sampler())]
     assert not counts.snapshot()
 

@@ -56,10 +56,10 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if takes(x, weight, bias):
             return gemv(x, weight, bias)
         count_fallback("gemv")
-    elif x.dim() == 2 and skinny_rows and 4 < m <= 64:
+    elif x.dim() == 2 and skinny_rows:
         from nextoken.kernels.gpu import skinny
 
-        if skinny.bucket(m) in skinny_rows:
+        if skinny.MIN_ROWS <= m <= skinny.MAX_ROWS and skinny.bucket(m) in skinny_rows:
             if skinny.takes(x, weight, bias):
                 return skinny.skinny(x, weight, bias)
             count_fallback("skinny")
