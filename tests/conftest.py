@@ -20,8 +20,12 @@ def pytest_configure(config):
 
     Triton's kernels (`nextoken.kernels.gpu`) run under Triton's interpreter
     (``TRITON_INTERPRET=1``, read when a kernel is defined) unless the environment says otherwise:
-    benchmarks/gpu_check.py sets ``TRITON_INTERPRET=0`` to run the same tests compiled on a GPU."""
+    benchmarks/gpu_check.py sets ``TRITON_INTERPRET=0`` to run the same tests compiled on a GPU.
+    The interpreter's deep calls would map and unmap a frame-stack chunk on every call across a
+    chunk's boundary: freed chunks are kept for reuse (`tests/helpers/arena_cache.py`)."""
     import sys
+
+    from tests.helpers import arena_cache
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
@@ -31,6 +35,7 @@ def pytest_configure(config):
         if "torch" in sys.modules:  # a plugin loaded it first: OpenMP has read its settings already
             sys.modules["torch"].set_num_threads(threads)
     _one_ssl_context_for_httpx()
+    arena_cache.install()
 
 
 # The modules that take longest (``--durations``, 2026-11-29), first: pytest-xdist hands whole

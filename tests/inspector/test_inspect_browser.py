@@ -56,55 +56,62 @@ def srv(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def page_run(srv):
-    """Open the page once, wait for every widget, click the demo button; yield what was seen."""
+def browser():
+    """One chromium for the module's pages."""
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page_run(srv, browser):
+    """Open the page once, wait for every widget, click the demo button; what was seen, and the
+    page, left open (the journey test goes on on it rather than loading every widget again)."""
     OUT.mkdir(parents=True, exist_ok=True)
     outside, errors = [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 900})
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
 
-        def guard(route):
-            host = urlparse(route.request.url).hostname
-            if host not in ("127.0.0.1",) and not route.request.url.startswith("data:"):
-                outside.append(route.request.url)
-                return route.abort()
-            return route.continue_()
+    def guard(route):
+        host = urlparse(route.request.url).hostname
+        if host not in ("127.0.0.1",) and not route.request.url.startswith("data:"):
+            outside.append(route.request.url)
+            return route.abort()
+        return route.continue_()
 
-        page.route("**/*", guard)
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        start = time.perf_counter()
-        page.goto(f"{srv.url}/inspect?key=secret")
-        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
-        page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
-        load_s = time.perf_counter() - start
-        before = _finished_ids(srv)
-        with page.expect_response(lambda r: "/inspect/api/demo" in r.url, timeout=30_000) as demo:
-            page.click("#demo-go")
-        assert demo.value.ok, demo.value.text()
-        sent = demo.value.json()["sent"]
-        end = time.time() + 120
-        while len(_finished_ids(srv) - before) < sent and time.time() < end:
-            time.sleep(0.1)
-        assert len(_finished_ids(srv) - before) >= sent, "the demo requests did not finish"
-        # the live view has caught up once it lists the newest finished request
-        newest = max((i for i in _finished_ids(srv) if re.search(r"-\d+$", i)),  # (a beam's steps: <id>/beam<k>.<i>)
-                     key=lambda i: int(i.rsplit("-", 1)[1]))
-        page.wait_for_function("id => new RegExp('\\\\b' + id + '\\\\b').test(document.querySelector('#w-requests').innerText)",
-                               arg=newest, timeout=30_000)
-        seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
-        texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
-        recent = _finished_ids(srv)  # before the on-demand views send their own requests
-        for w in WIDGETS:
-            page.locator(f"#{w}").screenshot(path=str(OUT / f"{w}.png"))
-        page.screenshot(path=str(OUT / "page.png"), full_page=True)
-        on_demand = _drive_on_demand_views(page)
-        layout = _layout_at_widths(page, (1280, 800))
-        browser.close()
+    page.route("**/*", guard)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    start = time.perf_counter()
+    page.goto(f"{srv.url}/inspect?key=secret")
+    page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")
+    page.wait_for_function("[...document.querySelectorAll('section')].every(s => s.dataset.ready)", timeout=60_000)
+    load_s = time.perf_counter() - start
+    before = _finished_ids(srv)
+    with page.expect_response(lambda r: "/inspect/api/demo" in r.url, timeout=30_000) as demo:
+        page.click("#demo-go")
+    assert demo.value.ok, demo.value.text()
+    sent = demo.value.json()["sent"]
+    end = time.time() + 120
+    while len(_finished_ids(srv) - before) < sent and time.time() < end:
+        time.sleep(0.1)
+    assert len(_finished_ids(srv) - before) >= sent, "the demo requests did not finish"
+    # the live view has caught up once it lists the newest finished request
+    newest = max((i for i in _finished_ids(srv) if re.search(r"-\d+$", i)),  # (a beam's steps: <id>/beam<k>.<i>)
+                 key=lambda i: int(i.rsplit("-", 1)[1]))
+    page.wait_for_function("id => new RegExp('\\\\b' + id + '\\\\b').test(document.querySelector('#w-requests').innerText)",
+                           arg=newest, timeout=30_000)
+    seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
+    texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
+    recent = _finished_ids(srv)  # before the on-demand views send their own requests
+    for w in WIDGETS:
+        page.locator(f"#{w}").screenshot(path=str(OUT / f"{w}.png"))
+    page.screenshot(path=str(OUT / "page.png"), full_page=True)
+    on_demand = _drive_on_demand_views(page)
+    layout = _layout_at_widths(page, (1280, 800))
     print(f"inspector page loaded (every widget drawn) in {load_s:.2f} s")
     return {"ready": seen, "texts": texts, "errors": errors, "outside": outside, "on_demand": on_demand,
-            "layout": layout, "recent": recent}
+            "layout": layout, "recent": recent, "page": page}
 
 
 GRAMMAR_PROMPT, GRAMMAR_REGEX = "The year it happened was", "(19|20)[0-9]{2}"
@@ -185,86 +192,83 @@ def test_widgets_show_the_servers_numbers(page_run, srv):
     assert shown and shown <= page_run["recent"]
 
 
-def test_journey_follows_greedy_generate_stage_by_stage(srv, smollm2_llm):
-    """The journey view: Start then Next token four times gives greedy `LLM.generate`'s five ids
-    (as data-journey-token-id), every stage drawn (data-ready) with the step's numbers, no console
-    error and no outside request; a screenshot of each stage."""
+def test_journey_follows_greedy_generate_stage_by_stage(page_run, srv, smollm2_llm, browser):
+    """The journey view, on the page whose widgets have all drawn: Start then Next token four
+    times gives greedy `LLM.generate`'s five ids (as data-journey-token-id), every stage drawn
+    (data-ready) with the step's numbers, no console error and no outside request; a screenshot
+    of each stage."""
     prompt = "The capital of France is"
     want = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
-    OUT.mkdir(parents=True, exist_ok=True)
-    outside, errors = [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = watched_page(browser, errors, outside)
-        page.goto(f"{srv.url}/inspect?key=secret")
-        page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
-        page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")  # the widgets' own runs done
-        widget_provenance = page.eval_on_selector_all("section.card[id^='w-']", "els => els.map(e => [e.id, "
-                                                      "[...e.querySelectorAll('h2 [data-provenance]')].map(p => p.dataset.provenance)])")
-        page.fill("#journey-prompt", prompt)
-        page.click("#journey-start")
-        page.wait_for_selector("[data-journey-token-id]", timeout=60_000)
-        for n in range(2, 6):
-            page.click("#journey-next")
-            page.wait_for_function("n => document.querySelectorAll('[data-journey-token-id]').length >= n", arg=n,
-                                   timeout=60_000)
-        got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]",
-                                                          "els => els.map(e => e.dataset.journeyTokenId)")]
-        stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
-        commits = page.eval_on_selector_all('[data-stage="commitment"] [data-commit-layer]',
-                                            "els => els.map(e => e.dataset.commitLayer)")
-        provenance = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, "
-                                               "[...e.querySelectorAll('[data-provenance]')].map(p => p.dataset.provenance)])")
-        page.click("[data-journey-token-id] >> nth=1")  # branch at the second generated token
-        page.wait_for_selector('[data-stage="branch"] [data-branch-alt]', timeout=60_000)
-        alts = page.eval_on_selector_all("[data-branch-alt]", "els => els.map(e => [+e.dataset.tokenId, +e.dataset.prob])")
-        page.click("[data-branch-alt] >> nth=1")
-        page.wait_for_function("document.querySelectorAll('[data-branch-trajectory]').length === 3", timeout=60_000)
-        trajectories = page.eval_on_selector_all("[data-branch-trajectory]", "els => els.map(e => "
-                                                 "[e.dataset.tokenIds.split(',').map(Number), +e.dataset.prefixReused])")
-        branch_ready = page.get_attribute('[data-stage="branch"]', "data-ready")
-        page.locator('[data-stage="branch"]').screenshot(path=str(OUT / "journey-branch.png"))
-        page.fill("#ablate-layer", "0")
-        page.select_option("#ablate-kind", "mlp")
-        page.click("#ablate-go")
-        page.wait_for_selector('[data-stage="ablation"][data-ready="true"]', state="attached", timeout=60_000)
-        ablation_text = page.inner_text('[data-stage="ablation"]')
-        page.locator('[data-stage="ablation"]').screenshot(path=str(OUT / "journey-ablation.png"))
-        page.click("#patch-go")
-        page.wait_for_selector('[data-stage="patching"][data-ready="true"]', state="attached", timeout=90_000)
-        restored = page.eval_on_selector_all('[data-stage="patching"] [data-restored]', "els => els.map(e => +e.dataset.restored)")
-        page.locator('[data-stage="patching"]').screenshot(path=str(OUT / "journey-patching.png"))
-        page.click("#quantdiff-go")
-        page.wait_for_selector('[data-stage="quantization-diff"][data-ready="true"]', state="attached", timeout=120_000)
-        rels = page.eval_on_selector_all('[data-stage="quantization-diff"] [data-rel]', "els => els.map(e => +e.dataset.rel)")
-        page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
-        page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
-        texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
-        for name, _ in stages:
-            page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
-        page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
-        with page.expect_download() as dl:  # the journey as one file ...
-            page.click("#journey-export")
-        exported = OUT / "journey.json"
-        dl.value.save_as(exported)
-        fresh_page = browser.new_page(viewport={"width": 1280, "height": 900})  # ... shown again from it alone
-        fresh_page.goto(f"{srv.url}/inspect?key=secret")
-        fresh_page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
-        asked = []
-        fresh_page.on("request", lambda r: asked.append(r.url) if "/journey" in r.url else None)
-        fresh_page.set_input_files("#journey-import", str(exported))
-        fresh_page.wait_for_function("document.querySelectorAll('#journey-out [data-journey-token-id]').length === 5",
-                                     timeout=30_000)
-        reopened = [int(x) for x in fresh_page.eval_on_selector_all("[data-journey-token-id]",
-                                                                     "els => els.map(e => e.dataset.journeyTokenId)")]
-        reopened_text = fresh_page.inner_text('#journey [data-stage="detokenizer"]')
-        big = fresh_page.evaluate("""async () => {  // an answer over 1 MiB shows its bytes as they arrive
-            const { api } = await import('/inspect/static/lib.js');
-            const t = await api('trace', { prompt: 'word '.repeat(400) });
-            const a = await api(`trace/${t.trace_id}/attention?layer=0`);
-            return [JSON.stringify(a).length, Number(document.getElementById('progress').dataset.bytes || 0)];
-        }""")
-        browser.close()
+    page, errors, outside = page_run["page"], page_run["errors"], page_run["outside"]
+    page.set_viewport_size({"width": 1280, "height": 900})  # (the layout check left it at 800)
+    page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+    page.wait_for_selector("body[data-loaded='1']", timeout=90_000, state="attached")  # the widgets' own runs done
+    widget_provenance = page.eval_on_selector_all("section.card[id^='w-']", "els => els.map(e => [e.id, "
+                                                  "[...e.querySelectorAll('h2 [data-provenance]')].map(p => p.dataset.provenance)])")
+    page.fill("#journey-prompt", prompt)
+    page.click("#journey-start")
+    page.wait_for_selector("[data-journey-token-id]", timeout=60_000)
+    for n in range(2, 6):
+        page.click("#journey-next")
+        page.wait_for_function("n => document.querySelectorAll('[data-journey-token-id]').length >= n", arg=n,
+                               timeout=60_000)
+    got = [int(x) for x in page.eval_on_selector_all("[data-journey-token-id]",
+                                                      "els => els.map(e => e.dataset.journeyTokenId)")]
+    stages = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, e.dataset.ready])")
+    commits = page.eval_on_selector_all('[data-stage="commitment"] [data-commit-layer]',
+                                        "els => els.map(e => e.dataset.commitLayer)")
+    provenance = page.eval_on_selector_all("#journey [data-stage]", "els => els.map(e => [e.dataset.stage, "
+                                           "[...e.querySelectorAll('[data-provenance]')].map(p => p.dataset.provenance)])")
+    page.click("[data-journey-token-id] >> nth=1")  # branch at the second generated token
+    page.wait_for_selector('[data-stage="branch"] [data-branch-alt]', timeout=60_000)
+    alts = page.eval_on_selector_all("[data-branch-alt]", "els => els.map(e => [+e.dataset.tokenId, +e.dataset.prob])")
+    page.click("[data-branch-alt] >> nth=1")
+    page.wait_for_function("document.querySelectorAll('[data-branch-trajectory]').length === 3", timeout=60_000)
+    trajectories = page.eval_on_selector_all("[data-branch-trajectory]", "els => els.map(e => "
+                                             "[e.dataset.tokenIds.split(',').map(Number), +e.dataset.prefixReused])")
+    branch_ready = page.get_attribute('[data-stage="branch"]', "data-ready")
+    page.locator('[data-stage="branch"]').screenshot(path=str(OUT / "journey-branch.png"))
+    page.fill("#ablate-layer", "0")
+    page.select_option("#ablate-kind", "mlp")
+    page.click("#ablate-go")
+    page.wait_for_selector('[data-stage="ablation"][data-ready="true"]', state="attached", timeout=60_000)
+    ablation_text = page.inner_text('[data-stage="ablation"]')
+    page.locator('[data-stage="ablation"]').screenshot(path=str(OUT / "journey-ablation.png"))
+    page.click("#patch-go")
+    page.wait_for_selector('[data-stage="patching"][data-ready="true"]', state="attached", timeout=90_000)
+    restored = page.eval_on_selector_all('[data-stage="patching"] [data-restored]', "els => els.map(e => +e.dataset.restored)")
+    page.locator('[data-stage="patching"]').screenshot(path=str(OUT / "journey-patching.png"))
+    page.click("#quantdiff-go")
+    page.wait_for_selector('[data-stage="quantization-diff"][data-ready="true"]', state="attached", timeout=120_000)
+    rels = page.eval_on_selector_all('[data-stage="quantization-diff"] [data-rel]', "els => els.map(e => +e.dataset.rel)")
+    page.click('#journey [data-stage="tokens"] [role="button"] >> nth=1')  # " capital": its BPE merges
+    page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
+    texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
+    for name, _ in stages:
+        page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
+    page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
+    with page.expect_download() as dl:  # the journey as one file ...
+        page.click("#journey-export")
+    exported = OUT / "journey.json"
+    dl.value.save_as(exported)
+    fresh_page = watched_page(browser, errors, outside)  # ... shown again from it alone
+    fresh_page.goto(f"{srv.url}/inspect?key=secret")
+    fresh_page.wait_for_selector("#journey[data-ready]", state="attached", timeout=60_000)
+    asked = []
+    fresh_page.on("request", lambda r: asked.append(r.url) if "/journey" in r.url else None)
+    fresh_page.set_input_files("#journey-import", str(exported))
+    fresh_page.wait_for_function("document.querySelectorAll('#journey-out [data-journey-token-id]').length === 5",
+                                 timeout=30_000)
+    reopened = [int(x) for x in fresh_page.eval_on_selector_all("[data-journey-token-id]",
+                                                                 "els => els.map(e => e.dataset.journeyTokenId)")]
+    reopened_text = fresh_page.inner_text('#journey [data-stage="detokenizer"]')
+    big = fresh_page.evaluate("""async () => {  // an answer over 1 MiB shows its bytes as they arrive
+        const { api } = await import('/inspect/static/lib.js');
+        const t = await api('trace', { prompt: 'word '.repeat(400) });
+        const a = await api(`trace/${t.trace_id}/attention?layer=0`);
+        return [JSON.stringify(a).length, Number(document.getElementById('progress').dataset.bytes || 0)];
+    }""")
+    fresh_page.close()
     assert got == want
     assert [n for n, _ in stages] == ["branch", "tokens", "embedding", "positions", "layers", "final", "sampler",
                                       "choice", "commitment", "detokenizer", "kv", "ablation", "patching",
