@@ -1,8 +1,9 @@
 """The compiler's report on our Triton kernels (attention, the batch-invariant matmul and RMSNorm,
 the GPU plan's row-wise activation, RoPE and residual add with RMSNorm, its GEMV and split-K GEMM,
 and the sampler's draw) for a Hopper GPU (sm_90), made on a machine
-without one: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads registers,
-spills and the matrix instructions off it (METHOD.md: what costs no device time).
+without one: Triton compiles to a cubin with its own ptxas, its cuobjdump reads registers and
+stack off it, and the PTX shows the matrix instructions and wide loads (METHOD.md: what costs no
+device time).
 
     python -m tests.helpers.triton_report     # one JSON line per kernel variant
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,7 +48,7 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str
     consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
                   DECODE=decode, SPLITS=splits, INT8="int8" in flags, FRESH="fresh" in flags, SOFTCAP=False,
                   WINDOW="window" in flags, WIDEN=False, ALIGNED="aligned" in flags)
-    usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages, sass=dtype == "bf16")
+    usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages)
     return {"variant": [dtype, group, d, decode, splits, flags], **usage}
 
 
@@ -63,11 +65,11 @@ def report_invariant(kernel: str, dtype: str, width: int = 0) -> dict:
     if kernel == "linear":
         types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
         consts = dict(BLOCK_M=B.BLOCK_M, BLOCK_N=B.BLOCK_N, BLOCK_K=B.BLOCK_K, HAS_BIAS=True, WIDEN=False, ROUND=False)
-        usage = compiled(B._linear_kernel, types, consts, B.NUM_WARPS, B.NUM_STAGES, sass=dtype == "bf16")
+        usage = compiled(B._linear_kernel, types, consts, B.NUM_WARPS, B.NUM_STAGES)
     else:
         types = {"x_ptr": p, "w_ptr": p, "out_ptr": p, "eps": "fp32"}
         consts = dict(ROWS=B.norm_rows(width), BLOCK=width, GEMMA=False, ROUND=False)
-        usage = compiled(B._rms_norm_kernel, types, consts, 4, 3, sass=False)
+        usage = compiled(B._rms_norm_kernel, types, consts, 4, 3)
     return {"variant": [kernel, dtype, width], **usage}
 
 
@@ -89,19 +91,19 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
     if kernel == "act":
         types = {"g_ptr": p, "u_ptr": p, "out_ptr": p}
         consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
-        usage = compiled(R._act_mul_kernel, types, consts, 4, 3, sass=False)
+        usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
     elif kernel.startswith("rope"):
         types = {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p, "qo_ptr": p, "ko_ptr": p,  # (the model's tables)
                  "v_ptr": p, "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
         consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, D_P2=2 * n, STORE="store" in kernel,
                       BF16=dtype == "bf16", ROUND=False)
-        usage = compiled(R._rope_kernel, types, consts, 1, 3, sass=False)
+        usage = compiled(R._rope_kernel, types, consts, 1, 3)
     else:
         types = {"h_ptr": p, "a_ptr": p, "wa_ptr": p, "w_ptr": p, "s_ptr": p, "y_ptr": p, "eps": "fp32"}
         gemma = "gemma" in kernel
         consts = dict(ROWS=norm_rows(n), BLOCK=n, NORM_A=gemma, NORM_OUT=True, GEMMA=gemma, BF16=dtype == "bf16",
                       ROUND=False)
-        usage = compiled(R._add_norm_kernel, types, consts, 4, 3, sass=False)
+        usage = compiled(R._add_norm_kernel, types, consts, 4, 3)
     return {"variant": [kernel, dtype, n], **usage}
 
 
@@ -139,7 +141,7 @@ def report_skinny(kernel: str, dtype: str, m_pad: int, split: int) -> dict:
     if kernel == "skinny_sum":
         types = {"part_ptr": "*fp32", "b_ptr": p, "out_ptr": p}
         usage = compiled(S._reduce_kernel, types, dict(BLOCK=S.REDUCE_BLOCK, HAS_BIAS=True, ROUND=False), 4, 3,
-                         ("part_ptr", "b_ptr", "out_ptr", "N", "stride_om"), sass=False)
+                         ("part_ptr", "b_ptr", "out_ptr", "N", "stride_om"))
     else:
         types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "part_ptr": "*fp32"}
         consts = dict(BLOCK_M=m_pad, BLOCK_N=S.BLOCK_N, BLOCK_K=S.BLOCK_K, SPLIT=bool(split), HAS_BIAS=True,
@@ -166,13 +168,14 @@ def report_sampling(kernel: str, dtype: str) -> dict:
     return {"variant": [kernel, dtype], **usage}
 
 
-def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = (),
-             sass: bool = True) -> dict:
+def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = ()) -> dict:
     """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
     i32; `consts`: its constexprs; `aligned`: arguments known to be multiples of 16) and read its
-    resource usage off the cubin: registers, stack and local bytes (a spill needs a stack frame),
-    and with `sass` its disassembly's spill stores, tensor-core instructions and 16-byte global
-    loads (``wide_loads``; None without: the disassembly takes about 0.5 s, the usage 5 ms)."""
+    resource usage off the cubin (registers, stack and local bytes: a spill needs a stack frame),
+    and off its PTX the tensor-core instructions (``mma.sync``, ``wgmma.mma_async``) and 16-byte
+    global loads (``ld.global.v4``, ``wide_loads``). ptxas keeps both as they are: the SASS's
+    HMMA/HGMMA and LDG.E.128 counts were the same for every variant (2026-11-30), and reading
+    the PTX costs nothing where the disassembly took 0.5 s a variant."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -185,13 +188,13 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, ali
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage"] + (["--dump-sass"] if sass else []) + [f.name],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     fields = dict(x.split(":") for x in next(line for line in out.splitlines() if "REG:" in line).split()
                   if ":" in x and x.split(":")[1].isdigit())
     usage = {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
-    counts = (out.count("STL"), out.count("HMMA") + out.count("HGMMA"), out.count("LDG.E.128")) if sass else (None,) * 3
-    return {**usage, **dict(zip(("spill_stores", "tensor_core", "wide_loads"), counts))}
+    ptx = kernel.asm["ptx"]
+    return {**usage, "tensor_core": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+            "wide_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))}
 
 
 if __name__ == "__main__":

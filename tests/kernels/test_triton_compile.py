@@ -36,7 +36,7 @@ def test_every_variant_compiles_without_spills(reports):
         list(v) for v in ROWWISE] + [list(v) for v in GEMV] + [list(v) for v in SKINNY] + [
         list(v) for v in SAMPLING]
     for r in reports:
-        assert r["stack"] == 0 and r["local"] == 0 and r["spill_stores"] in (0, None), r  # (a spill needs a stack frame)
+        assert r["stack"] == 0 and r["local"] == 0, r  # (a spill needs a stack frame)
         assert r["registers"] <= 255, r
         if r["variant"][0] == "bf16" or r["variant"][:2] in (["linear", "bf16"], ["skinny", "bf16"]):
             assert r["tensor_core"] > 0, r
