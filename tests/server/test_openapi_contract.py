@@ -38,7 +38,7 @@ def tiny_srv(tiny_gguf):
     srv.stop()
 
 
-# the inspector's 25 operations take a third of the coverage phase's 6,300 cases and two thirds of
+# the inspector's 29 operations take a third of the coverage phase's 6,300 cases and two thirds of
 # the server's time (journeys, ablations, cache contrasts): by default they are fuzzed only, and
 # the slow run adds their coverage phase
 INSPECTOR_FUZZED_ONLY = '[[operations]]\ninclude-path-regex = "^/inspect/"\nphases.coverage.enabled = false\n'
