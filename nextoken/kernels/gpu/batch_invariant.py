@@ -54,24 +54,35 @@ def _round_bf16(x, ROUND: tl.constexpr):
 
 
 @triton.jit
+def dot_rows(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
+    """The float32 ``[BLOCK_M, BLOCK_N]`` sums of rows `rm` of x (``< M``) times rows `rn` of W
+    (``< N``) over ``k_lo <= k < k_hi``, `BLOCK_K` at a time in order: tensor-core products of
+    bf16 operands, IEEE float32 (never TF32) of float32 ones; `WIDEN` (the interpreter): the
+    operands converted to float32 first, exact products as the tensor cores' (bf16 x bf16 fits)."""
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
+        if WIDEN:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    WIDEN: tl.constexpr, ROUND: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``x W^T (+ b)``. Grid: (M tiles, N tiles)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        if WIDEN:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, M, N, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     acc = _round_bf16(acc, ROUND)

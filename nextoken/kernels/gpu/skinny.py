@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nextoken.kernels.gpu.batch_invariant import _round_bf16
+from nextoken.kernels.gpu.batch_invariant import _round_bf16, dot_rows
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
 from nextoken.kernels.gpu.gemv import fits, refuse
 from nextoken.kernels.gpu.timing import graph_seconds
@@ -74,20 +74,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, s
     (bias added, rounded). Grid: (N tiles, splits)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
-        if WIDEN:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    acc = dot_rows(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT:
         part = part_ptr + (tl.program_id(1) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
