@@ -147,23 +147,6 @@ def test_models_lists_the_catalog(smollm2_path):
     assert "yes" in r.stdout  # the default model is cached by the fixture
 
 
-def test_bench_reports_every_figure(tiny_gguf, tmp_path):
-    """`nextoken bench` on a tiny model: each figure measured in its own process, the table and
-    the JSON agree, and the batched run really produced every token (the worker checks)."""
-    import json
-
-    out = tmp_path / "bench.json"
-    r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--prompt-tokens", "32", "--decode-tokens", "8",
-                 "--batch", "3", "--batch-prompt-tokens", "8", "--batch-output-tokens", "4", "--repeat", "1",
-                 "--threads", "1", "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())["results"]["nextoken"]
-    for key in ("prefill_tok_s", "decode_tok_s", "batched_tok_s", "peak_rss_mib"):
-        assert res[key] > 0
-        assert f"{res[key]:.1f}" in r.stdout
-    assert res["threads"] == 1
-
-
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
 def test_bench_compare_without_llama_cpp_is_one_line(tiny_gguf):
     r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--compare", "llama.cpp",
@@ -211,10 +194,12 @@ def test_bench_prints_its_figures_when_llama_bench_fails(tiny_gguf, tmp_path):
     assert f"{res['nextoken']['decode_tok_s']:.1f}" in r.stdout
 
 
-def test_bench_alternates_with_llama_bench(tiny_gguf, tmp_path):
-    """`--llama-bench` with `--rounds 2`: nextoken's single-stream run and llama-bench's alternate
-    (a stand-in counts its calls), each round's pair and ratio are printed with the median ratio,
-    the table holds the medians, and the header names the CPU and our matmul's loop."""
+def test_bench_reports_every_figure_alternating_with_llama_bench(tiny_gguf, tmp_path):
+    """`nextoken bench` on a tiny model with `--llama-bench` and `--rounds 2`: each figure measured
+    in its own process (the batched run really produced every token: the worker checks), the
+    table and the JSON agree; nextoken's single-stream run and llama-bench's alternate (a stand-in
+    counts its calls), each round's pair and ratio are printed with the median ratio, the table
+    holds the medians, and the header names the CPU and our matmul's loop."""
     calls = tmp_path / "calls"
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\nimport json\n"
@@ -224,15 +209,20 @@ def test_bench_alternates_with_llama_bench(tiny_gguf, tmp_path):
     fake.chmod(0o755)
     out = tmp_path / "bench.json"
     r = nextoken("bench", "--model", str(tiny_gguf["llama"][0]), "--prompt-tokens", "32", "--decode-tokens", "8",
-                 "--repeat", "1", "--no-batched", "--threads", "1", "--llama-bench", str(fake), "--rounds", "2",
-                 "--json", str(out))
+                 "--batch", "3", "--batch-prompt-tokens", "8", "--batch-output-tokens", "4", "--repeat", "1",
+                 "--threads", "1", "--llama-bench", str(fake), "--rounds", "2", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert calls.read_text() == "xx"
     data = json.loads(out.read_text())
+    res = data["results"]["nextoken"]
+    for key in ("prefill_tok_s", "decode_tok_s", "batched_tok_s", "peak_rss_mib"):
+        assert res[key] > 0
+        assert f"{res[key]:.1f}" in r.stdout
+    assert res["threads"] == 1
     rounds = data["rounds"]
     assert len(rounds) == 2 and all(p["llama-bench"]["decode_tok_s"] == 2000.0 for p in rounds)
     ours = sorted(p["nextoken"]["decode_tok_s"] for p in rounds)
-    assert data["results"]["nextoken"]["decode_tok_s"] == pytest.approx(sum(ours) / 2)  # the median of two
+    assert res["decode_tok_s"] == pytest.approx(sum(ours) / 2)  # the median of two
     assert "alternated rounds" in r.stdout and r.stdout.count("| 1 | ") == 1 and r.stdout.count("| 2 | ") == 1
     ratios = sorted(p["nextoken"]["decode_tok_s"] / 2000.0 for p in rounds)
     assert f"{sum(ratios) / 2:.2f}x |" in r.stdout.split("| median |")[1]
