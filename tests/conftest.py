@@ -22,10 +22,12 @@ def pytest_configure(config):
     (``TRITON_INTERPRET=1``, read when a kernel is defined) unless the environment says otherwise:
     benchmarks/gpu_check.py sets ``TRITON_INTERPRET=0`` to run the same tests compiled on a GPU.
     The interpreter's deep calls would map and unmap a frame-stack chunk on every call across a
-    chunk's boundary: freed chunks are kept for reuse (`tests/helpers/arena_cache.py`)."""
+    chunk's boundary: freed chunks are kept for reuse (`tests/helpers/arena_cache.py`); and it
+    evaluates overflow checks that it then discards and lists the language's builtins again on
+    every launch: neither is done here (`tests/helpers/triton_interpreter.py`)."""
     import sys
 
-    from tests.helpers import arena_cache
+    from tests.helpers import arena_cache, triton_interpreter
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
@@ -36,6 +38,9 @@ def pytest_configure(config):
             sys.modules["torch"].set_num_threads(threads)
     _one_ssl_context_for_httpx()
     arena_cache.install()
+    if os.environ["TRITON_INTERPRET"] == "1":
+        triton_interpreter.skip_discarded_overflow_checks()
+        triton_interpreter.cache_builtin_lists()
 
 
 # The modules that take longest (``--durations``, 2026-11-29), first: pytest-xdist hands whole

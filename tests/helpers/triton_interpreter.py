@@ -1,0 +1,88 @@
+"""Triton's interpreter without two costs that change nothing it computes.
+
+**Discarded overflow checks.**
+Under ``TRITON_INTERPRET=1`` every int32 ``+``, ``-`` and ``*`` in a kernel is also computed in
+int64 and compared with int32's range, for a ``device_assert`` that only runs with the options'
+``debug`` on; the interpreter's options are fixed (``InterpreterOptions()``: ``debug`` off,
+``sanitize_overflow`` on, in Triton 3.6 and 3.9 alike), so the check never runs, but its casts,
+products and comparisons are still evaluated in NumPy. In the GPU path's tests that was about a
+sixth of the interpreter's time (py-spy). Compiled kernels do not pay it: there the unused
+values are removed by the compiler.
+
+`skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
+leaves every computed value the same (only the discarded check goes).
+
+**The language's builtins listed on every launch.** Each launch patches ``triton.language``'s
+builtins for the interpreter and restores them after; to find them it lists every member of
+the modules and classes with `inspect.getmembers` (sorted, each attribute read), which was about
+a ninth of the GPU path's tests' time. `cache_builtin_lists` lists each once and patches the
+same members on every launch.
+
+Speed only: with Triton absent, or another interpreter whose internals differ, nothing changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+patched = False
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Patch Triton's interpreter builders (the shared one and any made later) in this process,
+    once; whether they are patched."""
+    global patched
+    if patched:
+        return True
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    options = getattr(interpreter, "InterpreterOptions", None)
+    if builder is None or options is None or not {"debug", "sanitize_overflow"} <= \
+            {f.name for f in dataclasses.fields(options)}:
+        return False
+    init = builder.__init__
+
+    def without_discarded_checks(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not self.options.debug:
+            self.options = dataclasses.replace(self.options, sanitize_overflow=False)
+
+    builder.__init__ = without_discarded_checks
+    shared = getattr(interpreter, "interpreter_builder", None)
+    if shared is not None and not shared.options.debug:
+        shared.options = dataclasses.replace(shared.options, sanitize_overflow=False)
+    patched = True
+    return True
+
+
+def cache_builtin_lists() -> bool:
+    """Replace the interpreter's ``_patch_builtin`` (the members of a module or class that are
+    builtins, each wrapped for the launch) with one that lists them once per module or class; the
+    first listing is of the unpatched members (patches are restored after each launch). Whether it
+    is replaced."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch = getattr(interpreter, "_patch_builtin", None)
+    patch_attr, core = getattr(interpreter, "_patch_attr", None), getattr(interpreter.tl, "core", None)
+    if getattr(patch, "cached", False):
+        return True
+    if patch is None or patch_attr is None or getattr(core, "is_builtin", None) is None or \
+            list(inspect.signature(patch).parameters) != ["pkg", "builder", "scope"]:
+        return False
+    lists: dict = {}
+
+    def patch_builtins(pkg, builder, scope):
+        members = lists.get(pkg)
+        if members is None:
+            members = lists[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if core.is_builtin(m)]
+        for name, member in members:
+            patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtins.cached = True
+    interpreter._patch_builtin = patch_builtins
+    return True
