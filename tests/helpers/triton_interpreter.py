@@ -12,11 +12,13 @@ values are removed by the compiler.
 `skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
 leaves every computed value the same (only the discarded check goes).
 
-**The language's builtins listed on every launch.** Each launch patches ``triton.language``'s
-builtins for the interpreter and restores them after; to find them it lists every member of
-the modules and classes with `inspect.getmembers` (sorted, each attribute read), which was about
-a ninth of the GPU path's tests' time. `cache_builtin_lists` lists each once and patches the
-same members on every launch.
+**The language's builtins listed and wrapped on every launch.** Each launch patches
+``triton.language``'s builtins for the interpreter and restores them after; to find them it
+lists every member of the modules and classes with `inspect.getmembers` (sorted, each attribute
+read), about a ninth of the GPU path's tests' time, and wraps each in a new function (under
+Triton 3.6 with a new ``TritonSemantic`` each), about a tenth more. `cache_builtin_lists` lists
+and wraps each module's or class's builtins once, with Triton's own wrapper, and sets the same
+wrappers on every launch.
 
 Speed only: with Triton absent, or another interpreter whose internals differ, nothing changes."""
 
@@ -60,9 +62,10 @@ def skip_discarded_overflow_checks() -> bool:
 
 def cache_builtin_lists() -> bool:
     """Replace the interpreter's ``_patch_builtin`` (the members of a module or class that are
-    builtins, each wrapped for the launch) with one that lists them once per module or class; the
-    first listing is of the unpatched members (patches are restored after each launch). Whether it
-    is replaced."""
+    builtins, each wrapped for the launch by ``_patch_attr``) with one that lists and wraps them
+    once per module or class and builder: the first listing is of the unpatched members (patches
+    are restored after each launch), the wrappers are ``_patch_attr``'s own. Whether it is
+    replaced."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -72,16 +75,29 @@ def cache_builtin_lists() -> bool:
     if getattr(patch, "cached", False):
         return True
     if patch is None or patch_attr is None or getattr(core, "is_builtin", None) is None or \
-            list(inspect.signature(patch).parameters) != ["pkg", "builder", "scope"]:
+            list(inspect.signature(patch).parameters) != ["pkg", "builder", "scope"] or \
+            list(inspect.signature(patch_attr).parameters) != ["obj", "name", "member", "builder", "scope"]:
         return False
-    lists: dict = {}
+    wrapped: dict = {}
+
+    class Record:
+        """A patch scope that keeps what `_patch_attr` would set."""
+
+        def set_attr(self, obj, name, value):
+            self.value = value
 
     def patch_builtins(pkg, builder, scope):
-        members = lists.get(pkg)
-        if members is None:
-            members = lists[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if core.is_builtin(m)]
-        for name, member in members:
-            patch_attr(pkg, name, member, builder, scope)
+        pairs = wrapped.get((pkg, builder))
+        if pairs is None:
+            pairs = []
+            for name, member in inspect.getmembers(pkg):
+                if core.is_builtin(member):
+                    record = Record()
+                    patch_attr(pkg, name, member, builder, record)
+                    pairs.append((name, record.value))
+            wrapped[(pkg, builder)] = pairs
+        for name, value in pairs:
+            scope.set_attr(pkg, name, value)
 
     patch_builtins.cached = True
     interpreter._patch_builtin = patch_builtins
