@@ -71,7 +71,8 @@ def cache_builtin_lists() -> bool:
     except ImportError:
         return False
     patch = getattr(interpreter, "_patch_builtin", None)
-    patch_attr, core = getattr(interpreter, "_patch_attr", None), getattr(interpreter.tl, "core", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    core = getattr(getattr(interpreter, "tl", None), "core", None)
     if getattr(patch, "cached", False):
         return True
     if patch is None or patch_attr is None or getattr(core, "is_builtin", None) is None or \
