@@ -581,6 +581,7 @@ def profile(llm, vocab: int, path: str) -> dict:
     if graphs is not None and graphs.graphs.get(1, (None,))[0] is not None:
         out["b1_graph_ms"] = 1000 * cuda_time(graphs.graphs[1][0].replay, 50, 5)
         log(f"   profile: the 1-decode graph alone: {out['b1_graph_ms']:.3f} ms on the GPU")
+        out.update(graph_launches(graphs.graphs[1][0], out["b1_graph_ms"]))
     n = max(8, DRY["speed_tokens"] // 4)
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prompt = rand_ids(rng, 128, vocab)
@@ -624,6 +625,35 @@ def profile(llm, vocab: int, path: str) -> dict:
         tables.append(f"== {tag}\n" + events.table(sort_by=sort, row_limit=40, max_name_column_width=90))
     with open(path, "w") as f:
         f.write("\n\n".join(tables))
+    return out
+
+
+def graph_launches(graph, graph_ms: float, replays: int = 20) -> dict:
+    """The kernels of one replay of a captured decode graph (PyTorch's profiler over `replays`
+    replays): how many, their summed device time, and the rest of the graph's time (`graph_ms`,
+    timed alone) spread over them: what each launch costs beyond its own work (the gap and
+    ramp between kernels), which decides whether folding launches pays. Empty when the profiler
+    sees no kernel inside a replay."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from torch.autograd import DeviceType
+
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    kernels = [e for e in tp.events() if e.device_type == DeviceType.CUDA and (e.device_time_total or 0) > 0]
+    if not kernels:
+        log("   profile: the profiler saw no kernel inside the graph's replays")
+        return {}
+    count = len(kernels) / replays
+    busy_ms = sum(e.device_time_total for e in kernels) / 1000 / replays
+    out = {"b1_graph_kernels": count, "b1_graph_busy_ms": busy_ms,
+           "b1_graph_gap_us": 1000 * max(0.0, graph_ms - busy_ms) / count}
+    log(f"   profile: the 1-decode graph runs {count:.0f} kernels, busy {busy_ms:.3f} ms of its {graph_ms:.3f} ms: "
+        f"{out['b1_graph_gap_us']:.2f} us between kernels a launch")
     return out
 
 
