@@ -159,7 +159,8 @@ def test_torchrun_launch_equals_one_process(tiny_gguf, tmp_path):
     one = "".join(o.outputs[0].delta for o in llm.stream("hello world", params, chat=True)) + "\n"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "nextoken", *run, "--tensor-parallel-size", "2"], capture_output=True, text=True,
-                       timeout=240, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                       timeout=240, cwd=tmp_path,  # (torchrun's own temporary folder: under tmp_path)
+                       env={**os.environ, "PYTHONPATH": os.getcwd(), "TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == one and one.strip()
 
