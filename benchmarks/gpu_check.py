@@ -637,10 +637,9 @@ def graph_launches(graph, graph_ms: float, replays: int = 20) -> dict:
     timed alone) spread over them: what each launch costs beyond its own work (the gap and
     ramp between kernels), which decides whether folding launches pays. Empty when the profiler
     sees no kernel inside a replay."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-
-    from torch.autograd import DeviceType
 
     sync()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
