@@ -39,8 +39,7 @@ def pytest_configure(config):
     _one_ssl_context_for_httpx()
     arena_cache.install()
     if os.environ["TRITON_INTERPRET"] == "1":
-        triton_interpreter.skip_discarded_overflow_checks()
-        triton_interpreter.cache_builtin_lists()
+        triton_interpreter.install()
 
 
 # The modules that take longest (``--durations``, 2026-11-29), first: pytest-xdist hands whole

@@ -9,7 +9,7 @@ products and comparisons are still evaluated in NumPy. In the GPU path's tests t
 sixth of the interpreter's time (py-spy). Compiled kernels do not pay it: there the unused
 values are removed by the compiler.
 
-`skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
+`install` does both, once per process. `skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
 leaves every computed value the same (only the discarded check goes).
 
 **The language's builtins listed and wrapped on every launch.** Each launch patches
@@ -27,15 +27,20 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-patched = False
+installed = False
+
+
+def install() -> bool:
+    """Both patches below in this process, once; whether both are in place."""
+    global installed
+    if not installed:
+        installed = skip_discarded_overflow_checks() & cache_builtin_lists()
+    return installed
 
 
 def skip_discarded_overflow_checks() -> bool:
-    """Patch Triton's interpreter builders (the shared one and any made later) in this process,
-    once; whether they are patched."""
-    global patched
-    if patched:
-        return True
+    """Patch Triton's interpreter builders (the shared one and any made later); whether they are
+    patched."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -56,7 +61,6 @@ def skip_discarded_overflow_checks() -> bool:
     shared = getattr(interpreter, "interpreter_builder", None)
     if shared is not None and not shared.options.debug:
         shared.options = dataclasses.replace(shared.options, sanitize_overflow=False)
-    patched = True
     return True
 
 
@@ -73,8 +77,6 @@ def cache_builtin_lists() -> bool:
     patch = getattr(interpreter, "_patch_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
     core = getattr(getattr(interpreter, "tl", None), "core", None)
-    if getattr(patch, "cached", False):
-        return True
     if patch is None or patch_attr is None or getattr(core, "is_builtin", None) is None or \
             list(inspect.signature(patch).parameters) != ["pkg", "builder", "scope"] or \
             list(inspect.signature(patch_attr).parameters) != ["obj", "name", "member", "builder", "scope"]:
@@ -100,6 +102,5 @@ def cache_builtin_lists() -> bool:
         for name, value in pairs:
             scope.set_attr(pkg, name, value)
 
-    patch_builtins.cached = True
     interpreter._patch_builtin = patch_builtins
     return True
