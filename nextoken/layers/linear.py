@@ -44,6 +44,7 @@ class Linear(torch.nn.Module):
         self.combine = None  # tensor parallel: [T, out] of this rank -> the joined output
         self.lora = None  # its LoRA adapters (`lora.LoRASlots`), once one targets it
         self.gemv_rows = 0  # a GPU plan's: calls of at most this many rows run our GEMV (`kernels.gpu.gemv`)
+        self.gemv_launch = None  # a GPU plan's: how the GEMV launches on this weight shape (None: its default)
         self.skinny_rows: tuple[int, ...] = ()  # a GPU plan's: row counts (5-64, rounded up) on `kernels.gpu.skinny`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +141,7 @@ class FusedLinear:
         for lin, part in zip(linears, self.weight.split(self.sizes)):
             lin.weight.data = part
         self.bias = None
-        self.gemv_rows = 0  # as `Linear.gemv_rows`
+        self.gemv_rows, self.gemv_launch = 0, None  # as `Linear.gemv_rows`, `Linear.gemv_launch`
         self.skinny_rows: tuple[int, ...] = ()  # as `Linear.skinny_rows`
         if linears[0].bias is not None:
             self.bias = torch.cat([lin.bias.data for lin in linears])
@@ -163,13 +164,14 @@ class FusedLinear:
         return not any(lin.lora is not None and lin.lora.batch.ids for lin in self.linears)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return dense_matmul(x, self.weight, self.bias, self.gemv_rows, self.skinny_rows).split(self.sizes, dim=-1)
+        return dense_matmul(x, self.weight, self.bias, self.gemv_rows, self.skinny_rows,
+                            self.gemv_launch).split(self.sizes, dim=-1)
 
 
 def gemv_targets(model) -> list:
     """The matmuls a GPU plan's GEMV and split-K GEMM may take (`kernels.gpu.gemv`,
     `kernels.gpu.skinny`): every fused projection and every dense linear outside one (o, down, the
-    LM head), each with ``weight``, ``bias``, ``gemv_rows`` and ``skinny_rows``."""
+    LM head), each with ``weight``, ``bias``, ``gemv_rows``, ``gemv_launch`` and ``skinny_rows``."""
     fused = [f for m in model.modules() for f in (getattr(m, "qkv", None), getattr(m, "gate_up", None)) if f]
     inside = {id(lin) for f in fused for lin in f.linears}
     return fused + [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is DenseMethod

@@ -91,6 +91,7 @@ class ExecutionPlan:
     fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
     gemv: bool = False  # decode matmuls of few rows on `kernels.gpu.gemv` where it measures faster (a GPU, kernels on)
     gemv_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took, shapes timed), once settled
+    gemv_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at a row}} as timed
     skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
     skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
     triton_sampling: bool = False  # the sampler's draw on `kernels.gpu.sampling` (a GPU, kernels on)
@@ -232,12 +233,19 @@ class ExecutionPlan:
 
     def _choose_gemv(self, model) -> tuple[int, int]:
         """Give each dense matmul (`layers.linear.gemv_targets`) the row counts up to which our GEMV
-        measured faster than PyTorch's on its weight shape (`kernels.gpu.gemv.choose_rows`, timed
-        on this GPU over the model's own weights); on the CPU (the GPU path's tests, under Triton's
-        interpreter) every one takes it up to `gemv.MAX_ROWS`. Returns (shapes taken, shapes)."""
+        measured faster than PyTorch's on its weight shape, and the GEMV's launch that measured
+        fastest there (`kernels.gpu.gemv.choose`, timed on this GPU over the model's own weights,
+        the times kept in `gemv_times`); on the CPU (the GPU path's tests, under Triton's
+        interpreter) every one takes it up to `gemv.MAX_ROWS`, launched as its default. Returns
+        (shapes taken, shapes)."""
         from nextoken.kernels.gpu import gemv
 
-        return self._per_shape(model, "gemv_rows", gemv.choose_rows, gemv.MAX_ROWS, 0, "GEMV")
+        def timed(groups: dict) -> dict:
+            chosen = gemv.choose(groups, report=self.gemv_times)
+            return {key: {"gemv_rows": rows, "gemv_launch": launch} for key, (rows, launch) in chosen.items()}
+
+        return self._per_shape(model, timed, {"gemv_rows": gemv.MAX_ROWS, "gemv_launch": None},
+                               {"gemv_rows": 0, "gemv_launch": None}, "GEMV")
 
     def _choose_skinny(self, model) -> tuple[int, int]:
         """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured
@@ -246,14 +254,17 @@ class ExecutionPlan:
         count, shapes)."""
         from nextoken.kernels.gpu import skinny
 
-        return self._per_shape(model, "skinny_rows", skinny.choose_rows, skinny.BUCKETS, (), "split-K GEMM")
+        def timed(groups: dict) -> dict:
+            return {key: {"skinny_rows": rows} for key, rows in skinny.choose_rows(groups).items()}
 
-    def _per_shape(self, model, attr: str, choose, untimed, none, what: str) -> tuple[int, int]:
-        """Set `attr` of every dense matmul (`layers.linear.gemv_targets`) to its weight shape's
-        entry of ``choose({(shape, has bias): [(weight, bias), ...]})`` (timed on this GPU), or to
-        `untimed` off a GPU; should the timing raise (a kernel that does not build here), to
-        `none` (PyTorch's matmul), with the reason under `what`. Returns (shapes given a truthy
-        entry, shapes)."""
+        return self._per_shape(model, timed, {"skinny_rows": skinny.BUCKETS}, {"skinny_rows": ()}, "split-K GEMM")
+
+    def _per_shape(self, model, choose, untimed: dict, none: dict, what: str) -> tuple[int, int]:
+        """Set the attributes of every dense matmul (`layers.linear.gemv_targets`) to its weight
+        shape's entry of ``choose({(shape, has bias): [(weight, bias), ...]})`` (``{key: {attribute:
+        value}}``, timed on this GPU), or to `untimed` off a GPU; should the timing raise (a kernel
+        that does not build here), to `none` (PyTorch's matmul), with the reason under `what`.
+        Returns (shapes whose entry's first value is truthy, shapes)."""
         from nextoken.layers.linear import gemv_targets
 
         groups: dict = {}
@@ -261,16 +272,17 @@ class ExecutionPlan:
             groups.setdefault((tuple(t.weight.shape), t.bias is not None), []).append(t)
         if self.device.is_cuda:
             try:
-                rows = choose({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
+                chosen = choose({k: [(t.weight, t.bias) for t in ts] for k, ts in groups.items()})
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: cuBLAS takes every call
                 self.reasons[what] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows = dict.fromkeys(groups, none)
+                chosen = dict.fromkeys(groups, none)
         else:
-            rows = dict.fromkeys(groups, untimed)
+            chosen = dict.fromkeys(groups, untimed)
         for key, targets in groups.items():
             for t in targets:
-                setattr(t, attr, rows[key])
-        return sum(1 for r in rows.values() if r), len(rows)
+                for attr, value in chosen[key].items():
+                    setattr(t, attr, value)
+        return sum(1 for c in chosen.values() if next(iter(c.values()))), len(chosen)
 
     def _choose_sampling(self, vocab: int) -> None:
         """From how many rows the sampler draws on Triton (`kernels.gpu.sampling.choose_min_rows`:

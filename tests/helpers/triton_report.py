@@ -107,24 +107,39 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
     return {"variant": [kernel, dtype, n], **usage}
 
 
-GEMV = [("gemv", "bf16", 1, 4), ("gemv", "bf16", 2, 4), ("gemv", "bf16", 4, 4), ("gemv", "bf16", 1, 2),
-        ("gemv", "bf16", 4, 2), ("gemv", "bf16", 1, 1), ("gemv", "bf16", 4, 1), ("gemv", "fp32", 1, 4),
-        ("gemv", "fp32", 4, 1)]  # (input rows, padded to a power of two; output features per program)
+def _gemv_launches() -> list[int]:
+    """The indices in `gemv.LAUNCHES` of the launches that compile differently (a tile, warps or
+    stages of their own; the rows per program are the report's own axis)."""
+    from nextoken.kernels.gpu.gemv import LAUNCHES
+
+    kinds = {}
+    for i, launch in enumerate(LAUNCHES):
+        kinds.setdefault((launch.tile, launch.num_warps, launch.num_stages), i)
+    return sorted(kinds.values())
 
 
-def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int) -> dict:
+GEMV = [("gemv", "bf16", 1, 4, 0), ("gemv", "bf16", 2, 4, 0), ("gemv", "bf16", 4, 4, 0), ("gemv", "bf16", 1, 2, 0),
+        ("gemv", "bf16", 4, 2, 0), ("gemv", "bf16", 1, 1, 0), ("gemv", "bf16", 4, 1, 0), ("gemv", "fp32", 1, 4, 0),
+        ("gemv", "fp32", 4, 1, 0)] + [
+    ("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]
+# (input rows, padded to a power of two; output features per program; the launch's index in `gemv.LAUNCHES`)
+
+
+def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> dict:
     """The same report for the GPU plan's GEMV (`kernels.gpu.gemv`) at `m_pad` input rows and
-    `rows` output features per program (its K chunk as `gemv.gemv` sets it), with a bias; its
-    pointers, K and strides taken as multiples of 16, as Triton specializes them at a launch with
-    the catalog's shapes, so that the 16-byte loads show."""
+    `rows` output features per program, launched as ``gemv.LAUNCHES[launch]`` (its K chunk as
+    `gemv.gemv` sets it), with a bias; its pointers, K and strides taken as multiples of 16, as
+    Triton specializes them at a launch with the catalog's shapes, so that the 16-byte loads
+    show."""
     from nextoken.kernels.gpu import gemv as G
 
     p = f"*{dtype}"
+    how = G.LAUNCHES[launch]
     types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
-    consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=G.TILE // rows, HAS_BIAS=True, ROUND=False)
+    consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=True, ROUND=False)
     aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-    usage = compiled(G._gemv_kernel, types, consts, G.NUM_WARPS, G.NUM_STAGES, aligned)
-    return {"variant": [kernel, dtype, m_pad, rows], **usage}
+    usage = compiled(G._gemv_kernel, types, consts, how.num_warps, how.num_stages, aligned)
+    return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
 
 
 SKINNY = [("skinny", "bf16", 16, 0), ("skinny", "bf16", 32, 0), ("skinny", "bf16", 64, 0), ("skinny", "bf16", 16, 1),

@@ -1,6 +1,6 @@
 """The GPU path's GEMV (`kernels.gpu.gemv`) against ``torch.nn.functional.linear`` and float64, the
 dense matmul's switch to it (`layers.quantization.methods.dense_matmul`), and the plan's choice
-per weight shape (`kernels.gpu.gemv.choose_rows`).
+per weight shape (`kernels.gpu.gemv.choose`).
 
 Without a GPU the kernel's own source runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 set by tests/conftest.py); with one (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs the
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
-from nextoken.kernels.gpu.gemv import INTERPRET_ROWS, MAX_ROWS, ROWS, choose_rows, gemv, takes  # noqa: E402
+from nextoken.kernels.gpu.gemv import DEFAULT, INTERPRET_ROWS, LAUNCHES, MAX_ROWS, ROWS, choose, gemv, takes  # noqa: E402
 from tests.helpers.triton_device import randn  # noqa: E402
 
 
@@ -41,6 +41,22 @@ def test_gemv_is_the_linear_in_float32_sums(dtype, m, bias):
             for y in (got, F.linear(x, w, b)):
                 assert ((y.double() - exact).abs() <= step).all()
             assert (got == exact.to(dtype)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("launch", LAUNCHES[1:], ids=str)
+def test_every_launch_is_the_same_linear(launch):
+    """Each launch `choose` may time (a K chunk of ``tile / rows``: 256 to 2048 values against K =
+    1100, or rows per program for more or fewer programs) computes the same linear: 3 bf16 rows
+    with a bias, at 4 and 1 rows per program, within one bf16 rounding of the float64 product."""
+    x = randn(3, 1100, dtype=torch.bfloat16, seed=31)
+    w = randn(37, 1100, dtype=torch.bfloat16, seed=32, scale=0.1)
+    b = randn(37, dtype=torch.bfloat16, seed=33)
+    exact = x.double() @ w.double().T + b.double()
+    step = exact.abs() * 2.0 ** -7 + 1e-6 * exact.abs().max()
+    for rows in (ROWS, 1):
+        got = gemv(x, w, b, rows=rows, launch=launch)
+        assert got.shape == (3, 37) and ((got.double() - exact).abs() <= step).all()
+    assert ((gemv(x, w, b, launch=launch).double() - exact).abs() <= step).all()  # (its own rows per program)
 
 
 def test_gemv_refuses_what_it_does_not_take():
@@ -70,35 +86,60 @@ def test_dense_matmul_switches_by_rows():
     assert counts.snapshot() == {"gemv": 1}
 
 
-def test_choose_rows_keeps_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
-    """With a timer under which the GEMV is faster at 1 and 2 rows and slower at 4 on one shape,
-    and slower at once on another, the choice is 2 and 0; each timing runs over all the group's
-    weights."""
+def test_choose_times_every_launch_and_keeps_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
+    """With a timer under which, on one shape, one launch is the fastest at one row, another
+    raises (it does not build), and the GEMV launched the fastest way beats PyTorch's at 1 and 2
+    rows and loses at 4, the choice is (2, that launch); on a shape where every launch loses at
+    once, (0, the fastest). Each timing runs over all the group's weights; the report holds
+    every launch that ran and PyTorch's time at one row. A shape where every launch raises
+    raises."""
     import nextoken.kernels.gpu.gemv as G
 
+    fast, broken = LAUNCHES[3], LAUNCHES[1]
     calls = []
-    monkeypatch.setattr(G, "gemv", lambda x, weight, bias: calls.append(("ours", x.shape[0], weight.shape[0])))
+
+    def ours(x, weight, bias, launch=None):
+        if launch is broken:
+            raise RuntimeError("out of resources")
+        calls.append((launch, x.shape[0], weight.shape[0]))
+
+    monkeypatch.setattr(G, "gemv", ours)
     monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, weight, bias: calls.append(("theirs", x.shape[0], weight.shape[0])))
-    speed = {(16, 1): (1, 2), (16, 2): (1, 2), (16, 4): (3, 2), (8, 1): (2, 2)}  # (n, rows): (ours, theirs)
+                        lambda x, weight, bias: calls.append(("torch", x.shape[0], weight.shape[0])))
+
+    def speed(kind, rows, n):
+        if kind == "torch":
+            return 2.0
+        base = 1.0 if kind is fast else 1.5
+        return base * {1: 1, 2: 1.5, 4: 3}[rows] if n == 16 else base * 3
 
     def timer(fn):
         before = len(calls)
         fn()
         ran = calls[before:]
         assert len(ran) == 3 and len(set(ran)) == 1  # every weight of the group, one kind, one row count
-        ours, theirs = speed[(ran[0][2], ran[0][1])]
-        return ours if ran[0][0] == "ours" else theirs
+        return speed(*ran[0])
 
     groups = {"a": [(randn(16, 32, dtype=torch.float32, seed=8 + i), None) for i in range(3)],
               "b": [(randn(8, 32, dtype=torch.float32, seed=20 + i), None) for i in range(3)]}
-    assert choose_rows(groups, timer=timer) == {"a": 2, "b": 0}
+    report = {}
+    assert choose(groups, timer=timer, report=report) == {"a": (2, fast), "b": (0, fast)}
+    assert set(report) == {"a", "b"} and report["a"]["torch"] == 2.0 and report["a"][str(fast)] == 1.0
+    assert str(broken) not in report["a"] and len(report["a"]) == len(LAUNCHES)  # (the others and PyTorch's)
+    assert {launch for launch, m, n in calls if m > 1} == {fast, "torch"}  # (more rows: the chosen launch alone)
+
+    def every_launch_broken(x, weight, bias, launch=None):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(G, "gemv", every_launch_broken)
+    with pytest.raises(RuntimeError, match="ptxas failed"):
+        choose(groups, timer=timer)
 
 
 def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny_gguf, monkeypatch):
-    """On a GPU the plan times every weight shape (`choose_rows`, here a stand-in: its timing
-    needs CUDA) and gives each matmul its group's rows; should the timing raise (a kernel that does
-    not build there), every matmul stays on PyTorch's and the plan line says why. The fused
+    """On a GPU the plan times every weight shape (`choose`, here a stand-in: its timing needs
+    CUDA) and gives each matmul its group's rows and launch; should the timing raise (a kernel that
+    does not build there), every matmul stays on PyTorch's and the plan line says why. The fused
     projections and the linears outside them are the groups; a fused group's parts are not."""
     import dataclasses
 
@@ -117,21 +158,24 @@ def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny
     gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), gemv=True)
     seen = {}
 
-    def timed(groups):
+    def timed(groups, report=None):
         seen.update(groups)
-        return {key: (2 if key[1] else 1) for key in groups}  # (with a bias, the fused q/k/v: 2 rows)
+        report.update({key: {"torch": 1.0} for key in groups})
+        return {key: (2, LAUNCHES[2]) if key[1] else (1, DEFAULT) for key in groups}  # (a bias: the fused q/k/v)
 
-    monkeypatch.setattr(G, "choose_rows", timed)
+    monkeypatch.setattr(G, "choose", timed)
     assert gpu._choose_gemv(model) == (len(seen), len(seen))
     targets = gemv_targets(model)
     parts = {id(lin) for m in model.modules() if getattr(m, "qkv", None) for lin in m.qkv.linears}
     assert sum(len(v) for v in seen.values()) == len(targets) and not parts & {id(t) for t in targets}
-    assert {t.gemv_rows for t in targets if t.bias is not None} == {2}
-    assert {t.gemv_rows for t in targets if t.bias is None} == {1}
+    assert {(t.gemv_rows, t.gemv_launch) for t in targets if t.bias is not None} == {(2, LAUNCHES[2])}
+    assert {(t.gemv_rows, t.gemv_launch) for t in targets if t.bias is None} == {(1, DEFAULT)}
+    assert set(gpu.gemv_times) == set(seen)
 
-    def broken(groups):
+    def broken(groups, report=None):
         raise RuntimeError("ptxas failed")
 
-    monkeypatch.setattr(G, "choose_rows", broken)
+    monkeypatch.setattr(G, "choose", broken)
     assert gpu._choose_gemv(model) == (0, len(seen))
-    assert all(t.gemv_rows == 0 for t in targets) and "GEMV off: RuntimeError: ptxas failed" in gpu.describe(model)
+    assert all(t.gemv_rows == 0 and t.gemv_launch is None for t in targets)
+    assert "GEMV off: RuntimeError: ptxas failed" in gpu.describe(model)

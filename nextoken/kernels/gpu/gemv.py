@@ -12,10 +12,14 @@ takes fewer rows and longer K chunks per program (`rows_per_program`: 768 progra
 N = 1536 on 132 multiprocessors), so every multiprocessor keeps several programs' loads in
 flight.
 
-Which is faster per weight shape is measured, not assumed: `choose_rows` times this kernel
-against PyTorch's matmul on the model's own weights at load (`runner.plan.ExecutionPlan.settle`)
-and keeps it only for the row counts where it wins; `benchmarks/gpu_check.py` measures the step
-with and without it.
+Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
+(`LAUNCHES`: the K chunk, warps, pipeline stages and programs per multiprocessor; none of them
+spills on sm_90, tests/kernels/test_triton_compile.py) on the model's own weights at load
+(`runner.plan.ExecutionPlan.settle`), keeps the fastest, and keeps the kernel only for the row
+counts where that launch beats PyTorch's matmul; `benchmarks/gpu_check.py` logs the times and
+measures the step with and without it. The launches differ in how many weight bytes each
+multiprocessor keeps in flight, which is what sets a stream's bandwidth, and no one of them is
+known to be best on every card and shape.
 
 Arithmetic: float32 products and sums (bf16 inputs widened; float32 in IEEE float32), the bias
 added, rounded once to the output's dtype, as cuBLAS's bf16 GEMM with float32 accumulation; the
@@ -28,6 +32,7 @@ is written out (`batch_invariant._round_bf16`). The reference is ``torch.nn.func
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,23 +43,45 @@ from nextoken.kernels.gpu.timing import graph_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
-ROWS, BLOCK_K, NUM_WARPS, NUM_STAGES = 4, 512, 4, 3  # the most rows per program, and the K chunk at that
-TILE = ROWS * BLOCK_K  # weight values a program loads per step of its loop, whatever its rows
+ROWS = 4  # the most output features per program
 INTERPRET_ROWS = 32  # under the interpreter (the CPU tests): fewer programs, each a numpy pass of its own
 _SMS: dict = {}
 
 
-def rows_per_program(n: int, device: torch.device) -> int:
+@dataclass(frozen=True)
+class Launch:
+    """How `gemv` launches: `tile` weight values a program loads per step of its K loop, whatever
+    its rows (its K chunk is ``tile / rows``), warps per program, software-pipeline stages, and
+    `per_sm`: the output features per program halve from `ROWS` while there would be fewer than
+    this many programs per multiprocessor."""
+
+    tile: int = 2048
+    num_warps: int = 4
+    num_stages: int = 3
+    per_sm: int = 4
+
+    def __str__(self) -> str:
+        return f"{self.tile}/{self.num_warps}w/{self.num_stages}s/{self.per_sm}pm"
+
+
+DEFAULT = Launch()
+# the launches `choose` times: more or fewer bytes per step, warps, stages and programs (the
+# registers of each at 1-4 rows are in the compile report; 4096 values over 8 warps spilled at 1)
+LAUNCHES = (DEFAULT, Launch(1024, 4, 4), Launch(2048, 8, 4), Launch(4096, 4, 3), Launch(8192, 8, 2),
+            Launch(per_sm=8), Launch(per_sm=2))
+
+
+def rows_per_program(n: int, device: torch.device, per_sm: int = DEFAULT.per_sm) -> int:
     """Output features per program for N = `n`: `ROWS`, halved (down to 1) while that leaves
-    fewer than 4 programs per multiprocessor, so that a small N (1536: o and down of
+    fewer than `per_sm` programs per multiprocessor, so that a small N (1536: o and down of
     Qwen2.5-1.5B) still keeps several programs' loads in flight on every one; the K chunk grows
-    as the rows shrink (`TILE`). Under the interpreter `INTERPRET_ROWS`."""
+    as the rows shrink (`Launch.tile`). Under the interpreter `INTERPRET_ROWS`."""
     if INTERPRET or device.type != "cuda":
         return INTERPRET_ROWS
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     rows = ROWS
-    while rows > 1 and triton.cdiv(n, rows) < 4 * _SMS[device]:
+    while rows > 1 and triton.cdiv(n, rows) < per_sm * _SMS[device]:
         rows //= 2
     return rows
 
@@ -108,42 +135,58 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         rows: int | None = None) -> torch.Tensor:
+         rows: int | None = None, launch: Launch | None = None) -> torch.Tensor:
     """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``
-    or None -> ``[M, N]`` in x's dtype (contiguous). `rows`: output features per program (a
-    power of two; default `rows_per_program`'s), each program's K chunk ``TILE / rows``. Raises
-    ValueError for another call."""
+    or None -> ``[M, N]`` in x's dtype (contiguous). `launch`: how (default `DEFAULT`); `rows`:
+    output features per program (a power of two; default `rows_per_program`'s for the launch),
+    each program's K chunk ``launch.tile / rows``. Raises ValueError for another call."""
     if not takes(x, weight, bias):
         raise refuse("gemv", x, weight, bias, f"1-{MAX_ROWS} rows of one dtype (bf16 or float32)")
+    launch = launch or DEFAULT
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    rows = rows or rows_per_program(n, x.device)
+    rows = rows or rows_per_program(n, x.device, launch.per_sm)
     _gemv_kernel[(triton.cdiv(n, rows),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, TILE // rows), HAS_BIAS=bias is not None,
-        ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        M_PAD=triton.next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None,
+        ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
-def choose_rows(groups: dict, timer=None) -> dict:
+def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     """For each group of weights of one shape (``{key: [(weight, bias), ...]}``, e.g. every
-    layer's down projection), the most rows (0, 1, 2 or 4) up to which `gemv` beats
-    ``torch.nn.functional.linear``: both timed over the group's weights in turn (as a decode step
-    reads them, from memory rather than L2) at 1, 2 and 4 rows, stopping at the first row count
-    where PyTorch's is as fast. `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA
-    graph's replay). Returns ``{key: rows}``."""
+    layer's down projection): the launch of `LAUNCHES` that times fastest at one row, and the most
+    rows (0, 1, 2 or 4) up to which `gemv` with it beats ``torch.nn.functional.linear``. Each
+    timing runs over the group's weights in turn (as a decode step reads them, from memory rather
+    than L2); the rows stop at the first count where PyTorch's is as fast. A launch that raises
+    (one this GPU or Triton cannot build) drops out; if every one raises, so does this.
+    `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay). `report`:
+    gets ``{key: {str(launch) or "torch": seconds at one row}}``. Returns ``{key: (rows,
+    launch)}``."""
     timer = timer or graph_seconds
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]
+        x = torch.randn(1, w0.shape[1], device=w0.device).to(w0.dtype)
+        times, failure = {}, None
+        for launch in LAUNCHES:
+            try:
+                times[launch] = timer(lambda: [gemv(x, w, b, launch=launch) for w, b in pairs])
+            except Exception as exc:  # noqa: BLE001 - a launch that does not build here: the others compete
+                failure = exc
+        if not times:
+            raise failure
+        best = min(times, key=times.get)
         rows = 0
         for m in (1, 2, 4):
             x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
-            ours = timer(lambda: [gemv(x, w, b) for w, b in pairs])
+            ours = times[best] if m == 1 else timer(lambda: [gemv(x, w, b, launch=best) for w, b in pairs])
             theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
+            if m == 1 and report is not None:
+                report[key] = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
             if ours >= theirs:
                 break
             rows = m
-        out[key] = rows
+        out[key] = (rows, best)
     return out

@@ -1,4 +1,4 @@
-"""How the GPU plan times its kernels against PyTorch's at load (`gemv.choose_rows`,
+"""How the GPU plan times its kernels against PyTorch's at load (`gemv.choose`,
 `skinny.choose_rows`, `sampling.choose_min_rows`): the median of a few runs on the GPU's clock
 (CUDA events), after a warm-up run that compiles.
 
