@@ -531,14 +531,17 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
     if not runner.plan.rowwise:
         return {}
     out = {"gemv_shapes": list(runner.plan.gemv_shapes), "skinny_shapes": list(runner.plan.skinny_shapes),
-           "gemv_rows": sorted({(t.weight.shape[0], t.weight.shape[1], t.gemv_rows, str(t.gemv_launch), t.skinny_rows)
-                                for t in gemv_targets(runner.model)}),
-           "gemv_times": {f"{key[0][0]}x{key[0][1]}": {k: round(v * 1e6, 1) for k, v in times.items()}
-                          for key, times in runner.plan.gemv_times.items()}}
-    log(f"   GEMV and split-K GEMM chosen per weight shape (out, in, GEMV up to rows, its launch, GEMM at rows): "
-        f"{out['gemv_rows']}")
+           "gemv_rows": sorted({(t.weight.shape[0], t.weight.shape[1], t.gemv_rows, str(t.gemv_launch), t.skinny_rows,
+                                 str(t.skinny_launch)) for t in gemv_targets(runner.model)})}
+    for name in ("gemv", "skinny"):
+        out[f"{name}_times"] = {f"{key[0][0]}x{key[0][1]}": {k: round(v * 1e6, 1) for k, v in times.items()}
+                                for key, times in getattr(runner.plan, f"{name}_times").items()}
+    log(f"   GEMV and split-K GEMM chosen per weight shape (out, in, GEMV up to rows, its launch, GEMM at rows, its "
+        f"launch): {out['gemv_rows']}")
     log(f"   the GEMV's launches timed at one row per weight shape (us over the model's weights of the shape; launch: "
         f"tile/warps/stages/programs per SM): {out['gemv_times']}")
+    log(f"   the split-K GEMM's launches timed at 64 rows (us; launch: N tile x K step/warps/stages/programs per SM): "
+        f"{out['skinny_times']}")
     for stage in ("no_gemv", "torch_rows"):
         if stage == "no_gemv":
             for t in gemv_targets(runner.model):

@@ -46,6 +46,7 @@ class Linear(torch.nn.Module):
         self.gemv_rows = 0  # a GPU plan's: calls of at most this many rows run our GEMV (`kernels.gpu.gemv`)
         self.gemv_launch = None  # a GPU plan's: how the GEMV launches on this weight shape (None: its default)
         self.skinny_rows: tuple[int, ...] = ()  # a GPU plan's: row counts (5-64, rounded up) on `kernels.gpu.skinny`
+        self.skinny_launch = None  # a GPU plan's: how that GEMM launches on this weight shape (None: its default)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -143,6 +144,7 @@ class FusedLinear:
         self.bias = None
         self.gemv_rows, self.gemv_launch = 0, None  # as `Linear.gemv_rows`, `Linear.gemv_launch`
         self.skinny_rows: tuple[int, ...] = ()  # as `Linear.skinny_rows`
+        self.skinny_launch = None  # as `Linear.skinny_launch`
         if linears[0].bias is not None:
             self.bias = torch.cat([lin.bias.data for lin in linears])
             for lin, part in zip(linears, self.bias.split(self.sizes)):
@@ -164,14 +166,15 @@ class FusedLinear:
         return not any(lin.lora is not None and lin.lora.batch.ids for lin in self.linears)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return dense_matmul(x, self.weight, self.bias, self.gemv_rows, self.skinny_rows,
-                            self.gemv_launch).split(self.sizes, dim=-1)
+        return dense_matmul(x, self.weight, self.bias, self.gemv_rows, self.skinny_rows, self.gemv_launch,
+                            self.skinny_launch).split(self.sizes, dim=-1)
 
 
 def gemv_targets(model) -> list:
     """The matmuls a GPU plan's GEMV and split-K GEMM may take (`kernels.gpu.gemv`,
     `kernels.gpu.skinny`): every fused projection and every dense linear outside one (o, down, the
-    LM head), each with ``weight``, ``bias``, ``gemv_rows``, ``gemv_launch`` and ``skinny_rows``."""
+    LM head), each with ``weight``, ``bias``, ``gemv_rows``, ``gemv_launch``, ``skinny_rows`` and
+    ``skinny_launch``."""
     fused = [f for m in model.modules() for f in (getattr(m, "qkv", None), getattr(m, "gate_up", None)) if f]
     inside = {id(lin) for f in fused for lin in f.linears}
     return fused + [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is DenseMethod

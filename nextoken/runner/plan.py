@@ -94,6 +94,7 @@ class ExecutionPlan:
     gemv_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at a row}} as timed
     skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
     skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
+    skinny_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at 64 rows}}
     triton_sampling: bool = False  # the sampler's draw on `kernels.gpu.sampling` (a GPU, kernels on)
     sampling_rows: int = 1  # from how many rows it takes a draw (0: none), once settled
     sampling_times: dict = field(default_factory=dict)  # {rows: (Triton's, PyTorch's) seconds} as timed at load
@@ -249,15 +250,18 @@ class ExecutionPlan:
 
     def _choose_skinny(self, model) -> tuple[int, int]:
         """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured
-        faster than PyTorch's on its weight shape (`kernels.gpu.skinny.choose_rows`, as
-        `_choose_gemv`); on the CPU every one takes all four. Returns (shapes taken at some row
+        faster than PyTorch's on its weight shape, and its launch that measured fastest there
+        (`kernels.gpu.skinny.choose`, as `_choose_gemv`; the times in `skinny_times`); on the CPU
+        every one takes all four, launched as its default. Returns (shapes taken at some row
         count, shapes)."""
         from nextoken.kernels.gpu import skinny
 
         def timed(groups: dict) -> dict:
-            return {key: {"skinny_rows": rows} for key, rows in skinny.choose_rows(groups).items()}
+            chosen = skinny.choose(groups, report=self.skinny_times)
+            return {key: {"skinny_rows": rows, "skinny_launch": launch} for key, (rows, launch) in chosen.items()}
 
-        return self._per_shape(model, timed, {"skinny_rows": skinny.BUCKETS}, {"skinny_rows": ()}, "split-K GEMM")
+        return self._per_shape(model, timed, {"skinny_rows": skinny.BUCKETS, "skinny_launch": None},
+                               {"skinny_rows": (), "skinny_launch": None}, "split-K GEMM")
 
     def _per_shape(self, model, choose, untimed: dict, none: dict, what: str) -> tuple[int, int]:
         """Set the attributes of every dense matmul (`layers.linear.gemv_targets`) to its weight

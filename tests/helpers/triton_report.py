@@ -142,14 +142,28 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
     return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
 
 
-SKINNY = [("skinny", "bf16", 16, 0), ("skinny", "bf16", 32, 0), ("skinny", "bf16", 64, 0), ("skinny", "bf16", 16, 1),
-          ("skinny", "bf16", 64, 1), ("skinny_sum", "bf16", 0, 1)]  # (rows padded, split-K)
+def _skinny_launches() -> list[int]:
+    """The indices in `skinny.LAUNCHES` of the launches that compile differently (the splits
+    per multiprocessor change the grid alone)."""
+    from nextoken.kernels.gpu.skinny import LAUNCHES
+
+    kinds = {}
+    for i, launch in enumerate(LAUNCHES):
+        kinds.setdefault((launch.block_n, launch.block_k, launch.num_warps, launch.num_stages), i)
+    return sorted(kinds.values())
 
 
-def report_skinny(kernel: str, dtype: str, m_pad: int, split: int) -> dict:
+SKINNY = [("skinny", "bf16", 16, 0, 0), ("skinny", "bf16", 32, 0, 0), ("skinny", "bf16", 64, 0, 0),
+          ("skinny", "bf16", 16, 1, 0), ("skinny", "bf16", 64, 1, 0), ("skinny_sum", "bf16", 0, 1, 0)] + [
+    ("skinny", "bf16", m, 1, i) for i in _skinny_launches() if i for m in (16, 64)]
+# (rows padded, split-K, the launch's index in `skinny.LAUNCHES`)
+
+
+def report_skinny(kernel: str, dtype: str, m_pad: int, split: int, launch: int) -> dict:
     """The same report for the GPU plan's split-K GEMM of 5-64 rows (`kernels.gpu.skinny`) at
-    `m_pad` rows, writing the output or (`split`) the float32 partial sums, with a bias; or the
-    sum of the splits (``skinny_sum``); pointers, K, N and strides taken as multiples of 16."""
+    `m_pad` rows, launched as ``skinny.LAUNCHES[launch]``, writing the output or (`split`) the
+    float32 partial sums, with a bias; or the sum of the splits (``skinny_sum``); pointers, K, N
+    and strides taken as multiples of 16."""
     from nextoken.kernels.gpu import skinny as S
 
     p = f"*{dtype}"
@@ -159,12 +173,13 @@ def report_skinny(kernel: str, dtype: str, m_pad: int, split: int) -> dict:
                          ("part_ptr", "b_ptr", "out_ptr", "N", "stride_om"))
     else:
         types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "part_ptr": "*fp32"}
-        consts = dict(BLOCK_M=m_pad, BLOCK_N=S.BLOCK_N, BLOCK_K=S.BLOCK_K, SPLIT=bool(split), HAS_BIAS=True,
+        how = S.LAUNCHES[launch]
+        consts = dict(BLOCK_M=m_pad, BLOCK_N=how.block_n, BLOCK_K=how.block_k, SPLIT=bool(split), HAS_BIAS=True,
                       WIDEN=False, ROUND=False)
         aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om",
                    "k_split")
-        usage = compiled(S._skinny_kernel, types, consts, S.NUM_WARPS, S.NUM_STAGES, aligned)
-    return {"variant": [kernel, dtype, m_pad, split], **usage}
+        usage = compiled(S._skinny_kernel, types, consts, how.num_warps, how.num_stages, aligned)
+    return {"variant": [kernel, dtype, m_pad, split, launch], **usage}
 
 
 SAMPLING = [("draw", "fp32")]  # the sampler's draw over float32 logits

@@ -1,7 +1,7 @@
 """The GPU path's split-K GEMM of 5-64 rows (`kernels.gpu.skinny`) against float64 and
 ``torch.nn.functional.linear``, the dense matmul's switch to it
 (`layers.quantization.methods.dense_matmul`), and the plan's choice per weight shape
-(`kernels.gpu.skinny.choose_rows`).
+(`kernels.gpu.skinny.choose`).
 
 Without a GPU the kernel's own source runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 set by tests/conftest.py); with one (``TRITON_INTERPRET=0``, as benchmarks/gpu_check.py runs the
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
-from nextoken.kernels.gpu.skinny import BUCKETS, bucket, choose_rows, skinny, takes  # noqa: E402
+from nextoken.kernels.gpu.skinny import BUCKETS, DEFAULT, LAUNCHES, bucket, choose, skinny, takes  # noqa: E402
 from tests.helpers.triton_device import randn  # noqa: E402
 
 
@@ -37,6 +37,21 @@ def test_skinny_is_the_linear_in_float32_sums(m, bias):
         for y in (got, F.linear(x, w, b)):
             assert ((y.double() - exact).abs() <= step).all()
         assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("launch", LAUNCHES[1:], ids=str)
+def test_every_launch_is_the_same_linear(launch):
+    """Each launch `choose` may time (N tiles of 32-128 against N = 150, K steps of 64-256 against
+    K = 1100) computes the same linear: 24 bf16 rows with a bias, the K range whole and split over
+    3 programs, within one bf16 rounding of the float64 product."""
+    x = randn(24, 1100, dtype=torch.bfloat16, seed=31)
+    w = randn(150, 1100, dtype=torch.bfloat16, seed=32, scale=0.1)
+    b = randn(150, dtype=torch.bfloat16, seed=33)
+    exact = x.double() @ w.double().T + b.double()
+    step = exact.abs() * 2.0**-7 + 1e-6 * exact.abs().max()
+    for split in (1, 3):
+        got = skinny(x, w, b, split=split, launch=launch)
+        assert got.shape == (24, 150) and ((got.double() - exact).abs() <= step).all()
 
 
 def test_skinny_refuses_what_it_does_not_take():
@@ -67,16 +82,25 @@ def test_dense_matmul_switches_by_timed_row_counts():
     assert counts.snapshot() == {"skinny": 1}
 
 
-def test_choose_rows_keeps_the_row_counts_it_wins(monkeypatch):
-    """With a timer under which the GEMM is faster at 16 and 32 rows on one shape and at none on
-    another, the choice is (16, 32) and (); each timing runs over all the group's weights."""
+def test_choose_times_every_launch_and_keeps_the_row_counts_it_wins(monkeypatch):
+    """With a timer under which one launch is the fastest at 64 rows and another raises, and the
+    GEMM launched the fastest way is faster than PyTorch's at 16, 32 and 64 rows on one shape and
+    at none on another, the choice is ((16, 32, 64), that launch) and ((), that launch); each
+    timing runs over all the group's weights, the other row counts with the chosen launch alone;
+    the report holds every launch that ran and PyTorch's time at 64 rows."""
     import nextoken.kernels.gpu.skinny as S
 
+    fast, broken = LAUNCHES[2], LAUNCHES[4]
     calls = []
-    monkeypatch.setattr(S, "skinny", lambda x, weight, bias: calls.append(("ours", x.shape[0], weight.shape[0])))
+
+    def ours(x, weight, bias, launch=None):
+        if launch is broken:
+            raise RuntimeError("out of resources")
+        calls.append((launch, x.shape[0], weight.shape[0]))
+
+    monkeypatch.setattr(S, "skinny", ours)
     monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, weight, bias: calls.append(("theirs", x.shape[0], weight.shape[0])))
-    faster = {(16, 16), (16, 32)}  # (n, rows) where ours wins
+                        lambda x, weight, bias: calls.append(("torch", x.shape[0], weight.shape[0])))
 
     def timer(fn):
         before = len(calls)
@@ -84,11 +108,18 @@ def test_choose_rows_keeps_the_row_counts_it_wins(monkeypatch):
         ran = calls[before:]
         assert len(ran) == 2 and len(set(ran)) == 1  # every weight of the group, one kind, one row count
         kind, rows, n = ran[0]
-        return (1 if (n, rows) in faster else 3) if kind == "ours" else 2
+        if kind == "torch":
+            return 2.0
+        wins = n == 16 and rows >= 16
+        return (1.0 if wins else 3.0) * (1.0 if kind is fast else 1.2)
 
     groups = {"a": [(randn(16, 32, dtype=torch.bfloat16, seed=8 + i), None) for i in range(2)],
               "b": [(randn(8, 32, dtype=torch.bfloat16, seed=20 + i), None) for i in range(2)]}
-    assert choose_rows(groups, timer=timer) == {"a": (16, 32), "b": ()}
+    report = {}
+    assert choose(groups, timer=timer, report=report) == {"a": ((16, 32, 64), fast), "b": ((), fast)}
+    assert report["a"]["torch"] == 2.0 and report["a"][str(fast)] == 1.0 and str(broken) not in report["a"]
+    assert len(report["b"]) == len(LAUNCHES)  # (the launches that ran, and PyTorch's)
+    assert {launch for launch, m, n in calls if m < 64} == {fast, "torch"}
 
 
 def test_the_plan_gives_each_shape_its_timed_row_counts_or_none_when_timing_fails(tiny_gguf, monkeypatch):
@@ -107,19 +138,20 @@ def test_the_plan_gives_each_shape_its_timed_row_counts_or_none_when_timing_fail
                          attention_backend="triton")
     model = runner.model
     gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), skinny=True)
-    monkeypatch.setattr(S, "choose_rows", lambda groups: {key: ((32, 64) if key[1] else ()) for key in groups})
+    monkeypatch.setattr(S, "choose", lambda groups, report=None: {
+        key: ((32, 64), LAUNCHES[1]) if key[1] else ((), DEFAULT) for key in groups})
     targets = gemv_targets(model)
     keys = {(tuple(t.weight.shape), t.bias is not None) for t in targets}
     gpu.skinny_shapes = gpu._choose_skinny(model)
     assert gpu.skinny_shapes == (sum(1 for _, b in keys if b), len(keys))  # (Qwen 2: q, k, v have a bias)
-    assert {t.skinny_rows for t in targets if t.bias is not None} == {(32, 64)}
-    assert {t.skinny_rows for t in targets if t.bias is None} == {()}
+    assert {(t.skinny_rows, t.skinny_launch) for t in targets if t.bias is not None} == {((32, 64), LAUNCHES[1])}
+    assert {(t.skinny_rows, t.skinny_launch) for t in targets if t.bias is None} == {((), DEFAULT)}
     taken = sum(1 for _, b in keys if b)
     assert f"split-K GEMM for 5-64 rows on {taken} of {len(keys)} weight shapes, as timed on this GPU" in gpu.describe(model)
 
-    def broken(groups):
+    def broken(groups, report=None):
         raise RuntimeError("ptxas failed")
 
-    monkeypatch.setattr(S, "choose_rows", broken)
+    monkeypatch.setattr(S, "choose", broken)
     gpu._choose_skinny(model)
-    assert all(t.skinny_rows == () for t in targets) and "split-K GEMM off: RuntimeError" in gpu.describe(model)
+    assert all(t.skinny_rows == () and t.skinny_launch is None for t in targets) and "split-K GEMM off: RuntimeError" in gpu.describe(model)

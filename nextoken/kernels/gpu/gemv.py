@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
-from nextoken.kernels.gpu.timing import graph_seconds
+from nextoken.kernels.gpu.timing import fastest, graph_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
@@ -160,7 +160,8 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     rows (0, 1, 2 or 4) up to which `gemv` with it beats ``torch.nn.functional.linear``. Each
     timing runs over the group's weights in turn (as a decode step reads them, from memory rather
     than L2); the rows stop at the first count where PyTorch's is as fast. A launch that raises
-    (one this GPU or Triton cannot build) drops out; if every one raises, so does this.
+    (one this GPU or Triton cannot build) drops out; if every one raises, so does this
+    (`timing.fastest`).
     `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay). `report`:
     gets ``{key: {str(launch) or "torch": seconds at one row}}``. Returns ``{key: (rows,
     launch)}``."""
@@ -169,15 +170,7 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     for key, pairs in groups.items():
         w0 = pairs[0][0]
         x = torch.randn(1, w0.shape[1], device=w0.device).to(w0.dtype)
-        times, failure = {}, None
-        for launch in LAUNCHES:
-            try:
-                times[launch] = timer(lambda: [gemv(x, w, b, launch=launch) for w, b in pairs])
-            except Exception as exc:  # noqa: BLE001 - a launch that does not build here: the others compete
-                failure = exc
-        if not times:
-            raise failure
-        best = min(times, key=times.get)
+        best, times = fastest(LAUNCHES, lambda launch: [gemv(x, w, b, launch=launch) for w, b in pairs], timer)
         rows = 0
         for m in (1, 2, 4):
             x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)

@@ -11,11 +11,13 @@ one program), N in tiles of 64, and K split so that there are about two programs
 multiprocessor, each still running at least four K steps (`splits`). Every weight value is read
 once.
 
-Which is faster per weight shape is measured, not assumed: `choose_rows` times this kernel
-against PyTorch's matmul on the model's own weights at load, at 8, 16, 32 and 64 rows, and the
-plan keeps it for the row counts (rounded up to those) where it wins
-(`layers.quantization.methods.dense_matmul`); `benchmarks/gpu_check.py` measures the step with
-and without it.
+Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
+(`LAUNCHES`: the N tile, the K step, warps, pipeline stages and programs per multiprocessor; none
+of them spills on sm_90, tests/kernels/test_triton_compile.py) at 64 rows on the model's own
+weights at load, keeps the fastest, times it against PyTorch's matmul at 8, 16, 32 and 64 rows,
+and the plan keeps it for the row counts (rounded up to those) where it wins
+(`layers.quantization.methods.dense_matmul`); `benchmarks/gpu_check.py` logs the times and
+measures the step with and without it.
 
 Arithmetic (bf16 only): float32 sums of the tensor cores' products, the splits' partial sums
 added in split order, the bias added, rounded once to the output's dtype, as cuBLAS's bf16 GEMM
@@ -29,6 +31,7 @@ bf16 written out (`batch_invariant._round_bf16`). The reference is
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,15 +40,37 @@ import triton.language as tl
 from nextoken.kernels.gpu.batch_invariant import _round_bf16, dot_rows
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
 from nextoken.kernels.gpu.gemv import fits, refuse
-from nextoken.kernels.gpu.timing import graph_seconds
+from nextoken.kernels.gpu.timing import fastest, graph_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_ROWS, MAX_ROWS = GEMV_ROWS + 1, 64  # the rows a call takes (fewer: the GEMV's)
 BUCKETS = (8, 16, 32, 64)  # the row counts timed at load; a call's rows round up to one
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
-MIN_K_STEPS = 4  # the fewest BLOCK_K steps a split runs
+MIN_K_STEPS = 4  # the fewest K steps a split runs
 _SMS: dict = {}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How `skinny` launches: output features per tile (`block_n`), K values per step
+    (`block_k`), warps per program, software-pipeline stages, and `per_sm`: K is split for about
+    this many programs per multiprocessor."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    per_sm: int = 2
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s/{self.per_sm}pm"
+
+
+DEFAULT = Launch()
+# the launches `choose` times: narrower or wider tiles, longer K steps, deeper pipelines, more
+# splits (none spills at 16-64 rows under Triton 3.6 or 3.9; 32 x 256 and 128 x 128 over 8 warps did)
+LAUNCHES = (DEFAULT, Launch(32, 128), Launch(64, 256, 8, 3), Launch(128, 64), Launch(64, 64, 4, 6),
+            Launch(64, 256, 4, 3), Launch(per_sm=4))
 
 
 def bucket(m: int) -> int:
@@ -53,16 +78,16 @@ def bucket(m: int) -> int:
     return next(b for b in BUCKETS if b >= m)
 
 
-def splits(n: int, k: int, device: torch.device) -> int:
-    """How many programs share each output tile's K range: enough for about two programs per
-    multiprocessor, each at least `MIN_K_STEPS` K steps (1 under the interpreter: fewer, larger
-    numpy passes; the tests ask for more themselves)."""
+def splits(n: int, k: int, device: torch.device, launch: Launch = DEFAULT) -> int:
+    """How many programs share each output tile's K range: enough for about `launch.per_sm`
+    programs per multiprocessor, each at least `MIN_K_STEPS` K steps (1 under the interpreter:
+    fewer, larger numpy passes; the tests ask for more themselves)."""
     if INTERPRET or device.type != "cuda":
         return 1
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(n, BLOCK_N)
-    return max(1, min(triton.cdiv(2 * _SMS[device], tiles), k // (BLOCK_K * MIN_K_STEPS)))
+    tiles = triton.cdiv(n, launch.block_n)
+    return max(1, min(triton.cdiv(launch.per_sm * _SMS[device], tiles), k // (launch.block_k * MIN_K_STEPS)))
 
 
 @triton.jit
@@ -114,25 +139,27 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           split: int | None = None) -> torch.Tensor:
+           split: int | None = None, launch: Launch | None = None) -> torch.Tensor:
     """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or
-    None -> ``[M, N]`` in x's dtype (contiguous). `split`: programs per output tile's K range
-    (default `splits`'). Raises ValueError for another call."""
+    None -> ``[M, N]`` in x's dtype (contiguous). `launch`: how (default `DEFAULT`); `split`:
+    programs per output tile's K range (default `splits`' for the launch). Raises ValueError for
+    another call."""
     if not takes(x, weight, bias):
         raise refuse("skinny", x, weight, bias, f"{MIN_ROWS}-{MAX_ROWS} bf16 rows")
+    launch = launch or DEFAULT
     m, k = x.shape
     n = weight.shape[0]
-    split = split or splits(n, k, x.device)
-    k_split = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K  # (whole K steps per split)
+    split = split or splits(n, k, x.device, launch)
+    k_split = triton.cdiv(triton.cdiv(k, split), launch.block_k) * launch.block_k  # (whole K steps per split)
     split = triton.cdiv(k, k_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     widen = rnd = INTERPRET
-    _skinny_kernel[(triton.cdiv(n, BLOCK_N), split)](
+    _skinny_kernel[(triton.cdiv(n, launch.block_n), split)](
         x, weight, bias if bias is not None else weight, out, part, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, WIDEN=widen, ROUND=rnd, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        out.stride(0), k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None, WIDEN=widen, ROUND=rnd,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias if bias is not None else weight, out, m, n, split, out.stride(0), BLOCK=REDUCE_BLOCK,
@@ -140,21 +167,28 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-def choose_rows(groups: dict, timer=None) -> dict:
-    """For each group of weights of one shape (``{key: [(weight, bias), ...]}``), the timed row
-    counts (`BUCKETS`) at which `skinny` beats ``torch.nn.functional.linear``: both timed over the
-    group's weights in turn (as a decode step reads them, from memory rather than L2). `timer(fn)
-    -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay). Returns ``{key: (rows,
-    ...)}``."""
+def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
+    """For each group of weights of one shape (``{key: [(weight, bias), ...]}``): the launch of
+    `LAUNCHES` that times fastest at 64 rows (`timing.fastest`: one that raises drops out; if
+    every one raises, so does this), and the timed row counts (`BUCKETS`) at which `skinny` with
+    it beats ``torch.nn.functional.linear``. Each timing runs over the group's weights in turn (as
+    a decode step reads them, from memory rather than L2). `timer(fn) -> seconds` (default:
+    `timing.graph_seconds`, a CUDA graph's replay). `report`: gets ``{key: {str(launch) or
+    "torch": seconds at 64 rows}}``. Returns ``{key: ((rows, ...), launch)}``."""
     timer = timer or graph_seconds
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]
+        x = torch.randn(BUCKETS[-1], w0.shape[1], device=w0.device).to(w0.dtype)
+        best, times = fastest(LAUNCHES, lambda launch: [skinny(x, w, b, launch=launch) for w, b in pairs], timer)
         won = []
         for m in BUCKETS:
             x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
-            if timer(lambda: [skinny(x, w, b) for w, b in pairs]) < timer(
-                    lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs]):
+            ours = times[best] if m == BUCKETS[-1] else timer(lambda: [skinny(x, w, b, launch=best) for w, b in pairs])
+            theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
+            if m == BUCKETS[-1] and report is not None:
+                report[key] = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
+            if ours < theirs:
                 won.append(m)
-        out[key] = tuple(won)
+        out[key] = (tuple(won), best)
     return out

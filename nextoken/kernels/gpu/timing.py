@@ -1,12 +1,13 @@
 """How the GPU plan times its kernels against PyTorch's at load (`gemv.choose`,
-`skinny.choose_rows`, `sampling.choose_min_rows`): the median of a few runs on the GPU's clock
+`skinny.choose`, `sampling.choose_min_rows`): the median of a few runs on the GPU's clock
 (CUDA events), after a warm-up run that compiles.
 
 - `graph_seconds`: `fn` captured as a CUDA graph and replayed, as a decode step runs its matmuls
   (without the host's launch costs, which are larger for Triton's Python launcher than for
   cuBLAS's);
 - `eager_seconds`: `fn` launched op by op, as the engine runs its sampler (the launches included
-  where they hold the GPU up).
+  where they hold the GPU up);
+- `fastest`: which of a kernel's launches (tiles, warps, stages) times least.
 """
 
 from __future__ import annotations
@@ -48,3 +49,18 @@ def eager_seconds(fn, reps: int = 5) -> float:
     """Median seconds of `fn` launched eagerly, after a warm-up call."""
     fn()
     return median_seconds(fn, reps)
+
+
+def fastest(launches, run, timer) -> tuple[object, dict]:
+    """The launch of `launches` under which ``timer(lambda: run(launch))`` is least, and every
+    launch's seconds. A launch whose run raises (one this GPU or Triton cannot build) drops out;
+    if every one raises, so does this (the last error)."""
+    times, failure = {}, None
+    for launch in launches:
+        try:
+            times[launch] = timer(lambda: run(launch))
+        except Exception as exc:  # noqa: BLE001 - a launch that does not build here: the others compete
+            failure = exc
+    if not times:
+        raise failure
+    return min(times, key=times.get), times

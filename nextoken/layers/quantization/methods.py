@@ -43,13 +43,13 @@ class LinearMethod:
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0,
-                 skinny_rows: tuple[int, ...] = (), gemv_launch=None) -> torch.Tensor:
+                 skinny_rows: tuple[int, ...] = (), gemv_launch=None, skinny_launch=None) -> torch.Tensor:
     """``x W^T + b`` on PyTorch's matmul, or (a GPU plan's choices per weight shape, timed at load)
     for a call of at most `gemv_rows` rows (`kernels.gpu.gemv.choose`; 0: never) on our Triton
     GEMV launched as `gemv_launch` (`kernels.gpu.gemv.Launch`; None: its default), and for one of
-    5-64 rows whose count rounds up to one of `skinny_rows` (`kernels.gpu.skinny.choose_rows`) on
-    our split-K GEMM; such a call the kernel does not take (`takes`) runs PyTorch's, a counted
-    fallback."""
+    5-64 rows whose count rounds up to one of `skinny_rows` (`kernels.gpu.skinny.choose`) on our
+    split-K GEMM launched as `skinny_launch` (`kernels.gpu.skinny.Launch`; None: its default);
+    such a call the kernel does not take (`takes`) runs PyTorch's, a counted fallback."""
     m = x.shape[0]
     if x.dim() == 2 and 0 < m <= gemv_rows:
         from nextoken.kernels.gpu.gemv import gemv, takes
@@ -62,7 +62,7 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
         if skinny.MIN_ROWS <= m <= skinny.MAX_ROWS and skinny.bucket(m) in skinny_rows:
             if skinny.takes(x, weight, bias):
-                return skinny.skinny(x, weight, bias)
+                return skinny.skinny(x, weight, bias, launch=skinny_launch)
             count_fallback("skinny")
     return F.linear(x, weight, bias)
 
@@ -71,7 +71,8 @@ class DenseMethod(LinearMethod):
     name = "dense"
 
     def apply(self, layer, x):
-        return dense_matmul(x, layer.weight, layer.bias, layer.gemv_rows, layer.skinny_rows, layer.gemv_launch)
+        return dense_matmul(x, layer.weight, layer.bias, layer.gemv_rows, layer.skinny_rows, layer.gemv_launch,
+                            layer.skinny_launch)
 
     def load(self, layer, t) -> None:
         layer.weight = store_dense(layer.weight, t, layer.dtype)
