@@ -384,6 +384,11 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
         out["draw_timed"] = {b: [1000 * t for t in ts] for b, ts in runner.plan.sampling_times.items()}
         log("   the draw timed at load (rows: Triton / PyTorch ms, top-p 0.95): " + ", ".join(
             f"{b}: {ours:.3f} / {theirs:.3f}" for b, (ours, theirs) in out["draw_timed"].items()))
+    if runner.plan.tiling_times:  # (the attention's tiles timed at load: query rows x keys / warps, us)
+        out["tiles_timed"] = {kind: {t: round(1e6 * v, 1) for t, v in times.items()}
+                              for kind, times in runner.plan.tiling_times.items()}
+        log(f"   the attention's tiles timed at load (us over two layers; decodes: 64 x 640 keys + 1 x 1024; "
+            f"prefill: 2048 queries): {out['tiles_timed']}")
     rng = random.Random(3)
     prompt = rand_ids(rng, 128, vocab)
     b1 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),

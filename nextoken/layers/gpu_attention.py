@@ -37,7 +37,8 @@ class DeviceMetadata:
     block -> ring block), and ring_rows / ring_slots int64 ``[W]``: rows of the pass whose keys
     go into the rings, and where; aligned: a sliding-window prefill chunk switches from the ring's
     keys to the pass's at a key tile's boundary (`kernels.gpu.attention.paged_attention`'s, a
-    batch-invariant plan's)."""
+    batch-invariant plan's); tilings: the decode and prefill tiles the runner chose
+    (`kernels.gpu.attention.Tilings`; None: the kernel's defaults)."""
 
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -50,6 +51,7 @@ class DeviceMetadata:
     ring_rows: torch.Tensor | None = None
     ring_slots: torch.Tensor | None = None
     aligned: bool = False
+    tilings: object | None = None
 
 
 def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, stored: bool = False) -> torch.Tensor:
@@ -96,7 +98,8 @@ def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, 
     if dm.splits > 1:
         partials = torch.empty(nd * q.shape[1] * dm.splits * (q.shape[2] + 2), dtype=torch.float32, device=q.device)
     paged_attention(q, k_cache, v_cache, tables, dm.seq_lens, dm.query_start_loc, scale, out=out, decode=True,
-                    num_seqs=nd, splits=dm.splits, partials=partials, **extra)
+                    num_seqs=nd, splits=dm.splits, partials=partials,
+                    launch=dm.tilings.decode if dm.tilings is not None else None, **extra)
 
 
 def _prefill(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, **extra) -> None:
@@ -104,4 +107,5 @@ def _prefill(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out,
     from nextoken.kernels.gpu.attention import paged_attention
 
     paged_attention(q, k_cache, v_cache, tables, dm.seq_lens, dm.query_start_loc, scale, out=out, decode=False,
-                    num_seqs=dm.num_seqs, tiles=dm.tiles, **extra)
+                    num_seqs=dm.num_seqs, tiles=dm.tiles, launch=dm.tilings.prefill if dm.tilings is not None else None,
+                    **extra)

@@ -46,6 +46,7 @@ class DecodeGraphs:
 
     def __init__(self, runner, max_batch: int, max_blocks: int, splits, capture: bool = True):
         self.model, self.kv, self.device = runner.model, runner.kv, runner.kv.device
+        self.tilings = runner.tilings
         self.sizes = capture_sizes(max_batch)
         self.max_blocks, self.splits, self.capture = max_blocks, splits, capture
         b = self.sizes[-1]
@@ -86,7 +87,7 @@ class DecodeGraphs:
         """The attention metadata of a `size`-decode step over the static buffers."""
         v64, v32 = self._views(self.dev64, True), self._views(self.dev32, False)
         dm = DeviceMetadata(v32["seq_lens"][:size], self.query_start_loc[: size + 1], v32["tables"][:size], size,
-                            size, None, self.splits(size))
+                            size, None, self.splits(size), tilings=self.tilings)
         if self.sliding:
             dm.ring_tables, dm.ring_rows, dm.ring_slots = \
                 v32["ring_tables"][:size], self.ring_rows[:size], v64["ring_slots"][:size]

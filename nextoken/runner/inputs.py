@@ -133,13 +133,13 @@ class Staging:
         return out
 
 
-def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tiling_q: int = 0,
+def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tilings=None,
                  splits: int = 1, aligned: bool = False,
                  fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids ``[T]``, positions ``[T]`` (int64, on the device) and the `AttentionMetadata`
     of `batch` for attention `backend` (the plan's; `kernels`: the attention libraries it
-    resolved). For ``triton``: `tiling_q` queries per prefill tile and `splits` key splits per
-    decode (`kernels.gpu.attention`), `aligned` (a batch-invariant plan) for sliding-window prefill
+    resolved). For ``triton``: `tilings` the decode and prefill tiles (`kernels.gpu.attention.Tilings`:
+    its prefill's block_q queries per prefill tile) and `splits` key splits per decode, `aligned` (a batch-invariant plan) for sliding-window prefill
     chunks, and the `DeviceMetadata` with them. `fed`: the previous step's drawn tokens on the
     device, which the decodes with `batch.fed_rows` take (`take_fed`)."""
     sm = batch.sliding
@@ -158,7 +158,7 @@ def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tili
         meta.sliding = SlidingMetadata(sm.window, sent[4], sent[5], sent[6:], sm.key_start, sm.ring_tables) \
             if ring else sm
     if backend == "triton":
-        meta.device = device_metadata(batch, staging, tiling_q, splits, meta.sliding)
+        meta.device = device_metadata(batch, staging, tilings, splits, meta.sliding)
         meta.device.aligned = aligned
     return ids, positions, meta
 
@@ -171,23 +171,24 @@ def take_fed(ids: torch.Tensor, rows: torch.Tensor, fed: torch.Tensor) -> torch.
     return head if n == ids.shape[0] else torch.cat([head, ids[n:]])
 
 
-def device_metadata(batch: HostBatch, staging: Staging, tiling_q: int, splits: int,
+def device_metadata(batch: HostBatch, staging: Staging, tilings, splits: int,
                     sliding: SlidingMetadata | None) -> DeviceMetadata:
     """What the Triton kernel reads of `batch` (`layers.gpu_attention.DeviceMetadata`), in one
-    int32 copy: `tiling_q` queries per prefill tile, `splits` key splits per decode."""
+    int32 copy: `tilings` (`kernels.gpu.attention.Tilings`) the tiles, whose prefill's block_q
+    queries make a prefill tile, `splits` key splits per decode."""
     from nextoken.kernels.gpu.attention import query_tiles
 
     nd, ns = batch.num_decodes, batch.num_seqs
     parts = [np.asarray(batch.seq_lens, np.int32), np.asarray(batch.query_start_loc, np.int32),
              batch.block_tables.astype(np.int32)]
     if nd < ns:
-        parts += [np.asarray(a, np.int32) for a in query_tiles(batch.query_start_loc, tiling_q, first=nd)]
+        parts += [np.asarray(a, np.int32) for a in query_tiles(batch.query_start_loc, tilings.prefill.block_q, first=nd)]
     if sliding is not None:
         parts.append(sliding.ring_tables.numpy().astype(np.int32))
     sent = staging.send(parts, torch.int32)
     seq_lens, qsl, tables = sent[:3]
     tiles = (sent[3], sent[4]) if nd < ns else None
-    dm = DeviceMetadata(seq_lens, qsl, tables, nd, ns, tiles, splits if nd else 1)
+    dm = DeviceMetadata(seq_lens, qsl, tables, nd, ns, tiles, splits if nd else 1, tilings=tilings)
     if sliding is not None:
         dm.ring_tables, dm.ring_rows, dm.ring_slots = sent[-1], sliding.write_rows, sliding.write_slots
     return dm

@@ -175,12 +175,11 @@ class ModelRunner:
         self.kept_hidden: list[torch.Tensor] = []
         self.staging = Staging(device.torch)
         self.graphs = None  # the captured decode steps (`runner.cuda_graphs.DecodeGraphs`), a GPU's
-        self.tile_queries = 0  # Triton attention: queries per prefill tile
+        self.tilings = None  # Triton attention: its decode and prefill tiles (`kernels.gpu.attention.Tilings`)
         if self.plan.attention == "triton":
-            from nextoken.kernels.gpu.attention import tiling
+            from nextoken.kernels.gpu.attention import default_tilings
 
-            self.tile_queries = tiling(False, self.config.num_queries_per_kv, self.config.head_dim,
-                                       dtype == torch.float32).block_q
+            self.tilings = default_tilings(self.config.num_queries_per_kv, self.config.head_dim, dtype == torch.float32)
 
     @classmethod
     def from_engine_args(cls, args, source: GGUFFile | HFModelDir, tp=None) -> ModelRunner:
@@ -253,6 +252,8 @@ class ModelRunner:
                                spare=self.plan.cuda_graphs)
         self.plan.settle_cache(self.kv.quantized)
         self.attention_kernels = self.plan.attention_kernels
+        if self.tilings is not None:
+            self.tilings = self.plan.choose_tilings(cfg, block_size, self.tilings)
         return self.kv
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -267,7 +268,7 @@ class ModelRunner:
         splits = 1
         if self.plan.attention == "triton" and batch.num_decodes:
             splits = self._decode_splits(batch.num_decodes)
-        return model_inputs(batch, self.staging, self.plan.attention, self.attention_kernels, self.tile_queries,
+        return model_inputs(batch, self.staging, self.plan.attention, self.attention_kernels, self.tilings,
                             splits, self.plan.batch_invariant, fed)
 
     def _decode_splits(self, num_decodes: int) -> int:

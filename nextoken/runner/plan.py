@@ -98,6 +98,8 @@ class ExecutionPlan:
     triton_sampling: bool = False  # the sampler's draw on `kernels.gpu.sampling` (a GPU, kernels on)
     sampling_rows: int = 1  # from how many rows it takes a draw (0: none), once settled
     sampling_times: dict = field(default_factory=dict)  # {rows: (Triton's, PyTorch's) seconds} as timed at load
+    tilings: object | None = None  # the Triton attention's tiles as timed on this GPU (`kernels.gpu.attention.Tilings`)
+    tiling_times: dict = field(default_factory=dict)  # {"decode" or "prefill": {tiles: seconds}} as timed at load
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -309,6 +311,23 @@ class ExecutionPlan:
             self.attention = "torch"
             self.reasons["attention"] = "an int8 KV cache with float32 queries"
 
+    def choose_tilings(self, cfg, block_size: int, default):
+        """The Triton attention's decode and prefill tiles for `cfg`'s heads (this rank's) over a
+        cache of `block_size` rows a block: on a GPU in bf16, those that time fastest there
+        (`kernels.gpu.attention.choose_tilings`, the times kept in `tiling_times`); else, or should
+        the timing raise (a tile that does not build here), `default` (with the reason)."""
+        if not self.device.is_cuda or self.dtype != torch.bfloat16:
+            return default
+        from nextoken.kernels.gpu.attention import choose_tilings
+
+        try:
+            self.tilings = choose_tilings(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, block_size,
+                                          self.device.torch, report=self.tiling_times)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not build here: the defaults, which did
+            self.reasons["attention tiles"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return default
+        return self.tilings
+
     @property
     def cheap_verification(self) -> bool:
         """Whether a pass of a few more rows (a speculative verification's) costs about one row's:
@@ -362,10 +381,12 @@ class ExecutionPlan:
             graphs += f"; sampler: Triton draw from {self.sampling_rows} rows (as timed on this GPU)"
         elif self.device.is_cuda:
             graphs += "; sampler: PyTorch" + (" (the Triton draw timed slower)" if self.triton_sampling else "")
+        tiles = (f" (tiles: decodes {self.tilings.decode}, prefill {self.tilings.prefill}, as timed on this GPU)"
+                 if self.tilings is not None else "")
         return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}"
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
-                f"attention: {self.attention}; activations and norms: {act}; decode step: {decode}{graphs}"
+                f"attention: {self.attention}{tiles}; activations and norms: {act}; decode step: {decode}{graphs}"
                 + (f"; {self.weights}" if self.weights else "") + (f" ({off})" if off else ""))
 
 

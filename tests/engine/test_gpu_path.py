@@ -88,6 +88,46 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     assert_no_leak(llm)
 
 
+def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, monkeypatch):
+    """The attention tiles the plan chose at load (here stand-ins, the last of each kind's
+    `tilings`: a GPU's are timed) are the ones every attention call takes, eager prefill chunks and
+    the graphs' decode steps alike, the prefill's query tiles made with its block_q; the tokens
+    stay the reference path's."""
+    import nextoken.kernels.gpu.attention as A
+
+    path = str(tiny_gguf["llama"][0])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, **REFERENCE, **SMALL).generate(PROMPTS[:3], params)]
+    chosen = {}
+
+    def stand_in(plan, cfg, block_size, default):
+        group = cfg.num_heads // cfg.num_kv_heads
+        chosen["tiles"] = A.Tilings(A.tilings(True, group, cfg.head_dim)[-1], A.tilings(False, group, cfg.head_dim)[-1])
+        return chosen["tiles"]
+
+    monkeypatch.setattr(plan_module.ExecutionPlan, "choose_tilings", stand_in)
+    calls, block_qs, kernel, tiled = [], set(), A.paged_attention, A.query_tiles
+
+    def spied(*args, decode, launch=None, **kwargs):
+        calls.append((decode, launch))
+        return kernel(*args, decode=decode, launch=launch, **kwargs)
+
+    def query_tiles(query_start_loc, block_q, first=0):
+        block_qs.add(block_q)
+        return tiled(query_start_loc, block_q, first)
+
+    monkeypatch.setattr(A, "paged_attention", spied)
+    monkeypatch.setattr(A, "query_tiles", query_tiles)
+    llm = LLM(path, **GPU_PATH, **SMALL)
+    assert [o.token_ids for o in generate_on_meta(llm, PROMPTS[:3], params)] == want
+    tiles = chosen["tiles"]
+    runner = llm.engine.runner
+    assert runner.tilings == tiles and runner.graphs.tilings == tiles
+    assert tiles != A.default_tilings(runner.config.num_queries_per_kv, runner.config.head_dim)
+    assert {c[1] for c in calls if c[0]} == {tiles.decode} and {c[1] for c in calls if not c[0]} == {tiles.prefill}
+    assert block_qs == {tiles.prefill.block_q}
+
+
 def test_preemption_and_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
     """A cache too small for the batch (preemption by recompute), n-gram speculation (its
     verification rows as decodes of one sequence, in the same pass) and a draft model on the same

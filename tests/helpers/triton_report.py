@@ -5,7 +5,8 @@ without one: Triton compiles to a cubin with its own ptxas, its cuobjdump reads 
 stack off it, and the PTX shows the matrix instructions and wide loads (METHOD.md: what costs no
 device time).
 
-    python -m tests.helpers.triton_report     # one JSON line per kernel variant
+    python -m tests.helpers.triton_report             # one JSON line per kernel variant
+    python -m tests.helpers.triton_report --launches  # the other tiles and launches the plan times
 
 Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces the compiled kernel).
 """
@@ -19,26 +20,47 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = [  # (dtype, query heads per KV head, head dim, decode, splits, flags): the catalog's shapes
+SHAPES = [  # (dtype, query heads per KV head, head dim, decode, splits, flags): the catalog's shapes
     ("bf16", 3, 64, True, 4, ""), ("bf16", 3, 64, False, 1, ""),  # SmolLM2
     ("bf16", 6, 128, True, 4, ""), ("bf16", 6, 128, False, 1, ""),  # Qwen2.5-1.5B
     ("bf16", 4, 256, True, 16, "window"), ("bf16", 4, 256, False, 1, ""),  # Gemma 3 270M: global layers,
     ("bf16", 4, 256, False, 1, "window fresh"),  # and a sliding layer's prefill (its ring and the pass's rows),
     ("bf16", 4, 256, False, 1, "window fresh aligned"),  # (batch-invariant: the first new token's tile reads both)
     ("bf16", 3, 64, True, 1, "int8"), ("bf16", 6, 128, False, 1, "int8"),  # --kv-cache-dtype int8
+    ("bf16", 7, 64, True, 4, "int8"), ("bf16", 4, 256, False, 1, "int8"),  # (Qwen2.5-0.5B: 7 per KV head)
     ("fp32", 3, 64, False, 1, ""), ("fp32", 6, 128, True, 4, ""), ("fp32", 6, 128, False, 1, ""),  # the float32
     ("fp32", 4, 256, False, 1, "window fresh"), ("fp32", 4, 256, False, 1, "window fresh aligned"),  # reference
 ]
 
 
-def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str = "") -> dict:
+def _other_tiles() -> list[tuple]:
+    """Each shape with each tiling but the default that the plan may time for it
+    (`attention.tilings`, by index)."""
+    from nextoken.kernels.gpu.attention import tilings
+
+    return [v + (i,) for v in SHAPES for i in range(1, len(tilings(v[3], v[1], v[2], v[0] == "fp32")))]
+
+
+VARIANTS = [v + (0,) for v in SHAPES]  # the default tiles (`attention.tiling`)
+TILES = _other_tiles()  # the others the plan times (``--launches``)
+# the tensors' pointers and strides as Triton specializes a launch on the model's own (multiples of 16
+# bytes and elements: `kv_cache.tensors.PagedKVCache`'s blocks, the heads' rows); its tables' may be any
+ALIGNED = ("out_ptr", "part_ptr", "q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "kn_ptr", "vn_ptr", "stride_qt",
+           "stride_qh", "stride_ot", "stride_oh", "stride_kh", "stride_kb", "stride_sh", "stride_sb", "stride_nt",
+           "stride_nh")
+
+
+def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str = "", tile: int = 0) -> dict:
     """Registers, stack bytes, spill stores and tensor-core instructions of one compiled variant
-    of the attention kernel; `flags`: any of ``int8`` (an int8 cache), ``window`` (a sliding
-    window), ``fresh`` (the pass's own keys, `paged_attention`'s k_new), ``aligned`` (its
-    `aligned`)."""
+    of the attention kernel, with the tiles ``attention.tilings(...)[tile]``; `flags`: any of
+    ``int8`` (an int8 cache), ``window`` (a sliding window), ``fresh`` (the pass's own keys,
+    `paged_attention`'s k_new), ``aligned`` (its `aligned`). Compiled as a launch specializes on
+    the model's tensors (`ALIGNED`): without that, the paged loads' addresses are not known to be
+    16-byte aligned, their tiles load element by element and take up to four times the
+    registers (a 128-dim decode: 254 against 64)."""
     from nextoken.kernels.gpu import attention as A
 
-    t = A.tiling(decode, group, d, dtype == "fp32")
+    t = A.tilings(decode, group, d, dtype == "fp32")[tile]
     p = f"*{dtype}"
     kv = "*i8" if "int8" in flags else p
     types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "q_ptr": p, "k_ptr": kv, "v_ptr": kv,
@@ -48,8 +70,8 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str
     consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
                   DECODE=decode, SPLITS=splits, INT8="int8" in flags, FRESH="fresh" in flags, SOFTCAP=False,
                   WINDOW="window" in flags, WIDEN=False, ALIGNED="aligned" in flags)
-    usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages)
-    return {"variant": [dtype, group, d, decode, splits, flags], **usage}
+    usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages, ALIGNED)
+    return {"variant": [dtype, group, d, decode, splits, flags, tile], **usage}
 
 
 INVARIANT = [("linear", "bf16"), ("linear", "fp32"), ("rms_norm", "bf16", 2048), ("rms_norm", "fp32", 2048),
@@ -120,9 +142,10 @@ def _gemv_launches() -> list[int]:
 
 GEMV = [("gemv", "bf16", 1, 4, 0), ("gemv", "bf16", 2, 4, 0), ("gemv", "bf16", 4, 4, 0), ("gemv", "bf16", 1, 2, 0),
         ("gemv", "bf16", 4, 2, 0), ("gemv", "bf16", 1, 1, 0), ("gemv", "bf16", 4, 1, 0), ("gemv", "fp32", 1, 4, 0),
-        ("gemv", "fp32", 4, 1, 0)] + [
-    ("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]
+        ("gemv", "fp32", 4, 1, 0)]
 # (input rows, padded to a power of two; output features per program; the launch's index in `gemv.LAUNCHES`)
+GEMV_LAUNCHES = [("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i
+                 for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]  # the other launches the plan times
 
 
 def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> dict:
@@ -154,9 +177,9 @@ def _skinny_launches() -> list[int]:
 
 
 SKINNY = [("skinny", "bf16", 16, 0, 0), ("skinny", "bf16", 32, 0, 0), ("skinny", "bf16", 64, 0, 0),
-          ("skinny", "bf16", 16, 1, 0), ("skinny", "bf16", 64, 1, 0), ("skinny_sum", "bf16", 0, 1, 0)] + [
-    ("skinny", "bf16", m, 1, i) for i in _skinny_launches() if i for m in (16, 64)]
+          ("skinny", "bf16", 16, 1, 0), ("skinny", "bf16", 64, 1, 0), ("skinny_sum", "bf16", 0, 1, 0)]
 # (rows padded, split-K, the launch's index in `skinny.LAUNCHES`)
+SKINNY_LAUNCHES = [("skinny", "bf16", m, 1, i) for i in _skinny_launches() if i for m in (16, 64)]
 
 
 def report_skinny(kernel: str, dtype: str, m_pad: int, split: int, launch: int) -> dict:
@@ -231,6 +254,14 @@ if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1")
+    if sys.argv[1:] == ["--launches"]:
+        for v in TILES:
+            print(json.dumps(report(*v)), flush=True)
+        for v in GEMV_LAUNCHES:
+            print(json.dumps(report_gemv(*v)), flush=True)
+        for v in SKINNY_LAUNCHES:
+            print(json.dumps(report_skinny(*v)), flush=True)
+        sys.exit(0)
     for v in VARIANTS:
         print(json.dumps(report(*v)), flush=True)
     for v in INVARIANT:

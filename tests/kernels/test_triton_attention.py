@@ -17,7 +17,8 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
-from nextoken.kernels.gpu.attention import decode_splits, paged_attention, query_tiles, tiling  # noqa: E402
+from nextoken.kernels.gpu.attention import (  # noqa: E402
+    decode_splits, paged_attention, query_tiles, tiling, tilings)
 
 # the interpreter runs CPU tensors; compiled Triton (TRITON_INTERPRET=0 on a GPU) runs CUDA ones
 DEVICES = ["cuda"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else ["cpu"]
@@ -89,8 +90,9 @@ def reference(case, scale, window=0, softcap=0.0, fresh=None):
     return out
 
 
-def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None):
-    """The kernel on `case`; its output (poisoned with NaN before, so every row must be written)."""
+def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None, launch=None):
+    """The kernel on `case` (with the tiles `launch`, default the kernel's); its output (poisoned
+    with NaN before, so every row must be written)."""
     q, d = case["q"], case["d"]
     dev = q.device
     out = torch.full_like(q, float("nan"))
@@ -105,13 +107,14 @@ def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None):
     if decode:
         partials = torch.empty(n * q.shape[1] * splits * (d + 2), device=dev)
         paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=True,
-                        num_seqs=n, splits=splits, partials=partials, window=window, softcap=softcap, **extra)
+                        num_seqs=n, splits=splits, partials=partials, window=window, softcap=softcap, launch=launch,
+                        **extra)
     else:
-        t = tiling(False, q.shape[1] // case["k"].shape[0], d, q.dtype == torch.float32)
+        t = launch or tiling(False, q.shape[1] // case["k"].shape[0], d, q.dtype == torch.float32)
         seqs, firsts = query_tiles(case["qsl"], t.block_q)
         tiles = (torch.tensor(seqs, dtype=torch.int32, device=dev), torch.tensor(firsts, dtype=torch.int32, device=dev))
         paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=False,
-                        num_seqs=n, tiles=tiles, window=window, softcap=softcap, **extra)
+                        num_seqs=n, tiles=tiles, window=window, softcap=softcap, launch=t, **extra)
     return out
 
 
@@ -152,6 +155,26 @@ def test_decodes_with_split_keys(device, splits, dtype):
     joined; a split with no keys (a 1-key sequence) joins as nothing."""
     case = make_case((1, 1, 1, 1), (0, 40, 199, 7), dtype=dtype, device=device)
     close(run(case, decode=True, splits=splits), reference(case, case["d"] ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group,d", [(3, 64), (6, 128), (4, 256)])
+def test_every_tiling_computes_the_same_attention(device, group, d):
+    """Each tile shape the plan may time and choose (`tilings`: keys per step 16-128, query rows
+    32-128) gives the float64 attention in bf16 at the catalog's head shapes (SmolLM2, Qwen2.5-1.5B,
+    Gemma 3): decodes of up to 150 keys split over 1 and 4 programs, and prefill chunks of up to
+    70 queries (tiles that split a chunk, after a cached prefix), a sliding window on one pass."""
+    dec = make_case((1, 1, 1), (150, 9, 70), hkv=1, group=group, d=d, bs=16, dtype=torch.bfloat16, device=device)
+    pre = make_case((70, 5), (30, 0), hkv=1, group=group, d=d, bs=16, dtype=torch.bfloat16, device=device, seed=2)
+    for launch in tilings(True, group, d):
+        for splits in (1, 4):
+            close(run(dec, decode=True, splits=splits, launch=launch), reference(dec, d ** -0.5), torch.bfloat16)
+    close(run(dec, decode=True, splits=4, window=40, launch=tilings(True, group, d)[-1]),
+          reference(dec, d ** -0.5, 40), torch.bfloat16)
+    for launch in tilings(False, group, d):
+        close(run(pre, decode=False, launch=launch), reference(pre, d ** -0.5), torch.bfloat16)
+    close(run(pre, decode=False, window=33, launch=tilings(False, group, d)[-1]), reference(pre, d ** -0.5, 33),
+          torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -240,6 +263,49 @@ def test_aligned_fresh_keys_do_not_depend_on_where_the_chunk_starts(device, dtyp
     assert not torch.equal(chunk(0, False)[cut:], chunk(cut, False))
 
 
+def test_choose_tilings_times_every_tile_on_the_models_shapes_and_keeps_the_fastest(monkeypatch):
+    """`choose_tilings` times each decode tiling over 64 sequences of 640 keys and one of 1024
+    (their splits as the engine takes them, two layers each) and each prefill tiling over a chunk
+    of 2048 queries (its query tiles made with that tiling's block_q): the fastest of each kind is
+    chosen, a tiling that raises drops out, and the report has every time. float32 keeps its one
+    set, untimed."""
+    import nextoken.kernels.gpu.attention as A
+
+    calls = []
+    fast_decode, fast_prefill, broken = tilings(True, 3, 64)[2], tilings(False, 3, 64)[1], tilings(False, 3, 64)[3]
+
+    def recorded(q, k_cache, v_cache, tables, seq_lens, qsl, scale, *, out, decode, num_seqs, launch, tiles=None,
+                 splits=1, partials=None):
+        if launch == broken:
+            raise RuntimeError("out of resources")
+        assert k_cache.shape[1:] == (tables.numel(), 16, 64) and q.shape[1:] == (6, 64)
+        calls.append((decode, launch, num_seqs, q.shape[0], splits, None if tiles is None else tiles[0].numel()))
+
+    monkeypatch.setattr(A, "paged_attention", recorded)
+
+    def timer(fn):
+        before = len(calls)
+        fn()
+        ran = calls[before:]
+        assert len({c[1] for c in ran}) == 1  # one tiling a timing
+        return 1.0 if ran[0][1] in (fast_decode, fast_prefill) else 2.0
+
+    report = {}
+    chosen = A.choose_tilings(6, 2, 64, torch.bfloat16, 16, torch.device("cpu"), timer=timer, report=report)
+    assert (chosen.decode, chosen.prefill) == (fast_decode, fast_prefill)
+    for t in tilings(True, 3, 64):
+        assert [c for c in calls if c[1] == t] == [(True, t, 64, 64, decode_splits(64, 2, 1), None)] * 2 + [
+            (True, t, 1, 1, decode_splits(1, 2, 1), None)] * 2
+    for t in tilings(False, 3, 64):
+        if t != broken:
+            assert [c for c in calls if c[1] == t] == [(False, t, 1, 2048, 1, -(-2048 // t.block_q))] * 2
+    assert set(report["decode"]) == {str(t) for t in tilings(True, 3, 64)}
+    assert set(report["prefill"]) == {str(t) for t in tilings(False, 3, 64) if t != broken}
+    calls.clear()
+    assert A.choose_tilings(6, 2, 64, torch.float32, 16, torch.device("cpu"), timer=timer) == A.default_tilings(
+        3, 64, True) and not calls
+
+
 def test_query_tiles_and_splits():
     """Tiles cover every query once; splits fill two programs per multiprocessor, a power of two."""
     seqs, firsts = query_tiles([0, 1, 1, 40, 45], 16, first=1)
@@ -247,4 +313,5 @@ def test_query_tiles_and_splits():
     assert decode_splits(1, 2, 132) == 16 and decode_splits(64, 2, 132) == 4 and decode_splits(256, 8, 132) == 1
     assert decode_splits(16, 2, 132) == 16 and decode_splits(1, 1, 1) == 4
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
+    assert all(t.block_m >= 16 and t.block_q * 6 <= t.block_m for t in tilings(False, 6, 128) + tilings(True, 6, 128))
     assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 2

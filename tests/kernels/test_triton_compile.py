@@ -1,9 +1,10 @@
 """Our Triton kernels compiled for Hopper (sm_90) without a GPU: every variant of the attention
 the catalog's models run, the batch-invariant matmul and RMSNorm, the row-wise kernels, the
 GEMV, the split-K GEMM and the sampler's draw, compiles, spills nothing to local memory, and (bf16 products) multiplies on the tensor cores.
-The tiles (`kernels.gpu.attention.tiling`) were chosen from this report, under the Triton of the
-tests (3.9) and of the GPU machine (3.6, whose register allocation differs); a change that makes
-a variant spill or fail to compile fails here, before any GPU time is spent."""
+The tiles (`kernels.gpu.attention.tilings`) and launches the plan may time were chosen from this
+report, under the Triton of the tests (3.9) and of the GPU machine (3.6, whose register
+allocation differs), each compiled as a launch specializes on the model's aligned tensors; a
+change that makes a variant spill or fail to compile fails here, before any GPU time is spent."""
 
 from __future__ import annotations
 
@@ -19,13 +20,41 @@ pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's t
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def reports():
+def run_report(*args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.triton_report"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.triton_report", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_report()
+
+
+def check(r: dict) -> None:
+    """No spill; tensor cores for bf16 products; 16-byte loads where a kernel streams its input."""
+    assert r["stack"] == 0 and r["local"] == 0, r  # (a spill needs a stack frame)
+    assert r["registers"] <= 255, r
+    if r["variant"][0] == "bf16" or r["variant"][:2] in (["linear", "bf16"], ["skinny", "bf16"]):
+        assert r["tensor_core"] > 0, r
+    if r["variant"][0] in ("gemv", "draw"):  # the weight rows, the logits stream in 16-byte loads
+        assert r["wide_loads"] > 0, r
+
+
+@pytest.mark.slow
+def test_every_launch_the_plan_times_compiles_without_spills():
+    """The other attention tiles, GEMV and split-K GEMM launches the plan times at load
+    (`attention.tilings`, `gemv.LAUNCHES`, `skinny.LAUNCHES`) compile as cleanly: a timed choice
+    never picks a spilling launch. (Slow: about 40 more compilations on a cold Triton cache; a
+    launch that spilled or did not build would only lose its timing or drop out of it.)"""
+    from tests.helpers.triton_report import GEMV_LAUNCHES, SKINNY_LAUNCHES, TILES
+
+    reports = run_report("--launches")
+    assert [r["variant"] for r in reports] == [list(v) for v in TILES + GEMV_LAUNCHES + SKINNY_LAUNCHES]
+    for r in reports:
+        check(r)
 
 
 def test_every_variant_compiles_without_spills(reports):
@@ -36,9 +65,4 @@ def test_every_variant_compiles_without_spills(reports):
         list(v) for v in ROWWISE] + [list(v) for v in GEMV] + [list(v) for v in SKINNY] + [
         list(v) for v in SAMPLING]
     for r in reports:
-        assert r["stack"] == 0 and r["local"] == 0, r  # (a spill needs a stack frame)
-        assert r["registers"] <= 255, r
-        if r["variant"][0] == "bf16" or r["variant"][:2] in (["linear", "bf16"], ["skinny", "bf16"]):
-            assert r["tensor_core"] > 0, r
-        if r["variant"][0] in ("gemv", "draw"):  # the weight rows, the logits stream in 16-byte loads
-            assert r["wide_loads"] > 0, r
+        check(r)

@@ -249,27 +249,119 @@ class Tiling:
     num_warps: int
     num_stages: int
 
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}/{self.num_warps}w"
+
+
+# The tiles `choose_tilings` times, per head size (the catalog's 64, 128 and 256; a smaller head
+# takes the next's), the default first: decodes (keys per step, warps), prefill chunks (query rows,
+# keys per step, warps). Each compiles for sm_90 without a spill, as Triton specializes a launch on
+# the model's aligned tensors and strides, for every variant the catalog's models run (an int8
+# cache, sliding windows, the pass's own keys), under Triton 3.6 (the GPU machine's) and 3.9 (the
+# tests'): tests/kernels/test_triton_compile.py. Left out for spills: 32 keys over 4 warps at 128
+# dims (8 bytes under 3.9), 128 x 128 prefill tiles at 128 dims and 128 x 32 or 64 x 64 at 256.
+DECODE_TILES = {64: ((64, 4), (32, 4), (128, 4), (128, 8)), 128: ((64, 8), (64, 4), (128, 8), (32, 8)),
+                256: ((32, 4), (16, 4), (64, 8), (32, 8))}
+PREFILL_TILES = {64: ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 8), (64, 128, 4)),
+                 128: ((128, 32, 8), (128, 64, 8), (64, 64, 4), (64, 32, 4)),
+                 256: ((32, 32, 8), (64, 32, 8), (32, 64, 8))}
+
+
+def tilings(decode: bool, group: int, head_dim: int, f32: bool = False) -> tuple[Tiling, ...]:
+    """The tiles for decodes (one query per program) or prefill chunks, for `group` query heads
+    per KV head, heads of `head_dim` and bf16 (or, `f32`, float32) operands: `DECODE_TILES` or
+    `PREFILL_TILES` for the head size, the default first, each with rows for at least the
+    group's heads (16 at least: a tensor-core tile). float32 (the reference) has one set of
+    small tiles: without tensor cores larger ones spill."""
+    rows = max(16, triton.next_power_of_2(group))
+    size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    if decode:
+        if f32:
+            return (Tiling(1, rows, 16, 4, 2),)
+        return tuple(Tiling(1, rows, n, warps, 2) for n, warps in DECODE_TILES[size])
+    if f32:
+        m, n, warps = {64: (32, 16, 4), 128: (16, 32, 8), 256: (16, 16, 4)}[size]  # (16 x 32 over 4 warps at 128
+        # dims spilled 8 bytes under Triton 3.6)
+        return (Tiling(max(m, rows) // group, max(m, rows), n, warps, 2),)
+    return tuple(Tiling(max(m, rows) // group, max(m, rows), n, warps, 2) for m, n, warps in PREFILL_TILES[size])
+
 
 def tiling(decode: bool, group: int, head_dim: int, f32: bool = False) -> Tiling:
-    """The tiles for decodes (one query per program) or prefill chunks, for `group` query heads
-    per KV head, heads of `head_dim` and bf16 (or, `f32`, float32) operands. Chosen from the
-    compiler's report for Hopper (sm_90: registers and spills, `tests/kernels/test_triton_compile.py`)
-    under Triton 3.6 (the GPU machine's) and 3.9 (the tests'), so that no tile spills: each key
-    tile's addresses are 64-bit per element, so wider heads take fewer keys per step (64 keys at
-    64 dims, 32 at 128 and 256), and float32 (the reference) takes small tiles throughout. bf16
-    prefill holds 128 query rows up to 128 dims (32 at 256, over 8 warps)."""
-    rows = max(16, triton.next_power_of_2(group))
-    if decode:
-        block_n = 16 if f32 else 64 if head_dim <= 64 else 32
-        return Tiling(1, rows, block_n, 4, 2)
+    """The default tiles of `tilings`: what a call without a timed choice takes."""
+    return tilings(decode, group, head_dim, f32)[0]
+
+
+@dataclass(frozen=True)
+class Tilings:
+    """The tiles a model's attention takes: one for its decodes, one for its prefill chunks."""
+
+    decode: Tiling
+    prefill: Tiling
+
+
+def default_tilings(group: int, head_dim: int, f32: bool = False) -> Tilings:
+    return Tilings(tiling(True, group, head_dim, f32), tiling(False, group, head_dim, f32))
+
+
+def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                   device: torch.device, timer=None, report: dict | None = None) -> Tilings:
+    """The decode and prefill tiles of `tilings` that time fastest (`timing.fastest`, each replayed
+    as a CUDA graph: `timing.graph_seconds`, or `timer(fn) -> seconds`) on work of the model's head
+    shapes, in its dtype, over a paged cache of `block_size` rows a block with random keys: the
+    decodes of 64 sequences of 640 keys and of one of 1024 (their times added: the tiles serve
+    every batch), the key splits as the engine takes them (`decode_splits`); a prefill chunk of
+    2048 new tokens of one sequence. Each is timed over two caches' worth of keys (two layers),
+    so that the L2 cache does not hold them. float32 (the reference) keeps its one set.
+    `report`: gets ``{"decode" or "prefill": {str(tiling): seconds}}``."""
+    from nextoken.kernels.gpu.timing import fastest, graph_seconds
+
+    timer = timer or graph_seconds
+    group = num_heads // num_kv_heads
+    f32 = dtype == torch.float32
     if f32:
-        block_m, block_n, warps = (32, 16, 4) if head_dim <= 64 else (16, 32, 4) if head_dim <= 128 else (16, 16, 4)
-    elif head_dim <= 128:
-        block_m, block_n, warps = 128, 64 if head_dim <= 64 else 32, 8
-    else:
-        block_m, block_n, warps = 32, 32, 8  # (4 warps spill under Triton 3.6)
-    block_m = max(block_m, rows)
-    return Tiling(block_m // group, block_m, block_n, warps, 2)
+        return default_tilings(group, head_dim, True)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    scale = head_dim ** -0.5
+
+    def cache(num_blocks: int):
+        return [torch.randn(num_kv_heads, num_blocks, block_size, head_dim, device=device).to(dtype)
+                for _ in range(4)]  # (k, v) of two layers
+
+    def batch(lens: list[int], new: list[int]):
+        """Block tables, seq_lens and query_start_loc for sequences of `lens` keys, `new` of them new."""
+        per = -(-max(lens) // block_size)
+        tables = torch.arange(len(lens) * per, dtype=torch.int32, device=device).view(len(lens), per)
+        starts = torch.tensor([0] + new, dtype=torch.int32).cumsum(0).to(torch.int32)
+        return tables, torch.tensor(lens, dtype=torch.int32, device=device), starts.to(device), starts.tolist()
+
+    def decodes(lens: list[int]):
+        tables, seq_lens, qsl, _ = batch(lens, [1] * len(lens))
+        caches = cache(tables.numel())
+        q = torch.randn(len(lens), num_heads, head_dim, device=device).to(dtype)
+        out = torch.empty_like(q)
+        splits = decode_splits(len(lens), num_kv_heads, sms)
+        partials = torch.empty(len(lens) * num_heads * splits * (head_dim + 2), dtype=torch.float32, device=device)
+        return lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
+                                          decode=True, num_seqs=len(lens), splits=splits, partials=partials, launch=t)
+                          for i in range(2)]
+
+    many, one = decodes([640] * 64), decodes([1024])
+    decode, decode_times = fastest(tilings(True, group, head_dim), lambda t: (many(t), one(t)), timer)
+    n = 2048
+    tables, seq_lens, qsl, host_qsl = batch([n], [n])
+    caches = cache(tables.numel())
+    q = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
+    out = torch.empty_like(q)
+    tiles = {t: tuple(torch.tensor(a, dtype=torch.int32, device=device) for a in query_tiles(host_qsl, t.block_q))
+             for t in tilings(False, group, head_dim)}
+    prefill, prefill_times = fastest(
+        tiles, lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
+                                          decode=False, num_seqs=1, tiles=tiles[t], launch=t) for i in range(2)],
+        timer)
+    if report is not None:
+        report.update({"decode": {str(t): s for t, s in decode_times.items()},
+                       "prefill": {str(t): s for t, s in prefill_times.items()}})
+    return Tilings(decode, prefill)
 
 
 def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tuple[list[int], list[int]]:
@@ -301,7 +393,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     splits: int = 1, partials: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    aligned: bool = False) -> torch.Tensor:
+                    aligned: bool = False, launch: Tiling | None = None) -> torch.Tensor:
     """Attention of the queries of `num_seqs` sequences over their paged keys; writes `out`.
 
     q ``[T, H, D]`` (bf16 or float32; D a power of two >= 16); k_cache, v_cache ``[Hkv,
@@ -320,8 +412,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     this pass writes it); aligned (with k_new, not with an int8 cache): the switch from the
     cache's keys to the pass's falls on a key tile's boundary, the tile that holds the first new
     token reading both, so a query's key tiles do not depend on where its chunk starts (the
-    batch-invariant plan's). Shapes are the caller's to get right: the kernel does not check
-    them. Returns `out`."""
+    batch-invariant plan's); launch: the tiles (default `tiling`'s; a prefill's `tiles` are made
+    with its block_q). Shapes are the caller's to get right: the kernel does not check them.
+    Returns `out`."""
     hkv, _, block_size, d = k_cache.shape
     h = q.shape[1]
     group = h // hkv
@@ -329,7 +422,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     int8 = k_scales is not None
     fresh = k_new is not None
     aligned = aligned and fresh and not int8 and not decode
-    t = tiling(decode, group, d, f32)
+    t = launch or tiling(decode, group, d, f32)
     if not decode:
         splits = 1
     grid = (num_seqs if decode else tiles[0].shape[0], hkv, splits)
