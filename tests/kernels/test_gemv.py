@@ -136,6 +136,26 @@ def test_choose_times_every_launch_and_keeps_the_gemv_up_to_the_first_row_count_
         choose(groups, timer=timer)
 
 
+def test_choose_times_a_shape_once_a_process(monkeypatch):
+    """With the GPU's own timer (`timing.graph_seconds`, a stand-in here), a second engine's load
+    of the same weight shapes on the same device reuses the first's choice and report without
+    timing again (`timing.remembered`); another shape (or another count of weights) is timed."""
+    import nextoken.kernels.gpu.gemv as G
+    import nextoken.kernels.gpu.timing as T
+
+    monkeypatch.setattr(T, "_CHOICES", {})
+    monkeypatch.setattr(G, "gemv", lambda x, weight, bias, launch=None: None)
+    timed = []
+    monkeypatch.setattr(G, "graph_seconds", lambda fn: timed.append(fn()) or 1.0)
+    group = [(randn(16, 32, dtype=torch.float32, seed=40 + i), None) for i in range(2)]
+    first, report = choose({"a": group}), {}
+    n = len(timed)
+    assert n and choose({"b": [(w.clone(), b) for w, b in group]}, report=report) == {"b": first["a"]}
+    assert len(timed) == n and set(report) == {"b"} and "torch" in report["b"]
+    choose({"c": group[:1]})
+    assert len(timed) > n
+
+
 def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny_gguf, monkeypatch):
     """On a GPU the plan times every weight shape (`choose`, here a stand-in: its timing needs
     CUDA) and gives each matmul its group's rows and launch; should the timing raise (a kernel that

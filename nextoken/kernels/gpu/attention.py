@@ -311,15 +311,29 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
     decodes of 64 sequences of 640 keys and of one of 1024 (their times added: the tiles serve
     every batch), the key splits as the engine takes them (`decode_splits`); a prefill chunk of
     2048 new tokens of one sequence. Each is timed over two caches' worth of keys (two layers),
-    so that the L2 cache does not hold them. float32 (the reference) keeps its one set.
+    so that the L2 cache does not hold them. float32 (the reference) keeps its one set. Without
+    `timer`, each choice is made once per process for its shapes (`timing.remembered`).
     `report`: gets ``{"decode" or "prefill": {str(tiling): seconds}}``."""
-    from nextoken.kernels.gpu.timing import fastest, graph_seconds
+    from nextoken.kernels.gpu.timing import graph_seconds, remembered
 
-    timer = timer or graph_seconds
+    if dtype == torch.float32:
+        return default_tilings(num_heads // num_kv_heads, head_dim, True)
+    args = (num_heads, num_kv_heads, head_dim, dtype, block_size, device)
+    if timer is None:
+        chosen, times = remembered(("attention", str(device), *args[:5]), lambda: _choose_tilings(*args, graph_seconds))
+    else:
+        chosen, times = _choose_tilings(*args, timer)
+    if report is not None:
+        report.update(times)
+    return chosen
+
+
+def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                    device: torch.device, timer) -> tuple[Tilings, dict]:
+    """`choose_tilings`' choice, timed with `timer`, and its report."""
+    from nextoken.kernels.gpu.timing import fastest
+
     group = num_heads // num_kv_heads
-    f32 = dtype == torch.float32
-    if f32:
-        return default_tilings(group, head_dim, True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     scale = head_dim ** -0.5
 
@@ -358,10 +372,8 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
         tiles, lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
                                           decode=False, num_seqs=1, tiles=tiles[t], launch=t) for i in range(2)],
         timer)
-    if report is not None:
-        report.update({"decode": {str(t): s for t, s in decode_times.items()},
-                       "prefill": {str(t): s for t, s in prefill_times.items()}})
-    return Tilings(decode, prefill)
+    return Tilings(decode, prefill), {"decode": {str(t): s for t, s in decode_times.items()},
+                                      "prefill": {str(t): s for t, s in prefill_times.items()}}
 
 
 def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tuple[list[int], list[int]]:

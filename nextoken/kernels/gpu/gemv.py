@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
-from nextoken.kernels.gpu.timing import fastest, graph_seconds
+from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
@@ -162,24 +162,36 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     than L2); the rows stop at the first count where PyTorch's is as fast. A launch that raises
     (one this GPU or Triton cannot build) drops out; if every one raises, so does this
     (`timing.fastest`).
-    `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay). `report`:
-    gets ``{key: {str(launch) or "torch": seconds at one row}}``. Returns ``{key: (rows,
-    launch)}``."""
-    timer = timer or graph_seconds
+    `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay, each choice
+    made once per process for its shapes: `timing.remembered`). `report`: gets ``{key:
+    {str(launch) or "torch": seconds at one row}}``. Returns ``{key: (rows, launch)}``."""
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]
-        x = torch.randn(1, w0.shape[1], device=w0.device).to(w0.dtype)
-        best, times = fastest(LAUNCHES, lambda launch: [gemv(x, w, b, launch=launch) for w, b in pairs], timer)
-        rows = 0
-        for m in (1, 2, 4):
-            x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
-            ours = times[best] if m == 1 else timer(lambda: [gemv(x, w, b, launch=best) for w, b in pairs])
-            theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
-            if m == 1 and report is not None:
-                report[key] = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
-            if ours >= theirs:
-                break
-            rows = m
+        if timer is None:
+            what = ("gemv", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs))
+            rows, best, times = remembered(what, lambda: _choose(pairs, graph_seconds))
+        else:
+            rows, best, times = _choose(pairs, timer)
+        if report is not None:
+            report[key] = times
         out[key] = (rows, best)
     return out
+
+
+def _choose(pairs: list, timer) -> tuple[int, Launch, dict]:
+    """`choose`'s rows and launch for one group, and the times at one row (`choose`'s report)."""
+    w0 = pairs[0][0]
+    x = torch.randn(1, w0.shape[1], device=w0.device).to(w0.dtype)
+    best, times = fastest(LAUNCHES, lambda launch: [gemv(x, w, b, launch=launch) for w, b in pairs], timer)
+    rows, report = 0, {}
+    for m in (1, 2, 4):
+        x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+        ours = times[best] if m == 1 else timer(lambda: [gemv(x, w, b, launch=best) for w, b in pairs])
+        theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
+        if m == 1:
+            report = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
+        if ours >= theirs:
+            break
+        rows = m
+    return rows, best, report

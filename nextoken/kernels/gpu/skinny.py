@@ -40,7 +40,7 @@ import triton.language as tl
 from nextoken.kernels.gpu.batch_invariant import _round_bf16, dot_rows
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
 from nextoken.kernels.gpu.gemv import fits, refuse
-from nextoken.kernels.gpu.timing import fastest, graph_seconds
+from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_ROWS, MAX_ROWS = GEMV_ROWS + 1, 64  # the rows a call takes (fewer: the GEMV's)
@@ -173,22 +173,35 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     every one raises, so does this), and the timed row counts (`BUCKETS`) at which `skinny` with
     it beats ``torch.nn.functional.linear``. Each timing runs over the group's weights in turn (as
     a decode step reads them, from memory rather than L2). `timer(fn) -> seconds` (default:
-    `timing.graph_seconds`, a CUDA graph's replay). `report`: gets ``{key: {str(launch) or
-    "torch": seconds at 64 rows}}``. Returns ``{key: ((rows, ...), launch)}``."""
-    timer = timer or graph_seconds
+    `timing.graph_seconds`, a CUDA graph's replay, each choice made once per process for its
+    shapes: `timing.remembered`). `report`: gets ``{key: {str(launch) or "torch": seconds at 64
+    rows}}``. Returns ``{key: ((rows, ...), launch)}``."""
     out = {}
     for key, pairs in groups.items():
         w0 = pairs[0][0]
-        x = torch.randn(BUCKETS[-1], w0.shape[1], device=w0.device).to(w0.dtype)
-        best, times = fastest(LAUNCHES, lambda launch: [skinny(x, w, b, launch=launch) for w, b in pairs], timer)
-        won = []
-        for m in BUCKETS:
-            x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
-            ours = times[best] if m == BUCKETS[-1] else timer(lambda: [skinny(x, w, b, launch=best) for w, b in pairs])
-            theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
-            if m == BUCKETS[-1] and report is not None:
-                report[key] = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
-            if ours < theirs:
-                won.append(m)
-        out[key] = (tuple(won), best)
+        if timer is None:
+            what = ("skinny", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs))
+            won, best, times = remembered(what, lambda: _choose(pairs, graph_seconds))
+        else:
+            won, best, times = _choose(pairs, timer)
+        if report is not None:
+            report[key] = times
+        out[key] = (won, best)
     return out
+
+
+def _choose(pairs: list, timer) -> tuple[tuple[int, ...], Launch, dict]:
+    """`choose`'s row counts and launch for one group, and the times at 64 rows (its report)."""
+    w0 = pairs[0][0]
+    x = torch.randn(BUCKETS[-1], w0.shape[1], device=w0.device).to(w0.dtype)
+    best, times = fastest(LAUNCHES, lambda launch: [skinny(x, w, b, launch=launch) for w, b in pairs], timer)
+    won, report = [], {}
+    for m in BUCKETS:
+        x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+        ours = times[best] if m == BUCKETS[-1] else timer(lambda: [skinny(x, w, b, launch=best) for w, b in pairs])
+        theirs = timer(lambda: [torch.nn.functional.linear(x, w, b) for w, b in pairs])
+        if m == BUCKETS[-1]:
+            report = {**{str(launch): t for launch, t in times.items()}, "torch": theirs}
+        if ours < theirs:
+            won.append(m)
+    return tuple(won), best, report

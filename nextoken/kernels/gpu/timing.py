@@ -7,7 +7,9 @@
   cuBLAS's);
 - `eager_seconds`: `fn` launched op by op, as the engine runs its sampler (the launches included
   where they hold the GPU up);
-- `fastest`: which of a kernel's launches (tiles, warps, stages) times least.
+- `fastest`: which of a kernel's launches (tiles, warps, stages) times least;
+- `remembered`: a timed choice made once per process for its shapes and device (every engine of
+  the process that loads the same shapes, e.g. a test run's or a benchmark's, reuses it).
 """
 
 from __future__ import annotations
@@ -64,3 +66,15 @@ def fastest(launches, run, timer) -> tuple[object, dict]:
     if not times:
         raise failure
     return min(times, key=times.get), times
+
+
+_CHOICES: dict = {}
+
+
+def remembered(key: tuple, choose):
+    """``choose()``, made once per process for `key` (what the timing depends on: the kernel, the
+    device, the shapes, the dtype, how many weights a step reads): the same shapes on the same
+    GPU time the same, and a timing costs compilations and graph captures at every load."""
+    if key not in _CHOICES:
+        _CHOICES[key] = choose()
+    return _CHOICES[key]
