@@ -42,15 +42,18 @@ def pytest_configure(config):
         triton_interpreter.install()
 
 
-# The modules that take longest (``--durations``, 2026-11-29), first: pytest-xdist hands whole
-# files to its two workers in collection order (``--dist loadfile --no-loadscope-reorder``, the
-# Makefile's), so the long ones start early and the many short ones even the two out at the end.
+# The modules that take longest (a timeline of each test's start and end, 2026-11-30), first:
+# pytest-xdist hands whole files to its two workers in collection order (``--dist loadfile
+# --no-loadscope-reorder``, the Makefile's), so the long ones start early and the many short ones
+# even the two out at the end.
 SLOWEST_FIRST = ("tests/engine/test_gpu_path.py", "tests/server/test_openapi_contract.py",
                  "tests/inspector/test_inspect_browser.py", "tests/models/test_real_model.py",
                  "tests/engine/test_tensor_parallel.py", "tests/cli/test_cli.py", "tests/inspector/test_inspect.py",
                  "tests/engine/test_structured.py", "tests/server/test_server.py", "tests/server/test_api_servers.py",
                  "tests/models/test_lora.py", "tests/engine/test_engine.py", "tests/server/test_router.py",
-                 "tests/server/test_engine_process.py")
+                 "tests/server/test_engine_process.py", "tests/models/test_embeddings.py",
+                 "tests/server/test_lm_eval.py", "tests/engine/test_quick_start.py", "tests/server/test_mcp.py",
+                 "tests/server/test_tools_and_formats.py", "tests/engine/test_speculative.py")
 
 
 def pytest_collection_modifyitems(config, items):
