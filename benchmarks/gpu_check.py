@@ -544,7 +544,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
     log(f"   GEMV and split-K GEMM chosen per weight shape (out, in, GEMV up to rows, its launch, GEMM at rows, its "
         f"launch): {out['gemv_rows']}")
     log(f"   the GEMV's launches timed at one row per weight shape (us over the model's weights of the shape; launch: "
-        f"tile/warps/stages/programs per SM): {out['gemv_times']}")
+        f"tile/warps/programs per SM): {out['gemv_times']}")
     log(f"   the split-K GEMM's launches timed at 64 rows (us; launch: N tile x K step/warps/stages/programs per SM): "
         f"{out['skinny_times']}")
     for stage in ("no_gemv", "torch_rows"):

@@ -130,13 +130,13 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
 
 
 def _gemv_launches() -> list[int]:
-    """The indices in `gemv.LAUNCHES` of the launches that compile differently (a tile, warps or
-    stages of their own; the rows per program are the report's own axis)."""
+    """The indices in `gemv.LAUNCHES` of the launches that compile differently (a tile or warps of
+    their own; the rows per program are the report's own axis)."""
     from nextoken.kernels.gpu.gemv import LAUNCHES
 
     kinds = {}
     for i, launch in enumerate(LAUNCHES):
-        kinds.setdefault((launch.tile, launch.num_warps, launch.num_stages), i)
+        kinds.setdefault((launch.tile, launch.num_warps), i)
     return sorted(kinds.values())
 
 
@@ -161,7 +161,7 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
     types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
     consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=True, ROUND=False)
     aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-    usage = compiled(G._gemv_kernel, types, consts, how.num_warps, how.num_stages, aligned)
+    usage = compiled(G._gemv_kernel, types, consts, how.num_warps, G.NUM_STAGES, aligned)
     return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
 
 

@@ -250,21 +250,25 @@ class Tiling:
     num_stages: int
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}/{self.num_warps}w"
+        return f"{self.block_m}x{self.block_n}/{self.num_warps}w/{self.num_stages}s"
 
 
 # The tiles `choose_tilings` times, per head size (the catalog's 64, 128 and 256; a smaller head
-# takes the next's), the default first: decodes (keys per step, warps), prefill chunks (query rows,
-# keys per step, warps). Each compiles for sm_90 without a spill, as Triton specializes a launch on
-# the model's aligned tensors and strides, for every variant the catalog's models run (an int8
-# cache, sliding windows, the pass's own keys), under Triton 3.6 (the GPU machine's) and 3.9 (the
-# tests'): tests/kernels/test_triton_compile.py. Left out for spills: 32 keys over 4 warps at 128
-# dims (8 bytes under 3.9), 128 x 128 prefill tiles at 128 dims and 128 x 32 or 64 x 64 at 256.
-DECODE_TILES = {64: ((64, 4), (32, 4), (128, 4), (128, 8)), 128: ((64, 8), (64, 4), (128, 8), (32, 8)),
-                256: ((32, 4), (16, 4), (64, 8), (32, 8))}
-PREFILL_TILES = {64: ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 8), (64, 128, 4)),
-                 128: ((128, 32, 8), (128, 64, 8), (64, 64, 4), (64, 32, 4)),
-                 256: ((32, 32, 8), (64, 32, 8), (32, 64, 8))}
+# takes the next's), the default first: decodes (keys per step, warps[, software-pipeline stages:
+# 2 by default]), prefill chunks (query rows, keys per step, warps[, stages]). The key loop's loads
+# are pipelined (cp.async into shared memory, two or three steps ahead). Each compiles for sm_90
+# without a spill, as Triton specializes a launch on the model's aligned tensors and strides, for
+# every variant the catalog's models run (an int8 cache, sliding windows, the pass's own keys),
+# under Triton 3.6 (the GPU machine's) and 3.9 (the tests'): tests/kernels/test_triton_compile.py.
+# Left out for spills: 32 keys over 4 warps at 128 dims (8 bytes under 3.9), 32 keys over 8 warps
+# in 3 stages at 128 and 256 (an int8 cache, under 3.9), 128 x 128 prefill tiles at 128 dims and
+# 128 x 32 or 64 x 64 at 256.
+DECODE_TILES = {64: ((64, 4), (32, 4), (128, 4), (128, 8), (64, 4, 3), (128, 8, 3)),
+                128: ((64, 8), (64, 4), (128, 8), (32, 8), (64, 8, 3), (128, 8, 3)),
+                256: ((32, 4), (16, 4), (64, 8), (32, 8), (64, 8, 3))}
+PREFILL_TILES = {64: ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 8), (64, 128, 4), (128, 64, 8, 3)),
+                 128: ((128, 32, 8), (128, 64, 8), (64, 64, 4), (64, 32, 4), (128, 32, 8, 3), (128, 64, 8, 3)),
+                 256: ((32, 32, 8), (64, 32, 8), (32, 64, 8), (32, 32, 8, 3), (32, 64, 8, 3))}
 
 
 def tilings(decode: bool, group: int, head_dim: int, f32: bool = False) -> tuple[Tiling, ...]:
@@ -278,12 +282,13 @@ def tilings(decode: bool, group: int, head_dim: int, f32: bool = False) -> tuple
     if decode:
         if f32:
             return (Tiling(1, rows, 16, 4, 2),)
-        return tuple(Tiling(1, rows, n, warps, 2) for n, warps in DECODE_TILES[size])
+        return tuple(Tiling(1, rows, t[0], t[1], t[2] if len(t) > 2 else 2) for t in DECODE_TILES[size])
     if f32:
         m, n, warps = {64: (32, 16, 4), 128: (16, 32, 8), 256: (16, 16, 4)}[size]  # (16 x 32 over 4 warps at 128
         # dims spilled 8 bytes under Triton 3.6)
         return (Tiling(max(m, rows) // group, max(m, rows), n, warps, 2),)
-    return tuple(Tiling(max(m, rows) // group, max(m, rows), n, warps, 2) for m, n, warps in PREFILL_TILES[size])
+    return tuple(Tiling(max(t[0], rows) // group, max(t[0], rows), t[1], t[2], t[3] if len(t) > 3 else 2)
+                 for t in PREFILL_TILES[size])
 
 
 def tiling(decode: bool, group: int, head_dim: int, f32: bool = False) -> Tiling:

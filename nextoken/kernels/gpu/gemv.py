@@ -13,13 +13,15 @@ N = 1536 on 132 multiprocessors), so every multiprocessor keeps several programs
 flight.
 
 Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
-(`LAUNCHES`: the K chunk, warps, pipeline stages and programs per multiprocessor; none of them
-spills on sm_90, tests/kernels/test_triton_compile.py) on the model's own weights at load
+(`LAUNCHES`: the K chunk, warps and programs per multiprocessor; none of them spills on sm_90,
+tests/kernels/test_triton_compile.py) on the model's own weights at load
 (`runner.plan.ExecutionPlan.settle`), keeps the fastest, and keeps the kernel only for the row
 counts where that launch beats PyTorch's matmul; `benchmarks/gpu_check.py` logs the times and
 measures the step with and without it. The launches differ in how many weight bytes each
 multiprocessor keeps in flight, which is what sets a stream's bandwidth, and no one of them is
-known to be best on every card and shape.
+known to be best on every card and shape. (Triton does not pipeline this loop's loads: they feed
+no `tl.dot`, and the PTX is the same for any `num_stages`; a step's loads are all in flight
+together, so the K chunk is what sets the bytes a program has in flight.)
 
 Arithmetic: float32 products and sums (bf16 inputs widened; float32 in IEEE float32), the bias
 added, rounded once to the output's dtype, as cuBLAS's bf16 GEMM with float32 accumulation; the
@@ -48,27 +50,29 @@ INTERPRET_ROWS = 32  # under the interpreter (the CPU tests): fewer programs, ea
 _SMS: dict = {}
 
 
+NUM_STAGES = 1  # (see the module's docstring: the loop is not pipelined)
+
+
 @dataclass(frozen=True)
 class Launch:
     """How `gemv` launches: `tile` weight values a program loads per step of its K loop, whatever
-    its rows (its K chunk is ``tile / rows``), warps per program, software-pipeline stages, and
-    `per_sm`: the output features per program halve from `ROWS` while there would be fewer than
-    this many programs per multiprocessor."""
+    its rows (its K chunk is ``tile / rows``), warps per program, and `per_sm`: the output
+    features per program halve from `ROWS` while there would be fewer than this many programs per
+    multiprocessor."""
 
     tile: int = 2048
     num_warps: int = 4
-    num_stages: int = 3
     per_sm: int = 4
 
     def __str__(self) -> str:
-        return f"{self.tile}/{self.num_warps}w/{self.num_stages}s/{self.per_sm}pm"
+        return f"{self.tile}/{self.num_warps}w/{self.per_sm}pm"
 
 
 DEFAULT = Launch()
-# the launches `choose` times: more or fewer bytes per step, warps, stages and programs (the
-# registers of each at 1-4 rows are in the compile report; 4096 values over 8 warps spilled at 1)
-LAUNCHES = (DEFAULT, Launch(1024, 4, 4), Launch(2048, 8, 4), Launch(4096, 4, 3), Launch(8192, 8, 2),
-            Launch(per_sm=8), Launch(per_sm=2))
+# the launches `choose` times: more or fewer bytes per step, warps and programs (the registers of
+# each at 1-4 rows are in the compile report; 4096 values over 8 warps spilled at 1)
+LAUNCHES = (DEFAULT, Launch(1024), Launch(2048, 8), Launch(4096), Launch(8192, 8), Launch(per_sm=8),
+            Launch(per_sm=2))
 
 
 def rows_per_program(n: int, device: torch.device, per_sm: int = DEFAULT.per_sm) -> int:
@@ -150,7 +154,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, rows),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=triton.next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None,
-        ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=launch.num_warps, num_stages=NUM_STAGES)
     return out
 
 
