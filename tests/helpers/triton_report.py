@@ -255,22 +255,10 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1")
     if sys.argv[1:] == ["--launches"]:
-        for v in TILES:
-            print(json.dumps(report(*v)), flush=True)
-        for v in GEMV_LAUNCHES:
-            print(json.dumps(report_gemv(*v)), flush=True)
-        for v in SKINNY_LAUNCHES:
-            print(json.dumps(report_skinny(*v)), flush=True)
-        sys.exit(0)
-    for v in VARIANTS:
-        print(json.dumps(report(*v)), flush=True)
-    for v in INVARIANT:
-        print(json.dumps(report_invariant(*v)), flush=True)
-    for v in ROWWISE:
-        print(json.dumps(report_rowwise(*v)), flush=True)
-    for v in GEMV:
-        print(json.dumps(report_gemv(*v)), flush=True)
-    for v in SKINNY:
-        print(json.dumps(report_skinny(*v)), flush=True)
-    for v in SAMPLING:
-        print(json.dumps(report_sampling(*v)), flush=True)
+        kinds = [(TILES, report), (GEMV_LAUNCHES, report_gemv), (SKINNY_LAUNCHES, report_skinny)]
+    else:
+        kinds = [(VARIANTS, report), (INVARIANT, report_invariant), (ROWWISE, report_rowwise), (GEMV, report_gemv),
+                 (SKINNY, report_skinny), (SAMPLING, report_sampling)]
+    for variants, kind in kinds:
+        for v in variants:
+            print(json.dumps(kind(*v)), flush=True)
