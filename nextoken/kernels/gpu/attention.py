@@ -305,6 +305,8 @@ class Tilings:
 
 
 def default_tilings(group: int, head_dim: int, f32: bool = False) -> Tilings:
+    """The default decode and prefill tiles (`tiling`'s): a CPU's (the interpreter's), float32's,
+    and a GPU's until its timing has chosen (`choose_tilings`)."""
     return Tilings(tiling(True, group, head_dim, f32), tiling(False, group, head_dim, f32))
 
 
