@@ -389,6 +389,11 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
                               for kind, times in runner.plan.tiling_times.items()}
         log(f"   the attention's tiles timed at load (us over two layers; decodes: 64 x 640 keys + 1 x 1024; "
             f"prefill: 2048 queries): {out['tiles_timed']}")
+        try:
+            out["tiles_rates"] = tile_rates(runner)
+            log(f"   as rates (decodes: keys and values read, TB/s; prefill: TFLOP/s): {out['tiles_rates']}")
+        except Exception as exc:  # noqa: BLE001 - a figure of the log, not of the check
+            log(f"   the tiles' rates failed: {type(exc).__name__}: {exc}")
     rng = random.Random(3)
     prompt = rand_ids(rng, 128, vocab)
     b1 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
@@ -523,6 +528,37 @@ def draw_agreement(vocab: int) -> dict:
 KERNEL_SLOTS = ("act_kernel", "norm_kernel", "qk_norm_kernel", "rope_kernel", "qkv", "gate_up")
 
 
+def weight_rates(runner) -> dict:
+    """Per weight shape, the weight bytes a timing read (the shape's weights, every layer's) over
+    the fastest launch's time and over cuBLAS's, in TB/s: ``{"gemv"|"skinny": {"NxK": (ours,
+    cuBLAS)}}`` (`ExecutionPlan.gemv_times` and `skinny_times`)."""
+    from nextoken.layers.linear import gemv_targets
+
+    count: dict = {}
+    for t in gemv_targets(runner.model):
+        key = (tuple(t.weight.shape), t.bias is not None)
+        count[key] = count.get(key, 0) + t.weight.numel() * t.weight.element_size()
+    out = {}
+    for name in ("gemv", "skinny"):
+        for key, times in getattr(runner.plan, f"{name}_times").items():
+            ours = min(v for k, v in times.items() if k != "torch")
+            out.setdefault(name, {})[f"{key[0][0]}x{key[0][1]}"] = (round(count[key] / ours / 1e12, 2),
+                                                                    round(count[key] / times["torch"] / 1e12, 2))
+    return out
+
+
+def tile_rates(runner) -> dict:
+    """The attention tiles' timings at load as rates: the decodes' key and value bytes (two layers
+    of 64 x 640 + 1 x 1024 keys) in TB/s, the prefill's products (two layers of a causal
+    2048-token chunk) in TFLOP/s, per tile (`ExecutionPlan.tiling_times`)."""
+    cfg = runner.model.config
+    kv_bytes = 2 * (64 * 640 + 1024) * 2 * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize
+    flops = 2 * 4 * cfg.num_heads * cfg.head_dim * 2048 * 2048 / 2
+    times = runner.plan.tiling_times
+    return {"decode_tb_s": {t: round(kv_bytes / s / 1e12, 2) for t, s in times.get("decode", {}).items()},
+            "prefill_tflop_s": {t: round(flops / s / 1e12) for t, s in times.get("prefill", {}).items()}}
+
+
 def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> dict:
     """The plan's own kernels against PyTorch's on the same engine, in two stages, the decode
     graphs captured again for each and batch-1 greedy decode and the 64-sequence greedy step
@@ -547,6 +583,8 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
         f"tile/warps/programs per SM): {out['gemv_times']}")
     log(f"   the split-K GEMM's launches timed at 64 rows (us; launch: N tile x K step/warps/stages/programs per SM): "
         f"{out['skinny_times']}")
+    out["matmul_tb_s"] = weight_rates(runner)
+    log(f"   their weight reads, the fastest launch against cuBLAS (TB/s; GEMV at 1 row, GEMM at 64): {out['matmul_tb_s']}")
     for stage in ("no_gemv", "torch_rows"):
         if stage == "no_gemv":
             for t in gemv_targets(runner.model):
