@@ -313,10 +313,12 @@ class ExecutionPlan:
 
     def choose_tilings(self, cfg, block_size: int, default):
         """The Triton attention's decode and prefill tiles for `cfg`'s heads (this rank's) over a
-        cache of `block_size` rows a block: on a GPU in bf16, those that time fastest there
-        (`kernels.gpu.attention.choose_tilings`, the times kept in `tiling_times`); else, or should
-        the timing raise (a tile that does not build here), `default` (with the reason)."""
-        if not self.device.is_cuda or self.dtype != torch.bfloat16:
+        cache of `block_size` rows a block: on a GPU in bf16 with CUDA graphs (not
+        ``enforce_eager``, which keeps the kernels' defaults, as it keeps cuBLAS for every matmul),
+        those that time fastest there (`kernels.gpu.attention.choose_tilings`, the times kept in
+        `tiling_times`); else, or should the timing raise (a tile that does not build here),
+        `default` (with the reason)."""
+        if not self.device.is_cuda or self.dtype != torch.bfloat16 or not self.cuda_graphs:
             return default
         from nextoken.kernels.gpu.attention import choose_tilings
 

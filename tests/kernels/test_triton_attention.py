@@ -305,6 +305,51 @@ def test_choose_tilings_times_every_tile_on_the_models_shapes_and_keeps_the_fast
         3, 64, True) and not calls
 
 
+def test_the_plan_takes_timed_tiles_on_a_gpu_with_graphs_alone(tiny_gguf, monkeypatch):
+    """The plan's `choose_tilings`: on a GPU (a stand-in device here) in bf16 with CUDA graphs it
+    takes `attention.choose_tilings`' tiles (a stand-in: its timing needs CUDA) and shows them
+    on its line; the defaults under ``enforce_eager``, in float32 and off a GPU, untimed; and
+    the defaults, with the reason on its line, when the timing raises."""
+    import dataclasses
+
+    import nextoken.kernels.gpu.attention as A
+    from nextoken.loader.source import open_model
+    from nextoken.runner.device import Device
+    from nextoken.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(open_model(str(tiny_gguf["llama"][0])), torch.bfloat16, enforce_eager=True,
+                         attention_backend="triton")
+    cfg, default = runner.model.config, runner.tilings
+    group = cfg.num_heads // cfg.num_kv_heads
+    timed = A.Tilings(tilings(True, group, cfg.head_dim)[1], tilings(False, group, cfg.head_dim)[2])
+    asked = []
+
+    def stand_in(*args, report=None):
+        asked.append(args)
+        report.update({"decode": {str(timed.decode): 1e-5}})
+        return timed
+
+    monkeypatch.setattr(A, "choose_tilings", stand_in)
+    gpu = Device(torch.device("cuda"), "a GPU", "asked for")
+    plan = dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, tiling_times={})
+    assert plan.choose_tilings(cfg, 16, default) == timed and plan.tilings == timed and plan.tiling_times
+    assert asked == [(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, 16, gpu.torch)]
+    assert f"tiles: decodes {timed.decode}, prefill {timed.prefill}, as timed on this GPU" in plan.describe(runner.model)
+    for other in (dataclasses.replace(runner.plan, device=gpu, cuda_graphs=False),  # enforce_eager
+                  dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, dtype=torch.float32),
+                  runner.plan):  # (the CPU's)
+        assert other.choose_tilings(cfg, 16, default) is default and other.tilings is None
+    assert len(asked) == 1
+
+    def broken(*args, report=None):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(A, "choose_tilings", broken)
+    plan = dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, reasons={})
+    assert plan.choose_tilings(cfg, 16, default) is default
+    assert "attention tiles off: RuntimeError: out of resources" in plan.describe(runner.model)
+
+
 def test_query_tiles_and_splits():
     """Tiles cover every query once; splits fill two programs per multiprocessor, a power of two."""
     seqs, firsts = query_tiles([0, 1, 1, 40, 45], 16, first=1)
