@@ -477,6 +477,13 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     out["prefill4096_share"] = flops / t / rate
     log(f"   prefill 4096: {1000 * t:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s, {100 * out['prefill4096_share']:.0f}% of "
         "the bf16 rate")
+    try:  # (how much of that the GPU was busy: the rest is the host launching the layers' kernels eagerly)
+        out.update(busy := busy_share(lambda: runner.execute([one_sequence(runner, ids, 0, blocks)]), "prefill4096"))
+        if busy:
+            log(f"   prefill 4096: the GPU busy {out['prefill4096_busy_ms']:.1f} ms of {out['prefill4096_wall_ms']:.1f} "
+                f"({out['prefill4096_kernels']} kernels)")
+    except Exception as exc:  # noqa: BLE001 - a figure of the log, not of the check
+        log(f"   prefill 4096: profiling it failed: {type(exc).__name__}: {exc}")
     out["kernel_fallbacks"] = runner.plan.kernels.fallbacks.snapshot()  # (calls a plan's kernel refused: PyTorch ran)
     log(f"   kernel fallbacks over the speed runs: {out['kernel_fallbacks'] or 'none'}")
     if profile_to is not None:
@@ -679,6 +686,27 @@ def profile(llm, vocab: int, path: str) -> dict:
     with open(path, "w") as f:
         f.write("\n\n".join(tables))
     return out
+
+
+def busy_share(fn, tag: str) -> dict:
+    """One call of `fn` under PyTorch's profiler: its wall time (synchronized), the device time of
+    its kernels summed, and how many: where the first is much the larger, the host's launches, not
+    the GPU, set the pace (eager passes of a small model). Empty off a GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if DEV != "cuda":
+        return {}
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in tp.events() if e.device_type == DeviceType.CUDA and (e.device_time_total or 0) > 0]
+    return {f"{tag}_wall_ms": 1000 * wall, f"{tag}_busy_ms": sum(e.device_time_total for e in kernels) / 1000,
+            f"{tag}_kernels": len(kernels)}
 
 
 def graph_launches(graph, graph_ms: float, replays: int = 20) -> dict:
