@@ -39,11 +39,12 @@ def test_skinny_is_the_linear_in_float32_sums(m, bias):
         assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("launch", LAUNCHES[1:], ids=str)
+@pytest.mark.parametrize("launch", [x for x in LAUNCHES[1:] if x.per_sm == DEFAULT.per_sm], ids=str)
 def test_every_launch_is_the_same_linear(launch):
     """Each launch `choose` may time (N tiles of 32-128 against N = 150, K steps of 64-256 against
     K = 1100) computes the same linear: 24 bf16 rows with a bias, the K range whole and split over
-    3 programs, within one bf16 rounding of the float64 product."""
+    3 programs, within one bf16 rounding of the float64 product. (A launch that differs from the
+    default in its splits alone runs the default's kernel, split as these are.)"""
     x = randn(24, 1100, dtype=torch.bfloat16, seed=31)
     w = randn(150, 1100, dtype=torch.bfloat16, seed=32, scale=0.1)
     b = randn(150, dtype=torch.bfloat16, seed=33)
