@@ -45,8 +45,9 @@ class EngineArgs(CliArgs):
     num_threads: int | None = opt(None, "compute threads (default: one per core this process may use, at "
                                         "most OMP_NUM_THREADS)", flag="--threads", type=int, quick_start=True)
     enforce_eager: bool = opt(False, "on the CPU, PyTorch only, none of nextoken's C kernels (the reference path); on "
-                               "a GPU, no CUDA graphs (every decode step launched op by op); fixed at load in the "
-                               "execution plan", cli="true")
+                               "a GPU, no CUDA graphs (every decode step launched op by op) and none of our kernels "
+                               "but the attention (PyTorch's norms, activations, RoPE, matmuls and draw; the "
+                               "attention's default tiles, untimed); fixed at load in the execution plan", cli="true")
     reference_attention: bool = opt(False, "plain float32 attention (the reference) instead of the fast paths",
                                      cli="true")
     attention_backend: str = opt("auto", "attention's code: auto (the device's fastest: our C kernels on the CPU, "
