@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nextoken.kernels.gpu.ints import next_power_of_2
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: Triton's interpreter
 LOG2E = 1.4426950408889634
 
@@ -277,7 +279,7 @@ def tilings(decode: bool, group: int, head_dim: int, f32: bool = False) -> tuple
     `PREFILL_TILES` for the head size, the default first, each with rows for at least the
     group's heads (16 at least: a tensor-core tile). float32 (the reference) has one set of
     small tiles: without tensor cores larger ones spill."""
-    rows = max(16, triton.next_power_of_2(group))
+    rows = max(16, next_power_of_2(group))
     size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     if decode:
         if f32:

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # one tile shape for every call (the invariance); 8 warps: with 4 the float32 (and just so the bf16)
 # tile spills on Hopper (tests/kernels/test_triton_compile.py)
@@ -108,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
         _linear_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0),
                              out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                              HAS_BIAS=bias is not None, WIDEN=INTERPRET and x.dtype != torch.float32,
@@ -147,7 +149,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, n, stride_x, stride_o, eps, RO
 def norm_rows(n: int) -> int:
     """Rows per program of `rms_norm` for rows of `n`: a tile of about 4096 values (registers), at
     most 64 rows; fixed by the width alone, so a row's sum never depends on the call's size."""
-    return max(1, min(64, 4096 // triton.next_power_of_2(n)))
+    return max(1, min(64, 4096 // next_power_of_2(n)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
@@ -166,8 +168,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     rows = x2.shape[0]
     if rows:
         per = norm_rows(n)
-        _rms_norm_kernel[(triton.cdiv(rows, per),)](x2, weight, out, rows, n, x2.stride(0), out.stride(0), eps,
-                                                    ROWS=per, BLOCK=triton.next_power_of_2(n), GEMMA=gemma,
+        _rms_norm_kernel[(cdiv(rows, per),)](x2, weight, out, rows, n, x2.stride(0), out.stride(0), eps,
+                                                    ROWS=per, BLOCK=next_power_of_2(n), GEMMA=gemma,
                                                     ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
     return out.view(x.shape)
 

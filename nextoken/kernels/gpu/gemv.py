@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
+from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,7 +86,7 @@ def rows_per_program(n: int, device: torch.device, per_sm: int = DEFAULT.per_sm)
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     rows = ROWS
-    while rows > 1 and triton.cdiv(n, rows) < per_sm * _SMS[device]:
+    while rows > 1 and cdiv(n, rows) < per_sm * _SMS[device]:
         rows //= 2
     return rows
 
@@ -151,9 +152,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rows = rows or rows_per_program(n, x.device, launch.per_sm)
-    _gemv_kernel[(triton.cdiv(n, rows),)](
+    _gemv_kernel[(cdiv(n, rows),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None,
+        M_PAD=next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None,
         ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=launch.num_warps, num_stages=NUM_STAGES)
     return out
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _normed_rows, _round_bf16, norm_rows, rms_norm
+from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_BLOCK = 1024  # elements per program of `act_and_mul`
@@ -86,7 +87,7 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> tor
     rows = g2.shape[0]
     if rows and cols:
         bf16 = gate.dtype == torch.bfloat16
-        _act_mul_kernel[(rows, triton.cdiv(cols, ACT_BLOCK))](
+        _act_mul_kernel[(rows, cdiv(cols, ACT_BLOCK))](
             g2, u2, out, cols, g2.stride(0), u2.stride(0), cols, BLOCK=ACT_BLOCK, GELU=gelu, BF16=bf16,
             ROUND=INTERPRET and bf16, num_warps=4)
     return out
@@ -192,8 +193,8 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         _rope_kernel[(t, hq + hk)](q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), hq,
                                    v, kc, vc, slots, v.stride(0), v.stride(1), kc.stride(0) if take else 0,
-                                   HALF=half, HALF_P2=triton.next_power_of_2(half), REST=rest,
-                                   REST_P2=triton.next_power_of_2(max(rest, 1)), D_P2=triton.next_power_of_2(d),
+                                   HALF=half, HALF_P2=next_power_of_2(half), REST=rest,
+                                   REST_P2=next_power_of_2(max(rest, 1)), D_P2=next_power_of_2(d),
                                    STORE=take, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=1)
     if take:
         store.written = True
@@ -240,10 +241,10 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
     rows = h.shape[0]
     if rows and n:
         per, bf16 = norm_rows(n), h.dtype == torch.bfloat16
-        _add_norm_kernel[(triton.cdiv(rows, per),)](
+        _add_norm_kernel[(cdiv(rows, per),)](
             h, a, a_weight if a_weight is not None else h, weight if weight is not None else h, s,
             y if y is not None else s, rows, n, h.stride(0), a.stride(0), n, n, eps, ROWS=per,
-            BLOCK=triton.next_power_of_2(n), NORM_A=a_weight is not None, NORM_OUT=weight is not None,
+            BLOCK=next_power_of_2(n), NORM_A=a_weight is not None, NORM_OUT=weight is not None,
             GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=4)
     return s, y
 

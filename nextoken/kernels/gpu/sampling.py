@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nextoken.kernels.gpu.ints import next_power_of_2
 from nextoken.kernels.gpu.timing import eager_seconds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -250,7 +251,7 @@ def draw_rows(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     out = torch.empty(b, dtype=torch.int64, device=rows.device)
     if b:
         settings = tuple(s.contiguous() for s in settings)
-        tile = min(INTERPRET_TILE if INTERPRET else TILE, triton.next_power_of_2(V))
+        tile = min(INTERPRET_TILE if INTERPRET else TILE, next_power_of_2(V))
         _draw_kernel[(b,)](rows, rows.stride(0), V, *settings, out, TILE=tile, INTERPRET=INTERPRET,
                            num_warps=NUM_WARPS)
     return out

@@ -40,6 +40,7 @@ import triton.language as tl
 from nextoken.kernels.gpu.batch_invariant import _round_bf16, dot_rows
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
 from nextoken.kernels.gpu.gemv import fits, refuse
+from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -86,8 +87,8 @@ def splits(n: int, k: int, device: torch.device, launch: Launch = DEFAULT) -> in
         return 1
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(n, launch.block_n)
-    return max(1, min(triton.cdiv(launch.per_sm * _SMS[device], tiles), k // (launch.block_k * MIN_K_STEPS)))
+    tiles = cdiv(n, launch.block_n)
+    return max(1, min(cdiv(launch.per_sm * _SMS[device], tiles), k // (launch.block_k * MIN_K_STEPS)))
 
 
 @triton.jit
@@ -150,18 +151,18 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     split = split or splits(n, k, x.device, launch)
-    k_split = triton.cdiv(triton.cdiv(k, split), launch.block_k) * launch.block_k  # (whole K steps per split)
-    split = triton.cdiv(k, k_split)
+    k_split = cdiv(cdiv(k, split), launch.block_k) * launch.block_k  # (whole K steps per split)
+    split = cdiv(k, k_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     widen = rnd = INTERPRET
-    _skinny_kernel[(triton.cdiv(n, launch.block_n), split)](
+    _skinny_kernel[(cdiv(n, launch.block_n), split)](
         x, weight, bias if bias is not None else weight, out, part, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=launch.block_n,
+        out.stride(0), k_split, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None, WIDEN=widen, ROUND=rnd,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if split > 1:
-        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        _reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
             part, bias if bias is not None else weight, out, m, n, split, out.stride(0), BLOCK=REDUCE_BLOCK,
             HAS_BIAS=bias is not None, ROUND=rnd)
     return out
