@@ -169,8 +169,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     if rows:
         per = norm_rows(n)
         _rms_norm_kernel[(cdiv(rows, per),)](x2, weight, out, rows, n, x2.stride(0), out.stride(0), eps,
-                                                    ROWS=per, BLOCK=next_power_of_2(n), GEMMA=gemma,
-                                                    ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
+                                             ROWS=per, BLOCK=next_power_of_2(n), GEMMA=gemma,
+                                             ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
     return out.view(x.shape)
 
 
