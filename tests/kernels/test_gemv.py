@@ -149,7 +149,7 @@ def test_choose_times_a_shape_once_a_process(monkeypatch):
     monkeypatch.setattr(T, "_CHOICES", {})
     monkeypatch.setattr(G, "gemv", lambda x, weight, bias, launch=None: None)
     timed = []
-    monkeypatch.setattr(G, "graph_seconds", lambda fn: timed.append(fn()) or 1.0)
+    monkeypatch.setattr(T, "graph_seconds", lambda fn: timed.append(fn()) or 1.0)
     group = [(randn(16, 32, dtype=torch.float32, seed=40 + i), None) for i in range(2)]
     first, report = choose({"a": group}), {}
     n = len(timed)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from nextoken.kernels.gpu.batch_invariant import _round_bf16
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
-from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
+from nextoken.kernels.gpu.timing import fastest, per_shape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 4  # the most input rows a call takes (decode batches of 1, 2 and 4: the smallest CUDA graphs)
@@ -168,20 +168,9 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     (one this GPU or Triton cannot build) drops out; if every one raises, so does this
     (`timing.fastest`).
     `timer(fn) -> seconds` (default: `timing.graph_seconds`, a CUDA graph's replay, each choice
-    made once per process for its shapes: `timing.remembered`). `report`: gets ``{key:
+    made once per process for its shapes: `timing.per_shape`). `report`: gets ``{key:
     {str(launch) or "torch": seconds at one row}}``. Returns ``{key: (rows, launch)}``."""
-    out = {}
-    for key, pairs in groups.items():
-        w0 = pairs[0][0]
-        if timer is None:
-            what = ("gemv", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs))
-            rows, best, times = remembered(what, lambda: _choose(pairs, graph_seconds))
-        else:
-            rows, best, times = _choose(pairs, timer)
-        if report is not None:
-            report[key] = times
-        out[key] = (rows, best)
-    return out
+    return per_shape("gemv", groups, _choose, timer, report)
 
 
 def _choose(pairs: list, timer) -> tuple[int, Launch, dict]:

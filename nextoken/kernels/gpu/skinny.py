@@ -41,7 +41,7 @@ from nextoken.kernels.gpu.batch_invariant import _round_bf16, dot_rows
 from nextoken.kernels.gpu.gemv import MAX_ROWS as GEMV_ROWS
 from nextoken.kernels.gpu.gemv import fits, refuse
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
-from nextoken.kernels.gpu.timing import fastest, graph_seconds, remembered
+from nextoken.kernels.gpu.timing import fastest, per_shape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_ROWS, MAX_ROWS = GEMV_ROWS + 1, 64  # the rows a call takes (fewer: the GEMV's)
@@ -175,20 +175,9 @@ def choose(groups: dict, timer=None, report: dict | None = None) -> dict:
     it beats ``torch.nn.functional.linear``. Each timing runs over the group's weights in turn (as
     a decode step reads them, from memory rather than L2). `timer(fn) -> seconds` (default:
     `timing.graph_seconds`, a CUDA graph's replay, each choice made once per process for its
-    shapes: `timing.remembered`). `report`: gets ``{key: {str(launch) or "torch": seconds at 64
+    shapes: `timing.per_shape`). `report`: gets ``{key: {str(launch) or "torch": seconds at 64
     rows}}``. Returns ``{key: ((rows, ...), launch)}``."""
-    out = {}
-    for key, pairs in groups.items():
-        w0 = pairs[0][0]
-        if timer is None:
-            what = ("skinny", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs))
-            won, best, times = remembered(what, lambda: _choose(pairs, graph_seconds))
-        else:
-            won, best, times = _choose(pairs, timer)
-        if report is not None:
-            report[key] = times
-        out[key] = (won, best)
-    return out
+    return per_shape("skinny", groups, _choose, timer, report)
 
 
 def _choose(pairs: list, timer) -> tuple[tuple[int, ...], Launch, dict]:

@@ -9,7 +9,8 @@
   where they hold the GPU up);
 - `fastest`: which of a kernel's launches (tiles, warps, stages) times least;
 - `remembered`: a timed choice made once per process for its shapes and device (every engine of
-  the process that loads the same shapes, e.g. a test run's or a benchmark's, reuses it).
+  the process that loads the same shapes, e.g. a test run's or a benchmark's, reuses it);
+- `per_shape`: a matmul kernel's choice for each group of weights of one shape.
 """
 
 from __future__ import annotations
@@ -78,3 +79,22 @@ def remembered(key: tuple, choose):
     if key not in _CHOICES:
         _CHOICES[key] = choose()
     return _CHOICES[key]
+
+
+def per_shape(kernel: str, groups: dict, choose_one, timer=None, report: dict | None = None) -> dict:
+    """``{key: (rows, launch)}`` for each group of weights of one shape (``{key: [(weight, bias),
+    ...]}``) from ``choose_one(pairs, timer) -> (rows, launch, times)``; `report` gets each key's
+    times. Without `timer`, each group is timed by `graph_seconds` once per process for its
+    kernel, device, shape, dtype, bias and count of weights (`remembered`)."""
+    out = {}
+    for key, pairs in groups.items():
+        w0 = pairs[0][0]
+        if timer is None:
+            what = (kernel, str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs))
+            rows, best, times = remembered(what, lambda: choose_one(pairs, graph_seconds))
+        else:
+            rows, best, times = choose_one(pairs, timer)
+        if report is not None:
+            report[key] = times
+        out[key] = (rows, best)
+    return out
