@@ -102,9 +102,12 @@ class EngineArgs(CliArgs):
     kv_cache_disk: int | None = opt(None, "most bytes the disk tier keeps, least recently used out first, e.g. "
                                     "20GiB (default: 8 GiB)", group="KV cache", cli="size", quick_start=True)
     # scheduler
-    max_num_seqs: int = opt(64, "sequences running at once", group="scheduler", type=int, quick_start=True)
-    max_num_batched_tokens: int = opt(2048, "new tokens per step (prefill chunks + decodes)", group="scheduler",
-                                       type=int, quick_start=True)
+    max_num_seqs: int | None = opt(None, "sequences running at once (default: 64 on the CPU; on a GPU vLLM's: 1024 "
+                                    "with 70 GiB or more, except an A100, else 256)", group="scheduler", type=int,
+                                    quick_start=True)
+    max_num_batched_tokens: int | None = opt(None, "new tokens per step, prefill chunks and decodes (default: 2048; "
+                                              "on a GPU of 70 GiB or more, except an A100, 8192: vLLM's)",
+                                              group="scheduler", type=int, quick_start=True)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps", flag="--chunked-prefill",
                                         group="scheduler", cli="bool", quick_start=True)
     async_scheduling: bool | None = opt(None, "overlap each step's host work (scheduling, the next pass's inputs, "
@@ -180,7 +183,8 @@ class EngineArgs(CliArgs):
                           ("max_lora_rank", 1),
                           ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0), ("stream_interval", 1)):
             value = getattr(self, name)
-            if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk"):
+            if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk",
+                                          "max_num_seqs", "max_num_batched_tokens"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidRequest(f"{name} must be an integer >= {low}, got {value!r}", name)
@@ -248,7 +252,8 @@ def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str
              "max_model_len": "the model's context", "kv_cache_memory": "from free memory",
              "kv_cache_dir": "off", "kv_cache_disk": "8 GiB",
              "num_kv_blocks": "from the memory", "speculative_method": "`draft` with a model",
-             "async_scheduling": "on a GPU",
+             "async_scheduling": "on a GPU", "max_num_seqs": "64; a GPU's: 256 or 1024",
+             "max_num_batched_tokens": "2048; 8192 on a large GPU",
              **(overrides or {})}
     rows = ["| flag | keyword | default | what |", "|---|---|---|---|"]
     for f in args_cls.cli_fields():

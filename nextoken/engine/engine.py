@@ -49,6 +49,8 @@ from nextoken.loader.opened import OpenedModel
 from nextoken.loader.prepared import content_key
 from nextoken.loader.source import load_tokenizer, model_dtype
 from nextoken.outputs import RequestOutput
+from nextoken.runner.cuda_graphs import MAX_GRAPH_BATCH
+from nextoken.runner.device import Device, batch_defaults
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
 from nextoken.sample.sampler import SampleLaunch, SampleResult, Sampler
 from nextoken.sample.logits_processors import has_processors
@@ -59,6 +61,19 @@ from nextoken.spec_decode.speculator import SpecStats, build_speculator
 from nextoken.structured.backend import GrammarCompiler
 
 log = logging.getLogger("nextoken.engine")
+
+
+def with_batch_defaults(args: EngineArgs, device: Device) -> EngineArgs:
+    """`args` with ``max_num_seqs`` and ``max_num_batched_tokens`` set where they were left to
+    the device (None): `runner.device.batch_defaults`, logged with the reason."""
+    if args.max_num_seqs is not None and args.max_num_batched_tokens is not None:
+        return args
+    seqs, tokens, why = batch_defaults(device)
+    args = args.replace(max_num_seqs=args.max_num_seqs or seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens or tokens)
+    log.info("batches: at most %d sequences and %d new tokens a step (%s)", args.max_num_seqs,
+             args.max_num_batched_tokens, why)
+    return args
 
 
 class LLMEngine:
@@ -87,6 +102,7 @@ class LLMEngine:
             raise InvalidRequest("a draft model is not supported with tensor parallelism; use --speculative-method "
                                  "ngram", "speculative_model")
         self.runner = ModelRunner.from_engine_args(args, source, tp)
+        args = self.args = with_batch_defaults(args, self.runner.device)
         self.config = self.runner.config
         ctx = self.config.context_length
         # tokens per sequence: the model's context, or less when asked (a smaller default KV cache)
@@ -105,7 +121,7 @@ class LLMEngine:
                                     lookahead, content_key(source.path) if args.disk_dir else None,
                                     args.gpu_memory_utilization, self.scheduler_config.max_num_batched_tokens)
         if self.runner.plan.cuda_graphs:
-            self.runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len + lookahead)
+            self.runner.capture_decode_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len + lookahead)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, lookahead)
         self.sampler = Sampler.for_plan(self.tokenizer.eog_token_ids, self.watermark, self.runner.plan)
         # structured output: llguidance over our vocabulary, built on the first request that asks

@@ -5,11 +5,11 @@ A graph runs on fixed addresses, so the step's inputs live in static buffers: to
 positions and slots (int64), and what the Triton attention reads (int32: each sequence's
 keys, its block table, and for sliding-window layers its ring table and ring slot). One graph
 is captured per batch size of `capture_sizes` (1, 2, 4, 8, 16, 24, ... up to the largest
-decode batch, as vLLM's default); a batch of B decodes replays the graph of the first size >= B
-with padding rows that write their keys into the cache's spare block
-(`kv_cache.tensors.PagedKVCache.spare_slot`) and attend to no keys. The buffers are filled in
-one copy per dtype from pinned host memory. A step with a prefill chunk, a traced request or
-LoRA adapters runs eagerly.
+decode batch, at most `MAX_GRAPH_BATCH`, as vLLM's defaults); a batch of B decodes replays the
+graph of the first size >= B with padding rows that write their keys into the cache's spare
+block (`kv_cache.tensors.PagedKVCache.spare_slot`) and attend to no keys. The buffers are
+filled in one copy per dtype from pinned host memory. A step with a prefill chunk, a traced
+request or LoRA adapters, or more decodes than were captured, runs eagerly.
 
 With ``capture=False`` (the CPU tests) the same padded buffers run the model eagerly, so every
 part but the capture itself is tested without a GPU.
@@ -28,6 +28,9 @@ from nextoken.layers.gpu_attention import DeviceMetadata
 from nextoken.runner.inputs import HostBatch, take_fed
 
 log = logging.getLogger("nextoken.runner")
+
+
+MAX_GRAPH_BATCH = 512  # the largest decode batch captured (vLLM's default largest capture size): larger run eagerly
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -71,6 +71,23 @@ def _gpu(index: int, why: str) -> Device:
     return Device(torch.device("cuda", index), props.name, why, props.multi_processor_count, props.total_memory)
 
 
+LARGE_GPU = 70 * 2**30  # bytes: vLLM's line between its two sets of GPU batch defaults
+
+
+def batch_defaults(device: Device) -> tuple[int, int, str]:
+    """The default ``max_num_seqs`` and ``max_num_batched_tokens`` on `device`, and why, in words.
+    The CPU: 64 sequences and 2048 tokens a step. A GPU: vLLM's API server's defaults
+    (``EngineArgs.get_batch_defaults``): with `LARGE_GPU` bytes or more (an H100, H200, MI300X)
+    1024 and 8192, else 256 and 2048; an A100 takes the smaller set at any size (larger steps
+    lowered its throughput: vLLM's PR 17885)."""
+    if not device.is_cuda:
+        return 64, 2048, "the CPU's defaults"
+    gib = f"{device.total_memory / 2**30:.0f} GiB"
+    if device.total_memory >= LARGE_GPU and "a100" not in device.name.lower():
+        return 1024, 8192, f"vLLM's for a GPU of {gib}"
+    return 256, 2048, f"vLLM's for {'an A100' if 'a100' in device.name.lower() else 'a GPU'} of {gib}"
+
+
 def move_model(model: torch.nn.Module, device: torch.device) -> None:
     """Move every parameter, buffer and plain tensor attribute of `model`'s modules to `device`
     (``Module.to`` moves parameters and buffers only; a model may hold constants as plain

@@ -23,7 +23,11 @@ import torch
 from nextoken import LLM, SamplingParams
 from nextoken.errors import InvalidRequest
 from nextoken.runner import plan as plan_module
+from nextoken.engine import engine as engine_module
+from nextoken.engine.engine import with_batch_defaults
+from nextoken.engine_args import EngineArgs
 from nextoken.runner.cuda_graphs import capture_sizes
+from nextoken.runner.device import CPU, Device, batch_defaults
 from tests.helpers.engine import assert_no_leak
 
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
@@ -306,3 +310,41 @@ def test_capture_sizes():
     assert capture_sizes(3) == [1, 2, 4]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+
+
+def test_batch_defaults_follow_the_device(tiny_gguf):
+    """``max_num_seqs`` and ``max_num_batched_tokens`` left unset take the device's defaults:
+    the CPU's 64 and 2048; on a GPU vLLM's API server's (its ``EngineArgs.get_batch_defaults``):
+    1024 and 8192 from 70 GiB (an H100 80GB reports 79.1 GiB), 256 and 2048 below it and on an
+    A100 of any size. A value the caller gave is kept."""
+    def gpu(name, gib):
+        return Device(torch.device("cuda", 0), name, "asked for", 132, int(gib * 2**30))
+
+    assert batch_defaults(gpu("NVIDIA H200", 139.8))[:2] == (1024, 8192)
+    assert batch_defaults(gpu("NVIDIA H100 80GB HBM3", 79.1))[:2] == (1024, 8192)
+    assert batch_defaults(gpu("NVIDIA A100-SXM4-80GB", 79.2))[:2] == (256, 2048)
+    assert batch_defaults(gpu("NVIDIA L4", 22.0))[:2] == (256, 2048)
+    assert batch_defaults(CPU)[:2] == (64, 2048)
+    args = with_batch_defaults(EngineArgs(max_num_seqs=8), gpu("NVIDIA H200", 139.8))
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (8, 8192)
+    args = with_batch_defaults(EngineArgs(max_num_batched_tokens=512), gpu("NVIDIA L4", 22.0))
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 512)
+    engine = LLM(str(tiny_gguf["llama"][0]), dtype="float32", max_model_len=64).engine
+    assert (engine.scheduler_config.max_num_seqs, engine.scheduler_config.max_num_batched_tokens) == (64, 2048)
+    assert (engine.args.max_num_seqs, engine.args.max_num_batched_tokens) == (64, 2048)
+
+
+def test_decodes_beyond_the_captured_sizes_run_eagerly(tiny_gguf, graphs_on_cpu, monkeypatch):
+    """Graphs are captured for at most `MAX_GRAPH_BATCH` decodes (vLLM's 512; here 2): a step of
+    more decodes runs the model eagerly, with the reference path's tokens."""
+    monkeypatch.setattr(engine_module, "MAX_GRAPH_BATCH", 2)
+    path = str(tiny_gguf["llama"][0])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 3, 5, 6)]  # (4 to 1 decodes)
+    want = [o.outputs[0].token_ids for o in LLM(path, **REFERENCE, **SMALL).generate(PROMPTS[:4], params)]
+    llm = LLM(path, **GPU_PATH, **SMALL)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2]
+    replayed, run = [], graphs.run
+    monkeypatch.setattr(graphs, "run", lambda batch, fed=None: replayed.append(batch.num_seqs) or run(batch, fed))
+    assert [o.token_ids for o in generate_on_meta(llm, PROMPTS[:4], params)] == want
+    assert sorted(set(replayed)) == [1, 2]  # (the steps of 3 and 4 decodes ran eagerly)
