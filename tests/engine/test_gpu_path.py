@@ -329,7 +329,7 @@ def test_batch_defaults_follow_the_device(tiny_gguf):
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (8, 8192)
     args = with_batch_defaults(EngineArgs(max_num_batched_tokens=512), gpu("NVIDIA L4", 22.0))
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 512)
-    engine = LLM(str(tiny_gguf["llama"][0]), dtype="float32", max_model_len=64).engine
+    engine = LLM(str(tiny_gguf["llama"][0]), dtype="float32", max_model_len=64, device="cpu").engine
     assert (engine.scheduler_config.max_num_seqs, engine.scheduler_config.max_num_batched_tokens) == (64, 2048)
     assert (engine.args.max_num_seqs, engine.args.max_num_batched_tokens) == (64, 2048)
 
