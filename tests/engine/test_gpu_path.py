@@ -199,6 +199,27 @@ def test_lora_adapters_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path):
     assert base != got[0].outputs[0].token_ids  # the adapter changes the answer
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_disk_tier_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path, kv_dtype):
+    """The prefix cache's disk tier from the device's cache: a first engine copies its full blocks
+    out (`PagedKVCache.read_block`: device to host), a restarted one copies them back in
+    (`write_block`: host to device) instead of recomputing them, and both answer as the engine
+    without the tier, in bf16 and int8 KV."""
+    path = str(tiny_gguf["llama"][0])
+    prompt = [PROMPTS[2] + PROMPTS[0]]  # 52 tokens: 13 full blocks of 4
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(GPU_PATH, **SMALL, kv_cache_dtype=kv_dtype)
+    want = generate_on_meta(LLM(path, **kw), prompt, params)[0].token_ids
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, **kw, kv_cache_dir=str(tmp_path))
+        runs.append(generate_on_meta(llm, prompt, params)[0].token_ids)
+        llm.close()  # (waits for the tier's writes)
+        stats = llm.engine.scheduler_stats().disk
+    assert runs == [want, want]
+    assert stats.hits >= 12 and stats.errors == 0  # (the second engine read the prompt's blocks back)
+
+
 def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     """``--kv-cache-dtype int8``: the Triton kernel reads the same codes and scales the CPU's
     attention dequantizes, so the float32 log-probabilities agree."""
