@@ -220,6 +220,26 @@ def test_the_disk_tier_on_the_gpu_path(tiny_gguf, graphs_on_cpu, tmp_path, kv_dt
     assert stats.hits >= 12 and stats.errors == 0  # (the second engine read the prompt's blocks back)
 
 
+def test_structured_output_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
+    """Grammars' masks over the device's logits, beside unconstrained rows in the same batch (the
+    Triton draw, graphs' decode steps): every constrained text matches its regex or choice, and
+    every request's tokens are the CPU reference path's, sampled (seeded) and greedy."""
+    import re
+
+    path = str(tiny_gguf["llama"][0])
+    regex = r"[a-c]{2}-\d{3}"
+    params = [SamplingParams(temperature=0.9, seed=7, max_tokens=12, structured_outputs={"regex": regex}),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no", "maybe"]}),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=11, max_tokens=12, structured_outputs={"regex": regex})]
+    prompts = PROMPTS[:4]
+    want = [o.outputs[0] for o in LLM(path, **REFERENCE, **SMALL).generate(prompts, params)]
+    got = generate_on_meta(LLM(path, **GPU_PATH, **SMALL), prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(regex, got[0].text) and re.fullmatch(regex, got[3].text), (got[0].text, got[3].text)
+    assert got[1].text in ("yes", "no", "maybe")
+
+
 def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     """``--kv-cache-dtype int8``: the Triton kernel reads the same codes and scales the CPU's
     attention dequantizes, so the float32 log-probabilities agree."""
