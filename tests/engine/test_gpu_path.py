@@ -240,6 +240,33 @@ def test_structured_output_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
     assert got[1].text in ("yes", "no", "maybe")
 
 
+def test_chunks_prompt_logprobs_parallel_samples_and_beams_on_the_gpu_path(tiny_gguf, graphs_on_cpu):
+    """A 40-token prompt in 6-token prefill chunks beside decodes, prompt log-probabilities (every
+    prompt row's logits), n=3 seeded samples of one prompt (its blocks shared) and beam search
+    (forked beams) on the GPU path: the tokens, prompt log-probabilities and beam scores of the
+    CPU reference path."""
+    path = str(tiny_gguf["llama"][0])
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    kw = dict(SMALL, max_num_batched_tokens=6)
+    ref, gpu = LLM(path, **REFERENCE, **kw), LLM(path, **GPU_PATH, **kw)
+    want = ref.generate(prompts, params)
+    with torch.device("meta"):
+        got = gpu.generate(prompts, params)
+        beams = gpu.beam_search([PROMPTS[3], PROMPTS[4]], beam_width=3, max_tokens=5, ignore_eos=True)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert len(got[1].outputs) == 3
+    for a, b in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    want_beams = ref.beam_search([PROMPTS[3], PROMPTS[4]], beam_width=3, max_tokens=5, ignore_eos=True)
+    for a, b in zip(beams, want_beams):
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+        assert all(abs(x.score - y.score) < 1e-4 for x, y in zip(a.sequences, b.sequences))
+    assert_no_leak(gpu)
+
+
 def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     """``--kv-cache-dtype int8``: the Triton kernel reads the same codes and scales the CPU's
     attention dequantizes, so the float32 log-probabilities agree."""
