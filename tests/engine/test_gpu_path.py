@@ -267,6 +267,39 @@ def test_chunks_prompt_logprobs_parallel_samples_and_beams_on_the_gpu_path(tiny_
     assert_no_leak(gpu)
 
 
+def test_a_traced_request_on_the_gpu_path_reports_as_the_reference_path(tiny_gguf, graphs_on_cpu):
+    """``nextoken explain``'s trace (each layer's residual and attention, each step's candidates;
+    the traced steps run eagerly, outside the graphs) from the GPU path: the reference path's
+    report, numbers within 1e-4, times aside."""
+    from nextoken.trace.explain import explain_report, recorder_for
+
+    def report(llm):
+        tracer = recorder_for(llm.config)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        with torch.device("meta"):
+            for _ in llm.stream(PROMPTS[0], params, tracer=tracer):
+                pass
+        return explain_report(tracer, llm.tokenizer, llm.config, 5)
+
+    def same(a, b, where="report"):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys(), where
+            for k in a:
+                if "second" not in k:
+                    same(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, list):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        elif isinstance(a, float):
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (where, a, b)
+        else:
+            assert a == b, (where, a, b)
+
+    path = str(tiny_gguf["llama"][0])
+    same(report(LLM(path, **GPU_PATH, **SMALL)), report(LLM(path, **REFERENCE, **SMALL)))
+
+
 def test_int8_cache_on_the_gpu_path_equals_the_cpu_int8_cache(tiny_gguf):
     """``--kv-cache-dtype int8``: the Triton kernel reads the same codes and scales the CPU's
     attention dequantizes, so the float32 log-probabilities agree."""
