@@ -167,7 +167,7 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return dense_matmul(x, self.weight, self.bias, self.gemv_rows, self.skinny_rows, self.gemv_launch,
-                            self.skinny_launch).split(self.sizes, dim=-1)
+                            self.skinny_launch).split_with_sizes(self.sizes, dim=-1)
 
 
 def gemv_targets(model) -> list:

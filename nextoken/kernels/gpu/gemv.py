@@ -128,9 +128,14 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows:
             and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
 
 
-def refuse(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, takes: str) -> ValueError:
+class Refused(ValueError):
+    """A call a few-row matmul kernel of this package does not take (`refuse`): the caller may
+    run PyTorch's matmul instead."""
+
+
+def refuse(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, takes: str) -> Refused:
     """The error of kernel `name` for a call it does not take (`takes`: what it takes)."""
-    return ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} (bias "
+    return Refused(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} (bias "
                       f"{None if bias is None else tuple(bias.shape)}): it takes {takes} with contiguous rows")
 
 
@@ -144,7 +149,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``
     or None -> ``[M, N]`` in x's dtype (contiguous). `launch`: how (default `DEFAULT`); `rows`:
     output features per program (a power of two; default `rows_per_program`'s for the launch),
-    each program's K chunk ``launch.tile / rows``. Raises ValueError for another call."""
+    each program's K chunk ``launch.tile / rows``. Raises `Refused` (a ValueError) for another call."""
     if not takes(x, weight, bias):
         raise refuse("gemv", x, weight, bias, f"1-{MAX_ROWS} rows of one dtype (bf16 or float32)")
     launch = launch or DEFAULT

@@ -143,8 +143,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            split: int | None = None, launch: Launch | None = None) -> torch.Tensor:
     """``x W^T + b`` for a call `takes` accepts: x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or
     None -> ``[M, N]`` in x's dtype (contiguous). `launch`: how (default `DEFAULT`); `split`:
-    programs per output tile's K range (default `splits`' for the launch). Raises ValueError for
-    another call."""
+    programs per output tile's K range (default `splits`' for the launch). Raises
+    `gemv.Refused` (a ValueError) for another call."""
     if not takes(x, weight, bias):
         raise refuse("skinny", x, weight, bias, f"{MIN_ROWS}-{MAX_ROWS} bf16 rows")
     launch = launch or DEFAULT

@@ -49,21 +49,25 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     GEMV launched as `gemv_launch` (`kernels.gpu.gemv.Launch`; None: its default), and for one of
     5-64 rows whose count rounds up to one of `skinny_rows` (`kernels.gpu.skinny.choose`) on our
     split-K GEMM launched as `skinny_launch` (`kernels.gpu.skinny.Launch`; None: its default);
-    such a call the kernel does not take (`takes`) runs PyTorch's, a counted fallback."""
+    such a call the kernel does not take (it raises `kernels.gpu.gemv.Refused`) runs PyTorch's, a
+    counted fallback."""
     m = x.shape[0]
     if x.dim() == 2 and 0 < m <= gemv_rows:
-        from nextoken.kernels.gpu.gemv import gemv, takes
+        from nextoken.kernels.gpu.gemv import Refused, gemv
 
-        if takes(x, weight, bias):
+        try:
             return gemv(x, weight, bias, launch=gemv_launch)
-        count_fallback("gemv")
+        except Refused:
+            count_fallback("gemv")
     elif x.dim() == 2 and skinny_rows:
         from nextoken.kernels.gpu import skinny
+        from nextoken.kernels.gpu.gemv import Refused
 
         if skinny.MIN_ROWS <= m <= skinny.MAX_ROWS and skinny.bucket(m) in skinny_rows:
-            if skinny.takes(x, weight, bias):
+            try:
                 return skinny.skinny(x, weight, bias, launch=skinny_launch)
-            count_fallback("skinny")
+            except Refused:
+                count_fallback("skinny")
     return F.linear(x, weight, bias)
 
 
