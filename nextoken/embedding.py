@@ -48,9 +48,10 @@ class Embeddings:
 def encoder_dtype(name: str = "auto", device: torch.device | None = None) -> torch.dtype:
     """The encoder's dtype for an engine ``dtype`` option: "float32" (the exact reference, equal to
     sentence-transformers within 1e-4), "bfloat16", or "auto": bfloat16 where the CPU multiplies
-    bf16 matrices in hardware (`kernels.bf16_matmul_native`: AVX512-BF16 or AMX, where PyTorch's
-    bf16 matmul is about 3x its float32 one), else float32 (elsewhere bf16 matmuls are emulated,
-    slower than float32); on a GPU (`device`), bfloat16. Raises `InvalidRequest` for another name."""
+    bf16 matrices in hardware at a rate that pays (`kernels.bf16_matmul_native`: AVX512-BF16 or
+    AMX, timed against float32; with AMX PyTorch's bf16 matmul is about 3x its float32 one), else
+    float32 (elsewhere bf16 matmuls are emulated, or slower than float32); on a GPU (`device`),
+    bfloat16. Raises `InvalidRequest` for another name."""
     from nextoken.kernels import bf16_matmul_native
 
     if name in ("float32", "fp32"):

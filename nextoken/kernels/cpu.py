@@ -69,17 +69,44 @@ def cpu_flags() -> str:
 
 
 def bf16_matmul_native() -> bool:
-    """Whether PyTorch multiplies bf16 matrices in hardware here: the CPU has AVX512-BF16 or
-    AMX-BF16, and oneDNN is not held below them (``ONEDNN_MAX_CPU_ISA``/``DNNL_MAX_CPU_ISA``, as
-    when a CPU without them is emulated). Without it PyTorch's bf16 ``bmm`` widens element by
-    element: 60x slower than float32 on an AVX2 Zen 4 guest (`benchmarks/profile_prefill.py`), so
-    the PyTorch attention paths compute in float32 there. Read once."""
+    """Whether PyTorch multiplies bf16 matrices in hardware here, at a rate that pays: the CPU
+    has AVX512-BF16 or AMX-BF16, oneDNN is not held below them (``ONEDNN_MAX_CPU_ISA``/
+    ``DNNL_MAX_CPU_ISA``, as when a CPU without them is emulated), and its bf16 matmul is not
+    clearly slower than its float32 one (`bf16_matmul_slower`, timed once). Without the
+    instructions PyTorch's bf16 ``bmm`` widens element by element: 60x slower than float32 on an
+    AVX2 Zen 4 guest (`benchmarks/profile_prefill.py`); with them, on a 2-core Xeon VM without AMX,
+    oneDNN's bf16 matmul ran at 160-170 GFLOP/s against float32's 260-330. Where it is False
+    the bf16 paths compute in float32 (prefill's ``p v``, dense bf16 weights beyond the kernel's
+    rows) and an ``auto`` encoder runs in float32. Read once."""
     global _BF16_NATIVE
     if _BF16_NATIVE is None:
         flags = set(cpu_flags().split())
         cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
-        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"}) and cap not in ONEDNN_WITHOUT_BF16
+        _BF16_NATIVE = bool(flags & {"avx512_bf16", "amx_bf16"}) and cap not in ONEDNN_WITHOUT_BF16 \
+            and not bf16_matmul_slower()
     return _BF16_NATIVE
+
+
+def bf16_matmul_slower(margin: float = 1.25) -> bool:
+    """Whether PyTorch's bf16 matmul takes over `margin` times its float32 one here: the best of
+    five alternated ``[256, 1024] x [1024, 1024]`` products in each dtype, on PyTorch's threads
+    (about 10-30 ms in all). The margin keeps the answer steady where the two are close; where
+    bf16 has its matrix units (AMX, Zen 4) it takes a third to a half of float32's time."""
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
+    best = dict.fromkeys(pairs, float("inf"))
+    for rnd in range(6):
+        for dtype, (x, w) in pairs.items():
+            t0 = time.perf_counter()
+            torch.mm(x, w)
+            if rnd:  # (the first round warms both up)
+                best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    return best[torch.bfloat16] > margin * best[torch.float32]
 
 
 # oneDNN's ISA caps below its bf16 instructions (its documented values)

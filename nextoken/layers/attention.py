@@ -277,7 +277,7 @@ def prefill_attention(q, k, v, scale: float, kernel=None) -> torch.Tensor:
             scores = torch.bmm(rows, kf[:, :keys].transpose(1, 2)).view(hkv, group, n, keys)
             scores[..., keys - n :].masked_fill_(~causal_mask(n, n), float("-inf"))  # the diagonal square
             probs = scores.softmax(-1).to(v.dtype).view(hkv, group * n, keys)
-        out[:, :, r0:r1] = torch.bmm(probs, v[:, :keys]).view(hkv, group, n, d)
+        out[:, :, r0:r1] = torch.bmm(probs.to(v.dtype), v[:, :keys]).view(hkv, group, n, d)  # (the kernel's: bf16)
     return out.permute(2, 0, 1, 3).reshape(t, h, d)
 
 

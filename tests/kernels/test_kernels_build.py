@@ -217,16 +217,37 @@ def test_the_abi_table_matches_the_c_sources():
             assert [ctype_of(p) for p in params] == list(argtypes), (fn, params)
 
 
+@pytest.mark.parametrize("bf16_ms,slower", [(3.0, True), (1.2, False), (0.4, False)])
+def test_bf16_matmul_slower_compares_the_best_times_with_a_margin(monkeypatch, bf16_ms, slower):
+    """`cpu.bf16_matmul_slower`: bf16 over 1.25x float32's best time is slower; closer, or faster
+    (the matrix units), is not. (Stand-in products that take fixed times in each dtype.)"""
+    import time
+
+    import torch
+
+    def mm(x, w):
+        time.sleep((bf16_ms if x.dtype == torch.bfloat16 else 1.0) / 1000)
+        return x
+
+    monkeypatch.setattr(torch, "mm", mm)
+    assert cpu.bf16_matmul_slower() is slower
+
+
 @pytest.mark.parametrize("cap,native", [("", True), ("avx2", False), ("AVX512_CORE_VNNI", False),
                                         ("AVX512_CORE_BF16", True), ("AVX512_CORE_AMX", True)])
 def test_bf16_matmul_is_native_only_with_the_instructions_and_onednn_allowed_them(monkeypatch, cap, native):
-    """A CPU with AVX512-BF16 whose oneDNN is held to AVX2 (as when an AVX2 CPU is emulated)
-    computes bf16 matmuls as one without: the float32 paths apply."""
+    """A CPU with AVX512-BF16 whose oneDNN is held to AVX2 (as when an AVX2 CPU is emulated), or
+    whose bf16 matmul times clearly slower than its float32 one, computes bf16 matmuls as one
+    without: the float32 paths apply."""
     monkeypatch.setattr(cpu, "cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")
     monkeypatch.setattr(cpu, "_BF16_NATIVE", None)
+    monkeypatch.setattr(cpu, "bf16_matmul_slower", lambda: False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     assert cpu.bf16_matmul_native() is native
+    monkeypatch.setattr(cpu, "_BF16_NATIVE", None)
+    monkeypatch.setattr(cpu, "bf16_matmul_slower", lambda: True)  # (the instructions, at a rate that does not pay)
+    assert cpu.bf16_matmul_native() is False
     monkeypatch.setattr(cpu, "cpu_flags", lambda: "flags : fpu avx2 fma")
     monkeypatch.setattr(cpu, "_BF16_NATIVE", None)
     assert cpu.bf16_matmul_native() is False

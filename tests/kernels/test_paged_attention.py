@@ -160,9 +160,15 @@ def test_native_decode_on_model_shapes(heads, kv_heads, dim, block):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (12, 2)])
 @pytest.mark.parametrize("cached,new", [(0, 1), (0, PREFILL_BLOCK - 1), (0, PREFILL_BLOCK), (0, PREFILL_BLOCK + 1),
                                         (37, 300), (500, 3)])
-def test_prefill_attention_equals_naive(heads, kv_heads, cached, new):
+@pytest.mark.parametrize("bf16_matmul", [True, False])
+def test_prefill_attention_equals_naive(heads, kv_heads, cached, new, bf16_matmul, monkeypatch):
     """The blocked prefill attention (GQA groups stacked, masked half skipped) against the
-    float32 reference: float32 to 1e-5; bf16 within bf16's rounding of the probabilities."""
+    float32 reference: float32 to 1e-5; bf16 within bf16's rounding of the probabilities, with
+    ``p v`` in bf16 or (a CPU whose bf16 matmul does not pay: `kernels.bf16_matmul_native`) in
+    float32, the scores kernel's bf16 probabilities included."""
+    import nextoken.layers.attention as attention
+
+    monkeypatch.setattr(attention, "bf16_matmul_native", lambda: bf16_matmul)
     g = torch.Generator().manual_seed(cached + new + heads)
     total = cached + new
     q = torch.randn(new, heads, 32, generator=g)
