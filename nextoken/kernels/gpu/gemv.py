@@ -136,7 +136,7 @@ class Refused(ValueError):
 def refuse(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, takes: str) -> Refused:
     """The error of kernel `name` for a call it does not take (`takes`: what it takes)."""
     return Refused(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} (bias "
-                      f"{None if bias is None else tuple(bias.shape)}): it takes {takes} with contiguous rows")
+                   f"{None if bias is None else tuple(bias.shape)}): it takes {takes} with contiguous rows")
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
