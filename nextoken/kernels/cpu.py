@@ -6,8 +6,10 @@ compiler flags of each), the CPU's flags (read once from /proc/cpuinfo), and the
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
+log = logging.getLogger("nextoken.kernels")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # instruction sets a build can target instead of the CPU's own (-march=native): the flags that
 # replace -march=native, and the /proc/cpuinfo flags the CPU needs to run that build
@@ -16,6 +18,8 @@ ISAS = {
     "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),  # AVX2/FMA/F16C, no AVX-512 (Zen 1-3, Haswell..)
     "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),  # + 256-bit vpdpbusd
 }
+
+
 def isa_flags(isa: str) -> list[str]:
     """The compiler flags of a build for `isa` ("native" or a key of `ISAS`). Raises ValueError
     naming the choices for any other name."""
@@ -106,7 +110,11 @@ def bf16_matmul_slower(margin: float = 1.25) -> bool:
             torch.mm(x, w)
             if rnd:  # (the first round warms both up)
                 best[dtype] = min(best[dtype], time.perf_counter() - t0)
-    return best[torch.bfloat16] > margin * best[torch.float32]
+    ratio = best[torch.bfloat16] / best[torch.float32]
+    if ratio > margin:
+        log.info("PyTorch's bf16 matmul took %.1fx its float32 time here: the bf16 matmuls run in float32 (an auto "
+                 "encoder too)", ratio)
+    return ratio > margin
 
 
 # oneDNN's ISA caps below its bf16 instructions (its documented values)
