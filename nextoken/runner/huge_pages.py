@@ -12,8 +12,9 @@ kernels' one-row stream 15-18 -> 18-22 GB/s by format, Qwen2.5-Coder-0.5B greedy
 weight) into one anonymous mapping advised ``MADV_HUGEPAGE`` and aligned to 2 MiB, and points the
 layer at the copy; the tensors loaded before are then released, so the resident memory stays
 that of the weights: the loader's own buffers are freed, and the pages of a mapped file (the
-prepared-weights cache) that the copies read are dropped from this process (``MADV_DONTNEED``;
-unwritten pages of a private file mapping: read again from the file if ever touched). An
+prepared-weights cache) that the copies read are dropped from this process as each 8 MiB piece is
+copied (``MADV_DONTNEED``; unwritten pages of a private file mapping: read again from the file if
+ever touched), so the load's peak is the arena plus one piece. An
 untied embedding table stays in that mapping: a lookup reads a few of its rows, never the table.
 Where the system's transparent huge pages are ``never`` (or the OS has none) the weights stay
 where they were loaded; where the kernel gives fewer than asked, `WeightsArena.describe` says how
@@ -33,6 +34,7 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14: fault a range in with one call
 ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
+COPY_CHUNK = 8 << 20  # bytes copied (and, from a mapped file, faulted in and dropped) at a time
 QWEIGHT_FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")
 
 
@@ -124,19 +126,34 @@ def place_weights(model) -> WeightsArena | None:
     files = _file_mappings()
     for (holder, name, t), n in zip(weights, sizes):
         mapped = any(a <= t.data_ptr() and t.data_ptr() + n <= b for a, b in files)  # of the cache file
-        if mapped:
-            _madvise(t.data_ptr(), n, MADV_POPULATE_READ)
-        dst = arena[off : off + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        setattr(holder, name, dst)  # (a Parameter's .data: the parameter itself stays)
-        if mapped:  # its whole pages out of this process (unwritten: the file still has them)
-            page = mmap.PAGESIZE
-            lo, hi = -(-t.data_ptr() // page) * page, (t.data_ptr() + n) // page * page
-            if hi > lo:
-                _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+        _copy_bytes(t, arena[off : off + n], mapped)
+        setattr(holder, name, arena[off : off + n].view(t.dtype).view(t.shape))  # (a Parameter's .data: it stays)
         off += -(-n // ALIGN) * ALIGN
     _forget_pointers(model)
     return WeightsArena(buf, arena.data_ptr() + start, total)
+
+
+def _copy_bytes(t: torch.Tensor, dst: torch.Tensor, mapped: bool) -> None:
+    """Copy contiguous `t`'s bytes into `dst` (uint8, as many bytes) in `COPY_CHUNK` pieces that
+    end on the chunk's multiples of address. `mapped` (`t` lies in a private mapping of a file):
+    each piece's pages are faulted in with one call before its copy and dropped from this process
+    after it (``MADV_DONTNEED``: unwritten, so the file still has them), so that a large tensor
+    (a tied 262k-row table: 137 MiB) is never resident twice at once: the load's peak stays the
+    arena's plus one piece."""
+    src = t.reshape(-1).view(torch.uint8)
+    base, n = t.data_ptr(), dst.numel()
+    lo = 0
+    while lo < n:
+        hi = min(n, (base + lo) // COPY_CHUNK * COPY_CHUNK + COPY_CHUNK - base)
+        if mapped:
+            _madvise(base + lo, hi - lo, MADV_POPULATE_READ)
+        dst[lo:hi].copy_(src[lo:hi])
+        if mapped:  # the piece's whole pages (the inner ends are on chunk multiples: whole pages)
+            page = mmap.PAGESIZE
+            a, b = -(-(base + lo) // page) * page, (base + hi) // page * page
+            if b > a:
+                _madvise(a, b - a, mmap.MADV_DONTNEED)
+        lo = hi
 
 
 def _file_mappings() -> list[tuple[int, int]]:

@@ -83,3 +83,43 @@ def test_no_arena_where_the_system_has_transparent_huge_pages_off(tmp_path, monk
     runner = ModelRunner(GGUFFile(path), torch.bfloat16)
     assert runner.weights_arena is None
     assert "huge pages off: transparent huge pages are never here" in runner.plan.describe(runner.model)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+def test_a_mapped_tensor_is_copied_in_pieces_each_dropped_after_its_copy(tmp_path, monkeypatch, dtype):
+    """The copy out of a mapped file goes piece by piece (here 64 KiB, over an unaligned 1 MiB
+    tensor): each piece's pages faulted in, copied, then dropped, the drops covering the tensor's
+    whole pages, so a large table is never resident twice; the bytes are the file's."""
+    import mmap
+
+    import numpy as np
+
+    import nextoken.runner.huge_pages as huge_pages
+
+    chunk, page = 64 << 10, mmap.PAGESIZE
+    monkeypatch.setattr(huge_pages, "COPY_CHUNK", chunk)
+    calls = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda a, n, advice: calls.append((advice, a, n)))
+    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 8192, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start, n = page + 38, 1 << 20  # an even offset (bf16) off the page boundary
+    t = torch.frombuffer(buf, dtype=torch.uint8)[start : start + n].view(dtype)
+    dst = torch.empty(n, dtype=torch.uint8)
+    huge_pages._copy_bytes(t, dst, mapped=True)
+    assert np.array_equal(dst.numpy(), data[start : start + n])
+    base = t.data_ptr()
+    reads = [(a, n) for advice, a, n in calls[0::2]]
+    drops = [(a, n) for advice, a, n in calls[1::2]]
+    assert {c[0] for c in calls[0::2]} == {huge_pages.MADV_POPULATE_READ}
+    assert {c[0] for c in calls[1::2]} == {mmap.MADV_DONTNEED}
+    assert reads[0][0] == base and sum(n for _, n in reads) == n and all(n <= chunk for _, n in reads)
+    assert all(a % chunk == 0 for a, _ in reads[1:])  # the pieces end on the chunk's multiples
+    first, last = -(-base // page) * page, (base + n) // page * page
+    assert drops[0][0] == first and drops[-1][0] + drops[-1][1] == last
+    assert all(a + m == b for (a, m), (b, _) in zip(drops, drops[1:]))  # every whole page dropped once
+    del t
+    buf.close()
