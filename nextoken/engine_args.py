@@ -73,8 +73,9 @@ class EngineArgs(CliArgs):
     prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
                                 "file's SHA-256) and memory-map them on later starts", cli="bool")
     huge_pages: bool = opt(True, "on the CPU, move the linear weights after loading into one arena of 2 MiB pages "
-                            "(Linux transparent huge pages): decode reads them faster (Qwen2.5-0.5B 46 -> 57 tok/s on a VM)",
-                            cli="bool")
+                            "(Linux transparent huge pages): decode reads them faster (Qwen2.5-0.5B 46 -> 57 tok/s on a "
+                            "VM), for a copy at load (1-3.5 s per GiB on a VM); off for `run` and `explain`, whose one "
+                            "short answer does not repay it", cli="bool", quick_start=True)
     # KV cache
     max_model_len: int | None = opt(None, "most tokens per sequence, prompt + output (default: the model's "
                                      "context length); also sizes the default KV cache", group="KV cache", type=int,
@@ -253,7 +254,7 @@ def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str
              "kv_cache_dir": "off", "kv_cache_disk": "8 GiB",
              "num_kv_blocks": "from the memory", "speculative_method": "`draft` with a model",
              "async_scheduling": "on a GPU", "max_num_seqs": "64; a GPU's: 256 or 1024",
-             "max_num_batched_tokens": "2048; 8192 on a large GPU",
+             "max_num_batched_tokens": "2048; 8192 on a large GPU", "huge_pages": "on; `run`, `explain`: off",
              **(overrides or {})}
     rows = ["| flag | keyword | default | what |", "|---|---|---|---|"]
     for f in args_cls.cli_fields():

@@ -25,10 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     single_user = {"max_num_seqs": 1}  # one conversation: a KV cache for one full context by default
+    # one answer: the weights stay mapped where loaded, since the huge pages' copy at load costs more than
+    # the decode it speeds up saves on an answer of a few hundred tokens (docs/benchmarks.md, 2026-11-30)
+    one_answer = {**single_user, "huge_pages": False}
 
     p = sub.add_parser("run", help="answer one prompt, streaming the text")
     p.add_argument("prompt")
-    _add_engine_args(p, **single_user)
+    _add_engine_args(p, **one_answer)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
     p.add_argument("--stats", action="store_true", help="print TTFT, prefill and decode speed, peak memory")
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="walk one prompt through the pipeline and print every stage")
     p.add_argument("prompt")
-    _add_engine_args(p, **single_user)
+    _add_engine_args(p, **one_answer)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.0, max_tokens=8)
     p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")

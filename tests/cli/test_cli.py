@@ -33,6 +33,17 @@ def test_run_real_model_greedy_chat_equals_reference(smollm2_path):
         assert field in r.stderr
 
 
+def test_one_answer_commands_keep_the_weights_mapped_and_the_others_move_them():
+    """`run` and `explain` answer once: the huge pages' copy at load would cost more than it saves
+    (docs/benchmarks.md, 2026-11-30), so their default is off; the long-lived commands keep it."""
+    from nextoken.cli import build_parser
+
+    parser = build_parser()
+    for argv, huge in ((["run", "hi"], False), (["explain", "hi"], False), (["chat"], True), (["serve"], True),
+                       (["bench"], True), (["run", "hi", "--huge-pages"], True), (["serve", "--no-huge-pages"], False)):
+        assert parser.parse_args(argv).huge_pages is huge, argv
+
+
 def test_run_raw_with_sampling_options(tiny_gguf):
     """Seeded sampling from the command prints what `LLM.generate` gives for the same values."""
     path = tiny_gguf["llama"][0]

@@ -161,6 +161,7 @@ def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert "quick start: first token" in r.stderr
+    assert "huge pages off: huge_pages=False" in r.stderr  # one answer: the weights stay mapped (`cli.build_parser`)
     params = SamplingParams(temperature=0, max_tokens=6)
     first = quick_start.first_token("ab cd", EngineArgs(model=path), params, chat=False)
     llm = LLM.from_engine_args(EngineArgs(model=path, max_num_seqs=1), first=first)  # what the command does
@@ -213,6 +214,7 @@ def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm):
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stderr
     assert "quick start: first token" in r.stderr
+    assert "huge pages off: huge_pages=False" in r.stderr  # one answer: the weights stay mapped (`cli.build_parser`)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=5)
     assert r.stdout == smollm2_llm.generate(prompt, params)[0].outputs[0].text + "\n"
 
@@ -295,3 +297,4 @@ def test_a_new_option_keeps_the_quick_start_off_until_marked():
     assert not quick_start.keeps_first_token(NewArgs(new_flag=True))
     assert not quick_start.keeps_first_token(NewArgs(dtype="float32"))  # outside its mark's values
     assert not quick_start.keeps_first_token(EngineArgs(device="cuda"))
+    assert quick_start.keeps_first_token(EngineArgs(huge_pages=False))  # `run`'s default: where the weights live
