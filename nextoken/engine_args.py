@@ -70,8 +70,9 @@ class EngineArgs(CliArgs):
                                    "into GGUF blocks run by our kernels (the gguf package's quantizers: the bytes "
                                    "llama.cpp writes); kept in the prepared-weights cache, so only the first start "
                                    "quantizes", choices=QUANTIZATIONS, quick_start=True)
-    prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels in <cache>/prepared (keyed by the "
-                                "file's SHA-256) and memory-map them on later starts", cli="bool")
+    prepared_cache: bool = opt(True, "keep GGUF weights repacked for our kernels (and a SentencePiece vocabulary's "
+                                "merges) in <cache>/prepared (keyed by the file's SHA-256) and memory-map them on "
+                                "later starts", cli="bool")
     huge_pages: bool = opt(True, "on the CPU, move the linear weights after loading into one arena of 2 MiB pages "
                             "(Linux transparent huge pages): decode reads them faster (Qwen2.5-0.5B 46 -> 57 tok/s on a "
                             "VM), for a copy at load (1-3.5 s per GiB on a VM); off for `run` and `explain`, whose one "

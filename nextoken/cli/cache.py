@@ -5,7 +5,8 @@ kinds of files:
 
 - ``models/``: pulled catalog models (``<name>.gguf`` and its ``.verified`` marker);
 - ``prepared/``: GGUF weights repacked for our kernels (`loader.prepared`), one file per model
-  file's SHA-256 and layout version; ``prepared/keys/`` remembers each model path's SHA-256;
+  file's SHA-256 and layout version, and a SentencePiece vocabulary's merges (``-merges-v*.npy``);
+  ``prepared/keys/`` remembers each model path's SHA-256;
 - ``kernels/``: our C kernels compiled for this CPU and compiler (`kernels.library_path`);
 - ``kv/`` (and any ``--kv-cache-dir``): the prefix cache's disk tier (`kv_cache.disk`), one
   folder per namespace with its ``identity.json``.
@@ -71,7 +72,7 @@ def entries(root: Path, kv_dirs: list[Path]) -> list[dict]:
     """Everything in the cache at `root` and the KV directories `kv_dirs`, one dict each:
     ``kind``, ``path``, ``name``, ``bytes``, ``last_used`` (Unix time), ``stale`` (nothing here
     can use it), and ``detail``."""
-    from nextoken.loader.prepared import LAYOUT_VERSION
+    from nextoken.loader.prepared import LAYOUT_VERSION, MERGES_VERSION
 
     out: list[dict] = []
     models = _known_models(root)
@@ -91,6 +92,13 @@ def entries(root: Path, kv_dirs: list[Path]) -> list[dict]:
         stale = layout != str(LAYOUT_VERSION) or source is None or not os.path.exists(source)
         why = "older layout" if layout != str(LAYOUT_VERSION) else "" if source and os.path.exists(source) \
             else "its model file is gone"
+        add("prepared", f, os.path.basename(source) if source else sha[:16], stale, why)
+    for f in sorted((root / "prepared").glob("*-merges-v*.npy")):  # a SentencePiece vocabulary's merges
+        sha, _, version = f.stem.rpartition("-merges-v")
+        source = models.get(sha)
+        stale = version != str(MERGES_VERSION) or source is None or not os.path.exists(source)
+        why = "older format" if version != str(MERGES_VERSION) else "tokenizer merges" \
+            if source and os.path.exists(source) else "its model file is gone"
         add("prepared", f, os.path.basename(source) if source else sha[:16], stale, why)
     current = _current_kernels()
     for f in sorted((root / "kernels").glob("*.so")):

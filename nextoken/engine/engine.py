@@ -94,7 +94,7 @@ class LLMEngine:
         self.args = args
         self.model_path = source.path
         dtype = model_dtype(source, args.dtype)
-        self.tokenizer = tokenizer or load_tokenizer(source)
+        self.tokenizer = tokenizer or load_tokenizer(source, args.prepared_cache)
         if args.chat_template is not None:
             self.tokenizer.chat_template = read_template(args.chat_template)
         source.release_metadata()  # the vocabulary lists are in the tokenizer now

@@ -21,6 +21,10 @@ most of a second, so `prefetch_file_key` starts it on a second thread while the 
 PyTorch. Writes go through a temporary file and `os.replace`: a concurrent reader never sees half
 a cache. ``--no-prepared-cache`` (`EngineArgs.prepared_cache`) turns it off.
 
+A SentencePiece vocabulary's BPE merges (the GGUF keeps none: `tokenizer.tokenizer.sentencepiece_merges`
+finds them, 1.1 s for Gemma 3's 262k pieces) are kept beside the weights, as their pairs of ids
+(`merges_path`), and read back on later starts.
+
 The hash itself is remembered across starts (``<cache>/prepared/keys/``, one small JSON file per
 model path), under the file's identity: device, inode, size, and the modification and change
 times in nanoseconds. Any write to the file changes its change time (which the kernel sets and
@@ -276,6 +280,21 @@ class PreparedWeights:
                     old.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("cannot write the prepared-weights cache %s (%s)", self.path, exc)
+
+
+MERGES_VERSION = 1  # the merges file's format (`merges_path`); bump when `tokenizer.tokenizer.sentencepiece_merges` changes
+
+
+def merges_path(path: str | os.PathLike) -> Path | None:
+    """Where the SentencePiece merges of the GGUF file at `path` are kept
+    (``<cache>/prepared/<sha256>-merges-v<MERGES_VERSION>.npy``: `tokenizer.tokenizer.cached_sentencepiece_merges`),
+    or None when the file cannot be read (no cache then)."""
+    from nextoken.catalog import cache_dir
+
+    try:
+        return cache_dir() / "prepared" / f"{file_key(path)}-merges-v{MERGES_VERSION}.npy"
+    except OSError:
+        return None
 
 
 def content_key(path: str | os.PathLike) -> str:

@@ -27,13 +27,19 @@ def open_model(path: str | os.PathLike) -> GGUFFile | HFModelDir:
     return GGUFFile(path)
 
 
-def load_tokenizer(source):
-    """The tokenizer of a `GGUFFile` (its metadata) or an `HFModelDir` (tokenizer.json)."""
+def load_tokenizer(source, merges_cache: bool = True):
+    """The tokenizer of a `GGUFFile` (its metadata) or an `HFModelDir` (tokenizer.json).
+    `merges_cache`: a GGUF SentencePiece vocabulary's merges kept in the user's cache
+    (`Tokenizer.from_gguf`; off with ``--no-prepared-cache``)."""
     from nextoken.tokenizer import Tokenizer
 
     if isinstance(source, HFModelDir):
         return Tokenizer.from_hf_dir(source.path, generation_eos_ids(source))
-    return Tokenizer.from_gguf(source)
+    if not merges_cache:
+        return Tokenizer.from_gguf(source)
+    from nextoken.loader.prepared import merges_path
+
+    return Tokenizer.from_gguf(source, merges_path(source.path))
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -149,6 +149,7 @@ def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
     from nextoken.kernels import load
     from nextoken.kernels.decode_step import PLAIN_ARCHITECTURES, serves
     from nextoken.loader.gguf import GGUFFile, read_model_config
+    from nextoken.loader.prepared import merges_path
     from nextoken.sample.draw import draw_one
     from nextoken.sample.rng import DrawGenerator
     from nextoken.tokenizer import Tokenizer
@@ -158,7 +159,7 @@ def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
     cfg = read_model_config(f)  # being computed on another thread meanwhile (`loader.prepared`)
     if not serves(cfg) or cfg.architecture not in PLAIN_ARCHITECTURES or cfg.sliding_layers:
         return None  # (the engine's decode step runs Gemma's and Qwen 3's layers; this reads Llama's)
-    tok = Tokenizer.from_gguf(f)
+    tok = Tokenizer.from_gguf(f, merges_path(path))  # (the prepared cache is this path's condition)
     if chat and tok.chat_template is not None:
         prompt = chat_prompt(tok, prompt, system)
     ids = tok.encode(prompt)

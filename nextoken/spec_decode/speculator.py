@@ -151,7 +151,7 @@ def build_speculator(args, tokenizer, target_config, dtype, watermark, draft_sou
         return Speculator(config, None, max_model_len), None
     if draft_source is None:
         raise InvalidRequest("speculative method 'draft' needs a draft model", "speculative_model")
-    draft_tok = load_tokenizer(draft_source)
+    draft_tok = load_tokenizer(draft_source, args.prepared_cache)
     draft_source.release_metadata()
     runner = ModelRunner(draft_source, dtype, dense_weights=False, enforce_eager=args.enforce_eager,
                          device=resolve_device(args.device), attention_backend=args.attention_backend,

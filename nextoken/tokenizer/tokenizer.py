@@ -13,7 +13,8 @@ ids, and, by ``tokenizer.ggml.model``:
   rebuilt from the vocabulary: every split of a piece into two pieces of the vocabulary, ranked
   by the joined piece. The rank is the score, except for Gemma, whose scores do not follow its
   merge order while the order of the pieces in the file does (as `transformers`' GGUF converter
-  found; the reference ids in the tests come from it).
+  found; the reference ids in the tests come from it). Finding them takes a second for Gemma
+  3's 262k pieces, so the loader keeps them in the user's cache (`cached_sentencepiece_merges`).
 Control tokens become special tokens and user-defined ones added tokens, so both are matched
 whole in the text.
 """
@@ -24,8 +25,10 @@ import functools
 import json
 import os
 import threading
+from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -117,15 +120,45 @@ def sentencepiece_merges(tokens: list[str], ranks: list[float]) -> list[tuple[st
     return [(f[5], f[6]) for f in found]
 
 
-def sentencepiece_bpe(tokens: list[str], ranks: list[float], types: list[int], add_space_prefix: bool) -> HFTokenizer:
+def cached_sentencepiece_merges(tokens: list[str], ranks: list[float], cache: Path) -> list[tuple[str, str]]:
+    """`sentencepiece_merges`, kept in the file `cache` (`loader.prepared.merges_path`, named by
+    the model file's hash) as their pieces' ids (``[n, 2]`` int32, NumPy's format): read when it
+    holds ids of this vocabulary, else found and written (through a temporary file and
+    ``os.replace``; quietly not where it cannot be written). Reading Gemma 3's 515k merges takes
+    a tenth of a second where finding them takes a second."""
+    try:
+        ids = np.load(cache, allow_pickle=False)
+        if ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == 2 and \
+                (ids.size == 0 or (ids.min() >= 0 and ids.max() < len(tokens))):
+            return list(zip(map(tokens.__getitem__, ids[:, 0].tolist()), map(tokens.__getitem__, ids[:, 1].tolist())))
+    except (OSError, ValueError, EOFError):
+        pass
+    merges = sentencepiece_merges(tokens, ranks)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ids = np.array([(vocab[a], vocab[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            np.save(fh, ids, allow_pickle=False)
+        os.replace(tmp, cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return merges
+
+
+def sentencepiece_bpe(tokens: list[str], ranks: list[float], types: list[int], add_space_prefix: bool,
+                      merges_cache: Path | None = None) -> HFTokenizer:
     """SentencePiece-style BPE with byte fallback. Spaces become ``▁`` (and one is prepended to
     the text when `add_space_prefix`); a token of several spaces, stored as real spaces in GGUF,
-    is spelled with ``▁`` so it takes part in merges."""
+    is spelled with ``▁`` so it takes part in merges. `merges_cache`: where the merges are kept
+    (`cached_sentencepiece_merges`)."""
     tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = next((t for t in ("<unk>",) if t in vocab), None)
-    bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, ranks), unk_token=unk, fuse_unk=True,
-                     byte_fallback=True)
+    merges = sentencepiece_merges(tokens, ranks) if merges_cache is None else \
+        cached_sentencepiece_merges(tokens, ranks, merges_cache)
+    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     tok = HFTokenizer(bpe)
     steps = [normalizers.Prepend(SPACE)] if add_space_prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
@@ -204,14 +237,16 @@ class Tokenizer:
         self._encode_lock = threading.Lock()
 
     @classmethod
-    def from_gguf(cls, f) -> "Tokenizer":
+    def from_gguf(cls, f, merges_cache: Path | None = None) -> "Tokenizer":
         """Build the tokenizer from a `GGUFFile`'s ``tokenizer.ggml.*`` metadata.
 
         ``tokenizer.ggml.model`` ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece-style
         BPE); others raise `ModelLoadError`. Byte-level vocabularies get no BOS prepended (as in
         `transformers`, whose reference ids the tests hold us to), whatever ``add_bos_token``
         says; SentencePiece ones follow ``tokenizer.ggml.add_bos_token`` (default on, as
-        llama.cpp), since those models expect ``<bos>`` first.
+        llama.cpp), since those models expect ``<bos>`` first. `merges_cache`: the file that keeps
+        a SentencePiece vocabulary's merges (`cached_sentencepiece_merges`; the loader's is
+        `loader.prepared.merges_path`), or None (found each time).
         """
         model = f.get("tokenizer.ggml.model")
         if model is None:
@@ -225,7 +260,8 @@ class Tokenizer:
             scores = f.get("tokenizer.ggml.scores")
             by_position = str(f.get("general.architecture", "")).startswith("gemma") or scores is None
             ranks = list(range(len(tokens))) if by_position else [-s for s in scores]
-            hf = sentencepiece_bpe(tokens, ranks, types, bool(f.get("tokenizer.ggml.add_space_prefix", True)))
+            hf = sentencepiece_bpe(tokens, ranks, types, bool(f.get("tokenizer.ggml.add_space_prefix", True)),
+                                   merges_cache)
             add_bos = bool(f.get("tokenizer.ggml.add_bos_token", True))
         else:
             raise ModelLoadError(

@@ -10,13 +10,14 @@ import pytest
 
 from nextoken.cli import main
 from nextoken.kv_cache.disk import DiskKVStore, chain_key
-from nextoken.loader.prepared import LAYOUT_VERSION
+from nextoken.loader.prepared import LAYOUT_VERSION, MERGES_VERSION
 
 
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
-    """A cache with one pulled model, its current prepared weights, an old layout's, a stale
-    kernel build, KV blocks of one namespace and a temporary file a killed writer left."""
+    """A cache with one pulled model, its current prepared weights, an old layout's, its
+    tokenizer's merges in the current format and an old one's, a stale kernel build, KV blocks of
+    one namespace and a temporary file a killed writer left."""
     monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path))
     (tmp_path / "models").mkdir()
     model = tmp_path / "models" / "tiny.gguf"
@@ -28,6 +29,8 @@ def cache(tmp_path, monkeypatch):
                                                                        "identity": [0]}))
     (tmp_path / "prepared" / f"{sha}-v{LAYOUT_VERSION}.safetensors").write_bytes(bytes(300))
     (tmp_path / "prepared" / f"{sha}-v{LAYOUT_VERSION - 1}.safetensors").write_bytes(bytes(200))
+    (tmp_path / "prepared" / f"{sha}-merges-v{MERGES_VERSION}.npy").write_bytes(bytes(40))
+    (tmp_path / "prepared" / f"{sha}-merges-v{MERGES_VERSION - 1}.npy").write_bytes(bytes(30))
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "qmatmul-0000000000000000.so").write_bytes(bytes(50))
     store = DiskKVStore(tmp_path / "kv", 1 << 20, {"model": sha, "dtype": "torch.bfloat16"}, 100)
@@ -69,10 +72,12 @@ def test_prune_removes_the_stale_then_what_the_flags_name(cache, capsys):
     root, store = cache
     assert main(["cache", "prune", "--dry-run"]) == 0
     assert "would remove" in capsys.readouterr().out
-    assert len(ls(capsys)) == 6
+    assert len(ls(capsys)) == 8
     assert main(["cache", "prune"]) == 0
     left = ls(capsys)
     assert not any(e["stale"] for e in left) and {e["kind"] for e in left} == {"models", "prepared", "kv"}
+    assert sorted(os.path.basename(e["path"]) for e in left if e["kind"] == "prepared") == \
+        [f"{'ab' * 32}-merges-v{MERGES_VERSION}.npy", f"{'ab' * 32}-v{LAYOUT_VERSION}.safetensors"]
     assert main(["cache", "prune", "--kv", "--older-than", "5"]) == 0  # one block unused for 10 days
     assert len(list(store.root.glob("*/*.kv"))) == 2
     assert main(["cache", "prune", "--kv", "--prepared", "--model", "tiny"]) == 0

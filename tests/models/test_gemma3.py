@@ -127,3 +127,45 @@ def test_real_long_prompt_beyond_the_window(gemma):
     out = gemma.generate([text + ","], SamplingParams(temperature=0, max_tokens=4))[0]
     assert out.outputs[0].text.strip().startswith("150")
     assert len(gemma.engine.tokenizer.encode(text)) > 512
+
+
+def test_real_tokenizer_reads_its_merges_back(gemma, gemma_path, monkeypatch):
+    """Gemma 3's SentencePiece merges (found from its 262k pieces in a second: the GGUF keeps
+    none) were kept in the cache by the engine's first build (`loader.prepared.merges_path`); a
+    build from them, without finding any, tokenizes as the reference does."""
+    import nextoken.tokenizer.tokenizer as tokenizer
+    from nextoken.loader.prepared import merges_path
+    from nextoken.tokenizer import Tokenizer
+
+    assert merges_path(gemma_path).is_file()
+    monkeypatch.setattr(tokenizer, "sentencepiece_merges", lambda *a: pytest.fail("the merges were found again"))
+    tok = Tokenizer.from_gguf(GGUFFile(gemma_path), merges_path(gemma_path))
+    for case in load_reference("gemma-3-270m")["tokenize"]:
+        assert tok.encode(case["text"], add_bos=False) == case["ids"], case["text"]
+
+
+def test_kept_merges_are_found_again_when_damaged_or_of_another_vocabulary(gemma_path, tmp_path, monkeypatch):
+    """`cached_sentencepiece_merges` over the first 20k pieces of Gemma 3's vocabulary: written on
+    the first call, read on the next (nothing found), found again (the same merges) for a
+    truncated file or one whose ids lie past this vocabulary."""
+    import numpy as np
+
+    import nextoken.tokenizer.tokenizer as tokenizer
+
+    tokens = [str(t) for t in GGUFFile(gemma_path).require("tokenizer.ggml.tokens")[:20000]]
+    ranks = list(range(len(tokens)))
+    expected = tokenizer.sentencepiece_merges(tokens, ranks)
+    assert len(expected) > 1000
+    path = tmp_path / "prepared" / "m-merges-v1.npy"
+    assert tokenizer.cached_sentencepiece_merges(tokens, ranks, path) == expected and path.is_file()
+    finder = tokenizer.sentencepiece_merges
+    monkeypatch.setattr(tokenizer, "sentencepiece_merges", lambda *a: pytest.fail("the merges were found again"))
+    assert tokenizer.cached_sentencepiece_merges(tokens, ranks, path) == expected
+    monkeypatch.setattr(tokenizer, "sentencepiece_merges", finder)
+    for damaged in (path.read_bytes()[:1000], None):
+        if damaged is None:  # a file of a larger vocabulary
+            np.save(path, np.array([[0, len(tokens)]], dtype=np.int32))
+        else:
+            path.write_bytes(damaged)
+        assert tokenizer.cached_sentencepiece_merges(tokens, ranks, path) == expected
+        assert np.load(path).shape == (len(expected), 2)  # written again, whole
