@@ -87,10 +87,12 @@ def test_no_arena_where_the_system_has_transparent_huge_pages_off(tmp_path, monk
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
-def test_a_mapped_tensor_is_copied_in_pieces_each_dropped_after_its_copy(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("where", ["off a page", "in a piece's last page"])
+def test_a_mapped_tensor_is_copied_in_pieces_each_dropped_after_its_copy(tmp_path, monkeypatch, dtype, where):
     """The copy out of a mapped file goes piece by piece (here 64 KiB, over an unaligned 1 MiB
     tensor): each piece's pages faulted in, copied, then dropped, the drops covering the tensor's
-    whole pages, so a large table is never resident twice; the bytes are the file's."""
+    whole pages, so a large table is never resident twice; the bytes are the file's. A tensor
+    that starts in the last page before a piece's end has a first piece of no whole page."""
     import mmap
 
     import numpy as np
@@ -101,21 +103,25 @@ def test_a_mapped_tensor_is_copied_in_pieces_each_dropped_after_its_copy(tmp_pat
     monkeypatch.setattr(huge_pages, "COPY_CHUNK", chunk)
     calls = []
     monkeypatch.setattr(huge_pages, "_madvise", lambda a, n, advice: calls.append((advice, a, n)))
-    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 8192, dtype=np.uint8)
+    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 2 * chunk, dtype=np.uint8)
     path = tmp_path / "weights.bin"
     path.write_bytes(data.tobytes())
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    start, n = page + 38, 1 << 20  # an even offset (bf16) off the page boundary
-    t = torch.frombuffer(buf, dtype=torch.uint8)[start : start + n].view(dtype)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    n = 1 << 20  # from an even offset (bf16) off the page boundary, or 100 bytes before a piece's end
+    start = page + 38 if where == "off a page" else (chunk - 100 - whole.data_ptr()) % chunk
+    t = whole[start : start + n].view(dtype)
     dst = torch.empty(n, dtype=torch.uint8)
     huge_pages._copy_bytes(t, dst, mapped=True)
     assert np.array_equal(dst.numpy(), data[start : start + n])
     base = t.data_ptr()
-    reads = [(a, n) for advice, a, n in calls[0::2]]
-    drops = [(a, n) for advice, a, n in calls[1::2]]
-    assert {c[0] for c in calls[0::2]} == {huge_pages.MADV_POPULATE_READ}
-    assert {c[0] for c in calls[1::2]} == {mmap.MADV_DONTNEED}
+    reads = [(a, m) for advice, a, m in calls if advice == huge_pages.MADV_POPULATE_READ]
+    drops = [(a, m) for advice, a, m in calls if advice == mmap.MADV_DONTNEED]
+    assert len(reads) + len(drops) == len(calls)
+    for before, (advice, a, m) in zip(calls, calls[1:]):  # a drop right after its piece's copy, inside it
+        if advice == mmap.MADV_DONTNEED:
+            assert before[0] == huge_pages.MADV_POPULATE_READ and before[1] <= a and a + m <= before[1] + before[2]
     assert reads[0][0] == base and sum(n for _, n in reads) == n and all(n <= chunk for _, n in reads)
     assert all(a % chunk == 0 for a, _ in reads[1:])  # the pieces end on the chunk's multiples
     first, last = -(-base // page) * page, (base + n) // page * page
