@@ -282,13 +282,15 @@ class PreparedWeights:
             log.warning("cannot write the prepared-weights cache %s (%s)", self.path, exc)
 
 
-MERGES_VERSION = 1  # the merges file's format (`merges_path`); bump when `tokenizer.tokenizer.sentencepiece_merges` changes
+# the merges file's format (`merges_path`); bump when `tokenizer.tokenizer.sentencepiece_merges` changes
+MERGES_VERSION = 1
 
 
 def merges_path(path: str | os.PathLike) -> Path | None:
     """Where the SentencePiece merges of the GGUF file at `path` are kept
-    (``<cache>/prepared/<sha256>-merges-v<MERGES_VERSION>.npy``: `tokenizer.tokenizer.cached_sentencepiece_merges`),
-    or None when the file cannot be read (no cache then)."""
+    (``<cache>/prepared/<sha256>-merges-v<MERGES_VERSION>.npy``:
+    `tokenizer.tokenizer.cached_sentencepiece_merges`), or None when the file cannot be read (no
+    cache then)."""
     from nextoken.catalog import cache_dir
 
     try:
