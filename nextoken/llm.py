@@ -48,9 +48,9 @@ class LLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, first=None) -> LLM:
         """An `LLM` built from `EngineArgs` (what the command line does). `first`: the first
-        token ``nextoken run`` computed before PyTorch was imported (`runner.quick_start.FirstToken`):
-        the model file and tokenizer it read are reused; `stream(..., first=first)` then goes on
-        after it."""
+        tokens ``nextoken run`` computed before PyTorch was imported
+        (`runner.quick_start.FirstTokens`): the model file and tokenizer it read are reused;
+        `stream(..., first=first)` then goes on after them."""
         llm = cls.__new__(cls)
         llm._setup(args, first.opened if first is not None else None)
         return llm
@@ -128,14 +128,14 @@ class LLM:
         """Generate for one prompt, yielding a `RequestOutput` whenever it has new text (each
         completion's `delta`). With `chat`, `prompt` is a message list or a user message.
         `tracer` (see `nextoken.trace`) records every stage of this request. `first`: the quick
-        start's first token of this prompt (`runner.quick_start.FirstToken`): the request is its
-        prompt ids, that token comes out first without a draw and the seeded stream goes on past
-        the number it used, so the output is what `generate` gives for the prompt (the first
-        token included). Raises `RequestFailed` when the model's pass for it produced
+        start's first tokens of this prompt (`runner.quick_start.FirstTokens`): the request is its
+        prompt ids, those tokens come out first without draws and the seeded stream goes on past
+        the numbers they used, so the output is what `generate` gives for the prompt (the first
+        tokens included). Raises `RequestFailed` when the model's pass for it produced
         non-finite logits."""
         first_tokens = None
         if first is not None:
-            prompt, chat, first_tokens = first.prompt_ids, False, ((first.token,), first.draws)
+            prompt, chat, first_tokens = first.prompt_ids, False, (tuple(first.tokens), first.draws)
         if chat:
             prompt = self._chat_prompt(prompt, system)
         engine = self._generation()

@@ -15,23 +15,23 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _quick_first_token(a, params):
-    """The first token before PyTorch is imported (`runner.quick_start`), printed at once; None
-    when that path does not apply (then the engine does everything)."""
+def _quick_start(a, params):
+    """The answer (or its first tokens) before PyTorch is imported (`runner.quick_start`),
+    printed as it comes; None when that path does not apply (then the engine does everything)."""
     if not a.quick_start or a.stats or a.logprobs is not None:  # --stats, --logprobs: the engine's view of every token
         return None
-    from nextoken.runner.quick_start import first_token
+    from nextoken.runner.quick_start import first_tokens
 
-    first = first_token(a.prompt, engine_args(a), params, chat=not a.raw, system=a.system)
-    if first is not None:
-        sys.stdout.write(first.text)
+    def show(text: str) -> None:
+        sys.stdout.write(text)
         sys.stdout.flush()
-    return first
+
+    return first_tokens(a.prompt, engine_args(a), params, chat=not a.raw, system=a.system, emit=show)
 
 
 def cmd_run(a) -> int:
     params = _params(a)  # once: --json-schema - reads standard input
-    first = _quick_first_token(a, params)
+    first = _quick_start(a, params)
     if first is not None and first.finished:
         sys.stdout.write("\n")
         return 0
@@ -39,9 +39,9 @@ def cmd_run(a) -> int:
     params = params.validate(llm.config.vocab_size)
     chat = not a.raw and llm.tokenizer.chat_template is not None
     out = None
-    printed = len(first.text) if first is not None else 0  # the quick token's text, printed already
+    printed = len(first.text) if first is not None else 0  # the quick tokens' text, printed already
     for out in llm.stream(a.prompt, params, chat=chat, system=a.system, truncate_prompt=a.truncate_prompt,
-                          first=first):  # with `first`: the engine emits that token first, then goes on
+                          first=first):  # with `first`: the engine emits those tokens first, then goes on
         c = out.outputs[0]
         delta = c.delta[printed:]
         printed = max(0, printed - len(c.delta))

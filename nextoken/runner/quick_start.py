@@ -1,34 +1,38 @@
-"""The first token of ``nextoken run`` before PyTorch is imported.
+"""The answer of ``nextoken run`` before PyTorch is imported (the quick start).
 
-Importing PyTorch takes longer on a small CPU than a small model's whole prompt. For a model
-whose weights are already in the prepared-weights cache (`loader.prepared`), everything the first
-token needs is torch-free: the GGUF metadata, config and tokenizer (`loader.gguf`, `tokenizer`),
-the prepared file mapped with NumPy (`loader.prepared.PreparedFile`: the codes, the norms and
-biases, RoPE's frequencies, as the engine's model holds them) and our C kernels. `first_token`
-runs the prompt through the engine's one-call decode step (`kernels.decode_step`, the module
-`layers.native_decode` calls too), in calls of at most `decode_step.ROWS_PER_CALL` tokens:
-within a call each row is one prompt position, at ``slot = position``, attending to
+Importing PyTorch takes longer on a small CPU than a small model's whole answer. For a model
+whose weights are already in the prepared-weights cache (`loader.prepared`), everything an
+answer needs is torch-free: the GGUF metadata, config and tokenizer (`loader.gguf`,
+`tokenizer`), the prepared file mapped with NumPy (`loader.prepared.PreparedFile`: the codes,
+the norms and biases, RoPE's frequencies, as the engine's model holds them) and our C kernels.
+`first_tokens` runs the prompt through the engine's one-call decode step (`kernels.decode_step`,
+the module `layers.native_decode` calls too), in calls of at most `decode_step.ROWS_PER_CALL`
+tokens: within a call each row is one prompt position, at ``slot = position``, attending to
 ``position + 1`` keys, the keys and values of a call being written before any row attends, so
-the call is a causal prefill. Then the final
-norm, the LM head and the sampler's draw (`sample.draw`: the same kernel, one uniform number
-from the request's seeded stream, `sample.rng`), as the engine would.
+the call is a causal prefill. Then the final norm, the LM head and the sampler's draw
+(`sample.draw`: the same kernel, one uniform number a token from the request's seeded stream,
+`sample.rng`), as the engine would; then each further token through the same call as one row
+(the engine's decode step), until the answer ends (an end-of-generation token, `max_tokens`),
+its text streamed as the engine's detokenizer releases it (`_Answer`).
 
-The command prints that token at once. When generation goes on, the engine is built as usual
+The engine prefills a prompt this short with the same call (`NativeDecoder.takes`) and decodes
+with it, so the logits are the engine's bit for bit and ``nextoken run --seed S`` prints the text
+`LLM.generate` gives for seed S, in a third of the time for a short answer (PyTorch is never
+imported). Where only the first token may be drawn here (a bound on the KV cache's size, the
+disk tier: the engine's to keep, `_goes_on`), or a step fails, the engine is built as usual
 (`LLM.from_engine_args(args, first=...)`: the GGUF file and tokenizer read here are reused) and
-runs the request as `LLM.generate` would, with that token chosen already (`LLM.stream(...,
-first=...)`: its prefill, then the token emitted without a draw, the seeded stream past the
-number it used). The engine prefills a prompt this short with the same call
-(`NativeDecoder.takes`), so the logits are the engine's bit for bit and ``nextoken run --seed
-S`` prints the text `LLM.generate` gives for seed S.
+runs the request as `LLM.generate` would, with those tokens chosen already (`LLM.stream(...,
+first=...)`: its prefill, then each token emitted without a draw, the seeded stream past the
+numbers they used).
 
 It runs only where it is the engine's arithmetic: GGUF weights all cached as codes, layers
 ``decode.c`` implements (`decode_step.serves`), bf16 with a bf16 KV cache, one sequence, a prompt
-of at most `MAX_PROMPT_TOKENS`, and sampling settings whose first token needs no history (no
+of at most `MAX_PROMPT_TOKENS`, and sampling settings whose tokens need no history (no
 penalties, bias, minimum length, stop strings, logprobs, grammar or watermark): each field of
 `SamplingParams` and `EngineArgs` says with which values it keeps the first token (its
-``quick_start`` mark, `keeps_first_token`); an unmarked field must have its default. Anything
-else, and any failure here, returns None: the command then runs the engine alone, which reports
-errors.
+``quick_start`` mark, `keeps_first_token`), and each marked field is one a later token does not
+depend on either; an unmarked field must have its default. Anything else, and any failure here,
+returns None: the command then runs the engine alone, which reports errors.
 """
 
 from __future__ import annotations
@@ -54,15 +58,15 @@ MAX_PROMPT_TOKENS = MAX_PREFILL_TOKENS
 
 
 @dataclass
-class FirstToken:
-    """What `first_token` computed: the prompt's ids, the token drawn, its text (what the
-    engine's detokenizer would stream for it), whether the sequence ends there, the seconds it
-    took, how many uniform numbers its draw took from the seeded stream (0 greedy, else 1) and
-    the GGUF file and tokenizer read (`opened`), which the engine takes over
-    (`LLM.from_engine_args(args, first=...)`)."""
+class FirstTokens:
+    """What `first_tokens` computed: the prompt's ids, the tokens drawn, their text as streamed
+    (what the engine's detokenizer would stream for them), whether the sequence ends with the
+    last, the seconds it took, how many uniform numbers the draws took from the seeded stream (0
+    greedy, else one a token) and the GGUF file and tokenizer read (`opened`), which the engine
+    takes over when the answer goes on (`LLM.from_engine_args(args, first=...)`)."""
 
     prompt_ids: list[int]
-    token: int
+    tokens: list[int]
     text: str
     finished: bool
     seconds: float = 0.0
@@ -117,40 +121,58 @@ def model_file(model: str) -> str | None:
     return None
 
 
-def first_token(prompt: str, engine_args, params, chat: bool, system: str | None = None) -> FirstToken | None:
-    """The first token for `prompt` as ``nextoken run`` would draw it, without PyTorch, or None
-    when this path does not apply (see the module docstring). `chat`: apply the chat template
-    when the model has one."""
+def first_tokens(prompt: str, engine_args, params, chat: bool, system: str | None = None, emit=None,
+                 most: int | None = None) -> FirstTokens | None:
+    """The first tokens for `prompt` as ``nextoken run`` would draw them, without PyTorch: the
+    whole answer, or (`most`) at most that many tokens; None when this path does not apply (see
+    the module docstring). `chat`: apply the chat template when the model has one; `emit(text)`:
+    called with each piece of text as the detokenizer releases it (the command prints it)."""
     import time
 
     from nextoken.errors import ModelLoadError
     from nextoken.kernels import native_allowed
 
     t0 = time.perf_counter()
+    shown: list[str] = []
+    show = emit or (lambda text: None)
     try:
         if not (keeps_first_token(params) and _engine_allows(engine_args) and native_allowed()):
             return None
         path = model_file(engine_args.model)
         if path is None:
             return None
-        out = _run(path, prompt, engine_args, params, chat, system)
+        if not _goes_on(engine_args):
+            most = 1
+        out = _run(path, prompt, engine_args, params, chat, system, lambda text: shown.append(text) or show(text),
+                   most)
     except ModelLoadError:  # a damaged GGUF file: the engine's reader (the same) would say the same, later
         raise
     except Exception as exc:  # never worse than the engine: it runs next and reports what is wrong
+        if shown:  # text is out (a closed pipe while printing it): the command's error, not a reason to start over
+            raise
         log.info("quick start skipped (%s: %s)", type(exc).__name__, exc)
         return None
     if out is not None:
         out.seconds = time.perf_counter() - t0
-        log.info("quick start: first token in %.3f s, before PyTorch was imported", out.seconds)
+        n = len(out.tokens)
+        log.info("quick start: %d token%s in %.3f s, before PyTorch was imported%s", n, "" if n == 1 else "s",
+                 out.seconds, "" if out.finished else "; the engine goes on")
     return out
 
 
-def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
+def _goes_on(engine_args) -> bool:
+    """Whether this path may draw past the first token: no bound on the KV cache's size (the
+    engine would refuse an answer it cannot hold) and no disk tier (the engine would write the
+    answer's blocks there). Otherwise it draws the first token alone and the engine goes on."""
+    e = engine_args
+    return e.kv_cache_memory is None and not e.num_kv_blocks and e.kv_cache_dir is None and e.kv_cache_disk is None
+
+
+def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTokens | None:
     from nextoken.kernels import load
     from nextoken.kernels.decode_step import PLAIN_ARCHITECTURES, serves
     from nextoken.loader.gguf import GGUFFile, read_model_config
     from nextoken.loader.prepared import merges_path
-    from nextoken.sample.draw import draw_one
     from nextoken.sample.rng import DrawGenerator
     from nextoken.tokenizer import Tokenizer
     from nextoken.tokenizer.chat_template import chat_prompt
@@ -173,16 +195,63 @@ def _run(path, prompt, engine_args, params, chat, system) -> FirstToken | None:
     if not prepared_path(path).is_file() or sampling is None:
         return None  # the first load packs the codes and writes the cache
     _set_threads(engine_args.num_threads)
-    kv = PromptKV(cfg, len(ids), engine_args.block_size)
-    logits = prompt_logits(f, cfg, ids, kv)
+    most = params.max_tokens if most is None else min(most, params.max_tokens)
+    forward = Forward(f, cfg, PromptKV(cfg, len(ids) + most, engine_args.block_size))
+    logits = forward.logits(ids, 0)
     if logits is None:
         return None
-    draws = 0 if params.greedy else 1
-    token = draw_one(sampling, logits, params, DrawGenerator(params.seed).uniform() if draws else 0.0)
-    first = _finish(tok, ids, token, params)
-    if first is not None:
-        first.draws, first.opened = draws, OpenedModel(f, tok)
-    return first
+    out = FirstTokens(ids, [], "", False, opened=OpenedModel(f, tok))
+    answer = _Answer(tok, params, DrawGenerator(params.seed), sampling)
+    while True:
+        token, text, out.finished = answer.next(logits)
+        out.tokens.append(token)
+        out.draws = answer.draws
+        if text:
+            out.text += text
+            emit(text)
+        if out.finished or len(out.tokens) >= most:
+            break
+        try:  # past the first token a failing step hands the answer so far to the engine
+            logits = forward.logits([token], len(ids) + len(out.tokens) - 1)
+        except Exception as exc:  # noqa: BLE001
+            log.info("quick start: stopped after %d tokens (%s: %s)", len(out.tokens), type(exc).__name__, exc)
+            logits = None
+        if logits is None:
+            break
+    if not out.text and not out.finished:
+        return None  # nothing shown yet (the first token's text waits for more bytes): the engine does it all
+    return out
+
+
+class _Answer:
+    """The draws and the streamed text of one answer, as the engine's sampler and output
+    processing give them (`engine.output_processor`): one uniform number a sampled token from the
+    request's stream, the end at an end-of-generation token (its text not added) or at
+    `max_tokens`, and the detokenizer's pieces (`IncrementalDetokenizer`)."""
+
+    def __init__(self, tok, params, generator, sampling):
+        from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+
+        self.tok, self.params, self.generator, self.sampling = tok, params, generator, sampling
+        self.detok = IncrementalDetokenizer(tok, params.skip_special_tokens)
+        self.count = self.draws = 0
+
+    def next(self, logits: np.ndarray) -> tuple[int, str, bool]:
+        """The token drawn from `logits` (float32 ``[vocab]``), the text it releases, and whether
+        the answer ends with it."""
+        from nextoken.sample.draw import draw_one
+
+        greedy = self.params.greedy
+        token = draw_one(self.sampling, logits, self.params, 0.0 if greedy else self.generator.uniform())
+        self.draws += 0 if greedy else 1
+        self.count += 1
+        finished = token in self.tok.eog_token_ids and not self.params.ignore_eos
+        if not finished:
+            self.detok.add_token(token)
+            finished = self.count >= self.params.max_tokens
+        if finished:
+            self.detok.flush()
+        return token, self.detok.emit(finished), finished
 
 
 def _set_threads(n: int | None) -> None:
@@ -239,81 +308,79 @@ class _Weights:
         return QW(*ptrs, float(offset), int(bits), int(group), int(gps), rows, cols, lut_codes(int(lut)))
 
 
+class Forward:
+    """The model's pass over new tokens, from the GGUF file `f` (`loader.gguf.GGUFFile`, config
+    `cfg`) and its prepared-weights cache, by our C kernels alone: `logits(ids, start)` runs
+    `ids` at positions ``start`` on, writing their keys and values to `kv`, and returns the last
+    one's logits. Raises OSError, ValueError or KeyError for a cache that is missing, stale or
+    lacks a tensor."""
+
+    def __init__(self, f, cfg, kv: PromptKV):
+        from nextoken.kernels import load
+        from nextoken.kernels.decode_step import layer_table
+        from nextoken.loader.gguf_names import GGUF_EMBEDDING, GGUF_OUTPUT, GGUF_OUTPUT_NORM, GGUF_PROJECTIONS, \
+            layer_projection
+        from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedFile, file_key
+
+        self.lib, self.cfg, self.kv = load("decode"), cfg, kv
+        if self.lib is None:
+            return
+        w = _Weights(PreparedFile(str(prepared_path(f.path)), file_key(f.path)))
+        layers = []
+        for i in range(cfg.num_layers):
+            projections = []
+            for g in GGUF_PROJECTIONS:
+                bias = None
+                if cfg.attention_bias and g in ("attn_q", "attn_k", "attn_v"):
+                    bias = w.bias(layer_projection(i, g, "bias"))
+                projections.append(w.codes(layer_projection(i, g), bias))
+            norms = w.dense(f"blk.{i}.attn_norm.weight"), w.dense(f"blk.{i}.ffn_norm.weight")
+            layers.append((norms[0].ctypes.data, norms[1].ctypes.data, projections, kv.k[i].ctypes.data,
+                           kv.v[i].ctypes.data, None, None))
+        self.table = layer_table(layers)
+        self.embed = w.codes(GGUF_EMBEDDING)
+        self.head = self.embed if cfg.tie_word_embeddings else w.codes(GGUF_OUTPUT)
+        self.inv_freq, self.final_norm, self.weights = w.dense(PREPARED_INV_FREQ), w.dense(GGUF_OUTPUT_NORM), w
+
+    def logits(self, ids: list[int], start: int) -> np.ndarray | None:
+        """float32 logits ``[vocab]`` of the token after `ids` (at positions ``start`` on, after
+        the ``start`` tokens already run), or None when the decode kernel is unavailable or
+        refuses a shape. Calls of at most `ROWS_PER_CALL` rows, each row attending to its
+        position's keys."""
+        from nextoken.kernels.decode_step import decode_layers
+
+        lib, cfg, kv = self.lib, self.cfg, self.kv
+        if lib is None or self.embed.K != cfg.hidden_size or self.head.N < cfg.vocab_size:
+            return None
+        hidden, num_blocks, block = cfg.hidden_size, kv.k.shape[2], kv.block_size
+        blocks = np.arange(num_blocks, dtype=np.int64)
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        h = None
+        for first in range(0, len(ids), ROWS_PER_CALL):
+            chunk = np.asarray(ids[first : first + ROWS_PER_CALL], dtype=np.int64)
+            t = len(chunk)
+            h = np.empty((t, hidden), dtype=np.uint16)
+            if lib.qlookup_bf16(ctypes.byref(self.embed), p(chunk.ctypes.data), i64(t), p(h.ctypes.data)) != 0:
+                return None
+            positions = np.arange(start + first, start + first + t, dtype=np.int64)
+            tables = np.ascontiguousarray(np.broadcast_to(blocks, (t, num_blocks)))
+            lens = positions + 1
+            if decode_layers(lib, self.table, cfg, h.ctypes.data, t, self.inv_freq.ctypes.data, positions.ctypes.data,
+                             positions.ctypes.data, tables.ctypes.data, num_blocks, lens.ctypes.data, num_blocks,
+                             block) != 0:
+                return None
+        last = np.ascontiguousarray(h[-1:])
+        normed = np.empty_like(last)
+        lib.rms_norm_rows_bf16(p(last.ctypes.data), p(self.final_norm.ctypes.data), i64(1), i64(hidden),
+                               ctypes.c_float(cfg.norm_eps), p(normed.ctypes.data))
+        logits = np.empty((1, self.head.N), dtype=np.uint16)
+        if lib.qmatmul(p(normed.ctypes.data), ctypes.c_int(1), i64(1), ctypes.byref(self.head),
+                       p(logits.ctypes.data), ctypes.c_int(1), i64(self.head.N)) != 0:
+            return None
+        return (logits[0, : cfg.vocab_size].astype(np.uint32) << 16).view(np.float32)  # bf16 -> float32, exact
+
+
 def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndarray | None:
-    """float32 logits ``[vocab]`` of the token after the prompt `ids`, from the GGUF file `f`
-    (`loader.gguf.GGUFFile`, config `cfg`) and its prepared-weights cache, by our C kernels
-    alone, writing the prompt's keys and values to `kv` (a fresh `PromptKV` of 16-token blocks
-    when None). None when the decode kernel is unavailable or refuses a shape. Raises OSError,
-    ValueError or KeyError for a cache that is missing, stale or lacks a tensor."""
-    from nextoken.kernels import load
-    from nextoken.kernels.decode_step import decode_layers, layer_table
-    from nextoken.loader.gguf_names import GGUF_EMBEDDING, GGUF_OUTPUT, GGUF_OUTPUT_NORM, GGUF_PROJECTIONS, \
-        layer_projection
-    from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedFile, file_key
-
-    lib = load("decode")
-    if lib is None:
-        return None
-    w = _Weights(PreparedFile(str(prepared_path(f.path)), file_key(f.path)))
-    n, hidden = len(ids), cfg.hidden_size
-    kv = kv or PromptKV(cfg, n, 16)
-    num_blocks, block = kv.k.shape[2], kv.block_size
-    layers = []
-    for i in range(cfg.num_layers):
-        projections = []
-        for g in GGUF_PROJECTIONS:
-            bias = None
-            if cfg.attention_bias and g in ("attn_q", "attn_k", "attn_v"):
-                bias = w.bias(layer_projection(i, g, "bias"))
-            projections.append(w.codes(layer_projection(i, g), bias))
-        norms = w.dense(f"blk.{i}.attn_norm.weight"), w.dense(f"blk.{i}.ffn_norm.weight")
-        layers.append((norms[0].ctypes.data, norms[1].ctypes.data, projections, kv.k[i].ctypes.data,
-                       kv.v[i].ctypes.data, None, None))
-    table = layer_table(layers)
-    embed = w.codes(GGUF_EMBEDDING)
-    head = embed if cfg.tie_word_embeddings else w.codes(GGUF_OUTPUT)
-    if embed.K != hidden or head.N < cfg.vocab_size:
-        return None
-    inv_freq = w.dense(PREPARED_INV_FREQ)
-    blocks = np.arange(num_blocks, dtype=np.int64)
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    h = None
-    for start in range(0, n, ROWS_PER_CALL):
-        chunk = np.asarray(ids[start : start + ROWS_PER_CALL], dtype=np.int64)
-        t = len(chunk)
-        h = np.empty((t, hidden), dtype=np.uint16)
-        if lib.qlookup_bf16(ctypes.byref(embed), p(chunk.ctypes.data), i64(t), p(h.ctypes.data)) != 0:
-            return None
-        positions = np.arange(start, start + t, dtype=np.int64)
-        tables = np.ascontiguousarray(np.broadcast_to(blocks, (t, num_blocks)))
-        lens = positions + 1
-        if decode_layers(lib, table, cfg, h.ctypes.data, t, inv_freq.ctypes.data, positions.ctypes.data,
-                         positions.ctypes.data, tables.ctypes.data, num_blocks, lens.ctypes.data, num_blocks,
-                         block) != 0:
-            return None
-    last = np.ascontiguousarray(h[-1:])
-    normed = np.empty_like(last)
-    final_norm = w.dense(GGUF_OUTPUT_NORM)
-    lib.rms_norm_rows_bf16(p(last.ctypes.data), p(final_norm.ctypes.data), i64(1), i64(hidden),
-                           ctypes.c_float(cfg.norm_eps), p(normed.ctypes.data))
-    logits = np.empty((1, head.N), dtype=np.uint16)
-    if lib.qmatmul(p(normed.ctypes.data), ctypes.c_int(1), i64(1), ctypes.byref(head), p(logits.ctypes.data),
-                   ctypes.c_int(1), i64(head.N)) != 0:
-        return None
-    return (logits[0, : cfg.vocab_size].astype(np.uint32) << 16).view(np.float32)  # bf16 -> float32, exact
-
-
-def _finish(tok, ids: list[int], token: int, params) -> FirstToken | None:
-    """The streamed text of `token` and whether the sequence ends with it, as the engine's
-    output processing decides (end-of-generation token, max_tokens); None when its text is an
-    unfinished UTF-8 sequence that only later tokens complete (the engine then starts over)."""
-    from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
-
-    finished = params.max_tokens <= 1 or (token in tok.eog_token_ids and not params.ignore_eos)
-    detok = IncrementalDetokenizer(tok, params.skip_special_tokens)
-    detok.add_token(token)
-    if finished:
-        detok.flush()
-    elif detok.pending:
-        return None
-    return FirstToken(ids, token, detok.emit(finished=True), finished)
+    """float32 logits ``[vocab]`` of the token after the prompt `ids` (`Forward`), writing the
+    prompt's keys and values to `kv` (a fresh `PromptKV` of 16-token blocks when None)."""
+    return Forward(f, cfg, kv or PromptKV(cfg, len(ids), 16)).logits(ids, 0)

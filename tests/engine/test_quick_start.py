@@ -1,11 +1,13 @@
-"""The quick start (`nextoken.runner.quick_start`): the first token of ``nextoken run`` drawn by
-our C kernels before PyTorch is imported, against the model's PyTorch layers on the same codes,
-the float32 model, and the engine that continues after it; its sampler against ours."""
+"""The quick start (`nextoken.runner.quick_start`): the answer (or its first tokens) of
+``nextoken run`` drawn by our C kernels before PyTorch is imported, against the model's PyTorch
+layers on the same codes, the float32 model, `LLM.generate`, and the engine that continues after
+it; its sampler against ours."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -81,21 +83,52 @@ def test_prompt_logits_match_the_pytorch_layers(quick_models, arch, n):
         assert np.array_equal(quick, engine.float().numpy())
 
 
-def test_first_token_is_the_engines_greedy_token_and_text(quick_models):
+def test_first_tokens_are_the_engines_greedy_tokens_and_text(quick_models):
     from nextoken import LLM
 
     path = quick_models["qwen2"]
     params = SamplingParams(temperature=0, max_tokens=4)
-    first = quick_start.first_token("ab cd", EngineArgs(model=path), params, chat=True)
-    assert first is not None and not first.finished
+    shown = []
+    first = quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=True, emit=shown.append)
+    assert first is not None and first.finished and len(first.tokens) == 4
     llm = LLM(path, max_num_seqs=1)
     out = llm.generate(llm.render_chat([{"role": "user", "content": "ab cd"}]), params)[0]
     assert first.prompt_ids == out.prompt_token_ids  # the chat template and tokenizer, as the engine's
-    assert first.token == out.outputs[0].token_ids[0]
-    assert out.outputs[0].text.startswith(first.text)
-    ended = quick_start.first_token("ab cd", EngineArgs(model=path), dataclasses.replace(params, max_tokens=1),
-                                    chat=True)
-    assert ended.finished and ended.token == first.token
+    assert first.tokens == out.outputs[0].token_ids and first.text == "".join(shown) == out.outputs[0].text
+    one = quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=True, most=1)
+    assert not one.finished and one.tokens == first.tokens[:1] and out.outputs[0].text.startswith(one.text)
+
+
+def test_a_step_that_fails_hands_the_answer_so_far_to_the_engine(quick_models, monkeypatch):
+    """Past the first token a failing step stops the quick start with what it has shown (the
+    engine goes on from those tokens: `LLM.generate`'s text), and an error of the printing
+    itself (a closed pipe) is the command's, never a reason to start over and print again."""
+    from nextoken import LLM
+
+    path, params = quick_models["qwen2"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=False)
+    calls = []
+    logits = quick_start.Forward.logits
+
+    def third_fails(self, ids, start):
+        calls.append(start)
+        if len(calls) == 3:
+            raise OSError("the step failed")
+        return logits(self, ids, start)
+
+    monkeypatch.setattr(quick_start.Forward, "logits", third_fails)
+    shown = []
+    first = quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=False, emit=shown.append)
+    assert not first.finished and first.tokens == want.tokens[:2] and first.text == "".join(shown)
+    monkeypatch.setattr(quick_start.Forward, "logits", logits)
+    llm = LLM.from_engine_args(EngineArgs(model=path, max_num_seqs=1), first=first)
+    assert "".join(o.outputs[0].delta for o in llm.stream("ab cd", params, first=first)) == want.text
+
+    def closed(text):
+        raise BrokenPipeError("stdout is closed")
+
+    with pytest.raises(BrokenPipeError):
+        quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=False, emit=closed)
 
 
 @pytest.mark.parametrize("engine,params", [
@@ -107,31 +140,31 @@ def test_first_token_is_the_engines_greedy_token_and_text(quick_models):
 def test_settings_it_does_not_take_leave_it_to_the_engine(quick_models, engine, params):
     path = quick_models["llama"]
     p = SamplingParams(**{"temperature": 0, "max_tokens": 3, **params})
-    assert quick_start.first_token("ab", EngineArgs(model=path, **engine), p, chat=False) is None
+    assert quick_start.first_tokens("ab", EngineArgs(model=path, **engine), p, chat=False) is None
 
-    assert quick_start.first_token("ab", EngineArgs(model=path), SamplingParams(temperature=0, max_tokens=3),
-                                   chat=False) is not None
+    assert quick_start.first_tokens("ab", EngineArgs(model=path), SamplingParams(temperature=0, max_tokens=3),
+                                    chat=False) is not None
 
 
 def test_a_long_prompt_is_left_to_the_engine(quick_models, monkeypatch):
     """Past `MAX_PROMPT_TOKENS` the engine's prefill kernels are the faster way."""
     path, p = quick_models["llama"], SamplingParams(temperature=0, max_tokens=3)
     prompt = "ab cd ef gh ij kl"
-    n = len(quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False).prompt_ids)
+    n = len(quick_start.first_tokens(prompt, EngineArgs(model=path), p, chat=False).prompt_ids)
     monkeypatch.setattr(quick_start, "MAX_PROMPT_TOKENS", n - 1)
-    assert quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False) is None
+    assert quick_start.first_tokens(prompt, EngineArgs(model=path), p, chat=False) is None
     monkeypatch.setattr(quick_start, "MAX_PROMPT_TOKENS", n)
-    assert quick_start.first_token(prompt, EngineArgs(model=path), p, chat=False) is not None
+    assert quick_start.first_tokens(prompt, EngineArgs(model=path), p, chat=False) is not None
 
 
 def test_no_cache_or_another_architecture_leaves_it_to_the_engine(tmp_path, tiny_gguf):
     fresh = tmp_path / "fresh.gguf"
     write_gguf(tiny_hf_model("llama", seed=11, vocab_size=VOCAB), fresh, "llama", quant=QUANT)  # never loaded
     p = SamplingParams(temperature=0, max_tokens=3)
-    assert quick_start.first_token("ab", EngineArgs(model=str(fresh)), p, chat=False) is None
+    assert quick_start.first_tokens("ab", EngineArgs(model=str(fresh)), p, chat=False) is None
     gemma = str(tiny_gguf["gemma3"][0])
     ModelRunner(GGUFFile(gemma), torch.bfloat16, prepared_cache=True)
-    assert quick_start.first_token("ab", EngineArgs(model=gemma), p, chat=False) is None
+    assert quick_start.first_tokens("ab", EngineArgs(model=gemma), p, chat=False) is None
 
 
 @pytest.mark.subprocess
@@ -139,37 +172,49 @@ def test_it_runs_without_pytorch(quick_models):
     code = ("import sys\n"
             "from nextoken.engine_args import EngineArgs\n"
             "from nextoken.sampling_params import SamplingParams\n"
-            "from nextoken.runner.quick_start import first_token\n"
-            f"t = first_token('ab cd', EngineArgs(model={quick_models['llama']!r}), "
-            "SamplingParams(temperature=0.8, max_tokens=1, seed=5), chat=True)\n"
-            "assert t is not None and t.finished\n"
+            "from nextoken.runner.quick_start import first_tokens\n"
+            f"t = first_tokens('ab cd', EngineArgs(model={quick_models['llama']!r}), "
+            "SamplingParams(temperature=0.8, max_tokens=5, seed=5, ignore_eos=True), chat=True)\n"
+            "assert t is not None and t.finished and len(t.tokens) == 5\n"
             "assert 'torch' not in sys.modules, 'PyTorch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.subprocess
-def test_run_prints_the_quick_token_and_the_engine_goes_on(quick_models):
-    """``nextoken run`` prints the quick token, then the engine's continuation after it, through
-    the typed hand-off (`LLM.from_engine_args(args, first=...)`, `LLM.stream(..., first=...)`)."""
+def test_run_prints_the_quick_answer_or_hands_it_to_the_engine(quick_models):
+    """``nextoken run`` prints the whole answer from the quick start (PyTorch never imported);
+    where the quick start draws only the first token (a bound on the KV cache: the engine's to
+    enforce), the engine's continuation after it, through the typed hand-off
+    (`LLM.from_engine_args(args, first=...)`, `LLM.stream(..., first=...)`). Both print
+    `LLM.generate`'s text."""
     from nextoken import LLM
 
     path = quick_models["qwen2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "nextoken", "run", "ab cd", "--model", path, "--raw", "--max-tokens", "6",
             "--temperature", "0", "--log-level", "info"]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    assert "quick start: first token" in r.stderr
-    assert "huge pages off: huge_pages=False" in r.stderr  # one answer: the weights stay mapped (`cli.build_parser`)
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_module('nextoken', run_name='__main__')\n"
+    whole = subprocess.run([sys.executable, "-X", "importtime", "-c", code, *args[2:]], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert whole.returncode == 0, whole.stderr
+    assert "quick start: 6 tokens" in whole.stderr
+    assert "| nextoken.runner.quick_start" in whole.stderr and not re.search(r"\|\s+torch$", whole.stderr, re.M)
     params = SamplingParams(temperature=0, max_tokens=6)
-    first = quick_start.first_token("ab cd", EngineArgs(model=path), params, chat=False)
+    llm = LLM(path, max_num_seqs=1)
+    text = llm.generate([quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=False).prompt_ids],
+                        params)[0].outputs[0].text
+    assert whole.stdout == text + "\n"
+    bounded = subprocess.run([*args, "--kv-cache-memory", "4MiB"], capture_output=True, text=True, timeout=300, env=env)
+    assert bounded.returncode == 0, bounded.stderr
+    assert "quick start: 1 token in" in bounded.stderr and "the engine goes on" in bounded.stderr
+    assert "huge pages off: huge_pages=False" in bounded.stderr  # one answer: the weights stay mapped (`cli.build_parser`)
+    assert bounded.stdout == text + "\n"
+    first = quick_start.first_tokens("ab cd", EngineArgs(model=path), params, chat=False, most=2)
     llm = LLM.from_engine_args(EngineArgs(model=path, max_num_seqs=1), first=first)  # what the command does
-    text = "".join(o.outputs[0].delta for o in llm.stream("ab cd", params, first=first))
-    assert text.startswith(first.text) and r.stdout == text + "\n"
-    assert text == llm.generate(first.prompt_ids, params)[0].outputs[0].text
+    assert "".join(o.outputs[0].delta for o in llm.stream("ab cd", params, first=first)) == text
     off = subprocess.run([*args, "--no-quick-start"], capture_output=True, text=True, timeout=300, env=env)
-    assert off.returncode == 0 and "quick start" not in off.stderr
+    assert off.returncode == 0 and "quick start" not in off.stderr and off.stdout == text + "\n"
 
 
 def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smollm2_llm):
@@ -177,7 +222,7 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
     from it: `LLM.stream(..., first=...)`) gives `LLM.generate`'s text for 50 seeds (generated
     in one batch: a row's tokens do not depend on its batch, `test_engine`): the prompt's
     logits are the engine's bit for bit, one stream of draws per seed (`sample.rng`), one draw
-    kernel (`sample.draw`). (`first_token` itself for three seeds; it reads the GGUF file each
+    kernel (`sample.draw`). (`first_tokens` itself for three seeds; it reads the GGUF file each
     time, so the other seeds draw from its logits as it does.)"""
     from nextoken.kernels import load
     from nextoken.sample.draw import draw_one
@@ -195,12 +240,32 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
     generated = [o.outputs[0].text for o in llm.generate([prompt] * len(seeds), seeds)]  # one batch
     for seed, params in enumerate(seeds):
         token = draw_one(load("sampling"), quick_row, params.validate(len(quick_row)), DrawGenerator(seed).uniform())
-        first = quick_start.FirstToken(ids, token, llm.tokenizer.decode([token]), False, draws=1)
+        first = quick_start.FirstTokens(ids, [token], llm.tokenizer.decode([token]), False, draws=1)
         if seed < 3:
-            first = quick_start.first_token(prompt, EngineArgs(model=str(smollm2_path)), params, chat=False)
-            assert first is not None and (first.prompt_ids, first.token) == (ids, token)
+            first = quick_start.first_tokens(prompt, EngineArgs(model=str(smollm2_path)), params, chat=False, most=1)
+            assert first is not None and (first.prompt_ids, first.tokens) == (ids, [token])
         text = "".join(o.outputs[0].delta for o in llm.stream(prompt, params, first=first))
         assert text == generated[seed], seed
+
+
+def test_the_quick_answers_are_generates(smollm2_path, smollm2_llm):
+    """The quick start's whole answers (prompt, then one decode step a token, each over the keys
+    and values of the steps before) are `LLM.generate`'s token for token on SmolLM2: greedy and
+    five seeds at the command's default temperature, 40 tokens each, and handed to the engine
+    after 7 tokens the continuation is the same too."""
+    prompt = "Once upon a time in a quiet village,"
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] + \
+        [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, seed=seed, ignore_eos=True) for seed in range(5)]
+    generated = smollm2_llm.generate([prompt] * len(params), params)
+    args = EngineArgs(model=str(smollm2_path))
+    for p, want in zip(params, generated):
+        quick = quick_start.first_tokens(prompt, args, p, chat=False)
+        assert quick is not None and quick.finished and quick.draws == (0 if p.greedy else 40)
+        assert (quick.tokens, quick.text) == (want.outputs[0].token_ids, want.outputs[0].text), p.seed
+    first = quick_start.first_tokens(prompt, args, params[3], chat=False, most=7)
+    assert not first.finished and first.tokens == generated[3].outputs[0].token_ids[:7]
+    text = "".join(o.outputs[0].delta for o in smollm2_llm.stream(prompt, params[3], first=first))
+    assert text == generated[3].outputs[0].text
 
 
 @pytest.mark.subprocess
@@ -213,8 +278,7 @@ def test_run_with_a_seed_prints_what_generate_gives(smollm2_path, smollm2_llm):
                         "--log-level", "info"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stderr
-    assert "quick start: first token" in r.stderr
-    assert "huge pages off: huge_pages=False" in r.stderr  # one answer: the weights stay mapped (`cli.build_parser`)
+    assert "quick start: 12 tokens" in r.stderr
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=5)
     assert r.stdout == smollm2_llm.generate(prompt, params)[0].outputs[0].text + "\n"
 
