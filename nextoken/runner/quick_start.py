@@ -202,22 +202,26 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
         return None
     out = FirstTokens(ids, [], "", False, opened=OpenedModel(f, tok))
     answer = _Answer(tok, params, DrawGenerator(params.seed), sampling)
-    while True:
-        token, text, out.finished = answer.next(logits)
+    while logits is not None:
+        try:  # past the first token a failing step hands the answer so far to the engine
+            token, text, finished = answer.next(logits)
+        except Exception as exc:  # noqa: BLE001
+            if not out.tokens:
+                raise
+            log.info("quick start: stopped after %d tokens (%s: %s)", len(out.tokens), type(exc).__name__, exc)
+            break
         out.tokens.append(token)
-        out.draws = answer.draws
+        out.draws, out.finished = answer.draws, finished
         if text:
             out.text += text
             emit(text)
-        if out.finished or len(out.tokens) >= most:
+        if finished or len(out.tokens) >= most:
             break
-        try:  # past the first token a failing step hands the answer so far to the engine
+        try:
             logits = forward.logits([token], len(ids) + len(out.tokens) - 1)
         except Exception as exc:  # noqa: BLE001
             log.info("quick start: stopped after %d tokens (%s: %s)", len(out.tokens), type(exc).__name__, exc)
             logits = None
-        if logits is None:
-            break
     if not out.text and not out.finished:
         return None  # nothing shown yet (the first token's text waits for more bytes): the engine does it all
     return out
