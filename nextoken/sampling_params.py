@@ -13,8 +13,9 @@ from nextoken.errors import InvalidRequest
 from nextoken.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
-# the mark of a field whose value does not change the first token's draw (`runner.quick_start`:
-# an unmarked field keeps ``run``'s quick start off unless it has its default)
+# the mark of a field that `runner.quick_start` honours as the engine does (its draws need no
+# history; its ends are the engine's): an unmarked field keeps ``run``'s quick start off unless it
+# has its default
 QUICK_START = {"quick_start": True}
 
 
@@ -46,10 +47,10 @@ class SamplingParams:
     """Most tokens to generate. >= 1, or 0 with `prompt_logprobs` (score the prompt only)."""
     min_tokens: int = 0
     """End-of-generation tokens are blocked until this many tokens were generated."""
-    stop: list[str] | str | None = None
+    stop: list[str] | str | None = field(default=None, metadata=QUICK_START)
     """Strings that end generation; the stop string itself is not returned (unless
     include_stop_str_in_output)."""
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list, metadata=QUICK_START)
     """Token ids that end generation, besides the model's end-of-generation tokens."""
     include_stop_str_in_output: bool = field(default=False, metadata=QUICK_START)
     ignore_eos: bool = field(default=False, metadata=QUICK_START)

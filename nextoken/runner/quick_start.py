@@ -28,7 +28,8 @@ numbers they used).
 It runs only where it is the engine's arithmetic: GGUF weights all cached as codes, layers
 ``decode.c`` implements (`decode_step.serves`), bf16 with a bf16 KV cache, one sequence, a prompt
 of at most `MAX_PROMPT_TOKENS`, and sampling settings whose tokens need no history (no
-penalties, bias, minimum length, stop strings, logprobs, grammar or watermark): each field of
+penalties, bias, minimum length, logprobs, grammar or watermark; stop strings and tokens end
+the answer as the engine's output processing does): each field of
 `SamplingParams` and `EngineArgs` says with which values it keeps the first token (its
 ``quick_start`` mark, `keeps_first_token`), and each marked field is one a later token does not
 depend on either; an unmarked field must have its default. Anything else, and any failure here,
@@ -229,15 +230,17 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
 
 class _Answer:
     """The draws and the streamed text of one answer, as the engine's sampler and output
-    processing give them (`engine.output_processor`): one uniform number a sampled token from the
-    request's stream, the end at an end-of-generation token (its text not added) or at
-    `max_tokens`, and the detokenizer's pieces (`IncrementalDetokenizer`)."""
+    processing give them (`engine.output_processor.process_token`): one uniform number a sampled
+    token from the request's stream, the end at an end-of-generation token (its text not added),
+    a stop token, a stop string or `max_tokens`, and the detokenizer's pieces
+    (`IncrementalDetokenizer`, which holds back what could begin a stop string)."""
 
     def __init__(self, tok, params, generator, sampling):
         from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
         self.tok, self.params, self.generator, self.sampling = tok, params, generator, sampling
-        self.detok = IncrementalDetokenizer(tok, params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tok, params.skip_special_tokens, params.stop,
+                                            params.include_stop_str_in_output)
         self.count = self.draws = 0
 
     def next(self, logits: np.ndarray) -> tuple[int, str, bool]:
@@ -249,10 +252,9 @@ class _Answer:
         token = draw_one(self.sampling, logits, self.params, 0.0 if greedy else self.generator.uniform())
         self.draws += 0 if greedy else 1
         self.count += 1
-        finished = token in self.tok.eog_token_ids and not self.params.ignore_eos
-        if not finished:
-            self.detok.add_token(token)
-            finished = self.count >= self.params.max_tokens
+        p = self.params
+        finished = (token in self.tok.eog_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
+            or self.detok.add_token(token) or self.count >= p.max_tokens
         if finished:
             self.detok.flush()
         return token, self.detok.emit(finished), finished

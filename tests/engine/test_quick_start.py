@@ -133,7 +133,7 @@ def test_a_step_that_fails_hands_the_answer_so_far_to_the_engine(quick_models, m
 
 @pytest.mark.parametrize("engine,params", [
     (dict(dtype="float32"), {}), (dict(enforce_eager=True), {}), (dict(kv_cache_dtype="int8"), {}),
-    (dict(prepared_cache=False), {}), ({}, dict(repetition_penalty=1.2)), ({}, dict(stop=["x"])),
+    (dict(prepared_cache=False), {}), ({}, dict(repetition_penalty=1.2)), ({}, dict(presence_penalty=0.5)),
     ({}, dict(logprobs=2)), ({}, dict(min_tokens=2)), ({}, dict(logit_bias={3: 1.0})), ({}, dict(n=2)),
     ({}, dict(max_tokens=10_000)),  # longer than the context: the engine says so
 ])
@@ -251,8 +251,9 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
 def test_the_quick_answers_are_generates(smollm2_path, smollm2_llm):
     """The quick start's whole answers (prompt, then one decode step a token, each over the keys
     and values of the steps before) are `LLM.generate`'s token for token on SmolLM2: greedy and
-    five seeds at the command's default temperature, 40 tokens each, and handed to the engine
-    after 7 tokens the continuation is the same too."""
+    five seeds, 40 tokens each; ended by a stop string (with and without it in the text) and by
+    a stop token as the engine ends them; and handed to the engine after 7 tokens the
+    continuation is the same too."""
     prompt = "Once upon a time in a quiet village,"
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] + \
         [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, seed=seed, ignore_eos=True) for seed in range(5)]
@@ -262,6 +263,17 @@ def test_the_quick_answers_are_generates(smollm2_path, smollm2_llm):
         quick = quick_start.first_tokens(prompt, args, p, chat=False)
         assert quick is not None and quick.finished and quick.draws == (0 if p.greedy else 40)
         assert (quick.tokens, quick.text) == (want.outputs[0].token_ids, want.outputs[0].text), p.seed
+    greedy = generated[0].outputs[0]
+    word = greedy.text.split()[len(greedy.text.split()) // 2]  # a stop string from the middle of the answer
+    ends = [dataclasses.replace(params[0], stop=[word]), dataclasses.replace(params[0], stop=[word, "zz"],
+                                                                             include_stop_str_in_output=True),
+            dataclasses.replace(params[0], stop_token_ids=[greedy.token_ids[9]])]
+    for p, want in zip(ends, smollm2_llm.generate([prompt] * len(ends), ends)):
+        shown = []
+        quick = quick_start.first_tokens(prompt, args, p, chat=False, emit=shown.append)
+        assert want.outputs[0].finish_reason == "stop" and len(want.outputs[0].token_ids) < 40
+        assert quick.finished and (quick.tokens, quick.text) == (want.outputs[0].token_ids, want.outputs[0].text)
+        assert "".join(shown) == quick.text
     first = quick_start.first_tokens(prompt, args, params[3], chat=False, most=7)
     assert not first.finished and first.tokens == generated[3].outputs[0].token_ids[:7]
     text = "".join(o.outputs[0].delta for o in smollm2_llm.stream(prompt, params[3], first=first))
