@@ -171,7 +171,7 @@ def _goes_on(engine_args) -> bool:
 
 def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTokens | None:
     from nextoken.kernels import load
-    from nextoken.kernels.decode_step import PLAIN_ARCHITECTURES, serves
+    from nextoken.kernels.decode_step import QUICK_ARCHITECTURES, serves
     from nextoken.loader.gguf import GGUFFile, read_model_config
     from nextoken.loader.prepared import merges_path
     from nextoken.sample.rng import DrawGenerator
@@ -180,8 +180,8 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
 
     f = GGUFFile(path)  # the header and tokenizer first: the file's hash (the cache's key) is
     cfg = read_model_config(f)  # being computed on another thread meanwhile (`loader.prepared`)
-    if not serves(cfg) or cfg.architecture not in PLAIN_ARCHITECTURES or cfg.sliding_layers:
-        return None  # (the engine's decode step runs Gemma's and Qwen 3's layers; this reads Llama's)
+    if not serves(cfg) or cfg.architecture not in QUICK_ARCHITECTURES or cfg.sliding_layers:
+        return None  # (the engine's decode step runs Gemma's layers too; this reads Llama's and Qwen 3's)
     tok = Tokenizer.from_gguf(f, merges_path(path))  # (the prepared cache is this path's condition)
     if chat and tok.chat_template is not None:
         prompt = chat_prompt(tok, prompt, system)
@@ -341,8 +341,11 @@ class Forward:
                     bias = w.bias(layer_projection(i, g, "bias"))
                 projections.append(w.codes(layer_projection(i, g), bias))
             norms = w.dense(f"blk.{i}.attn_norm.weight"), w.dense(f"blk.{i}.ffn_norm.weight")
+            qk = (None, None)  # Qwen 3: an RMSNorm over each query and key head
+            if cfg.architecture == "qwen3":
+                qk = tuple(w.dense(f"blk.{i}.attn_{x}_norm.weight").ctypes.data for x in ("q", "k"))
             layers.append((norms[0].ctypes.data, norms[1].ctypes.data, projections, kv.k[i].ctypes.data,
-                           kv.v[i].ctypes.data, None, None))
+                           kv.v[i].ctypes.data, None, None, *qk, None, None, 0))
         self.table = layer_table(layers)
         self.embed = w.codes(GGUF_EMBEDDING)
         self.head = self.embed if cfg.tie_word_embeddings else w.codes(GGUF_OUTPUT)
