@@ -17,8 +17,8 @@ its text streamed as the engine's detokenizer releases it (`_Answer`).
 
 The engine prefills a prompt this short with the same call (`NativeDecoder.takes`) and decodes
 with it, so the logits are the engine's bit for bit and ``nextoken run --seed S`` prints the text
-`LLM.generate` gives for seed S, in a third of the time for a short answer (PyTorch is never
-imported). Where only the first token may be drawn here (a bound on the KV cache's size, the
+`LLM.generate` gives for seed S, in a third to a half of the time for a short answer (PyTorch is
+never imported). Where only the first token may be drawn here (a bound on the KV cache's size, the
 disk tier: the engine's to keep, `_goes_on`), or a step fails, the engine is built as usual
 (`LLM.from_engine_args(args, first=...)`: the GGUF file and tokenizer read here are reused) and
 runs the request as `LLM.generate` would, with those tokens chosen already (`LLM.stream(...,
