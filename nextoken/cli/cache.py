@@ -86,20 +86,18 @@ def entries(root: Path, kv_dirs: list[Path]) -> list[dict]:
     for f in sorted(p for p in (root / "models").glob("*") if p.is_dir() and not p.name.endswith(".unpacking")):
         add("models", f, f.name, detail="verified folder" if (f.parent / f"{f.name}.verified").exists()
             else "folder, not verified")
-    for f in sorted((root / "prepared").glob("*.safetensors")):
-        sha, _, layout = f.stem.rpartition("-v")
-        source = models.get(sha)
-        stale = layout != str(LAYOUT_VERSION) or source is None or not os.path.exists(source)
-        why = "older layout" if layout != str(LAYOUT_VERSION) else "" if source and os.path.exists(source) \
-            else "its model file is gone"
-        add("prepared", f, os.path.basename(source) if source else sha[:16], stale, why)
-    for f in sorted((root / "prepared").glob("*-merges-v*.npy")):  # a SentencePiece vocabulary's merges
-        sha, _, version = f.stem.rpartition("-merges-v")
-        source = models.get(sha)
-        stale = version != str(MERGES_VERSION) or source is None or not os.path.exists(source)
-        why = "older format" if version != str(MERGES_VERSION) else "tokenizer merges" \
-            if source and os.path.exists(source) else "its model file is gone"
-        add("prepared", f, os.path.basename(source) if source else sha[:16], stale, why)
+    # prepared weights, and a SentencePiece vocabulary's merges: <sha256><sep><version>, stale at another
+    # version or without their model file
+    for pattern, sep, version, older, current_detail in (("*.safetensors", "-v", LAYOUT_VERSION, "older layout", ""),
+                                                          ("*-merges-v*.npy", "-merges-v", MERGES_VERSION,
+                                                           "older format", "tokenizer merges")):
+        for f in sorted((root / "prepared").glob(pattern)):
+            sha, _, found = f.stem.rpartition(sep)
+            source = models.get(sha)
+            present = source is not None and os.path.exists(source)
+            why = older if found != str(version) else current_detail if present else "its model file is gone"
+            add("prepared", f, os.path.basename(source) if source else sha[:16], found != str(version) or not present,
+                why)
     current = _current_kernels()
     for f in sorted((root / "kernels").glob("*.so")):
         add("kernels", f, f.name, bool(current) and f.name not in current,

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, ROWS_PER_CALL
+from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS, ROWS_PER_CALL, decode_layers
 from nextoken.loader.opened import OpenedModel
+from nextoken.sample.draw import draw_one
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +247,6 @@ class _Answer:
     def next(self, logits: np.ndarray) -> tuple[int, str, bool]:
         """The token drawn from `logits` (float32 ``[vocab]``), the text it releases, and whether
         the answer ends with it."""
-        from nextoken.sample.draw import draw_one
-
         greedy = self.params.greedy
         token = draw_one(self.sampling, logits, self.params, 0.0 if greedy else self.generator.uniform())
         self.draws += 0 if greedy else 1
@@ -350,19 +349,17 @@ class Forward:
         self.embed = w.codes(GGUF_EMBEDDING)
         self.head = self.embed if cfg.tie_word_embeddings else w.codes(GGUF_OUTPUT)
         self.inv_freq, self.final_norm, self.weights = w.dense(PREPARED_INV_FREQ), w.dense(GGUF_OUTPUT_NORM), w
+        self.blocks = np.arange(kv.k.shape[2], dtype=np.int64)  # the cache's blocks in order: every row's table
 
     def logits(self, ids: list[int], start: int) -> np.ndarray | None:
         """float32 logits ``[vocab]`` of the token after `ids` (at positions ``start`` on, after
         the ``start`` tokens already run), or None when the decode kernel is unavailable or
         refuses a shape. Calls of at most `ROWS_PER_CALL` rows, each row attending to its
         position's keys."""
-        from nextoken.kernels.decode_step import decode_layers
-
         lib, cfg, kv = self.lib, self.cfg, self.kv
         if lib is None or self.embed.K != cfg.hidden_size or self.head.N < cfg.vocab_size:
             return None
-        hidden, num_blocks, block = cfg.hidden_size, kv.k.shape[2], kv.block_size
-        blocks = np.arange(num_blocks, dtype=np.int64)
+        hidden, num_blocks, block, blocks = cfg.hidden_size, kv.k.shape[2], kv.block_size, self.blocks
         i64, p = ctypes.c_int64, ctypes.c_void_p
         h = None
         for first in range(0, len(ids), ROWS_PER_CALL):
