@@ -66,15 +66,17 @@ class NativeDecoder:
         return None
 
     @staticmethod
-    def takes(new_tokens: int, prefill_len: int, sliding: bool) -> bool:
+    def takes(new_tokens: int, prefill_len: int, ring_tokens: int | None = None) -> bool:
         """Whether a sequence's `new_tokens` of a step run here: a decode (one token), or rows of a
         prefill whose whole extent (`prefill_len` tokens: the prompt, whatever the chunk or the
-        prefix cache leaves of it) is at most `MAX_PREFILL_TOKENS`, on a model without
-        sliding-window layers (`sliding`: their rings are indexed per sequence). Each row
-        writes its key and value, then attends to every key up to its position, so prefill rows
-        are causal here too, and a row's arithmetic is the same whatever else the step holds:
-        a prompt is prefilled the same way alone, batched, chunked or after a cached prefix."""
-        return new_tokens == 1 or (not sliding and prefill_len <= MAX_PREFILL_TOKENS)
+        prefix cache leaves of it) is at most `MAX_PREFILL_TOKENS` and, on a model with
+        sliding-window layers, at most their ring's `ring_tokens` (a sequence's ring blocks times
+        the block size: no prefill row then overwrites a slot that another row of it still
+        reads). Each row writes its key and value, then attends to every key up to its position
+        (in its window), so prefill rows are causal here too, and a row's arithmetic is the same
+        whatever else the step holds: a prompt is prefilled the same way alone, batched, chunked
+        or after a cached prefix."""
+        return new_tokens == 1 or prefill_len <= min(MAX_PREFILL_TOKENS, ring_tokens or MAX_PREFILL_TOKENS)
 
     def _layers(self, kv) -> ctypes.Array:
         if self._table is None or self._kv is not kv:
@@ -108,27 +110,33 @@ class NativeDecoder:
             return None, None
         return _ptr(layer.post_attention_layernorm), _ptr(layer.post_feedforward_layernorm)
 
-    def _arch(self, meta, keep: list) -> DecodeArch | None:
-        """What decode.c needs beyond Llama's layer for this step (None for Llama's); `keep`
-        holds the tensors whose addresses it carries until the call returns."""
+    def _arch(self, meta, positions: torch.Tensor, seq_of_row: torch.Tensor | None,
+              keep: list) -> tuple[DecodeArch | None, tuple]:
+        """What decode.c needs beyond Llama's layer for this step (None for Llama's), and for a
+        model with sliding-window layers each row's ring arrays (its sequence's ring table, its
+        write slot, its window's first position: `DecodeArch`'s ``[T]`` fields), which each call
+        of the step points into at its first row; `keep` holds the tensors whose addresses it
+        carries until the calls return."""
         model = self.model
         gemma = model.config.architecture == "gemma3"
         sm = meta.sliding
         if not gemma and sm is None:
-            return None
+            return None, ()
         arch = DecodeArch(gemma=int(gemma))
         if hasattr(model, "inv_freq_local"):
             local = model.inv_freq_local.float().contiguous()
             keep.append(local)
             arch.inv_freq_local = local.data_ptr()
+        rings = ()
         if sm is not None:
-            tables = sm.ring_tables.contiguous()
-            starts = torch.tensor(sm.key_start, dtype=torch.int64)
-            slots = sm.write_slots.contiguous()
-            keep += [tables, starts, slots]
-            arch.ring_tables, arch.ring_max_blocks = tables.data_ptr(), tables.shape[1]
-            arch.ring_NB, arch.ring_slots, arch.ring_starts = self._kv.sliding.num_blocks, slots.data_ptr(), starts.data_ptr()
-        return arch
+            if sm.write_rows.shape[0] != positions.shape[0]:  # (`takes` leaves no prefill row unwritten)
+                raise ValueError("a sliding-window step in one call writes every row's key")
+            tables = sm.ring_tables if seq_of_row is None else sm.ring_tables[seq_of_row]
+            rings = (tables.contiguous(), sm.write_slots.contiguous(),
+                     (positions - (sm.window - 1)).clamp_min(0).to(torch.int64).contiguous())
+            keep += rings
+            arch.ring_max_blocks, arch.ring_NB = rings[0].shape[1], self._kv.sliding.num_blocks
+        return arch, rings
 
     def _lora_table(self, batch) -> ctypes.Array:
         """The `LoRAWeights` of every projection for the adapters of `batch` (`lora.slots.LoRABatch`),
@@ -164,22 +172,25 @@ class NativeDecoder:
         h = h.contiguous()  # a fresh embedding lookup: updated in place
         t = h.shape[0]
         positions = positions.contiguous()
+        seq_of_row = None
         if meta.num_decodes == meta.num_seqs:
             tables = meta.block_tables[:t].contiguous()
         else:  # each row reads its own sequence's table
             qsl = torch.tensor(meta.query_start_loc)
-            tables = meta.block_tables[torch.repeat_interleave(torch.arange(meta.num_seqs), qsl.diff())]
+            seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), qsl.diff())
+            tables = meta.block_tables[seq_of_row]
         lens = (positions + 1).to(torch.int64)
         slots = meta.slot_mapping.contiguous()
         inv_freq = self.model.inv_freq.float().contiguous()
         table, keep = self._layers(kv), []
-        arch = self._arch(meta, keep)
-        step = t if meta.sliding is not None else ROWS_PER_CALL  # (ring arrays: decodes, one call)
+        arch, rings = self._arch(meta, positions, seq_of_row, keep)
         adapters = self._lora_table(lora) if lora is not None and lora.ids else None
-        for a in range(0, t, step):
-            n = min(step, t - a)
+        for a in range(0, t, ROWS_PER_CALL):
+            n = min(ROWS_PER_CALL, t - a)
             rows = LoRAStep(ctypes.addressof(adapters), lora.row_start[a].data_ptr(),
                             lora.row_rank[a].data_ptr()) if adapters is not None else None
+            if rings:  # this call's rows of the ring arrays
+                arch.ring_tables, arch.ring_slots, arch.ring_starts = (r[a].data_ptr() for r in rings)
             rc = decode_layers(self.lib, table, self.model.config, h[a].data_ptr(), n, inv_freq.data_ptr(),
                                positions[a].data_ptr(), slots[a].data_ptr(), tables[a].data_ptr(), tables.shape[1],
                                lens[a].data_ptr(), kv.num_blocks, kv.block_size,

@@ -376,7 +376,13 @@ class ModelRunner:
     def _one_call(self, s: SequenceInput, tracer) -> bool:
         """Whether `s`'s rows go to the one-call C step (`NativeDecoder.takes`)."""
         return (self.native_decoder is not None and tracer is None and self.plan.attention != "reference"
-                and NativeDecoder.takes(len(s.token_ids), s.extent, self.kv.sliding is not None))
+                and NativeDecoder.takes(len(s.token_ids), s.extent, self._ring_tokens))
+
+    @property
+    def _ring_tokens(self) -> int | None:
+        """Tokens a sequence's sliding-window ring holds (None: no such layers)."""
+        sliding = self.kv.sliding
+        return sliding.ring_blocks * sliding.block_size if sliding is not None else None
 
     def _forward(self, seqs: list[SequenceInput], tracer, one_call: bool,
                  fed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, int]]:
