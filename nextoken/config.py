@@ -45,6 +45,12 @@ class ModelConfig:
             self.layer_types is None or self.layer_types[layer] == "sliding_attention")
 
     @property
+    def attention_scale(self) -> float:
+        """The attention's scale: ``query_pre_attn_scalar ** -0.5`` (Gemma 3's; by default the
+        head size, Vaswani et al.'s ``1 / sqrt(d_k)``)."""
+        return float(self.extra.get("query_pre_attn_scalar", self.head_dim)) ** -0.5
+
+    @property
     def sliding_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_sliding(i)]
 

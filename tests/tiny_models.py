@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nextoken.kv_cache.tensors import ring_blocks
+from nextoken.kv_cache.manager import ring_blocks
 
 # A tiny byte-level BPE vocabulary: the 256 byte symbols, a few merges, and ChatML's specials.
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ c", "a t", "Ġc at", "Ġ s", "Ġs at", "Ġ o",

@@ -18,9 +18,8 @@ from nextoken.kernels.structs import QW, DecodeArch, DecodeCall, DecodeLayer, Lo
 # what decode.c implements: the Llama layer (Qwen 2, Mistral), with QK-norm (Qwen 3), and
 # Gemma 3's (its norms, GeGLU, sliding-window layers with their own RoPE base)
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
-# Llama's layer, with Qwen 3's QK-norm: what `runner.quick_start` reads from the prepared file (Gemma's norms and
-# rings are the engine's: it prefills sliding-window models with its PyTorch layers)
-QUICK_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+# what `runner.quick_start` reads from the prepared file: every layer decode.c implements
+QUICK_ARCHITECTURES = ARCHITECTURES
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 64, 512  # decode.c's guard (it returns 2 beyond these)
 # a step with prefill rows runs in one call up to this many new tokens: past ~170 the PyTorch
 # layers' batched prefill attention is faster (`benchmarks/native_prefill.py`). The same bound

@@ -87,7 +87,8 @@ def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_
     (`ModelRunner.gpu_kv_memory`), as vLLM sizes it."""
     from nextoken.kv_cache.disk import open_disk_tier
     from nextoken.kv_cache.manager import KVCacheManager
-    from nextoken.kv_cache.tensors import bytes_per_block, ring_blocks
+    from nextoken.kv_cache.manager import ring_blocks
+    from nextoken.kv_cache.tensors import bytes_per_block
 
     cfg, dtype, bs = runner.config, runner.dtype, cache.block_size
     per_block = bytes_per_block(cfg, bs, dtype, cache.cache_dtype)

@@ -13,6 +13,15 @@ from nextoken.kv_cache.disk import chain_key
 
 
 
+
+def ring_blocks(window: int, block_size: int, max_decode_rows: int = 1) -> int:
+    """Blocks a sliding-window layer's ring needs per sequence: the `window` - 1 keys before a
+    pass's first decode row, plus the `max_decode_rows` (1 + drafted tokens) that pass writes,
+    spread over at most one more block than they fill. (A prefill chunk reads the keys before
+    it first, then writes only its last ``ring_blocks * block_size`` tokens.)"""
+    return -(-(window - 1 + max_decode_rows) // block_size) + 1
+
+
 @dataclass(frozen=True)
 class DiskStats:
     """The prefix cache's disk tier since the start (zeros without it): prompt tokens looked up

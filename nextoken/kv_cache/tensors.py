@@ -101,14 +101,6 @@ class Int8Rows(NamedTuple):
         return self.codes.shape
 
 
-def ring_blocks(window: int, block_size: int, max_decode_rows: int = 1) -> int:
-    """Blocks a sliding-window layer's ring needs per sequence: the `window` - 1 keys before a
-    pass's first decode row, plus the `max_decode_rows` (1 + drafted tokens) that pass writes,
-    spread over at most one more block than they fill. (A prefill chunk reads the keys before
-    it first, then writes only its last ``ring_blocks * block_size`` tokens.)"""
-    return -(-(window - 1 + max_decode_rows) // block_size) + 1
-
-
 class SlidingKVCache:
     """Rings of the sliding-window layers: k, v ``[num_sliding_layers, Hkv, num_blocks,
     block_size, head_dim]``; each sequence owns `ring_blocks` of the `num_blocks`."""

@@ -38,10 +38,18 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=Non
     """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight`` with the product taken in
     float32 before the cast back (`transformers`' Gemma3RMSNorm; its parameter is ``weight - 1``,
     GGUF stores ``weight`` itself). x: ``[..., dim]``; weight: ``[dim]``. `kernel`: the plan's
-    norm kernel; only a batch-invariant plan's (`kernels.gpu.batch_invariant.InvariantNorms`)
-    has this norm (the C library has not: PyTorch runs it)."""
+    norm kernel: a batch-invariant plan's (`kernels.gpu.batch_invariant.InvariantNorms`), or
+    the C library's ``rms_norm_rows_gemma`` for a contiguous 2-D bf16 x and bf16 weight (the
+    decode step's norm: the squares summed in float64, so an output can differ from this
+    expression's by one bf16 step, as `rms_norm`'s); otherwise this PyTorch expression, the
+    reference."""
     if hasattr(kernel, "rms_norm"):
         return kernel.rms_norm(x, weight, eps, gemma=True)
+    if kernel is not None and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() \
+            and weight.is_contiguous() and weight.shape == x.shape[1:] and hasattr(kernel, "rms_norm_rows_gemma"):
+        out = torch.empty_like(x)
+        kernel.rms_norm_rows_gemma(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+        return out
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 

@@ -49,13 +49,15 @@ from nextoken.kernels.structs import LUT_VALUES, lut_table
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 5  # 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut);
+# 2: the dense norms and biases, and RoPE's frequencies, too; 3: IQ4 as 4-bit indices (lut);
 # 4: lut ids 2-4 (the IQ3_XXS, IQ2 and IQ1_S tables, centred: `nextoken.kernels.structs.lut_table`); 5: Q3_K,
-# Q2_K, IQ2_XS and IQ2_S in the 4-bit layout of groups of 16
+# Q2_K, IQ2_XS and IQ2_S in the 4-bit layout of groups of 16; 6: the sliding-window layers' RoPE frequencies
+LAYOUT_VERSION = 6
 # the lut tables the codes' indices were packed for (`nextoken.kernels.structs.lut_table`), kept in
 # every file and compared at load: a file packed for other tables is re-packed, whatever its layout
 _LUTS = json.dumps({k: lut_table(k) for k in LUT_VALUES})
 PREPARED_INV_FREQ = "rope.inv_freq"  # float32 [rope_dim / 2], as the model computed them
+PREPARED_INV_FREQ_LOCAL = "rope.inv_freq_local"  # the same for sliding-window layers' own base (Gemma 3)
 HASH_CHUNK = 16 << 20
 _FIELDS = ("codes", "scales", "mins", "scale_sup", "min_sup")  # QuantWeight's tensors (mins, *_sup may be None)
 _INTS = ("bits", "group", "gps", "lut")

@@ -26,7 +26,7 @@ from nextoken.layers.rotary import unpermute_qk
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.gguf_names import GGUF_LAYER_NAMES, GGUF_PERMUTED_QK, GGUF_PROJECTIONS
 from nextoken.loader.hf import HFModelDir
-from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedWeights
+from nextoken.loader.prepared import PREPARED_INV_FREQ, PREPARED_INV_FREQ_LOCAL, PreparedWeights
 
 
 @dataclass
@@ -225,6 +225,8 @@ def load_weights(model, source: GGUFFile | HFModelDir, plan, prepared_cache: boo
     if prepared is not None:
         if getattr(model, "inv_freq", None) is not None:  # RoPE's frequencies, as the model computed them
             prepared.keep_dense(PREPARED_INV_FREQ, model.inv_freq)
+        if getattr(model, "inv_freq_local", None) is not None:
+            prepared.keep_dense(PREPARED_INV_FREQ_LOCAL, model.inv_freq_local)
         prepared.save()
 
 

@@ -40,7 +40,7 @@ class Gemma3Attention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__(cfg, layer, dtype, qk_norm=True)
-        self.scale = float(cfg.extra.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
+        self.scale = cfg.attention_scale
 
 
 class Gemma3DecoderLayer(torch.nn.Module):
@@ -52,7 +52,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = weight_param(d, dtype=dtype), weight_param(d, dtype=dtype)
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
         self.mlp = LlamaMLP(cfg, dtype, act=gelu_tanh_and_mul)
-        self.norm_kernel = None  # set by the execution plan at load (a GPU plan's Triton norms)
+        self.norm_kernel = None  # set by the execution plan at load (our C norm, or a GPU plan's Triton norms)
 
     def forward(self, h, delta, rope, kv, meta):
         """h: the residual stream ``[T, hidden]`` (`delta` is always None: each add here comes

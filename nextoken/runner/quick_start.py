@@ -59,6 +59,17 @@ log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = MAX_PREFILL_TOKENS
 
 
+def max_prompt_tokens(cfg, block_size: int) -> int:
+    """The longest prompt the engine prefills with the decode step (`NativeDecoder.takes`):
+    `MAX_PROMPT_TOKENS`, and for a model with sliding-window layers at most a sequence's ring
+    (`kv_cache.manager.ring_blocks`, its least: one decode row a step)."""
+    if not cfg.sliding_layers:
+        return MAX_PROMPT_TOKENS
+    from nextoken.kv_cache.manager import ring_blocks
+
+    return min(MAX_PROMPT_TOKENS, ring_blocks(cfg.sliding_window, block_size) * block_size)
+
+
 @dataclass
 class FirstTokens:
     """What `first_tokens` computed: the prompt's ids, the tokens drawn, their text as streamed
@@ -181,8 +192,8 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
 
     f = GGUFFile(path)  # the header and tokenizer first: the file's hash (the cache's key) is
     cfg = read_model_config(f)  # being computed on another thread meanwhile (`loader.prepared`)
-    if not serves(cfg) or cfg.architecture not in QUICK_ARCHITECTURES or cfg.sliding_layers:
-        return None  # (the engine's decode step runs Gemma's layers too; this reads Llama's and Qwen 3's)
+    if not serves(cfg) or cfg.architecture not in QUICK_ARCHITECTURES or cfg.extra.get("final_logit_softcapping"):
+        return None
     tok = Tokenizer.from_gguf(f, merges_path(path))  # (the prepared cache is this path's condition)
     if chat and tok.chat_template is not None:
         prompt = chat_prompt(tok, prompt, system)
@@ -190,7 +201,7 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
     ctx = min(cfg.context_length, engine_args.max_model_len or cfg.context_length)
     if not ids or len(ids) + params.max_tokens > ctx or any(not 0 <= t < cfg.vocab_size for t in ids):
         return None  # the engine says what is wrong, or truncates (truncate_prompt)
-    if len(ids) > MAX_PROMPT_TOKENS:
+    if len(ids) > max_prompt_tokens(cfg, engine_args.block_size):
         return None
     params = params.validate(cfg.vocab_size)
     sampling = load("sampling")
@@ -317,20 +328,23 @@ class Forward:
     """The model's pass over new tokens, from the GGUF file `f` (`loader.gguf.GGUFFile`, config
     `cfg`) and its prepared-weights cache, by our C kernels alone: `logits(ids, start)` runs
     `ids` at positions ``start`` on, writing their keys and values to `kv`, and returns the last
-    one's logits. Raises OSError, ValueError or KeyError for a cache that is missing, stale or
-    lacks a tensor."""
+    one's logits. Gemma 3's layers read their norms, QK-norms and post-norms, and its
+    sliding-window layers read `kv` as a ring that never wraps (logical block b in block b, each
+    row's window from ``position - window + 1``): the keys the engine's ring holds for them.
+    Raises OSError, ValueError or KeyError for a cache that is missing, stale or lacks a tensor."""
 
     def __init__(self, f, cfg, kv: PromptKV):
         from nextoken.kernels import load
-        from nextoken.kernels.decode_step import layer_table
+        from nextoken.kernels.decode_step import DecodeArch, layer_table
         from nextoken.loader.gguf_names import GGUF_EMBEDDING, GGUF_OUTPUT, GGUF_OUTPUT_NORM, GGUF_PROJECTIONS, \
             layer_projection
-        from nextoken.loader.prepared import PREPARED_INV_FREQ, PreparedFile, file_key
+        from nextoken.loader.prepared import PREPARED_INV_FREQ, PREPARED_INV_FREQ_LOCAL, PreparedFile, file_key
 
         self.lib, self.cfg, self.kv = load("decode"), cfg, kv
         if self.lib is None:
             return
         w = _Weights(PreparedFile(str(prepared_path(f.path)), file_key(f.path)))
+        self.gemma, sliding = cfg.architecture == "gemma3", set(cfg.sliding_layers)
         layers = []
         for i in range(cfg.num_layers):
             projections = []
@@ -339,17 +353,26 @@ class Forward:
                 if cfg.attention_bias and g in ("attn_q", "attn_k", "attn_v"):
                     bias = w.bias(layer_projection(i, g, "bias"))
                 projections.append(w.codes(layer_projection(i, g), bias))
-            norms = w.dense(f"blk.{i}.attn_norm.weight"), w.dense(f"blk.{i}.ffn_norm.weight")
-            qk = (None, None)  # Qwen 3: an RMSNorm over each query and key head
-            if cfg.architecture == "qwen3":
-                qk = tuple(w.dense(f"blk.{i}.attn_{x}_norm.weight").ctypes.data for x in ("q", "k"))
-            layers.append((norms[0].ctypes.data, norms[1].ctypes.data, projections, kv.k[i].ctypes.data,
-                           kv.v[i].ctypes.data, None, None, *qk, None, None, 0))
+            norm = lambda name: w.dense(f"blk.{i}.{name}.weight").ctypes.data  # noqa: E731
+            qk = post = (None, None)
+            if cfg.architecture in ("qwen3", "gemma3"):  # an RMSNorm over each query and key head
+                qk = norm("attn_q_norm"), norm("attn_k_norm")
+            if self.gemma:  # its norms of the attention's and the feed-forward's outputs
+                post = norm("post_attention_norm"), norm("post_ffw_norm")
+            layers.append((norm("attn_norm"), norm("ffn_norm"), projections, kv.k[i].ctypes.data, kv.v[i].ctypes.data,
+                           None, None, *qk, *post, int(i in sliding)))
         self.table = layer_table(layers)
         self.embed = w.codes(GGUF_EMBEDDING)
         self.head = self.embed if cfg.tie_word_embeddings else w.codes(GGUF_OUTPUT)
         self.inv_freq, self.final_norm, self.weights = w.dense(PREPARED_INV_FREQ), w.dense(GGUF_OUTPUT_NORM), w
         self.blocks = np.arange(kv.k.shape[2], dtype=np.int64)  # the cache's blocks in order: every row's table
+        self.arch = None
+        if self.gemma or sliding:
+            self.arch = DecodeArch(gemma=int(self.gemma), ring_max_blocks=kv.k.shape[2], ring_NB=kv.k.shape[2])
+            if self.gemma:
+                self.arch.inv_freq_local = w.dense(PREPARED_INV_FREQ_LOCAL).ctypes.data
+        # Gemma's embeddings times sqrt(hidden), that factor rounded to bf16 as the model holds it
+        self.embed_scale = _bf16_bits(np.float32(cfg.hidden_size ** 0.5)) if self.gemma else None
 
     def logits(self, ids: list[int], start: int) -> np.ndarray | None:
         """float32 logits ``[vocab]`` of the token after `ids` (at positions ``start`` on, after
@@ -368,22 +391,41 @@ class Forward:
             h = np.empty((t, hidden), dtype=np.uint16)
             if lib.qlookup_bf16(ctypes.byref(self.embed), p(chunk.ctypes.data), i64(t), p(h.ctypes.data)) != 0:
                 return None
+            if self.embed_scale is not None:  # a bf16 product, rounded once (exact in float32)
+                h = _bf16_bits(_f32(h) * _f32(self.embed_scale))
             positions = np.arange(start + first, start + first + t, dtype=np.int64)
             tables = np.ascontiguousarray(np.broadcast_to(blocks, (t, num_blocks)))
             lens = positions + 1
+            if self.arch is not None and cfg.sliding_layers:  # the rings: slot = position, as for the full layers
+                starts = np.maximum(positions - (cfg.sliding_window - 1), 0)
+                self.arch.ring_tables, self.arch.ring_slots, self.arch.ring_starts = \
+                    tables.ctypes.data, positions.ctypes.data, starts.ctypes.data
             if decode_layers(lib, self.table, cfg, h.ctypes.data, t, self.inv_freq.ctypes.data, positions.ctypes.data,
                              positions.ctypes.data, tables.ctypes.data, num_blocks, lens.ctypes.data, num_blocks,
-                             block) != 0:
+                             block, cfg.attention_scale, self.arch) != 0:
                 return None
         last = np.ascontiguousarray(h[-1:])
         normed = np.empty_like(last)
-        lib.rms_norm_rows_bf16(p(last.ctypes.data), p(self.final_norm.ctypes.data), i64(1), i64(hidden),
-                               ctypes.c_float(cfg.norm_eps), p(normed.ctypes.data))
+        norm = lib.rms_norm_rows_gemma if self.gemma else lib.rms_norm_rows_bf16
+        norm(p(last.ctypes.data), p(self.final_norm.ctypes.data), i64(1), i64(hidden), ctypes.c_float(cfg.norm_eps),
+             p(normed.ctypes.data))
         logits = np.empty((1, self.head.N), dtype=np.uint16)
         if lib.qmatmul(p(normed.ctypes.data), ctypes.c_int(1), i64(1), ctypes.byref(self.head),
                        p(logits.ctypes.data), ctypes.c_int(1), i64(self.head.N)) != 0:
             return None
-        return (logits[0, : cfg.vocab_size].astype(np.uint32) << 16).view(np.float32)  # bf16 -> float32, exact
+        return _f32(logits[0, : cfg.vocab_size])  # bf16 -> float32, exact
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> float32 values, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _bf16_bits(x) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounded to nearest, ties to even (as PyTorch's cast;
+    finite values)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
 def prompt_logits(f, cfg, ids: list[int], kv: PromptKV | None = None) -> np.ndarray | None:

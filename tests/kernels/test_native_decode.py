@@ -84,7 +84,7 @@ def test_one_stream_decode_matches_pytorch_layers(tmp_path, arch, cache_dtype):
 def test_batched_decodes_match_pytorch_layers(tmp_path, arch):
     """Sequences of different lengths with scattered blocks (and, for Gemma's sliding-window
     layers, scattered rings), decoding together."""
-    from nextoken.kv_cache.tensors import ring_blocks
+    from nextoken.kv_cache.manager import ring_blocks
 
     native, plain, _ = runners(tmp_path, arch)
     ring = ring_blocks(native.config.sliding_window, 4) if native.config.sliding_layers else 0
@@ -142,7 +142,7 @@ def test_short_steps_with_prefill_rows_run_in_one_call(tmp_path, arch, monkeypat
     extra norms amplify bf16 roundings (see the test above), so against the PyTorch layers the
     bound is 0.3 of the spread (it measured 0.28), and the decode steps are the tight check."""
     from nextoken.kernels.decode_step import MAX_PREFILL_TOKENS
-    from nextoken.kv_cache.tensors import ring_blocks
+    from nextoken.kv_cache.manager import ring_blocks
     from nextoken.layers.native_decode import NativeDecoder
 
     native, plain, _ = runners(tmp_path, arch)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nextoken import kernels
-from nextoken.layers.norm import rms_norm
+from nextoken.layers.norm import rms_norm, rms_norm_gemma
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,25 @@ def test_native_rms_norm_equals_pytorch_but_for_rare_roundings(lib, shape):
     # where they differ at all, by one bf16 step of the output (a last-bit change of the mean)
     assert (out.float() - ref.float()).abs().le(ref.float().abs() * 2 ** -7 + 1e-30).all()
     assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("shape", [(512, 640), (3, 37), (1, 1), (7, 1152)])
+def test_native_gemma_norm_equals_pytorch_but_for_rare_roundings(lib, shape):
+    """Gemma's norm (the weight's product in float32, one rounding: ``rms_norm_rows_gemma``,
+    the decode step's) against `rms_norm_gemma`'s PyTorch expression and the float32 value;
+    widths of Gemma 3 270M and 1B."""
+    x, w = rows(shape, shape[1] + 1)
+    out = rms_norm_gemma(x, w, 1e-6, kernel=lib)
+    ref = rms_norm_gemma(x, w, 1e-6)
+    xf = x.float()
+    exact = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    tol = exact.abs() * 2 ** -8 + 1e-30  # one rounding to bf16 and a float32 mean
+    assert (out.float() - exact).abs().le(tol).all() and (ref.float() - exact).abs().le(tol).all()
+    assert (out.float() - ref.float()).abs().le(ref.float().abs() * 2 ** -7 + 1e-30).all()
+    assert (out != ref).float().mean() < 0.01
+    x3 = x[None]  # (3-D, a per-head norm's shape: the PyTorch expression)
+    assert torch.equal(rms_norm_gemma(x3, w, 1e-6, kernel=lib), rms_norm_gemma(x3, w, 1e-6))
 
 
 def test_portable_loop_equals_the_vectorized_kernel(lib):
