@@ -29,8 +29,9 @@ def main() -> None:
     skip = set(getattr(llm.tokenizer, "special_ids", ()))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     takes = NativeDecoder.takes
-    ways = {"one C call": lambda new_tokens, prefill_len, sliding: new_tokens == 1 or not sliding,
-            "PyTorch layers": lambda new_tokens, prefill_len, sliding: new_tokens == 1}
+    ways = {"one C call": lambda new_tokens, prefill_len, ring_tokens=None:  # (a prompt within a ring)
+            new_tokens == 1 or prefill_len <= (ring_tokens or prefill_len),
+            "PyTorch layers": lambda new_tokens, prefill_len, ring_tokens=None: new_tokens == 1}
     print(f"{args.model}, prefill of one prompt (first token greedy), median of {args.reps}, ms")
     print(f"{'tokens':>7}  {'one C call':>11}  {'PyTorch layers':>15}  ratio")
     seed = 100
