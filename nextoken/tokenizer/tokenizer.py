@@ -382,7 +382,8 @@ class Tokenizer:
 
         if not self.chat_template:
             raise InvalidRequest(
-                "this model has no chat template; use a raw prompt (--raw) instead", "messages"
+                "this model has no chat template: send a plain prompt instead (/v1/completions, /api/generate; "
+                "`--raw` on the command line), or give the engine one with --chat-template FILE", "messages"
             )
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""

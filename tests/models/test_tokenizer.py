@@ -75,6 +75,19 @@ def test_chat_template_is_sandboxed():
         render(evil, [{"role": "user", "content": "x"}])
 
 
+def test_a_model_without_a_chat_template_says_what_to_send_instead(smol_tok):
+    """Gemma 3 270M (the base model) has none: the error names the plain-prompt routes, the
+    command line's flag and the engine's option, whichever way the messages came."""
+    import copy
+
+    tok = copy.copy(smol_tok)
+    tok.chat_template = None
+    with pytest.raises(InvalidRequest) as e:
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert e.value.field == "messages"
+    assert all(s in str(e.value) for s in ("/v1/completions", "--raw", "--chat-template"))
+
+
 @pytest.mark.parametrize("messages,field", [
     ([], "messages"),
     ([{"role": "wizard", "content": "x"}], "messages[0].role"),
