@@ -12,8 +12,6 @@ from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
 from nextoken.kv_cache.disk import chain_key
 
 
-
-
 def ring_blocks(window: int, block_size: int, max_decode_rows: int = 1) -> int:
     """Blocks a sliding-window layer's ring needs per sequence: the `window` - 1 keys before a
     pass's first decode row, plus the `max_decode_rows` (1 + drafted tokens) that pass writes,
