@@ -6,6 +6,7 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
@@ -41,15 +42,23 @@ class KVCacheManager:
     """Allocates blocks to requests, finds cached prefixes, frees blocks when requests end.
 
     With `sliding_blocks` (a model with sliding-window layers), each request also owns a ring of
-    up to `ring_blocks` blocks from a second pool for those layers (`kv_cache.tensors`). Their
-    older keys are overwritten, so a prefix of such a model cannot be reused: prefix caching and
-    prefix sharing are off for it.
+    up to `ring_blocks` blocks from a second pool for those layers (`kv_cache.tensors`), whose
+    older keys are overwritten. Such a model's prefix is reused with its ring (vLLM's hybrid
+    cache keeps a sliding layer's last window of blocks for the same reason): when a request
+    ends, its ring is parked under the chained hash of its last full block (`parked`, oldest
+    first), its full-attention blocks stay in the prefix cache as for any model, and a later
+    request whose cached prefix ends at such a block takes the ring over and goes on from
+    there. The ring then holds the keys of the window before that point (`ring_blocks` leaves
+    a block and a decode row to spare: less than a block lies past it). Parked rings give their
+    blocks back, oldest first, when a request needs ring blocks the pool lacks. Copy-free prefix
+    sharing (`share_prefix`) and the disk tier stay off for such a model (its rings are neither
+    shared nor on disk).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_blocks: int = 0, ring_blocks: int = 0):
         self.block_size = block_size
-        self.enable_caching = enable_prefix_caching and not sliding_blocks
+        self.enable_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, self.enable_caching)
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # each table's block ids, kept beside it (read every step)
@@ -57,6 +66,7 @@ class KVCacheManager:
         self.ring_blocks = ring_blocks
         self.sliding_pool = BlockPool(sliding_blocks, False) if sliding_blocks else None
         self.rings: dict[str, list[KVCacheBlock]] = {}
+        self.parked: OrderedDict[int, list[KVCacheBlock]] = OrderedDict()  # rings of ended requests, by block hash
         self.disk = None  # the prefix cache's disk tier (`kv_cache.disk.DiskTier`), if any
         self.disk_queries = self.disk_hits = 0  # prompt tokens looked up on disk, and found there
 
@@ -113,6 +123,8 @@ class KVCacheManager:
             hits.append(b)
         if self.disk is not None:
             self.pool.free_blocks(hits)
+        if self.sliding_pool is not None:  # as far as a parked ring goes on from (`allocate_slots` takes it)
+            hits = hits[: next((k for k in range(len(hits), 0, -1) if hits[k - 1].block_hash in self.parked), 0)]
         return hits
 
     def _load_block(self, req, i: int, block_hash: int, toks: tuple[int, ...]) -> KVCacheBlock | None:
@@ -147,21 +159,47 @@ class KVCacheManager:
             return True  # (most decodes: the last block has room)
         need = self.blocks_for(total) - len(table) - len(computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # free now, but about to be used
-        ring = self.rings.get(req.request_id, [])
+        resumed = self.parked.pop(computed[-1].block_hash) if computed and self.sliding_pool else None
+        ring = resumed or self.rings.get(req.request_id, [])  # (a ring goes on from the cached prefix)
         ring_need = min(self.ring_blocks, self.blocks_for(total)) - len(ring) if self.sliding_pool else 0
+        if ring_need > 0:
+            self._unpark(ring_need)
         if need > self.pool.num_free_blocks - reclaimed or \
                 (ring_need > 0 and ring_need > self.sliding_pool.num_free_blocks):
             if not table:
                 del self.block_tables[req.request_id]
+            if resumed:  # parked again, for the next try
+                self.parked[computed[-1].block_hash] = resumed
+                self.parked.move_to_end(computed[-1].block_hash, last=False)
             return False
         self.pool.touch(computed)
         new = [*computed, *self.pool.get_new_blocks(need)] if need > 0 else list(computed)
         table.extend(new)
         self._block_ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
-        if ring_need > 0:
-            self.rings[req.request_id] = ring + self.sliding_pool.get_new_blocks(ring_need)
+        if ring_need > 0 or resumed:
+            self.rings[req.request_id] = ring + (self.sliding_pool.get_new_blocks(ring_need) if ring_need > 0 else [])
         return True
 
+    def _unpark(self, n: int) -> None:
+        """Give parked rings' blocks back to the ring pool, oldest first, until `n` are free (or
+        none is parked)."""
+        while self.parked and self.sliding_pool.num_free_blocks < n:
+            self.sliding_pool.free_blocks(self.parked.popitem(last=False)[1])
+
+    def _park(self, req, ring: list[KVCacheBlock]) -> None:
+        """Keep an ending request's ring under the hash of its last full block, when the prefix
+        cache holds every full block of its computed tokens (`cache_full_blocks`): less than a
+        block then lies past it, and the ring still holds the window before it (after a pass's
+        drafted rows too: `ring_blocks`). Otherwise the ring goes back to the pool."""
+        n = req.num_computed_tokens // self.block_size
+        if not ring or n == 0 or not self.enable_caching or self._num_cached.get(req.request_id, 0) < n:
+            self.sliding_pool.free_blocks(ring)
+            return
+        key = self._block_hashes(req, n)[-1]
+        old = self.parked.pop(key, None)
+        if old is not None:
+            self.sliding_pool.free_blocks(old)
+        self.parked[key] = ring
     def share_prefix(self, parent, child, num_tokens: int) -> int:
         """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
         only (copy-free sharing: the child writes its own tokens into new blocks). Returns the
@@ -204,15 +242,17 @@ class KVCacheManager:
                 self.pool.uncache_block(b)
                 if self.disk is not None and i < len(req.disk_keys):
                     self.disk.store.discard(req.disk_keys[i])
+        if self.sliding_pool is not None:  # its ring is not parked either
+            self.sliding_pool.free_blocks(self.rings.pop(req.request_id, []))
 
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])
         self._block_ids.pop(req.request_id, None)
+        if self.sliding_pool is not None:
+            self._park(req, self.rings.pop(req.request_id, []))
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(table))
-        if self.sliding_pool is not None:
-            self.sliding_pool.free_blocks(self.rings.pop(req.request_id, []))
 
     def close(self) -> None:
         """Wait for the disk tier's queued blocks to be written (nothing to do without one)."""

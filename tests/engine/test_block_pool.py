@@ -102,3 +102,61 @@ def test_share_prefix_for_parallel_sampling():
     child.num_computed_tokens = 8
     assert kv.allocate_slots(child, 2)
     assert kv.block_ids("c") == [0, 1, 3]
+
+
+def run(kv: KVCacheManager, r: Request, n: int, computed=()) -> None:
+    """Allocate `n` new tokens of `r` (after `computed`) and mark them computed and cached, as a step does."""
+    assert kv.allocate_slots(r, n, computed)
+    r.num_computed_tokens += len(computed) * kv.block_size + n
+    kv.cache_full_blocks(r)
+
+
+def test_a_sliding_window_models_ring_is_parked_and_taken_over_with_its_prefix():
+    """An ended request's ring waits under the hash of its last full block; a request whose
+    cached prefix reaches that block takes the ring and goes on from there (its full-attention
+    blocks from the prefix cache); one whose prefix stops short of it, or differs, finds no
+    prefix (its sliding layers would lack the window's keys)."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, sliding_blocks=9, ring_blocks=3)
+    a = req("a", list(range(30)))  # 7 full blocks and 2 tokens
+    assert kv.get_computed_blocks(a) == []
+    run(kv, a, 30)
+    ring, full = kv.ring_ids("a"), kv.block_ids("a")[:7]
+    assert len(ring) == 3 and kv.sliding_pool.num_free_blocks == 6
+    kv.free(a)
+    assert list(kv.parked.values())[0] and kv.sliding_pool.num_free_blocks == 6  # parked, not freed
+    b = req("b", list(range(30)) + [77, 78])  # the next turn: a's tokens and more
+    hits = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == full
+    run(kv, b, 32 - 28, hits)
+    assert kv.ring_ids("b") == ring and not kv.parked  # the same ring, taken over
+    c = req("c", list(range(20)) + [5] * 12)  # a's first 5 blocks only: no ring parked there
+    assert kv.get_computed_blocks(c) == []
+    d = req("d", [9] + list(range(1, 30)))  # another first block
+    assert kv.get_computed_blocks(d) == []
+
+
+def test_parked_rings_give_way_to_running_requests_oldest_first():
+    kv = KVCacheManager(num_blocks=60, block_size=4, sliding_blocks=6, ring_blocks=3)
+    a, b = req("a", list(range(12))), req("b", list(range(100, 112)))
+    run(kv, a, 12)
+    run(kv, b, 12)
+    kv.free(a)
+    kv.free(b)
+    assert len(kv.parked) == 2 and kv.sliding_pool.num_free_blocks == 0
+    c = req("c", list(range(200, 212)))
+    run(kv, c, 12)  # takes a's ring blocks (parked first)
+    assert len(kv.parked) == 1 and kv.get_computed_blocks(req("a2", list(range(12)) + [1])) == []
+    assert len(kv.get_computed_blocks(req("b2", list(range(100, 112)) + [1]))) == 3  # b's still there
+
+
+def test_a_ring_is_not_parked_for_a_failed_request_or_a_partial_block():
+    kv = KVCacheManager(num_blocks=40, block_size=4, sliding_blocks=9, ring_blocks=3)
+    a = req("a", list(range(12)))
+    run(kv, a, 12)
+    kv.uncache(a)  # non-finite logits: neither its blocks nor its ring are kept
+    kv.free(a)
+    assert not kv.parked and kv.sliding_pool.num_free_blocks == 9
+    b = req("b", [1, 2, 3])  # no full block: nothing to park under
+    run(kv, b, 3)
+    kv.free(b)
+    assert not kv.parked and kv.sliding_pool.num_free_blocks == 9

@@ -69,6 +69,29 @@ def test_prefix_cache_reports_cached_tokens(tiny_gguf):
     assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
+    """Gemma 3 (window 8, rings of 3 blocks of 4): a second turn that extends the first (its
+    prompt, its answer, a new message) computes only what follows the first turn's last full
+    block, taking over its parked ring, and answers as without the prefix cache: the same
+    greedy tokens, log-probabilities within float32's (or bf16's) rounding of a prefill split
+    at another point."""
+    path = str(tiny_gguf["gemma3"][0])
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    prompt = [(7 * j) % 250 + 3 for j in range(30)]
+    cached, plain = (LLM(path, dtype=dtype, block_size=4, enable_prefix_caching=on) for on in (True, False))
+    first = cached.generate([prompt], p)[0].outputs[0]
+    assert first.token_ids == plain.generate([prompt], p)[0].outputs[0].token_ids
+    second = prompt + first.token_ids + [11, 12, 13]
+    a, b = cached.generate([second], p)[0], plain.generate([second], p)[0]
+    assert a.usage["cached_tokens"] == 36 and b.usage["cached_tokens"] == 0  # 9 full blocks: 39 computed tokens
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        assert all(abs(x[t] - y[t]) < tol for t in x.keys() & y.keys())
+    assert_no_leak(cached)
+
+
 def test_parallel_sampling_shares_the_prompt(tiny_gguf):
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", block_size=4)
     prompt = tiny_prompts()[1]
