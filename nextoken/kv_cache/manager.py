@@ -200,6 +200,7 @@ class KVCacheManager:
         if old is not None:
             self.sliding_pool.free_blocks(old)
         self.parked[key] = ring
+
     def share_prefix(self, parent, child, num_tokens: int) -> int:
         """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
         only (copy-free sharing: the child writes its own tokens into new blocks). Returns the
