@@ -383,7 +383,7 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidRequest(
                 "this model has no chat template: send a plain prompt instead (/v1/completions, /api/generate; "
-                "`--raw` on the command line), or give the engine one with --chat-template FILE", "messages"
+                "`nextoken run --raw`), or give the engine one with --chat-template FILE", "messages"
             )
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
