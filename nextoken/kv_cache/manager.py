@@ -162,15 +162,15 @@ class KVCacheManager:
         resumed = self.parked.pop(computed[-1].block_hash) if computed and self.sliding_pool else None
         ring = resumed or self.rings.get(req.request_id, [])  # (a ring goes on from the cached prefix)
         ring_need = min(self.ring_blocks, self.blocks_for(total)) - len(ring) if self.sliding_pool else 0
-        if ring_need > 0:
+        short = need > self.pool.num_free_blocks - reclaimed
+        if not short and ring_need > 0:  # (parked rings give way only to a request that then fits)
             self._unpark(ring_need)
-        if need > self.pool.num_free_blocks - reclaimed or \
-                (ring_need > 0 and ring_need > self.sliding_pool.num_free_blocks):
+            short = ring_need > self.sliding_pool.num_free_blocks
+        if short:
             if not table:
                 del self.block_tables[req.request_id]
-            if resumed:  # parked again, for the next try
+            if resumed:  # parked again (the newest), for the next try
                 self.parked[computed[-1].block_hash] = resumed
-                self.parked.move_to_end(computed[-1].block_hash, last=False)
             return False
         self.pool.touch(computed)
         new = [*computed, *self.pool.get_new_blocks(need)] if need > 0 else list(computed)

@@ -305,7 +305,7 @@ class _Weights:
 
     def bias(self, name: str) -> np.ndarray:
         b = self.dense(name)
-        b = (b.astype(np.uint32) << 16).view(np.float32) if self.file.dtype(name) == "BF16" else b.astype(np.float32)
+        b = _f32(b) if self.file.dtype(name) == "BF16" else b.astype(np.float32)
         self.keep.append(b)
         return b
 
