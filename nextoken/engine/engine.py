@@ -360,6 +360,7 @@ class LLMEngine:
         drafts, each as a decode row, for verification; with a token in flight, `n` is 1 and the
         token is fed from the last step's draw)."""
         block_ids, ring_ids = self.kv.block_ids(r.request_id), self.kv.ring_ids(r.request_id)
+        off_ring = self.kv.off_ring(r.request_id) if ring_ids else None
         if r.num_pending:
             return SequenceInput([0], r.num_computed_tokens, block_ids, True, ring_ids=ring_ids, lora_id=r.lora_id,
                                  fed_from=r.fed_row)
@@ -368,7 +369,7 @@ class LLMEngine:
             return SequenceInput(toks + drafted[0], r.num_computed_tokens, block_ids, True, as_decodes=True,
                                  ring_ids=ring_ids, lora_id=r.lora_id)
         return SequenceInput(toks, r.num_computed_tokens, block_ids, r.num_computed_tokens + n == r.num_tokens,
-                             ring_ids=ring_ids, keep_hidden=_scores_prompt(r), lora_id=r.lora_id,
+                             ring_ids=ring_ids, off_ring=off_ring, keep_hidden=_scores_prompt(r), lora_id=r.lora_id,
                              prefill_len=r.num_tokens)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: dict, tracer) -> None:

@@ -105,7 +105,8 @@ def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_
     budget = plan_kv_budget(block_size=bs, bytes_per_block=per_block, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, ring_blocks=ring, bytes_per_ring=per_ring,
                             memory_bytes=memory, num_blocks=cache.num_blocks)
-    manager = KVCacheManager(budget.num_blocks, bs, cache.enable_prefix_caching, budget.sliding_blocks, ring)
+    manager = KVCacheManager(budget.num_blocks, bs, cache.enable_prefix_caching, budget.sliding_blocks, ring,
+                             cfg.sliding_window if ring else 0)
     runner.init_kv_cache(budget.num_blocks, bs, budget.sliding_blocks, ring, cache.cache_dtype)
     if draft_runner is not None:
         draft_runner.init_kv_cache(budget.num_blocks, bs, cache_dtype=cache.cache_dtype)

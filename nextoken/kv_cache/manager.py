@@ -6,8 +6,7 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
 from nextoken.kv_cache.disk import chain_key
@@ -19,6 +18,35 @@ def ring_blocks(window: int, block_size: int, max_decode_rows: int = 1) -> int:
     spread over at most one more block than they fill. (A prefill chunk reads the keys before
     it first, then writes only its last ``ring_blocks * block_size`` tokens.)"""
     return -(-(window - 1 + max_decode_rows) // block_size) + 1
+
+
+@dataclass
+class Ring:
+    """One request's blocks for the sliding-window layers, `ring_blocks` slots at most: logical
+    block b is written into ``slots[b % ring_blocks]``, which holds it for ``max(lo, mapped -
+    ring_blocks) <= b < mapped`` (`holds`). mapped: logical blocks given a slot so far; lo: the
+    first one it holds (a request that began from a cached prefix: the window before it; the
+    slots below hold blocks not yet written). off_ring: this step's blocks outside the slots
+    (logical block -> block): cached ones its pass still reads whose slot a later logical block
+    took, and, where the pool has blocks to spare (beyond what the other rings may need), new
+    ones for the full blocks its pass writes that the ring does not keep (so that they are
+    cached too); given back at the request's next
+    allocation, when that pass is done (on a GPU, queued before the next)."""
+
+    slots: list[KVCacheBlock]
+    mapped: int = 0
+    lo: int = 0
+    off_ring: dict[int, KVCacheBlock] = field(default_factory=dict)
+
+    def holds(self, b: int, ring_blocks: int) -> bool:
+        return max(self.lo, self.mapped - ring_blocks) <= b < self.mapped
+
+    def blocks(self, ring_blocks: int) -> list[KVCacheBlock]:
+        """Every block it holds, in the order to evict them: slots that hold no logical block
+        first, then the others, oldest logical block first."""
+        held = [self.slots[b % ring_blocks] for b in range(max(self.lo, self.mapped - ring_blocks), self.mapped)]
+        ids = {id(b) for b in held}
+        return [b for b in self.slots if id(b) not in ids] + [self.off_ring[b] for b in sorted(self.off_ring)] + held
 
 
 @dataclass(frozen=True)
@@ -41,32 +69,35 @@ class DiskStats:
 class KVCacheManager:
     """Allocates blocks to requests, finds cached prefixes, frees blocks when requests end.
 
-    With `sliding_blocks` (a model with sliding-window layers), each request also owns a ring of
-    up to `ring_blocks` blocks from a second pool for those layers (`kv_cache.tensors`), whose
-    older keys are overwritten. Such a model's prefix is reused with its ring (vLLM's hybrid
-    cache keeps a sliding layer's last window of blocks for the same reason): when a request
-    ends, its ring is parked under the chained hash of its last full block (`parked`, oldest
-    first), its full-attention blocks stay in the prefix cache as for any model, and a later
-    request whose cached prefix ends at such a block takes the ring over and goes on from
-    there. The ring then holds the keys of the window before that point (`ring_blocks` leaves
-    a block and a decode row to spare: less than a block lies past it). Parked rings give their
-    blocks back, oldest first, when a request needs ring blocks the pool lacks. Copy-free prefix
-    sharing (`share_prefix`) and the disk tier stay off for such a model (its rings are neither
-    shared nor on disk).
+    With `sliding_blocks` (a model with sliding-window layers), each request also owns a `Ring`
+    of up to `ring_blocks` blocks from a second pool for those layers (`kv_cache.tensors`):
+    logical block b is written into slot ``b % ring_blocks``, so the ring keeps the last window.
+    Those blocks are paged as vLLM's hybrid cache pages a sliding layer's: a full block is cached
+    under the same chained hash as the full-attention block of the same tokens, and a slot whose
+    block is cached (or shared) gets a new block when a later logical block needs it, the old
+    one joining the free queue with its hash (or, when this pass still reads it, after the pass:
+    `Ring.off_ring`; a long pass's full blocks that the ring does not keep get blocks there too,
+    when the pool has them to spare). A prefix is then a hit as far as the sliding pool also holds the blocks of
+    the window before its end (`get_computed_blocks`): the next turn of a conversation, a shared
+    system prompt, a preempted request. A slot whose block is unshared and uncached is rewritten
+    in place, as is a cached one this pass reads when the pool has no block to spare (it leaves
+    the cache). Copy-free prefix sharing (`share_prefix`) and the disk tier stay off for such a
+    model (its prefix comes from the cache; the rings are not on disk).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_blocks: int = 0, ring_blocks: int = 0):
+                 sliding_blocks: int = 0, ring_blocks: int = 0, sliding_window: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, self.enable_caching)
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # each table's block ids, kept beside it (read every step)
         self._num_cached: dict[str, int] = {}  # blocks of each request registered in the cache
-        self.ring_blocks = ring_blocks
-        self.sliding_pool = BlockPool(sliding_blocks, False) if sliding_blocks else None
-        self.rings: dict[str, list[KVCacheBlock]] = {}
-        self.parked: OrderedDict[int, list[KVCacheBlock]] = OrderedDict()  # rings of ended requests, by block hash
+        if sliding_blocks and not (ring_blocks and sliding_window):
+            raise ValueError("a sliding-window pool needs ring_blocks and sliding_window")
+        self.ring_blocks, self.window = ring_blocks, sliding_window
+        self.sliding_pool = BlockPool(sliding_blocks, self.enable_caching) if sliding_blocks else None
+        self.rings: dict[str, Ring] = {}
         self.disk = None  # the prefix cache's disk tier (`kv_cache.disk.DiskTier`), if any
         self.disk_queries = self.disk_hits = 0  # prompt tokens looked up on disk, and found there
 
@@ -80,10 +111,39 @@ class KVCacheManager:
         return self._block_ids.get(request_id, [])
 
     def ring_ids(self, request_id: str) -> list[int] | None:
-        """The request's sliding-window ring blocks (None for a model without such layers)."""
+        """The request's sliding-window ring blocks, slot by slot (None for a model without such
+        layers): where its pass reads and writes, but for `off_ring`'s logical blocks."""
         if self.sliding_pool is None:
             return None
-        return [b.block_id for b in self.rings.get(request_id, ())]
+        ring = self.rings.get(request_id)
+        return [b.block_id for b in ring.slots] if ring is not None else []
+
+    def off_ring(self, request_id: str) -> dict[int, int] | None:
+        """Where the request's pass reads or writes logical blocks outside its ring's slots
+        (logical block -> block id; `Ring.off_ring`), or None."""
+        ring = self.rings.get(request_id)
+        return {b: blk.block_id for b, blk in ring.off_ring.items()} if ring is not None and ring.off_ring else None
+
+    def _window_start(self, position: int) -> int:
+        """The first logical block a token at `position` attends to in a sliding-window layer."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _sliding_block(self, req, i: int) -> KVCacheBlock | None:
+        """The sliding pool's cached block for the request's full block `i` (its hash computed:
+        `_block_hashes`), or None."""
+        bs = self.block_size
+        return self.sliding_pool.get_cached_block(req.block_hashes[i], tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+
+    def _sliding_hit(self, req, k: int) -> int:
+        """The most of the first `k` blocks that a request may take from the cache: as many as
+        the sliding pool also holds the window before (the blocks from `_window_start`)."""
+        best = run = 0
+        self._block_hashes(req, k)
+        for i in range(k):
+            run = run + 1 if self._sliding_block(req, i) is not None else 0
+            if run >= i + 1 - self._window_start((i + 1) * self.block_size):
+                best = i + 1
+        return best
 
     def _block_hashes(self, req, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
@@ -123,8 +183,8 @@ class KVCacheManager:
             hits.append(b)
         if self.disk is not None:
             self.pool.free_blocks(hits)
-        if self.sliding_pool is not None:  # as far as a parked ring goes on from (`allocate_slots` takes it)
-            hits = hits[: next((k for k in range(len(hits), 0, -1) if hits[k - 1].block_hash in self.parked), 0)]
+        if self.sliding_pool is not None:  # as far as the sliding layers' window is cached too
+            hits = hits[: self._sliding_hit(req, len(hits))]
         return hits
 
     def _load_block(self, req, i: int, block_hash: int, toks: tuple[int, ...]) -> KVCacheBlock | None:
@@ -154,52 +214,96 @@ class KVCacheManager:
         the cached blocks `computed`, when it is being admitted). False, changing nothing, when
         too few blocks are free."""
         table = self.block_tables.setdefault(req.request_id, [])
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        if not computed and self.sliding_pool is None and total <= len(table) * self.block_size:
+        start = req.num_computed_tokens + len(computed) * self.block_size
+        total = start + num_new_tokens
+        if not computed and total <= len(table) * self.block_size and self._ring_has_room(req):
             return True  # (most decodes: the last block has room)
         need = self.blocks_for(total) - len(table) - len(computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # free now, but about to be used
-        resumed = self.parked.pop(computed[-1].block_hash) if computed and self.sliding_pool else None
-        ring = resumed or self.rings.get(req.request_id, [])  # (a ring goes on from the cached prefix)
-        ring_need = min(self.ring_blocks, self.blocks_for(total)) - len(ring) if self.sliding_pool else 0
         short = need > self.pool.num_free_blocks - reclaimed
-        if not short and ring_need > 0:  # (parked rings give way only to a request that then fits)
-            self._unpark(ring_need)
-            short = ring_need > self.sliding_pool.num_free_blocks
-        if short:
+        if short or (self.sliding_pool is not None and not self._grow_ring(req, len(computed), start, total)):
             if not table:
                 del self.block_tables[req.request_id]
-            if resumed:  # parked again (the newest), for the next try
-                self.parked[computed[-1].block_hash] = resumed
             return False
         self.pool.touch(computed)
         new = [*computed, *self.pool.get_new_blocks(need)] if need > 0 else list(computed)
         table.extend(new)
         self._block_ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
-        if ring_need > 0 or resumed:
-            self.rings[req.request_id] = ring + (self.sliding_pool.get_new_blocks(ring_need) if ring_need > 0 else [])
         return True
 
-    def _unpark(self, n: int) -> None:
-        """Give parked rings' blocks back to the ring pool, oldest first, until `n` are free (or
-        none is parked)."""
-        while self.parked and self.sliding_pool.num_free_blocks < n:
-            self.sliding_pool.free_blocks(self.parked.popitem(last=False)[1])
+    def _ring_has_room(self, req) -> bool:
+        """Whether the request's ring needs nothing for a pass within its block table: every
+        logical block there has its slot, and no block outside them is left to give back."""
+        if self.sliding_pool is None:
+            return True
+        ring = self.rings.get(req.request_id)
+        return ring is not None and not ring.off_ring and ring.mapped >= len(self.block_tables[req.request_id])
 
-    def _park(self, req, ring: list[KVCacheBlock]) -> None:
-        """Keep an ending request's ring under the hash of its last full block, when the prefix
-        cache holds every full block of its computed tokens (`cache_full_blocks`): less than a
-        block then lies past it, and the ring still holds the window before it (after a pass's
-        drafted rows too: `ring_blocks`). Otherwise the ring goes back to the pool."""
-        n = req.num_computed_tokens // self.block_size
-        if not ring or n == 0 or not self.enable_caching or self._num_cached.get(req.request_id, 0) < n:
-            self.sliding_pool.free_blocks(ring)
-            return
-        key = self._block_hashes(req, n)[-1]
-        old = self.parked.pop(key, None)
-        if old is not None:
-            self.sliding_pool.free_blocks(old)
-        self.parked[key] = ring
+    def _ring_reserve(self, req) -> int:
+        """Blocks the other requests' rings may still need: their empty slots, and one each for
+        a slot whose block is shared (it takes a new one when its next logical block comes)."""
+        R = self.ring_blocks
+        return sum(R - len(r.slots) + 1 for rid, r in self.rings.items() if rid != req.request_id)
+
+    def _grow_ring(self, req, k: int, start: int, total: int) -> bool:
+        """Give the request's ring slots for its logical blocks up to `total` tokens, this pass
+        writing from `start` (after `k` cached blocks, when it is being admitted: the ring then
+        begins with the sliding pool's blocks of the window before them). False, changing
+        nothing, when the sliding pool lacks blocks."""
+        R, bs, pool = self.ring_blocks, self.block_size, self.sliding_pool
+        ring = self.rings.get(req.request_id)
+        if ring is not None and ring.off_ring:  # the last pass's, which is done (or queued first)
+            pool.free_blocks([ring.off_ring[b] for b in sorted(ring.off_ring)])
+            ring.off_ring = {}
+        take = []
+        if ring is None:
+            lo = self._window_start(k * bs) if k else 0
+            self._block_hashes(req, k)
+            take = [self._sliding_block(req, i) for i in range(lo, k)]
+            if None in take:  # (evicted since the lookup)
+                return False
+            ring = Ring([None] * min(R, k), k, lo)
+            for i, b in zip(range(lo, k), take):
+                ring.slots[i % R] = b
+        slots, nb = list(ring.slots), self.blocks_for(total)
+        slots += [None] * (min(R, nb) - len(slots))
+        taken = {id(b) for b in take}
+        read = range(self._window_start(start), -(-start // bs))  # logical blocks this pass reads
+        release, retire = [], {}
+        for b in range(max(ring.mapped, nb - R), nb):
+            old = slots[b % R]
+            if old is None:
+                continue
+            alone = old.ref_cnt + (id(old) in taken) == 1
+            if alone and old.block_hash is None:
+                continue  # rewritten in place
+            slots[b % R] = None
+            if b - R in read:
+                retire[b - R] = old
+            else:
+                release.append(old)
+        spare = pool.num_free_blocks - sum(1 for b in take if b.ref_cnt == 0) + sum(1 for b in release if b.ref_cnt == 1)
+        uncache = []
+        for b, old in list(retire.items()):  # too few blocks: this pass's own cached ones are rewritten in place
+            if slots.count(None) <= spare:
+                break
+            if old.ref_cnt + (id(old) in taken) == 1:
+                slots[b % R] = old
+                uncache.append(retire.pop(b))
+        if slots.count(None) > spare:
+            return False
+        pool.touch(take)
+        for b in uncache:
+            pool.uncache_block(b)
+        pool.free_blocks(release)
+        new = iter(pool.get_new_blocks(slots.count(None)))
+        ring.slots = [b if b is not None else next(new) for b in slots]
+        written = range(-(-start // bs), nb - R)  # full blocks this pass writes that the ring will not keep
+        if self.enable_caching and 0 < len(written) <= pool.num_free_blocks - self._ring_reserve(req):
+            retire.update(zip(written, pool.get_new_blocks(len(written))))
+        ring.mapped, ring.off_ring = max(ring.mapped, nb), retire
+        self.rings[req.request_id] = ring
+        return True
 
     def share_prefix(self, parent, child, num_tokens: int) -> int:
         """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
@@ -227,11 +331,16 @@ class KVCacheManager:
         hashes = self._block_hashes(req, n_full)
         bs = self.block_size
         keys = self._disk_keys(req, n_full) if self.disk is not None and not req.lora_id else None
+        ring = self.rings.get(req.request_id)
         for i in range(start, n_full):
             toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             self.pool.cache_block(table[i], hashes[i], toks)
             if keys is not None:  # copied now, written by the disk tier's thread
                 self.disk.offer(keys[i], toks, table[i].block_id)
+            if ring is not None:  # its sliding layers' keys too, where a block holds them
+                blk = ring.slots[i % self.ring_blocks] if ring.holds(i, self.ring_blocks) else ring.off_ring.get(i)
+                if blk is not None:
+                    self.sliding_pool.cache_block(blk, hashes[i], toks)
         self._num_cached[req.request_id] = n_full
 
     def uncache(self, req) -> None:
@@ -243,15 +352,20 @@ class KVCacheManager:
                 self.pool.uncache_block(b)
                 if self.disk is not None and i < len(req.disk_keys):
                     self.disk.store.discard(req.disk_keys[i])
-        if self.sliding_pool is not None:  # its ring is not parked either
-            self.sliding_pool.free_blocks(self.rings.pop(req.request_id, []))
+        ring = self.rings.pop(req.request_id, None)
+        if ring is not None:  # its sliding layers' blocks too
+            for b in ring.blocks(self.ring_blocks):
+                if b.ref_cnt == 1:
+                    self.sliding_pool.uncache_block(b)
+            self.sliding_pool.free_blocks(ring.blocks(self.ring_blocks))
 
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])
         self._block_ids.pop(req.request_id, None)
-        if self.sliding_pool is not None:
-            self._park(req, self.rings.pop(req.request_id, []))
+        ring = self.rings.pop(req.request_id, None)
+        if ring is not None:  # (its cached blocks stay in the sliding pool's cache)
+            self.sliding_pool.free_blocks(ring.blocks(self.ring_blocks))
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(table))
 

@@ -8,8 +8,10 @@ layout the attention matmuls want, with no further copy); a token whose slot is 
 
 Sliding-window layers (Gemma 3's local layers) attend only to their last `window` keys, so they
 keep no more than that: each sequence owns a ring of `ring_blocks` blocks in `SlidingKVCache`,
-and position ``p`` lives in ring block ``(p // block_size) % ring_blocks``. The ring is just
-large enough that the keys a pass still needs are never overwritten by the keys it writes.
+and position ``p`` lives in ring block ``(p // block_size) % ring_blocks`` (but for a pass's
+blocks outside its ring: `kv_cache.manager.Ring`, whose blocks are paged for the prefix cache).
+The ring is just large enough that the keys a pass still needs are never overwritten by the
+keys it writes.
 
 With ``kv_cache_dtype="int8"`` (``--kv-cache-dtype int8``) the paged cache holds each token's
 key and value row of each KV head as int8 codes with one float32 scale per row (per token and

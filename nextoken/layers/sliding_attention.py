@@ -4,7 +4,8 @@ over a per-sequence ring of KV blocks.
 New token at position p sees the keys at positions ``max(0, p - window + 1) .. p`` (the rule of
 `transformers`' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Such a layer keeps only
 that many keys per sequence: position p lives in ring block ``(p // block_size) % ring_blocks``
-(`kv_cache.tensors.SlidingKVCache`). `SlidingMetadata` (built once per pass by the model runner)
+(`kv_cache.tensors.SlidingKVCache`), but for the pass's blocks outside the ring
+(`kv_cache.manager.Ring`). `SlidingMetadata` (built once per pass by the model runner)
 says which slots each sequence reads and which of the pass's new keys are written.
 
 Order within a layer: prefill chunks first read their earlier keys from the ring, then every
@@ -40,27 +41,35 @@ class SlidingMetadata:
 
 
 def build_sliding_metadata(window: int, block_size: int, ring_blocks: int,
-                           seqs: list[tuple[int, int, list[int]]]) -> SlidingMetadata:
+                           seqs: list[tuple[int, int, list[int], dict[int, int] | None]]) -> SlidingMetadata:
     """seqs: per sequence in batch order, (position of its first new token, number of new
-    tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``). The
+    tokens, its ring block ids: logical block b lives in ``ring[b % ring_blocks]``, but for the
+    logical blocks in `off_ring` (logical block -> block id, or None; see
+    `kv_cache.manager.Ring`)). A pass writes the keys of its last ``ring_blocks * block_size``
+    tokens (older ones would collide in the ring) and those of its blocks in `off_ring`. The
     tensors are on the CPU (computed with NumPy: a few operations per sequence)."""
     write_rows, write_slots, key_slots, key_start, rings = [], [], [], [], []
     row = 0
-    logical = np.arange(max(-(-(start + n) // block_size) for start, n, _ in seqs), dtype=np.int64)
-    for start, n, ring in seqs:
-        ring_a = np.asarray(ring, dtype=np.int64)
-        rings.append(ring_a[np.minimum(logical % ring_blocks, len(ring) - 1)] if ring else np.zeros_like(logical))
+    logical = np.arange(max(-(-(start + n) // block_size) for start, n, _, _ in seqs), dtype=np.int64)
+    for start, n, ring, off_ring in seqs:
+        table = np.asarray(ring, dtype=np.int64)[np.minimum(logical % ring_blocks, len(ring) - 1)] \
+            if ring else np.zeros_like(logical)
+        if off_ring:
+            table[list(off_ring)] = list(off_ring.values())
+        rings.append(table)
 
-        def slots(lo: int, hi: int) -> np.ndarray:
-            pos = np.arange(lo, hi, dtype=np.int64)
-            return ring_a[(pos // block_size) % ring_blocks] * block_size + pos % block_size
+        def slots(pos: np.ndarray) -> np.ndarray:
+            return table[pos // block_size] * block_size + pos % block_size
 
-        first_written = max(start, start + n - ring_blocks * block_size)  # older ones would collide
-        write_rows.append(np.arange(row + first_written - start, row + n, dtype=np.int64))
-        write_slots.append(slots(first_written, start + n))
+        pos = np.arange(start, start + n, dtype=np.int64)
+        written = pos >= start + n - ring_blocks * block_size
+        if off_ring:
+            written |= np.isin(pos // block_size, list(off_ring))
+        write_rows.append(row + np.flatnonzero(written))
+        write_slots.append(slots(pos[written]))
         lo = max(0, start - window + 1)
         # a decode: its window, read after the writes; a prefill chunk: the keys before it, read before
-        key_slots.append(torch.from_numpy(slots(lo, start + 1 if n == 1 else start)))
+        key_slots.append(torch.from_numpy(slots(np.arange(lo, start + 1 if n == 1 else start, dtype=np.int64))))
         key_start.append(lo)
         row += n
     return SlidingMetadata(window, torch.from_numpy(np.concatenate(write_rows)),

@@ -84,7 +84,7 @@ def layout(seqs, block_size: int, sliding=None, fed: bool = False) -> HostBatch:
         batch.fed_rows = np.fromiter((s.fed_from for s in ss[: batch.num_decodes]), np.int64, batch.num_decodes)
     if sliding is not None:
         batch.sliding = build_sliding_metadata(sliding.window, block_size, sliding.ring_blocks,
-                                               [(s.start, len(s.token_ids), s.ring_ids) for s in ss])
+                                               [(s.start, len(s.token_ids), s.ring_ids, s.off_ring) for s in ss])
     return batch
 
 

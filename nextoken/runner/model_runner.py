@@ -87,6 +87,7 @@ class SequenceInput:
     needs_logits: bool = True
     as_decodes: bool = False
     ring_ids: list[int] | None = None  # its sliding-window ring blocks (models with such layers)
+    off_ring: dict[int, int] | None = None  # its logical blocks outside the ring's slots (`KVCacheManager.off_ring`)
     keep_hidden: bool = False  # keep the final hidden state of every new token (`ModelRunner.kept_hidden`)
     lora_id: int = 0  # its LoRA adapter (`ModelRunner.loras`), 0 for the base model
     prefill_len: int = 0  # tokens its whole prefill covers (the prompt), this chunk or not; 0: to this chunk's end

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nextoken.kv_cache import block_pool
 from nextoken.kv_cache.block_pool import BlockPool
-from nextoken.kv_cache.manager import KVCacheManager
+from nextoken.kv_cache.manager import KVCacheManager, ring_blocks
 from nextoken.engine.request import Request
 from nextoken.sample.rng import DrawGenerator
 from nextoken.sampling_params import SamplingParams
@@ -111,52 +111,150 @@ def run(kv: KVCacheManager, r: Request, n: int, computed=()) -> None:
     kv.cache_full_blocks(r)
 
 
-def test_a_sliding_window_models_ring_is_parked_and_taken_over_with_its_prefix():
-    """An ended request's ring waits under the hash of its last full block; a request whose
-    cached prefix reaches that block takes the ring and goes on from there (its full-attention
-    blocks from the prefix cache); one whose prefix stops short of it, or differs, finds no
-    prefix (its sliding layers would lack the window's keys)."""
-    kv = KVCacheManager(num_blocks=40, block_size=4, sliding_blocks=9, ring_blocks=3)
-    a = req("a", list(range(30)))  # 7 full blocks and 2 tokens
-    assert kv.get_computed_blocks(a) == []
+def sliding_kv(sliding_blocks: int, num_blocks: int = 60) -> KVCacheManager:
+    """A manager for a model with sliding-window layers: blocks of 4 tokens, a window of 8
+    (two blocks), rings of 3 slots (`ring_blocks(8, 4)`)."""
+    assert ring_blocks(8, 4) == 3
+    return KVCacheManager(num_blocks=num_blocks, block_size=4, sliding_blocks=sliding_blocks, ring_blocks=3,
+                          sliding_window=8)
+
+
+def held(kv: KVCacheManager, rid: str) -> dict[int, int]:
+    """Logical block -> block id, for the logical blocks the request's ring holds."""
+    ring = kv.rings[rid]
+    return {b: ring.slots[b % 3].block_id for b in range(30) if ring.holds(b, 3)}
+
+
+def test_a_sliding_window_prefix_is_a_hit_as_far_as_its_window_is_cached():
+    """A request's full sliding blocks are cached under the same hashes as its full-attention
+    blocks; a later request whose prefix reaches them takes the window's blocks and goes on
+    from there; one whose prefix ends where the sliding pool lacks the window finds less."""
+    kv = sliding_kv(9)
+    a = req("a", list(range(30)))  # 7 full blocks and 2 tokens: its ring holds logical 5, 6, 7
     run(kv, a, 30)
-    ring, full = kv.ring_ids("a"), kv.block_ids("a")[:7]
-    assert len(ring) == 3 and kv.sliding_pool.num_free_blocks == 6
+    assert held(kv, "a").keys() == {5, 6, 7}
+    a_blocks, full = held(kv, "a"), kv.block_ids("a")[:7]
     kv.free(a)
-    assert list(kv.parked.values())[0] and kv.sliding_pool.num_free_blocks == 6  # parked, not freed
+    assert kv.sliding_pool.num_free_blocks == 9  # free, and cached
     b = req("b", list(range(30)) + [77, 78])  # the next turn: a's tokens and more
     hits = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == full
+    assert [h.block_id for h in hits] == full  # the window before block 7: blocks 5 and 6
     run(kv, b, 32 - 28, hits)
-    assert kv.ring_ids("b") == ring and not kv.parked  # the same ring, taken over
-    c = req("c", list(range(20)) + [5] * 12)  # a's first 5 blocks only: no ring parked there
-    assert kv.get_computed_blocks(c) == []
+    assert held(kv, "b")[5] == a_blocks[5] and held(kv, "b")[6] == a_blocks[6]
+    c = req("c", list(range(20)) + [5] * 12)  # a's first 5 blocks: the pass wrote them off the ring
+    assert len(kv.get_computed_blocks(c)) == 5
     d = req("d", [9] + list(range(1, 30)))  # another first block
     assert kv.get_computed_blocks(d) == []
+    kv = sliding_kv(3)  # no block to spare: the long pass kept its last 3 blocks only
+    run(kv, req("a", list(range(30))), 30)
+    assert kv.get_computed_blocks(c) == [] and len(kv.get_computed_blocks(b)) == 7
 
 
-def test_parked_rings_give_way_to_running_requests_oldest_first():
-    kv = KVCacheManager(num_blocks=60, block_size=4, sliding_blocks=6, ring_blocks=3)
+def test_a_shared_system_prompt_is_reused_by_a_request_that_only_begins_with_it():
+    """A pass longer than the ring writes its early full blocks into blocks of their own
+    (`off_ring`), cached; the blocks of a prompt's beginning stay cached while the request that
+    wrote them goes on (its slots take new blocks past the window), so another request that
+    only shares that beginning finds it, and reads those blocks without writing them."""
+    kv = sliding_kv(12)
+    system = list(range(100, 108))  # two blocks
+    a = req("a", system + [1, 2, 3, 4, 5])  # 4 blocks: more than the ring's 3
+    assert kv.allocate_slots(a, 13)
+    assert list(kv.off_ring("a")) == [0]  # logical block 0, which the ring will not keep
+    a.num_computed_tokens = 13
+    kv.cache_full_blocks(a)
+    first = [kv._sliding_block(a, 0).block_id, kv._sliding_block(a, 1).block_id]
+    for t in range(12):  # a decodes on, past its window: its slots take new blocks
+        a.append_output(50 + t)
+        run(kv, a, 1)
+    assert held(kv, "a").keys() == {4, 5, 6} and not set(held(kv, "a").values()) & set(first)
+    b = req("b", system + [9, 9, 9])
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 2  # the system prompt's two blocks, and their sliding blocks
+    run(kv, b, 3, hits)
+    assert [held(kv, "b")[0], held(kv, "b")[1]] == first
+    assert all(kv.sliding_pool.blocks[i].ref_cnt == 1 for i in first)  # b's alone (a gave them back, cached)
+
+
+def test_a_pass_that_wraps_onto_a_cached_window_reads_it_and_writes_new_blocks():
+    """A prefill chunk after a cached prefix whose slots come round to the window it reads:
+    those logical blocks are read from the cached blocks (`off_ring`) and written into new
+    ones, so the cache keeps them; they are given back at the request's next allocation."""
+    kv = sliding_kv(12)
+    a = req("a", list(range(20)))
+    run(kv, a, 20)
+    kv.free(a)
+    b = req("b", list(range(20)) + list(range(40, 52)))  # 12 more tokens: logical 5, 6, 7
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 5  # and the window of logical 5: blocks 3, 4
+    window = {3: kv._sliding_block(b, 3).block_id, 4: kv._sliding_block(b, 4).block_id}
+    assert kv.allocate_slots(b, 12, hits)  # logical 5-7 take slots 2, 0, 1: those of 3 and 4, which it reads
+    assert kv.off_ring("b") == window
+    assert not set(kv.ring_ids("b")) & set(window.values())
+    b.num_computed_tokens = 32
+    kv.cache_full_blocks(b)
+    kv.allocate_slots(b, 1)  # the next step: the window's blocks go back, still cached
+    assert kv.off_ring("b") is None
+    assert all(kv.sliding_pool.blocks[i].ref_cnt == 0 and kv.sliding_pool.blocks[i].block_hash is not None
+               for i in window.values())
+    c = req("c", list(range(20)) + [3])  # a's prefix is still whole
+    assert len(kv.get_computed_blocks(c)) == 5
+
+
+def test_without_a_spare_block_a_pass_rewrites_its_own_cached_window_in_place():
+    """One ring's worth of blocks (`nextoken run`'s one sequence): the chunk that wraps onto
+    the cached window it reads writes that block in place, and it leaves the cache."""
+    kv = sliding_kv(3)
+    a = req("a", list(range(12)))
+    run(kv, a, 12)
+    kv.free(a)
+    b = req("b", list(range(12)) + list(range(40, 48)))
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 3  # the window of logical 3: blocks 1, 2
+    one, two = kv._sliding_block(b, 1), kv._sliding_block(b, 2)
+    assert kv.allocate_slots(b, 8, hits)  # logical 3, 4 take the slots of 0 (not read) and 1 (read)
+    assert kv.off_ring("b") is None and kv.sliding_pool.num_free_blocks == 0
+    assert kv.rings["b"].slots[1] is one and one.block_hash is None  # rewritten in place, uncached
+    assert kv.rings["b"].slots[2] is two and two.block_hash is not None
+
+
+def test_parked_blocks_give_way_least_recently_freed_first():
+    kv = sliding_kv(6)
     a, b = req("a", list(range(12))), req("b", list(range(100, 112)))
     run(kv, a, 12)
     run(kv, b, 12)
     kv.free(a)
     kv.free(b)
-    assert len(kv.parked) == 2 and kv.sliding_pool.num_free_blocks == 0
+    assert kv.sliding_pool.num_free_blocks == 6
     c = req("c", list(range(200, 212)))
-    run(kv, c, 12)  # takes a's ring blocks (parked first)
-    assert len(kv.parked) == 1 and kv.get_computed_blocks(req("a2", list(range(12)) + [1])) == []
+    run(kv, c, 12)  # takes a's blocks (freed first)
+    assert kv.get_computed_blocks(req("a2", list(range(12)) + [1])) == []
     assert len(kv.get_computed_blocks(req("b2", list(range(100, 112)) + [1]))) == 3  # b's still there
 
 
-def test_a_ring_is_not_parked_for_a_failed_request_or_a_partial_block():
-    kv = KVCacheManager(num_blocks=40, block_size=4, sliding_blocks=9, ring_blocks=3)
+def test_a_failed_requests_sliding_blocks_leave_the_cache():
+    kv = sliding_kv(9)
     a = req("a", list(range(12)))
     run(kv, a, 12)
-    kv.uncache(a)  # non-finite logits: neither its blocks nor its ring are kept
+    kv.uncache(a)  # non-finite logits: neither its blocks nor its sliding blocks are kept
     kv.free(a)
-    assert not kv.parked and kv.sliding_pool.num_free_blocks == 9
-    b = req("b", [1, 2, 3])  # no full block: nothing to park under
-    run(kv, b, 3)
-    kv.free(b)
-    assert not kv.parked and kv.sliding_pool.num_free_blocks == 9
+    assert kv.sliding_pool.num_free_blocks == 9 and not kv.sliding_pool.cached
+    assert kv.get_computed_blocks(req("a2", list(range(12)) + [1])) == []
+
+
+def test_a_long_pass_leaves_the_blocks_other_rings_may_need():
+    """Off-ring blocks for a long pass's early blocks only come from what the other running
+    requests' rings cannot need (their empty slots, and one each)."""
+    kv = sliding_kv(8)
+    x = req("x", [1, 2, 3])
+    run(kv, x, 3)  # one slot of its three
+    a = req("a", list(range(30)))  # blocks 0-4 would go off the ring: 5 more than its 3 slots
+    assert kv.allocate_slots(a, 30)
+    assert kv.off_ring("a") is None and kv.sliding_pool.num_free_blocks == 4
+    x.append_output(4)
+    for t in range(8):  # x grows to its three slots
+        run(kv, x, 1)
+        x.append_output(5 + t)
+    assert len(kv.rings["x"].slots) == 3
+    kv = sliding_kv(12)
+    run(kv, x := req("x", [1, 2, 3]), 3)
+    assert kv.allocate_slots(a, 30) and list(kv.off_ring("a")) == [0, 1, 2, 3, 4]  # 12 - 1 - 3 - 5 = 3 left for x

@@ -73,7 +73,8 @@ def test_prefix_cache_reports_cached_tokens(tiny_gguf):
 def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
     """Gemma 3 (window 8, rings of 3 blocks of 4): a second turn that extends the first (its
     prompt, its answer, a new message) computes only what follows the first turn's last full
-    block, taking over its parked ring, and answers as without the prefix cache: the same
+    block, from the sliding pool's cached blocks of the window before it, and answers as
+    without the prefix cache: the same
     greedy tokens, log-probabilities within float32's (or bf16's) rounding of a prefill split
     at another point."""
     path = str(tiny_gguf["gemma3"][0])
@@ -89,6 +90,32 @@ def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
     tol = 1e-4 if dtype == "float32" else 0.1
     for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
         assert all(abs(x[t] - y[t]) < tol for t in x.keys() & y.keys())
+    assert_no_leak(cached)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_a_sliding_window_model_reuses_a_shared_beginning_and_a_longer_history(tiny_gguf, max_num_seqs):
+    """Gemma 3 (window 8, rings of 3 blocks of 4). With rings to spare (8 sequences' worth), a
+    prompt longer than its ring caches its early blocks too (`KVCacheManager`'s off-ring
+    blocks), so requests that only begin with its first 20 tokens reuse them; a next turn whose
+    new message comes round to the window it reads reads the cached blocks and writes new
+    ones. With one ring (`nextoken run`'s), that beginning is not cached and the next turn
+    rewrites its window in place. Every answer equals the uncached engine's (float32)."""
+    path = str(tiny_gguf["gemma3"][0])
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    system = [(5 * j) % 240 + 3 for j in range(20)]
+    cached, plain = (LLM(path, dtype="float32", block_size=4, max_num_seqs=max_num_seqs, enable_prefix_caching=on)
+                     for on in (True, False))
+    first_prompt = system + [30 + j for j in range(10)]
+    first = cached.generate([first_prompt], p)[0].outputs[0]
+    others = [system + [100 + i, 101 + i, 102 + i] for i in range(3)]
+    history = first_prompt + first.token_ids + [60 + j for j in range(14)]
+    for prompt, hit in [(history, 36), *[(o, 20 if max_num_seqs > 1 else 0) for o in others]]:
+        a, b = cached.generate([prompt], p)[0], plain.generate([prompt], p)[0]
+        assert a.usage["cached_tokens"] == hit
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x.keys() & y.keys())
     assert_no_leak(cached)
 
 

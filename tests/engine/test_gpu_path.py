@@ -76,7 +76,7 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     with max_num_seqs 4 (on Llama a fifth prompt waits and shares a prefix from the prefix
     cache; decode batches of 1 to 4 padded to 1, 2, 4), and on Gemma 3's sliding-window rings
     (prompts longer than its window; then a second turn that goes on from the first prompt's
-    parked ring): the same tokens and log-probabilities as the CPU's PyTorch reference path."""
+    cached blocks): the same tokens and log-probabilities as the CPU's PyTorch reference path."""
     path = str(tiny_gguf[arch][0])
     prompts = PROMPTS[:n]  # (Gemma 3's six layers under the interpreter: fewer tokens)
     params = [dataclasses.replace(p, max_tokens=min(p.max_tokens, most)) for p in PARAMS[:n]]
@@ -88,10 +88,13 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got[2].logprobs, want[2].logprobs):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    if arch == "gemma3":  # the next turn: the first prompt, its answer and more, from its parked ring
-        turn = [PROMPTS[0] + got[0].token_ids + [5, 6, 7]]
-        again = reference.generate(turn, params[:1])[0].outputs[0]
+    if arch == "gemma3":  # the next turn: the first prompt, its answer and more, from its cached blocks
+        turn = [PROMPTS[0] + got[0].token_ids + list(range(5, 19))]  # reads cached blocks its slots write anew,
+        plain = LLM(path, **REFERENCE, **SMALL, enable_prefix_caching=False)  # and writes one block off its ring
+        again = plain.generate(turn, params[:1])[0].outputs[0]
+        before = llm.engine.scheduler.prefix_cache_hits
         assert generate_on_meta(llm, turn, params[:1])[0].token_ids == again.token_ids
+        assert llm.engine.scheduler.prefix_cache_hits - before == 16
     assert llm.engine.scheduler.prefix_cache_hits > 0
     assert_no_leak(llm)
 

@@ -6,15 +6,16 @@ import torch
 
 
 def assert_no_leak(llm):
-    """Every block is free, or held only by the prefix cache (ref count 0); with sliding-window
-    layers, every ring block free or in a parked ring (`KVCacheManager.parked`)."""
+    """Every block is free, or held only by the prefix cache (ref count 0), the sliding-window
+    layers' blocks too."""
     assert not llm.engine.has_unfinished_requests()
     kv = llm.engine.kv
     pool = kv.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == pool.num_blocks
     if kv.sliding_pool is not None:
-        parked = sum(len(ring) for ring in kv.parked.values())
-        assert not kv.rings and kv.sliding_pool.num_free_blocks + parked == kv.sliding_pool.num_blocks
+        sliding = kv.sliding_pool
+        assert not kv.rings and all(b.ref_cnt == 0 for b in sliding.blocks)
+        assert sliding.num_free_blocks == sliding.num_blocks
 
 
 def hf_logits_stepwise(model, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
