@@ -4,7 +4,7 @@
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --rate 2
 
 Requests arrive as a Poisson process at each `--rate` (requests/s), with random prompt (token
-ids) and output lengths from a fixed seed, streamed from /v1/completions with `ignore_eos`, greedy
+ids; after a shared beginning of `--prefix-len` tokens) and output lengths from a fixed seed, streamed from /v1/completions with `ignore_eos`, greedy
 or at `--temperature` (run both: users sample).
 Reports TTFT, TPOT (per request, after the first token), ITL (between streamed chunks) and
 end-to-end latency (mean, p50, p99), request and token throughput, and errors.
@@ -244,6 +244,9 @@ def main():
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="every prompt begins with the same this many random tokens (a system prompt; vLLM's "
+                         "--random-prefix-len), before its own")
     ap.add_argument("--max-token-id", type=int, default=40000,
                     help="prompts are random token ids in [100, this) (a tiny test model: its vocabulary's size)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -265,7 +268,9 @@ def main():
     try:
         for k, rate in enumerate(args.rate or [1.0]):
             rng = random.Random(args.seed + k)
-            reqs = [([rng.randrange(min(100, args.max_token_id - 1), args.max_token_id) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+            low = min(100, args.max_token_id - 1)
+            prefix = [rng.randrange(low, args.max_token_id) for _ in range(args.prefix_len)]
+            reqs = [(prefix + [rng.randrange(low, args.max_token_id) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
                      rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
             results, wall, cpu = run_load(url, model, rate, reqs, args.seed + k, args.temperature, args.client_procs)
             summarize(rate, results, wall, args.temperature, cpu, args.client_procs)
