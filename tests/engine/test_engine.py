@@ -93,19 +93,20 @@ def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
     assert_no_leak(cached)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 8])
-def test_a_sliding_window_model_reuses_a_shared_beginning_and_a_longer_history(tiny_gguf, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs,overlap", [(1, False), (8, False), (8, True)])
+def test_a_sliding_window_model_reuses_a_shared_beginning_and_a_longer_history(tiny_gguf, max_num_seqs, overlap):
     """Gemma 3 (window 8, rings of 3 blocks of 4). With rings to spare (8 sequences' worth), a
     prompt longer than its ring caches its early blocks too (`KVCacheManager`'s off-ring
     blocks), so requests that only begin with its first 20 tokens reuse them; a next turn whose
     new message comes round to the window it reads reads the cached blocks and writes new
     ones. With one ring (`nextoken run`'s), that beginning is not cached and the next turn
-    rewrites its window in place. Every answer equals the uncached engine's (float32)."""
+    rewrites its window in place. Every answer equals the uncached engine's (float32), with async
+    scheduling too (a pass's off-ring blocks are given back while the next is in flight)."""
     path = str(tiny_gguf["gemma3"][0])
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     system = [(5 * j) % 240 + 3 for j in range(20)]
-    cached, plain = (LLM(path, dtype="float32", block_size=4, max_num_seqs=max_num_seqs, enable_prefix_caching=on)
-                     for on in (True, False))
+    cached, plain = (LLM(path, dtype="float32", block_size=4, max_num_seqs=max_num_seqs, enable_prefix_caching=on,
+                         async_scheduling=overlap and on) for on in (True, False))
     first_prompt = system + [30 + j for j in range(10)]
     first = cached.generate([first_prompt], p)[0].outputs[0]
     others = [system + [100 + i, 101 + i, 102 + i] for i in range(3)]
