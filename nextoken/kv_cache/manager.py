@@ -30,8 +30,8 @@ class Ring:
     (logical block -> block): cached ones its pass still reads whose slot a later logical block
     took, and, where the pool has blocks to spare (beyond what the other rings may need), new
     ones for the full blocks its pass writes that the ring does not keep (so that they are
-    cached too); given back at the request's next
-    allocation, when that pass is done (on a GPU, queued before the next)."""
+    cached too); given back at the request's next allocation, when that pass is done (on a GPU,
+    queued before the next)."""
 
     slots: list[KVCacheBlock]
     mapped: int = 0
@@ -77,9 +77,9 @@ class KVCacheManager:
     block is cached (or shared) gets a new block when a later logical block needs it, the old
     one joining the free queue with its hash (or, when this pass still reads it, after the pass:
     `Ring.off_ring`; a long pass's full blocks that the ring does not keep get blocks there too,
-    when the pool has them to spare). A prefix is then a hit as far as the sliding pool also holds the blocks of
-    the window before its end (`get_computed_blocks`): the next turn of a conversation, a shared
-    system prompt, a preempted request. A slot whose block is unshared and uncached is rewritten
+    when the pool has them to spare). A prefix is then a hit as far as the sliding pool also
+    holds the blocks of the window before its end (`get_computed_blocks`): the next turn of a
+    conversation, a shared system prompt, a preempted request. A slot whose block is unshared and uncached is rewritten
     in place, as is a cached one this pass reads when the pool has no block to spare (it leaves
     the cache). Copy-free prefix sharing (`share_prefix`) and the disk tier stay off for such a
     model (its prefix comes from the cache; the rings are not on disk).
@@ -250,60 +250,79 @@ class KVCacheManager:
         writing from `start` (after `k` cached blocks, when it is being admitted: the ring then
         begins with the sliding pool's blocks of the window before them). False, changing
         nothing, when the sliding pool lacks blocks."""
-        R, bs, pool = self.ring_blocks, self.block_size, self.sliding_pool
-        ring = self.rings.get(req.request_id)
+        pool = self.sliding_pool
+        ring, take = self.rings.get(req.request_id), []
         if ring is not None and ring.off_ring:  # the last pass's, which is done (or queued first)
             pool.free_blocks([ring.off_ring[b] for b in sorted(ring.off_ring)])
             ring.off_ring = {}
-        take = []
         if ring is None:
-            lo = self._window_start(k * bs) if k else 0
-            self._block_hashes(req, k)
-            take = [self._sliding_block(req, i) for i in range(lo, k)]
-            if None in take:  # (evicted since the lookup)
+            ring, take = self._ring_from_cache(req, k)
+            if ring is None:
                 return False
-            ring = Ring([None] * min(R, k), k, lo)
-            for i, b in zip(range(lo, k), take):
-                ring.slots[i % R] = b
-        slots, nb = list(ring.slots), self.blocks_for(total)
-        slots += [None] * (min(R, nb) - len(slots))
+        nb = self.blocks_for(total)
         taken = {id(b) for b in take}
-        read = range(self._window_start(start), -(-start // bs))  # logical blocks this pass reads
-        release, retire = [], {}
-        for b in range(max(ring.mapped, nb - R), nb):
-            old = slots[b % R]
-            if old is None:
-                continue
-            alone = old.ref_cnt + (id(old) in taken) == 1
-            if alone and old.block_hash is None:
-                continue  # rewritten in place
-            slots[b % R] = None
-            if b - R in read:
-                retire[b - R] = old
-            else:
-                release.append(old)
+        slots, release, reads = self._reslot(ring, taken, start, nb)
         spare = pool.num_free_blocks - sum(1 for b in take if b.ref_cnt == 0) + sum(1 for b in release if b.ref_cnt == 1)
-        uncache = []
-        for b, old in list(retire.items()):  # too few blocks: this pass's own cached ones are rewritten in place
+        rewritten = []
+        for b, old in list(reads.items()):  # too few blocks: its own cached ones it reads are rewritten in place
             if slots.count(None) <= spare:
                 break
             if old.ref_cnt + (id(old) in taken) == 1:
-                slots[b % R] = old
-                uncache.append(retire.pop(b))
+                slots[b % self.ring_blocks] = old
+                rewritten.append(reads.pop(b))
         if slots.count(None) > spare:
             return False
         pool.touch(take)
-        for b in uncache:
+        for b in rewritten:
             pool.uncache_block(b)
         pool.free_blocks(release)
         new = iter(pool.get_new_blocks(slots.count(None)))
         ring.slots = [b if b is not None else next(new) for b in slots]
-        written = range(-(-start // bs), nb - R)  # full blocks this pass writes that the ring will not keep
+        written = range(-(-start // self.block_size), nb - self.ring_blocks)  # full blocks the ring will not keep
         if self.enable_caching and 0 < len(written) <= pool.num_free_blocks - self._ring_reserve(req):
-            retire.update(zip(written, pool.get_new_blocks(len(written))))
-        ring.mapped, ring.off_ring = max(ring.mapped, nb), retire
+            reads.update(zip(written, pool.get_new_blocks(len(written))))
+        ring.mapped, ring.off_ring = max(ring.mapped, nb), reads
         self.rings[req.request_id] = ring
         return True
+
+    def _ring_from_cache(self, req, k: int) -> tuple[Ring | None, list[KVCacheBlock]]:
+        """A new ring for a request admitted after `k` cached blocks, its slots holding the
+        sliding pool's cached blocks of the window before them (the others empty, None), and
+        those blocks; (None, []) when one is no longer cached."""
+        R = self.ring_blocks
+        lo = self._window_start(k * self.block_size) if k else 0
+        self._block_hashes(req, k)
+        take = [self._sliding_block(req, i) for i in range(lo, k)]
+        if None in take:  # (evicted since the lookup)
+            return None, []
+        ring = Ring([None] * min(R, k), k, lo)
+        for i, b in zip(range(lo, k), take):
+            ring.slots[i % R] = b
+        return ring, take
+
+    def _reslot(self, ring: Ring, taken: set[int], start: int, nb: int):
+        """The ring's slots once its logical blocks reach `nb`, for a pass from `start`: each
+        logical block past those mapped takes its slot, rewriting the block there in place when
+        only this request holds it and it is not cached, else leaving the slot empty (None) for
+        a new block. The old blocks this pass reads (its window before `start`) come back as
+        `reads` (logical block -> block), the others as `release`. `taken`: the ids of blocks
+        this call takes from the cache (one reference more than they show)."""
+        R, bs = self.ring_blocks, self.block_size
+        slots = list(ring.slots) + [None] * (min(R, nb) - len(ring.slots))
+        read = range(self._window_start(start), -(-start // bs))
+        release, reads = [], {}
+        for b in range(max(ring.mapped, nb - R), nb):
+            old = slots[b % R]
+            if old is None:
+                continue
+            if old.ref_cnt + (id(old) in taken) == 1 and old.block_hash is None:
+                continue  # rewritten in place
+            slots[b % R] = None
+            if b - R in read:
+                reads[b - R] = old
+            else:
+                release.append(old)
+        return slots, release, reads
 
     def share_prefix(self, parent, child, num_tokens: int) -> int:
         """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
@@ -354,10 +373,11 @@ class KVCacheManager:
                     self.disk.store.discard(req.disk_keys[i])
         ring = self.rings.pop(req.request_id, None)
         if ring is not None:  # its sliding layers' blocks too
-            for b in ring.blocks(self.ring_blocks):
+            blocks = ring.blocks(self.ring_blocks)
+            for b in blocks:
                 if b.ref_cnt == 1:
                     self.sliding_pool.uncache_block(b)
-            self.sliding_pool.free_blocks(ring.blocks(self.ring_blocks))
+            self.sliding_pool.free_blocks(blocks)
 
     def free(self, req) -> None:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
