@@ -114,9 +114,6 @@ def allocate_kv_cache(runner, draft_runner, cache, max_num_seqs: int, max_model_
     log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB%s) on %s, max_model_len %d, max_num_seqs %d, prefix "
              "caching %s", budget.num_blocks, bs, cache.cache_dtype, runner.kv.nbytes / 2**20, rings,
              runner.device.torch, max_model_len, max_num_seqs, "on" if manager.enable_caching else "off")
-    if manager.enable_caching and model_key is not None and ring and cache.disk_dir:
-        log.warning("the KV disk tier is off for a model with sliding-window layers: their rings, which a "
-                    "cached prefix needs, are kept in memory only")
-    elif manager.enable_caching and model_key is not None:
+    if manager.enable_caching and model_key is not None:
         manager.disk = open_disk_tier(cache, runner, model_key)
     return manager

@@ -360,23 +360,36 @@ def _stat(entry: os.DirEntry) -> tuple[float, int]:
 
 class DiskTier:
     """A `DiskKVStore` bound to the cache tensors it copies blocks out of and into
-    (`PagedKVCache.read_block` / `write_block`); the `KVCacheManager` drives it."""
+    (`PagedKVCache.read_block` / `write_block`); the `KVCacheManager` drives it. For a model
+    with sliding-window layers, `sliding` stores their part of each block (`SlidingKVCache`'s
+    blocks) in a namespace of its own, under the same keys: a block's full-attention part can
+    be on disk without it (a long pass that kept no block of those layers for it)."""
 
-    def __init__(self, store: DiskKVStore, kv):
-        self.store, self.kv = store, kv
+    def __init__(self, store: DiskKVStore, kv, sliding: DiskKVStore | None = None):
+        self.store, self.kv, self.sliding = store, kv, sliding
 
-    def offer(self, key: bytes, tokens: tuple[int, ...], block_id: int) -> None:
+    @property
+    def stores(self) -> list[DiskKVStore]:
+        return [s for s in (self.store, self.sliding) if s is not None]
+
+    def offer(self, key: bytes, tokens: tuple[int, ...], block_id: int, sliding_id: int | None = None) -> None:
+        """Queue block `block_id` under `key` (and the sliding-window layers' block
+        `sliding_id`, when given), copied now."""
         self.store.offer(key, tokens, lambda: self.kv.read_block(block_id))
+        if sliding_id is not None and self.sliding is not None:
+            self.sliding.offer(key, tokens, lambda: self.kv.sliding.read_block(sliding_id))
 
-    def fetch(self, key: bytes, tokens: tuple[int, ...]):
-        """The checked payload of block `key`, or None (not on disk, or a bad file)."""
-        if not self.store.contains(key):
-            self.store.stats["misses"] += 1
+    def fetch(self, key: bytes, tokens: tuple[int, ...], sliding: bool = False):
+        """The checked payload of block `key` (with `sliding`: its sliding-window layers'
+        part), or None (not on disk, or a bad file)."""
+        store = self.sliding if sliding else self.store
+        if not store.contains(key):
+            store.stats["misses"] += 1
             return None
-        return self.store.read(key, tokens)
+        return store.read(key, tokens)
 
-    def fill(self, block_id: int, payload) -> None:
-        self.kv.write_block(block_id, payload)
+    def fill(self, block_id: int, payload, sliding: bool = False) -> None:
+        (self.kv.sliding if sliding else self.kv).write_block(block_id, payload)
 
 
 def open_disk_tier(cache, runner, model_key: str) -> DiskTier | None:
@@ -398,7 +411,13 @@ def open_disk_tier(cache, runner, model_key: str) -> DiskTier | None:
                 "plan": {"codes": plan.codes, "torch_int4": plan.torch_int4, "dense_weights": plan.dense_weights,
                          "attention": plan.attention, "native_decode": plan.native_decode}}
     store = DiskKVStore(cache.disk_dir, cache.disk_bytes or DEFAULT_DISK_BYTES, identity, kv.block_bytes)
-    log.info("KV disk tier: %s (namespace %s, at most %.1f GiB, %d KiB a block)%s", store.directory,
+    sliding = None
+    if kv.sliding is not None:  # the sliding-window layers' parts: another namespace, the same keys
+        sliding = DiskKVStore(cache.disk_dir, cache.disk_bytes or DEFAULT_DISK_BYTES,
+                              {**identity, "part": "sliding-window layers", "layers": len(cfg.sliding_layers)},
+                              kv.sliding.block_bytes)
+    log.info("KV disk tier: %s (namespace %s, at most %.1f GiB, %d KiB a block%s)%s", store.directory,
              store.namespace.hex(), store.capacity / 2**30, kv.block_bytes // 1024,
-             "" if store.writable else "; read-only")
-    return DiskTier(store, kv)
+             f"; the sliding-window layers' {kv.sliding.block_bytes // 1024} KiB in {sliding.namespace.hex()}"
+             if sliding is not None else "", "" if store.writable else "; read-only")
+    return DiskTier(store, kv, sliding)

@@ -81,8 +81,9 @@ class KVCacheManager:
     holds the blocks of the window before its end (`get_computed_blocks`): the next turn of a
     conversation, a shared system prompt, a preempted request. A slot whose block is unshared and uncached is rewritten
     in place, as is a cached one this pass reads when the pool has no block to spare (it leaves
-    the cache). Copy-free prefix sharing (`share_prefix`) and the disk tier stay off for such a
-    model (its prefix comes from the cache; the rings are not on disk).
+    the cache). The disk tier keeps their part of a block in a namespace of its own
+    (`kv_cache.disk.DiskTier`). Copy-free prefix sharing (`share_prefix`) stays off for such a
+    model (its prefix comes from the cache).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -136,13 +137,23 @@ class KVCacheManager:
 
     def _sliding_hit(self, req, k: int) -> int:
         """The most of the first `k` blocks that a request may take from the cache: as many as
-        the sliding pool also holds the window before (the blocks from `_window_start`)."""
+        the sliding pool also holds the window before (the blocks from `_window_start`), the
+        window of all `k` read back from the disk tier where it has them."""
         best = run = 0
         self._block_hashes(req, k)
+        disk = self.disk is not None and not req.lora_id
+        lo, loading = self._window_start(k * self.block_size), []
         for i in range(k):
-            run = run + 1 if self._sliding_block(req, i) is not None else 0
+            b = self._sliding_block(req, i)
+            if b is None and disk and i >= lo:
+                b = self._load_sliding(req, i)
+            if b is not None and disk:  # in use while later blocks load, so no load takes it
+                self.sliding_pool.touch([b])
+                loading.append(b)
+            run = run + 1 if b is not None else 0
             if run >= i + 1 - self._window_start((i + 1) * self.block_size):
                 best = i + 1
+        self.sliding_pool.free_blocks(loading)
         return best
 
     def _block_hashes(self, req, num_blocks: int) -> list[int]:
@@ -203,11 +214,28 @@ class KVCacheManager:
         self.pool.free_blocks([b])
         return b
 
+    def _load_sliding(self, req, i: int) -> KVCacheBlock | None:
+        """The sliding-window layers' part of block `i` of `req` read from the disk tier into a
+        free block of their pool (then cached, unused), or None (as `_load_block`)."""
+        if self.sliding_pool.num_free_blocks < 2:
+            return None
+        bs = self.block_size
+        toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+        payload = self.disk.fetch(self._disk_keys(req, i + 1)[i], toks, sliding=True)
+        if payload is None:
+            return None
+        s = self.sliding_pool.get_new_blocks(1)[0]
+        self.disk.fill(s.block_id, payload, sliding=True)
+        self.sliding_pool.cache_block(s, req.block_hashes[i], toks)
+        self.sliding_pool.free_blocks([s])
+        return s
+
     def disk_stats(self) -> DiskStats:
         """The disk tier's counts (zeros without one): prompt tokens looked up on disk and found
         there, and the store's blocks and bytes (`DiskKVStore.stats`)."""
-        store = self.disk.store.stats if self.disk is not None else {}
-        return DiskStats(self.disk_queries, self.disk_hits, **store)
+        stores = self.disk.stores if self.disk is not None else []
+        return DiskStats(self.disk_queries, self.disk_hits, **{k: sum(s.stats[k] for s in stores) for k in
+                                                                 (stores[0].stats if stores else {})})
 
     def allocate_slots(self, req, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Give `req` the blocks for `num_new_tokens` more tokens after its computed ones (and
@@ -354,12 +382,13 @@ class KVCacheManager:
         for i in range(start, n_full):
             toks = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             self.pool.cache_block(table[i], hashes[i], toks)
-            if keys is not None:  # copied now, written by the disk tier's thread
-                self.disk.offer(keys[i], toks, table[i].block_id)
+            blk = None
             if ring is not None:  # its sliding layers' keys too, where a block holds them
                 blk = ring.slots[i % self.ring_blocks] if ring.holds(i, self.ring_blocks) else ring.off_ring.get(i)
                 if blk is not None:
                     self.sliding_pool.cache_block(blk, hashes[i], toks)
+            if keys is not None:  # copied now, written by the disk tier's thread
+                self.disk.offer(keys[i], toks, table[i].block_id, blk.block_id if blk is not None else None)
         self._num_cached[req.request_id] = n_full
 
     def uncache(self, req) -> None:
@@ -370,7 +399,8 @@ class KVCacheManager:
             if b.ref_cnt == 1:
                 self.pool.uncache_block(b)
                 if self.disk is not None and i < len(req.disk_keys):
-                    self.disk.store.discard(req.disk_keys[i])
+                    for store in self.disk.stores:
+                        store.discard(req.disk_keys[i])
         ring = self.rings.pop(req.request_id, None)
         if ring is not None:  # its sliding layers' blocks too
             blocks = ring.blocks(self.ring_blocks)
@@ -392,4 +422,5 @@ class KVCacheManager:
     def close(self) -> None:
         """Wait for the disk tier's queued blocks to be written (nothing to do without one)."""
         if self.disk is not None:
-            self.disk.store.flush()
+            for store in self.disk.stores:
+                store.flush()

@@ -103,6 +103,29 @@ class Int8Rows(NamedTuple):
         return self.codes.shape
 
 
+def block_bytes(parts: list[torch.Tensor]) -> int:
+    """Bytes of one block of `parts` (tensors ``[layers, Hkv, num_blocks, ...]``)."""
+    return sum(t[:, :, 0].numel() * t.element_size() for t in parts)
+
+
+def read_block(parts: list[torch.Tensor], block_id: int) -> memoryview:
+    """A copy of block `block_id` of every tensor of `parts` in turn, C order (on the host)."""
+    return memoryview(torch.cat([t[:, :, block_id].contiguous().view(-1).view(torch.uint8) for t in parts]).cpu().numpy())
+
+
+def write_block(parts: list[torch.Tensor], block_id: int, payload) -> None:
+    """Fill block `block_id` of `parts` from `payload`, bytes as `read_block` gives them.
+    Raises `ValueError` for a payload of another size."""
+    if len(payload) != block_bytes(parts):
+        raise ValueError(f"a block payload of {len(payload)} bytes; this cache's blocks take {block_bytes(parts)}")
+    buf, at = torch.frombuffer(payload, dtype=torch.uint8), 0
+    for t in parts:
+        dst = t[:, :, block_id]
+        n = dst.numel() * t.element_size()
+        dst.copy_(buf[at : at + n].view(t.dtype).view(dst.shape))
+        at += n
+
+
 class SlidingKVCache:
     """Rings of the sliding-window layers: k, v ``[num_sliding_layers, Hkv, num_blocks,
     block_size, head_dim]``; each sequence owns `ring_blocks` of the `num_blocks`."""
@@ -115,6 +138,17 @@ class SlidingKVCache:
         self.k = cache_zeros(shape, dtype, device)
         self.v = cache_zeros(shape, dtype, device)
         self.layer_index = {layer: i for i, layer in enumerate(config.sliding_layers)}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every sliding-window layer (the disk tier's, as `PagedKVCache`'s)."""
+        return block_bytes([self.k, self.v])
+
+    def read_block(self, block_id: int) -> memoryview:
+        return read_block([self.k, self.v], block_id)
+
+    def write_block(self, block_id: int, payload) -> None:
+        write_block([self.k, self.v], block_id, payload)
 
 
 class PagedKVCache:
@@ -180,25 +214,17 @@ class PagedKVCache:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over every layer: keys, values (and their int8 scales)."""
-        return sum(t[:, :, 0].numel() * t.element_size() for t in self._block_parts())
+        return block_bytes(self._block_parts())
 
     def read_block(self, block_id: int) -> memoryview:
         """A copy of block `block_id`'s keys and values (and scales), `block_bytes` bytes: each
         tensor's ``[layers, Hkv, block_size, ...]`` slice in turn, C order."""
-        parts = [t[:, :, block_id].contiguous().view(-1).view(torch.uint8) for t in self._block_parts()]
-        return memoryview(torch.cat(parts).cpu().numpy())
+        return read_block(self._block_parts(), block_id)
 
     def write_block(self, block_id: int, payload) -> None:
         """Fill block `block_id` from `payload`, bytes as `read_block` gives them (writable:
         a ``bytearray`` or a view of one). Raises `ValueError` for a payload of another size."""
-        if len(payload) != self.block_bytes:
-            raise ValueError(f"a block payload of {len(payload)} bytes; this cache's blocks take {self.block_bytes}")
-        buf, at = torch.frombuffer(payload, dtype=torch.uint8), 0
-        for t in self._block_parts():
-            dst = t[:, :, block_id]
-            n = dst.numel() * t.element_size()
-            dst.copy_(buf[at : at + n].view(t.dtype).view(dst.shape))
-            at += n
+        write_block(self._block_parts(), block_id, payload)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``

@@ -294,3 +294,33 @@ def test_the_tier_is_asked_for_by_either_flag_and_refused_where_it_cannot_work(t
     with pytest.raises(InvalidRequest) as e:
         EngineArgs(kv_cache_disk="lots")
     assert e.value.field == "kv_cache_disk"
+
+
+def test_a_sliding_window_model_reads_its_blocks_back_after_a_restart(tiny_gguf, tmp_path):
+    """Gemma 3 (window 8, blocks of 4): the full-attention layers' blocks and the sliding-window
+    layers' own (another namespace) go to disk; a restarted engine reads a prompt's prefix back,
+    both parts, and a longer history's, and answers as the engine without the prefix cache
+    (float32: the same tokens, log-probabilities within 1e-4). With one sequence (no blocks to
+    spare past the ring) a long prompt's early blocks keep no sliding part, so only the history
+    is read back."""
+    from nextoken import LLM, SamplingParams
+
+    path = str(tiny_gguf["gemma3"][0])
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompt = [(7 * j) % 250 + 3 for j in range(30)]
+    plain = LLM(path, dtype="float32", block_size=4, enable_prefix_caching=False)
+    for seqs in (8, 1):
+        kv_dir = tmp_path / f"seqs{seqs}"
+        settings = dict(dtype="float32", block_size=4, max_num_seqs=seqs, kv_cache_dir=str(kv_dir))
+        first = LLM(path, **settings)
+        answer = first.generate([prompt], p)[0].outputs[0]
+        first.close()
+        assert len(list(kv_dir.iterdir())) == 3  # the two namespaces and tmp
+        again = LLM(path, **settings)
+        for turn, hit in [(prompt[:22] + [9, 9], 20 if seqs > 1 else 0), (prompt + answer.token_ids + [5, 6, 7], 32)]:
+            a, b = again.generate([turn], p)[0], plain.generate([turn], p)[0]
+            assert a.usage["cached_tokens"] == hit and a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert all(abs(x[t] - y[t]) < 1e-4 for t in x.keys() & y.keys())
+        assert again.engine.kv.disk_stats().hits > 0
+        again.close()
