@@ -290,7 +290,8 @@ class KVCacheManager:
         nb = self.blocks_for(total)
         taken = {id(b) for b in take}
         slots, release, reads = self._reslot(ring, taken, start, nb)
-        spare = pool.num_free_blocks - sum(1 for b in take if b.ref_cnt == 0) + sum(1 for b in release if b.ref_cnt == 1)
+        spare = pool.num_free_blocks - sum(1 for b in take if b.ref_cnt == 0) + \
+            sum(1 for b in release if b.ref_cnt + (id(b) in taken) == 1)
         rewritten = []
         for b, old in list(reads.items()):  # too few blocks: its own cached ones it reads are rewritten in place
             if slots.count(None) <= spare:
@@ -300,7 +301,7 @@ class KVCacheManager:
                 rewritten.append(reads.pop(b))
         if slots.count(None) > spare:
             return False
-        pool.touch(take)
+        pool.touch(take)  # (before `release`, which may give some back)
         for b in rewritten:
             pool.uncache_block(b)
         pool.free_blocks(release)
@@ -329,14 +330,16 @@ class KVCacheManager:
         return ring, take
 
     def _reslot(self, ring: Ring, taken: set[int], start: int, nb: int):
-        """The ring's slots once its logical blocks reach `nb`, for a pass from `start`: each
-        logical block past those mapped takes its slot, rewriting the block there in place when
-        only this request holds it and it is not cached, else leaving the slot empty (None) for
-        a new block. The old blocks this pass reads (its window before `start`) come back as
-        `reads` (logical block -> block), the others as `release`. `taken`: the ids of blocks
-        this call takes from the cache (one reference more than they show)."""
+        """The ring's slots once its logical blocks reach `nb`, for a pass from `start`: the
+        last `ring_blocks` of them take their slots (a longer pass writes its earlier ones
+        nowhere, or off the ring), rewriting the block there in place when only this request
+        holds it and it is not cached, else leaving the slot empty (None) for a new block. The
+        old blocks this pass reads (its window before `start`) come back as `reads` (the logical
+        block they hold -> block), the others as `release`. `taken`: the ids of blocks this call
+        takes from the cache (one reference more than they show)."""
         R, bs = self.ring_blocks, self.block_size
         slots = list(ring.slots) + [None] * (min(R, nb) - len(ring.slots))
+        held = {j % R: j for j in range(max(ring.lo, ring.mapped - R), ring.mapped)}  # slot -> its logical block
         read = range(self._window_start(start), -(-start // bs))
         release, reads = [], {}
         for b in range(max(ring.mapped, nb - R), nb):
@@ -346,8 +349,8 @@ class KVCacheManager:
             if old.ref_cnt + (id(old) in taken) == 1 and old.block_hash is None:
                 continue  # rewritten in place
             slots[b % R] = None
-            if b - R in read:
-                reads[b - R] = old
+            if held.get(b % R) in read:
+                reads[held[b % R]] = old
             else:
                 release.append(old)
         return slots, release, reads

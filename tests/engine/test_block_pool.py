@@ -258,3 +258,19 @@ def test_a_long_pass_leaves_the_blocks_other_rings_may_need():
     kv = sliding_kv(12)
     run(kv, x := req("x", [1, 2, 3]), 3)
     assert kv.allocate_slots(a, 30) and list(kv.off_ring("a")) == [0, 1, 2, 3, 4]  # 12 - 1 - 3 - 5 = 3 left for x
+
+
+def test_a_pass_longer_than_the_ring_after_a_cached_prefix_reads_the_blocks_it_took():
+    """The slots a long pass reassigns hold the logical blocks the ring took from the cache (3
+    and 4 here), not the ones ``ring_blocks`` before the new ones: those are what it reads."""
+    kv = sliding_kv(12)
+    a = req("a", list(range(20)))
+    run(kv, a, 20)
+    kv.free(a)
+    b = req("b", list(range(20)) + list(range(40, 60)))
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 5
+    window = {3: kv._sliding_block(b, 3).block_id, 4: kv._sliding_block(b, 4).block_id}
+    assert kv.allocate_slots(b, 20, hits)  # logical 5-9: 7, 8, 9 take slots 1, 2, 0; 5 and 6 go off the ring
+    off = kv.off_ring("b")
+    assert {k: off[k] for k in (3, 4)} == window and sorted(off) == [3, 4, 5, 6]

@@ -59,6 +59,39 @@ def test_batched_greedy_equals_alone(tiny_gguf, alone, settings):
         assert llm.engine.stats()["num_preemptions"] > 0
 
 
+def sliding_prompts() -> list[list[int]]:
+    """Prompts that share beginnings, and longer versions of twelve of them (next turns)."""
+    rng = random.Random(1)
+    prompts = tiny_prompts(30, seed=11)
+    return prompts + [p + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 40))] for p in prompts[:12]]
+
+
+@pytest.fixture(scope="module")
+def sliding_alone(tiny_gguf):
+    """Gemma 3's greedy tokens of each of `sliding_prompts`, alone and without the prefix cache."""
+    llm = LLM(str(tiny_gguf["gemma3"][0]), dtype="float32", block_size=4, enable_prefix_caching=False)
+    return [token_ids(llm.generate([p], GREEDY))[0] for p in sliding_prompts()]
+
+
+@pytest.mark.parametrize("settings", [
+    {},                                                   # long prompts' early blocks off the ring, later hits
+    {"num_kv_blocks": 40},                                # preemption
+    {"kv_cache_memory": "300KiB"},                        # few rings: hits without blocks to spare
+    {"max_num_seqs": 4, "max_num_batched_tokens": 20, "num_kv_blocks": 50},  # chunks, preemption, hits
+])
+def test_a_sliding_window_model_batched_equals_alone(tiny_gguf, sliding_alone, settings):
+    """Gemma 3 (window 8, rings of 3 blocks of 4) under the prefix cache's every path at once:
+    prompts batched with others that share their beginnings, passes longer than the ring after
+    a cached prefix, blocks shared between running requests, preemption; then the same prompts
+    again in reverse order, from the cache: every answer equals the prompt's alone, uncached."""
+    llm = LLM(str(tiny_gguf["gemma3"][0]), dtype="float32", block_size=4, **settings)
+    prompts = sliding_prompts()
+    assert token_ids(llm.generate(prompts, GREEDY)) == sliding_alone
+    assert token_ids(llm.generate(prompts[::-1], GREEDY))[::-1] == sliding_alone
+    assert llm.engine.scheduler.prefix_cache_hits > 0
+    assert_no_leak(llm)
+
+
 def test_prefix_cache_reports_cached_tokens(tiny_gguf):
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32", block_size=4)
     p = list(range(3, 43))
