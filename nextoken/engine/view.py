@@ -102,6 +102,24 @@ class EngineView:
         """The blocks of sequence `request_id` in order ([] when it holds none)."""
         return list(self._engine.kv.block_ids(request_id))
 
+    @property
+    def sliding_pool(self):
+        """The sliding-window layers' block pool (None for a model without such layers)."""
+        return self._engine.kv.sliding_pool
+
+    def ring(self, request_id: str) -> dict | None:
+        """Sequence `request_id`'s sliding-window blocks (`kv_cache.manager.Ring`): its slots'
+        block ids, the logical blocks they hold (None: not written yet) and this step's blocks
+        outside them; None when it holds none."""
+        kv = self._engine.kv
+        ring = kv.rings.get(request_id)
+        if ring is None:
+            return None
+        R = kv.ring_blocks
+        held = {j % R: j for j in range(max(ring.lo, ring.mapped - R), ring.mapped)}
+        return {"slots": [b.block_id for b in ring.slots], "logical": [held.get(s) for s in range(len(ring.slots))],
+                "off_ring": {str(j): b.block_id for j, b in sorted(ring.off_ring.items())}}
+
     # -- requests and steps ------------------------------------------------------------------
     @property
     def running(self) -> list:

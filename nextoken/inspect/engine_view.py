@@ -134,20 +134,25 @@ def _block_states(pool) -> str:
 
 
 def _seq(engine, r) -> dict:
-    return {"request_id": r.group_id, "sequence": r.request_id, "priority": r.priority, "prompt_tokens": r.num_prompt_tokens,
-            "output_tokens": len(r.output_ids), "computed": r.num_computed_tokens,
-            "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "traced": r.tracer is not None,
-            "blocks": engine.block_ids(r.request_id)}
+    out = {"request_id": r.group_id, "sequence": r.request_id, "priority": r.priority, "prompt_tokens": r.num_prompt_tokens,
+           "output_tokens": len(r.output_ids), "computed": r.num_computed_tokens,
+           "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "traced": r.tracer is not None,
+           "blocks": engine.block_ids(r.request_id)}
+    if engine.sliding_pool is not None:
+        out["ring"] = engine.ring(r.request_id)
+    return out
 
 
 def live_state(engine, since_step: int = -1) -> dict:
-    """The engine now (called between steps): stats, the block pool, running and waiting
-    sequences with their block tables, the step-log entries after `since_step`, the recent
-    finished requests."""
-    pool = engine.block_pool
+    """The engine now (called between steps): stats, the block pool (and the sliding-window
+    layers' pool: ``sliding``), running and waiting sequences with their block tables (and
+    rings), the step-log entries after `since_step`, the recent finished requests."""
+    pool, sliding = engine.block_pool, engine.sliding_pool
     steps = [s for s in engine.history.steps if s["step"] > since_step]
     return {"time": time.perf_counter(), "stats": engine.stats(), "blocks": _block_states(pool),
             "block_size": engine.block_size, "cached_blocks": len(pool.cached),
+            "sliding": None if sliding is None else {"blocks": _block_states(sliding), "cached_blocks": len(sliding.cached),
+                                                     "window": engine.config.sliding_window},
             "running": [_seq(engine, r) for r in engine.running],
             "waiting": [_seq(engine, r) for r in engine.waiting],
             "steps": steps, "last_step": engine.num_steps - 1,

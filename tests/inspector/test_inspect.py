@@ -6,6 +6,7 @@ the KV cache's tensors. The HTTP routes are exercised on a live server."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -517,6 +518,9 @@ def test_timeline_and_live_state(srv):
     assert phases[0] == "prefill" and sum(s["tokens"] for s in r["steps"] if s["phase"] == "prefill") == r["prompt_tokens"]
     assert phases.count("decode") == r["output_tokens"] - 1 and r["ttft_ms"] > 0
     assert post(srv, "demo", {"count": 3, "max_tokens": 8}).json()["sent"] == 3
+    end = time.time() + 60  # (the demo's requests reach the engine after the answer: wait for them to finish)
+    while len(httpx.get(f"{srv.url}/inspect/api/state").json()["requests"]) < 4 and time.time() < end:
+        time.sleep(0.05)
     assert srv.idle(60)
     st = httpx.get(f"{srv.url}/inspect/api/state").json()
     assert len(st["blocks"]) == st["stats"]["num_blocks"] and set(st["blocks"]) <= set(".c123456789+")
@@ -604,3 +608,29 @@ def test_kv_bytes_formula_with_an_int8_cache(tiny_gguf):
         assert v["formula"]["bytes_per_value"] == 1 and v["formula"]["scale_bytes_per_row"] == 4
         if arch == "gemma3":
             assert v["sliding"]["bytes_per_token"] == eng.config.sliding_kv_bytes_per_token(4)
+
+
+def test_the_live_state_shows_the_sliding_window_layers_blocks(tiny_gguf):
+    """Gemma 3 (window 8, blocks of 4, rings of 3): the live state's second pool and each
+    running sequence's ring (its slots' blocks and the logical blocks they hold) are the
+    manager's; a model without such layers has neither."""
+    from nextoken import LLM, SamplingParams
+
+    llm = LLM(str(tiny_gguf["gemma3"][0]), dtype="float32", block_size=4)
+    eng = llm.engine
+    eng.add_request(list(range(3, 33)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    eng.step()
+    st = engine_view.live_state(EngineView(eng))
+    kv = eng.kv
+    assert len(st["sliding"]["blocks"]) == kv.sliding_pool.num_blocks and st["sliding"]["window"] == 8
+    ring = st["running"][0]["ring"]
+    assert ring["slots"] == kv.ring_ids(st["running"][0]["sequence"])
+    assert sorted(ring["logical"]) == [5, 6, 7] and [j % 3 for j in ring["logical"]] == [0, 1, 2]
+    assert sorted(int(j) for j in ring["off_ring"]) == [0, 1, 2, 3, 4]  # the long prompt's early blocks
+    assert st["sliding"]["blocks"].count("1") == 8
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = engine_view.live_state(EngineView(eng))
+    assert st["sliding"]["cached_blocks"] > 0 and set(st["sliding"]["blocks"]) <= {".", "c"}
+    plain = engine_view.live_state(EngineView(LLM(str(tiny_gguf["llama"][0]), dtype="float32").engine))
+    assert plain["sliding"] is None

@@ -45,21 +45,41 @@ export async function kvContrast() {
 }
 
 const POOL_COLORS = { ".": "#26313c", c: "#3d6b4a" };
-export function kvLive(st) {
-  const cv = $("kv-pool"), ctx = cv.getContext("2d"), n = st.blocks.length;
+function drawPool(cv, blocks) {  // one cell per block: free, cached and free, used by one, shared
+  const ctx = cv.getContext("2d"), n = blocks.length;
   const cols = Math.ceil(Math.sqrt(n * (cv.width / cv.height))), size = Math.max(1, Math.floor(cv.width / cols));
   cv.height = Math.max(40, Math.ceil(n / cols) * size);
   ctx.clearRect(0, 0, cv.width, cv.height);
   for (let i = 0; i < n; i++) {
-    const c = st.blocks[i];
+    const c = blocks[i];
     ctx.fillStyle = POOL_COLORS[c] || (c === "1" ? "#5fb3f9" : "#f2c94c");
     ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - (size > 3 ? 1 : 0), size - (size > 3 ? 1 : 0));
   }
-  const used = [...st.blocks].filter((c) => c !== "." && c !== "c").length, shared = [...st.blocks].filter((c) => c !== "." && c !== "c" && c !== "1").length;
-  $("kv-legend").textContent = `${n} blocks: ${used} in use (blue; yellow = shared by several sequences: ${shared}), ${st.cached_blocks} holding cached prefixes (green when free), ${st.stats.free_blocks} free · prefix-cache hit rate ${(st.stats.prefix_cache_hit_rate * 100).toFixed(1)}%`;
+  const used = [...blocks].filter((c) => c !== "." && c !== "c").length;
+  return { n, used, shared: [...blocks].filter((c) => c !== "." && c !== "c" && c !== "1").length,
+    free: [...blocks].filter((c) => c === "." || c === "c").length };
+}
+
+function ringText(r) {  // a ring's slots: block id, and the logical block it holds
+  if (!r) return "–";
+  const slots = r.slots.map((b, i) => r.logical[i] === null ? `${b}` : `${b}:${r.logical[i]}`).join(" ");
+  const off = Object.entries(r.off_ring).map(([j, b]) => `${b}:${j}`).join(" ");
+  return off ? `${slots} · off the ring ${off}` : slots;
+}
+
+export function kvLive(st) {
+  const p = drawPool($("kv-pool"), st.blocks);
+  $("kv-legend").textContent = `${p.n} blocks: ${p.used} in use (blue; yellow = shared by several sequences: ${p.shared}), ${st.cached_blocks} holding cached prefixes (green when free), ${st.stats.free_blocks} free · prefix-cache hit rate ${(st.stats.prefix_cache_hit_rate * 100).toFixed(1)}%`;
+  const sl = st.sliding;
+  $("kv-sliding").hidden = !sl;
+  if (sl) {
+    const q = drawPool($("kv-sliding-pool"), sl.blocks);
+    $("kv-sliding-legend").textContent = `${q.n} blocks for the layers that see only the last ${sl.window} tokens: each sequence writes into a ring of slots, a cached block (green when free) is kept and its slot takes a new one · ${q.used} in use (${q.shared} shared), ${sl.cached_blocks} cached, ${q.free} free`;
+  }
   const seqs = st.running.concat(st.waiting);
-  $("kv-tables").replaceChildren(seqs.length ? table(["request", "prompt", "computed", "output", "cached", "block table"],
-    seqs.map((q) => [q.sequence, q.prompt_tokens, q.computed, q.output_tokens, q.cached_tokens, q.blocks.join(" ") || "–"])) : h("div", { class: "note" }, "No request running now: send demo requests (11) to watch blocks fill and free."));
+  const head = ["request", "prompt", "computed", "output", "cached", "block table"].concat(sl ? ["ring (block:logical block)"] : []);
+  $("kv-tables").replaceChildren(seqs.length ? table(head,
+    seqs.map((q) => [q.sequence, q.prompt_tokens, q.computed, q.output_tokens, q.cached_tokens, q.blocks.join(" ") || "–"].concat(sl ? [ringText(q.ring)] : []))) : h("div", { class: "note" }, "No request running now: send demo requests (11) to watch blocks fill and free."));
   ready("w-kv");
 }
 
