@@ -280,6 +280,8 @@ class KVCacheManager:
         nothing, when the sliding pool lacks blocks."""
         pool = self.sliding_pool
         ring, take = self.rings.get(req.request_id), []
+        if ring is not None and self._next_block(ring, start, self.blocks_for(total)):
+            return True
         if ring is not None and ring.off_ring:  # the last pass's, which is done (or queued first)
             pool.free_blocks([ring.off_ring[b] for b in sorted(ring.off_ring)])
             ring.off_ring = {}
@@ -312,6 +314,25 @@ class KVCacheManager:
             reads.update(zip(written, pool.get_new_blocks(len(written))))
         ring.mapped, ring.off_ring = max(ring.mapped, nb), reads
         self.rings[req.request_id] = ring
+        return True
+
+    def _next_block(self, ring: Ring, start: int, nb: int) -> bool:
+        """The common case of `_grow_ring` (a decode reaching a new block, its ring full and
+        nothing off it), done at once: the slot's block, which this pass does not read, is
+        rewritten in place or given back for a new one. False: not that case, or no block."""
+        R, pool = self.ring_blocks, self.sliding_pool
+        if ring.off_ring or nb != ring.mapped + 1 or len(ring.slots) != R:
+            return False
+        b = ring.mapped
+        old = ring.slots[b % R]
+        if old.ref_cnt == 1 and old.block_hash is None:
+            ring.mapped = nb
+            return True
+        if b - R >= self._window_start(start) or (old.ref_cnt > 1 and pool.num_free_blocks == 0):
+            return False
+        pool.free_blocks([old])
+        ring.slots[b % R] = pool.get_new_blocks(1)[0]
+        ring.mapped = nb
         return True
 
     def _ring_from_cache(self, req, k: int) -> tuple[Ring | None, list[KVCacheBlock]]:
