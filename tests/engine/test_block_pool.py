@@ -125,6 +125,16 @@ def held(kv: KVCacheManager, rid: str) -> dict[int, int]:
     return {b: ring.slots[b % 3].block_id for b in range(30) if ring.holds(b, 3)}
 
 
+def after_cached(kv: KVCacheManager, n: int, more: list[int]):
+    """A request of tokens 0..n-1 runs and ends; then a request of those tokens and `more`, and
+    the cached blocks it finds."""
+    a = req("a", list(range(n)))
+    run(kv, a, n)
+    kv.free(a)
+    b = req("b", list(range(n)) + more)
+    return b, kv.get_computed_blocks(b)
+
+
 def test_a_sliding_window_prefix_is_a_hit_as_far_as_its_window_is_cached():
     """A request's full sliding blocks are cached under the same hashes as its full-attention
     blocks; a later request whose prefix reaches them takes the window's blocks and goes on
@@ -180,11 +190,7 @@ def test_a_pass_that_wraps_onto_a_cached_window_reads_it_and_writes_new_blocks()
     those logical blocks are read from the cached blocks (`off_ring`) and written into new
     ones, so the cache keeps them; they are given back at the request's next allocation."""
     kv = sliding_kv(12)
-    a = req("a", list(range(20)))
-    run(kv, a, 20)
-    kv.free(a)
-    b = req("b", list(range(20)) + list(range(40, 52)))  # 12 more tokens: logical 5, 6, 7
-    hits = kv.get_computed_blocks(b)
+    b, hits = after_cached(kv, 20, list(range(40, 52)))  # 12 more tokens: logical 5, 6, 7
     assert len(hits) == 5  # and the window of logical 5: blocks 3, 4
     window = {3: kv._sliding_block(b, 3).block_id, 4: kv._sliding_block(b, 4).block_id}
     assert kv.allocate_slots(b, 12, hits)  # logical 5-7 take slots 2, 0, 1: those of 3 and 4, which it reads
@@ -204,11 +210,7 @@ def test_without_a_spare_block_a_pass_rewrites_its_own_cached_window_in_place():
     """One ring's worth of blocks (`nextoken run`'s one sequence): the chunk that wraps onto
     the cached window it reads writes that block in place, and it leaves the cache."""
     kv = sliding_kv(3)
-    a = req("a", list(range(12)))
-    run(kv, a, 12)
-    kv.free(a)
-    b = req("b", list(range(12)) + list(range(40, 48)))
-    hits = kv.get_computed_blocks(b)
+    b, hits = after_cached(kv, 12, list(range(40, 48)))
     assert len(hits) == 3  # the window of logical 3: blocks 1, 2
     one, two = kv._sliding_block(b, 1), kv._sliding_block(b, 2)
     assert kv.allocate_slots(b, 8, hits)  # logical 3, 4 take the slots of 0 (not read) and 1 (read)
@@ -264,11 +266,7 @@ def test_a_pass_longer_than_the_ring_after_a_cached_prefix_reads_the_blocks_it_t
     """The slots a long pass reassigns hold the logical blocks the ring took from the cache (3
     and 4 here), not the ones ``ring_blocks`` before the new ones: those are what it reads."""
     kv = sliding_kv(12)
-    a = req("a", list(range(20)))
-    run(kv, a, 20)
-    kv.free(a)
-    b = req("b", list(range(20)) + list(range(40, 60)))
-    hits = kv.get_computed_blocks(b)
+    b, hits = after_cached(kv, 20, list(range(40, 60)))
     assert len(hits) == 5
     window = {3: kv._sliding_block(b, 3).block_id, 4: kv._sliding_block(b, 4).block_id}
     assert kv.allocate_slots(b, 20, hits)  # logical 5-9: 7, 8, 9 take slots 1, 2, 0; 5 and 6 go off the ring
