@@ -45,18 +45,22 @@ export async function kvContrast() {
 }
 
 const POOL_COLORS = { ".": "#26313c", c: "#3d6b4a" };
-function drawPool(cv, blocks) {  // one cell per block: free, cached and free, used by one, shared
-  const ctx = cv.getContext("2d"), n = blocks.length;
-  const cols = Math.ceil(Math.sqrt(n * (cv.width / cv.height))), size = Math.max(1, Math.floor(cv.width / cols));
-  cv.height = Math.max(40, Math.ceil(n / cols) * size);
+const MIN_CELL = 4, MAX_ROWS = 40;  // px, cells: a larger pool shows several blocks a cell
+const RANK = (c) => (c === "." ? 0 : c === "c" ? 1 : c === "1" ? 2 : 3);
+function drawPool(cv, blocks) {  // one cell per block (or per run of blocks: the busiest's state): free, cached and free, used by one, shared
+  const ctx = cv.getContext("2d"), n = blocks.length, cols = Math.floor(cv.width / MIN_CELL);
+  const per = Math.max(1, Math.ceil(n / (cols * MAX_ROWS))), cells = Math.ceil(n / per);
+  const across = Math.min(cols, Math.ceil(Math.sqrt(cells * (cv.width / 120)))), size = Math.floor(cv.width / across);
+  cv.height = Math.max(40, Math.ceil(cells / across) * size);
   ctx.clearRect(0, 0, cv.width, cv.height);
-  for (let i = 0; i < n; i++) {
-    const c = blocks[i];
+  for (let i = 0; i < cells; i++) {
+    let c = ".";
+    for (let j = i * per; j < Math.min(n, (i + 1) * per); j++) if (RANK(blocks[j]) > RANK(c)) c = blocks[j];
     ctx.fillStyle = POOL_COLORS[c] || (c === "1" ? "#5fb3f9" : "#f2c94c");
-    ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - (size > 3 ? 1 : 0), size - (size > 3 ? 1 : 0));
+    ctx.fillRect((i % across) * size, Math.floor(i / across) * size, size - (size > 3 ? 1 : 0), size - (size > 3 ? 1 : 0));
   }
   const used = [...blocks].filter((c) => c !== "." && c !== "c").length;
-  return { n, used, shared: [...blocks].filter((c) => c !== "." && c !== "c" && c !== "1").length,
+  return { n, per, used, shared: [...blocks].filter((c) => c !== "." && c !== "c" && c !== "1").length,
     free: [...blocks].filter((c) => c === "." || c === "c").length };
 }
 
@@ -69,12 +73,12 @@ function ringText(r) {  // a ring's slots: block id, and the logical block it ho
 
 export function kvLive(st) {
   const p = drawPool($("kv-pool"), st.blocks);
-  $("kv-legend").textContent = `${p.n} blocks: ${p.used} in use (blue; yellow = shared by several sequences: ${p.shared}), ${st.cached_blocks} holding cached prefixes (green when free), ${st.stats.free_blocks} free · prefix-cache hit rate ${(st.stats.prefix_cache_hit_rate * 100).toFixed(1)}%`;
+  $("kv-legend").textContent = `${p.n} blocks${p.per > 1 ? ` (${p.per} a cell, shown as the busiest)` : ""}: ${p.used} in use (blue; yellow = shared by several sequences: ${p.shared}), ${st.cached_blocks} holding cached prefixes (green when free), ${st.stats.free_blocks} free · prefix-cache hit rate ${(st.stats.prefix_cache_hit_rate * 100).toFixed(1)}%`;
   const sl = st.sliding;
   $("kv-sliding").hidden = !sl;
   if (sl) {
     const q = drawPool($("kv-sliding-pool"), sl.blocks);
-    $("kv-sliding-legend").textContent = `${q.n} blocks for the layers that see only the last ${sl.window} tokens: each sequence writes into a ring of slots, a cached block (green when free) is kept and its slot takes a new one · ${q.used} in use (${q.shared} shared), ${sl.cached_blocks} cached, ${q.free} free`;
+    $("kv-sliding-legend").textContent = `${q.n} blocks${q.per > 1 ? ` (${q.per} a cell)` : ""} for the layers that see only the last ${sl.window} tokens: each sequence writes into a ring of slots, a cached block (green when free) is kept and its slot takes a new one · ${q.used} in use (${q.shared} shared), ${sl.cached_blocks} cached, ${q.free} free`;
   }
   const seqs = st.running.concat(st.waiting);
   const head = ["request", "prompt", "computed", "output", "cached", "block table"].concat(sl ? ["ring (block:logical block)"] : []);
