@@ -276,8 +276,8 @@ class KVCacheManager:
     def _grow_ring(self, req, k: int, start: int, total: int) -> bool:
         """Give the request's ring slots for its logical blocks up to `total` tokens, this pass
         writing from `start` (after `k` cached blocks, when it is being admitted: the ring then
-        begins with the sliding pool's blocks of the window before them). False, changing
-        nothing, when the sliding pool lacks blocks."""
+        begins with the sliding pool's blocks of the window before them). False when the sliding
+        pool lacks blocks, changing nothing but giving the last pass's off-ring blocks back."""
         pool = self.sliding_pool
         ring, take = self.rings.get(req.request_id), []
         if ring is not None and self._next_block(ring, start, self.blocks_for(total)):
