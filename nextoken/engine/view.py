@@ -115,8 +115,7 @@ class EngineView:
         ring = kv.rings.get(request_id)
         if ring is None:
             return None
-        R = kv.ring_blocks
-        held = {j % R: j for j in range(max(ring.lo, ring.mapped - R), ring.mapped)}
+        held = ring.held(kv.ring_blocks)
         return {"slots": [b.block_id for b in ring.slots], "logical": [held.get(s) for s in range(len(ring.slots))],
                 "off_ring": {str(j): b.block_id for j, b in sorted(ring.off_ring.items())}}
 

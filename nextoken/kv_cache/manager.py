@@ -41,12 +41,16 @@ class Ring:
     def holds(self, b: int, ring_blocks: int) -> bool:
         return max(self.lo, self.mapped - ring_blocks) <= b < self.mapped
 
+    def held(self, ring_blocks: int) -> dict[int, int]:
+        """Slot -> the logical block it holds, oldest logical block first (slots absent: none)."""
+        return {j % ring_blocks: j for j in range(max(self.lo, self.mapped - ring_blocks), self.mapped)}
+
     def blocks(self, ring_blocks: int) -> list[KVCacheBlock]:
         """Every block it holds, in the order to evict them: slots that hold no logical block
         first, then the others, oldest logical block first."""
-        held = [self.slots[b % ring_blocks] for b in range(max(self.lo, self.mapped - ring_blocks), self.mapped)]
-        ids = {id(b) for b in held}
-        return [b for b in self.slots if id(b) not in ids] + [self.off_ring[b] for b in sorted(self.off_ring)] + held
+        held = self.held(ring_blocks)
+        return [b for s, b in enumerate(self.slots) if s not in held] + \
+            [self.off_ring[b] for b in sorted(self.off_ring)] + [self.slots[s] for s in held]
 
 
 @dataclass(frozen=True)
@@ -360,7 +364,7 @@ class KVCacheManager:
         takes from the cache (one reference more than they show)."""
         R, bs = self.ring_blocks, self.block_size
         slots = list(ring.slots) + [None] * (min(R, nb) - len(ring.slots))
-        held = {j % R: j for j in range(max(ring.lo, ring.mapped - R), ring.mapped)}  # slot -> its logical block
+        held = ring.held(R)
         read = range(self._window_start(start), -(-start // bs))
         release, reads = [], {}
         for b in range(max(ring.mapped, nb - R), nb):
