@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -176,9 +177,47 @@ def card() -> dict:
 
 
 # -- 2. the tests ---------------------------------------------------------------------------------
+def cublas_roundings() -> dict:
+    """How far PyTorch's bf16 linear (cuBLAS) on this GPU is from the float64 product, in units of
+    one bf16 rounding (the bound tests/kernels/test_gemv.py and test_skinny.py hold our kernels
+    to, and PyTorch's only on the CPU): the worst element's |error| / bound, for the tests' cases
+    (rows x 1100 by 150 x 1100, with and without a bias), with PyTorch's default reduced-precision
+    reduction and without it."""
+    import torch
+    import torch.nn.functional as F
+
+    back = torch.backends.cuda.matmul
+    default, out = back.allow_bf16_reduced_precision_reduction, {}
+    g = torch.Generator().manual_seed(1)
+    for reduced in (default, False):
+        back.allow_bf16_reduced_precision_reduction = reduced
+        for m in (1, 5, 24, 64):
+            for bias in (False, True):
+                x = torch.randn(m, 1100, generator=g).to(torch.bfloat16).to(DEV)
+                w = (torch.randn(150, 1100, generator=g) * 0.1).to(torch.bfloat16).to(DEV)
+                b = torch.randn(150, generator=g).to(torch.bfloat16).to(DEV) if bias else None
+                exact = x.double() @ w.double().T + (b.double() if bias else 0)
+                step = exact.abs() * 2.0**-7 + 1e-6 * exact.abs().max()
+                worst = float(((F.linear(x, w, b).double() - exact).abs() / step).max())
+                out[f"{m} rows{' + bias' if bias else ''}{'' if reduced else ', full-precision reduction'}"] = round(worst, 2)
+    back.allow_bf16_reduced_precision_reduction = default
+    return out
+
+
 def gpu_tests(timeout: float) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
+    if os.environ.get("OUT"):  # (each failure written as it happens: pytest_live.py)
+        env["LIVE_FAILURES"] = os.path.join(os.environ["OUT"], "test_failures.txt")
+    try:
+        log("   PyTorch's bf16 linear against the float64 product, worst |error| in bf16 roundings:", cublas_roundings())
+    except Exception as exc:  # (a diagnostic: the tests run regardless)
+        log(f"   PyTorch's bf16 linear: {type(exc).__name__}: {exc}")
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # (16 cores: the compilations in parallel)
+    if importlib.util.find_spec("pytest_timeout"):
+        workers += ["--timeout", "120"]  # (a test that hangs fails alone)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_live", *workers,
+           "tests/kernels/test_triton_attention.py",
            "tests/kernels/test_batch_invariant.py", "tests/kernels/test_rowwise.py", "tests/kernels/test_gemv.py",
            "tests/kernels/test_skinny.py", "tests/kernels/test_gpu_sampling.py", "tests/engine/test_gpu_path.py",
            "tests/models/test_hf_models.py", "tests/models/test_embeddings.py",
@@ -272,10 +311,13 @@ def exact_bf16(folder: str, vocab: int) -> dict:
 
     from nextoken import LLM
 
+    from nextoken import SamplingParams
+
     prompt, others, greedy = invariance_workload(vocab)
     out: dict = {}
     llm = LLM(folder, dtype="bfloat16", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
-    ours = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20))[0]
+    ours, our_lps = list(first.outputs[0].token_ids), first.outputs[0].logprobs
     t0 = time.perf_counter()
     batch = llm.generate([prompt] + others, greedy)
     out["bf16_batch_s"], out["bf16_tokens"] = time.perf_counter() - t0, ours
@@ -298,10 +340,13 @@ def exact_bf16(folder: str, vocab: int) -> dict:
         out["bf16_split_gap_hf"] = float((row[theirs[i]] - row[ours[i]]) / row.abs().max())
     del hf
     free()
+    out["bf16_lp_err"] = bf16_logprob_errors(folder, prompt, ours, our_lps, logits)
+    e = out["bf16_lp_err"]
+    log(f"   bf16 log-probabilities against transformers' float32 (teacher-forced on our 32 tokens, our top 20 "
+        f"at each step): mean |error| ours {e['ours'][0]:.4f} (worst step {e['ours'][1]:.4f}), transformers' bf16 "
+        f"{e['transformers'][0]:.4f} ({e['transformers'][1]:.4f})")
     llm = LLM(folder, dtype="float32", **on_device(), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.3)
     if i < 32:  # and which of the two the float32 model picks there, by what margin (its log-probabilities)
-        from nextoken import SamplingParams
-
         top = llm.generate([prompt + ours[:i]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
         lp = top.outputs[0].logprobs[0]
         out["bf16_split_f32"] = {"f32_token": top.outputs[0].token_ids[0], "ours": ours[i], "theirs": theirs[i],
@@ -314,6 +359,32 @@ def exact_bf16(folder: str, vocab: int) -> dict:
     out["f32_batch_invariant"] = list(batch[0].outputs[0].token_ids) == alone
     del llm, batch
     return out
+
+
+def bf16_logprob_errors(folder: str, prompt: list[int], ours: list[int], our_lps: list[dict], hf_bf16_logits) -> dict:
+    """How far bf16 moves the log-probabilities from float32's, ours against transformers': at
+    each of our greedy steps, the mean |bf16 - float32| log-probability over the tokens our step
+    returned (its top 20 and its choice), float32 being transformers' float32 model (TF32 off)
+    teacher-forced on the prompt and our tokens; ours from our decode steps, transformers' bf16
+    from `hf_bf16_logits` (its teacher-forced logits ``[32, vocab]`` at the same positions).
+    Returns ``{"ours": (mean over steps, worst step), "transformers": (...)}``."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = hf_model(folder, torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + ours], device=DEV)).logits[0, len(prompt) - 1 : len(prompt) + 31]
+        ref = torch.log_softmax(ref.float(), -1).cpu()
+        theirs = torch.log_softmax(hf_bf16_logits.float(), -1).cpu()
+    del hf
+    free()
+    errs: dict = {"ours": [], "transformers": []}
+    for step, lps in enumerate(our_lps[:32]):
+        ids = torch.tensor(list(lps))
+        want = ref[step, ids]
+        errs["ours"].append(float((torch.tensor(list(lps.values())) - want).abs().mean()))
+        errs["transformers"].append(float((theirs[step, ids] - want).abs().mean()))
+    return {k: (sum(v) / len(v), max(v)) for k, v in errs.items()}
 
 
 def invariant_mode(folder: str, vocab: int, default: dict) -> dict:
@@ -1076,7 +1147,7 @@ def table(limits: dict) -> str:
              f"torch {limits.get('torch')}, triton {limits.get('triton')}",
              "", "| model | batch-1 decode tok/s greedy / sampled (roofline, share) | 64x(512+256) decode step ms "
              "greedy / sampled (roofline, ratio) | async scheduling: batch-1 tok/s, 64x step ms greedy | prefill 4096 "
-             "ms (share of bf16 rate) | serving out tok/s (transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32 | "
+             "ms (share of bf16 rate) | serving out tok/s (transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32, mean logprob err vs f32 ours / transformers' bf16 | "
              "batch-invariant f32 / bf16 / bf16 --batch-invariant (its time) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in RESULTS["models"].items():
         ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") \
@@ -1096,7 +1167,8 @@ def table(limits: dict) -> str:
             f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')})"
             f"{'; one process ' + fmt(r['serve_oneproc_out_tok_s']) if 'serve_oneproc_out_tok_s' in r else ''} | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
-            f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))} | "
+            f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))}"
+            f"{', lp err %.3f / %.3f' % (r['bf16_lp_err']['ours'][0], r['bf16_lp_err']['transformers'][0]) if 'bf16_lp_err' in r else ''} | "
             f"{fmt(r.get('f32_batch_invariant'))} / {fmt(r.get('bf16_batch_invariant'))} / "
             f"{fmt(r.get('bf16_invariant_mode'))} ({fmt(r.get('bf16_invariant_time'), '.2f', 'x')}) |")
     lines.append("")
@@ -1109,6 +1181,8 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: tests, exact, speed, serve, hf (transformers' generate)")
     ap.add_argument("--budget", type=float, default=460, help="seconds; later sections are skipped past it")
+    ap.add_argument("--tests-timeout", type=float, default=0,
+                    help="seconds for the GPU tests (0: a third of the budget, 60 to 170)")
     ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny models on the CPU, to check this script")
     ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval in the serving section")
@@ -1188,7 +1262,7 @@ def main() -> int:
         if "tests" not in skip and name == models[0]:  # after the first model's table rows, which matter most
             with section("tests", args.budget, 60) as go:
                 if go:
-                    RESULTS["tests"] = gpu_tests(timeout=max(60.0, min(170.0, args.budget / 3)))
+                    RESULTS["tests"] = gpu_tests(timeout=args.tests_timeout or max(60.0, min(170.0, args.budget / 3)))
                     log("   tests:", RESULTS["tests"]["summary"])
         if out_dir:
             with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:

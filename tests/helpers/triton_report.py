@@ -91,7 +91,7 @@ def report_invariant(kernel: str, dtype: str, width: int = 0) -> dict:
     else:
         types = {"x_ptr": p, "w_ptr": p, "out_ptr": p, "eps": "fp32"}
         consts = dict(ROWS=B.norm_rows(width), BLOCK=width, GEMMA=False, ROUND=False)
-        usage = compiled(B._rms_norm_kernel, types, consts, 4, 3)
+        usage = compiled(B._rms_norm_kernel, types, consts, 4, 3, options=B.NO_FMA)
     return {"variant": [kernel, dtype, width], **usage}
 
 
@@ -106,26 +106,26 @@ def report_rowwise(kernel: str, dtype: str, n: int) -> dict:
     activation (`n` 1: GELU), RoPE over heads of ``2 n`` rotated dims (``store``: writing the
     paged cache too), or the residual add and RMSNorm over rows of `n` (``gemma``: Gemma 3's
     post-norm of the addend first)."""
-    from nextoken.kernels.gpu import rowwise as R
+    from nextoken.kernels.gpu import batch_invariant as B, rowwise as R
     from nextoken.kernels.gpu.batch_invariant import norm_rows
 
     p = f"*{dtype}"
     if kernel == "act":
         types = {"g_ptr": p, "u_ptr": p, "out_ptr": p}
         consts = dict(BLOCK=R.ACT_BLOCK, GELU=bool(n), BF16=dtype == "bf16", ROUND=False)
-        usage = compiled(R._act_mul_kernel, types, consts, 4, 3)
+        usage = compiled(R._act_mul_kernel, types, consts, 4, 3, options=B.NO_FMA)
     elif kernel.startswith("rope"):
         types = {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p, "qo_ptr": p, "ko_ptr": p,  # (the model's tables)
                  "v_ptr": p, "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
         consts = dict(HALF=n, HALF_P2=n, REST=0, REST_P2=1, D_P2=2 * n, STORE="store" in kernel,
                       BF16=dtype == "bf16", ROUND=False)
-        usage = compiled(R._rope_kernel, types, consts, 1, 3)
+        usage = compiled(R._rope_kernel, types, consts, 1, 3, options=B.NO_FMA)
     else:
         types = {"h_ptr": p, "a_ptr": p, "wa_ptr": p, "w_ptr": p, "s_ptr": p, "y_ptr": p, "eps": "fp32"}
         gemma = "gemma" in kernel
         consts = dict(ROWS=norm_rows(n), BLOCK=n, NORM_A=gemma, NORM_OUT=True, GEMMA=gemma, BF16=dtype == "bf16",
                       ROUND=False)
-        usage = compiled(R._add_norm_kernel, types, consts, 4, 3)
+        usage = compiled(R._add_norm_kernel, types, consts, 4, 3, options=B.NO_FMA)
     return {"variant": [kernel, dtype, n], **usage}
 
 
@@ -221,7 +221,8 @@ def report_sampling(kernel: str, dtype: str) -> dict:
     return {"variant": [kernel, dtype], **usage}
 
 
-def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = ()) -> dict:
+def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, aligned: tuple = (),
+             options: dict | None = None) -> dict:
     """Compile `fn` for sm_90 (`types`: its pointer and float arguments' Triton types, the rest
     i32; `consts`: its constexprs; `aligned`: arguments known to be multiples of 16) and read its
     resource usage off the cubin (registers, stack and local bytes: a spill needs a stack frame),
@@ -236,7 +237,7 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, ali
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -247,7 +248,8 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, ali
     usage = {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
     ptx = kernel.asm["ptx"]
     return {**usage, "tensor_core": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
-            "wide_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))}
+            "wide_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
+            "fma": len(re.findall(r"\bfma\.rn\.", ptx))}
 
 
 if __name__ == "__main__":

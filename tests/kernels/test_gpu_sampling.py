@@ -140,13 +140,13 @@ def test_the_plan_and_the_sampler_take_the_timed_rows_or_pytorch(tiny_gguf, monk
 
     import nextoken.kernels.gpu.sampling as S
     from nextoken.loader.source import open_model
-    from nextoken.runner.device import Device
+    from nextoken.runner.device import Device, resolve_device
     from nextoken.runner.model_runner import ModelRunner
     from nextoken.sample.sampler import Sampler, SamplerRequest
     from nextoken.sampling_params import SamplingParams
 
     runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.float32, enforce_eager=True,
-                         attention_backend="triton")
+                         attention_backend="triton", device=resolve_device(DEV))  # (compiled: on the GPU)
     gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"),
                               triton_sampling=True)
     monkeypatch.setattr(S, "choose_min_rows", lambda vocab, device, reference: (3, {3: (1e-4, 2e-4)}))

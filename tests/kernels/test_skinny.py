@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="Triton is a test dependency (pyproject's test extra)")
 
 from nextoken.kernels.gpu.skinny import BUCKETS, DEFAULT, LAUNCHES, bucket, choose, skinny, takes  # noqa: E402
-from tests.helpers.triton_device import randn  # noqa: E402
+from tests.helpers.triton_device import DEV, randn  # noqa: E402
 
 
 @pytest.mark.parametrize("m", [5, 8, 24, 64])
@@ -25,7 +25,10 @@ def test_skinny_is_the_linear_in_float32_sums(m, bias):
     """m bf16 rows times a weight of 150 x 1100 (neither a multiple of the N tile nor of the K
     step), with and without a bias, the K range whole and split over 3 programs (their partial
     sums added by the second launch): within one bf16 rounding of the float64 product, as
-    PyTorch's own bf16 linear, and mostly that product rounded."""
+    PyTorch's own bf16 linear on the CPU, and mostly that product rounded. (On the H200, 2026-11-30,
+    PyTorch's bf16 linear fell outside one rounding with a bias at every row count and without
+    one at 24 and 64 rows: cuBLAS may reduce split-K partial sums in bf16, PyTorch's
+    ``allow_bf16_reduced_precision_reduction``, and benchmarks/gpu_check.py measures by how much.)"""
     x = randn(m, 1100, dtype=torch.bfloat16, seed=1)
     w = randn(150, 1100, dtype=torch.bfloat16, seed=2, scale=0.1)
     b = randn(150, dtype=torch.bfloat16, seed=3) if bias else None
@@ -34,7 +37,7 @@ def test_skinny_is_the_linear_in_float32_sums(m, bias):
     for split in (1, 3):
         got = skinny(x, w, b, split=split)
         assert got.shape == (m, 150) and got.dtype == torch.bfloat16 and got.is_contiguous()
-        for y in (got, F.linear(x, w, b)):
+        for y in (got, F.linear(x, w, b)) if DEV == "cpu" else (got,):
             assert ((y.double() - exact).abs() <= step).all()
         assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
 
@@ -132,11 +135,11 @@ def test_the_plan_gives_each_shape_its_timed_row_counts_or_none_when_timing_fail
     import nextoken.kernels.gpu.skinny as S
     from nextoken.layers.linear import gemv_targets
     from nextoken.loader.source import open_model
-    from nextoken.runner.device import Device
+    from nextoken.runner.device import Device, resolve_device
     from nextoken.runner.model_runner import ModelRunner
 
     runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.bfloat16, enforce_eager=True,
-                         attention_backend="triton")
+                         attention_backend="triton", device=resolve_device(DEV))  # (compiled: on the GPU)
     model = runner.model
     gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), skinny=True)
     monkeypatch.setattr(S, "choose", lambda groups, report=None: {

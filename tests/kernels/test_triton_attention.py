@@ -314,11 +314,11 @@ def test_the_plan_takes_timed_tiles_on_a_gpu_with_graphs_alone(tiny_gguf, monkey
 
     import nextoken.kernels.gpu.attention as A
     from nextoken.loader.source import open_model
-    from nextoken.runner.device import Device
+    from nextoken.runner.device import Device, resolve_device
     from nextoken.runner.model_runner import ModelRunner
 
     runner = ModelRunner(open_model(str(tiny_gguf["llama"][0])), torch.bfloat16, enforce_eager=True,
-                         attention_backend="triton")
+                         attention_backend="triton", device=resolve_device(DEVICES[0]))  # (compiled: on the GPU)
     cfg, default = runner.model.config, runner.tilings
     group = cfg.num_heads // cfg.num_kv_heads
     timed = A.Tilings(tilings(True, group, cfg.head_dim)[1], tilings(False, group, cfg.head_dim)[2])

@@ -33,12 +33,20 @@ def reports():
     return run_report()
 
 
+ROUNDED_STEP_BY_STEP = ("act", "rope", "rope store", "add_norm", "add_norm gemma", "rms_norm")
+
+
 def check(r: dict) -> None:
-    """No spill; tensor cores for bf16 products; 16-byte loads where a kernel streams its input."""
+    """No spill; tensor cores for bf16 products; 16-byte loads where a kernel streams its input;
+    no fused multiply-add in the kernels that repeat PyTorch's roundings (`batch_invariant.NO_FMA`:
+    compiled with Triton's default contraction, RoPE's and Gemma's residual add lost a rounding on
+    the H200, where the interpreter's tests cannot see it)."""
     assert r["stack"] == 0 and r["local"] == 0, r  # (a spill needs a stack frame)
     assert r["registers"] <= 255, r
     if r["variant"][0] == "bf16" or r["variant"][:2] in (["linear", "bf16"], ["skinny", "bf16"]):
         assert r["tensor_core"] > 0, r
+    if r["variant"][0] in ROUNDED_STEP_BY_STEP:
+        assert r["fma"] == 0, r
     if r["variant"][0] in ("gemv", "draw"):  # the weight rows, the logits stream in 16-byte loads
         assert r["wide_loads"] > 0, r
 

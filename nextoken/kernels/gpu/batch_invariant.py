@@ -38,6 +38,13 @@ import triton.language as tl
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The launch option of the kernels that repeat PyTorch's roundings step by step (`rms_norm` here,
+# `kernels.gpu.rowwise`): no fused multiply-add. Compiled with Triton's default contraction, the
+# H200 run of 2026-11-30 showed RoPE's bf16 ``round(round(x1 c) - round(x2 s))`` as
+# ``fma.rn.bf16(x1, c, -round(x2 s))`` and Gemma's float32 ``h + norm(a)`` as one fma: one
+# rounding fewer than PyTorch's separate kernels, so not their values (and not transformers'); the
+# interpreter never fuses. tests/helpers/triton_report.py compiles these kernels so too.
+NO_FMA = {"enable_fp_fusion": False}
 # one tile shape for every call (the invariance); 8 warps: with 4 the float32 (and just so the bf16)
 # tile spills on Hopper (tests/kernels/test_triton_compile.py)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
@@ -170,7 +177,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
         per = norm_rows(n)
         _rms_norm_kernel[(cdiv(rows, per),)](x2, weight, out, rows, n, x2.stride(0), out.stride(0), eps,
                                              ROWS=per, BLOCK=next_power_of_2(n), GEMMA=gemma,
-                                             ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
+                                             ROUND=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, **NO_FMA)
     return out.view(x.shape)
 
 

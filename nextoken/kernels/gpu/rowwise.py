@@ -18,7 +18,9 @@ rows); `act_and_mul` rounds the activation to the inputs' dtype before the produ
 ``F.silu(gate) * up`` in bf16 does; `apply_rope_qk` rounds cos and sin to the inputs' dtype and each
 product and the sum, as `layers.rotary.apply_rope` in bf16 does. float32 inputs stay in float32
 throughout. The exponential is the GPU's, so a bf16 result can differ from PyTorch's by one
-rounding where the last bits of e^x move it. Under Triton's interpreter (``TRITON_INTERPRET=1``,
+rounding where the last bits of e^x move it. They compile without fused multiply-adds
+(`batch_invariant.NO_FMA`): Triton's default would merge a product into the sum after it and skip
+the product's rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``,
 the CPU tests) the roundings to bf16 are written out (`batch_invariant._round_bf16`): its
 conversion truncates. The references these are tested against are `layers.norm`,
 `layers.activation` and `layers.rotary` (tests/kernels/test_rowwise.py).
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nextoken.kernels.gpu.batch_invariant import _normed_rows, _round_bf16, norm_rows, rms_norm
+from nextoken.kernels.gpu.batch_invariant import NO_FMA, _normed_rows, _round_bf16, norm_rows, rms_norm
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -89,7 +91,7 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> tor
         bf16 = gate.dtype == torch.bfloat16
         _act_mul_kernel[(rows, cdiv(cols, ACT_BLOCK))](
             g2, u2, out, cols, g2.stride(0), u2.stride(0), cols, BLOCK=ACT_BLOCK, GELU=gelu, BF16=bf16,
-            ROUND=INTERPRET and bf16, num_warps=4)
+            ROUND=INTERPRET and bf16, num_warps=4, **NO_FMA)
     return out
 
 
@@ -195,7 +197,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
                                    v, kc, vc, slots, v.stride(0), v.stride(1), kc.stride(0) if take else 0,
                                    HALF=half, HALF_P2=next_power_of_2(half), REST=rest,
                                    REST_P2=next_power_of_2(max(rest, 1)), D_P2=next_power_of_2(d),
-                                   STORE=take, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=1)
+                                   STORE=take, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=1, **NO_FMA)
     if take:
         store.written = True
     return qo, ko
@@ -245,7 +247,7 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
             h, a, a_weight if a_weight is not None else h, weight if weight is not None else h, s,
             y if y is not None else s, rows, n, h.stride(0), a.stride(0), n, n, eps, ROWS=per,
             BLOCK=next_power_of_2(n), NORM_A=a_weight is not None, NORM_OUT=weight is not None,
-            GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=4)
+            GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=4, **NO_FMA)
     return s, y
 
 
