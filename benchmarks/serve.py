@@ -64,6 +64,8 @@ async def one(client, model, prompt, out_len, temperature):
                 except ValueError:
                     return {"error": f"an event that is not JSON: {line[:60]!r}"}
                 now = time.perf_counter()
+                if chunk.get("error"):  # (the server's stream failed after its 200: an error event)
+                    return {"error": f"error event: {str(chunk['error'].get('message'))[:80]}"}
                 if chunk.get("usage"):
                     n_out = chunk["usage"]["completion_tokens"]
                 elif chunk.get("choices") and chunk["choices"][0]["text"]:
@@ -74,6 +76,8 @@ async def one(client, model, prompt, out_len, temperature):
                     last = now
     except httpx.HTTPError as exc:
         return {"error": type(exc).__name__}
+    if not n_out:  # (no usage chunk: the stream ended before its end)
+        return {"error": "the stream ended without its usage"}
     e2e = time.perf_counter() - t0
     tpot = (e2e - ttft) / (n_out - 1) if ttft is not None and n_out > 1 else None
     return {"ttft": ttft, "itl": itl, "e2e": e2e, "tpot": tpot, "out": n_out, "in": len(prompt)}

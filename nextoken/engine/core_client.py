@@ -265,11 +265,17 @@ class EngineProcessClient(OutputStreams):
 
     def _on_readable(self) -> None:
         try:  # one message a call: the streams its outputs woke run before the next step's
-            self._dispatch(self._from_core.recv())
-        except (EOFError, OSError):
+            message = self._from_core.recv()
+        except (EOFError, OSError) as exc:  # the pipe ended (or broke: said, for it is not the usual end)
             self._loop.remove_reader(self._from_core.fileno())
             if not self._closing:
-                self._gone(EngineError(f"the engine process exited{self._exit_code()}"))
+                how = "" if isinstance(exc, EOFError) else f" (its pipe: {type(exc).__name__}: {exc})"
+                self._gone(EngineError(f"the engine process exited{self._exit_code()}{how}"))
+            return
+        try:
+            self._dispatch(message)
+        except Exception:  # noqa: BLE001 - a fault in handling one message (a subscriber's, a stream's)
+            log.exception("the engine's %r message could not be handled", message[0])  # is not the engine's end
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]

@@ -304,3 +304,30 @@ def test_two_front_ends_each_get_their_own_requests_outputs(tiny_gguf):
         assert steps["b"] > 0 and process.is_alive()
 
     _run_then_exit(process, main(), b)
+
+
+def test_a_fault_in_handling_a_message_is_not_the_engine_process_ending(tiny_gguf, caplog):
+    """A step's subscriber that raises an OSError (as a metrics file's write might) is logged, and
+    the client goes on: its stream ends as `LLM.generate`'s, the engine is still running. (The
+    client took any OSError while handling a message for its pipe's end and failed every stream
+    of its server process. On the H200, 2026-11-30, one of four server processes said the engine
+    process had exited while it ran on; which error that was, its log did not say: it now does.)"""
+    path = str(tiny_gguf["llama"][0])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(path, dtype="float32").generate(["the cat sat on"], params)[0].outputs[0].token_ids
+    client = EngineProcessClient(EngineArgs(model=path, dtype="float32"))
+
+    def broken(stats):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    client.subscribe(broken)
+
+    async def main():
+        assert await _last_ids(client, "the cat sat on", params) == want
+        assert client.is_running and client.dead is None
+
+    try:
+        asyncio.run(main())
+        assert "could not be handled" in caplog.text and "BrokenPipeError" in caplog.text
+    finally:
+        client.close()
