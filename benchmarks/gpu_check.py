@@ -887,6 +887,7 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
                "serve_engine_process": engine_process,
                "serve_api_servers": api_servers if engine_process else 1,
                "serve_wall_s": wall,
+               "serve_workload": [(len(p), n) for p, n in reqs],  # (prompt and output lengths: `serving_roofline`)
                "serve_out_tok_s": tokens / wall, "serve_ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
                # the server's side (its /metrics): how much of the wall its engine thread stepped, and
                # its mean step; a busy share well below 1 puts the limit in the HTTP layer or the client
@@ -949,6 +950,23 @@ def spawned(pid: int) -> dict[str, int]:
                     else:
                         out["engine"] = child
     return out
+
+
+def serving_roofline(workload: list, facts: dict, limits: dict) -> float:
+    """The most output tokens/s any engine could reach on the serving section's requests on this
+    card (`workload`: their (prompt, output) lengths, all sent at once): each prompt's prefill at
+    the measured bf16 matrix rate, then one decode step per output position, each step taking
+    the longer of its reads (the weights once, every running request's keys and values so far)
+    at the measured bandwidth and its FLOPs at the matrix rate. Prefill and decode never overlap
+    here, nor does anything else cost: a bound, not an estimate."""
+    bw, rate = limits["bandwidth"], limits["bf16_rate"]
+    t = sum(2 * facts["matmul_params"] * p + attention_flops(facts, p, p / 2) for p, _ in workload) / rate
+    for step in range(max(n for _, n in workload)):
+        running = [p + step for p, n in workload if n > step]
+        reads = facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * sum(running)
+        flops = 2 * facts["matmul_params"] * len(running) + sum(attention_flops(facts, 1, c) for c in running)
+        t += max(reads / bw, flops / rate)
+    return sum(n for _, n in workload) / t
 
 
 def serving_pids(pid: int) -> dict[str, int]:
@@ -1147,7 +1165,7 @@ def table(limits: dict) -> str:
              f"torch {limits.get('torch')}, triton {limits.get('triton')}",
              "", "| model | batch-1 decode tok/s greedy / sampled (roofline, share) | 64x(512+256) decode step ms "
              "greedy / sampled (roofline, ratio) | async scheduling: batch-1 tok/s, 64x step ms greedy | prefill 4096 "
-             "ms (share of bf16 rate) | serving out tok/s (transformers best, ratio) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32, mean logprob err vs f32 ours / transformers' bf16 | "
+             "ms (share of bf16 rate) | serving out tok/s (transformers best, ratio; roofline, share) | f32 rel err prefill / decode | bf16 first 16 equal, in top-5 /32, mean logprob err vs f32 ours / transformers' bf16 | "
              "batch-invariant f32 / bf16 / bf16 --batch-invariant (its time) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in RESULTS["models"].items():
         ratio = r["serve_out_tok_s"] / r["hf_best_tok_s"] if r.get("serve_out_tok_s") and r.get("hf_best_tok_s") \
@@ -1164,7 +1182,8 @@ def table(limits: dict) -> str:
             f"{fmt(r.get('serve_out_tok_s'))}{' async' if r.get('serve_async_scheduling') else ''}"
             f"{' proc' if r.get('serve_engine_process') else ''}"
             f"{' x' + str(r['serve_api_servers']) if (r.get('serve_api_servers') or 1) > 1 else ''} "
-            f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')})"
+            f"({fmt(r.get('hf_best_tok_s'))}, {fmt(ratio, '.1f', 'x')}"
+            f"{'; roofline %.0f, %.0f%%' % (r['serve_roofline_tok_s'], 100 * r['serve_out_tok_s'] / r['serve_roofline_tok_s']) if r.get('serve_roofline_tok_s') else ''})"
             f"{'; one process ' + fmt(r['serve_oneproc_out_tok_s']) if 'serve_oneproc_out_tok_s' in r else ''} | "
             f"{fmt(r.get('f32_prefill_rel'), '.1e')} / {fmt(r.get('f32_decode_rel'), '.1e')} | "
             f"{fmt(r.get('bf16_first16_equal'))}, {fmt(r.get('bf16_in_top5'))}"
@@ -1256,6 +1275,11 @@ def main() -> int:
                 if go:
                     r.update(serving(folder, vocab, out_dir, DRY["requests"], args.stream_interval, overlap,
                                      args.serve_process != "off", args.api_servers or (2 if args.dry_run else 4)))
+                    if "decode_weight_bytes" in r and r.get("serve_workload") and limits:  # (the speed rows' facts)
+                        r["serve_roofline_tok_s"] = serving_roofline(r["serve_workload"], r, limits)
+                        log(f"   serving's roofline on this card (every request's prefill at the bf16 rate, then "
+                            f"each decode step at the bandwidth): {r['serve_roofline_tok_s']:.0f} output tok/s; "
+                            f"measured {r['serve_out_tok_s'] / r['serve_roofline_tok_s']:.0%} of it")
             with section(f"{name}: transformers generate", args.budget, 25) as go:
                 if go and "hf" not in skip:
                     r.update(transformers_generate(folder, vocab))

@@ -170,6 +170,27 @@ class FusedLinear:
                             self.skinny_launch).split_with_sizes(self.sizes, dim=-1)
 
 
+def silu_mul_down(down: Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` in one launch of a GPU plan's GEMV (`kernels.gpu.gemv.gemv` with
+    its `up`: SwiGLU's product taken as it reads its input, with the roundings of
+    `kernels.gpu.rowwise.act_and_mul`, so the values of the two launches), for a pass of at most
+    ``down.gemv_rows`` rows (the plan's choice for the shape; 0 off a GPU) on a dense down
+    projection with no adapter in this pass. gate, up: ``[T, intermediate]``, contiguous rows
+    (the halves of a fused gate/up product are). None otherwise: the caller runs both."""
+    m = gate.shape[0]
+    if gate.dim() != 2 or not 0 < m <= down.gemv_rows or type(down.method) is not DenseMethod \
+            or down.combine is not None or (down.lora is not None and down.lora.batch.ids):
+        return None
+    from nextoken.kernels import count_fallback
+    from nextoken.kernels.gpu.gemv import Refused, gemv
+
+    try:
+        return gemv(gate, down.weight, down.bias, launch=down.gemv_launch, up=up)
+    except Refused:
+        count_fallback("gemv")
+        return None
+
+
 def gemv_targets(model) -> list:
     """The matmuls a GPU plan's GEMV and split-K GEMM may take (`kernels.gpu.gemv`,
     `kernels.gpu.skinny`): every fused projection and every dense linear outside one (o, down, the

@@ -17,7 +17,7 @@ from nextoken.config import ModelConfig
 from nextoken.layers import weight_param
 from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.attention import AttentionMetadata, attend, kv_store
-from nextoken.layers.linear import Linear
+from nextoken.layers.linear import Linear, silu_mul_down
 from nextoken.layers.norm import add_rms_norm, rms_norm
 from nextoken.layers.rotary import apply_rope_qk
 from nextoken.kv_cache.tensors import PagedKVCache
@@ -88,6 +88,10 @@ class LlamaMLP(torch.nn.Module):
     def forward(self, x):
         gate, up = self.gate_up(x) if self.gate_up is not None and self.gate_up.usable() else \
             (self.gate_proj(x), self.up_proj(x))
+        if self.act is silu_and_mul and self.down_proj.gemv_rows:  # a GPU plan's decode: one launch for both
+            y = silu_mul_down(self.down_proj, gate, up)
+            if y is not None:
+                return y
         return self.down_proj(self.act(gate, up, kernel=self.act_kernel))
 
 

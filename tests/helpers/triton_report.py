@@ -142,7 +142,8 @@ def _gemv_launches() -> list[int]:
 
 GEMV = [("gemv", "bf16", 1, 4, 0), ("gemv", "bf16", 2, 4, 0), ("gemv", "bf16", 4, 4, 0), ("gemv", "bf16", 1, 2, 0),
         ("gemv", "bf16", 4, 2, 0), ("gemv", "bf16", 1, 1, 0), ("gemv", "bf16", 4, 1, 0), ("gemv", "fp32", 1, 4, 0),
-        ("gemv", "fp32", 4, 1, 0)]
+        ("gemv", "fp32", 4, 1, 0), ("gemv silu", "bf16", 1, 2, 0), ("gemv silu", "bf16", 1, 1, 0),
+        ("gemv silu", "bf16", 4, 2, 0)]  # (silu: the down projection's, SwiGLU's product read from gate and up)
 # (input rows, padded to a power of two; output features per program; the launch's index in `gemv.LAUNCHES`)
 GEMV_LAUNCHES = [("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i
                  for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]  # the other launches the plan times
@@ -151,16 +152,19 @@ GEMV_LAUNCHES = [("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i
 def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> dict:
     """The same report for the GPU plan's GEMV (`kernels.gpu.gemv`) at `m_pad` input rows and
     `rows` output features per program, launched as ``gemv.LAUNCHES[launch]`` (its K chunk as
-    `gemv.gemv` sets it), with a bias; its pointers, K and strides taken as multiples of 16, as
+    `gemv.gemv` sets it), with a bias (``gemv silu``: none, its input SwiGLU's product); its pointers, K and strides taken as multiples of 16, as
     Triton specializes them at a launch with the catalog's shapes, so that the 16-byte loads
     show."""
     from nextoken.kernels.gpu import gemv as G
 
     p = f"*{dtype}"
     how = G.LAUNCHES[launch]
-    types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p}
-    consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=True, ROUND=False)
-    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "u_ptr": p}
+    silu = kernel == "gemv silu"
+    consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=not silu, SILU_MUL=silu,
+                  BF16=dtype == "bf16", ROUND=False)
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "u_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om",
+               "stride_um")
     usage = compiled(G._gemv_kernel, types, consts, how.num_warps, G.NUM_STAGES, aligned)
     return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
 

@@ -62,6 +62,35 @@ def test_every_launch_is_the_same_linear(launch):
     assert ((gemv(x, w, b, launch=launch).double() - exact).abs() <= step).all()  # (its own rows per program)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_gemv_of_swiglus_product_is_the_two_launches(dtype, m):
+    """With `up`, the GEMV's input is ``silu(gate) * up`` read from the halves of a fused
+    gate/up product (strided rows), scaled to reach SiLU's tails: the same values as
+    `rowwise.act_and_mul` then the GEMV (in bf16 bit for bit: the same roundings), and within
+    the roundings of float64's product of the two. A gate and up of other shapes are refused."""
+    from nextoken.kernels.gpu.gemv import Refused
+    from nextoken.kernels.gpu.rowwise import act_and_mul
+
+    gu = randn(m, 2 * 700, dtype=dtype, seed=50, scale=4)
+    gate, up = gu[:, :700], gu[:, 700:]
+    w = randn(37, 700, dtype=dtype, seed=51, scale=0.1)
+    want = gemv(act_and_mul(gate, up), w)
+    for rows in (ROWS, INTERPRET_ROWS, 1):
+        got = gemv(gate, w, rows=rows, up=up)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:  # (numpy's float32 e^x, the interpreter's, can differ in a last bit between array shapes)
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    g = gate.double()
+    product = g * torch.sigmoid(g) * up.double()
+    exact, sizes = product @ w.double().T, product.abs() @ w.double().abs().T
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20  # (bf16: each product rounded, twice, then the sum)
+    assert ((want.double() - exact).abs() <= sizes * step).all()
+    with pytest.raises(Refused):
+        gemv(gate, w, up=up[:, :699])
+
+
 def test_gemv_refuses_what_it_does_not_take():
     """More rows than `MAX_ROWS`, a weight in another dtype, strided rows: `takes` says no and
     `gemv` raises a ValueError naming the call."""

@@ -234,6 +234,11 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
 
     attend = gpu_attention.attend_triton
     monkeypatch.setattr(gpu_attention, "attend_triton", lambda *args: stored.append(args[-2:]) or attend(*args))
+    import nextoken.models.llama as llama
+
+    fused_downs = []  # (Qwen 2's decodes: SwiGLU's product read by the down projection's GEMV, one launch)
+    monkeypatch.setattr(llama, "silu_mul_down", lambda *args, _f=llama.silu_mul_down: fused_downs.append(
+        _f(*args)) or fused_downs[-1])
     prompts = ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61])
     wants = [a.forward(ids, all_logits=True) for ids in prompts]
     stored.clear()
@@ -246,6 +251,12 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     # (Qwen 2: after attention, and the feed-forward's in the next layer's input norm or the final
     # norm; Gemma 3: both with their post-norms)
     assert len(launches) == 3 * 2 * layers and len(stored) == 3 * layers, (len(launches), len(stored), layers)
+    if arch == "qwen2":  # (the prompt's 9 rows: no GEMV, so no fused launch; each decode: one a layer, where
+        # the down projection's shape takes the GEMV: every shape here, as timed on a GPU)
+        takes = fused.model.layers[0].mlp.down_proj.gemv_rows > 0
+        assert [y is not None for y in fused_downs] == ([False] * layers + [True] * 2 * layers) * takes, fused_downs
+    else:  # (GeGLU's product stays a launch of its own)
+        assert not fused_downs
     if arch != "qwen2":  # (Gemma 3's six layers under the interpreter: gpu_check logs a GPU run's fallbacks)
         return
     # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
