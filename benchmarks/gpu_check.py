@@ -61,6 +61,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -912,6 +913,11 @@ def serving(folder: str, vocab: int, out_dir: str | None, num_requests: int = 25
         for name, tops in spied.items():
             for kind, top in tops.items():
                 log(f"   py-spy, {name}, {kind}: " + "; ".join(f"{share:.0%} {place}" for place, share in top[:8]))
+        late = late_compiles(logf.name) if out_dir else []
+        out["serve_late_compiles"] = late
+        if late:  # (`kernels.gpu.compiles`: Triton compiling a shape the warm-up never met, while serving)
+            log(f"   Triton compiled {len(late)} kernels after the warm-up, {sum(t for _, t, _ in late):.1f} s: "
+                + "; ".join(f"{name} {t:.2f} s" for name, t, _ in late[:8]))
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -949,6 +955,18 @@ def spawned(pid: int) -> dict[str, int]:
                         out[f"api{k}"], k = child, k + 1
                     else:
                         out["engine"] = child
+    return out
+
+
+def late_compiles(path: str) -> list[tuple[str, float, str]]:
+    """The server log's Triton compilations after its warm-up (`kernels.gpu.compiles`): (kernel,
+    seconds, its specialization) each."""
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = re.search(r"Triton compiled (\S+) in ([0-9.]+) s after the engine was ready: (.*)", line)
+            if m:
+                out.append((m.group(1), float(m.group(2)), m.group(3)[:300]))
     return out
 
 

@@ -65,6 +65,9 @@ def warm_up(engine) -> None:
         raise ModelLoadError(f"the model gave non-finite log-probabilities on a warm-up prompt "
                              f"({result.error or out.logprobs}); its weights or this build's kernels are broken "
                              "(try --enforce-eager)")
+    from nextoken.kernels.gpu.compiles import ready
+
+    ready()  # (on a GPU, a Triton compilation from now on is logged: a shape the warm-up did not meet)
     engine.scheduler.prefix_cache_queries = engine.scheduler.prefix_cache_hits = 0
     engine.kv.pool.hits = engine.kv.pool.queries = 0
     if engine.speculator is not None:

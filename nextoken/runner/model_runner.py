@@ -167,6 +167,9 @@ class ModelRunner:
             self.plan.reasons["huge pages"] = "transparent huge pages are never here"
         if device.is_cuda:
             move_model(self.model, device.torch)
+            from nextoken.kernels.gpu.compiles import watch
+
+            watch()  # (Triton's compilations counted; those after the warm-up logged with their cause)
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
