@@ -601,6 +601,19 @@ def draw_agreement(vocab: int) -> dict:
            "draw_torch_ms": 1000 * statistics.median(times["torch"])}
     log(f"   the Triton draw against PyTorch's on {b} rows of {vocab}: {agree} of {n} tokens the same; median "
         f"{out['draw_triton_ms']:.3f} against {out['draw_torch_ms']:.3f} ms a draw")
+    # its scratch (the default: each row's keys and e^x written once, read back by ~20 passes) against
+    # recomputing them every pass, at 1 and at b rows, top-p 0.95: the times and the same tokens
+    cmp, same = {}, True
+    for rows_n in (1, b):
+        rows = (torch.randn(rows_n, vocab, generator=g) * 2).to(DEV)
+        T, P = torch.full((rows_n,), 0.8, device=DEV), torch.full((rows_n,), 0.95, device=DEV)
+        K, M = torch.zeros(rows_n, dtype=torch.int32, device=DEV), torch.zeros(rows_n, device=DEV)
+        u = torch.rand(rows_n, generator=g).to(DEV)
+        cmp[rows_n] = [1000 * cuda_time(lambda: draw_rows(rows, T, K, P, M, u, cached=c), 3, 1) for c in (True, False)]
+        same &= bool((draw_rows(rows, T, K, P, M, u) == draw_rows(rows, T, K, P, M, u, cached=False)).all())
+    out["draw_cached_ms"] = cmp
+    log("   the Triton draw with its scratch against recomputing each pass (ms, top-p 0.95): "
+        + ", ".join(f"{r} rows {a:.3f} / {c:.3f}" for r, (a, c) in cmp.items()) + f"; the same tokens: {same}")
     return out
 
 

@@ -209,7 +209,8 @@ def report_skinny(kernel: str, dtype: str, m_pad: int, split: int, launch: int) 
     return {"variant": [kernel, dtype, m_pad, split, launch], **usage}
 
 
-SAMPLING = [("draw", "fp32")]  # the sampler's draw over float32 logits
+SAMPLING = [("draw", "fp32"), ("draw cached", "fp32")]  # the sampler's draw over float32 logits (cached: its
+# keys and e^x written once to scratch, the default)
 
 
 def report_sampling(kernel: str, dtype: str) -> dict:
@@ -219,9 +220,9 @@ def report_sampling(kernel: str, dtype: str) -> dict:
     from nextoken.kernels.gpu import sampling as S
 
     types = {"l_ptr": f"*{dtype}", "t_ptr": "*fp32", "k_ptr": "*i32", "p_ptr": "*fp32", "mp_ptr": "*fp32",
-             "u_ptr": "*fp32", "out_ptr": "*i64"}
-    usage = compiled(S._draw_kernel, types, dict(TILE=S.TILE, INTERPRET=False), S.NUM_WARPS, 3,
-                     ("l_ptr", "stride_l", "V"))
+             "u_ptr": "*fp32", "out_ptr": "*i64", "kc_ptr": "*i32", "ec_ptr": "*fp32"}
+    usage = compiled(S._draw_kernel, types, dict(TILE=S.TILE, CACHED=kernel == "draw cached", INTERPRET=False),
+                     S.NUM_WARPS, 3, ("l_ptr", "stride_l", "V", "kc_ptr", "ec_ptr", "stride_c"))
     return {"variant": [kernel, dtype], **usage}
 
 

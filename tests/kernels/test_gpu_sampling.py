@@ -32,10 +32,13 @@ def settings(b: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 
 def assert_same_draws(rows: torch.Tensor, T, K, P, M, u) -> None:
+    """The kernel's tokens, with its scratch (the default) and recomputing each pass, are the plain
+    rule's."""
     want = torch_draw(rows, T, K, P, M, u)
-    got = draw_rows(*(t.to(DEVICE) for t in (rows, T, K, P, M, u)))
-    assert got.dtype == torch.int64 and got.device.type == DEVICE.type
-    assert got.cpu().tolist() == want.tolist()
+    for cached in (True, False):
+        got = draw_rows(*(t.to(DEVICE) for t in (rows, T, K, P, M, u)), cached=cached)
+        assert got.dtype == torch.int64 and got.device.type == DEVICE.type
+        assert got.cpu().tolist() == want.tolist(), cached
 
 
 def test_the_draw_is_the_plain_rule_on_tied_and_masked_rows():
@@ -65,6 +68,18 @@ def test_the_draw_at_the_ends_of_u_and_of_the_settings():
     P = torch.tensor([1.0, 0.0, 1.0, 0.95, 0.5, 1.0, 0.9, 0.999])
     M = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.02, 0.0])
     assert_same_draws(rows, T, K, P, M, torch.tensor([0.0, 1 - 2.0**-24] * 4))
+
+
+def test_a_batch_past_the_scratch_draws_in_launches_of_its_rows(monkeypatch):
+    """More rows than `SCRATCH_ROWS` (4 here) are drawn a launch of 4 at a time over one scratch:
+    the plain rule's tokens still, the last launch's 3 rows included."""
+    import nextoken.kernels.gpu.sampling as S
+
+    monkeypatch.setattr(S, "SCRATCH_ROWS", 4)
+    g = torch.Generator().manual_seed(5)
+    b, V = 11, 700
+    rows = torch.randn(b, V, generator=g) * 3
+    assert_same_draws(rows, *settings(b, g), torch.rand(b, generator=g))
 
 
 def test_a_row_draws_the_same_alone_and_in_a_batch():

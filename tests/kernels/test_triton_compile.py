@@ -47,7 +47,7 @@ def check(r: dict) -> None:
         assert r["tensor_core"] > 0, r
     if r["variant"][0] in ROUNDED_STEP_BY_STEP:
         assert r["fma"] == 0, r
-    if r["variant"][0] in ("gemv", "gemv silu", "draw"):  # the weight rows, the logits stream in 16-byte loads
+    if r["variant"][0] in ("gemv", "gemv silu", "draw", "draw cached"):  # the weight rows, the logits stream in 16-byte loads
         assert r["wide_loads"] > 0, r
 
 

@@ -26,6 +26,13 @@ The rule, per row of logits l ``[V]`` (the reference's, whose docstrings give th
 - the draw: the kept tokens in id order, S their running float64 sum of e; the first token whose
   S exceeds u times the total.
 
+A sampled row's passes after the first (about twenty with top-p: the mass at three keys a pass,
+float64) read its order keys and e from scratch that its second pass writes (int32 and float32,
+8 bytes a token; `SCRATCH_ROWS` rows a launch), not the logits: on the H200 (2026-11-30) a pass
+that divided and exponentiated the row again kept its one multiprocessor computing, 1.6 ms for
+one row of 151,936 against PyTorch's 0.74. ``cached=False`` recomputes, for `gpu_check`'s
+comparison; the tokens are the same.
+
 One program a row uses one multiprocessor: a batch of few rows leaves the GPU idle where
 PyTorch's sort spreads a row over all of it. So the plan times both on this GPU at load
 (`choose_min_rows`) and the sampler takes this kernel from the batch size where it is faster.
@@ -52,6 +59,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 1024  # logits a program reads per step of a pass (compiled)
 INTERPRET_TILE = 4096  # under the interpreter, where each step costs NumPy calls
 NUM_WARPS = 8
+SCRATCH_ROWS = 64  # rows a cached draw launches at once: their scratch, 8 bytes a token (78 MB at 152k tokens)
 LOW: tl.constexpr = tl.constexpr(-(2**31) - 1)  # below every order key: "no cut"
 
 
@@ -88,7 +96,35 @@ def _x(base, i, ok, T):
 
 
 @triton.jit
-def _above(base, V, T, m, t1, t2, t3, MASS: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr):
+def _key_e(base, kc, ec, i, ok, T, m, CACHED: tl.constexpr, INTERPRET: tl.constexpr):
+    """The order keys (int64; `LOW` outside the row) and e of the tokens at `i`: computed from the
+    logits, or (`CACHED`) read back from the row's scratch, where `_fill` wrote the same values."""
+    if CACHED:
+        key = tl.where(ok, tl.load(kc + i, mask=ok, other=0).to(tl.int64), LOW)
+        e = tl.load(ec + i, mask=ok, other=0.0)
+    else:
+        x = _x(base, i, ok, T)
+        key = tl.where(ok, _order_key(x), LOW)
+        e = tl.where(ok, _exp(x - m, INTERPRET), 0.0)
+    return key, e
+
+
+@triton.jit
+def _fill(base, kc, ec, V, T, m, TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Write the row's order keys (int32: they come from 32-bit floats) and e (float32) to its
+    scratch, so that the passes after read 8 bytes a token instead of recomputing x and e^x."""
+    offs = tl.arange(0, TILE)
+    for start in range(0, V, TILE):
+        i = start + offs
+        ok = i < V
+        x = _x(base, i, ok, T)
+        tl.store(kc + i, _order_key(x).to(tl.int32), mask=ok)
+        tl.store(ec + i, _exp(x - m, INTERPRET), mask=ok)
+
+
+@triton.jit
+def _above(base, kc, ec, V, T, m, t1, t2, t3, MASS: tl.constexpr, TILE: tl.constexpr, CACHED: tl.constexpr,
+           INTERPRET: tl.constexpr):
     """How many tokens of the row (or, `MASS`, how much of e in float64) lie above each of the
     keys t1 <= t2 <= t3: one pass for three thresholds of a bisection."""
     offs = tl.arange(0, TILE)
@@ -100,11 +136,9 @@ def _above(base, V, T, m, t1, t2, t3, MASS: tl.constexpr, TILE: tl.constexpr, IN
     a3 = a1
     for start in range(0, V, TILE):
         i = start + offs
-        ok = i < V
-        x = _x(base, i, ok, T)
-        key = tl.where(ok, _order_key(x), LOW)
+        key, e = _key_e(base, kc, ec, i, i < V, T, m, CACHED, INTERPRET)
         if MASS:
-            w = _exp(x - m, INTERPRET).to(tl.float64)
+            w = e.to(tl.float64)
         else:
             w = tl.full([TILE], 1, tl.int32)
         a1 += tl.where(key > t1, w, 0)
@@ -114,7 +148,8 @@ def _above(base, V, T, m, t1, t2, t3, MASS: tl.constexpr, TILE: tl.constexpr, IN
 
 
 @triton.jit
-def _bisect(base, V, T, m, lo, hi, at_hi, limit, MASS: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr):
+def _bisect(base, kc, ec, V, T, m, lo, hi, at_hi, limit, MASS: tl.constexpr, TILE: tl.constexpr,
+            CACHED: tl.constexpr, INTERPRET: tl.constexpr):
     """The smallest key k in (lo, hi] with (count or mass) above k < `limit`, and that amount:
     the amount above `lo` must not be below `limit`, the amount above `hi` (`at_hi`) must. Each
     pass tries three keys, so a range of 2^32 keys takes 16 passes."""
@@ -122,7 +157,7 @@ def _bisect(base, V, T, m, lo, hi, at_hi, limit, MASS: tl.constexpr, TILE: tl.co
         t1 = lo + (hi - lo) // 4
         t2 = lo + (hi - lo) // 2
         t3 = lo + 3 * ((hi - lo) // 4)
-        s1, s2, s3 = _above(base, V, T, m, t1, t2, t3, MASS, TILE, INTERPRET)
+        s1, s2, s3 = _above(base, kc, ec, V, T, m, t1, t2, t3, MASS, TILE, CACHED, INTERPRET)
         if (s1 < limit) & (t1 > lo):
             hi = t1
             at_hi = s1
@@ -140,12 +175,12 @@ def _bisect(base, V, T, m, lo, hi, at_hi, limit, MASS: tl.constexpr, TILE: tl.co
 
 
 @triton.jit
-def _kept(x, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p, ties_p, Mp):
-    """Which tokens of a tile survive the filters (bool), and the counts of tokens tied at each
-    cut so far (the ranks of the next tile's ties start there). `cut_k`, `cut_p`: the keys of the
-    top-k and top-p cuts (`LOW`: off); `allow_k` ties at the top-k cut are kept; a tie at the
-    top-p cut is kept while ``G + rank * e_p < L``; min-p: ``e >= Mp``; `best` always."""
-    key = _order_key(x)
+def _kept(key, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p, ties_p, Mp):
+    """Which tokens of a tile (their order keys, int64, and e) survive the filters (bool), and
+    the counts of tokens tied at each cut so far (the ranks of the next tile's ties start there).
+    `cut_k`, `cut_p`: the keys of the top-k and top-p cuts (`LOW`: off); `allow_k` ties at the
+    top-k cut are kept; a tie at the top-p cut is kept while ``G + rank * e_p < L``; min-p:
+    ``e >= Mp``; `best` always."""
     tie_k = (ok & (key == cut_k)).to(tl.int32)
     rank_k = ties_k + tl.cumsum(tie_k, 0) - tie_k
     tie_p = (ok & (key == cut_p)).to(tl.int32)
@@ -157,11 +192,15 @@ def _kept(x, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p, ties_p, M
 
 
 @triton.jit
-def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr,
-                 TILE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One row's token (see the module docstring). Grid: (rows,)."""
+def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr, kc_ptr, ec_ptr, stride_c,
+                 TILE: tl.constexpr, CACHED: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row's token (see the module docstring); `CACHED`: its keys and e written once to the
+    row's scratch (``kc_ptr``, ``ec_ptr``: int32 and float32, ``stride_c`` a row) and read back by
+    every later pass. Grid: (rows,)."""
     row = tl.program_id(0).to(tl.int64)
     base = l_ptr + row * stride_l
+    kc = kc_ptr + row * stride_c
+    ec = ec_ptr + row * stride_c
     T = tl.load(t_ptr + row)
     Td = tl.where(T > 0.0, T, 1.0)  # (greedy rows: x = l)
     offs = tl.arange(0, TILE)
@@ -181,26 +220,31 @@ def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr
         P = tl.load(p_ptr + row)
         Mp = tl.load(mp_ptr + row)
         u = tl.load(u_ptr + row).to(tl.float64)
+        if CACHED:
+            _fill(base, kc, ec, V, T, m, TILE, INTERPRET)
+            tl.debug_barrier()  # (the program's own stores, read back by its other threads)
         top = _order_key(m)
         cut_k = tl.full([], LOW, tl.int64)
         allow_k = tl.zeros([], tl.int32) + V
         zk = tl.zeros([], tl.float64)
         if (K > 0) & (K < V):  # top-k: the smallest key with fewer than K tokens above it
-            hi, above = _bisect(base, V, T, m, tl.full([], LOW, tl.int64), top, tl.zeros([], tl.int32), K, False,
-                                TILE, INTERPRET)
+            hi, above = _bisect(base, kc, ec, V, T, m, tl.full([], LOW, tl.int64), top, tl.zeros([], tl.int32), K,
+                                False, TILE, CACHED, INTERPRET)
             cut_k = hi
             allow_k = K - above
             e_k = _exp(_from_key(hi) - m, INTERPRET).to(tl.float64)
-            zk = _above(base, V, T, m, hi, hi, hi, True, TILE, INTERPRET)[0] + allow_k.to(tl.float64) * e_k
+            zk = _above(base, kc, ec, V, T, m, hi, hi, hi, True, TILE, CACHED, INTERPRET)[0] \
+                + allow_k.to(tl.float64) * e_k
         elif P < 1.0:
-            zk = _above(base, V, T, m, LOW, LOW, LOW, True, TILE, INTERPRET)[0]
+            zk = _above(base, kc, ec, V, T, m, LOW, LOW, LOW, True, TILE, CACHED, INTERPRET)[0]
         cut_p = tl.full([], LOW, tl.int64)
         G = tl.zeros([], tl.float64)
         L = P.to(tl.float64) * zk
         e_p = tl.zeros([], tl.float64)
         if P < 1.0:  # top-p: the smallest key with less than L of mass above it
             lo = tl.where(cut_k > LOW, cut_k - 1, cut_k)
-            cut_p, G = _bisect(base, V, T, m, lo, top, tl.zeros([], tl.float64), L, True, TILE, INTERPRET)
+            cut_p, G = _bisect(base, kc, ec, V, T, m, lo, top, tl.zeros([], tl.float64), L, True, TILE, CACHED,
+                               INTERPRET)
             e_p = _exp(_from_key(cut_p) - m, INTERPRET).to(tl.float64)
         # the total of the kept tokens' e in id order, then the first whose running sum passes u * total
         ties_k = tl.zeros([], tl.int32)
@@ -209,9 +253,9 @@ def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr
         for start in range(0, V, TILE):
             i = start + offs
             ok = i < V
-            x = _x(base, i, ok, T)
-            e = _exp(x - m, INTERPRET)
-            kept, ties_k, ties_p = _kept(x, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p, ties_p, Mp)
+            key, e = _key_e(base, kc, ec, i, ok, T, m, CACHED, INTERPRET)
+            kept, ties_k, ties_p = _kept(key, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p,
+                                         ties_p, Mp)
             run = tl.max(run + tl.cumsum(tl.where(kept, e.to(tl.float64), 0.0), 0), 0)
         target = u * run
         token = tl.zeros([], tl.int32) + V
@@ -222,9 +266,9 @@ def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr
         while (start < V) & (token == V):
             i = start + offs
             ok = i < V
-            x = _x(base, i, ok, T)
-            e = _exp(x - m, INTERPRET)
-            kept, ties_k, ties_p = _kept(x, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p, ties_p, Mp)
+            key, e = _key_e(base, kc, ec, i, ok, T, m, CACHED, INTERPRET)
+            kept, ties_k, ties_p = _kept(key, e, i, ok, best, cut_k, allow_k, ties_k, cut_p, G, L, e_p,
+                                         ties_p, Mp)
             s = run + tl.cumsum(tl.where(kept, e.to(tl.float64), 0.0), 0)
             token = tl.min(tl.where(ok & (s > target), i, V), 0)
             run = tl.max(s, 0)
@@ -234,13 +278,15 @@ def _draw_kernel(l_ptr, stride_l, V, t_ptr, k_ptr, p_ptr, mp_ptr, u_ptr, out_ptr
 
 
 def draw_rows(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+              min_p: torch.Tensor, u: torch.Tensor, cached: bool = True) -> torch.Tensor | None:
     """The token of each row of float32 logits ``[b, vocab]`` (unit stride along the vocabulary)
     under its settings ``[b]`` (temperature float32, 0: greedy; top_k int32, 0: off; top_p
     float32, 1: off; min_p float32, 0: off) and uniform number u float32 ``[b]`` in [0, 1):
     int64 ``[b]`` on the rows' device, as `sample.sampler.torch_draw` draws them. None for rows it
     does not take (another dtype or layout, settings not on the rows' device): the caller's
-    PyTorch path runs."""
+    PyTorch path runs. `cached`: each sampled row's order keys and e^(x - m) computed once into
+    scratch (8 bytes a token, `SCRATCH_ROWS` rows a launch) and read back by the ~20 passes after,
+    instead of each pass dividing and exponentiating the row again; the same tokens."""
     if rows.dim() != 2 or rows.dtype != torch.float32 or rows.stride(1) != 1 or rows.shape[1] >= 2**31 - 1:
         return None
     settings = (temperature, top_k, top_p, min_p, u)
@@ -252,8 +298,17 @@ def draw_rows(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     if b:
         settings = tuple(s.contiguous() for s in settings)
         tile = min(INTERPRET_TILE if INTERPRET else TILE, next_power_of_2(V))
-        _draw_kernel[(b,)](rows, rows.stride(0), V, *settings, out, TILE=tile, INTERPRET=INTERPRET,
-                           num_warps=NUM_WARPS)
+        if not cached:
+            _draw_kernel[(b,)](rows, rows.stride(0), V, *settings, out, rows, rows, 0, TILE=tile, CACHED=False,
+                               INTERPRET=INTERPRET, num_warps=NUM_WARPS)
+            return out
+        n = min(b, SCRATCH_ROWS)
+        keys = torch.empty(n, V, dtype=torch.int32, device=rows.device)
+        es = torch.empty(n, V, dtype=torch.float32, device=rows.device)
+        for a in range(0, b, n):  # (a launch per `SCRATCH_ROWS` rows, in order on the stream: one scratch)
+            z = min(b, a + n)
+            _draw_kernel[(z - a,)](rows[a:z], rows.stride(0), V, *(s[a:z] for s in settings), out[a:z], keys, es,
+                                   V, TILE=tile, CACHED=True, INTERPRET=INTERPRET, num_warps=NUM_WARPS)
     return out
 
 
