@@ -5,7 +5,7 @@ On the GPU machine, from the repository root, after the wheels it lacks are inst
 (`benchmarks/gpu_wheels.sh` fetches them here into .whl/; the device call carries .whl):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py            # about 7 minutes
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py            # about 8 minutes
 
 As one device call (carry ``.whl``; its 6.6 MB and the repository's 3 MB travel):
 
@@ -22,13 +22,15 @@ and says so:
 2. per model (the catalog's four at their real sizes, random weights: `benchmarks/gpu_models.py`):
    exactness (float32, TF32 off: the logits of a prefill and 32 decode steps against
    `transformers` float32 on the same card, relative to the largest logit; bf16: the first 16
-   greedy tokens equal `transformers`' bf16 greedy ones, every one of 32 in its top 5; one
+   greedy tokens equal `transformers`' bf16 greedy ones, every one of 32 in its top 5, and how far
+   our bf16 log-probabilities and `transformers`' bf16 ones lie from `transformers`' float32; one
    request alone and in a batch of 24, float32 and bf16), then speed (batch-1 decode, greedy and
    sampled, against the bandwidth roofline; 64 sequences of 512 + 256 tokens, the decode step
    against the roofline step; the same batch-1 and 64-sequence runs again with async scheduling,
    and whether their tokens are the in-order run's; the sampled 64-sequence step again on
    PyTorch's draw, and the Triton draw's tokens and time against PyTorch's on 64 rows of the
-   model's vocabulary; one 4096-token prefill against the bf16 matrix rate);
+   model's vocabulary, and with its scratch against recomputing each pass; one 4096-token
+   prefill against the bf16 matrix rate);
 3. serving (Qwen2.5-1.5B first): `nextoken serve` and `benchmarks/serve.py`'s client (in
    several processes, `serve.run_load`: one httpx process spends about 70 us a streamed chunk), 256
    requests of 100-1024 prompt and 100-1024 output tokens sent at once, output tokens/s, and from
@@ -40,11 +42,14 @@ and says so:
    after every model's sections, as time allows, its figures as ``serve_oneproc_*``; with the
    engine process, ``--api-servers N`` HTTP server processes, 4 by default; the CPU each
    process spent over the wall says which side holds the pace, and py-spy's samples of each, when
-   it came along, where its Python's time went); and
-   `transformers`' `generate` on the same card at batch 128, 256 and 512 (its best kept);
+   it came along, where its Python's time went; the Triton compilations its log shows after the
+   warm-up; the workload's roofline on the card, `serving_roofline`); and `transformers`'
+   `generate` on the same card at batch 128, 256 and 512 (its best kept);
 4. after the first model's sections (the rows that matter most): the GPU tests, the Triton
    kernel's tests compiled, the engine's GPU-path tests on the GPU, every tiny architecture's
-   float32 logits against `transformers` (pytest, TRITON_INTERPRET=0); then the other models.
+   float32 logits against `transformers` (pytest, TRITON_INTERPRET=0, on 8 xdist workers, each
+   failure written to ``$OUT/test_failures.txt`` as it happens), after how far PyTorch's own bf16
+   linear lies from float64 there; then the other models.
 
 Every figure also goes to ``$OUT/gpu_check.json`` (and the server's log to ``$OUT``) when
 ``OUT`` is set. ``--dry-run`` runs the same sections on a machine without a GPU, on two tiny
