@@ -305,8 +305,9 @@ class LLMEngine:
                 at += k
         for r in [r for r in reqs if r in rows and r.params.max_tokens == 0 and not r.finished]:  # scored only
             self.outputs.finish(r, "length")
-        self._fail_nonfinite(logits, {r: ab for r, ab in rows.items() if not r.finished})
-        self._sample(logits, [r for r in reqs if r in rows and r not in drafts and not r.finished], rows, tracer)
+        if drafts or tracer is not None or not self._sample_checked(logits, reqs, rows):
+            self._fail_nonfinite(logits, {r: ab for r, ab in rows.items() if not r.finished})
+            self._sample(logits, [r for r in reqs if r in rows and r not in drafts and not r.finished], rows, tracer)
         for r, (toks, qs) in drafts.items():
             if not r.finished:
                 self._verify(r, logits[rows[r][0] : rows[r][1]], toks, qs, spec_log)
@@ -394,6 +395,27 @@ class LLMEngine:
             if group.logits is not None and r.index == 0:
                 group.logits.append(logits[idx[i]].to("cpu", copy=True))
             self.outputs.emit(r, [res])
+
+    def _sample_checked(self, logits: torch.Tensor, reqs: list[Request], rows: dict) -> bool:
+        """`_fail_nonfinite` and `_sample` in one read-back (`Sampler.draw_checked`), for a step whose
+        rows all take the plain draw, one row each, none with a quick start's token or kept logits:
+        on a GPU one wait for the device instead of two (as async scheduling's `_read_back`).
+        Returns False, having done nothing, for other steps."""
+        sampled = [r for r in reqs if r in rows and not r.finished]
+        if not sampled or any(rows[r][1] - rows[r][0] != 1 or r.first_tokens
+                              or self.outputs.group_of(r).logits is not None for r in sampled):
+            return False
+        idx = [rows[r][0] for r in sampled]
+        picked = logits if idx == list(range(logits.shape[0])) else logits[idx]
+        drawn = self.sampler.draw_checked(picked, [r.sampler_row for r in sampled])
+        if drawn is None:
+            return False
+        for r, res, ok in zip(sampled, *drawn):
+            if not ok:
+                self.outputs.fail(r, _nonfinite(r.num_computed_tokens))
+            else:
+                self.outputs.emit(r, [res])
+        return True
 
     def _verify(self, r: Request, logits: torch.Tensor, drafts: list[int], draft_probs, spec_log) -> None:
         """Verify `r`'s drafts against its logits rows and emit the tokens that survive."""

@@ -387,6 +387,15 @@ class Sampler:
         out = SampleLaunch(meta, tokens, self.finite_flags(logits) if check_finite else [])
         return self._logprob_tensors(logits, out).to_host()
 
+    def draw_checked(self, logits: torch.Tensor, rows: list[SamplerRequest]
+                     ) -> tuple[list[SampleResult], list[bool]] | None:
+        """`__call__`'s results for rows that are all on the plain path (no processors, grammars
+        or details), with each row's finiteness (`finite_rows`) read back in the same copies: one
+        wait for the device instead of two. None for other rows (the caller checks and draws apart)."""
+        if not self.metadata(rows, logits.shape[1], logits.device).plain:
+            return None
+        return self.launch(logits, rows).results()
+
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRequest],
                  keep_details: bool = False) -> list[SampleResult]:
