@@ -205,7 +205,8 @@ def cublas_roundings() -> dict:
                 exact = x.double() @ w.double().T + (b.double() if bias else 0)
                 step = exact.abs() * 2.0**-7 + 1e-6 * exact.abs().max()
                 worst = float(((F.linear(x, w, b).double() - exact).abs() / step).max())
-                out[f"{m} rows{' + bias' if bias else ''}{'' if reduced else ', full-precision reduction'}"] = round(worst, 2)
+                name = f"{m} rows{' + bias' if bias else ''}{'' if reduced else ', full-precision reduction'}"
+                out[name] = round(worst, 2)
     back.allow_bf16_reduced_precision_reduction = default
     return out
 
@@ -216,7 +217,8 @@ def gpu_tests(timeout: float) -> dict:
     if os.environ.get("OUT"):  # (each failure written as it happens: pytest_live.py)
         env["LIVE_FAILURES"] = os.path.join(os.environ["OUT"], "test_failures.txt")
     try:
-        log("   PyTorch's bf16 linear against the float64 product, worst |error| in bf16 roundings:", cublas_roundings())
+        log("   PyTorch's bf16 linear against the float64 product, worst |error| in bf16 roundings:",
+            cublas_roundings())
     except Exception as exc:  # (a diagnostic: the tests run regardless)
         log(f"   PyTorch's bf16 linear: {type(exc).__name__}: {exc}")
     workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # (16 cores: the compilations in parallel)

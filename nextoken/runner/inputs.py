@@ -97,10 +97,27 @@ def first_blocks(tables: np.ndarray, counts: np.ndarray) -> list[int | None]:
     return [b if k else None for b, k in zip(tables[:, 0].tolist(), ok.tolist())]
 
 
+def packed_offsets(sizes: list[int], itemsize: int, align: int = 16) -> tuple[list[int], int]:
+    """Where each of arrays of `sizes` elements starts in one buffer of `itemsize`-byte elements,
+    each start a multiple of `align` bytes, and the buffer's length (elements). Aligned starts
+    keep each array's device pointer 16-byte aligned whatever the sizes before it, so a Triton
+    kernel taking it is compiled once: Triton specializes a pointer argument on its 16-byte
+    alignment, and with starts packed end to end a prefill's metadata pointers changed alignment
+    from one step to the next, each change a compilation while serving."""
+    step = max(1, align // itemsize)
+    offsets, at = [], 0
+    for n in sizes:
+        at = -(-at // step) * step
+        offsets.append(at)
+        at += n
+    return offsets, at
+
+
 class Staging:
-    """Pinned host buffers for a GPU's inputs: arrays are packed into one buffer per dtype and
-    copied over in one asynchronous copy; an event makes sure a buffer is not refilled while its
-    last copy is still pending. On the CPU, `send` returns views of the arrays."""
+    """Pinned host buffers for a GPU's inputs: arrays are packed into one buffer per dtype (each
+    at a 16-byte aligned start, `packed_offsets`) and copied over in one asynchronous copy; an
+    event makes sure a buffer is not refilled while its last copy is still pending. On the CPU,
+    `send` returns views of the arrays."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -112,25 +129,19 @@ class Staging:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
         sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        offsets, total = packed_offsets(sizes, dtype.itemsize)
         if dtype in self.done:  # its last copy must be done before the buffer is refilled
             self.done[dtype].synchronize()
         buf = self.host.get(dtype)
         if buf is None or buf.numel() < total:
             buf = self.host[dtype] = torch.empty(max(total, 4096) * 2, dtype=dtype, device="cpu", pin_memory=True)
         flat = buf.numpy()
-        at = 0
-        for a, n in zip(arrays, sizes):
+        for a, at, n in zip(arrays, offsets, sizes):
             flat[at : at + n] = a.reshape(-1)
-            at += n
         dev = buf[:total].to(self.device, non_blocking=True)
         event = self.done[dtype] = torch.cuda.Event()
         event.record()
-        out, at = [], 0
-        for a, n in zip(arrays, sizes):
-            out.append(dev[at : at + n].view(a.shape))
-            at += n
-        return out
+        return [dev[at : at + n].view(a.shape) for a, at, n in zip(arrays, offsets, sizes)]
 
 
 def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tilings=None,

@@ -109,6 +109,22 @@ def test_layout_marks_exactly_the_sequences_whose_blocks_are_consecutive():
     assert sum(w is not None for w in want) >= 24
 
 
+def test_staged_arrays_start_16_byte_aligned():
+    """`Staging` packs a step's arrays into one buffer per dtype at 16-byte aligned starts
+    (`packed_offsets`), so that a kernel's pointer into any of them has one alignment, and one
+    compilation, whatever the sizes before it: int32 starts are multiples of 4 elements, int64
+    of 2, and no array overlaps the next."""
+    from nextoken.runner.inputs import packed_offsets
+
+    assert packed_offsets([3, 5, 1, 16, 0, 2], 4) == ([0, 4, 12, 16, 32, 32], 34)
+    assert packed_offsets([3, 1, 6], 8) == ([0, 4, 6], 12)
+    assert packed_offsets([], 4) == ([], 0)
+    sizes = [7, 1, 130, 3]
+    offsets, total = packed_offsets(sizes, 4)
+    assert all(o * 4 % 16 == 0 for o in offsets) and total >= sum(sizes)
+    assert all(a + n <= b for a, n, b in zip(offsets, sizes, offsets[1:] + [total]))
+
+
 @pytest.mark.parametrize("specs", SPECS)
 def test_reference_equals_attention_over_contiguous_keys(specs):
     q, kc, vc, meta, contiguous = build_batch(specs, seed=1)

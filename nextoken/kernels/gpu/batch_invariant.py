@@ -141,7 +141,7 @@ def _normed_rows(x, w_ptr, n, eps, BLOCK: tl.constexpr, GEMMA: tl.constexpr, ROU
     return _round_bf16(y, ROUND)  # bf16 multiply would
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # (as `rowwise._add_norm_kernel`'s)
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, n, stride_x, stride_o, eps, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, GEMMA: tl.constexpr, ROUND: tl.constexpr):
     """`ROWS` rows of `_normed_rows`, stored in the output's dtype. Grid: (row tiles,)."""

@@ -203,7 +203,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return qo, ko
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # (a pass's token count: one compilation, not one each for 1, 16k, others)
 def _add_norm_kernel(h_ptr, a_ptr, wa_ptr, w_ptr, s_ptr, y_ptr, rows, n, stride_h, stride_a, stride_s, stride_y, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM_A: tl.constexpr, NORM_OUT: tl.constexpr,
                      GEMMA: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
