@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import EngineError, NextokenError
 from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
+from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("nextoken.engine")
 
@@ -122,20 +123,29 @@ class OutputWire:
 
 class OutputMirror:
     """The server's side of the output deltas: each request's prompt and its completions' text,
-    token ids and log-probabilities so far; `decode` rebuilds the engine's `RequestOutput`."""
+    token ids and log-probabilities so far; `decode` rebuilds the engine's `RequestOutput`. For
+    a request `expect` named (sent with ``RequestOptions.detokenize`` False), it makes the text
+    itself from the token ids, with `tokenizer`: an `IncrementalDetokenizer` per completion, as
+    the engine would have (vLLM's front ends detokenize so too)."""
 
-    def __init__(self):
-        self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs]})
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs, detok]})
+        self._expected: dict[str, object] = {}  # id -> its SamplingParams, until its first record
+
+    def expect(self, request_id: str, params) -> None:
+        """Request `request_id` (`params`: its `SamplingParams`) comes without text: make it here."""
+        self._expected[request_id] = params
 
     def decode(self, record: tuple) -> RequestOutput | None:
         """The `RequestOutput` a record (`OutputWire.encode`) stands for; None for a request this
         side has forgotten (aborted here while the engine's record was on its way)."""
         rid, head, finished, error, metrics, comps, extra = record
         if head is not None:
-            self._requests[rid] = (head[0], head[1], {})
+            self._requests[rid] = (head[0], head[1], {}, self._expected.pop(rid, None))
         elif rid not in self._requests:
             return None
-        prompt, prompt_ids, kept = self._requests[rid]
+        prompt, prompt_ids, kept, params = self._requests[rid]
         outs = []
         for c in comps:
             if isinstance(c, CompletionOutput):
@@ -144,7 +154,11 @@ class OutputMirror:
             index, delta, delta_ids, delta_logprobs, cumulative, finish, stop = c
             state = kept.get(index)
             if state is None:
-                state = kept[index] = ["", [], None if delta_logprobs is None and cumulative is None else []]
+                state = kept[index] = ["", [], None if delta_logprobs is None and cumulative is None else [],
+                                       None if params is None else
+                                       IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)]
+            if state[3] is not None:  # (the engine sent ids alone: the text, as its detokenizer would make it)
+                delta = self._text(state[3], delta_ids, finish in ("stop", "length"))
             state[0] += delta
             state[1].extend(delta_ids)
             if delta_logprobs:
@@ -159,8 +173,20 @@ class OutputMirror:
                              None if metrics is None else RequestMetrics(*metrics), error, prompt_logprobs, logits,
                              hidden)
 
+    @staticmethod
+    def _text(detok, delta_ids: list[int], finished: bool) -> str:
+        """The text `delta_ids` release (`output_processor.process_token`'s detokenizer calls: each
+        token added, the pending bytes flushed when a token ended the completion; an aborted or
+        failed one keeps them back, as the engine's detokenizer does)."""
+        for t in delta_ids:
+            detok.add_token(t)
+        if finished:
+            detok.flush()
+        return detok.emit(finished)
+
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._expected.pop(request_id, None)
 
 
 def sendable(exc: BaseException) -> BaseException:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -101,7 +102,7 @@ class EngineProcessClient(OutputStreams):
 
     def _setup(self, info: CoreInfo) -> None:
         self.info = info
-        self._mirror = OutputMirror()
+        self._mirror = OutputMirror(info.tokenizer)
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stats = SchedulerStats()
@@ -123,6 +124,9 @@ class EngineProcessClient(OutputStreams):
         if options.tracer is not None:
             raise InvalidRequest("tracing a request needs the engine in the server's process: serve without "
                                  "--engine-process", "trace")
+        if params is not None and not params.stop:  # (its text made here: the engine process spends nothing on it)
+            self._mirror.expect(rid, params)
+            options = dataclasses.replace(options, detokenize=False)
         await self._call("add_request", prompt, params, rid, options)
 
     async def _add_beam(self, prompt_ids: list[int], search, rid: str, options: RequestOptions) -> None:

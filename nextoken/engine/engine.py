@@ -176,7 +176,7 @@ class LLMEngine:
         seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id, o.priority,
                               o.client, o.continuation)
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
-                                   o.return_logits, o.final_only))
+                                   o.return_logits, o.final_only, o.detokenize or bool(params.stop)))
         if self.async_scheduling and _needs_order(params, o):
             self._ordered.update(seqs)
         for s in seqs:

@@ -16,7 +16,7 @@ from typing import Callable
 from nextoken.engine.request import Request
 from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
 from nextoken.sample.sampler import SampleResult
-from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+from nextoken.tokenizer.detokenizer import NO_TEXT, IncrementalDetokenizer
 
 log = logging.getLogger("nextoken.engine")
 
@@ -138,17 +138,18 @@ def make_output(group: RequestGroup, finished: bool | None = None) -> RequestOut
 
 def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params, seqs: list[Request],
               tokenizer, keep_prompt_hidden: bool = False, return_logits: bool = False,
-              final_only: bool = False) -> RequestGroup:
-    """The output state of a new request: one detokenizer and one empty `CompletionOutput` per
-    sequence (logprob lists when `params.logprobs` asks), its arrival time, and with
-    `params.prompt_logprobs` a slot per prompt position (and the prompt's hidden states when
-    `keep_prompt_hidden`, sized on the first chunk)."""
+              final_only: bool = False, detokenize: bool = True) -> RequestGroup:
+    """The output state of a new request: one detokenizer (`NoText` when not `detokenize`: its
+    front end makes the text) and one empty `CompletionOutput` per sequence (logprob lists when
+    `params.logprobs` asks), its arrival time, and with `params.prompt_logprobs` a slot per
+    prompt position (and the prompt's hidden states when `keep_prompt_hidden`, sized on the
+    first chunk)."""
     import torch
 
     group = RequestGroup(
         request_id, prompt, prompt_ids, seqs,
         [IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-         for _ in seqs],
+         if detokenize else NO_TEXT for _ in seqs],
         [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
         RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids), priority=seqs[0].priority),

@@ -114,3 +114,25 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
+
+
+class NoText:
+    """The detokenizer of a request whose front end makes the text (`RequestOptions.detokenize`
+    False; it has no stop strings): every token adds no text and stops nothing, so the engine's
+    step spends nothing on text. Stateless: one instance serves every such sequence."""
+
+    text = ""
+    stop_reason = None
+    pending = False
+
+    def add_token(self, token_id: int) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def emit(self, finished: bool = False) -> str:
+        return ""
+
+
+NO_TEXT = NoText()

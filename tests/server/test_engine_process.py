@@ -23,22 +23,29 @@ from nextoken.errors import EngineError, InvalidRequest, ModelLoadError
 from nextoken.request_options import RequestOptions
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["from-outputs", "from-groups"])
-def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct):
+@pytest.mark.parametrize("direct,text_here", [(False, False), (True, False), (True, True)],
+                         ids=["from-outputs", "from-groups", "text-in-the-front-end"])
+def test_the_wire_rebuilds_every_output_the_engine_makes(tiny_gguf, direct, text_here):
     """Every `RequestOutput` of a mixed workload (n=2 sampled with logprobs, a stop string,
     prompt logprobs, greedy, a beam search; one aborted midway and its id used again), sent as deltas and
     pickled, is rebuilt equal to the engine's own: text, deltas, token ids, log-probabilities,
     finish, metrics. `direct`: the engine makes the records from its requests' state
     (`OutputWire.encode_group`, as the engine process does), and a twin engine given the same
-    requests makes the outputs they must equal (all but the times)."""
+    requests makes the outputs they must equal (all but the times). `text_here`: the requests
+    without stop strings reach the engine with ``RequestOptions(detokenize=False)`` (as
+    `EngineProcessClient` sends them), so their records carry ids alone, and the mirror makes
+    their text: the same text and deltas as the twin's own detokenizer."""
     path = str(tiny_gguf["llama"][0])
     engine = LLM(path, dtype="float32").engine
     twin = LLM(path, dtype="float32").engine if direct else None
-    wire, mirror = OutputWire(), OutputMirror()
+    wire, mirror = OutputWire(), OutputMirror(engine.tokenizer)
 
-    def add(*args):
-        for e in filter(None, (engine, twin)):
-            e.add_request(*args)
+    def add(prompt, params, rid):
+        if text_here and not params.stop:
+            mirror.expect(rid, params)
+        engine.add_request(prompt, params, rid, RequestOptions(detokenize=not (text_here and not params.stop)))
+        if twin is not None:
+            twin.add_request(prompt, params, rid)
 
     add("the cat sat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "greedy")
     add("a b c", SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=9, logprobs=2, ignore_eos=True), "sampled")
