@@ -12,6 +12,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Callable
 
+from nextoken.tokenizer.detokenizer import NO_TEXT
+
 STEP_LOG_LEN = 512  # steps kept in `StepHistory.steps`
 RECENT_REQUESTS = 32  # finished requests kept in `StepHistory.requests`
 
@@ -64,8 +66,11 @@ class StepHistory:
         m = group.metrics
         return {
             "request_id": group.request_id, "prompt_ids": group.prompt_ids,
-            "outputs": [{"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": c.logprobs} for c in group.completions],
+            # (text None: its server process made it, `RequestOptions.detokenize`; the inspector decodes the ids)
+            "outputs": [{"token_ids": list(c.token_ids), "text": None if d is NO_TEXT else c.text,
+                         "finish_reason": c.finish_reason, "logprobs": c.logprobs}
+                        for c, d in zip(group.completions, group.detoks)],
+            "skip_special_tokens": group.seqs[0].params.skip_special_tokens,
             "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
             "finished_time": m.finished_time, "num_cached_tokens": group.seqs[0].num_cached_tokens,
             "priority": m.priority, "queue_time": m.queue_time,

@@ -158,11 +158,14 @@ def live_state(engine, since_step: int = -1) -> dict:
             "steps": steps, "last_step": engine.num_steps - 1,
             "speculative": None if engine.speculative is None else {
                 "method": engine.speculative.method, "num_speculative_tokens": engine.speculative.num_speculative_tokens},
-            "requests": [_request(r) for r in list(engine.history.requests)[-12:]]}
+            "requests": [_request(r, engine.tokenizer) for r in list(engine.history.requests)[-12:]]}
 
 
-def _request(r: dict) -> dict:
+def _request(r: dict, tokenizer) -> dict:
     out = dict(r)
+    out["outputs"] = [o if o["text"] is not None else {  # (text its server process made: decoded here)
+        **o, "text": tokenizer.decode(o["token_ids"], skip_special_tokens=r.get("skip_special_tokens", True))}
+        for o in r["outputs"]]
     t0 = r["arrival_time"]
     out["ttft_ms"] = None if r["first_token_time"] is None else (r["first_token_time"] - t0) * 1000
     out["latency_ms"] = None if r["finished_time"] is None else (r["finished_time"] - t0) * 1000

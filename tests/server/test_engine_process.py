@@ -338,3 +338,22 @@ def test_a_fault_in_handling_a_message_is_not_the_engine_process_ending(tiny_ggu
         assert "could not be handled" in caplog.text and "BrokenPipeError" in caplog.text
     finally:
         client.close()
+
+
+def test_text_made_by_the_front_end_shows_in_the_inspectors_recent_requests(tiny_gguf):
+    """A request whose text its server process makes (``detokenize=False``) leaves none in the
+    engine: the inspector's recent requests (`StepHistory`) keep its ids, and the live state
+    shows them decoded, the text the same request has with the engine's text."""
+    from nextoken.engine.view import EngineView
+    from nextoken.inspect.engine_view import live_state
+
+    path = str(tiny_gguf["llama"][0])
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    engine = LLM(path, dtype="float32").engine
+    want = engine.run_until_finished([engine.add_request("the cat sat", params, "with-text")])[0].outputs[0].text
+    engine.run_until_finished([engine.add_request("the cat sat", params, "ids-alone",
+                                                  RequestOptions(detokenize=False))])
+    kept = {r["request_id"]: r for r in engine.history.requests}
+    assert kept["ids-alone"]["outputs"][0]["text"] is None and kept["with-text"]["outputs"][0]["text"] == want
+    shown = {r["request_id"]: r for r in live_state(EngineView(engine))["requests"]}
+    assert want and shown["ids-alone"]["outputs"][0]["text"] == shown["with-text"]["outputs"][0]["text"] == want
