@@ -133,9 +133,17 @@ class OutputMirror:
         self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs, detok]})
         self._expected: dict[str, object] = {}  # id -> its SamplingParams, until its first record
 
-    def expect(self, request_id: str, params) -> None:
-        """Request `request_id` (`params`: its `SamplingParams`) comes without text: make it here."""
+    def expect(self, request_id: str, params) -> bool:
+        """Request `request_id` (`params`: its `SamplingParams`) comes without text: make it here.
+        False, and nothing noted, for an id this side knows already (the engine refuses it)."""
+        if request_id in self._expected or request_id in self._requests:
+            return False
         self._expected[request_id] = params
+        return True
+
+    def unexpect(self, request_id: str) -> None:
+        """The engine refused the request `expect` noted: no record will come for it."""
+        self._expected.pop(request_id, None)
 
     def decode(self, record: tuple) -> RequestOutput | None:
         """The `RequestOutput` a record (`OutputWire.encode`) stands for; None for a request this

@@ -124,10 +124,16 @@ class EngineProcessClient(OutputStreams):
         if options.tracer is not None:
             raise InvalidRequest("tracing a request needs the engine in the server's process: serve without "
                                  "--engine-process", "trace")
-        if params is not None and not params.stop:  # (its text made here: the engine process spends nothing on it)
-            self._mirror.expect(rid, params)
+        # (its text made here, so the engine process spends nothing on it; not for an id in use, which the engine refuses)
+        here = params is not None and not params.stop and self._mirror.expect(rid, params)
+        if here:
             options = dataclasses.replace(options, detokenize=False)
-        await self._call("add_request", prompt, params, rid, options)
+        try:
+            await self._call("add_request", prompt, params, rid, options)
+        except BaseException:  # (refused, or the engine gone: no record will come for it)
+            if here:
+                self._mirror.unexpect(rid)
+            raise
 
     async def _add_beam(self, prompt_ids: list[int], search, rid: str, options: RequestOptions) -> None:
         await self._call("add_beam_search", prompt_ids, search, rid, options)

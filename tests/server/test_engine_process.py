@@ -136,8 +136,13 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
         with pytest.raises(InvalidRequest) as e:
             await client.add_request("hi", long, request_id="taken")
         assert e.value.field == "request_id" and "already in use" in str(e.value)
-        async for _ in client.stream(rid):
-            break  # (aborts it)
+        async for out in client.stream(rid):  # (the refused duplicate left the first one's text alone)
+            if len(out.outputs[0].token_ids) >= 3:
+                assert out.outputs[0].text
+                break  # (aborts it)
+        with pytest.raises(InvalidRequest):  # (refused in the engine process: nothing is left expected here)
+            await client.add_request("hi " * 5000, SamplingParams(max_tokens=2))
+        assert not client._mirror._expected
         with pytest.raises(InvalidRequest, match="--engine-process"):
             await client.add_request("hi", SamplingParams(max_tokens=2), options=RequestOptions(tracer=object()))
         for _ in range(200):  # the abort reaches the engine process, its counts come back
@@ -357,3 +362,18 @@ def test_text_made_by_the_front_end_shows_in_the_inspectors_recent_requests(tiny
     assert kept["ids-alone"]["outputs"][0]["text"] is None and kept["with-text"]["outputs"][0]["text"] == want
     shown = {r["request_id"]: r for r in live_state(EngineView(engine))["requests"]}
     assert want and shown["ids-alone"]["outputs"][0]["text"] == shown["with-text"]["outputs"][0]["text"] == want
+
+
+def test_the_mirror_expects_an_id_once():
+    """`OutputMirror.expect` notes a request id it does not know, and not one it knows (expected,
+    or with records on their way: the engine refuses that add), so a refused duplicate's
+    `unexpect` never takes the first request's text away."""
+    mirror = OutputMirror()
+    first, second = SamplingParams(max_tokens=3), SamplingParams(max_tokens=4)
+    assert mirror.expect("a", first) and not mirror.expect("a", second)
+    mirror.unexpect("b")
+    assert mirror._expected == {"a": first}
+    mirror.decode(("a", ("p", [1]), False, None, None, [], None))  # (its head: now known by its records)
+    assert not mirror._expected and not mirror.expect("a", second)
+    mirror.forget("a")
+    assert mirror.expect("a", second)
