@@ -169,7 +169,7 @@ class ModelRunner:
             move_model(self.model, device.torch)
             from nextoken.kernels.gpu.compiles import watch
 
-            watch()  # (Triton's compilations counted; those after the warm-up logged with their cause)
+            watch()  # (a Triton compilation after the warm-up logged with its cause)
         self.load_time = time.perf_counter() - t0
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None

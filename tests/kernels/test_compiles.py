@@ -1,5 +1,5 @@
-"""The count of Triton's compilations (`kernels.gpu.compiles`): its hooks go into Triton's JIT
-and a compilation after the engine said it was ready is logged with its specialization. (Under
+"""Triton's compilations after the warm-up (`kernels.gpu.compiles`): its hooks go into Triton's
+JIT and a compilation after the engine said it was ready is logged with its specialization. (Under
 the interpreter nothing compiles: the hooks are called here as Triton calls them; a GPU run's
 serving log shows the real ones, which benchmarks/gpu_check.py counts.)"""
 
@@ -14,12 +14,11 @@ triton = pytest.importorskip("triton", reason="Triton is a test dependency (pypr
 from nextoken.kernels.gpu import compiles  # noqa: E402
 
 
-def test_compilations_are_counted_and_the_late_ones_logged(monkeypatch, caplog):
+def test_a_compilation_after_the_warm_up_is_logged(monkeypatch, caplog):
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.setattr(compiles, "STATS", {"count": 0, "seconds": 0.0, "late": 0, "late_seconds": 0.0})
     monkeypatch.setattr(compiles, "_READY", [False])
     assert compiles.watch() and knobs.runtime.jit_cache_hook is compiles._before
     assert compiles.watch()  # (twice: still ours)
@@ -35,10 +34,10 @@ def test_compilations_are_counted_and_the_late_ones_logged(monkeypatch, caplog):
 
     with caplog.at_level(logging.INFO, logger="nextoken.kernels"):
         compile_once()
-        assert compiles.STATS["count"] == 1 and compiles.STATS["late"] == 0 and not caplog.records
+        assert not caplog.records  # (during the warm-up: expected, not logged)
         compiles.ready()
         compile_once()
-    assert compiles.STATS["count"] == 2 and compiles.STATS["late"] == 1
+    assert len(caplog.records) == 1
     assert "Triton compiled _attention_kernel in" in caplog.text and "stride_tab: i32" in caplog.text
 
 

@@ -1,5 +1,5 @@
-"""Triton's compilations in this process, counted and timed (`watch`), and the ones after the
-engine said it was ready (`ready`) logged with the specialization that caused them.
+"""Triton's compilations in this process after the engine said it was ready (`ready`), each
+logged with its time and the specialization that caused it (`watch` installs the hooks).
 
 Why: on the H200 (`benchmarks/gpu_check.py`, 2026-11-30) the serving run's engine process spent
 about a tenth of its samples in Triton's compiler: a kernel compiles once per specialization
@@ -20,9 +20,7 @@ import time
 
 log = logging.getLogger("nextoken.kernels")
 
-_LOCK = threading.Lock()
 _STARTED: dict[int, float] = {}  # thread -> when its compilation began
-STATS = {"count": 0, "seconds": 0.0, "late": 0, "late_seconds": 0.0}  # late: after `ready`
 _READY = [False]
 
 
@@ -56,12 +54,6 @@ def _before(**kw) -> bool:
 def _after(**kw) -> None:
     t0 = _STARTED.pop(threading.get_ident(), None)
     seconds = time.perf_counter() - t0 if t0 is not None else 0.0
-    with _LOCK:
-        STATS["count"] += 1
-        STATS["seconds"] += seconds
-        if _READY[0]:
-            STATS["late"] += 1
-            STATS["late_seconds"] += seconds
     if _READY[0]:
         log.info("Triton compiled %s in %.2f s after the engine was ready: %s", getattr(kw.get("fn"), "name", "?"),
                  seconds, kw.get("repr", ""))
