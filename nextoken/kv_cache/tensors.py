@@ -151,6 +151,9 @@ class SlidingKVCache:
         write_block([self.k, self.v], block_id, payload)
 
 
+TICKETS = 4096  # a decode's key splits are joined over a ticket per (decode, KV head): for up to this many
+
+
 class PagedKVCache:
     """Keys and values for `num_blocks` blocks of `block_size` tokens in every full-attention
     layer (``k[layer_index[layer]]``), and `sliding` for the sliding-window layers, if any.
@@ -175,6 +178,9 @@ class PagedKVCache:
             self.v_scale = cache_zeros(shape[:-1], torch.float32, device)
         self.layer_index = {layer: i for i, layer in enumerate(config.full_layers)}
         self.sliding = sliding
+        # the Triton attention's tickets for its split decodes (`kernels.gpu.attention`: zeros, as
+        # each launch leaves them); made here, once, so a CUDA graph's launches find them in place
+        self.tickets = torch.zeros(TICKETS, dtype=torch.int32, device=device)
 
     @property
     def quantized(self) -> bool:

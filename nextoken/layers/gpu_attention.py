@@ -72,7 +72,7 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, st
         k_ring.view(heads, nb * bs, d).index_copy_(1, dm.ring_slots, k[dm.ring_rows].transpose(0, 1))
         v_ring.view(heads, nb * bs, d).index_copy_(1, dm.ring_slots, v[dm.ring_rows].transpose(0, 1))
         if dm.num_decodes:
-            _decode(q, k_ring, v_ring, dm, dm.ring_tables, scale, out, window=window)
+            _decode(q, k_ring, v_ring, dm, dm.ring_tables, scale, out, kv.tickets, window=window)
         return out
     i = kv.layer_index[layer]
     if not stored:
@@ -83,14 +83,15 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, st
         scales = {"k_scales": k_cache.scales, "v_scales": v_cache.scales}
         k_cache, v_cache = k_cache.codes, v_cache.codes
     if dm.num_decodes:
-        _decode(q, k_cache, v_cache, dm, dm.block_tables, scale, out, **scales)
+        _decode(q, k_cache, v_cache, dm, dm.block_tables, scale, out, kv.tickets, **scales)
     if dm.tiles is not None:
         _prefill(q, k_cache, v_cache, dm, dm.block_tables, scale, out, **scales)
     return out
 
 
-def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, **extra) -> None:
-    """The pass's decodes (its first `num_decodes` rows and sequences), `dm.splits` programs each."""
+def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, tickets, **extra) -> None:
+    """The pass's decodes (its first `num_decodes` rows and sequences), `dm.splits` programs each,
+    joined in the same launch over the cache's `tickets`."""
     from nextoken.kernels.gpu.attention import paged_attention
 
     nd = dm.num_decodes
@@ -98,7 +99,7 @@ def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, 
     if dm.splits > 1:
         partials = torch.empty(nd * q.shape[1] * dm.splits * (q.shape[2] + 2), dtype=torch.float32, device=q.device)
     paged_attention(q, k_cache, v_cache, tables, dm.seq_lens, dm.query_start_loc, scale, out=out, decode=True,
-                    num_seqs=nd, splits=dm.splits, partials=partials,
+                    num_seqs=nd, splits=dm.splits, partials=partials, tickets=tickets,
                     launch=dm.tilings.decode if dm.tilings is not None else None, **extra)
 
 

@@ -63,13 +63,14 @@ def report(dtype: str, group: int, d: int, decode: bool, splits: int, flags: str
     t = A.tilings(decode, group, d, dtype == "fp32")[tile]
     p = f"*{dtype}"
     kv = "*i8" if "int8" in flags else p
-    types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "q_ptr": p, "k_ptr": kv, "v_ptr": kv,
+    types = {"out_ptr": p, "part_ptr": "*fp32" if splits > 1 else p, "tickets_ptr": "*i32", "q_ptr": p, "k_ptr": kv,
+             "v_ptr": kv,
              "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kn_ptr": p, "vn_ptr": p, "tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "q_start_ptr": "*i32", "qb_seq_ptr": "*i32", "qb_first_ptr": "*i32",
              "scale": "fp32", "softcap": "fp32"}
     consts = dict(GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=16,
                   DECODE=decode, SPLITS=splits, INT8="int8" in flags, FRESH="fresh" in flags, SOFTCAP=False,
-                  WINDOW="window" in flags, WIDEN=False, ALIGNED="aligned" in flags)
+                  WINDOW="window" in flags, WIDEN=False, ALIGNED="aligned" in flags, JOIN=decode and splits > 1)
     usage = compiled(A._attention_kernel, types, consts, t.num_warps, t.num_stages, ALIGNED)
     return {"variant": [dtype, group, d, decode, splits, flags, tile], **usage}
 
@@ -232,7 +233,8 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, ali
     i32; `consts`: its constexprs; `aligned`: arguments known to be multiples of 16) and read its
     resource usage off the cubin (registers, stack and local bytes: a spill needs a stack frame),
     and off its PTX the tensor-core instructions (``mma.sync``, ``wgmma.mma_async``) and 16-byte
-    global loads (``ld.global.v4``, ``wide_loads``). ptxas keeps both as they are: the SASS's
+    global loads (``ld.global.v4``, ``wide_loads``), and the acquire-release atomics and L2 loads
+(``ld.global.cg``) of the attention's ticketed join. ptxas keeps both as they are: the SASS's
     HMMA/HGMMA and LDG.E.128 counts were the same for every variant (2026-11-30), and reading
     the PTX costs nothing where the disassembly took 0.5 s a variant."""
     import triton
@@ -254,7 +256,9 @@ def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int, ali
     ptx = kernel.asm["ptx"]
     return {**usage, "tensor_core": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
             "wide_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
-            "fma": len(re.findall(r"\bfma\.rn\.", ptx))}
+            "fma": len(re.findall(r"\bfma\.rn\.", ptx)),
+            "acq_rel_atomics": len(re.findall(r"\batom\.global\.gpu\.acq_rel\.", ptx)),
+            "l2_loads": len(re.findall(r"\bld\.global\.cg\.", ptx))}
 
 
 if __name__ == "__main__":

@@ -90,9 +90,10 @@ def reference(case, scale, window=0, softcap=0.0, fresh=None):
     return out
 
 
-def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None, launch=None):
+def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None, launch=None, join=False):
     """The kernel on `case` (with the tiles `launch`, default the kernel's); its output (poisoned
-    with NaN before, so every row must be written)."""
+    with NaN before, so every row must be written). `join`: split decodes are joined in the same
+    launch, over tickets (which must come back as zeros), else by the second launch."""
     q, d = case["q"], case["d"]
     dev = q.device
     out = torch.full_like(q, float("nan"))
@@ -105,10 +106,13 @@ def run(case, *, decode, splits=1, window=0, softcap=0.0, fresh=None, launch=Non
     if fresh is not None:
         extra.update(k_new=fresh[0], v_new=fresh[1])
     if decode:
-        partials = torch.empty(n * q.shape[1] * splits * (d + 2), device=dev)
+        partials = torch.full((n * q.shape[1] * splits * (d + 2),), float("nan"), device=dev)
+        tickets = torch.zeros(n * case["k"].shape[0], dtype=torch.int32, device=dev) if join else None
         paged_attention(q, case["k"], case["v"], case["tables"], seq_lens, qsl, d ** -0.5, out=out, decode=True,
                         num_seqs=n, splits=splits, partials=partials, window=window, softcap=softcap, launch=launch,
-                        **extra)
+                        tickets=tickets, **extra)
+        if join:
+            assert not tickets.any(), tickets  # (left as found, for the next launch)
     else:
         t = launch or tiling(False, q.shape[1] // case["k"].shape[0], d, q.dtype == torch.float32)
         seqs, firsts = query_tiles(case["qsl"], t.block_q)
@@ -148,13 +152,36 @@ def test_prefill_head_shapes(device, group, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_with_split_keys(device, splits, dtype):
     """Decodes of 1 to 200 keys, each split over `splits` programs whose partial softmaxes are
-    joined; a split with no keys (a 1-key sequence) joins as nothing."""
+    joined, by the last split to finish (tickets) or by a second launch, to the same attention; a
+    split with no keys (a 1-key sequence) joins as nothing."""
     case = make_case((1, 1, 1, 1), (0, 40, 199, 7), dtype=dtype, device=device)
-    close(run(case, decode=True, splits=splits), reference(case, case["d"] ** -0.5), dtype)
+    ref = reference(case, case["d"] ** -0.5)
+    two = run(case, decode=True, splits=splits)
+    one = run(case, decode=True, splits=splits, join=True)
+    close(two, ref, dtype)
+    close(one, ref, dtype)
+    close(one, two.double(), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_last_split_joins_only_stored_partials_launch_after_launch(device):
+    """On a GPU a decode's splits run at once and the last to take its ticket joins them: a join
+    that read a partial before its split stored it would read NaN (each launch's partials start
+    as NaN) or another launch's. 200 launches of 64 decodes of 2 KV heads x 16 splits (under the
+    interpreter, which runs programs one by one: 2 of 3 decodes), each with new queries, all agree
+    with the two-launch join."""
+    n = 64 if device == "cuda" else 3
+    case = make_case((1,) * n, [37 * i % 300 for i in range(n)], hkv=2, group=6, d=128, dtype=torch.bfloat16,
+                     device=device)
+    g = torch.Generator(device=device).manual_seed(1)
+    for _ in range(200 if device == "cuda" else 2):
+        case["q"] = torch.randn(case["q"].shape, generator=g, device=device).to(torch.bfloat16)
+        close(run(case, decode=True, splits=16, join=True), run(case, decode=True, splits=16).double(),
+              torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -167,7 +194,7 @@ def test_every_tiling_computes_the_same_attention(device, group, d):
     dec = make_case((1, 1, 1), (150, 9, 70), hkv=1, group=group, d=d, bs=16, dtype=torch.bfloat16, device=device)
     pre = make_case((70, 5), (30, 0), hkv=1, group=group, d=d, bs=16, dtype=torch.bfloat16, device=device, seed=2)
     for launch in tilings(True, group, d):
-        close(run(dec, decode=True, splits=4, launch=launch), reference(dec, d ** -0.5), torch.bfloat16)
+        close(run(dec, decode=True, splits=4, launch=launch, join=True), reference(dec, d ** -0.5), torch.bfloat16)
     close(run(dec, decode=True, splits=4, window=40, launch=tilings(True, group, d)[-1]),
           reference(dec, d ** -0.5, 40), torch.bfloat16)
     for launch in tilings(False, group, d):
@@ -182,8 +209,8 @@ def test_a_padding_row_attends_to_nothing(device):
     case = make_case((1, 1), (10, 5), device=device)
     case["seq_lens"] = [11, 0]
     ref = reference({**case, "seq_lens": [11], "qsl": [0, 1]}, case["d"] ** -0.5)[:1]
-    for splits in (1, 2):
-        out = run(case, decode=True, splits=splits)
+    for splits, join in ((1, False), (2, False), (2, True)):
+        out = run(case, decode=True, splits=splits, join=join)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         close(out[:1], ref, torch.float32)
 
@@ -195,7 +222,9 @@ def test_sliding_window_and_softcap(device):
     pre = make_case((12, 4), (0, 20), device=device)
     close(run(pre, decode=False, window=5, softcap=2.0), reference(pre, pre["d"] ** -0.5, 5, 2.0), torch.float32)
     dec = make_case((1, 1, 1), (30, 3, 64), device=device)
-    close(run(dec, decode=True, splits=2, window=5), reference(dec, dec["d"] ** -0.5, 5), torch.float32)
+    for join in (False, True):
+        close(run(dec, decode=True, splits=2, window=5, join=join), reference(dec, dec["d"] ** -0.5, 5),
+              torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -206,7 +235,7 @@ def test_int8_cache(device, dtype):
     pre = make_case((6, 2), (9, 17), int8=True, dtype=dtype, device=device)
     close(run(pre, decode=False), reference(pre, pre["d"] ** -0.5), dtype)
     dec = make_case((1, 1), (9, 17), int8=True, dtype=dtype, device=device)
-    close(run(dec, decode=True, splits=2), reference(dec, dec["d"] ** -0.5), dtype)
+    close(run(dec, decode=True, splits=2, join=True), reference(dec, dec["d"] ** -0.5), dtype)
     win = make_case((5, 1), (30, 40), int8=True, dtype=dtype, device=device, seed=4)
     close(run(win, decode=False, window=7), reference(win, win["d"] ** -0.5, 7), dtype)
 
@@ -274,7 +303,7 @@ def test_choose_tilings_times_every_tile_on_the_models_shapes_and_keeps_the_fast
     fast_decode, fast_prefill, broken = tilings(True, 3, 64)[2], tilings(False, 3, 64)[1], tilings(False, 3, 64)[3]
 
     def recorded(q, k_cache, v_cache, tables, seq_lens, qsl, scale, *, out, decode, num_seqs, launch, tiles=None,
-                 splits=1, partials=None):
+                 splits=1, partials=None, tickets=None):
         if launch == broken:
             raise RuntimeError("out of resources")
         assert k_cache.shape[1:] == (tables.numel(), 16, 64) and q.shape[1:] == (6, 64)

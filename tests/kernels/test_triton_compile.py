@@ -49,6 +49,9 @@ def check(r: dict) -> None:
         assert r["fma"] == 0, r
     if r["variant"][0] in ("gemv", "gemv silu", "draw", "draw cached"):  # the weight rows, the logits stream in 16-byte loads
         assert r["wide_loads"] > 0, r
+    if r["variant"][0] in ("bf16", "fp32") and r["variant"][3] and r["variant"][4] > 1:  # split decodes: the last
+        # split joins them after its ticket's acquire-release atomic, reading the others' partials from L2
+        assert r["acq_rel_atomics"] == 1 and r["l2_loads"] > 0, r
 
 
 @pytest.mark.slow

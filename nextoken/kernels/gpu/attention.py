@@ -12,7 +12,9 @@ One program covers one KV head and either one decode (``decode=True``: one query
 `group` heads) or `block_q` consecutive queries of one prefill chunk (their `group` heads
 each). A decode can also be split over the keys (flash-decoding, Dao et al. 2023): `splits`
 programs each take a share of the keys and leave their partial maximum, denominator and output,
-which `_combine_kernel` joins exactly; a long sequence of a small batch then fills the GPU.
+which the last of them to finish joins exactly, in the same launch (`_join_last`, over a ticket
+per decode and KV head; `_combine_kernel`, a second launch, is its plain path); a long sequence
+of a small batch then fills the GPU.
 
 Masks: causal (key position <= the query's), a sliding window (key position > query position -
 `window`, `transformers`' rule), and soft-capping of the scores (``softcap tanh(s /
@@ -145,7 +147,7 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
 
 @triton.jit(do_not_specialize=["stride_tab"])  # (a prefill's table width varies: one compilation)
 def _attention_kernel(
-        out_ptr, part_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr, vn_ptr,
+        out_ptr, part_ptr, tickets_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kn_ptr, vn_ptr,
         tables_ptr, seq_lens_ptr, q_start_ptr, qb_seq_ptr, qb_first_ptr,
         scale, softcap, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_sh, stride_sb,
@@ -153,9 +155,10 @@ def _attention_kernel(
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, SPLITS: tl.constexpr,
         INT8: tl.constexpr, FRESH: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        WIDEN: tl.constexpr, ALIGNED: tl.constexpr):
+        WIDEN: tl.constexpr, ALIGNED: tl.constexpr, JOIN: tl.constexpr):
     """One tile of query rows against one KV head's keys; see the module docstring. Grid:
-    (query tiles, KV heads, SPLITS)."""
+    (query tiles, KV heads, SPLITS). `JOIN` (decodes, SPLITS > 1): the last of a decode's splits
+    to finish joins them (`_join_last`)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -212,6 +215,9 @@ def _attention_kernel(
         tl.store(part_ptr + at[:, None] + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ptr + at + HEAD_DIM, m_i, mask=row_ok)
         tl.store(part_ptr + at + HEAD_DIM + 1, l_i, mask=row_ok)
+        if JOIN:
+            _join_last(out_ptr, part_ptr, tickets_ptr, q_start_ptr, seq, kv_head, stride_ot, stride_oh, num_heads,
+                       GROUP, BLOCK_M, SPLITS, HEAD_DIM)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -219,10 +225,53 @@ def _attention_kernel(
 
 
 @triton.jit
+def _join_last(out_ptr, part_ptr, tickets_ptr, q_start_ptr, seq, kv_head, stride_ot, stride_oh, num_heads,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """After a split has stored its partials: take a ticket for its (decode, KV head); the split
+    that takes the last one joins the partials of the `GROUP` heads (rows ``< GROUP`` of
+    `BLOCK_M`), as `_combine_kernel` does but summing the splits in order, and sets the ticket
+    back to 0 for the next launch. The semaphore of CUTLASS's serial split-K: the barrier puts
+    every thread's stores before the ticket, whose acquire-release atomic (at GPU scope) makes
+    them visible to the program that takes the last one, which reads them from L2 (``.cg``).
+    One launch instead of the attention's and `_combine_kernel`'s two. The split loops are
+    unrolled: as loops, the 64-dim decode tile spilled a register on sm_90."""
+    ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:
+        tl.debug_barrier()
+        row = tl.load(q_start_ptr + seq).to(tl.int64)  # (loaded again: kept live over the key loop, it spilled)
+        g = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        head = kv_head * GROUP + g
+        ok = g < GROUP
+        first = ((seq * num_heads + head) * SPLITS).to(tl.int64) * (HEAD_DIM + 2)  # each head's first split
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for k in tl.static_range(SPLITS):
+            top = tl.maximum(top, tl.load(part_ptr + first + k * (HEAD_DIM + 2) + HEAD_DIM, mask=ok,
+                                          other=float("-inf"), cache_modifier=".cg"))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for k in tl.static_range(SPLITS):
+            at = first + k * (HEAD_DIM + 2)
+            m = tl.load(part_ptr + at + HEAD_DIM, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+            total += w * tl.load(part_ptr + at + HEAD_DIM + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(part_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0,
+                                        cache_modifier=".cg")
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _combine_kernel(out_ptr, part_ptr, q_start_ptr, stride_ot, stride_oh, num_heads,
                     SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Join one decode head's `SPLITS` partial softmaxes: ``sum_s 2^(m_s - M) acc_s / sum_s
-    2^(m_s - M) l_s``. Grid: (decodes, query heads)."""
+    2^(m_s - M) l_s``, a launch after the attention's (the plain path of `_join_last`). Grid:
+    (decodes, query heads)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -364,8 +413,10 @@ def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         out = torch.empty_like(q)
         splits = decode_splits(len(lens), num_kv_heads, sms)
         partials = torch.empty(len(lens) * num_heads * splits * (head_dim + 2), dtype=torch.float32, device=device)
+        tickets = torch.zeros(len(lens) * num_kv_heads, dtype=torch.int32, device=device)
         return lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
-                                          decode=True, num_seqs=len(lens), splits=splits, partials=partials, launch=t)
+                                          decode=True, num_seqs=len(lens), splits=splits, partials=partials, launch=t,
+                                          tickets=tickets)
                           for i in range(2)]
 
     many, one = decodes([640] * 64), decodes([1024])
@@ -414,7 +465,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     splits: int = 1, partials: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    aligned: bool = False, launch: Tiling | None = None) -> torch.Tensor:
+                    aligned: bool = False, launch: Tiling | None = None,
+                    tickets: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the queries of `num_seqs` sequences over their paged keys; writes `out`.
 
     q ``[T, H, D]`` (bf16 or float32; D a power of two >= 16); k_cache, v_cache ``[Hkv,
@@ -426,8 +478,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     decode: every sequence has one query; one program per (sequence, KV head, split), `splits`
     of them (a power of two) over the keys, joined through `partials` (float32 ``[num_seqs * H
-    * splits * (D + 2)]``). Otherwise `tiles`: (sequence, first query) int32 ``[P]`` each
-    (`query_tiles` with the prefill `tiling`'s block_q). window: a sliding window (0: none);
+    * splits * (D + 2)]``): with `tickets` (int32, at least ``num_seqs * Hkv`` zeros, which each
+    launch leaves at zero) the last split of each (decode, KV head) to finish joins them in this
+    launch, else a second launch does (`_combine_kernel`). Otherwise `tiles`: (sequence, first
+    query) int32 ``[P]`` each (`query_tiles` with the prefill `tiling`'s block_q). window: a sliding window (0: none);
     softcap: soft-capping of the scores (0: none); k_new, v_new ``[T, Hkv, D]``: keys from each
     sequence's first new token on come from these rows (a sliding-window ring read before
     this pass writes it); aligned (with k_new, not with an int8 cache): the switch from the
@@ -456,16 +510,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kn, vn = (k_new, v_new) if fresh else (q, q)
     qb_seq, qb_first = tiles if tiles is not None else (seq_lens, seq_lens)
     part = partials if splits > 1 else out
+    join = splits > 1 and tickets is not None and tickets.numel() >= num_seqs * hkv
     _attention_kernel[grid](
-        out, part, q, k_cache, v_cache, ks, vs, kn, vn, block_tables, seq_lens, query_start_loc, qb_seq, qb_first,
+        out, part, tickets if join else seq_lens, q, k_cache, v_cache, ks, vs, kn, vn, block_tables, seq_lens,
+        query_start_loc, qb_seq, qb_first,
         scale, softcap, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         kn.stride(0) if fresh else 0, kn.stride(1) if fresh else 0, block_tables.stride(0), h,
         GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=block_size,
         DECODE=decode, SPLITS=splits, INT8=int8, FRESH=fresh, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        WIDEN=INTERPRET and not f32, ALIGNED=aligned, num_warps=t.num_warps, num_stages=t.num_stages)
-    if splits > 1:
+        WIDEN=INTERPRET and not f32, ALIGNED=aligned, JOIN=join, num_warps=t.num_warps, num_stages=t.num_stages)
+    if splits > 1 and not join:
         _combine_kernel[(num_seqs, h)](out, partials, query_start_loc, out.stride(0), out.stride(1), h,
                                        SPLITS=splits, HEAD_DIM=d, num_warps=4)
     return out
