@@ -45,6 +45,7 @@ class Linear(torch.nn.Module):
         self.lora = None  # its LoRA adapters (`lora.LoRASlots`), once one targets it
         self.gemv_rows = 0  # a GPU plan's: calls of at most this many rows run our GEMV (`kernels.gpu.gemv`)
         self.gemv_launch = None  # a GPU plan's: how the GEMV launches on this weight shape (None: its default)
+        self.silu_rows = 0  # a GPU plan's, for a SwiGLU down projection: up to this many rows, SiLU inside the GEMV
         self.skinny_rows: tuple[int, ...] = ()  # a GPU plan's: row counts (5-64, rounded up) on `kernels.gpu.skinny`
         self.skinny_launch = None  # a GPU plan's: how that GEMM launches on this weight shape (None: its default)
 
@@ -174,11 +175,12 @@ def silu_mul_down(down: Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     """``down(silu(gate) * up)`` in one launch of a GPU plan's GEMV (`kernels.gpu.gemv.gemv` with
     its `up`: SwiGLU's product taken as it reads its input, with the roundings of
     `kernels.gpu.rowwise.act_and_mul`, so the values of the two launches), for a pass of at most
-    ``down.gemv_rows`` rows (the plan's choice for the shape; 0 off a GPU) on a dense down
-    projection with no adapter in this pass. gate, up: ``[T, intermediate]``, contiguous rows
-    (the halves of a fused gate/up product are). None otherwise: the caller runs both."""
+    ``down.silu_rows`` rows (the plan's timed choice for the shape, `gemv.choose_silu`; 0 off a
+    GPU plan) on a dense down projection with no adapter in this pass. gate, up: ``[T,
+    intermediate]``, contiguous rows (the halves of a fused gate/up product are). None otherwise:
+    the caller runs both."""
     m = gate.shape[0]
-    if gate.dim() != 2 or not 0 < m <= down.gemv_rows or type(down.method) is not DenseMethod \
+    if gate.dim() != 2 or not 0 < m <= down.silu_rows or type(down.method) is not DenseMethod \
             or down.combine is not None or (down.lora is not None and down.lora.batch.ids):
         return None
     from nextoken.kernels import count_fallback

@@ -88,7 +88,7 @@ class LlamaMLP(torch.nn.Module):
     def forward(self, x):
         gate, up = self.gate_up(x) if self.gate_up is not None and self.gate_up.usable() else \
             (self.gate_proj(x), self.up_proj(x))
-        if self.act is silu_and_mul and self.down_proj.gemv_rows:  # a GPU plan's decode: one launch for both
+        if self.act is silu_and_mul and self.down_proj.silu_rows:  # a GPU plan's decode: one launch for both
             y = silu_mul_down(self.down_proj, gate, up)
             if y is not None:
                 return y

@@ -92,6 +92,8 @@ class ExecutionPlan:
     gemv: bool = False  # decode matmuls of few rows on `kernels.gpu.gemv` where it measures faster (a GPU, kernels on)
     gemv_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took, shapes timed), once settled
     gemv_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at a row}} as timed
+    silu_rows: dict = field(default_factory=dict)  # {down shape: rows with SiLU inside its GEMV}, once settled
+    silu_times: dict = field(default_factory=dict)  # {down shape: {"fused" | "apart": seconds at a row}} as timed
     skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
     skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
     skinny_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at 64 rows}}
@@ -217,6 +219,7 @@ class ExecutionPlan:
                 m.lookup_kernel = self.kernels.qmatmul if self.codes else None
         if self.gemv and not self.batch_invariant:
             self.gemv_shapes = self._choose_gemv(model)
+            self._choose_silu(model)
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             self.skinny_shapes = self._choose_skinny(model)
         if self.triton_sampling:
@@ -249,6 +252,33 @@ class ExecutionPlan:
 
         return self._per_shape(model, timed, {"gemv_rows": gemv.MAX_ROWS, "gemv_launch": None},
                                {"gemv_rows": 0, "gemv_launch": None}, "GEMV")
+
+    def _choose_silu(self, model) -> None:
+        """Give each SwiGLU down projection on the GEMV (`gemv_rows` > 0) the rows up to which
+        SiLU inside the GEMV measured faster than the activation's own launch and then the GEMV
+        (`kernels.gpu.gemv.choose_silu`, on this GPU over the model's down weights; the times in
+        `silu_times`); on the CPU (the GPU path's tests) all its GEMV rows. A timing that raises
+        leaves the two launches, and says why."""
+        from nextoken.kernels.gpu import gemv
+        from nextoken.layers.activation import silu_and_mul
+
+        groups: dict = {}
+        for m in model.modules():
+            down = getattr(m, "down_proj", None)
+            if getattr(m, "act", None) is silu_and_mul and down is not None and down.gemv_rows:
+                groups.setdefault((tuple(down.weight.shape), down.bias is not None), []).append(down)
+        for key, downs in groups.items():
+            rows = downs[0].gemv_rows
+            if self.device.is_cuda:
+                try:
+                    rows, times = gemv.choose_silu([(d.weight, d.bias) for d in downs], downs[0].gemv_launch, rows)
+                    self.silu_times[key[0]] = times
+                except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: two launches
+                    self.reasons["SiLU in the GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    rows = 0
+            self.silu_rows[key[0]] = rows
+            for d in downs:
+                d.silu_rows = rows
 
     def _choose_skinny(self, model) -> tuple[int, int]:
         """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured
@@ -367,6 +397,9 @@ class ExecutionPlan:
             taken, shapes = self.gemv_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
             linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
+            if self.silu_rows:
+                linears += (f" (SiLU inside the down projection's GEMV up to "
+                            f"{'/'.join(map(str, self.silu_rows.values()))} rows, {how})")
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             taken, shapes = self.skinny_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"

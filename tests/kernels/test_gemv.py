@@ -231,3 +231,82 @@ def test_the_plan_gives_each_shape_its_timed_rows_or_none_when_timing_fails(tiny
     assert gpu._choose_gemv(model) == (0, len(seen))
     assert all(t.gemv_rows == 0 and t.gemv_launch is None for t in targets)
     assert "GEMV off: RuntimeError: ptxas failed" in gpu.describe(model)
+
+
+def test_choose_silu_keeps_silu_inside_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
+    """`choose_silu` times the down projections with SwiGLU's product inside the GEMV against the
+    activation's own launch and then the GEMV, over every weight of the group: with the fused
+    GEMV faster at 1 and 2 rows and slower at 4, up to 2 rows; never past the GEMV's own rows;
+    none when it loses at one row. The report has both times at one row."""
+    import nextoken.kernels.gpu.gemv as G
+    import nextoken.kernels.gpu.rowwise as R
+
+    calls = []
+    monkeypatch.setattr(G, "gemv", lambda x, weight, bias, launch=None, up=None: calls.append(
+        ("fused" if up is not None else "gemv", x.shape[0])))
+    monkeypatch.setattr(R, "act_and_mul", lambda g, u: calls.append(("act", g.shape[0])) or g)
+    pairs = [(randn(16, 32, dtype=torch.float32, seed=60 + i), None) for i in range(3)]
+
+    def timer_with(fused_at):
+        def timer(fn):
+            before = len(calls)
+            fn()
+            ran = calls[before:]
+            rows = ran[0][1]
+            if ran[0][0] == "fused":
+                assert ran == [("fused", rows)] * 3
+                return fused_at[rows]
+            assert ran == [("act", rows), ("gemv", rows)] * 3
+            return 1.0
+        return timer
+
+    rows, times = G.choose_silu(pairs, None, 4, timer=timer_with({1: 0.8, 2: 0.9, 4: 1.1}))
+    assert rows == 2 and times == {"fused": 0.8, "apart": 1.0}
+    assert G.choose_silu(pairs, None, 1, timer=timer_with({1: 0.8, 2: 0.9, 4: 0.9}))[0] == 1
+    assert G.choose_silu(pairs, None, 4, timer=timer_with({1: 1.2, 2: 0.5, 4: 0.5}))[0] == 0
+
+
+def test_the_plan_gives_silu_inside_the_gemv_where_timed_faster(tiny_gguf, monkeypatch):
+    """Off a GPU the SwiGLU down projections on the GEMV take SiLU inside it at every GEMV row
+    count (the GPU path's tests run it); on a GPU, the rows `choose_silu` timed (a stand-in here),
+    said on the plan line; a timing that raises leaves the two launches, and says why. Linears
+    that are not a SwiGLU down projection never take it."""
+    import dataclasses
+
+    import nextoken.kernels.gpu.gemv as G
+    from nextoken.layers.linear import Linear
+    from nextoken.loader.source import open_model
+    from nextoken.runner.device import Device, resolve_device
+    from nextoken.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.float32, enforce_eager=True,
+                         attention_backend="triton", device=resolve_device(DEV))
+    model = runner.model
+    downs = [m.mlp.down_proj for m in model.layers]
+    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not d for d in downs)]
+    here = dataclasses.replace(runner.plan, gemv=True, silu_rows={}, silu_times={})
+    here._choose_gemv(model)
+    here._choose_silu(model)
+    if DEV == "cpu":
+        assert all(d.silu_rows == d.gemv_rows == MAX_ROWS for d in downs) and not any(m.silu_rows for m in others)
+    gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), gemv=True,
+                              silu_rows={}, silu_times={})
+    seen = []
+
+    def timed(pairs, launch, max_rows):
+        seen.append((len(pairs), max_rows))
+        return 1, {"fused": 1.0, "apart": 2.0}
+
+    monkeypatch.setattr(G, "choose_silu", timed)
+    gpu._choose_silu(model)
+    assert seen == [(len(downs), downs[0].gemv_rows)] and all(d.silu_rows == 1 for d in downs)
+    assert "SiLU inside the down projection's GEMV up to 1 rows" in gpu.describe(model)
+    assert list(gpu.silu_times.values()) == [{"fused": 1.0, "apart": 2.0}]
+
+    def broken(pairs, launch, max_rows):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(G, "choose_silu", broken)
+    gpu._choose_silu(model)
+    assert all(d.silu_rows == 0 for d in downs) and "SiLU in the GEMV off: RuntimeError: ptxas failed" in \
+        gpu.describe(model)

@@ -15,7 +15,8 @@ flight.
 A SwiGLU model's down projection takes the gate and up projections' output and computes
 ``silu(gate) * up`` as it loads its input (`gemv`'s ``up``; `layers.linear.silu_mul_down`): the
 activation's own launch (28 a step, 33 us of the 1.45 ms batch-1 graph of Qwen2.5-1.5B on the
-H200) goes, with the same values.
+H200) goes, with the same values, where `choose_silu` times it faster on the GPU (every program
+computes the product for the whole input it reads).
 
 Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
 (`LAUNCHES`: the K chunk, warps and programs per multiprocessor; none of them spills on sm_90,
@@ -213,3 +214,41 @@ def _choose(pairs: list, timer) -> tuple[int, Launch, dict]:
             break
         rows = m
     return rows, best, report
+
+
+def choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer=None) -> tuple[int, dict]:
+    """Up to how many rows (0 to `max_rows`, of 1, 2, 4) the down projections `pairs` (``[(weight,
+    bias), ...]``, one shape, on `launch`) take SwiGLU's product inside the GEMV (`gemv`'s `up`),
+    timed against the activation's own launch (`rowwise.act_and_mul`) and then the GEMV: the
+    fused GEMV reads the gate and the up projection and computes ``silu(g) u`` in every program
+    (each reads the whole input), which saves a launch but adds that work to the weight stream,
+    so which is faster is measured (``timer``: default `timing.graph_seconds`, once per process
+    for its shapes). Returns (rows, ``{"fused" | "apart": seconds at one row}``)."""
+    from nextoken.kernels.gpu.timing import graph_seconds, remembered
+
+    w0 = pairs[0][0]
+    if timer is None:
+        key = ("gemv silu", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs), str(launch),
+               max_rows)
+        return remembered(key, lambda: _choose_silu(pairs, launch, max_rows, graph_seconds))
+    return _choose_silu(pairs, launch, max_rows, timer)
+
+
+def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
+    """`choose_silu`'s rows and times, timed with `timer`."""
+    from nextoken.kernels.gpu.rowwise import act_and_mul
+
+    w0 = pairs[0][0]
+    rows, report = 0, {}
+    for m in (1, 2, 4):
+        if m > max_rows:
+            break
+        g, u = (torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype) for _ in range(2))
+        fused = timer(lambda: [gemv(g, w, b, launch=launch, up=u) for w, b in pairs])
+        apart = timer(lambda: [gemv(act_and_mul(g, u), w, b, launch=launch) for w, b in pairs])
+        if m == 1:
+            report = {"fused": fused, "apart": apart}
+        if fused >= apart:
+            break
+        rows = m
+    return rows, report
