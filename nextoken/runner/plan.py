@@ -275,7 +275,9 @@ class ExecutionPlan:
                     self.silu_times[key[0]] = times
                 except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: two launches
                     self.reasons["SiLU in the GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    rows = 0
+                    for d in downs:
+                        d.silu_rows = 0
+                    continue
             self.silu_rows[key[0]] = rows
             for d in downs:
                 d.silu_rows = rows
@@ -397,9 +399,11 @@ class ExecutionPlan:
             taken, shapes = self.gemv_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
             linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
-            if self.silu_rows:
+            if any(self.silu_rows.values()):
                 linears += (f" (SiLU inside the down projection's GEMV up to "
                             f"{'/'.join(map(str, self.silu_rows.values()))} rows, {how})")
+            elif self.silu_rows:
+                linears += " (SiLU in a launch of its own: it timed slower inside the down projection's GEMV)"
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             taken, shapes = self.skinny_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"

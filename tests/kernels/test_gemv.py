@@ -302,6 +302,11 @@ def test_the_plan_gives_silu_inside_the_gemv_where_timed_faster(tiny_gguf, monke
     assert seen == [(len(downs), downs[0].gemv_rows)] and all(d.silu_rows == 1 for d in downs)
     assert "SiLU inside the down projection's GEMV up to 1 rows" in gpu.describe(model)
     assert list(gpu.silu_times.values()) == [{"fused": 1.0, "apart": 2.0}]
+    monkeypatch.setattr(G, "choose_silu", lambda pairs, launch, max_rows: (0, {"fused": 2.0, "apart": 1.0}))
+    gpu._choose_silu(model)
+    assert all(d.silu_rows == 0 for d in downs) and "SiLU in a launch of its own: it timed slower" in \
+        gpu.describe(model)
+    gpu.silu_rows.clear()
 
     def broken(pairs, launch, max_rows):
         raise RuntimeError("ptxas failed")
