@@ -684,6 +684,10 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
                       for k, t in runner.plan.silu_times.items()}
     log(f"   SiLU inside the down projection's GEMV against its own launch, then the GEMV, at one row (us over the "
         f"model's down weights; rows taken {runner.plan.silu_rows}): {out['silu_us']}")
+    out["rope_us"] = {f"{k[0]}x{k[1]}": {name: round(v * 1e6, 1) for name, v in t.items()}
+                      for k, t in runner.plan.rope_times.items()}
+    log(f"   RoPE and the cache's write inside the q/k/v GEMV against the GEMV, then the RoPE kernel, at one row (us "
+        f"over the model's q/k/v weights; rows taken {runner.plan.rope_rows}): {out['rope_us']}")
     log(f"   the split-K GEMM's launches timed at 64 rows (us; launch: N tile x K step/warps/stages/programs per SM): "
         f"{out['skinny_times']}")
     out["matmul_tb_s"] = weight_rates(runner)
@@ -691,7 +695,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
     for stage in ("no_gemv", "torch_rows"):
         if stage == "no_gemv":
             for t in gemv_targets(runner.model):
-                t.gemv_rows, t.skinny_rows, t.silu_rows = 0, (), 0
+                t.gemv_rows, t.skinny_rows, t.silu_rows, t.rope_rows = 0, (), 0, 0
         else:
             for m in runner.model.modules():
                 for slot in KERNEL_SLOTS:

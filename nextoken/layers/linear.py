@@ -144,6 +144,7 @@ class FusedLinear:
             lin.weight.data = part
         self.bias = None
         self.gemv_rows, self.gemv_launch = 0, None  # as `Linear.gemv_rows`, `Linear.gemv_launch`
+        self.rope_rows = 0  # a GPU plan's, for a fused q/k/v: up to this many rows, RoPE inside the GEMV
         self.skinny_rows: tuple[int, ...] = ()  # as `Linear.skinny_rows`
         self.skinny_launch = None  # as `Linear.skinny_launch`
         if linears[0].bias is not None:
@@ -190,6 +191,28 @@ def silu_mul_down(down: Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.T
         return gemv(gate, down.weight, down.bias, launch=down.gemv_launch, up=up)
     except Refused:
         count_fallback("gemv")
+        return None
+
+
+def qkv_rope(qkv: FusedLinear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, head_dim: int,
+             q_features: int, kv_features: int) -> torch.Tensor | None:
+    """The fused q/k/v product ``[T, q + 2 kv features]`` with RoPE on its query and key heads,
+    and the keys and values written into `store`'s paged cache (`layers.attention.KVStore`, or
+    None), in one launch of a GPU plan's GEMV (`kernels.gpu.gemv.gemv_rope`: the values of the
+    product and then `kernels.gpu.rowwise.apply_rope_qk`), for a pass of at most
+    ``qkv.rope_rows`` rows (the plan's timed choice; 0 off a GPU plan) with no adapter in it.
+    cos, sin: the layer's RoPE tables ``[T, rope_dim]``. None otherwise: the caller runs both."""
+    m = x.shape[0]
+    if x.dim() != 2 or not 0 < m <= qkv.rope_rows or not qkv.usable():
+        return None
+    from nextoken.kernels import count_fallback
+    from nextoken.kernels.gpu.gemv import Refused, gemv_rope
+
+    try:
+        return gemv_rope(x, qkv.weight, qkv.bias, cos, sin, head_dim, q_features, kv_features, store,
+                         launch=qkv.gemv_launch)
+    except Refused:
+        count_fallback("gemv_rope")
         return None
 
 

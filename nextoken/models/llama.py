@@ -17,7 +17,7 @@ from nextoken.config import ModelConfig
 from nextoken.layers import weight_param
 from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.attention import AttentionMetadata, attend, kv_store
-from nextoken.layers.linear import Linear, silu_mul_down
+from nextoken.layers.linear import Linear, qkv_rope, silu_mul_down
 from nextoken.layers.norm import add_rms_norm, rms_norm
 from nextoken.layers.rotary import apply_rope_qk
 from nextoken.kv_cache.tensors import PagedKVCache
@@ -58,17 +58,34 @@ class LlamaAttention(torch.nn.Module):
     def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata):
         """x: ``[T, hidden]`` -> (``[T, hidden]``, per-sequence probabilities or None)."""
         t = x.shape[0]
-        q, k, v = self.qkv(x) if self.qkv is not None and self.qkv.usable() else \
-            (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k, v = (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                   v.view(t, self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            nk = self.qk_norm_kernel
-            q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
-        store = kv_store(kv, self.layer, meta, self.sliding, v) if self.rope_kernel is not None else None
-        q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel, store)
+        store = kv_store(kv, self.layer, meta, self.sliding, None) if self.rope_kernel is not None else None
+        q, k, v, roped = self._project(x, cos, sin, store)
+        if not roped:
+            if self.q_norm is not None:
+                nk = self.qk_norm_kernel
+                q, k = self.QK_NORM(q, self.q_norm, self.eps, nk), self.QK_NORM(k, self.k_norm, self.eps, nk)
+            if store is not None:
+                store.v = v
+            q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel, store)
         out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding, store is not None and store.written)
         return self.o_proj(out.reshape(t, -1))
+
+    def _project(self, x, cos, sin, store):
+        """q ``[T, heads, D]``, k, v ``[T, kv heads, D]``, and whether RoPE is applied (and `store`
+        written) already: a GPU plan's decode of few rows does both in the q/k/v GEMV's launch
+        (`layers.linear.qkv_rope`; not with a norm on the heads, which comes before RoPE)."""
+        t, d = x.shape[0], self.head_dim
+        y = None
+        if self.qkv is not None and self.q_norm is None:
+            y = qkv_rope(self.qkv, x, cos, sin, store, d, self.num_heads * d, self.num_kv_heads * d)
+        if y is not None:
+            q, k, v = y.split(self.qkv.sizes, dim=-1)
+        elif self.qkv is not None and self.qkv.usable():
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d),
+                y is not None)
 
 
 class LlamaMLP(torch.nn.Module):

@@ -94,6 +94,8 @@ class ExecutionPlan:
     gemv_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at a row}} as timed
     silu_rows: dict = field(default_factory=dict)  # {down shape: rows with SiLU inside its GEMV}, once settled
     silu_times: dict = field(default_factory=dict)  # {down shape: {"fused" | "apart": seconds at a row}} as timed
+    rope_rows: dict = field(default_factory=dict)  # {q/k/v shape: rows with RoPE inside its GEMV}, once settled
+    rope_times: dict = field(default_factory=dict)  # {q/k/v shape: {"fused" | "apart": seconds at a row}} as timed
     skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
     skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
     skinny_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at 64 rows}}
@@ -220,6 +222,7 @@ class ExecutionPlan:
         if self.gemv and not self.batch_invariant:
             self.gemv_shapes = self._choose_gemv(model)
             self._choose_silu(model)
+            self._choose_rope(model)
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             self.skinny_shapes = self._choose_skinny(model)
         if self.triton_sampling:
@@ -281,6 +284,40 @@ class ExecutionPlan:
             self.silu_rows[key[0]] = rows
             for d in downs:
                 d.silu_rows = rows
+
+    def _choose_rope(self, model) -> None:
+        """Give each fused bf16 q/k/v product on the GEMV whose layer takes the Triton RoPE (and no
+        norm on its heads) the rows up to which RoPE and the cache's write inside the GEMV
+        measured faster than the GEMV and then the RoPE kernel (`kernels.gpu.gemv.choose_rope`, on
+        this GPU over the model's q/k/v weights; the times in `rope_times`); on the CPU (the GPU
+        path's tests) all its GEMV rows. A timing that raises leaves the two launches, and says
+        why."""
+        from nextoken.kernels.gpu import gemv
+
+        groups: dict = {}
+        for m in model.modules():
+            qkv = getattr(m, "qkv", None)
+            if qkv is not None and qkv.gemv_rows and qkv.weight.dtype == torch.bfloat16 \
+                    and getattr(m, "rope_kernel", None) is not None and getattr(m, "q_norm", 0) is None:
+                key = (tuple(qkv.weight.shape), qkv.bias is not None, m.head_dim, m.num_heads * m.head_dim)
+                groups.setdefault(key, []).append(qkv)
+        rope_dim = model.config.rope_dim
+        for key, qkvs in groups.items():
+            rows = qkvs[0].gemv_rows
+            if self.device.is_cuda:
+                (n, _), _, d, q_features = key
+                try:
+                    rows, times = gemv.choose_rope([(f.weight, f.bias) for f in qkvs], d, q_features,
+                                                   (n - q_features) // 2, rope_dim, qkvs[0].gemv_launch, rows)
+                    self.rope_times[key[0]] = times
+                except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: two launches
+                    self.reasons["RoPE in the GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    for f in qkvs:
+                        f.rope_rows = 0
+                    continue
+            self.rope_rows[key[0]] = rows
+            for f in qkvs:
+                f.rope_rows = rows
 
     def _choose_skinny(self, model) -> tuple[int, int]:
         """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured
@@ -404,6 +441,11 @@ class ExecutionPlan:
                             f"{'/'.join(map(str, self.silu_rows.values()))} rows, {how})")
             elif self.silu_rows:
                 linears += " (SiLU in a launch of its own: it timed slower inside the down projection's GEMV)"
+            if any(self.rope_rows.values()):
+                linears += (f" (RoPE and the cache's write inside the q/k/v GEMV up to "
+                            f"{'/'.join(map(str, self.rope_rows.values()))} rows, {how})")
+            elif self.rope_rows:
+                linears += " (RoPE in a launch of its own: it timed slower inside the q/k/v GEMV)"
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             taken, shapes = self.skinny_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"

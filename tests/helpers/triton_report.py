@@ -144,7 +144,9 @@ def _gemv_launches() -> list[int]:
 GEMV = [("gemv", "bf16", 1, 4, 0), ("gemv", "bf16", 2, 4, 0), ("gemv", "bf16", 4, 4, 0), ("gemv", "bf16", 1, 2, 0),
         ("gemv", "bf16", 4, 2, 0), ("gemv", "bf16", 1, 1, 0), ("gemv", "bf16", 4, 1, 0), ("gemv", "fp32", 1, 4, 0),
         ("gemv", "fp32", 4, 1, 0), ("gemv silu", "bf16", 1, 2, 0), ("gemv silu", "bf16", 1, 1, 0),
-        ("gemv silu", "bf16", 4, 2, 0)]  # (silu: the down projection's, SwiGLU's product read from gate and up)
+        ("gemv silu", "bf16", 4, 2, 0), ("gemv rope", "bf16", 1, 2, 0), ("gemv rope", "bf16", 4, 2, 0),
+        ("gemv rope", "bf16", 1, 2, 2)]  # (silu: the down projection's, SwiGLU's product read from gate and up;
+# rope: the q/k/v product with RoPE and the cache's write, two features a program)
 # (input rows, padded to a power of two; output features per program; the launch's index in `gemv.LAUNCHES`)
 GEMV_LAUNCHES = [("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i
                  for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]  # the other launches the plan times
@@ -157,9 +159,19 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
     Triton specializes them at a launch with the catalog's shapes, so that the 16-byte loads
     show."""
     from nextoken.kernels.gpu import gemv as G
+    from nextoken.kernels.gpu.batch_invariant import NO_FMA
 
     p = f"*{dtype}"
     how = G.LAUNCHES[launch]
+    if kernel == "gemv rope":  # (Qwen2.5-1.5B's heads: 128 dims, all rotated; its biases)
+        types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "order_ptr": "*i32", "cos_ptr": p, "sin_ptr": p,
+                 "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
+        consts = dict(M_PAD=m_pad, BLOCK_K=how.tile // 2, HAS_BIAS=True, HALF=64, HEAD_DIM=128, STORE=True,
+                      ROUND=False)
+        aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "order_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
+                   "slot_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_c", "stride_ch")
+        usage = compiled(G._gemv_rope_kernel, types, consts, how.num_warps, G.NUM_STAGES, aligned, options=NO_FMA)
+        return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
     types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "u_ptr": p}
     silu = kernel == "gemv silu"
     consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=not silu, SILU_MUL=silu,

@@ -315,3 +315,130 @@ def test_the_plan_gives_silu_inside_the_gemv_where_timed_faster(tiny_gguf, monke
     gpu._choose_silu(model)
     assert all(d.silu_rows == 0 for d in downs) and "SiLU in the GEMV off: RuntimeError: ptxas failed" in \
         gpu.describe(model)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("rope_dim,bias,store,cos_dtype", [(16, True, True, torch.bfloat16),
+                                                           (8, False, True, torch.float32),
+                                                           (16, False, False, torch.bfloat16)])
+def test_the_gemv_with_rope_is_the_gemv_then_the_rope_kernel(m, rope_dim, bias, store, cos_dtype):
+    """`gemv_rope` (q/k/v, RoPE on the query and key heads, the keys and values into the paged
+    cache, in one launch) gives the bits of `gemv` and then `rowwise.apply_rope_qk` with its cache
+    store: Qwen 2's biases, a partial rotary (8 of 16 dims; float32 tables), no store (a sliding
+    layer's), 1-4 rows at distinct slots; the cache's other slots untouched."""
+    from nextoken.kernels.gpu.gemv import gemv_rope
+    from nextoken.kernels.gpu.rowwise import apply_rope_qk
+    from nextoken.layers.attention import KVStore
+
+    hq, hkv, d, k = 4, 2, 16, 64
+    n = (hq + 2 * hkv) * d
+    x = randn(m, k, dtype=torch.bfloat16, seed=70)
+    w = randn(n, k, dtype=torch.bfloat16, seed=71, scale=0.2)
+    b = randn(n, dtype=torch.bfloat16, seed=72) if bias else None
+    pos = torch.arange(m, device=DEV, dtype=torch.float32)[:, None] * 3 + 5
+    inv = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=DEV, dtype=torch.float32) / rope_dim))
+    ang = torch.cat([pos * inv, pos * inv], 1)
+    cos, sin = ang.cos().to(cos_dtype), ang.sin().to(cos_dtype)
+    slots = torch.tensor([9, 2, 14, 5][:m], dtype=torch.int64, device=DEV)
+
+    def cache():
+        return [randn(hkv, 4, 4, d, dtype=torch.bfloat16, seed=73 + i) for i in range(2)]
+
+    want_cache, got_cache = cache(), cache()
+    plain = gemv(x, w, b)
+    q, kk, v = plain.split([hq * d, hkv * d, hkv * d], 1)
+    q, kk, v = q.view(m, hq, d), kk.view(m, hkv, d), v.view(m, hkv, d)
+    s_want = KVStore(*want_cache, slots, v) if store else None
+    q_want, k_want = apply_rope_qk(q, kk, cos, sin, s_want)
+    s_got = KVStore(*got_cache, slots, None) if store else None
+    got = gemv_rope(x, w, b, cos, sin, d, hq * d, hkv * d, s_got)
+    assert torch.equal(got[:, : hq * d].view(m, hq, d), q_want)
+    assert torch.equal(got[:, hq * d : (hq + hkv) * d].view(m, hkv, d), k_want)
+    assert torch.equal(got[:, (hq + hkv) * d :], plain[:, (hq + hkv) * d :])
+    if store:
+        assert s_want.written and s_got.written
+        assert torch.equal(got_cache[0], want_cache[0]) and torch.equal(got_cache[1], want_cache[1])
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got_cache, cache()))
+
+
+def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
+    """`choose_rope` times the q/k/v products with RoPE and the cache's write inside the GEMV
+    against the GEMV and then the RoPE kernel with its store, over every weight of the group, up
+    to the GEMV's own rows; the report has both times at one row."""
+    import nextoken.kernels.gpu.gemv as G
+    import nextoken.kernels.gpu.rowwise as R
+
+    calls = []
+    monkeypatch.setattr(G, "gemv_rope", lambda x, w, b, cos, sin, d, q, kv, store, launch=None: calls.append(
+        ("fused", x.shape[0], cos.shape, store.k_cache.shape)))
+    monkeypatch.setattr(G, "gemv", lambda x, w, b, launch=None: calls.append(("gemv", x.shape[0])) or torch.zeros(
+        x.shape[0], w.shape[0]))
+    monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape)))
+    weights = [(randn(64, 32, dtype=torch.bfloat16, seed=80 + i), None) for i in range(2)]  # 2 q heads, 1 kv head, 16 dims
+
+    def timer_with(fused_at):
+        def timer(fn):
+            before = len(calls)
+            fn()
+            ran = calls[before:]
+            rows = ran[0][1]
+            if ran[0][0] == "fused":
+                assert ran == [("fused", rows, (rows, 8), (1, 8, 16, 16))] * 2
+                return fused_at[rows]
+            assert ran == [("gemv", rows), ("rope", (rows, 2, 16), (rows, 1, 16))] * 2
+            return 1.0
+        return timer
+
+    rows, times = G.choose_rope(weights, 16, 32, 16, 8, None, 4, timer=timer_with({1: 0.5, 2: 0.5, 4: 1.5}))
+    assert rows == 2 and times == {"fused": 0.5, "apart": 1.0}
+    assert G.choose_rope(weights, 16, 32, 16, 8, None, 4, timer=timer_with({1: 1.5, 2: 0.5, 4: 0.5}))[0] == 0
+
+
+def test_the_plan_gives_rope_inside_the_qkv_gemv_where_timed_faster(tiny_gguf, monkeypatch):
+    """A bf16 plan with the Triton RoPE gives each fused q/k/v on the GEMV the rows `choose_rope`
+    timed (a stand-in here: its heads, their RoPE dims and the GEMV's rows), said on the plan
+    line; slower: RoPE keeps its launch, said so; a timing that raises leaves the two launches
+    and says why."""
+    import dataclasses
+
+    import nextoken.kernels.gpu.gemv as G
+    from nextoken.kernels.gpu.rowwise import Rowwise
+    from nextoken.layers.linear import FusedLinear
+    from nextoken.loader.source import open_model
+    from nextoken.runner.device import Device, resolve_device
+    from nextoken.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.bfloat16, enforce_eager=True,
+                         attention_backend="triton", device=resolve_device(DEV))
+    model, cfg = runner.model, runner.model.config
+    attns = [m.self_attn for m in model.layers]
+    for a in attns:
+        a.qkv, a.rope_kernel = FusedLinear.of([a.q_proj, a.k_proj, a.v_proj]), Rowwise
+        a.qkv.gemv_rows = MAX_ROWS
+    gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), gemv=True,
+                              rope_rows={}, rope_times={}, silu_rows={}, silu_times={}, reasons={})
+    seen = []
+
+    def timed(weights, d, q, kv, rope_dim, launch, max_rows):
+        seen.append((len(weights), d, q, kv, rope_dim, max_rows))
+        return 2, {"fused": 1.0, "apart": 2.0}
+
+    monkeypatch.setattr(G, "choose_rope", timed)
+    gpu._choose_rope(model)
+    d = cfg.head_dim
+    assert seen == [(len(attns), d, cfg.num_heads * d, cfg.num_kv_heads * d, cfg.rope_dim, MAX_ROWS)]
+    assert all(a.qkv.rope_rows == 2 for a in attns)
+    assert "RoPE and the cache's write inside the q/k/v GEMV up to 2 rows" in gpu.describe(model)
+    monkeypatch.setattr(G, "choose_rope", lambda *args: (0, {"fused": 2.0, "apart": 1.0}))
+    gpu._choose_rope(model)
+    assert all(a.qkv.rope_rows == 0 for a in attns) and "RoPE in a launch of its own" in gpu.describe(model)
+    gpu.rope_rows.clear()
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(G, "choose_rope", broken)
+    gpu._choose_rope(model)
+    assert all(a.qkv.rope_rows == 0 for a in attns) and "RoPE in the GEMV off: RuntimeError: ptxas failed" in \
+        gpu.describe(model)

@@ -262,9 +262,15 @@ def test_a_model_on_the_gpu_plans_rowwise_kernels_equals_pytorchs(tiny_gguf, arc
     # in bf16, as a GPU runs it: every kernel takes its inputs (the model's bf16 RoPE tables
     # included: the runner's own count of fallbacks stays empty), near PyTorch's bf16 expressions
     half = OneSequence(ModelRunner(open_model(path), torch.bfloat16, **kw), 32, block_size=4)
-    assert "split-K GEMM for 5-64 rows" in half.runner.plan.describe(half.runner.model)
-    for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44]):
+    line = half.runner.plan.describe(half.runner.model)
+    assert "split-K GEMM for 5-64 rows" in line
+    roped = []  # (each decode's q/k/v with RoPE and the cache's write in one launch, where the plan says so)
+    monkeypatch.setattr(llama, "qkv_rope", lambda *args, _f=llama.qkv_rope: roped.append(_f(*args)) or roped[-1])
+    for ids in ([5, 17, 200, 33, 41, 270, 90, 12, 7], [44], [61]):
         got, want = half.forward(ids, all_logits=True).float(), plain_half.forward(ids, all_logits=True).float()
         # (here equal: the same roundings; a GPU's exponentials and sums move last bits, which grow)
         assert (got - want).abs().max() <= (2 ** -6 if DEV == "cpu" else 0.1) * want.abs().max()
+    takes = "RoPE and the cache's write inside the q/k/v GEMV" in line
+    assert takes == (DEV == "cpu" or "RoPE in a launch of its own" not in line), line
+    assert [y is not None for y in roped] == ([False] * layers + [True] * 2 * layers) * takes, roped
     assert half.runner.plan.kernels.fallbacks.snapshot() == {}, half.runner.plan.kernels.fallbacks.snapshot()

@@ -33,7 +33,7 @@ def reports():
     return run_report()
 
 
-ROUNDED_STEP_BY_STEP = ("act", "rope", "rope store", "add_norm", "add_norm gemma", "rms_norm")
+ROUNDED_STEP_BY_STEP = ("act", "rope", "rope store", "add_norm", "add_norm gemma", "rms_norm", "gemv rope")
 
 
 def check(r: dict) -> None:
@@ -47,7 +47,7 @@ def check(r: dict) -> None:
         assert r["tensor_core"] > 0, r
     if r["variant"][0] in ROUNDED_STEP_BY_STEP:
         assert r["fma"] == 0, r
-    if r["variant"][0] in ("gemv", "gemv silu", "draw", "draw cached"):  # the weight rows, the logits stream in 16-byte loads
+    if r["variant"][0] in ("gemv", "gemv silu", "gemv rope", "draw", "draw cached"):  # the weight rows, the logits stream in 16-byte loads
         assert r["wide_loads"] > 0, r
     if r["variant"][0] in ("bf16", "fp32") and r["variant"][3] and r["variant"][4] > 1:  # split decodes: the last
         # split joins them after its ticket's acquire-release atomic, reading the others' partials from L2

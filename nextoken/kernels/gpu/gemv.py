@@ -16,7 +16,11 @@ A SwiGLU model's down projection takes the gate and up projections' output and c
 ``silu(gate) * up`` as it loads its input (`gemv`'s ``up``; `layers.linear.silu_mul_down`): the
 activation's own launch (28 a step, 33 us of the 1.45 ms batch-1 graph of Qwen2.5-1.5B on the
 H200) goes, with the same values, where `choose_silu` times it faster on the GPU (every program
-computes the product for the whole input it reads).
+computes the product for the whole input it reads). Likewise a fused q/k/v product applies RoPE
+to its query and key heads and writes the keys and values into the paged cache in its epilogue
+(`gemv_rope`, `layers.linear.qkv_rope`; each program takes a head's dims j and j + half, the
+pair RoPE rotates together): the RoPE kernel's launch (28 a step, 49 us of that graph) goes,
+where `choose_rope` times it faster.
 
 Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
 (`LAUNCHES`: the K chunk, warps and programs per multiprocessor; none of them spills on sm_90,
@@ -46,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nextoken.kernels.gpu.batch_invariant import _round_bf16
+from nextoken.kernels.gpu.batch_invariant import NO_FMA, _round_bf16
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 from nextoken.kernels.gpu.rowwise import _rounded
 from nextoken.kernels.gpu.timing import fastest, per_shape
@@ -99,14 +103,13 @@ def rows_per_program(n: int, device: torch.device, per_sm: int = DEFAULT.per_sm)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_um,
-                 M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
-    """`ROWS` output features for every input row: ``out[m, n] = sum_k x[m, k] W[n, k] (+ b[n])``,
-    float32 products summed per lane over the K chunks, then across the lanes; with `SILU_MUL`
-    the input is ``silu(x) * u`` (x the gate, u the up projection), each value computed as
-    `rowwise._act_mul_kernel` computes it, with its roundings. Grid: (N / `ROWS`,)."""
-    rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _row_sums(x_ptr, w_ptr, u_ptr, rn, M, N, K, stride_xm, stride_wn, stride_um, M_PAD: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, BF16: tl.constexpr,
+              ROUND: tl.constexpr):
+    """The float32 sums ``[M_PAD, ROWS]`` of every input row times weight rows `rn`: float32
+    products summed per lane over the K chunks, then across the lanes; with `SILU_MUL` the input
+    is ``silu(x) * u`` (x the gate, u the up projection), each value computed as
+    `rowwise._act_mul_kernel` computes it, with its roundings."""
     rm = tl.arange(0, M_PAD)
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -121,12 +124,71 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride
             u = tl.load(u_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
             x = _rounded(_rounded(x / (1.0 + tl.exp(-x)), BF16, ROUND) * u, BF16, ROUND)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, 2)
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_um,
+                 M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """`ROWS` output features for every input row: ``out[m, n] = sum_k x[m, k] W[n, k] (+ b[n])``
+    (`_row_sums`), the bias added, rounded once to the output's dtype. Grid: (N / `ROWS`,)."""
+    rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = tl.arange(0, M_PAD)
+    y = _row_sums(x_ptr, w_ptr, u_ptr, rn, M, N, K, stride_xm, stride_wn, stride_um, M_PAD, ROWS, BLOCK_K, SILU_MUL,
+                  BF16, ROUND)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y = _round_bf16(y, ROUND)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, out_ptr, order_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+                      M, N, K, stride_xm, stride_wn, stride_om, stride_c, stride_ch, rope_end, k_start, v_start,
+                      M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr):
+    """A fused q/k/v product with RoPE (and the paged cache's write) in its epilogue: two output
+    features a program, `order`'s pair (``order[2 p]``, ``order[2 p + 1]``): a query or key head's
+    dims j and j + `HALF` (j < `HALF`), rotated as `rowwise._rope_kernel` rotates them (the GEMV's
+    bf16 outputs; each product and the sum rounded, cos and sin first), or two features kept as
+    they are (a value's, a head's dims past the rotated ones). Features from `k_start` on (keys,
+    then values from `v_start`) are also stored at each row's slot of the cache (`STORE`:
+    ``[kv heads, slots, HEAD_DIM]``, head stride `stride_ch`). bf16 only; compiled without fused
+    multiply-adds (`batch_invariant.NO_FMA`), which bf16 products, exact in float32, never needed.
+    Grid: (N / 2,)."""
+    pid = tl.program_id(0)
+    pair = tl.arange(0, 2)
+    rn = tl.load(order_ptr + pid * 2 + pair)
+    rm = tl.arange(0, M_PAD)
+    y = _row_sums(x_ptr, w_ptr, x_ptr, rn, M, N, K, stride_xm, stride_wn, 0, M_PAD, 2, BLOCK_K, False, True, ROUND)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    y = _round_bf16(y, ROUND)  # (the GEMV's output, in float32)
+    f0 = tl.load(order_ptr + pid * 2)
+    j = f0 % HEAD_DIM
+    rows_ok = rm < M
+    if (f0 < rope_end) & (j < HALF):  # a query or key head's dims j and j + HALF: rotated
+        x1 = tl.sum(tl.where(pair[None, :] == 0, y, 0.0), 1)
+        x2 = tl.sum(tl.where(pair[None, :] == 1, y, 0.0), 1)
+        at = rm.to(tl.int64) * stride_c + j
+        c1 = _rounded(tl.load(cos_ptr + at, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
+        c2 = _rounded(tl.load(cos_ptr + at + HALF, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
+        s1 = _rounded(tl.load(sin_ptr + at, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
+        s2 = _rounded(tl.load(sin_ptr + at + HALF, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
+        y1 = _rounded(_rounded(x1 * c1, True, ROUND) - _rounded(x2 * s1, True, ROUND), True, ROUND)
+        y2 = _rounded(_rounded(x2 * c2, True, ROUND) + _rounded(x1 * s2, True, ROUND), True, ROUND)
+        y = tl.where(pair[None, :] == 0, y1[:, None], y2[:, None])
+    ok = rows_ok[:, None] & (rn[None, :] < N)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+    if STORE:
+        value = rn >= v_start
+        f = tl.where(value, rn - v_start, rn - k_start)
+        slot = tl.load(slot_ptr + rm, mask=rows_ok, other=0)
+        dst = (f // HEAD_DIM).to(tl.int64)[None, :] * stride_ch + slot[:, None] * HEAD_DIM + (f % HEAD_DIM)[None, :]
+        tl.store(kc_ptr + dst, y.to(kc_ptr.dtype.element_ty), mask=ok & ((rn >= k_start) & ~value)[None, :])
+        tl.store(vc_ptr + dst, y.to(vc_ptr.dtype.element_ty), mask=ok & value[None, :])
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, int],
@@ -181,6 +243,71 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         M_PAD=next_power_of_2(m), ROWS=rows, BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None,
         SILU_MUL=up is not None, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=launch.num_warps,
         num_stages=NUM_STAGES)
+    return out
+
+
+_ORDERS: dict = {}
+
+
+def rope_order(n: int, head_dim: int, half: int, rope_end: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[n]``: the output features of a fused q/k/v product in pairs, as
+    `_gemv_rope_kernel` takes them: each query and key head's dims ``(j, j + half)`` for j <
+    `half`, then its dims past ``2 half`` two by two, then the values' two by two (features from
+    `rope_end` on); kept per device and shape."""
+    key = (n, head_dim, half, rope_end, str(device))
+    if key not in _ORDERS:
+        order = []
+        for head in range(0, rope_end, head_dim):
+            order += [f for j in range(half) for f in (head + j, head + j + half)]
+            order += range(head + 2 * half, head + head_dim)
+        order += range(rope_end, n)
+        _ORDERS[key] = torch.tensor(order, dtype=torch.int32, device=device)
+    return _ORDERS[key]
+
+
+def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor, head_dim: int, q_features: int, kv_features: int, store=None,
+              launch: Launch | None = None) -> torch.Tensor:
+    """A decode step's fused q/k/v product with RoPE applied to its query and key heads in the
+    same launch (`_gemv_rope_kernel`), and, with `store` (`layers.attention.KVStore`), the keys
+    and values written into the layer's paged cache at ``store.slot_mapping`` (``store.written``
+    set): the values of `gemv` (launched two features a program) and then `rowwise.apply_rope_qk`,
+    one launch instead of two.
+
+    x ``[M, K]`` bf16 (1 to `MAX_ROWS` rows), weight ``[q_features + 2 kv_features, K]`` (q, k,
+    v rows of heads of `head_dim`), bias or None; cos, sin ``[M, rope_dim]`` (bf16 or float32,
+    contiguous rows; rope_dim even, at most head_dim: the first rope_dim dims of each head
+    rotate in halves). Returns ``[M, N]`` bf16: rotated q and k, then v. `launch`: its K chunk
+    and warps (two features a program). Raises `Refused` for another call."""
+    n = weight.shape[0]
+    ok = (takes(x, weight, bias) and x.dtype == torch.bfloat16 and n == q_features + 2 * kv_features
+          and q_features % head_dim == 0 and kv_features % head_dim == 0 and head_dim % 2 == 0
+          and cos.shape == sin.shape == (x.shape[0], cos.shape[1]) and cos.dtype == sin.dtype
+          and cos.dtype in (torch.bfloat16, torch.float32) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+          and cos.shape[1] % 2 == 0 and 0 < cos.shape[1] <= head_dim)
+    if ok and store is not None:
+        kc, vc, slots = store.k_cache, store.v_cache, store.slot_mapping
+        ok = (kc.dtype == vc.dtype == x.dtype and kc.shape == vc.shape and kc.dim() == 4
+              and kc.shape[0] * head_dim == kv_features and kc.shape[3] == head_dim and kc.is_contiguous()
+              and vc.is_contiguous() and slots.dtype == torch.int64 and slots.shape == x.shape[:1]
+              and slots.is_contiguous())
+    if not ok:
+        raise refuse("gemv_rope", x, weight, bias, f"1-{MAX_ROWS} bf16 rows, q/k/v heads and their RoPE tables")
+    launch = launch or DEFAULT
+    m, k = x.shape
+    half = cos.shape[1] // 2
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    order = rope_order(n, head_dim, half, q_features + kv_features, x.device)
+    kc, vc, slots = (store.k_cache, store.v_cache, store.slot_mapping) if store is not None else (x, x, order)
+    _gemv_rope_kernel[(n // 2,)](
+        x, weight, bias if bias is not None else weight, out, order, cos, sin, kc, vc, slots, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), cos.stride(0), kc.stride(0) if store is not None else 0,
+        q_features + kv_features, q_features, q_features + kv_features,
+        M_PAD=next_power_of_2(m), BLOCK_K=max(16, launch.tile // 2), HAS_BIAS=bias is not None, HALF=half,
+        HEAD_DIM=head_dim, STORE=store is not None, ROUND=INTERPRET, num_warps=launch.num_warps,
+        num_stages=NUM_STAGES, **NO_FMA)
+    if store is not None:
+        store.written = True
     return out
 
 
@@ -249,6 +376,59 @@ def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer) -> tu
         if m == 1:
             report = {"fused": fused, "apart": apart}
         if fused >= apart:
+            break
+        rows = m
+    return rows, report
+
+
+def choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int, rope_dim: int,
+                launch: Launch | None, max_rows: int, timer=None) -> tuple[int, dict]:
+    """Up to how many rows (0 to `max_rows`, of 1, 2, 4) the fused q/k/v products `weights`
+    (``[(weight, bias), ...]``, one shape, bf16, on `launch`) take RoPE and the cache's write
+    inside the GEMV (`gemv_rope`), timed against the GEMV and then the RoPE kernel with its
+    store (`rowwise.apply_rope_qk`) over a scratch cache: two features a program whatever
+    `launch`'s rows, and the tables read in every program, against a launch less (``timer``:
+    default `timing.graph_seconds`, once per process for its shapes). Returns (rows, ``{"fused" |
+    "apart": seconds at one row}``)."""
+    from nextoken.kernels.gpu.timing import graph_seconds, remembered
+
+    w0 = weights[0][0]
+    args = (weights, head_dim, q_features, kv_features, rope_dim, launch, max_rows)
+    if timer is None:
+        key = ("gemv rope", str(w0.device), tuple(w0.shape), weights[0][1] is not None, len(weights), head_dim,
+               q_features, rope_dim, str(launch), max_rows)
+        return remembered(key, lambda: _choose_rope(*args, graph_seconds))
+    return _choose_rope(*args, timer)
+
+
+def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int, rope_dim: int,
+                 launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
+    """`choose_rope`'s rows and times, timed with `timer`."""
+    from nextoken.kernels.gpu.rowwise import apply_rope_qk
+    from nextoken.layers.attention import KVStore
+
+    w0 = weights[0][0]
+    dev, hkv = w0.device, kv_features // head_dim
+    caches = [torch.zeros(hkv, 8, 16, head_dim, dtype=w0.dtype, device=dev) for _ in range(2)]
+    rows, report = 0, {}
+    for m in (1, 2, 4):
+        if m > max_rows:
+            break
+        x = torch.randn(m, w0.shape[1], device=dev).to(w0.dtype)
+        cos, sin = (torch.rand(m, rope_dim, device=dev).to(w0.dtype) for _ in range(2))
+        slots = torch.arange(m, dtype=torch.int64, device=dev)
+
+        def apart(w, b):
+            q, k, v = gemv(x, w, b, launch=launch).split([q_features, kv_features, kv_features], 1)
+            apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
+                          KVStore(*caches, slots, v.view(m, -1, head_dim)))
+
+        fused = timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features,
+                                         KVStore(*caches, slots, None), launch=launch) for w, b in weights])
+        plain = timer(lambda: [apart(w, b) for w, b in weights])
+        if m == 1:
+            report = {"fused": fused, "apart": plain}
+        if fused >= plain:
             break
         rows = m
     return rows, report
