@@ -335,6 +335,37 @@ def test_bf16_on_the_gpu_path_stays_in_the_float32_top5(tiny_gguf):
             assert t in alt, (i, t, alt)
 
 
+def test_decodes_with_rope_and_silu_inside_the_gemv_answer_as_without(tiny_gguf, graphs_on_cpu, monkeypatch):
+    """A bf16 Qwen 2 on the GPU plan's own kernels (row-wise, fused projections, GEMV) through the
+    decode graphs' static buffers: its decodes take RoPE with the cache's write inside the q/k/v
+    GEMV and SiLU inside the down projection's (one launch each a layer), and its greedy tokens
+    and log-probabilities are those of the same engine with both in launches of their own."""
+    path = str(tiny_gguf["qwen2"][0])
+    if not ON_GPU:  # (a GPU's plan turns them on itself, where they time faster)
+        choose = plan_module.ExecutionPlan.choose.__func__
+        monkeypatch.setattr(plan_module.ExecutionPlan, "choose", classmethod(lambda cls, *a, **k: dataclasses.replace(
+            choose(cls, *a, **k), rowwise=True, fused=True, gemv=True)))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    kw = dict(GPU_PATH, **{**SMALL, "dtype": "bfloat16", "max_num_seqs": 2})
+    fused = LLM(path, **kw)
+    model = fused.engine.runner.model
+    if not ON_GPU:
+        assert all(m.self_attn.qkv.rope_rows and m.mlp.down_proj.silu_rows for m in model.layers)
+    import nextoken.models.llama as llama
+
+    taken = []
+    monkeypatch.setattr(llama, "qkv_rope", lambda *args, _f=llama.qkv_rope: taken.append(_f(*args)) or taken[-1])
+    got = generate_on_meta(fused, PROMPTS[:2], params)
+    assert ON_GPU or sum(y is not None for y in taken) == 4 * len(model.layers)  # (4 decode steps of 2 rows)
+    for m in model.layers:
+        m.self_attn.qkv.rope_rows = m.mlp.down_proj.silu_rows = 0
+    want = generate_on_meta(fused, PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert all(abs(x[t] - y[t]) < 2e-2 for t in x.keys() & y.keys())
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     from tests.tiny_models import tiny_hf_model, write_gguf
