@@ -166,8 +166,8 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
     if kernel == "gemv rope":  # (Qwen2.5-1.5B's heads: 128 dims, all rotated; its biases)
         types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "order_ptr": "*i32", "cos_ptr": p, "sin_ptr": p,
                  "kc_ptr": p, "vc_ptr": p, "slot_ptr": "*i64"}
-        consts = dict(M_PAD=m_pad, BLOCK_K=how.tile // 2, HAS_BIAS=True, HALF=64, HEAD_DIM=128, STORE=True,
-                      ROUND=False)
+        consts = dict(M_PAD=m_pad, PAIRS=rows // 2, BLOCK_K=how.tile // 2, HAS_BIAS=True, HALF=64, HEAD_DIM=128,
+                      STORE=True, ROUND=False)
         aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "order_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
                    "slot_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_c", "stride_ch")
         usage = compiled(G._gemv_rope_kernel, types, consts, how.num_warps, G.NUM_STAGES, aligned, options=NO_FMA)

@@ -318,14 +318,16 @@ def test_the_plan_gives_silu_inside_the_gemv_where_timed_faster(tiny_gguf, monke
 
 
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("rope_dim,bias,store,cos_dtype", [(16, True, True, torch.bfloat16),
-                                                           (8, False, True, torch.float32),
-                                                           (16, False, False, torch.bfloat16)])
-def test_the_gemv_with_rope_is_the_gemv_then_the_rope_kernel(m, rope_dim, bias, store, cos_dtype):
+@pytest.mark.parametrize("rope_dim,bias,store,cos_dtype,pairs", [(16, True, True, torch.bfloat16, None),
+                                                                 (16, True, True, torch.bfloat16, 1),
+                                                                 (8, False, True, torch.float32, None),
+                                                                 (16, False, False, torch.bfloat16, None)])
+def test_the_gemv_with_rope_is_the_gemv_then_the_rope_kernel(m, rope_dim, bias, store, cos_dtype, pairs):
     """`gemv_rope` (q/k/v, RoPE on the query and key heads, the keys and values into the paged
     cache, in one launch) gives the bits of `gemv` and then `rowwise.apply_rope_qk` with its cache
     store: Qwen 2's biases, a partial rotary (8 of 16 dims; float32 tables), no store (a sliding
-    layer's), 1-4 rows at distinct slots; the cache's other slots untouched."""
+    layer's), 1-4 rows at distinct slots, one pair of features a program (a GPU's) or several
+    (the interpreter's default); the cache's other slots untouched."""
     from nextoken.kernels.gpu.gemv import gemv_rope
     from nextoken.kernels.gpu.rowwise import apply_rope_qk
     from nextoken.layers.attention import KVStore
@@ -351,7 +353,7 @@ def test_the_gemv_with_rope_is_the_gemv_then_the_rope_kernel(m, rope_dim, bias, 
     s_want = KVStore(*want_cache, slots, v) if store else None
     q_want, k_want = apply_rope_qk(q, kk, cos, sin, s_want)
     s_got = KVStore(*got_cache, slots, None) if store else None
-    got = gemv_rope(x, w, b, cos, sin, d, hq * d, hkv * d, s_got)
+    got = gemv_rope(x, w, b, cos, sin, d, hq * d, hkv * d, s_got, pairs=pairs)
     assert torch.equal(got[:, : hq * d].view(m, hq, d), q_want)
     assert torch.equal(got[:, hq * d : (hq + hkv) * d].view(m, hkv, d), k_want)
     assert torch.equal(got[:, (hq + hkv) * d :], plain[:, (hq + hkv) * d :])
@@ -370,8 +372,8 @@ def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_los
     import nextoken.kernels.gpu.rowwise as R
 
     calls = []
-    monkeypatch.setattr(G, "gemv_rope", lambda x, w, b, cos, sin, d, q, kv, store, launch=None: calls.append(
-        ("fused", x.shape[0], cos.shape, store.k_cache.shape)))
+    monkeypatch.setattr(G, "gemv_rope", lambda x, w, b, cos, sin, d, q, kv, store, launch=None, pairs=None:
+                        calls.append(("fused", x.shape[0], cos.shape, store.k_cache.shape)))
     monkeypatch.setattr(G, "gemv", lambda x, w, b, launch=None: calls.append(("gemv", x.shape[0])) or torch.zeros(
         x.shape[0], w.shape[0]))
     monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape)))

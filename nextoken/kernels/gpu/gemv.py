@@ -147,47 +147,57 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride
 @triton.jit
 def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, out_ptr, order_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                       M, N, K, stride_xm, stride_wn, stride_om, stride_c, stride_ch, rope_end, k_start, v_start,
-                      M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr):
-    """A fused q/k/v product with RoPE (and the paged cache's write) in its epilogue: two output
-    features a program, `order`'s pair (``order[2 p]``, ``order[2 p + 1]``): a query or key head's
-    dims j and j + `HALF` (j < `HALF`), rotated as `rowwise._rope_kernel` rotates them (the GEMV's
-    bf16 outputs; each product and the sum rounded, cos and sin first), or two features kept as
-    they are (a value's, a head's dims past the rotated ones). Features from `k_start` on (keys,
-    then values from `v_start`) are also stored at each row's slot of the cache (`STORE`:
-    ``[kv heads, slots, HEAD_DIM]``, head stride `stride_ch`). bf16 only; compiled without fused
-    multiply-adds (`batch_invariant.NO_FMA`), which bf16 products, exact in float32, never needed.
-    Grid: (N / 2,)."""
-    pid = tl.program_id(0)
-    pair = tl.arange(0, 2)
-    rn = tl.load(order_ptr + pid * 2 + pair)
+                      M_PAD: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HALF: tl.constexpr, HEAD_DIM: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr):
+    """A fused q/k/v product with RoPE (and the paged cache's write) in its epilogue: `PAIRS` pairs
+    of output features a program (one on a GPU), `order`'s (``order[2 i]``, ``order[2 i + 1]``):
+    a query or key head's dims j and j + `HALF` (j < `HALF`), rotated as
+    `rowwise._rope_kernel` rotates them (the GEMV's bf16 outputs; each product and the sum
+    rounded, cos and sin first), or two features kept as they are (a value's, a head's dims past
+    the rotated ones). Features from `k_start` on (keys, then values from `v_start`) are also
+    stored at each row's slot of the cache (`STORE`: ``[kv heads, slots, HEAD_DIM]``, head stride
+    `stride_ch`). bf16 only; compiled without fused multiply-adds (`batch_invariant.NO_FMA`),
+    which bf16 products, exact in float32, never needed. Grid: (N / (2 `PAIRS`),)."""
+    at = tl.program_id(0) * 2 * PAIRS + 2 * tl.arange(0, PAIRS)
+    fa = tl.load(order_ptr + at)  # each pair's first feature, and its second
+    fb = tl.load(order_ptr + at + 1)
     rm = tl.arange(0, M_PAD)
-    y = _row_sums(x_ptr, w_ptr, x_ptr, rn, M, N, K, stride_xm, stride_wn, 0, M_PAD, 2, BLOCK_K, False, True, ROUND)
+    rn = tl.reshape(tl.join(fa, fb), [2 * PAIRS])  # (a0, b0, a1, b1, ...): the pairs side by side
+    y = _row_sums(x_ptr, w_ptr, x_ptr, rn, M, N, K, stride_xm, stride_wn, 0, M_PAD, 2 * PAIRS, BLOCK_K, False, True,
+                  ROUND)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    y = _round_bf16(y, ROUND)  # (the GEMV's output, in float32)
-    f0 = tl.load(order_ptr + pid * 2)
-    j = f0 % HEAD_DIM
+    ya, yb = tl.split(tl.reshape(_round_bf16(y, ROUND), [M_PAD, PAIRS, 2]))  # (the GEMV's outputs, in float32)
+    j = fa % HEAD_DIM
+    rotate = ((fa < rope_end) & (j < HALF))[None, :]  # a query or key head's dims j and j + HALF
     rows_ok = rm < M
-    if (f0 < rope_end) & (j < HALF):  # a query or key head's dims j and j + HALF: rotated
-        x1 = tl.sum(tl.where(pair[None, :] == 0, y, 0.0), 1)
-        x2 = tl.sum(tl.where(pair[None, :] == 1, y, 0.0), 1)
-        at = rm.to(tl.int64) * stride_c + j
-        c1 = _rounded(tl.load(cos_ptr + at, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
-        c2 = _rounded(tl.load(cos_ptr + at + HALF, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
-        s1 = _rounded(tl.load(sin_ptr + at, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
-        s2 = _rounded(tl.load(sin_ptr + at + HALF, mask=rows_ok, other=0.0).to(tl.float32), True, ROUND)
-        y1 = _rounded(_rounded(x1 * c1, True, ROUND) - _rounded(x2 * s1, True, ROUND), True, ROUND)
-        y2 = _rounded(_rounded(x2 * c2, True, ROUND) + _rounded(x1 * s2, True, ROUND), True, ROUND)
-        y = tl.where(pair[None, :] == 0, y1[:, None], y2[:, None])
-    ok = rows_ok[:, None] & (rn[None, :] < N)
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+    take = rows_ok[:, None] & rotate
+    cs = rm.to(tl.int64)[:, None] * stride_c + j[None, :]
+    c1 = _rounded(tl.load(cos_ptr + cs, mask=take, other=0.0).to(tl.float32), True, ROUND)
+    c2 = _rounded(tl.load(cos_ptr + cs + HALF, mask=take, other=0.0).to(tl.float32), True, ROUND)
+    s1 = _rounded(tl.load(sin_ptr + cs, mask=take, other=0.0).to(tl.float32), True, ROUND)
+    s2 = _rounded(tl.load(sin_ptr + cs + HALF, mask=take, other=0.0).to(tl.float32), True, ROUND)
+    y1 = tl.where(rotate, _rounded(_rounded(ya * c1, True, ROUND) - _rounded(yb * s1, True, ROUND), True, ROUND), ya)
+    y2 = tl.where(rotate, _rounded(_rounded(yb * c2, True, ROUND) + _rounded(ya * s2, True, ROUND), True, ROUND), yb)
+    slot = tl.load(slot_ptr + rm, mask=rows_ok & STORE, other=0)
+    _store_features(out_ptr, kc_ptr, vc_ptr, slot, rm, fa, y1, M, N, stride_om, stride_ch, k_start, v_start, HEAD_DIM,
+                    STORE)
+    _store_features(out_ptr, kc_ptr, vc_ptr, slot, rm, fb, y2, M, N, stride_om, stride_ch, k_start, v_start, HEAD_DIM,
+                    STORE)
+
+
+@triton.jit
+def _store_features(out_ptr, kc_ptr, vc_ptr, slot, rm, f, y, M, N, stride_om, stride_ch, k_start, v_start,
+                    HEAD_DIM: tl.constexpr, STORE: tl.constexpr):
+    """Output features `f` ``[P]`` of rows `rm` (values `y` ``[M_PAD, P]``) into the output and,
+    (`STORE`) the keys' and values' among them at each row's `slot` of the paged cache."""
+    ok = (rm < M)[:, None] & (f[None, :] < N)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + f[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
     if STORE:
-        value = rn >= v_start
-        f = tl.where(value, rn - v_start, rn - k_start)
-        slot = tl.load(slot_ptr + rm, mask=rows_ok, other=0)
-        dst = (f // HEAD_DIM).to(tl.int64)[None, :] * stride_ch + slot[:, None] * HEAD_DIM + (f % HEAD_DIM)[None, :]
-        tl.store(kc_ptr + dst, y.to(kc_ptr.dtype.element_ty), mask=ok & ((rn >= k_start) & ~value)[None, :])
+        value = f >= v_start
+        g = tl.where(value, f - v_start, f - k_start)
+        dst = (g // HEAD_DIM).to(tl.int64)[None, :] * stride_ch + slot[:, None] * HEAD_DIM + (g % HEAD_DIM)[None, :]
+        tl.store(kc_ptr + dst, y.to(kc_ptr.dtype.element_ty), mask=ok & ((f >= k_start) & ~value)[None, :])
         tl.store(vc_ptr + dst, y.to(vc_ptr.dtype.element_ty), mask=ok & value[None, :])
 
 
@@ -267,18 +277,19 @@ def rope_order(n: int, head_dim: int, half: int, rope_end: int, device: torch.de
 
 def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int, q_features: int, kv_features: int, store=None,
-              launch: Launch | None = None) -> torch.Tensor:
+              launch: Launch | None = None, pairs: int | None = None) -> torch.Tensor:
     """A decode step's fused q/k/v product with RoPE applied to its query and key heads in the
-    same launch (`_gemv_rope_kernel`), and, with `store` (`layers.attention.KVStore`), the keys
-    and values written into the layer's paged cache at ``store.slot_mapping`` (``store.written``
-    set): the values of `gemv` (launched two features a program) and then `rowwise.apply_rope_qk`,
-    one launch instead of two.
+    same launch (`_gemv_rope_kernel`), and, with `store` (anything with ``k_cache``, ``v_cache``
+    and ``slot_mapping``: `layers.attention.KVStore`), the keys and values written into the
+    layer's paged cache at its slots (its ``written`` set): the values of `gemv` (launched two
+    features a program) and then `rowwise.apply_rope_qk`, one launch instead of two.
 
     x ``[M, K]`` bf16 (1 to `MAX_ROWS` rows), weight ``[q_features + 2 kv_features, K]`` (q, k,
     v rows of heads of `head_dim`), bias or None; cos, sin ``[M, rope_dim]`` (bf16 or float32,
     contiguous rows; rope_dim even, at most head_dim: the first rope_dim dims of each head
     rotate in halves). Returns ``[M, N]`` bf16: rotated q and k, then v. `launch`: its K chunk
-    and warps (two features a program). Raises `Refused` for another call."""
+    and warps; `pairs`: pairs of features a program (default one, `INTERPRET_ROWS` / 2 under the
+    interpreter, which runs programs one by one). Raises `Refused` for another call."""
     n = weight.shape[0]
     ok = (takes(x, weight, bias) and x.dtype == torch.bfloat16 and n == q_features + 2 * kv_features
           and q_features % head_dim == 0 and kv_features % head_dim == 0 and head_dim % 2 == 0
@@ -299,11 +310,15 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     order = rope_order(n, head_dim, half, q_features + kv_features, x.device)
     kc, vc, slots = (store.k_cache, store.v_cache, store.slot_mapping) if store is not None else (x, x, order)
-    _gemv_rope_kernel[(n // 2,)](
+    if pairs is None:
+        pairs = INTERPRET_ROWS // 2 if INTERPRET else 1
+    if (n // 2) % pairs:
+        pairs = 1
+    _gemv_rope_kernel[(n // (2 * pairs),)](
         x, weight, bias if bias is not None else weight, out, order, cos, sin, kc, vc, slots, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), cos.stride(0), kc.stride(0) if store is not None else 0,
         q_features + kv_features, q_features, q_features + kv_features,
-        M_PAD=next_power_of_2(m), BLOCK_K=max(16, launch.tile // 2), HAS_BIAS=bias is not None, HALF=half,
+        M_PAD=next_power_of_2(m), PAIRS=pairs, BLOCK_K=max(16, launch.tile // 2), HAS_BIAS=bias is not None, HALF=half,
         HEAD_DIM=head_dim, STORE=store is not None, ROUND=INTERPRET, num_warps=launch.num_warps,
         num_stages=NUM_STAGES, **NO_FMA)
     if store is not None:
@@ -404,8 +419,12 @@ def choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int,
 def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int, rope_dim: int,
                  launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
     """`choose_rope`'s rows and times, timed with `timer`."""
+    from types import SimpleNamespace
+
     from nextoken.kernels.gpu.rowwise import apply_rope_qk
-    from nextoken.layers.attention import KVStore
+
+    def store(slots, v):  # (`layers.attention.KVStore`'s fields, over a scratch cache)
+        return SimpleNamespace(k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, v=v, written=False)
 
     w0 = weights[0][0]
     dev, hkv = w0.device, kv_features // head_dim
@@ -421,10 +440,10 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
         def apart(w, b):
             q, k, v = gemv(x, w, b, launch=launch).split([q_features, kv_features, kv_features], 1)
             apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
-                          KVStore(*caches, slots, v.view(m, -1, head_dim)))
+                          store(slots, v.view(m, -1, head_dim)))
 
-        fused = timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features,
-                                         KVStore(*caches, slots, None), launch=launch) for w, b in weights])
+        fused = timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(slots, None),
+                                         launch=launch) for w, b in weights])
         plain = timer(lambda: [apart(w, b) for w, b in weights])
         if m == 1:
             report = {"fused": fused, "apart": plain}
