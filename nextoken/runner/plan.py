@@ -270,20 +270,9 @@ class ExecutionPlan:
             down = getattr(m, "down_proj", None)
             if getattr(m, "act", None) is silu_and_mul and down is not None and down.gemv_rows:
                 groups.setdefault((tuple(down.weight.shape), down.bias is not None), []).append(down)
-        for key, downs in groups.items():
-            rows = downs[0].gemv_rows
-            if self.device.is_cuda:
-                try:
-                    rows, times = gemv.choose_silu([(d.weight, d.bias) for d in downs], downs[0].gemv_launch, rows)
-                    self.silu_times[key[0]] = times
-                except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: two launches
-                    self.reasons["SiLU in the GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    for d in downs:
-                        d.silu_rows = 0
-                    continue
-            self.silu_rows[key[0]] = rows
-            for d in downs:
-                d.silu_rows = rows
+        self._fused_rows(groups, lambda key, downs: gemv.choose_silu([(d.weight, d.bias) for d in downs],
+                                                                     downs[0].gemv_launch, downs[0].gemv_rows),
+                         "silu_rows", self.silu_rows, self.silu_times, "SiLU in the GEMV")
 
     def _choose_rope(self, model) -> None:
         """Give each fused bf16 q/k/v product on the GEMV whose layer takes the Triton RoPE (and no
@@ -302,22 +291,32 @@ class ExecutionPlan:
                 key = (tuple(qkv.weight.shape), qkv.bias is not None, m.head_dim, m.num_heads * m.head_dim)
                 groups.setdefault(key, []).append(qkv)
         rope_dim = model.config.rope_dim
-        for key, qkvs in groups.items():
-            rows = qkvs[0].gemv_rows
+
+        def timed(key, qkvs):
+            (n, _), _, d, q_features = key
+            return gemv.choose_rope([(f.weight, f.bias) for f in qkvs], d, q_features, (n - q_features) // 2,
+                                    rope_dim, qkvs[0].gemv_launch, qkvs[0].gemv_rows)
+
+        self._fused_rows(groups, timed, "rope_rows", self.rope_rows, self.rope_times, "RoPE in the GEMV")
+
+    def _fused_rows(self, groups: dict, timed, attr: str, rows: dict, times: dict, what: str) -> None:
+        """Set `attr` of each group's matmuls (``{key: [matmul, ...]}``, key[0] the weight shape) to
+        the rows ``timed(key, matmuls) -> (rows, times)`` gives on a GPU (`rows` and `times` get
+        them by shape), or off a GPU to their GEMV rows; a timing that raises sets 0 and says why
+        under `what`."""
+        for key, ms in groups.items():
+            n = ms[0].gemv_rows
             if self.device.is_cuda:
-                (n, _), _, d, q_features = key
                 try:
-                    rows, times = gemv.choose_rope([(f.weight, f.bias) for f in qkvs], d, q_features,
-                                                   (n - q_features) // 2, rope_dim, qkvs[0].gemv_launch, rows)
-                    self.rope_times[key[0]] = times
+                    n, times[key[0]] = timed(key, ms)
                 except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: two launches
-                    self.reasons["RoPE in the GEMV"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    for f in qkvs:
-                        f.rope_rows = 0
+                    self.reasons[what] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    for m in ms:
+                        setattr(m, attr, 0)
                     continue
-            self.rope_rows[key[0]] = rows
-            for f in qkvs:
-                f.rope_rows = rows
+            rows[key[0]] = n
+            for m in ms:
+                setattr(m, attr, n)
 
     def _choose_skinny(self, model) -> tuple[int, int]:
         """Give each dense matmul the row counts (8, 16, 32, 64) at which our split-K GEMM measured

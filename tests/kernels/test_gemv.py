@@ -248,22 +248,30 @@ def test_choose_silu_keeps_silu_inside_the_gemv_up_to_the_first_row_count_it_los
     pairs = [(randn(16, 32, dtype=torch.float32, seed=60 + i), None) for i in range(3)]
 
     def timer_with(fused_at):
-        def timer(fn):
-            before = len(calls)
-            fn()
-            ran = calls[before:]
-            rows = ran[0][1]
-            if ran[0][0] == "fused":
-                assert ran == [("fused", rows)] * 3
-                return fused_at[rows]
-            assert ran == [("act", rows), ("gemv", rows)] * 3
-            return 1.0
-        return timer
+        return stand_in_timer(calls, lambda rows: [("fused", rows)] * 3,
+                              lambda rows: [("act", rows), ("gemv", rows)] * 3, fused_at)
 
     rows, times = G.choose_silu(pairs, None, 4, timer=timer_with({1: 0.8, 2: 0.9, 4: 1.1}))
     assert rows == 2 and times == {"fused": 0.8, "apart": 1.0}
     assert G.choose_silu(pairs, None, 1, timer=timer_with({1: 0.8, 2: 0.9, 4: 0.9}))[0] == 1
     assert G.choose_silu(pairs, None, 4, timer=timer_with({1: 1.2, 2: 0.5, 4: 0.5}))[0] == 0
+
+
+def stand_in_timer(calls: list, fused, apart, fused_at: dict):
+    """A timer for `choose_silu` and `choose_rope` whose timed function records its calls in
+    `calls` (each ``(kind, rows, ...)``): a timing whose calls are ``fused(rows)`` takes
+    ``fused_at[rows]`` seconds, one whose calls are ``apart(rows)`` 1 second."""
+    def timer(fn):
+        before = len(calls)
+        fn()
+        ran = calls[before:]
+        rows = ran[0][1]
+        if ran[0][0] == "fused":
+            assert ran == fused(rows)
+            return fused_at[rows]
+        assert ran == apart(rows)
+        return 1.0
+    return timer
 
 
 def test_the_plan_gives_silu_inside_the_gemv_where_timed_faster(tiny_gguf, monkeypatch):
@@ -380,17 +388,8 @@ def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_los
     weights = [(randn(64, 32, dtype=torch.bfloat16, seed=80 + i), None) for i in range(2)]  # 2 q heads, 1 kv head, 16 dims
 
     def timer_with(fused_at):
-        def timer(fn):
-            before = len(calls)
-            fn()
-            ran = calls[before:]
-            rows = ran[0][1]
-            if ran[0][0] == "fused":
-                assert ran == [("fused", rows, (rows, 8), (1, 8, 16, 16))] * 2
-                return fused_at[rows]
-            assert ran == [("gemv", rows), ("rope", (rows, 2, 16), (rows, 1, 16))] * 2
-            return 1.0
-        return timer
+        return stand_in_timer(calls, lambda rows: [("fused", rows, (rows, 8), (1, 8, 16, 16))] * 2,
+                              lambda rows: [("gemv", rows), ("rope", (rows, 2, 16), (rows, 1, 16))] * 2, fused_at)
 
     rows, times = G.choose_rope(weights, 16, 32, 16, 8, None, 4, timer=timer_with({1: 0.5, 2: 0.5, 4: 1.5}))
     assert rows == 2 and times == {"fused": 0.5, "apart": 1.0}

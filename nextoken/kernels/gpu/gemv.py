@@ -381,13 +381,24 @@ def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer) -> tu
     from nextoken.kernels.gpu.rowwise import act_and_mul
 
     w0 = pairs[0][0]
+
+    def both(m: int) -> tuple[float, float]:
+        g, u = (torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype) for _ in range(2))
+        return (timer(lambda: [gemv(g, w, b, launch=launch, up=u) for w, b in pairs]),
+                timer(lambda: [gemv(act_and_mul(g, u), w, b, launch=launch) for w, b in pairs]))
+
+    return fused_rows(both, max_rows)
+
+
+def fused_rows(both, max_rows: int) -> tuple[int, dict]:
+    """The most rows (of 1, 2, 4, up to `max_rows`) up to which a fusion is faster, ``both(rows)
+    -> (fused seconds, apart seconds)`` timing the two ways at a row count (in order, stopping at
+    the first it loses), and ``{"fused", "apart": seconds at one row}``."""
     rows, report = 0, {}
     for m in (1, 2, 4):
         if m > max_rows:
             break
-        g, u = (torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype) for _ in range(2))
-        fused = timer(lambda: [gemv(g, w, b, launch=launch, up=u) for w, b in pairs])
-        apart = timer(lambda: [gemv(act_and_mul(g, u), w, b, launch=launch) for w, b in pairs])
+        fused, apart = both(m)
         if m == 1:
             report = {"fused": fused, "apart": apart}
         if fused >= apart:
@@ -429,10 +440,8 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
     w0 = weights[0][0]
     dev, hkv = w0.device, kv_features // head_dim
     caches = [torch.zeros(hkv, 8, 16, head_dim, dtype=w0.dtype, device=dev) for _ in range(2)]
-    rows, report = 0, {}
-    for m in (1, 2, 4):
-        if m > max_rows:
-            break
+
+    def both(m: int) -> tuple[float, float]:
         x = torch.randn(m, w0.shape[1], device=dev).to(w0.dtype)
         cos, sin = (torch.rand(m, rope_dim, device=dev).to(w0.dtype) for _ in range(2))
         slots = torch.arange(m, dtype=torch.int64, device=dev)
@@ -442,12 +451,8 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
             apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
                           store(slots, v.view(m, -1, head_dim)))
 
-        fused = timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(slots, None),
-                                         launch=launch) for w, b in weights])
-        plain = timer(lambda: [apart(w, b) for w, b in weights])
-        if m == 1:
-            report = {"fused": fused, "apart": plain}
-        if fused >= plain:
-            break
-        rows = m
-    return rows, report
+        return (timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(slots, None),
+                                         launch=launch) for w, b in weights]),
+                timer(lambda: [apart(w, b) for w, b in weights]))
+
+    return fused_rows(both, max_rows)
