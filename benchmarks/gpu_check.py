@@ -680,14 +680,13 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
         f"launch): {out['gemv_rows']}")
     log(f"   the GEMV's launches timed at one row per weight shape (us over the model's weights of the shape; launch: "
         f"tile/warps/programs per SM): {out['gemv_times']}")
-    out["silu_us"] = {f"{k[0]}x{k[1]}": {name: round(v * 1e6, 1) for name, v in t.items()}
-                      for k, t in runner.plan.silu_times.items()}
-    log(f"   SiLU inside the down projection's GEMV against its own launch, then the GEMV, at one row (us over the "
-        f"model's down weights; rows taken {runner.plan.silu_rows}): {out['silu_us']}")
-    out["rope_us"] = {f"{k[0]}x{k[1]}": {name: round(v * 1e6, 1) for name, v in t.items()}
-                      for k, t in runner.plan.rope_times.items()}
-    log(f"   RoPE and the cache's write inside the q/k/v GEMV against the GEMV, then the RoPE kernel, at one row (us "
-        f"over the model's q/k/v weights; rows taken {runner.plan.rope_rows}): {out['rope_us']}")
+    for name, what in (("silu", "SiLU inside the down projection's GEMV against its own launch, then the GEMV"),
+                       ("rope", "RoPE and the cache's write inside the q/k/v GEMV against the GEMV, then the RoPE "
+                                "kernel")):
+        out[f"{name}_us"] = {f"{k[0]}x{k[1]}": {way: round(v * 1e6, 1) for way, v in t.items()}
+                             for k, t in getattr(runner.plan, f"{name}_times").items()}
+        log(f"   {what}, at one row (us over the model's weights of the shape; rows taken "
+            f"{getattr(runner.plan, f'{name}_rows')}): {out[f'{name}_us']}")
     log(f"   the split-K GEMM's launches timed at 64 rows (us; launch: N tile x K step/warps/stages/programs per SM): "
         f"{out['skinny_times']}")
     out["matmul_tb_s"] = weight_rates(runner)

@@ -435,16 +435,13 @@ class ExecutionPlan:
             taken, shapes = self.gemv_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
             linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
-            if any(self.silu_rows.values()):
-                linears += (f" (SiLU inside the down projection's GEMV up to "
-                            f"{'/'.join(map(str, self.silu_rows.values()))} rows, {how})")
-            elif self.silu_rows:
-                linears += " (SiLU in a launch of its own: it timed slower inside the down projection's GEMV)"
-            if any(self.rope_rows.values()):
-                linears += (f" (RoPE and the cache's write inside the q/k/v GEMV up to "
-                            f"{'/'.join(map(str, self.rope_rows.values()))} rows, {how})")
-            elif self.rope_rows:
-                linears += " (RoPE in a launch of its own: it timed slower inside the q/k/v GEMV)"
+            for rows, what, name, inside in ((self.silu_rows, "SiLU inside", "SiLU", "the down projection's GEMV"),
+                                             (self.rope_rows, "RoPE and the cache's write inside", "RoPE",
+                                              "the q/k/v GEMV")):
+                if any(rows.values()):
+                    linears += f" ({what} {inside} up to {'/'.join(map(str, rows.values()))} rows, {how})"
+                elif rows:
+                    linears += f" ({name} in a launch of its own: it timed slower inside {inside})"
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             taken, shapes = self.skinny_shapes
             how = "as timed on this GPU" if self.device.is_cuda else "untimed off a GPU"
