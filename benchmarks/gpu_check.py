@@ -682,7 +682,9 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
         f"tile/warps/programs per SM): {out['gemv_times']}")
     for name, what in (("silu", "SiLU inside the down projection's GEMV against its own launch, then the GEMV"),
                        ("rope", "RoPE and the cache's write inside the q/k/v GEMV against the GEMV, then the RoPE "
-                                "kernel")):
+                                "kernel"),
+                       ("norm", "the residual add and RMSNorm inside the o and down projections' GEMV (joined by its "
+                                "last program) against the GEMV, then the add-norm kernel")):
         out[f"{name}_us"] = {f"{k[0]}x{k[1]}": {way: round(v * 1e6, 1) for way, v in t.items()}
                              for k, t in getattr(runner.plan, f"{name}_times").items()}
         log(f"   {what}, at one row (us over the model's weights of the shape; rows taken "
@@ -694,7 +696,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
     for stage in ("no_gemv", "torch_rows"):
         if stage == "no_gemv":
             for t in gemv_targets(runner.model):
-                t.gemv_rows, t.skinny_rows, t.silu_rows, t.rope_rows = 0, (), 0, 0
+                t.gemv_rows, t.skinny_rows, t.silu_rows, t.rope_rows, t.norm_rows = 0, (), 0, 0, 0
         else:
             for m in runner.model.modules():
                 for slot in KERNEL_SLOTS:

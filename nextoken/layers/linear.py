@@ -46,6 +46,7 @@ class Linear(torch.nn.Module):
         self.gemv_rows = 0  # a GPU plan's: calls of at most this many rows run our GEMV (`kernels.gpu.gemv`)
         self.gemv_launch = None  # a GPU plan's: how the GEMV launches on this weight shape (None: its default)
         self.silu_rows = 0  # a GPU plan's, for a SwiGLU down projection: up to this many rows, SiLU inside the GEMV
+        self.norm_rows = 0  # a GPU plan's, for o and down: up to this many rows, the add and norm after it inside the GEMV
         self.skinny_rows: tuple[int, ...] = ()  # a GPU plan's: row counts (5-64, rounded up) on `kernels.gpu.skinny`
         self.skinny_launch = None  # a GPU plan's: how that GEMM launches on this weight shape (None: its default)
 
@@ -192,6 +193,53 @@ def silu_mul_down(down: Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     except Refused:
         count_fallback("gemv")
         return None
+
+
+class Pending:
+    """A product whose output only goes into the residual add and RMSNorm after it, left for that
+    call (`layers.norm.add_rms_norm`): ``linear(x)`` (with `up`: of ``silu(x) * up``, SwiGLU's
+    down projection), which a GPU plan's decode of at most ``linear.norm_rows`` rows computes
+    with the add and the norm in one launch (`add_norm`: `kernels.gpu.gemv.gemv_add_norm`, the
+    values of the three), and anything else computes as its caller would have (`value`: `plain`)."""
+
+    __slots__ = ("linear", "x", "plain", "up")
+
+    def __init__(self, linear: Linear, x: torch.Tensor, plain, up: torch.Tensor | None = None):
+        self.linear, self.x, self.plain, self.up = linear, x, plain, up
+
+    def value(self) -> torch.Tensor:
+        """The product ``[T, out]``, as the caller's own code computes it."""
+        return self.plain()
+
+    def add_norm(self, h: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: bool,
+                 a_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``add_rms_norm(h, self.value(), weight, eps, gemma=gemma, a_weight=a_weight)`` in one
+        launch (s, y), or None where the kernel refuses the call (counted)."""
+        from nextoken.kernels import count_fallback
+        from nextoken.kernels.gpu.gemv import Refused, gemv_add_norm
+
+        lin = self.linear
+        try:
+            return gemv_add_norm(self.x, lin.weight, lin.bias, h, weight, eps, gemma, a_weight, launch=lin.gemv_launch,
+                                 up=self.up)
+        except Refused:
+            count_fallback("gemv_add_norm")
+            return None
+
+
+def deferred(linear: Linear, x: torch.Tensor, plain, up: torch.Tensor | None = None,
+             defer: bool = True) -> torch.Tensor | Pending:
+    """``plain()`` (the caller's computation of ``linear(x)``, or of ``linear(silu(x) * up)``
+    with `up`), or, with `defer`, where a GPU plan's decode puts the add and the norm after it in
+    the GEMV's launch (at most ``linear.norm_rows`` rows, the plan's timed choice,
+    `gemv.choose_norm`; a dense weight with no adapter in this pass and no tensor-parallel
+    combine), a `Pending` for the next `layers.norm.add_rms_norm`. `defer`: the output goes to
+    that call alone (not to a tracer)."""
+    m = x.shape[0]
+    if defer and x.dim() == 2 and 0 < m <= linear.norm_rows and type(linear.method) is DenseMethod \
+            and linear.combine is None and not (linear.lora is not None and linear.lora.batch.ids):
+        return Pending(linear, x, plain, up)
+    return plain()
 
 
 def qkv_rope(qkv: FusedLinear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, head_dim: int,

@@ -3,6 +3,7 @@
 import torch
 
 from nextoken.kernels import count_fallback
+from nextoken.layers.linear import Pending
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> torch.Tensor:
@@ -57,7 +58,8 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=Non
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor | None, eps: float, kernel=None,
                  gemma: bool = False, a_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A residual add and the RMSNorm after it: ``s = h + a`` (with `a_weight`, Gemma 3's
-    post-norm first: ``s = h + rms_norm(a, a_weight)``; `a` None: s = h, nothing to add), then
+    post-norm first: ``s = h + rms_norm(a, a_weight)``; `a` None: s = h, nothing to add; `a` a
+    `layers.linear.Pending` product: computed here, on a GPU plan's decode in the same launch), then
     ``y = rms_norm(s, weight)`` (None when `weight` is None). h, a: ``[num_tokens, hidden]`` of
     one dtype; weights ``[hidden]``. `gemma`: `rms_norm_gemma` for every norm. Returns (s, y)
     in h's dtype.
@@ -68,6 +70,11 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor |
     norm = rms_norm_gemma if gemma else rms_norm
     if a is None:
         return h, norm(h, weight, eps, kernel) if weight is not None else None
+    if isinstance(a, Pending):  # (a GPU plan's decode: the product in the same launch)
+        out = a.add_norm(h, weight, eps, gemma, a_weight)
+        if out is not None:
+            return out
+        a = a.value()
     if hasattr(kernel, "add_rms_norm"):
         out = kernel.add_rms_norm(h, a, weight, eps, gemma=gemma, a_weight=a_weight)
         if out is not None:

@@ -8,7 +8,9 @@
 
 h is the residual stream; a layer may leave its last sublayer's output `delta` for the next
 layer to add (None: added already), so that on a GPU plan the add runs inside the next norm's
-launch (`layers.norm.add_rms_norm`); a tracer always sees h with delta added.
+launch (`layers.norm.add_rms_norm`), and on a GPU plan's decode `delta` may be the down
+projection's product itself (`layers.linear.Pending`), computed in that launch too; a tracer
+always sees h with delta added (and no product left pending).
 
 An architecture file subclasses it and says what differs: `make_layer` (the decoder layer),
 and where needed `embed`, `rope`, `final_norm`, `compute_logits`. Model files describe the

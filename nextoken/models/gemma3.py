@@ -66,7 +66,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
             return h, None
-        h, _ = add_rms_norm(h, self.mlp(x), None, self.eps, nk, gemma=True, a_weight=self.post_feedforward_layernorm)
+        h, _ = add_rms_norm(h, self.mlp(x, defer=meta.mid is None), None, self.eps, nk, gemma=True,
+                            a_weight=self.post_feedforward_layernorm)
         return h, None
 
 

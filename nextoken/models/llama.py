@@ -17,7 +17,7 @@ from nextoken.config import ModelConfig
 from nextoken.layers import weight_param
 from nextoken.layers.activation import silu_and_mul
 from nextoken.layers.attention import AttentionMetadata, attend, kv_store
-from nextoken.layers.linear import Linear, qkv_rope, silu_mul_down
+from nextoken.layers.linear import Linear, deferred, qkv_rope, silu_mul_down
 from nextoken.layers.norm import add_rms_norm, rms_norm
 from nextoken.layers.rotary import apply_rope_qk
 from nextoken.kv_cache.tensors import PagedKVCache
@@ -56,7 +56,9 @@ class LlamaAttention(torch.nn.Module):
             self.q_norm, self.k_norm = weight_param(cfg.head_dim, dtype=dtype), weight_param(cfg.head_dim, dtype=dtype)
 
     def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata):
-        """x: ``[T, hidden]`` -> (``[T, hidden]``, per-sequence probabilities or None)."""
+        """x: ``[T, hidden]`` -> the o projection's output ``[T, hidden]``, or, where a GPU plan
+        puts the add and norm after it in the same launch (and no tracer reads it), that product
+        still `layers.linear.Pending`."""
         t = x.shape[0]
         store = kv_store(kv, self.layer, meta, self.sliding, None) if self.rope_kernel is not None else None
         q, k, v, roped = self._project(x, cos, sin, store)
@@ -68,7 +70,8 @@ class LlamaAttention(torch.nn.Module):
                 store.v = v
             q, k = apply_rope_qk(q, k, cos, sin, self.rope_kernel, store)
         out = attend(q, k, v, kv, self.layer, meta, self.scale, self.sliding, store is not None and store.written)
-        return self.o_proj(out.reshape(t, -1))
+        out = out.reshape(t, -1)
+        return deferred(self.o_proj, out, lambda: self.o_proj(out), defer=meta.mid is None)
 
     def _project(self, x, cos, sin, store):
         """q ``[T, heads, D]``, k, v ``[T, kv heads, D]``, and whether RoPE is applied (and `store`
@@ -102,14 +105,20 @@ class LlamaMLP(torch.nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
-    def forward(self, x):
+    def forward(self, x, defer: bool = False):
+        """x ``[T, hidden]`` -> ``[T, hidden]``; with `defer` (its output goes only to the next
+        residual add and norm), where a GPU plan puts them in the down projection's launch, a
+        `layers.linear.Pending` for them (`layers.linear.deferred`)."""
         gate, up = self.gate_up(x) if self.gate_up is not None and self.gate_up.usable() else \
             (self.gate_proj(x), self.up_proj(x))
-        if self.act is silu_and_mul and self.down_proj.silu_rows:  # a GPU plan's decode: one launch for both
-            y = silu_mul_down(self.down_proj, gate, up)
-            if y is not None:
-                return y
-        return self.down_proj(self.act(gate, up, kernel=self.act_kernel))
+        if self.act is silu_and_mul and 0 < gate.shape[0] <= self.down_proj.silu_rows:  # a GPU plan's decode:
+            return deferred(self.down_proj, gate, lambda: self._silu_down(gate, up), up, defer)  # SiLU in the GEMV
+        act = self.act(gate, up, kernel=self.act_kernel)
+        return deferred(self.down_proj, act, lambda: self.down_proj(act), defer=defer)
+
+    def _silu_down(self, gate, up):
+        y = silu_mul_down(self.down_proj, gate, up)  # (one launch for both)
+        return y if y is not None else self.down_proj(self.act(gate, up, kernel=self.act_kernel))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -125,7 +134,8 @@ class LlamaDecoderLayer(torch.nn.Module):
     def forward(self, h, delta, rope, kv, meta):
         """h: the residual stream ``[T, hidden]``, delta: the last layer's feed-forward output not
         yet added to it (or None) -> (h, this layer's feed-forward output, not added), each add
-        inside the next norm's launch (`models.base`)."""
+        inside the next norm's launch (`models.base`); on a GPU plan's decode each product may come
+        as a `layers.linear.Pending`, computed in that launch too."""
         cos, sin = rope[self.self_attn.sliding]
         nk = self.norm_kernel
         h, x = add_rms_norm(h, delta, self.input_layernorm, self.eps, nk)
@@ -134,7 +144,7 @@ class LlamaDecoderLayer(torch.nn.Module):
             meta.mid.append(h)
         if meta.ablation is not None and meta.ablation.drops_mlp(self.self_attn.layer):
             return h, None
-        return h, self.mlp(x)
+        return h, self.mlp(x, defer=meta.mid is None)
 
 
 class LlamaForCausalLM(DecoderModel):

@@ -96,6 +96,8 @@ class ExecutionPlan:
     silu_times: dict = field(default_factory=dict)  # {down shape: {"fused" | "apart": seconds at a row}} as timed
     rope_rows: dict = field(default_factory=dict)  # {q/k/v shape: rows with RoPE inside its GEMV}, once settled
     rope_times: dict = field(default_factory=dict)  # {q/k/v shape: {"fused" | "apart": seconds at a row}} as timed
+    norm_rows: dict = field(default_factory=dict)  # {o or down shape: rows with the add and norm after it inside its GEMV}
+    norm_times: dict = field(default_factory=dict)  # {o or down shape: {"fused" | "apart": seconds at a row}} as timed
     skinny: bool = False  # bf16 decode matmuls of 5-64 rows on `kernels.gpu.skinny` where it measures faster
     skinny_shapes: tuple[int, int] = (0, 0)  # (weight shapes it took at some row count, shapes timed)
     skinny_times: dict = field(default_factory=dict)  # {(shape, bias): {launch or "torch": seconds at 64 rows}}
@@ -223,6 +225,7 @@ class ExecutionPlan:
             self.gemv_shapes = self._choose_gemv(model)
             self._choose_silu(model)
             self._choose_rope(model)
+            self._choose_norm(model)
         if self.skinny and not self.batch_invariant and self.dtype == torch.bfloat16:
             self.skinny_shapes = self._choose_skinny(model)
         if self.triton_sampling:
@@ -298,6 +301,32 @@ class ExecutionPlan:
                                     rope_dim, qkvs[0].gemv_launch, qkvs[0].gemv_rows)
 
         self._fused_rows(groups, timed, "rope_rows", self.rope_rows, self.rope_times, "RoPE in the GEMV")
+
+    def _choose_norm(self, model) -> None:
+        """Give each bf16 o and down projection on the GEMV (its launch of
+        `rowwise.ADD_NORM_WARPS` warps) whose layer takes the Triton norms the rows up to which the
+        residual add and RMSNorm after it, joined inside the GEMV by its last program, measured
+        faster than the GEMV and then the add-norm kernel (`kernels.gpu.gemv.choose_norm`, on this
+        GPU over the model's weights; the times in `norm_times`); on the CPU (the GPU path's
+        tests) all its GEMV rows. A timing that raises leaves the two launches, and says why."""
+        from nextoken.kernels.gpu import gemv
+        from nextoken.kernels.gpu.rowwise import ADD_NORM_WARPS, Rowwise
+
+        if not self.rowwise:
+            return
+        groups: dict = {}
+        for layer in model.modules():
+            if getattr(layer, "norm_kernel", None) is not Rowwise:
+                continue
+            for lin in (getattr(getattr(layer, "self_attn", None), "o_proj", None),
+                        getattr(getattr(layer, "mlp", None), "down_proj", None)):
+                if lin is not None and lin.gemv_rows and lin.weight.dtype == torch.bfloat16 \
+                        and (lin.gemv_launch or gemv.DEFAULT).num_warps == ADD_NORM_WARPS:
+                    groups.setdefault((tuple(lin.weight.shape), lin.bias is not None), []).append(lin)
+        eps = model.config.norm_eps
+        self._fused_rows(groups, lambda key, lins: gemv.choose_norm([(m.weight, m.bias) for m in lins], eps,
+                                                                    lins[0].gemv_launch, lins[0].gemv_rows),
+                         "norm_rows", self.norm_rows, self.norm_times, "the add and norm in the GEMV")
 
     def _fused_rows(self, groups: dict, timed, attr: str, rows: dict, times: dict, what: str) -> None:
         """Set `attr` of each group's matmuls (``{key: [matmul, ...]}``, key[0] the weight shape) to
@@ -437,7 +466,9 @@ class ExecutionPlan:
             linears += f" (Triton GEMV for decodes of few rows on {taken} of {shapes} weight shapes, {how})"
             for rows, what, name, inside in ((self.silu_rows, "SiLU inside", "SiLU", "the down projection's GEMV"),
                                              (self.rope_rows, "RoPE and the cache's write inside", "RoPE",
-                                              "the q/k/v GEMV")):
+                                              "the q/k/v GEMV"),
+                                             (self.norm_rows, "the residual add and RMSNorm after it inside",
+                                              "the add and norm", "the o and down projections' GEMV")):
                 if any(rows.values()):
                     linears += f" ({what} {inside} up to {'/'.join(map(str, rows.values()))} rows, {how})"
                 elif rows:

@@ -335,11 +335,12 @@ def test_bf16_on_the_gpu_path_stays_in_the_float32_top5(tiny_gguf):
             assert t in alt, (i, t, alt)
 
 
-def test_decodes_with_rope_and_silu_inside_the_gemv_answer_as_without(tiny_gguf, graphs_on_cpu, monkeypatch):
+def test_decodes_with_rope_silu_and_the_norms_inside_the_gemv_answer_as_without(tiny_gguf, graphs_on_cpu, monkeypatch):
     """A bf16 Qwen 2 on the GPU plan's own kernels (row-wise, fused projections, GEMV) through the
     decode graphs' static buffers: its decodes take RoPE with the cache's write inside the q/k/v
-    GEMV and SiLU inside the down projection's (one launch each a layer), and its greedy tokens
-    and log-probabilities are those of the same engine with both in launches of their own."""
+    GEMV, SiLU inside the down projection's, and the residual add and RMSNorm after the o and
+    down projections inside theirs (one launch each a layer instead of two), and its greedy
+    tokens and log-probabilities are those of the same engine with each in launches of its own."""
     path = str(tiny_gguf["qwen2"][0])
     if not ON_GPU:  # (a GPU's plan turns them on itself, where they time faster)
         choose = plan_module.ExecutionPlan.choose.__func__
@@ -350,16 +351,23 @@ def test_decodes_with_rope_and_silu_inside_the_gemv_answer_as_without(tiny_gguf,
     fused = LLM(path, **kw)
     model = fused.engine.runner.model
     if not ON_GPU:
-        assert all(m.self_attn.qkv.rope_rows and m.mlp.down_proj.silu_rows for m in model.layers)
+        assert all(m.self_attn.qkv.rope_rows and m.mlp.down_proj.silu_rows and m.mlp.down_proj.norm_rows
+                   and m.self_attn.o_proj.norm_rows for m in model.layers)
+    import nextoken.kernels.gpu.gemv as gemv_module
     import nextoken.models.llama as llama
 
-    taken = []
+    taken, joined = [], []
     monkeypatch.setattr(llama, "qkv_rope", lambda *args, _f=llama.qkv_rope: taken.append(_f(*args)) or taken[-1])
+    monkeypatch.setattr(gemv_module, "gemv_add_norm", lambda *a, _f=gemv_module.gemv_add_norm, **k: joined.append(
+        a[0].shape[0]) or _f(*a, **k))
     got = generate_on_meta(fused, PROMPTS[:2], params)
-    # (3 decode steps a prompt, and the second prompt's 3-token prefill: at most 4 rows, it takes it too)
+    # (3 decode steps a prompt, and the second prompt's 3-token prefill: at most 4 rows, it takes them too;
+    # two joins a layer, o's and down's, whose last joins the final norm)
     assert ON_GPU or sum(y is not None for y in taken) == 7 * len(model.layers)
+    assert ON_GPU or len(joined) == 7 * 2 * len(model.layers)
     for m in model.layers:
-        m.self_attn.qkv.rope_rows = m.mlp.down_proj.silu_rows = 0
+        m.self_attn.qkv.rope_rows = m.mlp.down_proj.silu_rows = m.mlp.down_proj.norm_rows = 0
+        m.self_attn.o_proj.norm_rows = 0
     want = generate_on_meta(fused, PROMPTS[:2], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):

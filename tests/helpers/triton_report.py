@@ -145,8 +145,11 @@ GEMV = [("gemv", "bf16", 1, 4, 0), ("gemv", "bf16", 2, 4, 0), ("gemv", "bf16", 4
         ("gemv", "bf16", 4, 2, 0), ("gemv", "bf16", 1, 1, 0), ("gemv", "bf16", 4, 1, 0), ("gemv", "fp32", 1, 4, 0),
         ("gemv", "fp32", 4, 1, 0), ("gemv silu", "bf16", 1, 2, 0), ("gemv silu", "bf16", 1, 1, 0),
         ("gemv silu", "bf16", 4, 2, 0), ("gemv rope", "bf16", 1, 2, 0), ("gemv rope", "bf16", 4, 2, 0),
-        ("gemv rope", "bf16", 1, 2, 2)]  # (silu: the down projection's, SwiGLU's product read from gate and up;
-# rope: the q/k/v product with RoPE and the cache's write, two features a program)
+        ("gemv rope", "bf16", 1, 2, 2), ("gemv norm", "bf16", 1, 2, 0), ("gemv norm", "bf16", 4, 2, 0),
+        ("gemv norm silu", "bf16", 1, 2, 0), ("gemv norm gemma", "bf16", 1, 4, 0)]
+# (silu: the down projection's, SwiGLU's product read from gate and up; rope: the q/k/v product with
+# RoPE and the cache's write, two features a program; norm: the residual add and RMSNorm joined by
+# the last program, over Qwen2.5-1.5B's 1536 features, or Gemma 3 270M's 640 with its post-norm)
 # (input rows, padded to a power of two; output features per program; the launch's index in `gemv.LAUNCHES`)
 GEMV_LAUNCHES = [("gemv", "bf16", m, rows, i) for i in _gemv_launches() if i
                  for m, rows in ((1, 1), (1, 4), (4, 1), (4, 4))]  # the other launches the plan times
@@ -159,7 +162,8 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
     Triton specializes them at a launch with the catalog's shapes, so that the 16-byte loads
     show."""
     from nextoken.kernels.gpu import gemv as G
-    from nextoken.kernels.gpu.batch_invariant import NO_FMA
+    from nextoken.kernels.gpu.batch_invariant import NO_FMA, norm_rows
+    from nextoken.kernels.gpu.ints import next_power_of_2
 
     p = f"*{dtype}"
     how = G.LAUNCHES[launch]
@@ -171,6 +175,19 @@ def report_gemv(kernel: str, dtype: str, m_pad: int, rows: int, launch: int) -> 
         aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "order_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
                    "slot_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_c", "stride_ch")
         usage = compiled(G._gemv_rope_kernel, types, consts, how.num_warps, G.NUM_STAGES, aligned, options=NO_FMA)
+        return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
+    if kernel.startswith("gemv norm"):
+        gemma, silu = kernel.endswith("gemma"), kernel.endswith("silu")
+        n = 640 if gemma else 1536
+        types = {k: p for k in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "u_ptr", "h_ptr", "wa_ptr", "nw_ptr", "s_ptr",
+                                "y_ptr")}
+        types.update(ticket_ptr="*i32", eps="fp32")
+        consts = dict(M_PAD=m_pad, ROWS=rows, BLOCK_K=how.tile // rows, HAS_BIAS=False, SILU_MUL=silu,
+                      NORM_ROWS=norm_rows(n), BLOCK_N=next_power_of_2(n), NORM_A=gemma, NORM_OUT=True, GEMMA=gemma,
+                      ROUND=False)
+        aligned = (*types, "N", "K", "stride_xm", "stride_wn", "stride_um", "stride_h")
+        usage = compiled(G._gemv_add_norm_kernel, {**types, "eps": "fp32"}, consts, how.num_warps, G.NUM_STAGES,
+                         tuple(a for a in aligned if a != "eps"), options=NO_FMA)
         return {"variant": [kernel, dtype, m_pad, rows, launch], **usage}
     types = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "u_ptr": p}
     silu = kernel == "gemv silu"

@@ -443,3 +443,120 @@ def test_the_plan_gives_rope_inside_the_qkv_gemv_where_timed_faster(tiny_gguf, m
     gpu._choose_rope(model)
     assert all(a.qkv.rope_rows == 0 for a in attns) and "RoPE in the GEMV off: RuntimeError: ptxas failed" in \
         gpu.describe(model)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("case", ["llama", "gemma post-norm", "gemma post-norm alone", "bias and swiglu"])
+def test_the_gemv_with_the_add_and_norm_after_it_is_the_two_launches(m, case):
+    """`gemv_add_norm`: the product, then the residual add and RMSNorm over whole rows joined by
+    the GEMV's last program, bit for bit `gemv` then `rowwise.add_rms_norm` (Llama's norm;
+    Gemma 3's post-norm before the add, with and without a norm after it; a bias and SwiGLU's
+    product as the input), over a width that is not a power of two; its ticket back at 0 after
+    each launch. On a GPU 200 launches, new inputs each: a join that read another program's
+    output before it was stored would show. float32 and 8-warp launches are refused."""
+    from nextoken.kernels.gpu.gemv import Launch, Refused, gemv_add_norm, tickets
+    from nextoken.kernels.gpu.rowwise import add_rms_norm
+
+    n, k = 96, 200
+    gemma, post, after = case.startswith("gemma"), case.startswith("gemma"), case != "gemma post-norm alone"
+    swiglu = case == "bias and swiglu"
+    w = randn(n, k, dtype=torch.bfloat16, seed=90, scale=0.1)
+    b = randn(n, dtype=torch.bfloat16, seed=91) if swiglu else None
+    nw = (randn(n, dtype=torch.bfloat16, seed=92, scale=0.2) + 1).to(torch.bfloat16) if after else None
+    aw = (randn(n, dtype=torch.bfloat16, seed=93, scale=0.2) + 1).to(torch.bfloat16) if post else None
+    for launch in range(200 if DEV != "cpu" else 2):
+        x, up, h = (randn(*shape, dtype=torch.bfloat16, seed=100 + 3 * launch + i, scale=2)
+                    for i, shape in enumerate(((m, k), (m, k), (m, n))))
+        up = up if swiglu else None
+        s, y = gemv_add_norm(x, w, b, h, nw, 1e-6, gemma, aw, up=up)
+        s2, y2 = add_rms_norm(h, gemv(x, w, b, up=up), nw, 1e-6, gemma, aw)
+        assert torch.equal(s, s2) and ((y is None and y2 is None) or torch.equal(y, y2)), launch
+        assert tickets(x.device).item() == 0
+    with pytest.raises(Refused):
+        gemv_add_norm(x.float(), w.float(), None, h.float(), None, 1e-6)
+    with pytest.raises(Refused):
+        gemv_add_norm(x, w, b, h, nw, 1e-6, launch=Launch(2048, 8))
+
+
+def test_choose_norm_keeps_the_add_and_norm_inside_the_gemv_up_to_the_first_row_count_it_loses(monkeypatch):
+    """`choose_norm` times the o or down projections with the residual add and RMSNorm joined
+    inside the GEMV against the GEMV and then the add-norm kernel, over every weight of the
+    group, up to the GEMV's own rows; the report has both times at one row."""
+    import nextoken.kernels.gpu.gemv as G
+    import nextoken.kernels.gpu.rowwise as R
+
+    calls = []
+    monkeypatch.setattr(G, "gemv_add_norm", lambda x, w, b, h, nw, eps, launch=None: calls.append(
+        ("fused", x.shape[0], h.shape)))
+    monkeypatch.setattr(G, "gemv", lambda x, w, b, launch=None: calls.append(("gemv", x.shape[0])) or torch.zeros(
+        x.shape[0], w.shape[0]))
+    monkeypatch.setattr(R, "add_rms_norm", lambda h, a, nw, eps: calls.append(("norm", h.shape, a.shape)))
+    pairs = [(randn(16, 32, dtype=torch.bfloat16, seed=110 + i), None) for i in range(2)]
+
+    def timer_with(fused_at):
+        return stand_in_timer(calls, lambda rows: [("fused", rows, (rows, 16))] * 2,
+                              lambda rows: [("gemv", rows), ("norm", (rows, 16), (rows, 16))] * 2, fused_at)
+
+    rows, times = G.choose_norm(pairs, 1e-6, None, 4, timer=timer_with({1: 0.5, 2: 0.5, 4: 1.5}))
+    assert rows == 2 and times == {"fused": 0.5, "apart": 1.0}
+    assert G.choose_norm(pairs, 1e-6, None, 1, timer=timer_with({1: 0.5, 2: 0.5, 4: 0.5}))[0] == 1
+    assert G.choose_norm(pairs, 1e-6, None, 4, timer=timer_with({1: 1.5, 2: 0.5, 4: 0.5}))[0] == 0
+
+
+def test_the_plan_gives_the_add_and_norm_inside_the_gemv_where_timed_faster(tiny_gguf, monkeypatch):
+    """A bf16 plan with the Triton norms gives each o and down projection on the GEMV (its launch
+    of `rowwise.ADD_NORM_WARPS` warps) the rows `choose_norm` timed (a stand-in here), said on
+    the plan line; off a GPU their GEMV rows; slower: two launches, said so; a timing that raises
+    leaves the two launches and says why. Other linears, and a layer on PyTorch's norms, never
+    take it."""
+    import dataclasses
+
+    import nextoken.kernels.gpu.gemv as G
+    from nextoken.kernels.gpu.rowwise import Rowwise
+    from nextoken.layers.linear import Linear
+    from nextoken.loader.source import open_model
+    from nextoken.runner.device import Device, resolve_device
+    from nextoken.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(open_model(str(tiny_gguf["qwen2"][0])), torch.bfloat16, enforce_eager=True,
+                         attention_backend="triton", device=resolve_device(DEV))
+    model = runner.model
+    targets = [lin for m in model.layers for lin in (m.self_attn.o_proj, m.mlp.down_proj)]
+    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not t for t in targets)]
+    for lin in model.modules():
+        if isinstance(lin, Linear):
+            lin.gemv_rows = MAX_ROWS
+    here = dataclasses.replace(runner.plan, rowwise=True, norm_rows={}, norm_times={}, reasons={})
+    here._choose_norm(model)  # (the layers' norms on PyTorch: none)
+    assert not any(m.norm_rows for m in targets + others)
+    for m in model.layers:
+        m.norm_kernel = Rowwise
+    if DEV == "cpu":
+        here._choose_norm(model)
+        assert all(t.norm_rows == MAX_ROWS for t in targets) and not any(m.norm_rows for m in others)
+    gpu = dataclasses.replace(runner.plan, device=Device(torch.device("cuda"), "a GPU", "asked for"), gemv=True,
+                              rowwise=True, norm_rows={}, norm_times={}, reasons={})
+    seen = []
+
+    def timed(pairs, eps, launch, max_rows):
+        seen.append((len(pairs), eps, max_rows))
+        return 2, {"fused": 1.0, "apart": 2.0}
+
+    monkeypatch.setattr(G, "choose_norm", timed)
+    gpu._choose_norm(model)
+    eps, layers = model.config.norm_eps, len(model.layers)
+    assert sorted(seen) == [(layers, eps, MAX_ROWS)] * 2 and all(t.norm_rows == 2 for t in targets)
+    assert "the residual add and RMSNorm after it inside the o and down projections' GEMV up to 2/2 rows" in \
+        gpu.describe(model)
+    monkeypatch.setattr(G, "choose_norm", lambda *args: (0, {"fused": 2.0, "apart": 1.0}))
+    gpu._choose_norm(model)
+    assert all(t.norm_rows == 0 for t in targets) and "the add and norm in a launch of its own" in gpu.describe(model)
+    gpu.norm_rows.clear()
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(G, "choose_norm", broken)
+    gpu._choose_norm(model)
+    assert all(t.norm_rows == 0 for t in targets) and "the add and norm in the GEMV off: RuntimeError: ptxas " \
+        "failed" in gpu.describe(model)

@@ -33,7 +33,9 @@ def reports():
     return run_report()
 
 
-ROUNDED_STEP_BY_STEP = ("act", "rope", "rope store", "add_norm", "add_norm gemma", "rms_norm", "gemv rope")
+JOINED_NORMS = ("gemv norm", "gemv norm silu", "gemv norm gemma")  # (the add and norm after the GEMV, in its launch)
+ROUNDED_STEP_BY_STEP = ("act", "rope", "rope store", "add_norm", "add_norm gemma", "rms_norm", "gemv rope",
+                        *JOINED_NORMS)
 
 
 def check(r: dict) -> None:
@@ -47,10 +49,11 @@ def check(r: dict) -> None:
         assert r["tensor_core"] > 0, r
     if r["variant"][0] in ROUNDED_STEP_BY_STEP:
         assert r["fma"] == 0, r
-    if r["variant"][0] in ("gemv", "gemv silu", "gemv rope", "draw", "draw cached"):  # the weight rows, the logits stream in 16-byte loads
-        assert r["wide_loads"] > 0, r
-    if r["variant"][0] in ("bf16", "fp32") and r["variant"][3] and r["variant"][4] > 1:  # split decodes: the last
-        # split joins them after its ticket's acquire-release atomic, reading the others' partials from L2
+    if r["variant"][0] in ("gemv", "gemv silu", "gemv rope", "draw", "draw cached", *JOINED_NORMS):  # the weight
+        assert r["wide_loads"] > 0, r  # rows, the logits stream in 16-byte loads
+    if (r["variant"][0] in ("bf16", "fp32") and r["variant"][3] and r["variant"][4] > 1) \
+            or r["variant"][0] in JOINED_NORMS:  # split decodes, and the GEMV's add and norm: the last program
+        # joins them after its ticket's acquire-release atomic, reading the others' outputs from L2
         assert r["acq_rel_atomics"] == 1 and r["l2_loads"] > 0, r
 
 

@@ -20,7 +20,11 @@ computes the product for the whole input it reads). Likewise a fused q/k/v produ
 to its query and key heads and writes the keys and values into the paged cache in its epilogue
 (`gemv_rope`, `layers.linear.qkv_rope`; each program takes a head's dims j and j + half, the
 pair RoPE rotates together): the RoPE kernel's launch (28 a step, 49 us of that graph) goes,
-where `choose_rope` times it faster.
+where `choose_rope` times it faster. And an o or down projection takes the residual add and
+RMSNorm after it (`gemv_add_norm`: the program that finishes last, by a ticket taken after each
+program's stores, runs the add-norm kernel's code over the whole rows, reading the others'
+outputs from L2): the add-norm's launch (56 a step, 105 us of that graph) goes, where
+`choose_norm` times it faster.
 
 Which is faster per weight shape is measured, not assumed: `choose` times the kernel's launches
 (`LAUNCHES`: the K chunk, warps and programs per multiprocessor; none of them spills on sm_90,
@@ -50,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nextoken.kernels.gpu.batch_invariant import NO_FMA, _round_bf16
+from nextoken.kernels.gpu.batch_invariant import NO_FMA, _round_bf16, norm_rows
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
-from nextoken.kernels.gpu.rowwise import _rounded
+from nextoken.kernels.gpu.rowwise import ADD_NORM_WARPS, _add_norm_rows, _rounded, add_norm_takes
 from nextoken.kernels.gpu.timing import fastest, per_shape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -131,8 +135,17 @@ def _row_sums(x_ptr, w_ptr, u_ptr, rn, M, N, K, stride_xm, stride_wn, stride_um,
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_um,
                  M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SILU_MUL: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
-    """`ROWS` output features for every input row: ``out[m, n] = sum_k x[m, k] W[n, k] (+ b[n])``
-    (`_row_sums`), the bias added, rounded once to the output's dtype. Grid: (N / `ROWS`,)."""
+    """`ROWS` output features for every input row (`_gemv_tile`). Grid: (N / `ROWS`,)."""
+    _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_um, M_PAD, ROWS,
+               BLOCK_K, HAS_BIAS, SILU_MUL, BF16, ROUND)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_um,
+               M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SILU_MUL: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """This program's `ROWS` output features for every input row: ``out[m, n] = sum_k x[m, k]
+    W[n, k] (+ b[n])`` (`_row_sums`), the bias added, rounded once to the output's dtype."""
     rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = tl.arange(0, M_PAD)
     y = _row_sums(x_ptr, w_ptr, u_ptr, rn, M, N, K, stride_xm, stride_wn, stride_um, M_PAD, ROWS, BLOCK_K, SILU_MUL,
@@ -142,6 +155,33 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride
     y = _round_bf16(y, ROUND)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gemv_add_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, h_ptr, wa_ptr, nw_ptr, s_ptr, y_ptr, ticket_ptr,
+                          M, N, K, stride_xm, stride_wn, stride_um, stride_h, eps, M_PAD: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                          NORM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NORM_A: tl.constexpr,
+                          NORM_OUT: tl.constexpr, GEMMA: tl.constexpr, ROUND: tl.constexpr):
+    """The bf16 product a = x W^T (+ b) into `out` (``[M, N]``, contiguous; `_gemv_tile`), then
+    the residual add and RMSNorm after it over whole rows (`rowwise._add_norm_rows`: ``s = h + a``
+    into `s_ptr`, its norm into `y_ptr`), done by the program that finishes last, as
+    `attention._join_last` joins its key splits: each program's stores, a barrier, a ticket (an
+    acquire-release atomic add at GPU scope); the program that takes the last one reads every
+    program's a from L2 (``.cg``) in row tiles of `NORM_ROWS` (as `rowwise.add_rms_norm` tiles
+    them, with its warps: the same sums in the same order) and sets the ticket back to 0. One
+    launch instead of the GEMV's and the add-norm's. Grid: (N / `ROWS`,)."""
+    _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, u_ptr, M, N, K, stride_xm, stride_wn, N, stride_um, M_PAD, ROWS,
+               BLOCK_K, HAS_BIAS, SILU_MUL, True, ROUND)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        for r0 in tl.static_range(0, M_PAD, NORM_ROWS):
+            r = r0 + tl.arange(0, NORM_ROWS).to(tl.int64)
+            _add_norm_rows(r, h_ptr, out_ptr, wa_ptr, nw_ptr, s_ptr, y_ptr, M, N, stride_h, N, N, N, eps, BLOCK_N, NORM_A,
+                           NORM_OUT, GEMMA, True, ROUND, ".cg")
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -254,6 +294,55 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SILU_MUL=up is not None, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=launch.num_warps,
         num_stages=NUM_STAGES)
     return out
+
+
+_TICKETS: dict = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The int32 ticket `gemv_add_norm`'s launches on `device` take (zero between launches: the
+    last program of each sets it back; launches on one stream run one after another), made once
+    (before a CUDA graph's capture, by the eager run before it)."""
+    key = str(device)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
+def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+                  norm_weight: torch.Tensor | None, eps: float, gemma: bool = False,
+                  a_weight: torch.Tensor | None = None, launch: Launch | None = None, rows: int | None = None,
+                  up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step's product and the residual add and RMSNorm after it in one launch
+    (`_gemv_add_norm_kernel`): the values of ``a = gemv(x, weight, bias, up=up)`` and then
+    ``rowwise.add_rms_norm(h, a, norm_weight, eps, gemma, a_weight)``, which this returns: (s, y
+    or None). bf16 only (compiled without fused multiply-adds, as the add-norm kernel is; the
+    GEMV's bf16 products are exact in float32, so its sums keep their values), x ``[M, K]`` of 1
+    to `MAX_ROWS` rows, h ``[M, N]``; `launch` with `rowwise.ADD_NORM_WARPS` warps (the norm's
+    sums in its order). Raises `Refused` (a ValueError) for another call."""
+    m = x.shape[0]
+    n = weight.shape[0]
+    launch = launch or DEFAULT
+    if not (takes(x, weight, bias) and x.dtype == h.dtype == torch.bfloat16 and h.shape == (m, n)
+            and add_norm_takes(h, h, norm_weight, a_weight) and launch.num_warps == ADD_NORM_WARPS
+            and (up is None or (up.shape == x.shape and up.dtype == x.dtype and up.stride(-1) == 1))):
+        raise refuse("gemv_add_norm", x, weight, bias, f"1-{MAX_ROWS} bf16 rows, a residual [rows, N] and norm "
+                     f"weights [N] of bf16, a launch of {ADD_NORM_WARPS} warps")
+    k = x.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # (a: read back by the last program)
+    s = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(s) if norm_weight is not None else None
+    rows = rows or rows_per_program(n, x.device, launch.per_sm)
+    _gemv_add_norm_kernel[(cdiv(n, rows),)](
+        x, weight, bias if bias is not None else weight, out, up if up is not None else x, h,
+        a_weight if a_weight is not None else h, norm_weight if norm_weight is not None else h, s,
+        y if y is not None else s, tickets(x.device), m, n, k, x.stride(0), weight.stride(0),
+        up.stride(0) if up is not None else 0, h.stride(0), eps, M_PAD=next_power_of_2(m), ROWS=rows,
+        BLOCK_K=max(16, launch.tile // rows), HAS_BIAS=bias is not None, SILU_MUL=up is not None,
+        NORM_ROWS=norm_rows(n), BLOCK_N=next_power_of_2(n), NORM_A=a_weight is not None,
+        NORM_OUT=norm_weight is not None, GEMMA=gemma, ROUND=INTERPRET, num_warps=launch.num_warps,
+        num_stages=NUM_STAGES, **NO_FMA)
+    return s, y
 
 
 _ORDERS: dict = {}
@@ -454,5 +543,39 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
         return (timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(slots, None),
                                          launch=launch) for w, b in weights]),
                 timer(lambda: [apart(w, b) for w, b in weights]))
+
+    return fused_rows(both, max_rows)
+
+
+def choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, timer=None) -> tuple[int, dict]:
+    """Up to how many rows (0 to `max_rows`, of 1, 2, 4) the products `pairs` (``[(weight, bias),
+    ...]``, one shape, bf16, on `launch`: o or down projections) take the residual add and
+    RMSNorm after them inside the GEMV (`gemv_add_norm`), timed against the GEMV and then
+    `rowwise.add_rms_norm`: a launch less, against the last program's serial pass over the whole
+    rows after every other program has finished (``timer``: default `timing.graph_seconds`, once
+    per process for its shapes). Returns (rows, ``{"fused" | "apart": seconds at one row}``)."""
+    from nextoken.kernels.gpu.timing import graph_seconds, remembered
+
+    w0 = pairs[0][0]
+    if timer is None:
+        key = ("gemv norm", str(w0.device), tuple(w0.shape), pairs[0][1] is not None, len(pairs), str(launch),
+               max_rows)
+        return remembered(key, lambda: _choose_norm(pairs, eps, launch, max_rows, graph_seconds))
+    return _choose_norm(pairs, eps, launch, max_rows, timer)
+
+
+def _choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
+    """`choose_norm`'s rows and times, timed with `timer`."""
+    from nextoken.kernels.gpu.rowwise import add_rms_norm
+
+    w0 = pairs[0][0]
+    n, k = w0.shape
+    weight = torch.ones(n, dtype=w0.dtype, device=w0.device)
+
+    def both(m: int) -> tuple[float, float]:
+        x = torch.randn(m, k, device=w0.device).to(w0.dtype)
+        h = torch.randn(m, n, device=w0.device).to(w0.dtype)
+        return (timer(lambda: [gemv_add_norm(x, w, b, h, weight, eps, launch=launch) for w, b in pairs]),
+                timer(lambda: [add_rms_norm(h, gemv(x, w, b, launch=launch), weight, eps) for w, b in pairs]))
 
     return fused_rows(both, max_rows)

@@ -39,6 +39,7 @@ from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_BLOCK = 1024  # elements per program of `act_and_mul`
+ADD_NORM_WARPS = 4  # warps of `add_rms_norm`'s programs (and of the GEMV that joins it: the same sums' order)
 
 
 @triton.jit
@@ -207,13 +208,24 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 def _add_norm_kernel(h_ptr, a_ptr, wa_ptr, w_ptr, s_ptr, y_ptr, rows, n, stride_h, stride_a, stride_s, stride_y, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM_A: tl.constexpr, NORM_OUT: tl.constexpr,
                      GEMMA: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
-    """`ROWS` rows of the residual stream: ``s = h + a`` (`NORM_A`: a first normed by its weight
-    and rounded, Gemma 3's post-norms), rounded to the dtype and stored, then (`NORM_OUT`) the
-    RMSNorm of s stored (`batch_invariant._normed_rows`). Grid: (row tiles,)."""
+    """`ROWS` rows of the residual stream (`_add_norm_rows`). Grid: (row tiles,)."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    _add_norm_rows(r, h_ptr, a_ptr, wa_ptr, w_ptr, s_ptr, y_ptr, rows, n, stride_h, stride_a, stride_s, stride_y, eps,
+                   BLOCK, NORM_A, NORM_OUT, GEMMA, BF16, ROUND, "")
+
+
+@triton.jit
+def _add_norm_rows(r, h_ptr, a_ptr, wa_ptr, w_ptr, s_ptr, y_ptr, rows, n, stride_h, stride_a, stride_s, stride_y, eps,
+                   BLOCK: tl.constexpr, NORM_A: tl.constexpr, NORM_OUT: tl.constexpr, GEMMA: tl.constexpr,
+                   BF16: tl.constexpr, ROUND: tl.constexpr, A_CACHE: tl.constexpr):
+    """Rows `r` (int64 ``[R]``, those ``< rows`` real) of the residual stream: ``s = h + a``
+    (`NORM_A`: a first normed by its weight and rounded, Gemma 3's post-norms), rounded to the
+    dtype and stored, then (`NORM_OUT`) the RMSNorm of s stored (`batch_invariant._normed_rows`).
+    `A_CACHE`: a's loads' cache modifier (``".cg"``: from L2, a's stores being other programs'
+    of the same launch, `gemv.gemv_add_norm`)."""
     i = tl.arange(0, BLOCK)
     ok = (r[:, None] < rows) & (i[None, :] < n)
-    a = tl.load(a_ptr + r[:, None] * stride_a + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r[:, None] * stride_a + i[None, :], mask=ok, other=0.0, cache_modifier=A_CACHE).to(tl.float32)
     if NORM_A:
         a = _rounded(_normed_rows(a, wa_ptr, n, eps, BLOCK, GEMMA, ROUND), BF16, ROUND)
     h = tl.load(h_ptr + r[:, None] * stride_h + i[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -233,10 +245,7 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
     tensors; None for other inputs (the caller's PyTorch expressions run). Rows per program as
     `batch_invariant.rms_norm`'s, so a row's values do not depend on the batch."""
     n = h.shape[-1]
-    if h.shape != a.shape or h.dim() != 2 or h.dtype != a.dtype or h.dtype not in (torch.bfloat16, torch.float32) \
-            or h.stride(-1) != 1 or a.stride(-1) != 1 \
-            or any(w is not None and (w.shape != (n,) or w.dtype != h.dtype or w.stride(0) != 1)
-                   for w in (weight, a_weight)):
+    if not add_norm_takes(h, a, weight, a_weight):
         return None
     s = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     y = torch.empty_like(s) if weight is not None else None
@@ -247,8 +256,19 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
             h, a, a_weight if a_weight is not None else h, weight if weight is not None else h, s,
             y if y is not None else s, rows, n, h.stride(0), a.stride(0), n, n, eps, ROWS=per,
             BLOCK=next_power_of_2(n), NORM_A=a_weight is not None, NORM_OUT=weight is not None,
-            GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=4, **NO_FMA)
+            GEMMA=gemma, BF16=bf16, ROUND=INTERPRET and bf16, num_warps=ADD_NORM_WARPS, **NO_FMA)
     return s, y
+
+
+def add_norm_takes(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None,
+                   a_weight: torch.Tensor | None) -> bool:
+    """Whether `add_rms_norm` takes these: h and a ``[T, n]`` of one dtype (bf16 or float32,
+    contiguous rows), weights ``[n]`` of it or None."""
+    n = h.shape[-1]
+    return (h.shape == a.shape and h.dim() == 2 and h.dtype == a.dtype and h.dtype in (torch.bfloat16, torch.float32)
+            and h.stride(-1) == 1 and a.stride(-1) == 1
+            and all(w is None or (w.shape == (n,) and w.dtype == h.dtype and w.stride(0) == 1)
+                    for w in (weight, a_weight)))
 
 
 class Rowwise:
