@@ -16,7 +16,8 @@ share one GIL; in two they run at once, on two cores. Messages are tuples on two
 one else writes to them. A step's outputs travel as deltas: a completion's new text, token ids
 and log-probabilities, never what was sent before, made from the requests' state as the step
 collects them (`OutputWire.encode_group`: no `RequestOutput` in between, 2-3 us a row less of
-the engine's 25-28 at 256 streams) or from a `RequestOutput` (`OutputWire.encode`: a beam
+the engine's 25-28 at 256 streams; a decode's usual record just its request id and new token
+ids, `OutputWire.tokens_only`) or from a `RequestOutput` (`OutputWire.encode`: a beam
 search's). The server's side keeps each request's lists and rebuilds the `RequestOutput` the
 engine would have made (`OutputMirror.decode`), with `Prefix` views of its lists as the engine's
 snapshots have.
@@ -42,6 +43,7 @@ from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("nextoken.engine")
 
+NUM_OUTPUT = [f.name for f in dataclasses.fields(RequestMetrics)].index("num_output_tokens")  # (in a record's metrics)
 # the engine methods the server's process may call, by name (`("call", id, name, args)`)
 CALLS = ("add_request", "add_beam_search", "load_lora", "unload_lora")
 BETWEEN_STEPS = "between_steps"  # the local front end's: run its function between two steps
@@ -66,7 +68,7 @@ class OutputWire:
     holding what is new since the request's last record."""
 
     def __init__(self):
-        self._sent: set[str] = set()  # requests whose prompt went out already
+        self._sent: dict[str, int] = {}  # requests whose head went out -> their cached prompt tokens as last sent
 
     def encode(self, out: RequestOutput) -> tuple:
         """``(request_id, head, finished, error, metrics, completions, extra)``: `head` is
@@ -79,9 +81,9 @@ class OutputWire:
         head = None
         if rid not in self._sent:
             head = (out.prompt, out.prompt_token_ids)
-            self._sent.add(rid)
+            self._sent[rid] = -1  # (never a `TOKENS` record: these come from outputs)
         if out.finished:
-            self._sent.discard(rid)
+            self._sent.pop(rid, None)
         comps = [(c.index, c.delta, c.delta_token_ids, c.delta_logprobs, c.cumulative_logprob, c.finish_reason,
                   c.stop_reason) if type(c) is CompletionSnapshot else c for c in out.outputs]
         extra = None
@@ -94,16 +96,20 @@ class OutputWire:
         """The record `encode` makes of `output_processor.make_output(group, finished)`, made
         from the group itself (its side effects the same: metrics counted, deltas restarted):
         no snapshot objects for a record to read them back from (`LLMEngine.step`'s `make`; the
-        tests hold the two equal)."""
+        tests hold the two equal). A decode's usual record, new token ids alone, is the two-field
+        ``(request_id, delta_token_ids)`` (`tokens_only`)."""
         from nextoken.engine.output_processor import count_output, output_made
 
         rid = group.request_id
+        short = self.tokens_only(group, finished)
+        if short is not None:
+            return short
         head = None
         if rid not in self._sent:
             head = (group.prompt, group.prompt_ids)
-            self._sent.add(rid)
+        self._sent[rid] = group.seqs[0].num_cached_tokens
         if finished:
-            self._sent.discard(rid)
+            del self._sent[rid]
         m = count_output(group)
         comps = [(c.index, c.delta, c.delta_token_ids,
                   c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs is not None and c.delta_token_ids
@@ -116,9 +122,27 @@ class OutputWire:
                      None if group.logits is None else list(group.logits), hidden)
         return (rid, head, finished, group.error, tuple(vars(m).values()), comps, extra)
 
+    def tokens_only(self, group, finished: bool) -> tuple | None:
+        """``(request_id, delta_token_ids)`` for a record that would say nothing else the other
+        side cannot tell (`OutputMirror.decode` rebuilds the rest): after the request's first
+        record, unfinished, one completion with no log-probabilities and no text from the engine
+        (its front end makes the text, or none was released), nothing extra, the cached prompt
+        tokens as last sent (its metrics then differ from the last record's in the output count
+        alone). Its side effects are `encode_group`'s. None for any other."""
+        c = group.completions[0]
+        if finished or c.delta or c.logprobs is not None or len(group.completions) != 1 or group.error is not None \
+                or self._sent.get(group.request_id) != group.seqs[0].num_cached_tokens \
+                or group.prompt_logprobs is not None or group.logits is not None:
+            return None
+        ids = c.delta_token_ids
+        group.metrics.num_output_tokens = group.output_tokens = len(c.token_ids)  # (`count_output`'s, for one
+        c.delta_token_ids = []  # completion whose cached count is as sent; `output_made`'s)
+        group.changed = False
+        return group.request_id, ids
+
     def forget(self, request_id: str) -> None:
         """`request_id` was aborted: a later request of that id starts afresh."""
-        self._sent.discard(request_id)
+        self._sent.pop(request_id, None)
 
 
 class OutputMirror:
@@ -130,7 +154,7 @@ class OutputMirror:
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
-        self._requests: dict[str, tuple] = {}  # id -> (prompt, prompt ids, {index: [text, ids, logprobs, detok]})
+        self._requests: dict[str, list] = {}  # id -> [prompt, prompt ids, {index: [text, ids, logprobs, detok]}, params, metrics]
         self._expected: dict[str, object] = {}  # id -> its SamplingParams, until its first record
 
     def expect(self, request_id: str, params) -> bool:
@@ -146,14 +170,19 @@ class OutputMirror:
         self._expected.pop(request_id, None)
 
     def decode(self, record: tuple) -> RequestOutput | None:
-        """The `RequestOutput` a record (`OutputWire.encode`) stands for; None for a request this
-        side has forgotten (aborted here while the engine's record was on its way)."""
+        """The `RequestOutput` a record (`OutputWire.encode`, or its two-field
+        `OutputWire.tokens_only`) stands for; None for a request this side has forgotten (aborted
+        here while the engine's record was on its way)."""
+        if len(record) == 2:
+            return self._tokens(*record)
         rid, head, finished, error, metrics, comps, extra = record
         if head is not None:
-            self._requests[rid] = (head[0], head[1], {}, self._expected.pop(rid, None))
+            self._requests[rid] = [head[0], head[1], {}, self._expected.pop(rid, None), metrics]
         elif rid not in self._requests:
             return None
-        prompt, prompt_ids, kept, params = self._requests[rid]
+        entry = self._requests[rid]
+        entry[4] = metrics
+        prompt, prompt_ids, kept, params, _ = entry
         outs = []
         for c in comps:
             if isinstance(c, CompletionOutput):
@@ -180,6 +209,23 @@ class OutputMirror:
         return RequestOutput(rid, prompt, prompt_ids, outs, finished,
                              None if metrics is None else RequestMetrics(*metrics), error, prompt_logprobs, logits,
                              hidden)
+
+    def _tokens(self, rid: str, delta_ids: list[int]) -> RequestOutput | None:
+        """A `tokens_only` record's output: completion 0 grows by `delta_ids` (its text made here
+        for a request `expect` noted, else none new), the last record's metrics with the output
+        count brought up to date."""
+        entry = self._requests.get(rid)
+        if entry is None:
+            return None
+        prompt, prompt_ids, kept, _, metrics = entry
+        state = kept[0]
+        delta = self._text(state[3], delta_ids, False) if state[3] is not None else ""
+        state[0] += delta
+        ids = state[1]
+        ids.extend(delta_ids)
+        metrics = entry[4] = metrics[:NUM_OUTPUT] + (len(ids),) + metrics[NUM_OUTPUT + 1:]
+        out = CompletionSnapshot(0, state[0], delta, Prefix(ids, len(ids)), delta_ids, None, None, None, None)
+        return RequestOutput(rid, prompt, prompt_ids, [out], False, RequestMetrics(*metrics), None, None, None, None)
 
     @staticmethod
     def _text(detok, delta_ids: list[int], finished: bool) -> str:
@@ -385,7 +431,7 @@ class EngineCore:
             return
         records: dict[int, list] = {k: [] for k in self.targets()}
         for o in outputs:
-            k = self.owner.pop(o[0], 0) if o[2] else self.owner.get(o[0], 0)
+            k = self.owner.pop(o[0], 0) if len(o) > 2 and o[2] else self.owner.get(o[0], 0)  # (finished: forgotten)
             if k in records:
                 records[k].append(o)
         first = min(self.open, default=None)
