@@ -81,7 +81,7 @@ class OutputWire:
         head = None
         if rid not in self._sent:
             head = (out.prompt, out.prompt_token_ids)
-            self._sent[rid] = -1  # (never a `TOKENS` record: these come from outputs)
+            self._sent[rid] = -1  # (no `tokens_only` record for these: their outputs are made already)
         if out.finished:
             self._sent.pop(rid, None)
         comps = [(c.index, c.delta, c.delta_token_ids, c.delta_logprobs, c.cumulative_logprob, c.finish_reason,
