@@ -332,7 +332,8 @@ class ExecutionPlan:
         """Set `attr` of each group's matmuls (``{key: [matmul, ...]}``, key[0] the weight shape) to
         the rows ``timed(key, matmuls) -> (rows, times)`` gives on a GPU (`rows` and `times` get
         them by shape), or off a GPU to their GEMV rows; a timing that raises sets 0 and says why
-        under `what`."""
+        under `what` (as one does whose fusion's values differ there from its two launches':
+        `kernels.gpu.gemv.same_values`)."""
         for key, ms in groups.items():
             n = ms[0].gemv_rows
             if self.device.is_cuda:

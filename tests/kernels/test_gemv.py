@@ -384,7 +384,8 @@ def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_los
                         calls.append(("fused", x.shape[0], cos.shape, store.k_cache.shape)))
     monkeypatch.setattr(G, "gemv", lambda x, w, b, launch=None: calls.append(("gemv", x.shape[0])) or torch.zeros(
         x.shape[0], w.shape[0]))
-    monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape)))
+    monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape))
+                        or (q, k))
     weights = [(randn(64, 32, dtype=torch.bfloat16, seed=80 + i), None) for i in range(2)]  # 2 q heads, 1 kv head, 16 dims
 
     def timer_with(fused_at):
@@ -560,3 +561,31 @@ def test_the_plan_gives_the_add_and_norm_inside_the_gemv_where_timed_faster(tiny
     gpu._choose_norm(model)
     assert all(t.norm_rows == 0 for t in targets) and "the add and norm in the GEMV off: RuntimeError: ptxas " \
         "failed" in gpu.describe(model)
+
+
+def test_a_fusion_is_kept_only_where_it_gives_its_two_launches_values(monkeypatch):
+    """At load on a GPU, each fusion's timing first runs it and its two launches at each row count
+    on the group's first weight, and raises `Unequal` (the plan then keeps the two launches and
+    says why) unless they hold the same bits: a compiler or a race on some card could break what
+    the interpreter's tests hold. Here, under the interpreter: SiLU's, RoPE's (its output and both
+    scratch caches) and the norm's fusions pass; a norm fusion whose output is off by one bf16
+    step, or that leaves the norm out, does not."""
+    import nextoken.kernels.gpu.gemv as G
+
+    def once(fn):  # (a timer that runs the timed launches once)
+        fn()
+        return 1.0
+
+    pairs = [(randn(48, 32, dtype=torch.bfloat16, seed=120 + i, scale=0.2), None) for i in range(2)]
+    assert G._choose_silu([(randn(48, 64, dtype=torch.bfloat16, seed=125, scale=0.2), None)], None, 2, once,
+                          checked=True)[0] == 0  # (equal times: the fusion is not faster)
+    G._choose_rope([(randn(64, 32, dtype=torch.bfloat16, seed=126, scale=0.2), None)], 16, 32, 16, 8, None, 2, once,
+                   checked=True)
+    G._choose_norm(pairs, 1e-6, None, 2, once, checked=True)
+    joined = G.gemv_add_norm
+    monkeypatch.setattr(G, "gemv_add_norm", lambda *a, **k: (lambda s, y: (s, y + y.abs() * 2**-7))(*joined(*a, **k)))
+    with pytest.raises(G.Unequal, match=r"the add and norm inside the GEMV: \d+ of its values differ"):
+        G._choose_norm(pairs, 1e-6, None, 2, once, checked=True)
+    monkeypatch.setattr(G, "gemv_add_norm", lambda *a, **k: (joined(*a, **k)[0], None))
+    with pytest.raises(G.Unequal, match="all of its values differ"):
+        G._choose_norm(pairs, 1e-6, None, 2, once, checked=True)

@@ -461,22 +461,55 @@ def choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer=None) -
     if timer is None:
         key = ("gemv silu", str(w0.device), tuple(w0.shape), w0.dtype, pairs[0][1] is not None, len(pairs), str(launch),
                max_rows)
-        return remembered(key, lambda: _choose_silu(pairs, launch, max_rows, graph_seconds))
+        return remembered(key, lambda: _choose_silu(pairs, launch, max_rows, graph_seconds, checked=True))
     return _choose_silu(pairs, launch, max_rows, timer)
 
 
-def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
-    """`choose_silu`'s rows and times, timed with `timer`."""
+def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer, checked: bool = False) -> tuple[int, dict]:
+    """`choose_silu`'s rows and times, timed with `timer`; `checked`: first `same_values`."""
     from nextoken.kernels.gpu.rowwise import act_and_mul
 
     w0 = pairs[0][0]
 
-    def both(m: int) -> tuple[float, float]:
+    def ways(m: int):
         g, u = (torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype) for _ in range(2))
-        return (timer(lambda: [gemv(g, w, b, launch=launch, up=u) for w, b in pairs]),
-                timer(lambda: [gemv(act_and_mul(g, u), w, b, launch=launch) for w, b in pairs]))
+        return (lambda w, b: gemv(g, w, b, launch=launch, up=u)), (lambda w, b: gemv(act_and_mul(g, u), w, b,
+                                                                                      launch=launch))
+
+    return timed_fusion("SiLU inside the GEMV", ways, pairs, max_rows, timer, checked)
+
+
+def timed_fusion(what: str, ways, pairs: list, max_rows: int, timer, checked: bool) -> tuple[int, dict]:
+    """`fused_rows` of a fusion whose ``ways(rows) -> (fused, apart)`` compute, for one weight and
+    bias, its result and its two launches' (timed over every pair of `pairs`); `checked`: first,
+    at each row count, the two on the first pair must give the same bits (`same_values`)."""
+    if checked:
+        for m in (1, 2, 4):
+            if m <= max_rows:
+                fused, apart = ways(m)
+                same_values(what, lambda: fused(*pairs[0]), lambda: apart(*pairs[0]))
+
+    def both(m: int) -> tuple[float, float]:
+        fused, apart = ways(m)
+        return timer(lambda: [fused(w, b) for w, b in pairs]), timer(lambda: [apart(w, b) for w, b in pairs])
 
     return fused_rows(both, max_rows)
+
+
+class Unequal(ValueError):
+    """A fusion whose values are not its two launches' on this device (`same_values`)."""
+
+
+def same_values(what: str, fused, apart) -> None:
+    """Raise `Unequal` unless ``fused()`` and ``apart()`` (each a tensor or a tuple of tensors)
+    hold the same bits: a fusion is kept only where it computes its two launches' values (as the
+    tests hold it under the interpreter), which a compiler or a race on some GPU could break."""
+    a, b = fused(), apart()
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    for x, y in zip(a, b, strict=True):
+        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            differ = "all" if x is None or y is None or x.shape != y.shape else int((x != y).sum())
+            raise Unequal(f"{what}: {differ} of its values differ from its two launches' on this device")
 
 
 def fused_rows(both, max_rows: int) -> tuple[int, dict]:
@@ -512,39 +545,44 @@ def choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int,
     if timer is None:
         key = ("gemv rope", str(w0.device), tuple(w0.shape), weights[0][1] is not None, len(weights), head_dim,
                q_features, rope_dim, str(launch), max_rows)
-        return remembered(key, lambda: _choose_rope(*args, graph_seconds))
+        return remembered(key, lambda: _choose_rope(*args, graph_seconds, checked=True))
     return _choose_rope(*args, timer)
 
 
 def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int, rope_dim: int,
-                 launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
-    """`choose_rope`'s rows and times, timed with `timer`."""
+                 launch: Launch | None, max_rows: int, timer, checked: bool = False) -> tuple[int, dict]:
+    """`choose_rope`'s rows and times, timed with `timer`; `checked`: first `same_values` (the
+    products and the scratch caches they write)."""
     from types import SimpleNamespace
 
     from nextoken.kernels.gpu.rowwise import apply_rope_qk
 
-    def store(slots, v):  # (`layers.attention.KVStore`'s fields, over a scratch cache)
-        return SimpleNamespace(k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, v=v, written=False)
-
     w0 = weights[0][0]
     dev, hkv = w0.device, kv_features // head_dim
-    caches = [torch.zeros(hkv, 8, 16, head_dim, dtype=w0.dtype, device=dev) for _ in range(2)]
 
-    def both(m: int) -> tuple[float, float]:
+    def ways(m: int):
         x = torch.randn(m, w0.shape[1], device=dev).to(w0.dtype)
         cos, sin = (torch.rand(m, rope_dim, device=dev).to(w0.dtype) for _ in range(2))
         slots = torch.arange(m, dtype=torch.int64, device=dev)
+        caches = [[torch.zeros(hkv, 8, 16, head_dim, dtype=w0.dtype, device=dev) for _ in range(2)] for _ in range(2)]
+
+        def store(way, v):  # (`layers.attention.KVStore`'s fields, over a scratch cache of each way)
+            return SimpleNamespace(k_cache=caches[way][0], v_cache=caches[way][1], slot_mapping=slots, v=v,
+                                   written=False)
+
+        def fused(w, b):
+            return gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(0, None), launch=launch), \
+                *caches[0]
 
         def apart(w, b):
             q, k, v = gemv(x, w, b, launch=launch).split([q_features, kv_features, kv_features], 1)
-            apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
-                          store(slots, v.view(m, -1, head_dim)))
+            qo, ko = apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
+                                   store(1, v.view(m, -1, head_dim)))
+            return torch.cat([qo.view(m, -1), ko.view(m, -1), v], 1), *caches[1]
 
-        return (timer(lambda: [gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(slots, None),
-                                         launch=launch) for w, b in weights]),
-                timer(lambda: [apart(w, b) for w, b in weights]))
+        return fused, apart
 
-    return fused_rows(both, max_rows)
+    return timed_fusion("RoPE inside the GEMV", ways, weights, max_rows, timer, checked)
 
 
 def choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, timer=None) -> tuple[int, dict]:
@@ -560,22 +598,23 @@ def choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, t
     if timer is None:
         key = ("gemv norm", str(w0.device), tuple(w0.shape), pairs[0][1] is not None, len(pairs), str(launch),
                max_rows)
-        return remembered(key, lambda: _choose_norm(pairs, eps, launch, max_rows, graph_seconds))
+        return remembered(key, lambda: _choose_norm(pairs, eps, launch, max_rows, graph_seconds, checked=True))
     return _choose_norm(pairs, eps, launch, max_rows, timer)
 
 
-def _choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, timer) -> tuple[int, dict]:
-    """`choose_norm`'s rows and times, timed with `timer`."""
+def _choose_norm(pairs: list, eps: float, launch: Launch | None, max_rows: int, timer,
+                 checked: bool = False) -> tuple[int, dict]:
+    """`choose_norm`'s rows and times, timed with `timer`; `checked`: first `same_values`."""
     from nextoken.kernels.gpu.rowwise import add_rms_norm
 
     w0 = pairs[0][0]
     n, k = w0.shape
-    weight = torch.ones(n, dtype=w0.dtype, device=w0.device)
+    weight = (1 + 0.1 * torch.randn(n, device=w0.device)).to(w0.dtype)
 
-    def both(m: int) -> tuple[float, float]:
+    def ways(m: int):
         x = torch.randn(m, k, device=w0.device).to(w0.dtype)
         h = torch.randn(m, n, device=w0.device).to(w0.dtype)
-        return (timer(lambda: [gemv_add_norm(x, w, b, h, weight, eps, launch=launch) for w, b in pairs]),
-                timer(lambda: [add_rms_norm(h, gemv(x, w, b, launch=launch), weight, eps) for w, b in pairs]))
+        return (lambda w, b: gemv_add_norm(x, w, b, h, weight, eps, launch=launch)), \
+            (lambda w, b: add_rms_norm(h, gemv(x, w, b, launch=launch), weight, eps))
 
-    return fused_rows(both, max_rows)
+    return timed_fusion("the add and norm inside the GEMV", ways, pairs, max_rows, timer, checked)
