@@ -91,16 +91,19 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, st
 
 def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, tickets, **extra) -> None:
     """The pass's decodes (its first `num_decodes` rows and sequences), `dm.splits` programs each,
-    joined in the same launch over the cache's `tickets`."""
+    joined in the same launch over the cache's `tickets` (unless the plan found that join unequal
+    to two launches on this GPU: `Tilings.join`)."""
     from nextoken.kernels.gpu.attention import paged_attention
 
     nd = dm.num_decodes
     partials = None
     if dm.splits > 1:
         partials = torch.empty(nd * q.shape[1] * dm.splits * (q.shape[2] + 2), dtype=torch.float32, device=q.device)
+    tilings = dm.tilings
     paged_attention(q, k_cache, v_cache, tables, dm.seq_lens, dm.query_start_loc, scale, out=out, decode=True,
-                    num_seqs=nd, splits=dm.splits, partials=partials, tickets=tickets,
-                    launch=dm.tilings.decode if dm.tilings is not None else None, **extra)
+                    num_seqs=nd, splits=dm.splits, partials=partials,
+                    tickets=tickets if tilings is None or tilings.join else None,
+                    launch=tilings.decode if tilings is not None else None, **extra)
 
 
 def _prefill(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, **extra) -> None:

@@ -490,8 +490,9 @@ class ExecutionPlan:
             graphs += f"; sampler: Triton draw from {self.sampling_rows} rows (as timed on this GPU)"
         elif self.device.is_cuda:
             graphs += "; sampler: PyTorch" + (" (the Triton draw timed slower)" if self.triton_sampling else "")
-        tiles = (f" (tiles: decodes {self.tilings.decode}, prefill {self.tilings.prefill}, as timed on this GPU)"
-                 if self.tilings is not None else "")
+        tiles = (f" (tiles: decodes {self.tilings.decode}, prefill {self.tilings.prefill}, as timed on this GPU"
+                 + ("" if self.tilings.join else "; key splits joined in a second launch: joined in the attention's "
+                    "own, their values differed here") + ")" if self.tilings is not None else "")
         return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}"
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "

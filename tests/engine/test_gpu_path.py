@@ -99,11 +99,14 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     assert_no_leak(llm)
 
 
-def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, monkeypatch):
+@pytest.mark.parametrize("join", [True, False])
+def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, monkeypatch, join):
     """The attention tiles the plan chose at load (here stand-ins, the last of each kind's
     `tilings`: a GPU's are timed) are the ones every attention call takes, eager prefill chunks and
-    the graphs' decode steps alike, the prefill's query tiles made with its block_q; the tokens
-    stay the reference path's."""
+    the graphs' decode steps alike, the prefill's query tiles made with its block_q, and the
+    decodes' splits are joined in their own launch (the cache's tickets) unless the plan turned
+    that off (`Tilings.join`: its values differed on the GPU); the tokens stay the reference
+    path's."""
     import nextoken.kernels.gpu.attention as A
 
     path = str(tiny_gguf["llama"][0])
@@ -113,14 +116,15 @@ def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, m
 
     def stand_in(plan, cfg, block_size, default):
         group = cfg.num_heads // cfg.num_kv_heads
-        chosen["tiles"] = A.Tilings(A.tilings(True, group, cfg.head_dim)[-1], A.tilings(False, group, cfg.head_dim)[-1])
+        chosen["tiles"] = A.Tilings(A.tilings(True, group, cfg.head_dim)[-1], A.tilings(False, group, cfg.head_dim)[-1],
+                                    join)
         return chosen["tiles"]
 
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose_tilings", stand_in)
     calls, block_qs, kernel, tiled = [], set(), A.paged_attention, A.query_tiles
 
     def spied(*args, decode, launch=None, **kwargs):
-        calls.append((decode, launch))
+        calls.append((decode, launch, kwargs.get("tickets") is not None))
         return kernel(*args, decode=decode, launch=launch, **kwargs)
 
     def query_tiles(query_start_loc, block_q, first=0):
@@ -137,6 +141,7 @@ def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, m
     assert tiles != A.default_tilings(runner.config.num_queries_per_kv, runner.config.head_dim)
     assert {c[1] for c in calls if c[0]} == {tiles.decode} and {c[1] for c in calls if not c[0]} == {tiles.prefill}
     assert block_qs == {tiles.prefill.block_q}
+    assert {c[2] for c in calls if c[0]} == {join}
 
 
 def test_preemption_and_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):

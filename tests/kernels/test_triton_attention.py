@@ -363,7 +363,9 @@ def test_the_plan_takes_timed_tiles_on_a_gpu_with_graphs_alone(tiny_gguf, monkey
     plan = dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, tiling_times={})
     assert plan.choose_tilings(cfg, 16, default) == timed and plan.tilings == timed and plan.tiling_times
     assert asked == [(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, 16, gpu.torch)]
-    assert f"tiles: decodes {timed.decode}, prefill {timed.prefill}, as timed on this GPU" in plan.describe(runner.model)
+    assert f"tiles: decodes {timed.decode}, prefill {timed.prefill}, as timed on this GPU)" in plan.describe(runner.model)
+    plan.tilings = dataclasses.replace(timed, join=False)  # (the joined splits differed there: two launches, said)
+    assert "as timed on this GPU; key splits joined in a second launch" in plan.describe(runner.model)
     for other in (dataclasses.replace(runner.plan, device=gpu, cuda_graphs=False),  # enforce_eager
                   dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, dtype=torch.float32),
                   runner.plan):  # (the CPU's)
@@ -388,3 +390,25 @@ def test_query_tiles_and_splits():
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
     assert all(t.block_m >= 16 and t.block_q * 6 <= t.block_m for t in tilings(False, 6, 128) + tilings(True, 6, 128))
     assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 2
+
+
+def test_a_join_that_differs_from_two_launches_is_turned_off():
+    """`joins_as_two_launches` runs decodes with their splits joined in their own launch and in a
+    second one, several times: here (the interpreter) the real kernel agrees; a join that read a
+    partial too early (NaN, or another launch's values) does not, and the plan's timing then
+    keeps two launches (`Tilings.join`)."""
+    import nextoken.kernels.gpu.attention as A
+
+    case = make_case((1, 1, 1), (150, 9, 70), hkv=1, group=3, d=64, bs=16, dtype=torch.bfloat16, device="cpu")
+
+    def real(t, join):
+        return run(case, decode=True, splits=4, launch=t, join=join)
+
+    tiling = tilings(True, 3, 64)[0]
+    assert A.joins_as_two_launches([real], tiling, times=1)
+    for wrong in (float("nan"), 1.0):
+        def racy(t, join, wrong=wrong):
+            out = real(t, join)
+            return out.index_fill(1, torch.tensor([0]), wrong) if join else out
+
+        assert not A.joins_as_two_launches([real, racy], tiling, times=1)

@@ -353,6 +353,7 @@ class Tilings:
 
     decode: Tiling
     prefill: Tiling
+    join: bool = True  # a decode's key splits joined in its own launch (`_join_last`), else by `_combine_kernel`
 
 
 def default_tilings(group: int, head_dim: int, f32: bool = False) -> Tilings:
@@ -370,7 +371,9 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
     every batch), the key splits as the engine takes them (`decode_splits`); a prefill chunk of
     2048 new tokens of one sequence. Each is timed over two caches' worth of keys (two layers),
     so that the L2 cache does not hold them. float32 (the reference) keeps its one set. Without
-    `timer`, each choice is made once per process for its shapes (`timing.remembered`).
+    `timer`, each choice is made once per process for its shapes (`timing.remembered`), and the
+    decodes with the chosen tiles are run with their splits joined in their own launch and in a
+    second one: unless the two agree (`joins_as_two_launches`), ``join`` is off.
     `report`: gets ``{"decode" or "prefill": {str(tiling): seconds}}``."""
     from nextoken.kernels.gpu.timing import graph_seconds, remembered
 
@@ -378,7 +381,8 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
         return default_tilings(num_heads // num_kv_heads, head_dim, True)
     args = (num_heads, num_kv_heads, head_dim, dtype, block_size, device)
     if timer is None:
-        chosen, times = remembered(("attention", str(device), *args[:5]), lambda: _choose_tilings(*args, graph_seconds))
+        chosen, times = remembered(("attention", str(device), *args[:5]),
+                                   lambda: _choose_tilings(*args, graph_seconds, checked=True))
     else:
         chosen, times = _choose_tilings(*args, timer)
     if report is not None:
@@ -387,8 +391,9 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
 
 
 def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
-                    device: torch.device, timer) -> tuple[Tilings, dict]:
-    """`choose_tilings`' choice, timed with `timer`, and its report."""
+                    device: torch.device, timer, checked: bool = False) -> tuple[Tilings, dict]:
+    """`choose_tilings`' choice, timed with `timer`, and its report; `checked`: whether the
+    chosen decode tiles' joined splits give the two launches' values (`joins_as_two_launches`)."""
     from nextoken.kernels.gpu.timing import fastest
 
     group = num_heads // num_kv_heads
@@ -414,13 +419,14 @@ def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         splits = decode_splits(len(lens), num_kv_heads, sms)
         partials = torch.empty(len(lens) * num_heads * splits * (head_dim + 2), dtype=torch.float32, device=device)
         tickets = torch.zeros(len(lens) * num_kv_heads, dtype=torch.int32, device=device)
-        return lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
-                                          decode=True, num_seqs=len(lens), splits=splits, partials=partials, launch=t,
-                                          tickets=tickets)
-                          for i in range(2)]
+        return lambda t, join=True: ([paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl,
+                                                      scale, out=out, decode=True, num_seqs=len(lens), splits=splits,
+                                                      partials=partials, launch=t, tickets=tickets if join else None)
+                                      for i in range(2)], out)[1]
 
     many, one = decodes([640] * 64), decodes([1024])
     decode, decode_times = fastest(tilings(True, group, head_dim), lambda t: (many(t), one(t)), timer)
+    join = joins_as_two_launches((many, one), decode) if checked else True
     n = 2048
     tables, seq_lens, qsl, host_qsl = batch([n], [n])
     caches = cache(tables.numel())
@@ -432,8 +438,24 @@ def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         tiles, lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
                                           decode=False, num_seqs=1, tiles=tiles[t], launch=t) for i in range(2)],
         timer)
-    return Tilings(decode, prefill), {"decode": {str(t): s for t, s in decode_times.items()},
-                                      "prefill": {str(t): s for t, s in prefill_times.items()}}
+    return Tilings(decode, prefill, join), {"decode": {str(t): s for t, s in decode_times.items()},
+                                            "prefill": {str(t): s for t, s in prefill_times.items()}}
+
+
+def joins_as_two_launches(runs, tiling: Tiling, times: int = 10) -> bool:
+    """Whether each ``run(tiling, join) -> out`` of `runs` (decodes with their key splits) gives
+    its two launches' values when its splits are joined in its own launch (`_join_last`), `times`
+    times over: finite, within a bf16 step of the largest. A race in the join (a partial read
+    before its split stored it) would show here, on this device, before any request; then the
+    engine joins in a second launch (`Tilings.join`)."""
+    for _ in range(times):
+        for run in runs:
+            joined = run(tiling, True).float()
+            two = run(tiling, False).float()
+            if not bool(torch.isfinite(joined).all()) or \
+                    float((joined - two).abs().max()) > 2.0**-7 * float(two.abs().max()):
+                return False
+    return True
 
 
 def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tuple[list[int], list[int]]:
