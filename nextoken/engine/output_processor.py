@@ -66,21 +66,23 @@ def process_token(group: RequestGroup, req: Request, res: SampleResult, eog_ids:
         out.logprobs.append({token: res.logprob, **dict(res.top_logprobs)})
         out.cumulative_logprob += res.logprob
 
+    text = detok is not NO_TEXT  # (a front end that makes the text: nothing to do here for it)
     if token in eog_ids and not p.ignore_eos:
         out.finish_reason = "stop"
     elif token in p.stop_token_ids:
         out.finish_reason, out.stop_reason = "stop", token
-    elif detok.add_token(token):
+    elif text and detok.add_token(token):
         out.finish_reason, out.stop_reason = "stop", detok.stop_reason
     elif len(out.token_ids) >= p.max_tokens or len(req.all_token_ids) >= context_length:
         out.finish_reason = "length"
     finished = out.finish_reason is not None
-    if finished:
-        detok.flush()
-    delta = detok.emit(finished)
-    if delta:
-        out.delta += delta
-        out.text += delta
+    if text:
+        if finished:
+            detok.flush()
+        delta = detok.emit(finished)
+        if delta:
+            out.delta += delta
+            out.text += delta
     group.changed = True
     return finished
 
