@@ -131,7 +131,9 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
         with pytest.raises(InvalidRequest) as e:  # refused in the engine process, raised here
             await client.unload_lora(7)
         assert e.value.field == "lora_name"
-        long = SamplingParams(max_tokens=250, ignore_eos=True)  # (still running when the second add arrives)
+        # (still running when the second add arrives; greedy: sampled bytes could leave a 3-token text
+        # pending, an unfinished UTF-8 sequence, as it did once in a clean-clone run)
+        long = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
         rid = await client.add_request("hi", long, request_id="taken")
         with pytest.raises(InvalidRequest) as e:
             await client.add_request("hi", long, request_id="taken")
