@@ -177,11 +177,11 @@ class OutputMirror:
             return self._tokens(*record)
         rid, head, finished, error, metrics, comps, extra = record
         if head is not None:
-            self._requests[rid] = [head[0], head[1], {}, self._expected.pop(rid, None), metrics]
+            self._requests[rid] = [head[0], head[1], {}, self._expected.pop(rid, None), None]
         elif rid not in self._requests:
             return None
         entry = self._requests[rid]
-        entry[4] = metrics
+        entry[4] = None if metrics is None else list(metrics)  # (`_tokens` updates its output count)
         prompt, prompt_ids, kept, params, _ = entry
         outs = []
         for c in comps:
@@ -223,7 +223,7 @@ class OutputMirror:
         state[0] += delta
         ids = state[1]
         ids.extend(delta_ids)
-        metrics = entry[4] = metrics[:NUM_OUTPUT] + (len(ids),) + metrics[NUM_OUTPUT + 1:]
+        metrics[NUM_OUTPUT] = len(ids)
         out = CompletionSnapshot(0, state[0], delta, Prefix(ids, len(ids)), delta_ids, None, None, None, None)
         return RequestOutput(rid, prompt, prompt_ids, [out], False, RequestMetrics(*metrics), None, None, None, None)
 
