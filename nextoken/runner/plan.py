@@ -312,8 +312,6 @@ class ExecutionPlan:
         from nextoken.kernels.gpu import gemv
         from nextoken.kernels.gpu.rowwise import ADD_NORM_WARPS, Rowwise
 
-        if not self.rowwise:
-            return
         groups: dict = {}
         for layer in model.modules():
             if getattr(layer, "norm_kernel", None) is not Rowwise:

@@ -481,16 +481,13 @@ def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer, check
 
 def timed_fusion(what: str, ways, pairs: list, max_rows: int, timer, checked: bool) -> tuple[int, dict]:
     """`fused_rows` of a fusion whose ``ways(rows) -> (fused, apart)`` compute, for one weight and
-    bias, its result and its two launches' (timed over every pair of `pairs`); `checked`: first,
-    at each row count, the two on the first pair must give the same bits (`same_values`)."""
-    if checked:
-        for m in (1, 2, 4):
-            if m <= max_rows:
-                fused, apart = ways(m)
-                same_values(what, lambda: fused(*pairs[0]), lambda: apart(*pairs[0]))
+    bias, its result and its two launches' (timed over every pair of `pairs`); `checked`: before
+    each row count is timed, the two on the first pair must give the same bits (`same_values`)."""
 
     def both(m: int) -> tuple[float, float]:
         fused, apart = ways(m)
+        if checked:
+            same_values(what, lambda: fused(*pairs[0]), lambda: apart(*pairs[0]))
         return timer(lambda: [fused(w, b) for w, b in pairs]), timer(lambda: [apart(w, b) for w, b in pairs])
 
     return fused_rows(both, max_rows)
