@@ -68,3 +68,90 @@ def test_the_interpreter_skips_discarded_checks_and_lists_builtins_once(monkeypa
     with np.errstate(over="ignore"):
         want = a.numpy() + b.numpy() * np.int32(3)
     assert out.tolist() == want.tolist()
+
+
+def _chain_kernel():
+    """A kernel that calls a device function three times (a device function is looked up in
+    its module's globals: both are defined here)."""
+    global _twice, _chain
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _twice(x):
+        return x * 2
+
+    @triton.jit
+    def _chain(a_ptr, out_ptr, N: tl.constexpr):
+        i = tl.program_id(0) * N + tl.arange(0, N)
+        x = tl.load(a_ptr + i)
+        for _ in range(3):
+            x = _twice(x) + 1
+        tl.store(out_ptr + i, x)
+
+    return _chain
+
+
+def test_a_device_functions_call_does_not_patch_the_language_again(monkeypatch):
+    """Under the interpreter, a kernel that calls a ``@triton.jit`` function three times a program
+    over two programs patches ``triton.language`` once (its launch's patch), and its values are
+    those of NumPy; after the launch the language is restored (a second launch patches once
+    again)."""
+    import numpy as np
+    import torch
+
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from tests.helpers import triton_interpreter
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("not under Triton's interpreter (TRITON_INTERPRET=0)")
+    assert triton_interpreter.installed
+
+    chain = _chain_kernel()
+    patches = []
+    core = interpreter._patch_lang_core
+    monkeypatch.setattr(interpreter, "_patch_lang_core", lambda *a: patches.append(1) or core(*a))
+    a = torch.arange(8, dtype=torch.float32)
+    out = torch.empty_like(a)
+    for launch in (1, 2):
+        chain[(2,)](a, out, N=4)
+        assert len(patches) == launch
+        assert not hasattr(tl.tensor, "__index__")  # (the interpreter's patch, restored)
+    want = a.numpy()
+    for _ in range(3):
+        want = want * 2 + 1
+    assert np.array_equal(out.numpy(), want)
+
+
+def test_bf16_casts_by_their_bits_equal_the_interpreters_routine():
+    """The interpreter's bf16 <-> float32 casts taken by their bits (tests/helpers/
+    triton_interpreter.py) against its own general routine, over every bf16 and 2^20 float32
+    values (random bits, and the cases at the edges: zeros, infinities, NaNs, subnormals, which
+    the routine keeps, and mantissas whose rounding carries into the exponent), truncating and
+    rounding. (Every float32 was compared once, 2026-12-01: 7 minutes.)"""
+    import numpy as np
+
+    pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from tests.helpers import triton_interpreter
+
+    if not triton_interpreter.installed:
+        pytest.skip("the interpreter's patches are not installed here")
+    fast = interpreter._convert_float
+    general = fast.general
+    every_bf16 = np.arange(1 << 16, dtype=np.uint16)
+    assert np.array_equal(fast(every_bf16, tl.bfloat16, tl.float32, None),
+                          general(every_bf16, tl.bfloat16, tl.float32, None))
+    bits = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0, 1 << 31, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x00000001, 0x807FFFFF,
+                      0x3F7FFFFF, 0x3F7F8000, 0x7F7FFFFF, 0x00800000, 0x3F808000, 0x3F818000], dtype=np.uint32)
+    for values in (bits, edges, np.concatenate([bits[:5], edges[6:7]])):  # (the last: one subnormal)
+        x = values.view(np.float32)
+        for mode in (None, interpreter._ir.ROUNDING_MODE.RTNE):
+            got, want = fast(x, tl.float32, tl.bfloat16, mode), general(x, tl.float32, tl.bfloat16, mode)
+            assert got.dtype == want.dtype and np.array_equal(got, want)

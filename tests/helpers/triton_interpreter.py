@@ -9,7 +9,7 @@ products and comparisons are still evaluated in NumPy. In the GPU path's tests t
 sixth of the interpreter's time (py-spy). Compiled kernels do not pay it: there the unused
 values are removed by the compiler.
 
-`install` does both, once per process. `skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
+`skip_discarded_overflow_checks` turns ``sanitize_overflow`` off where ``debug`` is off, which
 leaves every computed value the same (only the discarded check goes).
 
 **The language's builtins listed and wrapped on every launch.** Each launch patches
@@ -19,6 +19,23 @@ read), about a ninth of the GPU path's tests' time, and wraps each in a new func
 Triton 3.6 with a new ``TritonSemantic`` each), about a tenth more. `cache_builtin_lists` lists
 and wraps each module's or class's builtins once, with Triton's own wrapper, and sets the same
 wrappers on every launch.
+
+**The language patched again on every call of a device function.** A kernel's call of another
+``@triton.jit`` function (our kernels' ``_load_tile``, ``_gemv_tile``, ``_bisect``, ...) patches
+``triton.language`` again for the interpreter, per program and call, although the launch around
+it has patched the same modules and restores them when it ends: about a tenth of the
+interpreter's time in the suite (py-spy, 2026-12-01). `patch_languages_once_per_launch` skips
+that repeat when the launch in progress has patched every language module the function sees.
+
+**Two conversions done the long way.** ``_get_np_dtype`` builds its table of twenty NumPy dtypes on
+every call (of every cast, load and constant), and the bf16 <-> float32 casts go through a general
+routine for any two float formats, written for subnormals and exponent range changes. Neither
+changes between those two formats, which share float32's exponent: `direct_np_dtypes_and_bf16_casts`
+looks the dtype up in one table built once from the routine itself, and casts an array with no
+subnormal element by its bits (the routine's own arithmetic on them, including its round half up);
+other arrays and formats take the routine (tests/test_harness.py compares them).
+
+`install` applies all four, once per process.
 
 Speed only: with Triton absent, or another interpreter whose internals differ, nothing changes."""
 
@@ -34,7 +51,8 @@ def install() -> bool:
     """Both patches below in this process, once; whether both are in place."""
     global installed
     if not installed:
-        installed = skip_discarded_overflow_checks() & cache_builtin_lists()
+        installed = (skip_discarded_overflow_checks() & cache_builtin_lists() & patch_languages_once_per_launch()
+                     & direct_np_dtypes_and_bf16_casts())
     return installed
 
 
@@ -104,3 +122,124 @@ def cache_builtin_lists() -> bool:
 
     interpreter._patch_builtin = patch_builtins
     return True
+
+
+def patch_languages_once_per_launch() -> bool:
+    """Replace the interpreter's ``_patch_lang(fn)`` with one that, while a launch
+    (``GridExecutor.__call__``) is in progress in this thread and has patched every language
+    module in `fn`'s globals, does nothing (a device function's call); the launch's own call and
+    any other call patch as before. Whether it is replaced."""
+    import threading
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    tl = getattr(interpreter, "tl", None)
+    if patch_lang is None or executor is None or getattr(tl, "core", None) is None or \
+            list(inspect.signature(patch_lang).parameters) != ["fn"]:
+        return False
+    state = threading.local()
+
+    def languages(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core))
+
+    class Unchanged:
+        """The scope of a patch that was not needed: nothing to restore."""
+
+        def restore(self):
+            pass
+
+    def patch_once(fn):
+        patched = getattr(state, "patched", None)
+        if getattr(state, "launching", False):  # the launch's own patch
+            state.launching = False
+            state.patched = languages(fn)
+        elif patched is not None and languages(fn) <= patched:
+            return Unchanged()
+        return patch_lang(fn)
+
+    launch = executor.__call__
+
+    def call(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.launching = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.launching, state.patched = False, outer
+
+    interpreter._patch_lang = patch_once
+    executor.__call__ = call
+    return True
+
+
+def direct_np_dtypes_and_bf16_casts() -> bool:
+    """Replace the interpreter's ``_get_np_dtype`` and ``_convert_float`` with the lookups and bf16
+    casts of the module's comment; whether both are replaced."""
+    import numpy as np
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    convert = getattr(interpreter, "_convert_float", None)
+    tl = getattr(interpreter, "tl", None)
+    if get_np_dtype is None or convert is None or tl is None or \
+            list(inspect.signature(convert).parameters) != ["input", "input_dtype", "output_dtype", "rounding_mode"]:
+        return False
+    table = {}
+    for value in vars(tl.core).values():
+        if isinstance(value, tl.dtype) and not isinstance(value, (tl.pointer_type, tl.block_type)):
+            try:
+                table[value] = get_np_dtype(value)
+            except KeyError:  # a type the interpreter has no array for
+                pass
+    pointer, block = tl.pointer_type, tl.block_type
+    address = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, pointer):
+            return address
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype
+        if isinstance(scalar, pointer):
+            return address
+        found = table.get(scalar)
+        return found if found is not None else get_np_dtype(tt_dtype)
+
+    interpreter._get_np_dtype = np_dtype
+    interpreter._convert_float = bf16_casts_by_bits(convert, tl, interpreter)
+    return True
+
+
+def bf16_casts_by_bits(convert, tl, interpreter):
+    """`convert` (the interpreter's ``_convert_float``) with bf16 <-> float32 arrays that hold no
+    subnormal taken by their bits: float32 -> bf16 keeps the sign, exponent and the mantissa's top
+    7 bits, and with round-to-nearest-even asked adds the first cut bit to those 7 (the routine's
+    rounding: half up, its carry ORed into the exponent's lowest bit); bf16 -> float32 shifts the
+    bits up 16. The routine computes exactly that for such arrays (no exponent to move: both
+    formats have float32's 8 bits and bias 127)."""
+    import numpy as np
+
+    rtne = getattr(getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None), "RTNE", object())
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode in (None, rtne):
+            bits = np.frombuffer(input.tobytes(), dtype=np.uint32)
+            if not np.any((bits & 0x7F800000 == 0) & (bits & 0x007FFFFF != 0)):
+                out = (bits >> 16) & 0x807F
+                exponent = (bits >> 23) & 0xFF
+                if rounding_mode is not None:
+                    out = (out & 0x8000) | (((bits >> 16) & 0x7F) + ((bits >> 15) & 1))
+                return (out | (exponent << 7)).astype(np.uint16).reshape(input.shape)
+        elif input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+            bits = np.frombuffer(input.tobytes(), dtype=np.uint16)
+            if not np.any((bits & 0x7F80 == 0) & (bits & 0x007F != 0)):
+                return (bits.astype(np.uint32) << 16).reshape(input.shape)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float.general = convert
+    return convert_float
