@@ -23,8 +23,9 @@ def pytest_configure(config):
     benchmarks/gpu_check.py sets ``TRITON_INTERPRET=0`` to run the same tests compiled on a GPU.
     The interpreter's deep calls would map and unmap a frame-stack chunk on every call across a
     chunk's boundary: freed chunks are kept for reuse (`tests/helpers/arena_cache.py`); and it
-    evaluates overflow checks that it then discards and lists the language's builtins again on
-    every launch: neither is done here (`tests/helpers/triton_interpreter.py`)."""
+    evaluates overflow checks that it then discards, lists the language's builtins again on
+    every launch, patches the language again on every device function's call and converts
+    dtypes the long way: none of that is done here (`tests/helpers/triton_interpreter.py`)."""
     import sys
 
     from tests.helpers import arena_cache, triton_interpreter
