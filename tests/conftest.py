@@ -131,7 +131,8 @@ def smollm2_hf(smollm2_path):
     transformers opens the file with gguf-py's `GGUFReader` twice (each parses the 49k-token
     vocabulary in Python, about 7 s) and builds gguf-py's `TensorNameMap` once per tensor (397
     times): during the load both are memoised, so it reads the same file and maps the same names
-    once each; what it computes is unchanged."""
+    once each, and the reader's file is a plain array (`tests/helpers/gguf_reader.py`); what it
+    computes is unchanged."""
     import functools
     from unittest import mock
 
@@ -139,8 +140,10 @@ def smollm2_hf(smollm2_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.gguf_reader import plain_arrays
+
     with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
-            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)), plain_arrays():
         return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                                     dtype=torch.float32)
 
