@@ -142,9 +142,14 @@ def patch_languages_once_per_launch() -> bool:
             list(inspect.signature(patch_lang).parameters) != ["fn"]:
         return False
     state = threading.local()
+    seen: dict = {}  # function -> the language modules its globals hold (a module's imports are made once)
 
     def languages(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core))
+        found = seen.get(fn)
+        if found is None:
+            found = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                         if inspect.ismodule(v) and (v is tl or v is tl.core))
+        return found
 
     class Unchanged:
         """The scope of a patch that was not needed: nothing to restore."""
