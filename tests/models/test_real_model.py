@@ -61,11 +61,11 @@ def test_smollm2_float32_matches_reference(smollm2_path):
     check_float32(smollm2_path, "smollm2-135m-instruct")
 
 
-def check_bfloat16(path, name, cache_dtype: str = "auto"):
+def check_bfloat16(path, name, cache_dtype: str = "auto", step_bound: float = 0.5):
     """The default bf16 path (GGUF codes, int8 activations, the one-call C decode; with
     `cache_dtype` int8, int8 keys and values too): where it picks differently from float32, its
     pick is still one of the reference's five most likely tokens, and its log-probabilities stay
-    close."""
+    close (the reference token's within `step_bound` at every step, and on average)."""
     runner = ModelRunner(GGUFFile(path), torch.bfloat16)
     steps = agree = 0
     errors = []
@@ -75,7 +75,7 @@ def check_bfloat16(path, name, cache_dtype: str = "auto"):
             choice = int(lp.argmax())
             assert choice in top5
             errors.append(abs(float(lp[step["token"]]) - step["top5"][0][1]))
-            assert errors[-1] < 0.5
+            assert errors[-1] < step_bound
             steps += 1
             agree += choice == step["token"]
     # measured on SmolLM2: bf16 cache 186/195 agree, mean error 0.042; int8 cache 183/195, 0.049.
@@ -101,8 +101,14 @@ def test_qwen2_float32_matches_reference():
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
 def test_qwen2_bfloat16_stays_in_reference_top5(cache_dtype):
     """Q5_0 embedding lookups, a Q8_0 head, Q6_K/Q4_K/Q5_0 linears with biases (and Qwen's large
-    key biases, the hard case for an int8 cache)."""
-    check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct", cache_dtype)
+    key biases, the hard case for an int8 cache: one scale per key row, set by its largest
+    channels. The format alone, on the float32 reference path, puts the reference token's
+    log-probability 0.78 nats off at its worst step, 0.029 on average; int8 keys alone 0.69,
+    int8 values alone 0.026 (2026-12-01). Hence a step bound of 1.0 with that cache; the mean and
+    top-1 bounds are the same as SmolLM2's. Here the bf16 path: worst 0.60, mean 0.038, 196 of
+    199 steps agree.)"""
+    check_bfloat16(pull("qwen2.5-coder-0.5b-instruct", progress=False), "qwen2.5-coder-0.5b-instruct", cache_dtype,
+                   step_bound=1.0 if cache_dtype == "int8" else 0.5)
 
 
 @pytest.mark.parametrize("mode", ["single", "single-eager", "batched", "batched-dense", "batched-int8kv"])
