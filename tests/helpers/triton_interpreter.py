@@ -56,12 +56,20 @@ def install() -> bool:
     return installed
 
 
-def skip_discarded_overflow_checks() -> bool:
-    """Patch Triton's interpreter builders (the shared one and any made later); whether they are
-    patched."""
+def _interpreter():
+    """Triton's interpreter module, or None without Triton."""
     try:
         from triton.runtime import interpreter
     except ImportError:
+        return None
+    return interpreter
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Patch Triton's interpreter builders (the shared one and any made later); whether they are
+    patched."""
+    interpreter = _interpreter()
+    if interpreter is None:
         return False
     builder = getattr(interpreter, "InterpreterBuilder", None)
     options = getattr(interpreter, "InterpreterOptions", None)
@@ -88,9 +96,8 @@ def cache_builtin_lists() -> bool:
     once per module or class and builder: the first listing is of the unpatched members (patches
     are restored after each launch), the wrappers are ``_patch_attr``'s own. Whether it is
     replaced."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
+    interpreter = _interpreter()
+    if interpreter is None:
         return False
     patch = getattr(interpreter, "_patch_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
@@ -131,9 +138,8 @@ def patch_languages_once_per_launch() -> bool:
     any other call patch as before. Whether it is replaced."""
     import threading
 
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
+    interpreter = _interpreter()
+    if interpreter is None:
         return False
     patch_lang = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
@@ -186,9 +192,8 @@ def direct_np_dtypes_and_bf16_casts() -> bool:
     casts of the module's comment; whether both are replaced."""
     import numpy as np
 
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
+    interpreter = _interpreter()
+    if interpreter is None:
         return False
     get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
     convert = getattr(interpreter, "_convert_float", None)
