@@ -8,6 +8,7 @@ TORCH  := torch==2.13.0
 MODEL  ?= smollm2-135m-instruct
 PROMPT ?= What is gravity?
 ARGS   ?=
+PYTEST_ARGS ?=
 
 .PHONY: run test install install-test clean
 
@@ -34,7 +35,7 @@ run: install
 # bench workers), and with bytecode caching off (this VM's default) each compiled nextoken's source again
 test: install-test
 	$(BIN)/nextoken pull smollm2-135m-instruct
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
