@@ -16,15 +16,13 @@ from unittest import mock
 
 import numpy as np
 
-ACCESS = {"r": mmap.ACCESS_READ, "c": mmap.ACCESS_COPY, "r+": mmap.ACCESS_WRITE}
-
-
 def _mapped_array(path, mode: str = "r", **kwargs) -> np.ndarray:
-    """The file's bytes as a uint8 array over a mapping of it (`np.memmap`'s default arguments)."""
-    if kwargs or mode not in ACCESS:  # anything else: as gguf-py asked
+    """The file's bytes as a read-only uint8 array over a mapping of it (the reader's default
+    ``mode="r"``); any other call is `np.memmap`'s."""
+    if kwargs or mode != "r":
         return np.memmap(path, mode=mode, **kwargs)
-    with open(path, "rb" if mode != "r+" else "r+b") as f:
-        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=ACCESS[mode]), dtype=np.uint8)
+    with open(path, "rb") as f:
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 @contextlib.contextmanager
