@@ -91,8 +91,9 @@ class EngineArgs(CliArgs):
                               group="KV cache", type=int, quick_start=True)
     block_size: int = opt(16, "tokens per KV cache block", group="KV cache", type=int, quick_start=True)
     kv_cache_dtype: str = opt("auto", "KV cache storage: auto (the model's dtype) or int8 (each token's key and "
-                               "value rows per head as int8 with a float32 scale: about half the bytes of bf16, "
-                               "so twice the tokens fit and long-context decode reads half as much)",
+                               "value rows per head as int8 with a float32 scale, the keys Hadamard-rotated first: about "
+                               "half the bytes of bf16, so twice the tokens fit and long-context decode reads half "
+                               "as much)",
                                group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes", flag="--prefix-caching",
                                        group="KV cache", cli="bool", quick_start=True)

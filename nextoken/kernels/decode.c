@@ -11,8 +11,9 @@
  *     q, k = bf16(bf16(r cos) + bf16(rot(r) sin)), rot(a, b) = (-b, a) RoPE, rotate-half pairs
  *       (a sliding-window layer: its own RoPE base, inv_freq_local)
  *     cache[slot] = k, v ;  a = softmax(q K^T * scale) V              (paged_attention.c)
- *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8; a
- *       sliding-window layer writes to its ring and reads its window, keys ring_starts[i] ..)
+ *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8, the
+ *       keys and queries rotated first by the cache's k_rotation: rotate_f32; a sliding-window
+ *       layer writes to its ring and reads its window, keys ring_starts[i] ..)
  *     h  = bf16(h + a Wo^T)                    Gemma: bf16(h + norm(a Wo^T, w_post_attn))
  *     x  = norm(h, w_ffn) ;  h = bf16(h + bf16(bf16(act(x Wg^T)) * x Wu^T) Wd^T)
  *   with LoRA adapters, each projection's output y of a row gets its adapter's term:
@@ -332,17 +333,24 @@ static int lora_add(const lora_t *lr, const lora_w_t *w, const uint16_t *x, int6
     return lora_add_n(lr, w, 1, x, T, K, &N, &y);
 }
 
-/* one row of D bf16 values -> int8 codes and their scale, the same float32 operations as
+/* one row of D float32 values -> int8 codes and their scale, the same float32 operations as
  * nextoken.kv_cache.tensors.quantize_rows: scale = amax / 127, code = rint(x * (127 / amax)) */
-static void quantize_row_i8(const uint16_t *x, int64_t D, int8_t *codes, float *scale) {
+static void quantize_row_f32(const float *x, int64_t D, int8_t *codes, float *scale) {
     float amax = 0.f;
-    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(x[i])));
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     for (int64_t i = 0; i < D; i++) {
-        const float c = nearbyintf(bf16_to_f32(x[i]) * inv);
+        const float c = nearbyintf(x[i] * inv);
         codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
     }
     *scale = amax / 127.f;
+}
+
+/* quantize_row_f32 of a row of D bf16 values (D <= 512) */
+static void quantize_row_i8(const uint16_t *x, int64_t D, int8_t *codes, float *scale) {
+    float f[512];
+    for (int64_t i = 0; i < D; i++) f[i] = bf16_to_f32(x[i]);
+    quantize_row_f32(f, D, codes, scale);
 }
 
 /* `rows` rows of D bf16 values -> codes [rows, D] and scales [rows] (for the test against
@@ -351,14 +359,51 @@ void kv_quantize_rows(const uint16_t *x, int64_t rows, int64_t D, int8_t *codes,
     for (int64_t r = 0; r < rows; r++) quantize_row_i8(x + r * D, D, codes + r * D, scales + r);
 }
 
-/* token t's key and value rows of every KV head into the cache at `slot` */
+/* x [D] float32 rotated in place as an int8 cache's keys are: x R, R the cache's rotation
+ * (nextoken.kv_cache.tensors.hadamard_matrix, float32 [D, D], row-major), the products summed over
+ * rows of R in order (the inner loop over R's row vectorizes; the fast transform's butterflies
+ * did not, and took 7% of a batched step) */
+static void rotate_f32(float *x, int64_t D, const float *R) {
+    float y[512];
+    for (int64_t n = 0; n < D; n++) y[n] = 0.f;
+    for (int64_t k = 0; k < D; k++) {
+        const float xk = x[k];
+        const float *r = R + k * D;
+        for (int64_t n = 0; n < D; n++) y[n] += xk * r[n];
+    }
+    memcpy(x, y, sizeof(float) * D);
+}
+
+/* `rows` rows of D float32 values rotated in place by rotate_f32 (for the test against
+ * hadamard_rows) */
+void kv_rotate_rows(float *x, int64_t rows, int64_t D, const float *R) {
+    for (int64_t r = 0; r < rows; r++) rotate_f32(x + r * D, D, R);
+}
+
+/* each of `heads` bf16 query rows of D values (D <= 512) rotated as the keys (rotate_f32), then
+ * rounded to bf16: nextoken.kv_cache.tensors.PagedKVCache.queries */
+static void rotate_queries(uint16_t *q, int64_t heads, int64_t D, const float *R) {
+    float f[512];
+    for (int64_t hh = 0; hh < heads; hh++) {
+        uint16_t *r = q + hh * D;
+        for (int64_t i = 0; i < D; i++) f[i] = bf16_to_f32(r[i]);
+        rotate_f32(f, D, R);
+        for (int64_t i = 0; i < D; i++) r[i] = f32_to_bf16(f[i]);
+    }
+}
+
+/* token t's key and value rows of every KV head into the cache at `slot` (an int8 cache: each key
+ * row rotated by R in float32, then both quantized) */
 static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, int64_t slot, int64_t Hkv, int64_t D,
-                     int64_t NB, int64_t BS) {
+                     int64_t NB, int64_t BS, const float *R) {
     const int64_t blk = slot / BS, off = slot % BS;
     for (int64_t hh = 0; hh < Hkv; hh++) {
         const int64_t row = (hh * NB + blk) * BS + off;
         if (ly->k_scale) {
-            quantize_row_i8(k + hh * D, D, (int8_t *)ly->k_cache + row * D, ly->k_scale + row);
+            float f[512];
+            for (int64_t i = 0; i < D; i++) f[i] = bf16_to_f32(k[hh * D + i]);
+            rotate_f32(f, D, R);
+            quantize_row_f32(f, D, (int8_t *)ly->k_cache + row * D, ly->k_scale + row);
             quantize_row_i8(v + hh * D, D, (int8_t *)ly->v_cache + row * D, ly->v_scale + row);
         } else {
             memcpy((uint16_t *)ly->k_cache + row * D, k + hh * D, sizeof(uint16_t) * D);
@@ -445,6 +490,7 @@ typedef struct { /* one call's shapes and buffers, shared by its layers */
     const float *cs[2], *sn[2]; /* [T, rope_dim]: full-attention layers [0], sliding-window layers [1] */
     uint16_t *x, *q, *k, *v, *att, *g, *u, *o;
     const lora_t *lora; /* the step's adapters, or NULL */
+    const float *k_rotation; /* [D, D]: an int8 cache's key rotation, or NULL */
 } step_t;
 
 /* the attention half of one layer: h += attention(norm(h)) */
@@ -468,7 +514,9 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
         const float *cs = s->cs[sl] + t * s->rope_dim, *sn = s->sn[sl] + t * s->rope_dim;
         rope_bf16(s->q + t * qd, s->H, s->D, s->rope_dim, cs, sn);
         rope_bf16(s->k + t * kd, s->Hkv, s->D, s->rope_dim, cs, sn);
-        write_kv(ly, s->k + t * kd, s->v + t * kd, sl ? ar->ring_slots[t] : s->slots[t], s->Hkv, s->D, NB, s->BS);
+        if (ly->k_scale) rotate_queries(s->q + t * qd, s->H, s->D, s->k_rotation); /* as the keys are stored */
+        write_kv(ly, s->k + t * kd, s->v + t * kd, sl ? ar->ring_slots[t] : s->slots[t], s->Hkv, s->D, NB, s->BS,
+                 s->k_rotation);
     }
     const int64_t *tables = sl ? ar->ring_tables : s->tables, max_blocks = sl ? ar->ring_max_blocks : s->max_blocks;
     const kv_t kv = {ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale};
@@ -526,6 +574,7 @@ typedef struct {
     const int64_t *tables;                        /* [T, max_blocks] */
     int64_t max_blocks, NB, BS;                   /* the cache's blocks and their size */
     float eps, scale;                             /* the norms' epsilon, the attention's scale */
+    const float *k_rotation;                      /* [D, D] float32: an int8 cache's key rotation, else NULL */
 } decode_call_t;
 
 int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, const arch_t *arch, const lora_t *lora) {
@@ -543,6 +592,7 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
         for (int i = 0; i < 7; i++)
             if (!qw_ok(ws[i])) return 2;
         if (ly->sliding && (!ar->ring_tables || !ar->ring_slots || !ar->ring_starts || ly->k_scale)) return 2;
+        if (ly->k_scale && !c->k_rotation) return 2;
         if ((ly->q_norm == NULL) != (ly->k_norm == NULL)) return 2;
     }
     const int64_t inter = layers[0].gate.N, qd = H * D, kd = Hkv * D;
@@ -553,7 +603,7 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
                 {cs, cs + 2 * T * rope_dim}, {cs + T * rope_dim, cs + 3 * T * rope_dim}};
     s.x = buf, s.q = s.x + T * hidden, s.k = s.q + T * qd, s.v = s.k + T * kd, s.att = s.v + T * kd;
     s.g = s.att + T * qd, s.u = s.g + T * inter, s.o = s.u + T * inter;
-    s.lora = lora;
+    s.lora = lora, s.k_rotation = c->k_rotation;
     rope_tables(inv_freq, positions, T, rope_dim, cs, cs + T * rope_dim);
     rope_tables(ar->inv_freq_local ? ar->inv_freq_local : inv_freq, positions, T, rope_dim, cs + 2 * T * rope_dim,
                 cs + 3 * T * rope_dim);

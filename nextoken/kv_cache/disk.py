@@ -405,7 +405,8 @@ def open_disk_tier(cache, runner, model_key: str) -> DiskTier | None:
     if tp is not None:
         raise InvalidRequest("the KV disk tier (--kv-cache-dir, --kv-cache-disk) is not available with tensor "
                              "parallelism yet", "kv_cache_dir")
-    identity = {"model": model_key, "dtype": str(runner.dtype), "kv_cache_dtype": cache.cache_dtype,
+    kv_format = cache.cache_dtype + ("+hadamard-keys" if kv.quantized else "")  # (blocks of older int8 keys unrotated)
+    identity = {"model": model_key, "dtype": str(runner.dtype), "kv_cache_dtype": kv_format,
                 "block_size": cache.block_size, "shard": [tp.rank, tp.size] if tp is not None else [0, 1],
                 "layers": len(cfg.full_layers), "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "plan": {"codes": plan.codes, "torch_int4": plan.torch_int4, "dense_weights": plan.dense_weights,

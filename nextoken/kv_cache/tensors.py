@@ -20,6 +20,19 @@ instead of ``2 D`` in bf16 (0.53x at D = 64, 0.52x at D = 128). Rows are quantiz
 written and dequantized when read (`Int8Rows`); the attention kernels read the codes in place.
 The sliding-window rings stay in the model's dtype (they hold only a window).
 
+The keys are stored rotated: ``k H`` (`hadamard_matrix`, orthogonal and symmetric), and the
+queries are rotated the same way before they meet them (`PagedKVCache.queries`), so every score
+``(q H) . (k H) = q . k`` is unchanged but for the rounding. Why: a few key channels of some
+models are far larger than the rest (Qwen 2.5's reach 145-213 where most are a few units), and
+one absmax scale per row, set by them, leaves the other channels a handful of codes; the scores
+multiply those errors by the queries' own large channels (scaled scores of about 1,000 in Qwen2.5-
+Coder-0.5B's layers 0 and 8) and the softmax turns them into log-probabilities 0.77 nats off. The
+rotation spreads each channel over all of them (an outlier ``a`` becomes ``a / sqrt(D)`` in each)
+and the worst step falls to 0.19 nats on the float32 path (`docs/design.md`). The idea is QuaRot's online rotation
+of the keys (Ashkboos et al. 2024, "QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs"), as
+llama.cpp applies it to quantized K caches. Values are not rotated: their error is not multiplied
+by anything large (int8 values alone moved the same steps by 0.026 nats at worst).
+
 On a GPU the tensors live in its memory (`device`), and with `spare` one more block than the
 block pool hands out follows the others: the slot where a CUDA graph's padding rows write
 (`PagedKVCache.spare_slot`), which no sequence reads.
@@ -27,6 +40,7 @@ block pool hands out follows the others: the slot where a CUDA graph's padding r
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -82,6 +96,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     codes = torch.round(xf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return codes, amax / 127.0
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """The rotation of an int8 cache's keys, for rows of `d` values: float32 ``[d, d]``, block
+    diagonal with blocks of ``b`` = the largest power of two dividing `d` (all of `d` for the
+    usual 64, 128, 256), each Sylvester's Walsh-Hadamard matrix ``H_b / sqrt(b)`` (``H_1 = [1]``,
+    ``H_2m = [[H_m, H_m], [H_m, -H_m]]``). Symmetric and orthogonal, so its own inverse."""
+    b = d & -d
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h / math.sqrt(b)] * (d // b)).float()
+
+
+def hadamard_rows(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x ``[..., D]`` rotated: ``x h`` in float32 ``[..., D]`` (h: `hadamard_matrix` on x's
+    device). A float32 matmul; on a GPU the batch-invariant one (`kernels.gpu.batch_invariant.
+    linear`, IEEE float32: each row's sums in one order whatever the number of rows, where
+    cuBLAS's would follow the batch; ``x h^T = x h``, h being symmetric)."""
+    if x.is_cuda:
+        from nextoken.kernels.gpu.batch_invariant import linear
+
+        return linear(x.float(), h)
+    return x.float() @ h
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,8 +196,9 @@ class PagedKVCache:
     """Keys and values for `num_blocks` blocks of `block_size` tokens in every full-attention
     layer (``k[layer_index[layer]]``), and `sliding` for the sliding-window layers, if any.
     `cache_dtype` ``"int8"`` stores int8 codes in `k`, `v` and their row scales in `k_scale`,
-    `v_scale` ``[layers, Hkv, num_blocks, block_size]`` float32 (see the module docstring). On
-    `device`; with `spare`, block `num_blocks` exists too (`spare_slot`)."""
+    `v_scale` ``[layers, Hkv, num_blocks, block_size]`` float32, the keys rotated by `rotation`
+    (see the module docstring). On `device`; with `spare`, block `num_blocks` exists too
+    (`spare_slot`)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  sliding: SlidingKVCache | None = None, cache_dtype: str = "auto",
@@ -172,10 +211,11 @@ class PagedKVCache:
         store = torch.int8 if cache_dtype == "int8" else dtype
         self.k = cache_zeros(shape, store, device)
         self.v = cache_zeros(shape, store, device)
-        self.k_scale = self.v_scale = None
+        self.k_scale = self.v_scale = self.rotation = None
         if cache_dtype == "int8":
             self.k_scale = cache_zeros(shape[:-1], torch.float32, device)
             self.v_scale = cache_zeros(shape[:-1], torch.float32, device)
+            self.rotation = hadamard_matrix(config.head_dim).to(device)  # float32 [D, D]
         self.layer_index = {layer: i for i, layer in enumerate(config.full_layers)}
         self.sliding = sliding
         # the Triton attention's tickets for its split decodes (`kernels.gpu.attention`: zeros, as
@@ -185,6 +225,11 @@ class PagedKVCache:
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H, D]`` as the full-attention layers' keys are stored: rotated by `rotation`
+        (in float32, then q's dtype) for an int8 cache, else q itself."""
+        return q if self.rotation is None else hadamard_rows(q, self.rotation).to(q.dtype)
 
     def layer(self, i: int):
         """Layer `i`'s (keys, values): tensors ``[Hkv, num_blocks, block_size, D]``, or `Int8Rows`."""
@@ -234,8 +279,10 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``
-        (quantized first, for an int8 cache)."""
+        (for an int8 cache: the keys rotated, then both quantized)."""
         heads, d = k.shape[1], k.shape[2]
+        if self.rotation is not None:
+            k = hadamard_rows(k, self.rotation)
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             rows = x.transpose(0, 1)  # [Hkv, T, D]
             if scales is not None:

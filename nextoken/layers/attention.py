@@ -451,7 +451,7 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
 
     A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`;
     not when `stored`: the RoPE kernel wrote them, `KVStore`) and attends over each sequence's
-    blocks; a `sliding` layer does both over the sequence's ring (`sliding_attention`). The
+    blocks (an int8 cache's keys and the queries rotated first, `PagedKVCache.queries`); a `sliding` layer does both over the sequence's ring (`sliding_attention`). The
     reference path (and tracing) use plain float32 attention; while tracing, the probabilities go to the metadata's sink (`AttentionMetadata.probs`)."""
     from nextoken.layers.sliding_attention import sliding_window_attention
 
@@ -462,6 +462,8 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
         finally:
             meta.ablation = ablation
     reference = meta.backend == "reference" or meta.probs is not None
+    if not sliding:
+        q = kv.queries(q)  # (rotated as an int8 cache's keys are: `PagedKVCache.queries`)
     if meta.backend == "triton" and not reference:
         from nextoken.layers.gpu_attention import attend_triton
 

@@ -74,3 +74,20 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="does not fit"):
         rms_norm(x, w[0], 1e-6)
     assert linear(x[:0], randn(4, 8, dtype=torch.float32, seed=0)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_the_int8_caches_key_rotation_on_a_gpu(dim):
+    """`kv_cache.tensors.hadamard_rows` on a GPU is this linear by the symmetric
+    `hadamard_matrix` (bf16 queries widened to float32 first): the float64 rotation within
+    float32 rounding, each row the same bits alone or among others."""
+    from nextoken.kv_cache.tensors import hadamard_matrix, hadamard_rows
+
+    x = randn(9, 3, dim, dtype=torch.bfloat16, seed=5)
+    h = hadamard_matrix(dim).to(x.device)
+    y = linear(x.float(), h)
+    exact = x.double() @ h.double()
+    assert y.dtype == torch.float32 and torch.allclose(y.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+    assert torch.equal(linear(x[4:5].float(), h), y[4:5])
+    if x.is_cuda:
+        assert torch.equal(hadamard_rows(x, h), y)
