@@ -30,7 +30,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "prefill_scores": (_INT, [P, P, _I64, _I64, _I64, _I64, _I64, _F32, P]),
     "prefill_softmax": (_INT, [P, _I64, _I64, _I64, _I64, P]),
     "kv_quantize_rows": (None, [P, _I64, _I64, P, P]),
-    "kv_rotate_rows": (None, [P, _I64, _I64, P]),
+    "kv_rotate_rows": (None, [P, _I64, _I64]),
     "silu_mul_bf16": (None, [P, P, P, _I64]),
     "activation_vectorized": (_INT, []),
     "rms_norm_rows_bf16": (None, [P, P, _I64, _I64, _F32, P]),

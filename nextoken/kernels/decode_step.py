@@ -51,19 +51,17 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
 
 def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, positions: int, slots: int,
                   block_tables: int, max_blocks: int, seq_lens: int, num_blocks: int, block_size: int,
-                  scale: float | None = None, arch: DecodeArch | None = None, lora: LoRAStep | None = None,
-                  k_rotation: int | None = None) -> int:
+                  scale: float | None = None, arch: DecodeArch | None = None, lora: LoRAStep | None = None) -> int:
     """Run every layer of `table` over `t` rows (decode.c's ``decode_layers``). Addresses: h bf16
     ``[t, hidden]`` (updated in place: the hidden states after the last layer), inv_freq float32
     ``[rope_dim / 2]``, positions, slots, seq_lens int64 ``[t]``, block_tables int64 ``[t,
     max_blocks]``. `scale`: the attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma
     or sliding-window model adds (None: Llama's layer); `lora`: the rows' LoRA adapters (None:
-    none); `k_rotation`: with an int8 cache, the address of its key rotation float32 ``[head_dim,
-    head_dim]`` (`PagedKVCache.rotation`; the kernel refuses an int8 layer without it). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
+    none). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
     that out); raises `MemoryError` when it cannot allocate its buffers."""
     call = DecodeCall(h, t, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, inv_freq,
                       positions, slots, seq_lens, block_tables, max_blocks, num_blocks, block_size, cfg.norm_eps,
-                      cfg.head_dim ** -0.5 if scale is None else scale, k_rotation)
+                      cfg.head_dim ** -0.5 if scale is None else scale)
     rc = lib.decode_layers(table, _i64(cfg.num_layers), ctypes.byref(call),
                            ctypes.byref(arch) if arch is not None else None,
                            ctypes.byref(lora) if lora is not None else None)

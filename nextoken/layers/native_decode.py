@@ -194,8 +194,7 @@ class NativeDecoder:
             rc = decode_layers(self.lib, table, self.model.config, h[a].data_ptr(), n, inv_freq.data_ptr(),
                                positions[a].data_ptr(), slots[a].data_ptr(), tables[a].data_ptr(), tables.shape[1],
                                lens[a].data_ptr(), kv.num_blocks, kv.block_size,
-                               self.model.layers[0].self_attn.scale, arch, rows,
-                               kv.rotation.data_ptr() if kv.rotation is not None else None)
+                               self.model.layers[0].self_attn.scale, arch, rows)
             if rc != 0:
                 count_fallback("native decode step")
                 return None

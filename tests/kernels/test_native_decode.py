@@ -218,11 +218,11 @@ def test_which_rows_run_in_one_call():
     assert not NativeDecoder.takes(5, MAX_PREFILL_TOKENS + 1, ring_tokens=4096)
 
 
-@pytest.mark.parametrize("dim", [64, 128, 256, 80])
+@pytest.mark.parametrize("dim", [64, 128, 256, 80, 36])  # (80: blocks of 16; 36: of 4, no unrolled pass)
 def test_kernel_key_rotation_equals_hadamard_rows(dim):
-    """decode.c's rotation of an int8 cache's keys and queries (`kv_rotate_rows`, by the matrix
-    the cache holds) against `hadamard_rows` (PyTorch's float32 matmul): the same rotation, to
-    float32 rounding."""
+    """decode.c's rotation of an int8 cache's keys and queries (`kv_rotate_rows`: the fast
+    Walsh-Hadamard transform's butterflies) against `hadamard_rows` (a float32 matmul by
+    `hadamard_matrix`): the same rotation, to float32 rounding."""
     import ctypes
 
     from nextoken.kernels import load
@@ -233,7 +233,7 @@ def test_kernel_key_rotation_equals_hadamard_rows(dim):
     x = torch.randn(33, dim, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, dim)
     h = hadamard_matrix(dim)
     got = x.clone()
-    lib.kv_rotate_rows(ctypes.c_void_p(got.data_ptr()), 33, dim, ctypes.c_void_p(h.data_ptr()))
+    lib.kv_rotate_rows(ctypes.c_void_p(got.data_ptr()), 33, dim)
     want = hadamard_rows(x, h)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(x.abs().max()))
     assert not torch.allclose(got, x, atol=1e-2)
