@@ -28,9 +28,9 @@ one absmax scale per row, set by them, leaves the other channels a handful of co
 multiply those errors by the queries' own large channels (scaled scores of about 1,000 in Qwen2.5-
 Coder-0.5B's layers 0 and 8) and the softmax turns them into log-probabilities 0.77 nats off. The
 rotation spreads each channel over all of them (an outlier ``a`` becomes ``a / sqrt(D)`` in each)
-and the worst step falls to 0.19 nats on the float32 path (`docs/design.md`). The idea is QuaRot's online rotation
-of the keys (Ashkboos et al. 2024, "QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs"), as
-llama.cpp applies it to quantized K caches. Values are not rotated: their error is not multiplied
+and the worst step falls to 0.19 nats on the float32 path (`docs/design.md`). The idea is
+QuaRot's online rotation of the keys (Ashkboos et al. 2024, "QuaRot: Outlier-Free 4-Bit Inference
+in Rotated LLMs"), as llama.cpp applies it to quantized K caches. Values are not rotated: their error is not multiplied
 by anything large (int8 values alone moved the same steps by 0.026 nats at worst).
 
 On a GPU the tensors live in its memory (`device`), and with `spare` one more block than the

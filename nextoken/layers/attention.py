@@ -451,8 +451,10 @@ def attend(q, k, v, kv, layer: int, meta: AttentionMetadata, scale: float, slidi
 
     A full-attention layer writes k, v into the paged cache `kv` (`kv_cache.tensors.PagedKVCache`;
     not when `stored`: the RoPE kernel wrote them, `KVStore`) and attends over each sequence's
-    blocks (an int8 cache's keys and the queries rotated first, `PagedKVCache.queries`); a `sliding` layer does both over the sequence's ring (`sliding_attention`). The
-    reference path (and tracing) use plain float32 attention; while tracing, the probabilities go to the metadata's sink (`AttentionMetadata.probs`)."""
+    blocks (an int8 cache's keys and the queries rotated first, `PagedKVCache.queries`); a
+    `sliding` layer does both over the sequence's ring (`sliding_attention`). The reference path
+    (and tracing) use plain float32 attention; while tracing, the probabilities go to the
+    metadata's sink (`AttentionMetadata.probs`)."""
     from nextoken.layers.sliding_attention import sliding_window_attention
 
     if meta.ablation is not None:  # (a traced pass: the plain attention, then the ablated part zeroed)
