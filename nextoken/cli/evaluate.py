@@ -11,16 +11,14 @@ from nextoken.cli.common import _read_text, engine_args
 def cmd_perplexity(a) -> int:
     """`nextoken perplexity FILE|-`: llama-perplexity's method (`nextoken.evaluate.perplexity`)."""
     from nextoken.engine.engine import LLMEngine
-    from nextoken.evaluate.perplexity import perplexity
+    from nextoken.evaluate.perplexity import perplexity, reference_args
 
     text = _read_text(a.file)
     args = engine_args(a)
     engine = LLMEngine.from_engine_args(args)
     reference = None
     if a.kl_divergence:
-        reference = LLMEngine.from_engine_args(args.replace(
-            dtype="float32", enforce_eager=True, reference_attention=True, speculative_model=None,
-            speculative_method=None))
+        reference = LLMEngine.from_engine_args(reference_args(args))
     res = perplexity(engine, text, a.ctx, reference, a.max_chunks, progress=not a.json)
     if a.json:
         out = dataclasses.asdict(res)

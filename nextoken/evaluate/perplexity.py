@@ -9,7 +9,7 @@ tokens ``ctx/2 + 1 .. ctx - 1`` of each chunk, whose negative log-likelihoods ``
 
 (the standard error of the mean, carried through exp to first order, as llama.cpp prints it).
 
-With a reference engine (the float32, plain-PyTorch path), the same positions also give the KL
+With a reference engine (the float32, plain-PyTorch path: `reference_args`), the same positions also give the KL
 divergence KL(P_ref || P_fast) = sum_v p_ref(v) (log p_ref(v) - log p_fast(v)) over the whole
 vocabulary, and how often both put the same token first: llama.cpp's ``--kl-divergence``.
 """
@@ -24,6 +24,17 @@ import torch
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
+
+
+def reference_args(args):
+    """The float32 reference of the configuration `args` (`EngineArgs`), what ``--kl-divergence``
+    and the inspector's quality view measure it against: the same model file with float32 weights
+    (GGUF codes de-quantized, no ``--quantization``), plain PyTorch and the reference attention,
+    the model's dtype in the KV cache (never int8: that is a cost to measure), and no speculation,
+    LoRA, tensor parallelism or disk tier."""
+    return args.replace(dtype="float32", enforce_eager=True, reference_attention=True, quantization=None,
+                        speculative_model=None, speculative_method=None, enable_lora=False, tensor_parallel_size=1,
+                        kv_cache_dtype="auto", kv_cache_dir="off")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 import torch
 
 from nextoken.errors import InvalidRequest
-from nextoken.evaluate.perplexity import kl_and_agreement, log_probs, score_prompts
+from nextoken.evaluate.perplexity import kl_and_agreement, log_probs, reference_args, score_prompts
 from nextoken.inspect import model_view
 from nextoken.inspect.text import display
 from nextoken.sampling_params import SamplingParams
@@ -79,11 +79,8 @@ class Reference:
             from nextoken.engine.engine import LLMEngine
 
             t = time.perf_counter()
-            self.engine = LLMEngine.from_engine_args(served.args.replace(
-                dtype="float32", enforce_eager=True, reference_attention=True, quantization=None,
-                speculative_model=None, speculative_method=None, enable_lora=False, tensor_parallel_size=1,
-                max_num_seqs=1, num_kv_blocks=REFERENCE_BLOCKS, kv_cache_dtype="auto", kv_cache_dir="off",
-                enable_prefix_caching=False))
+            self.engine = LLMEngine.from_engine_args(reference_args(served.args).replace(
+                max_num_seqs=1, num_kv_blocks=REFERENCE_BLOCKS, enable_prefix_caching=False))
             self.build_s = time.perf_counter() - t
         return self.engine
 

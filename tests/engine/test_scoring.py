@@ -142,6 +142,15 @@ def test_perplexity_equals_transformers_on_the_same_chunks(tiny_gguf, capsys):
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["ppl"] == pytest.approx(res.ppl, rel=1e-5)
     assert cli.main(["perplexity", str(f), "--model", str(path), "--ctx", "4096"]) == 1
+    # --kl-divergence: against the float32 reference with a float32 cache, whatever this run's cache
+    kl = {}
+    for cache in ("auto", "int8"):
+        assert cli.main(["perplexity", str(f), "--model", str(path), "--ctx", "64", "--dtype", "float32", "--json",
+                         "--kl-divergence", "--kv-cache-dtype", cache]) == 0
+        kl[cache] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kl_mean"]
+    # measured: auto 0.0, int8 1.1e-7 (this random model's flat distributions); with the int8 cache
+    # in the reference too, as before 2026-12-01, int8 gave 0.0: the cost it was asked for, unseen
+    assert abs(kl["auto"]) < 1e-9 and kl["int8"] > 1e-8
 
 
 def test_chunks_drop_the_remainder_and_start_with_bos():
