@@ -9,9 +9,10 @@ tokens ``ctx/2 + 1 .. ctx - 1`` of each chunk, whose negative log-likelihoods ``
 
 (the standard error of the mean, carried through exp to first order, as llama.cpp prints it).
 
-With a reference engine (the float32, plain-PyTorch path: `reference_args`), the same positions also give the KL
-divergence KL(P_ref || P_fast) = sum_v p_ref(v) (log p_ref(v) - log p_fast(v)) over the whole
-vocabulary, and how often both put the same token first: llama.cpp's ``--kl-divergence``.
+With a reference engine (the float32, plain-PyTorch path: `reference_args`), the same positions
+also give the KL divergence KL(P_ref || P_fast) = sum_v p_ref(v) (log p_ref(v) - log p_fast(v))
+over the whole vocabulary, and how often both put the same token first: llama.cpp's
+``--kl-divergence``.
 """
 
 from __future__ import annotations

@@ -363,8 +363,8 @@ void kv_quantize_rows(const uint16_t *x, int64_t rows, int64_t D, int8_t *codes,
  * hadamard_matrix): over each block of b = D & -D values, the fast Walsh-Hadamard transform's
  * butterflies (a, c) -> (a + c, a - c) at strides 1, 2, .., b / 2 (Sylvester's order, the
  * matrix's), then the block times 1 / sqrt(b). Strides 1, 2 and 4 are one unrolled pass over each
- * 8 values, the longer ones contiguous runs the compiler vectorizes: 3x faster than the loops
- * alone, and than the product by the matrix (11x at D = 128). */
+ * 8 values, the longer ones contiguous runs the compiler vectorizes: 60 ns a row of 64, 3x faster
+ * than the product by the matrix (11x at D = 128). */
 static void rotate_f32(float *x, int64_t D) {
     const int64_t b = D & -D;
     const float norm = (float)(1.0 / sqrt((double)b));
