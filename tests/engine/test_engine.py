@@ -365,19 +365,19 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_as_one(tiny_gguf)
 
 
 def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
-    """16 requests at once on the real model: the reference prompts still give the reference
+    """10 requests at once on the real model: the reference prompts still give the reference
     greedy ids (prefix caching on, and under preemption), the rest match their solo runs."""
     gens = load_reference("smollm2-135m-instruct")["generations"]
-    extra = [f"Write one sentence about the number {i}." for i in range(10)]
+    extra = [f"Write one sentence about the number {i}." for i in range(4)]
     prompts = [g["prompt_ids"] for g in gens] + extra
     p = SamplingParams(temperature=0, max_tokens=16)
     llm = smollm2_f32
     outs = token_ids(llm.generate(prompts, p))
     for g, got in zip(gens, outs):
         assert got == g["greedy_ids"][:16]
-    assert [token_ids(llm.generate([q], p))[0] for q in extra[:3]] == outs[len(gens):len(gens) + 3]
+    assert [token_ids(llm.generate([q], p))[0] for q in extra[:2]] == outs[len(gens):len(gens) + 2]
     assert_no_leak(llm)
-    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=24, enable_prefix_caching=False)
+    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=12, enable_prefix_caching=False)
     assert token_ids(tight.generate(prompts, p)) == outs
     assert tight.engine.stats()["num_preemptions"] > 0
     assert_no_leak(tight)

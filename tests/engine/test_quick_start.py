@@ -256,7 +256,7 @@ def test_run_prints_the_quick_answer_or_hands_it_to_the_engine(quick_models):
 
 def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smollm2_llm):
     """What ``nextoken run --seed S`` does (the first token by the quick start, then the engine
-    from it: `LLM.stream(..., first=...)`) gives `LLM.generate`'s text for 50 seeds (generated
+    from it: `LLM.stream(..., first=...)`) gives `LLM.generate`'s text for 20 seeds (generated
     in one batch: a row's tokens do not depend on its batch, `test_engine`): the prompt's
     logits are the engine's bit for bit, one stream of draws per seed (`sample.rng`), one draw
     kernel (`sample.draw`). (`first_tokens` itself for three seeds; it reads the GGUF file each
@@ -273,7 +273,7 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
     engine_row = llm.engine.run_until_finished([rid])[0].logits[0].float().numpy()
     quick_row = quick_start.prompt_logits(f, read_model_config(f), ids)
     assert np.array_equal(quick_row, engine_row)
-    seeds = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=seed) for seed in range(50)]
+    seeds = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=seed) for seed in range(20)]
     generated = [o.outputs[0].text for o in llm.generate([prompt] * len(seeds), seeds)]  # one batch
     for seed, params in enumerate(seeds):
         token = draw_one(load("sampling"), quick_row, params.validate(len(quick_row)), DrawGenerator(seed).uniform())
@@ -288,17 +288,17 @@ def test_the_quick_start_continues_as_generate_for_every_seed(smollm2_path, smol
 def test_the_quick_answers_are_generates(smollm2_path, smollm2_llm):
     """The quick start's whole answers (prompt, then one decode step a token, each over the keys
     and values of the steps before) are `LLM.generate`'s token for token on SmolLM2: greedy and
-    five seeds, 40 tokens each; ended by a stop string (with and without it in the text) and by
+    three seeds, 24 tokens each; ended by a stop string (with and without it in the text) and by
     a stop token as the engine ends them; and handed to the engine after 7 tokens the
     continuation is the same too."""
     prompt = "Once upon a time in a quiet village,"
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] + \
-        [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, seed=seed, ignore_eos=True) for seed in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] + \
+        [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=seed, ignore_eos=True) for seed in range(3)]
     generated = smollm2_llm.generate([prompt] * len(params), params)
     args = EngineArgs(model=str(smollm2_path))
     for p, want in zip(params, generated):
         quick = quick_start.first_tokens(prompt, args, p, chat=False)
-        assert quick is not None and quick.finished and quick.draws == (0 if p.greedy else 40)
+        assert quick is not None and quick.finished and quick.draws == (0 if p.greedy else 24)
         assert (quick.tokens, quick.text) == (want.outputs[0].token_ids, want.outputs[0].text), p.seed
     greedy = generated[0].outputs[0]
     word = greedy.text.split()[len(greedy.text.split()) // 2]  # a stop string from the middle of the answer
@@ -308,7 +308,7 @@ def test_the_quick_answers_are_generates(smollm2_path, smollm2_llm):
     for p, want in zip(ends, smollm2_llm.generate([prompt] * len(ends), ends)):
         shown = []
         quick = quick_start.first_tokens(prompt, args, p, chat=False, emit=shown.append)
-        assert want.outputs[0].finish_reason == "stop" and len(want.outputs[0].token_ids) < 40
+        assert want.outputs[0].finish_reason == "stop" and len(want.outputs[0].token_ids) < 24
         assert quick.finished and (quick.tokens, quick.text) == (want.outputs[0].token_ids, want.outputs[0].text)
         assert "".join(shown) == quick.text
     first = quick_start.first_tokens(prompt, args, params[3], chat=False, most=7)

@@ -166,18 +166,24 @@ def varied_sentences(n: int = 200) -> list[str]:
     return [" ".join(SENTENCES[(i * 7 + j * 3) % len(SENTENCES)] for j in range(1 + i % 6)) for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def varied_float32(minilm) -> tuple[list[str], torch.Tensor]:
+    """`varied_sentences` and their float32 embeddings ``[200, 384]`` (the reference of each fast encoder)."""
+    texts = varied_sentences()
+    return texts, torch.tensor([o.outputs.embedding for o in minilm.embed(texts)])
+
+
 @pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, None), (torch.float32, "q8_0"),
                                                 (torch.bfloat16, "q8_0")])
-def test_fast_encoders_keep_cosine_and_nearest_neighbours(minilm, dtype, quantization):
+def test_fast_encoders_keep_cosine_and_nearest_neighbours(minilm, varied_float32, dtype, quantization):
     """The bf16 encoder (what ``dtype="auto"`` picks where the CPU multiplies bf16 in hardware)
     and the int8 one (``quantization="q8_0"``: its linears on our kernel) against float32 on 200
     texts of varied length: cosine >= 0.999 each, and each text's nearest neighbour the same, but
     where float32's two nearest are closer than the fast encoder's own error."""
     from nextoken.embedding import EmbeddingModel
 
-    texts = varied_sentences()
+    texts, f32 = varied_float32
     bf16 = EmbeddingModel(minilm.model_path, dtype=dtype, quantization=quantization).embed(texts).vectors.float()
-    f32 = torch.tensor([o.outputs.embedding for o in minilm.embed(texts)])
     assert torch.nn.functional.cosine_similarity(bf16, f32).min() >= 0.999
     sim32, sim16 = f32 @ f32.T, bf16 @ bf16.T
     err = float((sim32 - sim16).abs().max())  # how far bf16 moves any similarity
