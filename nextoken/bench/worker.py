@@ -142,8 +142,10 @@ class SamplerClock:
     def __exit__(self, *exc):
         self.engine.sampler = self.inner
 
-    def ms_per_step(self) -> float:
-        return 1000 * sum(self.times) / len(self.times) if self.times else 0.0
+    def ms_per_step(self) -> float | None:
+        """The mean in ms; None when the sampler was never called (the one-call C decode step
+        draws its rows' tokens itself, inside its own time)."""
+        return 1000 * sum(self.times) / len(self.times) if self.times else None
 
 
 def _check_finite(out) -> None:

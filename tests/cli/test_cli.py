@@ -189,6 +189,24 @@ def test_llama_bench_runs_the_same_workload(tmp_path, kv_dtype, flags):
     assert argv == ["-m", "m.gguf", "-t", "3", "-o", "json", "-p", "64", "-n", "16", "-d", "512", "-r", "2", *flags]
 
 
+def test_bench_names_where_the_draw_went_when_no_sampler_call_was_timed():
+    """The one-call C decode step draws its rows' tokens inside that step: the sampler's row says
+    so rather than 0 ms; timed calls print their mean, and a figure nobody measured is left out."""
+    from types import SimpleNamespace
+
+    from nextoken.bench.harness import format_table
+
+    a = SimpleNamespace(depth=0, temperature=1.0, top_p=1.0, top_k=0, model_path="m.gguf", prompt_tokens=512,
+                        decode_tokens=128, batch=32, batch_prompt_tokens=128, batch_output_tokens=128)
+    res = {"decode_tok_s": 50.0, "decode_sampler_ms": None, "decode_sampled_sampler_ms": None,
+           "batched_sampler_ms": 0.25, "batched_sampled_sampler_ms": 1.5}
+    table = format_table({"nextoken": res, "llama-bench": {"decode_tok_s": 25.0}}, a, 2, 2048)
+    assert "| sampler per decode step, greedy / sampled (ms) | in the C decode step / in the C decode step | n/a |  |" \
+        in table
+    assert "| sampler per batched step, greedy / sampled (ms) | 0.25 / 1.50 | n/a |  |" in table
+    assert "| decode, greedy (tok/s) | 50.0 | 25.0 | 2.00x |" in table and "| prefill (tok/s)" not in table
+
+
 def test_bench_prints_its_figures_when_llama_bench_fails(tiny_gguf, tmp_path):
     """A llama-bench that fails (a build for another CPU, a run stopped by hand) costs its column,
     not the minutes of our own figures: they are printed, the failure is named, the exit is 1."""
@@ -238,3 +256,4 @@ def test_bench_reports_every_figure_alternating_with_llama_bench(tiny_gguf, tmp_
     ratios = sorted(p["nextoken"]["decode_tok_s"] / 2000.0 for p in rounds)
     assert f"{sum(ratios) / 2:.2f}x |" in r.stdout.split("| median |")[1]
     assert r.stdout.startswith("CPU: ") and "our quantized matmul:" in r.stdout and data["cpu"].startswith("CPU: ")
+    assert "0.00 / 0.00" not in r.stdout  # (a sampler never called is not a sampler that took no time)
