@@ -24,8 +24,9 @@ def pytest_configure(config):
     The interpreter's deep calls would map and unmap a frame-stack chunk on every call across a
     chunk's boundary: freed chunks are kept for reuse (`tests/helpers/arena_cache.py`); and it
     evaluates overflow checks that it then discards, lists the language's builtins again on
-    every launch, patches the language again on every device function's call and converts
-    dtypes the long way: none of that is done here (`tests/helpers/triton_interpreter.py`)."""
+    every launch, patches the language again on every device function's call, converts dtypes
+    the long way and builds each value's type and shape anew: none of that is done here
+    (`tests/helpers/triton_interpreter.py`)."""
     import sys
 
     from tests.helpers import arena_cache, triton_interpreter

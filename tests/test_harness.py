@@ -155,3 +155,36 @@ def test_bf16_casts_by_their_bits_equal_the_interpreters_routine():
         for mode in (None, interpreter._ir.ROUNDING_MODE.RTNE):
             got, want = fast(x, tl.float32, tl.bfloat16, mode), general(x, tl.float32, tl.bfloat16, mode)
             assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_shared_shapes_build_the_types_and_tensors_triton_builds():
+    """Block types and tensors built from one record per shape (tests/helpers/triton_interpreter.py)
+    have the attributes, attribute types and texts of Triton's own constructors, first and later
+    times alike, each with a language tuple of its own; shapes Triton refuses stay refused."""
+    pytest.importorskip("triton")
+    import triton.language.core as core
+
+    if not getattr(core.block_type.__init__, "original", None):
+        pytest.skip("another Triton's constructors (tests/helpers/triton_interpreter.py): not replaced")
+
+    def built(cls, init, *args):
+        obj = object.__new__(cls)
+        init(obj, *args)
+        return obj
+
+    def seen(obj) -> dict:
+        return {k: (type(v), str(v)) for k, v in vars(obj).items()}
+
+    fast_block, fast_tensor = core.block_type.__init__, core.tensor.__init__
+    for _ in range(2):  # (the first time makes the record, the second reads it)
+        for dtype, shape in ((core.float32, [4, 8]), (core.bfloat16, core.tuple([16])), (core.int32, [1, 2, 64])):
+            want = built(core.block_type, fast_block.original, dtype, shape)
+            got, again = (built(core.block_type, fast_block, dtype, shape) for _ in range(2))
+            assert seen(got) == seen(again) == seen(want) and got == want and got.shape is not again.shape
+            for ty in (got, dtype):
+                t_want = built(core.tensor, fast_tensor.original, "h", ty)
+                t_got, t_again = (built(core.tensor, fast_tensor, "h", ty) for _ in range(2))
+                assert seen(t_got) == seen(t_again) == seen(t_want) and t_got.shape is not t_again.shape
+    for bad, error in (([3], ValueError), ([0], ValueError), ((4,), AssertionError), ([], TypeError)):
+        with pytest.raises(error):
+            core.block_type(core.float32, bad)

@@ -35,7 +35,16 @@ looks the dtype up in one table built once from the routine itself, and casts an
 subnormal element by its bits (the routine's own arithmetic on them, including its round half up);
 other arrays and formats take the routine (tests/test_harness.py compares them).
 
-`install` applies all four, once per process.
+**Types and tensors built the long way.** Every value a kernel computes is a new ``tensor`` of a
+new ``block_type``: the type unwraps and validates its shape and formats its name, the tensor
+wraps each of its dimensions and its size in new ``constexpr`` objects; about a quarter of the
+interpreter's time in the GEMV's tests (py-spy, 2026-12-02), for the few shapes a kernel uses.
+`shared_shapes` builds each shape's validated size, shape name and ``constexpr`` wrappers once
+and gives every type and tensor of that shape the same ones (nothing changes a ``constexpr``),
+where Triton's two constructors are the ones it was written against (Triton 3.9's, by the hash
+of their source).
+
+`install` applies all five, once per process.
 
 Speed only: with Triton absent, or another interpreter whose internals differ, nothing changes."""
 
@@ -48,11 +57,12 @@ installed = False
 
 
 def install() -> bool:
-    """Both patches below in this process, once; whether both are in place."""
+    """The patches below in this process, once; whether the first four are in place."""
     global installed
     if not installed:
         installed = (skip_discarded_overflow_checks() & cache_builtin_lists() & patch_languages_once_per_launch()
                      & direct_np_dtypes_and_bf16_casts())
+        shared_shapes()  # (Triton 3.9's constructors only: another version keeps its own, as fast as before)
     return installed
 
 
@@ -253,3 +263,81 @@ def bf16_casts_by_bits(convert, tl, interpreter):
 
     convert_float.general = convert
     return convert_float
+
+
+# sha256 (first 16 hex digits) of the sources of Triton 3.9's ``block_type.__init__`` and
+# ``tensor.__init__``, which `shared_shapes` replaces with the same attributes made once per shape
+CONSTRUCTOR_SOURCES = ("403f4b016ec5c2c3", "d9b043b5c9897657")
+
+
+def shared_shapes() -> bool:
+    """Replace ``block_type.__init__`` and ``tensor.__init__`` with versions that set the same
+    attributes (a type: its element type, shape, size and name; a tensor: its handle, type, scalar
+    type, size and shape), each shape's made once by Triton's own constructor and reused: the
+    size, the name's shape text, the language tuple's type and the ``constexpr`` wrappers are
+    shared, every type and tensor gets a tuple of its own. A shape of another kind (constexpr
+    dimensions, a Python tuple) takes the original constructor, and one that Triton refuses is
+    refused by it every time. Whether they are replaced."""
+    import builtins
+
+    interpreter = _interpreter()
+    core = getattr(getattr(interpreter, "tl", None), "core", None)
+    block, tensor, lang_tuple = (getattr(core, n, None) for n in ("block_type", "tensor", "tuple"))
+    if None in (block, tensor, lang_tuple):
+        return False
+    try:
+        sources = tuple(hashlib_sha256(inspect.getsource(f)) for f in (block.__init__, tensor.__init__))
+    except (OSError, TypeError):
+        return False
+    if sources != CONSTRUCTOR_SOURCES:
+        return False
+    block_init, tensor_init = block.__init__, tensor.__init__
+    types: dict = {}  # shape (ints) -> (size, the shape's text in the name, its tuple's type)
+    tensors: dict = {}  # shape (ints) -> (size, dimensions, its tuple's type): constexpr
+
+    def dims_of(shape):
+        if type(shape) is list:
+            dims = builtins.tuple(shape)
+        elif type(shape) is lang_tuple:
+            dims = builtins.tuple(shape.values)
+        else:
+            return None
+        return dims if all(type(d) is int for d in dims) else None
+
+    def init_block_type(self, element_ty, shape):
+        dims = dims_of(shape)
+        known = types.get(dims) if dims else None
+        if known is None:
+            block_init(self, element_ty, shape)
+            if dims:
+                types[dims] = (self.numel, str(self.shape), self.shape.type)
+            return
+        self.element_ty = element_ty
+        self.shape = lang_tuple(list(dims), known[2])
+        self.numel = known[0]
+        self.name = f"<{known[1]}, {element_ty}>"
+
+    def init_tensor(self, handle, type):
+        dims = dims_of(type.shape) if type.is_block() else ()
+        known = tensors.get(dims) if dims is not None else None
+        if known is None:
+            tensor_init(self, handle, type)
+            if dims is not None:
+                tensors[dims] = (self.numel, self.shape.values, self.shape.type)
+            return
+        self.handle = handle
+        self.numel = known[0]
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = lang_tuple(list(known[1]), known[2])
+
+    init_block_type.original, init_tensor.original = block_init, tensor_init
+    block.__init__ = init_block_type
+    tensor.__init__ = init_tensor
+    return True
+
+
+def hashlib_sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
