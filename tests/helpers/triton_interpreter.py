@@ -39,10 +39,10 @@ other arrays and formats take the routine (tests/test_harness.py compares them).
 new ``block_type``: the type unwraps and validates its shape and formats its name, the tensor
 wraps each of its dimensions and its size in new ``constexpr`` objects; about a quarter of the
 interpreter's time in the GEMV's tests (py-spy, 2026-12-02), for the few shapes a kernel uses.
-`shared_shapes` builds each shape's validated size, shape name and ``constexpr`` wrappers once
-and gives every type and tensor of that shape the same ones (nothing changes a ``constexpr``),
-where Triton's two constructors are the ones it was written against (Triton 3.9's, by the hash
-of their source).
+`shared_shapes` builds each shape's validated size, shape name and ``constexpr`` wrappers once,
+with Triton's own constructors, and gives every type and tensor of that shape the same ones
+(nothing changes a ``constexpr``), each in a language tuple of its own; where Triton's two
+constructors are the ones it was written against (Triton 3.9's, by the hash of their source).
 
 `install` applies all five, once per process.
 
@@ -279,6 +279,7 @@ def shared_shapes() -> bool:
     dimensions, a Python tuple) takes the original constructor, and one that Triton refuses is
     refused by it every time. Whether they are replaced."""
     import builtins
+    import hashlib
 
     interpreter = _interpreter()
     core = getattr(getattr(interpreter, "tl", None), "core", None)
@@ -286,7 +287,8 @@ def shared_shapes() -> bool:
     if None in (block, tensor, lang_tuple):
         return False
     try:
-        sources = tuple(hashlib_sha256(inspect.getsource(f)) for f in (block.__init__, tensor.__init__))
+        sources = tuple(hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:16]
+                        for f in (block.__init__, tensor.__init__))
     except (OSError, TypeError):
         return False
     if sources != CONSTRUCTOR_SOURCES:
@@ -335,9 +337,3 @@ def shared_shapes() -> bool:
     block.__init__ = init_block_type
     tensor.__init__ = init_tensor
     return True
-
-
-def hashlib_sha256(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
