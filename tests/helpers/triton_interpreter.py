@@ -42,7 +42,8 @@ interpreter's time in the GEMV's tests (py-spy, 2026-12-02), for the few shapes 
 `shared_shapes` builds each shape's validated size, shape name and ``constexpr`` wrappers once,
 with Triton's own constructors, and gives every type and tensor of that shape the same ones
 (nothing changes a ``constexpr``), each in a language tuple of its own; where Triton's two
-constructors are the ones it was written against (Triton 3.9's, by the hash of their source).
+constructors are the ones it was written against (Triton 3.9's, by the hash of their source;
+3.6's have the same source, and refuse fewer shapes through the functions they call).
 
 `install` applies all five, once per process.
 
@@ -62,7 +63,7 @@ def install() -> bool:
     if not installed:
         installed = (skip_discarded_overflow_checks() & cache_builtin_lists() & patch_languages_once_per_launch()
                      & direct_np_dtypes_and_bf16_casts())
-        shared_shapes()  # (Triton 3.9's constructors only: another version keeps its own, as fast as before)
+        shared_shapes()  # (Triton 3.9's and 3.6's constructors: another version keeps its own, as fast as before)
     return installed
 
 
@@ -265,7 +266,7 @@ def bf16_casts_by_bits(convert, tl, interpreter):
     return convert_float
 
 
-# sha256 (first 16 hex digits) of the sources of Triton 3.9's ``block_type.__init__`` and
+# sha256 (first 16 hex digits) of the sources of Triton 3.9's (and 3.6's) ``block_type.__init__`` and
 # ``tensor.__init__``, which `shared_shapes` replaces with the same attributes made once per shape
 CONSTRUCTOR_SOURCES = ("403f4b016ec5c2c3", "d9b043b5c9897657")
 
