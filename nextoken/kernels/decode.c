@@ -432,27 +432,35 @@ static void write_kv(const layer_t *ly, const uint16_t *k, const uint16_t *v, in
     }
 }
 
-/* y = x W^T for x [T, K] bf16, with x quantized once per activation block size (32, or 256 for the
- * super-block formats: qw_act_block) and that quantization shared by the weights that take it:
- * qa[0] for 32 columns, qa[1] for 256 (NULL q: not yet quantized). 0, or 1 when out of memory. */
-static int apply(const uint16_t *x, int64_t T, const qw_t *w, qact_t qa[2], uint16_t *y) {
-    if (w->bits == 16) return dense_bf16_matmul(x, 1, T, w, y, 1, w->N); /* dense bf16: no quantization */
-    const int64_t QB = qw_act_block(w);
-    qact_t *a = &qa[QB != 32];
-    if (!a->q && quantize(x, 1, T, w->K, QB, a)) return 1;
-    qmatmul_q(a, w, y, 1, w->N);
+/* y_i = x W_i^T for the n weights (n <= 8) that take x [T, K] bf16 (q, k and v; gate and up; or
+ * one): dense bf16 ones in one pass over all their rows (dense_bf16_multi); block-quantized ones
+ * with x quantized once per activation block size (32, or 256 for the super-block formats:
+ * qw_act_block) and that quantization shared, qa[0] for 32 columns and qa[1] for 256 (NULL q: not
+ * yet quantized), then all their tiles in one parallel loop (qmatmul_q_n); a mix, one by one.
+ * 0, or 1 when out of memory. */
+static int apply_n(const uint16_t *x, int64_t T, const qw_t *const *ws, int n, qact_t qa[2], uint16_t *const *ys) {
+    int dense = 1, codes = 1;
+    for (int i = 0; i < n; i++) dense &= ws[i]->bits == 16, codes &= ws[i]->bits != 16;
+    if (dense) return dense_bf16_multi(x, 1, T, ws, n, (void *const *)ys, 1, NULL);
+    if (!codes) {
+        for (int i = 0; i < n; i++)
+            if (apply_n(x, T, ws + i, 1, qa, ys + i)) return 1;
+        return 0;
+    }
+    const qact_t *as[8];
+    int64_t ldy[8];
+    for (int i = 0; i < n; i++) {
+        qact_t *a = &qa[qw_act_block(ws[i]) != 32];
+        if (!a->q && quantize(x, 1, T, ws[i]->K, qw_act_block(ws[i]), a)) return 1;
+        as[i] = a, ldy[i] = ws[i]->N;
+    }
+    qmatmul_q_n(as, ws, n, (void *const *)ys, 1, ldy);
     return 0;
 }
 
-/* apply for weights that share x (q, k, v; gate, up): dense bf16 ones in one pass over all their
- * rows (dense_bf16_multi), else one by one */
-static int apply_n(const uint16_t *x, int64_t T, const qw_t *const *ws, int n, qact_t qa[2], uint16_t *const *ys) {
-    int dense = 1;
-    for (int i = 0; i < n; i++) dense &= ws[i]->bits == 16;
-    if (dense) return dense_bf16_multi(x, 1, T, ws, n, (void *const *)ys, 1, NULL);
-    for (int i = 0; i < n; i++)
-        if (apply(x, T, ws[i], qa, ys[i])) return 1;
-    return 0;
+/* apply_n of one weight */
+static int apply(const uint16_t *x, int64_t T, const qw_t *w, qact_t qa[2], uint16_t *y) {
+    return apply_n(x, T, &w, 1, qa, &y);
 }
 
 static void qacts_free(qact_t qa[2]) {
