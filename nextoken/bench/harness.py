@@ -267,14 +267,14 @@ def format_table(results: dict[str, dict], a, threads: int, context: int) -> str
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, key, unit in ROWS:
         vals = [results[e].get(key) for e in engines]
-        sampler = key.endswith("_sampler_ms") and key in results[engines[0]]  # (None: no sampler call was timed)
+        sampler = key.endswith("_sampler_ms") and key in results[engines[0]]  # (None: no draw was timed)
         if all(v is None for v in vals) and not sampler:
             continue
         fmt = "{:.2f}" if unit in ("s", "ms") else "{:.1f}"
         cells = [f"{label} ({unit})"] + [fmt.format(v) if v is not None else "n/a" for v in vals]
         if sampler:  # greedy / sampled in one cell, nextoken's alone
             s = results[engines[0]].get(key.replace("_sampler_ms", "_sampled_sampler_ms"))
-            ours = " / ".join("in the C decode step" if v is None else f"{v:.2f}" for v in (vals[0], s))
+            ours = " / ".join("not timed" if v is None else f"{v:.2f}" for v in (vals[0], s))
             cells = [f"{label} ({unit})", ours] + ["n/a"] * (len(engines) - 1)
             if peer:
                 cells.append("")

@@ -115,22 +115,42 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
 
 
 class SamplerClock:
-    """Times the engine's sampler calls while it is open (the engine's sampler is wrapped):
-    `ms_per_step` is their mean."""
+    """Times the engine's draws while it is open (the engine's sampler is wrapped): its three
+    entries, `Sampler.__call__`, `draw_checked` (a step of plain rows: the usual decode step) and
+    `launch` (async scheduling); `ms_per_step` is their mean per draw (a `draw_checked` that
+    declines the rows counts with the call that then draws them)."""
 
     def __init__(self, llm):
         self.engine, self.times = llm.engine, []
 
     def __enter__(self):
-        sampler, times = self.engine.sampler, self.times
+        sampler, times, carry = self.engine.sampler, self.times, [0.0]
+
+        def timed(fn):
+            def call(*args, **kwargs):
+                t = time.perf_counter()
+                out = None
+                try:
+                    out = fn(*args, **kwargs)
+                    return out
+                finally:
+                    carry[0] += time.perf_counter() - t
+                    if not (fn == sampler.draw_checked and out is None):  # (None: not drawn; the call draws next)
+                        times.append(carry[0])
+                        carry[0] = 0.0
+            return call
+
+        draw, draw_checked, launch = timed(sampler), timed(sampler.draw_checked), timed(sampler.launch)
 
         class Timed:
             def __call__(self, *args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return sampler(*args, **kwargs)
-                finally:
-                    times.append(time.perf_counter() - t)
+                return draw(*args, **kwargs)
+
+            def draw_checked(self, *args, **kwargs):
+                return draw_checked(*args, **kwargs)
+
+            def launch(self, *args, **kwargs):
+                return launch(*args, **kwargs)
 
             def __getattr__(self, name):
                 return getattr(sampler, name)
@@ -143,8 +163,7 @@ class SamplerClock:
         self.engine.sampler = self.inner
 
     def ms_per_step(self) -> float | None:
-        """The mean in ms; None when the sampler was never called (the one-call C decode step
-        draws its rows' tokens itself, inside its own time)."""
+        """The mean in ms; None when no draw was timed."""
         return 1000 * sum(self.times) / len(self.times) if self.times else None
 
 

@@ -189,22 +189,38 @@ def test_llama_bench_runs_the_same_workload(tmp_path, kv_dtype, flags):
     assert argv == ["-m", "m.gguf", "-t", "3", "-o", "json", "-p", "64", "-n", "16", "-d", "512", "-r", "2", *flags]
 
 
-def test_bench_names_where_the_draw_went_when_no_sampler_call_was_timed():
-    """The one-call C decode step draws its rows' tokens inside that step: the sampler's row says
-    so rather than 0 ms; timed calls print their mean, and a figure nobody measured is left out."""
+def test_bench_sampler_row_gives_the_timed_draws_and_names_a_missing_one():
+    """The sampler's row gives greedy / sampled ms per step, nextoken's alone; a draw nobody timed
+    says so rather than 0 ms, and a figure nobody measured is left out."""
     from types import SimpleNamespace
 
     from nextoken.bench.harness import format_table
 
     a = SimpleNamespace(depth=0, temperature=1.0, top_p=1.0, top_k=0, model_path="m.gguf", prompt_tokens=512,
                         decode_tokens=128, batch=32, batch_prompt_tokens=128, batch_output_tokens=128)
-    res = {"decode_tok_s": 50.0, "decode_sampler_ms": None, "decode_sampled_sampler_ms": None,
+    res = {"decode_tok_s": 50.0, "decode_sampler_ms": None, "decode_sampled_sampler_ms": 0.5,
            "batched_sampler_ms": 0.25, "batched_sampled_sampler_ms": 1.5}
     table = format_table({"nextoken": res, "llama-bench": {"decode_tok_s": 25.0}}, a, 2, 2048)
-    assert "| sampler per decode step, greedy / sampled (ms) | in the C decode step / in the C decode step | n/a |  |" \
-        in table
+    assert "| sampler per decode step, greedy / sampled (ms) | not timed / 0.50 | n/a |  |" in table
     assert "| sampler per batched step, greedy / sampled (ms) | 0.25 / 1.50 | n/a |  |" in table
     assert "| decode, greedy (tok/s) | 50.0 | 25.0 | 2.00x |" in table and "| prefill (tok/s)" not in table
+
+
+def test_sampler_clock_times_every_draw_the_engine_makes(tiny_gguf):
+    """The engine draws a decode step's plain rows through `Sampler.draw_checked`, other steps
+    through the call itself: the bench's clock times both, one time per draw, and puts the
+    engine's own sampler back."""
+    from nextoken import LLM, SamplingParams
+    from nextoken.bench.worker import SamplerClock
+
+    llm = LLM(str(tiny_gguf["llama"][0]), max_num_seqs=2)
+    sampler = llm.engine.sampler
+    with SamplerClock(llm) as plain:
+        llm.generate(["a b c"], SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True))
+    with SamplerClock(llm) as processed:  # (a penalty: not the plain draw)
+        llm.generate(["a b c"], SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True))
+    assert len(plain.times) == 6 and len(processed.times) == 6
+    assert plain.ms_per_step() > 0 and processed.ms_per_step() > 0 and llm.engine.sampler is sampler
 
 
 def test_bench_prints_its_figures_when_llama_bench_fails(tiny_gguf, tmp_path):
@@ -256,4 +272,4 @@ def test_bench_reports_every_figure_alternating_with_llama_bench(tiny_gguf, tmp_
     ratios = sorted(p["nextoken"]["decode_tok_s"] / 2000.0 for p in rounds)
     assert f"{sum(ratios) / 2:.2f}x |" in r.stdout.split("| median |")[1]
     assert r.stdout.startswith("CPU: ") and "our quantized matmul:" in r.stdout and data["cpu"].startswith("CPU: ")
-    assert "0.00 / 0.00" not in r.stdout  # (a sampler never called is not a sampler that took no time)
+    assert "not timed" not in r.stdout  # (the engine's draws are timed, greedy and sampled)
