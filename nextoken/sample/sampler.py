@@ -29,6 +29,7 @@ explain` get whole distributions from `distributions` (the same processors and r
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -245,7 +246,11 @@ def torch_draw(rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
 
 
 class _Kernel:
-    """``kernels/sampling.c``'s ``sample_rows`` (and ``rows_finite``) over row addresses."""
+    """``kernels/sampling.c``'s ``sample_rows`` (and ``rows_finite``) over row addresses. The
+    per-step arguments go as ``array`` buffers, not tensors: run right after a decode step has
+    streamed the weights through the caches, each distinct PyTorch operation took 15-40 us cold
+    (a one-element ``torch.tensor`` 28-38 us against 2-3 warm), which made the draw of one
+    SmolLM2 row 0.19 ms, four times its two passes over the logits."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -254,18 +259,19 @@ class _Kernel:
         """`finite_rows` of float32 CPU logits ``[b, vocab]`` with unit stride along the vocabulary."""
         b, V = logits.shape
         base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
-        rows = np.arange(b, dtype=np.int64) * stride + base
-        out = np.empty(b, dtype=np.uint8)
-        self.lib.rows_finite(rows.ctypes.data, b, V, out.ctypes.data)
-        return out.astype(bool).tolist()
+        rows, out = array("q", range(base, base + b * stride, stride)), array("B", bytes(b))
+        self.lib.rows_finite(rows.buffer_info()[0], b, V, out.buffer_info()[0])
+        return [x != 0 for x in out]
 
-    def __call__(self, addresses: list[int], V: int, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def __call__(self, addresses: list[int], V: int, settings: tuple[int, int, int, int], u: list[float]
+                 ) -> torch.Tensor:
+        """Tokens int64 ``[len(addresses)]`` of the float32 rows at `addresses`; `settings`: the
+        addresses of the rows' temperature, top-k, top-p and min-p (`SamplingMetadata`'s
+        tensors, or slices of them), `u` each row's uniform number."""
         b = len(addresses)
-        rows = np.array(addresses, dtype=np.int64)
+        rows, us = array("q", addresses), array("f", u)
         tokens = torch.empty(b, dtype=torch.int64, device="cpu")
-        sample_rows(self.lib, rows.ctypes.data, b, V, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                    min_p.data_ptr(), u.data_ptr(), tokens.data_ptr())
+        sample_rows(self.lib, rows.buffer_info()[0], b, V, *settings, us.buffer_info()[0], tokens.data_ptr())
         return tokens
 
 
@@ -382,9 +388,10 @@ class Sampler:
         B, V = logits.shape
         meta = self.metadata(rows, V, logits.device)
         tokens = self._draw(logits, rows, list(range(B)), {}, meta)
-        if check_finite:  # (a row of NaN may draw anything: keep it a token id, for the next step's input)
-            tokens = tokens.clamp_(0, V - 1)
-        out = SampleLaunch(meta, tokens, self.finite_flags(logits) if check_finite else [])
+        finite = self.finite_flags(logits) if check_finite else []
+        if check_finite and not (isinstance(finite, list) and all(finite)):
+            tokens = tokens.clamp_(0, V - 1)  # (a row of NaN may draw anything: keep it a token id, for the next step's input)
+        out = SampleLaunch(meta, tokens, finite)
         return self._logprob_tensors(logits, out).to_host()
 
     def draw_checked(self, logits: torch.Tensor, rows: list[SamplerRequest]
@@ -496,16 +503,19 @@ class Sampler:
         processed logits (`source`) or the raw row; one uniform number from each sampled row's
         generator. On a GPU: one copy of the uniform numbers over."""
         dev = logits.device
-        u = to_device([uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which],
-                      torch.float32, dev)
+        us = [uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which]
         whole = len(which) == logits.shape[0]  # (every row, in order: `which` is sorted)
-        sel = slice(None) if whole else to_device(which, torch.long, dev)
-        settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
-        if self.kernel is not None and dev.type == "cpu":
+        if self.kernel is not None and dev.type == "cpu" and logits.dtype == torch.float32 \
+                and logits.stride(1) == 1:  # (no tensor made for a whole batch: see `_Kernel`)
             base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
             addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
-            if logits.dtype == torch.float32 and logits.stride(1) == 1:
-                return self.kernel(addresses, logits.shape[1], *settings)
+            fields = (meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+            if not whole:
+                fields = tuple(t[which] for t in fields)
+            return self.kernel(addresses, logits.shape[1], tuple(t.data_ptr() for t in fields), us)
+        u = to_device(us, torch.float32, dev)
+        sel = slice(None) if whole else to_device(which, torch.long, dev)
+        settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
         if whole and not source and logits.dtype == torch.float32:
             stack = logits
         else:
@@ -557,9 +567,9 @@ class Sampler:
         if self.kernel is not None and rows and all(r.device.type == "cpu" and r.dtype == torch.float32
                                                     and r.stride(-1) == 1 for r in rows):
             b, V = len(rows), rows[0].shape[-1]
-            zero, one = torch.zeros(b), torch.ones(b)
-            return self.kernel([r.data_ptr() for r in rows], V, zero, torch.zeros(b, dtype=torch.int32), one, zero,
-                               zero).tolist()
+            zero, top_k, one = array("f", bytes(4 * b)), array("i", bytes(4 * b)), array("f", [1.0] * b)
+            settings = tuple(a.buffer_info()[0] for a in (zero, top_k, one, zero))  # (temperature 0: greedy)
+            return self.kernel([r.data_ptr() for r in rows], V, settings, [0.0] * b).tolist()
         return [int(r.argmax()) for r in rows]
 
     def _logprobs(self, logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:

@@ -155,7 +155,8 @@ def test_kernel_equals_the_pytorch_draw(vocab):
             logits[:, ::3] = float("-inf")
         u = torch.rand(8, generator=g)
         want = torch_draw(logits, temp, top_k, top_p, min_p, u)
-        got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab, temp, top_k, top_p, min_p, u)
+        got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab,
+                             tuple(t.data_ptr() for t in (temp, top_k, top_p, min_p)), u.tolist())
         assert torch.equal(got, want), trial
 
 
@@ -178,7 +179,9 @@ def test_greedy_rows_take_the_first_maximum(build):
     logits[9, 16] = logits[9, 15] = 9.0
     want = logits.argmax(-1)
     zero, ones = torch.zeros(10), torch.ones(10)
-    got = sampler.kernel([logits[i].data_ptr() for i in range(10)], vocab, zero, zero.int(), ones, zero, zero)
+    top_k = zero.int()
+    got = sampler.kernel([logits[i].data_ptr() for i in range(10)], vocab,
+                         tuple(t.data_ptr() for t in (zero, top_k, ones, zero)), [0.0] * 10)
     assert got.tolist() == want.tolist() == [5, 17, 995, 29, 40, 993, 0, 0, 300, 15]
 
 
