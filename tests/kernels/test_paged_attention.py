@@ -109,6 +109,50 @@ def test_layout_marks_exactly_the_sequences_whose_blocks_are_consecutive():
     assert sum(w is not None for w in want) >= 24
 
 
+def test_a_small_decode_steps_layout_equals_the_general_one(monkeypatch):
+    """`layout` of a decode step of at most `SMALL_DECODE` sequences (plain Python) against the
+    general NumPy layout of the same step: every field of the `HostBatch`, with fed tokens and
+    with a sliding-window ring; a sequence its blocks cannot hold is refused alike."""
+    import random
+    from dataclasses import astuple
+    from types import SimpleNamespace
+
+    from nextoken.errors import EngineError
+
+    from nextoken.runner import inputs
+    from nextoken.runner.model_runner import SequenceInput
+
+    def fields(batch) -> dict:
+        out = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in vars(batch).items() if k != "sliding"}
+        sm = batch.sliding
+        out["sliding"] = None if sm is None else [v.tolist() if hasattr(v, "tolist") else
+                                                  [getattr(x, "tolist", lambda: x)() for x in v]
+                                                  if isinstance(v, list) else v for v in astuple(sm)]
+        return out
+
+    rng = random.Random(11)
+    ring = SimpleNamespace(window=2 * BS, ring_blocks=3)  # (what `layout` reads of a `SlidingKVCache`)
+    for trial in range(60):
+        seqs = []
+        for _ in range(rng.randint(1, inputs.SMALL_DECODE)):
+            n = rng.randint(1, 9)
+            blocks = list(range(b := rng.randrange(100), b + n)) if rng.random() < 0.5 else rng.sample(range(100), n)
+            start = rng.randint(max(0, (n - 1) * BS - 1), n * BS - 1)  # (at block boundaries too)
+            seqs.append(SequenceInput([rng.randrange(1000)], start, blocks, True, fed_from=rng.choice([-1, len(seqs)]),
+                                      ring_ids=rng.sample(range(100, 200), 3), off_ring={}))
+        sliding, fed = (ring if trial % 3 == 0 else None), trial % 2 == 0
+        small = inputs.layout(seqs, BS, sliding, fed)
+        with monkeypatch.context() as m:
+            m.setattr(inputs, "SMALL_DECODE", 0)
+            general = inputs.layout(seqs, BS, sliding, fed)
+        assert fields(small) == fields(general), trial
+    too_long = [SequenceInput([1], 2 * BS, [4, 5], True)]  # (its token needs a third block)
+    for limit in (inputs.SMALL_DECODE, 0):
+        monkeypatch.setattr(inputs, "SMALL_DECODE", limit)
+        with pytest.raises(EngineError, match="has 2 blocks"):
+            inputs.layout(too_long, BS)
+
+
 def test_staged_arrays_start_16_byte_aligned():
     """`Staging` packs a step's arrays into one buffer per dtype at 16-byte aligned starts
     (`packed_offsets`), so that a kernel's pointer into any of them has one alignment, and one
