@@ -71,10 +71,11 @@ class DecoderModel(torch.nn.Module):
         table = (cos.to(self.dtype), sin.to(self.dtype))
         return {False: table, True: table}
 
-    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
         """The final norm of the residual stream h ``[T, hidden]`` plus the last layer's `delta`
-        not yet added to it (None: nothing pending), in one launch on a GPU plan's kernels."""
-        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel)[1]
+        not yet added to it (None: nothing pending), in one launch on a GPU plan's kernels.
+        `in_place`: the C kernel may write it over h (`add_rms_norm`)."""
+        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel, in_place=in_place)[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata, tracer=None) -> torch.Tensor:

@@ -99,8 +99,9 @@ class Gemma3ForCausalLM(DecoderModel):
             tables[sliding] = (cos.to(self.dtype), sin.to(self.dtype))
         return tables
 
-    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel, gemma=True)[1]
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
+        return add_rms_norm(h, delta, self.norm, self.config.norm_eps, self.norm_kernel, gemma=True,
+                            in_place=in_place)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

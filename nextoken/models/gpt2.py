@@ -78,5 +78,5 @@ class GPT2LMHeadModel(DecoderModel):
     def rope(self, positions: torch.Tensor):
         return None  # learned absolute positions instead
 
-    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        return layer_norm(h, self.norm, self.norm_bias, self.config.norm_eps)  # (delta: always None here)
+    def final_norm(self, h: torch.Tensor, delta: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
+        return layer_norm(h, self.norm, self.norm_bias, self.config.norm_eps)  # (delta: always None here; a new tensor)

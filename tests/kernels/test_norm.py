@@ -96,3 +96,20 @@ def test_other_inputs_take_pytorch():
     assert torch.equal(rms_norm(x3, wb, 1e-6, kernel=kernels.load("activation")), rms_norm(x3, wb, 1e-6))
     assert kernels.fallbacks["rms_norm"] > before  # each such call is counted, never silent
 
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_the_final_norm_in_place_equals_a_new_output(lib, gemma):
+    """`add_rms_norm(..., in_place=True)` (the one-call decode step's final norm) writes the C
+    kernel's output over h: the same values as into a new tensor, and h is that tensor; the
+    PyTorch path (no kernel) leaves h alone and returns a new one."""
+    from nextoken.layers.norm import add_rms_norm
+
+    x, w = rows((16, 576), 9)
+    want = add_rms_norm(x.clone(), None, w, 1e-6, lib, gemma=gemma)[1]
+    h = x.clone()
+    s, y = add_rms_norm(h, None, w, 1e-6, lib, gemma=gemma, in_place=True)
+    assert y is h and s is h and torch.equal(y, want) and not torch.equal(h, x)
+    h = x.clone()
+    y = add_rms_norm(h, None, w, 1e-6, None, gemma=gemma, in_place=True)[1]
+    assert y is not h and torch.equal(h, x)
