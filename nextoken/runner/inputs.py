@@ -7,7 +7,9 @@ and values go, and which blocks each sequence reads (vLLM's input batch).
                  for Triton attention its `DeviceMetadata` too)
 
 `layout` works on NumPy arrays, a few operations per pass rather than per sequence, so a GPU's
-step is not held up by the host. On a GPU the arrays go over in two copies (one int64, one
+step is not held up by the host; a decode step of at most `SMALL_DECODE` sequences is laid out
+in plain Python lists instead (after a CPU decode step the NumPy calls ran cold: see
+`_small_decode_layout`). On a GPU the arrays go over in two copies (one int64, one
 int32) from pinned staging memory (`Staging`); on the CPU the tensors are views of the arrays.
 """
 
