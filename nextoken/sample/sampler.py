@@ -259,7 +259,7 @@ class _Kernel:
         """`finite_rows` of float32 CPU logits ``[b, vocab]`` with unit stride along the vocabulary."""
         b, V = logits.shape
         base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
-        rows, out = array("q", range(base, base + b * stride, stride)), array("B", bytes(b))
+        rows, out = array("q", [base + i * stride for i in range(b)]), array("B", bytes(b))
         self.lib.rows_finite(rows.buffer_info()[0], b, V, out.buffer_info()[0])
         return [x != 0 for x in out]
 
