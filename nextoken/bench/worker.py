@@ -126,31 +126,25 @@ class SamplerClock:
     def __enter__(self):
         sampler, times, carry = self.engine.sampler, self.times, [0.0]
 
-        def timed(fn):
+        def timed(fn, may_decline: bool = False):
             def call(*args, **kwargs):
                 t = time.perf_counter()
-                out = None
-                try:
-                    out = fn(*args, **kwargs)
-                    return out
-                finally:
-                    carry[0] += time.perf_counter() - t
-                    if not (fn == sampler.draw_checked and out is None):  # (None: not drawn; the call draws next)
-                        times.append(carry[0])
-                        carry[0] = 0.0
+                out = fn(*args, **kwargs)
+                carry[0] += time.perf_counter() - t
+                if not (may_decline and out is None):  # (None: not drawn; the call draws next)
+                    times.append(carry[0])
+                    carry[0] = 0.0
+                return out
             return call
 
-        draw, draw_checked, launch = timed(sampler), timed(sampler.draw_checked), timed(sampler.launch)
+        draw = timed(sampler)
 
         class Timed:
+            draw_checked = staticmethod(timed(sampler.draw_checked, may_decline=True))
+            launch = staticmethod(timed(sampler.launch))
+
             def __call__(self, *args, **kwargs):
                 return draw(*args, **kwargs)
-
-            def draw_checked(self, *args, **kwargs):
-                return draw_checked(*args, **kwargs)
-
-            def launch(self, *args, **kwargs):
-                return launch(*args, **kwargs)
 
             def __getattr__(self, name):
                 return getattr(sampler, name)

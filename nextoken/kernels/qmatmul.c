@@ -778,6 +778,13 @@ static int qw_ok(const qw_t *w) {
            (!(w->scale_sup || w->min_sup) || (w->gps > 0 && (w->K / G) % w->gps == 0));
 }
 
+/* which of the weights task i belongs to: start[u] <= i < start[u + 1] (a handful of weights) */
+static inline int task_owner(const int64_t *start, int64_t i) {
+    int u = 0;
+    while (i >= start[u + 1]) u++;
+    return u;
+}
+
 /* y_j = x W_j^T + bias_j for the n weights that take the same rows of x (q, k and v; gate and up),
  * with x already quantized (a[j]: its quantization for weight j, so weights can share one): every
  * weight's tiles in one OpenMP loop, one parallel region instead of n (each costs a fork and a join:
@@ -815,9 +822,7 @@ static void qmatmul_q_n(const qact_t *const *a, const qw_t *const *w, int n, voi
         const int64_t m1 = M - m0 < MBLOCK ? M : m0 + MBLOCK;
         #pragma omp parallel for schedule(static) if (work >= 65536)
         for (int64_t i = 0; i < tasks; i++) {
-            int u = 0;
-            while (i >= start[u + 1]) u++;
-            const int j = todo[u];
+            const int u = task_owner(start, i), j = todo[u];
             const int64_t tiles = w[j]->N / TILE, t = (i - start[u]) * nt;
             run_tiles(w[j], t, tiles - t >= nt ? nt : 1, a[j], m0, m1, y[j], y_bf16, ldy[j]);
         }
@@ -825,9 +830,7 @@ static void qmatmul_q_n(const qact_t *const *a, const qw_t *const *w, int n, voi
 #else
     #pragma omp parallel for schedule(static) if (work >= 65536)
     for (int64_t i = 0; i < tasks; i++) {
-        int u = 0;
-        while (i >= start[u + 1]) u++;
-        const int j = todo[u];
+        const int u = task_owner(start, i), j = todo[u];
         run_tile(w[j], i - start[u], a[j], y[j], y_bf16, ldy[j]);
     }
 #endif
