@@ -21,9 +21,11 @@
  *       (act: SiLU, or Gemma's tanh GELU, activation.c's kernels; Gemma normalises the
  *       feed-forward's output with w_post_ffn before the add)
  *
+ *   then, when final_norm is set:  h = norm(h, w_final)              (the model's final norm)
+ *
  * h: [T, hidden] bf16, updated in place. Row i is one new token, at positions[i], written to
- * slots[i], attending to seq_lens[i] keys through row i of tables (every row's key and value are
- * written before any row attends: consecutive rows of one sequence are a causal prefill).
+ * slots[i], attending to its positions[i] + 1 keys through row i of tables (every row's key and
+ * value are written before any row attends: consecutive rows of one sequence are a causal prefill).
  * Returns 0, 1 when out of memory, 2 for shapes the kernels do not take.
  */
 #include "qmatmul.c"
@@ -596,10 +598,12 @@ typedef struct {
     uint16_t *h;                                  /* [T, hidden] bf16: the rows' hidden states, updated in place */
     int64_t T, hidden, H, Hkv, D, rope_dim;
     const float *inv_freq;                        /* [rope_dim / 2] */
-    const int64_t *positions, *slots, *seq_lens;  /* [T] */
+    const int64_t *positions, *slots;             /* [T] */
     const int64_t *tables;                        /* [T, max_blocks] */
     int64_t max_blocks, NB, BS;                   /* the cache's blocks and their size */
     float eps, scale;                             /* the norms' epsilon, the attention's scale */
+    const uint16_t *final_norm;                   /* bf16 [hidden]: the model's final norm, applied to the
+                                                     rows after the last layer; NULL: none */
 } decode_call_t;
 
 int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, const arch_t *arch, const lora_t *lora) {
@@ -607,7 +611,7 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
     const int64_t T = c->T, hidden = c->hidden, H = c->H, Hkv = c->Hkv, D = c->D, rope_dim = c->rope_dim;
     const int64_t max_blocks = c->max_blocks, NB = c->NB, BS = c->BS;
     const float *inv_freq = c->inv_freq, eps = c->eps, scale = c->scale;
-    const int64_t *positions = c->positions, *slots = c->slots, *tables = c->tables, *seq_lens = c->seq_lens;
+    const int64_t *positions = c->positions, *slots = c->slots, *tables = c->tables;
     static const arch_t LLAMA = {0};
     const arch_t *ar = arch ? arch : &LLAMA;
     if (rope_dim > 512 || rope_dim > D || D > 256 || H % Hkv != 0 || H / Hkv > 64) return 2;
@@ -622,7 +626,9 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
     const int64_t inter = layers[0].gate.N, qd = H * D, kd = Hkv * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * T * (hidden + qd + 2 * kd + qd + 2 * inter + hidden));
     float *cs = malloc(sizeof(float) * T * rope_dim * 4);
-    if (!buf || !cs) { free(buf); free(cs); return 1; }
+    int64_t *seq_lens = malloc(sizeof(int64_t) * T);
+    if (!buf || !cs || !seq_lens) { free(buf); free(cs); free(seq_lens); return 1; }
+    for (int64_t t = 0; t < T; t++) seq_lens[t] = positions[t] + 1; /* keys up to and including its own */
     step_t s = {T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS, eps, scale, slots, tables, seq_lens,
                 {cs, cs + 2 * T * rope_dim}, {cs + T * rope_dim, cs + 3 * T * rope_dim}};
     s.x = buf, s.q = s.x + T * hidden, s.k = s.q + T * qd, s.v = s.k + T * kd, s.att = s.v + T * kd;
@@ -637,7 +643,9 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
         rc = attention_half(layers + l, ar, &s, lw, h);
         if (rc == 0) rc = ffn_half(layers + l, ar, &s, lw, h);
     }
+    if (rc == 0 && c->final_norm) norm_rows(ar, h, c->final_norm, T, hidden, eps, h);
     free(buf);
     free(cs);
+    free(seq_lens);
     return rc;
 }

@@ -5,8 +5,9 @@ Both of its callers use this module: the engine's decode step (`layers.native_de
 model's tensors and the paged KV cache) and the first token of ``nextoken run``
 (`runner.quick_start`, over the prepared-weights cache mapped with NumPy, before PyTorch is
 imported). Within one call each row is one token at its position, writing its key and value at
-its slot before attending to `seq_lens` keys through its block table, so a run of consecutive
-positions of one sequence is a causal prefill.
+its slot before attending to the keys up to its own position through its block table, so a run
+of consecutive positions of one sequence is a causal prefill; with the final norm's weight the
+call applies it too, so its rows leave as the final hidden states.
 """
 
 from __future__ import annotations
@@ -50,18 +51,21 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
 
 
 def decode_layers(lib, table: ctypes.Array, cfg, h: int, t: int, inv_freq: int, positions: int, slots: int,
-                  block_tables: int, max_blocks: int, seq_lens: int, num_blocks: int, block_size: int,
-                  scale: float | None = None, arch: DecodeArch | None = None, lora: LoRAStep | None = None) -> int:
-    """Run every layer of `table` over `t` rows (decode.c's ``decode_layers``). Addresses: h bf16
-    ``[t, hidden]`` (updated in place: the hidden states after the last layer), inv_freq float32
-    ``[rope_dim / 2]``, positions, slots, seq_lens int64 ``[t]``, block_tables int64 ``[t,
-    max_blocks]``. `scale`: the attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma
-    or sliding-window model adds (None: Llama's layer); `lora`: the rows' LoRA adapters (None:
-    none). Returns 0, or 2 when the kernel refuses the shapes (`serves` rules
-    that out); raises `MemoryError` when it cannot allocate its buffers."""
+                  block_tables: int, max_blocks: int, num_blocks: int, block_size: int,
+                  scale: float | None = None, arch: DecodeArch | None = None, lora: LoRAStep | None = None,
+                  final_norm: int | None = None) -> int:
+    """Run every layer of `table` over `t` rows (decode.c's ``decode_layers``), row i attending
+    to ``positions[i] + 1`` keys. Addresses: h bf16 ``[t, hidden]`` (updated in place: the
+    hidden states after the last layer, or with `final_norm` after the model's final norm, its
+    weight bf16 ``[hidden]``, the norm of `arch`'s kind), inv_freq float32 ``[rope_dim / 2]``,
+    positions, slots int64 ``[t]``, block_tables int64 ``[t, max_blocks]``. `scale`: the
+    attention's (default ``head_dim ** -0.5``); `arch`: what a Gemma or sliding-window model adds
+    (None: Llama's layer); `lora`: the rows' LoRA adapters (None: none). Returns 0, or 2 when the
+    kernel refuses the shapes (`serves` rules that out); raises `MemoryError` when it cannot
+    allocate its buffers."""
     call = DecodeCall(h, t, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, inv_freq,
-                      positions, slots, seq_lens, block_tables, max_blocks, num_blocks, block_size, cfg.norm_eps,
-                      cfg.head_dim ** -0.5 if scale is None else scale)
+                      positions, slots, block_tables, max_blocks, num_blocks, block_size, cfg.norm_eps,
+                      cfg.head_dim ** -0.5 if scale is None else scale, final_norm)
     rc = lib.decode_layers(table, _i64(cfg.num_layers), ctypes.byref(call),
                            ctypes.byref(arch) if arch is not None else None,
                            ctypes.byref(lora) if lora is not None else None)

@@ -64,16 +64,18 @@ class DecodeLayer(ctypes.Structure):
 
 class DecodeCall(ctypes.Structure):
     """``decode_call_t`` of ``kernels/decode.c``: one ``decode_layers`` call's rows (`h` bf16
-    ``[T, hidden]``, updated in place; positions, slots and seq_lens int64 ``[T]``; block tables
-    int64 ``[T, max_blocks]``; addresses) and shapes (heads, head dim, RoPE's dimensions and
+    ``[T, hidden]``, updated in place; positions and slots int64 ``[T]``; block tables int64
+    ``[T, max_blocks]``; addresses) and shapes (heads, head dim, RoPE's dimensions and
     frequencies float32 ``[rope_dim / 2]``, the cache's blocks and their size, the norms'
-    epsilon, the attention's scale)."""
+    epsilon, the attention's scale), and the final norm's weight (bf16 ``[hidden]``, or None:
+    the rows are left before it)."""
 
     _fields_ = [("h", ctypes.c_void_p), ("T", ctypes.c_int64), ("hidden", ctypes.c_int64), ("H", ctypes.c_int64),
                 ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("rope_dim", ctypes.c_int64),
                 ("inv_freq", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
-                ("seq_lens", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
-                ("NB", ctypes.c_int64), ("BS", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64), ("NB", ctypes.c_int64),
+                ("BS", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", ctypes.c_void_p)]
 
 
 class DecodeArch(ctypes.Structure):

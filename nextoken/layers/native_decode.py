@@ -40,6 +40,9 @@ class NativeDecoder:
         self.lib = lib
         self._table = None
         self._kv = None
+        self._inv_freq = None  # RoPE's frequencies as float32, for the table's life
+        self._scale = None  # the attention's scale
+        self._final_norm = None  # the final norm's weight (address), when the call applies it
         self._lora = (None, None)  # (the LoRA batch's key, its `LoRAWeights` table and the stacks it points at)
 
     @staticmethod
@@ -96,6 +99,11 @@ class NativeDecoder:
                              _ptr(a.q_norm), _ptr(a.k_norm), *self._post_norms(layer), int(a.sliding)))
             self._table = layer_table(rows)
             self._kv = kv
+            self._inv_freq = self.model.inv_freq.float().contiguous()
+            self._scale = self.model.layers[0].self_attn.scale
+            # the final norm in the same call where the model's own is this C kernel (the same function)
+            norm_kernel = getattr(self.model, "norm_kernel", None)
+            self._final_norm = _ptr(self.model.norm) if hasattr(norm_kernel, "rms_norm_rows_bf16") else None
         return self._table
 
     @staticmethod
@@ -163,39 +171,43 @@ class NativeDecoder:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv, meta, lora=None) -> torch.Tensor | None:
         """h ``[T, hidden]`` bf16 (the embeddings of the step's T new tokens, each sequence's
-        rows ones it `takes`) -> the hidden states after the last layer, or None (counted:
-        `kernels.count_fallback`) when the kernel refuses them, which `supports` rules out at
-        load. Row i attends to ``positions[i] + 1`` keys through its sequence's block table;
-        rows go in calls of at most `decode_step.ROWS_PER_CALL` (in order: a row's keys are
-        written by then).
-        `lora`: the pass's `lora.slots.LoRABatch` when a row has an adapter (each row adds its own)."""
-        h = h.contiguous()  # a fresh embedding lookup: updated in place
+        rows ones it `takes`; a fresh tensor, which this updates in place) -> the final hidden
+        states (after the model's final norm: in the C call where the model's norm is that
+        kernel, else by `final_norm`), or None (counted: `kernels.count_fallback`) when the
+        kernel refuses them, which `supports` rules out at load. Row i attends to
+        ``positions[i] + 1`` keys through its sequence's block table; rows go in calls of at most
+        `decode_step.ROWS_PER_CALL` (in order: a row's keys are written by then).
+        `lora`: the pass's `lora.slots.LoRABatch` when a row has an adapter (each row adds its own).
+
+        Run right after the last step's weights went through the caches, each PyTorch operation
+        here costs tens of microseconds (`benchmarks/cold_ops.py`), so the calls' rows are
+        addressed by arithmetic on the tensors' addresses, not by indexing them."""
+        h, positions, slots = (x.contiguous() for x in (h, positions, meta.slot_mapping))
         t = h.shape[0]
-        positions = positions.contiguous()
         seq_of_row = None
         if meta.num_decodes == meta.num_seqs:
-            tables = meta.block_tables[:t].contiguous()
+            tables = meta.block_tables if meta.block_tables.shape[0] == t else meta.block_tables[:t]
+            tables = tables.contiguous()
         else:  # each row reads its own sequence's table
             qsl = torch.tensor(meta.query_start_loc)
             seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), qsl.diff())
             tables = meta.block_tables[seq_of_row]
-        lens = (positions + 1).to(torch.int64)
-        slots = meta.slot_mapping.contiguous()
-        inv_freq = self.model.inv_freq.float().contiguous()
         table, keep = self._layers(kv), []
         arch, rings = self._arch(meta, positions, seq_of_row, keep)
         adapters = self._lora_table(lora) if lora is not None and lora.ids else None
+        row_bytes = h.shape[1] * h.element_size()
+        width = tables.shape[1]
         for a in range(0, t, ROWS_PER_CALL):
             n = min(ROWS_PER_CALL, t - a)
             rows = LoRAStep(ctypes.addressof(adapters), lora.row_start[a].data_ptr(),
                             lora.row_rank[a].data_ptr()) if adapters is not None else None
             if rings:  # this call's rows of the ring arrays
                 arch.ring_tables, arch.ring_slots, arch.ring_starts = (r[a].data_ptr() for r in rings)
-            rc = decode_layers(self.lib, table, self.model.config, h[a].data_ptr(), n, inv_freq.data_ptr(),
-                               positions[a].data_ptr(), slots[a].data_ptr(), tables[a].data_ptr(), tables.shape[1],
-                               lens[a].data_ptr(), kv.num_blocks, kv.block_size,
-                               self.model.layers[0].self_attn.scale, arch, rows)
+            rc = decode_layers(self.lib, table, self.model.config, h.data_ptr() + a * row_bytes, n,
+                               self._inv_freq.data_ptr(), positions.data_ptr() + 8 * a, slots.data_ptr() + 8 * a,
+                               tables.data_ptr() + 8 * a * width, width, kv.num_blocks, kv.block_size,
+                               self._scale, arch, rows, self._final_norm)
             if rc != 0:
                 count_fallback("native decode step")
                 return None
-        return h
+        return h if self._final_norm is not None else self.model.final_norm(h, in_place=True)

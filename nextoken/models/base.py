@@ -105,4 +105,5 @@ class DecoderModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden]`` -> float32 logits ``[T, vocab]``."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()  # (float32 already: no call, see `NativeDecoder`)

@@ -164,8 +164,8 @@ class Staging:
 
     def send(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """`arrays` (any shapes) as tensors of `dtype` on the device, in order."""
-        if self.device.type == "cpu":
-            return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
+        if self.device.type == "cpu":  # (no `to` for an array of the dtype already: see `_same_or_cast`)
+            return [_same_or_cast(torch.from_numpy(np.ascontiguousarray(a)), dtype) for a in arrays]
         sizes = [a.size for a in arrays]
         offsets, total = packed_offsets(sizes, dtype.itemsize)
         if dtype in self.done:  # its last copy must be done before the buffer is refilled
@@ -180,6 +180,13 @@ class Staging:
         event = self.done[dtype] = torch.cuda.Event()
         event.record()
         return [dev[at : at + n].view(a.shape) for a, at, n in zip(arrays, offsets, sizes)]
+
+
+def _same_or_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype`, itself when it is that already: after a CPU decode step each PyTorch call
+    runs cold, and even a ``to`` that returns its input took tens of microseconds
+    (`benchmarks/cold_ops.py`)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def model_inputs(batch: HostBatch, staging: Staging, backend: str, kernels, tilings=None,

@@ -374,6 +374,8 @@ class ModelRunner:
                                 for i, s in enumerate(seqs) if s.keep_hidden]
         rows = [last[i] for i, s in enumerate(seqs) if s.needs_logits]
         run = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))  # (a decode batch: a slice, no copy)
+        if run and len(rows) == hidden.shape[0]:  # (every row: not even a slice)
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)] if run
                                          else hidden[to_device(rows, torch.long, hidden.device)])
 
@@ -404,12 +406,9 @@ class ModelRunner:
         if tracer is not None and getattr(tracer, "wants_probs", True):
             meta.probs = []  # the sink each layer's reference attention fills (`AttentionMetadata.probs`)
         hidden = None
-        if one_call:  # every layer of the step in one C call
-            out = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta,
-                                      self.loras.batch if adapters else None)
-            # (in place: `out` is this pass's own embedding tensor, which nothing else reads; a
-            # fresh output's allocation took 30-150 us right after the step, 1-16 rows)
-            hidden = self.model.final_norm(out, in_place=True) if out is not None else None
+        if one_call:  # every layer of the step and the final norm in one C call
+            hidden = self.native_decoder(self.model.embed(input_ids, positions), positions, self.kv, meta,
+                                         self.loras.batch if adapters else None)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv, meta, tracer)
         return hidden, last

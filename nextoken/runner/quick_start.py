@@ -395,20 +395,15 @@ class Forward:
                 h = _bf16_bits(_f32(h) * _f32(self.embed_scale))
             positions = np.arange(start + first, start + first + t, dtype=np.int64)
             tables = np.ascontiguousarray(np.broadcast_to(blocks, (t, num_blocks)))
-            lens = positions + 1
             if self.arch is not None and cfg.sliding_layers:  # the rings: slot = position, as for the full layers
                 starts = np.maximum(positions - (cfg.sliding_window - 1), 0)
                 self.arch.ring_tables, self.arch.ring_slots, self.arch.ring_starts = \
                     tables.ctypes.data, positions.ctypes.data, starts.ctypes.data
             if decode_layers(lib, self.table, cfg, h.ctypes.data, t, self.inv_freq.ctypes.data, positions.ctypes.data,
-                             positions.ctypes.data, tables.ctypes.data, num_blocks, lens.ctypes.data, num_blocks,
-                             block, cfg.attention_scale, self.arch) != 0:
+                             positions.ctypes.data, tables.ctypes.data, num_blocks, num_blocks, block,
+                             cfg.attention_scale, self.arch, final_norm=self.final_norm.ctypes.data) != 0:
                 return None
-        last = np.ascontiguousarray(h[-1:])
-        normed = np.empty_like(last)
-        norm = lib.rms_norm_rows_gemma if self.gemma else lib.rms_norm_rows_bf16
-        norm(p(last.ctypes.data), p(self.final_norm.ctypes.data), i64(1), i64(hidden), ctypes.c_float(cfg.norm_eps),
-             p(normed.ctypes.data))
+        normed = np.ascontiguousarray(h[-1:])  # (after the final norm, which the call applied)
         logits = np.empty((1, self.head.N), dtype=np.uint16)
         if lib.qmatmul(p(normed.ctypes.data), ctypes.c_int(1), i64(1), ctypes.byref(self.head),
                        p(logits.ctypes.data), ctypes.c_int(1), i64(self.head.N)) != 0:

@@ -292,6 +292,14 @@ class SamplingMetadata:
     rows: list = field(default_factory=list, repr=False)  # the rows it was built for (held: see `Sampler.metadata`)
     filtered: list[bool] = field(default_factory=list)  # per row: a sampled row with top-k, top-p or min-p on
     plain: bool = True  # every row `plain_row`: no grammar, no processor
+    _addresses: tuple[int, int, int, int] | None = field(default=None, repr=False)
+
+    def addresses(self) -> tuple[int, int, int, int]:
+        """The addresses of temperature, top_k, top_p and min_p (CPU tensors) for the draw's C
+        kernel, taken once per batch (`_Kernel`: each call into PyTorch runs cold there)."""
+        if self._addresses is None:
+            self._addresses = tuple(t.data_ptr() for t in (self.temperature, self.top_k, self.top_p, self.min_p))
+        return self._addresses
 
     @classmethod
     def build(cls, rows: list[SamplerRequest], V: int, device: torch.device | None = None) -> SamplingMetadata:
@@ -509,9 +517,9 @@ class Sampler:
                 and logits.stride(1) == 1:  # (no tensor made for a whole batch: see `_Kernel`)
             base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
             addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
-            fields = (meta.temperature, meta.top_k, meta.top_p, meta.min_p)
-            if not whole:
-                fields = tuple(t[which] for t in fields)
+            if whole:
+                return self.kernel(addresses, logits.shape[1], meta.addresses(), us)
+            fields = tuple(t[which] for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p))
             return self.kernel(addresses, logits.shape[1], tuple(t.data_ptr() for t in fields), us)
         u = to_device(us, torch.float32, dev)
         sel = slice(None) if whole else to_device(which, torch.long, dev)

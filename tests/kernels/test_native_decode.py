@@ -237,3 +237,23 @@ def test_kernel_key_rotation_equals_hadamard_rows(dim):
     want = hadamard_rows(x, h)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(x.abs().max()))
     assert not torch.allclose(got, x, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_final_norm_in_the_c_step_equals_the_models_own(tmp_path, arch):
+    """The C step applies the model's final norm in the same call (`decode_layers`'s
+    ``final_norm``: the same kernel function as `DecoderModel.final_norm`'s, Gemma's for Gemma);
+    left to the model's own `final_norm` after the call, every logit is the same bit for bit."""
+    native, _, _ = runners(tmp_path, arch)
+    seq = OneSequence(native)
+    seq.forward([5, 17, 200, 33, 41])
+    decoder = native.native_decoder
+    assert decoder._final_norm is not None  # (set with the layer table, on the first step)
+    for token in (3, 99, 240):
+        start = seq.num_tokens
+        folded = seq.forward([token])
+        decoder._final_norm = None  # the same step again (the same key and value rewritten)
+        seq.num_tokens = start
+        separate = seq.forward([token])
+        decoder._final_norm = native.model.norm.data_ptr()
+        assert torch.equal(folded, separate)

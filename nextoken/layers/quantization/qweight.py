@@ -392,7 +392,7 @@ def kernel_matmul(x: torch.Tensor, c: QW, rows: int, out_dtype: torch.dtype | No
     when it cannot allocate, `ValueError` for a weight it does not take."""
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    x = x.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
     out_dtype = out_dtype or x.dtype
     y = torch.empty(x.shape[0], rows, dtype=out_dtype)
     mode = 1 if out_dtype == torch.bfloat16 else 2 if rounded else 0  # qmatmul.c's Y_F32, Y_BF16, Y_F32_RB
