@@ -13,7 +13,7 @@
  *     cache[slot] = k, v ;  a = softmax(q K^T * scale) V              (paged_attention.c)
  *       (an int8 cache stores each head's row as codes and a scale: quantize_row_i8, the
  *       keys and queries rotated first: rotate_f32; a sliding-window layer writes to its ring
- *       and reads its window, keys ring_starts[i] ..)
+ *       and reads its window, keys max(0, positions[i] - window + 1) ..)
  *     h  = bf16(h + a Wo^T)                    Gemma: bf16(h + norm(a Wo^T, w_post_attn))
  *     x  = norm(h, w_ffn) ;  h = bf16(h + bf16(bf16(act(x Wg^T)) * x Wu^T) Wd^T)
  *   with LoRA adapters, each projection's output y of a row gets its adapter's term:
@@ -49,7 +49,7 @@ typedef struct {
     const int64_t *ring_tables;  /* [T, ring_max_blocks]: logical block b of row i -> its ring block */
     int64_t ring_max_blocks, ring_NB;
     const int64_t *ring_slots;   /* [T]: where row i's key goes in the ring */
-    const int64_t *ring_starts;  /* [T]: the position of the first key of row i's window */
+    int64_t window;              /* the sliding window: row i reads keys from max(0, positions[i] - window + 1) */
 } arch_t;
 
 /* One projection's LoRA adapters in a step: every adapter's A stacked, bf16 [R, K], and its scaled
@@ -516,7 +516,7 @@ static void residual_add(const arch_t *ar, uint16_t *h, uint16_t *o, const uint1
 typedef struct { /* one call's shapes and buffers, shared by its layers */
     int64_t T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS;
     float eps, scale;
-    const int64_t *slots, *tables, *seq_lens;
+    const int64_t *slots, *tables, *seq_lens, *starts; /* starts: each row's window's first key (sliding layers) */
     const float *cs[2], *sn[2]; /* [T, rope_dim]: full-attention layers [0], sliding-window layers [1] */
     uint16_t *x, *q, *k, *v, *att, *g, *u, *o;
     const lora_t *lora; /* the step's adapters, or NULL */
@@ -549,7 +549,7 @@ static int attention_half(const layer_t *ly, const arch_t *ar, const step_t *s, 
     const int64_t *tables = sl ? ar->ring_tables : s->tables, max_blocks = sl ? ar->ring_max_blocks : s->max_blocks;
     const kv_t kv = {ly->k_cache, ly->v_cache, ly->k_scale, ly->v_scale};
     if (paged_decode(ly->k_scale ? chunk_i8 : chunk_bf16, s->q, &kv, tables, max_blocks, s->seq_lens,
-                     sl ? ar->ring_starts : NULL, T, s->H, s->Hkv, s->D, NB, s->BS, s->scale, s->att, 1))
+                     sl ? s->starts : NULL, T, s->H, s->Hkv, s->D, NB, s->BS, s->scale, s->att, 1))
         return 1;
     rc = apply(s->att, T, &ly->o, qa, s->o);
     qacts_free(qa);
@@ -620,16 +620,19 @@ int decode_layers(const layer_t *layers, int64_t L, const decode_call_t *c, cons
         const qw_t *ws[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
         for (int i = 0; i < 7; i++)
             if (!qw_ok(ws[i])) return 2;
-        if (ly->sliding && (!ar->ring_tables || !ar->ring_slots || !ar->ring_starts || ly->k_scale)) return 2;
+        if (ly->sliding && (!ar->ring_tables || !ar->ring_slots || ar->window < 1 || ly->k_scale)) return 2;
         if ((ly->q_norm == NULL) != (ly->k_norm == NULL)) return 2;
     }
     const int64_t inter = layers[0].gate.N, qd = H * D, kd = Hkv * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * T * (hidden + qd + 2 * kd + qd + 2 * inter + hidden));
     float *cs = malloc(sizeof(float) * T * rope_dim * 4);
-    int64_t *seq_lens = malloc(sizeof(int64_t) * T);
+    int64_t *seq_lens = malloc(sizeof(int64_t) * T * 2), *starts = seq_lens + T;
     if (!buf || !cs || !seq_lens) { free(buf); free(cs); free(seq_lens); return 1; }
-    for (int64_t t = 0; t < T; t++) seq_lens[t] = positions[t] + 1; /* keys up to and including its own */
-    step_t s = {T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS, eps, scale, slots, tables, seq_lens,
+    for (int64_t t = 0; t < T; t++) {
+        seq_lens[t] = positions[t] + 1; /* keys up to and including its own */
+        starts[t] = ar->window > 0 && positions[t] >= ar->window ? positions[t] - ar->window + 1 : 0;
+    }
+    step_t s = {T, hidden, H, Hkv, D, rope_dim, inter, max_blocks, NB, BS, eps, scale, slots, tables, seq_lens, starts,
                 {cs, cs + 2 * T * rope_dim}, {cs + T * rope_dim, cs + 3 * T * rope_dim}};
     s.x = buf, s.q = s.x + T * hidden, s.k = s.q + T * qd, s.v = s.k + T * kd, s.att = s.v + T * kd;
     s.g = s.att + T * qd, s.u = s.g + T * inter, s.o = s.u + T * inter;

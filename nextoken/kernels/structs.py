@@ -81,11 +81,12 @@ class DecodeCall(ctypes.Structure):
 class DecodeArch(ctypes.Structure):
     """``arch_t`` of ``kernels/decode.c``: `gemma` (Gemma's norms and GeGLU), the sliding-window
     layers' RoPE frequencies (float32 ``[rope_dim / 2]``) and, per row of the call, its ring's
-    block table (int64 ``[T, ring_max_blocks]``), write slot and first key position (``[T]``)."""
+    block table (int64 ``[T, ring_max_blocks]``) and write slot (``[T]``); `window`: the sliding
+    window (row i reads keys from ``max(0, position - window + 1)``)."""
 
     _fields_ = [("gemma", ctypes.c_int64), ("inv_freq_local", ctypes.c_void_p), ("ring_tables", ctypes.c_void_p),
                 ("ring_max_blocks", ctypes.c_int64), ("ring_NB", ctypes.c_int64), ("ring_slots", ctypes.c_void_p),
-                ("ring_starts", ctypes.c_void_p)]
+                ("window", ctypes.c_int64)]
 
 
 class LoRAWeights(ctypes.Structure):

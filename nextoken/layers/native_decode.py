@@ -42,6 +42,7 @@ class NativeDecoder:
         self._kv = None
         self._inv_freq = None  # RoPE's frequencies as float32, for the table's life
         self._scale = None  # the attention's scale
+        self._inv_freq_local = None  # the sliding-window layers' RoPE frequencies (Gemma 3), float32
         self._final_norm = None  # the final norm's weight (address), when the call applies it
         self._lora = (None, None)  # (the LoRA batch's key, its `LoRAWeights` table and the stacks it points at)
 
@@ -101,6 +102,8 @@ class NativeDecoder:
             self._kv = kv
             self._inv_freq = self.model.inv_freq.float().contiguous()
             self._scale = self.model.layers[0].self_attn.scale
+            local = getattr(self.model, "inv_freq_local", None)
+            self._inv_freq_local = local.float().contiguous() if local is not None else None
             # the final norm in the same call where the model's own is this C kernel (the same function)
             norm_kernel = getattr(self.model, "norm_kernel", None)
             self._final_norm = _ptr(self.model.norm) if hasattr(norm_kernel, "rms_norm_rows_bf16") else None
@@ -121,29 +124,27 @@ class NativeDecoder:
     def _arch(self, meta, positions: torch.Tensor, seq_of_row: torch.Tensor | None,
               keep: list) -> tuple[DecodeArch | None, tuple]:
         """What decode.c needs beyond Llama's layer for this step (None for Llama's), and for a
-        model with sliding-window layers each row's ring arrays (its sequence's ring table, its
-        write slot, its window's first position: `DecodeArch`'s ``[T]`` fields), which each call
-        of the step points into at its first row; `keep` holds the tensors whose addresses it
-        carries until the calls return."""
+        model with sliding-window layers each row's ring arrays (its sequence's ring table
+        ``[T, ring_max_blocks]`` and its write slot ``[T]``, int64: `DecodeArch`'s per-row fields),
+        which each call of the step points into at its first row; `keep` holds the tensors whose
+        addresses it carries until the calls return."""
         model = self.model
         gemma = model.config.architecture == "gemma3"
         sm = meta.sliding
         if not gemma and sm is None:
             return None, ()
         arch = DecodeArch(gemma=int(gemma))
-        if hasattr(model, "inv_freq_local"):
-            local = model.inv_freq_local.float().contiguous()
-            keep.append(local)
-            arch.inv_freq_local = local.data_ptr()
+        if self._inv_freq_local is not None:
+            arch.inv_freq_local = self._inv_freq_local.data_ptr()
         rings = ()
         if sm is not None:
             if sm.write_rows.shape[0] != positions.shape[0]:  # (`takes` leaves no prefill row unwritten)
                 raise ValueError("a sliding-window step in one call writes every row's key")
             tables = sm.ring_tables if seq_of_row is None else sm.ring_tables[seq_of_row]
-            rings = (tables.contiguous(), sm.write_slots.contiguous(),
-                     (positions - (sm.window - 1)).clamp_min(0).to(torch.int64).contiguous())
+            rings = (tables.contiguous(), sm.write_slots.contiguous())
             keep += rings
             arch.ring_max_blocks, arch.ring_NB = rings[0].shape[1], self._kv.sliding.num_blocks
+            arch.window = sm.window
         return arch, rings
 
     def _lora_table(self, batch) -> ctypes.Array:
@@ -202,7 +203,8 @@ class NativeDecoder:
             rows = LoRAStep(ctypes.addressof(adapters), lora.row_start[a].data_ptr(),
                             lora.row_rank[a].data_ptr()) if adapters is not None else None
             if rings:  # this call's rows of the ring arrays
-                arch.ring_tables, arch.ring_slots, arch.ring_starts = (r[a].data_ptr() for r in rings)
+                arch.ring_tables = rings[0].data_ptr() + 8 * a * arch.ring_max_blocks
+                arch.ring_slots = rings[1].data_ptr() + 8 * a
             rc = decode_layers(self.lib, table, self.model.config, h.data_ptr() + a * row_bytes, n,
                                self._inv_freq.data_ptr(), positions.data_ptr() + 8 * a, slots.data_ptr() + 8 * a,
                                tables.data_ptr() + 8 * a * width, width, kv.num_blocks, kv.block_size,

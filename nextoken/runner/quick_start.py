@@ -396,9 +396,8 @@ class Forward:
             positions = np.arange(start + first, start + first + t, dtype=np.int64)
             tables = np.ascontiguousarray(np.broadcast_to(blocks, (t, num_blocks)))
             if self.arch is not None and cfg.sliding_layers:  # the rings: slot = position, as for the full layers
-                starts = np.maximum(positions - (cfg.sliding_window - 1), 0)
-                self.arch.ring_tables, self.arch.ring_slots, self.arch.ring_starts = \
-                    tables.ctypes.data, positions.ctypes.data, starts.ctypes.data
+                self.arch.ring_tables, self.arch.ring_slots = tables.ctypes.data, positions.ctypes.data
+                self.arch.window = cfg.sliding_window
             if decode_layers(lib, self.table, cfg, h.ctypes.data, t, self.inv_freq.ctypes.data, positions.ctypes.data,
                              positions.ctypes.data, tables.ctypes.data, num_blocks, num_blocks, block,
                              cfg.attention_scale, self.arch, final_norm=self.final_norm.ctypes.data) != 0:
