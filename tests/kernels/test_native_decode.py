@@ -137,7 +137,7 @@ def test_short_steps_with_prefill_rows_run_in_one_call(tmp_path, arch, monkeypat
     rounding (their prefill attention rounds differently: the bound is 8% of the logits'
     spread, as for the quick start), and each row's arithmetic is independent of what else the
     step holds (bit for bit against each sequence alone, and against its tokens fed one decode
-    step at a time). gemma3: prompts within its rings (12 tokens), scattered ring blocks, the
+    step at a time, and split into calls of a few rows). gemma3: prompts within its rings (12 tokens), scattered ring blocks, the
     last one's rows past its window of 8 (rows at positions 8-10 see keys from 1-3 on); its
     extra norms amplify bf16 roundings (see the test above), so against the PyTorch layers the
     bound is 0.3 of the spread (it measured 0.28), and the decode steps are the tight check."""
@@ -169,6 +169,11 @@ def test_short_steps_with_prefill_rows_run_in_one_call(tmp_path, arch, monkeypat
     close(mixed, run(plain, [0, 1, 2]), 0.3 if sliding else 0.08, argmax=not sliding)
     alone = torch.cat([run(native, [i]) for i in range(3)])
     assert torch.equal(mixed, alone)
+    # in calls of 3 rows (each call's rows, block tables and ring arrays found by their addresses,
+    # calls cutting through sequences): the same bits
+    monkeypatch.setattr("nextoken.layers.native_decode.ROWS_PER_CALL", 3)
+    assert torch.equal(mixed, run(native, [0, 1, 2]))
+    monkeypatch.undo()
     native.init_kv_cache(32, 4, 12 if ring else 0, ring)
     fed = []
     for i in range(3):
