@@ -36,7 +36,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "rms_norm_rows_bf16": (None, [P, P, _I64, _I64, _F32, P]),
     "rms_norm_rows_gemma": (None, [P, P, _I64, _I64, _F32, P]),
     "gelu_tanh_mul_bf16": (None, [P, P, P, _I64]),
-    "sample_rows": (_INT, [P, _I64, _I64, P, P, P, P, P, P, P]),
+    "sample_rows": (_INT, [P, _I64, _I64, P, P, P, P, P, P, P, P]),
     "rows_finite": (None, [P, _I64, _I64, P]),
     "decode_layers": (_INT, [P, _I64, P, P, P]),  # (layer_t *, L, decode_call_t *, arch_t *, lora_t *)
     "encoder_attention": (_INT, [P, _INT, _I64, _I64, _I64, P, P, _I64, P]),

@@ -120,22 +120,91 @@ static inline __m256 exp8_le0(__m256 x) {
 #define SAMPLING_AVX2 0
 #endif
 
-/* max of a row (-inf for an empty or all -inf row) */
-static float row_max(const float *l, int64_t V) {
+/* 1 when x is an infinity or NaN (its exponent bits all ones), in integers */
+static inline uint32_t nonfinite1(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
+#if SAMPLING_AVX2
+/* nonfinite1 on 8 lanes: all ones where the lane is an infinity or NaN */
+static inline __m256i nonfinite8(__m256 x) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), e), e);
+}
+#endif
+
+/* max of a row (-inf for an empty or all -inf row); *finite (when set) = 1 when the row holds no
+ * NaN and no infinity, found in the same pass */
+static float row_max(const float *l, int64_t V, uint8_t *finite) {
     float m = -INFINITY;
+    uint32_t bad = 0;
     int64_t i = 0;
 #if SAMPLING_AVX2
     __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+    __m256i nf = _mm256_setzero_si256();
     for (; i + 16 <= V; i += 16) {
-        a = _mm256_max_ps(a, _mm256_loadu_ps(l + i));
-        b = _mm256_max_ps(b, _mm256_loadu_ps(l + i + 8));
+        const __m256 x0 = _mm256_loadu_ps(l + i), x1 = _mm256_loadu_ps(l + i + 8);
+        a = _mm256_max_ps(a, x0);
+        b = _mm256_max_ps(b, x1);
+        nf = _mm256_or_si256(nf, _mm256_or_si256(nonfinite8(x0), nonfinite8(x1)));
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
     for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    bad = !_mm256_testz_si256(nf, nf);
 #endif
-    for (; i < V; i++) m = l[i] > m ? l[i] : m;
+    for (; i < V; i++) {
+        m = l[i] > m ? l[i] : m;
+        bad |= nonfinite1(l[i]);
+    }
+    if (finite) *finite = (uint8_t)!bad;
     return m;
+}
+
+static int64_t first_index_of(const float *l, int64_t V, float m);
+
+#define ARGMAX_BLOCK 256 /* floats per block of the greedy draw's pass (1 KiB: the rescan stays in L1) */
+
+/* The first index of a row's maximum (0 for an all -inf row), in one pass over the row, with
+ * *finite (when set) as row_max's: the greedy draw. Where AVX2 is there, the row goes in blocks of
+ * ARGMAX_BLOCK: each block's maximum by vector max (two accumulators), the first block holding the
+ * largest kept, then the first index of that value within it (first_index_of over one block, in
+ * L1); the tail past the last whole block by the plain loop, a later value replacing only a larger
+ * one. The first maximum, as PyTorch's argmax. Before, the draw made row_max's pass and a second
+ * for the index (half a row on average), and the engine's finiteness check a third from Python;
+ * one pass keeping each lane's first index (a compare and two blends a vector) ran a row held in
+ * L2 30% slower than those passes. */
+static int64_t row_argmax(const float *l, int64_t V, uint8_t *finite) {
+    float best = -INFINITY;
+    int64_t best_i = 0, i = 0;
+    uint32_t bad = 0;
+#if SAMPLING_AVX2
+    int64_t best_block = -1;
+    __m256i nf = _mm256_setzero_si256();
+    for (; i + ARGMAX_BLOCK <= V; i += ARGMAX_BLOCK) {
+        __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+        for (int64_t k = i; k < i + ARGMAX_BLOCK; k += 16) {
+            const __m256 x0 = _mm256_loadu_ps(l + k), x1 = _mm256_loadu_ps(l + k + 8);
+            a = _mm256_max_ps(a, x0);
+            b = _mm256_max_ps(b, x1);
+            nf = _mm256_or_si256(nf, _mm256_or_si256(nonfinite8(x0), nonfinite8(x1)));
+        }
+        float lanes[8], m = -INFINITY;
+        _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        if (m > best) best = m, best_block = i;
+    }
+    if (best_block >= 0) best_i = best_block + first_index_of(l + best_block, ARGMAX_BLOCK, best);
+    bad = !_mm256_testz_si256(nf, nf);
+#endif
+    for (; i < V; i++) {
+        if (l[i] > best) best = l[i], best_i = i;
+        bad |= nonfinite1(l[i]);
+    }
+    if (finite) *finite = (uint8_t)!bad;
+    return best_i;
 }
 
 /* the first i with l[i] == m (V - 1 when there is none); 16 lanes compared at a time where AVX2
@@ -320,16 +389,24 @@ static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float
 /* One token per row. rows: B addresses of float32 rows of V logits; temperature [B] (0: greedy);
  * top_k [B] (<= 0: off), top_p [B] (1: off), min_p [B] (0: off); u [B] uniform numbers in [0, 1);
  * tokens [B] out; kept [B] out or NULL: how many tokens the filters kept (V without filters, 1 for
- * greedy rows). Returns 0, or 1 when out of memory. */
+ * greedy rows); finite [B] out or NULL: rows_finite's flags, found in the draw's first pass (the
+ * engine's check before a step's draw, without a pass and a call of its own). Returns 0, or 1 when
+ * out of memory. */
 int sample_rows(const int64_t *rows, int64_t B, int64_t V, const float *temperature, const int32_t *top_k,
-                const float *top_p, const float *min_p, const float *u, int64_t *tokens, int32_t *kept) {
+                const float *top_p, const float *min_p, const float *u, int64_t *tokens, int32_t *kept,
+                uint8_t *finite) {
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1) if (B > 1) reduction(| : failed)
     for (int64_t r = 0; r < B; r++) {
         const float *l = (const float *)(intptr_t)rows[r];
-        const float mx = row_max(l, V);
         const float T = temperature[r];
-        if (T <= 0.f || mx == -INFINITY) { /* greedy, or nothing left to draw from */
+        if (T <= 0.f) { /* greedy: the first maximum, in one pass */
+            tokens[r] = row_argmax(l, V, finite ? finite + r : NULL);
+            if (kept) kept[r] = 1;
+            continue;
+        }
+        const float mx = row_max(l, V, finite ? finite + r : NULL);
+        if (mx == -INFINITY) { /* nothing left to draw from */
             tokens[r] = first_index_of(l, V, mx);
             if (kept) kept[r] = 1;
             continue;

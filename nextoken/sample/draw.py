@@ -14,12 +14,14 @@ def row_settings(params, vocab_size: int) -> tuple[float, int, float, float]:
 
 
 def sample_rows(lib, rows: int, batch: int, vocab_size: int, temperature: int, top_k: int, top_p: int, min_p: int,
-                u: int, tokens: int) -> None:
+                u: int, tokens: int, finite: int | None = None) -> None:
     """One token per row: `rows` the address of ``batch`` int64 row addresses (float32 logits
     ``[vocab_size]`` each); the settings float32 / int32 / float32 / float32 ``[batch]``, u float32
     ``[batch]`` (one uniform number per row, `sample.rng`) and tokens int64 ``[batch]`` (out), as
-    addresses. Raises `MemoryError` when the kernel cannot allocate its scratch memory."""
-    if lib.sample_rows(rows, batch, vocab_size, temperature, top_k, top_p, min_p, u, tokens, None):
+    addresses; `finite`: the address of uint8 ``[batch]`` (out) for each row's finiteness (1: no
+    NaN or infinity), found in the same pass, or None. Raises `MemoryError` when the kernel
+    cannot allocate its scratch memory."""
+    if lib.sample_rows(rows, batch, vocab_size, temperature, top_k, top_p, min_p, u, tokens, None, finite):
         raise MemoryError("the sampling kernel could not allocate its scratch memory")
 
 

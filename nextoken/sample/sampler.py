@@ -263,16 +263,19 @@ class _Kernel:
         self.lib.rows_finite(rows.buffer_info()[0], b, V, out.buffer_info()[0])
         return [x != 0 for x in out]
 
-    def __call__(self, addresses: list[int], V: int, settings: tuple[int, int, int, int], u: list[float]
-                 ) -> torch.Tensor:
-        """Tokens int64 ``[len(addresses)]`` of the float32 rows at `addresses`; `settings`: the
-        addresses of the rows' temperature, top-k, top-p and min-p (`SamplingMetadata`'s
-        tensors, or slices of them), `u` each row's uniform number."""
+    def __call__(self, addresses: list[int], V: int, settings: tuple[int, int, int, int], u: list[float],
+                 check_finite: bool = False) -> tuple[torch.Tensor, list[bool] | None]:
+        """Tokens int64 ``[len(addresses)]`` of the float32 rows at `addresses`, and with
+        `check_finite` each row's finiteness (`finite`'s, found in the draw's first pass over the
+        row; else None); `settings`: the addresses of the rows' temperature, top-k, top-p and
+        min-p (`SamplingMetadata`'s tensors, or slices of them), `u` each row's uniform number."""
         b = len(addresses)
         rows, us = array("q", addresses), array("f", u)
         tokens = torch.empty(b, dtype=torch.int64, device="cpu")
-        sample_rows(self.lib, rows.buffer_info()[0], b, V, *settings, us.buffer_info()[0], tokens.data_ptr())
-        return tokens
+        flags = array("B", bytes(b)) if check_finite else None
+        sample_rows(self.lib, rows.buffer_info()[0], b, V, *settings, us.buffer_info()[0], tokens.data_ptr(),
+                    flags.buffer_info()[0] if flags is not None else None)
+        return tokens, [x != 0 for x in flags] if flags is not None else None
 
 
 # -- the batch's settings -------------------------------------------------------------------
@@ -395,8 +398,9 @@ class Sampler:
         sampled row."""
         B, V = logits.shape
         meta = self.metadata(rows, V, logits.device)
-        tokens = self._draw(logits, rows, list(range(B)), {}, meta)
-        finite = self.finite_flags(logits) if check_finite else []
+        tokens, finite = self._draw(logits, rows, list(range(B)), {}, meta, check_finite)
+        if finite is None:  # (not found by the draw's own call)
+            finite = self.finite_flags(logits) if check_finite else []
         if check_finite and not (isinstance(finite, list) and all(finite)):
             tokens = tokens.clamp_(0, V - 1)  # (a row of NaN may draw anything: keep it a token id, for the next step's input)
         out = SampleLaunch(meta, tokens, finite)
@@ -440,7 +444,7 @@ class Sampler:
         if keep_details:
             self._draw_with_details(logits, rows, source, results)
         elif ok:
-            for i, t in zip(ok, self._draw(logits, rows, ok, source, meta).tolist()):
+            for i, t in zip(ok, self._draw(logits, rows, ok, source, meta)[0].tolist()):
                 results[i].token = t
             again = []
             for i in retry:
@@ -451,7 +455,7 @@ class Sampler:
                 except Exception as exc:  # noqa: BLE001
                     _fail(results[i], exc)
             if again:
-                for i, t in zip(again, self._draw(logits, rows, again, source, meta).tolist()):
+                for i, t in zip(again, self._draw(logits, rows, again, source, meta)[0].tolist()):
                     results[i].token = t
         self._logprobs(logits, meta, results)
         return results
@@ -506,10 +510,12 @@ class Sampler:
         return _mask(raw if processed is None else processed, refused, raw, len(history) < row.params.min_tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplerRequest], which: list[int],
-              source: dict[int, torch.Tensor], meta: SamplingMetadata) -> torch.Tensor:
+              source: dict[int, torch.Tensor], meta: SamplingMetadata,
+              check_finite: bool = False) -> tuple[torch.Tensor, list[bool] | None]:
         """Tokens of rows `which` (int64 ``[len(which)]``, on the logits' device): each from its
         processed logits (`source`) or the raw row; one uniform number from each sampled row's
-        generator. On a GPU: one copy of the uniform numbers over."""
+        generator. On a GPU: one copy of the uniform numbers over. With `check_finite`, on the
+        CPU's kernel, also each row's finiteness from the same pass; otherwise None."""
         dev = logits.device
         us = [uniform(rows[i].generator) if not rows[i].params.greedy else 0.0 for i in which]
         whole = len(which) == logits.shape[0]  # (every row, in order: `which` is sorted)
@@ -518,9 +524,9 @@ class Sampler:
             base, stride = logits.data_ptr(), logits.stride(0) * logits.element_size()
             addresses = [source[i].data_ptr() if i in source else base + i * stride for i in which]
             if whole:
-                return self.kernel(addresses, logits.shape[1], meta.addresses(), us)
+                return self.kernel(addresses, logits.shape[1], meta.addresses(), us, check_finite)
             fields = tuple(t[which] for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p))
-            return self.kernel(addresses, logits.shape[1], tuple(t.data_ptr() for t in fields), us)
+            return self.kernel(addresses, logits.shape[1], tuple(t.data_ptr() for t in fields), us, check_finite)
         u = to_device(us, torch.float32, dev)
         sel = slice(None) if whole else to_device(which, torch.long, dev)
         settings = (meta.temperature[sel], meta.top_k[sel], meta.top_p[sel], meta.min_p[sel], u)
@@ -532,10 +538,10 @@ class Sampler:
         if self.triton_draw is not None and sampled and len(which) >= self.triton_min_rows:  # (all greedy: argmax)
             tokens = self.triton_draw(stack, *settings)
             if tokens is not None:
-                return tokens
+                return tokens, None
             count_fallback("sampling")
         active = any(meta.filtered[i] for i in which)
-        return torch_draw(stack, *settings, sampled=sampled, active=active)
+        return torch_draw(stack, *settings, sampled=sampled, active=active), None
 
     def _draw_with_details(self, logits, rows, source, results) -> None:
         """The plain path, keeping each row's kept mask and distribution (`SampleResult.kept`,
@@ -577,7 +583,7 @@ class Sampler:
             b, V = len(rows), rows[0].shape[-1]
             zero, top_k, one = array("f", bytes(4 * b)), array("i", bytes(4 * b)), array("f", [1.0] * b)
             settings = tuple(a.buffer_info()[0] for a in (zero, top_k, one, zero))  # (temperature 0: greedy)
-            return self.kernel([r.data_ptr() for r in rows], V, settings, [0.0] * b).tolist()
+            return self.kernel([r.data_ptr() for r in rows], V, settings, [0.0] * b)[0].tolist()
         return [int(r.argmax()) for r in rows]
 
     def _logprobs(self, logits: torch.Tensor, meta: SamplingMetadata, results: list[SampleResult]) -> None:

@@ -156,17 +156,18 @@ def test_kernel_equals_the_pytorch_draw(vocab):
         u = torch.rand(8, generator=g)
         want = torch_draw(logits, temp, top_k, top_p, min_p, u)
         got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab,
-                             tuple(t.data_ptr() for t in (temp, top_k, top_p, min_p)), u.tolist())
+                             tuple(t.data_ptr() for t in (temp, top_k, top_p, min_p)), u.tolist())[0]
         assert torch.equal(got, want), trial
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_greedy_rows_take_the_first_maximum(build):
-    """The greedy draw (`row_max`, then the first index holding it: 16 lanes at a time where AVX2
-    is there, else the plain loop) against PyTorch's argmax, which returns the first maximum:
-    ties within one block of 16, across blocks, in the vector loop's tail, at the last place, a
-    constant row, an all -inf row, and masked (-inf) tokens. (NaN rows never reach the draw: the
-    engine fails them first, `Sampler.finite_rows`.)"""
+    """The greedy draw (`row_argmax`: one pass, two sets of 8 lanes each keeping its maximum and
+    first index where AVX2 is there, else the plain loop) against PyTorch's argmax, which returns
+    the first maximum: ties within one block of 16 (across the two sets of lanes), across blocks,
+    in the vector loop's tail, at the last place, a constant row, an all -inf row, masked (-inf)
+    tokens, and rows of a few values (ties everywhere). (A NaN row's token is never used: the
+    engine fails it, `Sampler.finite_rows`.)"""
     sampler = Sampler(kernel=kernels.load("sampling", portable=build == "portable"))
     vocab = 1003  # 62 blocks of 16 and a tail of 11
     logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(3))
@@ -181,14 +182,20 @@ def test_greedy_rows_take_the_first_maximum(build):
     zero, ones = torch.zeros(10), torch.ones(10)
     top_k = zero.int()
     got = sampler.kernel([logits[i].data_ptr() for i in range(10)], vocab,
-                         tuple(t.data_ptr() for t in (zero, top_k, ones, zero)), [0.0] * 10)
+                         tuple(t.data_ptr() for t in (zero, top_k, ones, zero)), [0.0] * 10)[0]
     assert got.tolist() == want.tolist() == [5, 17, 995, 29, 40, 993, 0, 0, 300, 15]
+    for vocab in (16, 17, 4099, 49152):
+        few = torch.randint(0, 40, (10, vocab), generator=torch.Generator().manual_seed(vocab)).float()
+        got = sampler.kernel([few[i].data_ptr() for i in range(10)], vocab,
+                             tuple(t.data_ptr() for t in (zero, top_k, ones, zero)), [0.0] * 10)[0]
+        assert got.tolist() == few.argmax(-1).tolist(), vocab
 
 
 def test_finite_rows_kernel_equals_the_plain_check():
-    """``rows_finite`` (the engine's check before sampling) against the plain path and the
-    definition (no NaN, no +-inf in the row): each kind of bad value at the first place, in the
-    middle, in the vector loop's tail, and in a strided view's rows."""
+    """``rows_finite`` (the engine's check before sampling; a decode step's draw finds it in its
+    first pass over each row instead, ``sample_rows``' ``finite``, greedy and sampled) against the
+    plain path and the definition (no NaN, no +-inf in the row): each kind of bad value at the
+    first place, in the middle, in the vector loop's tail, and in a strided view's rows."""
     with_kernel, plain = Sampler(kernel=kernels.load("sampling")), Sampler()
     assert with_kernel.kernel is not None and plain.kernel is None
     vocab = 1003
@@ -201,6 +208,12 @@ def test_finite_rows_kernel_equals_the_plain_check():
     want = [bool(torch.isfinite(r).all()) for r in logits]
     assert want[:5] == [False] * 5 and all(want[5:])
     assert with_kernel.finite_rows(logits) == plain.finite_rows(logits) == want
+    rows, zero, ones = [logits[i].data_ptr() for i in range(12)], torch.zeros(12), torch.ones(12)
+    top_k = torch.zeros(12, dtype=torch.int32)
+    for temperature in (zero, ones):  # the greedy pass (`row_argmax`) and the sampled one (`row_max`)
+        settings = tuple(t.data_ptr() for t in (temperature, top_k, ones, zero))
+        assert with_kernel.kernel(rows, vocab, settings, [0.5] * 12, check_finite=True)[1] == want
+        assert with_kernel.kernel(rows, vocab, settings, [0.5] * 12)[1] is None
     view = logits.T.contiguous().T[::2]  # rows of a transposed copy: not unit-stride along the vocabulary
     assert with_kernel.finite_rows(view) == want[::2]
     small = torch.randn(3, vocab)
