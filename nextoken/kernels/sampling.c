@@ -223,8 +223,19 @@ static int64_t first_index_of(const float *l, int64_t V, float m) {
     return i;
 }
 
+/* the vector loop of exp_pass over one block, x8 the 8 lanes of l / T at i (see there) */
+#define EXP_BLOCK_LOOP(x8)                                                          \
+    for (; i + 8 <= n; i += 8) {                                                    \
+        const __m256 e = exp8_le0(_mm256_sub_ps(x8, vm));                           \
+        _mm256_storeu_ps(t_e + b0 + i, e);                                          \
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));         \
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));       \
+    }
+
 /* e = exp(l / T - mx) into t_e; the sums of e per block of BLOCK into t_blocks (double lanes);
- * returns their total */
+ * returns their total. At T = 1 the vector loop skips the division, whose quotient would be l
+ * itself (exactly): a sampled draw of one Gemma 3 row (262144 tokens) 0.30 -> 0.25 ms, and
+ * temperature 1 is the APIs' default. */
 static double exp_pass(const float *l, int64_t V, float T, float mx) {
     double total = 0.0;
     for (int64_t b0 = 0; b0 < V; b0 += BLOCK) {
@@ -234,12 +245,8 @@ static double exp_pass(const float *l, int64_t V, float T, float mx) {
 #if SAMPLING_AVX2
         const __m256 vt = _mm256_set1_ps(T), vm = _mm256_set1_ps(mx);
         __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-        for (; i + 8 <= n; i += 8) {
-            const __m256 e = exp8_le0(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(l + b0 + i), vt), vm));
-            _mm256_storeu_ps(t_e + b0 + i, e);
-            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-        }
+        if (T == 1.f) EXP_BLOCK_LOOP(_mm256_loadu_ps(l + b0 + i))
+        else EXP_BLOCK_LOOP(_mm256_div_ps(_mm256_loadu_ps(l + b0 + i), vt))
         double lanes[4];
         _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
         s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
