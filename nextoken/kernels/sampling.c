@@ -14,7 +14,7 @@
  *   draw:   the kept tokens in id order, S their running sum of e in double; the first token with
  *           S > u * S_total.
  *
- * Without a filter the draw is one pass for the max and one for e (summed per block of 64 in
+ * Greedy is one pass (row_argmax). Without a filter the draw is one pass for the max and one for e (summed per block of 64 in
  * double lanes), then a walk over the block sums and one block. With filters the candidates
  * {e >= tau} are gathered for a threshold tau low enough that no token outside them can be kept
  * (tau = Mp for min-p; else 2^-8, lowered by 2^-8 until the K best or the top-p mass are inside),
@@ -208,7 +208,7 @@ static int64_t row_argmax(const float *l, int64_t V, uint8_t *finite) {
 }
 
 /* the first i with l[i] == m (V - 1 when there is none); 16 lanes compared at a time where AVX2
- * is there (after `row_max`, the greedy draw's second pass: scalar, it took half the draw's time) */
+ * is there (within row_argmax's best block; a sampled row with nothing to draw from) */
 static int64_t first_index_of(const float *l, int64_t V, float m) {
     int64_t i = 0;
 #if SAMPLING_AVX2
@@ -437,17 +437,17 @@ int sample_rows(const int64_t *rows, int64_t B, int64_t V, const float *temperat
 }
 
 /* Whether each of B rows of V float32 logits (rows: their addresses) is free of NaN and infinity:
- * finite[r] = 1 or 0. One pass over the exponent bits (all ones: inf or NaN), in integers, so that
- * the compiler vectorizes it without reassociating floats; the engine's check before sampling
- * (`Sampler.finite_rows`), where PyTorch's sum, isfinite and copy back took 3-4 times as long on
+ * finite[r] = 1 or 0. One pass over the exponent bits (nonfinite1), in integers, so that the
+ * compiler vectorizes it without reassociating floats; the engine's check before sampling where the
+ * draw's own pass did not make it (`Sampler.finite_rows`), where PyTorch's sum, isfinite and copy back took 3-4 times as long on
  * a 151936-token row just written by the head. Rows over the threads: a batch of 64 Gemma 3 rows
  * (262144 tokens) is 64 MiB of logits, 9 ms a step on one core of a 2-core VM. */
 void rows_finite(const int64_t *rows, int64_t B, int64_t V, uint8_t *finite) {
     #pragma omp parallel for schedule(static) if (B > 1)
     for (int64_t r = 0; r < B; r++) {
-        const uint32_t *bits = (const uint32_t *)(intptr_t)rows[r];
+        const float *l = (const float *)(intptr_t)rows[r];
         uint32_t bad = 0;
-        for (int64_t i = 0; i < V; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;
-        finite[r] = !bad;
+        for (int64_t i = 0; i < V; i++) bad |= nonfinite1(l[i]);
+        finite[r] = (uint8_t)!bad;
     }
 }
