@@ -72,6 +72,12 @@ static inline void store1(void *y, int y_mode, int64_t idx, float v) {
 #define TILE 16
 #define MB 6 /* activation rows per pass over the tiles */
 #define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
+#ifndef DECODE_ROWS
+#define DECODE_ROWS 16 /* calls of at most this many rows stream each tile from memory once (group_sums) */
+#endif
+#ifndef ONE_TILE_ROWS
+#define ONE_TILE_ROWS 4 /* calls of at most this many rows go one tile a task (qmatmul_q_n) */
+#endif
 #ifndef AVX2_PF
 #define AVX2_PF 4 /* the AVX2 loop's decode prefetch, in groups ahead: Qwen2.5-0.5B decode +5%, its Q8_0 +7% */
 #endif
@@ -423,8 +429,10 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
  * rows of tile t + u times activation row m0 + i. The weight vectors are unpacked two at a time and
  * each used mb times; each activation broadcast serves nt tiles. The codes ahead are prefetched (a
  * tile's codes are one stream; the hardware alone kept the loads waiting): PF_GROUPS groups ahead
- * into L1 when the group is used for many rows; for decode (mb <= 2) PF_DECODE_BYTES of codes ahead
- * into L2, where L2, which keeps more misses in flight, let the weight stream run 12-14% faster.
+ * into L1 when the group is used for many rows; for a tile's one read from memory (`stream`: the
+ * first pass of a call of at most DECODE_ROWS rows) PF_DECODE_BYTES of codes ahead into L2, where L2,
+ * which keeps more misses in flight, let the weight stream run 12-14% faster, and a pass of more
+ * than two rows (more work a line: the loads wait longer on L2) also PF_GROUPS ahead into L1.
  * The decode distance is in bytes, not groups: at 8 groups Q6_K (192 bytes a group) looked 1.5 KiB
  * ahead and streamed at 18 GB/s, Q4_K (256) 21, Q8_0 (512) 23.5; at 6-12 KiB ahead all three
  * stream at 22-24 (2 threads, Sapphire Rapids VM, bare read 25): decode +9% on Qwen2.5-0.5B and
@@ -437,21 +445,26 @@ static inline __attribute__((always_inline)) void code_pair(const uint8_t *cg, c
  * vpdpbusd, then added: from L2, one thread, 10-15% faster. */
 static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int64_t t, const int64_t nt,
                                                              const int64_t bits, const qact_t *a, int64_t m0,
-                                                             const int64_t mb, int64_t g, __m512i *s) {
+                                                             const int64_t mb, int64_t g, const int stream, __m512i *s) {
     const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gbytes = TILE * G * LAYOUT_BITS(bits) / 8, npairs = G / 8;
     const int split = nt * mb <= 2; /* two accumulators per sum: s and s2 */
     __m512i s2[2];
     for (int64_t i = 0; i < nt * mb; i++) s[i] = _mm512_setzero_si512();
     if (split)
         for (int64_t i = 0; i < nt * mb; i++) s2[i] = _mm512_setzero_si512();
-    const int64_t pf = mb <= 2 ? PF_DECODE_BYTES / gbytes : PF_GROUPS; /* groups ahead */
-    if (g + pf < ng || mb <= 2) /* decode: on past the tile's end, into the next tile (a hint) */
+    const int64_t pf = stream ? PF_DECODE_BYTES / gbytes : PF_GROUPS; /* groups ahead */
+    if (g + pf < ng || stream) /* from memory: on past the tile's end, into the next tile (a hint) */
         for (int64_t u = 0; u < nt; u++) {
             const char *pc = (const char *)(w->codes + ((t + u) * ng + g + pf) * gbytes);
             for (int64_t b = 0; b < gbytes; b += 64) {
-                if (mb <= 2) _mm_prefetch(pc + b, _MM_HINT_T1);
+                if (stream) _mm_prefetch(pc + b, _MM_HINT_T1);
                 else _mm_prefetch(pc + b, _MM_HINT_T0);
             }
+        }
+    if (stream && mb > 2 && g + PF_GROUPS < ng) /* a pass of many rows: from L2 into L1 as well */
+        for (int64_t u = 0; u < nt; u++) {
+            const char *pc = (const char *)(w->codes + ((t + u) * ng + g + PF_GROUPS) * gbytes);
+            for (int64_t b = 0; b < gbytes; b += 64) _mm_prefetch(pc + b, _MM_HINT_T0);
         }
     for (int p = 0; p < npairs; p++) {
         __m512i v[2][2];
@@ -478,14 +491,14 @@ static inline __attribute__((always_inline)) void group_sums(const qw_t *w, int6
  * (see run_tiles), with constant bits, so everything stays in registers: nt * mb <= 12. */
 static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_t t, const int64_t nt,
                                                            const int64_t bits, const qact_t *a, int64_t m0,
-                                                           const int64_t mb, __m512 *acc) {
+                                                           const int64_t mb, const int stream, __m512 *acc) {
     const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G;
     const float *xs = G == 16 ? a->xs16 : a->xs32;
     const __m512 negoff = _mm512_set1_ps(-(float)w->offset);
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         __m512i s[2 * MB];
-        group_sums(w, t, nt, bits, a, m0, mb, g, s);
+        group_sums(w, t, nt, bits, a, m0, mb, g, stream, s);
         __m512 sc[2], mn[2];
         for (int64_t u = 0; u < nt; u++) {
             sc[u] = vgroup(w->scales, w->scale_sup, w->gps, t + u, ng, g);
@@ -520,7 +533,7 @@ static inline __attribute__((always_inline)) void tiles_mb(const qw_t *w, int64_
  * depend on the rows computed with it (decode equals prefill, bit for bit). */
 static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_t t, const int64_t nt,
                                                            const int64_t bits, const qact_t *a, int64_t m0,
-                                                           const int64_t mb, __m512 *acc) {
+                                                           const int64_t mb, const int stream, __m512 *acc) {
     const int64_t K = w->K, G = GROUP_OF(bits), ng = K / G, gps = w->gps, nsb = ng / gps;
     const int8_t *mins = w->mins ? (const int8_t *)w->mins : (const int8_t *)w->scales;
     for (int64_t i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
@@ -556,7 +569,7 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
         for (int64_t i = 0; i < nt * mb; i++) isb[i] = _mm512_setzero_si512();
         for (int64_t g = sb * gps; g < (sb + 1) * gps; g++) {
             __m512i s[2 * MB], sci[2];
-            group_sums(w, t, nt, bits, a, m0, mb, g, s);
+            group_sums(w, t, nt, bits, a, m0, mb, g, stream, s);
             for (int64_t u = 0; u < nt; u++)
                 sci[u] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scales + ((t + u) * ng + g) * TILE)));
             for (int64_t i = 0; i < mb; i++)
@@ -574,8 +587,8 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
 }
 
 #define TILES_ROWS(NT, BITS, MBC)                                    \
-    if (sup) tiles_sb(w, t, NT, BITS, a, m0, MBC, acc);              \
-    else if (!G16(BITS) || BITS == 6) tiles_mb(w, t, NT, BITS, a, m0, MBC, acc); /* (qw_ok: the others are sb) */
+    if (sup) tiles_sb(w, t, NT, BITS, a, m0, MBC, stream, acc);      \
+    else if (!G16(BITS) || BITS == 6) tiles_mb(w, t, NT, BITS, a, m0, MBC, stream, acc); /* (qw_ok: the others are sb) */
 #define TILES_MB(NT, BITS)                                           \
     switch (mb) {                                                    \
     case 1: TILES_ROWS(NT, BITS, 1) break;                           \
@@ -592,6 +605,7 @@ static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, 
                                                                  int64_t ldy, const int sup, const int64_t bits) {
     for (int64_t m0 = m_begin; m0 < m_end; m0 += MB) {
         const int64_t mb = m_end - m0 < MB ? m_end - m0 : MB;
+        const int stream = m0 == m_begin && m_end - m_begin <= DECODE_ROWS; /* the tile's one read from memory */
         __m512 acc[2 * MB];
         if (nt == 2) { TILES_MB(2, bits) } else { TILES_MB(1, bits) }
         for (int64_t u = 0; u < nt; u++) {
@@ -798,11 +812,16 @@ static void qmatmul_q_n(const qact_t *const *a, const qw_t *const *w, int n, voi
 #ifdef QM_VNNI
     /* Pairs of tiles (an odd last tile alone), split over the threads, for each block of
      * MBLOCK activation rows in turn: a block's rows stay in L2 while every tile passes.
-     * One row (single-stream decode, bound by the weights' read) goes one tile at a time: each
-     * thread then reads one stream of codes, not two tiles' streams side by side, and the weights
-     * of Qwen2.5-1.5B's decode step streamed 25% faster (slow memory: 23 -> 31 GB/s, 2 threads,
-     * bare read 38), though the kernel computes 10% slower from L2. */
-    const int64_t nt = M == 1 ? 1 : 2; /* tiles per task */
+     * Calls of at most DECODE_ROWS rows (decode of one or a few streams, speculative
+     * verification), bound by the weights' read, go one tile at a time: each thread then reads
+     * one stream of codes, not two tiles' streams side by side, and the weights of Qwen2.5-1.5B's
+     * decode step streamed 25% faster (slow memory: 23 -> 31 GB/s, 2 threads, bare read 38),
+     * though the kernel computes 10% slower from L2. Up to 2026-12-02 only one row went so, and
+     * only passes of at most 2 rows prefetched from memory (group_sums): on a 2-core Zen 4 VM,
+     * Qwen2.5-1.5B's decode step of 4 sequences took 56-62 ms against 29-42 for one; with both
+     * rules at DECODE_ROWS rows 39-47 ms, 8 sequences 74-91 -> 61-71, 16 sequences 136-137 ->
+     * 113-124 (and at 32 rows one tile a task was no faster, nor than two at 48). */
+    const int64_t nt = M <= ONE_TILE_ROWS ? 1 : 2; /* tiles per task */
 #else
     const int64_t nt = 1;
 #endif
