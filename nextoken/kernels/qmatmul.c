@@ -812,15 +812,19 @@ static void qmatmul_q_n(const qact_t *const *a, const qw_t *const *w, int n, voi
 #ifdef QM_VNNI
     /* Pairs of tiles (an odd last tile alone), split over the threads, for each block of
      * MBLOCK activation rows in turn: a block's rows stay in L2 while every tile passes.
-     * Calls of at most DECODE_ROWS rows (decode of one or a few streams, speculative
-     * verification), bound by the weights' read, go one tile at a time: each thread then reads
-     * one stream of codes, not two tiles' streams side by side, and the weights of Qwen2.5-1.5B's
-     * decode step streamed 25% faster (slow memory: 23 -> 31 GB/s, 2 threads, bare read 38),
-     * though the kernel computes 10% slower from L2. Up to 2026-12-02 only one row went so, and
-     * only passes of at most 2 rows prefetched from memory (group_sums): on a 2-core Zen 4 VM,
-     * Qwen2.5-1.5B's decode step of 4 sequences took 56-62 ms against 29-42 for one; with both
-     * rules at DECODE_ROWS rows 39-47 ms, 8 sequences 74-91 -> 61-71, 16 sequences 136-137 ->
-     * 113-124 (and at 32 rows one tile a task was no faster, nor than two at 48). */
+     * Calls of at most ONE_TILE_ROWS rows (decode of one or a few streams), bound by the
+     * weights' read, go one tile at a time: each thread then reads one stream of codes, not two
+     * tiles' streams side by side, and the weights of Qwen2.5-1.5B's decode step streamed 25%
+     * faster (slow memory: 23 -> 31 GB/s, 2 threads, bare read 38), though the kernel computes
+     * 10% slower from L2. Up to 2026-12-02 only one row went so, and only passes of at most 2
+     * rows prefetched from memory (group_sums' `stream`): on a 2-core Zen 4 VM, Qwen2.5-1.5B's
+     * decode step of 4 sequences took 56-62 ms against 29-42 for one. With one tile a task up to
+     * 4 rows and the stream's prefetch up to DECODE_ROWS, decode steps (medians of three
+     * alternated rounds against the old rules, greedy / sampled) of 4 sequences ran 1.67 / 1.62x
+     * faster on Qwen2.5-1.5B, 1.60 / 1.62x on Qwen2.5-0.5B, 1.31 / 1.57x on Gemma 3 270M; 8 and
+     * 16 sequences 1.05-1.21x; one sequence and a 512-token prefill unchanged. One tile a task
+     * at 8 or 16 rows was 1.3-1.7x slower on SmolLM2 and Qwen2.5-0.5B (their legacy formats
+     * compute more a byte: two tiles share each activation broadcast). */
     const int64_t nt = M <= ONE_TILE_ROWS ? 1 : 2; /* tiles per task */
 #else
     const int64_t nt = 1;
