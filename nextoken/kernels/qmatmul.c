@@ -70,13 +70,19 @@ static inline void store1(void *y, int y_mode, int64_t idx, float v) {
 #endif
 
 #define TILE 16
-#define MB 6 /* activation rows per pass over the tiles */
+#define MB 6 /* activation rows per pass over pairs of tiles */
+#ifndef MB1
+#define MB1 8 /* activation rows per pass over one tile (nt * mb accumulators: at most 2 MB): see qmatmul_q_n */
+#endif
+#if MB1 < 1 || MB1 > 8
+#error "MB1 must be 1 .. 8 (TILES_MB1 has cases up to 7; each more costs compile time: cases to 12 doubled it)"
+#endif
 #define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
 #ifndef DECODE_ROWS
 #define DECODE_ROWS 16 /* calls of at most this many rows stream each tile from memory once (group_sums) */
 #endif
 #ifndef ONE_TILE_ROWS
-#define ONE_TILE_ROWS 4 /* calls of at most this many rows go one tile a task (qmatmul_q_n) */
+#define ONE_TILE_ROWS 8 /* calls of at most this many rows go one tile a task (qmatmul_q_n) */
 #endif
 #ifndef AVX2_PF
 #define AVX2_PF 4 /* the AVX2 loop's decode prefetch, in groups ahead: Qwen2.5-0.5B decode +5%, its Q8_0 +7% */
@@ -598,21 +604,34 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     case 5: TILES_ROWS(NT, BITS, 5) break;                           \
     default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
+#define TILES_MB1(BITS)                                              \
+    switch (mb) {                                                    \
+    case 1: TILES_ROWS(1, BITS, 1) break;                            \
+    case 2: TILES_ROWS(1, BITS, 2) break;                            \
+    case 3: TILES_ROWS(1, BITS, 3) break;                            \
+    case 4: TILES_ROWS(1, BITS, 4) break;                            \
+    case 5: TILES_ROWS(1, BITS, 5) break;                            \
+    case 6: TILES_ROWS(1, BITS, 6) break;                            \
+    case 7: TILES_ROWS(1, BITS, 7) break;                            \
+    default: TILES_ROWS(1, BITS, MB1) break;                         \
+    }
 /* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, for compile-time
- * `bits` (LOOP_BITS) and `sup` (w is a super-block format), in passes of at most MB rows split
- * evenly (8 rows: 4 + 4, not 6 + 2; as many passes, so as many code unpacks and products): decode
- * steps of 8 and 16 sequences, two sets of three alternated rounds on a Zen 4 VM, greedy / sampled,
- * Qwen2.5-0.5B 1.10 / 1.24x and 1.16 / 1.08x at 8, 1.33 / 1.10x and 1.09 / 0.98x at 16; SmolLM2
- * 0.94 / 1.09x and 1.16 / 1.03x; Qwen2.5-1.5B at 8 and 12 rows 1.02 / 0.95x and 1.04 / 0.93x. */
+ * `bits` (LOOP_BITS) and `sup` (w is a super-block format), in passes of at most MB rows (one
+ * tile: MB1) split evenly (pairs of tiles, 8 rows: 4 + 4, not 6 + 2; as many passes, so as many
+ * code unpacks and products): decode steps of 8 and 16 sequences, two sets of three alternated
+ * rounds on a Zen 4 VM, greedy / sampled, Qwen2.5-0.5B 1.10 / 1.24x and 1.16 / 1.08x at 8,
+ * 1.33 / 1.10x and 1.09 / 0.98x at 16; SmolLM2 0.94 / 1.09x and 1.16 / 1.03x; Qwen2.5-1.5B at 8
+ * and 12 rows 1.02 / 0.95x and 1.04 / 0.93x. */
 static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, int64_t t, int64_t nt, const qact_t *a,
                                                                  int64_t m_begin, int64_t m_end, void *y, int y_bf16,
                                                                  int64_t ldy, const int sup, const int64_t bits) {
-    for (int64_t m0 = m_begin, mb; m0 < m_end; m0 += mb) { /* passes of at most MB rows, split evenly */
-        const int64_t left = m_end - m0, passes = (left + MB - 1) / MB;
+    const int64_t most = nt == 1 ? MB1 : MB;
+    for (int64_t m0 = m_begin, mb; m0 < m_end; m0 += mb) { /* passes of at most `most` rows, split evenly */
+        const int64_t left = m_end - m0, passes = (left + most - 1) / most;
         mb = (left + passes - 1) / passes;
         const int stream = m0 == m_begin && m_end - m_begin <= DECODE_ROWS; /* the tile's one read from memory */
         __m512 acc[2 * MB];
-        if (nt == 2) { TILES_MB(2, bits) } else { TILES_MB(1, bits) }
+        if (nt == 2) { TILES_MB(2, bits) } else { TILES_MB1(bits) }
         for (int64_t u = 0; u < nt; u++) {
             const int64_t n0 = (t + u) * TILE;
             const __m512 bv = w->bias ? _mm512_loadu_ps(w->bias + n0) : _mm512_setzero_ps();
@@ -622,8 +641,8 @@ static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, 
 }
 
 /* One function per format kind and code layout (the super-block formats' tiles_sb, the others'
- * tiles_mb), each with its 12 (nt, mb) variants, as qmatmul_avx2.c's passes: register allocation
- * then sees one layout's loops at a time. With all layouts in two functions (sb and mb), a change
+ * tiles_mb), each with its 14 (nt, mb) variants (one tile: 1-8 rows; two: 1-6), as
+ * qmatmul_avx2.c's passes: register allocation then sees one layout's loops at a time. With all layouts in two functions (sb and mb), a change
  * to one layout's code moved another's: adding the lut formats' table pointer cost Q5_0 8% at 512
  * rows (Qwen2.5-0.5B's gate, 7.8 -> 8.4 ms), and earlier tiles_sb's code cost the legacy formats
  * 6-10%. Split, 512 rows of [2048, 1536] run 11-17% faster for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and
@@ -828,8 +847,15 @@ static void qmatmul_q_n(const qact_t *const *a, const qw_t *const *w, int n, voi
      * alternated rounds against the old rules, greedy / sampled) of 4 sequences ran 1.67 / 1.62x
      * faster on Qwen2.5-1.5B, 1.60 / 1.62x on Qwen2.5-0.5B, 1.31 / 1.57x on Gemma 3 270M; 8 and
      * 16 sequences 1.05-1.21x; one sequence and a 512-token prefill unchanged. One tile a task
-     * at 8 or 16 rows was 1.3-1.7x slower on SmolLM2 and Qwen2.5-0.5B (their legacy formats
-     * compute more a byte: two tiles share each activation broadcast). */
+     * at 8 or 16 rows, in passes of at most MB = 6 rows (8 rows as 4 + 4: each tile's codes
+     * unpacked twice), was 1.3-1.7x slower on SmolLM2 and Qwen2.5-0.5B (their legacy formats
+     * compute more a byte: two tiles share each activation broadcast). Since 2026-12-03 one tile
+     * a task runs up to 8 rows in one pass of MB1 = 8 (8 accumulators, as 2 tiles x 4 rows):
+     * decode steps of 6 and 8 sequences against 4 rows' rule (medians of three alternated rounds,
+     * greedy / sampled, Zen 4 VM) Qwen2.5-0.5B 1.38 / 1.43x and 1.28 / 1.32x, Qwen2.5-1.5B
+     * 1.17 / 1.22x both, Gemma 3 270M 1.24 / 1.11x and 1.09 / 1.29x, SmolLM2 1.06 / 1.09x both;
+     * 1, 12 and 16 sequences level. Up to 12 rows in one pass of 12 was no better at 6 and 8,
+     * 0.88 / 0.90x at 12 on SmolLM2 (1.10x on Qwen2.5-0.5B), and doubled the compile time. */
     const int64_t nt = M <= ONE_TILE_ROWS ? 1 : 2; /* tiles per task */
 #else
     const int64_t nt = 1;

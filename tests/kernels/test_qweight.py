@@ -184,11 +184,11 @@ def test_amx_loop_equals_the_vnni_loop_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("type_name", QWEIGHT_TYPES)
 def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
-    """One row alone (decode: one tile at a time, the L2 prefetch), two and four (a few
-    sequences' decode: one tile a task), five (pairs of tiles, still streamed), and the same row
-    among 13 (pairs of tiles, six rows per pass) and 40 (past the decode rows: the L1 prefetch)
-    give the same output bit for bit, so a token scored in a prefill or a verification step gets
-    the logits a decode step would give it."""
+    """One row alone (decode: one tile at a time, the L2 prefetch), two, four, five, seven and
+    eight (a few sequences' decode: one tile a task, one pass of up to eight rows), twelve (pairs
+    of tiles, passes of six, still streamed), and the same row among 13 and 40 (past the decode
+    rows: the L1 prefetch) give the same output bit for bit, so a token scored in a prefill or a
+    verification step gets the logits a decode step would give it."""
     _, qw = weight(type_name, 80, 512, seed=25)
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     lib = load("qmatmul")
@@ -196,7 +196,7 @@ def test_kernel_rows_do_not_depend_on_their_neighbours(type_name):
     assert many is not None, "the C kernel did not build (is gcc installed?)"
     for i in (0, 5, 12):
         assert torch.equal(qmatmul(x[i : i + 1], qw, out_dtype=torch.float32, lib=lib), many[i : i + 1])
-    for a, b in ((6, 8), (8, 12), (0, 5)):
+    for a, b in ((6, 8), (8, 12), (0, 5), (2, 9), (0, 8), (1, 13)):
         assert torch.equal(qmatmul(x[a:b], qw, out_dtype=torch.float32, lib=lib), many[a:b]), (a, b)
     x40 = torch.cat([x, x, x, x[:1]])  # 40 rows: two blocks of 16 on AMX where the CPU has it, 8 on VNNI
     assert torch.equal(qmatmul(x40, qw, out_dtype=torch.float32, lib=lib)[26:39], many)
