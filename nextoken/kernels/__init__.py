@@ -4,8 +4,9 @@ Each kernel is one ``.c`` file next to this module. `load` compiles it once per 
 (``-O3 -march=native -fopenmp``) into ``<cache>/kernels/`` (see `nextoken.catalog.cache_dir`)
 and opens it with ctypes; a kernel whose source another kernel includes (``qmatmul.c``,
 ``paged_attention.c`` and ``activation.c`` are in ``decode.c``) is served by the including
-library (`host`), so its code is compiled once, not twice (``qmatmul.c`` alone takes 20 s), and
-one copy of it runs. Concurrent builds of one library (two processes starting) wait on a lock
+library (`host`), so its code is compiled once, not twice (``qmatmul.c`` alone takes 20 s; its
+loop functions compile as four more units at once: `toolchain.SPLIT_UNITS`), and one copy of it
+runs. Concurrent builds of one library (two processes starting) wait on a lock
 file: one compiles, the others open its result. ``NEXTOKEN_KERNEL_ISA`` builds for an older
 instruction set than the CPU's instead (`ISAS`: ``avx2`` runs the AVX2 loops an AMD Zen 3 runs,
 on any CPU that has AVX2), so every loop can be run, measured and tested on one machine. Every

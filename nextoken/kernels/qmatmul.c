@@ -93,6 +93,21 @@ static inline void store1(void *y, int y_mode, int64_t idx, float v) {
 #ifndef PF_GROUPS
 #define PF_GROUPS 8 /* prefill's prefetch distance, in groups (into L1) */
 #endif
+/* A split build (`toolchain.build`, which compiles the loops' functions as QM_PARTS units in
+ * parallel with the rest: decode.c's native build 23 s on one core, two thirds of it those
+ * functions): each unit is this file compiled with QM_PART = 1 .. QM_PARTS, defining only its
+ * part's loop functions (QM_IN_PART) and nothing after them; the main unit declares them all. The
+ * functions are the same code either way (noinline: no call into them was ever inlined). */
+#if defined(QM_PARTS) && defined(QM_PART)
+#define QM_IN_PART(k) (QM_PART == (k))
+#define QM_LOOP_FN __attribute__((noinline, visibility("hidden")))
+#elif defined(QM_PARTS)
+#define QM_IN_PART(k) 0 /* declared only */
+#define QM_LOOP_FN __attribute__((noinline, visibility("hidden")))
+#else
+#define QM_IN_PART(k) 1
+#define QM_LOOP_FN static __attribute__((noinline))
+#endif
 #ifndef PF_DECODE_BYTES
 #define PF_DECODE_BYTES 8192 /* decode's, in bytes of codes (into L2): see group_sums */
 #endif
@@ -649,23 +664,35 @@ static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, 
  * IQ3_S, 9% for Q5_0 and Q5_1, the others within 3% (one row from L2: the same within 5%), and
  * the library compiles in 16 s instead of 23 (Sapphire Rapids VM, gcc 12). */
 typedef void (*run_tiles_fn)(const qw_t *, int64_t, int64_t, const qact_t *, int64_t, int64_t, void *, int, int64_t);
-#define RUN_TILES(NAME, SUP, BITS)                                                                                  \
-    static __attribute__((noinline)) void NAME(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, \
-                                               int64_t m_end, void *y, int y_bf16, int64_t ldy) {                    \
-        run_tiles_rows(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy, SUP, BITS);                                    \
-    }
-RUN_TILES(run_sb_lut, 1, BITS_LUT)
-RUN_TILES(run_sb_lut16, 1, BITS_LUT16)
-RUN_TILES(run_sb_4g16, 1, BITS_4G16)
+#define RUN_TILES_DECL(NAME)                                                                                   \
+    QM_LOOP_FN void NAME(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end, \
+                         void *y, int y_bf16, int64_t ldy)
+#define RUN_TILES(NAME, SUP, BITS)                                                   \
+    RUN_TILES_DECL(NAME) { run_tiles_rows(w, t, nt, a, m_begin, m_end, y, y_bf16, ldy, SUP, BITS); }
+RUN_TILES_DECL(run_sb_lut); RUN_TILES_DECL(run_sb_lut16); RUN_TILES_DECL(run_sb_4g16); RUN_TILES_DECL(run_sb_4);
+RUN_TILES_DECL(run_sb_5); RUN_TILES_DECL(run_sb_6); RUN_TILES_DECL(run_sb_8); RUN_TILES_DECL(run_mb_lut);
+RUN_TILES_DECL(run_mb_4); RUN_TILES_DECL(run_mb_5); RUN_TILES_DECL(run_mb_6); RUN_TILES_DECL(run_mb_8);
+#if QM_IN_PART(1)
 RUN_TILES(run_sb_4, 1, 4)
-RUN_TILES(run_sb_5, 1, 5)
-RUN_TILES(run_sb_6, 1, 6)
-RUN_TILES(run_sb_8, 1, 8)
 RUN_TILES(run_mb_lut, 0, BITS_LUT)
-RUN_TILES(run_mb_4, 0, 4)
-RUN_TILES(run_mb_5, 0, 5)
-RUN_TILES(run_mb_6, 0, 6)
 RUN_TILES(run_mb_8, 0, 8)
+#endif
+#if QM_IN_PART(2)
+RUN_TILES(run_sb_6, 1, 6)
+RUN_TILES(run_sb_lut, 1, BITS_LUT)
+RUN_TILES(run_mb_4, 0, 4)
+#endif
+#if QM_IN_PART(3)
+RUN_TILES(run_sb_5, 1, 5)
+RUN_TILES(run_sb_lut16, 1, BITS_LUT16)
+RUN_TILES(run_mb_5, 0, 5)
+#endif
+#if QM_IN_PART(4)
+RUN_TILES(run_sb_8, 1, 8)
+RUN_TILES(run_sb_4g16, 1, BITS_4G16)
+RUN_TILES(run_mb_6, 0, 6)
+#endif
+#ifndef QM_PART /* (a part unit ends with its loop functions) */
 
 /* run_tiles_rows for weight w, by its kind (the 4-bit groups of 16 are super-blocks only: qw_ok) */
 static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int64_t m_begin, int64_t m_end,
@@ -688,6 +715,7 @@ static void run_tiles(const qw_t *w, int64_t t, int64_t nt, const qact_t *a, int
 #define QM_AMX 1
 #include "qmatmul_amx.c" /* 32 rows or more on AMX tiles, the same sums */
 #endif
+#endif /* QM_PART */
 #else
 #define PMB 8 /* activation rows per pass of the plain loop */
 
@@ -805,6 +833,7 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
 #endif /* QM_AVX2 */
 #endif
 
+#ifndef QM_PART /* (a part unit ends with its loop functions) */
 #include "dense_bf16.c" /* bits == 16: dense bf16 rows */
 
 static int qw_ok(const qw_t *w) {
@@ -1025,3 +1054,4 @@ const char *qmatmul_loop(void) {
     return "plain";
 #endif
 }
+#endif /* QM_PART */

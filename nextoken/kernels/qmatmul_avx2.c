@@ -389,25 +389,38 @@ static inline __attribute__((always_inline)) void tile_rows(const qw_t *w, int64
  * rows, one thread, AVX2 build, GOP/s, one function / one per shape: Q4_K 171-182 / 194-197, Q6_K
  * 118-129 / 145-146, Q5_0 128-137 / 145-146, Q4_0 Q4_1 Q8_0 within 5%), and decode.c's AVX2 build
  * compiles in half the time (7 s against 15). */
-#define PASS_FN(BITS, SBF, MB, NH)                                                                         \
-    static __attribute__((noinline)) void pass_##BITS##_##SBF##_##MB##_##NH(                                \
-        const qw_t *w, int64_t t, const qact_t *a, int64_t m0, int h0, void *y, int y_bf16, int64_t ldy) { \
-        tile_rows(w, t, a, m0, MB, BITS, SBF, h0, NH, y, y_bf16, ldy);                                     \
-    }
-#define PASSES(BITS, SBF)                                                                                  \
-    PASS_FN(BITS, SBF, 1, 2) PASS_FN(BITS, SBF, 2, 2) PASS_FN(BITS, SBF, 3, 2) PASS_FN(BITS, SBF, 4, 2)    \
-    PASS_FN(BITS, SBF, 4, 1) PASS_FN(BITS, SBF, 5, 1) PASS_FN(BITS, SBF, 6, 1) PASS_FN(BITS, SBF, 7, 1)    \
-    PASS_FN(BITS, SBF, 8, 1)
+#define PASS_DECL(BITS, SBF, MB, NH)                                                 \
+    QM_LOOP_FN void pass_##BITS##_##SBF##_##MB##_##NH(const qw_t *w, int64_t t, const qact_t *a, int64_t m0, \
+                                                      int h0, void *y, int y_bf16, int64_t ldy)
+#define PASS_FN(BITS, SBF, MB, NH) \
+    PASS_DECL(BITS, SBF, MB, NH) { tile_rows(w, t, a, m0, MB, BITS, SBF, h0, NH, y, y_bf16, ldy); }
+#define PASS_ROWS(P, BITS, SBF)                                                        \
+    P(BITS, SBF, 1, 2) P(BITS, SBF, 2, 2) P(BITS, SBF, 3, 2) P(BITS, SBF, 4, 2) P(BITS, SBF, 4, 1) \
+    P(BITS, SBF, 5, 1) P(BITS, SBF, 6, 1) P(BITS, SBF, 7, 1) P(BITS, SBF, 8, 1)
+#define PASS_DECL_SEMI(BITS, SBF, MB, NH) PASS_DECL(BITS, SBF, MB, NH);
+#define PASSES(BITS, SBF) PASS_ROWS(PASS_FN, BITS, SBF)
+#define PASSES_DECL(BITS, SBF) PASS_ROWS(PASS_DECL_SEMI, BITS, SBF)
+PASSES_DECL(4, 1) PASSES_DECL(5, 1) PASSES_DECL(6, 1) PASSES_DECL(4, 0) PASSES_DECL(5, 0)
+PASSES_DECL(6, 0) PASSES_DECL(8, 0) PASSES_DECL(12, 0) PASSES_DECL(20, 1) PASSES_DECL(22, 0)
+#if QM_IN_PART(1)
 PASSES(4, 1)
-PASSES(5, 1)
-PASSES(6, 1)
 PASSES(4, 0)
+PASSES(22, 0) /* BITS_LUT16 */
+#endif
+#if QM_IN_PART(2)
+PASSES(6, 1)
 PASSES(5, 0)
-PASSES(6, 0)
+#endif
+#if QM_IN_PART(3)
+PASSES(5, 1)
 PASSES(8, 0)
 PASSES(12, 0) /* BITS_LUT */
+#endif
+#if QM_IN_PART(4)
+PASSES(6, 0)
 PASSES(20, 1) /* BITS_4G16 (super-blocks only: qw_ok) */
-PASSES(22, 0) /* BITS_LUT16 */
+#endif
+#ifndef QM_PART /* (a part unit ends with its loop functions) */
 
 #define TILE_MB(BITS, SBF)                                                                              \
     if (nh == 2) {                                                                                      \
@@ -453,3 +466,4 @@ static void run_tile(const qw_t *w, int64_t t, const qact_t *a, void *y, int y_b
         m0 += mb;
     }
 }
+#endif /* QM_PART */

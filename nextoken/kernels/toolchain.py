@@ -1,7 +1,8 @@
 """Building a kernel: its library compiled once per source, compiler, flags and CPU into the
 cache (`library_path`), under a lock file so that concurrent builds (two processes starting)
 compile once; a kernel whose source another includes is served by the including library
-(`host`). Every failure is one warning and None: the caller runs PyTorch."""
+(`host`). A library that includes a source of `SPLIT_UNITS` compiles in several units at once
+(`_units`), linked into one. Every failure is one warning and None: the caller runs PyTorch."""
 
 from __future__ import annotations
 
@@ -21,20 +22,42 @@ from nextoken.kernels.cpu import cpu_flags
 
 log = logging.getLogger("nextoken.kernels")
 SOURCES = Path(__file__).parent  # the kernels' .c files
+# Sources whose loop functions also compile as this many units of their own, in parallel with the
+# library's main unit (each unit the source with -DQM_PARTS=n -DQM_PART=k; the main unit with
+# -DQM_PARTS=n only declares them: qmatmul.c's comment). decode.c's native build took 23-29 s on
+# one core of a Zen 4 VM, two thirds of it qmatmul's loops; split in four: 16 s on two cores (main
+# unit 4-5 s, each part 6-7 s), about 7 with five; the AVX2 build 17 -> 12 s.
+SPLIT_UNITS = {"qmatmul.c": 4}
 
-def _sources(source: Path, seen: set[Path] | None = None) -> bytes:
-    """The source and every local file it includes (``#include "x"``), recursively: the build key."""
-    seen = set() if seen is None else seen
+def _included(source: Path, seen: list[Path] | None = None) -> list[Path]:
+    """The source and every local file it includes (``#include "x"``), recursively, in the order
+    first met."""
+    seen = [] if seen is None else seen
     if source in seen:
-        return b""
-    seen.add(source)
-    text = source.read_bytes()
-    out = text
-    for line in text.decode().splitlines():
+        return seen
+    seen.append(source)
+    for line in source.read_text().splitlines():
         line = line.strip()
         if line.startswith("#include \""):
-            out += _sources(source.with_name(line.split('"')[1]), seen)
-    return out
+            _included(source.with_name(line.split('"')[1]), seen)
+    return seen
+
+
+def _sources(source: Path) -> bytes:
+    """The text of the source and of every local file it includes: the build key."""
+    return b"".join(p.read_bytes() for p in _included(source))
+
+
+def _units(source: Path, tmp: Path) -> list[tuple[list[str], Path, Path]]:
+    """The compilation units of `source`'s library: (extra flags, source, object) each; one unit
+    (an empty object path: compile and link in one call) unless it includes a `SPLIT_UNITS` source."""
+    split = [(p, SPLIT_UNITS[p.name]) for p in _included(source) if p.name in SPLIT_UNITS]
+    if not split:
+        return [([], source, Path())]
+    units = [([f"-DQM_PARTS={n}" for _, n in split], source, tmp / "main.o")]
+    for p, n in split:
+        units += [([f"-DQM_PARTS={n}", f"-DQM_PART={k}"], p, tmp / f"{p.stem}-{k}.o") for k in range(1, n + 1)]
+    return units
 
 
 def compiler() -> list[str] | None:
@@ -102,14 +125,36 @@ def _build_lock(out: Path):
 
 
 def _compile(name: str, compiler: list[str], flags: list[str], source: Path, out: Path) -> Path | None:
-    """Compile `source` into `out` (atomically: a process opening `out` never sees half a file);
-    None after one warning when the compiler fails. Raises OSError when it cannot be started."""
+    """Compile `source` into `out` (atomically: a process opening `out` never sees half a file),
+    its units (`_units`) at once, then linked; None after one warning when the compiler fails.
+    Raises OSError when it cannot be started."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        proc = subprocess.run([*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            log.warning("building %s failed; using the PyTorch path:\n%s", name, proc.stderr[-2000:])
+        units = _units(source, Path(tmp))
+        if len(units) == 1:
+            error = _run_all([[*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"]])
+        else:
+            error = _run_all([[*compiler, *flags, *extra, "-c", str(src), "-o", str(obj)] for extra, src, obj in units])
+            error = error or _run_all([[*compiler, *flags, *(str(obj) for _, _, obj in units), "-o", str(tmp_so),
+                                        "-lm"]])
+        if error is not None:
+            log.warning("building %s failed; using the PyTorch path:\n%s", name, error[-2000:])
             return None
         os.replace(tmp_so, out)
     return out
+
+
+def _run_all(commands: list[list[str]]) -> str | None:
+    """Run the commands at once; the first failing one's stderr, or None when all succeed. Raises
+    OSError when one cannot be started (the ones started are stopped first)."""
+    procs = []
+    try:
+        for cmd in commands:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = [(p.communicate()[1], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return next((err for err, code in results if code != 0), None)

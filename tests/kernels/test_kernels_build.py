@@ -147,11 +147,7 @@ def test_avx512_bf16_loops_compile():
     import subprocess
     from pathlib import Path
 
-    src = Path(kernels.__file__).parent
-    for name in ("decode", "prefill_scores", "sampling", "encoder"):
-        proc = subprocess.run(["gcc", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-std=c11", "-Wall",
-                               "-Werror", str(src / f"{name}.c")], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    check_every_unit(["-march=sapphirerapids"])
 
 
 @needs_gcc
@@ -162,12 +158,54 @@ def test_older_instruction_set_builds_compile(isa):
     import subprocess
     from pathlib import Path
 
+    check_every_unit([f for f in kernels.isa_flags(isa) if f.startswith("-m")])
+
+
+def check_every_unit(march: list[str]) -> None:
+    """Syntax and types of every kernel library for `march`, every warning an error: each source
+    whole (a build by hand) and each unit of its split build (`toolchain._units`)."""
+    import subprocess
+    from pathlib import Path
+
     src = Path(kernels.__file__).parent
-    march = [f for f in kernels.isa_flags(isa) if f.startswith("-m")]
+    checks = []
     for name in ("decode", "prefill_scores", "sampling", "encoder"):
-        proc = subprocess.run(["gcc", "-fsyntax-only", *march, "-fopenmp", "-std=c11", "-Wall", "-Werror",
-                               str(src / f"{name}.c")], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        units = toolchain._units(src / f"{name}.c", Path("/tmp"))
+        for extra, unit, _ in [([], src / f"{name}.c", None)] + (units if len(units) > 1 else []):
+            cmd = ["gcc", "-fsyntax-only", *march, "-fopenmp", "-std=c11", "-Wall", "-Werror", *extra, str(unit)]
+            checks.append((name, extra, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+    for name, extra, proc in checks:  # (all at once)
+        err = proc.communicate()[1]
+        assert proc.returncode == 0, (name, extra, err[-2000:])
+
+
+@needs_gcc
+def test_a_split_build_compiles_its_units_at_once_and_names_a_failing_one(fresh, monkeypatch, caplog):
+    """decode.c's library compiles as a main unit and qmatmul.c's four parts (`SPLIT_UNITS`), all
+    started before any ends; a failing part costs the build (one warning with its error, None:
+    the PyTorch path), and no compiler is left running."""
+    import stat
+
+    log = fresh / "units"
+    cc = fresh / "cc"  # a stand-in: records each unit, fails part 3, never compiles
+    cc.write_text("#!/bin/sh\n"
+                  f'echo "start $*" >> {log}\n'
+                  'case "$*" in *-DQM_PART=3*) echo "part three broke" >&2; exit 1;; esac\n'
+                  "sleep 0.5\n"
+                  f'echo "end" >> {log}\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
+    with caplog.at_level("WARNING", logger="nextoken.kernels"):
+        assert toolchain.build("decode", kernels.FLAGS) is None
+    lines = log.read_text().splitlines()
+    starts = [line for line in lines if line.startswith("start")]
+    assert len(starts) == 5 and all(" -c " in line for line in starts)
+    assert lines[:5] == starts  # every unit started before the first one ended
+    assert sum("decode.c" in line and "-DQM_PARTS=4" in line and "QM_PART=" not in line for line in starts) == 1
+    assert sorted(line.split("-DQM_PART=")[1][0] for line in starts if "-DQM_PART=" in line) == ["1", "2", "3", "4"]
+    assert "building decode failed" in caplog.text and "part three broke" in caplog.text
+    assert lines.count("end") == 4  # the others were waited for
+    assert [u[2].name for u in toolchain._units(toolchain.SOURCES / "sampling.c", fresh)] == [""]  # one unit
 
 
 def test_kernel_isa_names_are_checked(monkeypatch):
