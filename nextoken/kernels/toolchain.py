@@ -29,6 +29,7 @@ SOURCES = Path(__file__).parent  # the kernels' .c files
 # unit 4-5 s, each part 6-7 s), about 7 with five; the AVX2 build 17 -> 12 s.
 SPLIT_UNITS = {"qmatmul.c": 4}
 
+
 def _included(source: Path, seen: list[Path] | None = None) -> list[Path]:
     """The source and every local file it includes (``#include "x"``), recursively, in the order
     first met."""
@@ -135,8 +136,8 @@ def _compile(name: str, compiler: list[str], flags: list[str], source: Path, out
             error = _run_all([[*compiler, *flags, str(source), "-o", str(tmp_so), "-lm"]])
         else:
             error = _run_all([[*compiler, *flags, *extra, "-c", str(src), "-o", str(obj)] for extra, src, obj in units])
-            error = error or _run_all([[*compiler, *flags, *(str(obj) for _, _, obj in units), "-o", str(tmp_so),
-                                        "-lm"]])
+            if error is None:  # link
+                error = _run_all([[*compiler, *flags, *(str(obj) for _, _, obj in units), "-o", str(tmp_so), "-lm"]])
         if error is not None:
             log.warning("building %s failed; using the PyTorch path:\n%s", name, error[-2000:])
             return None
