@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -108,6 +109,9 @@ def build(name: str, flags: list[str], force: bool = False) -> Path | None:
         with _build_lock(out):
             if out.exists() and not force:  # another process built it while this one waited
                 return out
+            if sys.stderr is not None and sys.stderr.isatty():  # a person waits: say why (not in logs)
+                sys.stderr.write(f"nextoken: compiling the {name} kernels for this CPU, once "
+                                 f"({'about 20 s' if len(_units(source, out.parent)) > 1 else 'seconds'}) ...\n")
             return _compile(name, cc, flags, source, out)
     except OSError as exc:  # unwritable cache folder, a compiler that cannot be started
         log.warning("cannot build %s in %s (%s); using the PyTorch path", name, out.parent, exc)

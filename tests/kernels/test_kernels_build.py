@@ -100,6 +100,26 @@ def test_functions_have_declared_types():
 
 
 @needs_gcc
+def test_a_build_tells_a_person_at_a_terminal_what_it_waits_for(fresh, monkeypatch):
+    """A compile at a terminal (stderr a TTY) prints one line saying what is compiled and that it
+    happens once; opening the cached library prints nothing, nor does a compile whose stderr is a
+    pipe or a log file (servers, tests)."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, says in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(toolchain.sys, "stderr", stream)
+        assert toolchain.build("sampling", kernels.FLAGS, force=True) is not None
+        assert ("compiling the sampling kernels for this CPU, once" in stream.getvalue()) is says
+        before = stream.getvalue()
+        assert toolchain.build("sampling", kernels.FLAGS) is not None  # cached: silent
+        assert stream.getvalue() == before
+
+
+@needs_gcc
 def test_concurrent_builds_compile_once(fresh, monkeypatch):
     """Two workers (here threads) asking for a library no one has built yet: one compiles, the
     other waits on the lock and opens the same file."""
