@@ -75,7 +75,7 @@ static inline void store1(void *y, int y_mode, int64_t idx, float v) {
 #define MB1 8 /* activation rows per pass over one tile (nt * mb accumulators: at most 2 MB): see qmatmul_q_n */
 #endif
 #if MB1 < 1 || MB1 > 8
-#error "MB1 must be 1 .. 8 (TILES_MB1 has cases up to 7; each more costs compile time: cases to 12 doubled it)"
+#error "MB1 must be 1 .. 8 (TILES_MB1's cases; each more costs compile time: cases to 12 doubled it)"
 #endif
 #define MBLOCK 48 /* activation rows per block (see qmatmul_q) */
 #ifndef DECODE_ROWS
@@ -98,12 +98,13 @@ static inline void store1(void *y, int y_mode, int64_t idx, float v) {
  * functions): each unit is this file compiled with QM_PART = 1 .. QM_PARTS, defining only its
  * part's loop functions (QM_IN_PART) and nothing after them; the main unit declares them all. The
  * functions are the same code either way (noinline: no call into them was ever inlined). */
-#if defined(QM_PARTS) && defined(QM_PART)
+#ifdef QM_PARTS
+#define QM_LOOP_FN __attribute__((noinline, visibility("hidden")))
+#ifdef QM_PART
 #define QM_IN_PART(k) (QM_PART == (k))
-#define QM_LOOP_FN __attribute__((noinline, visibility("hidden")))
-#elif defined(QM_PARTS)
-#define QM_IN_PART(k) 0 /* declared only */
-#define QM_LOOP_FN __attribute__((noinline, visibility("hidden")))
+#else
+#define QM_IN_PART(k) 0 /* the main unit: declared only */
+#endif
 #else
 #define QM_IN_PART(k) 1
 #define QM_LOOP_FN static __attribute__((noinline))
@@ -619,17 +620,10 @@ static inline __attribute__((always_inline)) void tiles_sb(const qw_t *w, int64_
     case 5: TILES_ROWS(NT, BITS, 5) break;                           \
     default: TILES_ROWS(NT, BITS, 6) break;                          \
     }
-#define TILES_MB1(BITS)                                              \
-    switch (mb) {                                                    \
-    case 1: TILES_ROWS(1, BITS, 1) break;                            \
-    case 2: TILES_ROWS(1, BITS, 2) break;                            \
-    case 3: TILES_ROWS(1, BITS, 3) break;                            \
-    case 4: TILES_ROWS(1, BITS, 4) break;                            \
-    case 5: TILES_ROWS(1, BITS, 5) break;                            \
-    case 6: TILES_ROWS(1, BITS, 6) break;                            \
-    case 7: TILES_ROWS(1, BITS, 7) break;                            \
-    default: TILES_ROWS(1, BITS, MB1) break;                         \
-    }
+#define TILES_MB1(BITS) /* one tile: up to MB1 (at most 8) rows */         \
+    if (mb == 7) { TILES_ROWS(1, BITS, 7) }                                  \
+    else if (mb > 7) { TILES_ROWS(1, BITS, MB1) }                            \
+    else { TILES_MB(1, BITS) }
 /* Tiles t .. t + nt - 1 (nt 1 or 2) against activation rows m_begin .. m_end - 1, for compile-time
  * `bits` (LOOP_BITS) and `sup` (w is a super-block format), in passes of at most MB rows (one
  * tile: MB1) split evenly (pairs of tiles, 8 rows: 4 + 4, not 6 + 2; as many passes, so as many
@@ -657,10 +651,10 @@ static inline __attribute__((always_inline)) void run_tiles_rows(const qw_t *w, 
 
 /* One function per format kind and code layout (the super-block formats' tiles_sb, the others'
  * tiles_mb), each with its 14 (nt, mb) variants (one tile: 1-8 rows; two: 1-6), as
- * qmatmul_avx2.c's passes: register allocation then sees one layout's loops at a time. With all layouts in two functions (sb and mb), a change
- * to one layout's code moved another's: adding the lut formats' table pointer cost Q5_0 8% at 512
- * rows (Qwen2.5-0.5B's gate, 7.8 -> 8.4 ms), and earlier tiles_sb's code cost the legacy formats
- * 6-10%. Split, 512 rows of [2048, 1536] run 11-17% faster for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and
+ * qmatmul_avx2.c's passes: register allocation then sees one layout's loops at a time. With all
+ * layouts in two functions (sb and mb), a change to one layout's code moved another's: adding
+ * the lut formats' table pointer cost Q5_0 8% at 512 rows (Qwen2.5-0.5B's gate, 7.8 -> 8.4 ms),
+ * and earlier tiles_sb's code cost the legacy formats 6-10%. Split, 512 rows of [2048, 1536] run 11-17% faster for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and
  * IQ3_S, 9% for Q5_0 and Q5_1, the others within 3% (one row from L2: the same within 5%), and
  * the library compiles in 16 s instead of 23 (Sapphire Rapids VM, gcc 12). */
 typedef void (*run_tiles_fn)(const qw_t *, int64_t, int64_t, const qact_t *, int64_t, int64_t, void *, int, int64_t);
