@@ -1,7 +1,8 @@
 """The inspector page in a real browser: Playwright for Python driving Debian's `chromium`
 (Playwright's own browser download cannot work here). Each widget must render with the server's
-numbers, the console must stay free of errors, and no request may leave 127.0.0.1. A screenshot
-per widget is saved under build/test-output/inspector/.
+numbers, the console must stay free of errors, and no request may leave 127.0.0.1. With
+``NEXTOKEN_SCREENSHOTS=1`` a screenshot of each widget, journey stage and page width is saved under
+build/test-output/inspector/ for a person to look at (about 40 of them: 10 s a run, so off by default).
 
 Without chromium or Playwright these tests skip with one line saying what to install."""
 
@@ -24,6 +25,7 @@ from tests.helpers.server import LiveServer
 
 CHROMIUM = os.environ.get("NEXTOKEN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 OUT = Path(__file__).resolve().parents[2] / "build" / "test-output" / "inspector"
+SCREENSHOTS = os.environ.get("NEXTOKEN_SCREENSHOTS", "") not in ("", "0")
 WIDGETS = ["w-tokenizer", "w-embeddings", "w-positions", "w-architecture", "w-attention", "w-lens", "w-timeline",
            "w-sampling", "w-beam", "w-kv", "w-batching", "w-spec", "w-quant", "w-requests"]
 
@@ -35,6 +37,14 @@ except ImportError:  # pragma: no cover - the test extra installs it
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     CHROMIUM is None or sync_playwright is None,
     reason="browser tests need Debian's chromium (apt-get install chromium) and playwright (pip install playwright)")]
+
+
+def shoot(target, name: str, **kw) -> None:
+    """Save `target`'s screenshot (a page's or a locator's) as OUT/`name` when
+    ``NEXTOKEN_SCREENSHOTS=1`` (the module's comment)."""
+    if SCREENSHOTS:
+        OUT.mkdir(parents=True, exist_ok=True)
+        target.screenshot(path=str(OUT / name), **kw)
 
 
 def watched_page(browser, errors: list, outside: list, width: int = 1280):
@@ -68,7 +78,6 @@ def browser():
 def page_run(srv, browser):
     """Open the page once, wait for every widget, click the demo button; what was seen, and the
     page, left open (the journey test goes on on it rather than loading every widget again)."""
-    OUT.mkdir(parents=True, exist_ok=True)
     outside, errors = [], []
     page = browser.new_page(viewport={"width": 1300, "height": 900})
 
@@ -104,13 +113,14 @@ def page_run(srv, browser):
     seen = {w: page.get_attribute(f"#{w}", "data-ready") for w in WIDGETS}
     texts = {w: page.inner_text(f"#{w}") for w in WIDGETS}
     recent = _finished_ids(srv)  # before the on-demand views send their own requests
+    boxes = {w: page.locator(f"#{w}").bounding_box() for w in WIDGETS}
     for w in WIDGETS:
-        page.locator(f"#{w}").screenshot(path=str(OUT / f"{w}.png"))
-    page.screenshot(path=str(OUT / "page.png"), full_page=True)
+        shoot(page.locator(f"#{w}"), f"{w}.png")
+    shoot(page, "page.png", full_page=True)
     on_demand = _drive_on_demand_views(page)
     layout = _layout_at_widths(page, (1280, 800))
     print(f"inspector page loaded (every widget drawn) in {load_s:.2f} s")
-    return {"ready": seen, "texts": texts, "errors": errors, "outside": outside, "on_demand": on_demand,
+    return {"ready": seen, "texts": texts, "boxes": boxes, "errors": errors, "outside": outside, "on_demand": on_demand,
             "layout": layout, "recent": recent, "page": page}
 
 
@@ -136,7 +146,7 @@ def _drive_on_demand_views(page) -> dict:
         page.wait_for_function("([m, d]) => document.querySelector(m).textContent.includes(d)", arg=[meta, done],
                                timeout=120_000)
         seen[widget] = page.inner_text(f"#{widget}")
-        page.locator(f"#{widget}").screenshot(path=str(OUT / f"{widget}-on-demand.png"))
+        shoot(page.locator(f"#{widget}"), f"{widget}-on-demand.png")
     seen["kv_series"] = page.eval_on_selector_all("#kv-contrast polyline",
                                                   "els => els.map(e => e.getAttribute('points').trim().split(' ').length)")
     return seen
@@ -144,13 +154,13 @@ def _drive_on_demand_views(page) -> dict:
 
 def _layout_at_widths(page, widths) -> dict:
     """At each viewport width (the charts' sizes do not depend on it): the overlapping SVG texts
-    and the horizontal scroll, with a full-page screenshot."""
+    and the horizontal scroll (a full-page screenshot with ``NEXTOKEN_SCREENSHOTS=1``)."""
     out = {}
     for width in widths:
         page.set_viewport_size({"width": width, "height": 900})
         page.wait_for_timeout(200)  # the reflow
         out[width] = page.evaluate(OVERLAPS_JS)
-        page.screenshot(path=str(OUT / f"page-{width}.png"), full_page=True)
+        shoot(page, f"page-{width}.png", full_page=True)
     return out
 
 
@@ -164,8 +174,8 @@ def test_every_widget_renders_without_console_errors(page_run):
     assert not page_run["outside"], page_run["outside"]
     missing = [w for w, r in page_run["ready"].items() if not r]
     assert not missing, missing
-    for w in WIDGETS:
-        assert (OUT / f"{w}.png").stat().st_size > 1000
+    for w, box in page_run["boxes"].items():  # each drawn at a size a reader can see
+        assert box and box["width"] > 300 and box["height"] > 150, (w, box)
 
 
 def test_widgets_show_the_servers_numbers(page_run, srv):
@@ -192,11 +202,11 @@ def test_widgets_show_the_servers_numbers(page_run, srv):
     assert shown and shown <= page_run["recent"]
 
 
-def test_journey_follows_greedy_generate_stage_by_stage(page_run, srv, smollm2_llm, browser):
+def test_journey_follows_greedy_generate_stage_by_stage(page_run, srv, smollm2_llm, browser, tmp_path):
     """The journey view, on the page whose widgets have all drawn: Start then Next token four
     times gives greedy `LLM.generate`'s five ids (as data-journey-token-id), every stage drawn
-    (data-ready) with the step's numbers, no console error and no outside request; a screenshot
-    of each stage."""
+    (data-ready) with the step's numbers, no console error and no outside request (a screenshot
+    of each stage with ``NEXTOKEN_SCREENSHOTS=1``)."""
     prompt = "The capital of France is"
     want = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
     page, errors, outside = page_run["page"], page_run["errors"], page_run["outside"]
@@ -227,17 +237,17 @@ def test_journey_follows_greedy_generate_stage_by_stage(page_run, srv, smollm2_l
     trajectories = page.eval_on_selector_all("[data-branch-trajectory]", "els => els.map(e => "
                                              "[e.dataset.tokenIds.split(',').map(Number), +e.dataset.prefixReused])")
     branch_ready = page.get_attribute('[data-stage="branch"]', "data-ready")
-    page.locator('[data-stage="branch"]').screenshot(path=str(OUT / "journey-branch.png"))
+    shoot(page.locator('[data-stage="branch"]'), "journey-branch.png")
     page.fill("#ablate-layer", "0")
     page.select_option("#ablate-kind", "mlp")
     page.click("#ablate-go")
     page.wait_for_selector('[data-stage="ablation"][data-ready="true"]', state="attached", timeout=60_000)
     ablation_text = page.inner_text('[data-stage="ablation"]')
-    page.locator('[data-stage="ablation"]').screenshot(path=str(OUT / "journey-ablation.png"))
+    shoot(page.locator('[data-stage="ablation"]'), "journey-ablation.png")
     page.click("#patch-go")
     page.wait_for_selector('[data-stage="patching"][data-ready="true"]', state="attached", timeout=90_000)
     restored = page.eval_on_selector_all('[data-stage="patching"] [data-restored]', "els => els.map(e => +e.dataset.restored)")
-    page.locator('[data-stage="patching"]').screenshot(path=str(OUT / "journey-patching.png"))
+    shoot(page.locator('[data-stage="patching"]'), "journey-patching.png")
     page.click("#quantdiff-go")
     page.wait_for_selector('[data-stage="quantization-diff"][data-ready="true"]', state="attached", timeout=120_000)
     rels = page.eval_on_selector_all('[data-stage="quantization-diff"] [data-rel]', "els => els.map(e => +e.dataset.rel)")
@@ -245,11 +255,11 @@ def test_journey_follows_greedy_generate_stage_by_stage(page_run, srv, smollm2_l
     page.wait_for_function("document.querySelector('#journey .bpe').textContent.includes('rank')", timeout=30_000)
     texts = {name: page.inner_text(f'#journey [data-stage="{name}"]') for name, _ in stages}
     for name, _ in stages:
-        page.locator(f'#journey [data-stage="{name}"]').screenshot(path=str(OUT / f"journey-{name}.png"))
-    page.locator("#journey").screenshot(path=str(OUT / "journey.png"))
+        shoot(page.locator(f'#journey [data-stage="{name}"]'), f"journey-{name}.png")
+    shoot(page.locator("#journey"), "journey.png")
     with page.expect_download() as dl:  # the journey as one file ...
         page.click("#journey-export")
-    exported = OUT / "journey.json"
+    exported = tmp_path / "journey.json"
     dl.value.save_as(exported)
     fresh_page = watched_page(browser, errors, outside)  # ... shown again from it alone
     fresh_page.goto(f"{srv.url}/inspect?key=secret")

@@ -60,7 +60,7 @@ def test_the_page_runs_every_new_view_on_the_model(served):
     tokens, its commitment strip, a branch and its trajectories, an ablation, the patch lens
     (when the two prompts tokenize to as many tokens) and the quantization diff, each view drawn
     (data-ready), with no console error and no request leaving the host."""
-    from tests.inspector.test_inspect_browser import CHROMIUM, OUT, sync_playwright, watched_page
+    from tests.inspector.test_inspect_browser import CHROMIUM, shoot, sync_playwright, watched_page
 
     if CHROMIUM is None or sync_playwright is None:
         pytest.skip("needs Debian's chromium and playwright, as tests/inspector/test_inspect_browser.py")
@@ -96,7 +96,7 @@ def test_the_page_runs_every_new_view_on_the_model(served):
         page.click("#quantdiff-go")
         for view in views:
             page.wait_for_selector(f'[data-stage="{view}"][data-ready="true"]', state="attached", timeout=300_000)
-        page.locator("#journey").screenshot(path=str(OUT / f"journey-{srv.llm.engine.config.architecture}.png"))
+        shoot(page.locator("#journey"), f"journey-{srv.llm.engine.config.architecture}.png")
         browser.close()
     assert got == want and commits == 3
     assert not errors and not outside, (errors, outside)
