@@ -60,14 +60,14 @@ BENCH_ENGINE_DEFAULTS = {"max_model_len": 2048, "enable_prefix_caching": False}
 WORKER = "nextoken.bench.worker"  # run as `python -m`, with this package on the path
 
 
-def _run_worker(python: str, engine: str, mode: str, a, engine_args) -> dict:
+def _run_worker(python: str, engine: str, mode: str, a, engine_args, bandwidth: bool = True) -> dict:
     # a script of its own: the llama.cpp side may have no torch (nextoken.engine_args imports none)
     cmd = [python, "-m", WORKER, "--worker", engine, "--mode", mode, "--model-path", a.model_path,
            "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens), "--batch", str(a.batch),
            "--batch-prompt-tokens", str(a.batch_prompt_tokens),
            "--batch-output-tokens", str(a.batch_output_tokens), "--repeat", str(a.repeat), "--depth", str(a.depth),
            "--temperature", str(a.temperature), "--top-p", str(a.top_p), "--top-k", str(a.top_k),
-           *engine_args.to_cli_args(exclude=("model",) + BENCH_EXCLUDED)]
+           *engine_args.to_cli_args(exclude=("model",) + BENCH_EXCLUDED), *([] if bandwidth else ["--no-bandwidth"])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -215,7 +215,7 @@ def alternate(a, engine_args, threads: int, first: dict) -> tuple[dict, dict, li
 
     pairs = []
     for r in range(a.rounds):
-        ours = first if r == 0 else _run_worker(sys.executable, "nextoken", "single", a, engine_args)
+        ours = first if r == 0 else _run_worker(sys.executable, "nextoken", "single", a, engine_args, bandwidth=False)
         sys.stderr.write(f"[bench] llama-bench, round {r + 1} of {a.rounds} ...\n")
         theirs = run_llama_bench(a.llama_bench, a, threads, engine_args.kv_cache_dtype)
         pairs.append((ours, theirs))

@@ -111,7 +111,7 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
             if tok_s > res.get(f"{key}_tok_s", 0.0):
                 res[f"{key}_tok_s"] = tok_s
             res[f"{key}_sampler_ms"] = clock.ms_per_step()
-    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm), "read_bandwidth": read_bandwidth()}
+    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm), **_bandwidth(a)}
 
 
 class SamplerClock:
@@ -180,6 +180,12 @@ def _sizes(llm) -> dict:
             "kv_cache_mib": kv.nbytes / 2**20, "kv_bytes_per_token": kv.bytes_per_token}
 
 
+def _bandwidth(a) -> dict:
+    """{"read_bandwidth": bytes/s} measured now, or {} for a run told ``--no-bandwidth`` (a later
+    round of the same bench: its first round's figure stands, and each measure faults in 512 MiB)."""
+    return {} if a.no_bandwidth else {"read_bandwidth": read_bandwidth()}
+
+
 def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
     """llama-bench's ``pp512 @ dN`` and ``tg128 @ dN``: a context of `a.depth` tokens is prefilled
     once (prefix caching keeps it); each prefill run then adds a fresh `a.prompt_tokens`-token
@@ -191,7 +197,7 @@ def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
     m = llm.generate([context + _prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0].metrics
     return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts),
             "decode_tok_s": a.decode_tokens / (m.finished_time - m.first_token_time), "peak_rss_mib": _peak_rss_mib(),
-            **_sizes(llm), "read_bandwidth": read_bandwidth()}
+            **_sizes(llm), **_bandwidth(a)}
 
 
 def _llama_forward(llm, token_ids: list[int]) -> None:
@@ -290,6 +296,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs]:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the memory read bandwidth's measure")
     EngineArgs.add_cli_args(p, exclude=("model", "max_num_seqs"))
     a = p.parse_args(argv)
     return a, EngineArgs.from_cli_args(a, model=a.model_path)

@@ -160,7 +160,7 @@ class ModelRunner:
             loading_allocations(False)
         release_free_memory()
         if self.weights_arena is not None:
-            self.plan.weights = self.weights_arena.describe()
+            self.plan.weights = self.weights_arena
         elif not huge_pages and not device.is_cuda:
             self.plan.reasons["huge pages"] = "huge_pages=False"
         elif thp_mode() == "never" and not device.is_cuda:
@@ -174,7 +174,8 @@ class ModelRunner:
         self.plan.settle(self.model, tensor_parallel=tp is not None)
         self.native_decoder = NativeDecoder(self.model, self.plan.kernels.decode) if self.plan.native_decode else None
         self.loras = None  # the LoRA adapters (`lora.manager.LoRAManager`), made by `enable_lora`
-        log.info("%s: %s", self.config.name, self.plan.describe(self.model))
+        if log.isEnabledFor(logging.INFO):  # (describing reads /proc/self/smaps: `ExecutionPlan.weights`)
+            log.info("%s: %s", self.config.name, self.plan.describe(self.model))
         self.kv: PagedKVCache | None = None
         self.kept_hidden: list[torch.Tensor] = []
         self.staging = Staging(device.torch)

@@ -85,7 +85,9 @@ class ExecutionPlan:
     quantization: str | None = None  # a folder's weights quantized at load to this format (`loader.quantize`)
     reasons: dict[str, str] = field(default_factory=dict)  # why a fast path is off
     kernels: KernelSet = field(default_factory=KernelSet)  # the libraries resolved once; None where PyTorch runs
-    weights: str = ""  # where the weights live (`runner.huge_pages`), once placed
+    weights: object = None  # the arena the linear weights live in (`runner.huge_pages.WeightsArena`), once placed:
+    # its part of the line is read when the plan is described (a read of /proc/self/smaps: 4 ms in a fresh
+    # process, far more in one with thousands of mappings, so not on every load)
     batch_invariant: bool = False  # linears and norms on `kernels.gpu.batch_invariant`, one key split per decode
     rowwise: bool = False  # norms, activations and RoPE on `kernels.gpu.rowwise` (a GPU, kernels on)
     fused: bool = False  # q/k/v and gate/up each one matmul (`layers.linear.FusedLinear`; a GPU, kernels on)
@@ -495,7 +497,7 @@ class ExecutionPlan:
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
                 f"attention: {self.attention}{tiles}; activations and norms: {act}; decode step: {decode}{graphs}"
-                + (f"; {self.weights}" if self.weights else "") + (f" ({off})" if off else ""))
+                + (f"; {self.weights.describe()}" if self.weights is not None else "") + (f" ({off})" if off else ""))
 
 
 def _check_batch_invariant(device: Device, enforce_eager: bool, reference: bool, backend: str,
