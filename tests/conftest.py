@@ -32,6 +32,7 @@ def pytest_configure(config):
     from tests.helpers import arena_cache, triton_interpreter
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("NEXTOKEN_HUGE_PAGES", "0")  # (NO_ARENA below; `huge_pages_on` for the tests of it)
     if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -161,10 +162,19 @@ def smollm2_llm(smollm2_path):
     llm.close()
 
 
-# NO_ARENA: the float32 loads of SmolLM2 (540 MiB of weights) keep them where the loader put them
-# (`huge_pages=False`): the huge-page arena's copy faults them in in 2 MiB pages, which on these VMs
-# ran at 0.12-0.5 GB/s on fresh memory against 2-3 GB/s for 4 KiB pages (seconds a load), and it
-# changes where the bytes live, not what they are (tests/engine/test_huge_pages.py holds that).
+# NO_ARENA: the tests' loads keep the weights where the loader put them (``NEXTOKEN_HUGE_PAGES=0``,
+# set in `pytest_configure` for this process and every process it starts): the huge-page arena's
+# copy faults them in in 2 MiB pages, which on these VMs ran at 0.12-0.5 GB/s on fresh memory
+# against 2-3 GB/s for 4 KiB pages (seconds a load: 40 s of the suite's CPU on 2026-12-03), and it
+# changes where the bytes live, not what they are: the tests of the arena itself (`huge_pages_on`)
+# hold that outputs are bit for bit the same. The float32 SmolLM2 loads say ``huge_pages=False``
+# as well, so that they stay off it under ``NEXTOKEN_HUGE_PAGES=1``.
+@pytest.fixture
+def huge_pages_on(monkeypatch):
+    """This test's loads place the weights in the huge-page arena as a user's do (`NO_ARENA`)."""
+    monkeypatch.setenv("NEXTOKEN_HUGE_PAGES", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2_f32(smollm2_path):
     """One float32 `LLM` on SmolLM2 (the reference path's numbers), shared like `smollm2_llm`.

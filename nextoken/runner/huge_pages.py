@@ -16,8 +16,9 @@ prepared-weights cache) that the copies read are dropped from this process as ea
 copied (``MADV_DONTNEED``; unwritten pages of a private file mapping: read again from the file if
 ever touched), so the load's peak is the arena plus one piece. An
 untied embedding table stays in that mapping: a lookup reads a few of its rows, never the table.
-Where the system's transparent huge pages are ``never`` (or the OS has none) the weights stay
-where they were loaded; where the kernel gives fewer than asked, `WeightsArena.describe` says how
+Where the system's transparent huge pages are ``never`` (or the OS has none), or
+``NEXTOKEN_HUGE_PAGES=0`` is in the environment (every process it reaches: a test suite's servers
+too), the weights stay where they were loaded; where the kernel gives fewer than asked, `WeightsArena.describe` says how
 many it gave. The copies hold the same bytes: every output is
 unchanged (tests/engine/test_huge_pages.py).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,12 @@ def thp_mode() -> str:
     except OSError:
         return ""
     return text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+
+
+def arena_switched_off() -> bool:
+    """``NEXTOKEN_HUGE_PAGES=0`` in the environment: no arena in this process, whatever
+    ``huge_pages`` says (as ``NEXTOKEN_NATIVE_KERNELS=0`` for the kernels)."""
+    return os.environ.get("NEXTOKEN_HUGE_PAGES") == "0"
 
 
 def _weights(model) -> list[tuple[object, str, torch.Tensor]]:

@@ -26,7 +26,7 @@ from nextoken.loader.hf import HFModelDir, read_hf_config
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
 from nextoken.runner.device import CPU, Device, move_model, resolve_device
-from nextoken.runner.huge_pages import libc, place_weights, thp_mode
+from nextoken.runner.huge_pages import arena_switched_off, libc, place_weights, thp_mode
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 from nextoken.sample.sampler import to_device
@@ -155,14 +155,15 @@ class ModelRunner:
                 shards = parallelize(self.model, self.config, part, tp)
                 prepared_cache = False  # the cache holds whole tensors
             load_weights(self.model, source, self.plan, prepared_cache, shards)
-            self.weights_arena = None if device.is_cuda or not huge_pages else place_weights(self.model)
+            arena = huge_pages and not arena_switched_off()
+            self.weights_arena = place_weights(self.model) if arena and not device.is_cuda else None
         finally:
             loading_allocations(False)
         release_free_memory()
         if self.weights_arena is not None:
             self.plan.weights = self.weights_arena
-        elif not huge_pages and not device.is_cuda:
-            self.plan.reasons["huge pages"] = "huge_pages=False"
+        elif not arena and not device.is_cuda:
+            self.plan.reasons["huge pages"] = "huge_pages=False" if not huge_pages else "NEXTOKEN_HUGE_PAGES=0"
         elif thp_mode() == "never" and not device.is_cuda:
             self.plan.reasons["huge pages"] = "transparent huge pages are never here"
         if device.is_cuda:

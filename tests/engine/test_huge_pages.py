@@ -18,6 +18,11 @@ QUANT = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q8_
 PROMPT = [5, 17, 200, 33, 41, 270, 90, 12]
 
 
+@pytest.fixture(autouse=True)
+def _arena(huge_pages_on):
+    """The arena as a user's loads make it (the suite's other loads go without: conftest's NO_ARENA)."""
+
+
 def inside(t: torch.Tensor, arena) -> bool:
     return arena.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= arena.address + arena.nbytes
 
@@ -68,6 +73,16 @@ def test_dense_weights_move_too(tmp_path):
     assert isinstance(layer.mlp.down_proj.weight, torch.nn.Parameter)
     for a, b in zip(steps(placed), steps(plain)):
         assert torch.equal(a, b)
+
+
+def test_the_environment_can_keep_the_weights_off_the_arena(tmp_path, monkeypatch):
+    """``NEXTOKEN_HUGE_PAGES=0``: no arena whatever ``huge_pages`` says, and the plan names the switch."""
+    monkeypatch.setenv("NEXTOKEN_HUGE_PAGES", "0")
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_hf_model("llama", seed=5, vocab_size=320), path, "llama", quant=QUANT)
+    runner = ModelRunner(GGUFFile(path), torch.bfloat16, huge_pages=True)
+    assert runner.weights_arena is None
+    assert "huge pages off: NEXTOKEN_HUGE_PAGES=0" in runner.plan.describe(runner.model)
 
 
 def test_no_arena_where_the_system_has_transparent_huge_pages_off(tmp_path, monkeypatch):

@@ -126,7 +126,7 @@ def test_bf16_folder_decodes_in_one_call_like_pytorch_layers(tmp_path, arch):
 
 
 @needs_kernel
-def test_bf16_folder_weights_are_the_files_pages(tmp_path):
+def test_bf16_folder_weights_are_the_files_pages(tmp_path, huge_pages_on):
     """A bf16 folder served in bf16 keeps its weights as views of the mapped file, not copies
     (with huge_pages the linears then move into the arena of 2 MiB pages, and the untied
     embedding table stays mapped); the float32 model of the same folder copies (a conversion)."""
