@@ -25,11 +25,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def read_bandwidth(threads: int | None = None, nbytes: int = 1 << 29, repeats: int = 20) -> float:
+def read_bandwidth(threads: int | None = None, nbytes: int = 1 << 29, repeats: int = 20,
+                   huge_pages: bool = True) -> float:
     """Bytes/s this machine reads from memory with `threads` threads (default: PyTorch's current
     number): the best of `repeats` float32 sums over `nbytes` (512 MiB, far past any cache), in
-    2 MiB pages where the kernel gives them (as the weights: `runner.huge_pages`; on 4 KiB pages
-    the same read was 20-25% slower on a VM). The best, so the cap is an upper bound: a shared
+    2 MiB pages where the kernel gives them and `huge_pages` asks (as the weights:
+    `runner.huge_pages`; on 4 KiB pages the same read was 20-25% slower on a VM). The best, so the cap is an upper bound: a shared
     machine's bandwidth varies by 30% from one second to the next. `nextoken bench` measures it
     in its single-stream process, after the figures."""
     import mmap
@@ -39,7 +40,7 @@ def read_bandwidth(threads: int | None = None, nbytes: int = 1 << 29, repeats: i
     if threads is not None:
         torch.set_num_threads(threads)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     x = torch.frombuffer(buf, dtype=torch.float32)
     x.fill_(1.0)
@@ -111,7 +112,7 @@ def nextoken_worker(a, engine_args: EngineArgs) -> dict:
             if tok_s > res.get(f"{key}_tok_s", 0.0):
                 res[f"{key}_tok_s"] = tok_s
             res[f"{key}_sampler_ms"] = clock.ms_per_step()
-    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm), **_bandwidth(a)}
+    return {**res, "peak_rss_mib": _peak_rss_mib(), **_sizes(llm), **_bandwidth(a, llm)}
 
 
 class SamplerClock:
@@ -180,10 +181,13 @@ def _sizes(llm) -> dict:
             "kv_cache_mib": kv.nbytes / 2**20, "kv_bytes_per_token": kv.bytes_per_token}
 
 
-def _bandwidth(a) -> dict:
-    """{"read_bandwidth": bytes/s} measured now, or {} for a run told ``--no-bandwidth`` (a later
-    round of the same bench: its first round's figure stands, and each measure faults in 512 MiB)."""
-    return {} if a.no_bandwidth else {"read_bandwidth": read_bandwidth()}
+def _bandwidth(a, llm) -> dict:
+    """{"read_bandwidth": bytes/s} measured now, in the pages the weights got (2 MiB ones where the
+    engine made its arena), or {} for a run told ``--no-bandwidth`` (a later round of the same
+    bench: its first round's figure stands, and each measure faults in 512 MiB)."""
+    if a.no_bandwidth:
+        return {}
+    return {"read_bandwidth": read_bandwidth(huge_pages=llm.engine.runner.weights_arena is not None)}
 
 
 def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
@@ -197,7 +201,7 @@ def _nextoken_at_depth(a, llm, greedy, vocab, skip) -> dict:
     m = llm.generate([context + _prompt(8, vocab, 1, skip)], greedy(a.decode_tokens + 1))[0].metrics
     return {"prefill_tok_s": a.prompt_tokens / statistics.median(ttfts),
             "decode_tok_s": a.decode_tokens / (m.finished_time - m.first_token_time), "peak_rss_mib": _peak_rss_mib(),
-            **_sizes(llm), **_bandwidth(a)}
+            **_sizes(llm), **_bandwidth(a, llm)}
 
 
 def _llama_forward(llm, token_ids: list[int]) -> None:
