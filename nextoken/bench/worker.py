@@ -30,9 +30,9 @@ def read_bandwidth(threads: int | None = None, nbytes: int = 1 << 29, repeats: i
     """Bytes/s this machine reads from memory with `threads` threads (default: PyTorch's current
     number): the best of `repeats` float32 sums over `nbytes` (512 MiB, far past any cache), in
     2 MiB pages where the kernel gives them and `huge_pages` asks (as the weights:
-    `runner.huge_pages`; on 4 KiB pages the same read was 20-25% slower on a VM). The best, so the cap is an upper bound: a shared
-    machine's bandwidth varies by 30% from one second to the next. `nextoken bench` measures it
-    in its single-stream process, after the figures."""
+    `runner.huge_pages`; on 4 KiB pages the same read was 20-25% slower on a VM). The best, so
+    the cap is an upper bound: a shared machine's bandwidth varies by 30% from one second to the
+    next. `nextoken bench` measures it in its single-stream process, after the figures."""
     import mmap
 
     import torch

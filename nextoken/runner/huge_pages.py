@@ -18,8 +18,8 @@ ever touched), so the load's peak is the arena plus one piece. An
 untied embedding table stays in that mapping: a lookup reads a few of its rows, never the table.
 Where the system's transparent huge pages are ``never`` (or the OS has none), or
 ``NEXTOKEN_HUGE_PAGES=0`` is in the environment (every process it reaches: a test suite's servers
-too), the weights stay where they were loaded; where the kernel gives fewer than asked, `WeightsArena.describe` says how
-many it gave. The copies hold the same bytes: every output is
+too), the weights stay where they were loaded; where the kernel gives fewer than asked,
+`WeightsArena.describe` says how many it gave. The copies hold the same bytes: every output is
 unchanged (tests/engine/test_huge_pages.py).
 """
 
