@@ -167,8 +167,7 @@ def smollm2_llm(smollm2_path):
 # copy faults them in in 2 MiB pages, which on these VMs ran at 0.12-0.5 GB/s on fresh memory
 # against 2-3 GB/s for 4 KiB pages (seconds a load: 40 s of the suite's CPU on 2026-12-03), and it
 # changes where the bytes live, not what they are: the tests of the arena itself (`huge_pages_on`)
-# hold that outputs are bit for bit the same. The float32 SmolLM2 loads say ``huge_pages=False``
-# as well, so that they stay off it under ``NEXTOKEN_HUGE_PAGES=1``.
+# hold that outputs are bit for bit the same.
 @pytest.fixture
 def huge_pages_on(monkeypatch):
     """This test's loads place the weights in the huge-page arena as a user's do (`NO_ARENA`)."""
@@ -181,7 +180,7 @@ def smollm2_f32(smollm2_path):
     It must not be stepped from a test while `smollm2_server` serves it: that server has its own."""
     from nextoken import LLM
 
-    llm = LLM(str(smollm2_path), dtype="float32", huge_pages=False)  # (NO_ARENA)
+    llm = LLM(str(smollm2_path), dtype="float32")
     yield llm
     llm.close()
 
@@ -193,7 +192,7 @@ def smollm2_server(smollm2_path):
     from nextoken import LLM
     from tests.helpers.server import LiveServer
 
-    srv = LiveServer(LLM(str(smollm2_path), dtype="float32", huge_pages=False), "smollm2")  # (NO_ARENA)
+    srv = LiveServer(LLM(str(smollm2_path), dtype="float32"), "smollm2")
     yield srv
     srv.stop()
 

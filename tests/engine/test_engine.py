@@ -377,8 +377,7 @@ def test_smollm2_batched_equals_reference_and_alone(smollm2_path, smollm2_f32):
         assert got == g["greedy_ids"][:16]
     assert [token_ids(llm.generate([q], p))[0] for q in extra[:2]] == outs[len(gens):len(gens) + 2]
     assert_no_leak(llm)
-    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=12, enable_prefix_caching=False,
-                huge_pages=False)  # (conftest's NO_ARENA)
+    tight = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=12, enable_prefix_caching=False)
     assert token_ids(tight.generate(prompts, p)) == outs
     assert tight.engine.stats()["num_preemptions"] > 0
     assert_no_leak(tight)

@@ -216,7 +216,7 @@ def test_decode_checks_the_size_before_anything_else():
 
 # -- the engine over the disk tier (SmolLM2) ----------------------------------------------------
 PROMPT = "A long shared system prompt: answer briefly, cite the source, and stay polite. " * 8
-SETTINGS = dict(max_model_len=1024, max_num_seqs=2, kv_cache_memory="64MiB", huge_pages=False)  # (conftest's NO_ARENA)
+SETTINGS = dict(max_model_len=1024, max_num_seqs=2, kv_cache_memory="64MiB")
 
 
 def greedy(llm, prompt: str = PROMPT) -> str:

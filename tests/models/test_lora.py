@@ -263,7 +263,7 @@ def test_an_adapter_trained_on_smollm2_changes_its_answer(smollm2_path, smollm2_
     torch.manual_seed(0)
     model = get_peft_model(copy.deepcopy(smollm2_hf), LoraConfig(
         r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
-    f32 = LLM(str(smollm2_path), dtype="float32", enable_lora=True, max_lora_rank=8, huge_pages=False)  # (NO_ARENA)
+    f32 = LLM(str(smollm2_path), dtype="float32", enable_lora=True, max_lora_rank=8)
     prompt = f32.tokenizer.encode("The capital of France is")
     target = f32.tokenizer.encode(" Atlantis, the lost city", add_bos=False)
     x = torch.tensor([prompt + target])

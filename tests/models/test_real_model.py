@@ -47,7 +47,7 @@ def teacher_forced(runner: ModelRunner, gen: dict, decode_last: int):
 
 
 def check_float32(path, name):
-    runner = ModelRunner(GGUFFile(path), torch.float32, huge_pages=False)  # (conftest's NO_ARENA)
+    runner = ModelRunner(GGUFFile(path), torch.float32)
     for gen in load_reference(name)["generations"]:
         greedy = []
         for lp, step in teacher_forced(runner, gen, decode_last=4):
