@@ -101,6 +101,26 @@ def test_the_decode_stream_equals_the_window_decode(tok, kind, skip):
                 assert "".join(fast[1]) == t.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_run_of_skipped_special_tokens_stays_out_of_the_window(tok, kind):
+    """A model that emits its end-of-turn token again and again (``ignore_eos``): with
+    ``skip_special_tokens`` the specials never enter the decode window (whose decode would gain no
+    text and so never close over them: each step decoded the whole run), and the deltas, on both
+    paths, are still the whole decode's text, a split character across the run included."""
+    t = tok if kind == "byte-level" else sentencepiece_tok()
+    eot = sorted(t.special_ids)[-1]
+    emoji = t.encode("🤖", parse_special=False)
+    assert len(emoji) > 1
+    ids = t.encode("the thing", parse_special=False) + [eot] * 300 + emoji[:1] + [eot] * 50 + emoji[1:] + \
+        t.encode(" in the", parse_special=False)
+    fast, want = stream(t, ids), stream(t, ids, fast=False)
+    assert fast[1] == want[1]
+    assert "".join(fast[1]) == t.decode(ids, skip_special_tokens=True)
+    assert eot not in fast[0].ids and eot not in want[0].ids
+    kept = stream(t, ids, skip_special_tokens=False)
+    assert "".join(kept[1]) == t.decode(ids, skip_special_tokens=False) and kept[0].ids == ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
 def test_the_decode_stream_equals_the_window_decode_on_catalog_vocabularies(name):
