@@ -20,12 +20,24 @@ With ``skip_special_tokens`` a special token never enters the window: a decode d
 tokens before it decodes (`tokenizers`' rule), so the text is the same, while a window that took
 them would never close over a run of them (a window's decode that gains no text keeps its
 tokens): a model that emits its end-of-turn token again and again under ``ignore_eos`` made
-each step decode the whole run, 40 us a token after 800 of them.
+each step decode the whole run, 40 us a token after 800 of them. Likewise a run of bytes that
+never form a character (a model emitting one continuation byte again and again) would keep the
+window's text ending in U+FFFD: from `LONG_PENDING` held-back tokens on, the window decode releases
+the text before the last `SETTLED_TAIL` tokens where the whole window's text begins with it.
+That text is final: with byte-level BPE (a lossy UTF-8 decode of all the bytes) the bytes that
+settle it are there already; with SentencePiece's byte fallback (a run of byte tokens is its
+text only when all of it is valid UTF-8, else one U+FFFD a byte), so many held-back tokens mean
+an invalid byte in the run, which no later token makes valid.
 """
 
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+# A window whose text has ended in U+FFFD for LONG_PENDING tokens holds bytes that no later token
+# can make a character (one spans at most 4 bytes, each token adds one or more): the text of all
+# but its last SETTLED_TAIL tokens is final where the whole window's text begins with it.
+LONG_PENDING = 8
+SETTLED_TAIL = 4
 
 
 def _decode_stream(tokenizer, skip_special_tokens: bool):
@@ -69,27 +81,41 @@ class IncrementalDetokenizer:
         if token_id in self._dropped:
             return False
         self.ids.append(token_id)
-        delta = self._new_text(token_id)
-        if delta is None:
+        got = self._new_text(token_id)
+        if got is None:
             return False  # nothing new, or an unfinished UTF-8 sequence: wait for more tokens
+        delta, read = got
         self._append(delta)
-        self._prefix, self._read = self._read, len(self.ids)
+        self._prefix, self._read = self._read, read
         return self.stop_reason is not None
 
-    def _new_text(self, token_id: int) -> str | None:
-        """The text the window gains with `token_id` (just appended to `ids`), or None while it
-        gains none: the Rust stream's step, or the window decode (the reference, and the path
-        from the first token the stream refuses on)."""
+    def _new_text(self, token_id: int) -> tuple[str, int] | None:
+        """The text the window gains with `token_id` (just appended to `ids`) and the end of the
+        ids it covers, or None while it gains none: the Rust stream's step, or the window decode
+        (the reference, and the path from the first token the stream refuses on, or from the
+        `LONG_PENDING`-th token it holds back)."""
         if self._stream is not None:
             try:
-                return self._stream.step(self.tokenizer.hf_tokenizer, token_id)
+                text = self._stream.step(self.tokenizer.hf_tokenizer, token_id)
             except Exception:  # noqa: BLE001 - the stream's "invalid prefix": the window decode goes on
                 self._stream = None
+            else:
+                if text is not None:
+                    return text, len(self.ids)
+                if len(self.ids) - self._read < LONG_PENDING:
+                    return None
+                self._stream = None  # (the stream cannot release part of what it holds)
         prev = self._decode(self.ids[self._prefix : self._read])
         new = self._decode(self.ids[self._prefix :])
-        if len(new) <= len(prev) or new.endswith(REPLACEMENT):
+        if len(new) > len(prev) and not new.endswith(REPLACEMENT):
+            return new[len(prev) :], len(self.ids)
+        if len(self.ids) - self._read < LONG_PENDING:
             return None
-        return new[len(prev) :]
+        cut = len(self.ids) - SETTLED_TAIL
+        head = self._decode(self.ids[self._prefix : cut])
+        if len(head) > len(prev) and head.startswith(prev) and new.startswith(head):
+            return head[len(prev) :], cut
+        return None
 
     @property
     def pending(self) -> bool:

@@ -121,6 +121,38 @@ def test_a_run_of_skipped_special_tokens_stays_out_of_the_window(tok, kind):
     assert "".join(kept[1]) == t.decode(ids, skip_special_tokens=False) and kept[0].ids == ids
 
 
+def byte_ids(t, data: bytes) -> list[int]:
+    """The byte tokens of `data`: byte-level BPE's single-byte symbols, or SentencePiece's ``<0xNN>``."""
+    from nextoken.tokenizer.tokenizer import _byte_decoder
+
+    symbol = {b: c for c, b in _byte_decoder().items()}
+    index = {tok: i for i, tok in enumerate(t.tokens)}
+    return [index[f"<0x{b:02X}>"] if f"<0x{b:02X}>" in index else index[symbol[b]] for b in data]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_run_of_bytes_that_never_form_a_character_is_released(tok, kind):
+    """A model emitting a continuation byte again and again (the tiny random models do): the
+    window's text ends in U+FFFD at every step, and the window no longer grows with the run (each
+    step decoded it all); the deltas of both paths are still the whole decode's text, split
+    characters right after the run, and invalid bytes inside a run of byte tokens, included."""
+    t = tok if kind == "byte-level" else sentencepiece_tok()
+    runs = [byte_ids(t, b"\x80" * 300), byte_ids(t, "€".encode()), byte_ids(t, b"\xe2\x82" * 20),
+            byte_ids(t, "日本".encode()), byte_ids(t, b"\xbf" * 9 + "é".encode())]
+    ids = t.encode("the thing", parse_special=False)
+    for run in runs:
+        ids += run + t.encode(" in the", parse_special=False)
+    fast, want = stream(t, ids), stream(t, ids, fast=False)
+    assert fast[1] == want[1]
+    assert "".join(fast[1]) == t.decode(ids, skip_special_tokens=True)
+    assert "€" in "".join(fast[1]) and "日本" in "".join(fast[1])
+    d, widest = IncrementalDetokenizer(t), 0
+    for i in ids:
+        d.add_token(i)
+        widest = max(widest, len(d.ids) - d._prefix)
+    assert widest <= 16, widest
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
 def test_the_decode_stream_equals_the_window_decode_on_catalog_vocabularies(name):
