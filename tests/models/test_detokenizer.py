@@ -159,11 +159,14 @@ def test_the_decode_stream_equals_the_window_decode_on_catalog_vocabularies(name
     from nextoken.catalog import pull
 
     t = Tokenizer.from_gguf(GGUFFile(pull(name, progress=False)))
+    runs = byte_ids(t, b"\x80" * 40 + b"\xe2\x82" * 20 + "€".encode() + b"\xf0\x9f" * 7 + "🤖".encode())
     for text in TEXTS:
         ids = t.encode(text, parse_special=False)
-        ids = ids[:5] + sorted(t.special_ids)[:3] + ids[5:]
+        ids = ids[:5] + sorted(t.special_ids)[:3] + runs + sorted(t.special_ids)[:1] * 20 + ids[5:]
         for skip in (True, False):
-            assert stream(t, ids, skip_special_tokens=skip)[1] == stream(t, ids, skip_special_tokens=skip, fast=False)[1]
+            fast = stream(t, ids, skip_special_tokens=skip)[1]
+            assert fast == stream(t, ids, skip_special_tokens=skip, fast=False)[1]
+            assert "".join(fast) == t.decode(ids, skip_special_tokens=skip)
 
 
 def test_a_token_the_stream_refuses_falls_back_to_the_window_decode(tok):
