@@ -242,19 +242,21 @@ def test_streamed_events_read_whole_by_a_line_splitting_client(smol):
     assert got == text
 
 
+@pytest.mark.parametrize("splitter", ["\u2028\u0085\u2029", "\u2028", "\u0085", "\u2029"])
 @pytest.mark.parametrize("write", ["openai", "responses", "anthropic", "ollama"])
-def test_every_stream_escapes_the_line_splitting_characters(write):
-    """Each API's streamed writer: the three characters as JSON escapes, the event's JSON the same."""
+def test_every_stream_escapes_the_line_splitting_characters(write, splitter):
+    """Each API's streamed writer: the three characters, together or each alone, as JSON escapes,
+    the event's JSON the same."""
     from nextoken.server.anthropic.render import event
     from nextoken.server.ollama.serving import _line
     from nextoken.server.openai.render import sse
     from nextoken.server.openai.responses_render import ResponseRenderer
 
-    data = {"delta": "x\u2028y\u0085z\u2029\u00e9"}
+    data = {"delta": f"x{splitter}y\u00e9"}
     out = {"openai": lambda: sse(data), "anthropic": lambda: event("content_block_delta", data),
            "ollama": lambda: _line(data), "responses": lambda: ResponseRenderer(True).emit("delta", data)}[write]()
     assert len(out.strip("\n").splitlines()) == out.strip("\n").count("\n") + 1  # no line breaks but the format's
-    assert "\u00e9" in out and "\\u2028" in out  # (other text stays as written)
+    assert "\u00e9" in out and all(f"\\u{ord(c):04x}" in out for c in splitter)  # (other text stays as written)
     payload = out.strip("\n").split("data: ")[-1]
     assert json.loads(payload)["delta"] == data["delta"]
 

