@@ -11,7 +11,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 mkdir -p .whl
 PY="${PYTHON:-python3}"
 for req in fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-           typing-inspection==0.4.5 annotated-doc==0.0.7 uvicorn==0.54.0 jsonschema==4.26.0 \
+           typing-inspection==0.4.5 annotated-doc==0.0.7 uvicorn==0.54.0 httptools==0.9.0 jsonschema==4.26.0 \
            jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 cachetools==8.0.2 \
            gguf==0.19.0 llguidance==1.9.1 python-multipart==0.0.34 sniffio==1.3.1 py-spy==0.4.3 \
            opentelemetry-api==1.45.2; do

@@ -271,7 +271,12 @@ class EngineProcessClient(OutputStreams):
         Sending a request attaches too."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self._from_core.fileno(), self._on_readable)
+            fd = self._from_core.fileno()
+            self._loop.add_reader(fd, self._on_readable)
+            # `recv` reads a whole message and needs a blocking pipe: uvloop's add_reader (libuv's
+            # poll) makes it non-blocking, and a message larger than the pipe's buffer then ended
+            # in EAGAIN halfway, taken for the engine process's end
+            os.set_blocking(fd, True)
 
     def _on_readable(self) -> None:
         try:  # one message a call: the streams its outputs woke run before the next step's

@@ -379,3 +379,35 @@ def test_the_mirror_expects_an_id_once():
     assert not mirror._expected and not mirror.expect("a", second)
     mirror.forget("a")
     assert mirror.expect("a", second)
+
+
+def test_the_pipe_reads_whole_messages_under_uvloop(tiny_gguf):
+    """Under uvloop (uvicorn's loop wherever it is installed), whose ``add_reader`` makes the pipe
+    non-blocking (libuv's poll), a step message larger than the pipe's buffer (four prompts'
+    log-probabilities from one prefill step, some 200 KiB pickled) arrives whole: the reader took
+    the first ``EAGAIN`` for the engine process's end, and a server process failed every stream it
+    had (the H200's serving run of 2026-11-30)."""
+    import uvloop
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=20, ignore_eos=True)
+    prompts = [list(range(3 + k, 240 + k)) for k in range(4)]
+    want = llm.generate(prompts, params)
+    client = EngineProcessClient(EngineArgs(model=str(tiny_gguf["llama"][0]), dtype="float32"))
+    try:
+        async def one(prompt):
+            last = None
+            async for out in client.generate(prompt, params):
+                last = out
+            return last
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            got = runner.run(main())
+        assert len(pickle.dumps([g.prompt_logprobs for g in got])) > 1 << 17
+        assert [g.prompt_logprobs for g in got] == [w.prompt_logprobs for w in want]
+        assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want] and client.dead is None
+    finally:
+        client.close()
