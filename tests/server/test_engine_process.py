@@ -404,8 +404,11 @@ def test_the_pipe_reads_whole_messages_under_uvloop(tiny_gguf):
         async def main():
             return await asyncio.gather(*(one(p) for p in prompts))
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            got = runner.run(main())
+        loop = uvloop.new_event_loop()  # (asyncio.Runner's loop_factory: Python 3.11)
+        try:
+            got = loop.run_until_complete(main())
+        finally:
+            loop.close()
         assert len(pickle.dumps([g.prompt_logprobs for g in got])) > 1 << 17
         assert [g.prompt_logprobs for g in got] == [w.prompt_logprobs for w in want]
         assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want] and client.dead is None
