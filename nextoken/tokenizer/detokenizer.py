@@ -33,11 +33,8 @@ an invalid byte in the run, which no later token makes valid.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
-# A window whose text has ended in U+FFFD for LONG_PENDING tokens holds bytes that no later token
-# can make a character (one spans at most 4 bytes, each token adds one or more): the text of all
-# but its last SETTLED_TAIL tokens is final where the whole window's text begins with it.
-LONG_PENDING = 8
-SETTLED_TAIL = 4
+LONG_PENDING = 8  # held-back tokens after which the window's settled head is released (the docstring)
+SETTLED_TAIL = 4  # the tokens kept back then: a character spans at most 4 bytes
 
 
 def _decode_stream(tokenizer, skip_special_tokens: bool):
