@@ -18,7 +18,9 @@
  * double lanes), then a walk over the block sums and one block. With filters the candidates
  * {e >= tau} are gathered for a threshold tau low enough that no token outside them can be kept
  * (tau = Mp for min-p; else 2^-8, lowered by 2^-8 until the K best or the top-p mass are inside),
- * and only those are sorted: the whole vocabulary is never sorted unless it is that flat.
+ * and of those only the ones in the first buckets of x that hold the K best or the top-p mass are
+ * sorted (sorted_prefix); the kept ones are then put in id order by merging the gathers' runs,
+ * each already in id order (kept_by_id): no sort of the vocabulary, nor of a flat row's tail.
  * Rows run in parallel over OpenMP threads, each row on one thread from start to end, so a row's
  * token never depends on the other rows of the batch. Plain C that the compiler vectorizes.
  */
@@ -38,11 +40,16 @@ typedef struct {
     int32_t id;
 } cand_t;
 
-/* per-thread scratch, grown on demand (OpenMP's pool threads live as long as the process) */
+#define MAX_RUNS 24        /* gathers of one row: tau from 2^-8 down by 2^-8 to 2^-126, then the rest */
+#define NBUCKETS 1024      /* x-buckets of the preselection (sorted_prefix) */
+#define PRESELECT_MIN 256  /* candidates from which only the buckets the filters can keep are sorted */
+
+/* per-thread scratch, grown on demand (OpenMP's pool threads live as long as the process):
+ * the candidates in gather order, the ones sorted by x, and the kept ones in id order */
 static _Thread_local float *t_e;
 static _Thread_local double *t_blocks;
-static _Thread_local cand_t *t_cand;
-static _Thread_local int64_t t_e_cap, t_cand_cap;
+static _Thread_local cand_t *t_cand, *t_sorted, *t_kept;
+static _Thread_local int64_t t_e_cap, t_cand_cap, t_sorted_cap, t_kept_cap;
 
 static int reserve(int64_t V) {
     if (t_e_cap < V) {
@@ -56,17 +63,20 @@ static int reserve(int64_t V) {
     return 0;
 }
 
-static int reserve_cand(int64_t n) {
-    if (t_cand_cap < n) {
-        int64_t cap = t_cand_cap ? t_cand_cap : 256;
-        while (cap < n) cap *= 2;
-        cand_t *c = realloc(t_cand, sizeof(cand_t) * (size_t)cap);
-        if (!c) return 1;
-        t_cand = c;
-        t_cand_cap = cap;
+/* *buf holds at least n candidates (its capacity *cap doubled as needed); 1 when out of memory */
+static int grow(cand_t **buf, int64_t *cap, int64_t n) {
+    if (*cap < n) {
+        int64_t c = *cap ? *cap : 256;
+        while (c < n) c *= 2;
+        cand_t *p = realloc(*buf, sizeof(cand_t) * (size_t)c);
+        if (!p) return 1;
+        *buf = p;
+        *cap = c;
     }
     return 0;
 }
+
+static int reserve_cand(int64_t n) { return grow(&t_cand, &t_cand_cap, n); }
 
 /* e^x for x <= 0 (0 below -87, and for -inf): x = k ln 2 + f with |f| <= ln 2 / 2, e^f by its
  * degree-7 Taylor polynomial (relative error under 2e-7), times 2^k through the exponent bits.
@@ -287,9 +297,100 @@ static int by_x_desc(const void *a, const void *b) {
     return (p->id > q->id) - (p->id < q->id);
 }
 
-static int by_id(const void *a, const void *b) {
-    const cand_t *p = a, *q = b;
-    return (p->id > q->id) - (p->id < q->id);
+/* the x-bucket of a candidate: 0 for the largest x (top), NBUCKETS - 1 for the smallest, never
+ * increasing with x (every operation rounds monotonically), so a lower bucket holds only larger x */
+static inline int bucket_of(float x, float top, float scale) {
+    const float b = (top - x) * scale;
+    return b < (float)(NBUCKETS - 1) ? (int)b : NBUCKETS - 1;
+}
+
+/* The n candidates the filters can keep, sorted by x descending and ties by id ascending, into
+ * t_sorted; returns how many (m). Top-k (K > 0) keeps the first K of that order, so only the
+ * candidates of the first buckets of x that hold K are needed; top-p alone (limit >= 0: P times
+ * the row's mass) keeps a prefix whose mass before its last token is under the limit, so only the
+ * first buckets whose mass reaches it (with a margin of 1e-9 for the order of the sums). Those
+ * go to their buckets' places (a counting sort by bucket), then each bucket is sorted by itself.
+ * Under PRESELECT_MIN candidates, or without either filter, all of them, in one sort. Sorting every
+ * candidate, a flat row's top-p had sorted each token within 2^-16 of the best: 1-19 thousand a
+ * row at temperature 1 with real models, up to 2.9 ms a row. -1 when out of memory. */
+static int64_t sorted_prefix(int64_t n, int32_t K, double limit) {
+    if (grow(&t_sorted, &t_sorted_cap, n)) return -1;
+    float top = -INFINITY, low = INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        top = t_cand[j].x > top ? t_cand[j].x : top;
+        low = t_cand[j].x < low ? t_cand[j].x : low;
+    }
+    if (n < PRESELECT_MIN || (K <= 0 && limit < 0.0) || !(top > low)) {
+        memcpy(t_sorted, t_cand, sizeof(cand_t) * (size_t)n);
+        qsort(t_sorted, (size_t)n, sizeof(cand_t), by_x_desc);
+        return n;
+    }
+    const float scale = (float)NBUCKETS / (top - low);
+    int64_t count[NBUCKETS] = {0}, place[NBUCKETS + 1];
+    double mass[NBUCKETS] = {0};
+    for (int64_t j = 0; j < n; j++) {
+        const int b = bucket_of(t_cand[j].x, top, scale);
+        count[b]++;
+        mass[b] += (double)t_cand[j].e;
+    }
+    int cut = NBUCKETS - 1;
+    int64_t c = 0;
+    double sum = 0.0;
+    for (int b = 0; b < NBUCKETS; b++) {
+        c += count[b];
+        sum += mass[b];
+        if (K > 0 ? c >= K : sum >= limit * (1.0 + 1e-9)) {
+            cut = b;
+            break;
+        }
+    }
+    place[0] = 0;
+    for (int b = 0; b <= cut; b++) place[b + 1] = place[b] + count[b];
+    const int64_t m = place[cut + 1];
+    for (int64_t j = 0; j < n; j++) {
+        const int b = bucket_of(t_cand[j].x, top, scale);
+        if (b <= cut) t_sorted[place[b]++] = t_cand[j];
+    }
+    for (int b = 0; b <= cut; b++) /* place[b] is now the bucket's end */
+        if (count[b] > 1) qsort(t_sorted + place[b] - count[b], (size_t)count[b], sizeof(cand_t), by_x_desc);
+    return m;
+}
+
+/* The candidates ranked at or before `last` in the x order (x larger, or equal with an id no
+ * larger), in id order, into t_kept; returns how many, -1 when out of memory. t_cand holds them
+ * as runs in id order (runs[r] .. runs[r + 1], one per gather): each run is filtered in place in
+ * t_sorted (no longer needed), then the runs are merged pairwise. */
+static int64_t kept_by_id(const int64_t *runs, int nruns, cand_t last) {
+    const int64_t n = runs[nruns];
+    if (grow(&t_sorted, &t_sorted_cap, n) || grow(&t_kept, &t_kept_cap, n)) return -1;
+    int64_t bounds[MAX_RUNS + 1], k = 0;
+    for (int r = 0; r < nruns; r++) {
+        bounds[r] = k;
+        for (int64_t j = runs[r]; j < runs[r + 1]; j++) {
+            const cand_t c = t_cand[j];
+            if (c.x > last.x || (c.x == last.x && c.id <= last.id)) t_sorted[k++] = c;
+        }
+    }
+    bounds[nruns] = k;
+    cand_t *src = t_sorted, *dst = t_kept;
+    while (nruns > 1) {
+        int out = 0;
+        for (int r = 0; r < nruns; r += 2) {
+            const int64_t a_end = bounds[r + 1], b_end = r + 1 < nruns ? bounds[r + 2] : a_end;
+            int64_t a = bounds[r], b = a_end, o = bounds[r];
+            while (a < a_end && b < b_end) dst[o++] = src[a].id < src[b].id ? src[a++] : src[b++];
+            while (a < a_end) dst[o++] = src[a++];
+            while (b < b_end) dst[o++] = src[b++];
+            bounds[out++] = bounds[r];
+        }
+        bounds[out] = k;
+        nruns = out;
+        cand_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != t_kept) memcpy(t_kept, src, sizeof(cand_t) * (size_t)k);
+    return k;
 }
 
 /* append the tokens with lo <= e < hi to the candidates (n so far); returns the new n, -1 when out
@@ -331,8 +432,10 @@ static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float
                             int32_t *kept_out) {
     const int top_k = K > 0 && K < V, top_p = P < 1.f, min_p = Mp > 0.f;
     float tau = min_p ? Mp : TAU0, hi = INFINITY;
-    int64_t n = 0;
+    int64_t n = 0, runs[MAX_RUNS + 1];
+    int nruns = 0;
     for (;;) {
+        runs[nruns++] = n;
         n = gather(l, V, T, tau, hi, n);
         if (n < 0) return -1;
         const int full = tau <= 0.f; /* every token with e > 0 is a candidate */
@@ -348,18 +451,21 @@ static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float
         hi = tau;
         tau = tau * TAU_STEP < 0x1p-126f ? 0.f : tau * TAU_STEP;
         if (tau == 0.f) { /* the rest of e > 0 */
+            runs[nruns++] = n;
             n = gather(l, V, T, 0x1p-149f, hi, n);
             if (n < 0) return -1;
             break;
         }
     }
-    qsort(t_cand, (size_t)n, sizeof(cand_t), by_x_desc);
-    int64_t keep = top_k && n > K ? K : n;
+    runs[nruns] = n;
+    const int64_t m = sorted_prefix(n, top_k ? K : 0, top_p && !top_k ? (double)P * Z : -1.0);
+    if (m < 0) return -1;
+    int64_t keep = top_k && m > K ? K : m;
     if (top_p) {
         double zk = Z;
         if (top_k) {
             zk = 0.0;
-            for (int64_t j = 0; j < keep; j++) zk += (double)t_cand[j].e;
+            for (int64_t j = 0; j < keep; j++) zk += (double)t_sorted[j].e;
         }
         const double limit = (double)P * zk;
         double before = 0.0;
@@ -368,27 +474,27 @@ static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float
                 keep = j;
                 break;
             }
-            before += (double)t_cand[j].e;
+            before += (double)t_sorted[j].e;
         }
     }
     if (min_p)
         for (int64_t j = 1; j < keep; j++)
-            if (!(t_cand[j].e >= Mp)) {
+            if (!(t_sorted[j].e >= Mp)) {
                 keep = j;
                 break;
             }
     if (keep < 1) keep = 1;
     if (kept_out) *kept_out = (int32_t)keep;
-    qsort(t_cand, (size_t)keep, sizeof(cand_t), by_id);
+    if (kept_by_id(runs, nruns, t_sorted[keep - 1]) != keep) return -1;
     double total = 0.0;
-    for (int64_t j = 0; j < keep; j++) total += (double)t_cand[j].e;
+    for (int64_t j = 0; j < keep; j++) total += (double)t_kept[j].e;
     const double target = (double)u * total;
     double run = 0.0;
-    int64_t last = t_cand[0].id;
+    int64_t last = t_kept[0].id;
     for (int64_t j = 0; j < keep; j++) {
-        if (t_cand[j].e > 0.f) last = t_cand[j].id;
-        run += (double)t_cand[j].e;
-        if (run > target && t_cand[j].e > 0.f) return t_cand[j].id;
+        if (t_kept[j].e > 0.f) last = t_kept[j].id;
+        run += (double)t_kept[j].e;
+        if (run > target && t_kept[j].e > 0.f) return t_kept[j].id;
     }
     return last;
 }

@@ -141,18 +141,21 @@ def test_fast_grammar_rows_draw_the_masked_distribution():
 @pytest.mark.parametrize("vocab", [49152, 151936, 1003])
 def test_kernel_equals_the_pytorch_draw(vocab):
     """The C draw (no sort of the vocabulary) against `torch_draw` (sorts): peaked and flat rows,
-    rows with masked (-inf) tokens, every filter alone and together."""
+    rows with masked (-inf) tokens, rows of many ties (logits in steps of 1/2), every filter alone
+    and together (a flat row's top-p and a large top-k take the kernel's preselection by buckets)."""
     sampler = Sampler(kernel=kernels.load("sampling"))
     assert sampler.kernel is not None, "the sampling kernel did not build (is gcc installed?)"
     g = torch.Generator().manual_seed(vocab)
     temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.5, 1.0, 2.0, 0.9])
-    top_k = torch.tensor([0, 0, 0, 50, 5, 0, 40, 1], dtype=torch.int32)
+    top_k = torch.tensor([0, 0, 0, 50, 5, 0, 700, 1], dtype=torch.int32)
     top_p = torch.tensor([1, 1, 0.9, 0.95, 1, 0.5, 0.8, 1], dtype=torch.float32)
     min_p = torch.tensor([0, 0, 0, 0.05, 0, 0.1, 0, 0], dtype=torch.float32)
-    for trial in range(6):
-        logits = torch.randn(8, vocab, generator=g) * (1 + 3 * trial)  # flat to peaked
+    for trial in range(8):
+        logits = torch.randn(8, vocab, generator=g) * (1 + 3 * (trial % 6))  # flat to peaked
         if trial % 3 == 0:
             logits[:, ::3] = float("-inf")
+        if trial >= 6:
+            logits = torch.round(logits * 2) / 2
         u = torch.rand(8, generator=g)
         want = torch_draw(logits, temp, top_k, top_p, min_p, u)
         got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab,
