@@ -18,9 +18,12 @@
  * double lanes), then a walk over the block sums and one block. With filters the candidates
  * {e >= tau} are gathered for a threshold tau low enough that no token outside them can be kept
  * (tau = Mp for min-p; else 2^-8, lowered by 2^-8 until the K best or the top-p mass are inside),
- * and of those only the ones in the first buckets of x that hold the K best or the top-p mass are
- * sorted (sorted_prefix); the kept ones are then put in id order by merging the gathers' runs,
- * each already in id order (kept_by_id): no sort of the vocabulary, nor of a flat row's tail.
+ * and those are counted and summed by buckets of x: whole buckets are kept by their sums, and
+ * only the bucket where a cut falls is sorted (ranking_t). The kept ones are then put in id order
+ * by merging the gathers' runs, each already in id order (kept_by_id): no sort of the vocabulary,
+ * nor of a flat row's nucleus. A whole bucket's mass is summed in gather order, not the
+ * reference's sorted order, so a token can differ from the reference's only where top-p's limit
+ * falls within float64's rounding of a boundary (as the Triton draw's sums in their own order).
  * Rows run in parallel over OpenMP threads, each row on one thread from start to end, so a row's
  * token never depends on the other rows of the batch. Plain C that the compiler vectorizes.
  */
@@ -41,8 +44,7 @@ typedef struct {
 } cand_t;
 
 #define MAX_RUNS 24        /* gathers of one row: tau from 2^-8 down by 2^-8 to 2^-126, then the rest */
-#define NBUCKETS 1024      /* x-buckets of the preselection (sorted_prefix) */
-#define PRESELECT_MIN 256  /* candidates from which only the buckets the filters can keep are sorted */
+#define NBUCKETS 1024      /* buckets of x over a row's candidates (ranking_t) */
 
 /* per-thread scratch, grown on demand (OpenMP's pool threads live as long as the process):
  * the candidates in gather order, the ones sorted by x, and the kept ones in id order */
@@ -304,63 +306,98 @@ static inline int bucket_of(float x, float top, float scale) {
     return b < (float)(NBUCKETS - 1) ? (int)b : NBUCKETS - 1;
 }
 
-/* The n candidates the filters can keep, sorted by x descending and ties by id ascending, into
- * t_sorted; returns how many (m). Top-k (K > 0) keeps the first K of that order, so only the
- * candidates of the first buckets of x that hold K are needed; top-p alone (limit >= 0: P times
- * the row's mass) keeps a prefix whose mass before its last token is under the limit, so only the
- * first buckets whose mass reaches it (with a margin of 1e-9 for the order of the sums). Those
- * go to their buckets' places (a counting sort by bucket), then each bucket is sorted by itself.
- * Under PRESELECT_MIN candidates, or without either filter, all of them, in one sort. Sorting every
+/* The candidates' order (x descending, ties by id ascending) kept by buckets of x: bucket b holds
+ * count[b] candidates of mass[b] (their e summed in double), and a lower bucket only larger x;
+ * only the buckets where a filter's cut falls are ever sorted (sort_bucket). Sorting every
  * candidate, a flat row's top-p had sorted each token within 2^-16 of the best: 1-19 thousand a
- * row at temperature 1 with real models, up to 2.9 ms a row. -1 when out of memory. */
-static int64_t sorted_prefix(int64_t n, int32_t K, double limit) {
-    if (grow(&t_sorted, &t_sorted_cap, n)) return -1;
+ * row at temperature 1 with the catalog's models, up to 3 ms a row, 13 ms at temperature 1.5. */
+typedef struct {
+    float top, scale;
+    int sorted; /* the bucket whose candidates t_sorted holds in order (-1: none) */
+    int64_t count[NBUCKETS];
+    double mass[NBUCKETS];
+} ranking_t;
+
+static _Thread_local ranking_t t_ranking; /* (16 KiB: off the OpenMP threads' stacks) */
+
+static void rank_candidates(ranking_t *r, int64_t n) {
     float top = -INFINITY, low = INFINITY;
     for (int64_t j = 0; j < n; j++) {
         top = t_cand[j].x > top ? t_cand[j].x : top;
         low = t_cand[j].x < low ? t_cand[j].x : low;
     }
-    if (n < PRESELECT_MIN || (K <= 0 && limit < 0.0) || !(top > low)) {
-        memcpy(t_sorted, t_cand, sizeof(cand_t) * (size_t)n);
-        qsort(t_sorted, (size_t)n, sizeof(cand_t), by_x_desc);
-        return n;
-    }
     const float scale = (float)NBUCKETS / (top - low);
-    int64_t count[NBUCKETS] = {0}, place[NBUCKETS + 1];
-    double mass[NBUCKETS] = {0};
+    r->top = top;
+    r->scale = top > low && isfinite(scale) ? scale : 0.f; /* (0: one bucket) */
+    r->sorted = -1;
+    memset(r->count, 0, sizeof r->count);
+    memset(r->mass, 0, sizeof r->mass);
     for (int64_t j = 0; j < n; j++) {
-        const int b = bucket_of(t_cand[j].x, top, scale);
-        count[b]++;
-        mass[b] += (double)t_cand[j].e;
+        const int b = bucket_of(t_cand[j].x, r->top, r->scale);
+        r->count[b]++;
+        r->mass[b] += (double)t_cand[j].e;
     }
-    int cut = NBUCKETS - 1;
-    int64_t c = 0;
-    double sum = 0.0;
-    for (int b = 0; b < NBUCKETS; b++) {
-        c += count[b];
-        sum += mass[b];
-        if (K > 0 ? c >= K : sum >= limit * (1.0 + 1e-9)) {
-            cut = b;
-            break;
+}
+
+/* bucket b's candidates into t_sorted, in order; -1 when out of memory */
+static int sort_bucket(ranking_t *r, int64_t n, int b) {
+    if (r->sorted == b) return 0;
+    if (grow(&t_sorted, &t_sorted_cap, r->count[b])) return -1;
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (bucket_of(t_cand[j].x, r->top, r->scale) == b) t_sorted[m++] = t_cand[j];
+    qsort(t_sorted, (size_t)m, sizeof(cand_t), by_x_desc);
+    r->sorted = b;
+    return 0;
+}
+
+/* The first `keep` candidates of the order (top-k's set): their mass (top-p's Zk: the full buckets'
+ * sums, then the first ones of the bucket where it ends, in order), and in *last the last of
+ * them (keep >= 1). -1 when out of memory. */
+static double prefix_mass(ranking_t *r, int64_t n, int64_t keep, cand_t *last) {
+    double mass = 0.0;
+    int64_t pos = 0;
+    int b = 0;
+    while (pos + r->count[b] < keep) mass += r->mass[b], pos += r->count[b++];
+    if (sort_bucket(r, n, b)) return -1.0;
+    for (int64_t j = 0; j < keep - pos; j++) mass += (double)t_sorted[j].e;
+    *last = t_sorted[keep - pos - 1];
+    return mass;
+}
+
+/* Top-p within the first `keep` candidates: how many are kept, the first always and each next one
+ * while the mass before it (in the order) is under `limit`; whole buckets are taken by their
+ * sums while they stay under it, and the bucket where the walk may stop is sorted and walked
+ * token by token. *last: the last kept candidate. -1 when out of memory. */
+static int64_t nucleus(ranking_t *r, int64_t n, int64_t keep, double limit, cand_t *last) {
+    double before = 0.0;
+    int64_t pos = 0;
+    for (int b = 0; b < NBUCKETS && pos < keep; b++) {
+        const int64_t c = r->count[b], in = c < keep - pos ? c : keep - pos;
+        if (c == 0) continue;
+        if (pos + c < keep && before + r->mass[b] < limit) { /* all of it, and the walk goes on */
+            before += r->mass[b], pos += c;
+            continue;
         }
+        if (sort_bucket(r, n, b)) return -1;
+        int64_t j = 0;
+        for (; j < in; j++) {
+            if (pos + j > 0 && !(before < limit)) break;
+            before += (double)t_sorted[j].e;
+        }
+        if (j > 0) *last = t_sorted[j - 1];
+        if (j < in || pos + j == keep) return pos + j; /* stopped by top-p, or by top-k (in < c) */
+        pos += j; /* the whole bucket was kept: on to the next */
     }
-    place[0] = 0;
-    for (int b = 0; b <= cut; b++) place[b + 1] = place[b] + count[b];
-    const int64_t m = place[cut + 1];
-    for (int64_t j = 0; j < n; j++) {
-        const int b = bucket_of(t_cand[j].x, top, scale);
-        if (b <= cut) t_sorted[place[b]++] = t_cand[j];
-    }
-    for (int b = 0; b <= cut; b++) /* place[b] is now the bucket's end */
-        if (count[b] > 1) qsort(t_sorted + place[b] - count[b], (size_t)count[b], sizeof(cand_t), by_x_desc);
-    return m;
+    return pos;
 }
 
 /* The candidates ranked at or before `last` in the x order (x larger, or equal with an id no
- * larger), in id order, into t_kept; returns how many, -1 when out of memory. t_cand holds them
+ * larger) whose e is at least min_e (min-p's cut: with top-k and top-p both on, the gathers may go
+ * below it), in id order, into t_kept; returns how many, -1 when out of memory. t_cand holds them
  * as runs in id order (runs[r] .. runs[r + 1], one per gather): each run is filtered in place in
  * t_sorted (no longer needed), then the runs are merged pairwise. */
-static int64_t kept_by_id(const int64_t *runs, int nruns, cand_t last) {
+static int64_t kept_by_id(const int64_t *runs, int nruns, cand_t last, float min_e) {
     const int64_t n = runs[nruns];
     if (grow(&t_sorted, &t_sorted_cap, n) || grow(&t_kept, &t_kept_cap, n)) return -1;
     int64_t bounds[MAX_RUNS + 1], k = 0;
@@ -368,7 +405,7 @@ static int64_t kept_by_id(const int64_t *runs, int nruns, cand_t last) {
         bounds[r] = k;
         for (int64_t j = runs[r]; j < runs[r + 1]; j++) {
             const cand_t c = t_cand[j];
-            if (c.x > last.x || (c.x == last.x && c.id <= last.id)) t_sorted[k++] = c;
+            if ((c.x > last.x || (c.x == last.x && c.id <= last.id)) && c.e >= min_e) t_sorted[k++] = c;
         }
     }
     bounds[nruns] = k;
@@ -458,45 +495,37 @@ static int64_t filtered_row(const float *l, int64_t V, float T, int32_t K, float
         }
     }
     runs[nruns] = n;
-    const int64_t m = sorted_prefix(n, top_k ? K : 0, top_p && !top_k ? (double)P * Z : -1.0);
-    if (m < 0) return -1;
-    int64_t keep = top_k && m > K ? K : m;
-    if (top_p) {
-        double zk = Z;
-        if (top_k) {
-            zk = 0.0;
-            for (int64_t j = 0; j < keep; j++) zk += (double)t_sorted[j].e;
-        }
-        const double limit = (double)P * zk;
-        double before = 0.0;
-        for (int64_t j = 0; j < keep; j++) {
-            if (j > 0 && !(before < limit)) {
-                keep = j;
-                break;
-            }
-            before += (double)t_sorted[j].e;
-        }
+    if (n == 0) { /* no e > 0: a row with +inf (the engine fails such rows before their draw) */
+        if (kept_out) *kept_out = 1;
+        return row_argmax(l, V, NULL);
     }
-    if (min_p)
-        for (int64_t j = 1; j < keep; j++)
-            if (!(t_sorted[j].e >= Mp)) {
-                keep = j;
-                break;
-            }
-    if (keep < 1) keep = 1;
+    ranking_t *rk = &t_ranking;
+    rank_candidates(rk, n);
+    int64_t keep = top_k && n > K ? K : n;
+    cand_t last = t_cand[0]; /* (set below: the last candidate kept) */
+    double zk = Z;
+    if (top_k || !top_p) { /* the top-k set's mass (top-p's Zk) and its last (without either: all) */
+        zk = prefix_mass(rk, n, keep, &last);
+        if (zk < 0.0) return -1;
+    }
+    if (top_p) {
+        keep = nucleus(rk, n, keep, (double)P * zk, &last);
+        if (keep < 0) return -1;
+    }
+    keep = kept_by_id(runs, nruns, last, min_p ? Mp : 0.f);
+    if (keep < 0) return -1;
     if (kept_out) *kept_out = (int32_t)keep;
-    if (kept_by_id(runs, nruns, t_sorted[keep - 1]) != keep) return -1;
     double total = 0.0;
     for (int64_t j = 0; j < keep; j++) total += (double)t_kept[j].e;
     const double target = (double)u * total;
     double run = 0.0;
-    int64_t last = t_kept[0].id;
+    int64_t fallback = t_kept[0].id;
     for (int64_t j = 0; j < keep; j++) {
-        if (t_kept[j].e > 0.f) last = t_kept[j].id;
+        if (t_kept[j].e > 0.f) fallback = t_kept[j].id;
         run += (double)t_kept[j].e;
         if (run > target && t_kept[j].e > 0.f) return t_kept[j].id;
     }
-    return last;
+    return fallback;
 }
 
 /* One token per row. rows: B addresses of float32 rows of V logits; temperature [B] (0: greedy);
