@@ -38,6 +38,7 @@ SIGNATURES = {  # C function -> (result type, argument types), as the .c files d
     "gelu_tanh_mul_bf16": (None, [P, P, P, _I64]),
     "sample_rows": (_INT, [P, _I64, _I64, P, P, P, P, P, P, P, P]),
     "rows_finite": (None, [P, _I64, _I64, P]),
+    "kept_masks": (_INT, [P, _I64, _I64, P, P, P, P, P]),
     "decode_layers": (_INT, [P, _I64, P, P, P]),  # (layer_t *, L, decode_call_t *, arch_t *, lora_t *)
     "encoder_attention": (_INT, [P, _INT, _I64, _I64, _I64, P, P, _I64, P]),
     "encoder_add_norm": (_INT, [P, P, _INT, P, P, _INT, _I64, _I64, _F32, P]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nextoken import kernels
-from nextoken.sample.sampler import Sampler, SamplerRequest, make_generator, torch_draw
+from nextoken.sample.sampler import Sampler, SamplerRequest, filter_masks, make_generator, torch_draw
 from nextoken.sample.watermark import WatermarkConfig
 from nextoken.sampling_params import SamplingParams
 from tests.helpers import sampler_reference as ref
@@ -161,6 +161,34 @@ def test_kernel_equals_the_pytorch_draw(vocab):
         got = sampler.kernel([logits[i].data_ptr() for i in range(8)], vocab,
                              tuple(t.data_ptr() for t in (temp, top_k, top_p, min_p)), u.tolist())[0]
         assert torch.equal(got, want), trial
+
+
+@pytest.mark.parametrize("vocab", [151936, 1003])
+def test_kept_masks_equal_the_pytorch_rule(vocab):
+    """The C kernel's kept sets (`_Kernel.kept_masks`, what the whole distributions take on the
+    CPU) against `filter_masks` (sorts), on the draw test's rows: equal on every token of weight
+    above 0 (the kernel's e is 0 from x - max <= -87 on, and a filter keeps no token of weight 0
+    there); a row without a filter keeps every token in both."""
+    sampler = Sampler(kernel=kernels.load("sampling"))
+    g = torch.Generator().manual_seed(vocab + 1)
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.5, 1.0, 2.0, 0.9])
+    top_k = torch.tensor([0, 0, 0, 50, 5, 0, 700, 1], dtype=torch.int32)
+    top_p = torch.tensor([1, 1, 0.9, 0.95, 1, 0.5, 0.8, 1], dtype=torch.float32)
+    min_p = torch.tensor([0, 0, 0, 0.05, 0, 0.1, 0, 0], dtype=torch.float32)
+    settings = tuple(t.data_ptr() for t in (temp, top_k, top_p, min_p))
+    for trial in range(8):
+        logits = torch.randn(8, vocab, generator=g) * (1 + 3 * (trial % 6))
+        if trial % 3 == 0:
+            logits[:, ::3] = float("-inf")
+        if trial >= 6:
+            logits = torch.round(logits * 2) / 2
+        got = sampler.kernel.kept_masks(logits, settings)
+        sampled = temp > 0
+        x = logits[sampled] / temp[sampled, None]
+        k, p, m = top_k[sampled], top_p[sampled], min_p[sampled]
+        weighed = (x - x.max(-1, keepdim=True).values > -87) | ((k <= 0) & (p >= 1) & (m <= 0))[:, None]
+        assert torch.equal(got[sampled], filter_masks(x, k, p, m) & weighed), trial
+        assert got[~sampled].all()  # (a greedy row: left to the caller)
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
