@@ -195,7 +195,10 @@ class OutputMirror:
                                        None if params is None else
                                        IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)]
             if state[3] is not None:  # (the engine sent ids alone: the text, as its detokenizer would make it)
-                delta = self._text(state[3], delta_ids, finish in ("stop", "length"))
+                # (such a request has no stop strings: a "stop" is its last token, an end-of-generation or
+                # stop token id, whose text the engine never adds (`process_token`), as vLLM's detokenizer)
+                text_ids = delta_ids[:-1] if finish == "stop" else delta_ids
+                delta = self._text(state[3], text_ids, finish in ("stop", "length"))
             state[0] += delta
             state[1].extend(delta_ids)
             if delta_logprobs:

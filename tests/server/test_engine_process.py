@@ -111,15 +111,21 @@ def process_client(tiny_gguf):
 
 
 def test_the_engine_process_answers_as_the_engine_in_process(process_client, tiny_gguf):
-    """Greedy and seeded sampled streams equal `LLM.generate`'s (in order, in this process); the
-    engine's refusals arrive as the same `InvalidRequest`, with their field; tracing is refused
-    naming the flag; the client has every member the server uses (`EngineClient`)."""
+    """Greedy and seeded sampled streams equal `LLM.generate`'s (in order, in this process), and
+    one stopped by a stop token id (whose text, made on this side, leaves the token out as the
+    engine's does); the engine's refusals arrive as the same `InvalidRequest`, with their field;
+    tracing is refused naming the flag; the client has every member the server uses
+    (`EngineClient`)."""
     client = process_client
     assert isinstance(client, EngineClient)
     llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=11, n=2, max_tokens=12, logprobs=1, ignore_eos=True)]
     want = [llm.generate("the cat sat on", p)[0] for p in params]
+    stop = want[0].outputs[0].token_ids[2]  # (the greedy answer's third token ends this one)
+    params.append(SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop]))
+    want.append(llm.generate("the cat sat on", params[-1])[0])
+    assert want[-1].outputs[0].finish_reason == "stop" and want[-1].outputs[0].token_ids[-1] == stop
 
     async def main():
         got = []
@@ -159,8 +165,8 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
 
     got = asyncio.run(main())
     for g, w in zip(got, want):
-        assert [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in g.outputs] == \
-               [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in w.outputs]
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in g.outputs] == \
+               [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in w.outputs]
     with pytest.raises(EngineError, match="--engine-process"):
         client.view()
 
