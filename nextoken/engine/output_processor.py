@@ -16,7 +16,7 @@ from typing import Callable
 from nextoken.engine.request import Request
 from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
 from nextoken.sample.sampler import SampleResult
-from nextoken.tokenizer.detokenizer import NO_TEXT, IncrementalDetokenizer
+from nextoken.tokenizer.detokenizer import NO_TEXT, FinalText, IncrementalDetokenizer
 
 log = logging.getLogger("nextoken.engine")
 
@@ -92,6 +92,9 @@ def finish_sequence(group: RequestGroup, req: Request, reason: str | None = None
     out = group.completions[req.index]
     if out.finish_reason is None:
         out.finish_reason = reason
+        detok = group.detoks[req.index]
+        if type(detok) is FinalText:  # (ended before a token of its own finished it: its text so far)
+            out.text = out.delta = detok.so_far()
     if group.finished and group.metrics.finished_time is None:
         group.metrics.finished_time = time.perf_counter()
     group.changed = True
@@ -142,16 +145,23 @@ def new_group(request_id: str, prompt: str | None, prompt_ids: list[int], params
               tokenizer, keep_prompt_hidden: bool = False, return_logits: bool = False,
               final_only: bool = False, detokenize: bool = True) -> RequestGroup:
     """The output state of a new request: one detokenizer (`NoText` when not `detokenize`: its
-    front end makes the text) and one empty `CompletionOutput` per sequence (logprob lists when
+    front end makes the text; `FinalText` for a `final_only` request without stop strings) and
+    one empty `CompletionOutput` per sequence (logprob lists when
     `params.logprobs` asks), its arrival time, and with `params.prompt_logprobs` a slot per
     prompt position (and the prompt's hidden states when `keep_prompt_hidden`, sized on the
     first chunk)."""
     import torch
 
+    def detokenizer():
+        if not detokenize:
+            return NO_TEXT
+        if final_only and not params.stop:
+            return FinalText(tokenizer, params.skip_special_tokens)
+        return IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop,
+                                      params.include_stop_str_in_output)
+
     group = RequestGroup(
-        request_id, prompt, prompt_ids, seqs,
-        [IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-         if detokenize else NO_TEXT for _ in seqs],
+        request_id, prompt, prompt_ids, seqs, [detokenizer() for _ in seqs],
         [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for i in range(len(seqs))],
         RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids), priority=seqs[0].priority),

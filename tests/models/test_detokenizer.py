@@ -6,7 +6,7 @@ import pytest
 
 from nextoken.loader.gguf import GGUFFile
 from nextoken.tokenizer import Tokenizer
-from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+from nextoken.tokenizer.detokenizer import FinalText, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,42 @@ def test_a_run_of_bytes_that_never_form_a_character_is_released(tok, kind):
         d.add_token(i)
         widest = max(widest, len(d.ids) - d._prefix)
     assert widest <= 16, widest
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_final_text_is_what_the_incremental_deltas_join_to(tok, kind, skip):
+    """`FinalText` (`LLM.generate`'s: one decode when the sequence ends) gives the whole decode,
+    which the incremental deltas join to, with specials among the text, split characters and a
+    byte run that never forms a character. (Where such a run follows the lead byte of a split
+    character, SentencePiece's byte fallback decodes the whole run, invalid as a whole, one U+FFFD
+    a byte, while the incremental deltas had released the valid pair at its start, "À" of C3 80:
+    the whole decode is the reference.) Its text so far, for a sequence that ends without its
+    last token's flush (aborted, failed), is what the incremental detokenizer had handed out."""
+    t = tok if kind == "byte-level" else sentencepiece_tok()
+    run = byte_ids(t, b"\x80" * 12 + "€".encode())
+
+    def final_text(ids):
+        final = FinalText(t, skip)
+        assert not any(final.add_token(i) for i in ids) and final.emit() == ""
+        final.flush()
+        return final.emit(finished=True)
+
+    for text in TEXTS:
+        words = t.encode(text, parse_special=False)
+        between = words[:5] + sorted(t.special_ids)[:2] + t.encode(" x", parse_special=False) + run + words[5:]
+        after_a_lead_byte = words[:5] + sorted(t.special_ids)[:2] + run + words[5:]
+        assert final_text(between) == t.decode(between, skip_special_tokens=skip) \
+            == "".join(stream(t, between, skip_special_tokens=skip)[1])
+        assert final_text(after_a_lead_byte) == t.decode(after_a_lead_byte, skip_special_tokens=skip)
+        for cut in (3, 8, len(after_a_lead_byte) // 2):  # (inside the byte run and split characters too)
+            part, d = FinalText(t, skip), IncrementalDetokenizer(t, skip)
+            handed = ""
+            for i in after_a_lead_byte[:cut]:
+                part.add_token(i)
+                d.add_token(i)
+                handed += d.emit()
+            assert part.so_far() == handed, (text, cut)
 
 
 @pytest.mark.slow
