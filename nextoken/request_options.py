@@ -26,8 +26,9 @@ class RequestOptions:
     between clients); continuation: it continues a request that already held a place (a beam
     search's next step) and keeps that place in the waiting queue (`engine.request_queue`);
     final_only: the engine makes no output for it until it finishes (vLLM's
-    ``RequestOutputKind.FINAL_ONLY``; `LLM.generate`'s requests, whose caller reads only the
-    final outputs: a snapshot per request per step is a cost of every step); detokenize: the
+    ``RequestOutputKind.FINAL_ONLY``; `LLM.generate`'s requests and the server's requests that
+    are not streamed, whose callers read only the final outputs: a snapshot per request per step
+    is a cost of every step); detokenize: the
     engine makes its outputs' text (False: the front end that sent it does, from the token ids,
     `engine.core.OutputMirror`, as vLLM's front ends do; the engine then spends no time on text.
     Taken only for a request without stop strings, whose text the engine needs to stop it)."""

@@ -80,8 +80,9 @@ async def run(serving: ApiServing, prepared: Prepared, request, lora=None, strea
     (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine
+    # (not streamed: the engine makes its one output when it ends, and no snapshot a step before)
     options = RequestOptions(lora_request=lora, priority=prepared.priority,
-                             client=prepared.client or client_of(request))
+                             client=prepared.client or client_of(request), final_only=not stream)
     rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}", options)
     style = serving.args.reasoning_parser
     if stream:

@@ -38,7 +38,8 @@ class OpenAIServingCompletion(ApiServing):
                                               body.scored_prompt())
                 rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}",
                                                   RequestOptions(prompt_text=text, lora_request=lora,
-                                                                 priority=body.priority, client=client)))
+                                                                 priority=body.priority, client=client,
+                                                                 final_only=not body.stream)))
         except BaseException:
             for rid in rids:
                 eng.abort(rid)
