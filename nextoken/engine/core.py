@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import EngineError, NextokenError
 from nextoken.outputs import CompletionOutput, CompletionSnapshot, Prefix, RequestMetrics, RequestOutput
-from nextoken.tokenizer.detokenizer import IncrementalDetokenizer
+from nextoken.tokenizer.detokenizer import FinalText, IncrementalDetokenizer
 
 log = logging.getLogger("nextoken.engine")
 
@@ -149,20 +149,22 @@ class OutputMirror:
     """The server's side of the output deltas: each request's prompt and its completions' text,
     token ids and log-probabilities so far; `decode` rebuilds the engine's `RequestOutput`. For
     a request `expect` named (sent with ``RequestOptions.detokenize`` False), it makes the text
-    itself from the token ids, with `tokenizer`: an `IncrementalDetokenizer` per completion, as
-    the engine would have (vLLM's front ends detokenize so too)."""
+    itself from the token ids, with `tokenizer`: an `IncrementalDetokenizer` per completion (a
+    `FinalText` for a final-only request), as the engine would have (vLLM's front ends
+    detokenize so too)."""
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
         self._requests: dict[str, list] = {}  # id -> [prompt, prompt ids, {index: [text, ids, logprobs, detok]}, params, metrics]
-        self._expected: dict[str, object] = {}  # id -> its SamplingParams, until its first record
+        self._expected: dict[str, tuple] = {}  # id -> (its SamplingParams, final_only), until its first record
 
-    def expect(self, request_id: str, params) -> bool:
-        """Request `request_id` (`params`: its `SamplingParams`) comes without text: make it here.
-        False, and nothing noted, for an id this side knows already (the engine refuses it)."""
+    def expect(self, request_id: str, params, final_only: bool = False) -> bool:
+        """Request `request_id` (`params`: its `SamplingParams`) comes without text: make it here
+        (`final_only`: in one decode at its end, as the engine would, `FinalText`). False, and
+        nothing noted, for an id this side knows already (the engine refuses it)."""
         if request_id in self._expected or request_id in self._requests:
             return False
-        self._expected[request_id] = params
+        self._expected[request_id] = (params, final_only)
         return True
 
     def unexpect(self, request_id: str) -> None:
@@ -192,13 +194,12 @@ class OutputMirror:
             state = kept.get(index)
             if state is None:
                 state = kept[index] = ["", [], None if delta_logprobs is None and cumulative is None else [],
-                                       None if params is None else
-                                       IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)]
+                                       None if params is None else self._detokenizer(*params)]
             if state[3] is not None:  # (the engine sent ids alone: the text, as its detokenizer would make it)
                 # (such a request has no stop strings: a "stop" is its last token, an end-of-generation or
                 # stop token id, whose text the engine never adds (`process_token`), as vLLM's detokenizer)
                 text_ids = delta_ids[:-1] if finish == "stop" else delta_ids
-                delta = self._text(state[3], text_ids, finish in ("stop", "length"))
+                delta = self._text(state[3], text_ids, finish)
             state[0] += delta
             state[1].extend(delta_ids)
             if delta_logprobs:
@@ -222,7 +223,7 @@ class OutputMirror:
             return None
         prompt, prompt_ids, kept, _, metrics = entry
         state = kept[0]
-        delta = self._text(state[3], delta_ids, False) if state[3] is not None else ""
+        delta = self._text(state[3], delta_ids, None) if state[3] is not None else ""
         state[0] += delta
         ids = state[1]
         ids.extend(delta_ids)
@@ -230,16 +231,25 @@ class OutputMirror:
         out = CompletionSnapshot(0, state[0], delta, Prefix(ids, len(ids)), delta_ids, None, None, None, None)
         return RequestOutput(rid, prompt, prompt_ids, [out], False, RequestMetrics(*metrics), None, None, None, None)
 
+    def _detokenizer(self, params, final_only: bool):
+        """A completion's detokenizer, the one the engine would have given it (`new_group`)."""
+        if final_only:
+            return FinalText(self.tokenizer, params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+
     @staticmethod
-    def _text(detok, delta_ids: list[int], finished: bool) -> str:
+    def _text(detok, delta_ids: list[int], finish: str | None) -> str:
         """The text `delta_ids` release (`output_processor.process_token`'s detokenizer calls: each
         token added, the pending bytes flushed when a token ended the completion; an aborted or
-        failed one keeps them back, as the engine's detokenizer does)."""
+        failed one keeps them back, as the engine's detokenizer does, `finish_sequence`)."""
         for t in delta_ids:
             detok.add_token(t)
-        if finished:
+        if finish in ("stop", "length"):
             detok.flush()
-        return detok.emit(finished)
+            return detok.emit(True)
+        if finish is not None and type(detok) is FinalText:
+            return detok.so_far()
+        return detok.emit(False)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -125,7 +125,7 @@ class EngineProcessClient(OutputStreams):
             raise InvalidRequest("tracing a request needs the engine in the server's process: serve without "
                                  "--engine-process", "trace")
         # (its text made here, so the engine process spends nothing on it; not for an id in use, which the engine refuses)
-        here = params is not None and not params.stop and self._mirror.expect(rid, params)
+        here = params is not None and not params.stop and self._mirror.expect(rid, params, options.final_only)
         if here:
             options = dataclasses.replace(options, detokenize=False)
         try:

@@ -113,7 +113,7 @@ def process_client(tiny_gguf):
 def test_the_engine_process_answers_as_the_engine_in_process(process_client, tiny_gguf):
     """Greedy and seeded sampled streams equal `LLM.generate`'s (in order, in this process), and
     one stopped by a stop token id (whose text, made on this side, leaves the token out as the
-    engine's does); the engine's refusals arrive as the same `InvalidRequest`, with their field;
+    engine's does), streamed and final-only (one output); the engine's refusals arrive as the same `InvalidRequest`, with their field;
     tracing is refused naming the flag; the client has every member the server uses
     (`EngineClient`)."""
     client = process_client
@@ -126,6 +126,7 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
     params.append(SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop]))
     want.append(llm.generate("the cat sat on", params[-1])[0])
     assert want[-1].outputs[0].finish_reason == "stop" and want[-1].outputs[0].token_ids[-1] == stop
+    want += [want[0], want[2]]
 
     async def main():
         got = []
@@ -134,6 +135,11 @@ def test_the_engine_process_answers_as_the_engine_in_process(process_client, tin
             async for out in client.generate("the cat sat on", p):
                 last = out
             got.append(last)
+        for p in (params[0], params[2]):  # final-only (a request not streamed): its text made in one decode here
+            rid = await client.add_request("the cat sat on", p, options=RequestOptions(final_only=True))
+            outs = [out async for out in client.stream(rid)]
+            assert len(outs) == 1
+            got.append(outs[0])
         with pytest.raises(InvalidRequest) as e:  # refused in the engine process, raised here
             await client.unload_lora(7)
         assert e.value.field == "lora_name"
@@ -380,7 +386,7 @@ def test_the_mirror_expects_an_id_once():
     first, second = SamplingParams(max_tokens=3), SamplingParams(max_tokens=4)
     assert mirror.expect("a", first) and not mirror.expect("a", second)
     mirror.unexpect("b")
-    assert mirror._expected == {"a": first}
+    assert mirror._expected == {"a": (first, False)}
     mirror.decode(("a", ("p", [1]), False, None, None, [], None))  # (its head: now known by its records)
     assert not mirror._expected and not mirror.expect("a", second)
     mirror.forget("a")
