@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200, help="new tokens a sequence")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--async", dest="async_scheduling", action="store_true", help="async scheduling (a GPU's default)")
-    ap.add_argument("--profile", help="write cProfile's top functions of one sampled run here")
+    ap.add_argument("--profile", help="write cProfile's top functions of one greedy and one sampled run here")
     a = ap.parse_args()
     torch.set_num_threads(1)
     llm = LLM(a.model, dtype="float32", max_num_seqs=max(a.seqs), max_model_len=1024,

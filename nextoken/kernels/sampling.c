@@ -497,12 +497,16 @@ static int64_t kept_set(const float *l, int64_t V, float T, int32_t K, float P, 
     }
     runs[nruns] = n;
     if (n == 0) return 0;
+    if (!top_k && !top_p) { /* min-p alone: one gather, of e >= Mp, every candidate kept */
+        const cand_t all = {-INFINITY, 0.f, INT32_MAX};
+        return kept_by_id(runs, nruns, all, 0.f);
+    }
     ranking_t *rk = &t_ranking;
     rank_candidates(rk, n);
     int64_t keep = top_k && n > K ? K : n;
     cand_t last = t_cand[0]; /* (set below: the last candidate kept) */
     double zk = Z;
-    if (top_k || !top_p) { /* the top-k set's mass (top-p's Zk) and its last (without either: all) */
+    if (top_k) { /* the top-k set's mass (top-p's Zk) and its last */
         zk = prefix_mass(rk, n, keep, &last);
         if (zk < 0.0) return -1;
     }
