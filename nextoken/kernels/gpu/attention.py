@@ -30,9 +30,9 @@ has one source.
 Arithmetic: bf16 queries, keys and probabilities multiply on the tensor cores with float32
 sums; float32 inputs multiply in IEEE float32 (never TF32), so the float32 path is the
 reference's function to float32 rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``,
-the CPU tests) the bf16 operands are widened to float32 before each product, which computes the
+the CPU tests) the operands are widened to float32 before each product, which computes the
 same exact products (bf16 x bf16 fits float32; Triton 3.6's interpreter multiplies bf16 tiles
-wrongly otherwise). The reference these are tested against is `layers.attention.naive_attention`
+wrongly otherwise), and summed in an order fixed by the tile's shape (`kernels.gpu.dot`). The reference these are tested against is `layers.attention.naive_attention`
 (float32).
 """
 
@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nextoken.kernels.gpu.dot import dot_f32
 from nextoken.kernels.gpu.ints import next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: Triton's interpreter
@@ -109,10 +110,7 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
         key_ok = kpos < end
         k = _load_tile(k_ptr, kv_head, stride_kh, stride_kb, tables_ptr, seq, stride_tab, kpos, key_ok, d, kn_ptr,
                        stride_nt, stride_nh, q_start, new_start, q, HEAD_DIM, BLOCK_SIZE, INT8, NEW, MIXED)
-        if WIDEN:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = dot_f32(q, tl.trans(k), WIDEN)
         if INT8 and not NEW:  # q . (codes x scale) = (q . codes) x scale: the scales act on the scores
             s = s * _load_scales(ks_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, key_ok,
                                  BLOCK_SIZE)[None, :]
@@ -136,10 +134,7 @@ def _key_range(acc, m_i, l_i, q, q_pos, row_ok, start, end, k_ptr, v_ptr, ks_ptr
             p = p * _load_scales(vs_ptr, kv_head, stride_sh, stride_sb, tables_ptr, seq, stride_tab, kpos, key_ok,
                                  BLOCK_SIZE)[None, :]
         p = p.to(q.dtype)  # probabilities rounded to the values' dtype for the product (as FlashAttention)
-        if WIDEN:
-            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p, v, input_precision="ieee")
+        pv = dot_f32(p, v, WIDEN)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
@@ -542,7 +537,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kn.stride(0) if fresh else 0, kn.stride(1) if fresh else 0, block_tables.stride(0), h,
         GROUP=group, BLOCK_Q=t.block_q, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, BLOCK_SIZE=block_size,
         DECODE=decode, SPLITS=splits, INT8=int8, FRESH=fresh, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        WIDEN=INTERPRET and not f32, ALIGNED=aligned, JOIN=join, num_warps=t.num_warps, num_stages=t.num_stages)
+        WIDEN=INTERPRET, ALIGNED=aligned, JOIN=join, num_warps=t.num_warps, num_stages=t.num_stages)
     if splits > 1 and not join:
         _combine_kernel[(num_seqs, h)](out, partials, query_start_loc, out.stride(0), out.stride(1), h,
                                        SPLITS=splits, HEAD_DIM=d, num_warps=4)

@@ -22,7 +22,7 @@ residual adds) and PyTorch's row-wise softmax are invariant already.
 Cost: no split-K and one tile shape mean fewer programs for a decode's few rows than cuBLAS
 launches (`benchmarks/gpu_check.py` measures it). Arithmetic: bf16 (or float32, in IEEE float32,
 never TF32) operands, float32 sums; under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU
-tests) bf16 tiles are widened to float32 before the product, as in `kernels.gpu.attention`, and
+tests) tiles are widened to float32 and summed in a fixed order (`kernels.gpu.dot`), and
 the roundings to bf16 are written out (`_round_bf16`): the interpreter's conversion truncates,
 a GPU's rounds to nearest even.
 """
@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nextoken.kernels.gpu.dot import dot_f32
 from nextoken.kernels.gpu.ints import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,7 +69,8 @@ def dot_rows(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, BLOCK
     """The float32 ``[BLOCK_M, BLOCK_N]`` sums of rows `rm` of x (``< M``) times rows `rn` of W
     (``< N``) over ``k_lo <= k < k_hi``, `BLOCK_K` at a time in order: tensor-core products of
     bf16 operands, IEEE float32 (never TF32) of float32 ones; `WIDEN` (the interpreter): the
-    operands converted to float32 first, exact products as the tensor cores' (bf16 x bf16 fits)."""
+    operands converted to float32 first, exact products as the tensor cores' (bf16 x bf16 fits),
+    summed in an order fixed by the tile's shape (`kernels.gpu.dot.dot_f32`)."""
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -78,7 +80,7 @@ def dot_rows(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, BLOCK
         x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
         if WIDEN:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            acc += dot_f32(x, tl.trans(w), WIDEN)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     return acc
@@ -120,7 +122,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
         _linear_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k, x2.stride(0), w.stride(0),
                              out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                             HAS_BIAS=bias is not None, WIDEN=INTERPRET and x.dtype != torch.float32,
+                             HAS_BIAS=bias is not None, WIDEN=INTERPRET,
                              ROUND=INTERPRET and x.dtype == torch.bfloat16,
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out.view(*lead, n)
