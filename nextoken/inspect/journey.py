@@ -17,7 +17,7 @@ import math
 import torch
 
 from nextoken.inspect.text import display
-from nextoken.inspect.trace import lens_probs, logit_lens
+from nextoken.inspect.trace import lens_probs, logit_lens, ranked
 
 TOP_LOGITS = 10  # candidates shown from the LM head
 ROPE_PAIRS = 8  # dimension pairs shown, fast to slow
@@ -68,11 +68,13 @@ def _layers(tracer, lens: list[dict], tokens: list[dict]) -> list[dict]:
 def commitment(probs: torch.Tensor, token: int) -> dict:
     """When the logit lens committed to `token` (NDIF Workbench's commitment strip): `probs`
     ``[layers + 1, vocab]``, the lens' distributions of the last position (the embeddings, then
-    after each layer). ``ranks[l]``: the token's rank after layer l (0: the lens' top-1);
+    after each layer). ``ranks[l]``: the token's rank after layer l (0: the lens' top-1), equal
+    probabilities ranked by id as `trace.ranked` ranks them;
     ``top1``/``top3``: the first layer from which it stays the top-1 / among the top 3 to the last
     layer (None: it never settles there, as a sampled token below the top may not); ``layers``."""
     mine = probs[:, token : token + 1]
-    ranks = [int(r) for r in (probs > mine).sum(-1)[1:]]  # the layers' rows (not the embeddings')
+    above = (probs > mine).sum(-1) + (probs[:, :token] == mine).sum(-1)
+    ranks = [int(r) for r in above[1:]]  # the layers' rows (not the embeddings')
 
     def settles(k: int):
         at = None
@@ -95,7 +97,7 @@ def step_view(eng, tracer, logits: torch.Tensor, stages: dict, ids: list[int], p
     emb = tracer.residual[0, -1]
     lens = logit_lens(tracer, model, tok, tracer.num_tokens - 1, top=1)
     probs = logits.float().softmax(-1)
-    vals, top = logits.float().topk(TOP_LOGITS)
+    vals, top = (t[0] for t in ranked(logits.float()[None], TOP_LOGITS))
     chosen = stages["chosen"]["id"]
     committed = commitment(lens_probs(model, tracer.residual[:, -1]), chosen)
     generated = ids[prompt_len:]

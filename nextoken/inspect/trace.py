@@ -69,12 +69,29 @@ def lens_probs(model, residual: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model.final_norm(residual.to(device, model.dtype))).float().softmax(-1).cpu()
 
 
+def ranked(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest of each row of `scores` ``[rows, n]`` (k capped at n) and their indices,
+    best first, equal scores in index order: the order greedy decoding ranks tokens in (`argmax`
+    takes the lowest id among equal logits), where `torch.topk` leaves equal ones in any order.
+    bf16 logits tie often: SmolLM2's lens gave "," and "." the same probability after a layer.
+    Returns (values, indices), each ``[rows, k]``."""
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[:, -1]
+    vals, ids = [], []
+    for row, least in zip(scores, kth):
+        cand = (row >= least).nonzero().squeeze(1)  # ascending ids; ties at the k-th may add more
+        order = row[cand].sort(descending=True, stable=True).indices[:k]
+        vals.append(row[cand[order]])
+        ids.append(cand[order])
+    return torch.stack(vals), torch.stack(ids)
+
+
 def logit_lens(rec: TraceRecorder, model, tokenizer, position: int, top: int = 5) -> list[dict]:
     """For each residual stream at `position` (embeddings, then after each layer): the top
     tokens it predicts through the final norm and the LM head (nostalgebraist 2020)."""
     if not 0 <= position < rec.num_tokens:
         raise NotFound(f"the trace has no position {position} (it has 0..{rec.num_tokens - 1})", "position")
-    vals, ids = lens_probs(model, rec.residual[:, position]).topk(top, dim=-1)
+    vals, ids = ranked(lens_probs(model, rec.residual[:, position]), top)
     return [{"layer": "embedding" if l == 0 else l - 1,
              "top": [{"id": int(i), "token": display(tokenizer.token_text(int(i))), "prob": round(float(v), 4)}
                      for v, i in zip(vals[l], ids[l])]} for l in range(vals.shape[0])]

@@ -637,3 +637,24 @@ def test_the_live_state_shows_the_sliding_window_layers_blocks(tiny_gguf):
     assert st["sliding"]["cached_blocks"] > 0 and set(st["sliding"]["blocks"]) <= {".", "c"}
     plain = engine_view.live_state(EngineView(LLM(str(tiny_gguf["llama"][0]), dtype="float32").engine))
     assert plain["sliding"] is None
+
+
+def test_equal_scores_rank_by_id_in_the_lens_and_the_commitment_strip():
+    """bf16 logits tie (SmolLM2's lens once gave "," and "." one probability after layer 25, and
+    `torch.topk` put the higher id first while the strip ranked both 0): `ranked` orders equal
+    scores by id, as greedy decoding's argmax does, and the strip's ranks agree with it."""
+    from nextoken.inspect.journey import commitment
+    from nextoken.inspect.trace import ranked
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 6, (40, 300), generator=g).float() / 8  # many ties at every rank
+    rows[3] = 0.5  # one row all equal
+    vals, ids = ranked(rows, 7)
+    for row, v, i in zip(rows.tolist(), vals.tolist(), ids.tolist()):
+        want = sorted(range(len(row)), key=lambda t: (-row[t], t))[:7]
+        assert i == want and v == [row[t] for t in want]
+    probs = torch.cat([torch.zeros(1, 300), rows])  # the embeddings' row first, as the lens gives it
+    for token in (int(ids[0, 0]), int(ids[0, 1]), int(ids[5, 3]), 299):
+        ranks = commitment(probs, token)["ranks"]
+        assert ranks == [sorted(range(300), key=lambda t: (-row[t], t)).index(token) for row in rows.tolist()]
+    assert ranked(rows[:2], 1000)[1].shape == (2, 300)  # k beyond the row: every index
