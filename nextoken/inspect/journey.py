@@ -69,7 +69,7 @@ def commitment(probs: torch.Tensor, token: int) -> dict:
     """When the logit lens committed to `token` (NDIF Workbench's commitment strip): `probs`
     ``[layers + 1, vocab]``, the lens' distributions of the last position (the embeddings, then
     after each layer). ``ranks[l]``: the token's rank after layer l (0: the lens' top-1), equal
-    probabilities ranked by id as `trace.ranked` ranks them;
+    probabilities ranked by id as `inspect.trace.ranked` ranks them;
     ``top1``/``top3``: the first layer from which it stays the top-1 / among the top 3 to the last
     layer (None: it never settles there, as a sampled token below the top may not); ``layers``."""
     mine = probs[:, token : token + 1]
