@@ -5,8 +5,9 @@ one new token, its top 2W log-probabilities); they run batched with whatever els
 serves. The engine drives the searches itself (`engine.beam_groups`), so a search queues its next
 step before the next schedule and keeps its place under load. Beams share the KV blocks of their
 common prefix through the prefix cache (ref-counted full blocks, found by their chained hashes),
-so a beam costs only its own new blocks; the partial last block, which beams cannot share, is
-recomputed (at most block_size - 1 tokens per beam and step) instead of copied.
+so a beam costs only its own new blocks; the part-filled last block, which beams cannot share
+(each writes its own next token there), is copied from the parent step's request, which left it
+cached when it ended (`KVCacheManager.get_partial_block`): a step computes one token a beam.
 
 Selection is `transformers`' beam search (``generate(num_beams=W, do_sample=False)``):
 

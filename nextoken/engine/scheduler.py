@@ -31,11 +31,14 @@ from nextoken.engine.request_queue import WaitingQueue
 @dataclass
 class SchedulerOutput:
     """The plan of one step: `scheduled` maps each request to its number of new tokens, in
-    batch order; `preempted` lists the requests sent back to waiting."""
+    batch order; `preempted` lists the requests sent back to waiting; `block_copies` the blocks
+    its pass copies first (part-filled blocks a request goes on from)."""
 
     scheduled: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     lookahead: set[Request] = field(default_factory=set)  # decodes with room for drafted tokens
+    # (source, destination) block ids to copy, in order, before the pass (`KVCacheManager.copies`)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -82,6 +85,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
         if self.waiting.policy == "fair":  # its service counters
             for req, n in out.scheduled.items():
                 decode = req.num_computed_tokens + n > req.num_prompt_tokens
@@ -132,18 +136,22 @@ class Scheduler:
             full = req.tracer is not None or req.params.prompt_logprobs is not None
             lookup = req.num_computed_tokens == 0 and not full and self.kv.enable_caching
             computed = self.kv.get_computed_blocks(req) if lookup else []
-            num_cached = len(computed) * self.kv.block_size
+            partial = self.kv.get_partial_block(req, len(computed)) if lookup else None
+            num_cached = len(computed) * self.kv.block_size + (partial[1] if partial else 0)
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 n = budget
-            while not self.kv.allocate_slots(req, n, computed):
+            extra = partial[1] if partial else 0  # (the blocks start with the cached full ones)
+            while not self.kv.allocate_slots(req, n + extra, computed):
                 budget, made_room = self._preempt_for(rank, out, budget)
                 if not made_room and not self.running and self._release_waiting(req):
                     continue
                 if not made_room:
                     return
+            if partial:  # its first new block starts as a copy of the cached part-filled one
+                self.kv.copy_partial(req, partial[0], len(computed))
             self.waiting.remove(req)
             if lookup:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
                 self.prefix_cache_queries += req.num_tokens

@@ -105,6 +105,9 @@ class KVCacheManager:
         self.rings: dict[str, Ring] = {}
         self.disk = None  # the prefix cache's disk tier (`kv_cache.disk.DiskTier`), if any
         self.disk_queries = self.disk_hits = 0  # prompt tokens looked up on disk, and found there
+        # (source, destination) block ids whose contents the next pass copies first (`take_copies`)
+        self.copies: list[tuple[int, int]] = []
+        self._tainted: set[str] = set()  # requests `uncache`d: their part-filled block is not cached either
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -381,18 +384,82 @@ class KVCacheManager:
         return slots, release, reads
 
     def share_prefix(self, parent, child, num_tokens: int) -> int:
-        """Let `child` use the parent's blocks for its first `num_tokens` tokens, full blocks
-        only (copy-free sharing: the child writes its own tokens into new blocks). Returns the
-        number of tokens shared (none for a model with sliding-window layers)."""
+        """Let `child` use the parent's blocks for its first `num_tokens` tokens: the full
+        blocks shared (copy-free: the child writes its own tokens into new blocks), and the
+        part-filled block after them copied into a new block of the child's (`copies`), when one
+        is free. Returns the number of tokens the child has so (none for a model with
+        sliding-window layers)."""
         if self.sliding_pool is not None:
             return 0
-        n = num_tokens // self.block_size
-        shared = self.block_tables[parent.request_id][:n]
+        n, k = divmod(num_tokens, self.block_size)
+        table = self.block_tables[parent.request_id]
+        shared = table[:n]
         self.pool.touch(shared)
         self.block_tables[child.request_id] = list(shared)
         self._block_ids[child.request_id] = [b.block_id for b in shared]
         child.block_hashes[:] = parent.block_hashes[:n]
-        return n * self.block_size
+        if not k or len(table) <= n or not self.pool.num_free_blocks:
+            return n * self.block_size
+        self._copy_into_new(child, table[n])
+        return num_tokens
+
+    # -- part-filled blocks: kept when a request ends, copied for a request that goes on -----
+    def _copy_into_new(self, req, src: KVCacheBlock) -> None:
+        """Append a new block to the request's table, to be filled from `src` by the next pass
+        before it writes anything (`copies`, run in order: a block another copy reads is never
+        taken as a destination before that copy runs, since it is cached or held until then)."""
+        dst = self.pool.get_new_blocks(1)[0]
+        self.block_tables[req.request_id].append(dst)
+        self._block_ids[req.request_id].append(dst.block_id)
+        self.copies.append((src.block_id, dst.block_id))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies this step's scheduling recorded, (source, destination) block ids in
+        the order to run them, and forget them."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def _partial_key(self, req, num_full: int, token_ids: tuple[int, ...]) -> int:
+        """The prefix cache's key of a block holding `token_ids` (fewer than a block's) after the
+        request's first `num_full` full blocks: chained to theirs as a full block's is. Its token
+        tuple is shorter than any full block's, so the two kinds never serve each other."""
+        root = ("lora", req.lora_id) if req.lora_id else None
+        return hash_block(self._block_hashes(req, num_full)[-1] if num_full else root, token_ids)
+
+    def _cache_partial(self, req, table: list[KVCacheBlock]) -> None:
+        """Keep an ending request's part-filled last block in the prefix cache (evictable, as a
+        full block), under the tokens it holds: a request that goes on from them (the next step
+        of a beam search, a preempted request, the next turn) copies it instead of computing
+        those tokens again (`get_partial_block`)."""
+        if not self.enable_caching or self.sliding_pool is not None:
+            return
+        bs = self.block_size
+        n_full, k = divmod(req.num_computed_tokens, bs)
+        if not k or len(table) <= n_full or table[n_full].ref_cnt != 1 or table[n_full].block_hash is not None:
+            return
+        toks = tuple(req.all_token_ids[n_full * bs : n_full * bs + k])
+        if len(toks) == k:
+            self.pool.cache_block(table[n_full], self._partial_key(req, n_full, toks), toks)
+
+    def get_partial_block(self, req, num_full: int) -> tuple[KVCacheBlock, int] | None:
+        """After the request's first `num_full` blocks (found cached): the cached part-filled
+        block that holds the most of its next tokens (at most all but its last token, whose
+        logits are needed) and how many it holds, or None. Lookups of up to block_size - 1 keys."""
+        if not self.enable_caching or self.sliding_pool is not None:
+            return None
+        bs, toks = self.block_size, req.all_token_ids
+        lo = num_full * bs
+        for k in range(min(bs - 1, req.num_tokens - 1 - lo), 0, -1):
+            t = tuple(toks[lo : lo + k])
+            b = self.pool.cached.get(self._partial_key(req, num_full, t))
+            if b is not None and b.token_ids == t:
+                return b, k
+        return None
+
+    def copy_partial(self, req, src: KVCacheBlock, index: int) -> None:
+        """The request was just given blocks (`allocate_slots`): its block `index` (the first
+        after its cached full ones) is to hold `src`'s tokens too, copied before the next pass."""
+        self.copies.append((src.block_id, self.block_tables[req.request_id][index].block_id))
 
     def cache_full_blocks(self, req) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
@@ -423,6 +490,7 @@ class KVCacheManager:
         """Take out of the prefix cache the blocks only `req` holds (call before `free`): a pass
         that produced non-finite logits may have written non-finite keys and values, which no
         later prompt with the same prefix should reuse. Blocks other requests share stay."""
+        self._tainted.add(req.request_id)
         for i, b in enumerate(self.block_tables.get(req.request_id, [])):
             if b.ref_cnt == 1:
                 self.pool.uncache_block(b)
@@ -441,6 +509,10 @@ class KVCacheManager:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])
         self._block_ids.pop(req.request_id, None)
+        if req.request_id in self._tainted:
+            self._tainted.discard(req.request_id)
+        else:
+            self._cache_partial(req, table)
         ring = self.rings.pop(req.request_id, None)
         if ring is not None:  # (its cached blocks stay in the sliding pool's cache)
             self.sliding_pool.free_blocks(ring.blocks(self.ring_blocks))

@@ -130,7 +130,7 @@ class ModelRunner:
     model cannot be split ``tp.size`` ways.
     """
 
-    MIRRORED = ("init_kv_cache", "execute", "score_kept")  # what rank 0 sends to the followers
+    MIRRORED = ("init_kv_cache", "execute", "score_kept", "copy_blocks")  # what rank 0 sends to the followers
 
     def __init__(self, source: GGUFFile | HFModelDir, dtype: torch.dtype = torch.float32, reference: bool = False,
                  keep_quantized: bool = True, dense_weights: bool = False, enforce_eager: bool = False,
@@ -261,6 +261,12 @@ class ModelRunner:
         if self.tilings is not None:
             self.tilings = self.plan.choose_tilings(cfg, block_size, self.tilings)
         return self.kv
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks of the paged cache, (source, destination) block ids in order
+        (`PagedKVCache.copy_blocks`); on every tensor-parallel rank."""
+        self._lead("copy_blocks", copies)
+        self.kv.copy_blocks(copies)
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Batch inputs for `seqs`: input_ids ``[T]``, positions ``[T]``, the attention

@@ -52,6 +52,34 @@ def test_beams_share_blocks_and_batch_prompts(tiny):
     assert_no_leak(llm)
 
 
+def test_each_step_computes_one_token_a_beam(tiny):
+    """A step's beam requests find their parent's part-filled last block cached and copy it
+    (`KVCacheManager.get_partial_block`): after the prompt, each step computes one token a beam,
+    where it computed the tokens since the last full block again (up to block_size a beam);
+    the beams stay `transformers`' (above) and equal those of an engine without the prefix cache."""
+    hf, llm = tiny
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1]  # 9 tokens, blocks of 4: the last block part-filled from the start
+    computed = []
+
+    def count(stats):
+        computed.append(sum(n for _, n in stats.prefill) + len(stats.decode))
+
+    llm.engine.subscribe(count)
+    try:
+        beams = llm.beam_search([prompt], 3, 9, ignore_eos=True)[0].sequences
+    finally:
+        llm.engine.subscribers.remove(count)
+    assert computed == [9] + [3] * 8, computed  # the prompt, then one token for each of the three beams
+    plain = LLM(str(llm.engine.model_path), dtype="float32", block_size=4, enable_prefix_caching=False)
+    try:
+        ref = plain.beam_search([prompt], 3, 9, ignore_eos=True)[0].sequences
+    finally:
+        plain.close()
+    assert [b.token_ids for b in beams] == [b.token_ids for b in ref]
+    assert [b.cumulative_logprob for b in beams] == pytest.approx([b.cumulative_logprob for b in ref], abs=1e-5)
+    assert_no_leak(llm)
+
+
 def test_bad_width_is_refused(tiny):
     with pytest.raises(InvalidRequest, match="beam_width"):
         tiny[1].beam_search([[3, 4]], 0, 4)

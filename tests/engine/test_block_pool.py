@@ -97,11 +97,15 @@ def test_share_prefix_for_parallel_sampling():
     parent = req("p", list(range(10)))
     kv.allocate_slots(parent, 10)
     child = req("c", list(range(10)))
-    assert kv.share_prefix(parent, child, 9) == 8  # two full blocks shared
-    assert kv.block_ids("c") == [0, 1] and kv.pool.blocks[0].ref_cnt == 2
-    child.num_computed_tokens = 8
-    assert kv.allocate_slots(child, 2)
-    assert kv.block_ids("c") == [0, 1, 3]
+    assert kv.share_prefix(parent, child, 9) == 9  # two full blocks shared, the third's token copied
+    assert kv.block_ids("c") == [0, 1, 3] and kv.pool.blocks[0].ref_cnt == 2 and kv.pool.blocks[2].ref_cnt == 1
+    assert kv.take_copies() == [(2, 3)] and kv.take_copies() == []
+    child.num_computed_tokens = 9
+    assert kv.allocate_slots(child, 1) and kv.block_ids("c") == [0, 1, 3]  # its last token fits
+    assert kv.allocate_slots(child, 4) and kv.block_ids("c") == [0, 1, 3, 4]
+    kv.pool.get_new_blocks(kv.pool.num_free_blocks)  # no block free: the full blocks alone
+    other = req("o", list(range(10)))
+    assert kv.share_prefix(parent, other, 9) == 8 and kv.block_ids("o") == [0, 1] and kv.take_copies() == []
 
 
 def run(kv: KVCacheManager, r: Request, n: int, computed=()) -> None:
@@ -272,3 +276,65 @@ def test_a_pass_longer_than_the_ring_after_a_cached_prefix_reads_the_blocks_it_t
     assert kv.allocate_slots(b, 20, hits)  # logical 5-9: 7, 8, 9 take slots 1, 2, 0; 5 and 6 go off the ring
     off = kv.off_ring("b")
     assert {k: off[k] for k in (3, 4)} == window and sorted(off) == [3, 4, 5, 6]
+
+
+def test_an_ending_requests_part_filled_block_is_copied_by_one_that_goes_on():
+    """A request's last, part-filled block stays cached when it ends, under its tokens after the
+    full blocks' chained hash; a request that goes on from those tokens (a beam's next step)
+    finds it after its full blocks and copies it; a request that differs in it, one under an
+    adapter, one that would reuse fewer tokens than it holds (keys are exact) and the
+    full-block lookup do not; a request
+    taken out of the cache (`uncache`: non-finite outputs) leaves no part-filled block."""
+    from nextoken.engine.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(num_blocks=12, block_size=4)
+    a = req("a", list(range(10)))  # blocks [0-3] [4-7] [8 9 _ _]
+    run(kv, a, 10)
+    last = kv.block_tables["a"][2]
+    kv.free(a)
+    assert last.token_ids == (8, 9) and last.ref_cnt == 0  # cached, free, evictable
+    b = req("b", list(range(11)))
+    full = kv.get_computed_blocks(b)
+    assert len(full) == 2 and kv.get_partial_block(b, 2) == (last, 2)
+    assert kv.get_partial_block(req("c", list(range(9)) + [99, 5]), 2) is None  # differs at 9
+    assert kv.get_partial_block(req("d", list(range(10))), 2) is None  # it may reuse 1 token: the block holds 2
+    assert kv.get_partial_block(req("e", list(range(10)) + [7, 7, 7]), 2) == (last, 2)
+    lora = Request("l", list(range(11)), SamplingParams(), DrawGenerator(), lora_id=1)
+    assert kv.get_partial_block(lora, len(kv.get_computed_blocks(lora))) is None
+    assert kv.get_computed_blocks(req("f", list(range(10)) + [0, 0, 0])) == full  # never a full block
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64), kv)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.scheduled == {b: 1} and b.num_computed_tokens == 10  # one token computed, not three
+    assert plan.block_copies == [(last.block_id, kv.block_ids("b")[2])] and kv.block_ids("b")[:2] == [x.block_id for x in full]
+    assert s.prefix_cache_hits == 10
+
+    b.num_computed_tokens += 1
+    kv.uncache(b)
+    s.finish(b)
+    assert kv.get_partial_block(req("g", list(range(11)) + [1]), 2) == (last, 2)  # a's, not b's 3 tokens
+
+
+def test_block_copies_run_in_order_on_every_part_of_the_cache():
+    """`PagedKVCache.copy_blocks` copies keys, values and (int8 cache) their scales of every
+    layer and head, pair by pair in order: a later pair reads what an earlier one wrote."""
+    import torch
+
+    from nextoken.config import ModelConfig
+    from nextoken.kv_cache.tensors import PagedKVCache
+
+    cfg = ModelConfig("llama", "t", 10, 64, 128, 3, 4, 2, 16, 64, 1e-6, 1e4, 16, False)
+    for cache_dtype in ("auto", "int8"):
+        kv = PagedKVCache(cfg, 5, 4, torch.float32, cache_dtype=cache_dtype)
+        g = torch.Generator().manual_seed(0)
+        parts = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+        for t in parts:
+            t.copy_(torch.randint(-100, 100, t.shape, generator=g).to(t.dtype))
+        before = [t.clone() for t in parts]
+        kv.copy_blocks([(1, 3), (3, 0), (4, 1)])
+        for t, old in zip(parts, before):
+            want = old.clone()
+            want[:, :, 3], want[:, :, 0], want[:, :, 1] = old[:, :, 1], old[:, :, 1], old[:, :, 4]
+            assert torch.equal(t, want), cache_dtype
+        assert len(parts) == (4 if cache_dtype == "int8" else 2)

@@ -130,8 +130,9 @@ def test_forked_completions_wait_for_the_prompt_then_share_it():
     parent.num_computed_tokens = 10
     parent.append_output(7)
     plan = s.schedule()
-    assert plan.scheduled == {parent: 1, child: 2}  # the child recomputes only past the shared blocks
-    assert s.kv.block_ids("p#1")[:2] == s.kv.block_ids("p#0")[:2]
+    assert plan.scheduled == {parent: 1, child: 1}  # the child computes only the prompt's last token:
+    assert s.kv.block_ids("p#1")[:2] == s.kv.block_ids("p#0")[:2]  # its full blocks shared,
+    assert plan.block_copies == [(s.kv.block_ids("p#0")[2], s.kv.block_ids("p#1")[2])]  # the third copied
 
 
 def test_a_waiting_completion_holding_shared_blocks_cannot_stall_the_queue():

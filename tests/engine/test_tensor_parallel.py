@@ -92,16 +92,23 @@ def test_shard_of_quantized_tensors_keeps_codes_and_values(tmp_path):
 def test_two_ranks_equal_transformers_and_one_process(tiny_gguf, arch):
     """float32, 2 ranks: logits of every prompt position and of 5 decode steps within 1e-4 of
     transformers; greedy ids, sampled and prompt log-probabilities of a continuous batch equal
-    one process's; per decode step 2 x layers all-reduces (+1: the embedding) and one gather."""
+    one process's, and so do beam searches (each step's beams copy their parent's part-filled
+    block on every rank: `ModelRunner.copy_blocks`); per decode step 2 x layers all-reduces (+1:
+    the embedding) and one gather."""
     path, hf = tiny_gguf[arch]
     expected = hf_logits_stepwise(hf, PROMPT, CONTINUATION)
     with torch.no_grad():
         full = hf(torch.tensor([PROMPT])).logits[0]
     one = LLM(str(path), dtype="float32", max_num_seqs=4, auto_pull=False)
     want = one.generate(PROMPTS, GREEDY)
+    want_beams = one.beam_search([PROMPT], 3, 6, ignore_eos=True)[0].sequences
     with LLM(str(path), dtype="float32", max_num_seqs=4, auto_pull=False, tensor_parallel_size=2) as llm:
         assert llm.runner.tp.size == 2 and llm.runner.model.config.num_kv_heads == 1  # half the heads here
         got = llm.generate(PROMPTS, GREEDY)
+        beams = llm.beam_search([PROMPT], 3, 6, ignore_eos=True)[0].sequences
+        assert [b.token_ids for b in beams] == [b.token_ids for b in want_beams]
+        assert [b.cumulative_logprob for b in beams] == pytest.approx([b.cumulative_logprob for b in want_beams],
+                                                                      abs=1e-4)
         seq = OneSequence(llm.runner, 64, block_size=4)
         assert (seq.forward(PROMPT, all_logits=True) - full).abs().max() < 1e-4
         stats = llm.runner.tp.stats
