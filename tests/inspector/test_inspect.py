@@ -377,7 +377,8 @@ def test_branch_alternatives_and_trajectories_equal_fresh_requests(srv, oracle):
     chain), the other alternatives by raw probability, each preview the greedy continuation a
     fresh request forcing that token generates; a trajectory from an alternative equals a fresh
     request forcing the same prefix, greedy and seeded alike, and reports the prompt tokens the
-    engine served from its prefix cache (whole blocks of the shared prefix)."""
+    engine served from its prefix cache (whole blocks of the shared prefix, and the part-filled
+    block an earlier request with the same tokens left)."""
     prompt = "Here is a list of the largest cities in Europe, ordered by population, with a short note:"
     ids = oracle.tokenizer.encode(prompt)
     greedy = oracle.generate(ids, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
@@ -400,7 +401,7 @@ def test_branch_alternatives_and_trajectories_equal_fresh_requests(srv, oracle):
         fresh = oracle.generate(prefix + [alt], SamplingParams(max_tokens=12, **settings))[0]
         assert t["token_ids"] == [alt] + list(fresh.outputs[0].token_ids), settings
         assert t["greedy"] == (settings["temperature"] == 0) and t["prompt_tokens"] == len(prefix) + 1
-        assert t["prefix_reused"] > 0 and t["prefix_reused"] % 16 == 0 and t["prefix_reused"] <= len(prefix)
+        assert 16 <= t["prefix_reused"] <= len(prefix)
     bad = post(srv, "journey/trajectory", {"prompt": prompt, "token": 10 ** 6})
     assert bad.status_code == 400
 
