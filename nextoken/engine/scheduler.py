@@ -39,6 +39,7 @@ class SchedulerOutput:
     lookahead: set[Request] = field(default_factory=set)  # decodes with room for drafted tokens
     # (source, destination) block ids to copy, in order, before the pass (`KVCacheManager.copies`)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    sliding_copies: list[tuple[int, int]] = field(default_factory=list)  # ... of the sliding-window rings' pool
 
 
 class Scheduler:
@@ -85,7 +86,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        out.block_copies = self.kv.take_copies()
+        out.block_copies, out.sliding_copies = self.kv.take_copies()
         if self.waiting.policy == "fair":  # its service counters
             for req, n in out.scheduled.items():
                 decode = req.num_computed_tokens + n > req.num_prompt_tokens
@@ -137,13 +138,13 @@ class Scheduler:
             lookup = req.num_computed_tokens == 0 and not full and self.kv.enable_caching
             computed = self.kv.get_computed_blocks(req) if lookup else []
             partial = self.kv.get_partial_block(req, len(computed)) if lookup else None
-            num_cached = len(computed) * self.kv.block_size + (partial[1] if partial else 0)
+            num_cached = len(computed) * self.kv.block_size + (partial.num_tokens if partial else 0)
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 n = budget
-            extra = partial[1] if partial else 0  # (the blocks start with the cached full ones)
+            extra = partial.num_tokens if partial else 0  # (the blocks start with the cached full ones)
             while not self.kv.allocate_slots(req, n + extra, computed):
                 budget, made_room = self._preempt_for(rank, out, budget)
                 if not made_room and not self.running and self._release_waiting(req):
@@ -151,7 +152,7 @@ class Scheduler:
                 if not made_room:
                     return
             if partial:  # its first new block starts as a copy of the cached part-filled one
-                self.kv.copy_partial(req, partial[0], len(computed))
+                self.kv.copy_partial(req, partial, len(computed))
             self.waiting.remove(req)
             if lookup:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
                 self.prefix_cache_queries += req.num_tokens

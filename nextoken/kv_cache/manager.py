@@ -7,6 +7,7 @@ Token position ``p`` of a request lives in block ``block_table[p // block_size]`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
 from nextoken.kv_cache.disk import chain_key
@@ -51,6 +52,21 @@ class Ring:
         held = self.held(ring_blocks)
         return [b for s, b in enumerate(self.slots) if s not in held] + \
             [self.off_ring[b] for b in sorted(self.off_ring)] + [self.slots[s] for s in held]
+
+
+def _unshared(b: KVCacheBlock) -> bool:
+    """Whether only its request holds `b` and it is not cached (a part-filled block may be kept)."""
+    return b.ref_cnt == 1 and b.block_hash is None
+
+
+class PartialBlock(NamedTuple):
+    """A cached part-filled block (`KVCacheManager.get_partial_block`): the block, how many of
+    the request's tokens it holds, and (a model with sliding-window layers) the sliding pool's
+    block of the same tokens."""
+
+    block: KVCacheBlock
+    num_tokens: int
+    sliding: KVCacheBlock | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +121,10 @@ class KVCacheManager:
         self.rings: dict[str, Ring] = {}
         self.disk = None  # the prefix cache's disk tier (`kv_cache.disk.DiskTier`), if any
         self.disk_queries = self.disk_hits = 0  # prompt tokens looked up on disk, and found there
-        # (source, destination) block ids whose contents the next pass copies first (`take_copies`)
+        # (source, destination) block ids whose contents the next pass copies first (`take_copies`):
+        # of the paged cache, and of the sliding pool
         self.copies: list[tuple[int, int]] = []
+        self.sliding_copies: list[tuple[int, int]] = []
         self._tainted: set[str] = set()  # requests `uncache`d: their part-filled block is not cached either
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -413,11 +431,11 @@ class KVCacheManager:
         self._block_ids[req.request_id].append(dst.block_id)
         self.copies.append((src.block_id, dst.block_id))
 
-    def take_copies(self) -> list[tuple[int, int]]:
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The block copies this step's scheduling recorded, (source, destination) block ids in
-        the order to run them, and forget them."""
-        copies, self.copies = self.copies, []
-        return copies
+        the order to run them: the paged cache's and the sliding pool's; and forget them."""
+        copies, sliding, self.copies, self.sliding_copies = self.copies, self.sliding_copies, [], []
+        return copies, sliding
 
     def _partial_key(self, req, num_full: int, token_ids: tuple[int, ...]) -> int:
         """The prefix cache's key of a block holding `token_ids` (fewer than a block's) after the
@@ -426,40 +444,65 @@ class KVCacheManager:
         root = ("lora", req.lora_id) if req.lora_id else None
         return hash_block(self._block_hashes(req, num_full)[-1] if num_full else root, token_ids)
 
-    def _cache_partial(self, req, table: list[KVCacheBlock]) -> None:
+    def _cache_partial(self, req, table: list[KVCacheBlock], ring: Ring | None) -> None:
         """Keep an ending request's part-filled last block in the prefix cache (evictable, as a
-        full block), under the tokens it holds: a request that goes on from them (the next step
-        of a beam search, a preempted request, the next turn) copies it instead of computing
-        those tokens again (`get_partial_block`)."""
-        if not self.enable_caching or self.sliding_pool is not None:
+        full block), under the tokens it holds, and for a model with sliding-window layers its
+        ring's block of them in the sliding pool's: a request that goes on from them (the next
+        step of a beam search, a preempted request, the next turn) copies them instead of
+        computing those tokens again (`get_partial_block`)."""
+        if not self.enable_caching:
             return
         bs = self.block_size
         n_full, k = divmod(req.num_computed_tokens, bs)
-        if not k or len(table) <= n_full or table[n_full].ref_cnt != 1 or table[n_full].block_hash is not None:
+        if not k or len(table) <= n_full or not _unshared(table[n_full]):
             return
+        ring_block = None
+        if self.sliding_pool is not None:
+            if ring is None or not ring.holds(n_full, self.ring_blocks):
+                return
+            ring_block = ring.slots[n_full % self.ring_blocks]
+            if not _unshared(ring_block):
+                return
         toks = tuple(req.all_token_ids[n_full * bs : n_full * bs + k])
         if len(toks) == k:
-            self.pool.cache_block(table[n_full], self._partial_key(req, n_full, toks), toks)
+            key = self._partial_key(req, n_full, toks)
+            self.pool.cache_block(table[n_full], key, toks)
+            if ring_block is not None:
+                self.sliding_pool.cache_block(ring_block, key, toks)
 
-    def get_partial_block(self, req, num_full: int) -> tuple[KVCacheBlock, int] | None:
+    def get_partial_block(self, req, num_full: int) -> PartialBlock | None:
         """After the request's first `num_full` blocks (found cached): the cached part-filled
         block that holds the most of its next tokens (at most all but its last token, whose
-        logits are needed) and how many it holds, or None. Lookups of up to block_size - 1 keys."""
-        if not self.enable_caching or self.sliding_pool is not None:
+        logits are needed), or None. Lookups of up to block_size - 1 keys. A model with
+        sliding-window layers needs the sliding pool's block of the same tokens too, and a pass
+        its ring keeps that block through (its other blocks: at most `ring_blocks` - 1)."""
+        if not self.enable_caching:
             return None
         bs, toks = self.block_size, req.all_token_ids
         lo = num_full * bs
+        if self.sliding_pool is not None and self.blocks_for(req.num_tokens) > num_full + self.ring_blocks:
+            return None
         for k in range(min(bs - 1, req.num_tokens - 1 - lo), 0, -1):
             t = tuple(toks[lo : lo + k])
-            b = self.pool.cached.get(self._partial_key(req, num_full, t))
-            if b is not None and b.token_ids == t:
-                return b, k
+            key = self._partial_key(req, num_full, t)
+            b = self.pool.cached.get(key)
+            if b is None or b.token_ids != t:
+                continue
+            if self.sliding_pool is None:
+                return PartialBlock(b, k)
+            s = self.sliding_pool.cached.get(key)
+            return PartialBlock(b, k, s) if s is not None and s.token_ids == t else None
         return None
 
-    def copy_partial(self, req, src: KVCacheBlock, index: int) -> None:
+    def copy_partial(self, req, hit: PartialBlock, index: int) -> None:
         """The request was just given blocks (`allocate_slots`): its block `index` (the first
-        after its cached full ones) is to hold `src`'s tokens too, copied before the next pass."""
-        self.copies.append((src.block_id, self.block_tables[req.request_id][index].block_id))
+        after its cached full ones), and its ring's block for it, are to hold `hit`'s tokens
+        too, copied before the next pass."""
+        self.copies.append((hit.block.block_id, self.block_tables[req.request_id][index].block_id))
+        if hit.sliding is not None:
+            ring = self.rings[req.request_id]
+            assert ring.holds(index, self.ring_blocks), (index, ring)
+            self.sliding_copies.append((hit.sliding.block_id, ring.slots[index % self.ring_blocks].block_id))
 
     def cache_full_blocks(self, req) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
@@ -509,11 +552,11 @@ class KVCacheManager:
         """Release the request's blocks; the tail is freed first so it is evicted first."""
         table = self.block_tables.pop(req.request_id, [])
         self._block_ids.pop(req.request_id, None)
+        ring = self.rings.pop(req.request_id, None)
         if req.request_id in self._tainted:
             self._tainted.discard(req.request_id)
         else:
-            self._cache_partial(req, table)
-        ring = self.rings.pop(req.request_id, None)
+            self._cache_partial(req, table, ring)
         if ring is not None:  # (its cached blocks stay in the sliding pool's cache)
             self.sliding_pool.free_blocks(ring.blocks(self.ring_blocks))
         self._num_cached.pop(req.request_id, None)

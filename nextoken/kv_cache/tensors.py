@@ -277,15 +277,16 @@ class PagedKVCache:
         a ``bytearray`` or a view of one). Raises `ValueError` for a payload of another size."""
         write_block(self._block_parts(), block_id, payload)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy blocks of the full-attention layers (keys, values, int8 scales): for each
-        (source, destination) block id pair in order, every layer's and head's rows of the
-        source into the destination. Pairs in order: a later pair may read what an earlier one
-        wrote. (The sliding-window layers' rings are never copied: `KVCacheManager` copies only
-        for a model without them.)"""
-        for src, dst in copies:
-            for t in self._block_parts():
-                t[:, :, dst] = t[:, :, src]
+    def copy_blocks(self, copies: list[tuple[int, int]], sliding: list[tuple[int, int]] = ()) -> None:
+        """Copy blocks of the full-attention layers (keys, values, int8 scales), and `sliding`
+        ones of the sliding-window layers' pool: for each (source, destination) block id pair in
+        order, every layer's and head's rows of the source into the destination (a later pair
+        may read what an earlier one wrote)."""
+        for parts, pairs in ((self._block_parts(), copies),
+                             ([self.sliding.k, self.sliding.v] if self.sliding is not None else [], sliding)):
+            for src, dst in pairs:
+                for t in parts:
+                    t[:, :, dst] = t[:, :, src]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``

@@ -262,11 +262,11 @@ class ModelRunner:
             self.tilings = self.plan.choose_tilings(cfg, block_size, self.tilings)
         return self.kv
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks of the paged cache, (source, destination) block ids in order
-        (`PagedKVCache.copy_blocks`); on every tensor-parallel rank."""
-        self._lead("copy_blocks", copies)
-        self.kv.copy_blocks(copies)
+    def copy_blocks(self, copies: list[tuple[int, int]], sliding: list[tuple[int, int]] = ()) -> None:
+        """Copy whole blocks of the paged cache and of the sliding-window rings' pool, (source,
+        destination) block ids in order (`PagedKVCache.copy_blocks`); on every tensor-parallel rank."""
+        self._lead("copy_blocks", copies, sliding)
+        self.kv.copy_blocks(copies, sliding)
 
     def prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Batch inputs for `seqs`: input_ids ``[T]``, positions ``[T]``, the attention

@@ -52,12 +52,15 @@ def test_beams_share_blocks_and_batch_prompts(tiny):
     assert_no_leak(llm)
 
 
-def test_each_step_computes_one_token_a_beam(tiny):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_each_step_computes_one_token_a_beam(tiny, tiny_gguf, arch):
     """A step's beam requests find their parent's part-filled last block cached and copy it
-    (`KVCacheManager.get_partial_block`): after the prompt, each step computes one token a beam,
-    where it computed the tokens since the last full block again (up to block_size a beam);
-    the beams stay `transformers`' (above) and equal those of an engine without the prefix cache."""
-    hf, llm = tiny
+    (`KVCacheManager.get_partial_block`; Gemma 3: its sliding-window ring's block too, the
+    window of 8 wrapping a ring of 3 blocks): after the prompt, each step computes one token a
+    beam, where it computed the tokens since the last full block again (up to block_size a
+    beam); the beams stay `transformers`' (above) and equal those of an engine without the
+    prefix cache."""
+    llm = tiny[1] if arch == "qwen2" else LLM(str(tiny_gguf[arch][0]), dtype="float32", block_size=4)
     prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1]  # 9 tokens, blocks of 4: the last block part-filled from the start
     computed = []
 
@@ -78,6 +81,8 @@ def test_each_step_computes_one_token_a_beam(tiny):
     assert [b.token_ids for b in beams] == [b.token_ids for b in ref]
     assert [b.cumulative_logprob for b in beams] == pytest.approx([b.cumulative_logprob for b in ref], abs=1e-5)
     assert_no_leak(llm)
+    if llm is not tiny[1]:
+        llm.close()
 
 
 def test_bad_width_is_refused(tiny):

@@ -99,13 +99,13 @@ def test_share_prefix_for_parallel_sampling():
     child = req("c", list(range(10)))
     assert kv.share_prefix(parent, child, 9) == 9  # two full blocks shared, the third's token copied
     assert kv.block_ids("c") == [0, 1, 3] and kv.pool.blocks[0].ref_cnt == 2 and kv.pool.blocks[2].ref_cnt == 1
-    assert kv.take_copies() == [(2, 3)] and kv.take_copies() == []
+    assert kv.take_copies() == ([(2, 3)], []) and kv.take_copies() == ([], [])
     child.num_computed_tokens = 9
     assert kv.allocate_slots(child, 1) and kv.block_ids("c") == [0, 1, 3]  # its last token fits
     assert kv.allocate_slots(child, 4) and kv.block_ids("c") == [0, 1, 3, 4]
     kv.pool.get_new_blocks(kv.pool.num_free_blocks)  # no block free: the full blocks alone
     other = req("o", list(range(10)))
-    assert kv.share_prefix(parent, other, 9) == 8 and kv.block_ids("o") == [0, 1] and kv.take_copies() == []
+    assert kv.share_prefix(parent, other, 9) == 8 and kv.block_ids("o") == [0, 1] and kv.take_copies() == ([], [])
 
 
 def run(kv: KVCacheManager, r: Request, n: int, computed=()) -> None:
@@ -295,10 +295,10 @@ def test_an_ending_requests_part_filled_block_is_copied_by_one_that_goes_on():
     assert last.token_ids == (8, 9) and last.ref_cnt == 0  # cached, free, evictable
     b = req("b", list(range(11)))
     full = kv.get_computed_blocks(b)
-    assert len(full) == 2 and kv.get_partial_block(b, 2) == (last, 2)
+    assert len(full) == 2 and kv.get_partial_block(b, 2) == (last, 2, None)
     assert kv.get_partial_block(req("c", list(range(9)) + [99, 5]), 2) is None  # differs at 9
     assert kv.get_partial_block(req("d", list(range(10))), 2) is None  # it may reuse 1 token: the block holds 2
-    assert kv.get_partial_block(req("e", list(range(10)) + [7, 7, 7]), 2) == (last, 2)
+    assert kv.get_partial_block(req("e", list(range(10)) + [7, 7, 7]), 2) == (last, 2, None)
     lora = Request("l", list(range(11)), SamplingParams(), DrawGenerator(), lora_id=1)
     assert kv.get_partial_block(lora, len(kv.get_computed_blocks(lora))) is None
     assert kv.get_computed_blocks(req("f", list(range(10)) + [0, 0, 0])) == full  # never a full block
@@ -313,7 +313,7 @@ def test_an_ending_requests_part_filled_block_is_copied_by_one_that_goes_on():
     b.num_computed_tokens += 1
     kv.uncache(b)
     s.finish(b)
-    assert kv.get_partial_block(req("g", list(range(11)) + [1]), 2) == (last, 2)  # a's, not b's 3 tokens
+    assert kv.get_partial_block(req("g", list(range(11)) + [1]), 2) == (last, 2, None)  # a's, not b's 3 tokens
 
 
 def test_block_copies_run_in_order_on_every_part_of_the_cache():

@@ -105,8 +105,9 @@ def test_prefix_cache_reports_cached_tokens(tiny_gguf):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
     """Gemma 3 (window 8, rings of 3 blocks of 4): a second turn that extends the first (its
-    prompt, its answer, a new message) computes only what follows the first turn's last full
-    block, from the sliding pool's cached blocks of the window before it, and answers as
+    prompt, its answer, a new message) computes only what follows the first turn's last computed
+    token: its full blocks and its part-filled one (copied, with its ring's block) come from the
+    cache, from the sliding pool's cached blocks of the window before it, and it answers as
     without the prefix cache: the same
     greedy tokens, log-probabilities within float32's (or bf16's) rounding of a prefill split
     at another point."""
@@ -118,7 +119,7 @@ def test_a_sliding_window_models_next_turn_reuses_its_prefix(tiny_gguf, dtype):
     assert first.token_ids == plain.generate([prompt], p)[0].outputs[0].token_ids
     second = prompt + first.token_ids + [11, 12, 13]
     a, b = cached.generate([second], p)[0], plain.generate([second], p)[0]
-    assert a.usage["cached_tokens"] == 36 and b.usage["cached_tokens"] == 0  # 9 full blocks: 39 computed tokens
+    assert a.usage["cached_tokens"] == 39 and b.usage["cached_tokens"] == 0  # 30 + 10 - 1: 9 full blocks and 3 tokens
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     tol = 1e-4 if dtype == "float32" else 0.1
     for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
