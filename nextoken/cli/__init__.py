@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 
-from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args
+from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args, take_model_tag
 from nextoken.cli_args import positive_int
 from nextoken.config import QUANTIZATIONS
 from nextoken.errors import NextokenError
@@ -137,7 +137,9 @@ def _prefetch_model_key(a) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    take_model_tag(parser, args)
     args.argv = argv
     if hasattr(args, "log_level"):
         _configure_logging(args.log_level)

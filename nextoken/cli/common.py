@@ -52,7 +52,22 @@ def _add_serve_args(p, exclude: tuple[str, ...] = ()) -> None:
     from nextoken.server.args import ServerArgs
 
     _add_engine_args(p, log_level="info")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (vLLM's `vllm serve MODEL`)")
     ServerArgs.add_cli_args(p, exclude=exclude)
+
+
+def take_model_tag(parser: argparse.ArgumentParser, args) -> None:
+    """A model given as the positional MODEL (`serve`, `inspect`) becomes ``args.model``; with a
+    different --model too, the parser's one-line error (exit status 2)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    from nextoken.catalog import DEFAULT_MODEL
+
+    if args.model not in (DEFAULT_MODEL, tag):
+        parser.error(f"the model is given twice: {tag!r} and --model {args.model!r}; give one")
+    args.model = tag
 
 
 def _params(a):

@@ -44,6 +44,28 @@ def test_one_answer_commands_keep_the_weights_mapped_and_the_others_move_them():
         assert parser.parse_args(argv).huge_pages is huge, argv
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    """``nextoken serve MODEL`` (vLLM's ``vllm serve MODEL``) and ``inspect MODEL`` serve MODEL,
+    as --model does; both at once with different models is a one-line error (status 2)."""
+    import pytest
+
+    from nextoken.catalog import DEFAULT_MODEL
+    from nextoken.cli import build_parser
+    from nextoken.cli.common import take_model_tag
+
+    parser = build_parser()
+    for argv, want in ((["serve", "gemma-3-270m"], "gemma-3-270m"), (["serve", "--model", "a.gguf"], "a.gguf"),
+                       (["inspect", "/m/x.gguf", "--port", "9"], "/m/x.gguf"), (["serve"], DEFAULT_MODEL),
+                       (["serve", "a.gguf", "--model", "a.gguf"], "a.gguf")):
+        args = parser.parse_args(argv)
+        take_model_tag(parser, args)
+        assert args.model == want, argv
+    args = parser.parse_args(["serve", "a.gguf", "-m", "b.gguf"])
+    with pytest.raises(SystemExit) as exit_:
+        take_model_tag(parser, args)
+    assert exit_.value.code == 2 and "the model is given twice: 'a.gguf' and --model 'b.gguf'" in capsys.readouterr().err
+
+
 def test_run_raw_with_sampling_options(tiny_gguf):
     """Seeded sampling from the command prints what `LLM.generate` gives for the same values."""
     path = tiny_gguf["llama"][0]
