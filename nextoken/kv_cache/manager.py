@@ -486,12 +486,10 @@ class KVCacheManager:
             t = tuple(toks[lo : lo + k])
             key = self._partial_key(req, num_full, t)
             b = self.pool.cached.get(key)
-            if b is None or b.token_ids != t:
-                continue
-            if self.sliding_pool is None:
-                return PartialBlock(b, k)
-            s = self.sliding_pool.cached.get(key)
-            return PartialBlock(b, k, s) if s is not None and s.token_ids == t else None
+            s = self.sliding_pool.cached.get(key) if self.sliding_pool is not None else None
+            sliding_ok = self.sliding_pool is None or (s is not None and s.token_ids == t)
+            if b is not None and b.token_ids == t and sliding_ok:
+                return PartialBlock(b, k, s)
         return None
 
     def copy_partial(self, req, hit: PartialBlock, index: int) -> None:

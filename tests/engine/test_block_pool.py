@@ -307,7 +307,8 @@ def test_an_ending_requests_part_filled_block_is_copied_by_one_that_goes_on():
     s.add(b)
     plan = s.schedule()
     assert plan.scheduled == {b: 1} and b.num_computed_tokens == 10  # one token computed, not three
-    assert plan.block_copies == [(last.block_id, kv.block_ids("b")[2])] and kv.block_ids("b")[:2] == [x.block_id for x in full]
+    assert plan.block_copies == [(last.block_id, kv.block_ids("b")[2])]
+    assert kv.block_ids("b")[:2] == [x.block_id for x in full]
     assert s.prefix_cache_hits == 10
 
     b.num_computed_tokens += 1
