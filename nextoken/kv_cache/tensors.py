@@ -164,6 +164,22 @@ def write_block(parts: list[torch.Tensor], block_id: int, payload) -> None:
         at += n
 
 
+def copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(source, destination) block pairs, in order, cut into runs that may each copy at once (all
+    their sources read, then all their destinations written): a run ends before a pair that
+    reads a block the run writes, or writes one it already writes, so the result is the pairs'
+    one by one. (A step's copies are one run but where a block freed and taken again in the same
+    schedule comes back as a source or destination.)"""
+    waves, run, written = [], [], set()
+    for src, dst in pairs:
+        if src in written or dst in written:
+            waves.append(run)
+            run, written = [], set()
+        run.append((src, dst))
+        written.add(dst)
+    return waves + [run] if run else waves
+
+
 class SlidingKVCache:
     """Rings of the sliding-window layers: k, v ``[num_sliding_layers, Hkv, num_blocks,
     block_size, head_dim]``; each sequence owns `ring_blocks` of the `num_blocks`."""
@@ -284,9 +300,11 @@ class PagedKVCache:
         may read what an earlier one wrote)."""
         for parts, pairs in ((self._block_parts(), copies),
                              ([self.sliding.k, self.sliding.v] if self.sliding is not None else [], sliding)):
-            for src, dst in pairs:
+            for wave in copy_waves(pairs):  # one gather and one scatter a tensor for each
+                src = torch.tensor([s for s, _ in wave], dtype=torch.long, device=self.device)
+                dst = torch.tensor([d for _, d in wave], dtype=torch.long, device=self.device)
                 for t in parts:
-                    t[:, :, dst] = t[:, :, src]
+                    t.index_copy_(2, dst, t.index_select(2, src))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at their slots ``[num_tokens]``

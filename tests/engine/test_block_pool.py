@@ -319,7 +319,10 @@ def test_an_ending_requests_part_filled_block_is_copied_by_one_that_goes_on():
 
 def test_block_copies_run_in_order_on_every_part_of_the_cache():
     """`PagedKVCache.copy_blocks` copies keys, values and (int8 cache) their scales of every
-    layer and head, pair by pair in order: a later pair reads what an earlier one wrote."""
+    layer and head, as pair by pair in order: a later pair reads what an earlier one wrote, a
+    later write wins (it copies runs of pairs at once: `copy_waves`); random pair lists with
+    chains and repeated blocks against the plain loop."""
+    import random
     import torch
 
     from nextoken.config import ModelConfig
@@ -339,3 +342,12 @@ def test_block_copies_run_in_order_on_every_part_of_the_cache():
             want[:, :, 3], want[:, :, 0], want[:, :, 1] = old[:, :, 1], old[:, :, 1], old[:, :, 4]
             assert torch.equal(t, want), cache_dtype
         assert len(parts) == (4 if cache_dtype == "int8" else 2)
+        rng = random.Random(cache_dtype)
+        for _ in range(20):
+            pairs = [(rng.randrange(5), rng.randrange(5)) for _ in range(rng.randrange(1, 7))]
+            want = [t.clone() for t in parts]
+            for src, dst in pairs:
+                for t in want:
+                    t[:, :, dst] = t[:, :, src].clone()
+            kv.copy_blocks(pairs)
+            assert all(torch.equal(t, w) for t, w in zip(parts, want)), pairs
