@@ -18,16 +18,17 @@ from nextoken.errors import InvalidRequest
 
 
 def opt(default: Any, help: str, flag: str | None = None, group: str = "model", cli: str = "value",
-        short: str | None = None, quick_start: bool | tuple = False, **argparse_kwargs) -> Any:
+        short: str | None = None, quick_start: bool | tuple = False, aliases: tuple[str, ...] = (),
+        **argparse_kwargs) -> Any:
     """A field with its command-line form: `flag` (default ``--field-name``; `short`, a one-letter
-    alias), `cli` one of
+    alias; `aliases`, other long names: vLLM's spelling where ours differs), `cli` one of
     ``value`` (takes a value), ``true`` (a switch that sets True), ``bool`` (``--x/--no-x``),
     ``size`` (bytes given as ``512MiB``), or ``none`` (Python only). `quick_start`: the values
     with which ``run``'s quick start draws the engine's first token (True: any; a tuple: those;
     False, the default: only the field's default; `runner.quick_start.keeps_first_token`). A list
     default is copied for each instance."""
     meta = {"help": help, "flag": flag, "short": short, "group": group, "cli": cli, "argparse": argparse_kwargs,
-            "quick_start": quick_start}
+            "quick_start": quick_start, "aliases": aliases}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -75,7 +76,7 @@ class CliArgs:
             kind, flag = f.metadata["cli"], cls.flag(f)
             quiet = default in (None, False, []) or kind == "true"
             shown = f.metadata["help"] + ("" if quiet else f" (default {default})")
-            names = [flag, f.metadata["short"]] if f.metadata["short"] else [flag]
+            names = [flag, *([f.metadata["short"]] if f.metadata["short"] else []), *f.metadata["aliases"]]
             if kind == "true":
                 group.add_argument(*names, dest=f.name, action="store_true", default=default, help=shown)
             elif kind == "bool":

@@ -66,6 +66,9 @@ class EngineArgs(CliArgs):
                                      "Alone, rank 0 starts the others on this machine, each on its own cores; across "
                                      "hosts, launch with torchrun --nproc-per-node N --nnodes ...", type=int)
     auto_pull: bool = opt(True, "download a catalog model on first use", cli="none", quick_start=True)
+    trust_remote_code: bool = opt(False, "accepted as vLLM's command line and `LLM(...)` take it, and changes nothing: "
+                                         "no code from a model's repository runs here (the architectures are built in)",
+                                  cli="true", quick_start=True)
     quantization: str | None = opt(None, "quantize a Hugging Face folder's linear and embedding weights at load "
                                    "into GGUF blocks run by our kernels (the gguf package's quantizers: the bytes "
                                    "llama.cpp writes); kept in the prepared-weights cache, so only the first start "
@@ -96,7 +99,8 @@ class EngineArgs(CliArgs):
                                "as much)",
                                group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes", flag="--prefix-caching",
-                                       group="KV cache", cli="bool", quick_start=True)
+                                       group="KV cache", cli="bool", quick_start=True,
+                                       aliases=("--enable-prefix-caching",))
     kv_cache_dir: str | None = opt(None, "a directory for the prefix cache's disk tier: full KV blocks are written "
                                    "there in the background and read back instead of recomputed, after a restart "
                                    "and by every process that shares the directory (default: off; with "
@@ -112,7 +116,8 @@ class EngineArgs(CliArgs):
                                               "on a GPU of 70 GiB or more, except an A100, 8192: vLLM's)",
                                               group="scheduler", type=int, quick_start=True)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps", flag="--chunked-prefill",
-                                        group="scheduler", cli="bool", quick_start=True)
+                                        group="scheduler", cli="bool", quick_start=True,
+                                        aliases=("--enable-chunked-prefill",))
     async_scheduling: bool | None = opt(None, "overlap each step's host work (scheduling, the next pass's inputs, "
                                         "detokenizing and stop checks) with the device's pass: a step is launched "
                                         "before the last one's tokens are read back, its decodes taking them on the "
@@ -262,7 +267,7 @@ def options_table(args_cls: type[CliArgs] = EngineArgs, overrides: dict[str, str
     for f in args_cls.cli_fields():
         kind, flag = f.metadata["cli"], args_cls.flag(f)
         if kind == "bool":
-            flag = f"{flag} / --no-{flag[2:]}"
+            flag = " / ".join(f"{name} / --no-{name[2:]}" for name in (flag, *f.metadata["aliases"]))
         elif kind != "true":
             extra = f.metadata["argparse"]
             if extra.get("choices"):

@@ -50,6 +50,12 @@ class ServerArgs(CliArgs):
     reasoning_parser: str | None = opt(None, "separate a thinking model's <think>...</think> from its answer: "
                                        "qwen3 (a thought when the answer opens with <think>) or deepseek_r1 (the "
                                        "template opens the thought)", group="server", choices=PARSERS)
+    enable_auto_tool_choice: bool = opt(False, "accepted as vLLM's command line takes it, and changes nothing: a "
+                                               "request's tools are always parsed (tool_choice auto)", group="server",
+                                        cli="true")
+    tool_call_parser: str | None = opt(None, "the tool-call format: hermes (Qwen2.5's), the one parsed; vLLM's "
+                                             "flag, which names another format, is refused", group="server",
+                                       choices=("hermes",))
     lora_modules: list = opt([], "LoRA adapters served as models, NAME=PATH each (PEFT folders; needs "
                              "--enable-lora and --max-loras at least their number)", group="LoRA", nargs="*",
                              metavar="NAME=PATH")

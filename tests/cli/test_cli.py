@@ -66,6 +66,34 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
     assert exit_.value.code == 2 and "the model is given twice: 'a.gguf' and --model 'b.gguf'" in capsys.readouterr().err
 
 
+def test_vllm_command_lines_and_keywords_are_taken(capsys, tiny_gguf):
+    """What vLLM users type: ``--enable-prefix-caching`` / ``--no-enable-chunked-prefill``
+    (vLLM's spellings of ours), ``--trust-remote-code`` and ``--enable-auto-tool-choice
+    --tool-call-parser hermes`` (what nextoken does anyway), and ``LLM(..., trust_remote_code=True)``.
+    A tool-call format nextoken does not parse is refused, naming the one it does."""
+    import pytest
+
+    from nextoken.cli import build_parser
+    from nextoken.engine_args import EngineArgs
+    from nextoken.server.args import ServerArgs
+
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+                            "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    engine = EngineArgs.from_cli_args(ns)
+    assert not engine.enable_prefix_caching and not engine.enable_chunked_prefill and engine.trust_remote_code
+    assert ServerArgs.from_cli_args(ns).tool_call_parser == "hermes"
+    assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching
+    again = EngineArgs.from_cli_args(parser.parse_args(["serve", *engine.to_cli_args()]))
+    assert again == engine  # (our own spelling for a child process)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert "--tool-call-parser: invalid choice: 'llama3_json'" in capsys.readouterr().err
+    llm = LLM(str(tiny_gguf["llama"][0]), trust_remote_code=True)
+    assert llm.generate([3, 4, 5], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+    llm.close()
+
+
 def test_run_raw_with_sampling_options(tiny_gguf):
     """Seeded sampling from the command prints what `LLM.generate` gives for the same values."""
     path = tiny_gguf["llama"][0]
