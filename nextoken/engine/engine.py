@@ -245,7 +245,7 @@ class LLMEngine:
                                    if r.num_computed_tokens < r.num_prompt_tokens],
                           decode=[r.group_id for r in plan.scheduled if r.num_computed_tokens >= r.num_prompt_tokens],
                           preempted=[r.group_id for r in plan.preempted])
-        if plan.block_copies:  # before any pass reads or writes them
+        if plan.block_copies or plan.sliding_copies:  # before any pass reads or writes them
             self.runner.copy_blocks(plan.block_copies, plan.sliding_copies)
         launched = None
         if plan.scheduled and overlap:

@@ -138,13 +138,13 @@ class Scheduler:
             lookup = req.num_computed_tokens == 0 and not full and self.kv.enable_caching
             computed = self.kv.get_computed_blocks(req) if lookup else []
             partial = self.kv.get_partial_block(req, len(computed)) if lookup else None
-            num_cached = len(computed) * self.kv.block_size + (partial.num_tokens if partial else 0)
+            extra = partial.num_tokens if partial else 0  # (the blocks start with the cached full ones)
+            num_cached = len(computed) * self.kv.block_size + extra
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 n = budget
-            extra = partial.num_tokens if partial else 0  # (the blocks start with the cached full ones)
             while not self.kv.allocate_slots(req, n + extra, computed):
                 budget, made_room = self._preempt_for(rank, out, budget)
                 if not made_room and not self.running and self._release_waiting(req):

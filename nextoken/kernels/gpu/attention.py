@@ -32,8 +32,8 @@ sums; float32 inputs multiply in IEEE float32 (never TF32), so the float32 path 
 reference's function to float32 rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``,
 the CPU tests) the operands are widened to float32 before each product, which computes the
 same exact products (bf16 x bf16 fits float32; Triton 3.6's interpreter multiplies bf16 tiles
-wrongly otherwise), and summed in an order fixed by the tile's shape (`kernels.gpu.dot`). The reference these are tested against is `layers.attention.naive_attention`
-(float32).
+wrongly otherwise), and summed in an order fixed by the tile's shape (`kernels.gpu.dot`). The
+reference these are tested against is `layers.attention.naive_attention` (float32).
 """
 
 from __future__ import annotations
