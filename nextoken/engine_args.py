@@ -150,6 +150,10 @@ class EngineArgs(CliArgs):
                                   "with watermark on)", group="output", type=float, quick_start=True)
     watermark_delta: float = opt(2.0, "what the watermark adds to a green token's logit", group="output",
                                   type=float, quick_start=True)
+    seed: int | None = opt(None, "seeds the requests that set none, in the order they arrive: a fresh engine given "
+                           "the same requests in the same order samples the same text (vLLM's; without it their "
+                           "seeds are random). On run, chat and explain --seed is the request's own",
+                           group="output", type=int)
     chat_template: str | None = opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
                                      "with tool support)", group="output", metavar="FILE")
     stream_interval: int = opt(1, "a streamed request's outputs: its first token at once, then one output per N "
@@ -201,6 +205,8 @@ class EngineArgs(CliArgs):
                 value = getattr(self, f.name)
                 if not isinstance(value, bool) and not (value is None and f.default is None):  # (None: the default)
                     raise InvalidRequest(f"{f.name} must be True or False, got {value!r}", f.name)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", "seed")
         for name, ok, rule in (("watermark_gamma", lambda v: 0 < v < 1, "in (0, 1)"),
                                ("watermark_delta", lambda v: 0 < v <= 100, "in (0, 100]")):
             value = getattr(self, name)

@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 import sys
 
-from nextoken.cli.common import _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args, take_model_tag
+from nextoken.cli.common import (SAMPLING_EXCLUDED, _add_engine_args, _add_prompt_args, _add_sampling_args, _add_serve_args,
+                                 take_model_tag)
 from nextoken.cli_args import positive_int
 from nextoken.config import QUANTIZATIONS
 from nextoken.errors import NextokenError
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="answer one prompt, streaming the text")
     p.add_argument("prompt")
-    _add_engine_args(p, **one_answer)
+    _add_engine_args(p, exclude=SAMPLING_EXCLUDED, **one_answer)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
     p.add_argument("--stats", action="store_true", help="print TTFT, prefill and decode speed, peak memory")
@@ -40,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the same text as the API and the server give for a seed)")
 
     p = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /exit)")
-    _add_engine_args(p, **single_user)
+    _add_engine_args(p, exclude=SAMPLING_EXCLUDED, **single_user)
     p.add_argument("--system", default=None, help="system message")
     _add_sampling_args(p, temperature=0.2, max_tokens=512)
 
     p = sub.add_parser("explain", help="walk one prompt through the pipeline and print every stage")
     p.add_argument("prompt")
-    _add_engine_args(p, **one_answer)
+    _add_engine_args(p, exclude=SAMPLING_EXCLUDED, **one_answer)
     _add_prompt_args(p)
     _add_sampling_args(p, temperature=0.0, max_tokens=8)
     p.add_argument("--top", type=int, default=10, help="candidates shown per generated token")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SAMPLING_EXCLUDED = ("seed",)  # the engine's flags a command with the request's flags leaves out
 
 
 def _add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning", **defaults) -> None:
@@ -18,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser, log_level: str = "warning", **d
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    """The request's flags; its --seed is the request's (the engine's flags added with
+    ``exclude=SAMPLING_EXCLUDED``)."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
     g.add_argument("--temperature", "-t", type=float, default=temperature,
@@ -28,7 +31,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_token
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
+    g.add_argument("--seed", type=int, default=None, dest="request_seed", help="same seed, same text")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--logprobs", type=int, default=None, help="print the N most likely tokens per step")
@@ -78,7 +81,7 @@ def _params(a):
     return SamplingParams(
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
+        frequency_penalty=a.frequency_penalty, seed=a.request_seed, max_tokens=a.max_tokens, stop=a.stop,
         ignore_eos=a.ignore_eos, logprobs=a.logprobs, structured_outputs=_structured(a), watermark=a.watermark,
     ).validate()
 

@@ -23,6 +23,7 @@ logits), a beam search or speculative decoding makes the steps run in order whil
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -52,6 +53,7 @@ from nextoken.outputs import RequestOutput
 from nextoken.runner.cuda_graphs import MAX_GRAPH_BATCH
 from nextoken.runner.device import Device, batch_defaults
 from nextoken.runner.model_runner import ModelRunner, SequenceInput
+from nextoken.sample.rng import DrawGenerator
 from nextoken.sample.sampler import SampleLaunch, SampleResult, Sampler
 from nextoken.sample.logits_processors import has_processors
 from nextoken.sample.watermark import WatermarkConfig
@@ -129,6 +131,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self._release, args.stream_interval)
         self.beams = BeamGroups()  # the beam searches the engine drives (`add_beam_search`)
         self._ids = itertools.count()
+        self._seeds = DrawGenerator(args.seed) if args.seed is not None else None  # (`add_request`)
         # async scheduling: the step launched and not read back yet, and the sequences that need
         # the steps in order (`_needs_order`)
         wanted = args.async_scheduling if args.async_scheduling is not None else self.runner.device.is_cuda
@@ -164,6 +167,8 @@ class LLMEngine:
         o = options
         params = (params or SamplingParams()).validate(self.config.vocab_size)
         ids = self.encode_prompt(prompt, params, o.truncate_prompt)
+        if params.seed is None and self._seeds is not None:  # --seed: the next of the engine's seeds
+            params = dataclasses.replace(params, seed=self._seeds.next_u64() >> 1)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")

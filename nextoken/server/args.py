@@ -56,6 +56,17 @@ class ServerArgs(CliArgs):
     tool_call_parser: str | None = opt(None, "the tool-call format: hermes (Qwen2.5's), the one parsed; vLLM's "
                                              "flag, which names another format, is refused", group="server",
                                        choices=("hermes",))
+    uvicorn_log_level: str = opt("warning", "uvicorn's log level (vLLM's flag; info adds uvicorn's line per HTTP "
+                                            "request, its access log)", group="server",
+                                 choices=("critical", "error", "warning", "info", "debug", "trace"))
+    disable_uvicorn_access_log: bool = opt(False, "no line per HTTP request at --uvicorn-log-level info or below "
+                                                  "(vLLM's flag)", group="server", cli="true")
+    disable_log_requests: bool = opt(False, "accepted as vLLM's command line takes it, and changes nothing: "
+                                            "nextoken logs no line per request (uvicorn's access log aside)",
+                                     group="server", cli="true")
+    disable_log_stats: bool = opt(False, "accepted as vLLM's command line takes it, and changes nothing: nextoken "
+                                         "logs no periodic statistics (they are at /metrics)", group="server",
+                                  cli="true")
     lora_modules: list = opt([], "LoRA adapters served as models, NAME=PATH each (PEFT folders; needs "
                              "--enable-lora and --max-loras at least their number)", group="LoRA", nargs="*",
                              metavar="NAME=PATH")

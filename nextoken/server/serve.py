@@ -19,11 +19,12 @@ log = logging.getLogger("nextoken.server")
 
 
 def uvicorn_config(app, config):
-    """How uvicorn serves `app` (a `uvicorn.Config`): the host, port, graceful shutdown and
-    keep-alive of `config` (the `ServerArgs`)."""
+    """How uvicorn serves `app` (a `uvicorn.Config`): the host, port, log level, access log,
+    graceful shutdown and keep-alive of `config` (the `ServerArgs`)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                          access_log=not config.disable_uvicorn_access_log,
                           timeout_graceful_shutdown=config.shutdown_timeout,
                           timeout_keep_alive=config.timeout_keep_alive)
 

@@ -68,9 +68,12 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
 
 def test_vllm_command_lines_and_keywords_are_taken(capsys, tiny_gguf):
     """What vLLM users type: ``--enable-prefix-caching`` / ``--no-enable-chunked-prefill``
-    (vLLM's spellings of ours), ``--trust-remote-code`` and ``--enable-auto-tool-choice
-    --tool-call-parser hermes`` (what nextoken does anyway), and ``LLM(..., trust_remote_code=True)``.
-    A tool-call format nextoken does not parse is refused, naming the one it does."""
+    (vLLM's spellings of ours), ``--seed`` (the engine's, for the requests that set none),
+    ``--uvicorn-log-level`` and ``--disable-uvicorn-access-log`` (uvicorn's), and
+    ``--trust-remote-code``, ``--enable-auto-tool-choice --tool-call-parser hermes``,
+    ``--disable-log-requests`` and ``--disable-log-stats`` (what nextoken does anyway), and
+    ``LLM(..., trust_remote_code=True)``. A tool-call format nextoken does not parse is refused,
+    naming the one it does."""
     import pytest
 
     from nextoken.cli import build_parser
@@ -79,10 +82,20 @@ def test_vllm_command_lines_and_keywords_are_taken(capsys, tiny_gguf):
 
     parser = build_parser()
     ns = parser.parse_args(["serve", "m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-                            "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                            "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                            "--seed", "3", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level",
+                            "info", "--disable-uvicorn-access-log"])
     engine = EngineArgs.from_cli_args(ns)
     assert not engine.enable_prefix_caching and not engine.enable_chunked_prefill and engine.trust_remote_code
-    assert ServerArgs.from_cli_args(ns).tool_call_parser == "hermes"
+    assert engine.seed == 3
+    server = ServerArgs.from_cli_args(ns)
+    assert server.tool_call_parser == "hermes" and server.disable_log_requests and server.disable_log_stats
+    from nextoken.server.serve import uvicorn_config
+
+    config = uvicorn_config(None, server)
+    assert config.log_level == "info" and not config.access_log
+    config = uvicorn_config(None, ServerArgs.from_cli_args(parser.parse_args(["serve"])))
+    assert config.log_level == "warning" and config.access_log
     assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching
     again = EngineArgs.from_cli_args(parser.parse_args(["serve", *engine.to_cli_args()]))
     assert again == engine  # (our own spelling for a child process)

@@ -36,7 +36,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--kv-cache-dir", "kv", "--kv-cache-disk", "5MiB", "--enable-lora", "--max-loras", "3",
             "--max-lora-rank", "8", "--quantization", "q4_0", "--device", "cuda:1", "--attention-backend", "torch",
             "--gpu-memory-utilization", "0.5", "--batch-invariant", "--stream-interval", "6",
-            "--async-scheduling", "--trust-remote-code"]
+            "--async-scheduling", "--trust-remote-code", "--seed", "9"]
     want = {"model": model, "dtype": "float32", "num_threads": 1, "enforce_eager": True, "reference_attention": True,
             "dense_weights": True, "max_model_len": 100, "kv_cache_memory": 3 * MiB, "num_kv_blocks": 7,
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
@@ -46,7 +46,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "tensor_parallel_size": 2, "kv_cache_dir": "kv", "kv_cache_disk": 5 * MiB,
             "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "quantization": "q4_0", "device": "cuda:1",
             "attention_backend": "torch", "gpu_memory_utilization": 0.5, "batch_invariant": True, "stream_interval": 6,
-            "async_scheduling": True, "trust_remote_code": True}
+            "async_scheduling": True, "trust_remote_code": True, "seed": 9}
     if speculative == "ngram":
         argv += ["--speculative-method", "ngram"]
         want.update(speculative_method="ngram", speculative_model=None)
@@ -87,7 +87,7 @@ def test_single_user_commands_pass_every_option(built, tiny_gguf, command, specu
     flags, want = settings(str(tiny_gguf["llama"][0]), speculative)
     prompt = [] if command == "chat" else ["hi"]
     assert cli.main([command, *prompt, *flags, "--no-prefix-caching"]) == 1  # the recorder's error
-    check(built[-1], {**want, "enable_prefix_caching": False})
+    check(built[-1], {**want, "enable_prefix_caching": False, "seed": None})  # (their --seed is the request's)
     assert cli.main([command, *prompt, "--model", want["model"]]) == 1
     assert built[-1].max_num_seqs == 1 and built[-1].enable_prefix_caching  # the single-user defaults
 

@@ -168,3 +168,25 @@ def test_a_seeded_request_gives_the_same_text_alone_and_in_a_mixed_batch(tiny_gg
     assert outs[0].outputs[0].token_ids == alone
     assert llm.generate([[5, 17, 200, 33]], SamplingParams(**{**target.__dict__, "seed": 12}))[0] \
         .outputs[0].token_ids != alone
+
+
+def test_the_engine_seed_makes_unseeded_requests_repeat_in_a_fresh_engine(tiny_gguf):
+    """``LLM(seed=...)`` (vLLM's ``--seed``): a fresh engine given the same unseeded requests in
+    the same order samples the same tokens, another seed other tokens, and a request's own seed
+    wins over the engine's. Without it the same requests differ between engines."""
+    path = str(tiny_gguf["llama"][0])
+    prompts = [[5, 17, 200, 33], [9, 4, 8], [5, 17, 200, 33]]
+    free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    own = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+
+    def run(**kw):
+        llm = LLM(path, dtype="float32", **kw)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+        later = llm.generate(prompts[:1], free)[0].outputs[0].token_ids  # the stream goes on
+        return first, later, llm.generate(prompts[:1], own)[0].outputs[0].token_ids
+
+    a, b, c, d = run(seed=0), run(seed=0), run(seed=1), run()
+    assert a == b
+    assert a[0][0] != a[0][2] and a[1] != a[0][0]  # each request its own seed, the same prompt too
+    assert c[0] != a[0] and d[0] != a[0]
+    assert a[2] == c[2] == d[2] == LLM(path, dtype="float32").generate(prompts[:1], own)[0].outputs[0].token_ids
