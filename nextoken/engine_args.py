@@ -64,7 +64,8 @@ class EngineArgs(CliArgs):
     tensor_parallel_size: int = opt(1, "processes the model is split across (Megatron-style: heads, feed-forward "
                                      "columns and vocabulary; one all-reduce after attention and after the MLP). "
                                      "Alone, rank 0 starts the others on this machine, each on its own cores; across "
-                                     "hosts, launch with torchrun --nproc-per-node N --nnodes ...", type=int)
+                                     "hosts, launch with torchrun --nproc-per-node N --nnodes ... (-tp N, as vLLM)",
+                                     type=int, short="-tp")
     auto_pull: bool = opt(True, "download a catalog model on first use", cli="none", quick_start=True)
     trust_remote_code: bool = opt(False, "accepted as vLLM's command line and `LLM(...)` take it, and changes nothing: "
                                          "no code from a model's repository runs here (the architectures are built in)",

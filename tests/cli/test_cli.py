@@ -97,6 +97,7 @@ def test_vllm_command_lines_and_keywords_are_taken(capsys, tiny_gguf):
     config = uvicorn_config(None, ServerArgs.from_cli_args(parser.parse_args(["serve"])))
     assert config.log_level == "warning" and config.access_log
     assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching
+    assert parser.parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
     again = EngineArgs.from_cli_args(parser.parse_args(["serve", *engine.to_cli_args()]))
     assert again == engine  # (our own spelling for a child process)
     with pytest.raises(SystemExit):
