@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import field
 from typing import Any
 
@@ -46,6 +47,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
     return value
 
 
@@ -114,6 +126,8 @@ class CliArgs:
                     out.append(flag if value else "--no-" + flag[2:])
             elif isinstance(value, list):
                 out += [flag, *map(str, value)] if value else []
+            elif isinstance(value, dict):
+                out += [flag, json.dumps(value)]
             elif value is not None:
                 out += [flag, str(value)]
         return out

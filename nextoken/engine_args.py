@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from nextoken.catalog import DEFAULT_MODEL
-from nextoken.cli_args import CliArgs, opt, parse_size
+from nextoken.cli_args import CliArgs, json_object, opt, parse_size
 from nextoken.config import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig
 from nextoken.errors import InvalidRequest
 
@@ -155,6 +155,14 @@ class EngineArgs(CliArgs):
                            "the same requests in the same order samples the same text (vLLM's; without it their "
                            "seeds are random). On run, chat and explain --seed is the request's own",
                            group="output", type=int)
+    generation_config: str = opt("auto", "the sampling defaults of requests that leave temperature, top_p, top_k, "
+                                 "min_p or repetition_penalty unset, and a bound on every output (max_new_tokens): "
+                                 "auto (the model folder's generation_config.json, as vLLM; a GGUF file has none), "
+                                 "vllm (none) or a folder holding such a file", group="output", metavar="auto|vllm|DIR",
+                                 quick_start=True)
+    override_generation_config: dict | None = opt(None, "such defaults over the model's, as JSON, e.g. "
+                                                  "'{\"temperature\": 0.5}' (vLLM's)", group="output",
+                                                  type=json_object, metavar="JSON", quick_start=True)
     chat_template: str | None = opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
                                      "with tool support)", group="output", metavar="FILE")
     stream_interval: int = opt(1, "a streamed request's outputs: its first token at once, then one output per N "
@@ -206,6 +214,12 @@ class EngineArgs(CliArgs):
                 value = getattr(self, f.name)
                 if not isinstance(value, bool) and not (value is None and f.default is None):  # (None: the default)
                     raise InvalidRequest(f"{f.name} must be True or False, got {value!r}", f.name)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise InvalidRequest(f"generation_config must be auto, vllm or a folder, got {self.generation_config!r}",
+                                 "generation_config")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise InvalidRequest("override_generation_config must be a dictionary of sampling defaults, got "
+                                 f"{self.override_generation_config!r}", "override_generation_config")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", "seed")
         for name, ok, rule in (("watermark_gamma", lambda v: 0 < v < 1, "in (0, 1)"),

@@ -141,6 +141,7 @@ class LLM:
         engine = self._generation()
         rid = None
         try:
+            params = params if params is not None else self.get_default_sampling_params()
             rid = engine.add_request(prompt, params, options=RequestOptions(
                 truncate_prompt=truncate_prompt, tracer=tracer, first_tokens=first_tokens))
             done = False
@@ -174,7 +175,14 @@ class LLM:
             raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts", "lora_request")
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", "priority")
+        params = params if params is not None else self.get_default_sampling_params()
         return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The `SamplingParams` that `generate`, `chat` and `stream` use when given none (vLLM's
+        method): the defaults, with the model's own where its folder recommends some
+        (``generation_config.json``; `nextoken.sampling_defaults`)."""
+        return SamplingParams(**self._generation().sampling_defaults)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
@@ -194,6 +202,7 @@ class LLM:
         self._generation()
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(m, system) for m in convs]
+        params = params if params is not None else self.get_default_sampling_params()
         return self._run_all(prompts, _per_prompt(params, len(prompts)), False)
 
     def _run_all(self, prompts, params, truncate, loras=None, priority=None) -> list[RequestOutput]:

@@ -211,6 +211,11 @@ class AsyncLLMEngine(OutputStreams):
         """The tokens the KV cache holds (its blocks times the block size)."""
         return self._engine.kv.pool.num_blocks * self._engine.kv.block_size
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults (`nextoken.sampling_defaults`)."""
+        return self._engine.sampling_defaults
+
     def compile_grammar(self, structured) -> None:
         """Compile (and cache) a request's grammar; blocking. Raises `InvalidRequest`."""
         self._engine.grammars.compile(structured)

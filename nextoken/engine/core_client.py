@@ -196,6 +196,10 @@ class EngineProcessClient(OutputStreams):
         return self.info.kv_capacity
 
     @property
+    def sampling_defaults(self) -> dict:
+        return self.info.sampling_defaults
+
+    @property
     def num_waiting(self) -> int:
         """Waiting sequences at the engine's last step."""
         return self._stats.waiting

@@ -41,6 +41,7 @@ from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
 from nextoken.engine.validation import check_priority, check_request, encode_prompt, read_template, resolve_lora
+from nextoken import sampling_defaults
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
 from nextoken.kv_cache.budget import allocate_kv_cache
@@ -95,6 +96,12 @@ class LLMEngine:
         `tokenizer`: the model's, when the caller built it already from `source`."""
         self.args = args
         self.model_path = source.path
+        # the model creator's sampling defaults (`sampling_defaults`): requests that leave a field unset take them
+        self.sampling_defaults = sampling_defaults.resolve(str(self.model_path), args.generation_config,
+                                                           args.override_generation_config)
+        if self.sampling_defaults:
+            log.info("sampling defaults of requests that set none: %s (the model's generation config; "
+                     "--generation-config vllm for none)", self.sampling_defaults)
         dtype = model_dtype(source, args.dtype)
         self.tokenizer = tokenizer or load_tokenizer(source, args.prepared_cache)
         if args.chat_template is not None:

@@ -42,7 +42,9 @@ class EngineClient(Service, Protocol):
     outputs, cumulative; aborts it if the consumer stops), `generate` (both), `abort`,
     `beam_search` (a `beam.BeamSearch` the engine drives: its final output), `num_waiting`. The
     model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`, `watermark` (its
-    `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds). Checks made
+    `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds),
+    `sampling_defaults` (the model's, for requests that leave a field unset:
+    `nextoken.sampling_defaults`). Checks made
     before a request is queued: `compile_grammar` (blocking: call it in a worker thread; raises
     `InvalidRequest`) and `encode_prompt` (the prompt's ids; raises `InvalidRequest` when it does
     not fit). Observation: `scheduler_stats`, `subscribe` (a callable given each step's
@@ -67,6 +69,9 @@ class EngineClient(Service, Protocol):
 
     @property
     def kv_capacity(self) -> int: ...
+
+    @property
+    def sampling_defaults(self) -> dict: ...
 
     @property
     def num_waiting(self) -> int: ...

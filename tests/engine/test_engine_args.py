@@ -36,7 +36,8 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--kv-cache-dir", "kv", "--kv-cache-disk", "5MiB", "--enable-lora", "--max-loras", "3",
             "--max-lora-rank", "8", "--quantization", "q4_0", "--device", "cuda:1", "--attention-backend", "torch",
             "--gpu-memory-utilization", "0.5", "--batch-invariant", "--stream-interval", "6",
-            "--async-scheduling", "--trust-remote-code", "--seed", "9"]
+            "--async-scheduling", "--trust-remote-code", "--seed", "9", "--generation-config", "vllm",
+            "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 7}']
     want = {"model": model, "dtype": "float32", "num_threads": 1, "enforce_eager": True, "reference_attention": True,
             "dense_weights": True, "max_model_len": 100, "kv_cache_memory": 3 * MiB, "num_kv_blocks": 7,
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
@@ -46,7 +47,8 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "tensor_parallel_size": 2, "kv_cache_dir": "kv", "kv_cache_disk": 5 * MiB,
             "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "quantization": "q4_0", "device": "cuda:1",
             "attention_backend": "torch", "gpu_memory_utilization": 0.5, "batch_invariant": True, "stream_interval": 6,
-            "async_scheduling": True, "trust_remote_code": True, "seed": 9}
+            "async_scheduling": True, "trust_remote_code": True, "seed": 9, "generation_config": "vllm",
+            "override_generation_config": {"temperature": 0.5, "max_new_tokens": 7}}
     if speculative == "ngram":
         argv += ["--speculative-method", "ngram"]
         want.update(speculative_method="ngram", speculative_model=None)

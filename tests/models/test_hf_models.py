@@ -259,3 +259,60 @@ def test_bos_follows_the_post_processor_when_the_config_is_silent(folders, tmp_p
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     ours = LLM(str(d), dtype="float32").tokenizer
     assert ours.encode("the cat") == AutoTokenizer.from_pretrained(str(d)).encode("the cat") and ours.encode("x")[0] == 1
+
+
+def test_a_folders_generation_config_gives_the_sampling_defaults(folders, tmp_path):
+    """vLLM's ``--generation-config auto``: the fields of generation_config.json that differ
+    from transformers' defaults (Qwen2.5-Instruct's: temperature 0.7, top_p 0.8, top_k 20,
+    repetition_penalty 1.05; top_k 50 is no advice) are what a request that leaves them unset
+    samples with, through `LLM` and through the OpenAI and Ollama APIs (the same tokens as the
+    explicit values under the same seed); a request's own value wins, ``max_new_tokens`` bounds
+    an answer that gives no bound, and ``generation_config="vllm"`` reads none."""
+    import ollama
+
+    from nextoken import sampling_defaults
+    from tests.helpers.server import LiveServer
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(folders["qwen2"][0], folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.7,
+                                                               "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}))
+    qwen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert sampling_defaults.read_file(str(folder)) == qwen
+    assert sampling_defaults.resolve(str(folder), "auto", {"top_k": 50, "max_new_tokens": 6}) == \
+        {**qwen, "top_k": 50, "max_tokens": 6}  # (an override is kept as given)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "generation_config.json").write_text('{"top_k": 50, "temperature": 0.3}')
+    assert sampling_defaults.resolve(str(folder), str(tmp_path / "other")) == {"temperature": 0.3}
+
+    llm = LLM(str(folder), dtype="float32", seed=5, override_generation_config={"max_new_tokens": 8})
+    assert llm.get_default_sampling_params() == SamplingParams(**qwen, max_tokens=8)
+    plain = LLM(str(folder), dtype="float32", seed=5, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    prompt = [5, 17, 200, 33]
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    assert ids(llm.generate([prompt] * 2)) == ids(plain.generate([prompt] * 2, SamplingParams(**qwen, max_tokens=8)))
+
+    messages = [{"role": "user", "content": "the cat"}]
+    want = plain.chat(messages, SamplingParams(**qwen, seed=3, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    greedy = plain.chat(messages, SamplingParams(**{**qwen, "temperature": 0}, max_tokens=8,
+                                                 ignore_eos=True))[0].outputs[0]  # (its penalty still the model's)
+    srv = LiveServer(LLM(str(folder), dtype="float32", override_generation_config={"max_new_tokens": 6}), "tiny")
+    try:
+        client = srv.client()
+        ask = dict(model="tiny", messages=messages, seed=3, extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(**ask, max_tokens=8)
+        assert got.choices[0].message.content == want.text
+        assert client.chat.completions.create(**ask, max_tokens=8, temperature=0).choices[0].message.content \
+            == greedy.text
+        completion = client.completions.create(model="tiny", prompt=prompt, seed=3, max_tokens=8,
+                                               extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == plain.generate(
+            [prompt], SamplingParams(**qwen, seed=3, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+        bounded = client.chat.completions.create(**ask)  # no bound: the model's max_new_tokens
+        assert bounded.usage.completion_tokens == 6 and bounded.choices[0].finish_reason == "length"
+        r = ollama.Client(host=srv.url).chat(model="tiny", messages=messages, options={"seed": 3, "num_predict": 8})
+        assert r.message.content == plain.chat(messages, SamplingParams(**qwen, seed=3, max_tokens=8))[0].outputs[0].text
+    finally:
+        srv.stop()

@@ -29,6 +29,7 @@ class FakeEngine:
     def __init__(self, tokenizer, config, pieces: list[str], max_model_len: int = 2048):
         self.tokenizer, self.config, self.max_model_len = tokenizer, config, max_model_len
         self.kv_capacity, self.watermark, self.model_path = 4096, None, "fake"
+        self.sampling_defaults: dict = {}
         self.pieces, self.added, self.compiled, self.aborted = pieces, [], [], []
         self.is_running, self.dead, self.num_waiting = True, None, 0
 

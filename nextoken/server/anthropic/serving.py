@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from nextoken import sampling_defaults
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat.core import ChatSpec, prepare, render
@@ -77,7 +78,7 @@ def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] 
     return ChatSpec(messages, tools or None, choice,
                     not (tc is not None and tc.disable_parallel_tool_use), None, sampling,
                     getattr(body, "max_tokens", None), priority=getattr(body, "priority", 0),
-                    client=f"user:{user}" if user else "")
+                    client=f"user:{user}" if user else "", unset=sampling_defaults.unset(body.model_fields_set))
 
 
 # -- serving ------------------------------------------------------------------------------------

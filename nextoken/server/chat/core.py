@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nextoken.errors import InvalidRequest
+from nextoken.sampling_defaults import SAMPLING_FIELDS
 from nextoken.sampling_params import SamplingParams
 from nextoken.server.chat import prompts
 from nextoken.server.chat import rules as chat_rules, tools as tools_mod
@@ -48,7 +49,9 @@ class ChatSpec:
     each checked against the context as max_tokens is; prompt_ids: the prompt's token ids as
     they are (a raw prompt: no template, no tools; `messages` unused); priority: its scheduling
     priority (lower first; `RequestOptions.priority`); client: who sent it, for the fair policy
-    (the request's ``user``; empty: the caller's API key, `serving.client_of`)."""
+    (the request's ``user``; empty: the caller's API key, `serving.client_of`); unset: the
+    sampling fields the request left to their defaults, which take the model's where it has
+    some (`nextoken.sampling_defaults`; all of them by default)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -63,6 +66,7 @@ class ChatSpec:
     prompt_ids: list[int] | None = None
     priority: int = 0
     client: str = ""
+    unset: frozenset[str] = frozenset(SAMPLING_FIELDS)
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -93,8 +97,10 @@ async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
         if bound is not None and bound >= engine.max_model_len:
             raise InvalidRequest(f"{name} is {bound}: no room for the prompt in the context length "
                                  f"{engine.max_model_len} (max_model_len)", name)
-    max_tokens = spec.max_tokens or prompts.default_max_tokens(engine, len(ids), serving.args.max_tokens_default)
-    sampling = dict(spec.sampling)
+    defaults = engine.sampling_defaults
+    max_tokens = spec.max_tokens or min(prompts.default_max_tokens(engine, len(ids), serving.args.max_tokens_default),
+                                        defaults.get("max_tokens") or engine.max_model_len)
+    sampling = {**spec.sampling, **{k: v for k, v in defaults.items() if k in spec.unset}}
     if "min_tokens" in sampling:
         sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
     try:

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from nextoken import sampling_defaults
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat import tools as tools_mod
 from nextoken.server.chat.core import ChatSpec, Prepared, prepare
@@ -70,7 +71,7 @@ def to_spec(body, messages: list[dict] | None = None) -> ChatSpec:
                     None, True, constraint(body.format), sampling, max_tokens,
                     fields={"max_tokens": "options.num_predict", "constraint": "format", "sampling": "options",
                             "priority": "options.priority"},
-                    priority=(body.options or {}).get("priority", 0))
+                    priority=(body.options or {}).get("priority", 0), unset=sampling_defaults.unset(sampling))
 
 
 def _now() -> str:

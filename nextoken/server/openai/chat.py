@@ -8,6 +8,7 @@ import time
 
 from fastapi import Request
 
+from nextoken import sampling_defaults
 from nextoken.server.openai import render as R
 from nextoken.server.chat.core import ChatSpec, prepare
 from nextoken.server.chat.run import result, run
@@ -47,4 +48,5 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
                     {"max_tokens": used, "constraint": "response_format"},
                     {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
-                    priority=body.priority, client=f"user:{body.user}" if body.user else "")
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "",
+                    unset=sampling_defaults.unset(body.model_fields_set))

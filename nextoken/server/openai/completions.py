@@ -35,7 +35,7 @@ class OpenAIServingCompletion(ApiServing):
         try:
             for ids, text in prompts:
                 params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
-                                              body.scored_prompt())
+                                              body.scored_prompt(), eng.sampling_defaults)
                 rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}",
                                                   RequestOptions(prompt_text=text, lora_request=lora,
                                                                  priority=body.priority, client=client,

@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
+from nextoken import sampling_defaults
 from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, TokenId, \
     Published, accept_published, only, unset_or
 from nextoken.errors import InvalidRequest
@@ -202,10 +203,13 @@ class _Sampling(Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """The request's `SamplingParams`; `defaults`: the model's (`nextoken.sampling_defaults`),
+        for the sampling fields the body leaves unset."""
         if max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # echo without logprobs: nothing to generate, the prompt is computed once
         fields = self.sampling_fields(logprobs)
+        fields.update({k: v for k, v in (defaults or {}).items() if k in sampling_defaults.unset(self.model_fields_set)})
         fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
         return SamplingParams(**fields, max_tokens=max_tokens, structured_outputs=structured,
                               prompt_logprobs=prompt_logprobs)

@@ -24,6 +24,7 @@ from cachetools import LRUCache
 from fastapi import Request
 from pydantic import ConfigDict, Field, model_validator
 
+from nextoken import sampling_defaults
 from nextoken.bodies import BODY, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server.api import published
@@ -287,7 +288,8 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     {"temperature": body.temperature, "top_p": body.top_p,
                      "logprobs": (body.top_logprobs or 0) if body.wants_logprobs else None}, body.max_output_tokens,
                     fields={"max_tokens": "max_output_tokens", "constraint": "text.format"},
-                    priority=body.priority, client=f"user:{body.user}" if body.user else "")
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "",
+                    unset=sampling_defaults.unset(body.model_fields_set))
 
 
 # -- serving ------------------------------------------------------------------------------------
