@@ -312,6 +312,8 @@ def test_a_folders_generation_config_gives_the_sampling_defaults(folders, tmp_pa
             [prompt], SamplingParams(**qwen, seed=3, max_tokens=8, ignore_eos=True))[0].outputs[0].text
         bounded = client.chat.completions.create(**ask)  # no bound: the model's max_new_tokens
         assert bounded.usage.completion_tokens == 6 and bounded.choices[0].finish_reason == "length"
+        answer = client.responses.create(model="tiny", input="the cat", max_output_tokens=4)
+        assert (answer.temperature, answer.top_p) == (0.7, 0.8)  # what it sampled with
         r = ollama.Client(host=srv.url).chat(model="tiny", messages=messages, options={"seed": 3, "num_predict": 8})
         assert r.message.content == plain.chat(messages, SamplingParams(**qwen, seed=3, max_tokens=8))[0].outputs[0].text
     finally:

@@ -365,13 +365,15 @@ class OpenAIServingResponses(ApiServing):
         finished), `usage`: a `chat.run.Usage` or None."""
         incomplete = finish == "length"
         n_in, n_out = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
+        used = {name: getattr(body, name) if name in body.model_fields_set  # (unset: the model's default, if any)
+                else self.engine.sampling_defaults.get(name, getattr(body, name)) for name in ("temperature", "top_p")}
         return {"id": rid, "object": "response", "created_at": meta["created_at"],
                 "status": status or ("incomplete" if incomplete else "completed"), "model": self.args.model_name,
                 "output": output, "output_text": "".join(p["text"] for item in output if item["type"] == "message"
                                                          for p in item["content"]),
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete and not status else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "temperature": body.temperature, "top_p": body.top_p, "tools": meta["tools"],
+                "temperature": used["temperature"], "top_p": used["top_p"], "tools": meta["tools"],
                 "tool_choice": meta["tool_choice"], "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id, "store": body.store,
                 "metadata": body.metadata or {}, "error": None,
