@@ -122,7 +122,7 @@ class LLM:
         return chat_prompt(self.tokenizer, prompt, system)
 
     # -- generation -------------------------------------------------------------------------
-    def stream(self, prompt: Prompt | list[dict], params: SamplingParams | None = None, chat: bool = False,
+    def stream(self, prompt: Prompt | list[dict], sampling_params: SamplingParams | None = None, chat: bool = False,
                system: str | None = None, truncate_prompt: bool = False, tracer=None,
                first=None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a `RequestOutput` whenever it has new text (each
@@ -141,7 +141,7 @@ class LLM:
         engine = self._generation()
         rid = None
         try:
-            params = params if params is not None else self.get_default_sampling_params()
+            params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
             rid = engine.add_request(prompt, params, options=RequestOptions(
                 truncate_prompt=truncate_prompt, tracer=tracer, first_tokens=first_tokens))
             done = False
@@ -156,18 +156,20 @@ class LLM:
             if rid is not None:
                 engine.abort_request(rid)  # a no-op once finished; frees the blocks if abandoned
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 truncate_prompt: bool = False, lora_request=None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+                 lora_request=None, priority: Sequence[int] | None = None,
+                 truncate_prompt: bool = False) -> list[RequestOutput]:
         """Complete every prompt (raw text, token ids, or vLLM's prompt dictionaries
         ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
-        finished `RequestOutput` per prompt, in order. `params` is one `SamplingParams` for all
-        or one per prompt; `lora_request` one `lora.LoRARequest` for all, or one (or None, the
-        base model) per prompt (with ``enable_lora=True``). Every prompt is checked before any
-        runs; a dictionary of another form raises `InvalidRequest`. A prompt whose pass produced
-        non-finite logits comes back with `RequestOutput.error` set and finish reason
-        ``"error"``; the others complete. `priority`: one per prompt, lower first (vLLM's; needs
-        ``scheduling_policy="priority"``)."""
+        finished `RequestOutput` per prompt, in order (vLLM's signature). `sampling_params` is
+        one `SamplingParams` for all or one per prompt (None: `get_default_sampling_params`);
+        `use_tqdm`: a progress bar of the prompts done, on standard error; `lora_request` one
+        `lora.LoRARequest` for all, or one (or None, the base model) per prompt (with
+        ``enable_lora=True``). Every prompt is checked before any runs; a dictionary of another
+        form raises `InvalidRequest`. A prompt whose pass produced non-finite logits comes back
+        with `RequestOutput.error` set and finish reason ``"error"``; the others complete.
+        `priority`: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -175,8 +177,8 @@ class LLM:
             raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts", "lora_request")
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", "priority")
-        params = params if params is not None else self.get_default_sampling_params()
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority)
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The `SamplingParams` that `generate`, `chat` and `stream` use when given none (vLLM's
@@ -195,17 +197,27 @@ class LLM:
         encoded = [engine.encode_prompt(p, params) for p in prompts]
         return beam_search(engine, encoded, beam_width, max_tokens, length_penalty, ignore_eos)
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-             system: str | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             lora_request=None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, system: str | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several (a list of
-        such lists), batched; returns one `RequestOutput` each."""
+        such lists), batched; returns one `RequestOutput` each (vLLM's signature; `generate`'s
+        arguments). `chat_template`: a Jinja source used instead of the model's;
+        `continue_final_message` (with `add_generation_prompt` False): the answer goes on from
+        the last message's text; `tools`: OpenAI function tools for the template;
+        `chat_template_kwargs`: more template variables (``enable_thinking``, ...); `system`: a
+        system message put first (`tokenizer.chat_template.chat_prompt`)."""
         self._generation()
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self._chat_prompt(m, system) for m in convs]
-        params = params if params is not None else self.get_default_sampling_params()
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), False)
+        prompts = [chat_prompt(self.tokenizer, m, system, chat_template, add_generation_prompt, continue_final_message,
+                               tools, chat_template_kwargs) for m in convs]
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), False, loras, None, use_tqdm)
 
-    def _run_all(self, prompts, params, truncate, loras=None, priority=None) -> list[RequestOutput]:
+    def _run_all(self, prompts, params, truncate, loras=None, priority=None, use_tqdm=False) -> list[RequestOutput]:
         engine = self._generation()
         encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
@@ -219,7 +231,12 @@ class LLM:
             for rid in ids:
                 engine.abort_request(rid)
             raise
-        return engine.run_until_finished(ids)
+        if not use_tqdm:
+            return engine.run_until_finished(ids)
+        from tqdm import tqdm
+
+        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True) as bar:
+            return engine.run_until_finished(ids, on_finished=lambda out: bar.update())
 
 
 def _plain_prompt(p):

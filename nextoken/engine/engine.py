@@ -470,9 +470,11 @@ class LLMEngine:
                 continue
             store_prompt_scores(self.outputs.group_of(r), start, entries, hidden[:n])
 
-    def run_until_finished(self, request_ids: list[str]) -> list[RequestOutput]:
+    def run_until_finished(self, request_ids: list[str],
+                           on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Step until every request of `request_ids` has finished; their final outputs, in that
-        order. Whatever is left unfinished (an exception, an interrupt) is aborted."""
+        order (`on_finished` is called with each as it finishes). Whatever is left unfinished
+        (an exception, an interrupt) is aborted."""
         final: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         try:
@@ -480,6 +482,8 @@ class LLMEngine:
                 for out in self.step():
                     if out.finished and out.request_id in wanted:  # (others' requests run beside them)
                         final[out.request_id] = out
+                        if on_finished is not None:
+                            on_finished(out)
         finally:
             for rid in request_ids:
                 if rid not in final:

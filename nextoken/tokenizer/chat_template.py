@@ -38,15 +38,33 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def chat_prompt(tokenizer, prompt: str | list[dict], system: str | None = None) -> str:
+def chat_prompt(tokenizer, prompt: str | list[dict], system: str | None = None, template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict] | None = None, extra: dict | None = None) -> str:
     """The prompt text of a conversation (a message list, or one user message as a string) by the
-    tokenizer's chat template, with `system` put first as a system message when given. Raises
-    `InvalidRequest` for malformed messages."""
+    tokenizer's chat template (or `template`, a Jinja source), with `system` put first as a
+    system message when given, `tools` and the template variables `extra` (as `render`). With
+    `continue_final_message` (and `add_generation_prompt` off) the text ends where the last
+    message's content does, so that the answer goes on from it (Hugging Face's and vLLM's rule:
+    the rendered text up to the last occurrence of that content). Raises `InvalidRequest` for
+    malformed messages, both switches on, or a last message whose content the rendered text
+    does not hold."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     messages = validate_messages(list(messages))
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "off", "continue_final_message")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, extra, template)
+    if not continue_final_message:
+        return text
+    final = messages[-1]["content"].strip()
+    end = text.rfind(final) if final else -1
+    if end < 0:
+        raise InvalidRequest("continue_final_message: the chat template does not render the last message's content "
+                             "as given", "continue_final_message")
+    return text[: end + len(final)]
 
 
 def validate_messages(messages) -> list[dict]:

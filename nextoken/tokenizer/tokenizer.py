@@ -375,16 +375,23 @@ class Tokenizer:
 
     # -- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, extra: dict | None = None) -> str:
+                            tools: list[dict] | None = None, extra: dict | None = None,
+                            template: str | None = None) -> str:
         """Render `messages` (and `tools`, and the template variables `extra`) with the model's
-        chat template (see `chat_template.render`)."""
+        chat template, or `template` (a Jinja source) when given (see `chat_template.render`)."""
         from nextoken.tokenizer.chat_template import render
 
+        if template is not None:
+            return render(template, messages, add_generation_prompt, *self._bos_eos(), tools, extra)
         if not self.chat_template:
             raise InvalidRequest(
                 "this model has no chat template: send a plain prompt instead (/v1/completions, /api/generate; "
                 "`nextoken run --raw`), or give the engine one with --chat-template FILE", "messages"
             )
+        return render(self.chat_template, messages, add_generation_prompt, *self._bos_eos(), tools, extra)
+
+    def _bos_eos(self) -> tuple[str, str]:
+        """The templates' ``bos_token`` and ``eos_token`` (empty where the model has none)."""
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
-        return render(self.chat_template, messages, add_generation_prompt, bos, eos, tools, extra)
+        return bos, eos

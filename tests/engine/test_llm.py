@@ -190,3 +190,37 @@ def test_the_engine_seed_makes_unseeded_requests_repeat_in_a_fresh_engine(tiny_g
     assert a[0][0] != a[0][2] and a[1] != a[0][0]  # each request its own seed, the same prompt too
     assert c[0] != a[0] and d[0] != a[0]
     assert a[2] == c[2] == d[2] == LLM(path, dtype="float32").generate(prompts[:1], own)[0].outputs[0].token_ids
+
+
+def test_vllm_keywords_of_generate_and_chat(tiny_gguf, capsys):
+    """vLLM's `LLM.generate` / `LLM.chat` keywords: ``sampling_params=``, ``use_tqdm`` (a bar of
+    the prompts done), and on chat ``chat_template``, ``chat_template_kwargs``, ``tools``,
+    ``add_generation_prompt`` and ``continue_final_message`` (the answer goes on from the last
+    message: its prompt is the rendered text up to that message's content, as Hugging Face's
+    template renderer gives it)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.generate("the cat", greedy)[0].outputs[0].token_ids
+    assert llm.generate("the cat", sampling_params=greedy, use_tqdm=True)[0].outputs[0].token_ids == want
+    assert "Processed prompts: 100%" in capsys.readouterr().err
+    assert llm.generate("the cat", sampling_params=greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+
+    convo = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}"
+    prompt_of = lambda **kw: llm.chat(convo, greedy, chat_template=template, **kw)[0].prompt  # noqa: E731
+    assert prompt_of() == "<user>the cat</user><assistant>sat on</assistant><assistant>"
+    assert prompt_of(chat_template_kwargs={"shout": True}).endswith("<assistant>!")
+    assert prompt_of(add_generation_prompt=False, continue_final_message=True) == render_jinja_template(
+        [convo], chat_template=template, continue_final_message=True)[0][0] == "<user>the cat</user><assistant>sat on"
+    continued = llm.chat(convo, greedy, chat_template=template, add_generation_prompt=False,
+                         continue_final_message=True)[0].outputs[0].token_ids
+    assert continued == llm.generate("<user>the cat</user><assistant>sat on", greedy)[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequest, match="add_generation_prompt off"):
+        llm.chat(convo, greedy, chat_template=template, continue_final_message=True)
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    listed = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[0]['content'] }}"
+    assert llm.chat(convo[:1], greedy, chat_template=listed, tools=tools)[0].prompt == "[now]the cat"
+    assert llm.chat(convo[:1], greedy)[0].prompt.startswith("<|im_start|>")
