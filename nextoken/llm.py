@@ -23,6 +23,7 @@ from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOut
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
+from nextoken.tokenizer.hf_style import HFStyleTokenizer
 
 Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 
@@ -113,6 +114,12 @@ class LLM:
         self.close()
 
     # -- prompts ----------------------------------------------------------------------------
+    def get_tokenizer(self) -> HFStyleTokenizer:
+        """The model's tokenizer under `transformers`' names (vLLM's method): `encode`,
+        `decode`, ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``,
+        `eos_token_id`, ... (`tokenizer.hf_style.HFStyleTokenizer`)."""
+        return HFStyleTokenizer(self.tokenizer)
+
     def render_chat(self, messages: list[dict], system: str | None = None) -> str:
         """The prompt text for a conversation, from the model's chat template. `system`, when
         given, is put first as a system message."""

@@ -224,3 +224,26 @@ def test_vllm_keywords_of_generate_and_chat(tiny_gguf, capsys):
     listed = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[0]['content'] }}"
     assert llm.chat(convo[:1], greedy, chat_template=listed, tools=tools)[0].prompt == "[now]the cat"
     assert llm.chat(convo[:1], greedy)[0].prompt.startswith("<|im_start|>")
+
+
+def test_get_tokenizer_answers_as_the_transformers_tokenizer(fast):
+    """vLLM's ``llm.get_tokenizer()`` as scripts use it, against the ids and texts `transformers`'
+    tokenizer gave for the reference generations: chat prompts rendered as ids and as text (the
+    text then generated from, as such a script does), raw prompts encoded, answers decoded."""
+    tok = fast.get_tokenizer()
+    gens = load_reference("smollm2-135m-instruct")["generations"]
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    for g in gens:
+        if g["kind"] == "chat":
+            assert tok.apply_chat_template(g["prompt"], add_generation_prompt=True) == g["prompt_ids"]
+            text = tok.apply_chat_template(g["prompt"], tokenize=False, add_generation_prompt=True)
+            assert fast.generate(text, greedy)[0].prompt_token_ids == g["prompt_ids"]
+        else:
+            assert tok.encode(g["prompt"]) == tok(g["prompt"])["input_ids"] == g["prompt_ids"]
+        assert tok.decode(g["greedy_ids"], skip_special_tokens=True) == g["greedy_text"].replace("<|im_end|>", "")
+    ids = gens[0]["prompt_ids"]
+    assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(ids)) == ids
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(tok) == tok.vocab_size == fast.config.vocab_size
+    with pytest.raises(InvalidRequest, match="return_tensors"):
+        tok.apply_chat_template(gens[0]["prompt"], return_tensors="pt")
