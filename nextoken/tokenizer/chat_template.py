@@ -57,13 +57,19 @@ def chat_prompt(tokenizer, prompt: str | list[dict], system: str | None = None, 
         raise InvalidRequest("continue_final_message continues the last message: it needs add_generation_prompt "
                              "off", "continue_final_message")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, extra, template)
-    if not continue_final_message:
-        return text
-    final = messages[-1]["content"].strip()
+    return open_final_message(text, messages) if continue_final_message else text
+
+
+def open_final_message(text: str, messages: list[dict], where: str = "continue_final_message") -> str:
+    """`text` (the rendered `messages`, without a generation prompt) up to the end of the last
+    message's content, whitespace stripped: the last message left open, so that an answer goes
+    on from it (Hugging Face's ``continue_final_message`` rule). Raises `InvalidRequest` naming
+    `where` when the rendered text does not hold that content."""
+    final = (messages[-1]["content"] or "").strip()
     end = text.rfind(final) if final else -1
     if end < 0:
-        raise InvalidRequest("continue_final_message: the chat template does not render the last message's content "
-                             "as given", "continue_final_message")
+        raise InvalidRequest("the chat template does not render the last message's content as given, so it cannot "
+                             "be continued", where)
     return text[: end + len(final)]
 
 

@@ -138,3 +138,32 @@ def test_x_api_key_is_the_servers_key(srv):
     assert e.value.body["error"]["type"] == "authentication_error"
     assert httpx.post(f"{srv.url}/v1/chat/completions", headers={"x-api-key": "k3y"},
                       json={"max_tokens": 2, "messages": ASK}).status_code == 200
+
+
+def test_a_final_assistant_message_is_continued(srv):
+    """A prefill (the conversation ends with an assistant's text): the answer continues it, on
+    Anthropic's API and Ollama's, as /v1/completions continues the prompt that `transformers`'
+    renderer makes with ``continue_final_message``; an empty final assistant message is a new
+    turn, and trailing whitespace is refused as Anthropic refuses it."""
+    import ollama
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France"}]
+    text = render_jinja_template([prefill], chat_template=TEMPLATE.read_text(), continue_final_message=True)[0][0]
+    assert text.endswith("<|im_start|>assistant\nThe capital of France")
+    want = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": "Bearer k3y"}, json={
+        "model": "smollm2", "prompt": text, "max_tokens": 12, "temperature": 0}).json()
+    msg = client(srv).messages.create(model="smollm2", max_tokens=12, messages=prefill, extra_body=GREEDY)
+    assert msg.content[0].text == want["choices"][0]["text"] and msg.usage.input_tokens == want["usage"]["prompt_tokens"]
+    o = ollama.Client(host=srv.url, headers={"Authorization": "Bearer k3y"}).chat(
+        model="smollm2", messages=prefill, options={"temperature": 0, "num_predict": 12})
+    assert o.message.content == want["choices"][0]["text"]
+    empty = client(srv).messages.create(model="smollm2", max_tokens=12, messages=[*ASK, {"role": "assistant",
+                                                                                       "content": ""}], extra_body=GREEDY)
+    assert empty.content[0].text == client(srv).messages.create(model="smollm2", max_tokens=12, messages=ASK,
+                                                                extra_body=GREEDY).content[0].text
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        client(srv).messages.create(model="smollm2", max_tokens=4, messages=[*ASK, {"role": "assistant",
+                                                                                   "content": "The capital "}])

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from nextoken.errors import InvalidRequest
 from nextoken import sampling_defaults
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
-from nextoken.server.chat.core import ChatSpec, prepare, render
+from nextoken.server.chat.core import ChatSpec, prefilled, prepare, render
 from nextoken.server.anthropic.render import MessageRenderer, blocks, event, message, stop_reason
 from nextoken.server.chat.events import Failed, Finish
 from nextoken.server.chat.run import run
@@ -74,11 +75,16 @@ def to_spec(body, conversation: list[dict] | None = None, mcp_tools: list[dict] 
         sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                     "stop": body.stop_sequences}
     messages = conversation if conversation is not None else to_chat_messages(body.system, body.messages)
+    messages, prefill = prefilled(messages)  # a final assistant message: the answer continues it
+    if prefill and messages[-1]["content"] != messages[-1]["content"].rstrip():
+        raise InvalidRequest("final assistant content cannot end with trailing whitespace",
+                             f"messages[{len(body.messages) - 1}].content")
     user = body.metadata.user_id if getattr(body, "metadata", None) is not None else None
     return ChatSpec(messages, tools or None, choice,
                     not (tc is not None and tc.disable_parallel_tool_use), None, sampling,
                     getattr(body, "max_tokens", None), priority=getattr(body, "priority", 0),
-                    client=f"user:{user}" if user else "", unset=sampling_defaults.unset(body.model_fields_set))
+                    client=f"user:{user}" if user else "", unset=sampling_defaults.unset(body.model_fields_set),
+                    continue_final=prefill)
 
 
 # -- serving ------------------------------------------------------------------------------------

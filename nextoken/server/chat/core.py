@@ -51,7 +51,9 @@ class ChatSpec:
     priority (lower first; `RequestOptions.priority`); client: who sent it, for the fair policy
     (the request's ``user``; empty: the caller's API key, `serving.client_of`); unset: the
     sampling fields the request left to their defaults, which take the model's where it has
-    some (`nextoken.sampling_defaults`; all of them by default)."""
+    some (`nextoken.sampling_defaults`; all of them by default); continue_final: the last
+    message is an assistant's prefill, which the answer continues (Anthropic's and Ollama's
+    rule) instead of a new turn."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -67,6 +69,7 @@ class ChatSpec:
     priority: int = 0
     client: str = ""
     unset: frozenset[str] = frozenset(SAMPLING_FIELDS)
+    continue_final: bool = False
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -128,6 +131,19 @@ def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:
     return InvalidRequest(f"{name}: {exc}", name)
 
 
+def prefilled(messages: list[dict]) -> tuple[list[dict], bool]:
+    """Anthropic's and Ollama's rule for a conversation that ends with an assistant message
+    without tool calls (a prefill): the answer goes on from it. ``(messages, continue_final)``
+    for `ChatSpec`; a final assistant message with no text is dropped (the answer is a new
+    turn, as without it)."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant" or last.get("tool_calls"):
+        return messages, False
+    if not (last.get("content") or "").strip():
+        return messages[:-1], False
+    return messages, True
+
+
 def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, StructuredOutputsParams | None]:
     """(the prompt's token ids, the template's tools or None, the grammar forcing a call or
     None) of `spec` with tokenizer `tok`; raises `InvalidRequest` as `prepare` does."""
@@ -135,7 +151,8 @@ def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, Structure
     if spec.prompt_ids is not None:
         return spec.prompt_ids, None, None
     tools, forced = _tool_setup(spec, tok)
-    return prompts.encode_chat(tok, tools_mod.messages_for_template(spec.messages), tools, spec.template_kwargs), tools, forced
+    messages = tools_mod.messages_for_template(spec.messages)
+    return prompts.encode_chat(tok, messages, tools, spec.template_kwargs, spec.continue_final), tools, forced
 
 
 def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:

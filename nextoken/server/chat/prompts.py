@@ -5,18 +5,25 @@ a request that sets none (`default_max_tokens`)."""
 from __future__ import annotations
 
 from nextoken.errors import InvalidRequest
+from nextoken.tokenizer.chat_template import open_final_message
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
     """Render `messages` with the chat template and tokenize, keeping any special-token text the
     user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
+    `continue_final`: the last message (an assistant's prefill) is left open for the answer to
+    go on from, in place of a generation prompt (`chat_template.open_final_message`).
 
     The template's own text is tokenized with special tokens parsed; each message's content,
     located in the rendered text in order, is tokenized without."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra=template_kwargs)
-    specials = tokenizer.special_texts
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not continue_final, tools=tools,
+                                         extra=template_kwargs)
     contents = [m["content"] or "" for m in messages]
+    if continue_final:
+        text = open_final_message(text, messages, f"messages[{len(messages) - 1}].content")
+        contents[-1] = contents[-1].strip()
+    specials = tokenizer.special_texts
     if not any(s in c for c in contents for s in specials):
         return tokenizer.encode(text)
     ids, pos = [], 0

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from nextoken import sampling_defaults
 from nextoken.errors import InvalidRequest
 from nextoken.server.chat import tools as tools_mod
-from nextoken.server.chat.core import ChatSpec, Prepared, prepare
+from nextoken.server.chat.core import ChatSpec, Prepared, prefilled, prepare
 from nextoken.server.chat.events import Failed, Finish, Text, Thought
 from nextoken.server.chat.run import run
 from nextoken.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ShowRequest
@@ -66,12 +66,14 @@ def to_spec(body, messages: list[dict] | None = None) -> ChatSpec:
         raise InvalidRequest(f"options.num_predict must be a positive integer or -1 (got {max_tokens!r})",
                              "options.num_predict")
     tools = getattr(body, "tools", None)
-    return ChatSpec([_chat_message(m) for m in body.messages] if messages is None else messages,
+    messages, prefill = prefilled([_chat_message(m) for m in body.messages] if messages is None else messages)
+    return ChatSpec(messages,
                     [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                     None, True, constraint(body.format), sampling, max_tokens,
                     fields={"max_tokens": "options.num_predict", "constraint": "format", "sampling": "options",
                             "priority": "options.priority"},
-                    priority=(body.options or {}).get("priority", 0), unset=sampling_defaults.unset(sampling))
+                    priority=(body.options or {}).get("priority", 0), unset=sampling_defaults.unset(sampling),
+                    continue_final=prefill)
 
 
 def _now() -> str:
