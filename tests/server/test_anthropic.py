@@ -142,9 +142,10 @@ def test_x_api_key_is_the_servers_key(srv):
 
 def test_a_final_assistant_message_is_continued(srv):
     """A prefill (the conversation ends with an assistant's text): the answer continues it, on
-    Anthropic's API and Ollama's, as /v1/completions continues the prompt that `transformers`'
-    renderer makes with ``continue_final_message``; an empty final assistant message is a new
-    turn, and trailing whitespace is refused as Anthropic refuses it."""
+    Anthropic's API and Ollama's, and on OpenAI chat with vLLM's ``continue_final_message``, as
+    /v1/completions continues the prompt that `transformers`' renderer makes with
+    ``continue_final_message``; an empty final assistant message is a new turn, and trailing
+    whitespace is refused as Anthropic refuses it."""
     import ollama
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -158,6 +159,10 @@ def test_a_final_assistant_message_is_continued(srv):
     o = ollama.Client(host=srv.url, headers={"Authorization": "Bearer k3y"}).chat(
         model="smollm2", messages=prefill, options={"temperature": 0, "num_predict": 12})
     assert o.message.content == want["choices"][0]["text"]
+    chat = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": "Bearer k3y"}, json={
+        "model": "smollm2", "messages": prefill, "max_tokens": 12, "temperature": 0, "continue_final_message": True,
+        "add_generation_prompt": False}).json()
+    assert chat["choices"][0]["message"]["content"] == want["choices"][0]["text"]
     empty = client(srv).messages.create(model="smollm2", max_tokens=12, messages=[*ASK, {"role": "assistant",
                                                                                        "content": ""}], extra_body=GREEDY)
     assert empty.content[0].text == client(srv).messages.create(model="smollm2", max_tokens=12, messages=ASK,

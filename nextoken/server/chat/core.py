@@ -53,7 +53,8 @@ class ChatSpec:
     sampling fields the request left to their defaults, which take the model's where it has
     some (`nextoken.sampling_defaults`; all of them by default); continue_final: the last
     message is an assistant's prefill, which the answer continues (Anthropic's and Ollama's
-    rule) instead of a new turn."""
+    rule) instead of a new turn; add_generation_prompt: the template's opening of the answer's
+    turn (vLLM's switch; off with continue_final)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -70,6 +71,7 @@ class ChatSpec:
     client: str = ""
     unset: frozenset[str] = frozenset(SAMPLING_FIELDS)
     continue_final: bool = False
+    add_generation_prompt: bool = True
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -152,7 +154,9 @@ def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, Structure
         return spec.prompt_ids, None, None
     tools, forced = _tool_setup(spec, tok)
     messages = tools_mod.messages_for_template(spec.messages)
-    return prompts.encode_chat(tok, messages, tools, spec.template_kwargs, spec.continue_final), tools, forced
+    ids = prompts.encode_chat(tok, messages, tools, spec.template_kwargs, spec.continue_final,
+                              spec.add_generation_prompt and not spec.continue_final)
+    return ids, tools, forced
 
 
 def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutputsParams | None]:

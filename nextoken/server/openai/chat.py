@@ -9,6 +9,7 @@ import time
 from fastapi import Request
 
 from nextoken import sampling_defaults
+from nextoken.errors import InvalidRequest
 from nextoken.server.openai import render as R
 from nextoken.server.chat.core import ChatSpec, prepare
 from nextoken.server.chat.run import result, run
@@ -40,6 +41,9 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
     """The request as the chat core's `ChatSpec` (the rules table has checked its cross-field rules)."""
     choice = body.tool_choice
     used = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidRequest("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "false", "continue_final_message")
     return ChatSpec([m.template_dict() for m in body.messages],
                     [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                     choice.function.name if isinstance(choice, NamedToolChoice) else choice,
@@ -49,4 +53,5 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     {"max_tokens": used, "constraint": "response_format"},
                     {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
                     priority=body.priority, client=f"user:{body.user}" if body.user else "",
-                    unset=sampling_defaults.unset(body.model_fields_set))
+                    unset=sampling_defaults.unset(body.model_fields_set), continue_final=body.continue_final_message,
+                    add_generation_prompt=body.add_generation_prompt)

@@ -17,6 +17,7 @@ from itertools import combinations
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from nextoken import sampling_defaults
@@ -355,8 +356,7 @@ PUBLISHED_CHAT = {
 }
 
 ROUTER_CHAT_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
-                      "continue_final_message": False, "include_reasoning": True, "separate_reasoning": True,
-                      "stream_reasoning": True}
+                      "include_reasoning": True, "separate_reasoning": True, "stream_reasoning": True}
 
 
 CHAT_FIELDS = ChatFields(FORCING_CHOICE, constraints=tuple(CONSTRAINTS))  # the chat rules in chat's names
@@ -375,6 +375,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. enable_thinking
+    # vLLM's prefill switches: the answer continues the last (assistant) message. Left out of the
+    # published schema, as the router's fields are (`_router_fields`)
+    add_generation_prompt: SkipJsonSchema[bool] = True
+    continue_final_message: SkipJsonSchema[bool] = False
 
     @model_validator(mode="before")
     @classmethod
