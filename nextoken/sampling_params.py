@@ -41,6 +41,12 @@ class SamplingParams:
     """Subtract this times the count of each token in the output from its logit. In [-2, 2]."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit before sampling (values in [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens can be generated (vLLM's): every other logit is -inf."""
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM's rule): each word's tokens, as it reads alone and after a
+    space, are never completed: the last token of a word whose other tokens end the output so
+    far is blocked (a one-token word always). The engine tokenizes them (`bad_words_token_ids`)."""
     seed: int | None = field(default=None, metadata=QUICK_START)
     """Seed of this request's random stream: the same seed gives the same text."""
     max_tokens: int = field(default=256, metadata=QUICK_START)
@@ -72,6 +78,8 @@ class SamplingParams:
     watermark: bool = False
     """Watermark the output (Kirchenbauer et al. 2023; TGI's rule, see `nextoken.sample.watermark`):
     the engine's gamma of the vocabulary, chosen from the previous token, gets +delta."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    """`bad_words` as token id sequences, set by the engine when the request is added."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -111,6 +119,14 @@ class SamplingParams:
             raise InvalidRequest("stop must be a list of non-empty strings", "stop")
         for tid in self.stop_token_ids:
             _token_id(tid, "stop_token_ids", vocab_size)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise InvalidRequest("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+            for tid in self.allowed_token_ids:
+                _token_id(tid, "allowed_token_ids", vocab_size)
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or
+                                           not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise InvalidRequest("bad_words must be a list of words (non-empty strings)", "bad_words")
         for tid, bias in (self.logit_bias or {}).items():
             _token_id(tid, "logit_bias", vocab_size)
             if not _is_num(bias) or not -100 <= bias <= 100:

@@ -40,7 +40,8 @@ from nextoken.engine.request import Request, RequestStatus, make_sequences
 from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
-from nextoken.engine.validation import check_priority, check_request, encode_prompt, read_template, resolve_lora
+from nextoken.engine.validation import (bad_words_token_ids, check_priority, check_request, encode_prompt, read_template,
+                                       resolve_lora)
 from nextoken import sampling_defaults
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
@@ -176,6 +177,8 @@ class LLMEngine:
         ids = self.encode_prompt(prompt, params, o.truncate_prompt)
         if params.seed is None and self._seeds is not None:  # --seed: the next of the engine's seeds
             params = dataclasses.replace(params, seed=self._seeds.next_u64() >> 1)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")

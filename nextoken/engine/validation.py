@@ -37,6 +37,20 @@ def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | 
     return ids
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token id sequences of `words` (`SamplingParams.bad_words`), vLLM's rule: each word as
+    it reads alone (leading spaces dropped), and after a space where that is another first token
+    but as many tokens (a word mid-sentence); no BOS."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_bos=False, parse_special=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_bos=False, parse_special=False)
+        for ids in (alone, spaced):
+            if ids and ids not in out and (ids is alone or (ids[0] != alone[0] and len(ids) == len(alone))):
+                out.append(ids)
+    return out
+
+
 def check_request(kv, num_prompt: int, params: SamplingParams, traced: bool, tensor_parallel: bool) -> None:
     """Raises `InvalidRequest` when the request could never fit in the KV cache manager `kv`
     (its prompt plus max_tokens), or when a traced request asks for n > 1 or runs under tensor

@@ -1,8 +1,9 @@
 """Per-request edits of the logits before sampling, on a batch of rows at once: the min_tokens
-block, logit bias, repetition / presence / frequency penalties, and the watermark.
+block, the allowed tokens and bad words, logit bias, repetition / presence / frequency penalties,
+and the watermark.
 
-Order (as in vLLM): min_tokens block -> logit bias -> repetition -> presence/frequency penalties,
-then the watermark's green-list bias (`watermark.py`). `process_rows` edits rows of a tensor the
+Order (as in vLLM): min_tokens block and bad words -> allowed tokens -> logit bias -> repetition
+-> presence/frequency penalties, then the watermark's green-list bias (`watermark.py`). `process_rows` edits rows of a tensor the
 caller owns, in place; each edit is one sparse operation over every row that asks for it (the
 penalties touch only the tokens a request has seen, never the whole vocabulary).
 `process_logits` is the same for one row, on a copy.
@@ -24,12 +25,25 @@ LOGIT_LIMIT = 1e30  # finite even after the smallest temperature (1e-5) in float
 def has_processors(p: SamplingParams) -> bool:
     """Whether any edit can apply to a row of `p` (min_tokens counts while it is above 0)."""
     return bool(p.min_tokens or p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty or p.watermark)
+                or p.frequency_penalty or p.watermark or has_masks(p))
 
 
 def needs_edits(p: SamplingParams, num_output: int) -> bool:
     """Whether an edit applies to a row of `p` with `num_output` output tokens so far."""
-    return num_output < p.min_tokens or bool(p.logit_bias) or has_penalties(p) or p.watermark
+    return num_output < p.min_tokens or bool(p.logit_bias) or has_penalties(p) or p.watermark or has_masks(p)
+
+
+def has_masks(p: SamplingParams) -> bool:
+    """Whether `p` restricts the tokens (allowed_token_ids, bad_words)."""
+    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+
+
+def bad_word_blocks(words: list[list[int]], history: list[int]) -> list[int]:
+    """The tokens that would complete one of the bad `words` (token id sequences) after
+    `history` (the output so far): a one-token word's token, and the last token of a word whose
+    other tokens end `history` (vLLM's rule)."""
+    return [w[-1] for w in words if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:]
+                                                   == w[:-1])]
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -124,8 +138,16 @@ def process_rows(work: torch.Tensor, rows: list[RowEdits], eog_ids: frozenset[in
     flat = work.view(-1)
     blocked = [j * V + i for j, r in enumerate(rows) if len(r.output_ids) + len(r.ahead) < r.params.min_tokens
                for i in (*eog_ids, *r.params.stop_token_ids) if i < V]
+    blocked += [j * V + t for j, r in enumerate(rows) if r.params.bad_words_token_ids
+                for t in bad_word_blocks(r.params.bad_words_token_ids, r.output_ids + r.ahead)]
     if blocked:
         flat[torch.tensor(blocked, dtype=torch.long, device=dev)] = float("-inf")
+    for j, r in enumerate(rows):
+        if r.params.allowed_token_ids is not None:
+            keep = torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=dev)
+            kept = work[j, keep].clone()
+            work[j] = float("-inf")
+            work[j, keep] = kept
     bias = [(j * V + t, v) for j, r in enumerate(rows) if r.params.logit_bias for t, v in r.params.logit_bias.items()]
     if bias:
         idx = torch.tensor([i for i, _ in bias], dtype=torch.long, device=dev)

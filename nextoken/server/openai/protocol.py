@@ -145,6 +145,10 @@ class _Sampling(Body):
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = None
+    # vLLM's token restrictions, left out of the published schema (chat's is at the limit of what
+    # schemathesis can build cases for: `ChatCompletionRequest._router_fields`)
+    allowed_token_ids: SkipJsonSchema[list[TokenId] | None] = None
+    bad_words: SkipJsonSchema[list[NonEmptyStr] | None] = None
     seed: int | None = Field(None, ge=-SEED_LIMIT, le=SEED_LIMIT)
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -225,7 +229,7 @@ class _Sampling(Body):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             **self.detokenize_options(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            watermark=self.watermark)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, watermark=self.watermark)
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
