@@ -78,7 +78,7 @@ class SamplingParams:
     watermark: bool = False
     """Watermark the output (Kirchenbauer et al. 2023; TGI's rule, see `nextoken.sample.watermark`):
     the engine's gamma of the vocabulary, chosen from the previous token, gets +delta."""
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
     """`bad_words` as token id sequences, set by the engine when the request is added."""
 
     def __post_init__(self):

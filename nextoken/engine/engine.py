@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from nextoken import sampling_defaults
 from nextoken.config import SchedulerConfig
 from nextoken.engine.beam_groups import BeamGroups
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
@@ -42,7 +43,6 @@ from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
 from nextoken.engine.validation import (bad_words_token_ids, check_priority, check_request, encode_prompt, read_template,
                                        resolve_lora)
-from nextoken import sampling_defaults
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest
 from nextoken.kv_cache.budget import allocate_kv_cache

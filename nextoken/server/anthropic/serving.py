@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from nextoken.errors import InvalidRequest
 from nextoken import sampling_defaults
+from nextoken.errors import InvalidRequest
 from nextoken.server.anthropic import mcp as connector
 from nextoken.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest
 from nextoken.server.chat.core import ChatSpec, prefilled, prepare, render
