@@ -128,8 +128,16 @@ class EmbeddingModel:
     def dimension(self) -> int:
         return self.encoder.config.hidden_size
 
-    def tokenize(self, inputs: list[str | list[int]], truncate: bool = False) -> list[list[int]]:
-        """Token ids of each input (strings encoded with special tokens; id lists as given)."""
+    def tokenize(self, inputs: list[str | list[int]], truncate: bool | int = False) -> list[list[int]]:
+        """Token ids of each input (strings encoded with special tokens; id lists as given).
+        `truncate`: False, an input longer than the model takes is refused; True or -1, it is cut
+        to that length; a number k >= 1, every input is cut to at most k tokens (vLLM's
+        ``truncate_prompt_tokens``; a text keeps its final separator). Raises `InvalidRequest`."""
+        if not isinstance(truncate, bool) and (not isinstance(truncate, int) or truncate == 0 or truncate < -1):
+            raise InvalidRequest(f"truncate_prompt_tokens must be -1 (the model's length) or >= 1, got {truncate!r}",
+                                 "truncate_prompt_tokens")
+        limit = self.max_seq_length if truncate is True or truncate == -1 or truncate is False \
+            else min(truncate, self.max_seq_length)
         out = []
         for i, x in enumerate(inputs):
             if isinstance(x, str):
@@ -144,15 +152,16 @@ class EmbeddingModel:
                 if bad:
                     raise InvalidRequest(f"input[{i}] holds token id {bad[0]!r}, outside the vocabulary "
                                          f"(0..{self.encoder.config.vocab_size - 1})", "input")
-            if len(ids) > self.max_seq_length:
-                if not truncate:
+            if len(ids) > limit:
+                if truncate is False:
                     raise InvalidRequest(f"input[{i}] has {len(ids)} tokens; this model takes at most "
                                          f"{self.max_seq_length} (set truncate_prompt_tokens to cut it)", "input")
-                ids = ids[: self.max_seq_length - 1] + ids[-1:] if isinstance(x, str) else ids[: self.max_seq_length]
+                ids = ids[: limit - 1] + ids[-1:] if isinstance(x, str) and limit > 1 else ids[:limit]
             out.append(ids)
         return out
 
-    def embed(self, inputs: list[str | list[int]], truncate: bool = False, dimensions: int | None = None) -> Embeddings:
+    def embed(self, inputs: list[str | list[int]], truncate: bool | int = False,
+              dimensions: int | None = None) -> Embeddings:
         """One vector per input (see the module docstring)."""
         if not inputs:
             raise InvalidRequest("input is empty: give a string, a list of strings or token ids", "input")

@@ -88,11 +88,15 @@ class LLM:
 
     # -- embeddings -------------------------------------------------------------------------
     def embed(self, inputs: str | list[int] | Sequence[str | list[int]], truncate: bool = False,
-              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per input (a text, or token ids used as given), with an embedding model
-        (``LLM("all-minilm-l6-v2")``: `nextoken.embedding`). Raises `InvalidRequest` for an
-        empty input, one longer than the model takes (unless `truncate`), `dimensions` the model
-        cannot give, or a model that generates text."""
+        (``LLM("all-minilm-l6-v2")``: `nextoken.embedding`). `truncate`: cut an input longer than
+        the model takes; `truncate_prompt_tokens` (vLLM's): cut each to at most that many tokens
+        (-1: the model's length). Raises `InvalidRequest` for an empty input, one longer than the
+        model takes (unless cut), `dimensions` the model cannot give, or a model that generates
+        text."""
+        if truncate_prompt_tokens is not None:
+            truncate = truncate_prompt_tokens
         if self.embedder is None:
             raise InvalidRequest(f"model {self.model_name!r} generates text; embeddings need an embedding model "
                                  "(e.g. LLM('all-minilm-l6-v2'))", "model")

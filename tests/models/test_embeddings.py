@@ -224,6 +224,12 @@ def test_bad_inputs_are_named(minilm, smollm2_llm):
     with pytest.raises(InvalidRequest, match="256"):
         minilm.embed("word " * 400)
     assert len(minilm.embed("word " * 400, truncate=True)[0].prompt_token_ids) == 256
+    full = minilm.embed("the cat sat on the mat by the door")[0].prompt_token_ids
+    cut = minilm.embed("the cat sat on the mat by the door", truncate_prompt_tokens=6)[0]
+    assert cut.prompt_token_ids == full[:5] + full[-1:]  # ([CLS] and four words, then [SEP], as vLLM cuts)
+    assert np.allclose(cut.outputs.embedding, minilm.embed(full[:5] + full[-1:])[0].outputs.embedding, atol=1e-6)
+    with pytest.raises(InvalidRequest, match="truncate_prompt_tokens"):
+        minilm.embed("x", truncate_prompt_tokens=0)
     with pytest.raises(InvalidRequest, match="matryoshka") as e:
         minilm.embed("x", dimensions=128)
     assert e.value.field == "dimensions"
@@ -287,8 +293,9 @@ def test_embeddings_over_http_take_every_input_form_and_refuse_bad_ones(embed_se
                         ({"input": "x", "dimensions": 64}, "dimensions"), ({"input": "x", "model": "other"}, "model")):
         r = httpx.post(url + "/v1/embeddings", json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
-    r = httpx.post(url + "/v1/embeddings", json={"input": "x " * 400, "truncate_prompt_tokens": 256})
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
+    for k, n in ((256, 256), (-1, 256), (12, 12)):  # (-1: the model's length)
+        r = httpx.post(url + "/v1/embeddings", json={"input": "x " * 400, "truncate_prompt_tokens": k})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n, (k, r.text)
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
 

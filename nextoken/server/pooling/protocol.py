@@ -16,7 +16,8 @@ class EmbeddingRequest(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: cut inputs longer than the model takes
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: cut each input to this many tokens
+    # (-1: the model's length; 0 is refused)
 
 
 class ScoreRequest(Body):

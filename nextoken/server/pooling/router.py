@@ -46,7 +46,10 @@ async def embeddings(body: EmbeddingRequest, request: Request):
         raise InvalidRequest("input is empty: give a string, a list of strings or token ids", "input")
     if body.dimensions is not None:  # refused before any pass for a model that cannot cut its vectors
         service.model.check_dimensions(body.dimensions)
-    out = await service.embed(inputs, truncate=body.truncate_prompt_tokens is not None)
+    truncate = False if body.truncate_prompt_tokens is None else body.truncate_prompt_tokens
+    if truncate is not False:
+        service.model.tokenize(["x"], truncate)  # (a bad value refused before any pass)
+    out = await service.embed(inputs, truncate=truncate)
     vectors = service.model.cut(out.vectors, body.dimensions).numpy()
     n = sum(out.num_tokens)
     return {"object": "list", "model": model_name(request),
