@@ -69,6 +69,9 @@ class SamplingParams:
     """Return the log-probability of every prompt token given the ones before it, and of the
     `prompt_logprobs` most likely tokens there (0 to 20; vLLM's name). The prompt is then
     computed in full (no prefix cache). `RequestOutput.prompt_logprobs`, first entry None."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (vLLM's left truncation; -1: as many as the context
+    length holds)."""
     skip_special_tokens: bool = field(default=True, metadata=QUICK_START)
     """Leave special (control) tokens out of the returned text."""
     structured_outputs: StructuredOutputsParams | None = None
@@ -119,6 +122,8 @@ class SamplingParams:
             raise InvalidRequest("stop must be a list of non-empty strings", "stop")
         for tid in self.stop_token_ids:
             _token_id(tid, "stop_token_ids", vocab_size)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _int(self, "truncate_prompt_tokens", 1, None)
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise InvalidRequest("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")

@@ -14,7 +14,8 @@ def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | 
 
     Raises `InvalidRequest` when the prompt is empty, holds ids outside the vocabulary, or when
     prompt tokens plus max_tokens exceed `max_model_len` (naming both numbers) and `truncate` is
-    False; with `truncate` the oldest prompt tokens are dropped instead."""
+    False; with `truncate` the oldest prompt tokens are dropped instead. The params'
+    `truncate_prompt_tokens` keeps the last k tokens first."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -26,6 +27,9 @@ def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | 
         raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
     if not ids:
         raise InvalidRequest("prompt is empty", "prompt")
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        ids = ids[-(max_model_len if keep == -1 else keep):]
     ctx = max_model_len
     if len(ids) + params.max_tokens > ctx:
         if not truncate or params.max_tokens >= ctx:

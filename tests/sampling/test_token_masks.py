@@ -98,3 +98,30 @@ def test_the_openai_routes_take_them(tiny):
         assert text[0] not in banned.choices[0].message.content
     finally:
         srv.stop()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
+    """vLLM's ``truncate_prompt_tokens``: the request runs on the last k prompt tokens (the same
+    answer as those tokens given alone), -1 keeps what the context holds; through the API too."""
+    from tests.helpers.server import LiveServer
+
+    llm, _ = tiny
+    long = list(range(3, 203))
+    greedy = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=10))[0]
+    assert out.prompt_token_ids == long[-10:]
+    assert out.outputs[0].token_ids == llm.generate(long[-10:], SamplingParams(**greedy))[0].outputs[0].token_ids
+    whole = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1)  # (then the context check)
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        llm.generate(long * 2, whole)
+    assert llm.generate(long * 2, SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=255))[0] \
+        .prompt_token_ids == (long * 2)[-255:]
+    with pytest.raises(InvalidRequest, match="truncate_prompt_tokens"):
+        llm.generate(long, SamplingParams(truncate_prompt_tokens=0))
+    srv = LiveServer(llm, "tiny")
+    try:
+        r = srv.client().completions.create(model="tiny", prompt=long, max_tokens=5, temperature=0,
+                                            extra_body={"truncate_prompt_tokens": 10, "ignore_eos": True})
+        assert r.usage.prompt_tokens == 10 and r.choices[0].text == out.outputs[0].text
+    finally:
+        srv.stop()

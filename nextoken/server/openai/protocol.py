@@ -149,6 +149,7 @@ class _Sampling(Body):
     # schemathesis can build cases for: `ChatCompletionRequest._router_fields`)
     allowed_token_ids: SkipJsonSchema[list[TokenId] | None] = None
     bad_words: SkipJsonSchema[list[NonEmptyStr] | None] = None
+    truncate_prompt_tokens: SkipJsonSchema[int | None] = None  # (vLLM's: the last k prompt tokens; -1: the context)
     seed: int | None = Field(None, ge=-SEED_LIMIT, le=SEED_LIMIT)
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -229,7 +230,8 @@ class _Sampling(Body):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             **self.detokenize_options(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, watermark=self.watermark)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, watermark=self.watermark)
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
