@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Sequence
 
 from nextoken.beam import BeamSearchOutput, beam_search
@@ -19,7 +20,7 @@ from nextoken.engine.engine import LLMEngine
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.loader.opened import OpenedModel
-from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, with_vllm_logprobs
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
@@ -243,11 +244,15 @@ class LLM:
                 engine.abort_request(rid)
             raise
         if not use_tqdm:
-            return engine.run_until_finished(ids)
-        from tqdm import tqdm
+            outs = engine.run_until_finished(ids)
+        else:
+            from tqdm import tqdm
 
-        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True) as bar:
-            return engine.run_until_finished(ids, on_finished=lambda out: bar.update())
+            with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True) as bar:
+                outs = engine.run_until_finished(ids, on_finished=lambda out: bar.update())
+        text = functools.lru_cache(maxsize=None)(self.tokenizer.token_text)
+        return [with_vllm_logprobs(o, sp.logprobs, sp.prompt_logprobs, text)
+                if sp.logprobs is not None or sp.prompt_logprobs is not None else o for o, sp in zip(outs, params)]
 
 
 def _plain_prompt(p):

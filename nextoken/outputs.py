@@ -9,6 +9,49 @@ import math
 from dataclasses import dataclass, field, fields
 
 
+class Logprob(float):
+    """A log-probability that reads as vLLM's ``Logprob`` (`logprob`, `rank`, `decoded_token`)
+    and is the float itself: `LLM`'s outputs hold these in their logprobs dicts, so a vLLM
+    script's ``lp.logprob`` and a float's arithmetic both work. `rank`: 1-based place among the
+    position's candidates by probability (None where not known: a chosen token outside the top
+    list asked for); `decoded_token`: the token's text (`with_vllm_logprobs`)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, value: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, value)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+def vllm_step(step: dict[int, float], top: int, text) -> dict[int, Logprob]:
+    """One position's ``{token: logprob}`` (the chosen token first, then the `top` most likely,
+    as the engine records them) as `Logprob`s; `text`: a token id's text."""
+    keys = list(step)
+    ranked = keys if len(keys) == top else keys[1:]  # (the chosen token is among the top ones, or before them)
+    rank = {t: i + 1 for i, t in enumerate(sorted(ranked, key=lambda t: -step[t]))}
+    return {t: Logprob(v, rank.get(t), text(t)) for t, v in step.items()}
+
+
+def with_vllm_logprobs(out: "RequestOutput", logprobs: int | None, prompt_logprobs: int | None,
+                       text) -> "RequestOutput":
+    """`out` with its logprobs dicts (of each completion, and of the prompt) as `Logprob`s
+    (`vllm_step`; `logprobs`, `prompt_logprobs`: how many alternatives were asked for); in place."""
+    for c in out.outputs:
+        if c.logprobs is not None:
+            c.logprobs = [vllm_step(s, logprobs, text) for s in c.logprobs]
+    if out.prompt_logprobs is not None:
+        out.prompt_logprobs = [None if s is None else vllm_step(s, prompt_logprobs, text) for s in out.prompt_logprobs]
+    return out
+
+
 @dataclass
 class CompletionOutput:
     """One completion of a prompt.

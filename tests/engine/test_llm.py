@@ -247,3 +247,21 @@ def test_get_tokenizer_answers_as_the_transformers_tokenizer(fast):
     assert len(tok) == tok.vocab_size == fast.config.vocab_size
     with pytest.raises(InvalidRequest, match="return_tensors"):
         tok.apply_chat_template(gens[0]["prompt"], return_tensors="pt")
+
+
+def test_logprobs_read_as_vllms(fast):
+    """`LLM`'s logprobs dicts hold vLLM's ``Logprob`` (``.logprob``, ``.rank``,
+    ``.decoded_token``), each still the float itself: the chosen token's log-probability, the
+    alternatives ranked 1..k by probability, their text the tokenizer's."""
+    out = fast.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                                  prompt_logprobs=2))[0]
+    c = out.outputs[0]
+    assert sum(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)) == pytest.approx(c.cumulative_logprob)
+    for step, t in zip(c.logprobs, c.token_ids):
+        assert step[t].rank == 1 and step[t].decoded_token == fast.tokenizer.token_text(t)  # (greedy: the best)
+        others = sorted((v for v in step.values()), key=lambda v: v.rank)
+        assert [v.rank for v in others] == [1, 2, 3] and others == sorted(step.values(), reverse=True)
+        assert isinstance(step[t], float) and step[t] - float(step[t]) == 0
+    assert out.prompt_logprobs[0] is None
+    for p, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert step[p].decoded_token == fast.tokenizer.token_text(p) and step[p].rank in (1, 2, None)
