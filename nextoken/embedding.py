@@ -214,6 +214,19 @@ class EmbeddingModel:
         return out.cpu()
 
 
+def score_pairs(a: list, b: list, field: str = "text_1", other: str = "text_2") -> None:
+    """Check the two sides of a score request (vLLM's rule): one text against any number, or
+    as many as the other side. Raises `InvalidRequest` naming `field`."""
+    if not a or not b or (len(a) != 1 and len(a) != len(b)):
+        raise InvalidRequest(f"{field} must be one text or as many texts as {other}", field)
+
+
+def cosine_scores(va: torch.Tensor, vb: torch.Tensor) -> list[float]:
+    """The cosine similarity of `va` ``[1 or N, D]`` with each row of `vb` ``[N, D]``: one
+    against many, or pair by pair (`score_pairs`)."""
+    return torch.nn.functional.cosine_similarity(va.expand(len(vb), -1) if len(va) == 1 else va, vb, dim=-1).tolist()
+
+
 def _plan_device(device: torch.device | None) -> Device:
     return CPU if device is None or device.type == "cpu" else Device(device, str(device), "asked for")
 

@@ -20,7 +20,8 @@ from nextoken.engine.engine import LLMEngine
 from nextoken.engine_args import EngineArgs
 from nextoken.errors import InvalidRequest, RequestFailed
 from nextoken.loader.opened import OpenedModel
-from nextoken.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, with_vllm_logprobs
+from nextoken.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+                              with_vllm_logprobs)
 from nextoken.request_options import RequestOptions
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat_template import chat_prompt
@@ -105,6 +106,26 @@ class LLM:
         out = self.embedder.embed(batch, truncate, dimensions)
         return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(v.tolist()))
                 for i, (ids, v) in enumerate(zip(out.token_ids, out.vectors))]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's: how close each text of `data_2` is to `data_1` (one text against them all, or
+        pair by pair for as many), as the cosine similarity of the embedding model's vectors
+        (`embedding.cosine_scores`; the server's ``/v1/score``). Raises `InvalidRequest` as
+        `embed` does, and for sides of different lengths."""
+        from nextoken.embedding import cosine_scores, score_pairs
+
+        if self.embedder is None:
+            raise InvalidRequest(f"model {self.model_name!r} generates text; scores need an embedding model "
+                                 "(e.g. LLM('all-minilm-l6-v2'))", "model")
+        a = [data_1] if isinstance(data_1, str) else list(data_1)
+        b = [data_2] if isinstance(data_2, str) else list(data_2)
+        score_pairs(a, b, "data_1", "data_2")
+        out = self.embedder.embed(a + b, False if truncate_prompt_tokens is None else truncate_prompt_tokens)
+        sims = cosine_scores(out.vectors[: len(a)], out.vectors[len(a):])
+        ids = out.token_ids
+        return [ScoringRequestOutput(str(i), ids[0 if len(a) == 1 else i] + ids[len(a) + i], ScoringOutput(s))
+                for i, s in enumerate(sims)]
 
     def _generation(self) -> LLMEngine:
         if self.engine is None:

@@ -209,6 +209,11 @@ class RequestOutput:
     prompt positions, float ``[n_prompt - 1, hidden]`` (row p scores prompt token p + 1)."""
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (vLLM's attribute)."""
+        return self.metrics.num_cached_tokens if self.metrics else 0
+
+    @property
     def usage(self) -> dict:
         """Token counts as the OpenAI API reports them (plus cached prompt tokens)."""
         m = self.metrics
@@ -223,6 +228,24 @@ class EmbeddingOutput:
     normalises)."""
 
     embedding: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score (here the cosine similarity of their embeddings)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's shape for `LLM.score`'s results: the pair's index as `request_id`, both texts'
+    token ids, `outputs`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
 
 
 @dataclass

@@ -206,6 +206,8 @@ def test_vllm_keywords_of_generate_and_chat(tiny_gguf, capsys):
     assert llm.generate("the cat", sampling_params=greedy, use_tqdm=True)[0].outputs[0].token_ids == want
     assert "Processed prompts: 100%" in capsys.readouterr().err
     assert llm.generate("the cat", sampling_params=greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    long = list(range(3, 23))  # 20 tokens: one full block of 16 cached by the first request
+    assert [llm.generate(long, greedy)[0].num_cached_tokens for _ in range(2)] == [0, 16]
 
     convo = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}" \

@@ -393,3 +393,21 @@ def test_the_embed_command_takes_the_encoders_options(minilm, capsys, flags):
         assert torch.equal(got, want)
     else:
         assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.999 and not torch.equal(got, want)
+
+
+def test_llm_score_equals_the_score_route(minilm, embed_server):
+    """vLLM's `LLM.score`: the same numbers as ``/v1/score`` (one against many, and pair by
+    pair), each the cosine of the two texts' `LLM.embed` vectors."""
+    import httpx
+
+    query, docs = "Where is the Eiffel Tower?", ["The Eiffel Tower is in Paris.", "Bananas are yellow."]
+    got = minilm.score(query, docs)
+    served = httpx.post(embed_server.url + "/v1/score", json={"text_1": query, "text_2": docs}).json()["data"]
+    assert [o.outputs.score for o in got] == pytest.approx([d["score"] for d in served], abs=1e-6)
+    q = np.array(minilm.embed(query)[0].outputs.embedding)
+    for o, d in zip(got, docs):
+        assert o.outputs.score == pytest.approx(float(q @ np.array(minilm.embed(d)[0].outputs.embedding)), abs=1e-5)
+    pairs = minilm.score(docs, docs[::-1])
+    assert [o.request_id for o in pairs] == ["0", "1"] and pairs[0].outputs.score == pytest.approx(pairs[1].outputs.score)
+    with pytest.raises(InvalidRequest, match="data_1"):
+        minilm.score(["a", "b"], ["c", "d", "e"])

@@ -62,15 +62,15 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 async def score(body: ScoreRequest, request: Request):
     """vLLM's score API: cosine similarity of ``text_1`` against each ``text_2`` (one against
     many, or pairwise for equal-length lists)."""
+    from nextoken.embedding import cosine_scores, score_pairs  # (here: a front end without PyTorch imports none)
+
     service = embedding_service(request)
     check_model(request, body.model)
     a = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     b = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    if not a or not b or (len(a) != 1 and len(a) != len(b)):
-        raise InvalidRequest("text_1 must be one text or as many texts as text_2", "text_1")
+    score_pairs(a, b)
     out = await service.embed(a + b)
-    va, vb = out.vectors[: len(a)], out.vectors[len(a):]
-    sims = _cosine(va.expand(len(b), -1) if len(a) == 1 else va, vb)
+    sims = cosine_scores(out.vectors[: len(a)], out.vectors[len(a):])
     n = sum(out.num_tokens)
     return {"object": "list", "model": model_name(request),
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(sims)],
@@ -80,10 +80,12 @@ async def score(body: ScoreRequest, request: Request):
 @router.post("/v1/rerank", response_model=RerankAnswer)
 async def rerank(body: RerankRequest, request: Request):
     """vLLM's (Jina/Cohere-style) rerank API: documents by cosine similarity to the query."""
+    from nextoken.embedding import cosine_scores
+
     service = embedding_service(request)
     check_model(request, body.model)
     out = await service.embed([body.query, *body.documents])
-    sims = _cosine(out.vectors[:1].expand(len(body.documents), -1), out.vectors[1:])
+    sims = cosine_scores(out.vectors[:1], out.vectors[1:])
     order = sorted(range(len(sims)), key=lambda i: -sims[i])[: body.top_n or len(sims)]
     n = sum(out.num_tokens)
     return {"model": model_name(request),
@@ -92,10 +94,6 @@ async def rerank(body: RerankRequest, request: Request):
             "usage": {"total_tokens": n}}
 
 
-def _cosine(a, b) -> list[float]:
-    import torch
-
-    return torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
 
 
 # -- on an embedding-only server ---------------------------------------------------------------
