@@ -28,8 +28,8 @@ class ServerArgs(CliArgs):
     port: int = opt(8000, "port to listen on", group="server", type=int)
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but /health (or set "
                               "NEXTOKEN_API_KEY)", group="server", metavar="KEY")
-    served_model_name: str | None = opt(None, "the model name clients use (default: --model)", group="server",
-                                        metavar="NAME")
+    served_model_name: list = opt([], "the model names clients use: the first is the one reported, each is "
+                                      "accepted (vLLM's; default: --model)", group="server", nargs="+", metavar="NAME")
     embedding_model: str | None = opt(None, "also serve this embedding model (a catalog name or a path) on "
                                       "/v1/embeddings, /v1/score and /v1/rerank, beside --model", group="server",
                                       metavar="MODEL")
@@ -92,11 +92,14 @@ class ServerArgs(CliArgs):
                              "sharing a prompt prefix go to the same replica)", group="replicas",
                              choices=ROUTER_POLICIES)
     model_name: str = opt("nextoken", "the name clients send as model", cli="none")
+    model_aliases: tuple = opt((), "the other names clients may send as model (--served-model-name's)", cli="none")
     disconnect_poll_s: float = opt(0.05, "how often a waiting request checks its client is still there",
                                    cli="none")
 
     def for_model(self, model: str) -> ServerArgs:
-        """These arguments serving `model`: `model_name` from ``--served-model-name`` or `model`,
-        the API key from ``NEXTOKEN_API_KEY`` when none is given."""
-        return replace(self, model_name=self.served_model_name or model,
+        """These arguments serving `model`: `model_name` (and `model_aliases`) from
+        ``--served-model-name`` (a name or a list) or `model`, the API key from
+        ``NEXTOKEN_API_KEY`` when none is given."""
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else list(self.served_model_name)
+        return replace(self, model_name=names[0] if names else model, model_aliases=tuple(names[1:]),
                        api_key=self.api_key or os.environ.get("NEXTOKEN_API_KEY") or None)

@@ -611,3 +611,26 @@ def test_a_seeded_request_is_the_same_offline_alone_and_batched_through_the_serv
     finally:
         srv.stop()
     assert alone == offline and batched == offline
+
+
+def test_every_served_model_name_is_accepted_and_listed(tiny_gguf):
+    """vLLM's ``--served-model-name a b``: the first name is reported, each is accepted and
+    listed by /v1/models; another name is a 404 that names the served ones."""
+    from nextoken.cli import build_parser
+    from nextoken.server.args import ServerArgs
+
+    ns = build_parser().parse_args(["serve", "m.gguf", "--served-model-name", "tiny", "tiny-alias"])
+    args = ServerArgs.from_cli_args(ns).for_model("m.gguf")
+    assert (args.model_name, args.model_aliases) == ("tiny", ("tiny-alias",))
+    assert ServerArgs(served_model_name="one").for_model("m").model_name == "one"  # (Python callers: a name)
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny", model_aliases=("tiny-alias",))
+    try:
+        c = srv.client()
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
+        out = c.completions.create(model="tiny-alias", prompt="the cat", max_tokens=3, temperature=0)
+        assert out.model == "tiny" and out.choices[0].text == c.completions.create(
+            model="tiny", prompt="the cat", max_tokens=3, temperature=0).choices[0].text
+        with pytest.raises(openai.NotFoundError, match="'tiny-alias'"):
+            c.completions.create(model="other", prompt="the cat", max_tokens=3)
+    finally:
+        srv.stop()

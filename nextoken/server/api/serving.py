@@ -64,11 +64,12 @@ class ApiServing:
     def check_model(self, name: str | None):
         """The `LoRARequest` a request's ``model`` names (None: the base model). Raises
         `NotFound` for a name this server does not serve."""
-        if name is None or name == self.args.model_name:
+        if name is None or name == self.args.model_name or name in self.args.model_aliases:
             return None
         lora = getattr(self.state, "loras", {}).get(name)
         if lora is None:
-            served = ", ".join(repr(n) for n in [self.args.model_name, *getattr(self.state, "loras", {})])
+            served = ", ".join(repr(n) for n in [self.args.model_name, *self.args.model_aliases,
+                                                 *getattr(self.state, "loras", {})])
             raise NotFound(f"model {name!r} not found; this server serves {served}", "model")
         return lora
 

@@ -69,7 +69,8 @@ async def models(request: Request):
     data = []
     if state.engine is not None:
         gen = {**base, "max_model_len": state.engine.max_model_len}
-        data.append({"id": args.model_name, **gen, "root": args.model_name, "parent": None})
+        data += [{"id": name, **gen, "root": args.model_name, "parent": None}  # (vLLM lists each served name)
+                 for name in (args.model_name, *args.model_aliases)]
         data += [{"id": name, **gen, "root": lora.lora_path, "parent": args.model_name}  # vLLM's shape
                  for name, lora in state.loras.items()]
     if state.embedder is not None:

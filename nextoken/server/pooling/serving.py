@@ -112,7 +112,8 @@ def model_name(request: Request) -> str:
 def check_model(request: Request, name: str | None) -> None:
     """`NotFound` for a model name that is not the embedding model's."""
     served = model_name(request)
-    if name is not None and name != served:
+    aliases = request.app.state.args.model_aliases if served == request.app.state.args.model_name else ()
+    if name is not None and name != served and name not in aliases:
         raise NotFound(f"model {name!r} not found; this server embeds with {served!r}", "model")
 
 
