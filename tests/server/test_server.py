@@ -627,6 +627,9 @@ def test_every_served_model_name_is_accepted_and_listed(tiny_gguf):
     try:
         c = srv.client()
         assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
+        assert c.models.retrieve("tiny-alias").id == "tiny-alias"  # (OpenAI's GET /v1/models/{model})
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'tiny-alias'"):
+            c.models.retrieve("other/model")
         out = c.completions.create(model="tiny-alias", prompt="the cat", max_tokens=3, temperature=0)
         assert out.model == "tiny" and out.choices[0].text == c.completions.create(
             model="tiny", prompt="the cat", max_tokens=3, temperature=0).choices[0].text

@@ -18,7 +18,7 @@ from nextoken.server.app.errors import error_response
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server.api.routing import OPENAI, ApiRouter
 from nextoken.server.openai.protocol import (DetokenizeAnswer, DetokenizeRequest, HealthAnswer, LoadLoRARequest,
-                                             LoadReport, ModelCardList, ServerVersion, TokenizeAnswer,
+                                             LoadReport, ModelCard, ModelCardList, ServerVersion, TokenizeAnswer,
                                              TokenizeChatRequest, TokenizeRequest, TokenizerInfo, UnloadLoRARequest,
                                              WatermarkDetectRequest, WatermarkDetection, WatermarkText)
 from nextoken.server.api.serving import check_token_ids
@@ -78,6 +78,18 @@ async def models(request: Request):
         data.append({"id": name, **base, "max_model_len": state.embedder.model.max_seq_length, "root": name,
                      "parent": None})
     return {"object": "list", "data": data}
+
+
+@info.get("/v1/models/{model:path}", response_model=ModelCard)
+async def model_card(model: str, request: Request):
+    """OpenAI's retrieve-model route (``client.models.retrieve(name)``): that model's card of
+    ``/v1/models``. Raises `NotFound` naming the served models for another name."""
+    cards = (await models(request))["data"]
+    for card in cards:
+        if card["id"] == model:
+            return card
+    raise NotFound(f"model {model!r} not found; this server serves {', '.join(repr(c['id']) for c in cards)}",
+                   "model")
 
 
 def _one_front_end(request: Request) -> None:
