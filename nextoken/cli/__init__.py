@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="start the server and print the inspector's URL (every stage, live, in a browser)")
     _add_serve_args(p, exclude=("inspect", "replicas", "router_policy"))
 
+    p = sub.add_parser("run-batch", help="answer a file of OpenAI batch requests offline (vLLM's run-batch)")
+    p.add_argument("-i", "--input-file", required=True, metavar="FILE",
+                   help="JSON lines {custom_id, method, url, body} (OpenAI's batch input; - for standard input)")
+    p.add_argument("-o", "--output-file", required=True, metavar="FILE",
+                   help="where the answers go, one JSON line each in the input's order (- for standard output)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the model names the requests may give (default: --model)")
+    _add_engine_args(p, max_num_seqs=64)
+
     p = sub.add_parser("pull", help="download a catalog model and verify its SHA-256")
     p.add_argument("name")
     p.add_argument("--force", action="store_true", help="download again even if cached")
@@ -162,7 +171,8 @@ def _commands() -> dict:
     from nextoken.cli import cache, evaluate, generate, models, serving
 
     return {"perplexity": evaluate.cmd_perplexity, "watermark": evaluate.cmd_watermark, "bench": models.cmd_bench,
-            "serve": serving.cmd_serve, "inspect": serving.cmd_inspect, "run": generate.cmd_run,
+            "serve": serving.cmd_serve, "inspect": serving.cmd_inspect, "run-batch": serving.cmd_run_batch,
+            "run": generate.cmd_run,
             "chat": generate.cmd_chat, "explain": generate.cmd_explain, "pull": models.cmd_pull,
             "models": models.cmd_models, "cache": cache.cmd_cache, "embed": models.cmd_embed}
 

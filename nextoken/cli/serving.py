@@ -19,6 +19,33 @@ def cmd_serve(a) -> int:
     return _serve(a)
 
 
+def cmd_run_batch(a) -> int:
+    """``nextoken run-batch -i FILE -o FILE``: every request of the file through the server's
+    app (`server.batch`); the answers written in order."""
+    import json
+    import sys
+
+    from nextoken.errors import InvalidRequest
+    from nextoken.server.args import ServerArgs
+    from nextoken.server.batch import run_batch
+
+    try:
+        text = sys.stdin.read() if a.input_file == "-" else open(a.input_file, encoding="utf-8").read()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {a.input_file}: {exc.strerror}", "input_file") from None
+    records = run_batch(engine_args(a), ServerArgs(served_model_name=a.served_model_name, inspect=False), text)
+    out = "".join(json.dumps(r) + "\n" for r in records)
+    if a.output_file == "-":
+        sys.stdout.write(out)
+    else:
+        with open(a.output_file, "w", encoding="utf-8") as fh:
+            fh.write(out)
+    failed = sum(r["error"] is not None or r["response"]["status_code"] >= 400 for r in records)
+    print(f"{len(records)} requests, {failed} failed" + ("" if a.output_file == "-" else f"; answers in {a.output_file}"),
+          file=sys.stderr)
+    return 0
+
+
 def cmd_inspect(a) -> int:
     return _serve(a, announce_inspector=True)
 

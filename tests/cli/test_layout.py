@@ -150,7 +150,7 @@ def test_no_private_name_crosses_a_part():
 # The server's packages, lowest first: what every API builds on, the chat core, the APIs, the
 # app over them, and the launch (the same rule as `LAYERS`, one level down).
 SERVER_LAYERS = [{"api", "args"}, {"chat"}, {"openai", "anthropic", "ollama", "pooling"}, {"app"},
-                 {"serve", "replicas"}, {"api_servers"}]
+                 {"serve", "replicas", "batch"}, {"api_servers"}]
 
 
 def test_the_servers_packages_import_downward():
