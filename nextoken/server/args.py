@@ -56,6 +56,9 @@ class ServerArgs(CliArgs):
     tool_call_parser: str | None = opt(None, "the tool-call format: hermes (Qwen2.5's), the one parsed; vLLM's "
                                              "flag, which names another format, is refused", group="server",
                                        choices=("hermes",))
+    trust_request_chat_template: bool = opt(False, "let a chat request's chat_template (a Jinja source, rendered in "
+                                                   "Jinja's sandbox) replace the model's (vLLM's flag; without it "
+                                                   "such a request is refused)", group="server", cli="true")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level (vLLM's flag; info adds uvicorn's line per HTTP "
                                             "request, its access log)", group="server",
                                  choices=("critical", "error", "warning", "info", "debug", "trace"))

@@ -637,3 +637,28 @@ def test_every_served_model_name_is_accepted_and_listed(tiny_gguf):
             c.completions.create(model="other", prompt="the cat", max_tokens=3)
     finally:
         srv.stop()
+
+
+def test_a_requests_chat_template_needs_the_servers_trust(tiny_gguf):
+    """vLLM's ``chat_template`` request field: refused (400 naming it) unless the server was
+    started with ``--trust-request-chat-template``; then the prompt is that template's text (the
+    same answer as /v1/completions on it)."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    for trusted in (False, True):
+        srv = LiveServer(llm, "tiny", trust_request_chat_template=trusted)
+        try:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "chat_template": template})
+            if not trusted:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+                continue
+            want = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "[the cat]",
+                                                                 "max_tokens": 4, "temperature": 0,
+                                                                 "ignore_eos": True}).json()
+            got = r.json()
+            assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+            assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+        finally:
+            srv.stop()

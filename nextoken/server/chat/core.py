@@ -54,7 +54,8 @@ class ChatSpec:
     some (`nextoken.sampling_defaults`; all of them by default); continue_final: the last
     message is an assistant's prefill, which the answer continues (Anthropic's and Ollama's
     rule) instead of a new turn; add_generation_prompt: the template's opening of the answer's
-    turn (vLLM's switch; off with continue_final)."""
+    turn (vLLM's switch; off with continue_final); chat_template: a Jinja source used in place
+    of the model's (vLLM's request field; the server decides whether to take it)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -72,6 +73,7 @@ class ChatSpec:
     unset: frozenset[str] = frozenset(SAMPLING_FIELDS)
     continue_final: bool = False
     add_generation_prompt: bool = True
+    chat_template: str | None = None
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -155,7 +157,7 @@ def render(tok, spec: ChatSpec) -> tuple[list[int], list[dict] | None, Structure
     tools, forced = _tool_setup(spec, tok)
     messages = tools_mod.messages_for_template(spec.messages)
     ids = prompts.encode_chat(tok, messages, tools, spec.template_kwargs, spec.continue_final,
-                              spec.add_generation_prompt and not spec.continue_final)
+                              spec.add_generation_prompt and not spec.continue_final, spec.chat_template)
     return ids, tools, forced
 
 
@@ -164,7 +166,7 @@ def _tool_setup(spec: ChatSpec, tok) -> tuple[list[dict] | None, StructuredOutpu
     choice = spec.tool_choice or "auto"
     if not spec.tools or choice == "none":  # (a forcing choice without tools: `chat.rules`)
         return None, None
-    tools_mod.require_tool_template(tok.chat_template)
+    tools_mod.require_tool_template(spec.chat_template or tok.chat_template)
     if choice == "auto":
         return spec.tools, None
     name = None if choice == "required" else choice

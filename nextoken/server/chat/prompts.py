@@ -10,17 +10,18 @@ from nextoken.tokenizer.chat_template import open_final_message
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                 template_kwargs: dict | None = None, continue_final: bool = False,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, template: str | None = None) -> list[int]:
     """Render `messages` with the chat template and tokenize, keeping any special-token text the
     user typed in a message (e.g. ``<|im_end|>``) as literal text rather than control tokens.
     `continue_final`: the last message (an assistant's prefill) is left open for the answer to
     go on from, in place of a generation prompt (`chat_template.open_final_message`);
-    `add_generation_prompt` False: no generation prompt either way.
+    `add_generation_prompt` False: no generation prompt either way; `template`: a Jinja source in
+    place of the model's template.
 
     The template's own text is tokenized with special tokens parsed; each message's content,
     located in the rendered text in order, is tokenized without."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final,
-                                         tools=tools, extra=template_kwargs)
+                                         tools=tools, extra=template_kwargs, template=template)
     contents = [m["content"] or "" for m in messages]
     if continue_final:
         text = open_final_message(text, messages, f"messages[{len(messages) - 1}].content")

@@ -23,6 +23,9 @@ class OpenAIServingChat(ApiServing):
         `NotFound` for another model, `QueueFull` when too many wait."""
         lora = self.check_model(body.model)
         body.check_rules()
+        if body.chat_template is not None and not self.args.trust_request_chat_template:
+            raise InvalidRequest("a request's chat_template is taken only from a server started with "
+                                 "--trust-request-chat-template", "chat_template")
         self.check_queue()
         p = await prepare(self, to_spec(body))
         created, tok, model = int(time.time()), self.engine.tokenizer, self.args.model_name
@@ -54,4 +57,4 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
                     priority=body.priority, client=f"user:{body.user}" if body.user else "",
                     unset=sampling_defaults.unset(body.model_fields_set), continue_final=body.continue_final_message,
-                    add_generation_prompt=body.add_generation_prompt)
+                    add_generation_prompt=body.add_generation_prompt, chat_template=body.chat_template)

@@ -385,6 +385,7 @@ class ChatCompletionRequest(_Sampling):
     # published schema, as the router's fields are (`_router_fields`)
     add_generation_prompt: SkipJsonSchema[bool] = True
     continue_final_message: SkipJsonSchema[bool] = False
+    chat_template: SkipJsonSchema[str | None] = None  # vLLM's: the request's own template (--trust-request-chat-template)
 
     @model_validator(mode="before")
     @classmethod
