@@ -136,8 +136,7 @@ class EmbeddingModel:
         if not isinstance(truncate, bool) and (not isinstance(truncate, int) or truncate == 0 or truncate < -1):
             raise InvalidRequest(f"truncate_prompt_tokens must be -1 (the model's length) or >= 1, got {truncate!r}",
                                  "truncate_prompt_tokens")
-        limit = self.max_seq_length if truncate is True or truncate == -1 or truncate is False \
-            else min(truncate, self.max_seq_length)
+        limit = self.max_seq_length if isinstance(truncate, bool) or truncate == -1 else min(truncate, self.max_seq_length)
         out = []
         for i, x in enumerate(inputs):
             if isinstance(x, str):

@@ -205,9 +205,7 @@ class LLM:
         `priority`: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts", "lora_request")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", "priority")
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
@@ -247,8 +245,8 @@ class LLM:
         prompts = [chat_prompt(self.tokenizer, m, system, chat_template, add_generation_prompt, continue_final_message,
                                tools, chat_template_kwargs) for m in convs]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), False, loras, None, use_tqdm)
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), False,
+                             _per_prompt_loras(lora_request, len(prompts)), None, use_tqdm)
 
     def _run_all(self, prompts, params, truncate, loras=None, priority=None, use_tqdm=False) -> list[RequestOutput]:
         engine = self._generation()
@@ -291,6 +289,14 @@ def _plain_prompt(p):
 
 def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+
+def _per_prompt_loras(lora_request, n: int) -> list:
+    """One adapter (or None) for each of `n` prompts: `lora_request` for all, or a list of one each."""
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+    if len(loras) != n:
+        raise InvalidRequest(f"{len(loras)} lora requests for {n} prompts", "lora_request")
+    return loras
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

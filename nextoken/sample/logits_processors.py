@@ -38,12 +38,14 @@ def has_masks(p: SamplingParams) -> bool:
     return p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
 
 
-def bad_word_blocks(words: list[list[int]], history: list[int]) -> list[int]:
-    """The tokens that would complete one of the bad `words` (token id sequences) after
-    `history` (the output so far): a one-token word's token, and the last token of a word whose
-    other tokens end `history` (vLLM's rule)."""
-    return [w[-1] for w in words if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:]
-                                                   == w[:-1])]
+def bad_word_blocks(words: list[list[int]], output_ids: list[int], ahead: list[int] = ()) -> list[int]:
+    """The tokens that would complete one of the bad `words` (token id sequences) after the
+    output so far (`output_ids`, then the tokens `ahead` of them): a one-token word's token, and
+    the last token of a word whose other tokens end the output (vLLM's rule). Reads only the
+    output's last tokens (as many as the longest word has but one), not its whole length."""
+    n = max(len(w) for w in words) - 1
+    tail = ((output_ids[-n:] if n else []) + list(ahead))[-n:] if n else []
+    return [w[-1] for w in words if len(w) == 1 or (len(tail) >= len(w) - 1 and tail[len(tail) - len(w) + 1:] == w[:-1])]
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -139,7 +141,7 @@ def process_rows(work: torch.Tensor, rows: list[RowEdits], eog_ids: frozenset[in
     blocked = [j * V + i for j, r in enumerate(rows) if len(r.output_ids) + len(r.ahead) < r.params.min_tokens
                for i in (*eog_ids, *r.params.stop_token_ids) if i < V]
     blocked += [j * V + t for j, r in enumerate(rows) if r.params.bad_words_token_ids
-                for t in bad_word_blocks(r.params.bad_words_token_ids, r.output_ids + r.ahead)]
+                for t in bad_word_blocks(r.params.bad_words_token_ids, r.output_ids, r.ahead)]
     if blocked:
         flat[torch.tensor(blocked, dtype=torch.long, device=dev)] = float("-inf")
     for j, r in enumerate(rows):

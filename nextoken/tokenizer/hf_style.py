@@ -8,6 +8,7 @@ count tokens with ``tokenizer.encode`` or ``len(tokenizer(text).input_ids)``, an
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 from nextoken.errors import InvalidRequest
@@ -15,6 +16,16 @@ from nextoken.tokenizer.chat_template import chat_prompt
 
 # apply_chat_template's keywords that shape a tensor or a mask: no meaning for a list of ids here
 _REFUSED = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask", "documents")
+
+
+class Encoding(dict):
+    """A tokenizer call's result, read as a dict or by attribute (``enc.input_ids``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class HFStyleTokenizer:
@@ -35,13 +46,14 @@ class HFStyleTokenizer:
     def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
-        """``{"input_ids", "attention_mask"}`` of a text, or lists of them for a list of texts."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        """``{"input_ids", "attention_mask"}`` of a text (also read as attributes, as
+        `transformers`' ``BatchEncoding``), or lists of them for a list of texts."""
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
         rows = [self.encode(t, add_special_tokens) for t in text]
-        return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+        return Encoding(input_ids=rows, attention_mask=[[1] * len(r) for r in rows])
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
         if isinstance(ids, int):
@@ -51,18 +63,17 @@ class HFStyleTokenizer:
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int] | None:
         """Each token's id (None for a token not in the vocabulary, as `transformers` gives
         for a tokenizer without an unknown token)."""
-        index = self._index()
+        index = self._ids
         if isinstance(tokens, str):
             return index.get(tokens)
         return [index.get(t) for t in tokens]
 
     def get_vocab(self) -> dict[str, int]:
-        return dict(self._index())
+        return dict(self._ids)
 
-    def _index(self) -> dict[str, int]:
-        if not hasattr(self, "_ids"):
-            self._ids = {t: i for i, t in enumerate(self.tokenizer.tokens)}
-        return self._ids
+    @functools.cached_property
+    def _ids(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tokenizer.tokens)}
 
     # -- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,

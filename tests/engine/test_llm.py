@@ -241,7 +241,8 @@ def test_get_tokenizer_answers_as_the_transformers_tokenizer(fast):
             text = tok.apply_chat_template(g["prompt"], tokenize=False, add_generation_prompt=True)
             assert fast.generate(text, greedy)[0].prompt_token_ids == g["prompt_ids"]
         else:
-            assert tok.encode(g["prompt"]) == tok(g["prompt"])["input_ids"] == g["prompt_ids"]
+            assert tok.encode(g["prompt"]) == tok(g["prompt"]).input_ids == tok([g["prompt"]])["input_ids"][0] \
+                == g["prompt_ids"]
         assert tok.decode(g["greedy_ids"], skip_special_tokens=True) == g["greedy_text"].replace("<|im_end|>", "")
     ids = gens[0]["prompt_ids"]
     assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(ids)) == ids

@@ -73,6 +73,9 @@ def test_bad_word_blocks_follow_vllms_rule():
     assert bad_word_blocks(words, [7, 4]) == [9, 5]
     assert bad_word_blocks(words, [1, 2]) == [9, 3]
     assert bad_word_blocks(words, [2, 1]) == [9]
+    assert bad_word_blocks(words, [8, 8, 8, 1], [2]) == [9, 3]  # (tokens ahead of the output: speculation)
+    assert bad_word_blocks(words, [1], [2, 4]) == [9, 5]
+    assert bad_word_blocks([[9]], [1, 2, 3]) == [9]
 
 
 def test_the_openai_routes_take_them(tiny):
