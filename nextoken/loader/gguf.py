@@ -12,7 +12,9 @@ tokenizer come without it (`runner.quick_start` reads them before PyTorch is imp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,40 +127,48 @@ class GGUFFile:
         """The bytes tensor `name` takes in the file (its codes, for a quantized format)."""
         return self._get(name).nbytes
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None, chunk_rows: int = 4096) -> torch.Tensor:
+    def tensor(self, name: str, dtype: torch.dtype | None = None, chunk_rows: int | None = None) -> torch.Tensor:
         """Tensor `name` de-quantized to `dtype` (float32 by default), PyTorch-order shape
         ``[rows, cols]``. Raises `ModelLoadError` naming the tensor for a format nothing here reads.
 
-        Rows are de-quantized `chunk_rows` at a time straight into the result, so no float32 copy
-        of a large tensor is ever held at once.
+        Rows are de-quantized `chunk_rows` at a time (by default as many as make
+        `host_memory.SCRATCH_ELEMENTS` values) straight into the result, with the pieces'
+        temporaries kept in the heap between pieces (`host_memory.scratch_allocations`), so no
+        float32 copy of a large tensor is ever held at once and the temporaries' pages are not
+        faulted in again for every piece.
         """
         import torch
 
         from nextoken.layers.quantization.ggml import dequantize
+        from nextoken.loader.host_memory import SCRATCH_ELEMENTS, scratch_allocations
 
         dtype = torch.float32 if dtype is None else dtype
         t = self._get(name)
+        if chunk_rows is None:
+            chunk_rows = max(1, SCRATCH_ELEMENTS // max(1, math.prod(t.shape[1:])))
         try:
             if len(t.shape) < 2 or t.shape[0] <= chunk_rows:
                 return dequantize(self.raw(name), t.type_name, t.shape).to(dtype)
             out = torch.empty(t.shape, dtype=dtype)
-            for start in range(0, t.shape[0], chunk_rows):
-                part = self.raw(name, start, min(start + chunk_rows, t.shape[0]))
-                out[start : start + part.shape[0]] = dequantize(part, t.type_name, (part.shape[0], *t.shape[1:]))
+            with scratch_allocations(), open(self.path, "rb") as fh:
+                for start in range(0, t.shape[0], chunk_rows):
+                    part = self.raw(name, start, min(start + chunk_rows, t.shape[0]), fh)
+                    out[start : start + part.shape[0]] = dequantize(part, t.type_name, (part.shape[0], *t.shape[1:]))
             return out
         except NotImplementedError as e:
             raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
 
-    def raw(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def raw(self, name: str, start: int = 0, stop: int | None = None, fh=None) -> torch.Tensor:
         """Stored bytes of rows ``[start, stop)`` of tensor `name` (quantized blocks), uint8
-        ``[rows, bytes_per_row]``, read from the file into a new buffer."""
+        ``[rows, bytes_per_row]``, read from the file (`fh`: this file open for reading, else it
+        is opened here) into a new buffer."""
         t = self._get(name)
         stop = t.rows if stop is None else stop
         row_bytes = t.nbytes // t.rows
         buf = bytearray(row_bytes * (stop - start))
-        with open(self.path, "rb") as fh:
-            fh.seek(t.offset + start * row_bytes)
-            if fh.readinto(buf) != len(buf):
+        with contextlib.nullcontext(fh) if fh is not None else open(self.path, "rb") as f:
+            f.seek(t.offset + start * row_bytes)
+            if f.readinto(buf) != len(buf):
                 raise ModelLoadError(f"{self.path} is truncated inside tensor {name}; download it again")
         import torch
 

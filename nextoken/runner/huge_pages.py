@@ -26,12 +26,13 @@ unchanged (tests/engine/test_huge_pages.py).
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import os
 from dataclasses import dataclass
 
 import torch
+
+from nextoken.loader.host_memory import libc
 
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14: fault a range in with one call
@@ -187,15 +188,6 @@ def _madvise(address: int, nbytes: int, advice: int) -> None:
     c = libc()
     if c is not None:
         c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(address + nbytes - lo), advice)
-
-
-@functools.cache
-def libc():
-    """glibc (madvise here; mallopt and malloc_trim in `runner.model_runner`), or None elsewhere."""
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def _forget_pointers(model) -> None:

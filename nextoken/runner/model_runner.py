@@ -23,48 +23,16 @@ from nextoken.layers.native_decode import NativeDecoder
 from nextoken.loader.gguf import GGUFFile, read_model_config
 from nextoken.errors import ModelLoadError
 from nextoken.loader.hf import HFModelDir, read_hf_config
+from nextoken.loader.host_memory import loading_allocations, release_free_memory
 from nextoken.loader.weights import load_weights
 from nextoken.models.registry import model_class
 from nextoken.runner.device import CPU, Device, move_model, resolve_device
-from nextoken.runner.huge_pages import arena_switched_off, libc, place_weights, thp_mode
+from nextoken.runner.huge_pages import arena_switched_off, place_weights, thp_mode
 from nextoken.runner.inputs import HostBatch, Staging, layout, model_inputs
 from nextoken.runner.plan import ExecutionPlan
 from nextoken.sample.sampler import to_device
 
 log = logging.getLogger("nextoken.runner")
-
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
-RUN_MMAP_THRESHOLD = 64 << 20
-RUN_TRIM_THRESHOLD = 1 << 30
-RUN_TOP_PAD = 64 << 20
-
-
-def loading_allocations(loading: bool) -> None:
-    """While loading, serve every allocation over 128 KiB with its own mapping (returned to the OS
-    on free), so the converter's large temporaries do not stay behind in a fragmented heap. Afterwards the forward pass's buffers
-    come from the heap and stay there when freed: allocations up to 64 MiB are not mapped, the
-    heap's free top is kept up to 1 GiB, and it grows 64 MiB at a time.
-    The trim threshold and top pad matter as much as the mmap threshold: once mallopt sets a
-    threshold, glibc stops adjusting them and trims the heap's free top above its 128 KiB default
-    on every free, so each step's activations and logits went back to the OS and were faulted
-    in, zeroed, again the next step (docs/benchmarks.md has the page faults and their cost;
-    tests/engine/test_plan.py holds a freed 32 MiB buffer reused)."""
-    c = libc()
-    if c is None:  # not glibc: the tuning does not apply
-        return
-    settings = [(M_MMAP_THRESHOLD, 128 << 10)] if loading else \
-        [(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD), (M_TOP_PAD, RUN_TOP_PAD)]
-    for param, value in settings:
-        if c.mallopt(param, value) != 1:
-            log.debug("mallopt(%d, %d) was refused", param, value)
-
-
-def release_free_memory() -> None:
-    """Hand the heap's freed pages (loading temporaries) back to the OS (glibc ``malloc_trim``)."""
-    c = libc()
-    if c is not None:
-        c.malloc_trim(0)
-
 
 @dataclass(slots=True)
 class SequenceInput:

@@ -3,7 +3,11 @@ only thing that decides which kernels run."""
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,30 +160,70 @@ def test_run_time_malloc_settings_are_taken(caplog):
     32 MiB buffer freed and allocated again reuses the heap's pages: without the trim threshold
     glibc handed the freed top of the heap back to the OS on every free, and every step's
     activations were faulted in again."""
-    import ctypes
-    import logging
-    import resource
-
-    from nextoken.runner.model_runner import libc, loading_allocations
+    from nextoken.loader.host_memory import libc, loading_allocations, scratch_allocations
 
     if libc() is None:
         pytest.skip("not glibc: nextoken does not tune malloc here")
     with caplog.at_level(logging.DEBUG, logger="nextoken.runner"):
         loading_allocations(True)
+        with scratch_allocations():
+            pass
         loading_allocations(False)
     assert not [r for r in caplog.records if "refused" in r.getMessage()]
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
     size = (32 << 20) - 4096
+    assert _reuse_faults()["running"] < size // 4096  # fewer than one buffer's pages
 
+
+# Page faults of five rounds of malloc, writing the buffer whole, free (after one round not
+# counted), in each mode; in a fresh process, whose heap has no free space of an earlier test's.
+REUSE = """
+import ctypes, json, resource
+from nextoken.loader.host_memory import loading_allocations, scratch_allocations
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def faults(size):
     def touch_once():
         p = libc.malloc(size)
         ctypes.memset(p, 1, size)
         libc.free(p)
-
     touch_once()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
         touch_once()
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < size // 4096  # fewer than one buffer's pages
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+out = {}
+loading_allocations(True)
+out["loading"] = faults(4 << 20)
+with scratch_allocations():
+    out["scratch"] = faults(4 << 20)
+out["loading after"] = faults(4 << 20)
+loading_allocations(False)
+with scratch_allocations():
+    out["scratch outside a load"] = faults(16 << 20)
+out["running"] = faults((32 << 20) - 4096)
+print(json.dumps(out))
+"""
+
+
+@functools.cache
+def _reuse_faults() -> dict[str, int]:
+    out = subprocess.run([sys.executable, "-c", REUSE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.subprocess
+def test_a_load_reuses_its_pieces_temporaries():
+    """In the loading mode each allocation over 128 KiB that the heap has no room for is a new
+    mapping, faulted in again on every use; a conversion in pieces (`scratch_allocations`, what a
+    GGUF tensor's de-quantization runs in) reuses the heap's pages for its temporaries, and leaves
+    the loading mode as it was. Outside a load it changes nothing."""
+    from nextoken.loader.host_memory import libc
+
+    if libc() is None:
+        pytest.skip("not glibc: nextoken does not tune malloc here")
+    f, pages = _reuse_faults(), (4 << 20) // 4096
+    assert f["loading"] >= 5 * pages and f["loading after"] >= 5 * pages  # every round faults its pages
+    assert f["scratch"] < pages
+    assert f["scratch outside a load"] < (16 << 20) // 4096

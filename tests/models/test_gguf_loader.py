@@ -56,7 +56,8 @@ def test_chunked_dequantization_equals_whole(tmp_path):
     write_gguf(tiny_hf_model("llama", seed=2), path, "llama", quant={"ffn_up.weight": "Q4_1"})
     f = GGUFFile(path)
     for name in ("blk.0.ffn_up.weight", "token_embd.weight"):
-        whole = f.tensor(name)
+        whole = f.tensor(name, chunk_rows=1 << 30)
+        assert torch.equal(f.tensor(name), whole)  # (pieces of `host_memory.SCRATCH_ELEMENTS` values)
         assert torch.equal(f.tensor(name, chunk_rows=7), whole)
         assert torch.equal(f.tensor(name, torch.bfloat16, chunk_rows=5), whole.to(torch.bfloat16))
 

@@ -97,14 +97,26 @@ class InvariantMethod(DenseMethod):
 
 def store_dense(param: torch.nn.Parameter | None, t, dtype: torch.dtype) -> torch.nn.Parameter:
     """Checkpoint tensor `t` as a dense parameter in `dtype`: the file's own pages when it stores
-    it so (`CheckpointTensor.stored`: no copy), else `param` (or a fresh one) filled with a copy."""
+    it so (`CheckpointTensor.stored`: no copy), else `param` (or a fresh one) holding the values:
+    the converted tensor itself when it is a whole tensor of its own (`param`'s untouched memory is
+    freed, never faulted in), else a copy of them."""
     view = t.stored(dtype)
     if view is not None:
         return torch.nn.Parameter(view, requires_grad=False)
+    dense = t.dense(dtype)
     if param is None or param.dtype != dtype:  # released by an earlier form: a fresh one
         param = torch.nn.Parameter(torch.empty(t.shape, dtype=dtype), requires_grad=False)
-    param.data.copy_(t.dense(dtype))
+    if _owns_storage(dense) and dense.shape == param.shape and dense.device == param.device:
+        param.data = dense
+    else:
+        param.data.copy_(dense)
     return param
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """`t` is contiguous and is the whole of its storage (no view of a larger tensor)."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def _required(lib, method: str):
