@@ -27,9 +27,7 @@ def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | 
         raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
     if not ids:
         raise InvalidRequest("prompt is empty", "prompt")
-    keep = params.truncate_prompt_tokens
-    if keep is not None:
-        ids = ids[-(max_model_len if keep == -1 else keep):]
+    ids = kept_prompt(ids, params.truncate_prompt_tokens, max_model_len)
     ctx = max_model_len
     if len(ids) + params.max_tokens > ctx:
         if not truncate or params.max_tokens >= ctx:
@@ -39,6 +37,12 @@ def encode_prompt(tokenizer, vocab_size: int, max_model_len: int, prompt: str | 
                 "prompt, lower max_tokens, or truncate the prompt (truncate_prompt)", "max_tokens")
         ids = ids[len(ids) + params.max_tokens - ctx :]
     return ids
+
+
+def kept_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt tokens `truncate_prompt_tokens` = `keep` leaves: the last `keep`, the last
+    `max_model_len` for -1, all for None."""
+    return ids if keep is None else ids[-(max_model_len if keep == -1 else keep):]
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -662,3 +662,37 @@ def test_a_requests_chat_template_needs_the_servers_trust(tiny_gguf):
             assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
         finally:
             srv.stop()
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(smol):
+    """vLLM's ``return_token_ids`` (RL frameworks read it): the prompt's ids and each choice's,
+    its stop token too, equal to `transformers`' tokenization and greedy ids (tests/data); a stream
+    sends the prompt's on its first chunk and each step's new ids, which join to the whole.
+    ``return_tokens_as_token_ids`` names the log-probabilities' tokens ``token_id:N``."""
+    from tests.conftest import load_reference
+
+    gens = load_reference("smollm2-135m-instruct")["generations"]
+    chat, raw = gens[1], gens[3]  # (the chat's greedy answer ends in its stop token, <|im_end|>)
+    c = smol.client()
+    kw = dict(model="smollm2", messages=chat["prompt"], temperature=0, max_tokens=20,
+              extra_body={"return_token_ids": True})
+    r = c.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    assert r.prompt_token_ids == chat["prompt_ids"] and r.choices[0].token_ids == chat["greedy_ids"]
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    assert chunks[0].prompt_token_ids == chat["prompt_ids"]
+    assert all(getattr(ch, "prompt_token_ids", None) is None for ch in chunks[1:])
+    assert [t for ch in chunks for choice in ch.choices for t in (getattr(choice, "token_ids", None) or [])] \
+        == chat["greedy_ids"]
+    n = 12
+    kw = dict(model="smollm2", prompt=raw["prompt"], temperature=0, max_tokens=n,
+              extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    r = c.completions.create(**kw, logprobs=1)
+    assert r.choices[0].prompt_token_ids == raw["prompt_ids"] and r.choices[0].token_ids == raw["greedy_ids"][:n]
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in raw["greedy_ids"][:n]]
+    assert r.choices[0].text == c.completions.create(**{**kw, "extra_body": {}}).choices[0].text
+    chunks = list(c.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].prompt_token_ids == raw["prompt_ids"]
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == raw["greedy_ids"][:n]
+    plain = c.chat.completions.create(model="smollm2", messages=chat["prompt"], temperature=0, max_tokens=5).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # (only when asked)

@@ -9,6 +9,7 @@ import time
 from fastapi import Request
 
 from nextoken import sampling_defaults
+from nextoken.engine.validation import kept_prompt
 from nextoken.errors import InvalidRequest
 from nextoken.server.openai import render as R
 from nextoken.server.chat.core import ChatSpec, prepare
@@ -36,7 +37,9 @@ class OpenAIServingChat(ApiServing):
         res = await run(self, p, request, lora, body.stream, "chatcmpl-")
         if body.stream:
             return sse_response(R.stream_chat(tok, body, res, res.request_id, created, model,
-                                              bool(p.names)))
+                                              bool(p.names),
+                                              kept_prompt(p.ids, p.params.truncate_prompt_tokens,
+                                                          self.engine.max_model_len)))
         return R.chat_response(tok, body, res, created, model, bool(self.args.reasoning_parser))
 
 

@@ -150,6 +150,10 @@ class _Sampling(Body):
     allowed_token_ids: SkipJsonSchema[list[TokenId] | None] = None
     bad_words: SkipJsonSchema[list[NonEmptyStr] | None] = None
     truncate_prompt_tokens: SkipJsonSchema[int | None] = None  # (vLLM's: the last k prompt tokens; -1: the context)
+    # vLLM's token ids in the answer (RL frameworks read them): the prompt's and each choice's ids, and
+    # log-probabilities' tokens written "token_id:N"
+    return_token_ids: SkipJsonSchema[bool | None] = None
+    return_tokens_as_token_ids: SkipJsonSchema[bool | None] = None
     seed: int | None = Field(None, ge=-SEED_LIMIT, le=SEED_LIMIT)
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -493,6 +497,8 @@ class CompletionChoice(Answer):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     prompt_logprobs: list[dict[str, dict[str, float]] | None] | None = None  # vLLM's, when asked
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's (a stream's first chunk)
+    token_ids: list[int] | None = None  # and the choice's (a stream's chunk: its new ones), its stop token too
 
 
 class Completion(Answer):
@@ -529,6 +535,7 @@ class ChatChoice(Answer):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's, its stop token too
 
 
 class ChatCompletion(Answer):
@@ -538,6 +545,7 @@ class ChatCompletion(Answer):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the rendered prompt's
 
 
 class ChunkFunction(Answer):
@@ -565,6 +573,7 @@ class ChunkChoice(Answer):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this step's new ids
 
 
 class ChatCompletionChunk(Answer):
@@ -575,6 +584,7 @@ class ChatCompletionChunk(Answer):
     model: str
     choices: list[ChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on the first chunk
 
 
 class StreamErrorBody(Answer):

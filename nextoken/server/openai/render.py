@@ -13,8 +13,14 @@ log = logging.getLogger("nextoken.server")
 
 
 # -- logprobs -----------------------------------------------------------------------------------
-def _entry(tok, tid: int, lp: float) -> dict:
-    text = tok.token_text(tid)
+def _name(tok, tid: int, as_ids: bool) -> str:
+    """How a log-probability entry names token `tid`: its text, or with `as_ids` (vLLM's
+    ``return_tokens_as_token_ids``, for tokens that are no text of their own) ``token_id:N``."""
+    return f"token_id:{tid}" if as_ids else tok.token_text(tid)
+
+
+def _entry(tok, tid: int, lp: float, as_ids: bool = False) -> dict:
+    text = _name(tok, tid, as_ids)
     return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
 
@@ -24,18 +30,20 @@ def _top(pos: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(pos.items(), key=lambda kv: -kv[1])[:n]
 
 
-def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int) -> dict | None:
+def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict] | None, n: int, as_ids: bool = False) -> dict | None:
     if logprobs is None:
         return None
     content = []
     for tid, pos in zip(token_ids, logprobs):
-        e = _entry(tok, tid, pos[tid])
-        e["top_logprobs"] = [_entry(tok, t, lp) for t, lp in _top(pos, n)]
+        e = _entry(tok, tid, pos[tid], as_ids)
+        e["top_logprobs"] = [_entry(tok, t, lp, as_ids) for t, lp in _top(pos, n)]
         content.append(e)
     return {"content": content}
 
 
-def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0) -> dict | None:
+def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0, as_ids: bool = False) -> dict | None:
+    """The legacy ``logprobs`` object; each text offset counts the tokens' text before it, also
+    where `as_ids` names the tokens ``token_id:N``."""
     if logprobs is None:
         return None
     tokens, lps, tops, offsets = [], [], [], []
@@ -43,9 +51,9 @@ def completion_logprobs(tok, token_ids, logprobs, n: int, offset: int = 0) -> di
         text = tok.token_text(tid)
         offsets.append(offset)
         offset += len(text)
-        tokens.append(text)
+        tokens.append(_name(tok, tid, as_ids))
         lps.append(None if pos is None else pos[tid])  # None: a prompt's first token (nothing before it)
-        tops.append(None if pos is None else {tok.token_text(t): lp for t, lp in _top(pos, n)})
+        tops.append(None if pos is None else {_name(tok, t, as_ids): lp for t, lp in _top(pos, n)})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -60,22 +68,27 @@ def completion_response(engine, body, outs, prompts, created: int, model: str) -
     for i, (o, (ids, text)) in enumerate(zip(outs, prompts)):
         prefix = (text if text is not None else tok.decode(ids)) if body.echo else ""
         for c in o.outputs:
-            lp = completion_logprobs(tok, c.token_ids, c.logprobs, body.logprobs or 0, len(prefix))
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs, body.logprobs or 0, len(prefix),
+                                     bool(body.return_tokens_as_token_ids))
             if body.echo and body.logprobs is not None:
-                lp = _join_logprobs(echo_logprobs(tok, ids, o.prompt_logprobs, body.logprobs), lp)
+                lp = _join_logprobs(echo_logprobs(tok, ids, o.prompt_logprobs, body), lp)
             choice = {"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lp,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)
+            if body.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(ids), list(c.token_ids)
             choices.append(choice)
     return {"id": outs[0].request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(outs)}
 
 
-def echo_logprobs(tok, ids: list[int], prompt_logprobs, n: int) -> dict:
+def echo_logprobs(tok, ids: list[int], prompt_logprobs, body) -> dict:
     """The legacy completions ``logprobs`` of the prompt's tokens (echo): each token's
-    log-probability given the tokens before it and the top `n` there; the first token's are None."""
-    return completion_logprobs(tok, ids, prompt_logprobs or [None] * len(ids), n)
+    log-probability given the tokens before it and the top ``body.logprobs`` there; the first
+    token's are None."""
+    return completion_logprobs(tok, ids, prompt_logprobs or [None] * len(ids), body.logprobs, 0,
+                               bool(body.return_tokens_as_token_ids))
 
 
 def _join_logprobs(first: dict, second: dict | None) -> dict:
@@ -102,11 +115,18 @@ def chat_response(tok, body, res, created: int, model: str, reasoning: bool = Fa
             message["reasoning_content"] = message["reasoning"] = c.thought or None
         if c.calls:
             message["tool_calls"] = [_tool_call(call) for call in c.calls]
-        choices.append({"index": c.index, "message": message,
-                        "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0),
-                        "finish_reason": c.finish})
-    return {"id": res.request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_json(res.usage)}
+        choice = {"index": c.index, "message": message,
+                  "logprobs": chat_logprobs(tok, c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                            bool(body.return_tokens_as_token_ids)),
+                  "finish_reason": c.finish}
+        if body.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    answer = {"id": res.request_id, "object": "chat.completion", "created": created, "model": model,
+              "choices": choices, "usage": usage_json(res.usage)}
+    if body.return_token_ids:
+        answer["prompt_token_ids"] = list(res.output.prompt_token_ids)
+    return answer
 
 
 def usage_json(u) -> dict:
@@ -128,15 +148,19 @@ def _tool_call(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-async def stream_chat(tok, body, events, rid: str, created: int, model: str, tools: bool):
+async def stream_chat(tok, body, events, rid: str, created: int, model: str, tools: bool,
+                      prompt_ids: list[int] | None = None):
     """Chat chunks of the core's event stream: each step's text as ``delta.content`` (with its
     log-probabilities), the thought first as ``delta.reasoning_content``; with `tools` (the
-    request offers some), calls as ``delta.tool_calls`` (id and name once, then argument pieces)."""
+    request offers some), calls as ``delta.tool_calls`` (id and name once, then argument pieces).
+    With ``return_token_ids``, the first chunk carries `prompt_ids` and each step's last chunk of
+    a choice its new token ids."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     for i in range(body.n):
+        head = {"prompt_token_ids": list(prompt_ids or [])} if body.return_token_ids and i == 0 else {}
         yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
+                                        "logprobs": None, "finish_reason": None}], **head})
     deltas: list[dict] = []  # this step's
     finish = last = None
     async for ev in events:
@@ -167,19 +191,25 @@ async def stream_chat(tok, body, events, rid: str, created: int, model: str, too
 
 
 def _step_chunks(tok, body, ev: Tokens, deltas: list[dict], finish, tools: bool) -> list[dict]:
-    """The choices of one step's chunks: its deltas, the log-probabilities and finish reason on
-    the last (without tools, the step's text as one delta, even an empty one)."""
-    lp = chat_logprobs(tok, ev.token_ids, ev.logprobs, body.top_logprobs or 0) if ev.logprobs else None
+    """The choices of one step's chunks: its deltas, the log-probabilities, finish reason (and
+    with ``return_token_ids`` the token ids) on the last (without tools, the step's text as one
+    delta, even an empty one)."""
+    lp = chat_logprobs(tok, ev.token_ids, ev.logprobs, body.top_logprobs or 0,
+                       bool(body.return_tokens_as_token_ids)) if ev.logprobs else None
     reason = finish.reason if finish is not None else None
+    ids = list(ev.token_ids) if body.return_token_ids else None
     if not tools:
         text = "".join(d["content"] for d in deltas)
         deltas = [{"content": text} if text or finish is None else {}]
     elif not deltas:
-        if finish is None and lp is None:
+        if finish is None and lp is None and not ids:
             return []  # text held back by the parser: nothing to send yet
         deltas = [{}]
-    return [{"index": ev.index, "delta": d, "logprobs": lp if k == len(deltas) - 1 else None,
-             "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
+    chunks = [{"index": ev.index, "delta": d, "logprobs": lp if k == len(deltas) - 1 else None,
+               "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
+    if ids is not None:
+        chunks[-1]["token_ids"] = ids
+    return chunks
 
 
 async def _outputs(eng, rids: list[str], tasks: list):
@@ -220,7 +250,7 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
     tok = eng.tokenizer
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     tasks: list[asyncio.Task] = []
-    finals, echoed = {}, set()
+    finals, echoed, started = {}, set(), set()
     try:
         async for k, out in _outputs(eng, rids, tasks):
             for c in out.outputs:
@@ -231,15 +261,22 @@ async def stream_completion(eng, body, rids: list[str], prompts, created: int, m
                     text = (ptext if ptext is not None else tok.decode(ids)) + text
                     echoed.add(idx)
                     if body.logprobs is not None:
-                        echo_lp = echo_logprobs(tok, ids, out.prompt_logprobs, body.logprobs)
-                if not text and not (c.finished and out.finished):
+                        echo_lp = echo_logprobs(tok, ids, out.prompt_logprobs, body)
+                if not text and not (c.finished and out.finished) and not (body.return_token_ids and c.delta_token_ids):
                     continue
-                lp = completion_logprobs(tok, c.delta_token_ids, c.delta_logprobs, body.logprobs or 0)
+                lp = completion_logprobs(tok, c.delta_token_ids, c.delta_logprobs, body.logprobs or 0, 0,
+                                         bool(body.return_tokens_as_token_ids))
                 if echo_lp is not None:
                     lp = _join_logprobs(echo_lp, lp if lp is not None and lp["tokens"] else None)
+                choice = {"index": idx, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason if out.finished else None}
+                if body.return_token_ids:  # (vLLM's: the prompt's ids on each choice's first chunk)
+                    if idx not in started:
+                        choice["prompt_token_ids"] = list(prompts[k][0])
+                    choice["token_ids"] = list(c.delta_token_ids)
+                started.add(idx)
                 yield sse({"id": rids[0], "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                        "finish_reason": c.finish_reason if out.finished else None}]})
+                           "choices": [choice]})
             if out.finished:
                 finals[k] = out
                 record([out])
