@@ -59,6 +59,9 @@ class ServerArgs(CliArgs):
     trust_request_chat_template: bool = opt(False, "let a chat request's chat_template (a Jinja source, rendered in "
                                                    "Jinja's sandbox) replace the model's (vLLM's flag; without it "
                                                    "such a request is refused)", group="server", cli="true")
+    return_tokens_as_token_ids: bool = opt(False, "name the tokens of log-probabilities token_id:N (as a request's "
+                                                  "return_tokens_as_token_ids does; vLLM's flag)", group="server",
+                                           cli="true")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level (vLLM's flag; info adds uvicorn's line per HTTP "
                                             "request, its access log)", group="server",
                                  choices=("critical", "error", "warning", "info", "debug", "trace"))

@@ -696,3 +696,25 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(smol):
     assert [t for ch in chunks for t in ch.choices[0].token_ids] == raw["greedy_ids"][:n]
     plain = c.chat.completions.create(model="smollm2", messages=chat["prompt"], temperature=0, max_tokens=5).model_dump()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # (only when asked)
+
+
+def test_return_tokens_as_token_ids_flag_sets_the_default(tiny_gguf):
+    """``--return-tokens-as-token-ids`` (vLLM's): log-probabilities name tokens ``token_id:N`` on
+    chat and completions, unless a request says otherwise."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny", return_tokens_as_token_ids=True)
+    try:
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1}
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
+        assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+        named = httpx.post(f"{srv.url}/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        assert named["choices"][0]["logprobs"]["tokens"] == [llm.engine.tokenizer.token_text(int(t.split(":")[1]))
+                                                             for t in r["logprobs"]["tokens"]]
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "return_token_ids": True}).json()["choices"][0]
+        assert [e["token"] for e in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+    finally:
+        srv.stop()
+        llm.close()

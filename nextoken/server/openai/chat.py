@@ -28,6 +28,8 @@ class OpenAIServingChat(ApiServing):
             raise InvalidRequest("a request's chat_template is taken only from a server started with "
                                  "--trust-request-chat-template", "chat_template")
         self.check_queue()
+        if body.return_tokens_as_token_ids is None:
+            body.return_tokens_as_token_ids = self.args.return_tokens_as_token_ids
         p = await prepare(self, to_spec(body))
         created, tok, model = int(time.time()), self.engine.tokenizer, self.args.model_name
         if body.use_beam_search:

@@ -22,6 +22,8 @@ class OpenAIServingCompletion(ApiServing):
         lora = self.check_model(body.model)
         body.check_rules()
         self.check_queue()
+        if body.return_tokens_as_token_ids is None:
+            body.return_tokens_as_token_ids = self.args.return_tokens_as_token_ids
         eng = self.engine
         prompts = completion_prompts(eng, body.prompt)
         structured = body.structured()
