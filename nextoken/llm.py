@@ -211,6 +211,12 @@ class LLM:
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefixes cached in memory, so the next prompts are computed in full (vLLM's
+        ``LLM.reset_prefix_cache``); False, changing nothing, while a request (a stream's) is still
+        unfinished. A disk tier (``kv_disk_dir``) keeps its blocks."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The `SamplingParams` that `generate`, `chat` and `stream` use when given none (vLLM's
         method): the defaults, with the model's own where its folder recommends some

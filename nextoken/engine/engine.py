@@ -240,6 +240,15 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.forget(r)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks in memory (vLLM's ``reset_prefix_cache``: a benchmark's
+        cold start, a changed model), so later prompts are computed in full; the disk tier keeps
+        its own. Only between requests: with any unfinished, nothing changes and the answer is False."""
+        if self.has_unfinished_requests() or not self.kv.reset_prefix_cache():
+            log.warning("the prefix cache was not reset: requests still hold blocks")
+            return False
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

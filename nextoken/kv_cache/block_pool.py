@@ -147,6 +147,16 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): only while no request holds a
+        block, else nothing changes and the answer is False."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = b.token_ids = None
+        self.cached.clear()
+        return True
+
     def cache_block(self, b: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
         """Register full block `b` in the prefix cache (a no-op when caching is off or another
         block already caches the same prefix)."""

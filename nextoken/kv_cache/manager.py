@@ -560,6 +560,15 @@ class KVCacheManager:
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(table))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefixes cached in memory, full and part-filled blocks of both pools, so that
+        the next prompts are computed in full: only while no request holds blocks (False, and
+        nothing changed, otherwise). The disk tier keeps its blocks."""
+        if self.block_tables or self.rings:
+            return False
+        pools = [self.pool] + ([self.sliding_pool] if self.sliding_pool is not None else [])
+        return all([p.reset_prefix_cache() for p in pools])
+
     def close(self) -> None:
         """Wait for the disk tier's queued blocks to be written (nothing to do without one)."""
         if self.disk is not None:

@@ -268,3 +268,24 @@ def test_logprobs_read_as_vllms(fast):
     assert out.prompt_logprobs[0] is None
     for p, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert step[p].decoded_token == fast.tokenizer.token_text(p) and step[p].rank in (1, 2, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_reset_prefix_cache_forgets_the_cached_prompts(tiny_gguf, arch):
+    """vLLM's ``LLM.reset_prefix_cache``: a prompt computed before is a prefix-cache hit, after a
+    reset it is computed in full again (the same tokens); with a request unfinished the reset is
+    refused and the cache still serves (Gemma 3: the sliding-window layers' pool too)."""
+    llm = LLM(str(tiny_gguf[arch][0]), dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 40))
+    first, again = (llm.generate(prompt, greedy)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert llm.reset_prefix_cache()
+    cold = llm.generate(prompt, greedy)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.engine.add_request(prompt, greedy, "unfinished")
+    llm.engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request("unfinished")
+    assert llm.generate(prompt, greedy)[0].num_cached_tokens == 32
+    llm.close()
