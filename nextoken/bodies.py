@@ -61,13 +61,15 @@ def by_field(field: str, members: dict[str, type]) -> Any:
 
 def model_limit(name: str) -> dict:
     """JSON-schema extra for a bound known once the model is loaded: "token_id" (vocab - 1),
-    "layer" (layers - 1), "head" (query heads - 1) or "context" (max_model_len - 1); see
-    `nextoken.server.app.openapi`."""
+    "layer" (layers - 1), "head" (query heads - 1), "context" (max_model_len - 1) or
+    "logprobs" (the engine's max_logprobs); see `nextoken.server.app.openapi`. The engine
+    refuses a value past it."""
     return {"x-maximum": name}
 
 
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=model_limit("token_id"))]
 MaxTokens = Annotated[int, Field(json_schema_extra=model_limit("context"))]  # an output bound: under the context
+LogprobCount = Annotated[int, Field(ge=0, json_schema_extra=model_limit("logprobs"))]  # at most the engine's max_logprobs
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 

@@ -163,6 +163,9 @@ class EngineArgs(CliArgs):
     override_generation_config: dict | None = opt(None, "such defaults over the model's, as JSON, e.g. "
                                                   "'{\"temperature\": 0.5}' (vLLM's)", group="output",
                                                   type=json_object, metavar="JSON", quick_start=True)
+    max_logprobs: int = opt(20, "most log-probabilities a request may ask for: logprobs and prompt_logprobs "
+                            "(chat's top_logprobs); -1: the whole vocabulary (vLLM's)", group="output", type=int,
+                            metavar="N", quick_start=True)
     chat_template: str | None = opt(None, "a Jinja chat template file to use instead of the model's (e.g. one "
                                      "with tool support)", group="output", metavar="FILE")
     stream_interval: int = opt(1, "a streamed request's outputs: its first token at once, then one output per N "
@@ -202,7 +205,8 @@ class EngineArgs(CliArgs):
                           ("kv_cache_disk", 1), ("num_kv_blocks", 0),
                           ("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1),
                           ("max_lora_rank", 1),
-                          ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0), ("stream_interval", 1)):
+                          ("num_speculative_tokens", 1), ("speculative_draft_vocab", 0), ("stream_interval", 1),
+                          ("max_logprobs", -1)):
             value = getattr(self, name)
             if value is None and name in ("num_threads", "max_model_len", "kv_cache_memory", "kv_cache_disk",
                                           "max_num_seqs", "max_num_batched_tokens"):

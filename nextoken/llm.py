@@ -256,7 +256,8 @@ class LLM:
 
     def _run_all(self, prompts, params, truncate, loras=None, priority=None, use_tqdm=False) -> list[RequestOutput]:
         engine = self._generation()
-        encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size), truncate)
+        encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size, engine.max_logprobs),
+                                        truncate)
                    for p, sp in zip(prompts, params)]  # check every prompt first: one bad prompt runs none
         loras = loras or [None] * len(prompts)
         ids = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nextoken.errors import InvalidRequest
 from nextoken.structured.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the most logprobs a request may ask for, unless the engine says otherwise (max_logprobs)
 # the mark of a field that `runner.quick_start` honours as the engine does (its draws need no
 # history; its ends are the engine's): an unmarked field keeps ``run``'s quick start off unless it
 # has its default
@@ -63,11 +63,11 @@ class SamplingParams:
     """Keep generating past end-of-generation tokens (for benchmarks)."""
     logprobs: int | None = None
     """Return the log-probability of each chosen token and of the `logprobs` most likely
-    alternatives (0 to 20). Log-probabilities are of the model's raw distribution (log-softmax
+    alternatives (0 to the engine's ``max_logprobs``, 20 by default). Log-probabilities are of the model's raw distribution (log-softmax
     of the logits, before penalties, temperature and filtering), as in vLLM."""
     prompt_logprobs: int | None = None
     """Return the log-probability of every prompt token given the ones before it, and of the
-    `prompt_logprobs` most likely tokens there (0 to 20; vLLM's name). The prompt is then
+    `prompt_logprobs` most likely tokens there (0 to ``max_logprobs``, as `logprobs`; vLLM's name). The prompt is then
     computed in full (no prefix cache). `RequestOutput.prompt_logprobs`, first entry None."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens (vLLM's left truncation; -1: as many as the context
@@ -95,8 +95,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Check every field; raise `InvalidRequest` naming the first bad one. Returns self."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> "SamplingParams":
+        """Check every field; raise `InvalidRequest` naming the first bad one. Returns self.
+        `max_logprobs`: the most `logprobs` and `prompt_logprobs` taken (the engine's
+        ``max_logprobs``; -1: the vocabulary, or no bound without `vocab_size`)."""
+        most = (vocab_size if max_logprobs == -1 else max_logprobs)
         _int(self, "n", 1, 128)
         _num(self, "temperature", 0.0, 100.0)
         _num(self, "top_p", 0.0, 1.0, low_open=True)
@@ -106,13 +109,13 @@ class SamplingParams:
         _num(self, "presence_penalty", -2.0, 2.0)
         _num(self, "frequency_penalty", -2.0, 2.0)
         if self.prompt_logprobs is not None:
-            _int(self, "prompt_logprobs", 0, MAX_LOGPROBS)
+            _int(self, "prompt_logprobs", 0, most)
         _int(self, "max_tokens", 0 if self.prompt_logprobs is not None and self.n == 1 else 1, None)
         _int(self, "min_tokens", 0, self.max_tokens)
         if self.seed is not None:
             _int(self, "seed", -(2**63), 2**63 - 1)
         if self.logprobs is not None:
-            _int(self, "logprobs", 0, MAX_LOGPROBS)
+            _int(self, "logprobs", 0, most)
         if self.structured_outputs is not None:
             self.structured_outputs.kind()
             if self.ignore_eos:

@@ -36,7 +36,7 @@ def cmd_run(a) -> int:
         sys.stdout.write("\n")
         return 0
     llm = _load(a, first)
-    params = params.validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size, llm.engine.max_logprobs)
     chat = not a.raw and llm.tokenizer.chat_template is not None
     out = None
     printed = len(first.text) if first is not None else 0  # the quick tokens' text, printed already
@@ -74,7 +74,7 @@ def _spec_stats(llm) -> str:
 def cmd_chat(a) -> int:
     params = _params(a)  # a bad value: one line before the model loads
     llm = _load(a)
-    params = params.validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size, llm.engine.max_logprobs)
     messages: list[dict] = []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -114,7 +114,7 @@ def cmd_explain(a) -> int:
     llm = _load(a)
     from nextoken.trace.explain import explain_report, format_report, recorder_for
 
-    params = params.validate(llm.config.vocab_size)
+    params = params.validate(llm.config.vocab_size, llm.engine.max_logprobs)
     params.logprobs = None
     chat = not a.raw and llm.tokenizer.chat_template is not None
     tracer = recorder_for(llm.config)

@@ -216,6 +216,11 @@ class AsyncLLMEngine(OutputStreams):
         """The model's sampling defaults (`nextoken.sampling_defaults`)."""
         return self._engine.sampling_defaults
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most log-probabilities a request may ask for (-1: the vocabulary)."""
+        return self._engine.max_logprobs
+
     def compile_grammar(self, structured) -> None:
         """Compile (and cache) a request's grammar; blocking. Raises `InvalidRequest`."""
         self._engine.grammars.compile(structured)

@@ -53,8 +53,8 @@ BETWEEN_STEPS = "between_steps"  # the local front end's: run its function betwe
 class CoreInfo:
     """What the server's process needs of the engine, sent once when it is ready: the tokenizer
     (pickled whole, chat template included), the model's `ModelConfig`, `max_model_len`, the
-    `WatermarkConfig`, the model's path, the tokens the KV cache holds and the model's sampling
-    defaults."""
+    `WatermarkConfig`, the model's path, the tokens the KV cache holds, the model's sampling
+    defaults and the most log-probabilities a request may ask for."""
 
     tokenizer: object
     config: object
@@ -63,6 +63,7 @@ class CoreInfo:
     model_path: str
     kv_capacity: int
     sampling_defaults: dict
+    max_logprobs: int
 
 
 class OutputWire:
@@ -292,7 +293,7 @@ def run_engine_core(args: EngineArgs, adapters: list, log_level: str, channels: 
         return
     kv = engine.kv
     info = CoreInfo(engine.tokenizer, engine.config, engine.max_model_len, engine.watermark, str(engine.model_path),
-                    kv.pool.num_blocks * kv.block_size, engine.sampling_defaults)
+                    kv.pool.num_blocks * kv.block_size, engine.sampling_defaults, engine.max_logprobs)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     local = None
     if inspector is not None:  # (listening before the servers hear "ready")

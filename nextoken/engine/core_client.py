@@ -200,6 +200,10 @@ class EngineProcessClient(OutputStreams):
         return self.info.sampling_defaults
 
     @property
+    def max_logprobs(self) -> int:
+        return self.info.max_logprobs
+
+    @property
     def num_waiting(self) -> int:
         """Waiting sequences at the engine's last step."""
         return self._stats.waiting

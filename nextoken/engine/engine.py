@@ -97,6 +97,7 @@ class LLMEngine:
         `tokenizer`: the model's, when the caller built it already from `source`."""
         self.args = args
         self.model_path = source.path
+        self.max_logprobs = args.max_logprobs  # the most a request may ask for (-1: the vocabulary)
         # the model creator's sampling defaults (`sampling_defaults`): requests that leave a field unset take them
         self.sampling_defaults = sampling_defaults.resolve(str(self.model_path), args.generation_config,
                                                            args.override_generation_config)
@@ -173,7 +174,7 @@ class LLMEngine:
         `InvalidRequest` for bad parameters, a prompt that does not fit the context window, or
         one that could never fit in the KV cache."""
         o = options
-        params = (params or SamplingParams()).validate(self.config.vocab_size)
+        params = (params or SamplingParams()).validate(self.config.vocab_size, self.max_logprobs)
         ids = self.encode_prompt(prompt, params, o.truncate_prompt)
         if params.seed is None and self._seeds is not None:  # --seed: the next of the engine's seeds
             params = dataclasses.replace(params, seed=self._seeds.next_u64() >> 1)

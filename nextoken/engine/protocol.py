@@ -44,7 +44,8 @@ class EngineClient(Service, Protocol):
     model: `tokenizer`, `config` (the `ModelConfig`), `max_model_len`, `watermark` (its
     `WatermarkConfig`), `model_path`, `kv_capacity` (tokens the KV cache holds),
     `sampling_defaults` (the model's, for requests that leave a field unset:
-    `nextoken.sampling_defaults`). Checks made
+    `nextoken.sampling_defaults`), `max_logprobs` (the most log-probabilities a request may ask
+    for; -1: the vocabulary). Checks made
     before a request is queued: `compile_grammar` (blocking: call it in a worker thread; raises
     `InvalidRequest`) and `encode_prompt` (the prompt's ids; raises `InvalidRequest` when it does
     not fit). Observation: `scheduler_stats`, `subscribe` (a callable given each step's
@@ -72,6 +73,9 @@ class EngineClient(Service, Protocol):
 
     @property
     def sampling_defaults(self) -> dict: ...
+
+    @property
+    def max_logprobs(self) -> int: ...
 
     @property
     def num_waiting(self) -> int: ...

@@ -203,7 +203,7 @@ def _run(path, prompt, engine_args, params, chat, system, emit, most) -> FirstTo
         return None  # the engine says what is wrong, or truncates (truncate_prompt)
     if len(ids) > max_prompt_tokens(cfg, engine_args.block_size):
         return None
-    params = params.validate(cfg.vocab_size)
+    params = params.validate(cfg.vocab_size, engine_args.max_logprobs)
     sampling = load("sampling")
     if not prepared_path(path).is_file() or sampling is None:
         return None  # the first load packs the codes and writes the cache

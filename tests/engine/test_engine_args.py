@@ -37,7 +37,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "--max-lora-rank", "8", "--quantization", "q4_0", "--device", "cuda:1", "--attention-backend", "torch",
             "--gpu-memory-utilization", "0.5", "--batch-invariant", "--stream-interval", "6",
             "--async-scheduling", "--trust-remote-code", "--seed", "9", "--generation-config", "vllm",
-            "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 7}']
+            "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 7}', "--max-logprobs", "-1"]
     want = {"model": model, "dtype": "float32", "num_threads": 1, "enforce_eager": True, "reference_attention": True,
             "dense_weights": True, "max_model_len": 100, "kv_cache_memory": 3 * MiB, "num_kv_blocks": 7,
             "block_size": 8, "max_num_seqs": 5, "max_num_batched_tokens": 300, "enable_chunked_prefill": False,
@@ -48,7 +48,7 @@ def settings(model: str, speculative: str) -> tuple[list[str], dict]:
             "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "quantization": "q4_0", "device": "cuda:1",
             "attention_backend": "torch", "gpu_memory_utilization": 0.5, "batch_invariant": True, "stream_interval": 6,
             "async_scheduling": True, "trust_remote_code": True, "seed": 9, "generation_config": "vllm",
-            "override_generation_config": {"temperature": 0.5, "max_new_tokens": 7}}
+            "override_generation_config": {"temperature": 0.5, "max_new_tokens": 7}, "max_logprobs": -1}
     if speculative == "ngram":
         argv += ["--speculative-method", "ngram"]
         want.update(speculative_method="ngram", speculative_model=None)
@@ -161,7 +161,7 @@ def test_cli_flags_round_trip():
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("max_num_seqs", -1), ("num_threads", 0),
                                           ("dtype", "float16"), ("speculative_method", "medusa"),
                                           ("num_speculative_tokens", 0), ("max_model_len", 2.5),
-                                          ("kv_cache_dtype", "fp8"), ("stream_interval", 0)])
+                                          ("kv_cache_dtype", "fp8"), ("stream_interval", 0), ("max_logprobs", -2)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         EngineArgs(**{field: value})

@@ -30,6 +30,7 @@ class FakeEngine:
         self.tokenizer, self.config, self.max_model_len = tokenizer, config, max_model_len
         self.kv_capacity, self.watermark, self.model_path = 4096, None, "fake"
         self.sampling_defaults: dict = {}
+        self.max_logprobs = 20
         self.pieces, self.added, self.compiled, self.aborted = pieces, [], [], []
         self.is_running, self.dead, self.num_waiting = True, None, 0
 

@@ -106,6 +106,8 @@ def test_schema_states_the_models_limits(tiny_srv):
     layer = next(p for p in schema["paths"]["/inspect/api/trace/{trace_id}/attention"]["get"]["parameters"]
                  if p["name"] == "layer")
     assert layer["schema"]["maximum"] == tiny_srv.llm.engine.config.num_layers - 1
+    top = comps["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]
+    assert top["maximum"] == tiny_srv.llm.engine.max_logprobs == 20 and top["minimum"] == 0
     assert "x-maximum" not in str(schema)
     sse = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert set(sse) == {"application/json", "text/event-stream"}

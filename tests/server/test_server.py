@@ -718,3 +718,36 @@ def test_return_tokens_as_token_ids_flag_sets_the_default(tiny_gguf):
     finally:
         srv.stop()
         llm.close()
+
+
+def test_max_logprobs_bounds_every_api_and_can_be_raised(tiny_gguf):
+    """``--max-logprobs`` (vLLM's; 20 by default): a request asking more alternatives is a 400
+    naming its own field (chat's top_logprobs, completions' logprobs and prompt_logprobs); raised
+    to 50, 30 alternatives come back, each the log-softmax of `transformers`' logits."""
+    import torch
+
+    path, hf = tiny_gguf["llama"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 1,
+            "temperature": 0, "ignore_eos": True, "logprobs": True}
+    for most in (20, 50):
+        llm = LLM(str(path), dtype="float32", max_logprobs=most)
+        srv = LiveServer(llm, "tiny")
+        try:
+            over = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "top_logprobs": most + 1})
+            assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
+            for field in ("logprobs", "prompt_logprobs"):
+                r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "the cat",
+                                                                  "max_tokens": 1, field: most + 1})
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            schema = httpx.get(f"{srv.url}/openapi.json").json()["components"]["schemas"]
+            assert schema["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["maximum"] == most
+            if most == 50:
+                r = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "top_logprobs": 30}).json()
+                top = r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+                ids = llm.engine.tokenizer.encode(llm.engine.tokenizer.apply_chat_template(chat["messages"]))
+                want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1).topk(30)
+                assert [e["token"] for e in top] == [llm.engine.tokenizer.token_text(int(t)) for t in want.indices]
+                assert max(abs(e["logprob"] - v) for e, v in zip(top, want.values.tolist())) < 1e-4
+        finally:
+            srv.stop()
+            llm.close()

@@ -45,8 +45,10 @@ def statuses(path: str, method: str, apis) -> list[int]:
 
 def model_limits(engine) -> dict[str, int]:
     """The values of the ``x-maximum`` marks for `engine` (an `EngineClient`)."""
+    most = engine.max_logprobs
     return {"token_id": engine.config.vocab_size - 1, "layer": engine.config.num_layers - 1,
-            "head": engine.config.num_heads - 1, "context": engine.max_model_len - 1}
+            "head": engine.config.num_heads - 1, "context": engine.max_model_len - 1,
+            "logprobs": engine.config.vocab_size if most == -1 else most}
 
 
 def apply_limits(node, limits: dict[str, int]) -> None:

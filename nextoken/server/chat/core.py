@@ -112,7 +112,7 @@ async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
         sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
     try:
         params = SamplingParams(**sampling, max_tokens=max_tokens, structured_outputs=forced or spec.constraint)
-        params = params.validate(engine.config.vocab_size)
+        params = params.validate(engine.config.vocab_size, engine.max_logprobs)
     except (TypeError, InvalidRequest) as exc:
         raise _sampling_error(spec, exc) from None
     await serving.compile(params.structured_outputs)
@@ -127,6 +127,8 @@ def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:
     (``options.top_p`` on Ollama)."""
     where = spec.fields.get("sampling")
     field = getattr(exc, "field", None)
+    if where is None and field and spec.name(field) != field:  # (OpenAI chat's top_logprobs is logprobs here)
+        return InvalidRequest(str(exc).replace(field, spec.name(field), 1), spec.name(field))
     if where is None:
         return exc if isinstance(exc, InvalidRequest) else InvalidRequest(str(exc))
     if field in ("max_tokens", "structured_outputs"):  # not a sampling field: the request's own name

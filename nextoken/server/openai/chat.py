@@ -58,7 +58,7 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     body.parallel_tool_calls, body.structured(),
                     body.sampling_fields((body.top_logprobs or 0) if body.logprobs else None),
                     body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
-                    {"max_tokens": used, "constraint": "response_format"},
+                    {"max_tokens": used, "constraint": "response_format", "logprobs": "top_logprobs"},
                     {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
                     priority=body.priority, client=f"user:{body.user}" if body.user else "",
                     unset=sampling_defaults.unset(body.model_fields_set), continue_final=body.continue_final_message,

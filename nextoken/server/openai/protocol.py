@@ -21,7 +21,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from nextoken import sampling_defaults
-from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFloat, MaxTokens, NonEmptyStr, TokenId, \
+from nextoken.bodies import BODY, SEED_LIMIT, UNION_TAG, Answer, Body, FiniteFloat, LogprobCount, MaxTokens, NonEmptyStr, TokenId, \
     Published, accept_published, only, unset_or
 from nextoken.errors import InvalidRequest
 from nextoken.sampling_params import SamplingParams
@@ -248,9 +248,9 @@ class CompletionRequest(_Sampling):
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Annotated[MaxTokens, Field(ge=0)] | None = 16  # 0: score the prompt only (with echo)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: LogprobCount | None = None
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[].prompt_logprobs
+    prompt_logprobs: LogprobCount | None = None  # vLLM's extension: choices[].prompt_logprobs
     # vLLM's detokenization options; no_stop_trim is SGLang's name for include_stop_str_in_output
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -380,7 +380,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: LogprobCount | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -25,7 +25,7 @@ from fastapi import Request
 from pydantic import ConfigDict, Field, model_validator
 
 from nextoken import sampling_defaults
-from nextoken.bodies import BODY, Body, FiniteFloat, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
+from nextoken.bodies import BODY, Body, FiniteFloat, LogprobCount, MaxTokens, NonEmptyStr, Published, accept_published, unset_or
 from nextoken.errors import InvalidRequest, NotFound
 from nextoken.server.api import published
 from nextoken.server.api.rules import Rule, check, forbid
@@ -194,7 +194,7 @@ class ResponsesRequest(Body):
     # "message.output_text.logprobs": each output_text part's tokens with their log-probabilities (and
     # top_logprobs alternatives); "reasoning.encrypted_content" adds nothing (reasoning is plain text here)
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: LogprobCount | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -287,7 +287,7 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     body.parallel_tool_calls, _structured(body),
                     {"temperature": body.temperature, "top_p": body.top_p,
                      "logprobs": (body.top_logprobs or 0) if body.wants_logprobs else None}, body.max_output_tokens,
-                    fields={"max_tokens": "max_output_tokens", "constraint": "text.format"},
+                    fields={"max_tokens": "max_output_tokens", "constraint": "text.format", "logprobs": "top_logprobs"},
                     priority=body.priority, client=f"user:{body.user}" if body.user else "",
                     unset=sampling_defaults.unset(body.model_fields_set))
 
