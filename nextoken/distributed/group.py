@@ -14,7 +14,10 @@ and its threads default to that slice. Two groups connect the ranks: the compute
 collectives time out after `COLLECTIVE_TIMEOUT_S` (a rank that died or hangs ends the step with
 `TensorParallelError` instead of a hang), and the command group, on which the followers wait
 for rank 0's next step without a deadline (an idle server is not a failure; rank 0 exiting
-closes its sockets, which ends the wait at once).
+closes its sockets, which ends the wait at once). Rank 0 checks the followers it started itself
+before each step (a `waitpid` each): one that exited fails the step at once, naming its rank and
+status, rather than leaving gloo to notice the closed connection (which under load has taken
+the collective timeout). Under torchrun the launcher watches its processes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ log = logging.getLogger("nextoken.distributed")
 
 COLLECTIVE_TIMEOUT_S = 60  # a collective unfinished after this many seconds fails the step
 IDLE_TIMEOUT = timedelta(days=3650)  # followers wait this long for the next step
+FOLLOWER_EXIT_S = 10  # a follower told to stop has this long to exit before it is killed
 EXCHANGE_MAX_RANKS = 4  # up to this many ranks, all-reduce by one exchange of the parts (`all_reduce`)
 
 
@@ -50,9 +54,11 @@ class TensorParallel:
     layers call. `stats` counts each kind of collective and the seconds spent in it
     (``{"all_reduce": [calls, seconds], "all_gather": [...], "broadcast": [...]}``)."""
 
-    def __init__(self, rank: int, size: int, cores: set[int] | None = None):
+    def __init__(self, rank: int, size: int, cores: set[int] | None = None,
+                 followers: dict[int, subprocess.Popen] | None = None):
         self.rank, self.size = rank, size
         self.cores = cores  # the cores this process had before it was pinned (restored by `close`)
+        self.followers = followers or {}  # rank -> its process, for the ranks this one started
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.stats = {"all_reduce": [0, 0.0], "all_gather": [0, 0.0], "broadcast": [0, 0.0]}
         self.closed = False
@@ -132,13 +138,26 @@ class TensorParallel:
 
     # -- the step broadcast (rank 0 -> followers) -------------------------------------------
     def send(self, call) -> None:
-        """Rank 0: hand `call` (a picklable ``(method, args)``, or None: stop) to every follower."""
+        """Rank 0: hand `call` (a picklable ``(method, args)``, or None: stop) to every follower.
+        Raises `TensorParallelError` when a follower this process started has exited, or the
+        broadcast fails."""
         t0 = time.perf_counter()
+        self.check_followers()
         try:
             dist.broadcast_object_list([call], src=0, group=self.commands)
         except (RuntimeError, dist.DistError) as exc:
             raise self._fail("the step broadcast", exc) from exc
         self._count("broadcast", t0)
+
+    def check_followers(self) -> None:
+        """Raise `TensorParallelError` naming the first follower this process started that has
+        exited (its status, or the signal that killed it)."""
+        for rank, proc in self.followers.items():
+            status = proc.poll()
+            if status is not None:
+                how = f"killed by signal {-status}" if status < 0 else f"status {status}"
+                raise TensorParallelError(f"tensor parallel rank {self.rank}: rank {rank} exited ({how}) before the "
+                                          f"step broadcast")
 
     def receive(self):
         """A follower: the next call rank 0 sent (waits without a deadline)."""
@@ -160,6 +179,12 @@ class TensorParallel:
         except TensorParallelError:  # a follower already gone: nothing left to tell
             pass
         dist.destroy_process_group()
+        for proc in self.followers.values():  # (told to stop, or gone: reaped, never left a zombie)
+            try:
+                proc.wait(timeout=FOLLOWER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if self.cores is not None:
             os.sched_setaffinity(0, self.cores)
 
@@ -189,6 +214,7 @@ def init_tensor_parallel(size: int, follower_argv: list[str] | None = None) -> T
         return None
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     rank, cores = torchrun_rank(), os.sched_getaffinity(0)
+    followers: dict[int, subprocess.Popen] = {}
     if rank is not None:
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
@@ -200,17 +226,20 @@ def init_tensor_parallel(size: int, follower_argv: list[str] | None = None) -> T
     else:
         port = _free_port()
         for r in range(1, size):
-            subprocess.Popen([sys.executable, "-m", "nextoken.runner.follower", "--rank", str(r), "--size", str(size),
+            followers[r] = subprocess.Popen([sys.executable, "-m", "nextoken.runner.follower", "--rank", str(r), "--size", str(size),
                               "--port", str(port), *(follower_argv or [])])
         pin_to_slice(0, size)
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
                                     timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:  # a follower died before it joined (its error is above)
+            for proc in followers.values():  # (the others would wait for the group until their own timeout)
+                proc.kill()
+                proc.wait()
             raise TensorParallelError(f"tensor parallel: ranks 1..{size - 1} did not join rank 0 within "
                                       f"{COLLECTIVE_TIMEOUT_S} s ({str(exc).splitlines()[0]})") from exc
         rank = 0
-    tp = TensorParallel(rank, size, cores)
+    tp = TensorParallel(rank, size, cores, followers)
     if rank == 0:
         atexit.register(tp.close)
     log.info("tensor parallel: rank %d of %d, cores %s", rank, size, sorted(os.sched_getaffinity(0)))
