@@ -86,7 +86,7 @@ START = time.perf_counter()
 DEV = "cuda"  # "cpu" in a dry run
 SPY_DIR = "/tmp/nextoken-gpu-check-spy"
 DRY = {"others": 23, "speed_tokens": 256, "batch": 64, "prompt": 512, "prefill": 4096, "requests": 256,
-       "hf_batches": (128, 256, 512)}  # the workload's sizes (smaller in a dry run)
+       "hf_batches": (128, 256, 512), "b1_prompt": 128, "reps": 3}  # the workload's sizes (smaller in a dry run)
 
 
 def on_device() -> dict:
@@ -474,14 +474,14 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
         except Exception as exc:  # noqa: BLE001 - a figure of the log, not of the check
             log(f"   the tiles' rates failed: {type(exc).__name__}: {exc}")
     rng = random.Random(3)
-    prompt = rand_ids(rng, 128, vocab)
+    prompt = rand_ids(rng, DRY["b1_prompt"], vocab)
     b1 = (("greedy", SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)),
           ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=n_tok, ignore_eos=True)))
     for name, params in b1:
         llm.generate([prompt], params)  # warm
-        tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
+        tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(DRY["reps"])]
         out[f"b1_{name}_tok_s"] = 1 / statistics.median(tpots)
-    roof = (facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * (128 + n_tok // 2)) / bw
+    roof = (facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * (DRY["b1_prompt"] + n_tok // 2)) / bw
     out["b1_roofline_tok_s"] = 1 / roof
     out["b1_share"] = out["b1_greedy_tok_s"] / out["b1_roofline_tok_s"]
     log(f"   batch 1: {out['b1_greedy_tok_s']:.0f} tok/s greedy, {out['b1_sampled_tok_s']:.0f} sampled; roofline "
@@ -526,7 +526,7 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
     llm.engine.async_scheduling = True
     try:  # (a fault here keeps the in-order figures above, and the serving section runs in order)
         for name, params in b1:
-            tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(3)]
+            tpots = [llm.generate([prompt], params)[0].metrics.tpot for _ in range(DRY["reps"])]
             out[f"b1_async_{name}_tok_s"] = 1 / statistics.median(tpots)
         for name, params in b64:
             out[f"b64_async_{name}_step_ms"], out[f"b64_async_{name}_out_tok_s"], got, \
@@ -708,7 +708,7 @@ def rowwise_ab(llm, prompt, prompts, b1_params, b64_params, measured: dict) -> d
             free()
             runner.capture_decode_graphs(sizes, length)
         llm.generate([prompt], b1_params)  # warm
-        tpots = [llm.generate([prompt], b1_params)[0].metrics.tpot for _ in range(3)]
+        tpots = [llm.generate([prompt], b1_params)[0].metrics.tpot for _ in range(DRY["reps"])]
         out[f"b1_{stage}_greedy_tok_s"] = 1 / statistics.median(tpots)
         out[f"b64_{stage}_greedy_step_ms"] = decode_steps(llm, prompts, b64_params)[0]
     log(f"   the plan's kernels against cuBLAS alone (GEMV and GEMM off) and PyTorch's rows and separate matmuls too: batch 1 "
@@ -745,7 +745,7 @@ def profile(llm, vocab: int, path: str) -> dict:
             log(f"   profile: counting the graph's kernels failed: {type(exc).__name__}: {exc}")
     n = max(8, DRY["speed_tokens"] // 4)
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    prompt = rand_ids(rng, 128, vocab)
+    prompt = rand_ids(rng, DRY["b1_prompt"], vocab)
     llm.generate([prompt], greedy)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -1261,7 +1261,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: tests, exact, speed, serve, hf (transformers' generate)")
-    ap.add_argument("--budget", type=float, default=460, help="seconds; later sections are skipped past it")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds; later sections are skipped past it (default 460; a dry run: no limit, every "
+                         "section runs)")
     ap.add_argument("--tests-timeout", type=float, default=0,
                     help="seconds for the GPU tests (0: a third of the budget, 60 to 170)")
     ap.add_argument("--folders", default="/tmp/nextoken-gpu-models", help="where the model folders are written")
@@ -1291,7 +1293,9 @@ def main() -> int:
                                                      fused=p.attention == "triton", gemv=p.attention == "triton",
                                                      skinny=p.attention == "triton",
                                                      triton_sampling=p.attention == "triton"))
-        DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,))
+        DRY.update(others=2, speed_tokens=6, batch=3, prompt=20, prefill=64, requests=6, hf_batches=(2,), b1_prompt=16,
+                   reps=1)
+        args.budget = float("inf") if args.budget is None else args.budget
         args.models = "tiny-llama,tiny-gemma3" if args.models == ",".join(ORDER) else args.models
         limits = {"name": "CPU (dry run)", "bandwidth": 1e10, "bf16_rate": 1e11}
         skip.add("tests")
@@ -1299,6 +1303,7 @@ def main() -> int:
         print("no GPU visible to PyTorch: this check runs on a GPU machine (or --dry-run)", file=sys.stderr)
         return 2
     else:
+        args.budget = 460.0 if args.budget is None else args.budget
         with section("card", args.budget) as go:
             if go:
                 limits = card()

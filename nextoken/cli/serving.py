@@ -6,12 +6,16 @@ from nextoken.cli.common import engine_args
 
 
 def _server_args(a):
+    """The command line's `ServerArgs`, checked (`ServerArgs.check`: one line, before any load)."""
     from nextoken.server.args import ServerArgs
 
-    return ServerArgs.from_cli_args(a)
+    args = ServerArgs.from_cli_args(a)
+    args.check()
+    return args
 
 
 def cmd_serve(a) -> int:
+    _server_args(a)
     if a.replicas:
         from nextoken.server.replicas import serve_replicas
 

@@ -129,10 +129,10 @@ def serve_api_servers(engine_args, server_args, announce_inspector: bool = False
         to_core.close()
         from_core.close()
     sock.close()
-    log.info("nextoken serving %s on http://%s:%d: %d server processes over one engine process",
-             config.model_name, config.host, config.port, n)
+    log.info("nextoken serving %s on %s://%s:%d%s: %d server processes over one engine process",
+             config.model_name, config.scheme, config.host, config.port, config.root_path or "", n)
     if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
-        print(f"inspector: http://{config.host}:{config.port}/inspect"
+        print(f"inspector: {config.scheme}://{config.host}:{config.port}{config.root_path or ''}/inspect"
               f"{f'?key={config.api_key}' if config.api_key else ''}", flush=True)
     try:
         return _supervise(servers, engine)

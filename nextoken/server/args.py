@@ -40,6 +40,17 @@ class ServerArgs(CliArgs):
                                          "hold its slot to the end of the context)",
                                          group="server", type=positive_int, metavar="N")
     allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
+    root_path: str | None = opt(None, "the path prefix a proxy serves this server under, e.g. /llm (FastAPI's "
+                                "root_path, vLLM's flag): the proxy strips it, the OpenAPI schema and the inspector "
+                                "keep it", group="server", metavar="PATH")
+    ssl_keyfile: str | None = opt(None, "serve HTTPS: the private key's PEM file (with --ssl-certfile; vLLM's)",
+                                  group="server", metavar="FILE")
+    ssl_certfile: str | None = opt(None, "serve HTTPS: the certificate chain's PEM file (with --ssl-keyfile)",
+                                   group="server", metavar="FILE")
+    ssl_ca_certs: str | None = opt(None, "with HTTPS: the CA certificates that client certificates are checked "
+                                   "against (--ssl-cert-reqs)", group="server", metavar="FILE")
+    ssl_cert_reqs: int = opt(0, "with HTTPS: client certificates 0 not asked, 1 optional, 2 required (Python's "
+                             "ssl.CERT_*; vLLM's)", group="server", type=int, choices=(0, 1, 2), metavar="N")
     timeout_keep_alive: float = opt(75.0, "seconds an idle keep-alive connection stays open (uvicorn's 5 s default "
                                     "closes it as httpx and the openai SDK, whose pools keep one 5 s, reuse it: "
                                     "a ReadError on the client)", group="server", type=float, metavar="S")
@@ -101,6 +112,36 @@ class ServerArgs(CliArgs):
     model_aliases: tuple = opt((), "the other names clients may send as model (--served-model-name's)", cli="none")
     disconnect_poll_s: float = opt(0.05, "how often a waiting request checks its client is still there",
                                    cli="none")
+
+    def check(self) -> None:
+        """Raise `InvalidRequest` naming the first bad combination of options (before anything
+        loads): TLS needs both files, readable; a root path starts with /."""
+        from nextoken.errors import InvalidRequest
+
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise InvalidRequest("HTTPS needs both --ssl-keyfile and --ssl-certfile", "ssl_certfile" if
+                                 self.ssl_keyfile else "ssl_keyfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise InvalidRequest(f"--{name.replace('_', '-')} {path}: no such readable file", name)
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            field = "ssl_ca_certs" if self.ssl_ca_certs else "ssl_cert_reqs"
+            raise InvalidRequest(f"--{field.replace('_', '-')} needs HTTPS (--ssl-keyfile and --ssl-certfile)", field)
+        if self.ssl_cert_reqs == 2 and not self.ssl_ca_certs:
+            raise InvalidRequest("--ssl-cert-reqs 2 needs --ssl-ca-certs (the CAs a client certificate is checked "
+                                 "against)", "ssl_ca_certs")
+        if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise InvalidRequest(f"--root-path {self.root_path!r} must start with / and not end with one, e.g. /llm",
+                                 "root_path")
+        if self.replicas and (self.ssl_certfile or self.root_path):
+            raise InvalidRequest("--replicas serves through vllm-router, which nextoken starts without TLS or a root "
+                                 "path: put the proxy with them in front of it", "replicas")
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with --ssl-certfile, else ``http``."""
+        return "https" if self.ssl_certfile else "http"
 
     def for_model(self, model: str) -> ServerArgs:
         """These arguments serving `model`: `model_name` (and `model_aliases`) from

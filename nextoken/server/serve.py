@@ -20,13 +20,15 @@ log = logging.getLogger("nextoken.server")
 
 def uvicorn_config(app, config):
     """How uvicorn serves `app` (a `uvicorn.Config`): the host, port, log level, access log,
-    graceful shutdown and keep-alive of `config` (the `ServerArgs`)."""
+    graceful shutdown, keep-alive, TLS and root path of `config` (the `ServerArgs`)."""
     import uvicorn
 
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                           access_log=not config.disable_uvicorn_access_log,
                           timeout_graceful_shutdown=config.shutdown_timeout,
-                          timeout_keep_alive=config.timeout_keep_alive)
+                          timeout_keep_alive=config.timeout_keep_alive, root_path=config.root_path or "",
+                          ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                          ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
 
 
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
@@ -250,7 +252,8 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
     server = Server(uvicorn_config(app, config))
     server_ref["server"] = server
     if sockets is None:
-        log.info("nextoken serving %s on http://%s:%d", config.model_name, config.host, config.port)
+        log.info("nextoken serving %s on %s://%s:%d%s", config.model_name, config.scheme, config.host, config.port,
+                 config.root_path or "")
     else:  # one server process of several: it accepts once loaded (none answers 503 while another answers 200)
         try:
             load(state)
@@ -260,6 +263,7 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
         state.ready = True
     if announce_inspector:  # `nextoken inspect`: the URL to open (with the key, when there is one)
         key = f"?key={config.api_key}" if config.api_key else ""
-        print(f"inspector: http://{config.host}:{config.port}/inspect{key}", flush=True)
+        print(f"inspector: {config.scheme}://{config.host}:{config.port}{config.root_path or ''}/inspect{key}",
+              flush=True)
     server.run(sockets=sockets)
     return state.exit_code

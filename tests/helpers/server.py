@@ -53,7 +53,7 @@ class LiveServer:
         while not self.server.started:
             assert self.thread.is_alive(), f"uvicorn did not start on port {self.port}"
             time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{args.scheme}://127.0.0.1:{self.port}"
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)

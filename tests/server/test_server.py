@@ -751,3 +751,76 @@ def test_max_logprobs_bounds_every_api_and_can_be_raised(tiny_gguf):
         finally:
             srv.stop()
             llm.close()
+
+
+def test_https_serves_the_openai_sdk_that_trusts_its_ca(tiny_gguf, tmp_path):
+    """``--ssl-keyfile/--ssl-certfile`` (vLLM's): the openai SDK over HTTPS, trusting the
+    server's CA, gets the same greedy answer as `LLM.generate`; a client that does not trust it
+    is refused by its own TLS check, and plain HTTP to the port gets no answer."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_file, cert_file, ca_file = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    ca.cert_pem.write_to_path(str(ca_file))
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny", ssl_keyfile=str(key_file), ssl_certfile=str(cert_file))
+    try:
+        assert srv.url.startswith("https://")
+        client = srv.client(http_client=httpx.Client(verify=str(ca_file)))
+        got = client.completions.create(model="tiny", prompt="the cat", max_tokens=8, temperature=0)
+        want = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        assert got.choices[0].text == want
+        with pytest.raises(openai.APIConnectionError):
+            srv.client().models.list()  # (the system's CAs: this one is not among them)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+    finally:
+        srv.stop()
+        llm.close()
+
+
+def test_root_path_serves_under_a_proxys_prefix(tiny_gguf):
+    """``--root-path /llm`` (vLLM's, FastAPI's root_path) behind a proxy that strips the prefix:
+    the routes answer the paths it forwards, the API key still guards every route but /health,
+    the OpenAPI schema names the prefix as its server (what a client outside sees), and the
+    inspector's page loads its files and API relative to itself, so that through the proxy they
+    stay under the prefix."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny", root_path="/llm", api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    try:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+        assert httpx.get(f"{srv.url}/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
+        assert srv.client(api_key="k").completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text
+        schema = httpx.get(f"{srv.url}/openapi.json", headers=auth).json()
+        assert schema["servers"] == [{"url": "/llm"}]
+        page = httpx.get(f"{srv.url}/inspect", headers=auth).text
+        assert 'src="inspect/static/app.js"' in page and '"/inspect/' not in page
+        assert httpx.get(f"{srv.url}/inspect/static/app.js").status_code == 200
+        lib = httpx.get(f"{srv.url}/inspect/static/lib.js").text
+        assert 'new URL("../api/", import.meta.url)' in lib and '"/inspect/api' not in lib
+    finally:
+        srv.stop()
+        llm.close()
+
+
+def test_bad_tls_and_root_path_options_are_one_line_errors():
+    """`ServerArgs.check`: each bad combination named before anything loads."""
+    from nextoken.errors import InvalidRequest
+    from nextoken.server.args import ServerArgs
+
+    for kwargs, field in ((dict(ssl_keyfile="/etc/hostname"), "ssl_certfile"),
+                          (dict(ssl_keyfile="/nope.pem", ssl_certfile="/etc/hostname"), "ssl_keyfile"),
+                          (dict(ssl_cert_reqs=2), "ssl_cert_reqs"),
+                          (dict(ssl_keyfile="/etc/hostname", ssl_certfile="/etc/hostname", ssl_cert_reqs=2),
+                           "ssl_ca_certs"),
+                          (dict(root_path="llm"), "root_path"), (dict(root_path="/llm/"), "root_path"),
+                          (dict(root_path="/llm", replicas=2), "replicas")):
+        with pytest.raises(InvalidRequest) as err:
+            ServerArgs(**kwargs).check()
+        assert err.value.field == field, (kwargs, err.value)
+    ServerArgs(root_path="/llm").check()

@@ -1,5 +1,7 @@
 // Helpers shared by the widgets: the API (with the key from ?key=), DOM, canvas heatmaps, SVG.
 const KEY = new URLSearchParams(location.search).get("key");
+// the API beside this file (/inspect/static/ -> /inspect/api/), under whatever prefix a proxy serves it (--root-path)
+const API = new URL("../api/", import.meta.url).pathname;
 
 export async function api(path, body) {
   const opts = { headers: {} };
@@ -9,7 +11,7 @@ export async function api(path, body) {
     opts.headers["Content-Type"] = "application/json";
     opts.body = JSON.stringify(body);
   }
-  const res = await fetch("/inspect/api/" + path, opts);
+  const res = await fetch(API + path, opts);
   const data = JSON.parse(await readBody(res, path));
   if (!res.ok) throw new Error(data.error ? data.error.message : res.statusText);
   return data;
@@ -42,7 +44,7 @@ async function readBody(res, what) {
   return new TextDecoder().decode(all);
 }
 
-export function liveUrl() { return "/inspect/api/live" + (KEY ? "?key=" + encodeURIComponent(KEY) : ""); }
+export function liveUrl() { return API + "live" + (KEY ? "?key=" + encodeURIComponent(KEY) : ""); }
 
 export const $ = (id) => document.getElementById(id);
 

@@ -33,7 +33,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(self.limit, self.apis.shape(scope["path"]))(scope, receive, send)
+            return await _too_large(self.limit, self.apis.shape(route_path(scope)))(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -47,7 +47,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _BodyTooLarge:
-            await _too_large(self.limit, self.apis.shape(scope["path"]))(scope, receive, send)
+            await _too_large(self.limit, self.apis.shape(route_path(scope)))(scope, receive, send)
 
 
 class Gate:
@@ -63,14 +63,15 @@ class Gate:
     async def __call__(self, scope, receive, send):
         # open: /health, and the inspector's static files (code and styles, no data: a browser
         # loads them without the key; the page and every /inspect/api route need it)
-        if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/inspect/static/"):
+        if scope["type"] == "http" and route_path(scope) != "/health" \
+                and not route_path(scope).startswith("/inspect/static/"):
             refusal = self._refusal(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
     def _refusal(self, scope):
-        path = scope["path"]
+        path = route_path(scope)
         shape = self.apis.shape(path)
         if self.expected is not None:
             headers = dict(scope.get("headers") or [])
@@ -88,6 +89,13 @@ class Gate:
         if not self.state.ready and (self.apis.serves(path) or path.startswith(("/v1", "/inspect/api"))):
             return error_response(503, "the model is still loading", shape=shape)
         return None
+
+
+def route_path(scope) -> str:
+    """The request's path within the app: uvicorn's ``path`` holds the root path (--root-path,
+    the ASGI spec's ``root_path``) before it, which the routes do not."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 def _query_key(scope) -> bytes:
