@@ -73,6 +73,10 @@ class ServerArgs(CliArgs):
     return_tokens_as_token_ids: bool = opt(False, "name the tokens of log-probabilities token_id:N (as a request's "
                                                   "return_tokens_as_token_ids does; vLLM's flag)", group="server",
                                            cli="true")
+    enable_request_id_headers: bool = opt(False, "answer every HTTP request with an X-Request-Id header: the "
+                                                 "client's X-Request-Id, else a new id, which the request's engine "
+                                                 "id and log line carry too (vLLM's flag)", group="server",
+                                          cli="true")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level (vLLM's flag; info adds uvicorn's line per HTTP "
                                             "request, its access log)", group="server",
                                  choices=("critical", "error", "warning", "info", "debug", "trace"))

@@ -824,3 +824,37 @@ def test_bad_tls_and_root_path_options_are_one_line_errors():
             ServerArgs(**kwargs).check()
         assert err.value.field == field, (kwargs, err.value)
     ServerArgs(root_path="/llm").check()
+
+
+def test_request_id_headers_echo_the_clients_id_into_the_log(tiny_gguf, caplog):
+    """``--enable-request-id-headers`` (vLLM's): every answer carries X-Request-Id, the client's
+    own when it sends one (its request's log line and response id carry it too, with a random
+    tail so a repeated id stays unique), else a new one; a malformed one is replaced. Without
+    the flag no header is added, and the client's id still names its request (as vLLM reads it)."""
+    import logging
+
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny", enable_request_id_headers=True)
+    plain = LiveServer(llm, "tiny")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with caplog.at_level(logging.INFO, logger="nextoken.server"):
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "job-7.a:1"})
+            again = httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "job-7.a:1"})
+        assert r.status_code == again.status_code == 200 and r.headers["x-request-id"] == "job-7.a:1"
+        assert r.json()["id"].startswith("chatcmpl-job-7.a:1-") and r.json()["id"] != again.json()["id"]
+        assert any(f"request {r.json()['id']} " in m for m in caplog.messages)
+        fresh = httpx.get(f"{srv.url}/v1/models").headers["x-request-id"]
+        assert len(fresh) == 32 and fresh != httpx.get(f"{srv.url}/v1/models").headers["x-request-id"]
+        bad = httpx.get(f"{srv.url}/v1/models", headers={"X-Request-Id": "a b"}).headers["x-request-id"]
+        assert bad != "a b" and len(bad) == 32
+        refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1},
+                             headers={"X-Request-Id": "r1"})
+        assert refused.status_code == 400 and refused.headers["x-request-id"] == "r1"
+        c = httpx.post(f"{plain.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                       headers={"X-Request-Id": "r2"})
+        assert "x-request-id" not in c.headers and c.json()["id"].startswith("cmpl-r2-")
+    finally:
+        srv.stop()
+        plain.stop()
+        llm.close()

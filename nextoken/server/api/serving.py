@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 
 from fastapi import Request
@@ -40,6 +41,27 @@ def client_of(request) -> str:
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
     return f"key:{key}" if key else ""
+
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def valid_request_id(value: str | None) -> str | None:
+    """`value` (an ``X-Request-Id`` header) when it is 1-128 letters, digits or ``._:-``, else None
+    (a header of other characters is ignored rather than put in ids and logs)."""
+    return value if value is not None and REQUEST_ID.fullmatch(value) else None
+
+
+def new_request_id(prefix: str, request) -> str:
+    """An engine request id for `request` (a FastAPI `Request`): `prefix`, then its id as the
+    client sent it in ``X-Request-Id`` (as vLLM reads it) or as ``--enable-request-id-headers``
+    answers it (`server.app.middleware.RequestIdHeader`), and 8 random hex digits (ids stay
+    unique when a client sends one twice); without either, 32 random hex digits."""
+    state = getattr(request, "state", None)
+    given = getattr(state, "request_id", None) if state is not None else None
+    headers = getattr(request, "headers", None) or {}
+    given = given or valid_request_id(headers.get("x-request-id"))
+    return f"{prefix}{given}-{uuid.uuid4().hex[:8]}" if given else f"{prefix}{uuid.uuid4().hex}"
 
 
 def no_lora_beams(lora) -> None:
@@ -128,7 +150,8 @@ class ApiServing:
         options = RequestOptions(priority=body.priority, client=f"user:{body.user}" if body.user else client_of(request))
         outs = await asyncio.gather(*(eng.beam_search(ids, BeamSearch([ids], width, max_tokens, body.length_penalty,
                                                                       body.ignore_eos, eog),
-                                                      f"beam-{uuid.uuid4().hex}", options) for ids in prompts))
+                                                      new_request_id("beam-", request), options)
+                                      for ids in prompts))
         for out in outs:
             out.outputs[:] = out.outputs[: body.n]
             out.metrics.num_output_tokens = sum(len(c.token_ids) for c in out.outputs)

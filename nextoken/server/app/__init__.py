@@ -29,7 +29,7 @@ from nextoken.engine.stats import SchedulerStats
 from nextoken.server.app.metrics import ServerMetrics
 from nextoken.server.app.openapi import document_errors, model_limits
 from nextoken.server.api.state import Capabilities, ServerState
-from nextoken.server.app.middleware import BodyLimit, Gate, exception_handlers
+from nextoken.server.app.middleware import BodyLimit, Gate, RequestIdHeader, exception_handlers
 
 log = logging.getLogger("nextoken.server")
 
@@ -54,6 +54,8 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
     app.add_middleware(Gate, state=state, config=args, apis=apis)
+    if args.enable_request_id_headers:  # (outermost: refusals and errors carry the header too)
+        app.add_middleware(RequestIdHeader)
     exception_handlers(app, args)
     app.include_router(routes.info)
     if capabilities.generate:

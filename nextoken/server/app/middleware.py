@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +17,7 @@ from nextoken.errors import EngineError, InvalidRequest, RequestFailed
 from nextoken.server.api.routing import Apis
 from nextoken.server.args import ServerArgs
 from nextoken.server.app.errors import error_response, validation_message
-from nextoken.server.api.serving import ClientGone, QueueFull
+from nextoken.server.api.serving import ClientGone, QueueFull, valid_request_id
 
 log = logging.getLogger("nextoken.server")
 
@@ -48,6 +49,30 @@ class BodyLimit:
             await self.app(scope, limited, send)
         except _BodyTooLarge:
             await _too_large(self.limit, self.apis.shape(route_path(scope)))(scope, receive, send)
+
+
+class RequestIdHeader:
+    """ASGI middleware (``--enable-request-id-headers``, vLLM's): every HTTP answer carries
+    ``X-Request-Id``, the client's own (`valid_request_id`) or a new one, which the request's
+    engine id takes too (`server.api.serving.new_request_id`, through the scope's state)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = valid_request_id(given.decode("latin-1") if given is not None else None) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class Gate:

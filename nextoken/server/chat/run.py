@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -25,7 +24,7 @@ from nextoken.outputs import RequestOutput
 from nextoken.request_options import RequestOptions
 from nextoken.server.chat.events import (Choice, Event, Failed, Finish, Tokens, Usage)
 from nextoken.server.chat.reasoning import StreamSplitter, split as split_reasoning
-from nextoken.server.api.serving import client_of
+from nextoken.server.api.serving import client_of, new_request_id
 from nextoken.server.chat.tools import parse as parse_tools
 
 if TYPE_CHECKING:
@@ -76,14 +75,14 @@ def result(out: RequestOutput, names: frozenset[str] | None, style: str | None) 
 
 async def run(serving: ApiServing, prepared: Prepared, request, lora=None, stream: bool = False,
               prefix: str = "chatcmpl-") -> ChatResult | EventStream:
-    """`prepared` into the engine of `serving` (its `EngineClient`) as request ``prefix + uuid``
+    """`prepared` into the engine of `serving` (its `EngineClient`) as request `new_request_id`
     (with LoRA adapter `lora`); the `ChatResult` when it ends, or with `stream` the async stream
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine
     # (not streamed: the engine makes its one output when it ends, and no snapshot a step before)
     options = RequestOptions(lora_request=lora, priority=prepared.priority,
                              client=prepared.client or client_of(request), final_only=not stream)
-    rid = await eng.add_request(prepared.ids, prepared.params, f"{prefix}{uuid.uuid4().hex}", options)
+    rid = await eng.add_request(prepared.ids, prepared.params, new_request_id(prefix, request), options)
     style = serving.args.reasoning_parser
     if stream:
         return EventStream(rid, _events(serving, rid, prepared.names, style))

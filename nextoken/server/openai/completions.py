@@ -4,7 +4,6 @@ prompt into the engine, the choices back as JSON or as server-sent events."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 
@@ -12,7 +11,7 @@ from nextoken.request_options import RequestOptions
 from nextoken.server.openai import render as R
 from nextoken.server.openai.protocol import CompletionRequest
 from nextoken.server.chat.prompts import completion_prompts
-from nextoken.server.api.serving import ApiServing, client_of, no_lora_beams, sse_response
+from nextoken.server.api.serving import ApiServing, client_of, new_request_id, no_lora_beams, sse_response
 
 
 class OpenAIServingCompletion(ApiServing):
@@ -38,7 +37,7 @@ class OpenAIServingCompletion(ApiServing):
             for ids, text in prompts:
                 params = body.sampling_params(body.generation_limit(), body.logprobs, structured,
                                               body.scored_prompt(), eng.sampling_defaults)
-                rids.append(await eng.add_request(ids, params, f"cmpl-{uuid.uuid4().hex}",
+                rids.append(await eng.add_request(ids, params, new_request_id("cmpl-", request),
                                                   RequestOptions(prompt_text=text, lora_request=lora,
                                                                  priority=body.priority, client=client,
                                                                  final_only=not body.stream)))
