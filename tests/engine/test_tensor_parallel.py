@@ -222,14 +222,19 @@ def test_dead_rank_makes_the_server_exit_with_an_error(tiny_gguf):
 
 
 def _wait_exited(pid: int, timeout: float = 30) -> None:
-    """Wait until process `pid` (a child of another process) is a zombie or gone."""
+    """Wait until process `pid` (a child of another process) has exited: every one of its threads
+    a zombie or gone (its leader turns zombie while the other threads still exit, and until they
+    have, its parent's waitpid finds it running)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        states = []
         try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
         except FileNotFoundError:
-            return
-        if state in ("Z", "X"):
+            pass  # (a thread, or the process, gone: look again)
+        if not os.path.exists(f"/proc/{pid}") or (states and all(s in ("Z", "X") for s in states)):
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not exit within {timeout} s")
