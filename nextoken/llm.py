@@ -194,7 +194,8 @@ class LLM:
                  lora_request=None, priority: Sequence[int] | None = None,
                  truncate_prompt: bool = False) -> list[RequestOutput]:
         """Complete every prompt (raw text, token ids, or vLLM's prompt dictionaries
-        ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``), all batched together; returns one
+        ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``, either with a ``"cache_salt"``:
+        `RequestOptions.cache_salt`), all batched together; returns one
         finished `RequestOutput` per prompt, in order (vLLM's signature). `sampling_params` is
         one `SamplingParams` for all or one per prompt (None: `get_default_sampling_params`);
         `use_tqdm`: a progress bar of the prompts done, on standard error; `lora_request` one
@@ -204,12 +205,14 @@ class LLM:
         with `RequestOutput.error` set and finish reason ``"error"``; the others complete.
         `priority`: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
-        prompts = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
+        pairs = [_plain_prompt(p) for p in ([prompts] if single else list(prompts))]
+        prompts, salts = [p for p, _ in pairs], [salt for _, salt in pairs]
         loras = _per_prompt_loras(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", "priority")
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority, use_tqdm)
+        return self._run_all(prompts, _per_prompt(params, len(prompts)), truncate_prompt, loras, priority, use_tqdm,
+                             salts)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefixes cached in memory, so the next prompts are computed in full (vLLM's
@@ -254,7 +257,8 @@ class LLM:
         return self._run_all(prompts, _per_prompt(params, len(prompts)), False,
                              _per_prompt_loras(lora_request, len(prompts)), None, use_tqdm)
 
-    def _run_all(self, prompts, params, truncate, loras=None, priority=None, use_tqdm=False) -> list[RequestOutput]:
+    def _run_all(self, prompts, params, truncate, loras=None, priority=None, use_tqdm=False,
+                 salts=None) -> list[RequestOutput]:
         engine = self._generation()
         encoded = [engine.encode_prompt(p, (sp or SamplingParams()).validate(self.config.vocab_size, engine.max_logprobs),
                                         truncate)
@@ -262,9 +266,11 @@ class LLM:
         loras = loras or [None] * len(prompts)
         ids = []
         try:
-            for e, p, sp, lora, prio in zip(encoded, prompts, params, loras, priority or [0] * len(prompts)):
+            for e, p, sp, lora, prio, salt in zip(encoded, prompts, params, loras, priority or [0] * len(prompts),
+                                                  salts or [None] * len(prompts)):
                 ids.append(engine.add_request(e, sp, options=RequestOptions(
-                    prompt_text=p if isinstance(p, str) else None, lora_request=lora, priority=prio, final_only=True)))
+                    prompt_text=p if isinstance(p, str) else None, lora_request=lora, priority=prio, final_only=True,
+                    cache_salt=salt)))
         except Exception:  # one bad adapter: none of the prompts run
             for rid in ids:
                 engine.abort_request(rid)
@@ -281,17 +287,18 @@ class LLM:
                 if sp.logprobs is not None or sp.prompt_logprobs is not None else o for o, sp in zip(outs, params)]
 
 
-def _plain_prompt(p):
-    """A vLLM prompt dictionary as text or ids; text and ids as they are."""
+def _plain_prompt(p) -> tuple:
+    """A vLLM prompt dictionary as text or ids and its cache salt (or None); text and ids as
+    they are, without a salt."""
     if not isinstance(p, dict):
-        return p
-    keys = set(p)
+        return p, None
+    keys = set(p) - {"cache_salt"}
     if keys == {"prompt"}:
-        return p["prompt"]
+        return p["prompt"], p.get("cache_salt")
     if keys == {"prompt_token_ids"}:
-        return list(p["prompt_token_ids"])
-    raise InvalidRequest(f"a prompt dictionary takes 'prompt' (text) or 'prompt_token_ids' (ids), not "
-                         f"{sorted(p)}", "prompts")
+        return list(p["prompt_token_ids"]), p.get("cache_salt")
+    raise InvalidRequest(f"a prompt dictionary takes 'prompt' (text) or 'prompt_token_ids' (ids), and "
+                         f"'cache_salt', not {sorted(p)}", "prompts")
 
 
 def _is_ids(x) -> bool:

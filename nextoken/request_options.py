@@ -31,7 +31,10 @@ class RequestOptions:
     is a cost of every step); detokenize: the
     engine makes its outputs' text (False: the front end that sent it does, from the token ids,
     `engine.core.OutputMirror`, as vLLM's front ends do; the engine then spends no time on text.
-    Taken only for a request without stop strings, whose text the engine needs to stop it)."""
+    Taken only for a request without stop strings, whose text the engine needs to stop it);
+    cache_salt: salts its prefix-cache keys (vLLM's): its blocks serve, and are served by, only
+    requests of the same salt, so that a tenant cannot learn from the cache's hits what another
+    tenant's prompts hold (None: the shared cache)."""
 
     prompt_text: str | None = None
     truncate_prompt: bool = False
@@ -45,6 +48,7 @@ class RequestOptions:
     continuation: bool = False
     final_only: bool = False
     detokenize: bool = True
+    cache_salt: str | None = None
 
 
 DEFAULT = RequestOptions()

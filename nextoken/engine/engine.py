@@ -189,8 +189,12 @@ class LLMEngine:
         text = o.prompt_text if o.prompt_text is not None else (prompt if isinstance(prompt, str) else None)
         spec = params.structured_outputs  # compiled (or found in the cache) before anything is queued
         grammars = [self.grammars.sequence_grammar(spec) for _ in range(params.n)] if spec else [None] * params.n
+        if o.cache_salt is not None and (not isinstance(o.cache_salt, str) or not o.cache_salt):
+            raise InvalidRequest(f"cache_salt must be a non-empty string, got {o.cache_salt!r}", "cache_salt")
         seqs = make_sequences(request_id, ids, params, grammars, o.tracer, o.first_tokens, lora_id, o.priority,
                               o.client, o.continuation)
+        for s in seqs:
+            s.cache_salt = o.cache_salt
         self.outputs.add(new_group(request_id, text, ids, params, seqs, self.tokenizer, o.keep_prompt_hidden,
                                    o.return_logits, o.final_only, o.detokenize or bool(params.stop)))
         if self.async_scheduling and _needs_order(params, o):

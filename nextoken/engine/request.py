@@ -58,6 +58,7 @@ class Request:
     tracer: object | None = None  # `nextoken.trace` recorder: this request runs in a pass of its own
     first_tokens: list[int] = field(default_factory=list)  # emitted in place of the next draws (the quick start's)
     lora_id: int = 0  # its LoRA adapter (`lora.LoRAManager`), 0 for the base model
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share prefix-cache blocks
     priority: int = 0  # lower goes first under the priority policy (`engine.request_queue`)
     client: str = ""  # who sent it: the fair policy's unit of service
     continuation: bool = False  # continues a request that held a place (a beam step): keeps it

@@ -78,6 +78,12 @@ def chain_key(namespace: bytes, parent: bytes | None, tokens: Iterable[int]) -> 
     return h.digest()[:KEY_BYTES]
 
 
+def salted_root(namespace: bytes, salt: str) -> bytes:
+    """The parent a salted request's first block is chained to (`chain_key`), in place of the
+    namespace: ``sha256(namespace || "cache_salt" || salt)[:16]`` (vLLM's ``cache_salt``)."""
+    return hashlib.sha256(namespace + b"cache_salt\0" + salt.encode()).digest()[:KEY_BYTES]
+
+
 def encode_block(namespace: bytes, key: bytes, tokens: tuple[int, ...], payload) -> list[bytes]:
     """A block file's bytes, as the pieces to write in order (`payload`: a bytes-like object)."""
     head = BLOCK_HEADER.pack(MAGIC, namespace, key, len(tokens), len(payload)) + array("i", tokens).tobytes()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nextoken.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block
-from nextoken.kv_cache.disk import chain_key
+from nextoken.kv_cache.disk import chain_key, salted_root
 
 
 def ring_blocks(window: int, block_size: int, max_decode_rows: int = 1) -> int:
@@ -52,6 +52,15 @@ class Ring:
         held = self.held(ring_blocks)
         return [b for s, b in enumerate(self.slots) if s not in held] + \
             [self.off_ring[b] for b in sorted(self.off_ring)] + [self.slots[s] for s in held]
+
+
+def chain_root(req) -> tuple | None:
+    """Where the request's chain of prefix-cache keys starts: None for a plain request; its LoRA
+    adapter's and its cache salt's (vLLM's ``cache_salt``) otherwise, so that an adapter's keys
+    and values, and a salted request's blocks, serve only requests of the same adapter and salt."""
+    if not req.lora_id and req.cache_salt is None:
+        return None
+    return ("lora", req.lora_id, "salt", req.cache_salt)
 
 
 def _unshared(b: KVCacheBlock) -> bool:
@@ -184,7 +193,7 @@ class KVCacheManager:
     def _block_hashes(self, req, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
         hashes, bs, toks = req.block_hashes, self.block_size, req.all_token_ids
-        root = ("lora", req.lora_id) if req.lora_id else None  # an adapter's keys and values are its own
+        root = chain_root(req)
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else root, tuple(toks[i * bs : (i + 1) * bs])))
@@ -193,9 +202,10 @@ class KVCacheManager:
     def _disk_keys(self, req, num_blocks: int) -> list[bytes]:
         """The disk tier's chain keys of the request's first `num_blocks` full blocks (memoised)."""
         keys, bs, toks, ns = req.disk_keys, self.block_size, req.all_token_ids, self.disk.store.namespace
+        first = salted_root(ns, req.cache_salt) if req.cache_salt is not None else None
         while len(keys) < num_blocks:
             i = len(keys)
-            keys.append(chain_key(ns, keys[-1] if keys else None, toks[i * bs : (i + 1) * bs]))
+            keys.append(chain_key(ns, keys[-1] if keys else first, toks[i * bs : (i + 1) * bs]))
         return keys[:num_blocks]
 
     def get_computed_blocks(self, req) -> list[KVCacheBlock]:
@@ -441,8 +451,7 @@ class KVCacheManager:
         """The prefix cache's key of a block holding `token_ids` (fewer than a block's) after the
         request's first `num_full` full blocks: chained to theirs as a full block's is. Its token
         tuple is shorter than any full block's, so the two kinds never serve each other."""
-        root = ("lora", req.lora_id) if req.lora_id else None
-        return hash_block(self._block_hashes(req, num_full)[-1] if num_full else root, token_ids)
+        return hash_block(self._block_hashes(req, num_full)[-1] if num_full else chain_root(req), token_ids)
 
     def _cache_partial(self, req, table: list[KVCacheBlock], ring: Ring | None) -> None:
         """Keep an ending request's part-filled last block in the prefix cache (evictable, as a

@@ -289,3 +289,34 @@ def test_reset_prefix_cache_forgets_the_cached_prompts(tiny_gguf, arch):
     llm.engine.abort_request("unfinished")
     assert llm.generate(prompt, greedy)[0].num_cached_tokens == 32
     llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(tiny_gguf, arch, tmp_path):
+    """vLLM's ``cache_salt`` (a prompt dictionary's key): a prompt salted "a" finds nothing of
+    the same prompt computed unsalted or salted "b", and finds its own salt's blocks; every answer
+    is the same tokens, which `transformers` computes for the prompt (no cache). On a disk tier
+    (a restart: RAM empty) the salted blocks are read back only for their salt. A bad salt is
+    refused naming it (Gemma 3: the sliding-window layers' pool too)."""
+    import torch
+
+    from nextoken.errors import InvalidRequest
+
+    path, hf = tiny_gguf[arch]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 40))  # two full blocks of 16 cached
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+
+    def run(llm, salt):
+        out = llm.generate({"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})}, greedy)[0]
+        assert out.outputs[0].token_ids == want, salt
+        return out.num_cached_tokens
+
+    llm = LLM(str(path), dtype="float32", kv_cache_dir=str(tmp_path))
+    assert [run(llm, s) for s in (None, "a", "b", "a", None, "b")] == [0, 0, 0, 32, 32, 32]
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": ""}, greedy)
+    llm.close()
+    again = LLM(str(path), dtype="float32", kv_cache_dir=str(tmp_path))  # RAM empty: from the disk tier
+    assert [run(again, s) for s in ("c", "a", None)] == [0, 32, 32]
+    again.close()

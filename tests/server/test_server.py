@@ -858,3 +858,35 @@ def test_request_id_headers_echo_the_clients_id_into_the_log(tiny_gguf, caplog):
         srv.stop()
         plain.stop()
         llm.close()
+
+
+def test_cache_salt_keeps_a_tenants_prefix_to_itself(tiny_gguf):
+    """vLLM's ``cache_salt`` on chat completions, completions and responses (the openai SDK's
+    extra_body): the same long prompt under another salt reports no cached prompt tokens, under
+    its own salt it does; an empty salt is a 400 naming the field."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny")
+    client = srv.client()
+    text = " ".join(["the cat sat on the mat"] * 8)
+    try:
+        def chat(salt):
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2,
+                                               extra_body={"cache_salt": salt} if salt else None)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        def completion(salt):
+            r = client.completions.create(model="tiny", prompt=text, max_tokens=2, extra_body={"cache_salt": salt})
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert chat(None) == 0 and chat(None) > 0
+        assert chat("tenant-a") == 0 and chat("tenant-b") == 0 and chat("tenant-a") > 0
+        assert completion("tenant-c") == 0 and completion("tenant-c") > 0
+        r = client.responses.create(model="tiny", input=text, max_output_tokens=16, extra_body={"cache_salt": "d"})
+        assert r.usage.input_tokens_details.cached_tokens == 0
+        r = client.responses.create(model="tiny", input=text, max_output_tokens=16, extra_body={"cache_salt": "d"})
+        assert r.usage.input_tokens_details.cached_tokens > 0
+        bad = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "x", "cache_salt": ""})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    finally:
+        srv.stop()
+        llm.close()

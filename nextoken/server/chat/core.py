@@ -55,7 +55,8 @@ class ChatSpec:
     message is an assistant's prefill, which the answer continues (Anthropic's and Ollama's
     rule) instead of a new turn; add_generation_prompt: the template's opening of the answer's
     turn (vLLM's switch; off with continue_final); chat_template: a Jinja source used in place
-    of the model's (vLLM's request field; the server decides whether to take it)."""
+    of the model's (vLLM's request field; the server decides whether to take it); cache_salt:
+    `RequestOptions.cache_salt`."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -74,6 +75,7 @@ class ChatSpec:
     continue_final: bool = False
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    cache_salt: str | None = None
 
     def name(self, neutral: str) -> str:
         return self.fields.get(neutral, neutral)
@@ -83,7 +85,7 @@ class ChatSpec:
 class Prepared:
     """What the engine gets and what the answer is parsed with: the prompt's ids, the sampling
     parameters, the template's tools (None without) and their names (the tool-call parser's),
-    the scheduling priority and client (`ChatSpec`'s)."""
+    the scheduling priority, client and cache salt (`ChatSpec`'s)."""
 
     ids: list[int]
     params: SamplingParams
@@ -91,6 +93,7 @@ class Prepared:
     names: frozenset[str] | None
     priority: int = 0
     client: str = ""
+    cache_salt: str | None = None
 
 
 async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
@@ -119,7 +122,7 @@ async def prepare(serving: ApiServing, spec: ChatSpec) -> Prepared:
     names = frozenset(t["function"]["name"] for t in tools) if tools else None
     if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
         raise InvalidRequest(f"{spec.name('priority')} must be an integer, got {spec.priority!r}", spec.name("priority"))
-    return Prepared(ids, params, tools, names, spec.priority, spec.client)
+    return Prepared(ids, params, tools, names, spec.priority, spec.client, spec.cache_salt)
 
 
 def _sampling_error(spec: ChatSpec, exc: Exception) -> InvalidRequest:

@@ -80,7 +80,7 @@ async def run(serving: ApiServing, prepared: Prepared, request, lora=None, strea
     of events. Not streamed, a client that hangs up aborts it (`serving.collect`)."""
     eng = serving.engine
     # (not streamed: the engine makes its one output when it ends, and no snapshot a step before)
-    options = RequestOptions(lora_request=lora, priority=prepared.priority,
+    options = RequestOptions(lora_request=lora, priority=prepared.priority, cache_salt=prepared.cache_salt,
                              client=prepared.client or client_of(request), final_only=not stream)
     rid = await eng.add_request(prepared.ids, prepared.params, new_request_id(prefix, request), options)
     style = serving.args.reasoning_parser

@@ -60,6 +60,6 @@ def to_spec(body: ChatCompletionRequest) -> ChatSpec:
                     body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
                     {"max_tokens": used, "constraint": "response_format", "logprobs": "top_logprobs"},
                     {"max_tokens": body.max_tokens} if used == "max_completion_tokens" else {},
-                    priority=body.priority, client=f"user:{body.user}" if body.user else "",
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "", cache_salt=body.cache_salt,
                     unset=sampling_defaults.unset(body.model_fields_set), continue_final=body.continue_final_message,
                     add_generation_prompt=body.add_generation_prompt, chat_template=body.chat_template)

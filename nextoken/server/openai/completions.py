@@ -40,6 +40,7 @@ class OpenAIServingCompletion(ApiServing):
                 rids.append(await eng.add_request(ids, params, new_request_id("cmpl-", request),
                                                   RequestOptions(prompt_text=text, lora_request=lora,
                                                                  priority=body.priority, client=client,
+                                                                 cache_salt=body.cache_salt,
                                                                  final_only=not body.stream)))
         except BaseException:
             for rid in rids:

@@ -163,6 +163,7 @@ class _Sampling(Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0  # vLLM's: lower goes first under serve --scheduling-policy priority
+    cache_salt: NonEmptyStr | None = None  # vLLM's: prefix-cache blocks shared only with requests of the same salt
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

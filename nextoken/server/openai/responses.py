@@ -190,6 +190,7 @@ class ResponsesRequest(Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     priority: int = 0  # as chat completions' (vLLM's)
+    cache_salt: NonEmptyStr | None = None  # as chat completions' (vLLM's)
     max_tool_calls: int | None = Field(None, ge=1)  # MCP calls the server may run for this response
     # "message.output_text.logprobs": each output_text part's tokens with their log-probabilities (and
     # top_logprobs alternatives); "reasoning.encrypted_content" adds nothing (reasoning is plain text here)
@@ -288,7 +289,7 @@ def to_spec(body: ResponsesRequest, conversation: list[dict], mcp_tools: list[di
                     {"temperature": body.temperature, "top_p": body.top_p,
                      "logprobs": (body.top_logprobs or 0) if body.wants_logprobs else None}, body.max_output_tokens,
                     fields={"max_tokens": "max_output_tokens", "constraint": "text.format", "logprobs": "top_logprobs"},
-                    priority=body.priority, client=f"user:{body.user}" if body.user else "",
+                    priority=body.priority, client=f"user:{body.user}" if body.user else "", cache_salt=body.cache_salt,
                     unset=sampling_defaults.unset(body.model_fields_set))
 
 
