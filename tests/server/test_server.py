@@ -890,3 +890,35 @@ def test_cache_salt_keeps_a_tenants_prefix_to_itself(tiny_gguf):
     finally:
         srv.stop()
         llm.close()
+
+
+def test_chat_prompt_logprobs_are_transformers_log_softmax(tiny_gguf):
+    """vLLM's ``prompt_logprobs`` on /v1/chat/completions (the openai SDK's extra_body): the
+    answer's ``prompt_logprobs`` scores every token of the rendered prompt (the first None),
+    each the log-softmax of `transformers`' logits at the position before it, with the asked
+    number of alternatives; with stream, or with beam search, it is a 400 naming the field."""
+    import torch
+
+    path, hf = tiny_gguf["llama"]
+    llm = LLM(str(path), dtype="float32")
+    srv = LiveServer(llm, "tiny")
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    try:
+        r = srv.client().chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                                 extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+        ids, scored = r.model_extra["prompt_token_ids"], r.model_extra["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        for p in range(1, len(ids)):
+            entry = {int(t): v["logprob"] for t, v in scored[p].items()}
+            assert ids[p] in entry and abs(entry[ids[p]] - want[p - 1, ids[p]].item()) < 1e-4
+            top2 = want[p - 1].topk(2).indices.tolist()
+            assert set(top2) <= set(entry) and len(entry) <= 3
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1, "prompt_logprobs": 1}
+        for extra in ({"stream": True}, {"use_beam_search": True}):
+            bad = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, **extra})
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"]["param"] in ("prompt_logprobs", "use_beam_search")
+    finally:
+        srv.stop()
+        llm.close()

@@ -60,7 +60,10 @@ def sampling_rules(chat: bool) -> list[Rule]:
     if chat:
         rules += [Rule(all_of(given("top_logprobs"), {"not": true("logprobs")}), "top_logprobs needs logprobs to be "
                        "true", "top_logprobs"),
-                  Rule(all_of(beam, true("logprobs")), "use_beam_search does not return logprobs", "use_beam_search"),
+                  Rule(all_of(beam, any_of(true("logprobs"), given("prompt_logprobs"))),
+                       "use_beam_search does not return logprobs", "use_beam_search"),
+                  Rule(all_of(true("stream"), given("prompt_logprobs")), "prompt_logprobs are not available with "
+                       "stream (as vLLM: ask without streaming)", "prompt_logprobs"),
                   Rule(all_of(beam, non_empty("tools")), "tools cannot be combined with use_beam_search", "tools")]
     else:
         score_only = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
@@ -382,6 +385,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[MaxTokens, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None  # vLLM's extension: the answer's prompt_logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -547,6 +551,7 @@ class ChatCompletion(Answer):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the rendered prompt's
+    prompt_logprobs: list[dict[str, dict[str, float]] | None] | None = None  # vLLM's, when asked
 
 
 class ChunkFunction(Answer):

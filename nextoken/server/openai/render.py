@@ -126,6 +126,8 @@ def chat_response(tok, body, res, created: int, model: str, reasoning: bool = Fa
               "choices": choices, "usage": usage_json(res.usage)}
     if body.return_token_ids:
         answer["prompt_token_ids"] = list(res.output.prompt_token_ids)
+    if body.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, its first position None
+        answer["prompt_logprobs"] = _prompt_logprobs_json(res.output.prompt_logprobs)
     return answer
 
 
