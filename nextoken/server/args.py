@@ -40,6 +40,12 @@ class ServerArgs(CliArgs):
                                          "hold its slot to the end of the context)",
                                          group="server", type=positive_int, metavar="N")
     allowed_origins: list = opt([], "CORS origins (default: none)", group="server", nargs="*", metavar="ORIGIN")
+    allowed_methods: list = opt(["*"], "with --allowed-origins: the CORS methods allowed (vLLM's flag)",
+                                group="server", nargs="*", metavar="METHOD")
+    allowed_headers: list = opt(["*"], "with --allowed-origins: the CORS request headers allowed (vLLM's flag)",
+                                group="server", nargs="*", metavar="HEADER")
+    allow_credentials: bool = opt(False, "with --allowed-origins: CORS requests may carry credentials (cookies, "
+                                         "Authorization; vLLM's flag)", group="server", cli="true")
     root_path: str | None = opt(None, "the path prefix a proxy serves this server under, e.g. /llm (FastAPI's "
                                 "root_path, vLLM's flag): the proxy strips it, the OpenAPI schema and the inspector "
                                 "keep it", group="server", metavar="PATH")

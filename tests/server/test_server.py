@@ -412,6 +412,20 @@ def test_cors_closed_unless_origins_are_given(tiny, tiny_gguf):
         assert r.headers.get("access-control-allow-origin") == "http://example.test"
         other = httpx.options(srv.url + "/v1/completions", headers={**pre, "origin": "http://evil.test"})
         assert other.headers.get("access-control-allow-origin") != "http://evil.test"
+        assert "access-control-allow-credentials" not in r.headers
+    finally:
+        srv.stop()
+    # vLLM's --allowed-methods, --allowed-headers and --allow-credentials
+    srv = LiveServer(LLM(str(tiny_gguf["llama"][0]), dtype="float32"), "tiny", allowed_origins=["http://example.test"],
+                     allowed_methods=["POST"], allowed_headers=["Authorization"], allow_credentials=True)
+    try:
+        r = httpx.options(srv.url + "/v1/completions", headers={**pre, "access-control-request-headers": "authorization"})
+        assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"
+        assert r.headers["access-control-allow-methods"] == "POST"
+        get = httpx.options(srv.url + "/v1/models", headers={**pre, "access-control-request-method": "GET"})
+        assert get.status_code == 400  # (a method not allowed: Starlette's refusal of the preflight)
+        header = httpx.options(srv.url + "/v1/completions", headers={**pre, "access-control-request-headers": "x-other"})
+        assert header.status_code == 400
     finally:
         srv.stop()
 

@@ -50,8 +50,8 @@ def build_app(state: ServerState, args: ServerArgs, lifespan=None,
     app.state.server, app.state.args, app.state.metrics = state, args, metrics
     app.state.apis = apis = routers.apis()
     if args.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app.add_middleware(BodyLimit, limit=args.max_body_bytes, apis=apis)
     app.add_middleware(Gate, state=state, config=args, apis=apis)
     if args.enable_request_id_headers:  # (outermost: refusals and errors carry the header too)
