@@ -936,3 +936,30 @@ def test_chat_prompt_logprobs_are_transformers_log_softmax(tiny_gguf):
     finally:
         srv.stop()
         llm.close()
+
+
+def test_chat_echo_starts_the_answer_with_the_continued_message(tiny_gguf):
+    """vLLM's chat ``echo`` with ``continue_final_message``: the answer is the last (assistant)
+    message's text followed by what is generated without echo, streamed or not; after a user's
+    message echo adds nothing."""
+    llm = LLM(str(tiny_gguf["llama"][0]), dtype="float32")
+    srv = LiveServer(llm, "tiny")
+    client = srv.client()
+    prefill = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    try:
+        def answer(messages, extra, stream=False):
+            kw = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=extra)
+            if not stream:
+                return client.chat.completions.create(**kw).choices[0].message.content
+            return "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw)
+                           if ch.choices)
+
+        plain = answer(prefill, cont)
+        assert answer(prefill, {**cont, "echo": True}) == "sat on the" + plain
+        assert answer(prefill, {**cont, "echo": True}, stream=True) == "sat on the" + plain
+        user = [{"role": "user", "content": "the cat"}]
+        assert answer(user, {"echo": True}) == answer(user, None)
+    finally:
+        srv.stop()
+        llm.close()

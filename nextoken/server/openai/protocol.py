@@ -318,6 +318,11 @@ class ChatMessage(Body):
                                           {"j": j, "kind": part["type"]})
         return data
 
+    def text(self) -> str:
+        """The message's text: its content, or its text parts joined by newlines (as
+        `template_dict`); empty without content."""
+        return self.template_dict().get("content") or ""
+
     def template_dict(self) -> dict:
         """This message as the chat template takes it: content given as text parts joined by
         newlines (as vLLM joins them)."""
@@ -394,6 +399,7 @@ class ChatCompletionRequest(_Sampling):
     # published schema, as the router's fields are (`_router_fields`)
     add_generation_prompt: SkipJsonSchema[bool] = True
     continue_final_message: SkipJsonSchema[bool] = False
+    echo: SkipJsonSchema[bool] = False  # the answer starts with the last message's text when that is the assistant's
     chat_template: SkipJsonSchema[str | None] = None  # vLLM's: the request's own template (--trust-request-chat-template)
 
     @model_validator(mode="before")
@@ -406,6 +412,12 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(data, dict) and any(k in data for k in ROUTER_CHAT_FIELDS):
             data = {k: v for k, v in data.items() if not (k in ROUTER_CHAT_FIELDS and v is ROUTER_CHAT_FIELDS[k])}
         return accept_published(data, PUBLISHED_CHAT)
+
+    def echoed(self) -> str:
+        """With ``echo`` (vLLM's), the text an answer starts with: the last message's when it is
+        the assistant's (the message the answer continues, `continue_final_message`), else empty."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 class TokenizePromptRequest(Body):

@@ -108,9 +108,9 @@ def chat_response(tok, body, res, created: int, model: str, reasoning: bool = Fa
     """A chat.completion of the core's `ChatResult` `res`: each choice's tool calls as
     ``message.tool_calls`` (finish_reason ``tool_calls``); with `reasoning` (the server has a
     reasoning parser) its thought as ``reasoning_content`` (and ``reasoning``)."""
-    choices = []
+    choices, echoed = [], body.echoed()
     for c in res.choices:
-        message = {"role": "assistant", "content": c.text or (None if c.calls else "")}
+        message = {"role": "assistant", "content": echoed + c.text or (None if c.calls else "")}
         if reasoning:
             message["reasoning_content"] = message["reasoning"] = c.thought or None
         if c.calls:
@@ -161,7 +161,7 @@ async def stream_chat(tok, body, events, rid: str, created: int, model: str, too
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     for i in range(body.n):
         head = {"prompt_token_ids": list(prompt_ids or [])} if body.return_token_ids and i == 0 else {}
-        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": body.echoed()},
                                         "logprobs": None, "finish_reason": None}], **head})
     deltas: list[dict] = []  # this step's
     finish = last = None
