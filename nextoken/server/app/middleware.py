@@ -88,8 +88,8 @@ class Gate:
     async def __call__(self, scope, receive, send):
         # open: /health, and the inspector's static files (code and styles, no data: a browser
         # loads them without the key; the page and every /inspect/api route need it)
-        if scope["type"] == "http" and route_path(scope) != "/health" \
-                and not route_path(scope).startswith("/inspect/static/"):
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if path and path != "/health" and not path.startswith("/inspect/static/"):
             refusal = self._refusal(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send)
