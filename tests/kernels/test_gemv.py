@@ -355,7 +355,7 @@ def test_the_gemv_with_rope_is_the_gemv_then_the_rope_kernel(m, rope_dim, bias, 
         return [randn(hkv, 4, 4, d, dtype=torch.bfloat16, seed=73 + i) for i in range(2)]
 
     want_cache, got_cache = cache(), cache()
-    plain = gemv(x, w, b)
+    plain = gemv(x, w, b, rows=2)  # (two features a program: the fused launch's K chunk, so its sums' order)
     q, kk, v = plain.split([hq * d, hkv * d, hkv * d], 1)
     q, kk, v = q.view(m, hq, d), kk.view(m, hkv, d), v.view(m, hkv, d)
     s_want = KVStore(*want_cache, slots, v) if store else None
@@ -382,7 +382,8 @@ def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_los
     calls = []
     monkeypatch.setattr(G, "gemv_rope", lambda x, w, b, cos, sin, d, q, kv, store, launch=None, pairs=None:
                         calls.append(("fused", x.shape[0], cos.shape, store.k_cache.shape)))
-    monkeypatch.setattr(G, "gemv", lambda x, w, b, launch=None: calls.append(("gemv", x.shape[0])) or torch.zeros(
+    monkeypatch.setattr(G, "gemv", lambda x, w, b, rows=None, launch=None: calls.append(  # (the fused launch's K
+        ("gemv", x.shape[0]) if rows == 2 else ("gemv, not two features a program", rows)) or torch.zeros(  # chunk)
         x.shape[0], w.shape[0]))
     monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape))
                         or (q, k))

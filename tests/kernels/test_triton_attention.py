@@ -399,7 +399,8 @@ def test_a_join_that_differs_from_two_launches_is_turned_off():
     keeps two launches (`Tilings.join`)."""
     import nextoken.kernels.gpu.attention as A
 
-    case = make_case((1, 1, 1), (150, 9, 70), hkv=1, group=3, d=64, bs=16, dtype=torch.bfloat16, device="cpu")
+    case = make_case((1, 1, 1), (150, 9, 70), hkv=1, group=3, d=64, bs=16, dtype=torch.bfloat16,
+                     device=DEVICES[0])
 
     def real(t, join):
         return run(case, decode=True, splits=4, launch=t, join=join)
@@ -409,6 +410,6 @@ def test_a_join_that_differs_from_two_launches_is_turned_off():
     for wrong in (float("nan"), 1.0):
         def racy(t, join, wrong=wrong):
             out = real(t, join)
-            return out.index_fill(1, torch.tensor([0]), wrong) if join else out
+            return out.index_fill(1, torch.tensor([0], device=out.device), wrong) if join else out
 
         assert not A.joins_as_two_launches([real, racy], tiling, times=1)

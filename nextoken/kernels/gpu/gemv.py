@@ -207,7 +207,9 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, out_ptr, order_ptr, cos_ptr, sin_ptr,
                   ROUND)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    ya, yb = tl.split(tl.reshape(_round_bf16(y, ROUND), [M_PAD, PAIRS, 2]))  # (the GEMV's outputs, in float32)
+    # the GEMV's bf16 outputs, in float32: rounded here, compiled too (`_round_bf16` alone rounds only under the
+    # interpreter, for a value that is stored next; these are multiplied first)
+    ya, yb = tl.split(tl.reshape(_rounded(y, True, ROUND), [M_PAD, PAIRS, 2]))
     j = fa % HEAD_DIM
     rotate = ((fa < rope_end) & (j < HALF))[None, :]  # a query or key head's dims j and j + HALF
     rows_ok = rm < M
@@ -572,7 +574,7 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
                 *caches[0]
 
         def apart(w, b):
-            q, k, v = gemv(x, w, b, launch=launch).split([q_features, kv_features, kv_features], 1)
+            q, k, v = gemv(x, w, b, rows=2, launch=launch).split([q_features, kv_features, kv_features], 1)
             qo, ko = apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
                                    store(1, v.view(m, -1, head_dim)))
             return torch.cat([qo.view(m, -1), ko.view(m, -1), v], 1), *caches[1]
