@@ -465,9 +465,14 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
             f"{b}: {ours:.3f} / {theirs:.3f}" for b, (ours, theirs) in out["draw_timed"].items()))
     if runner.plan.tiling_times:  # (the attention's tiles timed at load: query rows x keys / warps, us)
         out["tiles_timed"] = {kind: {t: round(1e6 * v, 1) for t, v in times.items()}
-                              for kind, times in runner.plan.tiling_times.items()}
+                              for kind, times in runner.plan.tiling_times.items() if kind != "join"}
         log(f"   the attention's tiles timed at load (us over two layers; decodes: 64 x 640 keys + 1 x 1024; "
             f"prefill: 2048 queries): {out['tiles_timed']}")
+        if runner.plan.tiling_times.get("join"):  # (a decode's key splits joined in its launch or a second one)
+            out["join_timed"] = {n: {way: round(1e6 * s, 1) for way, s in ways.items()}
+                                 for n, ways in runner.plan.tiling_times["join"].items()}
+            log(f"   the decodes' key splits joined in the attention's launch or a second one, timed at load (us over "
+                f"two layers; 4 splits: 64 decodes, 16: one): {out['join_timed']}")
         try:
             out["tiles_rates"] = tile_rates(runner)
             log(f"   as rates (decodes: keys and values read, TB/s; prefill: TFLOP/s): {out['tiles_rates']}")

@@ -92,7 +92,7 @@ def attend_triton(q, k, v, kv, layer: int, meta, scale: float, sliding: bool, st
 def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, tickets, **extra) -> None:
     """The pass's decodes (its first `num_decodes` rows and sequences), `dm.splits` programs each,
     joined in the same launch over the cache's `tickets` (unless the plan found that join unequal
-    to two launches on this GPU: `Tilings.join`)."""
+    to two launches on this GPU, or slower at this many splits: `Tilings.joins`)."""
     from nextoken.kernels.gpu.attention import paged_attention
 
     nd = dm.num_decodes
@@ -102,7 +102,7 @@ def _decode(q, k_cache, v_cache, dm: DeviceMetadata, tables, scale: float, out, 
     tilings = dm.tilings
     paged_attention(q, k_cache, v_cache, tables, dm.seq_lens, dm.query_start_loc, scale, out=out, decode=True,
                     num_seqs=nd, splits=dm.splits, partials=partials,
-                    tickets=tickets if tilings is None or tilings.join else None,
+                    tickets=tickets if tilings is None or tilings.joins(dm.splits) else None,
                     launch=tilings.decode if tilings is not None else None, **extra)
 
 

@@ -107,7 +107,7 @@ class ExecutionPlan:
     sampling_rows: int = 1  # from how many rows it takes a draw (0: none), once settled
     sampling_times: dict = field(default_factory=dict)  # {rows: (Triton's, PyTorch's) seconds} as timed at load
     tilings: object | None = None  # the Triton attention's tiles as timed on this GPU (`kernels.gpu.attention.Tilings`)
-    tiling_times: dict = field(default_factory=dict)  # {"decode" or "prefill": {tiles: seconds}} as timed at load
+    tiling_times: dict = field(default_factory=dict)  # {"decode" or "prefill": {tiles: seconds}, "join": ...} at load
 
     @classmethod
     def choose(cls, dtype: torch.dtype, enforce_eager: bool = False, reference_attention: bool = False,
@@ -491,8 +491,7 @@ class ExecutionPlan:
         elif self.device.is_cuda:
             graphs += "; sampler: PyTorch" + (" (the Triton draw timed slower)" if self.triton_sampling else "")
         tiles = (f" (tiles: decodes {self.tilings.decode}, prefill {self.tilings.prefill}, as timed on this GPU"
-                 + ("" if self.tilings.join else "; key splits joined in a second launch: joined in the attention's "
-                    "own, their values differed here") + ")" if self.tilings is not None else "")
+                 + _join_words(self.tilings) + ")" if self.tilings is not None else "")
         return (f"execution plan: device {self.device.describe()}; {str(self.dtype).removeprefix('torch.')}"
                 f"{quantized}; linears: {linears}; "
                 f"embedding: {emb_form}; "
@@ -535,3 +534,16 @@ def _cpu_attention(reference: bool, backend: str, ks: KernelSet) -> str:
     if backend == "torch" or ks.paged_attention is None:
         return "torch"
     return "native"
+
+
+def _join_words(tilings) -> str:
+    """The plan line's words for where a decode's key splits are joined (`attention.Tilings`)."""
+    from nextoken.kernels.gpu.attention import SPLIT_CHOICES
+
+    if not tilings.join:
+        return "; key splits joined in a second launch: joined in the attention's own, their values differed here"
+    if tilings.join_splits < SPLIT_CHOICES[-1]:
+        return (f"; key splits joined in the attention's launch up to {tilings.join_splits}, in a second launch "
+                f"past that (as timed)" if tilings.join_splits else
+                "; key splits joined in a second launch (as timed: the attention's own was slower)")
+    return ""

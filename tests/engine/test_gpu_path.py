@@ -99,14 +99,14 @@ def test_the_gpu_path_equals_the_reference_path(tiny_gguf, graphs_on_cpu, arch, 
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("join", [True, False])
-def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, monkeypatch, join):
+@pytest.mark.parametrize("join,join_splits", [(True, 16), (False, 16), (True, 0)])
+def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, monkeypatch, join, join_splits):
     """The attention tiles the plan chose at load (here stand-ins, the last of each kind's
     `tilings`: a GPU's are timed) are the ones every attention call takes, eager prefill chunks and
     the graphs' decode steps alike, the prefill's query tiles made with its block_q, and the
     decodes' splits are joined in their own launch (the cache's tickets) unless the plan turned
-    that off (`Tilings.join`: its values differed on the GPU); the tokens stay the reference
-    path's."""
+    that off (`Tilings.join`: its values differed on the GPU) or timed it slower at the decodes'
+    splits (`Tilings.join_splits`); the tokens stay the reference path's."""
     import nextoken.kernels.gpu.attention as A
 
     path = str(tiny_gguf["llama"][0])
@@ -117,7 +117,7 @@ def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, m
     def stand_in(plan, cfg, block_size, default):
         group = cfg.num_heads // cfg.num_kv_heads
         chosen["tiles"] = A.Tilings(A.tilings(True, group, cfg.head_dim)[-1], A.tilings(False, group, cfg.head_dim)[-1],
-                                    join)
+                                    join, join_splits)
         return chosen["tiles"]
 
     monkeypatch.setattr(plan_module.ExecutionPlan, "choose_tilings", stand_in)
@@ -141,7 +141,7 @@ def test_the_chosen_attention_tiles_reach_every_call(tiny_gguf, graphs_on_cpu, m
     assert tiles != A.default_tilings(runner.config.num_queries_per_kv, runner.config.head_dim)
     assert {c[1] for c in calls if c[0]} == {tiles.decode} and {c[1] for c in calls if not c[0]} == {tiles.prefill}
     assert block_qs == {tiles.prefill.block_q}
-    assert {c[2] for c in calls if c[0]} == {join}
+    assert {c[2] for c in calls if c[0]} == {join and join_splits > 0}
 
 
 def test_preemption_and_speculation_on_the_gpu_path(tiny_gguf, graphs_on_cpu):

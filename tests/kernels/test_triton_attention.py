@@ -365,7 +365,14 @@ def test_the_plan_takes_timed_tiles_on_a_gpu_with_graphs_alone(tiny_gguf, monkey
     assert asked == [(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, 16, gpu.torch)]
     assert f"tiles: decodes {timed.decode}, prefill {timed.prefill}, as timed on this GPU)" in plan.describe(runner.model)
     plan.tilings = dataclasses.replace(timed, join=False)  # (the joined splits differed there: two launches, said)
-    assert "as timed on this GPU; key splits joined in a second launch" in plan.describe(runner.model)
+    assert "as timed on this GPU; key splits joined in a second launch: joined in the attention's own, their values " \
+        "differed here" in plan.describe(runner.model)
+    plan.tilings = dataclasses.replace(timed, join_splits=4)  # (timed slower at more splits: said)
+    assert "key splits joined in the attention's launch up to 4, in a second launch past that (as timed)" in \
+        plan.describe(runner.model)
+    plan.tilings = dataclasses.replace(timed, join_splits=0)
+    assert "key splits joined in a second launch (as timed: the attention's own was slower)" in \
+        plan.describe(runner.model)
     for other in (dataclasses.replace(runner.plan, device=gpu, cuda_graphs=False),  # enforce_eager
                   dataclasses.replace(runner.plan, device=gpu, cuda_graphs=True, dtype=torch.float32),
                   runner.plan):  # (the CPU's)
@@ -390,6 +397,42 @@ def test_query_tiles_and_splits():
     assert tiling(True, 7, 64).block_m == 16 and tiling(False, 6, 128).block_q == 21
     assert all(t.block_m >= 16 and t.block_q * 6 <= t.block_m for t in tilings(False, 6, 128) + tilings(True, 6, 128))
     assert tiling(False, 4, 256).block_q == 8 and tiling(False, 6, 128, f32=True).block_q == 2
+
+
+def test_choose_join_keeps_the_join_in_the_launch_up_to_the_splits_where_it_times_no_slower():
+    """`choose_join` times each split count's decodes with their splits joined in their own launch
+    and in a second one (runs of one count together; a count of 1 has no join, untimed): the join
+    stays up to the last count where it was no slower, every count when none was slower, none
+    when the fewest splits' was; `Tilings.joins` follows that, and `join` (the values' check)
+    overrides it."""
+    import nextoken.kernels.gpu.attention as A
+
+    ran = []
+
+    def runs(splits, n=1):
+        return [(splits, lambda t, join, s=splits, i=i: ran.append((s, i, join, t))) for i in range(n)]
+
+    def timer_with(slower):  # (the counts whose join in the launch is slower)
+        def timer(fn):
+            before = len(ran)
+            fn()
+            (splits, join), = {(s, j) for s, _, j, _ in ran[before:]}  # (one count, one way a timing)
+            return (2.0 if splits in slower else 1.0) if join else 1.5
+        return timer
+
+    tile = tilings(True, 3, 64)[1]
+    most, times = A.choose_join(runs(4) + runs(16), tile, timer_with(set()))
+    assert most == A.SPLIT_CHOICES[-1] and times == {"4 splits": {"own launch": 1.0, "second launch": 1.5},
+                                                     "16 splits": {"own launch": 1.0, "second launch": 1.5}}
+    assert sorted(ran) == sorted([(4, 0, True, tile), (4, 0, False, tile), (16, 0, True, tile),
+                                  (16, 0, False, tile)])
+    assert A.choose_join(runs(4) + runs(16), tile, timer_with({16}))[0] == 4
+    assert A.choose_join(runs(4) + runs(16), tile, timer_with({4}))[0] == 0
+    ran.clear()
+    assert A.choose_join(runs(16, 2), tile, timer_with({16}))[0] == 0 and len(ran) == 4  # (both runs, each way)
+    assert A.choose_join(runs(1), tile, timer_with({1})) == (A.SPLIT_CHOICES[-1], {})
+    timed = A.Tilings(tile, tilings(False, 3, 64)[0], True, 4)
+    assert timed.joins(4) and not timed.joins(16) and not A.Tilings(tile, tile, False, 16).joins(4)
 
 
 def test_a_join_that_differs_from_two_launches_is_turned_off():

@@ -348,7 +348,14 @@ class Tilings:
 
     decode: Tiling
     prefill: Tiling
-    join: bool = True  # a decode's key splits joined in its own launch (`_join_last`), else by `_combine_kernel`
+    join: bool = True  # a decode's key splits may be joined in its own launch (`_join_last`): off where its
+    # values differed from two launches' (`_combine_kernel`)
+    join_splits: int = 16  # ... up to this many splits (`SPLIT_CHOICES`' last: every decode); a decode of more
+    # splits joins in a second launch, where the last program's serial join timed slower (`choose_join`)
+
+    def joins(self, splits: int) -> bool:
+        """Whether a decode of `splits` key splits joins them in its own launch."""
+        return self.join and splits <= self.join_splits
 
 
 def default_tilings(group: int, head_dim: int, f32: bool = False) -> Tilings:
@@ -368,8 +375,9 @@ def choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
     so that the L2 cache does not hold them. float32 (the reference) keeps its one set. Without
     `timer`, each choice is made once per process for its shapes (`timing.remembered`), and the
     decodes with the chosen tiles are run with their splits joined in their own launch and in a
-    second one: unless the two agree (`joins_as_two_launches`), ``join`` is off.
-    `report`: gets ``{"decode" or "prefill": {str(tiling): seconds}}``."""
+    second one: unless the two agree (`joins_as_two_launches`), ``join`` is off; where they do,
+    both ways are timed (`choose_join`: ``join_splits``).
+    `report`: gets ``{"decode" or "prefill": {str(tiling): seconds}, "join": {...}}``."""
     from nextoken.kernels.gpu.timing import graph_seconds, remembered
 
     if dtype == torch.float32:
@@ -422,6 +430,10 @@ def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     many, one = decodes([640] * 64), decodes([1024])
     decode, decode_times = fastest(tilings(True, group, head_dim), lambda t: (many(t), one(t)), timer)
     join = joins_as_two_launches((many, one), decode) if checked else True
+    join_splits, join_times = SPLIT_CHOICES[-1], {}
+    if join:
+        join_splits, join_times = choose_join([(decode_splits(64, num_kv_heads, sms), many),
+                                               (decode_splits(1, num_kv_heads, sms), one)], decode, timer)
     n = 2048
     tables, seq_lens, qsl, host_qsl = batch([n], [n])
     caches = cache(tables.numel())
@@ -433,8 +445,30 @@ def _choose_tilings(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         tiles, lambda t: [paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, seq_lens, qsl, scale, out=out,
                                           decode=False, num_seqs=1, tiles=tiles[t], launch=t) for i in range(2)],
         timer)
-    return Tilings(decode, prefill, join), {"decode": {str(t): s for t, s in decode_times.items()},
-                                            "prefill": {str(t): s for t, s in prefill_times.items()}}
+    return Tilings(decode, prefill, join, join_splits), {"decode": {str(t): s for t, s in decode_times.items()},
+                                                         "prefill": {str(t): s for t, s in prefill_times.items()},
+                                                         "join": join_times}
+
+
+def choose_join(runs: list, tiling: Tiling, timer) -> tuple[int, dict]:
+    """Up to how many key splits a decode joins them in its own launch: `runs` holds (split count,
+    ``run(tiling, join)``) pairs (decodes of that many splits: 64 sequences take few, one takes
+    many), each timed both ways with `timer` (runs of one count together). The join in the launch
+    saves the second launch, but its last program joins every split of its heads alone, serially:
+    with many splits that tail can outlast the launch it saves. Returns (the most splits whose
+    join timed no slower in the launch: `SPLIT_CHOICES`' last when every count did, 0 when the
+    fewest splits' did not; a count of 1 has nothing to join), and ``{"N splits": {"own launch":
+    s, "second launch": s}}``."""
+    times, most = {}, SPLIT_CHOICES[-1]
+    counts = sorted({s for s, _ in runs if s > 1})
+    for splits in counts:
+        group = [run for s, run in runs if s == splits]
+        own = timer(lambda: [run(tiling, True) for run in group])
+        second = timer(lambda: [run(tiling, False) for run in group])
+        times[f"{splits} splits"] = {"own launch": own, "second launch": second}
+        if own > second and most == SPLIT_CHOICES[-1]:  # (the first count past which the join costs)
+            most = max([s for s in counts if s < splits], default=0)
+    return most, times
 
 
 def joins_as_two_launches(runs, tiling: Tiling, times: int = 10) -> bool:
