@@ -227,14 +227,16 @@ def _wait_exited(pid: int, timeout: float = 30) -> None:
     have, its parent's waitpid finds it running)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        if not os.path.exists(f"/proc/{pid}"):
+            return
         states = []
         try:
             for task in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{task}/stat") as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:
-            pass  # (a thread, or the process, gone: look again)
-        if not os.path.exists(f"/proc/{pid}") or (states and all(s in ("Z", "X") for s in states)):
+        except FileNotFoundError:  # (a thread, or the process, gone while listed: the states read are not all of
+            states = []  # them, and a thread not read may still run: look again)
+        if states and all(s in ("Z", "X") for s in states):
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not exit within {timeout} s")
