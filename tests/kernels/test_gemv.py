@@ -382,8 +382,8 @@ def test_choose_rope_keeps_rope_inside_the_gemv_up_to_the_first_row_count_it_los
     calls = []
     monkeypatch.setattr(G, "gemv_rope", lambda x, w, b, cos, sin, d, q, kv, store, launch=None, pairs=None:
                         calls.append(("fused", x.shape[0], cos.shape, store.k_cache.shape)))
-    monkeypatch.setattr(G, "gemv", lambda x, w, b, rows=None, launch=None: calls.append(  # (the fused launch's K
-        ("gemv", x.shape[0]) if rows == 2 else ("gemv, not two features a program", rows)) or torch.zeros(  # chunk)
+    monkeypatch.setattr(G, "gemv", lambda x, w, b, rows=None, launch=None: calls.append(  # (timed as the model
+        ("gemv", x.shape[0]) if rows is None else ("gemv, not the model's launch", rows)) or torch.zeros(  # runs it)
         x.shape[0], w.shape[0]))
     monkeypatch.setattr(R, "apply_rope_qk", lambda q, k, cos, sin, store: calls.append(("rope", q.shape, k.shape))
                         or (q, k))
@@ -580,8 +580,13 @@ def test_a_fusion_is_kept_only_where_it_gives_its_two_launches_values(monkeypatc
     pairs = [(randn(48, 32, dtype=torch.bfloat16, seed=120 + i, scale=0.2), None) for i in range(2)]
     assert G._choose_silu([(randn(48, 64, dtype=torch.bfloat16, seed=125, scale=0.2), None)], None, 2, once,
                           checked=True)[0] == 0  # (equal times: the fusion is not faster)
+    plain, rows_asked = G.gemv, []  # (RoPE's two launches: checked with the GEMV at two features a program, the
+    # fused launch's K chunk, which a GPU's sums follow; timed as the model runs it)
+    monkeypatch.setattr(G, "gemv", lambda *a, rows=None, **k: rows_asked.append(rows) or plain(*a, rows=rows, **k))
     G._choose_rope([(randn(64, 32, dtype=torch.bfloat16, seed=126, scale=0.2), None)], 16, 32, 16, 8, None, 2, once,
                    checked=True)
+    assert rows_asked == [2, None]  # (at one row the check, then the timing; equal times stop there)
+    monkeypatch.setattr(G, "gemv", plain)
     G._choose_norm(pairs, 1e-6, None, 2, once, checked=True)
     joined = G.gemv_add_norm
     monkeypatch.setattr(G, "gemv_add_norm", lambda *a, **k: (lambda s, y: (s, y + y.abs() * 2**-7))(*joined(*a, **k)))

@@ -482,14 +482,16 @@ def _choose_silu(pairs: list, launch: Launch | None, max_rows: int, timer, check
 
 
 def timed_fusion(what: str, ways, pairs: list, max_rows: int, timer, checked: bool) -> tuple[int, dict]:
-    """`fused_rows` of a fusion whose ``ways(rows) -> (fused, apart)`` compute, for one weight and
-    bias, its result and its two launches' (timed over every pair of `pairs`); `checked`: before
-    each row count is timed, the two on the first pair must give the same bits (`same_values`)."""
+    """`fused_rows` of a fusion whose ``ways(rows) -> (fused, apart[, same])`` compute, for one
+    weight and bias, its result and its two launches' (timed over every pair of `pairs`); `checked`:
+    before each row count is timed, the fusion and its two launches (`same`, where their launch
+    differs from the model's: the fused q/k/v's GEMV at two features a program) on the first pair
+    must give the same bits (`same_values`)."""
 
     def both(m: int) -> tuple[float, float]:
-        fused, apart = ways(m)
+        fused, apart, *same = ways(m)
         if checked:
-            same_values(what, lambda: fused(*pairs[0]), lambda: apart(*pairs[0]))
+            same_values(what, lambda: fused(*pairs[0]), lambda: (same or [apart])[0](*pairs[0]))
         return timer(lambda: [fused(w, b) for w, b in pairs]), timer(lambda: [apart(w, b) for w, b in pairs])
 
     return fused_rows(both, max_rows)
@@ -573,13 +575,14 @@ def _choose_rope(weights: list, head_dim: int, q_features: int, kv_features: int
             return gemv_rope(x, w, b, cos, sin, head_dim, q_features, kv_features, store(0, None), launch=launch), \
                 *caches[0]
 
-        def apart(w, b):
-            q, k, v = gemv(x, w, b, rows=2, launch=launch).split([q_features, kv_features, kv_features], 1)
+        def apart(w, b, rows=None):  # (the model's two launches; at two features a program, the fused
+            # launch's K chunk and so its sums' order: the values it must give)
+            q, k, v = gemv(x, w, b, rows=rows, launch=launch).split([q_features, kv_features, kv_features], 1)
             qo, ko = apply_rope_qk(q.view(m, -1, head_dim), k.view(m, -1, head_dim), cos, sin,
                                    store(1, v.view(m, -1, head_dim)))
             return torch.cat([qo.view(m, -1), ko.view(m, -1), v], 1), *caches[1]
 
-        return fused, apart
+        return fused, apart, lambda w, b: apart(w, b, rows=2)
 
     return timed_fusion("RoPE inside the GEMV", ways, weights, max_rows, timer, checked)
 
