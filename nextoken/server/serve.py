@@ -31,6 +31,41 @@ def uvicorn_config(app, config):
                           ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
 
 
+_SERVER_CLASS: list = []
+
+
+def server_class():
+    """uvicorn's `Server`, whose shutdown first drops the TLS connections with no request in flight
+    (`drop_idle_tls`). Closing one of those waits for the client's close_notify, which an idle
+    keep-alive client never sends, until asyncio's SSL shutdown timeout (30 s): with one such
+    client connected, a SIGTERM took 30 s where plain HTTP took 0.4."""
+    if not _SERVER_CLASS:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def shutdown(self, sockets=None) -> None:
+                drop_idle_tls(self.server_state.connections)
+                await super().shutdown(sockets)
+
+        _SERVER_CLASS.append(Server)
+    return _SERVER_CLASS[0]
+
+
+def drop_idle_tls(connections) -> int:
+    """Abort the transport of each of uvicorn's `connections` that is TLS and has no request in
+    flight (no cycle, or its response complete): nothing is lost, and the client sees its
+    connection end as a keep-alive timeout ends it. Returns how many were dropped."""
+    dropped = 0
+    for conn in list(connections):
+        transport, cycle = getattr(conn, "transport", None), getattr(conn, "cycle", None)
+        if transport is None or not transport.get_extra_info("sslcontext"):
+            continue
+        if cycle is None or cycle.response_complete:
+            transport.abort()
+            dropped += 1
+    return dropped
+
+
 def serve(engine_args, server_args, announce_inspector: bool = False) -> int:
     """One server process (several over one engine process: `server.api_servers`). Load
     `engine_args`' model (in the background: /health answers 503 until it is warm), and
@@ -206,8 +241,6 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
     bound (``--api-server-count``: this is one of its front ends: it loads first, then serves,
     and leaves SIGINT to the launcher); `inspector_socket`: ``/inspect`` is forwarded there (the
     engine process serves the inspector)."""
-    import uvicorn
-
     from nextoken.server.app import build_app
     from nextoken.server.api.state import ServerState
 
@@ -238,7 +271,7 @@ def _serve(engine_args, server_args, load, capabilities, announce_inspector: boo
         for client in state.clients():  # in-flight requests are done: free each model (disk writes flushed)
             await asyncio.get_running_loop().run_in_executor(stepper, client.close)
 
-    class Server(uvicorn.Server):
+    class Server(server_class()):
         def handle_exit(self, sig, frame):
             if sockets is not None and sig == signal.SIGINT:  # (a terminal's Ctrl-C: the launcher sends SIGTERM)
                 return

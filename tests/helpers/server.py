@@ -8,12 +8,11 @@ import time
 
 import httpx
 import openai
-import uvicorn
 
 from nextoken.engine.async_engine import AsyncLLMEngine
 from nextoken.server.app import build_app
 from nextoken.server.args import ServerArgs
-from nextoken.server.serve import uvicorn_config
+from nextoken.server.serve import server_class, uvicorn_config
 from tests.ports import free_ports
 
 
@@ -47,7 +46,7 @@ class LiveServer:
         self.port = free_ports(1)
         args = ServerArgs(model_name=name, host="127.0.0.1", port=self.port, **config)
         app = build_app(self.state, args, capabilities=caps)
-        self.server = uvicorn.Server(uvicorn_config(app, args))  # as `serve` configures it
+        self.server = server_class()(uvicorn_config(app, args))  # as `serve` configures and runs it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

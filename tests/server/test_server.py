@@ -770,7 +770,8 @@ def test_max_logprobs_bounds_every_api_and_can_be_raised(tiny_gguf):
 def test_https_serves_the_openai_sdk_that_trusts_its_ca(tiny_gguf, tmp_path):
     """``--ssl-keyfile/--ssl-certfile`` (vLLM's): the openai SDK over HTTPS, trusting the
     server's CA, gets the same greedy answer as `LLM.generate`; a client that does not trust it
-    is refused by its own TLS check, and plain HTTP to the port gets no answer."""
+    is refused by its own TLS check, and plain HTTP to the port gets no answer; the server stops
+    with the client's idle connection still open (`serve.drop_idle_tls`)."""
     import trustme
 
     ca = trustme.CA()
@@ -791,6 +792,8 @@ def test_https_serves_the_openai_sdk_that_trusts_its_ca(tiny_gguf, tmp_path):
             srv.client().models.list()  # (the system's CAs: this one is not among them)
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+        srv.stop()  # (the trusted client keeps its idle keep-alive connection: the server drops it at once; it had
+        assert not srv.thread.is_alive()  # waited for the client's close_notify, asyncio's 30 s, past stop's 10 s)
     finally:
         srv.stop()
         llm.close()
