@@ -565,7 +565,11 @@ def speed(folder: str, vocab: int, limits: dict, profile_to: str | None = None) 
         out.update(busy := busy_share(lambda: runner.execute([one_sequence(runner, ids, 0, blocks)]), "prefill4096"))
         if busy:
             log(f"   prefill 4096: the GPU busy {out['prefill4096_busy_ms']:.1f} ms of {out['prefill4096_wall_ms']:.1f} "
-                f"({out['prefill4096_kernels']} kernels)")
+                f"({out['prefill4096_kernels']} kernels); the host's ops by own time: "
+                + "; ".join(f"{ms:.2f} ms x{c} {k[:50]}" for k, ms, c in out["prefill4096_host_ops"]))
+            out["prefill4096_python"] = host_top(lambda: runner.execute([one_sequence(runner, ids, 0, blocks)]))
+            log("   prefill 4096: its Python by own time (cProfile): "
+                + "; ".join(f"{ms:.2f} ms x{c} {where}" for where, ms, c in out["prefill4096_python"]))
     except Exception as exc:  # noqa: BLE001 - a figure of the log, not of the check
         log(f"   prefill 4096: profiling it failed: {type(exc).__name__}: {exc}")
     out["kernel_fallbacks"] = runner.plan.kernels.fallbacks.snapshot()  # (calls a plan's kernel refused: PyTorch ran)
@@ -811,8 +815,25 @@ def busy_share(fn, tag: str) -> dict:
         sync()
         wall = time.perf_counter() - t0
     kernels = [e for e in tp.events() if e.device_type == DeviceType.CUDA and (e.device_time_total or 0) > 0]
+    host = sorted(((e.self_cpu_time_total, e.key, e.count) for e in tp.key_averages()), reverse=True)[:8]
     return {f"{tag}_wall_ms": 1000 * wall, f"{tag}_busy_ms": sum(e.device_time_total for e in kernels) / 1000,
-            f"{tag}_kernels": len(kernels)}
+            f"{tag}_kernels": len(kernels), f"{tag}_host_ops": [(k, us / 1000, c) for us, k, c in host]}
+
+
+def host_top(fn, rows: int = 10) -> list[tuple[str, float, int]]:
+    """One call of `fn` under cProfile: its Python functions by own time, (where, ms, calls)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    top = sorted(((st[2], f"{os.path.basename(fn_)}:{ln} {name}", st[1]) for (fn_, ln, name), st in stats.items()),
+                 reverse=True)[:rows]
+    return [(where, 1000 * tt, calls) for tt, where, calls in top]
 
 
 def graph_launches(graph, graph_ms: float, replays: int = 20) -> dict:
