@@ -52,12 +52,14 @@ def server_class():
 
 
 def drop_idle_tls(connections) -> int:
-    """Abort the transport of each of uvicorn's `connections` that is TLS and has no request in
-    flight (no cycle, or its response complete): nothing is lost, and the client sees its
+    """Abort the transport of each of uvicorn's HTTP `connections` that is TLS and has no request
+    in flight (no cycle, or its response complete): nothing is lost, and the client sees its
     connection end as a keep-alive timeout ends it. Returns how many were dropped."""
     dropped = 0
     for conn in list(connections):
-        transport, cycle = getattr(conn, "transport", None), getattr(conn, "cycle", None)
+        if not hasattr(conn, "cycle"):  # (not an HTTP/1.1 connection: uvicorn's own shutdown)
+            continue
+        transport, cycle = getattr(conn, "transport", None), conn.cycle
         if transport is None or not transport.get_extra_info("sslcontext"):
             continue
         if cycle is None or cycle.response_complete:

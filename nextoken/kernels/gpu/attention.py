@@ -342,6 +342,9 @@ def tiling(decode: bool, group: int, head_dim: int, f32: bool = False) -> Tiling
     return tilings(decode, group, head_dim, f32)[0]
 
 
+SPLIT_CHOICES = (1, 4, 16)  # few values, so few compiled variants of the kernel
+
+
 @dataclass(frozen=True)
 class Tilings:
     """The tiles a model's attention takes: one for its decodes, one for its prefill chunks."""
@@ -350,7 +353,7 @@ class Tilings:
     prefill: Tiling
     join: bool = True  # a decode's key splits may be joined in its own launch (`_join_last`): off where its
     # values differed from two launches' (`_combine_kernel`)
-    join_splits: int = 16  # ... up to this many splits (`SPLIT_CHOICES`' last: every decode); a decode of more
+    join_splits: int = SPLIT_CHOICES[-1]  # ... up to this many splits (the last: every decode); a decode of more
     # splits joins in a second launch, where the last program's serial join timed slower (`choose_join`)
 
     def joins(self, splits: int) -> bool:
@@ -498,9 +501,6 @@ def query_tiles(query_start_loc: list[int], block_q: int, first: int = 0) -> tup
             seqs.append(i)
             firsts.append(q0)
     return seqs, firsts
-
-
-SPLIT_CHOICES = (1, 4, 16)  # few values, so few compiled variants of the kernel
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
