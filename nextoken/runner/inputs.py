@@ -16,6 +16,7 @@ int32) from pinned staging memory (`Staging`); on the CPU the tensors are views 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -81,7 +82,8 @@ def layout(seqs, block_size: int, sliding=None, fed: bool = False) -> HostBatch:
     rows = np.repeat(np.arange(len(ss)), lens)
     positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(starts - qsl[:-1], lens)
     slots = tables[rows, positions // block_size] * block_size + positions % block_size
-    ids = np.fromiter((t for s in ss for t in s.token_ids), np.int64, int(qsl[-1]))
+    ids = np.fromiter(chain.from_iterable(s.token_ids for s in ss), np.int64, int(qsl[-1]))  # (C's iteration: an
+    # 8192-token prefill's ids 0.30 ms here against 0.65 through a generator of each id, 256 decodes' 26 us and 40)
     batch = HostBatch(order, block_size, ids, positions, slots, tables, qsl.tolist(), (starts + lens).tolist(),
                       int(np.sum(lens == 1)), first_blocks(tables, counts))
     if fed and any(s.fed_from >= 0 for s in ss):  # (an input fed from the device is a decode: among the first)
