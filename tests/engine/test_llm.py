@@ -126,6 +126,11 @@ def test_bad_prompts(tiny):
         tiny.generate("", SamplingParams())
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         tiny.generate([[1, 2, 99999]], SamplingParams())
+    with pytest.raises(InvalidRequest, match="token id -1 is outside the vocabulary"):
+        tiny.generate([[1, -1, 2]], SamplingParams())
+    for odd in ([1, True, 2], [1, 2.0], [1, None]):  # (a bool is an int to Python, not a token id)
+        with pytest.raises(InvalidRequest, match="a string or a list of token ids"):
+            tiny.generate([odd], SamplingParams())
     with pytest.raises(InvalidRequest) as e:
         tiny.generate("hi", SamplingParams(top_p=2))
     assert e.value.field == "top_p"
