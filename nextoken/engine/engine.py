@@ -37,7 +37,7 @@ from nextoken import sampling_defaults
 from nextoken.config import SchedulerConfig
 from nextoken.engine.beam_groups import BeamGroups
 from nextoken.engine.output_processor import OutputProcessor, new_group, store_prompt_scores
-from nextoken.engine.request import Request, RequestStatus, make_sequences
+from nextoken.engine.request import RUNNING, Request, make_sequences
 from nextoken.engine.scheduler import Scheduler
 from nextoken.engine.stats import SchedulerStats
 from nextoken.engine.step_stats import StepHistory, StepStats
@@ -383,7 +383,7 @@ class LLMEngine:
                 self.outputs.fail(r, _nonfinite(r.num_tokens))
                 continue
             self.outputs.emit(r, [res])
-            if not r.finished and r.status is RequestStatus.RUNNING:
+            if r.status is RUNNING:
                 self.kv.cache_full_blocks(r)
         return waited
 

@@ -24,6 +24,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# the members as module constants, for the checks made per sequence and step: read from the enum class,
+# a member costs 0.3 us (its descriptor), from here 0.1
+RUNNING, FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate (a completion; `n > 1` makes one per completion).
@@ -90,7 +95,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is FINISHED
 
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
