@@ -329,9 +329,30 @@ def test_choose_tilings_times_every_tile_on_the_models_shapes_and_keeps_the_fast
             assert [c for c in calls if c[1] == t] == [(False, t, 1, 2048, 1, -(-2048 // t.block_q))] * 2
     assert set(report["decode"]) == {str(t) for t in tilings(True, 3, 64)}
     assert set(report["prefill"]) == {str(t) for t in tilings(False, 3, 64) if t != broken}
+    assert chosen.join_splits == A.SPLIT_CHOICES[-1] and report["join"] == {}  # (one split here: nothing joined)
     calls.clear()
     assert A.choose_tilings(6, 2, 64, torch.float32, 16, torch.device("cpu"), timer=timer) == A.default_tilings(
         3, 64, True) and not calls
+    # with a GPU's splits (4 for the 64 decodes, 16 for the one), the chosen tiles' join is timed both ways
+    monkeypatch.setattr(A, "decode_splits", lambda seqs, hkv, sms: 4 if seqs == 64 else 16)
+    joins = []
+
+    def joined(*args, tickets=None, **kwargs):
+        joins.append((kwargs.get("splits", 1), tickets is not None))
+        return recorded(*args, tickets=tickets, **kwargs)
+
+    monkeypatch.setattr(A, "paged_attention", joined)
+
+    def join_timer(fn):  # (the 16 splits' join in the launch slower; every other timing as above)
+        before = len(joins)
+        fn()
+        ran = set(joins[before:])
+        return 3.0 if ran == {(16, True)} else 1.0
+
+    report = {}
+    chosen = A.choose_tilings(6, 2, 64, torch.bfloat16, 16, torch.device("cpu"), timer=join_timer, report=report)
+    assert chosen.join and chosen.join_splits == 4 and chosen.joins(4) and not chosen.joins(16)
+    assert set(report["join"]) == {"4 splits", "16 splits"} and report["join"]["16 splits"]["own launch"] == 3.0
 
 
 def test_the_plan_takes_timed_tiles_on_a_gpu_with_graphs_alone(tiny_gguf, monkeypatch):
