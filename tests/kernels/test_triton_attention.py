@@ -343,7 +343,7 @@ def test_choose_tilings_times_every_tile_on_the_models_shapes_and_keeps_the_fast
 
     monkeypatch.setattr(A, "paged_attention", joined)
 
-    def join_timer(fn):  # (the 16 splits' join in the launch slower; every other timing as above)
+    def join_timer(fn):  # (the 16 splits' join in the launch slower, every other timing equal)
         before = len(joins)
         fn()
         ran = set(joins[before:])
