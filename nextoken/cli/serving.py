@@ -15,10 +15,10 @@ def _server_args(a):
 
 
 def cmd_serve(a) -> int:
-    _server_args(a)
     if a.replicas:
         from nextoken.server.replicas import serve_replicas
 
+        _server_args(a)  # (checked here, before the replicas start: each checks its own again)
         return serve_replicas(a, a.argv[a.argv.index("serve") + 1:])
     return _serve(a)
 
